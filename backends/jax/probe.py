@@ -1,0 +1,79 @@
+"""JAX memory probe: ``memory_stats()`` per local device, or live-array bytes on JAX CPU."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import jax
+import numpy as np
+
+from mllm_rl.phases.probe import DeviceMemory
+
+
+def live_array_bytes(devices: list[jax.Device]) -> list[int]:
+    """Bytes of live (not deleted) jax arrays resident on each device.
+
+    Each array contributes its per-device shard size (``sharding.shard_shape``) to every
+    device in its sharding's device set, so replicated arrays count once per device.
+    """
+    index = {d: i for i, d in enumerate(devices)}
+    out = [0] * len(devices)
+    for arr in jax.live_arrays():
+        try:
+            if arr.is_deleted():
+                continue
+            sh = arr.sharding
+            nbytes = int(np.prod(sh.shard_shape(arr.shape), dtype=np.int64)) * arr.dtype.itemsize
+            for dev in sh.device_set:
+                i = index.get(dev)
+                if i is not None:
+                    out[i] += nbytes
+        except Exception:  # an array deleted by another thread between checks
+            continue
+    return out
+
+
+class JaxMemoryProbe:
+    """Snapshots of ``jax.local_devices()`` (device truth where the runtime has it)."""
+
+    def __init__(self) -> None:
+        self.devices = list(jax.local_devices())
+        stats = self.devices[0].memory_stats() if self.devices else None
+        self.has_stats = bool(stats)
+
+    def in_use(self) -> list[int | None]:
+        if self.has_stats:
+            return [(d.memory_stats() or {}).get("bytes_in_use") for d in self.devices]
+        return list(live_array_bytes(self.devices))
+
+    def snapshot(self) -> list[DeviceMemory]:
+        if not self.has_stats:
+            used = live_array_bytes(self.devices)
+            return [
+                DeviceMemory(d.id, d.platform, used[i], None, None, "live_arrays", {"live_arrays_bytes": used[i]})
+                for i, d in enumerate(self.devices)
+            ]
+        out = []
+        for d in self.devices:
+            stats = d.memory_stats() or {}
+            raw = {k: int(v) for k, v in stats.items() if isinstance(v, (int, np.integer))}
+            out.append(
+                DeviceMemory(
+                    d.id,
+                    d.platform,
+                    raw.get("bytes_in_use"),
+                    raw.get("peak_bytes_in_use"),
+                    raw.get("bytes_limit"),
+                    "memory_stats",
+                    raw,
+                )
+            )
+        return out
+
+
+def per_device_counts() -> dict[str, int]:
+    """Number of local devices per platform (for ``jax_ready`` info)."""
+    counts: dict[str, int] = defaultdict(int)
+    for d in jax.local_devices():
+        counts[d.platform] += 1
+    return dict(counts)

@@ -1,0 +1,277 @@
+"""sglang-jax rollout engine adapter: every private touch-point of sglang-jax lives here.
+
+Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4) on JAX CPU, tp=1 and tp=2
+(fake CPU devices). Facts this module relies on, each probed in ``_check_version``:
+
+- ``Engine(enable_single_process=True, load_format="dummy", ...)`` runs in-process; the
+  model runner is ``engine.scheduler_info["scheduler"].tp_worker.worker.model_runner``.
+- There is no weight-update API. The jitted forward reads the list
+  ``model_runner.model_state_leaves`` (flattened ``nnx.split(model)`` state) on every call,
+  so replacing list items with arrays of the same shape/dtype/sharding swaps weights
+  without recompiling. The model's ``_create_qwen3_weight_mappings()`` gives, per HF
+  name, the target path and whether the HF matrix is transposed.
+- On CPU, ``max_running_requests``/``context_length`` must be bounded (the defaults size
+  a request pool from host RAM and a forward then asks for >100 GB); ``head_dim`` must be
+  a multiple of 128 (the native attention pads it and mis-shapes the output otherwise).
+- A failing scheduler init SIGQUITs the host process; ``shutdown()`` SIGKILLs every
+  child process of ours; interpreter teardown after an engine ran aborts in C++ (the
+  scheduler thread), so the CLI leaves through ``os._exit`` after closing its sinks.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.engine import Fingerprint, GenerateOutput, SamplingParams, UpdateStats
+
+VERIFIED_VERSIONS = ("0.1.0rc0",)
+# Emitted by sglang-jax's scheduler/tokenizer threads for every hand-made tokenizer.
+warnings.filterwarnings("ignore", message="Created patched tokenizer config workaround")
+
+
+class EngineConfigError(ValueError):
+    """Engine arguments that would make sglang-jax fail (validated before it starts)."""
+
+
+def _check_version() -> str:
+    import sgl_jax
+    from sgl_jax.srt.entrypoints.engine import Engine
+    from sgl_jax.srt.models.qwen3 import Qwen3ForCausalLM
+
+    version = getattr(sgl_jax, "__version__", None) or sgl_jax.version.__version__
+    for owner, attr in ((Engine, "generate"), (Engine, "pause_generation"), (Engine, "flush_cache")):
+        if not hasattr(owner, attr):
+            raise RuntimeError(f"sglang-jax {version}: Engine.{attr} missing; adapter verified on {VERIFIED_VERSIONS}")
+    if not hasattr(Qwen3ForCausalLM, "_create_qwen3_weight_mappings"):
+        raise RuntimeError(f"sglang-jax {version}: Qwen3 weight mappings missing; verified on {VERIFIED_VERSIONS}")
+    if version not in VERIFIED_VERSIONS:
+        warnings.warn(f"sglang-jax {version} is not a verified version {VERIFIED_VERSIONS}", stacklevel=2)
+    return version
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    parts = []
+    for k in path:
+        key = getattr(k, "key", getattr(k, "idx", getattr(k, "name", None)))
+        parts.append(str(key))
+    if parts and parts[-1] == "value":
+        parts.pop()
+    return ".".join(parts)
+
+
+def validate_engine_args(model: ModelDir, tp: int, n_devices: int) -> None:
+    cfg = model.config
+    if tp < 1 or tp > n_devices:
+        raise EngineConfigError(f"--tp {tp}: {n_devices} local device(s) available")
+    if cfg.num_key_value_heads % tp or cfg.num_attention_heads % tp:
+        raise EngineConfigError(
+            f"{model.path / 'config.json'}: {cfg.num_attention_heads} heads / "
+            f"{cfg.num_key_value_heads} kv heads are not divisible by --tp {tp}"
+        )
+    if cfg.head_dim % 128:
+        raise EngineConfigError(
+            f"{model.path / 'config.json'}: head_dim {cfg.head_dim} must be a multiple of 128 for sglang-jax"
+        )
+
+
+class SglangJaxEngine:
+    """An in-process sglang-jax Engine started with dummy weights (``load_format="dummy"``)."""
+
+    def __init__(
+        self,
+        model: ModelDir,
+        tp: int = 1,
+        max_total_tokens: int = 4096,
+        context_length: int = 512,
+        max_running_requests: int = 16,
+        mem_fraction_static: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.version = _check_version()
+        validate_engine_args(model, tp, len(jax.devices()))
+        from sgl_jax.srt.entrypoints.engine import Engine
+
+        platform = jax.devices()[0].platform
+        self.model = model
+        self.engine = Engine(
+            model_path=str(model.path),
+            tokenizer_path=str(model.path),
+            load_format="dummy",
+            enable_single_process=True,
+            device=platform,
+            tp_size=tp,
+            dtype={"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[self._ckpt_dtype()],
+            mem_fraction_static=mem_fraction_static or (0.1 if platform == "cpu" else 0.6),
+            max_total_tokens=max_total_tokens,
+            context_length=context_length,
+            max_running_requests=max_running_requests,
+            disable_precompile=True,
+            skip_server_warmup=True,
+            grammar_backend="none",
+            random_seed=seed,
+            log_level="error",
+        )
+        self.runner = self.engine.scheduler_info["scheduler"].tp_worker.worker.model_runner
+        self._index_leaves()
+
+    def _ckpt_dtype(self) -> str:
+        return next(iter(self.model.tensors.values()))[1].dtype
+
+    def _index_leaves(self) -> None:
+        from flax import nnx
+
+        model = self.runner.model
+        _, state = nnx.split(model)
+        flat = jax.tree_util.tree_flatten_with_path(state)[0]
+        leaves = self.runner.model_state_leaves
+        if len(flat) != len(leaves) or any(a is not b for (_, a), b in zip(flat, leaves)):
+            raise RuntimeError("sglang-jax model_state_leaves no longer mirror nnx.split(model); adapter outdated")
+        by_path = {_dotted(p): i for i, (p, _) in enumerate(flat)}
+        self.mappings: dict[str, tuple[int, bool]] = {}
+        for hf_name, m in model._create_qwen3_weight_mappings().items():
+            target = m.target_path if isinstance(m.target_path, str) else None
+            if target is None or target not in by_path or m.reshape or m.repeat or m.transpose_axes:
+                raise RuntimeError(f"sglang-jax mapping for {hf_name} is not a plain copy/transpose")
+            self.mappings[hf_name] = (by_path[target], bool(m.transpose))
+        self._state_def = jax.tree_util.tree_structure(state)
+
+    # -- weights --------------------------------------------------------------
+    def target_of(self, hf_name: str) -> jax.Array:
+        return self.runner.model_state_leaves[self.mappings[hf_name][0]]
+
+    def place(self, hf_name: str, host: np.ndarray) -> jax.Array:
+        """Put one HF tensor on device in the engine layout (transpose, dtype, sharding)."""
+        if hf_name not in self.mappings:
+            raise KeyError(f"unknown parameter {hf_name!r} for this engine")
+        idx, transpose = self.mappings[hf_name]
+        old = self.runner.model_state_leaves[idx]
+        arr = np.asarray(host)
+        if transpose:
+            arr = arr.T
+        if arr.shape != old.shape:
+            raise ValueError(f"{hf_name}: shape {arr.shape} does not match engine {old.shape}")
+        return jax.device_put(np.ascontiguousarray(arr, dtype=old.dtype), old.sharding)
+
+    def install(self, hf_name: str, new: jax.Array) -> None:
+        """Replace the engine leaf by ``new`` (already placed) and free the old buffer."""
+        idx, _ = self.mappings[hf_name]
+        leaves = self.runner.model_state_leaves
+        old = leaves[idx]
+        if new.shape != old.shape or new.dtype != old.dtype or new.sharding != old.sharding:
+            raise ValueError(f"{hf_name}: placed {new.shape}/{new.dtype} does not match engine leaf")
+        leaves[idx] = new
+        if old is not new:
+            old.delete()
+
+    def _resync_module(self) -> None:
+        """Point the nnx module's variables at the installed leaves (frees nothing, copies nothing)."""
+        from flax import nnx
+
+        nnx.update(self.runner.model, jax.tree_util.tree_unflatten(self._state_def, self.runner.model_state_leaves))
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
+        """Streaming update: per tensor, place it, fingerprint it, install it, drop the old leaf.
+
+        ``named_tensors`` yields ``(hf_name, host ndarray or placed jax.Array)`` in any order;
+        every name is checked before anything is installed only when the caller passes a
+        list (a generator is consumed lazily, so names are checked one by one).
+        """
+        t0 = time.perf_counter()
+        fp: Fingerprint = {}
+        nbytes = 0
+        if isinstance(named_tensors, (list, tuple)):
+            unknown = [n for n, _ in named_tensors if n not in self.mappings]
+            if unknown:
+                raise KeyError(f"unknown parameter(s) for this engine: {', '.join(unknown[:3])}")
+        for name, value in named_tensors:
+            new = value if isinstance(value, jax.Array) else self.place(name, value)
+            fp[name] = _fingerprint(new)
+            nbytes += new.nbytes
+            if on_tensor is not None:
+                on_tensor(name)  # the high point: new tensor placed, old one still resident
+            if _FAULTS.get("swap_noop"):
+                new.delete()
+            else:
+                self.install(name, new)
+            del new
+        self._resync_module()
+        jax.block_until_ready(self.runner.model_state_leaves)
+        return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp)
+
+    def weights_fingerprint(self) -> Fingerprint:
+        """(sum, sum of squares) of every mapped leaf, read from what the jitted forward uses."""
+        return {name: _fingerprint(self.runner.model_state_leaves[i]) for name, (i, _) in self.mappings.items()}
+
+    def weight_bytes(self) -> int:
+        return sum(int(self.runner.model_state_leaves[i].nbytes) for i, _ in self.mappings.values())
+
+    # -- generation -----------------------------------------------------------
+    def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
+        params = {
+            "max_new_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+        }
+        if sampling.stop_token_ids:
+            params["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.seed is not None:
+            params["sampling_seed"] = sampling.seed
+        out = self.engine.generate(
+            input_ids=[list(map(int, x)) for x in input_ids], sampling_params=params, return_logprob=True
+        )
+        outs = out if isinstance(out, list) else [out]
+        results = []
+        for o in outs:
+            meta = o["meta_info"]
+            lp = meta.get("output_token_logprobs") or []
+            results.append(
+                GenerateOutput(
+                    token_ids=[int(t) for t in o["output_ids"]],
+                    logprobs=[float(x[0]) for x in lp],
+                    text=o["text"],
+                    finish_reason=str((meta.get("finish_reason") or {}).get("type")),
+                )
+            )
+        return results
+
+    def flush_cache(self) -> None:
+        self.engine.flush_cache()
+
+    def pause_generation(self) -> None:
+        self.engine.pause_generation()
+
+    def continue_generation(self) -> None:
+        self.engine.continue_generation()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+@jax.jit
+def _sums(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x = x.astype(jnp.float32)
+    return jnp.sum(x), jnp.sum(x * x)
+
+
+def _fingerprint(x: jax.Array) -> tuple[float, float]:
+    s, q = _sums(x)
+    return float(s), float(q)
+
+
+# Fault-injection points for tests (set through MLLM_RL_FAULTS="swap_noop,..."): they
+# prove that the checks which must catch these faults really do.
+def _faults() -> dict[str, bool]:
+    import os
+
+    return {f: True for f in os.environ.get("MLLM_RL_FAULTS", "").split(",") if f}
+
+
+_FAULTS = _faults()

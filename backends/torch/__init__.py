@@ -1,0 +1,1 @@
+"""Torch backend (GPU parity): not built yet; see the torch parity issue."""

@@ -1,0 +1,7 @@
+"""Checkpoints in Hugging Face format: make (random weights), validate, stream, resolve."""
+
+from mllm_rl.checkpoint.make import make_checkpoint
+from mllm_rl.checkpoint.model_dir import CheckpointError, ModelDir
+from mllm_rl.checkpoint.resolve import resolve_model
+
+__all__ = ["CheckpointError", "ModelDir", "make_checkpoint", "resolve_model"]

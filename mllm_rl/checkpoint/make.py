@@ -1,0 +1,107 @@
+"""Write a random-weight Hugging Face–format Qwen3 checkpoint from a preset.
+
+Memory behaviour does not depend on weight values, so a random ``qwen3-4b`` is a
+valid memory benchmark; ``tiny`` with these scales gives peaked, well-separated
+logits, so greedy decoding is stable across implementations (parity tests).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from mllm_rl.checkpoint.model_dir import INDEX
+from mllm_rl.checkpoint.safetensors_io import DTYPES, write_file
+from mllm_rl.presets import ModelConfig
+from mllm_rl.progress import progress_bar
+
+TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
+_DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def init_tensor(config: ModelConfig, name: str, shape: tuple[int, ...], seed: int, index: int) -> np.ndarray:
+    """Deterministic random init of one tensor, float32, shape ``shape``.
+
+    Norm scales are ones; matrices are N(0, 1/fan_in) so activations keep unit scale
+    through the stack and logits are ~N(0, 1).
+    """
+    if len(shape) == 1:
+        return np.ones(shape, np.float32)
+    rng = np.random.default_rng([seed, index])
+    fan_in = shape[1]
+    out = rng.standard_normal(shape, dtype=np.float32)
+    out *= np.float32(1.0 / math.sqrt(fan_in))
+    return out
+
+
+def make_checkpoint(
+    config: ModelConfig,
+    out: str | Path,
+    dtype: str | None = None,
+    seed: int = 0,
+    shard_bytes: int = 2 * 1024**3,
+    show_progress: bool = True,
+) -> Path:
+    """Write ``config.json``, sharded safetensors + index, and the shipped tokenizer.
+
+    Writes into ``out`` (created; an existing non-empty dir is refused unless it holds a
+    checkpoint of ours, which is replaced). Returns the directory.
+    """
+    dtype = dtype or config.torch_dtype
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(_DTYPE_NAMES)}")
+    st_dtype = _DTYPE_NAMES[dtype]
+    np_dtype = DTYPES[st_dtype]
+    out = Path(out).expanduser().resolve()
+    if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
+        raise ValueError(f"{out}: exists and is not a checkpoint directory; refusing to overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+
+    shapes = config.param_shapes()
+    itemsize = np_dtype.itemsize
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        n = int(np.prod(shape)) * itemsize
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    order = {name: i for i, name in enumerate(shapes)}
+    total = sum(int(np.prod(s)) * itemsize for s in shapes.values())
+
+    def make_fn(name: str):
+        def make() -> np.ndarray:
+            arr = init_tensor(config, name, shapes[name], seed, order[name])
+            return arr.astype(ml_dtypes.bfloat16 if st_dtype == "BF16" else np_dtype)
+
+        return make
+
+    weight_map: dict[str, str] = {}
+    with progress_bar(total=total, desc=f"write {config.name}", unit="B", enabled=show_progress) as bar:
+        for i, names in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            entries = [(n, shapes[n], st_dtype, make_fn(n)) for n in names]
+            write_file(out / fname, entries, on_bytes=bar.update)
+            weight_map.update({n: fname for n in names})
+    for stale in out.glob("*.safetensors"):
+        if stale.name not in set(weight_map.values()):
+            stale.unlink()
+    (out / INDEX).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
+    hf = config.to_hf_config()
+    hf["torch_dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": config.eos_token_id, "do_sample": False}, indent=2)
+    )
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy2(f, out / f.name)
+    return out

@@ -1,0 +1,137 @@
+"""A Hugging Face–format checkpoint directory: config, safetensors shards, tokenizer.
+
+``ModelDir.open(path)`` validates everything a rollout engine or trainer would trip
+over *before* any device memory is touched (a failing sglang-jax scheduler init kills
+the host process, so it must never see a bad directory):
+
+- ``config.json`` parses and describes a Qwen3 model;
+- the shard index (if any) names existing files, and every header is sound, with
+  each tensor's bytes inside its file (catches truncation);
+- exactly the expected tensor names are present, each with the expected shape and a
+  floating dtype;
+- tokenizer files exist and ``tokenizer.json`` parses.
+
+Errors are ``CheckpointError`` with a one-line message naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mllm_rl.checkpoint.safetensors_io import SafetensorsError, TensorInfo, read_header, read_tensor
+from mllm_rl.presets import ModelConfig
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that must not be loaded; ``str(e)`` is one line naming file/tensor."""
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    path: Path
+    config: ModelConfig
+    tensors: dict[str, tuple[Path, TensorInfo]]  # HF name -> (shard file, info), checkpoint order
+
+    @classmethod
+    def open(cls, path: str | Path, check_tokenizer: bool = True) -> ModelDir:
+        path = Path(path).expanduser().resolve()
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: not a directory")
+        try:
+            config = ModelConfig.from_dir(path)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        tensors = _read_tensor_table(path)
+        _check_names_and_shapes(path, config, tensors)
+        if check_tokenizer:
+            _check_tokenizer(path, config)
+        return cls(path, config, tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(info.nbytes for _, info in self.tensors.values())
+
+    def iter_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Yield ``(hf_name, memmap array)`` one tensor at a time, in checkpoint order."""
+        for name, (file, info) in self.tensors.items():
+            yield name, read_tensor(file, info)
+
+
+def _read_tensor_table(path: Path) -> dict[str, tuple[Path, TensorInfo]]:
+    index_file = path / INDEX
+    if index_file.exists():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_file}: invalid index ({e})") from None
+        files = sorted(set(weight_map.values()))
+    elif (path / SINGLE).exists():
+        weight_map, files = None, [SINGLE]
+    else:
+        raise CheckpointError(f"{path}: no {SINGLE} and no {INDEX}")
+    table: dict[str, tuple[Path, TensorInfo]] = {}
+    for fname in files:
+        file = path / fname
+        if not file.exists():
+            raise CheckpointError(f"{file}: listed in {INDEX} but missing")
+        try:
+            header = read_header(file)
+        except SafetensorsError as e:
+            raise CheckpointError(str(e)) from None
+        for name, info in header.items():
+            if weight_map is not None and weight_map.get(name) != fname:
+                raise CheckpointError(f"{file}: tensor {name}: not mapped to this file in {INDEX}")
+            table[name] = (file, info)
+    if weight_map is not None:
+        for name, fname in weight_map.items():
+            if name not in table:
+                raise CheckpointError(f"{path / fname}: tensor {name}: listed in {INDEX} but absent")
+    return table
+
+
+def _check_names_and_shapes(
+    path: Path, config: ModelConfig, tensors: dict[str, tuple[Path, TensorInfo]]
+) -> None:
+    expected = config.param_shapes()
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise CheckpointError(f"{path}: tensor {name}: missing (config.json expects it)")
+        file, info = tensors[name]
+        if info.shape != shape:
+            raise CheckpointError(
+                f"{file}: tensor {name}: shape {list(info.shape)}, config.json implies {list(shape)}"
+            )
+        if info.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{file}: tensor {name}: dtype {info.dtype}, expected a float dtype")
+    extra = [n for n in tensors if n not in expected]
+    if extra:
+        file, _ = tensors[extra[0]]
+        raise CheckpointError(f"{file}: tensor {extra[0]}: unexpected for this config.json")
+    dtypes = {info.dtype for _, info in tensors.values()}
+    if len(dtypes) > 1:
+        raise CheckpointError(f"{path}: mixed tensor dtypes {sorted(dtypes)}")
+
+
+def _check_tokenizer(path: Path, config: ModelConfig) -> None:
+    for fname in TOKENIZER_FILES:
+        if not (path / fname).exists():
+            raise CheckpointError(f"{path / fname}: tokenizer file missing")
+    try:
+        tok = json.loads((path / "tokenizer.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path / 'tokenizer.json'}: invalid JSON ({e})") from None
+    vocab = len(tok.get("model", {}).get("vocab", {})) + len(tok.get("added_tokens", []))
+    if vocab > config.vocab_size:
+        raise CheckpointError(
+            f"{path / 'tokenizer.json'}: {vocab} tokens exceed config vocab_size {config.vocab_size}"
+        )

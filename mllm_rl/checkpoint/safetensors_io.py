@@ -1,0 +1,132 @@
+"""Streaming safetensors I/O with numpy only (bf16 via ``ml_dtypes``).
+
+Format: 8-byte little-endian header length, a JSON header
+``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,
+then the raw little-endian bytes. We write one tensor at a time (no whole-shard
+buffer) and read through ``np.memmap`` (no copy until the caller asks for one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+DTYPES: dict[str, np.dtype] = {
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class SafetensorsError(ValueError):
+    """A malformed safetensors file; the message names the file (and tensor)."""
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    try:
+        return _NAMES[np.dtype(dtype)]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} has no safetensors name") from None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute file offset of the first byte
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def write_file(
+    path: Path,
+    tensors: Iterable[tuple[str, tuple[int, ...], str, Callable[[], np.ndarray]]],
+    metadata: dict[str, str] | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> None:
+    """Write ``(name, shape, dtype_name, make)`` entries; ``make()`` returns the array.
+
+    Arrays are produced and written one at a time, so peak host memory is one tensor.
+    """
+    entries = list(tensors)
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for name, shape, dt, _ in entries:
+        n = int(np.prod(shape, dtype=np.int64)) * DTYPES[dt].itemsize
+        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, shape, dt, make in entries:
+            arr = np.ascontiguousarray(make())
+            if arr.shape != tuple(shape) or dtype_name(arr.dtype) != dt:
+                raise ValueError(f"{name}: produced {arr.shape}/{arr.dtype}, declared {shape}/{dt}")
+            f.write(arr.reshape(-1).view(np.uint8).data)
+            if on_bytes is not None:
+                on_bytes(arr.nbytes)
+            del arr
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse and check a header: every tensor's bytes must lie inside the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise SafetensorsError(f"{path}: truncated (no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise SafetensorsError(f"{path}: header length {n} exceeds file size {size}")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise SafetensorsError(f"{path}: header is not valid JSON ({e})") from None
+    base = 8 + n
+    out: dict[str, TensorInfo] = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dt, shape, (b, e) = spec["dtype"], tuple(int(s) for s in spec["shape"]), spec["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise SafetensorsError(f"{path}: tensor {name}: malformed header entry") from None
+        if dt not in DTYPES:
+            raise SafetensorsError(f"{path}: tensor {name}: unsupported dtype {dt}")
+        want = int(np.prod(shape, dtype=np.int64)) * DTYPES[dt].itemsize
+        if e - b != want:
+            raise SafetensorsError(f"{path}: tensor {name}: {e - b} bytes for shape {list(shape)} {dt}")
+        if base + e > size:
+            raise SafetensorsError(
+                f"{path}: tensor {name}: truncated (needs {base + e} bytes, file has {size})"
+            )
+        out[name] = TensorInfo(name, dt, shape, base + b, base + e)
+    return out
+
+
+def read_tensor(path: Path, info: TensorInfo) -> np.ndarray:
+    """A read-only memmap view of one tensor (shape ``info.shape``, dtype ``info.dtype``)."""
+    if info.nbytes == 0:
+        return np.zeros(info.shape, DTYPES[info.dtype])
+    return np.memmap(path, dtype=DTYPES[info.dtype], mode="r", offset=info.begin, shape=info.shape)

@@ -1,0 +1,216 @@
+"""PhaseRecorder: one record per lifecycle phase, to every sink.
+
+    rec = PhaseRecorder(run_id, backend="jax", sinks=[JsonlSink(path)])
+    rec.set_probe(JaxMemoryProbe())
+    with rec.phase("weights_swapped", step=None, tensors=311) as ph:
+        ...              # a sampler thread tracks the device/host peak meanwhile
+        rec.sample()     # code may also sample at its own known high points
+        ph.info["gbps"] = 1.9
+
+Each phase snapshots every local device and the host before and after. The per-phase
+device peak is the max of: the samples, both snapshots, and the allocator's cumulative
+peak at the end when it rose during the phase (JAX cannot reset it; torch resets it at
+phase start through ``probe.reset_peak()`` if the probe has one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from mllm_rl.phases.probe import DeviceMemory, MemoryProbe, NullProbe, host_rss
+from mllm_rl.phases.schema import SCHEMA
+
+
+class Sink(Protocol):
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self, exit_code: int = 0) -> None: ...
+
+
+@dataclass
+class PhaseHandle:
+    name: str
+    step: int | None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return max(a, b)
+
+
+class PhaseRecorder:
+    def __init__(
+        self,
+        run_id: str,
+        backend: str,
+        sinks: Sequence[Sink] = (),
+        process_index: int = 0,
+        probe: MemoryProbe | None = None,
+        sample_interval_s: float = 0.005,
+    ) -> None:
+        self.run_id = run_id
+        self.backend = backend
+        self.process_index = process_index
+        self.sinks = list(sinks)
+        self.probe: MemoryProbe = probe or NullProbe()
+        self.records: list[dict[str, Any]] = []
+        self._interval = sample_interval_s
+        self._lock = threading.Lock()
+        self._active = False
+        self._dev_peak: list[int | None] = []
+        self._host_peak = 0
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.sample_errors = 0
+
+    # -- sampling -------------------------------------------------------------
+    def set_probe(self, probe: MemoryProbe) -> None:
+        """Install the backend's probe once its runtime is up (inside a phase: from its end on)."""
+        self.probe = probe
+
+    def sample(self) -> None:
+        """Fold the current device/host usage into the active phase's peak."""
+        if not self._active:
+            return
+        try:
+            used = self.probe.in_use()
+            rss = host_rss()
+        except Exception:  # a sampler must never kill the run; counted, reported in info
+            self.sample_errors += 1
+            return
+        with self._lock:
+            if not self._active:
+                return
+            if len(self._dev_peak) < len(used):
+                self._dev_peak += [None] * (len(used) - len(self._dev_peak))
+            for i, u in enumerate(used):
+                self._dev_peak[i] = _max(self._dev_peak[i], u)
+            self._host_peak = max(self._host_peak, rss)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if self._active:
+                self.sample()
+                time.sleep(self._interval)
+            else:
+                self._wake.wait(0.1)
+                self._wake.clear()
+
+    def _ensure_thread(self) -> None:
+        if self._interval > 0 and self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="mllm_rl-mem-sampler", daemon=True)
+            self._thread.start()
+
+    # -- phases ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int | None = None, **info: Any) -> Iterator[PhaseHandle]:
+        """Record one phase; on an exception the record carries ``info.error`` and it re-raises."""
+        if self._active:
+            raise RuntimeError(f"phase {name!r} started inside another phase")
+        handle = PhaseHandle(name, step, dict(info))
+        reset = getattr(self.probe, "reset_peak", None)
+        if reset is not None:
+            reset()
+        before = self.probe.snapshot()
+        rss0 = host_rss()
+        with self._lock:
+            self._dev_peak = [d.bytes_in_use for d in before]
+            self._host_peak = rss0
+            self._active = True
+        self._ensure_thread()
+        self._wake.set()
+        t0 = time.time()
+        errors0 = self.sample_errors
+        try:
+            yield handle
+        except BaseException as e:
+            handle.info["error"] = f"{type(e).__name__}: {e}"[:2000]
+            raise
+        finally:
+            t1 = time.time()
+            self.sample()
+            with self._lock:
+                self._active = False
+                dev_peak, host_peak = list(self._dev_peak), self._host_peak
+            after = self.probe.snapshot()
+            rss1 = host_rss()
+            if self.sample_errors > errors0:
+                handle.info["sample_errors"] = self.sample_errors - errors0
+            self._emit(handle, t0, t1, before, after, dev_peak, max(host_peak, rss1), rss0, rss1)
+
+    def _emit(
+        self,
+        h: PhaseHandle,
+        t0: float,
+        t1: float,
+        before: list[DeviceMemory],
+        after: list[DeviceMemory],
+        dev_peak: list[int | None],
+        host_peak: int,
+        rss0: int,
+        rss1: int,
+    ) -> None:
+        devices = []
+        for i, d in enumerate(after):
+            b = before[i] if i < len(before) else None
+            peak = _max(dev_peak[i] if i < len(dev_peak) else None, d.bytes_in_use)
+            rose = (
+                b is not None
+                and d.peak_bytes_in_use is not None
+                and b.peak_bytes_in_use is not None
+                and d.peak_bytes_in_use > b.peak_bytes_in_use
+            )
+            if rose or getattr(self.probe, "reset_peak", None) is not None:
+                peak = _max(peak, d.peak_bytes_in_use)
+            devices.append(
+                {
+                    "id": d.id,
+                    "platform": d.platform,
+                    "bytes_in_use": d.bytes_in_use,
+                    "bytes_in_use_start": b.bytes_in_use if b is not None else None,
+                    "peak_bytes_in_use": d.peak_bytes_in_use,
+                    "phase_peak_bytes": peak,
+                    "bytes_limit": d.bytes_limit,
+                    "source": d.source,
+                    "raw": d.raw,
+                }
+            )
+        record = {
+            "schema": SCHEMA,
+            "run_id": self.run_id,
+            "backend": self.backend,
+            "process_index": self.process_index,
+            "idx": len(self.records),
+            "phase": h.name,
+            "step": h.step,
+            "t_start": t0,
+            "t_end": t1,
+            "memory": {
+                "host": {"rss_bytes": rss1, "rss_peak_bytes": host_peak, "rss_start_bytes": rss0},
+                "devices": devices,
+            },
+            "info": h.info,
+        }
+        self.records.append(record)
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self, exit_code: int = 0) -> None:
+        """Stop the sampler and close every sink (W&B is finished and torn down here)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        for sink in self.sinks:
+            sink.close(exit_code)
+        self.sinks = []

@@ -1,0 +1,68 @@
+"""The phase record, schema ``mllm_rl.phase/1`` (DESIGN.md §5): one JSON object per line.
+
+Units are bytes and seconds (``time.time()`` epoch). A quantity that cannot be
+measured is ``None`` (JSON ``null``), never 0 and never guessed.
+
+``source`` of a device entry says where its numbers came from:
+``memory_stats`` (JAX allocator), ``live_arrays`` (JAX CPU: sum of live array shard
+bytes per device), ``torch_allocator``, ``mem_get_info`` (CUDA driver truth).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SCHEMA = "mllm_rl.phase/1"
+SOURCES = ("memory_stats", "live_arrays", "torch_allocator", "mem_get_info", "host")
+TOP_KEYS = (
+    "schema", "run_id", "backend", "process_index", "idx", "phase", "step",
+    "t_start", "t_end", "memory", "info",
+)  # fmt: skip
+DEVICE_KEYS = (
+    "id", "platform", "bytes_in_use", "peak_bytes_in_use", "phase_peak_bytes",
+    "bytes_limit", "source", "raw",
+)  # fmt: skip
+HOST_KEYS = ("rss_bytes", "rss_peak_bytes")
+
+
+class SchemaError(ValueError):
+    pass
+
+
+def _int_or_none(v: Any, where: str) -> None:
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+        raise SchemaError(f"{where}: expected a non-negative int or null, got {v!r}")
+
+
+def validate_record(rec: dict[str, Any]) -> None:
+    """Raise ``SchemaError`` (naming the field) unless ``rec`` is a valid phase record."""
+    missing = [k for k in TOP_KEYS if k not in rec]
+    if missing:
+        raise SchemaError(f"missing key(s): {', '.join(missing)}")
+    if rec["schema"] != SCHEMA:
+        raise SchemaError(f"schema: {rec['schema']!r} != {SCHEMA!r}")
+    if not isinstance(rec["phase"], str) or not rec["phase"]:
+        raise SchemaError("phase: expected a non-empty string")
+    _int_or_none(rec["idx"], "idx")
+    _int_or_none(rec["process_index"], "process_index")
+    _int_or_none(rec["step"], "step")
+    if not rec["t_start"] <= rec["t_end"]:
+        raise SchemaError("t_start > t_end")
+    host = rec["memory"].get("host")
+    if not isinstance(host, dict) or any(k not in host for k in HOST_KEYS):
+        raise SchemaError("memory.host: needs rss_bytes and rss_peak_bytes")
+    for k in HOST_KEYS:
+        _int_or_none(host[k], f"memory.host.{k}")
+    devices = rec["memory"].get("devices")
+    if not isinstance(devices, list):
+        raise SchemaError("memory.devices: expected a list")
+    for i, d in enumerate(devices):
+        miss = [k for k in DEVICE_KEYS if k not in d]
+        if miss:
+            raise SchemaError(f"memory.devices[{i}]: missing {', '.join(miss)}")
+        if d["source"] not in SOURCES:
+            raise SchemaError(f"memory.devices[{i}].source: unknown {d['source']!r}")
+        for k in ("bytes_in_use", "peak_bytes_in_use", "phase_peak_bytes", "bytes_limit"):
+            _int_or_none(d[k], f"memory.devices[{i}].{k}")
+    if not isinstance(rec["info"], dict):
+        raise SchemaError("info: expected an object")

@@ -1,0 +1,121 @@
+"""The param-swap plan (the MLLM-JAX SOP as a product), backend-neutral.
+
+Phases, in order (DESIGN.md §5):
+
+1. ``wandb_init``          W&B run started (offline by default) — or skipped with ``--wandb disabled``
+2. ``jax_ready``/``torch_ready``  runtime up, platform asserted, devices listed
+3. ``engine_ready_dummy``  rollout engine started with dummy weights
+4. ``weights_swapped``     checkpoint streamed into the engine, one tensor at a time (or the
+                           ``naive`` baseline: all tensors placed first, then installed);
+                           the engine's fingerprint must equal what was sent
+5. ``generate_result``     greedy generation for fixed prompts; tokens, logprobs and text in ``info``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.engine import SamplingParams, WeightMismatch, compare_fingerprints
+from mllm_rl.phases.recorder import PhaseRecorder, Sink
+from mllm_rl.progress import progress_bar
+
+DEFAULT_PROMPTS = ("你是谁", "The capital of France is")
+PHASES = ("wandb_init", "{ready}", "engine_ready_dummy", "weights_swapped", "generate_result")
+
+
+@dataclasses.dataclass
+class SwapOptions:
+    tp: int = 1
+    platform: str = "auto"
+    mode: str = "streaming"  # or "naive"
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    max_new_tokens: int = 16
+    engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def expected_phases(backend: Any) -> list[str]:
+    return [p.format(ready=backend.ready_phase) for p in PHASES]
+
+
+def encode_prompts(model: ModelDir, prompts: tuple[str, ...]) -> list[list[int]]:
+    """Token ids of each prompt with the checkpoint's own tokenizer, ``[n_prompts][T_i]``."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model.path))
+    return [tok(p, add_special_tokens=False).input_ids for p in prompts]
+
+
+def run_swap(
+    backend: Any,
+    rec: PhaseRecorder,
+    model: ModelDir,
+    opts: SwapOptions,
+    make_wandb: Callable[[], Sink | None],
+    on_engine: Callable[[Any], None] = lambda engine: None,
+) -> dict[str, Any]:
+    """Run the five phases; returns a summary. ``on_engine`` receives the engine as soon as
+    it exists (the caller owns its shutdown, after the sinks are closed)."""
+    if opts.mode not in ("streaming", "naive"):
+        raise ValueError(f"--swap-mode {opts.mode!r}: use streaming or naive")
+    prompt_ids = encode_prompts(model, opts.prompts)
+    with rec.phase("wandb_init") as ph:
+        sink = make_wandb()
+        if sink is not None:
+            rec.sinks.append(sink)
+            ph.info["wandb_dir"] = getattr(sink, "offline_dir", None)
+        ph.info["wandb"] = "disabled" if sink is None else "enabled"
+    with rec.phase(backend.ready_phase) as ph:
+        ph.info.update(backend.init_runtime(tp=opts.tp, platform=opts.platform))
+        rec.set_probe(backend.memory_probe())
+    backend.check_engine_args(model, opts.tp)
+    with rec.phase("engine_ready_dummy", model=str(model.path), tp=opts.tp) as ph:
+        engine = backend.create_engine(model, tp=opts.tp, **opts.engine_kwargs)
+        on_engine(engine)
+        ph.info["engine_weight_bytes"] = engine.weight_bytes()
+        ph.info["engine"] = type(engine).__name__
+    with rec.phase("weights_swapped", mode=opts.mode, checkpoint_bytes=model.nbytes) as ph:
+        stats = swap_weights(backend, engine, model, opts.mode, rec)
+        got = engine.weights_fingerprint()
+        bad = compare_fingerprints(stats.fingerprint, got)
+        ph.info.update(
+            tensors=stats.tensors,
+            bytes=stats.bytes,
+            seconds=round(stats.seconds, 4),
+            gbps=round(stats.gbps, 3),
+            fingerprint_ok=not bad,
+        )
+        if bad or stats.tensors != len(model.tensors):
+            raise WeightMismatch(
+                f"weights_swapped: engine weights differ from the checkpoint for {len(bad)} tensor(s), "
+                f"e.g. {bad[:2]} ({stats.tensors}/{len(model.tensors)} sent)"
+            )
+    sampling = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=0.0)
+    with rec.phase("generate_result", prompts=list(opts.prompts)) as ph:
+        outs = engine.generate(prompt_ids, sampling)
+        ph.info.update(
+            prompt_ids=prompt_ids,
+            token_ids=[o.token_ids for o in outs],
+            logprobs=[[round(x, 6) for x in o.logprobs] for o in outs],
+            text=[o.text for o in outs],
+        )
+    return {"swap": ph.info, "tensors": stats.tensors, "gbps": stats.gbps}
+
+
+def swap_weights(backend: Any, engine: Any, model: ModelDir, mode: str, rec: PhaseRecorder | None = None):
+    """Stream (or naively load then install) every checkpoint tensor into ``engine``."""
+    with progress_bar(total=len(model.tensors), desc=f"swap ({mode})", unit="tensor") as bar:
+
+        def on_tensor(name: str) -> None:
+            if rec is not None:
+                rec.sample()
+            bar.update(1)
+
+        if mode == "naive":
+            placed = backend.place_all(engine, model)
+            if rec is not None:
+                rec.sample()  # both copies are resident now
+            return engine.update_weights(placed, on_tensor=on_tensor)
+        return engine.update_weights(model.iter_tensors(), on_tensor=on_tensor)

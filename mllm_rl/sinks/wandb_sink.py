@@ -1,0 +1,98 @@
+"""Weights & Biases sink (offline by default).
+
+One ``wandb.log`` per phase record, keys per DESIGN.md §5:
+``mem/process/rss_bytes``, ``mem/process/rss_peak_bytes``,
+``mem/<backend>/<key>_{sum,min,max}``, ``mem/<backend>/device{i}/<key>``,
+``phase/idx``, ``phase/name``, ``time/elapsed_s``, ``time/phase_s``; all memory and
+time series use ``phase/idx`` as x-axis (``define_metric``).
+
+``close`` finishes the run *and* tears the wandb service down explicitly: the seed
+SOP saw an atexit ``BrokenPipeError`` otherwise, and sglang-jax's ``shutdown()``
+SIGKILLs every child process (the service is one), so this must run before it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+MEM_KEYS = ("bytes_in_use", "peak_bytes_in_use", "phase_peak_bytes", "bytes_limit")
+
+
+def flatten_record(record: dict[str, Any], t0: float) -> dict[str, Any]:
+    """The W&B row for one phase record (``None`` values are left out, never logged as 0)."""
+    backend = record["backend"]
+    row: dict[str, Any] = {
+        "phase/idx": record["idx"],
+        "phase/name": record["phase"],
+        "time/elapsed_s": record["t_end"] - t0,
+        "time/phase_s": record["t_end"] - record["t_start"],
+    }
+    host = record["memory"]["host"]
+    for k in ("rss_bytes", "rss_peak_bytes"):
+        if host.get(k) is not None:
+            row[f"mem/process/{k}"] = host[k]
+    devices = record["memory"]["devices"]
+    for key in MEM_KEYS:
+        vals = [d[key] for d in devices if d.get(key) is not None]
+        for i, d in enumerate(devices):
+            if d.get(key) is not None:
+                row[f"mem/{backend}/device{i}/{key}"] = d[key]
+        if vals:
+            row[f"mem/{backend}/{key}_sum"] = sum(vals)
+            row[f"mem/{backend}/{key}_min"] = min(vals)
+            row[f"mem/{backend}/{key}_max"] = max(vals)
+    if record.get("step") is not None:
+        row["rl/step"] = record["step"]
+    return row
+
+
+class WandbSink:
+    def __init__(
+        self,
+        mode: str,
+        run_dir: str | Path,
+        run_id: str,
+        project: str = "mllm_rl",
+        name: str | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        if mode not in ("offline", "online"):
+            raise ValueError(f"--wandb {mode!r}: use disabled, offline or online")
+        import wandb
+
+        self._wandb = wandb
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.run = wandb.init(
+            project=project,
+            name=name or run_id,
+            id=run_id,
+            dir=str(run_dir),
+            mode=mode,
+            config=config or {},
+            settings=wandb.Settings(console="off", x_disable_stats=True),
+        )
+        self.run.define_metric("phase/idx")
+        for pattern in ("mem/*", "time/*", "phase/name"):
+            self.run.define_metric(pattern, step_metric="phase/idx")
+        self._t0: float | None = None
+        self._closed = False
+
+    @property
+    def offline_dir(self) -> str:
+        return str(self.run.dir).rsplit("/files", 1)[0]
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._closed:
+            return
+        if self._t0 is None:
+            self._t0 = record["t_start"]
+        self.run.log(flatten_record(record, self._t0))
+
+    def close(self, exit_code: int = 0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.run.finish(exit_code=exit_code)
+        self._wandb.teardown(exit_code)

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Create or refresh a backend venv idempotently: scripts/venv.sh jax|torch
+#   jax   -> .venv-jax   on Python 3.12 (sglang-jax needs >= 3.12)
+#   torch -> .venv-torch on Python 3.11 (torch==2.13.0 CPU wheel on these machines) or 3.12
+# The install is skipped when the venv's stamp matches the hash of pyproject.toml and this script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+backend=${1:?usage: scripts/venv.sh jax|torch}
+
+find_python() {  # $1 = wanted minor version (3.12); PATH first, then pyenv
+  local want=$1 py
+  for py in "python$want" python3 python; do
+    if command -v "$py" >/dev/null 2>&1 && "$py" -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$want'.split('.'))))" 2>/dev/null; then
+      command -v "$py"; return 0
+    fi
+  done
+  if command -v pyenv >/dev/null 2>&1; then
+    local v
+    for v in $(pyenv versions --bare 2>/dev/null | grep -E "^${want//./\\.}(\.|$)" | sort -rV); do
+      py=$(PYENV_VERSION=$v pyenv which "python$want" 2>/dev/null || true)
+      if [ -n "$py" ] && [ -x "$py" ]; then echo "$py"; return 0; fi
+    done
+  fi
+  return 1
+}
+
+case "$backend" in
+  jax)   venv=.venv-jax;   pys=(3.12);      extras="jax,wandb,dev" ;;
+  torch) venv=.venv-torch; pys=(3.11 3.12); extras="torch,wandb,dev" ;;
+  *) echo "error: unknown backend '$backend' (jax|torch)" >&2; exit 2 ;;
+esac
+
+stamp_want=$(cat pyproject.toml scripts/venv.sh | sha256sum | cut -c1-16)
+if [ -f "$venv/.stamp" ] && [ "$(cat "$venv/.stamp")" = "$stamp_want" ] && [ -x "$venv/bin/python" ]; then
+  exit 0
+fi
+
+py=""
+for v in "${pys[@]}"; do py=$(find_python "$v") && break || py=""; done
+if [ -z "$py" ]; then
+  echo "error: $venv needs Python ${pys[*]}; none found on PATH or in pyenv. Install one (e.g. 'pyenv install 3.12') and retry." >&2
+  exit 2
+fi
+echo "[venv] $venv from $py ($("$py" --version 2>&1))" >&2
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip
+if [ "$backend" = torch ] && "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+  # The CPU build of torch 2.13.0 for Python 3.11 is on these machines' disk; any other
+  # torch pulls a multi-GB CUDA build. GPU hosts install their own torch first.
+  "$venv/bin/python" -c 'import torch' 2>/dev/null || "$venv/bin/python" -m pip install -q "torch==2.13.0"
+fi
+"$venv/bin/python" -m pip install -q -e ".[$extras]"
+echo "$stamp_want" > "$venv/.stamp"

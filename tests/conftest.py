@@ -1,0 +1,44 @@
+"""Shared fixtures: a tiny checkpoint written by the project itself, and a CLI runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Preset checkpoints go to a per-session cache, never the user's ~/.cache."""
+    cache = tmp_path_factory.getbasetemp() / "mllm_rl_cache"
+    monkeypatch.setenv("MLLM_RL_CACHE", str(cache))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLLM_RL_NO_PROGRESS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """A fp32 ``tiny`` checkpoint in several shards (exercises the index)."""
+    from mllm_rl.checkpoint import make_checkpoint
+    from mllm_rl.presets import get_preset
+
+    out = tmp_path_factory.mktemp("ckpt") / "tiny"
+    return make_checkpoint(get_preset("tiny"), out, shard_bytes=600_000, show_progress=False)
+
+
+def run_cli(module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m module args`` in a subprocess of the test's interpreter (same venv)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=ROOT,
+        timeout=timeout,
+    )

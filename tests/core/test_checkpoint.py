@@ -1,0 +1,151 @@
+"""Checkpoints we write ourselves: format interop, streaming, and every bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mllm_rl.checkpoint import CheckpointError, ModelDir, make_checkpoint
+from mllm_rl.checkpoint.safetensors_io import read_header, write_file
+from mllm_rl.presets import get_preset
+from tests.conftest import run_cli
+
+
+def test_written_checkpoint_opens_and_streams(tiny_ckpt):
+    md = ModelDir.open(tiny_ckpt)
+    cfg = get_preset("tiny")
+    assert list(md.tensors) == list(cfg.param_shapes())
+    assert len({f for f, _ in md.tensors.values()}) > 1  # really sharded
+    for name, arr in md.iter_tensors():
+        assert arr.shape == cfg.param_shapes()[name]
+        assert arr.dtype == np.float32
+    assert md.nbytes == cfg.num_params() * 4
+
+
+def test_official_safetensors_reads_our_bf16(tmp_path):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    x = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    write_file(tmp_path / "a.safetensors", [("x", (3, 4), "BF16", lambda: x.astype(ml_dtypes.bfloat16))])
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "a.safetensors"), "flax") as f:
+        got = np.asarray(f.get_tensor("x"), np.float32)
+    np.testing.assert_allclose(got, x.astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert safetensors_numpy is not None
+
+
+def test_make_is_deterministic(tmp_path):
+    cfg = get_preset("tiny")
+    a = make_checkpoint(cfg, tmp_path / "a", show_progress=False)
+    b = make_checkpoint(cfg, tmp_path / "b", show_progress=False)
+    c = make_checkpoint(cfg, tmp_path / "c", seed=1, show_progress=False)
+    ta, tb, tc = (dict(ModelDir.open(p).iter_tensors()) for p in (a, b, c))
+    name = "model.layers.0.mlp.up_proj.weight"
+    np.testing.assert_array_equal(ta[name], tb[name])
+    assert not np.array_equal(ta[name], tc[name])
+
+
+@pytest.fixture
+def broken(tiny_ckpt, tmp_path):
+    """A private copy of the tiny checkpoint to damage."""
+    dst = tmp_path / "broken"
+    shutil.copytree(tiny_ckpt, dst)
+    return dst
+
+
+def _shard_of(path, tensor):
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    return path / index["weight_map"][tensor]
+
+
+def _rewrite_tensor(path, name, shape=None, dtype="F32"):
+    """Rewrite the shard holding ``name`` with that tensor's shape/dtype changed."""
+    shard = _shard_of(path, name)
+    header = read_header(shard)
+    md_entries = []
+    for n, info in header.items():
+        arr = np.memmap(shard, dtype=np.uint8, mode="r", offset=info.begin, shape=(info.nbytes,))
+        if n == name:
+            shp = shape or info.shape
+            dt = {"F32": np.float32, "I32": np.int32}[dtype]
+            md_entries.append((n, shp, dtype, lambda shp=shp, dt=dt: np.zeros(shp, dt)))
+        else:
+            data = np.array(arr).view(np.float32).reshape(info.shape)
+            md_entries.append((n, info.shape, info.dtype, lambda d=data: d))
+    write_file(shard, md_entries)
+
+
+LAYER0_Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _truncate(p):
+    shard = _shard_of(p, LAYER0_Q)
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])
+
+
+def _missing_tensor(p):
+    shard = _shard_of(p, "model.norm.weight")
+    header = read_header(shard)
+    keep = [(n, i.shape, i.dtype, lambda i=i: np.array(np.memmap(shard, np.float32, "r", i.begin, i.shape)))
+            for n, i in header.items() if n != "model.norm.weight"]
+    write_file(shard, keep)
+    index = json.loads((p / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.norm.weight"]
+    (p / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _config(p, **changes):
+    cfg = json.loads((p / "config.json").read_text())
+    cfg.update(changes)
+    (p / "config.json").write_text(json.dumps(cfg))
+
+
+CASES = {
+    "truncated": (_truncate, r"model-\d+-of-\d+\.safetensors: tensor .*truncated"),
+    "missing_tensor": (_missing_tensor, r"tensor model\.norm\.weight: missing"),
+    "wrong_shape": (lambda p: _rewrite_tensor(p, LAYER0_Q, shape=(7, 128)), rf"tensor {LAYER0_Q}: shape \[7, 128\]"),
+    "wrong_dtype": (lambda p: _rewrite_tensor(p, LAYER0_Q, dtype="I32"), rf"tensor {LAYER0_Q}: dtype I32"),
+    "config_mismatch": (lambda p: _config(p, intermediate_size=512), r"tensor model\.layers\.0\.mlp\..*shape"),
+    "config_missing_field": (lambda p: _config(p, hidden_size=None) or _drop_key(p), r"config\.json: missing field"),
+    "bad_config_json": (lambda p: (p / "config.json").write_text("{oops"), r"config\.json: invalid JSON"),
+    "tokenizer_missing": (lambda p: (p / "tokenizer.json").unlink(), r"tokenizer\.json: tokenizer file missing"),
+    "tokenizer_corrupt": (lambda p: (p / "tokenizer.json").write_text("{"), r"tokenizer\.json: invalid JSON"),
+    "header_garbage": (lambda p: _shard_of(p, LAYER0_Q).write_bytes(struct.pack("<Q", 10**12)), r"header length"),
+}
+
+
+def _drop_key(p):
+    cfg = json.loads((p / "config.json").read_text())
+    del cfg["hidden_size"]
+    (p / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_checkpoint_is_rejected_with_one_line_naming_file(broken, case):
+    damage, pattern = CASES[case]
+    damage(broken)
+    with pytest.raises(CheckpointError, match=pattern) as e:
+        ModelDir.open(broken)
+    assert "\n" not in str(e.value)
+    assert str(broken) in str(e.value)
+
+
+def test_check_cli_bad_input_exit_2_one_line(broken):
+    _truncate(broken)
+    r = run_cli("mllm_rl.checkpoint", "check", str(broken))
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ")
+    assert "Traceback" not in r.stderr
+
+
+def test_make_cli_refuses_foreign_dir(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    r = run_cli("mllm_rl.checkpoint", "make", "--preset", "tiny", "--out", str(tmp_path))
+    assert r.returncode == 2 and "refusing to overwrite" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
