@@ -11,30 +11,56 @@ differ from what was sent; 128+N killed by signal N (SIGTERM: 143) after closing
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import json
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from mllm_rl.checkpoint.model_dir import CheckpointError
-from mllm_rl.engine import WeightMismatch
-from mllm_rl.phases.recorder import PhaseRecorder
 from mllm_rl.presets import PRESETS
-from mllm_rl.sinks.console import ConsoleSink
-from mllm_rl.sinks.jsonl import JsonlSink
+
+# Nothing imported at module level may start a thread (numpy's OpenBLAS pool does):
+# ``install_sigterm`` must run while the main thread is the only one.
 
 
-class Terminated(BaseException):
-    """Raised in the main thread by the SIGTERM handler so ``finally`` blocks run."""
+class Terminated(SystemExit):
+    """Raised in the main thread by the SIGTERM handler so ``finally`` blocks run.
+
+    A ``SystemExit``: event loops (the engine's asyncio loop) swallow other exceptions
+    raised in their callbacks but let this one through.
+    """
 
     def __init__(self, signum: int) -> None:
-        super().__init__(f"signal {signum}")
+        super().__init__(128 + signum)
         self.signum = signum
+
+
+def install_sigterm() -> None:
+    """Turn SIGTERM into ``Terminated`` in the main thread, whoever loads later.
+
+    jaxlib's absl failure handler takes SIGTERM over (lazily, when XLA starts) and aborts
+    the process (exit -6) with the W&B run unfinished. So SIGTERM is blocked in this thread
+    before any other thread exists (threads inherit the mask, XLA's included), a waiter
+    thread takes it with ``sigwait`` and raises it in the main thread through Python's own
+    handler table, which no C library touches.
+    """
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise Terminated(signum)
+
+    def wait() -> None:
+        signal.sigwait({signal.SIGTERM})
+        _thread.interrupt_main(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=wait, name="mllm_rl-sigterm", daemon=True).start()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +99,14 @@ def _validate(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if threading.active_count() == 1:
+        install_sigterm()
+    from mllm_rl.checkpoint.model_dir import CheckpointError
+    from mllm_rl.engine import WeightMismatch
+    from mllm_rl.phases.recorder import PhaseRecorder
+    from mllm_rl.sinks.console import ConsoleSink
+    from mllm_rl.sinks.jsonl import JsonlSink
+
     try:
         _validate(args)
         from mllm_rl.backend_registry import load_backend
@@ -119,10 +153,6 @@ def main(argv: list[str] | None = None) -> int:
         return WandbSink(args.wandb, run_dir, run_id, project=args.wandb_project,
                          config={k: v for k, v in vars(args).items() if k != "prompt"})
 
-    def on_term(signum: int, frame: Any) -> None:
-        raise Terminated(signum)
-
-    signal.signal(signal.SIGTERM, on_term)
     engines: list[Any] = []
     code = 0
     try:
@@ -149,7 +179,6 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
         print(f"error: {e}", file=sys.stderr)
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         rec.close(code)  # W&B finished and torn down before the engine kills child processes
         for engine in engines:
             engine.shutdown()

@@ -13,6 +13,8 @@ Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4) on JAX CPU, tp=1 
 - On CPU, ``max_running_requests``/``context_length`` must be bounded (the defaults size
   a request pool from host RAM and a forward then asks for >100 GB); ``head_dim`` must be
   a multiple of 128 (the native attention pads it and mis-shapes the output otherwise).
+- The tokenizer manager takes SIGTERM over (``loop.add_signal_handler``, lazily on the
+  first request); we create its loop eagerly and give the process its handler back.
 - A failing scheduler init SIGQUITs the host process; ``shutdown()`` SIGKILLs every
   child process of ours; interpreter teardown after an engine ran aborts in C++ (the
   scheduler thread), so the CLI leaves through ``os._exit`` after closing its sinks.
@@ -20,6 +22,8 @@ Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4) on JAX CPU, tp=1 
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 import warnings
 from collections.abc import Iterable, Sequence
@@ -101,6 +105,7 @@ class SglangJaxEngine:
 
         platform = jax.devices()[0].platform
         self.model = model
+        prev_sigterm = signal.getsignal(signal.SIGTERM)
         self.engine = Engine(
             model_path=str(model.path),
             tokenizer_path=str(model.path),
@@ -119,6 +124,13 @@ class SglangJaxEngine:
             random_seed=seed,
             log_level="error",
         )
+        # On its first request the tokenizer manager installs a loop SIGTERM handler that
+        # only sets a "graceful exit" flag and keeps generating. Create that loop now and
+        # give the process its own handler back: SIGTERM must end the run.
+        if threading.current_thread() is threading.main_thread():
+            self.engine.tokenizer_manager.auto_create_handle_loop()
+            self.engine.loop.remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, prev_sigterm)
         self.runner = self.engine.scheduler_info["scheduler"].tp_worker.worker.model_runner
         self._index_leaves()
 
@@ -132,7 +144,7 @@ class SglangJaxEngine:
         _, state = nnx.split(model)
         flat = jax.tree_util.tree_flatten_with_path(state)[0]
         leaves = self.runner.model_state_leaves
-        if len(flat) != len(leaves) or any(a is not b for (_, a), b in zip(flat, leaves)):
+        if len(flat) != len(leaves) or any(a is not b for (_, a), b in zip(flat, leaves, strict=True)):
             raise RuntimeError("sglang-jax model_state_leaves no longer mirror nnx.split(model); adapter outdated")
         by_path = {_dotted(p): i for i, (p, _) in enumerate(flat)}
         self.mappings: dict[str, tuple[int, bool]] = {}
@@ -185,7 +197,7 @@ class SglangJaxEngine:
         list (a generator is consumed lazily, so names are checked one by one).
         """
         t0 = time.perf_counter()
-        fp: Fingerprint = {}
+        sums: dict[str, tuple[jax.Array, jax.Array]] = {}
         nbytes = 0
         if isinstance(named_tensors, (list, tuple)):
             unknown = [n for n, _ in named_tensors if n not in self.mappings]
@@ -193,7 +205,7 @@ class SglangJaxEngine:
                 raise KeyError(f"unknown parameter(s) for this engine: {', '.join(unknown[:3])}")
         for name, value in named_tensors:
             new = value if isinstance(value, jax.Array) else self.place(name, value)
-            fp[name] = _fingerprint(new)
+            sums[name] = _sums(new)  # dispatched async; read back once at the end
             nbytes += new.nbytes
             if on_tensor is not None:
                 on_tensor(name)  # the high point: new tensor placed, old one still resident
@@ -204,6 +216,7 @@ class SglangJaxEngine:
             del new
         self._resync_module()
         jax.block_until_ready(self.runner.model_state_leaves)
+        fp: Fingerprint = {n: (float(s), float(q)) for n, (s, q) in sums.items()}
         return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp)
 
     def weights_fingerprint(self) -> Fingerprint:

@@ -149,3 +149,19 @@ def test_make_cli_refuses_foreign_dir(tmp_path):
     r = run_cli("mllm_rl.checkpoint", "make", "--preset", "tiny", "--out", str(tmp_path))
     assert r.returncode == 2 and "refusing to overwrite" in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_resolve_preset_writes_once_and_hub_id_respects_offline(monkeypatch, tmp_path):
+    from mllm_rl.checkpoint import resolve_model
+
+    monkeypatch.setenv("MLLM_RL_CACHE", str(tmp_path))
+    md = resolve_model("tiny")
+    assert md.path == (tmp_path / "checkpoints" / "tiny-float32-s0").resolve()
+    mtime = (md.path / "config.json").stat().st_mtime_ns
+    assert resolve_model("tiny").path == md.path
+    assert (md.path / "config.json").stat().st_mtime_ns == mtime  # reused, not rewritten
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(CheckpointError, match="Qwen/Qwen3-4B: hub download needed but HF_HUB_OFFLINE is set"):
+        resolve_model("Qwen/Qwen3-4B")
+    with pytest.raises(CheckpointError, match="not a preset"):
+        resolve_model("qwen3-99b")
