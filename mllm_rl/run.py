@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="assert the accelerator platform (auto: accept what the runtime finds)")
     ap.add_argument("--swap-mode", default="streaming", choices=["streaming", "naive"],
                     help="streaming: one tensor at a time; naive: load all, then replace (baseline)")
+    ap.add_argument("--swap-chunk-mb", type=float, default=64.0,
+                    help="streaming: tensors larger than this are written into the engine buffer in chunks "
+                         "of this size (peak = one copy + one chunk); 0 = whole tensors")
     ap.add_argument("--prompt", action="append", help="prompt for generate_result (repeatable)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--max-total-tokens", type=int, default=4096, help="engine KV cache size in tokens")
@@ -93,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _validate(args: argparse.Namespace) -> None:
     if args.tp < 1:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    if args.swap_chunk_mb < 0:
+        raise ValueError(f"--swap-chunk-mb must be >= 0, got {args.swap_chunk_mb}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 
@@ -163,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             prompts=tuple(args.prompt) if args.prompt else SwapOptions.prompts,
             max_new_tokens=args.max_new_tokens,
             engine_kwargs={"max_total_tokens": args.max_total_tokens, "context_length": args.context_length,
-                           "seed": args.seed},
+                           "seed": args.seed,
+                           "chunk_bytes": int(args.swap_chunk_mb * 2**20)},
         )
         run_swap(backend, rec, model, opts, make_wandb, on_engine=engines.append)
     except Terminated as e:

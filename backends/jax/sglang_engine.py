@@ -22,6 +22,7 @@ Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4) on JAX CPU, tp=1 
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 import time
@@ -32,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import Fingerprint, GenerateOutput, SamplingParams, UpdateStats
@@ -98,7 +100,9 @@ class SglangJaxEngine:
         max_running_requests: int = 16,
         mem_fraction_static: float | None = None,
         seed: int = 0,
+        chunk_bytes: int = 64 * 2**20,
     ) -> None:
+        self.chunk_bytes = chunk_bytes
         self.version = _check_version()
         validate_engine_args(model, tp, len(jax.devices()))
         from sgl_jax.srt.entrypoints.engine import Engine
@@ -204,6 +208,10 @@ class SglangJaxEngine:
             if unknown:
                 raise KeyError(f"unknown parameter(s) for this engine: {', '.join(unknown[:3])}")
         for name, value in named_tensors:
+            if not isinstance(value, jax.Array) and self._chunk_axis(name, value) is not None:
+                sums[name] = self._write_in_chunks(name, value, on_tensor)
+                nbytes += self.runner.model_state_leaves[self.mappings[name][0]].nbytes
+                continue
             new = value if isinstance(value, jax.Array) else self.place(name, value)
             sums[name] = _sums(new)  # dispatched async; read back once at the end
             nbytes += new.nbytes
@@ -218,6 +226,56 @@ class SglangJaxEngine:
         jax.block_until_ready(self.runner.model_state_leaves)
         fp: Fingerprint = {n: (float(s), float(q)) for n, (s, q) in sums.items()}
         return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp)
+
+    def _chunk_axis(self, hf_name: str, host: Any) -> int | None:
+        """Engine-layout axis to stream ``hf_name`` along, or None to place it whole.
+
+        Only tensors above ``chunk_bytes`` are chunked, along an axis the target's
+        sharding leaves whole (each device then updates its own shard, no resharding).
+        """
+        if self.chunk_bytes <= 0 or np.asarray(host).nbytes <= self.chunk_bytes:
+            return None
+        leaf = self.target_of(hf_name)
+        spec = getattr(leaf.sharding, "spec", None)
+        if spec is None or leaf.ndim != 2:
+            return None
+        spec = tuple(spec) + (None,) * (leaf.ndim - len(tuple(spec)))
+        free = [ax for ax in range(leaf.ndim) if spec[ax] is None]
+        return free[0] if free else None
+
+    def _write_in_chunks(self, hf_name: str, host: np.ndarray, on_tensor: Any) -> tuple[jax.Array, jax.Array]:
+        """Write ``host`` into the engine's existing buffer slice by slice (donated update).
+
+        Peak device memory is the buffer plus one chunk instead of two whole tensors.
+        Returns the (sum, sumsq) of the data sent, accumulated over the chunks.
+        """
+        idx, transpose = self.mappings[hf_name]
+        axis = self._chunk_axis(hf_name, host)
+        leaves = self.runner.model_state_leaves
+        buf = leaves[idx]
+        src = np.asarray(host)
+        src = src.T if transpose else src
+        if src.shape != buf.shape:
+            raise ValueError(f"{hf_name}: shape {src.shape} does not match engine {buf.shape}")
+        row_bytes = buf.nbytes // buf.shape[axis]
+        step = max(1, self.chunk_bytes // max(1, row_bytes))
+        spec = buf.sharding.spec
+        write = _chunk_writer(buf.sharding, axis)
+        total_s = total_q = jnp.zeros((), jnp.float32)
+        for start in range(0, buf.shape[axis], step):
+            window = [slice(None)] * src.ndim
+            window[axis] = slice(start, min(start + step, buf.shape[axis]))
+            part = src[tuple(window)]  # a view of the memmap; copied once by the cast below
+            chunk = jax.device_put(np.ascontiguousarray(part, dtype=buf.dtype), NamedSharding(buf.sharding.mesh, spec))
+            s, q = _sums(chunk)
+            total_s, total_q = total_s + s, total_q + q
+            if on_tensor is not None and start == 0:
+                on_tensor(hf_name)  # the high point: buffer plus one chunk
+            if not _FAULTS.get("swap_noop"):
+                buf = write(buf, chunk, jnp.int32(start))
+            del chunk
+        leaves[idx] = buf
+        return total_s, total_q
 
     def weights_fingerprint(self) -> Fingerprint:
         """(sum, sum of squares) of every mapped leaf, read from what the jitted forward uses."""
@@ -266,6 +324,16 @@ class SglangJaxEngine:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+@functools.cache
+def _chunk_writer(sharding: Any, axis: int):
+    """A jitted, donating ``buf[..., start:start+n, ...] = chunk`` along ``axis`` (in place)."""
+
+    def write(buf: jax.Array, chunk: jax.Array, start: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice_in_dim(buf, chunk, start, axis=axis)
+
+    return jax.jit(write, donate_argnums=0, out_shardings=sharding)
 
 
 @jax.jit

@@ -90,7 +90,7 @@ def test_tp1_wandb_offline_has_one_row_per_phase(tp1):
 
 
 def test_tp2_on_two_cpu_devices(tiny_ckpt, tmp_path):
-    r = swap_run(tmp_path, tiny_ckpt, "--tp", "2", "--wandb", "disabled")
+    r = swap_run(tmp_path, tiny_ckpt, "--tp", "2", "--wandb", "disabled", "--swap-chunk-mb", "0.05")
     assert r.returncode == 0, r.stderr[-3000:]
     recs = read_jsonl(tmp_path / "phases.jsonl")
     assert [x["phase"] for x in recs] == PHASES
@@ -100,6 +100,25 @@ def test_tp2_on_two_cpu_devices(tiny_ckpt, tmp_path):
     gen = recs[-1]["info"]
     ref = reference(tiny_ckpt, gen["prompt_ids"], 8)
     assert gen["token_ids"] == [t for t, _ in ref]
+
+
+def test_chunked_streaming_swap_is_exact_and_peaks_at_one_chunk(tiny_ckpt, tmp_path):
+    """Tensors above --swap-chunk-mb are written into the engine buffer slice by slice."""
+    chunk = 0.05  # MiB: every 2-D tiny tensor (192-256 KiB) goes through the chunked path
+    r = swap_run(tmp_path, tiny_ckpt, "--swap-chunk-mb", str(chunk), "--wandb", "disabled")
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = read_jsonl(tmp_path / "phases.jsonl")
+    dev = recs[3]["memory"]["devices"][0]
+    assert recs[3]["info"]["fingerprint_ok"] is True
+    assert dev["phase_peak_bytes"] <= dev["bytes_in_use"] + chunk * 2**20 + 4096
+    gen = recs[-1]["info"]
+    assert gen["token_ids"] == [t for t, _ in reference(tiny_ckpt, gen["prompt_ids"], 8)]
+
+
+def test_chunked_swap_that_does_nothing_fails_loudly(tiny_ckpt, tmp_path):
+    r = swap_run(tmp_path, tiny_ckpt, "--swap-chunk-mb", "0.05", "--wandb", "disabled",
+                 env={"MLLM_RL_FAULTS": "swap_noop"})
+    assert r.returncode == 3 and "engine weights differ" in r.stderr
 
 
 def test_naive_swap_holds_two_copies(tiny_ckpt, tmp_path, tp1):
