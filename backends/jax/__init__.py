@@ -56,6 +56,7 @@ class JaxBackend:
     def check_engine_args(self, model: ModelDir, tp: int) -> None:
         """Validate before any engine starts (sglang-jax kills the host on a bad init)."""
         import jax
+
         from mllm_rl.backends.jax.sglang_engine import validate_engine_args
 
         validate_engine_args(model, tp, len(jax.devices()))

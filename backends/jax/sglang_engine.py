@@ -43,6 +43,10 @@ VERIFIED_VERSIONS = ("0.1.0rc0",)
 warnings.filterwarnings("ignore", message="Created patched tokenizer config workaround")
 
 
+class EngineStateError(RuntimeError):
+    """An operation the engine's memory/weights state does not allow (never garbage output)."""
+
+
 class EngineConfigError(ValueError):
     """Engine arguments that would make sglang-jax fail (validated before it starts)."""
 
@@ -101,6 +105,7 @@ class SglangJaxEngine:
         mem_fraction_static: float | None = None,
         seed: int = 0,
         chunk_bytes: int = 64 * 2**20,
+        weights_cpu_backup: bool = False,
     ) -> None:
         self.chunk_bytes = chunk_bytes
         self.version = _check_version()
@@ -137,6 +142,11 @@ class SglangJaxEngine:
             signal.signal(signal.SIGTERM, prev_sigterm)
         self.runner = self.engine.scheduler_info["scheduler"].tp_worker.worker.model_runner
         self._index_leaves()
+        self.weights_cpu_backup = weights_cpu_backup
+        self.released: set[str] = set()
+        self.weights_valid = True  # dummy weights are "valid" for generation, as in sglang
+        self._kv_specs: list[tuple[tuple[int, ...], Any, Any]] = []
+        self._weight_backup: dict[int, np.ndarray] = {}
 
     def _ckpt_dtype(self) -> str:
         return next(iter(self.model.tensors.values()))[1].dtype
@@ -200,6 +210,8 @@ class SglangJaxEngine:
         every name is checked before anything is installed only when the caller passes a
         list (a generator is consumed lazily, so names are checked one by one).
         """
+        if "weights" in self.released:
+            raise EngineStateError("update_weights refused: weights are released; resume(['weights']) first")
         t0 = time.perf_counter()
         sums: dict[str, tuple[jax.Array, jax.Array]] = {}
         nbytes = 0
@@ -224,6 +236,8 @@ class SglangJaxEngine:
             del new
         self._resync_module()
         jax.block_until_ready(self.runner.model_state_leaves)
+        if set(sums) >= set(self.mappings):
+            self.weights_valid = True  # a full sync; a partial one leaves validity as it was
         fp: Fingerprint = {n: (float(s), float(q)) for n, (s, q) in sums.items()}
         return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp)
 
@@ -286,6 +300,12 @@ class SglangJaxEngine:
 
     # -- generation -----------------------------------------------------------
     def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
+        if self.released:
+            raise EngineStateError(f"generate refused: memory released for {sorted(self.released)}; resume first")
+        if not self.weights_valid:
+            raise EngineStateError(
+                "generate refused: weights are invalid (resumed without CPU backup); a full update_weights is needed"
+            )
         params = {
             "max_new_tokens": sampling.max_new_tokens,
             "temperature": sampling.temperature,
@@ -313,6 +333,77 @@ class SglangJaxEngine:
             )
         return results
 
+    # -- memory tags ----------------------------------------------------------
+    TAGS = ("weights", "kv_cache")
+
+    def _check_tags(self, tags: Sequence[str]) -> list[str]:
+        unknown = [t for t in tags if t not in self.TAGS]
+        if unknown:
+            raise ValueError(f"unknown memory tag(s) {unknown}; this engine has {list(self.TAGS)}")
+        return list(dict.fromkeys(tags))
+
+    def _kv_list(self) -> list[jax.Array]:
+        return self.runner.memory_pools.token_to_kv_pool.kv_buffer
+
+    def tag_bytes(self, tag: str) -> int:
+        """Device bytes a resident tag holds (over all local devices)."""
+        if tag == "kv_cache":
+            arrs = self._kv_list()
+        else:
+            arrs = [self.runner.model_state_leaves[i] for i, _ in self.mappings.values()]
+        return sum(int(a.nbytes) for a in arrs if not a.is_deleted())
+
+    def release(self, tags: Sequence[str]) -> dict[str, int]:
+        """Free the device memory of ``tags``; returns the bytes each held. The caller must
+        have drained (paused, nothing in flight, cache flushed). Releasing a released tag is a
+        no-op with a warning. JAX has no address-preserving pause: arrays are deleted."""
+        freed = {}
+        for tag in self._check_tags(tags):
+            if tag in self.released:
+                warnings.warn(f"release({tag!r}): already released; no-op", stacklevel=2)
+                continue
+            freed[tag] = self.tag_bytes(tag)
+            if tag == "kv_cache":
+                kv = self._kv_list()
+                self._kv_specs = [(a.shape, a.dtype, a.sharding) for a in kv]
+                for a in kv:
+                    a.delete()
+            else:
+                leaves = self.runner.model_state_leaves
+                for i, _ in self.mappings.values():
+                    if self.weights_cpu_backup:
+                        self._weight_backup[i] = np.asarray(jax.device_get(leaves[i]))
+                    leaves[i].delete()
+            self.released.add(tag)
+        return freed
+
+    def resume(self, tags: Sequence[str]) -> None:
+        """Reallocate ``tags`` with the same shapes/dtypes/shardings (no recompile).
+
+        Weights come back from the CPU backup when there is one; otherwise they are zeros and
+        ``weights_valid`` is False until a full ``update_weights``. Resuming a resident tag is
+        a no-op with a warning.
+        """
+        for tag in self._check_tags(tags):
+            if tag not in self.released:
+                warnings.warn(f"resume({tag!r}): not released; no-op", stacklevel=2)
+                continue
+            if tag == "kv_cache":
+                kv = self._kv_list()
+                for j, (shape, dtype, sharding) in enumerate(self._kv_specs):
+                    kv[j] = _zeros(shape, dtype, sharding)
+            else:
+                leaves = self.runner.model_state_leaves
+                for i, _ in self.mappings.values():
+                    old = leaves[i]
+                    if i in self._weight_backup:
+                        leaves[i] = jax.device_put(self._weight_backup.pop(i), old.sharding)
+                    else:
+                        leaves[i] = _zeros(old.shape, old.dtype, old.sharding)
+                self.weights_valid = self.weights_cpu_backup
+                self._resync_module()
+            self.released.discard(tag)
+
     def flush_cache(self) -> None:
         self.engine.flush_cache()
 
@@ -334,6 +425,11 @@ def _chunk_writer(sharding: Any, axis: int):
         return jax.lax.dynamic_update_slice_in_dim(buf, chunk, start, axis=axis)
 
     return jax.jit(write, donate_argnums=0, out_shardings=sharding)
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.Array:
+    """Zeros allocated directly with ``sharding`` (no host copy, no full replica)."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
 
 @jax.jit

@@ -33,7 +33,6 @@ def swap_run(run_dir: Path, model: Path, *extra: str, env: dict[str, str] | None
 def reference(model: Path, prompt_ids: list[list[int]], n: int):
     """Greedy tokens/logprobs of our flax nnx Qwen3 on the same checkpoint (independent of the engine)."""
     from mllm_rl.backends.jax.model import greedy_decode, load_qwen3
-
     from mllm_rl.checkpoint import ModelDir
 
     m = load_qwen3(ModelDir.open(model))
