@@ -13,6 +13,8 @@ Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4) on JAX CPU, tp=1 
 - On CPU, ``max_running_requests``/``context_length`` must be bounded (the defaults size
   a request pool from host RAM and a forward then asks for >100 GB); ``head_dim`` must be
   a multiple of 128 (the native attention pads it and mis-shapes the output otherwise).
+- On JAX CPU with tp > 1, batched requests intermittently decode wrong tokens (upstream;
+  reproduced with sglang-jax's own loader), so requests are served one at a time there.
 - The tokenizer manager takes SIGTERM over (``loop.add_signal_handler``, lazily on the
   first request); we create its loop eagerly and give the process its handler back.
 - A failing scheduler init SIGQUITs the host process; ``shutdown()`` SIGKILLs every
@@ -142,6 +144,10 @@ class SglangJaxEngine:
             signal.signal(signal.SIGTERM, prev_sigterm)
         self.runner = self.engine.scheduler_info["scheduler"].tp_worker.worker.model_runner
         self._index_leaves()
+        # sglang-jax 0.1.0rc0 on JAX CPU with tp > 1 intermittently returns wrong tokens for
+        # *batched* requests (also with its own loader, load_format="auto"); one request at a
+        # time has been stable (docs/ENGINES.md, scripts/repro_sglang_jax_tp_batch.py).
+        self.serialize_requests = platform == "cpu" and tp > 1
         self.weights_cpu_backup = weights_cpu_backup
         self.released: set[str] = set()
         self.weights_valid = True  # dummy weights are "valid" for generation, as in sglang
@@ -315,10 +321,12 @@ class SglangJaxEngine:
             params["stop_token_ids"] = list(sampling.stop_token_ids)
         if sampling.seed is not None:
             params["sampling_seed"] = sampling.seed
-        out = self.engine.generate(
-            input_ids=[list(map(int, x)) for x in input_ids], sampling_params=params, return_logprob=True
-        )
-        outs = out if isinstance(out, list) else [out]
+        ids = [list(map(int, x)) for x in input_ids]
+        if self.serialize_requests:
+            outs = [self.engine.generate(input_ids=x, sampling_params=params, return_logprob=True) for x in ids]
+        else:
+            out = self.engine.generate(input_ids=ids, sampling_params=params, return_logprob=True)
+            outs = out if isinstance(out, list) else [out]
         results = []
         for o in outs:
             meta = o["meta_info"]
