@@ -188,6 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         rec.close(code)  # W&B finished and torn down before the engine kills child processes
         for engine in engines:
             engine.shutdown()
+    if rec.records:
+        from mllm_rl.summary import phase_table
+
+        print(phase_table(rec.records), file=sys.stderr)
+        gen = rec.records[-1]["info"]
+        if rec.records[-1]["phase"] == "generate_result" and "text" in gen:
+            for prompt, text in zip(gen["prompts"], gen["text"], strict=True):
+                print(f"generate: {prompt!r} -> {text!r}", file=sys.stderr)
     print(f"run_dir {run_dir}", file=sys.stderr)
     return code
 

@@ -144,3 +144,18 @@ def test_wandb_offline_one_row_per_phase(tmp_path):
     assert row["mem/jax/bytes_in_use_sum"] == 300 and row["mem/jax/bytes_in_use_max"] == 200
     assert row["mem/jax/device1/bytes_in_use"] == 200
     assert "mem/process/rss_bytes" in row and "time/elapsed_s" in row
+
+
+def test_phase_table_sums_devices_and_marks_errors():
+    from mllm_rl.summary import phase_table
+
+    probe = ScriptedProbe()
+    rec = PhaseRecorder("r", "jax", probe=probe, sample_interval_s=0)
+    with rec.phase("ok"):
+        probe.set(0, 2**30)
+    with pytest.raises(RuntimeError):
+        with rec.phase("bad", step=2):
+            raise RuntimeError("boom")
+    lines = phase_table(rec.records).splitlines()
+    assert lines[2].split()[0] == "ok" and lines[2].split()[4] == f"{(2**30 + 200) / 2**30:.3f}"
+    assert lines[3].split()[:2] == ["bad", "2"] and "ERROR: RuntimeError: boom" in lines[3]

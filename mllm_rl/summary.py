@@ -1,0 +1,32 @@
+"""A human-readable table of phase records (printed at the end of ``mllm_rl.run``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _gib(v: int | None) -> str:
+    return "-" if v is None else f"{v / 2**30:.3f}"
+
+
+def _sum(devices: list[dict[str, Any]], key: str) -> int | None:
+    vals = [d[key] for d in devices if d.get(key) is not None]
+    return sum(vals) if vals else None
+
+
+def phase_table(records: list[dict[str, Any]]) -> str:
+    """One line per phase: seconds, device bytes at start/end/peak (summed over devices, GiB),
+    host RSS and its peak (GiB), and an error marker."""
+    head = f"{'phase':<22} {'step':>4} {'sec':>7} {'dev start':>10} {'dev end':>9} {'dev peak':>9} {'rss':>7} {'rss peak':>8}"
+    lines = [head, "-" * len(head)]
+    for r in records:
+        devs = r["memory"]["devices"]
+        host = r["memory"]["host"]
+        step = "-" if r.get("step") is None else str(r["step"])
+        err = "  ERROR: " + r["info"]["error"][:60] if r["info"].get("error") else ""
+        lines.append(
+            f"{r['phase']:<22} {step:>4} {r['t_end'] - r['t_start']:>7.2f} {_gib(_sum(devs, 'bytes_in_use_start')):>10} "
+            f"{_gib(_sum(devs, 'bytes_in_use')):>9} {_gib(_sum(devs, 'phase_peak_bytes')):>9} "
+            f"{_gib(host['rss_bytes']):>7} {_gib(host['rss_peak_bytes']):>8}{err}"
+        )
+    return "\n".join(lines)
