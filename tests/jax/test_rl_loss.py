@@ -1,0 +1,61 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mllm_rl.backends.jax.rl_loss import LossConfig, policy_loss
+
+
+def batch(seed=0, b=4, t=6):
+    rng = np.random.default_rng(seed)
+    logp = jnp.asarray(rng.normal(-2, 0.3, (b, t)), jnp.float32)
+    old = logp + jnp.asarray(rng.normal(0, 0.3, (b, t)), jnp.float32)
+    ref = logp + jnp.asarray(rng.normal(0, 0.2, (b, t)), jnp.float32)
+    adv = jnp.asarray(rng.normal(0, 1, (b,)), jnp.float32)
+    mask = jnp.asarray(np.arange(t)[None, :] < rng.integers(2, t + 1, (b, 1)), jnp.float32)
+    return logp, old, ref, adv, mask
+
+
+def test_on_policy_unclipped_loss_is_minus_mean_advantage():
+    logp, _, _, adv, mask = batch()
+    loss, m = policy_loss(logp, logp, adv, mask, LossConfig())
+    want = -(adv[:, None] * mask).sum() / mask.sum()
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    assert m["clip_frac"] == 0
+
+
+def test_asymmetric_clipping():
+    adv = jnp.ones((1,))
+    mask = jnp.ones((1, 1))
+    old = jnp.zeros((1, 1))
+    high = jnp.log(jnp.full((1, 1), 1.5))  # ratio 1.5 > 1 + eps_high
+    loss, _ = policy_loss(high, old, adv, mask, LossConfig(eps_low=0.2, eps_high=0.28))
+    np.testing.assert_allclose(loss, -1.28, rtol=1e-6)
+    loss, _ = policy_loss(high, old, -adv, mask, LossConfig(eps_low=0.2, eps_high=0.28))
+    np.testing.assert_allclose(loss, 1.5, rtol=1e-6)  # negative advantage: unclipped side is the min
+
+
+def test_kl_is_in_the_loss_and_its_gradient():
+    logp, old, ref, adv, mask = batch(1)
+    f = lambda lp, beta: policy_loss(lp, old, adv, mask, LossConfig(beta=beta), ref_logp=ref)[0]  # noqa: E731
+    assert f(logp, 0.1) > f(logp, 0.0)
+    g0, g1 = jax.grad(f)(logp, 0.0), jax.grad(f)(logp, 0.1)
+    assert not np.allclose(g0, g1)  # the KL term changes the update, not only a logged metric
+    with pytest.raises(ValueError, match="ref_logp"):
+        policy_loss(logp, old, adv, mask, LossConfig(beta=0.1))
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_micro_batch_accumulation_equals_full_batch(agg):
+    logp, old, ref, adv, mask = batch(2, b=6)
+    cfg = LossConfig(aggregation=agg, beta=0.05, max_len=6)
+    f = lambda lp, o, r, a, m, **kw: policy_loss(lp, o, a, m, cfg, ref_logp=r, **kw)[0]  # noqa: E731
+    full_loss, full_grad = jax.value_and_grad(f)(logp, old, ref, adv, mask)
+    totals = {"total_tokens": mask.sum(), "total_seqs": 6}
+    acc_loss, acc_grad = 0.0, []
+    for s in (slice(0, 2), slice(2, 6)):
+        lv, g = jax.value_and_grad(f)(logp[s], old[s], ref[s], adv[s], mask[s], **totals)
+        acc_loss += lv
+        acc_grad.append(g)
+    np.testing.assert_allclose(acc_loss, full_loss, rtol=1e-5)
+    np.testing.assert_allclose(jnp.concatenate(acc_grad), full_grad, rtol=1e-5, atol=1e-7)
