@@ -24,7 +24,7 @@ TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 _DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
-def init_tensor(config: ModelConfig, name: str, shape: tuple[int, ...], seed: int, index: int) -> np.ndarray:
+def init_tensor(shape: tuple[int, ...], seed: int, index: int) -> np.ndarray:
     """Deterministic random init of one tensor, float32, shape ``shape``.
 
     Norm scales are ones; matrices are N(0, 1/fan_in) so activations keep unit scale
@@ -78,7 +78,7 @@ def make_checkpoint(
 
     def make_fn(name: str):
         def make() -> np.ndarray:
-            arr = init_tensor(config, name, shapes[name], seed, order[name])
+            arr = init_tensor(shapes[name], seed, order[name])
             return arr.astype(ml_dtypes.bfloat16 if st_dtype == "BF16" else np_dtype)
 
         return make
