@@ -1,25 +1,31 @@
 # Two commands on a fresh machine:  make run   (main job, embedded default)   make test   (the suite)
 # Each creates the venvs it needs, idempotently (scripts/venv.sh).
 SHELL := /bin/bash
+BACKEND ?= jax
 PY_JAX := .venv-jax/bin/python
+PY_TORCH := .venv-torch/bin/python
 ARGS ?=
 
-.PHONY: run test setup venv-jax lint clean-venvs
+.PHONY: run test setup venv-jax venv-torch lint clean-venvs
 
 venv-jax:
 	@scripts/venv.sh jax
 
-setup: venv-jax
+venv-torch:
+	@scripts/venv.sh torch
 
-## run: the main job on the embedded default (tiny model, JAX on CPU). Extra flags: make run ARGS="--tp 2"
-run: venv-jax
-	$(PY_JAX) -m mllm_rl.run --backend jax $(ARGS)
+setup: venv-jax venv-torch
 
-## test: ruff + the whole pytest suite (CPU), in the jax venv
-test: venv-jax
+## run: the main job on the embedded default (tiny model, CPU). BACKEND=jax|torch; extra flags: ARGS="--tp 2"
+run: venv-$(BACKEND)
+	.venv-$(BACKEND)/bin/python -m mllm_rl.run --backend $(BACKEND) $(ARGS)
+
+## test: ruff + the whole pytest suite (CPU): core/jax/tpu tests in .venv-jax, torch tests in .venv-torch
+test: venv-jax venv-torch
 	@command -v shellcheck >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && { apt-get update -qq >/dev/null && apt-get install -y -qq shellcheck >/dev/null; } || echo "[test] shellcheck not installed: its test will skip"; }
 	$(PY_JAX) -m ruff check .
-	$(PY_JAX) -m pytest -q tests
+	$(PY_JAX) -m pytest -q tests/core tests/jax tests/tpu
+	$(PY_TORCH) -m pytest -q tests/torch
 
 lint: venv-jax
 	$(PY_JAX) -m ruff check . && $(PY_JAX) -m ruff format --check .

@@ -1,16 +1,29 @@
 """The rollout-engine contract (DESIGN.md §4), backend-neutral.
 
-Arrays crossing this boundary are host numpy arrays or backend device arrays; the
-core never touches their framework.
+Two layers:
+
+- ``EnginePrimitives``: what a backend's engine adapter implements (sglang-jax, SGLang, the
+  embedded torch engine). Primitives do what they are told and keep no lifecycle state.
+- ``ManagedEngine`` (``mllm_rl.engine_state``): the core's wrapper that owns the state
+  (tags resident/released, weights valid/invalid, generation running/paused, requests in
+  flight) and enforces the invariants; the lifecycle only ever talks to it.
+
+Arrays crossing this boundary are host numpy arrays or backend device arrays; the core
+never touches their framework.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 Fingerprint = dict[str, tuple[float, float]]  # hf_name -> (sum, sum of squares), float64
+
+TAG_WEIGHTS = "weights"
+TAG_KV = "kv_cache"
+TAG_CUDA_GRAPH = "cuda_graph"
+ABORT = "abort"  # GenerateOutput.finish_reason of a request cut short by pause_generation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +46,9 @@ class SamplingParams:
 @dataclasses.dataclass
 class GenerateOutput:
     token_ids: list[int]  # generated tokens only, [T_out]
-    logprobs: list[float]  # log p(token_t | prefix), [T_out]
+    logprobs: list[float]  # log p(token_t | prefix) under the sampling distribution, [T_out]
     text: str
-    finish_reason: str
+    finish_reason: str  # "stop" | "length" | "abort"
 
 
 @dataclasses.dataclass
@@ -43,31 +56,95 @@ class UpdateStats:
     tensors: int
     bytes: int
     seconds: float
-    fingerprint: Fingerprint  # of the tensors as placed on device, before install
+    fingerprint: Fingerprint  # of the tensors as received by the engine, before install
 
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("nan")
 
 
-class RolloutEngine(Protocol):
-    def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]: ...
+class WeightExport:
+    """Named tensors announced up front, streamed on iteration.
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats: ...
+    ``names`` is known before a single tensor is produced, so an engine can reject an update
+    with unknown or missing names before any of its weights change. Iterating yields
+    ``(hf_name, array)`` in ``names`` order; ``full`` says whether it covers every weight.
+    """
 
-    def weights_fingerprint(self) -> Fingerprint: ...
+    def __init__(self, names: Sequence[str], tensors: Iterable[tuple[str, Any]], full: bool) -> None:
+        self.names = list(names)
+        self._tensors = tensors
+        self.full = full
 
-    def flush_cache(self) -> None: ...
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        announced = set(self.names)
+        for name, value in self._tensors:
+            if name not in announced:
+                raise RuntimeError(f"weight export yielded {name!r}, which it did not announce")
+            yield name, value
+
+    @classmethod
+    def of(cls, named: Iterable[tuple[str, Any]], full: bool) -> WeightExport:
+        """A materialised export (names known because the list is)."""
+        items = list(named)
+        return cls([n for n, _ in items], items, full)
+
+
+class EnginePrimitives(Protocol):
+    """What an engine adapter implements. Called only through ``ManagedEngine``."""
+
+    tags: tuple[str, ...]  # memory tags it can release: ("weights", "kv_cache"[, "cuda_graph"])
+    weights_cpu_backup: bool  # release(weights) keeps a host copy that resume restores
+
+    def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
+        """Generate for a batch of prompts ``[n][T_i]``. May run while another thread calls
+        ``pause_generation``; requests then return promptly with ``finish_reason='abort'``."""
+        ...
+
+    def weight_names(self) -> list[str]:
+        """HF names of every weight; a full update covers exactly these."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
+        """Install tensors one at a time (names already validated); ``on_tensor(name)`` at
+        each tensor's high point (new placed, old still resident)."""
+        ...
+
+    def weights_fingerprint(self) -> Fingerprint:
+        """(sum, sumsq) per weight, read from what the engine's forward actually uses."""
+        ...
+
+    def weight_bytes(self) -> int: ...
+
+    def tag_bytes(self, tag: str) -> int:
+        """Device bytes a resident tag holds."""
+        ...
+
+    def release_memory(self, tag: str) -> None:
+        """Free the device memory of a resident tag (weights backed up to host first when
+        ``weights_cpu_backup``)."""
+        ...
+
+    def resume_memory(self, tag: str) -> bool:
+        """Re-allocate a released tag; True when its contents were restored (CPU backup),
+        False when they are undefined (zeros, stale bytes)."""
+        ...
 
     def pause_generation(self) -> None: ...
 
     def continue_generation(self) -> None: ...
+
+    def flush_cache(self) -> None: ...
 
     def shutdown(self) -> None: ...
 
 
 class WeightMismatch(RuntimeError):
     """An engine's weights differ from what was sent: an update that did not take."""
+
+
+class EngineStateError(RuntimeError):
+    """An operation the engine's state does not allow; refused before anything changes."""
 
 
 def compare_fingerprints(want: Fingerprint, got: Fingerprint, rtol: float = 1e-3) -> list[str]:

@@ -93,6 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def phase_file_name(process_index: int) -> str:
+    """``phases.jsonl`` for process 0, ``phases.p<i>.jsonl`` for the others (one file each)."""
+    return "phases.jsonl" if process_index == 0 else f"phases.p{process_index}.jsonl"
+
+
+def write_run_json(run_dir: Path, plan: dict[str, Any]) -> None:
+    tmp = run_dir / "run.json.tmp"
+    tmp.write_text(json.dumps(plan, indent=2))
+    os.replace(tmp, run_dir / "run.json")
+
+
 def _validate(args: argparse.Namespace) -> None:
     if args.tp < 1:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
@@ -123,32 +134,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    # Multi-process runs (multi-host TPU slices; jax.distributed): every process records its
+    # own phases; process 0 writes run.json.
+    init_distributed = getattr(backend, "init_distributed", None)
+    procs = init_distributed(tp=args.tp) if init_distributed else {"process_index": 0, "process_count": 1}
+    pidx, pcount = int(procs["process_index"]), int(procs["process_count"])
     run_id = args.run_id or f"{args.plan}-{args.backend}-{time.strftime('%y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     run_dir = Path(args.run_dir or Path("runs") / run_id).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    sinks: list[Any] = [JsonlSink(run_dir / "phases.jsonl")]
+    sinks: list[Any] = [JsonlSink(run_dir / phase_file_name(pidx))]
     if not args.quiet:
         sinks.append(ConsoleSink())
-    rec = PhaseRecorder(run_id, backend.name, sinks=sinks)
+    rec = PhaseRecorder(run_id, backend.name, sinks=sinks, process_index=pidx)
 
     from mllm_rl.plans.swap import SwapOptions, expected_phases, run_swap
 
-    (run_dir / "run.json").write_text(
-        json.dumps(
-            {
-                "run_id": run_id,
-                "backend": backend.name,
-                "plan": args.plan,
-                "model": str(model.path),
-                "steps": 0,
-                "process_count": 1,
-                "expected_phases": expected_phases(backend),
-                "expected_step_phases": [],
-                "argv": sys.argv[1:] if argv is None else argv,
-            },
-            indent=2,
-        )
-    )
+    if pidx == 0:
+        write_run_json(run_dir, {
+            "run_id": run_id,
+            "backend": backend.name,
+            "plan": args.plan,
+            "model": str(model.path),
+            "steps": 0,
+            "process_count": pcount,
+            "expected_phases": expected_phases(backend),
+            "expected_step_phases": [],
+            "argv": sys.argv[1:] if argv is None else argv,
+        })  # fmt: skip
 
     def make_wandb():
         if args.wandb == "disabled":

@@ -68,4 +68,6 @@ class JaxBackend:
 
     def place_all(self, engine, model: ModelDir) -> list[tuple[str, Any]]:
         """Naive-swap baseline: every checkpoint tensor placed on device at once (2 copies)."""
-        return [(name, engine.place(name, arr)) for name, arr in model.iter_tensors()]
+        from mllm_rl.backends.jax.sglang_engine import Placed
+
+        return [(name, Placed(engine.place(name, arr))) for name, arr in model.iter_tensors()]

@@ -10,11 +10,12 @@ import numpy as np
 from mllm_rl.phases.probe import DeviceMemory
 
 
-def live_array_bytes(devices: list[jax.Device]) -> list[int]:
-    """Bytes of live (not deleted) jax arrays resident on each device.
+def live_array_bytes(devices: list[jax.Device], memory_kind: str = "device") -> list[int]:
+    """Bytes of live (not deleted) jax arrays of ``memory_kind`` on each device.
 
     Each array contributes its per-device shard size (``sharding.shard_shape``) to every
     device in its sharding's device set, so replicated arrays count once per device.
+    Arrays offloaded to ``pinned_host`` are not device memory and count only there.
     """
     index = {d: i for i, d in enumerate(devices)}
     out = [0] * len(devices)
@@ -23,6 +24,8 @@ def live_array_bytes(devices: list[jax.Device]) -> list[int]:
             if arr.is_deleted():
                 continue
             sh = arr.sharding
+            if (sh.memory_kind or "device") != memory_kind:
+                continue
             nbytes = int(np.prod(sh.shard_shape(arr.shape), dtype=np.int64)) * arr.dtype.itemsize
             for dev in sh.device_set:
                 i = index.get(dev)
@@ -49,10 +52,12 @@ class JaxMemoryProbe:
     def snapshot(self) -> list[DeviceMemory]:
         if not self.has_stats:
             used = live_array_bytes(self.devices)
+            host = live_array_bytes(self.devices, "pinned_host")
             return [
-                DeviceMemory(d.id, d.platform, used[i], None, None, "live_arrays", {"live_arrays_bytes": used[i]})
+                DeviceMemory(d.id, d.platform, used[i], None, None, "live_arrays",
+                             {"live_arrays_bytes": used[i], "pinned_host_bytes": host[i]})
                 for i, d in enumerate(self.devices)
-            ]
+            ]  # fmt: skip
         out = []
         for d in self.devices:
             stats = d.memory_stats() or {}

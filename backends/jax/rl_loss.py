@@ -19,28 +19,12 @@ Aggregation (``agg``):
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+from mllm_rl.rl.loss_config import AGGREGATIONS, LossConfig
 
-
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    beta: float = 0.0  # KL weight; 0 = no reference policy needed
-    aggregation: str = "token_mean"
-    max_len: int | None = None  # for seq_mean_token_sum_norm
-
-    def __post_init__(self) -> None:
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation {self.aggregation!r}: choose one of {', '.join(AGGREGATIONS)}")
-        if self.aggregation == "seq_mean_token_sum_norm" and not self.max_len:
-            raise ValueError("seq_mean_token_sum_norm needs max_len")
-
+__all__ = ["AGGREGATIONS", "LossConfig", "policy_loss"]
 
 def policy_loss(
     logp: jax.Array,

@@ -30,7 +30,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,15 +38,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from mllm_rl.checkpoint.model_dir import ModelDir
-from mllm_rl.engine import Fingerprint, GenerateOutput, SamplingParams, UpdateStats
+from mllm_rl.engine import TAG_KV, TAG_WEIGHTS, Fingerprint, GenerateOutput, SamplingParams, UpdateStats
 
 VERIFIED_VERSIONS = ("0.1.0rc0",)
 # Emitted by sglang-jax's scheduler/tokenizer threads for every hand-made tokenizer.
 warnings.filterwarnings("ignore", message="Created patched tokenizer config workaround")
-
-
-class EngineStateError(RuntimeError):
-    """An operation the engine's memory/weights state does not allow (never garbage output)."""
 
 
 class EngineConfigError(ValueError):
@@ -95,7 +91,13 @@ def validate_engine_args(model: ModelDir, tp: int, n_devices: int) -> None:
 
 
 class SglangJaxEngine:
-    """An in-process sglang-jax Engine started with dummy weights (``load_format="dummy"``)."""
+    """An in-process sglang-jax Engine started with dummy weights (``load_format="dummy"``).
+
+    Implements ``mllm_rl.engine.EnginePrimitives``; lifecycle state (released tags, weight
+    validity, pause, requests in flight) lives in the core's ``ManagedEngine``.
+    """
+
+    tags = (TAG_WEIGHTS, TAG_KV)
 
     def __init__(
         self,
@@ -149,8 +151,6 @@ class SglangJaxEngine:
         # time has been stable (docs/ENGINES.md, scripts/repro_sglang_jax_tp_batch.py).
         self.serialize_requests = platform == "cpu" and tp > 1
         self.weights_cpu_backup = weights_cpu_backup
-        self.released: set[str] = set()
-        self.weights_valid = True  # dummy weights are "valid" for generation, as in sglang
         self._kv_specs: list[tuple[tuple[int, ...], Any, Any]] = []
         self._weight_backup: dict[int, np.ndarray] = {}
 
@@ -179,13 +179,19 @@ class SglangJaxEngine:
     def target_of(self, hf_name: str) -> jax.Array:
         return self.runner.model_state_leaves[self.mappings[hf_name][0]]
 
-    def place(self, hf_name: str, host: np.ndarray) -> jax.Array:
-        """Put one HF tensor on device in the engine layout (transpose, dtype, sharding)."""
+    def place(self, hf_name: str, value: Any) -> jax.Array:
+        """Put one HF-layout tensor (host ndarray, or a jax.Array on any device) on the
+        engine's devices in the engine layout (transpose, dtype, sharding)."""
         if hf_name not in self.mappings:
             raise KeyError(f"unknown parameter {hf_name!r} for this engine")
         idx, transpose = self.mappings[hf_name]
         old = self.runner.model_state_leaves[idx]
-        arr = np.asarray(host)
+        if isinstance(value, jax.Array):  # from a trainer: transpose/cast where it lives
+            arr = _to_layout(value, transpose, old.dtype)
+            if arr.shape != old.shape:
+                raise ValueError(f"{hf_name}: shape {arr.shape} does not match engine {old.shape}")
+            return jax.device_put(arr, old.sharding)
+        arr = np.asarray(value)
         if transpose:
             arr = arr.T
         if arr.shape != old.shape:
@@ -212,25 +218,19 @@ class SglangJaxEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
         """Streaming update: per tensor, place it, fingerprint it, install it, drop the old leaf.
 
-        ``named_tensors`` yields ``(hf_name, host ndarray or placed jax.Array)`` in any order;
-        every name is checked before anything is installed only when the caller passes a
-        list (a generator is consumed lazily, so names are checked one by one).
+        ``named_tensors`` yields ``(hf_name, value)`` in any order, value a host ndarray or a
+        jax.Array in HF layout, or a ``Placed`` array already in the engine layout (the naive
+        baseline); names were validated by the caller (``ManagedEngine.check_update``).
         """
-        if "weights" in self.released:
-            raise EngineStateError("update_weights refused: weights are released; resume(['weights']) first")
         t0 = time.perf_counter()
         sums: dict[str, tuple[jax.Array, jax.Array]] = {}
         nbytes = 0
-        if isinstance(named_tensors, (list, tuple)):
-            unknown = [n for n, _ in named_tensors if n not in self.mappings]
-            if unknown:
-                raise KeyError(f"unknown parameter(s) for this engine: {', '.join(unknown[:3])}")
         for name, value in named_tensors:
-            if not isinstance(value, jax.Array) and self._chunk_axis(name, value) is not None:
+            if isinstance(value, np.ndarray) and self._chunk_axis(name, value) is not None:
                 sums[name] = self._write_in_chunks(name, value, on_tensor)
                 nbytes += self.runner.model_state_leaves[self.mappings[name][0]].nbytes
                 continue
-            new = value if isinstance(value, jax.Array) else self.place(name, value)
+            new = value.array if isinstance(value, Placed) else self.place(name, value)
             sums[name] = _sums(new)  # dispatched async; read back once at the end
             nbytes += new.nbytes
             if on_tensor is not None:
@@ -242,8 +242,6 @@ class SglangJaxEngine:
             del new
         self._resync_module()
         jax.block_until_ready(self.runner.model_state_leaves)
-        if set(sums) >= set(self.mappings):
-            self.weights_valid = True  # a full sync; a partial one leaves validity as it was
         fp: Fingerprint = {n: (float(s), float(q)) for n, (s, q) in sums.items()}
         return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp)
 
@@ -301,17 +299,14 @@ class SglangJaxEngine:
         """(sum, sum of squares) of every mapped leaf, read from what the jitted forward uses."""
         return {name: _fingerprint(self.runner.model_state_leaves[i]) for name, (i, _) in self.mappings.items()}
 
+    def weight_names(self) -> list[str]:
+        return list(self.mappings)
+
     def weight_bytes(self) -> int:
         return sum(int(self.runner.model_state_leaves[i].nbytes) for i, _ in self.mappings.values())
 
     # -- generation -----------------------------------------------------------
     def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
-        if self.released:
-            raise EngineStateError(f"generate refused: memory released for {sorted(self.released)}; resume first")
-        if not self.weights_valid:
-            raise EngineStateError(
-                "generate refused: weights are invalid (resumed without CPU backup); a full update_weights is needed"
-            )
         params = {
             "max_new_tokens": sampling.max_new_tokens,
             "temperature": sampling.temperature,
@@ -342,87 +337,76 @@ class SglangJaxEngine:
         return results
 
     # -- memory tags ----------------------------------------------------------
-    TAGS = ("weights", "kv_cache")
-
-    def _check_tags(self, tags: Sequence[str]) -> list[str]:
-        unknown = [t for t in tags if t not in self.TAGS]
-        if unknown:
-            raise ValueError(f"unknown memory tag(s) {unknown}; this engine has {list(self.TAGS)}")
-        return list(dict.fromkeys(tags))
-
     def _kv_list(self) -> list[jax.Array]:
         return self.runner.memory_pools.token_to_kv_pool.kv_buffer
 
     def tag_bytes(self, tag: str) -> int:
         """Device bytes a resident tag holds (over all local devices)."""
-        if tag == "kv_cache":
+        if tag == TAG_KV:
             arrs = self._kv_list()
         else:
             arrs = [self.runner.model_state_leaves[i] for i, _ in self.mappings.values()]
         return sum(int(a.nbytes) for a in arrs if not a.is_deleted())
 
-    def release(self, tags: Sequence[str]) -> dict[str, int]:
-        """Free the device memory of ``tags``; returns the bytes each held. The caller must
-        have drained (paused, nothing in flight, cache flushed). Releasing a released tag is a
-        no-op with a warning. JAX has no address-preserving pause: arrays are deleted."""
-        freed = {}
-        for tag in self._check_tags(tags):
-            if tag in self.released:
-                warnings.warn(f"release({tag!r}): already released; no-op", stacklevel=2)
-                continue
-            freed[tag] = self.tag_bytes(tag)
-            if tag == "kv_cache":
-                kv = self._kv_list()
-                self._kv_specs = [(a.shape, a.dtype, a.sharding) for a in kv]
-                for a in kv:
-                    a.delete()
-            else:
-                leaves = self.runner.model_state_leaves
-                for i, _ in self.mappings.values():
-                    if self.weights_cpu_backup:
-                        self._weight_backup[i] = np.asarray(jax.device_get(leaves[i]))
-                    leaves[i].delete()
-            self.released.add(tag)
-        return freed
+    def release_memory(self, tag: str) -> None:
+        """Delete the arrays of ``tag`` (JAX has no address-preserving pause); weights are
+        copied to host first when ``weights_cpu_backup``."""
+        if tag == TAG_KV:
+            kv = self._kv_list()
+            self._kv_specs = [(a.shape, a.dtype, a.sharding) for a in kv]
+            for a in kv:
+                a.delete()
+            return
+        leaves = self.runner.model_state_leaves
+        for i, _ in self.mappings.values():
+            if self.weights_cpu_backup:
+                self._weight_backup[i] = np.asarray(jax.device_get(leaves[i]))
+            leaves[i].delete()
 
-    def resume(self, tags: Sequence[str]) -> None:
-        """Reallocate ``tags`` with the same shapes/dtypes/shardings (no recompile).
-
-        Weights come back from the CPU backup when there is one; otherwise they are zeros and
-        ``weights_valid`` is False until a full ``update_weights``. Resuming a resident tag is
-        a no-op with a warning.
-        """
-        for tag in self._check_tags(tags):
-            if tag not in self.released:
-                warnings.warn(f"resume({tag!r}): not released; no-op", stacklevel=2)
-                continue
-            if tag == "kv_cache":
-                kv = self._kv_list()
-                for j, (shape, dtype, sharding) in enumerate(self._kv_specs):
-                    kv[j] = _zeros(shape, dtype, sharding)
+    def resume_memory(self, tag: str) -> bool:
+        """Reallocate ``tag`` with the same shapes/dtypes/shardings (no recompile). Weights
+        come back from the CPU backup (True) or as zeros (False: contents undefined)."""
+        if tag == TAG_KV:
+            kv = self._kv_list()
+            for j, (shape, dtype, sharding) in enumerate(self._kv_specs):
+                kv[j] = _zeros(shape, dtype, sharding)
+            return True
+        leaves = self.runner.model_state_leaves
+        restored = True
+        for i, _ in self.mappings.values():
+            old = leaves[i]
+            if i in self._weight_backup:
+                leaves[i] = jax.device_put(self._weight_backup.pop(i), old.sharding)
             else:
-                leaves = self.runner.model_state_leaves
-                for i, _ in self.mappings.values():
-                    old = leaves[i]
-                    if i in self._weight_backup:
-                        leaves[i] = jax.device_put(self._weight_backup.pop(i), old.sharding)
-                    else:
-                        leaves[i] = _zeros(old.shape, old.dtype, old.sharding)
-                self.weights_valid = self.weights_cpu_backup
-                self._resync_module()
-            self.released.discard(tag)
+                leaves[i] = _zeros(old.shape, old.dtype, old.sharding)
+                restored = False
+        self._resync_module()
+        return restored
 
     def flush_cache(self) -> None:
         self.engine.flush_cache()
 
     def pause_generation(self) -> None:
-        self.engine.pause_generation()
+        """Requests in flight return with finish_reason "abort" (sglang-jax's default mode,
+        "retract", would keep them queued: nothing could be released safely)."""
+        self.engine.pause_generation(mode="abort")
 
     def continue_generation(self) -> None:
         self.engine.continue_generation()
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+class Placed(NamedTuple):
+    """An array already on the engine's devices in the engine layout (naive swap baseline)."""
+
+    array: jax.Array
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _to_layout(x: jax.Array, transpose: bool, dtype: Any) -> jax.Array:
+    return (x.T if transpose else x).astype(dtype)
 
 
 @functools.cache

@@ -5,7 +5,9 @@ measured is ``None`` (JSON ``null``), never 0 and never guessed.
 
 ``source`` of a device entry says where its numbers came from:
 ``memory_stats`` (JAX allocator), ``live_arrays`` (JAX CPU: sum of live array shard
-bytes per device), ``torch_allocator``, ``mem_get_info`` (CUDA driver truth).
+bytes per device, ``device`` memory kind only), ``torch_allocator``, ``mem_get_info``
+(CUDA driver truth), ``live_tensors`` (torch CPU, which has no allocator stats: bytes of
+the distinct storages of every live CPU tensor).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 SCHEMA = "mllm_rl.phase/1"
-SOURCES = ("memory_stats", "live_arrays", "torch_allocator", "mem_get_info", "host")
+SOURCES = ("memory_stats", "live_arrays", "torch_allocator", "mem_get_info", "live_tensors", "host")
 TOP_KEYS = (
     "schema", "run_id", "backend", "process_index", "idx", "phase", "step",
     "t_start", "t_end", "memory", "info",

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 from mllm_rl.checkpoint.model_dir import ModelDir
-from mllm_rl.engine import SamplingParams, WeightMismatch, compare_fingerprints
+from mllm_rl.engine import SamplingParams, WeightExport, WeightMismatch
+from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.phases.recorder import PhaseRecorder, Sink
 from mllm_rl.progress import progress_bar
 
@@ -72,26 +73,23 @@ def run_swap(
         rec.set_probe(backend.memory_probe())
     backend.check_engine_args(model, opts.tp)
     with rec.phase("engine_ready_dummy", model=str(model.path), tp=opts.tp) as ph:
-        engine = backend.create_engine(model, tp=opts.tp, **opts.engine_kwargs)
+        engine = ManagedEngine(backend.create_engine(model, tp=opts.tp, **opts.engine_kwargs))
         on_engine(engine)
         ph.info["engine_weight_bytes"] = engine.weight_bytes()
-        ph.info["engine"] = type(engine).__name__
+        ph.info["engine"] = type(engine.engine).__name__
     with rec.phase("weights_swapped", mode=opts.mode, checkpoint_bytes=model.nbytes) as ph:
-        stats = swap_weights(backend, engine, model, opts.mode, rec)
-        got = engine.weights_fingerprint()
-        bad = compare_fingerprints(stats.fingerprint, got)
+        try:
+            stats = swap_weights(backend, engine, model, opts.mode, rec)
+        except WeightMismatch as e:
+            ph.info["fingerprint_ok"] = False
+            raise WeightMismatch(f"weights_swapped: {e}") from None
         ph.info.update(
             tensors=stats.tensors,
             bytes=stats.bytes,
             seconds=round(stats.seconds, 4),
             gbps=round(stats.gbps, 3),
-            fingerprint_ok=not bad,
+            fingerprint_ok=True,
         )
-        if bad or stats.tensors != len(model.tensors):
-            raise WeightMismatch(
-                f"weights_swapped: engine weights differ from the checkpoint for {len(bad)} tensor(s), "
-                f"e.g. {bad[:2]} ({stats.tensors}/{len(model.tensors)} sent)"
-            )
     sampling = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=0.0)
     with rec.phase("generate_result", prompts=list(opts.prompts)) as ph:
         outs = engine.generate(prompt_ids, sampling)
@@ -104,8 +102,11 @@ def run_swap(
     return {"swap": ph.info, "tensors": stats.tensors, "gbps": stats.gbps}
 
 
-def swap_weights(backend: Any, engine: Any, model: ModelDir, mode: str, rec: PhaseRecorder | None = None):
-    """Stream (or naively load then install) every checkpoint tensor into ``engine``."""
+def swap_weights(
+    backend: Any, engine: ManagedEngine, model: ModelDir, mode: str, rec: PhaseRecorder | None = None
+):
+    """Stream (or naively load then install) every checkpoint tensor into ``engine``; the
+    engine's fingerprint is checked against what was sent (``WeightMismatch`` otherwise)."""
     with progress_bar(total=len(model.tensors), desc=f"swap ({mode})", unit="tensor") as bar:
 
         def on_tensor(name: str) -> None:
@@ -114,8 +115,9 @@ def swap_weights(backend: Any, engine: Any, model: ModelDir, mode: str, rec: Pha
             bar.update(1)
 
         if mode == "naive":
-            placed = backend.place_all(engine, model)
+            placed = backend.place_all(engine.engine, model)
             if rec is not None:
                 rec.sample()  # both copies are resident now
-            return engine.update_weights(placed, on_tensor=on_tensor)
-        return engine.update_weights(model.iter_tensors(), on_tensor=on_tensor)
+            return engine.update_weights(WeightExport.of(placed, full=True), on_tensor=on_tensor)
+        export = WeightExport(list(model.tensors), model.iter_tensors(), full=True)
+        return engine.update_weights(export, on_tensor=on_tensor)

@@ -16,20 +16,22 @@ import warnings
 def main(ckpt: str) -> dict:
     from mllm_rl.backends.jax import JaxBackend
     from mllm_rl.backends.jax.probe import JaxMemoryProbe
-    from mllm_rl.backends.jax.sglang_engine import EngineStateError
     from mllm_rl.checkpoint import ModelDir
-    from mllm_rl.engine import SamplingParams
+    from mllm_rl.engine import EngineStateError, SamplingParams, WeightExport
+    from mllm_rl.engine_state import ManagedEngine
 
     out: dict = {}
     backend = JaxBackend()
     backend.init_runtime(tp=1)
     model = ModelDir.open(ckpt)
-    engine = backend.create_engine(model, tp=1)
+    engine = ManagedEngine(backend.create_engine(model, tp=1))
+    full = lambda: WeightExport(list(model.tensors), model.iter_tensors(), full=True)  # noqa: E731
+    first = lambda: WeightExport.of(list(model.iter_tensors())[:1], full=False)  # noqa: E731
     probe = JaxMemoryProbe()
     used = lambda: probe.in_use()[0]  # noqa: E731
     greedy = SamplingParams(max_new_tokens=8)
     probe_ids = [[51, 71, 68, 220, 66, 64, 79]]
-    engine.update_weights(model.iter_tensors())
+    engine.update_weights(full())
     out["reference"] = engine.generate(probe_ids, greedy)[0].token_ids
 
     def refused() -> str | None:
@@ -39,8 +41,12 @@ def main(ckpt: str) -> dict:
             return str(e)
         return None
 
-    engine.pause_generation()
-    engine.flush_cache()
+    try:
+        engine.release(["kv_cache"])
+        out["release_undrained"] = None
+    except EngineStateError as e:
+        out["release_undrained"] = str(e)
+    engine.drain()
     for tag in ("kv_cache", "weights"):
         before = used()
         held = engine.release([tag])[tag]
@@ -52,7 +58,7 @@ def main(ckpt: str) -> dict:
         out["double_release"] = engine.release(["kv_cache"])
         out["double_release_warned"] = any("already released" in str(x.message) for x in w)
     try:
-        engine.update_weights(list(model.iter_tensors())[:1])
+        engine.update_weights(first())
         out["update_while_released"] = None
     except EngineStateError as e:
         out["update_while_released"] = str(e)
@@ -64,24 +70,30 @@ def main(ckpt: str) -> dict:
     engine.continue_generation()
     out["after_resume_bytes_back"] = used()
     out["refused_while_invalid"] = refused()
-    first = list(model.iter_tensors())[:1]
-    engine.update_weights(first)  # a partial sync must not make them valid
+    try:
+        engine.update_weights(first())  # a partial sync on invalid weights is refused
+        out["partial_on_invalid"] = None
+    except EngineStateError as e:
+        out["partial_on_invalid"] = str(e)
     out["refused_after_partial"] = refused()
-    engine.update_weights(model.iter_tensors())
+    try:
+        engine.update_weights(WeightExport.of([("model.layers.0.bogus.weight", None)], full=False))
+        out["unknown_name"] = None
+    except ValueError as e:
+        out["unknown_name"] = str(e)
+    engine.update_weights(full())
     out["after_full_sync"] = engine.generate(probe_ids, greedy)[0].token_ids
-    engine.weights_cpu_backup = True  # now with backup: resume alone restores the weights
-    engine.pause_generation()
-    engine.flush_cache()
+    engine.engine.weights_cpu_backup = True  # now with backup: resume alone restores the weights
+    engine.drain()
     engine.release(["weights", "kv_cache"])
     engine.resume(["weights", "kv_cache"])
     engine.continue_generation()
     out["after_backup_resume"] = engine.generate(probe_ids, greedy)[0].token_ids
     for _cycle in range(3):  # step 2+ is where offload bugs show up
-        engine.pause_generation()
-        engine.flush_cache()
+        engine.drain()
         engine.release(["kv_cache", "weights"])
         engine.resume(["weights"])
-        engine.update_weights(model.iter_tensors())
+        engine.update_weights(full())
         engine.resume(["kv_cache"])
         engine.continue_generation()
         out.setdefault("cycles", []).append(engine.generate(probe_ids, greedy)[0].token_ids)

@@ -36,8 +36,14 @@ def test_double_release_is_a_warned_noop_and_unknown_tag_errors(result):
     assert "unknown memory tag" in result["unknown_tag"]
 
 
+def test_release_refused_until_drained(result):
+    assert "drain() first" in result["release_undrained"]
+
+
 def test_resume_without_backup_is_invalid_until_a_full_sync(result):
     assert "weights are invalid" in result["refused_while_invalid"]
+    assert "partial update on invalid weights" in result["partial_on_invalid"]
+    assert "unknown parameter" in result["unknown_name"]
     assert "weights are invalid" in result["refused_after_partial"]
     assert result["after_full_sync"] == result["reference"]
 

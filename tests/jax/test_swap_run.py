@@ -135,7 +135,7 @@ def test_swap_that_does_nothing_fails_loudly(tiny_ckpt, tmp_path):
     r = swap_run(tmp_path, tiny_ckpt, "--wandb", "disabled", env={"MLLM_RL_FAULTS": "swap_noop"})
     assert r.returncode == 3
     assert "Traceback" not in r.stderr
-    assert "error: weights_swapped: engine weights differ from the checkpoint" in r.stderr
+    assert "error: weights_swapped: update_weights: engine weights differ from what was sent" in r.stderr
     recs = read_jsonl(tmp_path / "phases.jsonl")
     assert recs[-1]["phase"] == "weights_swapped" and "WeightMismatch" in recs[-1]["info"]["error"]
 

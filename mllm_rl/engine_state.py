@@ -1,0 +1,227 @@
+"""``ManagedEngine``: the core's state machine around an engine adapter (DESIGN.md §6).
+
+State it owns (adapters keep none of it):
+
+- memory per tag: resident | released
+- weights: valid (with a version that counts updates) | invalid
+- generation: running | paused, and the number of requests in flight
+
+Invariants it enforces, each refused *before* anything changes:
+
+- never release with requests in flight: ``release`` needs a ``drain`` first
+  (pause -> wait until nothing is in flight -> flush);
+- never generate with released memory, invalid weights, or while paused;
+- a resume without CPU backup makes the weights invalid until a *full* update; a partial
+  update (LoRA: only some tensors) on invalid weights is refused;
+- an update with unknown, duplicate or (for a full update) missing names is refused; an
+  update whose tensors did not land (fingerprint of the engine != what was sent) raises
+  ``WeightMismatch``;
+- double release / resume of a resident tag is a no-op with a warning; an unknown tag is
+  a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from mllm_rl.engine import (
+    ABORT,
+    TAG_KV,
+    TAG_WEIGHTS,
+    EnginePrimitives,
+    EngineStateError,
+    Fingerprint,
+    GenerateOutput,
+    SamplingParams,
+    UpdateStats,
+    WeightExport,
+    WeightMismatch,
+    compare_fingerprints,
+)
+
+
+class ManagedEngine:
+    def __init__(self, engine: EnginePrimitives) -> None:
+        self.engine = engine
+        self.tags = tuple(engine.tags)
+        self.released: set[str] = set()
+        self.weights_valid = True  # dummy weights are "valid" for generation, as in SGLang
+        self.weights_version = 0  # +1 per update that landed
+        self.paused = False
+        self.in_flight = 0
+        self.aborted = 0  # requests returned with finish_reason "abort", in total
+        self._cv = threading.Condition()
+        self._names = list(engine.weight_names())
+
+    # -- state ---------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """A JSON-able view for phase records."""
+        with self._cv:
+            return {
+                "released": sorted(self.released),
+                "weights_valid": self.weights_valid,
+                "weights_version": self.weights_version,
+                "paused": self.paused,
+                "in_flight": self.in_flight,
+            }
+
+    @property
+    def weights_cpu_backup(self) -> bool:
+        return bool(self.engine.weights_cpu_backup)
+
+    def weight_names(self) -> list[str]:
+        return list(self._names)
+
+    def weight_bytes(self) -> int:
+        return self.engine.weight_bytes()
+
+    def tag_bytes(self, tag: str) -> int:
+        self._check_tags([tag])
+        return 0 if tag in self.released else self.engine.tag_bytes(tag)
+
+    # -- generation ------------------------------------------------------------------------
+    def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
+        n = len(input_ids)
+        with self._cv:
+            if self.released:
+                raise EngineStateError(f"generate refused: memory released for {sorted(self.released)}; resume first")
+            if not self.weights_valid:
+                raise EngineStateError(
+                    "generate refused: weights are invalid (resumed without CPU backup); a full update_weights is needed"
+                )
+            if self.paused:
+                raise EngineStateError("generate refused: generation is paused; continue_generation first")
+            self.in_flight += n
+        try:
+            outs = self.engine.generate(input_ids, sampling)
+        finally:
+            with self._cv:
+                self.in_flight -= n
+                self._cv.notify_all()
+        with self._cv:
+            self.aborted += sum(o.finish_reason == ABORT for o in outs)
+        return outs
+
+    def drain(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Pause generation, wait until no request is in flight, flush the cache.
+
+        Requests in flight return (finished, or ``finish_reason='abort'``); none is lost.
+        Raises ``EngineStateError`` if they do not return within ``timeout_s``.
+        """
+        t0 = time.perf_counter()
+        with self._cv:
+            self.paused = True
+            in_flight, aborted0 = self.in_flight, self.aborted
+        self.engine.pause_generation()
+        with self._cv:
+            if not self._cv.wait_for(lambda: self.in_flight == 0, timeout=timeout_s):
+                raise EngineStateError(f"drain: {self.in_flight} request(s) still in flight after {timeout_s}s")
+            aborted = self.aborted - aborted0
+        self.engine.flush_cache()
+        return {"in_flight_at_pause": in_flight, "aborted": aborted, "drain_s": round(time.perf_counter() - t0, 4)}
+
+    def continue_generation(self) -> None:
+        with self._cv:
+            if TAG_KV in self.released:
+                raise EngineStateError("continue_generation refused: kv_cache is released; resume it first")
+            self.paused = False
+        self.engine.continue_generation()
+
+    def flush_cache(self) -> None:
+        self.engine.flush_cache()
+
+    # -- memory tags -----------------------------------------------------------------------
+    def _check_tags(self, tags: Sequence[str]) -> list[str]:
+        unknown = [t for t in tags if t not in self.tags]
+        if unknown:
+            raise ValueError(f"unknown memory tag(s) {unknown}; this engine has {list(self.tags)}")
+        return list(dict.fromkeys(tags))
+
+    def release(self, tags: Sequence[str]) -> dict[str, int]:
+        """Free the device memory of ``tags``; returns the bytes each held."""
+        tags = self._check_tags(tags)
+        with self._cv:
+            if self.in_flight or not self.paused:
+                raise EngineStateError(
+                    f"release refused: {self.in_flight} request(s) in flight, generation "
+                    f"{'paused' if self.paused else 'running'}; drain() first"
+                )
+        held = {}
+        for tag in tags:
+            if tag in self.released:
+                warnings.warn(f"release({tag!r}): already released; no-op", stacklevel=2)
+                continue
+            held[tag] = self.engine.tag_bytes(tag)
+            self.engine.release_memory(tag)
+            self.released.add(tag)
+        return held
+
+    def resume(self, tags: Sequence[str]) -> dict[str, int]:
+        """Re-allocate ``tags``; returns the bytes each holds again. Weights resumed without a
+        CPU backup are invalid until a full update."""
+        tags = self._check_tags(tags)
+        back = {}
+        for tag in tags:
+            if tag not in self.released:
+                warnings.warn(f"resume({tag!r}): not released; no-op", stacklevel=2)
+                continue
+            restored = self.engine.resume_memory(tag)
+            self.released.discard(tag)
+            if tag == TAG_WEIGHTS and not restored:
+                self.weights_valid = False
+            back[tag] = self.engine.tag_bytes(tag)
+        return back
+
+    # -- weights ---------------------------------------------------------------------------
+    def check_update(self, export: WeightExport) -> None:
+        """Everything ``update_weights`` refuses, checked without touching the engine."""
+        if TAG_WEIGHTS in self.released:
+            raise EngineStateError("update_weights refused: weights are released; resume(['weights']) first")
+        if self.in_flight:
+            raise EngineStateError(f"update_weights refused: {self.in_flight} request(s) in flight; drain() first")
+        known = set(self._names)
+        unknown = [n for n in export.names if n not in known]
+        if unknown:
+            raise ValueError(f"update_weights: unknown parameter(s) for this engine: {', '.join(unknown[:3])}")
+        if len(set(export.names)) != len(export.names):
+            raise ValueError("update_weights: duplicate parameter names")
+        if export.full:
+            missing = [n for n in self._names if n not in set(export.names)]
+            if missing:
+                raise ValueError(
+                    f"update_weights: full update misses {len(missing)} parameter(s), e.g. {', '.join(missing[:3])}"
+                )
+        elif not self.weights_valid:
+            raise EngineStateError(
+                "update_weights refused: a partial update on invalid weights (resumed without CPU backup) "
+                "would leave the rest undefined; sync the full weights or enable weights CPU backup"
+            )
+
+    def update_weights(self, export: WeightExport, on_tensor: Any = None) -> UpdateStats:
+        """Stream ``export`` into the engine; raises ``WeightMismatch`` if it did not land."""
+        self.check_update(export)
+        stats = self.engine.update_weights(iter(export), on_tensor=on_tensor)
+        if stats.tensors != len(export.names):
+            raise WeightMismatch(f"update_weights: {stats.tensors} of {len(export.names)} announced tensors arrived")
+        got = self.engine.weights_fingerprint()
+        bad = compare_fingerprints(stats.fingerprint, got)
+        if bad:
+            raise WeightMismatch(
+                f"update_weights: engine weights differ from what was sent for {len(bad)} tensor(s), e.g. {bad[:2]}"
+            )
+        if export.full:
+            self.weights_valid = True
+        self.weights_version += 1
+        return stats
+
+    def weights_fingerprint(self) -> Fingerprint:
+        if TAG_WEIGHTS in self.released:
+            raise EngineStateError("weights_fingerprint refused: weights are released")
+        return self.engine.weights_fingerprint()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,150 @@
+"""The trainer contract (DESIGN.md §4), backend-neutral.
+
+A backend's trainer holds the policy (and its optimizer state) and implements the
+primitives the colocated lifecycle (``mllm_rl.lifecycle``) drives:
+
+- ``train_step(batch)``: one RL step on a ``RolloutBatch`` (``mini_batches`` optimizer
+  updates, each accumulating gradients over micro-batches exactly);
+- ``offload(what)`` / ``onload(what)`` for ``"params"`` and ``"optimizer"`` (JAX: the
+  ``pinned_host`` memory kind; torch: pinned CPU);
+- ``export_weights(full)``: a ``WeightExport`` of HF-named tensors, streamed (full: every
+  weight; partial: only what training changed, e.g. LoRA-merged linear layers);
+- ``weights_fingerprint(names)``: (sum, sumsq) of what ``export_weights`` would send;
+- ``save(dir)`` / ``restore(dir)``: params + optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from mllm_rl.engine import Fingerprint, WeightExport
+from mllm_rl.rl.loss_config import LossConfig
+
+PARAMS = "params"
+OPTIMIZER = "optimizer"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    grad_clip: float = 1.0  # global-norm clipping; 0 = off
+    mini_batches: int = 1  # optimizer updates per RL step (the batch split in this many parts)
+    micro_batch_size: int = 64  # sequences per forward/backward (gradient accumulation)
+    loss: LossConfig = LossConfig()
+    lora_rank: int = 0  # > 0: train LoRA adapters on every linear layer, base frozen
+    lora_alpha: float = 16.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.lr < 0:
+            raise ValueError(f"--lr must be >= 0, got {self.lr}")
+        if self.mini_batches < 1 or self.micro_batch_size < 1:
+            raise ValueError("mini_batches and micro_batch_size must be >= 1")
+        if self.lora_rank < 0:
+            raise ValueError(f"--lora-rank must be >= 0, got {self.lora_rank}")
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """One RL step's data on the host. B sequences, T positions (prompt + completion, right-padded).
+
+    - ``tokens`` [B, T] int32: prompt tokens, then completion tokens, then padding (0);
+    - ``attention_mask`` [B, T] bool: True on real tokens;
+    - ``loss_mask`` [B, T] bool: True where ``tokens[b, t]`` is a completion token (it is
+      predicted from position t - 1; ``loss_mask[:, 0]`` is always False);
+    - ``old_logp`` [B, T] float32: the rollout engine's log-prob of ``tokens[b, t]`` where
+      ``loss_mask``, 0 elsewhere;
+    - ``advantages`` [B] float32: one scalar per completion.
+    """
+
+    tokens: np.ndarray
+    attention_mask: np.ndarray
+    loss_mask: np.ndarray
+    old_logp: np.ndarray
+    advantages: np.ndarray
+
+    def __post_init__(self) -> None:
+        b, t = self.tokens.shape
+        for name in ("attention_mask", "loss_mask", "old_logp"):
+            if getattr(self, name).shape != (b, t):
+                raise ValueError(f"RolloutBatch.{name}: shape {getattr(self, name).shape}, expected {(b, t)}")
+        if self.advantages.shape != (b,):
+            raise ValueError(f"RolloutBatch.advantages: shape {self.advantages.shape}, expected {(b,)}")
+        if self.loss_mask[:, 0].any():
+            raise ValueError("RolloutBatch.loss_mask[:, 0] must be False (position 0 is never predicted)")
+        if (self.loss_mask & ~self.attention_mask).any():
+            raise ValueError("RolloutBatch.loss_mask is True on padding")
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def rows(self, s: slice) -> RolloutBatch:
+        return RolloutBatch(self.tokens[s], self.attention_mask[s], self.loss_mask[s], self.old_logp[s],
+                            self.advantages[s])  # fmt: skip
+
+
+class Trainer(Protocol):
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """One RL step; metrics: loss, grad_norm, clip_frac, kl, ratio_mean, tokens."""
+        ...
+
+    def logprobs(self, batch: RolloutBatch) -> np.ndarray:
+        """Log-prob of ``tokens[b, t]`` given ``tokens[b, :t]`` under the current params, [B, T]
+        (0 at t = 0 and on padding)."""
+        ...
+
+    def offload(self, what: Sequence[str]) -> int:
+        """Move ``params``/``optimizer`` off the device; returns device bytes they held."""
+        ...
+
+    def onload(self, what: Sequence[str]) -> int:
+        """Bring them back; returns device bytes they hold again."""
+        ...
+
+    def resident(self) -> dict[str, bool]:
+        """``{"params": bool, "optimizer": bool}``: on the device now?"""
+        ...
+
+    def export_weights(self, full: bool = True) -> WeightExport:
+        """HF-named tensors for the rollout engine (full, or only what training changes)."""
+        ...
+
+    def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
+        """(sum, sumsq) of the exported tensors (all, or ``names``)."""
+        ...
+
+    def save(self, path: Path) -> None: ...
+
+    def restore(self, path: Path) -> None: ...
+
+
+class Backend(Protocol):
+    """What ``--backend NAME`` resolves to (entry point group ``mllm_rl.backends``)."""
+
+    name: str
+    ready_phase: str  # "jax_ready" | "torch_ready"
+
+    def init_runtime(self, tp: int = 1, platform: str = "auto") -> dict[str, Any]: ...
+
+    def memory_probe(self) -> Any: ...
+
+    def check_engine_args(self, model: Any, tp: int) -> None: ...
+
+    def create_engine(self, model: Any, tp: int = 1, **kw: Any) -> Any: ...
+
+    def place_all(self, engine: Any, model: Any) -> list[tuple[str, Any]]: ...
+
+    def create_trainer(self, model: Any, cfg: TrainConfig) -> Trainer: ...
+
+    def empty_cache(self) -> None:
+        """Return cached-but-free device memory to the device (torch: ``empty_cache``)."""
+        ...
