@@ -1,0 +1,361 @@
+"""The embedded torch rollout engine: ``EnginePrimitives`` on our torch Qwen3 (CPU or one CUDA device).
+
+- Starts with dummy weights (uniform in [-1e-3, 1e-3], seeded), like ``load_format="dummy"``.
+- One preallocated KV pool of ``max_total_tokens`` slots: [L, 2, max_total_tokens, K, D]. A
+  batch of B prompts uses the first B*C slots as B rows of C = longest prompt + max new tokens
+  (prompts left-padded); batches that do not fit, or exceed ``max_running_requests``, are
+  served in consecutive sub-batches.
+- Greedy (``temperature == 0``) or temperature / top-p sampling with a ``torch.Generator``:
+  seeded by ``SamplingParams.seed`` per call (reproducible for the same prompts), else by the
+  engine seed (reproducible for the same sequence of calls). Sampling runs on the host.
+- Logprobs: ``log_softmax(logits / temperature)`` at the chosen token (``logits`` when
+  greedy), i.e. under the temperature-scaled distribution *before* top-p truncation.
+- A request stops at EOS or a stop token (included in its output, ``finish_reason="stop"``),
+  at ``max_new_tokens`` or the context length (``"length"``), or when ``pause_generation``
+  is called from another thread (``"abort"``, with the tokens it had; checked before every
+  decode step).
+- ``update_weights`` copies each tensor into the existing parameter storage (addresses
+  stable, so a CUDA-graph or torch_memory_saver region stays valid): the tensor is staged on
+  the engine's device in slices of at most ``chunk_bytes`` (whole when 0 or smaller), each
+  slice fingerprinted, then copied; peak = one copy + one staged slice (on CPU a slice of the
+  same dtype is a view of the source tensor, whose whole storage is live: one copy + one tensor).
+- Memory tags ``weights`` and ``kv_cache``: see ``backends/torch/memory.py`` (torch_memory_saver
+  on CUDA, storage resize elsewhere). No CUDA graphs are captured, so there is no
+  ``cuda_graph`` tag.
+
+Lifecycle state (released tags, weight validity, pause, requests in flight) is kept by the
+core's ``ManagedEngine``; this class keeps only what the memory backend needs to avoid a
+double pause.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from mllm_rl.backends.torch.memory import make_memory
+from mllm_rl.backends.torch.model import KVCache, build_qwen3, checkpoint_dtype, to_torch
+from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.engine import (
+    ABORT,
+    TAG_KV,
+    TAG_WEIGHTS,
+    Fingerprint,
+    GenerateOutput,
+    SamplingParams,
+    UpdateStats,
+)
+
+_FP_CHUNK = 1 << 20  # elements per fingerprint slice (bounds the float32 temporary of bf16 weights)
+
+
+class Placed(NamedTuple):
+    """A tensor already on the engine's device in the engine dtype, HF layout (naive swap baseline)."""
+
+    tensor: torch.Tensor
+
+
+def faults() -> set[str]:
+    """Fault-injection points for tests (``MLLM_RL_FAULTS="swap_noop,..."``)."""
+    return {f for f in os.environ.get("MLLM_RL_FAULTS", "").split(",") if f}
+
+
+def tensor_sums(x: torch.Tensor) -> torch.Tensor:
+    """[sum, sum of squares] of ``x`` as a float64 tensor on ``x.device``: float32 within
+    slices of 2**20 elements, float64 across slices."""
+    acc = torch.zeros(2, dtype=torch.float64, device=x.device)
+    for part in x.detach().reshape(-1).split(_FP_CHUNK):
+        p32 = part.float()
+        acc[0] += p32.sum()
+        acc[1] += torch.dot(p32, p32)
+    return acc
+
+
+class EmbeddedEngine:
+    """Implements ``mllm_rl.engine.EnginePrimitives`` (see the module docstring)."""
+
+    tags = (TAG_WEIGHTS, TAG_KV)
+
+    def __init__(
+        self,
+        model: ModelDir,
+        tp: int = 1,
+        max_total_tokens: int = 4096,
+        context_length: int = 512,
+        seed: int = 0,
+        chunk_bytes: int = 64 * 2**20,
+        weights_cpu_backup: bool = False,
+        device: str | torch.device | None = None,
+        max_running_requests: int = 128,
+    ) -> None:
+        if tp != 1:
+            raise ValueError(f"--tp {tp}: the embedded torch engine runs on one device (SGLang serves tp > 1)")
+        if context_length < 2 or max_total_tokens < context_length:
+            raise ValueError(
+                f"--context-length {context_length} / --max-total-tokens {max_total_tokens}: "
+                "need 2 <= context_length <= max_total_tokens"
+            )
+        if max_running_requests < 1:
+            raise ValueError(f"--max-running-requests must be >= 1, got {max_running_requests}")
+        self.model_dir = model
+        self.config = c = model.config
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = checkpoint_dtype(model)
+        self.max_total_tokens = max_total_tokens
+        self.context_length = context_length
+        self.max_running_requests = max_running_requests
+        self.chunk_bytes = chunk_bytes
+        self.weights_cpu_backup = weights_cpu_backup
+        self.memory = make_memory(self.device)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            with self.memory.region(TAG_WEIGHTS, cpu_backup=weights_cpu_backup):
+                self.model = build_qwen3(c, self.dtype, "meta").to_empty(device=self.device).eval()
+                self.model.requires_grad_(False)  # inference only
+                for p in self.model.parameters():  # dummy weights, generated on the host
+                    p.copy_(torch.empty(p.shape, dtype=torch.float32).uniform_(-1e-3, 1e-3, generator=gen))
+            with self.memory.region(TAG_KV):
+                shape = (c.num_hidden_layers, 2, max_total_tokens, c.num_key_value_heads, c.head_dim)
+                self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
+        self._gen = torch.Generator(device="cpu").manual_seed(seed)
+        self._abort = threading.Event()
+        self._lock = threading.Lock()  # one forward pass user at a time (generate / update / release)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model.path))
+
+    # -- weights ----------------------------------------------------------------------------
+    def weight_names(self) -> list[str]:
+        return list(self.params)
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params.values())
+
+    def place(self, hf_name: str, value: Any) -> torch.Tensor:
+        """A new tensor holding ``value`` (HF layout: host ndarray or torch tensor) on the engine's
+        device in the engine dtype (always a copy: the naive baseline's second copy)."""
+        dst = self._param(hf_name)
+        src = value if isinstance(value, torch.Tensor) else to_torch(value)
+        _check_shape(hf_name, src, dst)
+        return src.to(device=self.device, dtype=self.dtype, copy=True)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
+        """In-place streaming update; the fingerprint is of the data as staged on the device.
+
+        ``named_tensors`` yields ``(hf_name, value)``: a host ndarray (memmaps included), a torch
+        tensor on any device, or a ``Placed`` tensor (naive baseline; installed as is).
+        """
+        t0 = time.perf_counter()
+        noop = "swap_noop" in faults()
+        sums: dict[str, torch.Tensor] = {}
+        nbytes = 0
+        with torch.no_grad(), self._lock:
+            for name, value in named_tensors:
+                dst = self._param(name)
+                if isinstance(value, Placed):
+                    src = value.tensor
+                    _check_shape(name, src, dst)
+                    if src.device != dst.device or src.dtype != dst.dtype:
+                        raise ValueError(f"{name}: placed {src.dtype} on {src.device}, engine holds {dst.dtype} "
+                                         f"on {dst.device}")  # fmt: skip
+                    sums[name] = tensor_sums(src)
+                    if on_tensor is not None:
+                        on_tensor(name)
+                    if not noop:
+                        dst.copy_(src)
+                    del src
+                else:
+                    src = value if isinstance(value, torch.Tensor) else to_torch(value)
+                    _check_shape(name, src, dst)
+                    sums[name] = self._write(name, dst, src, on_tensor, noop)
+                    del src
+                del value
+                nbytes += dst.numel() * dst.element_size()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        fp: Fingerprint = {n: (float(s[0]), float(s[1])) for n, s in sums.items()}
+        return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp)
+
+    def _write(self, name: str, dst: torch.Tensor, src: torch.Tensor, on_tensor: Any, noop: bool) -> torch.Tensor:
+        """Stage ``src`` on the device slice by slice (rows of dim 0, at most ``chunk_bytes`` per
+        slice) and copy each slice into ``dst``; returns [sum, sumsq] of what was staged."""
+        rows = dst.shape[0]
+        row_bytes = max(1, dst[0].numel() * dst.element_size())
+        whole = self.chunk_bytes <= 0 or dst.numel() * dst.element_size() <= self.chunk_bytes
+        step = rows if whole else max(1, self.chunk_bytes // row_bytes)
+        acc = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for start in range(0, rows, step):
+            staged = src[start : start + step].to(device=self.device, dtype=self.dtype)
+            acc += tensor_sums(staged)
+            if start == 0 and on_tensor is not None:
+                on_tensor(name)  # the high point: the engine's copy plus one staged slice
+            if not noop:
+                dst[start : start + step].copy_(staged)
+            del staged
+        return acc
+
+    def weights_fingerprint(self) -> Fingerprint:
+        """(sum, sumsq) of every parameter the forward pass reads."""
+        with torch.no_grad():
+            sums = {n: tensor_sums(p) for n, p in self.params.items()}
+        return {n: (float(s[0]), float(s[1])) for n, s in sums.items()}
+
+    def _param(self, name: str) -> torch.Tensor:
+        try:
+            return self.params[name]
+        except KeyError:
+            raise ValueError(f"unknown parameter {name!r} for this engine") from None
+
+    # -- generation -------------------------------------------------------------------------
+    def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
+        prompts = [[int(t) for t in p] for p in input_ids]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i}: empty")
+            if len(p) >= self.context_length:
+                raise ValueError(f"prompt {i}: {len(p)} tokens >= --context-length {self.context_length}")
+            if min(p) < 0 or max(p) >= self.config.vocab_size:
+                raise ValueError(f"prompt {i}: token id outside [0, {self.config.vocab_size})")
+        gen = self._gen if sampling.seed is None else torch.Generator(device="cpu").manual_seed(sampling.seed)
+        outs: list[GenerateOutput] = []
+        with torch.no_grad(), self._lock:
+            for batch in self._sub_batches(prompts, sampling.max_new_tokens):
+                outs += self._generate_batch(batch, sampling, gen)
+        return outs
+
+    def _sub_batches(self, prompts: list[list[int]], max_new: int) -> list[list[list[int]]]:
+        """Consecutive groups of at most ``max_running_requests`` prompts whose rows fit the KV
+        pool (B * C <= max_total_tokens)."""
+        groups: list[list[list[int]]] = []
+        for p in prompts:
+            group = groups[-1] if groups else None
+            if group is not None and len(group) < self.max_running_requests:
+                cap = self._row_len([*group, p], max_new)
+                if cap * (len(group) + 1) <= self.max_total_tokens:
+                    group.append(p)
+                    continue
+            groups.append([p])
+        return groups
+
+    def _row_len(self, prompts: list[list[int]], max_new: int) -> int:
+        return max(len(p) for p in prompts) + min(max_new, self.context_length - min(len(p) for p in prompts))
+
+    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, gen: torch.Generator):
+        c, dev = self.config, self.device
+        b = len(prompts)
+        lens = [len(p) for p in prompts]
+        plen = max(lens)
+        budget = [min(sampling.max_new_tokens, self.context_length - n) for n in lens]
+        cap = self._row_len(prompts, sampling.max_new_tokens)
+        tokens = torch.zeros(b, plen, dtype=torch.long)
+        key_mask = torch.zeros(b, cap, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            tokens[i, plen - len(p) :] = torch.tensor(p)
+            key_mask[i, plen - len(p) : plen] = True
+        positions = (key_mask[:, :plen].long().cumsum(1) - 1).clamp(min=0)
+        tokens, key_mask, positions = tokens.to(dev), key_mask.to(dev), positions.to(dev)
+        pool = self.kv[:, :, : b * cap].view(c.num_hidden_layers, 2, b, cap, c.num_key_value_heads, c.head_dim)
+        cache = KVCache([pool[i, 0] for i in range(c.num_hidden_layers)],
+                        [pool[i, 1] for i in range(c.num_hidden_layers)])  # fmt: skip
+        out_tok: list[list[int]] = [[] for _ in prompts]
+        out_lp: list[list[float]] = [[] for _ in prompts]
+        reason: list[str | None] = [None] * b
+        stops = set(sampling.stop_token_ids) | {c.eos_token_id}
+        if self._abort.is_set():
+            return [self._output(t, lp, ABORT) for t, lp in zip(out_tok, out_lp, strict=True)]
+        logits = self.model.forward_cached(tokens, positions, key_mask, cache, 0)[:, -1]
+        next_pos = torch.tensor(lens, device=dev)
+        for step in range(max(budget)):
+            if self._abort.is_set():
+                break
+            tok, lp = sample(logits, sampling, gen)
+            for i in range(b):
+                if reason[i] is not None:
+                    continue
+                out_tok[i].append(int(tok[i]))
+                out_lp[i].append(float(lp[i]))
+                if int(tok[i]) in stops:
+                    reason[i] = "stop"
+                elif len(out_tok[i]) >= budget[i]:
+                    reason[i] = "length"
+            if all(r is not None for r in reason):
+                break
+            slot = plen + step
+            key_mask[:, slot] = True
+            logits = self.model.forward_cached(tok.to(dev)[:, None], next_pos[:, None], key_mask, cache, slot)[:, 0]
+            next_pos += 1
+        return [self._output(t, lp, r or ABORT) for t, lp, r in zip(out_tok, out_lp, reason, strict=True)]
+
+    def _output(self, toks: list[int], lps: list[float], reason: str) -> GenerateOutput:
+        return GenerateOutput(toks, lps, self.tokenizer.decode(toks, skip_special_tokens=True), reason)
+
+    def pause_generation(self) -> None:
+        """Requests in flight return before their next decode step with ``finish_reason="abort"``."""
+        self._abort.set()
+
+    def continue_generation(self) -> None:
+        self._abort.clear()
+
+    def flush_cache(self) -> None:
+        """Nothing to flush: the engine keeps no prefix cache between requests."""
+
+    # -- memory tags ------------------------------------------------------------------------
+    def _tensors(self, tag: str) -> list[torch.Tensor]:
+        if tag == TAG_WEIGHTS:
+            return list(self.params.values())
+        if tag == TAG_KV:
+            return [self.kv]
+        raise ValueError(f"unknown memory tag {tag!r}; this engine has {list(self.tags)}")
+
+    def tag_bytes(self, tag: str) -> int:
+        """Device bytes a resident tag holds (tensor bytes; CUDA allocations round up to 2 MiB pages)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors(tag))
+
+    def release_memory(self, tag: str) -> None:
+        with torch.no_grad(), self._lock:
+            self.memory.release(tag, self._tensors(tag), cpu_backup=tag == TAG_WEIGHTS and self.weights_cpu_backup)
+
+    def resume_memory(self, tag: str) -> bool:
+        """True when the contents came back (weights with CPU backup); kv_cache contents are
+        undefined after a resume (False) and are never read before being written."""
+        with torch.no_grad(), self._lock:
+            restored = self.memory.resume(tag, self._tensors(tag))
+        return restored and tag == TAG_WEIGHTS
+
+    def shutdown(self) -> None:
+        self.params = {}
+        self.model = None  # type: ignore[assignment]
+        self.kv = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def sample(logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row of ``logits`` [B, V] (float32). Returns (tokens [B], logprobs [B])
+    on the host; logprobs are ``log_softmax(logits / T)`` at the token (before top-p)."""
+    logits = logits.float().cpu()
+    if sampling.temperature == 0:
+        lp = torch.log_softmax(logits, dim=-1)
+        tok = lp.argmax(dim=-1)
+        return tok, lp.gather(1, tok[:, None])[:, 0]
+    lp = torch.log_softmax(logits / sampling.temperature, dim=-1)
+    probs = lp.exp()
+    if sampling.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= sampling.top_p  # the top token is always kept
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+    tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    return tok, lp.gather(1, tok[:, None])[:, 0]
+
+
+def _check_shape(name: str, src: torch.Tensor | np.ndarray, dst: torch.Tensor) -> None:
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"{name}: shape {tuple(src.shape)} does not match engine {tuple(dst.shape)}")

@@ -1,0 +1,149 @@
+"""Tag-based release/resume of the embedded engine's device memory.
+
+Two implementations with the same semantics (``release(tag)`` frees the device bytes of a
+tag's tensors, ``resume(tag)`` gives them back; tensor objects, shapes and dtypes stay):
+
+- ``SaverMemory`` (CUDA with ``torch_memory_saver`` importable): tensors are allocated inside
+  ``torch_memory_saver.region(tag, enable_cpu_backup=...)`` (``hook_mode="torch"``), so
+  ``pause(tag)`` unmaps and releases their physical memory while the virtual addresses stay
+  valid, and ``resume(tag)`` maps new physical memory at the same addresses (restoring the
+  bytes from its CPU backup when the region had one; otherwise contents are undefined).
+  torch_memory_saver 0.0.10 calls ``exit(1)`` on pausing a paused allocation or resuming an
+  active one (``csrc/core.cpp``), and its tags are process-global; so each engine gets its
+  own region tags (``mllm_rl-<n>-weights``: releasing one engine never touches another's
+  memory), and a process-wide set of paused region tags turns a repeated call into a warned
+  no-op.
+- ``StorageMemory`` (CPU, or CUDA without torch_memory_saver): ``release`` resizes each
+  tensor's storage to 0 bytes (after copying it into a host numpy buffer when backed up),
+  ``resume`` resizes it back and refills it from the backup (else zeros). Tensor objects are
+  kept, so the model keeps using the same ``Parameter`` objects; storage addresses change.
+  The host backup is numpy, not a torch tensor, so on CPU it is host memory (RSS) and not
+  counted as "device" memory by the ``live_tensors`` probe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import warnings
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+
+def saver_available(device: torch.device) -> bool:
+    """torch_memory_saver can manage ``device`` (a CUDA device and the package importable)."""
+    if device.type != "cuda":
+        return False
+    try:
+        import torch_memory_saver  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class StorageMemory:
+    """Release by resizing tensor storages to 0 (see module docstring)."""
+
+    mode = "storage_resize"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._backup: dict[str, list[np.ndarray]] = {}
+        self._released: set[str] = set()
+
+    @contextlib.contextmanager
+    def region(self, tag: str, cpu_backup: bool = False) -> Iterator[None]:
+        yield
+
+    def release(self, tag: str, tensors: list[torch.Tensor], cpu_backup: bool) -> None:
+        if tag in self._released:
+            warnings.warn(f"release({tag!r}): already released; no-op", stacklevel=2)
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if cpu_backup:
+            self._backup[tag] = [_to_host(t) for t in tensors]
+        for t in tensors:
+            t.untyped_storage().resize_(0)
+        self._released.add(tag)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume(self, tag: str, tensors: list[torch.Tensor]) -> bool:
+        if tag not in self._released:
+            warnings.warn(f"resume({tag!r}): not released; no-op", stacklevel=2)
+            return True
+        backup = self._backup.pop(tag, None)
+        for t in tensors:
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+            if backup is not None:
+                _from_host(t, backup.pop(0))  # host copies are freed as they are restored
+            else:
+                t.zero_()
+        self._released.discard(tag)
+        return backup is not None
+
+
+_ENGINE_IDS = itertools.count()
+_PAUSED: set[str] = set()  # region tags paused in this process (torch_memory_saver is process-global)
+_PAUSED_LOCK = threading.Lock()
+
+
+class SaverMemory:
+    """torch_memory_saver regions, tagged per instance (see the module docstring)."""
+
+    mode = "torch_memory_saver"
+
+    def __init__(self, device: torch.device) -> None:
+        from torch_memory_saver import torch_memory_saver
+
+        if getattr(torch_memory_saver, "_impl", None) is None:  # configurable until first use
+            torch_memory_saver.hook_mode = "torch"
+        self.tms = torch_memory_saver
+        self.device = device
+        self.prefix = f"mllm_rl-{next(_ENGINE_IDS)}-"
+        self._backup: dict[str, bool] = {}
+
+    @contextlib.contextmanager
+    def region(self, tag: str, cpu_backup: bool = False) -> Iterator[None]:
+        self._backup[tag] = cpu_backup
+        with torch.cuda.device(self.device), self.tms.region(tag=self.prefix + tag, enable_cpu_backup=cpu_backup):
+            yield
+
+    def release(self, tag: str, tensors: list[torch.Tensor], cpu_backup: bool) -> None:
+        with _PAUSED_LOCK:
+            if self.prefix + tag in _PAUSED:  # a second tms.pause would exit(1) the process
+                warnings.warn(f"release({tag!r}): already released; no-op", stacklevel=2)
+                return
+            torch.cuda.synchronize(self.device)  # no kernel may still use the memory being unmapped
+            self.tms.pause(self.prefix + tag)
+            _PAUSED.add(self.prefix + tag)
+
+    def resume(self, tag: str, tensors: list[torch.Tensor]) -> bool:
+        with _PAUSED_LOCK:
+            if self.prefix + tag not in _PAUSED:  # tms.resume of an active allocation would exit(1)
+                warnings.warn(f"resume({tag!r}): not released; no-op", stacklevel=2)
+                return True
+            self.tms.resume(self.prefix + tag)
+            _PAUSED.discard(self.prefix + tag)
+        torch.cuda.synchronize(self.device)
+        return self._backup.get(tag, False)
+
+
+def make_memory(device: torch.device) -> StorageMemory | SaverMemory:
+    return SaverMemory(device) if saver_available(device) else StorageMemory(device)
+
+
+def _to_host(t: torch.Tensor) -> np.ndarray:
+    """A host copy of ``t``'s bytes (numpy uint8, [nbytes])."""
+    host = np.empty(t.numel() * t.element_size(), np.uint8)
+    torch.from_numpy(host).copy_(t.detach().reshape(-1).view(torch.uint8))
+    return host
+
+
+def _from_host(t: torch.Tensor, host: np.ndarray) -> None:
+    t.detach().reshape(-1).view(torch.uint8).copy_(torch.from_numpy(host))
+

@@ -1,0 +1,279 @@
+"""Qwen3 causal LM in torch: the embedded engine's model, the torch trainer's model, and a
+reference for parity tests.
+
+Same math as ``backends/jax/model.py`` (RMSNorm in float32, q_norm/k_norm, neox rope,
+GQA, SiLU MLP, optional tied embeddings). ``named_parameters()`` are exactly the Hugging
+Face names (``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.weight`` as
+``(out, in)``, ..., ``lm_head.weight`` unless tied), so a checkpoint, an engine update and
+a trainer export all use one naming.
+
+Shapes: B batch, T new positions, S key positions, H hidden, N heads, K kv heads, D head_dim,
+V vocab, I mlp, L layers.
+
+Two forward paths share every layer:
+
+- ``forward(tokens, attention_mask)``: training / reference, differentiable, no state;
+- ``forward_cached(tokens, positions, key_mask, cache, start)``: the engine's incremental
+  path; k/v of the new positions are written into an external cache (``KVCache``) at
+  ``start`` and attention reads positions ``[0, start + T)`` of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.presets import ModelConfig
+
+TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+@dataclasses.dataclass
+class KVCache:
+    """Per-layer key/value buffers ``k[l], v[l]``: [B, S_max, K, D] (views into an engine pool)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None, device=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: [..., dim] -> [..., dim]; normalised in float32."""
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Neox-style rotary embedding. ``x``: [B, T, N, D], ``positions``: [B, T] -> [B, T, N, D]."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))  # [D/2]
+    ang = positions[..., None].float() * inv  # [B, T, D/2]
+    cos, sin = torch.cos(ang)[:, :, None, :], torch.sin(ang)[:, :, None, :]
+    x32 = x.float()
+    x1, x2 = x32[..., : d // 2], x32[..., d // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GQA attention. ``q``: [B, T, N, D]; ``k``, ``v``: [B, S, K, D]; ``mask``: [B, T, S] bool
+    (True = attend) -> [B, T, N*D]. Scores and softmax in float32."""
+    b, t, n, d = q.shape
+    rep = n // k.shape[2]
+    k = k.repeat_interleave(rep, dim=2)
+    v = v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("btnd,bsnd->bnts", q, k).float() / math.sqrt(d)
+    scores = scores.masked_fill(~mask[:, None], torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.einsum("bnts,bsnd->btnd", probs, v).reshape(b, t, n * d)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype | None = None, device=None) -> None:
+        super().__init__()
+        self.c = c
+        d = c.head_dim
+        kw = {"bias": False, "dtype": dtype, "device": device}
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * d, **kw)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * d, **kw)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * d, **kw)
+        self.o_proj = nn.Linear(c.num_attention_heads * d, c.hidden_size, **kw)
+        self.q_norm = RMSNorm(d, c.rms_norm_eps, dtype, device)
+        self.k_norm = RMSNorm(d, c.rms_norm_eps, dtype, device)
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x``: [B, T, H] -> q [B, T, N, D], k [B, T, K, D], v [B, T, K, D] (q, k normed and roped)."""
+        c = self.c
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim))
+        k = self.k_norm(self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim))
+        v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim)
+        return rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta), v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``x``: [B, T, H]; ``mask``: [B, T, T] bool -> [B, T, H]."""
+        q, k, v = self.qkv(x, positions)
+        return self.o_proj(attend(q, k, v, mask))
+
+    def forward_cached(
+        self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """``x``: [B, T, H]; ``mask``: [B, T, start+T]; caches [B, S_max, K, D] -> [B, T, H].
+        Writes this step's k/v into the caches at ``[start, start+T)``."""
+        q, k, v = self.qkv(x, positions)
+        end = start + x.shape[1]
+        k_cache[:, start:end] = k
+        v_cache[:, start:end] = v
+        return self.o_proj(attend(q, k_cache[:, :end], v_cache[:, :end], mask))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype | None = None, device=None) -> None:
+        super().__init__()
+        kw = {"bias": False, "dtype": dtype, "device": device}
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, **kw)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, **kw)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype | None = None, device=None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(c, dtype, device)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.mlp = MLP(c, dtype, device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_cached(self, x, positions, mask, k_cache, v_cache, start: int) -> torch.Tensor:
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), positions, mask, k_cache, v_cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Body(nn.Module):
+    """``model.*`` of the HF layout: embeddings, decoder layers, final norm."""
+
+    def __init__(self, c: ModelConfig, dtype: torch.dtype | None = None, device=None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList([Block(c, dtype, device) for _ in range(c.num_hidden_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+
+
+class Qwen3(nn.Module):
+    """``Qwen3(config)(tokens [B, T], attention_mask [B, T]) -> logits [B, T, V]`` (float32)."""
+
+    def __init__(self, c: ModelConfig, dtype: torch.dtype = torch.float32, device=None) -> None:
+        super().__init__()
+        self.config = c
+        self.model = Qwen3Body(c, dtype, device)
+        self.lm_head = (
+            None if c.tie_word_embeddings
+            else nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype, device=device)
+        )  # fmt: skip
+
+    def head(self) -> torch.Tensor:
+        """The output projection [V, H] (the embedding matrix when tied)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm + head: [B, T, H] -> [B, T, V] float32."""
+        return (self.model.norm(x) @ self.head().T).float()
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens``: [B, T] int; ``attention_mask``: [B, T] (True/1 on real tokens; left
+        padding aware: positions = cumsum(mask) - 1) -> logits [B, T, V] float32."""
+        b, t = tokens.shape
+        if attention_mask is None:
+            attention_mask = torch.ones(b, t, dtype=torch.bool, device=tokens.device)
+        attention_mask = attention_mask.bool()
+        positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+        causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
+        mask = causal[None] & attention_mask[:, None, :]  # [B, T, T]
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = layer(x, positions, mask)
+        return self.logits(x)
+
+    def forward_cached(
+        self, tokens: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor, cache: KVCache, start: int
+    ) -> torch.Tensor:
+        """Incremental forward for the engine.
+
+        ``tokens``, ``positions``: [B, T] (T = prompt length at prefill, 1 per decode step);
+        ``key_mask``: [B, S] bool over cache slots, True where a real token is (or will be
+        after this step) stored, S >= start + T; the k/v of the T tokens are written to cache
+        slots ``[start, start + T)``. Returns logits [B, T, V] float32.
+        """
+        t = tokens.shape[1]
+        end = start + t
+        slot = torch.arange(end, device=tokens.device)
+        q_slot = torch.arange(start, end, device=tokens.device)
+        mask = (slot[None, :] <= q_slot[:, None])[None] & key_mask[:, None, :end]  # [B, T, end]
+        x = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            x = layer.forward_cached(x, positions, mask, cache.k[i], cache.v[i], start)
+        return self.logits(x)
+
+
+def build_qwen3(c: ModelConfig, dtype: torch.dtype, device: str | torch.device = "meta") -> Qwen3:
+    """A ``Qwen3`` whose parameters live on ``device`` (``meta``: shapes only, no memory)."""
+    return Qwen3(c, dtype, torch.device(device))
+
+
+def to_torch(arr: np.ndarray) -> torch.Tensor:
+    """A host numpy array (also a read-only memmap, also ml_dtypes bfloat16) as a CPU tensor,
+    without a copy where the dtype allows."""
+    import warnings
+
+    a = np.asarray(arr)
+    with warnings.catch_warnings():  # memmaps are read-only; we only ever read them
+        warnings.simplefilter("ignore", UserWarning)
+        if a.dtype.name == "bfloat16":
+            return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+
+
+def checkpoint_dtype(model_dir: ModelDir) -> torch.dtype:
+    return TORCH_DTYPES[next(iter(model_dir.tensors.values()))[1].dtype]
+
+
+def load_qwen3(model_dir: ModelDir, dtype: torch.dtype | None = None, device: str = "cpu") -> Qwen3:
+    """Build a ``Qwen3`` and stream the checkpoint into it, one tensor at a time."""
+    dtype = dtype or checkpoint_dtype(model_dir)
+    model = build_qwen3(model_dir.config, dtype, "meta").to_empty(device=device)
+    params = dict(model.named_parameters())
+    if set(params) != set(model_dir.tensors):
+        raise ValueError(f"{model_dir.path}: tensor names do not match the Qwen3 parameters")
+    with torch.no_grad():
+        for name, arr in model_dir.iter_tensors():
+            src = to_torch(arr)
+            if tuple(src.shape) != tuple(params[name].shape):
+                raise ValueError(f"{name}: checkpoint {tuple(src.shape)} vs model {tuple(params[name].shape)}")
+            params[name].copy_(src)
+    return model.eval()
+
+
+def iter_hf_tensors(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` of every parameter, in ``named_parameters`` order."""
+    yield from model.named_parameters()
+
+
+@torch.no_grad()
+def greedy_decode(model: Qwen3, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Reference greedy decoding by full re-forward each step (no KV cache).
+
+    Returns (generated token ids [T_out], their log-probabilities [T_out]).
+    """
+    device = model.head().device
+    ids = list(prompt)
+    out, lps = [], []
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids], device=device))[0, -1]
+        lp = torch.log_softmax(logits, dim=-1)
+        tok = int(lp.argmax())
+        out.append(tok)
+        lps.append(float(lp[tok]))
+        ids.append(tok)
+        if tok == model.config.eos_token_id:
+            break
+    return out, lps

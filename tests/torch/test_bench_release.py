@@ -1,0 +1,24 @@
+"""scripts/bench_release.py runs on CPU with tiny (so it is known to work when a GPU session
+runs it for qwen3-4b)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def test_bench_release_reports_freed_bytes_per_tag():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/bench_release.py"), "--backend", "torch",
+                        "--preset", "tiny", "--platform", "cpu"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["source"] == "live_tensors" and out["memory_mode"] == "storage_resize"
+    for tag in ("kv_cache", "weights"):
+        t = out["tags"][tag]
+        assert t["held_bytes"] > 0 and t["freed_frac"] >= 0.99 and t["reclaimed_bytes"] >= 0.99 * t["held_bytes"]
+        assert t["release_s"] >= 0 and t["resume_s"] >= 0
+    assert out["greedy_identical"] is True and out["resync_s"] > 0  # no backup: a full re-sync ran

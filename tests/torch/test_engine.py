@@ -1,0 +1,149 @@
+"""Embedded torch engine details the contract does not pin down: sampling, batching, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from mllm_rl.backends.torch.engine import EmbeddedEngine, Placed, sample, tensor_sums
+from mllm_rl.backends.torch.model import greedy_decode, load_qwen3
+from mllm_rl.checkpoint import ModelDir, make_checkpoint
+from mllm_rl.engine import SamplingParams, WeightExport
+from mllm_rl.engine_state import ManagedEngine
+from mllm_rl.presets import get_preset
+
+PROMPTS = [[51, 71, 68, 220, 66, 64, 79], [160, 121, 254, 162], [72, 83, 64, 75, 1, 2, 3, 4, 5, 6]]
+GREEDY = SamplingParams(max_new_tokens=8)
+
+
+def swapped(ckpt, **kw) -> ManagedEngine:
+    model = ModelDir.open(ckpt)
+    eng = ManagedEngine(EmbeddedEngine(model, device="cpu", **kw))
+    eng.update_weights(WeightExport(list(model.tensors), model.iter_tensors(), full=True))
+    return eng
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    return swapped(tiny_ckpt)
+
+
+def test_greedy_equals_our_reference_decoder(engine, tiny_ckpt):
+    ref = load_qwen3(ModelDir.open(tiny_ckpt))
+    for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, GREEDY), strict=True):
+        toks, lps = greedy_decode(ref, prompt, 8)
+        assert out.token_ids == toks and out.finish_reason == "length"
+        assert max(abs(a - b) for a, b in zip(out.logprobs, lps, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("kw", [{"max_total_tokens": 40, "context_length": 32}, {"max_running_requests": 1}])
+def test_sub_batches_give_the_same_tokens(engine, tiny_ckpt, kw):
+    small = swapped(tiny_ckpt, **kw)
+    assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+
+
+def test_context_length_caps_new_tokens(tiny_ckpt):
+    eng = swapped(tiny_ckpt, max_total_tokens=64, context_length=12)
+    outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=50))
+    assert [len(o.token_ids) for o in outs] == [12 - len(p) for p in PROMPTS]
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+@pytest.mark.parametrize(
+    "prompts,match",
+    [([[]], "prompt 0: empty"), ([[1] * 600], "--context-length 512"), ([[5, 384]], r"outside \[0, 384\)")],
+)
+def test_bad_prompts_are_refused_and_leave_the_engine_usable(engine, prompts, match):
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompts, GREEDY)
+    assert engine.state()["in_flight"] == 0
+    assert len(engine.generate(PROMPTS[:1], GREEDY)[0].token_ids) == 8
+
+
+def test_update_with_a_wrong_shape_names_the_tensor(tiny_ckpt):
+    eng = swapped(tiny_ckpt)
+    fp = eng.weights_fingerprint()
+    bad = WeightExport.of([("model.norm.weight", torch.zeros(7))], full=False)
+    with pytest.raises(ValueError, match=r"model.norm.weight: shape \(7,\) does not match engine \(128,\)"):
+        eng.update_weights(bad)
+    assert eng.weights_fingerprint() == fp
+
+
+def test_updates_from_torch_tensors_and_placed_tensors(tiny_ckpt, engine):
+    """What a torch trainer exports (tensors, any dtype) and the naive baseline's Placed tensors."""
+    ref = load_qwen3(ModelDir.open(tiny_ckpt))
+    want = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+    eng = ManagedEngine(EmbeddedEngine(ModelDir.open(tiny_ckpt), device="cpu"))
+    eng.update_weights(WeightExport.of([(n, p.detach().double()) for n, p in ref.named_parameters()], full=True))
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == want
+    eng2 = ManagedEngine(EmbeddedEngine(ModelDir.open(tiny_ckpt), device="cpu"))
+    placed = [(n, Placed(eng2.engine.place(n, p.detach()))) for n, p in ref.named_parameters()]
+    eng2.update_weights(WeightExport.of(placed, full=True))
+    assert [o.token_ids for o in eng2.generate(PROMPTS, GREEDY)] == want
+
+
+def test_chunked_update_equals_whole_update(tiny_ckpt):
+    whole = swapped(tiny_ckpt, chunk_bytes=0)
+    chunked = swapped(tiny_ckpt, chunk_bytes=10_000)  # every matrix in ~20 slices
+    assert chunked.weights_fingerprint() == whole.weights_fingerprint()
+
+
+def test_fingerprint_sums():
+    x = torch.arange(3 * 2**20 + 5, dtype=torch.float32) / 2**20  # more than one 2**20 slice
+    s, q = tensor_sums(x)
+    assert math.isclose(float(s), float(x.double().sum()), rel_tol=1e-6)
+    assert math.isclose(float(q), float((x.double() ** 2).sum()), rel_tol=1e-6)
+
+
+def test_sampling_top_p_keeps_the_nucleus_and_reports_tempered_logprobs():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    g = torch.Generator().manual_seed(0)
+    tok, lp = sample(logits, SamplingParams(temperature=1.0, top_p=0.7), g)
+    assert set(tok.tolist()) == {0, 1}  # 0.5 + 0.3 >= 0.7: token 2 and 3 are cut
+    frac0 = (tok == 0).float().mean().item()
+    assert abs(frac0 - 0.5 / 0.8) < 0.05  # renormalised over the nucleus
+    assert torch.allclose(lp, torch.log(torch.tensor([0.5, 0.3]))[tok], atol=1e-6)  # before truncation
+    tok, lp = sample(logits[:1], SamplingParams(temperature=0.5), g)
+    assert torch.allclose(lp, torch.log_softmax(logits[:1] / 0.5, -1)[0, tok])
+    tok, _ = sample(logits[:5], SamplingParams(temperature=1.0, top_p=0.01), g)
+    assert tok.tolist() == [0] * 5  # the top token is always kept
+
+
+def test_unseeded_sampling_follows_the_engine_seed(tiny_ckpt):
+    s = SamplingParams(max_new_tokens=8, temperature=1.0)
+    a, b = swapped(tiny_ckpt, seed=7), swapped(tiny_ckpt, seed=7)
+    assert [o.token_ids for o in a.generate(PROMPTS, s)] == [o.token_ids for o in b.generate(PROMPTS, s)]
+
+
+def test_pause_from_another_thread_returns_promptly(tiny_ckpt):
+    eng = swapped(tiny_ckpt)
+    out = {}
+    th = threading.Thread(target=lambda: out.update(r=eng.engine.generate(PROMPTS, SamplingParams(max_new_tokens=480))))
+    th.start()
+    time.sleep(0.3)
+    t0 = time.perf_counter()
+    eng.engine.pause_generation()
+    th.join(timeout=10)
+    assert not th.is_alive() and time.perf_counter() - t0 < 2.0
+    assert all(o.finish_reason in ("abort", "stop") for o in out["r"]) and any(o.token_ids for o in out["r"])
+    assert eng.engine.generate(PROMPTS[:1], GREEDY)[0].finish_reason == "abort"  # still paused: nothing runs
+    eng.engine.continue_generation()
+    assert eng.engine.generate(PROMPTS[:1], GREEDY)[0].finish_reason == "length"
+
+
+def test_tied_and_bf16_checkpoints_swap_and_generate(tmp_path):
+    tied = dataclasses.replace(get_preset("tiny"), name="tiny-tied", tie_word_embeddings=True)
+    for cfg, dtype in ((tied, "float32"), (get_preset("tiny"), "bfloat16")):
+        ckpt = make_checkpoint(cfg, tmp_path / f"{cfg.name}-{dtype}", dtype=dtype, show_progress=False)
+        eng = swapped(ckpt)
+        assert sorted(eng.weight_names()) == sorted(ModelDir.open(ckpt).tensors)
+        assert all(p.dtype == {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+                   for p in eng.engine.params.values())  # fmt: skip
+        ref = load_qwen3(ModelDir.open(ckpt))
+        toks, _ = greedy_decode(ref, PROMPTS[0], 4)
+        assert eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4))[0].token_ids == toks
