@@ -1,0 +1,81 @@
+"""Everything the report derives from one run, computed once: attempts, expectations, findings, tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mllm_rl.report.attempts import Attempt, split_attempts
+from mllm_rl.report.completeness import completeness
+from mllm_rl.report.efficiency import efficiency_rows, swap_ratios
+from mllm_rl.report.expected import Expected, first_phase_guess, from_plan, inferred
+from mllm_rl.report.issues import WARNING, Issue
+from mllm_rl.report.load import Run
+from mllm_rl.report.memory import pick_unit
+from mllm_rl.report.metrics import step_metrics
+from mllm_rl.report.tables import phase_rows
+
+
+@dataclass
+class RunAnalysis:
+    run: Run
+    expected: Expected
+    attempts: dict[int, list[Attempt]]
+    issues: list[Issue]
+    phases: list[dict[str, Any]]
+    efficiency: list[dict[str, Any]]
+    swaps: list[dict[str, Any]]
+    metrics: list[dict[str, Any]]
+
+    @property
+    def unit(self) -> tuple[int, str]:
+        """One display unit for the run's device bytes (GiB, or MiB for tiny runs)."""
+        vals = [v for r in self.phases for v in (r["peak_bytes"], r["after_bytes"]) if v is not None]
+        return pick_unit(max(vals, default=None))
+
+    @property
+    def host_unit(self) -> tuple[int, str]:
+        vals = [r["host_rss_peak_bytes"] for r in self.phases if r["host_rss_peak_bytes"] is not None]
+        return pick_unit(max(vals, default=None))
+
+    def summary(self) -> dict[str, Any]:
+        run, exp = self.run, self.expected
+        plan = run.plan or {}
+        return {
+            "label": run.label, "dir": str(run.dir), "run_id": run.run_id, "backend": run.backend,
+            "plan": plan.get("plan"), "model": plan.get("model"), "records": run.n_records,
+            "processes": sorted(p for p, recs in run.records.items() if recs),
+            "attempts": {str(p): len(a) for p, a in self.attempts.items()},
+            "wall_seconds": None if run.t0 is None or run.t1 is None else run.t1 - run.t0,
+            "phase_files": [f.name for f in run.files.values()],
+            "expected": {"source": exp.source, "process_count": exp.process_count, "phases": exp.phases,
+                         "step_phases": exp.step_phases, "steps": exp.steps},
+        }  # fmt: skip
+
+
+def analyze(run: Run) -> RunAnalysis:
+    """Split attempts, work out what was expected, check completeness, build the tables."""
+    planned = (run.plan or {}).get("expected_phases")
+    if isinstance(planned, list) and all(isinstance(x, str) for x in planned):
+        first = planned[0] if planned else None
+    else:
+        first = first_phase_guess(run)
+    attempts = {p: split_attempts(p, recs, first) for p, recs in run.records.items()}
+    exp = from_plan(run, inferred(run, {p: [a.records for a in atts] for p, atts in attempts.items()}))
+    efficiency = efficiency_rows(run.label, attempts)
+    return RunAnalysis(
+        run=run,
+        expected=exp,
+        attempts=attempts,
+        issues=completeness(run, exp, attempts) + efficiency_issues(run.label, efficiency),
+        phases=phase_rows(run.label, attempts, run.t0),
+        efficiency=efficiency,
+        swaps=swap_ratios(run.label, attempts),
+        metrics=step_metrics(run),
+    )
+
+
+def efficiency_issues(label: str, rows: list[dict[str, Any]]) -> list[Issue]:
+    """A warning per flagged release (listed with the findings; it does not fail the check)."""
+    return [Issue(label, "release_efficiency", f"{r['phase']} {r['note']}", WARNING, process=r["process"],
+                  attempt=r["attempt"], step=r["step"], phase=r["phase"]) for r in rows if r["flagged"]]

@@ -1,0 +1,98 @@
+"""``build_report``: load runs, analyze them, write ``trace.json``, ``report.html``, ``summary.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mllm_rl.report.analysis import RunAnalysis, analyze
+from mllm_rl.report.compare import compare_rows
+from mllm_rl.report.html import render
+from mllm_rl.report.issues import ERROR, Issue, count, sort_issues
+from mllm_rl.report.load import load_runs
+from mllm_rl.report.trace import build_trace
+
+SUMMARY_SCHEMA = "mllm_rl.report/1"
+
+
+@dataclass
+class ReportResult:
+    """What ``build_report`` wrote and found."""
+
+    out_dir: Path
+    files: dict[str, Path]  # "trace", "html", "summary"
+    issues: list[Issue]
+    analyses: list[RunAnalysis]
+    comparison: list[dict[str, Any]] | None = None
+    seconds: float = 0.0
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def errors(self) -> list[Issue]:
+        return [i for i in self.issues if i.severity == ERROR]
+
+    @property
+    def exit_code(self) -> int:
+        """The CLI's status: 1 if any error-level finding, else 0."""
+        return 1 if self.errors else 0
+
+
+def default_out_dir(run_dirs: list[Path]) -> Path:
+    """``RUN_DIR/report`` for one run, ``./report-compare`` for several."""
+    return run_dirs[0] / "report" if len(run_dirs) == 1 else Path("report-compare")
+
+
+def _write(path: Path, text: str) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def summary_json(analyses: list[RunAnalysis], issues: list[Issue], comparison: list[dict[str, Any]] | None,
+                 files: dict[str, Path]) -> dict[str, Any]:
+    return {
+        "schema": SUMMARY_SCHEMA,
+        "generated_at": time.time(),
+        "runs": [an.summary() for an in analyses],
+        "counts": count(issues),
+        "issues": [i.to_json() for i in issues],
+        "swap_ratios": [r for an in analyses for r in an.swaps],
+        "efficiency": [r for an in analyses for r in an.efficiency],
+        "step_metrics": {an.run.label: an.metrics for an in analyses},
+        "phases": [r for an in analyses for r in an.phases],
+        "comparison": comparison,
+        "files": {k: str(v) for k, v in files.items()},
+    }
+
+
+def build_report(run_dirs: list[str | Path] | str | Path, out_dir: str | Path | None = None) -> ReportResult:
+    """Write the report of one or several run directories into ``out_dir``; return what it found.
+
+    Raises ``ReportInputError`` (one line naming the file) only on bad input; an incomplete or
+    failed run is reported, not refused.
+    """
+    t = time.perf_counter()
+    dirs = [Path(run_dirs)] if isinstance(run_dirs, (str, Path)) else [Path(d) for d in run_dirs]
+    if not dirs:
+        raise ValueError("build_report: no run directory given")
+    runs = load_runs(dirs)
+    analyses = [analyze(r) for r in runs]
+    issues = sort_issues([i for an in analyses for i in an.issues])
+    comparison = compare_rows([an.attempts for an in analyses]) if len(analyses) > 1 else None
+    out = Path(out_dir) if out_dir is not None else default_out_dir(dirs)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"trace": out / "trace.json", "html": out / "report.html", "summary": out / "summary.json"}
+    trace = build_trace([(an.run.label, an.run.t0, an.attempts) for an in analyses],
+                        other={"runs": [an.run.label for an in analyses],
+                               "t0_epoch_s": [an.run.t0 for an in analyses],
+                               "issues": [i.line() for i in issues]})
+    _write(files["trace"], json.dumps(trace, separators=(",", ":")))
+    _write(files["html"], render(analyses, issues, comparison))
+    summary = summary_json(analyses, issues, comparison, files)
+    _write(files["summary"], json.dumps(summary, separators=(",", ":"), default=str))
+    return ReportResult(out, files, issues, analyses, comparison, time.perf_counter() - t, summary)

@@ -1,0 +1,238 @@
+"""``report.html``: one static, self-contained page (inline CSS and SVG, no script, no network).
+
+Order: findings (completeness first), the comparison when there are several runs, then per
+run: memory per phase per device, memory over time, offload efficiency, param-swap ratio,
+RL metrics per step, the phase table. ``-`` means "not measurable", never 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from html import escape
+from typing import Any
+
+from mllm_rl.report.analysis import RunAnalysis
+from mllm_rl.report.efficiency import EFFICIENCY_MIN
+from mllm_rl.report.issues import ERROR, INFO, WARNING, Issue, count, group_issues
+from mllm_rl.report.memory import fmt_bytes, fmt_num, fmt_pct, fmt_seconds
+from mllm_rl.report.plots import (
+    compare_charts,
+    host_over_time_chart,
+    memory_over_time_charts,
+    memory_per_phase_charts,
+    metric_charts,
+)
+
+CSS = """
+body{font-family:system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;margin:20px 28px;color:#222;
+  font-size:14px;line-height:1.4}
+h1{font-size:22px;margin:0 0 4px} h2{font-size:18px;margin:28px 0 8px;border-bottom:2px solid #ddd;padding-bottom:3px}
+h3{font-size:15px;margin:18px 0 6px} .muted{color:#666} .small{font-size:12px}
+table{border-collapse:collapse;font-size:12px;margin:4px 0 10px}
+th,td{border:1px solid #ddd;padding:2px 7px;text-align:right;white-space:nowrap}
+th{background:#f4f4f4} td.l,th.l{text-align:left}
+tr.flag td{background:#fde2e1} tr.err td{background:#fff0d9} tr.step td{border-top:2px solid #bbb}
+.scroll{overflow-x:auto;max-width:100%} .tablewrap{overflow:auto;max-height:520px}
+.badge{display:inline-block;padding:1px 8px;border-radius:9px;font-weight:600;font-size:12px;margin-right:6px}
+.b-error{background:#d62728;color:#fff} .b-warning{background:#f0a202;color:#fff} .b-info{background:#9bb;color:#fff}
+.b-ok{background:#2ca02c;color:#fff}
+ul.issues{margin:4px 0;padding-left:18px} ul.issues li{margin:1px 0}
+li.error{color:#b00} li.warning{color:#8a5a00} li.info{color:#555}
+.legend{margin:2px 0 4px;font-size:12px} .li{margin-right:14px;white-space:nowrap}
+.sw{display:inline-block;width:14px;height:10px;margin-right:4px;vertical-align:middle}
+.grid{display:flex;flex-wrap:wrap;gap:6px 18px} .cell{flex:0 0 auto}
+dl.meta{display:grid;grid-template-columns:max-content minmax(0,1fr) max-content minmax(0,1fr);gap:0 12px;
+  margin:4px 0;font-size:13px;max-width:1300px}
+dl.meta dt{color:#666} dl.meta dd{margin:0;overflow-wrap:anywhere}
+"""
+
+
+def _td(v: Any, left: bool = False) -> str:
+    return f'<td{" class=l" if left else ""}>{escape(str(v))}</td>'
+
+
+def _th(v: str, left: bool = False) -> str:
+    return f'<th{" class=l" if left else ""}>{escape(v)}</th>'
+
+
+def _opt(v: Any) -> str:
+    return "-" if v is None else str(v)
+
+
+def issues_html(issues: list[Issue], analyses: Sequence[RunAnalysis]) -> str:
+    c = count(issues)
+    out = ["<h2>Findings</h2>"]
+    if c[ERROR] == 0:
+        checked = []
+        for an in analyses:
+            e = an.expected
+            steps = f", {len(e.steps)} step(s) x {len(e.step_phases)} phase(s)" if e.steps else ""
+            checked.append(f"{escape(an.run.label)}: {e.process_count} process(es) x {len(e.phases)} phase(s)"
+                           f"{steps} (expected from {escape(e.source)})")
+        out.append(f'<p><span class="badge b-ok">complete</span>every expected phase recorded on every process, '
+                   f'in order. {"; ".join(checked)}</p>')
+    names = {ERROR: "error", WARNING: "warning", INFO: "note"}
+    out.append("<p>" + "".join(f'<span class="badge b-{s}">{c[s]} {names[s]}{"s" if c[s] != 1 else ""}</span>'
+                               for s in (ERROR, WARNING, INFO)) + "</p>")
+    if any(an.expected.source == "inferred" for an in analyses):
+        out.append('<p class="muted small">No run.json: expected phases inferred from the records; a phase '
+                   "missing on every process cannot be detected.</p>")
+    if issues:
+        out.append('<ul class="issues">')
+        for i, where in group_issues(issues):
+            out.append(f'<li class="{i.severity}"><b>{escape(i.severity)}</b> [{escape(i.kind)}] '
+                       f"{escape(i.run)}{' ' + escape(where) if where else ''}: {escape(i.message)}</li>")
+        out.append("</ul>")
+    return "\n".join(out)
+
+
+def meta_html(an: RunAnalysis) -> str:
+    s = an.summary()
+    resumed = {p: n for p, n in s["attempts"].items() if n > 1}
+    items = [
+        ("run id", s["run_id"]), ("backend", s["backend"]), ("plan", _opt(s["plan"])), ("model", _opt(s["model"])),
+        ("processes", f"{len(s['processes'])} recorded / {an.expected.process_count} expected"),
+        ("steps", f"{len(an.expected.steps)} expected" if an.expected.steps else "none (no RL steps)"),
+        ("records", s["records"]), ("wall time", f"{fmt_num(s['wall_seconds'], 2)} s"),
+        ("attempts", ", ".join(f"process {p}: {n}" for p, n in resumed.items()) or "1 per process"),
+        ("phase files", ", ".join(s["phase_files"])), ("directory", s["dir"]),
+    ]  # fmt: skip
+    return '<dl class="meta">' + "".join(f"<dt>{escape(k)}</dt><dd>{escape(str(v))}</dd>" for k, v in items) + "</dl>"
+
+
+def phase_table_html(an: RunAnalysis) -> str:
+    unit, hunit = an.unit, an.host_unit
+    multi = any(r["attempt"] is not None for r in an.phases)
+    secondary = sorted({s for r in an.phases for s in r["secondary"]})
+    head = ["process"] + (["attempt"] if multi else []) + ["step", "phase", "start s", "dur s",
+            f"before {unit[1]}", f"after {unit[1]}", f"peak {unit[1]}", f"delta {unit[1]}"]  # fmt: skip
+    head += [f"{s} after {unit[1]}" for s in secondary]
+    head += [f"host rss {hunit[1]}", f"rss peak {hunit[1]}", "source", "error"]
+    out = ['<div class="tablewrap"><table><tr>' + "".join(_th(h, h in ("phase", "error", "source")) for h in head)
+           + "</tr>"]
+    prev_step: Any = object()
+    for r in an.phases:
+        cls = "err" if r["error"] else ("step" if r["step"] is not None and r["step"] != prev_step else "")
+        prev_step = r["step"]
+        cells = [_td(r["process"])] + ([_td(_opt(r["attempt"]))] if multi else []) + [
+            _td(_opt(r["step"])), _td(r["phase"], True), _td(fmt_num(r["t_offset_s"], 2)), _td(fmt_seconds(r["seconds"])),
+            _td(fmt_bytes(r["before_bytes"], unit)), _td(fmt_bytes(r["after_bytes"], unit)),
+            _td(fmt_bytes(r["peak_bytes"], unit)), _td(fmt_bytes(r["delta_bytes"], unit, signed=True))]  # fmt: skip
+        cells += [_td(fmt_bytes(r["secondary"].get(s, {}).get("after"), unit)) for s in secondary]
+        cells += [_td(fmt_bytes(r["host_rss_bytes"], hunit)), _td(fmt_bytes(r["host_rss_peak_bytes"], hunit)),
+                  _td(_opt(r["source"]), True), _td((r["error"] or "")[:120], True)]
+        out.append(f'<tr class="{cls}">' + "".join(cells) + "</tr>")
+    out.append("</table></div>")
+    note = ('<p class="muted small">Device bytes summed over each process\'s devices, one entry per device (the '
+            "most truthful source: mem_get_info, then memory_stats, torch_allocator, live_arrays). peak = the "
+            "phase's own peak (sampled), not the allocator's cumulative one.</p>")
+    return note + "\n".join(out)
+
+
+def efficiency_html(an: RunAnalysis) -> str:
+    rows = an.efficiency
+    if not rows:
+        return '<p class="muted">No release/offload/resume/onload phase in this run.</p>'
+    unit = an.unit
+    flagged = sum(r["flagged"] for r in rows)
+    n_free = sum(r["kind"] == "free" for r in rows)
+    multi = any(r["attempt"] is not None for r in rows)
+    others = sorted({s for r in rows for s in r["by_source"] if s != r["source"]})
+    head = ["process"] + (["attempt"] if multi else []) + ["step", "phase", "kind", "source",
+            f"freed/alloc {unit[1]}", f"expected {unit[1]}", "ratio"]  # fmt: skip
+    head += [f"{s} {unit[1]}" for s in others] + ["note"]
+    out = [f"<p>{flagged} of {n_free} release/offload phase(s) flagged (freed below {EFFICIENCY_MIN:.0%} of "
+           "<code>expected_freed_bytes</code>, or nothing). Freed = bytes in use at the start minus at the end, "
+           "by device truth where recorded.</p>",
+           '<div class="tablewrap"><table><tr>' + "".join(_th(h, h in ("phase", "note", "kind", "source"))
+                                                          for h in head) + "</tr>"]
+    for r in rows:
+        cells = [_td(r["process"])] + ([_td(_opt(r["attempt"]))] if multi else []) + [
+            _td(_opt(r["step"])), _td(r["phase"], True), _td(r["kind"], True), _td(_opt(r["source"]), True),
+            _td(fmt_bytes(r["actual_bytes"], unit)), _td(fmt_bytes(r["expected_bytes"], unit)),
+            _td(fmt_pct(r["ratio"]))]  # fmt: skip
+        cells += [_td(fmt_bytes(r["by_source"].get(s), unit)) for s in others]
+        cells.append(_td(r["note"], True))
+        out.append(f'<tr class="{"flag" if r["flagged"] else ""}">' + "".join(cells) + "</tr>")
+    out.append("</table></div>")
+    return "\n".join(out)
+
+
+def swap_html(swaps: list[dict[str, Any]], unit: tuple[int, str], with_run: bool = False) -> str:
+    head = (["run"] if with_run else []) + ["process", "step", "phase", f"peak {unit[1]}", f"steady {unit[1]}",
+                                            "peak/steady", "weights-only"]
+    out = ["<table><tr>" + "".join(_th(h, h in ("run", "phase")) for h in head) + "</tr>"]
+    for r in swaps:
+        cells = ([_td(r["run"], True)] if with_run else []) + [
+            _td(r["process"]), _td(_opt(r["step"])), _td(r["phase"], True), _td(fmt_bytes(r["peak_max"], unit)),
+            _td(fmt_bytes(r["steady_max"], unit)), _td(fmt_num(r["ratio"])), _td(fmt_num(r["weights_only_ratio"]))]
+        out.append("<tr>" + "".join(cells) + "</tr>")
+    out.append("</table>")
+    return ('<p class="muted small">peak/steady = phase peak / bytes in use at the end of the phase, max over '
+            "devices (steady includes the KV cache); weights-only = (peak - non-weight bytes) / weight bytes: "
+            "1.0 is one copy, 2.0 two full copies.</p>" + "\n".join(out))
+
+
+def run_section(an: RunAnalysis, heading: bool) -> str:
+    out = [f"<h2>Run {escape(an.run.label)}</h2>" if heading else "<h2>Run</h2>", meta_html(an)]
+    out += ["<h3>Memory per phase per device</h3>", memory_per_phase_charts(an)]
+    out += ["<h3>Memory over time</h3>", memory_over_time_charts(an), "<h3>Host RSS over time</h3>",
+            host_over_time_chart(an)]
+    out += ["<h3>Offload efficiency</h3>", efficiency_html(an)]
+    if an.swaps:
+        out += ["<h3>Weight swap: peak / steady</h3>", swap_html(an.swaps, an.unit)]
+    if an.metrics:
+        out += ["<h3>RL metrics per step</h3>", metric_charts(an)]
+    out += ["<h3>Phases</h3>", phase_table_html(an)]
+    return "\n".join(out)
+
+
+def compare_html(analyses: Sequence[RunAnalysis], rows: list[dict[str, Any]]) -> str:
+    unit = max((an.unit for an in analyses), key=lambda u: u[0])
+    out = ["<h2>Comparison</h2>", "<table><tr>" + "".join(
+        _th(h, h in ("run", "backend", "plan")) for h in
+        ("run", "backend", "plan", "processes", "records", "wall s", f"max phase peak {unit[1]}", "peak/steady",
+         "errors")) + "</tr>"]  # fmt: skip
+    for an in analyses:
+        s = an.summary()
+        peaks = [r["peak_bytes"] for r in an.phases if r["peak_bytes"] is not None]
+        ratios = [r["ratio"] for r in an.swaps if r["ratio"] is not None]
+        out.append("<tr>" + "".join([
+            _td(an.run.label, True), _td(s["backend"], True), _td(_opt(s["plan"]), True), _td(len(s["processes"])),
+            _td(s["records"]), _td(fmt_num(s["wall_seconds"], 2)), _td(fmt_bytes(max(peaks, default=None), unit)),
+            _td(fmt_num(max(ratios, default=None))), _td(count(an.issues)[ERROR])]) + "</tr>")  # fmt: skip
+    out.append("</table>")
+    swaps = [r for an in analyses for r in an.swaps]
+    if swaps:
+        out += ["<h3>Weight swap: peak / steady per run</h3>", swap_html(swaps, unit, with_run=True)]
+    out += ["<h3>Same phase, side by side</h3>", compare_charts(analyses, rows, unit)]
+    head = ["phase"] + [f"{an.run.label} {k}" for an in analyses for k in ("s", f"after {unit[1]}", f"peak {unit[1]}")]
+    out.append('<div class="tablewrap"><table><tr>' + "".join(_th(h, h == "phase") for h in head) + "</tr>")
+    for row in rows:
+        cells = [_td(row["phase"], True)]
+        for v in row["runs"]:
+            v = v or {}
+            cells += [_td(fmt_seconds(v.get("seconds"))), _td(fmt_bytes(v.get("after_bytes"), unit)),
+                      _td(fmt_bytes(v.get("peak_bytes"), unit))]
+        out.append("<tr>" + "".join(cells) + "</tr>")
+    out.append("</table></div>")
+    out.append('<p class="muted small">Per phase: seconds of the slowest process; bytes summed over every device of '
+               "every process.</p>")
+    return "\n".join(out)
+
+
+def render(analyses: Sequence[RunAnalysis], issues: list[Issue], comparison: list[dict[str, Any]] | None) -> str:
+    labels = ", ".join(an.run.label for an in analyses)
+    title = f"mllm_rl memory report: {labels}"
+    body = [f"<h1>{escape(title)}</h1>",
+            f'<p class="muted small">Generated {time.strftime("%Y-%m-%d %H:%M:%S")} by '
+            "<code>python -m mllm_rl.report</code>; <code>-</code> = not measurable (never 0). "
+            "Timeline: <code>trace.json</code> in ui.perfetto.dev. Hover a bar or point for its value.</p>",
+            issues_html(issues, analyses)]  # fmt: skip
+    if comparison is not None:
+        body.append(compare_html(analyses, comparison))
+    for an in analyses:
+        body.append(run_section(an, heading=len(analyses) > 1))
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
+            f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")

@@ -1,0 +1,90 @@
+"""A finding of the report's checks, with a severity that decides the CLI's exit status."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+ERROR, WARNING, INFO = "error", "warning", "info"
+SEVERITIES = (ERROR, WARNING, INFO)
+
+
+@dataclass
+class Issue:
+    """One finding. ``error``: the record set is wrong or incomplete (exit 1); ``warning``: suspicious;
+    ``info``: a note (e.g. a step interrupted by a kill and completed by the resumed attempt)."""
+
+    run: str
+    kind: str
+    message: str
+    severity: str = ERROR
+    process: int | None = None
+    attempt: int | None = None  # 1-based; set only when the process has several attempts
+    step: int | None = None
+    phase: str | None = None
+
+    def where(self) -> str:
+        parts = []
+        if self.process is not None:
+            parts.append(f"process {self.process}")
+        if self.attempt is not None:
+            parts.append(f"attempt {self.attempt}")
+        if self.step is not None:
+            parts.append(f"step {self.step}")
+        return " ".join(parts)
+
+    def line(self) -> str:
+        where = self.where()
+        return f"{self.severity}: {self.run}{' ' + where if where else ''}: {self.message}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "line": self.line()}
+
+
+def count(issues: list[Issue]) -> dict[str, int]:
+    return {s: sum(1 for i in issues if i.severity == s) for s in SEVERITIES}
+
+
+def sort_issues(issues: list[Issue]) -> list[Issue]:
+    """Errors first, then warnings, then notes; stable otherwise (recording order)."""
+    return sorted(issues, key=lambda i: SEVERITIES.index(i.severity))
+
+
+def _ranges_text(values: list[int]) -> str:
+    """``0-2, 5`` for ``[0, 1, 2, 5]``."""
+    out: list[list[int]] = []
+    for v in sorted(set(values)):
+        if out and v == out[-1][1] + 1:
+            out[-1][1] = v
+        else:
+            out.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+
+
+def _plural(word: str, values: list[int]) -> str:
+    return f"{word}{'es' if word.endswith('s') else 's'}" if len(set(values)) > 1 else word
+
+
+def group_issues(issues: list[Issue]) -> list[tuple[Issue, str]]:
+    """Issues with the same severity, kind, phase and message folded into one line each:
+    ``(first issue, where)`` with ``where`` like ``3x: processes 0-1 attempt 1 step 1``."""
+    groups: dict[tuple[str, str, str | None, str, str], list[Issue]] = {}
+    for i in sort_issues(issues):
+        groups.setdefault((i.severity, i.kind, i.phase, i.run, i.message), []).append(i)
+    out = []
+    for members in groups.values():
+        if len(members) == 1:
+            out.append((members[0], members[0].where()))
+            continue
+        steps: dict[tuple[int | None, int | None], list[int]] = {}
+        for m in members:
+            steps.setdefault((m.process, m.attempt), []).extend([] if m.step is None else [m.step])
+        procs: dict[tuple[int | None, str], list[int]] = {}
+        for (p, a), st in steps.items():
+            text = " ".join(x for x in (f"attempt {a}" if a is not None else "",
+                                        f"{_plural('step', st)} {_ranges_text(st)}" if st else "") if x)
+            procs.setdefault((a, text), []).extend([] if p is None else [p])
+        parts = [" ".join(x for x in (f"{_plural('process', ps)} {_ranges_text(ps)}" if ps else "", text) if x)
+                 for (_, text), ps in procs.items()]
+        out.append((members[0], f"{len(members)}x: " + "; ".join(parts)))
+    return out

@@ -1,0 +1,174 @@
+"""Read run directories: ``phases.jsonl`` (process 0), ``phases.p<i>.jsonl`` (process i), ``run.json``.
+
+Records keep their file order (append-only: the recording order, resumed attempts included).
+Numbers keep the schema's meaning: ``None`` is "unknown", never 0.
+
+Bad input raises ``ReportInputError`` with a one-line message naming the file (and line):
+a missing directory, no phase file, a line that is not JSON (except a torn last line, which a
+killed writer leaves and which is skipped), a record that is not schema-valid, or a record in
+the wrong process's file. An *empty* phase file is not bad input: it is a process that
+recorded nothing, which the completeness check reports.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mllm_rl.phases.schema import SchemaError, validate_record
+
+Record = dict[str, Any]
+PHASE_FILE = re.compile(r"^phases(?:\.p(\d+))?\.jsonl$")
+
+
+class ReportInputError(ValueError):
+    """Bad input for the report (missing dir, no phase file, invalid record); the CLI exits 2."""
+
+
+@dataclass
+class Run:
+    """One run directory: its records per process (recording order) and its ``run.json``, if any."""
+
+    dir: Path
+    label: str
+    records: dict[int, list[Record]]
+    plan: dict[str, Any] | None = None
+    files: dict[int, Path] = field(default_factory=dict)
+    torn_lines: list[str] = field(default_factory=list)
+
+    @property
+    def run_id(self) -> str:
+        for recs in self.records.values():
+            if recs:
+                return str(recs[0]["run_id"])
+        if self.plan and isinstance(self.plan.get("run_id"), str):
+            return self.plan["run_id"]
+        return self.dir.name
+
+    @property
+    def backend(self) -> str:
+        names = sorted({str(r["backend"]) for _, r in self.all_records()})
+        if not names and self.plan and self.plan.get("backend"):
+            return str(self.plan["backend"])
+        return ",".join(names) or "-"
+
+    @property
+    def n_records(self) -> int:
+        return sum(len(v) for v in self.records.values())
+
+    @property
+    def t0(self) -> float | None:
+        """Earliest ``t_start`` of any process of this run (``None`` without records)."""
+        return min((r["t_start"] for _, r in self.all_records()), default=None)
+
+    @property
+    def t1(self) -> float | None:
+        return max((r["t_end"] for _, r in self.all_records()), default=None)
+
+    def all_records(self) -> Iterator[tuple[int, Record]]:
+        for p in sorted(self.records):
+            for r in self.records[p]:
+                yield p, r
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_record(rec: Any) -> None:
+    """The schema check plus what the report relies on (numeric times, device objects)."""
+    if not isinstance(rec, dict):
+        raise SchemaError("expected a JSON object")
+    validate_record(rec)
+    if rec["process_index"] is None:
+        raise SchemaError("process_index: null (the report needs the process)")
+    if not (_number(rec["t_start"]) and _number(rec["t_end"])):
+        raise SchemaError("t_start/t_end: expected numbers")
+    for i, d in enumerate(rec["memory"]["devices"]):
+        if not isinstance(d, dict):
+            raise SchemaError(f"memory.devices[{i}]: expected an object")
+        start = d.get("bytes_in_use_start")
+        if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start < 0):
+            raise SchemaError(f"memory.devices[{i}].bytes_in_use_start: expected a non-negative int or null")
+
+
+def read_phase_file(path: Path, process: int) -> tuple[list[Record], bool]:
+    """Records of one process's file, and whether a torn last line was skipped."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ReportInputError(f"{path}: cannot read: {e}") from None
+    out: list[Record] = []
+    torn = False
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i == last:
+                torn = True
+                continue
+            raise ReportInputError(f"{path}:{i + 1}: not JSON") from None
+        try:
+            _check_record(rec)
+        except (SchemaError, TypeError, AttributeError, KeyError) as e:
+            raise ReportInputError(f"{path}:{i + 1}: invalid phase record: {e}") from None
+        if rec["process_index"] != process:
+            raise ReportInputError(
+                f"{path}:{i + 1}: record of process {rec['process_index']} in the file of process {process}"
+            )
+        out.append(rec)
+    return out, torn
+
+
+def _read_plan(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        plan = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ReportInputError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(plan, dict):
+        raise ReportInputError(f"{path}: expected a JSON object")
+    return plan
+
+
+def load_run(run_dir: str | Path, label: str | None = None) -> Run:
+    """Load one run directory; raises ``ReportInputError`` naming the file (and line) on bad input."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ReportInputError(f"{run_dir}: no such run directory")
+    files: dict[int, Path] = {}
+    for f in run_dir.iterdir():
+        m = PHASE_FILE.match(f.name)
+        if m and f.is_file():
+            files[int(m.group(1) or 0)] = f
+    if not files:
+        raise ReportInputError(f"{run_dir}: no phase file (phases.jsonl or phases.p<i>.jsonl)")
+    records: dict[int, list[Record]] = {}
+    torn: list[str] = []
+    for p in sorted(files):
+        records[p], was_torn = read_phase_file(files[p], p)
+        if was_torn:
+            torn.append(files[p].name)
+    run = Run(run_dir, label or "", records, _read_plan(run_dir / "run.json"), dict(sorted(files.items())), torn)
+    run.label = run.label or run.run_id
+    return run
+
+
+def load_runs(run_dirs: list[str | Path]) -> list[Run]:
+    """Load several runs; labels are run ids, made unique with the directory name when they clash."""
+    runs = [load_run(d) for d in run_dirs]
+    counts = Counter(r.label for r in runs)
+    for i, r in enumerate(runs):
+        if counts[r.label] > 1:
+            r.label = f"{r.label} [{i}:{r.dir.name}]"
+    return runs

@@ -1,0 +1,50 @@
+"""Rows of the phase table (shared by the HTML page, ``summary.json`` and W&B)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mllm_rl.report.attempts import Attempt
+from mllm_rl.report.memory import devices_of_source, diff, primary_devices, sources, total
+
+PHASE_COLUMNS = (
+    "run", "process", "attempt", "step", "phase", "idx", "seconds", "t_offset_s", "before_bytes",
+    "after_bytes", "peak_bytes", "delta_bytes", "host_rss_bytes", "host_rss_peak_bytes", "source", "error",
+)  # fmt: skip
+
+
+def phase_rows(run_label: str, attempts: dict[int, list[Attempt]], t0: float | None) -> list[dict[str, Any]]:
+    """One row per record; device bytes are sums over the process's devices (most truthful source).
+
+    ``secondary`` holds, per other source present (CUDA: ``torch_allocator`` next to
+    ``mem_get_info``), the same sums.
+    """
+    rows = []
+    for atts in attempts.values():
+        for a in atts:
+            for r in a.records:
+                devs = r["memory"]["devices"]
+                prim = primary_devices(devs)
+                before = total(d.get("bytes_in_use_start") for d in prim)
+                after = total(d.get("bytes_in_use") for d in prim)
+                secondary = {}
+                for s in sources(devs)[1:]:
+                    sd = devices_of_source(devs, s)
+                    secondary[s] = {"before": total(d.get("bytes_in_use_start") for d in sd),
+                                    "after": total(d.get("bytes_in_use") for d in sd),
+                                    "peak": total(d.get("phase_peak_bytes") for d in sd)}
+                host = r["memory"]["host"]
+                rows.append({
+                    "run": run_label, "process": a.process, "attempt": a.number if len(atts) > 1 else None,
+                    "step": r["step"], "phase": r["phase"], "idx": r["idx"],
+                    "seconds": r["t_end"] - r["t_start"],
+                    "t_offset_s": None if t0 is None else r["t_start"] - t0,
+                    "before_bytes": before, "after_bytes": after,
+                    "peak_bytes": total(d.get("phase_peak_bytes") for d in prim),
+                    "delta_bytes": diff(after, before),
+                    "host_rss_bytes": host.get("rss_bytes"), "host_rss_peak_bytes": host.get("rss_peak_bytes"),
+                    "source": "+".join(sorted({str(d.get("source")) for d in prim})) or None,
+                    "error": str(r["info"]["error"]) if r["info"].get("error") else None,
+                    "secondary": secondary,
+                })  # fmt: skip
+    return rows

@@ -1,0 +1,78 @@
+"""Log the report into an open W&B run: tables (phases, offload efficiency, findings) and the charts.
+
+    result = build_report([run_dir])
+    log_report(wandb_sink.run, result)      # before wandb_sink.close() finishes the run
+
+Keys: ``report/phases``, ``report/efficiency``, ``report/issues`` (``wandb.Table``),
+``report/memory_per_phase``, ``report/memory_over_time``, ``report/step_metrics``
+(``wandb.Html``: the report's SVG charts), and summary values ``report/errors``,
+``report/warnings``, ``report/swap_peak_over_steady``. Unknown values stay ``None`` (empty
+cells), never 0. ``wandb`` is imported only when this is called.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from mllm_rl.report.build import ReportResult
+from mllm_rl.report.html import CSS
+from mllm_rl.report.issues import ERROR, WARNING
+from mllm_rl.report.plots import memory_over_time_charts, memory_per_phase_charts, metric_charts
+from mllm_rl.report.tables import PHASE_COLUMNS
+
+EFFICIENCY_COLUMNS = ("run", "process", "attempt", "step", "phase", "kind", "source", "actual_bytes",
+                      "expected_bytes", "ratio", "flagged", "note")  # fmt: skip
+ISSUE_COLUMNS = ("run", "severity", "kind", "process", "attempt", "step", "phase", "message")
+
+
+def _page(body: str) -> str:
+    return f"<!DOCTYPE html><html><head><meta charset='utf-8'><style>{CSS}</style></head><body>{body}</body></html>"
+
+
+def report_payload(result: ReportResult) -> dict[str, Any]:
+    """The ``wandb.log`` dict for ``result`` (imports wandb)."""
+    import wandb
+
+    def table(columns: tuple[str, ...], rows: list[dict[str, Any]]) -> Any:
+        return wandb.Table(columns=list(columns), data=[[r.get(c) for c in columns] for r in rows],
+                           allow_mixed_types=True)
+
+    def html(body: str) -> Any:
+        return wandb.Html(_page(body), inject=False, data_is_not_path=True)
+
+    phases = [r for an in result.analyses for r in an.phases]
+    efficiency = [r for an in result.analyses for r in an.efficiency]
+    issues = [{**i.to_json(), "message": i.message} for i in result.issues]
+    payload = {
+        "report/phases": table(PHASE_COLUMNS, phases),
+        "report/efficiency": table(EFFICIENCY_COLUMNS, efficiency),
+        "report/issues": table(ISSUE_COLUMNS, issues),
+        "report/memory_per_phase": html("".join(memory_per_phase_charts(an) for an in result.analyses)),
+        "report/memory_over_time": html("".join(memory_over_time_charts(an) for an in result.analyses)),
+    }
+    if any(an.metrics for an in result.analyses):
+        payload["report/step_metrics"] = html("".join(metric_charts(an) for an in result.analyses if an.metrics))
+    return payload
+
+
+def log_report(wandb_run: Any, result: ReportResult, strict: bool = False) -> list[str]:
+    """Log ``result`` into ``wandb_run`` (one ``log`` call + summary values); returns the logged keys.
+
+    With ``strict=False`` (for the W&B sink at the end of a run) a failure prints one line to
+    stderr and returns ``[]``: the report must not cost the run its W&B data.
+    """
+    try:
+        payload = report_payload(result)
+        wandb_run.log(payload)
+        ratios = [r["ratio"] for an in result.analyses for r in an.swaps if r["ratio"] is not None]
+        wandb_run.summary["report/errors"] = sum(i.severity == ERROR for i in result.issues)
+        wandb_run.summary["report/warnings"] = sum(i.severity == WARNING for i in result.issues)
+        if ratios:
+            wandb_run.summary["report/swap_peak_over_steady"] = max(ratios)
+        return list(payload)
+    except Exception as e:
+        if strict:
+            raise
+        print(f"warning: report not logged to W&B: {type(e).__name__}: {e}", file=sys.stderr)
+        return []
