@@ -1,0 +1,317 @@
+"""Multi-process JAX (multi-host TPU slices; N local CPU processes in CI) through ``jax.distributed``.
+
+Which processes form one run comes from the environment (``config_from_env``), first match wins:
+
+1. explicit: ``MLLM_RL_COORDINATOR`` (``host:port`` of process 0; jax's own ``JAX_COORDINATOR_ADDRESS``
+   is accepted instead), ``MLLM_RL_NUM_PROCESSES``, ``MLLM_RL_PROCESS_ID``: all three, or none.
+   jax 0.10.2 itself reads only the coordinator address from the environment, never a process count
+   or id, so those two have our names.
+2. a multi-host Cloud TPU VM: jax found TPU chips on import (``cloud_tpu_init``) and its own
+   GCE/GKE TPU cluster detection reports more than one worker. Then ``jax.distributed.initialize()``
+   gets no arguments and detects everything itself (coordinator = worker 0, port 8482; process id =
+   the worker number).
+3. otherwise one process: jax is not imported here.
+
+``init_distributed`` must run before anything initialises a JAX backend (``jax.devices()``, any
+computation). On CPU it asks for ``tp // num_processes`` local (fake) devices per process and for
+gloo cross-process collectives. After it, the coordination service's key-value store and barriers
+(``barrier``, ``share``) let processes agree without running a device computation: every device
+computation over a multi-process mesh must be issued by every process in the same order, so a
+main-thread collective must never race the engine's scheduler thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+ENV_COORDINATOR = "MLLM_RL_COORDINATOR"
+ENV_NUM_PROCESSES = "MLLM_RL_NUM_PROCESSES"
+ENV_PROCESS_ID = "MLLM_RL_PROCESS_ID"
+ENV_ENGINE_PORT = "MLLM_RL_ENGINE_PORT"
+ENV_TIMEOUT = "MLLM_RL_DIST_TIMEOUT_S"
+JAX_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+DEFAULT_TIMEOUT_S = 600
+_GOOGLE_PCI_VENDOR = "0x1ae0"  # jax._src.hardware_utils._GOOGLE_PCI_VENDOR_ID
+
+
+@dataclasses.dataclass(frozen=True)
+class DistConfig:
+    """How this process joins a run: ``source`` is ``single``, ``env`` or ``tpu``."""
+
+    source: str
+    num_processes: int = 1
+    process_id: int | None = 0  # None: detected by jax (Cloud TPU)
+    coordinator: str | None = None  # None: detected by jax (Cloud TPU)
+    timeout_s: int = DEFAULT_TIMEOUT_S
+
+
+@dataclasses.dataclass(frozen=True)
+class Procs:
+    index: int = 0
+    count: int = 1
+
+
+_procs = Procs()  # this process in the run (kept after shutdown: records still need the index)
+_joined = False  # jax.distributed is up (init_distributed joined a run, shutdown not yet called)
+_timeout_s = DEFAULT_TIMEOUT_S
+_seq: dict[str, int] = {}  # per-name call counters: every process calls barrier/share in the same order
+
+
+def _int(env: Mapping[str, str], name: str, minimum: int) -> int:
+    raw = env[name]
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected an integer") from None
+    if value < minimum:
+        raise ValueError(f"{name}={raw!r}: must be >= {minimum}")
+    return value
+
+
+def _host_port(name: str, raw: str) -> tuple[str, int]:
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{name}={raw!r}: expected host:port of process 0 (e.g. 10.0.0.2:8476)")
+    return host, int(port)
+
+
+def _google_pci_device() -> bool:
+    """A Google PCI device on this host: a cheap pre-filter that needs no jax import (TPU chips are
+    Google devices, but so is a gVNIC); jax's ``cloud_tpu_init`` decides whether this is a TPU VM."""
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            if Path(vendor).read_text().strip() == _GOOGLE_PCI_VENDOR:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def tpu_process_count() -> int | None:
+    """Hosts of this Cloud TPU slice per jax's own cluster detection; None when not on a Cloud TPU VM.
+
+    Imports jax (no backend is initialised) and, on GCE, asks the metadata server for the
+    slice's worker endpoints, exactly as ``jax.distributed.initialize()`` will.
+    """
+    if not _google_pci_device():
+        return None
+    from jax._src import cloud_tpu_init, clusters
+
+    if not cloud_tpu_init.running_in_cloud_tpu_vm:
+        return None
+    for env in (clusters.GkeTpuCluster, clusters.GceTpuCluster):
+        if env.is_env_present():
+            return int(env.get_process_count())
+    return None
+
+
+def config_from_env(
+    env: Mapping[str, str] | None = None, tpu_probe: Callable[[], int | None] | None = tpu_process_count
+) -> DistConfig:
+    """Parse the environment; ``ValueError`` naming the variable for a bad or partial setting.
+
+    ``tpu_probe=None`` skips the Cloud TPU detection (validation only).
+    """
+    env = os.environ if env is None else env
+    timeout = _int(env, ENV_TIMEOUT, 1) if env.get(ENV_TIMEOUT) else DEFAULT_TIMEOUT_S
+    if env.get(ENV_ENGINE_PORT) and _int(env, ENV_ENGINE_PORT, 1) > 65529:
+        raise ValueError(f"{ENV_ENGINE_PORT}={env[ENV_ENGINE_PORT]}: must be <= 65529 "
+                         "(sglang-jax binds port+5, port+6)")  # fmt: skip
+    coord_var = next((v for v in (ENV_COORDINATOR, JAX_COORDINATOR) if env.get(v)), None)
+    ours = [v for v in (ENV_NUM_PROCESSES, ENV_PROCESS_ID) if env.get(v)]
+    if coord_var is None and not ours:
+        if tpu_probe is not None:
+            n = tpu_probe()
+            if n is not None and n > 1:
+                return DistConfig("tpu", num_processes=n, process_id=None, timeout_s=timeout)
+        return DistConfig("single", timeout_s=timeout)
+    given = f"{coord_var or ours[0]} is set"
+    for var in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID):
+        if var == ENV_COORDINATOR and coord_var is not None:
+            continue
+        if not env.get(var):
+            raise ValueError(f"{var} is not set ({given}; a multi-process run needs {ENV_COORDINATOR}, "
+                             f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID})")  # fmt: skip
+    coordinator = env[coord_var]
+    _host_port(coord_var, coordinator)
+    n = _int(env, ENV_NUM_PROCESSES, 1)
+    i = _int(env, ENV_PROCESS_ID, 0)
+    if i >= n:
+        raise ValueError(f"{ENV_PROCESS_ID}={i}: must be < {ENV_NUM_PROCESSES}={n}")
+    return DistConfig("env", num_processes=n, process_id=i, coordinator=coordinator, timeout_s=timeout)
+
+
+def force_cpu_devices(n: int) -> None:
+    """``n`` fake CPU devices (XLA_FLAGS; read when the CPU backend starts), unless already set."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def init_distributed(tp: int = 1, env: Mapping[str, str] | None = None) -> dict[str, int]:
+    """Join the run described by the environment; ``{"process_index", "process_count"}``.
+
+    Single process: touches nothing. Otherwise ``jax.distributed.initialize`` (gloo collectives
+    on CPU; ``tp // num_processes`` fake CPU devices per process). Must run before any JAX
+    backend exists. ``ValueError`` for a bad environment (or a ``tp`` the processes cannot
+    split), ``RuntimeError`` (one line) if the processes cannot meet within
+    ``MLLM_RL_DIST_TIMEOUT_S``.
+    """
+    global _procs, _joined, _timeout_s
+    cfg = config_from_env(env)
+    _timeout_s = cfg.timeout_s
+    if cfg.source == "single":
+        return {"process_index": 0, "process_count": 1}
+    if _joined:  # idempotent
+        return {"process_index": _procs.index, "process_count": _procs.count}
+    if cfg.source == "env":
+        if tp % cfg.num_processes:
+            raise ValueError(f"--tp {tp} with {ENV_NUM_PROCESSES}={cfg.num_processes}: the engine's mesh "
+                             "spans every process's devices, so --tp must be a multiple of "
+                             f"{cfg.num_processes}")  # fmt: skip
+        force_cpu_devices(tp // cfg.num_processes)  # CPU only; on TPU/GPU the hardware decides
+    import jax
+    from jax._src import distributed as jax_dist
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("init_distributed: a JAX backend is already initialised; it must run first")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    where = f"process {cfg.process_id} of {cfg.num_processes}, coordinator {cfg.coordinator}"
+    if cfg.source == "tpu":
+        where = f"Cloud TPU slice of {cfg.num_processes} hosts, auto-detected"
+    if cfg.source == "env" and cfg.process_id:  # jaxlib aborts (exit 134) when it cannot connect
+        _wait_for_coordinator(cfg.coordinator or "", cfg.timeout_s)
+    try:
+        if cfg.source == "env":
+            jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id,
+                                       initialization_timeout=cfg.timeout_s)  # fmt: skip
+        else:
+            jax.distributed.initialize(initialization_timeout=cfg.timeout_s)
+    except Exception as e:  # jaxlib raises its own error types (DEADLINE_EXCEEDED, ...)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeError(f"jax.distributed.initialize ({where}) failed: {first}") from None
+    state = jax_dist.global_state
+    _procs = Procs(index=int(state.process_id), count=int(state.num_processes))
+    _joined = True
+    return {"process_index": _procs.index, "process_count": _procs.count}
+
+
+def _wait_for_coordinator(coordinator: str, timeout_s: float) -> None:
+    """Until process 0's coordination service accepts TCP connections; ``RuntimeError`` after
+    ``timeout_s`` (a wrong address, or process 0 not started) instead of jaxlib's abort."""
+    host, port = _host_port(ENV_COORDINATOR, coordinator)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), port), timeout=5):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"coordinator {coordinator}: nothing accepted a connection within "
+                                   f"{timeout_s}s ({e}); is process 0 running there?") from None  # fmt: skip
+            time.sleep(0.5)
+
+
+def procs() -> Procs:
+    """This process's index and the process count (1 until ``init_distributed`` joined a run)."""
+    return _procs
+
+
+def _client() -> Any:
+    from jax._src import distributed as jax_dist
+
+    client = jax_dist.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialised")
+    return client
+
+
+def _key(name: str) -> str:
+    n = _seq.get(name, 0)
+    _seq[name] = n + 1
+    return f"mllm_rl/{name}/{n}"
+
+
+def barrier(name: str, timeout_s: float | None = None) -> None:
+    """Wait until every process reached the ``n``-th ``barrier(name)`` (no device computation)."""
+    if _procs.count == 1:
+        return
+    key, timeout = _key(f"barrier/{name}"), timeout_s or _timeout_s
+    try:
+        _client().wait_at_barrier(key, int(1000 * timeout))
+    except Exception as e:
+        raise RuntimeError(f"{key}: not every process arrived within {timeout}s ({e})") from None
+
+
+def share(name: str, value: str | None, timeout_s: float | None = None) -> str:
+    """Process 0 publishes ``value`` for the ``n``-th ``share(name)``; every process returns it."""
+    key, timeout = _key(f"share/{name}"), timeout_s or _timeout_s
+    if _procs.count == 1:
+        assert value is not None
+        return value
+    client = _client()
+    if _procs.index == 0:
+        assert value is not None, "process 0 must provide the value"
+        client.key_value_set(key, value)
+        return value
+    try:
+        return str(client.blocking_key_value_get(key, int(1000 * timeout)))
+    except Exception as e:
+        raise RuntimeError(f"{key}: nothing from process 0 within {timeout}s ({e})") from None
+
+
+def agree_on_platform(platform: str) -> None:
+    """Every process publishes the platform jax came up on; ``RuntimeError`` unless all agree
+    (e.g. one host's TPU was held by a stale process and jax fell back to CPU there)."""
+    if _procs.count == 1:
+        return
+    client = _client()
+    client.key_value_set(f"mllm_rl/platform/{_procs.index}", platform)
+    timeout_ms = int(1000 * _timeout_s)
+    seen = {i: str(client.blocking_key_value_get(f"mllm_rl/platform/{i}", timeout_ms))
+            for i in range(_procs.count)}  # fmt: skip
+    if len(set(seen.values())) > 1:
+        desc = ", ".join(f"process {i}: {p}" for i, p in seen.items())
+        raise RuntimeError(f"processes came up on different platforms ({desc})")
+
+
+def engine_address() -> str:
+    """``ip:port`` for sglang-jax's ``dist_init_addr``: the coordinator's host as an IPv4 address
+    (process 0 ZMQ-binds it, and ZMQ binds addresses, not host names); port
+    ``MLLM_RL_ENGINE_PORT`` or the coordinator's + 1. sglang-jax binds port+5 and port+6 on
+    process 0 for its request broadcast (``PortArgs.init_new``)."""
+    from jax._src import distributed as jax_dist
+
+    coordinator = jax_dist.global_state.coordinator_address
+    if not coordinator:
+        raise RuntimeError("jax.distributed is not initialised: no coordinator address")
+    host, port = _host_port("coordinator", coordinator)
+    try:
+        host = socket.gethostbyname(host)
+    except OSError:
+        pass  # an IPv6 literal or an unresolvable name: sglang-jax gets it as given
+    engine_port = int(os.environ.get(ENV_ENGINE_PORT) or port + 1)
+    return f"{host}:{engine_port}"
+
+
+def shutdown() -> None:
+    """Leave the run: jax's shutdown barrier, then the coordination service stops (idempotent).
+
+    Every process must call it before exiting: when process 0 exits first, the others abort
+    (the coordination service reports the missing leader as a fatal error, exit 134).
+    """
+    global _joined
+    if not _joined:
+        return
+    import jax
+
+    _joined = False
+    jax.distributed.shutdown()
