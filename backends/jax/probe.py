@@ -13,24 +13,27 @@ from mllm_rl.phases.probe import DeviceMemory
 def live_array_bytes(devices: list[jax.Device], memory_kind: str = "device") -> list[int]:
     """Bytes of live (not deleted) jax arrays of ``memory_kind`` on each device.
 
-    Each array contributes its per-device shard size (``sharding.shard_shape``) to every
-    device in its sharding's device set, so replicated arrays count once per device.
+    Counted per addressable shard, each distinct buffer once: ``device_put`` of an array to
+    where it already lives returns a second ``Array`` aliasing the same buffer, and both are
+    live until the first is garbage-collected. Replicated arrays count once per device.
     Arrays offloaded to ``pinned_host`` are not device memory and count only there.
     """
     index = {d: i for i, d in enumerate(devices)}
     out = [0] * len(devices)
+    seen: set[tuple[int, int]] = set()
     for arr in jax.live_arrays():
         try:
-            if arr.is_deleted():
+            if arr.is_deleted() or (arr.sharding.memory_kind or "device") != memory_kind:
                 continue
-            sh = arr.sharding
-            if (sh.memory_kind or "device") != memory_kind:
-                continue
-            nbytes = int(np.prod(sh.shard_shape(arr.shape), dtype=np.int64)) * arr.dtype.itemsize
-            for dev in sh.device_set:
-                i = index.get(dev)
-                if i is not None:
-                    out[i] += nbytes
+            for shard in arr.addressable_shards:
+                i = index.get(shard.device)
+                if i is None:
+                    continue
+                key = (i, shard.data.unsafe_buffer_pointer())
+                if key in seen:
+                    continue
+                seen.add(key)
+                out[i] += shard.data.nbytes
         except Exception:  # an array deleted by another thread between checks
             continue
     return out

@@ -13,18 +13,44 @@ Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4) on JAX CPU, tp=1 
 - On CPU, ``max_running_requests``/``context_length`` must be bounded (the defaults size
   a request pool from host RAM and a forward then asks for >100 GB); ``head_dim`` must be
   a multiple of 128 (the native attention pads it and mis-shapes the output otherwise).
-- On JAX CPU with tp > 1, batched requests intermittently decode wrong tokens (upstream;
-  reproduced with sglang-jax's own loader), so requests are served one at a time there.
+- JAX CPU's ``jax.device_put`` of a numpy view or an ``np.memmap`` *aliases* it (zero
+  copy). (1) The scheduler's per-step KV locations are a view into one persistent host
+  buffer that the overlap thread rewrites while the previous forward may still read it:
+  batched requests intermittently decode garbage (tp=1 and tp=2; also with sglang-jax's own
+  loader: ``scripts/repro_sglang_jax_tp_batch.py``), so the overlap schedule is off on CPU.
+  (2) Our checkpoint tensors are memmaps: every host->device copy goes through
+  ``host_copy``.
+- ``flush_cache`` silently fails (``success=False``) while the scheduler still holds the last
+  batch of a request that already returned; a release/resume after an unchecked flush leaves
+  prefixes pointing into reallocated KV: ``flush_cache`` here retries until it succeeds.
+- The engine's asyncio loop runs in a daemon thread (``enable_engine_loop_run_forever_daemon``)
+  and every call goes through ``run_coroutine_threadsafe``, so a ``pause_generation`` from one
+  thread aborts requests another thread is waiting on (a drain under load).
+- ``sampling_seed`` is honoured only with ``enable_deterministic_sampling``; requests without
+  one then share a default seed, so every request gets its own.
 - The tokenizer manager takes SIGTERM over (``loop.add_signal_handler``, lazily on the
   first request); we create its loop eagerly and give the process its handler back.
 - A failing scheduler init SIGQUITs the host process; ``shutdown()`` SIGKILLs every
   child process of ours; interpreter teardown after an engine ran aborts in C++ (the
   scheduler thread), so the CLI leaves through ``os._exit`` after closing its sinks.
+- Multi-process (``jax.distributed`` joined; docs/TPU.md): ``nnodes``/``node_rank``/
+  ``dist_init_addr`` make one engine whose mesh spans every process's devices
+  (``create_device_mesh`` over ``jax.devices()``). Node 0 runs the tokenizer and broadcasts
+  each scheduler iteration's requests to the other nodes' schedulers (ZMQ PUB/SUB on
+  ``dist_init_addr`` port+5/+6), which run the same SPMD forward. Nodes >= 1 get no
+  tokenizer and no ``scheduler_info`` from ``Engine()`` (with
+  ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0``; otherwise it blocks in a health-check
+  server), so their scheduler is taken from ``run_scheduler_loop_thread_after_create``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import functools
+import json
+import os
 import signal
 import threading
 import time
@@ -37,8 +63,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from mllm_rl.backends.jax import distributed as dist
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import TAG_KV, TAG_WEIGHTS, Fingerprint, GenerateOutput, SamplingParams, UpdateStats
+from mllm_rl.faults import fault
 
 VERIFIED_VERSIONS = ("0.1.0rc0",)
 # Emitted by sglang-jax's scheduler/tokenizer threads for every hand-made tokenizer.
@@ -51,6 +79,7 @@ class EngineConfigError(ValueError):
 
 def _check_version() -> str:
     import sgl_jax
+    from sgl_jax.srt.entrypoints import engine as engine_mod
     from sgl_jax.srt.entrypoints.engine import Engine
     from sgl_jax.srt.models.qwen3 import Qwen3ForCausalLM
 
@@ -60,6 +89,9 @@ def _check_version() -> str:
             raise RuntimeError(f"sglang-jax {version}: Engine.{attr} missing; adapter verified on {VERIFIED_VERSIONS}")
     if not hasattr(Qwen3ForCausalLM, "_create_qwen3_weight_mappings"):
         raise RuntimeError(f"sglang-jax {version}: Qwen3 weight mappings missing; verified on {VERIFIED_VERSIONS}")
+    if not hasattr(engine_mod, "run_scheduler_loop_thread_after_create"):
+        raise RuntimeError(f"sglang-jax {version}: in-process scheduler launcher missing; verified on "
+                           f"{VERIFIED_VERSIONS}")
     if version not in VERIFIED_VERSIONS:
         warnings.warn(f"sglang-jax {version} is not a verified version {VERIFIED_VERSIONS}", stacklevel=2)
     return version
@@ -75,8 +107,14 @@ def _dotted(path: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
-def validate_engine_args(model: ModelDir, tp: int, n_devices: int) -> None:
+def validate_engine_args(model: ModelDir, tp: int, n_devices: int, n_processes: int = 1) -> None:
+    """``n_devices``: ``len(jax.devices())`` (every process's devices in a multi-process run)."""
     cfg = model.config
+    if n_processes > 1 and tp != n_devices:
+        raise EngineConfigError(
+            f"--tp {tp}: across {n_processes} processes the engine's mesh spans every device "
+            f"(sglang-jax multi-node); pass --tp {n_devices}"
+        )
     if tp < 1 or tp > n_devices:
         raise EngineConfigError(f"--tp {tp}: {n_devices} local device(s) available")
     if cfg.num_key_value_heads % tp or cfg.num_attention_heads % tp:
@@ -113,46 +151,70 @@ class SglangJaxEngine:
     ) -> None:
         self.chunk_bytes = chunk_bytes
         self.version = _check_version()
-        validate_engine_args(model, tp, len(jax.devices()))
+        self.procs = dist.procs()
+        validate_engine_args(model, tp, len(jax.devices()), self.procs.count)
         from sgl_jax.srt.entrypoints.engine import Engine
 
         platform = jax.devices()[0].platform
         self.model = model
         prev_sigterm = signal.getsignal(signal.SIGTERM)
-        self.engine = Engine(
-            model_path=str(model.path),
-            tokenizer_path=str(model.path),
-            load_format="dummy",
-            enable_single_process=True,
-            device=platform,
-            tp_size=tp,
-            dtype={"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[self._ckpt_dtype()],
-            mem_fraction_static=mem_fraction_static or (0.1 if platform == "cpu" else 0.6),
-            max_total_tokens=max_total_tokens,
-            context_length=context_length,
-            max_running_requests=max_running_requests,
-            disable_precompile=True,
-            skip_server_warmup=True,
-            grammar_backend="none",
-            random_seed=seed,
-            log_level="error",
-        )
+        multi: dict[str, Any] = {}
+        if self.procs.count > 1:  # one engine over every process's devices (sglang-jax multi-node)
+            multi = {"nnodes": self.procs.count, "node_rank": self.procs.index,
+                     "dist_init_addr": dist.engine_address()}  # fmt: skip
+        launch = _launched_scheduler() if multi else contextlib.nullcontext({})
+        with launch as launched:
+            self.engine = Engine(
+                **multi,
+                model_path=str(model.path),
+                tokenizer_path=str(model.path),
+                load_format="dummy",
+                enable_single_process=True,
+                device=platform,
+                tp_size=tp,
+                dtype={"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[self._ckpt_dtype()],
+                mem_fraction_static=mem_fraction_static or (0.1 if platform == "cpu" else 0.6),
+                max_total_tokens=max_total_tokens,
+                context_length=context_length,
+                max_running_requests=max_running_requests,
+                disable_precompile=True,
+                skip_server_warmup=True,
+                grammar_backend="none",
+                random_seed=seed,
+                log_level="error",
+                # The engine's asyncio loop runs in its own daemon thread; every call goes through
+                # ``_call`` (run_coroutine_threadsafe). So a generate in one thread and a
+                # pause_generation in another are both served: a drain under load really aborts
+                # the requests in flight instead of failing on a loop that is already running.
+                # (Nodes >= 1 of a multi-process engine have no tokenizer manager, nor loop.)
+                enable_engine_loop_run_forever_daemon=self.procs.index == 0,
+                # Per-request ``sampling_seed`` is ignored unless this is on (and then a request
+                # without one gets a fixed default seed: ``_generate_here`` always sets one).
+                enable_deterministic_sampling=True,
+                # JAX CPU only: device_put of a numpy *view* aliases it (zero-copy), and the
+                # scheduler builds each step's KV locations as a view into one persistent host
+                # buffer that its overlap thread rewrites for the next step while the current
+                # forward may still read it: wrong KV slots, garbage tokens for some requests
+                # (docs/ENGINES.md). Without the overlap schedule the next step is prepared only
+                # after the current one finished. TPU/GPU copy to device memory: unaffected.
+                disable_overlap_schedule=platform == "cpu",
+            )
         # On its first request the tokenizer manager installs a loop SIGTERM handler that
         # only sets a "graceful exit" flag and keeps generating. Create that loop now and
-        # give the process its own handler back: SIGTERM must end the run.
-        if threading.current_thread() is threading.main_thread():
+        # give the process its own handler back: SIGTERM must end the run. (Nodes >= 1 of a
+        # multi-process engine have no tokenizer manager.)
+        on_main = threading.current_thread() is threading.main_thread()
+        if on_main and self.engine.tokenizer_manager is not None:
             self.engine.tokenizer_manager.auto_create_handle_loop()
             self.engine.loop.remove_signal_handler(signal.SIGTERM)
             signal.signal(signal.SIGTERM, prev_sigterm)
-        self.runner = self.engine.scheduler_info["scheduler"].tp_worker.worker.model_runner
+        scheduler = (self.engine.scheduler_info or launched)["scheduler"]
+        self.runner = scheduler.tp_worker.worker.model_runner
         self._index_leaves()
-        # sglang-jax 0.1.0rc0 on JAX CPU with tp > 1 intermittently returns wrong tokens for
-        # *batched* requests (also with its own loader, load_format="auto"); one request at a
-        # time has been stable (docs/ENGINES.md, scripts/repro_sglang_jax_tp_batch.py).
-        self.serialize_requests = platform == "cpu" and tp > 1
         self.weights_cpu_backup = weights_cpu_backup
         self._kv_specs: list[tuple[tuple[int, ...], Any, Any]] = []
         self._weight_backup: dict[int, np.ndarray] = {}
+        self._seeds = np.random.default_rng(seed)  # request seeds when a batch brings none
 
     def _ckpt_dtype(self) -> str:
         return next(iter(self.model.tensors.values()))[1].dtype
@@ -196,7 +258,7 @@ class SglangJaxEngine:
             arr = arr.T
         if arr.shape != old.shape:
             raise ValueError(f"{hf_name}: shape {arr.shape} does not match engine {old.shape}")
-        return jax.device_put(np.ascontiguousarray(arr, dtype=old.dtype), old.sharding)
+        return jax.device_put(host_copy(arr, old.dtype), old.sharding)
 
     def install(self, hf_name: str, new: jax.Array) -> None:
         """Replace the engine leaf by ``new`` (already placed) and free the old buffer."""
@@ -235,7 +297,7 @@ class SglangJaxEngine:
             nbytes += new.nbytes
             if on_tensor is not None:
                 on_tensor(name)  # the high point: new tensor placed, old one still resident
-            if _FAULTS.get("swap_noop"):
+            if fault("swap_noop"):
                 new.delete()
             else:
                 self.install(name, new)
@@ -284,12 +346,12 @@ class SglangJaxEngine:
             window = [slice(None)] * src.ndim
             window[axis] = slice(start, min(start + step, buf.shape[axis]))
             part = src[tuple(window)]  # a view of the memmap; copied once by the cast below
-            chunk = jax.device_put(np.ascontiguousarray(part, dtype=buf.dtype), NamedSharding(buf.sharding.mesh, spec))
+            chunk = jax.device_put(host_copy(part, buf.dtype), NamedSharding(buf.sharding.mesh, spec))
             s, q = _sums(chunk)
             total_s, total_q = total_s + s, total_q + q
             if on_tensor is not None and start == 0:
                 on_tensor(hf_name)  # the high point: buffer plus one chunk
-            if not _FAULTS.get("swap_noop"):
+            if not fault("swap_noop"):
                 buf = write(buf, chunk, jnp.int32(start))
             del chunk
         leaves[idx] = buf
@@ -307,6 +369,30 @@ class SglangJaxEngine:
 
     # -- generation -----------------------------------------------------------
     def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
+        """Greedy/sampled generation. Multi-process: every process calls it; the engine's
+        schedulers on all processes run the forward, node 0 (the only one with a tokenizer
+        manager) submits the requests and shares the outputs with the others."""
+        if self.procs.count == 1:
+            return self._generate_here(input_ids, sampling)
+        # No process may still run device work of its own (a weight install) when the
+        # forward starts: every computation over the multi-process mesh runs in lockstep.
+        dist.barrier("generate")
+        if self.procs.index == 0:
+            try:
+                outs = self._generate_here(input_ids, sampling)
+            except BaseException as e:  # the others would wait for outputs that never come
+                dist.share("generate", json.dumps({"error": f"{type(e).__name__}: {e}"}))
+                raise
+            dist.share("generate", json.dumps({"outputs": [dataclasses.asdict(o) for o in outs]}))
+            return outs
+        msg = json.loads(dist.share("generate", None))
+        if "error" in msg:
+            raise RuntimeError(f"generate failed on process 0: {msg['error']}")
+        return [GenerateOutput(**o) for o in msg["outputs"]]
+
+    def _generate_here(
+        self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[GenerateOutput]:
         params = {
             "max_new_tokens": sampling.max_new_tokens,
             "temperature": sampling.temperature,
@@ -314,21 +400,27 @@ class SglangJaxEngine:
         }
         if sampling.stop_token_ids:
             params["stop_token_ids"] = list(sampling.stop_token_ids)
-        if sampling.seed is not None:
-            params["sampling_seed"] = sampling.seed
         ids = [list(map(int, x)) for x in input_ids]
-        if self.serialize_requests:
-            outs = [self.engine.generate(input_ids=x, sampling_params=params, return_logprob=True) for x in ids]
-        else:
-            out = self.engine.generate(input_ids=ids, sampling_params=params, return_logprob=True)
-            outs = out if isinstance(out, list) else [out]
+        # One seed per request (derived from the batch seed): one seed for all would make
+        # every completion of a GRPO group identical.
+        per_req = [dict(params) for _ in ids]
+        base = sampling.seed if sampling.seed is not None else int(self._seeds.integers(2**31))
+        for i, p in enumerate(per_req):
+            p["sampling_seed"] = (base * 1_000_003 + i) % 2**31
+        out = self._call(self.engine.async_generate(input_ids=ids, sampling_params=per_req, return_logprob=True))
+        outs = out if isinstance(out, list) else [out]
         results = []
         for o in outs:
             meta = o["meta_info"]
+            # (logprob, token_id, text) per sampled token. Token ids come from here, not from
+            # output_ids, which drop special tokens (the EOS that ended the completion): the
+            # trajectory a policy is trained on must include it.
             lp = meta.get("output_token_logprobs") or []
+            if len(lp) < len(o["output_ids"]):
+                raise RuntimeError(f"sglang-jax returned {len(o['output_ids'])} tokens but {len(lp)} logprobs")
             results.append(
                 GenerateOutput(
-                    token_ids=[int(t) for t in o["output_ids"]],
+                    token_ids=[int(x[1]) for x in lp],
                     logprobs=[float(x[0]) for x in lp],
                     text=o["text"],
                     finish_reason=str((meta.get("finish_reason") or {}).get("type")),
@@ -351,6 +443,7 @@ class SglangJaxEngine:
     def release_memory(self, tag: str) -> None:
         """Delete the arrays of ``tag`` (JAX has no address-preserving pause); weights are
         copied to host first when ``weights_cpu_backup``."""
+        self._single_process_only("release")
         if tag == TAG_KV:
             kv = self._kv_list()
             self._kv_specs = [(a.shape, a.dtype, a.sharding) for a in kv]
@@ -359,13 +452,14 @@ class SglangJaxEngine:
             return
         leaves = self.runner.model_state_leaves
         for i, _ in self.mappings.values():
-            if self.weights_cpu_backup:
+            if self.weights_cpu_backup and not fault("resume_lies"):  # the fault: backup lost
                 self._weight_backup[i] = np.asarray(jax.device_get(leaves[i]))
             leaves[i].delete()
 
     def resume_memory(self, tag: str) -> bool:
         """Reallocate ``tag`` with the same shapes/dtypes/shardings (no recompile). Weights
         come back from the CPU backup (True) or as zeros (False: contents undefined)."""
+        self._single_process_only("resume")
         if tag == TAG_KV:
             kv = self._kv_list()
             for j, (shape, dtype, sharding) in enumerate(self._kv_specs):
@@ -381,21 +475,101 @@ class SglangJaxEngine:
                 leaves[i] = _zeros(old.shape, old.dtype, old.sharding)
                 restored = False
         self._resync_module()
-        return restored
+        return restored or fault("resume_lies")
 
-    def flush_cache(self) -> None:
-        self.engine.flush_cache()
+    def _call(self, coro: Any) -> Any:
+        """Run a coroutine of the engine on its loop thread and wait for the result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.engine.loop).result()
+
+    def flush_cache(self, timeout_s: float = 60.0) -> None:
+        """Flush the prefix (radix) cache and the KV allocator, and make sure it happened.
+
+        sglang-jax refuses a flush (``success=False``, a log line, nothing raised) while its
+        scheduler still holds the last batch of a request that has already returned. An
+        unchecked flush then leaves cached prefixes pointing into KV slots that a release/
+        resume replaces with zeros: the next request reusing that prefix decodes garbage
+        (seen here in about 1 of 6 release/resume cycles). So: retry until it succeeds.
+        """
+        self._single_process_only("flush_cache")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = self._call(self.engine.async_flush_cache())
+            if getattr(out, "success", True):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sglang-jax flush_cache did not succeed within {timeout_s}s: {out.error_msg}")
+            time.sleep(0.005)
 
     def pause_generation(self) -> None:
         """Requests in flight return with finish_reason "abort" (sglang-jax's default mode,
         "retract", would keep them queued: nothing could be released safely)."""
-        self.engine.pause_generation(mode="abort")
+        self._single_process_only("pause_generation")
+        self._call(self.engine.async_pause_generation(mode="abort"))
 
     def continue_generation(self) -> None:
-        self.engine.continue_generation()
+        self._single_process_only("continue_generation")
+        self._call(self.engine.async_continue_generation())
+
+    def _single_process_only(self, what: str) -> None:
+        """sglang-jax would broadcast node 0's pause/flush to every node's scheduler, but
+        nothing orders that against the other processes' own release/resume of engine arrays
+        yet: refuse rather than race (the param-swap plan needs none of these)."""
+        if self.procs.count > 1:
+            raise RuntimeError(
+                f"{what}: not supported yet for an engine spanning {self.procs.count} processes "
+                "(only the param-swap plan is; docs/TPU.md)"
+            )
 
     def shutdown(self) -> None:
+        """Multi-process: also leaves ``jax.distributed``. The engine is one SPMD program over
+        every process, so it ends the run for all of them: a process that exits before the
+        others reached ``jax.distributed.shutdown()`` makes them abort (exit 134)."""
         self.engine.shutdown()
+        if self.procs.count > 1:
+            dist.shutdown()
+
+
+@contextlib.contextmanager
+def _launched_scheduler():
+    """Capture what sglang-jax's in-process scheduler launcher returns (``{"scheduler": ...}``).
+
+    On nodes >= 1 ``Engine()`` drops it (``_launch_threads`` returns no scheduler_info there)
+    and, unless ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0``, never returns (health-check server).
+    """
+    from sgl_jax.srt.entrypoints import engine as engine_mod
+
+    launched: dict[str, Any] = {}
+    original = engine_mod.run_scheduler_loop_thread_after_create
+
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        info = original(*args, **kwargs)
+        launched.update(info or {})
+        return info
+
+    block = os.environ.get("SGLANG_BLOCK_NONZERO_RANK_CHILDREN")
+    engine_mod.run_scheduler_loop_thread_after_create = capture
+    os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
+    try:
+        yield launched
+    finally:
+        engine_mod.run_scheduler_loop_thread_after_create = original
+        if block is None:
+            os.environ.pop("SGLANG_BLOCK_NONZERO_RANK_CHILDREN", None)
+        else:
+            os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = block
+
+
+def host_copy(arr: np.ndarray, dtype: Any) -> np.ndarray:
+    """A C-contiguous host array that owns its memory, never a view of a file mapping.
+
+    On JAX CPU, ``jax.device_put`` of an ``np.memmap`` (our checkpoint tensors are memmap
+    views) *aliases* the mapped pages instead of copying them. Once the memmap is unmapped
+    and the address reused, the "device" array silently changes: an engine whose weights
+    were fingerprint-checked at install time decoded garbage for some prompts, in roughly
+    one engine instance in four (tests/jax/test_engine_contract.py caught it). A copy here
+    costs one tensor of host memory at a time.
+    """
+    return np.array(arr, dtype=dtype, order="C", copy=True)
 
 
 class Placed(NamedTuple):
@@ -421,7 +595,13 @@ def _chunk_writer(sharding: Any, axis: int):
 
 def _zeros(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.Array:
     """Zeros allocated directly with ``sharding`` (no host copy, no full replica)."""
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
+
+
+@functools.cache
+def _zeros_fn(shape: tuple[int, ...], dtype: Any, sharding: Any):
+    """One compiled allocator per (shape, dtype, sharding): resume must not recompile."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 @jax.jit
@@ -433,14 +613,3 @@ def _sums(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _fingerprint(x: jax.Array) -> tuple[float, float]:
     s, q = _sums(x)
     return float(s), float(q)
-
-
-# Fault-injection points for tests (set through MLLM_RL_FAULTS="swap_noop,..."): they
-# prove that the checks which must catch these faults really do.
-def _faults() -> dict[str, bool]:
-    import os
-
-    return {f: True for f in os.environ.get("MLLM_RL_FAULTS", "").split(",") if f}
-
-
-_FAULTS = _faults()
