@@ -1,12 +1,17 @@
 """``python -m mllm_rl.run``: run a plan on a backend and record every phase.
 
-Outputs go to ``--run-dir`` (default ``runs/<run_id>``): ``phases.jsonl`` (one record per
-phase, the source of truth), ``run.json`` (what was run and which phases to expect), a
-W&B offline run under ``wandb/`` unless ``--wandb disabled``. Phase records are also
-printed to stdout, one ``phase {...}`` line each.
+Plans: ``rl`` (default; GRPO-style colocated RL with the full memory lifecycle,
+``mllm_rl.plans.rl``) and ``swap`` (dummy-init engine + streamed weight swap,
+``mllm_rl.plans.swap``).
 
-Exit codes: 0 ok; 2 bad input (one line on stderr, nothing started); 3 an engine's weights
-differ from what was sent; 128+N killed by signal N (SIGTERM: 143) after closing the sinks.
+Outputs go to ``--run-dir`` (default ``runs/<run_id>``): ``phases.jsonl`` (one record per
+phase, the source of truth; ``phases.p<i>.jsonl`` for process i > 0), ``run.json`` (what was
+run and which phases to expect), ``metrics.jsonl`` (RL metrics, one line per step),
+``checkpoints/`` (RL), a W&B offline run under ``wandb/`` unless ``--wandb disabled``.
+
+Exit codes: 0 ok; 1 runtime error; 2 bad input (one line on stderr, nothing started);
+3 an engine's weights differ from what was sent (update that did not land, garbage guard);
+4 a lifecycle invariant broke; 128+N killed by signal N (SIGTERM: 143) after closing the sinks.
 """
 
 from __future__ import annotations
@@ -64,32 +69,81 @@ def install_sigterm() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Imported here, not at module level: they import numpy, whose thread pool must start
+    # after ``install_sigterm`` blocked SIGTERM (see there).
+    from mllm_rl.lifecycle import SCHEDULES
+    from mllm_rl.rl.advantages import ESTIMATORS
+    from mllm_rl.rl.loss_config import AGGREGATIONS
+    from mllm_rl.tasks.base import TASKS
+
     ap = argparse.ArgumentParser(
         prog="python -m mllm_rl.run",
-        description="Run a plan (swap: dummy-init engine + streamed weight swap) with every phase recorded.",
+        description="Run a plan (rl: colocated GRPO with every memory phase recorded; swap: dummy-init "
+        "engine + streamed weight swap).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     ap.add_argument("--backend", required=True, help="backend name (entry point group mllm_rl.backends): jax, torch")
-    ap.add_argument("--plan", default="swap", choices=["swap"], help="what to run")
+    ap.add_argument("--plan", default="rl", choices=["rl", "swap"], help="what to run")
     ap.add_argument("--model", default="tiny", help=f"preset ({', '.join(PRESETS)}), checkpoint dir, or hub id")
-    ap.add_argument("--seed", type=int, default=0, help="seed for preset checkpoints and sampling")
+    ap.add_argument("--seed", type=int, default=0, help="seed for preset checkpoints, data and sampling")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the rollout engine")
     ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "tpu", "cuda"],
                     help="assert the accelerator platform (auto: accept what the runtime finds)")
-    ap.add_argument("--swap-mode", default="streaming", choices=["streaming", "naive"],
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="tokens per completion (default: 8 for rl, 16 for swap)")
+    ap.add_argument("--max-total-tokens", type=int, default=None,
+                    help="engine KV cache size in tokens (default: swap 4096; rl max-running-requests x context)")
+    ap.add_argument("--context-length", type=int, default=None,
+                    help="engine context length (default: swap 512; rl: fits the task's prompts + completions)")
+    ap.add_argument("--max-running-requests", type=int, default=128, help="engine batch limit (requests)")
+    ap.add_argument("--engine", default="auto", choices=["auto", "embedded", "sglang"],
+                    help="torch backend's rollout engine (auto: SGLang when importable on CUDA, else embedded)")
+    ap.add_argument("--weights-cpu-backup", action="store_true",
+                    help="engine keeps a host copy of its weights across release/resume (else: full re-sync)")
+    out = ap.add_argument_group("outputs")
+    out.add_argument("--wandb", default="offline", choices=["disabled", "offline", "online"])
+    out.add_argument("--wandb-project", default="mllm_rl")
+    out.add_argument("--run-id", default=None, help="default: <plan>-<backend>-<time>-<rand>")
+    out.add_argument("--run-dir", default=None, help="default: runs/<run_id>")
+    out.add_argument("--console", default="compact", choices=["compact", "full", "off"],
+                     help="phase records on stdout: one short line each, the full JSON, or nothing")
+    out.add_argument("--quiet", action="store_true", help="same as --console off")
+    sw = ap.add_argument_group("swap plan")
+    sw.add_argument("--swap-mode", default="streaming", choices=["streaming", "naive"],
                     help="streaming: one tensor at a time; naive: load all, then replace (baseline)")
-    ap.add_argument("--swap-chunk-mb", type=float, default=64.0,
+    sw.add_argument("--swap-chunk-mb", type=float, default=64.0,
                     help="streaming: tensors larger than this are written into the engine buffer in chunks "
                          "of this size (peak = one copy + one chunk); 0 = whole tensors")
-    ap.add_argument("--prompt", action="append", help="prompt for generate_result (repeatable)")
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--max-total-tokens", type=int, default=4096, help="engine KV cache size in tokens")
-    ap.add_argument("--context-length", type=int, default=512)
-    ap.add_argument("--wandb", default="offline", choices=["disabled", "offline", "online"])
-    ap.add_argument("--wandb-project", default="mllm_rl")
-    ap.add_argument("--run-id", default=None, help="default: <plan>-<backend>-<time>-<rand>")
-    ap.add_argument("--run-dir", default=None, help="default: runs/<run_id>")
-    ap.add_argument("--quiet", action="store_true", help="do not print phase records to stdout")
+    sw.add_argument("--prompt", action="append", help="prompt for generate_result (repeatable)")
+    rl = ap.add_argument_group("rl plan")
+    rl.add_argument("--steps", type=int, default=20, help="RL steps")
+    rl.add_argument("--task", default="pattern", choices=list(TASKS),
+                    help="pattern: shipped periodic-string completion (learnable from scratch); "
+                         "boxed: GSM8K-style \\boxed{} answers from --task-data")
+    rl.add_argument("--task-data", default=None, help="JSONL of {question, answer} for --task boxed")
+    rl.add_argument("--prompts-per-step", type=int, default=16)
+    rl.add_argument("--group-size", type=int, default=8, help="completions per prompt (GRPO group)")
+    rl.add_argument("--temperature", type=float, default=1.0)
+    rl.add_argument("--top-p", type=float, default=1.0)
+    rl.add_argument("--estimator", default="grpo", choices=list(ESTIMATORS), help="advantage estimator")
+    rl.add_argument("--lr", type=float, default=3e-3)
+    rl.add_argument("--weight-decay", type=float, default=0.0)
+    rl.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clip; 0 = off")
+    rl.add_argument("--mini-batches", type=int, default=1, help="optimizer updates per step")
+    rl.add_argument("--micro-batch-size", type=int, default=64, help="sequences per forward/backward")
+    rl.add_argument("--eps-low", type=float, default=0.2)
+    rl.add_argument("--eps-high", type=float, default=0.28)
+    rl.add_argument("--kl-beta", type=float, default=0.0, help="KL-to-reference weight in the loss (k3)")
+    rl.add_argument("--loss-agg", default="token_mean", choices=list(AGGREGATIONS))
+    rl.add_argument("--lora-rank", type=int, default=0, help="> 0: train LoRA adapters, base frozen")
+    rl.add_argument("--lora-alpha", type=float, default=16.0)
+    rl.add_argument("--schedule", default="multi_stage", choices=list(SCHEDULES),
+                    help="multi_stage: resume weights, update, free trainer, then resume KV; naive: baseline")
+    rl.add_argument("--check-weights", action="store_true",
+                    help="garbage guard: engine greedy probe after each update must match the trainer's")
+    rl.add_argument("--save-every", type=int, default=5, help="checkpoint every N steps (and the last); 0 = never")
+    rl.add_argument("--resume", action="store_true",
+                    help="continue --run-dir/--run-id from its last complete checkpoint (appends to its phase log)")
     return ap
 
 
@@ -104,27 +158,69 @@ def write_run_json(run_dir: Path, plan: dict[str, Any]) -> None:
     os.replace(tmp, run_dir / "run.json")
 
 
-def _validate(args: argparse.Namespace) -> None:
+def build_options(args: argparse.Namespace) -> Any:
+    """The plan's options from the flags; raises ``ValueError`` naming the flag (exit 2)."""
     if args.tp < 1:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
     if args.swap_chunk_mb < 0:
         raise ValueError(f"--swap-chunk-mb must be >= 0, got {args.swap_chunk_mb}")
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.resume and not (args.run_dir or args.run_id):
+        raise ValueError("--resume needs --run-dir or --run-id (the run to continue)")
+    platform = "gpu" if args.platform == "cuda" else args.platform
+    engine_kwargs = {"max_total_tokens": args.max_total_tokens, "context_length": args.context_length,
+                     "max_running_requests": args.max_running_requests, "seed": args.seed,
+                     "chunk_bytes": int(args.swap_chunk_mb * 2**20)}  # fmt: skip
+    if args.engine != "auto":
+        engine_kwargs["engine"] = args.engine
+    if args.plan == "swap":
+        from mllm_rl.plans.swap import SwapOptions
+
+        engine_kwargs["context_length"] = engine_kwargs["context_length"] or 512
+        engine_kwargs["max_total_tokens"] = engine_kwargs["max_total_tokens"] or 4096
+
+        return SwapOptions(tp=args.tp, platform=platform, mode=args.swap_mode,
+                           prompts=tuple(args.prompt) if args.prompt else SwapOptions.prompts,
+                           max_new_tokens=args.max_new_tokens or 16, engine_kwargs=engine_kwargs)  # fmt: skip
+    from mllm_rl.lifecycle import LifecycleOptions
+    from mllm_rl.plans.rl import RLOptions
+    from mllm_rl.rl.loss_config import LossConfig
+    from mllm_rl.trainer import TrainConfig
+
+    loss = LossConfig(eps_low=args.eps_low, eps_high=args.eps_high, beta=args.kl_beta, aggregation=args.loss_agg,
+                      max_len=args.max_new_tokens or 8)  # fmt: skip
+    train = TrainConfig(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                        mini_batches=args.mini_batches, micro_batch_size=args.micro_batch_size, loss=loss,
+                        lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, seed=args.seed)  # fmt: skip
+    if args.weights_cpu_backup:
+        engine_kwargs["weights_cpu_backup"] = True
+    return RLOptions(
+        steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+        max_new_tokens=args.max_new_tokens or 8, temperature=args.temperature, top_p=args.top_p,
+        estimator=args.estimator, task=args.task, task_data=args.task_data, save_every=args.save_every,
+        resume=args.resume, seed=args.seed, tp=args.tp, platform=platform, engine_kwargs=engine_kwargs,
+        train=train, lifecycle=LifecycleOptions(schedule=args.schedule, check_weights=args.check_weights),
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     if threading.active_count() == 1:
         install_sigterm()
+    args = build_parser().parse_args(argv)
     from mllm_rl.checkpoint.model_dir import CheckpointError
     from mllm_rl.engine import WeightMismatch
+    from mllm_rl.lifecycle import LifecycleError
     from mllm_rl.phases.recorder import PhaseRecorder
     from mllm_rl.sinks.console import ConsoleSink
-    from mllm_rl.sinks.jsonl import JsonlSink
+    from mllm_rl.sinks.jsonl import JsonlSink, MetricsJsonlSink, count_records
 
     try:
-        _validate(args)
+        opts = build_options(args)
+        if args.plan == "rl":
+            from mllm_rl.tasks import get_task
+
+            get_task(args.task, args.task_data)  # a bad data file is bad input: before anything starts
         from mllm_rl.backend_registry import load_backend
         from mllm_rl.checkpoint.resolve import resolve_model
 
@@ -137,29 +233,42 @@ def main(argv: list[str] | None = None) -> int:
     # Multi-process runs (multi-host TPU slices; jax.distributed): every process records its
     # own phases; process 0 writes run.json.
     init_distributed = getattr(backend, "init_distributed", None)
-    procs = init_distributed(tp=args.tp) if init_distributed else {"process_index": 0, "process_count": 1}
+    try:
+        procs = init_distributed(tp=args.tp) if init_distributed else {"process_index": 0, "process_count": 1}
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # the processes could not meet (coordinator unreachable, timeout)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     pidx, pcount = int(procs["process_index"]), int(procs["process_count"])
     run_id = args.run_id or f"{args.plan}-{args.backend}-{time.strftime('%y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     run_dir = Path(args.run_dir or Path("runs") / run_id).resolve()
+    if args.resume and args.run_id is None:
+        run_id = _previous_run_id(run_dir) or run_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    sinks: list[Any] = [JsonlSink(run_dir / phase_file_name(pidx))]
-    if not args.quiet:
-        sinks.append(ConsoleSink())
-    rec = PhaseRecorder(run_id, backend.name, sinks=sinks, process_index=pidx)
+    phase_file = run_dir / phase_file_name(pidx)
+    sinks: list[Any] = [JsonlSink(phase_file), MetricsJsonlSink(run_dir / phase_file.name.replace("phases", "metrics"))]
+    console = "off" if args.quiet else args.console
+    if console != "off":
+        sinks.append(ConsoleSink(compact=console == "compact"))
+    start_idx = count_records(phase_file) if args.resume else 0
+    rec = PhaseRecorder(run_id, backend.name, sinks=sinks, process_index=pidx, start_idx=start_idx)
 
-    from mllm_rl.plans.swap import SwapOptions, expected_phases, run_swap
+    if args.plan == "rl":
+        from mllm_rl.plans.rl import plan_json
+        from mllm_rl.plans.rl import run_rl as run_plan
 
+        plan_info = plan_json(backend, opts)
+    else:
+        from mllm_rl.plans.swap import expected_phases
+        from mllm_rl.plans.swap import run_swap as run_plan
+
+        plan_info = {"steps": 0, "expected_phases": expected_phases(backend), "expected_step_phases": []}
     if pidx == 0:
         write_run_json(run_dir, {
-            "run_id": run_id,
-            "backend": backend.name,
-            "plan": args.plan,
-            "model": str(model.path),
-            "steps": 0,
-            "process_count": pcount,
-            "expected_phases": expected_phases(backend),
-            "expected_step_phases": [],
-            "argv": sys.argv[1:] if argv is None else argv,
+            "run_id": run_id, "backend": backend.name, "plan": args.plan, "model": str(model.path),
+            "process_count": pcount, **plan_info, "argv": sys.argv[1:] if argv is None else argv,
         })  # fmt: skip
 
     def make_wandb():
@@ -167,49 +276,93 @@ def main(argv: list[str] | None = None) -> int:
             return None
         from mllm_rl.sinks.wandb_sink import WandbSink
 
-        return WandbSink(args.wandb, run_dir, run_id, project=args.wandb_project,
-                         config={k: v for k, v in vars(args).items() if k != "prompt"})
+        wid = run_id if pidx == 0 else f"{run_id}-p{pidx}"
+        return WandbSink(args.wandb, run_dir, wid, project=args.wandb_project, resume=args.resume,
+                         config={k: v for k, v in vars(args).items() if k != "prompt"})  # fmt: skip
 
     engines: list[Any] = []
     code = 0
+    result: dict[str, Any] = {}
     try:
-        opts = SwapOptions(
-            tp=args.tp,
-            platform="gpu" if args.platform == "cuda" else args.platform,
-            mode=args.swap_mode,
-            prompts=tuple(args.prompt) if args.prompt else SwapOptions.prompts,
-            max_new_tokens=args.max_new_tokens,
-            engine_kwargs={"max_total_tokens": args.max_total_tokens, "context_length": args.context_length,
-                           "seed": args.seed,
-                           "chunk_bytes": int(args.swap_chunk_mb * 2**20)},
-        )
-        run_swap(backend, rec, model, opts, make_wandb, on_engine=engines.append)
+        if args.plan == "rl":
+            result = run_plan(backend, rec, model, opts, make_wandb, run_dir, on_engine=engines.append)
+        else:
+            result = run_plan(backend, rec, model, opts, make_wandb, on_engine=engines.append)
     except Terminated as e:
         code = 128 + e.signum
         print(f"terminated by signal {e.signum}; phase log closed", file=sys.stderr)
     except WeightMismatch as e:
         code = 3
         print(f"error: {e}", file=sys.stderr)
+    except LifecycleError as e:
+        code = 4
+        print(f"error: {e}", file=sys.stderr)
     except (CheckpointError, ValueError) as e:
         code = 2
         print(f"error: {e}", file=sys.stderr)
-    except RuntimeError as e:  # platform assertion, engine adapter probes
+    except RuntimeError as e:  # platform assertion, engine adapter probes, refused operations
         code = 1
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
     finally:
+        if pidx == 0:
+            _report(run_dir, rec)
         rec.close(code)  # W&B finished and torn down before the engine kills child processes
         for engine in engines:
             engine.shutdown()
-    if rec.records:
-        from mllm_rl.summary import phase_table
-
-        print(phase_table(rec.records), file=sys.stderr)
-        gen = rec.records[-1]["info"]
-        if rec.records[-1]["phase"] == "generate_result" and "text" in gen:
-            for prompt, text in zip(gen["prompts"], gen["text"], strict=True):
-                print(f"generate: {prompt!r} -> {text!r}", file=sys.stderr)
+        shutdown_distributed = getattr(backend, "shutdown_distributed", None)
+        if shutdown_distributed is not None:
+            shutdown_distributed()  # all processes leave jax.distributed together (else the others abort)
+    _print_summary(rec.records, result)
     print(f"run_dir {run_dir}", file=sys.stderr)
     return code
+
+
+def _report(run_dir: Path, rec: Any) -> None:
+    """``runs/<id>/report/`` (trace.json, report.html, summary.json), also into W&B; a report
+    problem is a warning, never the run's failure. In a multi-process run the others may still
+    be writing: ``python -m mllm_rl.report RUN_DIR`` redoes it afterwards."""
+    from mllm_rl.report import ReportInputError, build_report
+    from mllm_rl.report.wandb_extras import log_report
+
+    try:
+        report = build_report([run_dir])
+    except (ReportInputError, OSError, ValueError) as e:
+        print(f"warning: report: {e}", file=sys.stderr)
+        return
+    for sink in rec.sinks:
+        if hasattr(sink, "run") and not getattr(sink, "_closed", True):
+            log_report(sink.run, report)
+    for issue in report.errors[:10]:
+        print(f"report: {issue.line()}", file=sys.stderr)
+    print(f"report {run_dir / 'report' / 'report.html'}", file=sys.stderr)
+
+
+def _previous_run_id(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / "run.json").read_text())["run_id"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _print_summary(records: list[dict[str, Any]], result: dict[str, Any]) -> None:
+    if not records:
+        return
+    from mllm_rl.summary import phase_table, step_table
+
+    print(phase_table([r for r in records if r.get("step") is None]), file=sys.stderr)
+    stepped = [r for r in records if r.get("step") is not None]
+    if stepped:
+        print(step_table(stepped), file=sys.stderr)
+    for h in result.get("history", []):
+        print(f"step {h['step']:>3}: reward_mean {h['reward_mean']:.3f}  loss {h.get('loss', float('nan')):.4f}",
+              file=sys.stderr)  # fmt: skip
+    gen = records[-1]["info"]
+    if records[-1]["phase"] == "generate_result" and "text" in gen:
+        for prompt, text in list(zip(gen["prompts"], gen["text"], strict=True))[:4]:
+            print(f"generate: {prompt!r} -> {text!r}", file=sys.stderr)
+        if "greedy_reward_mean" in gen:
+            print(f"greedy reward on {len(gen['prompts'])} held-out prompts: {gen['greedy_reward_mean']:.3f}",
+                  file=sys.stderr)  # fmt: skip
 
 
 def _exit(code: int) -> None:

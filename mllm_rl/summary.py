@@ -30,3 +30,23 @@ def phase_table(records: list[dict[str, Any]]) -> str:
             f"{_gib(host['rss_bytes']):>7} {_gib(host['rss_peak_bytes']):>8}{err}"
         )
     return "\n".join(lines)
+
+
+def step_table(records: list[dict[str, Any]]) -> str:
+    """Step phases aggregated by name over every step: count, mean/max seconds, the largest
+    device peak (summed over devices, GiB) and the largest host RSS peak."""
+    order: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        order.setdefault(r["phase"], []).append(r)
+    head = f"{'step phase':<22} {'n':>4} {'sec mean':>9} {'sec max':>8} {'dev peak max':>13} {'rss peak max':>13}"
+    lines = [head, "-" * len(head)]
+    for name, rs in order.items():
+        secs = [r["t_end"] - r["t_start"] for r in rs]
+        peaks = [p for p in (_sum(r["memory"]["devices"], "phase_peak_bytes") for r in rs) if p is not None]
+        rss = max(r["memory"]["host"]["rss_peak_bytes"] for r in rs)
+        errs = sum(1 for r in rs if r["info"].get("error"))
+        lines.append(
+            f"{name:<22} {len(rs):>4} {sum(secs) / len(secs):>9.3f} {max(secs):>8.3f} "
+            f"{_gib(max(peaks) if peaks else None):>13} {_gib(rss):>13}" + (f"  ERRORS: {errs}" if errs else "")
+        )
+    return "\n".join(lines)

@@ -94,7 +94,8 @@ class RolloutBatch:
 
 class Trainer(Protocol):
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One RL step; metrics: loss, grad_norm, clip_frac, kl, ratio_mean, tokens."""
+        """One RL step; metrics: loss, grad_norm, clip_frac, kl, ratio_mean, neg_logp_mean, tokens,
+        updates, train_s."""
         ...
 
     def logprobs(self, batch: RolloutBatch) -> np.ndarray:
@@ -112,6 +113,15 @@ class Trainer(Protocol):
 
     def resident(self) -> dict[str, bool]:
         """``{"params": bool, "optimizer": bool}``: on the device now?"""
+        ...
+
+    def state_bytes(self) -> dict[str, int]:
+        """``{"params": int, "optimizer": int}``: device bytes each holds (call while resident)."""
+        ...
+
+    def greedy(self, prompt: Sequence[int], n: int) -> tuple[list[int], list[float]]:
+        """Greedy continuation of ``prompt`` (<= n tokens, stops after EOS) and the top-2 logit
+        margin at each token: the garbage guard's reference."""
         ...
 
     def export_weights(self, full: bool = True) -> WeightExport:

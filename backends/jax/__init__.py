@@ -1,7 +1,8 @@
 """JAX backend: sglang-jax rollout engine, flax nnx model, JAX memory probe.
 
-This module stays import-light: jax is imported only in ``init_runtime`` so that
-XLA flags (fake CPU devices for ``--tp``) can be set first.
+This module stays import-light: jax is imported only in ``init_distributed`` (multi-process
+runs) and ``init_runtime``, so that XLA flags (fake CPU devices for ``--tp``) and
+``jax.distributed`` come first.
 """
 
 from __future__ import annotations
@@ -9,32 +10,39 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from mllm_rl.backends.jax import distributed
 from mllm_rl.checkpoint.model_dir import ModelDir
-
-
-def _force_cpu_devices(n: int) -> None:
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 class JaxBackend:
     name = "jax"
     ready_phase = "jax_ready"
 
+    def init_distributed(self, tp: int = 1) -> dict[str, int]:
+        """Join a multi-process run (``jax.distributed``) when the environment describes one;
+        see ``backends/jax/distributed.py``. Runs before ``init_runtime``."""
+        return distributed.init_distributed(tp=tp)
+
+    def shutdown_distributed(self) -> None:
+        """Leave the multi-process run (every process, before exiting; idempotent)."""
+        distributed.shutdown()
+
     def init_runtime(self, tp: int = 1, platform: str = "auto") -> dict[str, Any]:
         """Import jax with enough (fake) CPU devices for ``tp``, assert the platform.
 
         Raises ``RuntimeError`` when ``platform`` is not what jax came up with (e.g. a
-        stale process holds the TPU and jax fell back to CPU).
+        stale process holds the TPU and jax fell back to CPU), or when the processes of a
+        multi-process run came up on different platforms.
         """
-        if tp > 1:
-            _force_cpu_devices(tp)
+        procs = distributed.procs()
+        if tp > 1 and procs.count == 1:  # multi-process: init_distributed asked for tp // count each
+            distributed.force_cpu_devices(tp)
         if platform == "cpu":
             os.environ.setdefault("JAX_PLATFORMS", "cpu")
         import jax
 
         got = jax.devices()[0].platform
+        distributed.agree_on_platform(got)  # first: a process that fails alone would leave the others waiting
         if platform != "auto" and got != platform:
             raise RuntimeError(f"--platform {platform}: jax came up on {got!r} ({jax.devices()[0]})")
         from mllm_rl.backends.jax.probe import per_device_counts
@@ -46,6 +54,7 @@ class JaxBackend:
             "device_counts": per_device_counts(),
             "process_index": jax.process_index(),
             "process_count": jax.process_count(),
+            "global_device_count": jax.device_count(),
         }
 
     def memory_probe(self):
@@ -59,12 +68,21 @@ class JaxBackend:
 
         from mllm_rl.backends.jax.sglang_engine import validate_engine_args
 
-        validate_engine_args(model, tp, len(jax.devices()))
+        validate_engine_args(model, tp, len(jax.devices()), distributed.procs().count)
 
     def create_engine(self, model: ModelDir, tp: int = 1, **kw: Any):
         from mllm_rl.backends.jax.sglang_engine import SglangJaxEngine
 
         return SglangJaxEngine(model, tp=tp, **kw)
+
+    def create_trainer(self, model: ModelDir, cfg: Any):
+        from mllm_rl.backends.jax.trainer import JaxTrainer
+
+        return JaxTrainer(model, cfg)
+
+    def empty_cache(self) -> None:
+        """Nothing to do: XLA returns a deleted array's memory to its allocator at once (on
+        TPU/GPU the BFC allocator keeps it for reuse; there is no cache to trim)."""
 
     def place_all(self, engine, model: ModelDir) -> list[tuple[str, Any]]:
         """Naive-swap baseline: every checkpoint tensor placed on device at once (2 copies)."""

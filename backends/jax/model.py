@@ -1,8 +1,11 @@
 """Qwen3 causal LM in flax nnx: the trainer's model and the independent reference that
 proves an engine's weights (HF names, HF math).
 
-Shapes: B batch, T sequence, H hidden, N heads, K kv heads, D head_dim, V vocab, I mlp.
-Linear kernels are stored ``(in, out)`` (the HF ``(out, in)`` matrix transposed).
+Shapes: B batch, T sequence, H hidden, N heads, K kv heads, D head_dim, V vocab, I mlp,
+R LoRA rank. Linear kernels are stored ``(in, out)`` (the HF ``(out, in)`` matrix
+transposed). With ``lora_rank > 0`` every linear layer also holds ``lora_a`` [in, R] and
+``lora_b`` [R, out] (``LoRAParam``; b starts at zero so the model starts as the base) and
+computes ``x @ kernel + (x @ lora_a @ lora_b) * alpha / R``.
 """
 
 from __future__ import annotations
@@ -28,12 +31,43 @@ class RMSNorm(nnx.Module):
         return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
+@jax.jit
+def merge_lora(kernel: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
+    """``kernel + a @ b * scale`` computed in float32, [in, out] in the kernel's dtype."""
+    delta = (a.astype(jnp.float32) @ b.astype(jnp.float32)) * scale
+    return (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+
+
+class LoRAParam(nnx.Param):
+    """A trainable low-rank adapter weight (the base ``Param``s stay frozen in LoRA mode)."""
+
+
 class Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, dtype: jnp.dtype) -> None:
         self.kernel = nnx.Param(jnp.zeros((d_in, d_out), dtype))
+        self.lora_a: LoRAParam | None = nnx.data(None)
+        self.lora_b: LoRAParam | None = nnx.data(None)
+        self.lora_scale = 0.0
+
+    def add_lora(self, rank: int, alpha: float, key: jax.Array) -> None:
+        """Attach adapters: ``lora_a`` ~ N(0, 1/in), ``lora_b`` = 0 (output unchanged)."""
+        d_in, d_out = self.kernel.shape
+        dtype = self.kernel.dtype
+        self.lora_a = LoRAParam(jax.random.normal(key, (d_in, rank), dtype) / np.sqrt(d_in))
+        self.lora_b = LoRAParam(jnp.zeros((rank, d_out), dtype))
+        self.lora_scale = alpha / rank
+
+    def merged_kernel(self) -> jax.Array:
+        """[in, out]: the kernel an engine without adapters must hold."""
+        if self.lora_a is None:
+            return self.kernel[...]
+        return merge_lora(self.kernel[...], self.lora_a[...], self.lora_b[...], jnp.float32(self.lora_scale))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x @ self.kernel[...]
+        y = x @ self.kernel[...]
+        if self.lora_a is not None:
+            y = y + ((x @ self.lora_a[...]) @ self.lora_b[...]) * self.lora_scale
+        return y
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -123,6 +157,31 @@ class Qwen3(nnx.Module):
         return (x @ head[...].T).astype(jnp.float32)
 
 
+def linear_layers(model: Qwen3) -> dict[str, Linear]:
+    """HF weight name -> the ``Linear`` holding it (every projection of every layer)."""
+    out = {}
+    for i, layer in enumerate(model.layers):
+        for sub, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                           ("mlp", ("gate_proj", "up_proj", "down_proj"))):  # fmt: skip
+            for n in names:
+                out[f"model.layers.{i}.{sub}.{n}.weight"] = getattr(getattr(layer, sub), n)
+    return out
+
+
+def add_lora(model: Qwen3, rank: int, alpha: float, seed: int = 0) -> None:
+    """Attach LoRA adapters of ``rank`` to every linear layer (in place)."""
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+    key = jax.random.key(seed)
+    for i, lin in enumerate(linear_layers(model).values()):
+        lin.add_lora(rank, alpha, jax.random.fold_in(key, i))
+
+
+def hf_path(name: str) -> tuple[tuple[str | int, ...], bool]:
+    """HF parameter name -> (attribute path in ``Qwen3``, stored transposed?)."""
+    return _hf_to_path(name)
+
+
 def _hf_to_path(name: str) -> tuple[tuple[str | int, ...], bool]:
     """HF parameter name -> (attribute path in ``Qwen3``, transpose?)."""
     parts = name.split(".")
@@ -150,7 +209,10 @@ def load_qwen3(model_dir: ModelDir, dtype: jnp.dtype | None = None) -> Qwen3:
         obj = model
         for p in path[:-1]:
             obj = obj[p] if isinstance(p, int) else getattr(obj, p)
-        host = np.asarray(arr).T if transpose else np.asarray(arr)
+        # A copy, never the memmap itself: jax on CPU would alias the file mapping (see
+        # ``sglang_engine.host_copy``).
+        host = np.array(arr, copy=True)
+        host = host.T if transpose else host
         var = getattr(obj, path[-1])
         if tuple(var.shape) != host.shape:
             raise ValueError(f"{name}: checkpoint {host.shape} vs model {tuple(var.shape)}")

@@ -25,8 +25,13 @@ from typing import Any, Protocol
 from mllm_rl.phases.probe import DeviceMemory, MemoryProbe, NullProbe, host_rss
 from mllm_rl.phases.schema import SCHEMA
 
+SAMPLER_THREAD = "mllm_rl-mem-sampler"  # probes may rate-limit calls from this thread
+
 
 class Sink(Protocol):
+    """Receives every phase record; sinks may also define ``log_metrics(step, metrics)``
+    (RL metrics, once per step) — the recorder forwards to those that do."""
+
     def write(self, record: dict[str, Any]) -> None: ...
 
     def close(self, exit_code: int = 0) -> None: ...
@@ -56,6 +61,7 @@ class PhaseRecorder:
         process_index: int = 0,
         probe: MemoryProbe | None = None,
         sample_interval_s: float = 0.005,
+        start_idx: int = 0,
     ) -> None:
         self.run_id = run_id
         self.backend = backend
@@ -63,6 +69,7 @@ class PhaseRecorder:
         self.sinks = list(sinks)
         self.probe: MemoryProbe = probe or NullProbe()
         self.records: list[dict[str, Any]] = []
+        self.start_idx = start_idx  # a resumed run continues the idx of its phase file
         self._interval = sample_interval_s
         self._lock = threading.Lock()
         self._active = False
@@ -100,15 +107,18 @@ class PhaseRecorder:
     def _loop(self) -> None:
         while not self._stop.is_set():
             if self._active:
+                t0 = time.perf_counter()
                 self.sample()
-                time.sleep(self._interval)
+                # Never spend more than a third of a core on sampling (a live-array scan of a
+                # big model on JAX CPU can take milliseconds).
+                time.sleep(max(self._interval, 2 * (time.perf_counter() - t0)))
             else:
                 self._wake.wait(0.1)
                 self._wake.clear()
 
     def _ensure_thread(self) -> None:
         if self._interval > 0 and self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="mllm_rl-mem-sampler", daemon=True)
+            self._thread = threading.Thread(target=self._loop, name=SAMPLER_THREAD, daemon=True)
             self._thread.start()
 
     # -- phases ---------------------------------------------------------------
@@ -190,7 +200,7 @@ class PhaseRecorder:
             "run_id": self.run_id,
             "backend": self.backend,
             "process_index": self.process_index,
-            "idx": len(self.records),
+            "idx": self.start_idx + len(self.records),
             "phase": h.name,
             "step": h.step,
             "t_start": t0,
@@ -204,6 +214,13 @@ class PhaseRecorder:
         self.records.append(record)
         for sink in self.sinks:
             sink.write(record)
+
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        """RL metrics of one step, once, to every sink that takes them (JSONL, console, W&B)."""
+        for sink in self.sinks:
+            log = getattr(sink, "log_metrics", None)
+            if log is not None:
+                log(step, metrics)
 
     def close(self, exit_code: int = 0) -> None:
         """Stop the sampler and close every sink (W&B is finished and torn down here)."""

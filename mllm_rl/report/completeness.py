@@ -6,8 +6,8 @@ Judged per attempt (see ``attempts.py``). A missing trace point is an error, nev
   steps: ``missing_phase`` (error);
 * a sequence that *stopped* (its missing phases are all expected after the last recorded one):
   in the last attempt ``incomplete`` / ``incomplete_step`` (error, the run did not finish);
-  in an earlier attempt a note (``interrupted``, info) when a later attempt re-ran that step,
-  an error when none did;
+  in an earlier attempt a note (``interrupted``, info) when a later attempt re-ran that step
+  or resumed after it from the checkpoint the step saved, an error when none did;
 * steps with no record at all: ``missing_step`` (error), one finding per run of steps;
 * a process with no record: ``missing_process`` (error);
 * a record carrying ``info.error``: ``phase_error`` (error; info when it ended an attempt that
@@ -155,6 +155,12 @@ def _check_steps(atts: list[Attempt], exp: Expected, plan_steps: bool, mk: Make)
             if not stopped:
                 continue
             what = f"stopped after {_last_phase(names)}: missing {', '.join(_named(f) for f in stopped)}"
+            resumed_after = [b.number for b in atts if b.number > a.number and s + 1 in b.steps()]
+            if not a.is_last and _checkpointed(a, s) and resumed_after:
+                # killed after the step's checkpoint: the next attempt restored it and went on
+                issues.append(mk("interrupted", f"interrupted after its checkpoint, {what}; attempt "
+                                 f"{resumed_after[0]} resumed from it", INFO, a, step=s, phase=stopped[0].phase))
+                continue
             if a.is_last:
                 issues.append(mk("incomplete_step", what, ERROR, a, step=s, phase=stopped[0].phase))
             elif later:
@@ -164,6 +170,11 @@ def _check_steps(atts: list[Attempt], exp: Expected, plan_steps: bool, mk: Make)
                 issues.append(mk("incomplete_step", f"interrupted and never re-run, {what}", ERROR, a, step=s,
                                  phase=stopped[0].phase))
     return issues
+
+
+def _checkpointed(a: Attempt, step: int) -> bool:
+    """Did ``a`` save a checkpoint in ``step`` (an RL ``checkpoint`` phase with ``info.saved``)?"""
+    return any(r["step"] == step and r["phase"] == "checkpoint" and r["info"].get("saved") for r in a.records)
 
 
 def _check_records(atts: list[Attempt], mk: Make) -> list[Issue]:

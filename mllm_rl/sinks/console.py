@@ -1,4 +1,5 @@
-"""Console sink: each phase record as one JSON line on stdout (``phase {...}``)."""
+"""Console sink: each phase record on stdout, as one JSON line (``phase {...}``) or one
+short human line (``compact``); RL metrics as one line per step on stderr."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ from typing import Any, TextIO
 
 
 class ConsoleSink:
-    def __init__(self, stream: TextIO | None = None, full: bool = True) -> None:
+    def __init__(self, stream: TextIO | None = None, full: bool = True, compact: bool = False) -> None:
         self.stream = stream or sys.stdout
         self.full = full
+        self.compact = compact
 
     def write(self, record: dict[str, Any]) -> None:
+        if self.compact:
+            self.stream.write(compact_line(record) + "\n")
+            self.stream.flush()
+            return
         rec = record
         if not self.full:  # drop per-device raw allocator stats
             mem = dict(record["memory"])
@@ -21,5 +27,32 @@ class ConsoleSink:
         self.stream.write("phase " + json.dumps(rec, separators=(",", ":"), default=str) + "\n")
         self.stream.flush()
 
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        """A one-line summary per RL step (to stderr: stdout carries the records)."""
+        keys = ("reward_mean", "reward_max", "loss", "kl", "clip_frac", "grad_norm", "completion_len_mean")
+        parts = [f"{k}={metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), (int, float))]
+        print(f"step {step}: " + " ".join(parts), file=sys.stderr, flush=True)
+
     def close(self, exit_code: int = 0) -> None:
         self.stream.flush()
+
+
+def _gib(v: int | None) -> str:
+    return "-" if v is None else f"{v / 2**30:.3f}"
+
+
+def compact_line(r: dict[str, Any]) -> str:
+    """``phase  12 release_rollout  step 0  0.003s  dev 0.020 -> 0.004 GiB (peak 0.020)  rss 1.21 GiB``."""
+    devs = r["memory"]["devices"]
+
+    def total(key: str) -> int | None:
+        vals = [d.get(key) for d in devs]
+        return None if not vals or any(v is None for v in vals) else sum(vals)
+
+    step = "" if r.get("step") is None else f" step {r['step']}"
+    err = f"  ERROR {r['info']['error'][:80]}" if r["info"].get("error") else ""
+    return (
+        f"phase {r['idx']:>4} {r['phase']:<22}{step:<9} {r['t_end'] - r['t_start']:7.3f}s  "
+        f"dev {_gib(total('bytes_in_use_start'))} -> {_gib(total('bytes_in_use'))} GiB "
+        f"(peak {_gib(total('phase_peak_bytes'))})  rss {_gib(r['memory']['host']['rss_bytes'])} GiB{err}"
+    )

@@ -12,6 +12,7 @@ class JsonlSink:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_tail(self.path)
         self._f = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -22,6 +23,24 @@ class JsonlSink:
     def close(self, exit_code: int = 0) -> None:
         if not self._f.closed:
             self._f.close()
+
+
+class MetricsJsonlSink:
+    """``metrics.jsonl``: one line per RL step, ``{"step": k, "time": t, ...metrics}``."""
+
+    def __init__(self, path: str | Path) -> None:
+        self._f = JsonlSink(path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass  # phase records go to phases.jsonl
+
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        import time
+
+        self._f.write({"step": step, "time": time.time(), **metrics})
+
+    def close(self, exit_code: int = 0) -> None:
+        self._f.close()
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -37,3 +56,21 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
             if i != len(lines) - 1:
                 raise ValueError(f"{path}: line {i + 1} is not JSON") from None
     return out
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """A writer killed mid-line leaves a torn last line; appending after it would bury it
+    in the middle of the file. Cut the file back to its last newline."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return
+        f.truncate(data.rfind(b"\n") + 1)
+
+
+def count_records(path: str | Path) -> int:
+    """Records in a phase file (0 if it does not exist): a resumed run continues its ``idx``."""
+    path = Path(path)
+    return len(read_jsonl(path)) if path.exists() else 0

@@ -3,8 +3,11 @@
 One ``wandb.log`` per phase record, keys per DESIGN.md §5:
 ``mem/process/rss_bytes``, ``mem/process/rss_peak_bytes``,
 ``mem/<backend>/<key>_{sum,min,max}``, ``mem/<backend>/device{i}/<key>``,
-``phase/idx``, ``phase/name``, ``time/elapsed_s``, ``time/phase_s``; all memory and
-time series use ``phase/idx`` as x-axis (``define_metric``).
+``phase/idx``, ``phase/name``, ``phase/step``, ``time/elapsed_s``, ``time/phase_s``; all
+memory and time series use ``phase/idx`` as x-axis (``define_metric``).
+
+RL metrics: one ``wandb.log`` per step (``log_metrics``) with ``rl/step`` and
+``train/<metric>`` keys, x-axis ``rl/step``: exactly one point per step per metric.
 
 ``close`` finishes the run *and* tears the wandb service down explicitly: the seed
 SOP saw an atexit ``BrokenPipeError`` otherwise, and sglang-jax's ``shutdown()``
@@ -44,7 +47,7 @@ def flatten_record(record: dict[str, Any], t0: float) -> dict[str, Any]:
             row[f"mem/{backend}/{key}_min"] = min(vals)
             row[f"mem/{backend}/{key}_max"] = max(vals)
     if record.get("step") is not None:
-        row["rl/step"] = record["step"]
+        row["phase/step"] = record["step"]
     return row
 
 
@@ -57,6 +60,7 @@ class WandbSink:
         project: str = "mllm_rl",
         name: str | None = None,
         config: dict[str, Any] | None = None,
+        resume: bool = False,
     ) -> None:
         if mode not in ("offline", "online"):
             raise ValueError(f"--wandb {mode!r}: use disabled, offline or online")
@@ -71,11 +75,14 @@ class WandbSink:
             dir=str(run_dir),
             mode=mode,
             config=config or {},
+            resume="allow" if resume else None,
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )
         self.run.define_metric("phase/idx")
-        for pattern in ("mem/*", "time/*", "phase/name"):
+        for pattern in ("mem/*", "time/*", "phase/name", "phase/step"):
             self.run.define_metric(pattern, step_metric="phase/idx")
+        self.run.define_metric("rl/step")
+        self.run.define_metric("train/*", step_metric="rl/step")
         self._t0: float | None = None
         self._closed = False
 
@@ -89,6 +96,16 @@ class WandbSink:
         if self._t0 is None:
             self._t0 = record["t_start"]
         self.run.log(flatten_record(record, self._t0))
+
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        """One row per RL step: numeric metrics as ``train/<name>``."""
+        if self._closed:
+            return
+        row: dict[str, Any] = {"rl/step": step}
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                row[f"train/{k}"] = v
+        self.run.log(row)
 
     def close(self, exit_code: int = 0) -> None:
         if self._closed:

@@ -23,7 +23,8 @@ from mllm_rl.sinks.jsonl import JsonlSink
 MiB = 2**20
 SETUP = ["wandb_init", "jax_ready", "engine_ready"]
 FINAL = ["generate_result"]  # after the steps
-STEP = ["rollout", "drain", "release_rollout", "onload_trainer", "train_step", "offload_optimizer", "empty_cache",
+STEP = ["rollout", "drain", "release_rollout", "onload_trainer", "train_step", "checkpoint", "offload_optimizer",
+        "empty_cache",
         "resume_weights", "update_weights", "offload_trainer_params", "empty_cache", "resume_kv",
         "continue_generation"]  # fmt: skip
 SWAP = ["wandb_init", "jax_ready", "engine_ready_dummy", "weights_swapped", "generate_result"]
@@ -122,6 +123,7 @@ def rl_step(c: Ctx, s: int, release_frees: float = 1.0, stop_after: str | None =
          lambda: c.dev.add(engine=-int((W + K) * release_frees))),
         ("onload_trainer", {"expected_alloc_bytes": n * (P + OPT)}, lambda: c.dev.add(alloc=P + OPT)),
         ("train_step", {"reward_mean": 0.25 * s, "loss": 1.0 / (s + 1)}, lambda: c.spike(A)),
+        ("checkpoint", {"saved": True}, lambda: None),
         ("offload_optimizer", {"expected_freed_bytes": n * OPT}, lambda: c.dev.add(alloc=-OPT)),
         ("empty_cache", {}, lambda: None),
         ("resume_weights", {"expected_alloc_bytes": n * W}, lambda: c.dev.add(engine=W)),

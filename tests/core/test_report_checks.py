@@ -72,8 +72,8 @@ def test_resumed_run_interrupted_step_is_a_note(tmp_path):
     result = build_report([run])
     assert errors(result) == []
     notes = [i for i in result.issues if i.kind == "interrupted"]
-    assert {(i.process, i.attempt, i.step, i.phase) for i in notes} == {(0, 1, 1, "offload_optimizer"),
-                                                                       (1, 1, 1, "offload_optimizer")}
+    assert {(i.process, i.attempt, i.step, i.phase) for i in notes} == {(0, 1, 1, "checkpoint"),
+                                                                       (1, 1, 1, "checkpoint")}
     assert all(i.severity == "info" and "re-run in attempt 2" in i.message for i in notes)
     assert [len(a) for a in result.analyses[0].attempts.values()] == [2, 2]
 
@@ -96,6 +96,16 @@ def test_resume_that_skips_the_interrupted_step_is_an_error(tmp_path):
     (err,) = errors(build_report([run]))
     assert (err.kind, err.attempt, err.step) == ("incomplete_step", 1, 1)
     assert "never re-run" in err.message
+
+
+def test_resume_from_the_checkpoint_of_the_interrupted_step_is_a_note(tmp_path):
+    # killed after step 1 saved its checkpoint: the next attempt restores it and starts at step 2
+    run = write_rl_run(tmp_path / "run", processes=1, steps=3, attempts=[(0, (1, "checkpoint")), (2, None)])
+    result = build_report([run])
+    assert errors(result) == []
+    (note,) = [i for i in result.issues if i.kind == "interrupted"]
+    assert (note.attempt, note.step, note.severity) == (1, 1, "info")
+    assert "after its checkpoint" in note.message and "attempt 2 resumed from it" in note.message
 
 
 def test_resumed_attempt_is_still_checked(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 
 from mllm_rl.phases import PhaseRecorder
 from mllm_rl.report import build_report
-from tests.core.report_fixtures import Ctx, FakeDevices, rl_step, run_json, setup
+from tests.core.report_fixtures import STEP, Ctx, FakeDevices, rl_step, run_json, setup
 
 
 def _summary_items(run_file) -> dict:
@@ -58,13 +58,13 @@ def test_log_report_tables_and_charts_in_offline_run(tmp_path):
     (run_file,) = run_dir.glob("wandb/offline-run-*/run-wb-report.wandb")
     files = run_file.parent / "files"
     rows = read_history(run_file)
-    assert len([r for r in rows if "phase/name" in r]) == 3 + 2 * 13 + 1  # the per-phase rows are untouched
+    assert len([r for r in rows if "phase/name" in r]) == 3 + 2 * len(STEP) + 1  # the per-phase rows are untouched
     (row,) = [r for r in rows if "report/phases/_type" in r]
     extra = {k: _media(row, k) for k in keys}
     assert extra["report/phases"]["_type"] == "table-file"
     table = json.loads((files / extra["report/phases"]["path"]).read_text())
     col = table["columns"].index
-    assert len(table["data"]) == 3 + 2 * 13 + 1
+    assert len(table["data"]) == 3 + 2 * len(STEP) + 1
     assert [row[col("phase")] for row in table["data"][:4]] == ["wandb_init", "jax_ready", "engine_ready", "rollout"]
     assert table["data"][0][col("after_bytes")] is None  # unknown stays empty, not 0
     eff = json.loads((files / extra["report/efficiency"]["path"]).read_text())

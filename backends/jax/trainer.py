@@ -1,0 +1,390 @@
+"""JAX trainer: flax nnx Qwen3, optax AdamW, donated jitted steps, a device mesh, orbax
+checkpoints, ``pinned_host`` offload. Implements ``mllm_rl.trainer.Trainer``.
+
+Shapes: B sequences, T positions (prompt + completion, right-padded to a multiple of
+``T_BUCKET`` so a handful of shapes compile), V vocab, M micro-batch size.
+
+State is functional: ``nnx.split`` gives a graph definition plus two ``nnx.State`` pytrees,
+``trainable`` (every ``Param``; in LoRA mode only the ``LoRAParam`` adapters) and
+``frozen`` (the LoRA base; empty otherwise), and ``opt_state`` over ``trainable``. Params
+are sharded over a 1-D mesh ``("fsdp",)`` of every device (first axis of 2-D leaves when
+it divides), micro-batches along their batch axis when it divides.
+
+Offload moves leaves to the ``pinned_host`` memory kind with the same sharding (the arrays
+on ``device`` are deleted), onload moves them back.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mllm_rl.backends.jax.model import LoRAParam, Qwen3, add_lora, hf_path, linear_layers, load_qwen3
+from mllm_rl.backends.jax.rl_loss import policy_loss
+from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.engine import Fingerprint, WeightExport
+from mllm_rl.faults import fault
+from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig
+
+T_BUCKET = 32
+DEVICE, HOST = "device", "pinned_host"
+
+
+class TrainerStateError(RuntimeError):
+    """An operation the trainer's residency does not allow (e.g. training with params offloaded)."""
+
+
+def device_bytes(tree: Any) -> int:
+    """Bytes ``tree``'s arrays occupy, summed over every addressable shard (replicas count)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        for s in x.addressable_shards:
+            total += s.data.nbytes
+    return total
+
+
+def _copy(tree: Any, kind: str) -> Any:
+    """A copy of ``tree``'s arrays in memory kind ``kind`` (same sharding)."""
+    out = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), tree)
+    return jax.block_until_ready(out)
+
+
+def _move(tree: Any, kind: str) -> Any:
+    """The same arrays in memory kind ``kind`` (same sharding); the source arrays are deleted."""
+
+    def one(x: jax.Array) -> jax.Array:
+        if (x.sharding.memory_kind or DEVICE) == kind:
+            return x
+        y = _copy(x, kind)
+        x.delete()
+        return y
+
+    return jax.tree.map(one, tree)
+
+
+@jax.jit
+def _sums(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x = x.astype(jnp.float32)
+    return jnp.sum(x), jnp.sum(x * x)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _hf_layout(x: jax.Array, transpose: bool) -> jax.Array:
+    return x.T if transpose else x
+
+
+class JaxTrainer:
+    def __init__(self, model_dir: ModelDir, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.config = model_dir.config
+        self.names = list(model_dir.tensors)  # HF names, checkpoint order
+        devices = np.array(jax.devices())
+        self.mesh = Mesh(devices, ("fsdp",))
+        model = load_qwen3(model_dir)
+        self.lora = cfg.lora_rank > 0
+        if self.lora:
+            add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.seed)
+            self.graphdef, trainable, frozen = nnx.split(model, LoRAParam, ...)
+        else:
+            self.graphdef, trainable, frozen = nnx.split(model, nnx.Param, ...)
+        self.linear_names = [n for n in linear_layers(model) if n in set(self.names)]
+        self.trainable = self._shard(trainable)
+        self.frozen = self._shard(frozen)
+        del model
+        self.tx = optax.chain(
+            optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
+            optax.adamw(cfg.lr, b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay),
+        )
+        self.opt_state = jax.jit(self.tx.init)(self.trainable)
+        self.ref_host: Any = None  # full fine-tune + KL: the initial params, on the host
+        if cfg.loss.beta > 0 and not self.lora:
+            self.ref_host = _copy(self.trainable, HOST)
+        self.step = 0
+        self._build_fns()
+
+    # -- setup -------------------------------------------------------------------------
+    def _spec(self, x: Any) -> NamedSharding:
+        n = self.mesh.size
+        split = n > 1 and x.ndim >= 2 and x.shape[0] % n == 0
+        return NamedSharding(self.mesh, P("fsdp") if split else P())
+
+    def _shard(self, tree: Any) -> Any:
+        return jax.tree.map(lambda x: jax.device_put(x, self._spec(x)), tree)
+
+    def _batch_sharding(self, rows: int) -> NamedSharding:
+        n = self.mesh.size
+        return NamedSharding(self.mesh, P("fsdp") if n > 1 and rows % n == 0 else P())
+
+    def _build_fns(self) -> None:
+        graphdef, loss_cfg = self.graphdef, self.cfg.loss
+
+        def token_logp(trainable: Any, frozen: Any, tokens: jax.Array, attn: jax.Array) -> jax.Array:
+            """[B, T] -> log p(tokens[:, t] | tokens[:, :t]) for t >= 1, [B, T - 1]."""
+            model = nnx.merge(graphdef, trainable, frozen)
+            logits = model(tokens[:, :-1], attn[:, :-1])  # [B, T-1, V] float32
+            tgt = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
+            return tgt - jax.nn.logsumexp(logits, axis=-1)
+
+        def loss_fn(trainable, frozen, mb, total_tokens, total_seqs):
+            logp = token_logp(trainable, frozen, mb["tokens"], mb["attn"])
+            mask = mb["loss_mask"][:, 1:]
+            ref = mb["ref_logp"][:, 1:] if loss_cfg.beta > 0 else None
+            loss, m = policy_loss(logp, mb["old_logp"][:, 1:], mb["adv"], mask, loss_cfg, ref_logp=ref,
+                                  total_tokens=total_tokens, total_seqs=total_seqs)  # fmt: skip
+            n = mask.astype(jnp.float32).sum()
+            sums = {k: v * n for k, v in m.items()}  # token-weighted, summed over micro-batches
+            sums["tokens"] = n
+            sums["entropy_proxy"] = -(logp * mask).sum()  # sum of -log p of the taken tokens
+            return loss, sums
+
+        self._logp = jax.jit(token_logp)
+        self._grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+        self._acc = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
+        tx = self.tx
+
+        def apply(trainable, opt_state, grads):
+            gnorm = optax.global_norm(grads)
+            updates, opt_state = tx.update(grads, opt_state, trainable)
+            return optax.apply_updates(trainable, updates), opt_state, gnorm
+
+        self._apply = jax.jit(apply, donate_argnums=(0, 1))
+
+    # -- residency -----------------------------------------------------------------------
+    def resident(self) -> dict[str, bool]:
+        kind = lambda tree: all((x.sharding.memory_kind or DEVICE) == DEVICE for x in jax.tree.leaves(tree))  # noqa: E731
+        return {PARAMS: kind((self.trainable, self.frozen)), OPTIMIZER: kind(self.opt_state)}
+
+    def state_bytes(self) -> dict[str, int]:
+        return {PARAMS: device_bytes((self.trainable, self.frozen)), OPTIMIZER: device_bytes(self.opt_state)}
+
+    def _check_what(self, what: Sequence[str]) -> list[str]:
+        bad = [w for w in what if w not in (PARAMS, OPTIMIZER)]
+        if bad:
+            raise ValueError(f"unknown trainer state {bad}; use {PARAMS!r} and/or {OPTIMIZER!r}")
+        return list(dict.fromkeys(what))
+
+    def offload(self, what: Sequence[str]) -> int:
+        """Move ``params``/``optimizer`` to ``pinned_host``; returns the device bytes they held."""
+        moved = 0
+        for w in self._check_what(what):
+            if w == PARAMS:
+                moved += self._bytes_on(DEVICE, (self.trainable, self.frozen))
+                if fault("offload_noop"):
+                    continue
+                self.trainable, self.frozen = _move(self.trainable, HOST), _move(self.frozen, HOST)
+            else:
+                moved += self._bytes_on(DEVICE, self.opt_state)
+                self.opt_state = _move(self.opt_state, HOST)
+        return moved
+
+    def onload(self, what: Sequence[str]) -> int:
+        """Move them back to the device; returns the device bytes they hold again."""
+        moved = 0
+        for w in self._check_what(what):
+            if w == PARAMS:
+                self.trainable, self.frozen = _move(self.trainable, DEVICE), _move(self.frozen, DEVICE)
+                moved += device_bytes((self.trainable, self.frozen))
+            else:
+                self.opt_state = _move(self.opt_state, DEVICE)
+                moved += device_bytes(self.opt_state)
+        return moved
+
+    @staticmethod
+    def _bytes_on(kind: str, tree: Any) -> int:
+        return device_bytes([x for x in jax.tree.leaves(tree) if (x.sharding.memory_kind or DEVICE) == kind])
+
+    def _need(self, *what: str) -> None:
+        res = self.resident()
+        missing = [w for w in what if not res[w]]
+        if missing:
+            raise TrainerStateError(f"trainer {', '.join(missing)} offloaded; onload first")
+
+    # -- training ------------------------------------------------------------------------
+    def _pad(self, batch: RolloutBatch, rows: int, t: int) -> dict[str, np.ndarray]:
+        """Host arrays of exactly ``rows`` x ``t`` (zero rows / zero columns appended)."""
+        b, t0 = batch.tokens.shape
+
+        def pad(x: np.ndarray, dtype: Any) -> np.ndarray:
+            out = np.zeros((rows, t) + x.shape[2:], dtype)
+            out[:b, : min(t0, t)] = x[:, :t]
+            return out
+
+        return {
+            "tokens": pad(batch.tokens, np.int32),
+            "attn": pad(batch.attention_mask, bool),
+            "loss_mask": pad(batch.loss_mask, bool),
+            "old_logp": pad(batch.old_logp, np.float32),
+            "adv": np.concatenate([batch.advantages.astype(np.float32), np.zeros(rows - b, np.float32)]),
+        }
+
+    def _put(self, mb: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        sh = self._batch_sharding(mb["tokens"].shape[0])
+        return {k: jax.device_put(v, sh) for k, v in mb.items()}
+
+    def _micro_batches(self, batch: RolloutBatch) -> Iterator[dict[str, jax.Array]]:
+        m = self.cfg.micro_batch_size
+        t = -(-batch.tokens.shape[1] // T_BUCKET) * T_BUCKET
+        for s in range(0, batch.size, m):
+            yield self._put(self._pad(batch.rows(slice(s, s + m)), m, t))
+
+    def _ref_logp(self, mb: dict[str, jax.Array], ref: Any) -> jax.Array:
+        logp = self._logp(ref, self.frozen, mb["tokens"], mb["attn"])
+        return jnp.pad(logp, ((0, 0), (1, 0)))
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """``mini_batches`` AdamW updates over ``batch``, each accumulating exact gradients
+        over micro-batches of ``micro_batch_size`` rows."""
+        self._need(PARAMS, OPTIMIZER)
+        if fault("train_oom"):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate (injected: train_oom)")
+        t0 = time.perf_counter()
+        ref = None
+        if self.cfg.loss.beta > 0:
+            ref = jax.tree.map(jnp.zeros_like, self.trainable) if self.lora else _copy(self.ref_host, DEVICE)
+        totals: dict[str, float] = {}
+        loss_sum, gnorms = 0.0, []
+        parts = np.array_split(np.arange(batch.size), self.cfg.mini_batches)
+        for rows in parts:
+            if not len(rows):
+                continue
+            mini = batch.rows(slice(int(rows[0]), int(rows[-1]) + 1))
+            total_tokens = jnp.float32(max(int(mini.loss_mask[:, 1:].sum()), 1))
+            total_seqs = jnp.float32(mini.size)
+            acc = None
+            for mb in self._micro_batches(mini):
+                if ref is not None:
+                    mb["ref_logp"] = self._ref_logp(mb, ref)
+                (loss, sums), grads = self._grad(self.trainable, self.frozen, mb, total_tokens, total_seqs)
+                acc = grads if acc is None else self._acc(acc, grads)
+                loss_sum += float(loss)
+                for k, v in sums.items():
+                    totals[k] = totals.get(k, 0.0) + float(v)
+            self.trainable, self.opt_state, gnorm = self._apply(self.trainable, self.opt_state, acc)
+            gnorms.append(float(gnorm))
+        if ref is not None:
+            jax.tree.map(lambda x: x.delete(), ref)
+        self.step += 1
+        n = max(totals.get("tokens", 0.0), 1.0)
+        return {
+            "loss": loss_sum / len(parts),
+            "grad_norm": float(np.mean(gnorms)) if gnorms else 0.0,
+            "clip_frac": totals.get("clip_frac", 0.0) / n,
+            "kl": totals.get("kl", 0.0) / n,
+            "ratio_mean": totals.get("ratio_mean", 0.0) / n,
+            "neg_logp_mean": totals.get("entropy_proxy", 0.0) / n,
+            "tokens": int(totals.get("tokens", 0.0)),
+            "updates": len(gnorms),
+            "train_s": round(time.perf_counter() - t0, 4),
+        }
+
+    def logprobs(self, batch: RolloutBatch) -> np.ndarray:
+        self._need(PARAMS)
+        out = []
+        for mb in self._micro_batches(batch):
+            out.append(np.asarray(self._ref_logp(mb, self.trainable)))
+        logp = np.concatenate(out)[: batch.size, : batch.tokens.shape[1]]
+        return np.where(batch.attention_mask, logp, 0.0).astype(np.float32)
+
+    def greedy(self, prompt: Sequence[int], n: int) -> tuple[list[int], list[float]]:
+        """Greedy continuation of ``prompt`` by full re-forward (the garbage guard's reference).
+
+        Returns (tokens [n'], top-2 logit margins [n']); stops after EOS.
+        """
+        self._need(PARAMS)
+        length = len(prompt) + n
+        toks = np.zeros((1, length), np.int32)
+        toks[0, : len(prompt)] = prompt
+        model = nnx.merge(self.graphdef, self.trainable, self.frozen)
+        out, margins = [], []
+        for i in range(len(prompt), length):
+            logits = np.asarray(_forward(model, jnp.asarray(toks), jnp.asarray(np.arange(length)[None] < i)))
+            row = logits[0, i - 1]
+            top2 = np.sort(row)[-2:]
+            tok = int(row.argmax())
+            out.append(tok)
+            margins.append(float(top2[1] - top2[0]))
+            toks[0, i] = tok
+            if tok == self.config.eos_token_id:
+                break
+        return out, margins
+
+    # -- weights for the engine ----------------------------------------------------------
+    def _model_view(self) -> Qwen3:
+        return nnx.merge(self.graphdef, self.trainable, self.frozen)
+
+    def _engine_layout(self, model: Qwen3, name: str) -> tuple[jax.Array, bool]:
+        """The weight ``name`` as stored in our model (kernels [in, out]; LoRA merged)."""
+        path, transpose = hf_path(name)
+        if self.lora and transpose:
+            return linear_layers(model)[name].merged_kernel(), True
+        obj: Any = model
+        for p in path:
+            obj = obj[p] if isinstance(p, int) else getattr(obj, p)
+        return obj[...], transpose
+
+    def export_names(self, full: bool = True) -> list[str]:
+        """Full: every weight. Partial (LoRA only): the linear layers the adapters change."""
+        return list(self.names) if full or not self.lora else list(self.linear_names)
+
+    def export_weights(self, full: bool = True) -> WeightExport:
+        """HF-layout jax arrays, one at a time (a transposed/merged copy lives only while the
+        engine places it)."""
+        self._need(PARAMS)
+        names = self.export_names(full)
+        model = self._model_view()
+
+        def gen() -> Iterator[tuple[str, jax.Array]]:
+            for name in names:
+                value, transpose = self._engine_layout(model, name)
+                yield name, _hf_layout(value, transpose)
+
+        return WeightExport(names, gen(), full=full or not self.lora)
+
+    def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
+        self._need(PARAMS)
+        model = self._model_view()
+        out = {}
+        for name in names if names is not None else self.names:
+            s, q = _sums(self._engine_layout(model, name)[0])
+            out[name] = (float(s), float(q))
+        return out
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def save(self, path: Path) -> None:
+        """Orbax checkpoint of the trainable params and optimizer state (params must be on
+        the device). The LoRA base is not saved: it is the run's ``--model``."""
+        import orbax.checkpoint as ocp
+
+        self._need(PARAMS, OPTIMIZER)
+        target = Path(path).resolve() / "state"
+        if target.exists():  # a save interrupted by a crash, redone after --resume
+            shutil.rmtree(target)
+        ckpt = ocp.StandardCheckpointer()
+        ckpt.save(target, {"trainable": self.trainable, "opt_state": self.opt_state})
+        ckpt.wait_until_finished()
+
+    def restore(self, path: Path) -> None:
+        import orbax.checkpoint as ocp
+
+        self._need(PARAMS, OPTIMIZER)
+        target = {"trainable": self.trainable, "opt_state": self.opt_state}
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        state = ocp.StandardCheckpointer().restore(Path(path).resolve() / "state", abstract)
+        self.trainable, self.opt_state = state["trainable"], state["opt_state"]
+
+
+@nnx.jit
+def _forward(model: Qwen3, tokens: jax.Array, attn: jax.Array) -> jax.Array:
+    return model(tokens, attn)

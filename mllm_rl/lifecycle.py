@@ -1,0 +1,259 @@
+"""The colocated step: one place for the whole memory lifecycle (DESIGN.md §6).
+
+A trainer and a rollout engine take turns on the same devices. ``Colocated.step`` drives
+them through recorded phases; backends implement only primitives (``EnginePrimitives``
+behind ``ManagedEngine``, ``Trainer``, ``Backend.empty_cache``).
+
+Default schedule, ``multi_stage`` (SGLang/verl "multi-stage awake"):
+
+    rollout -> drain -> release_rollout(kv_cache, weights) -> onload_trainer -> train_step
+    -> checkpoint -> offload_optimizer -> empty_cache -> resume_weights -> update_weights
+    -> offload_trainer_params -> empty_cache -> resume_kv -> continue_generation
+    [-> check_weights]
+
+``naive`` (the baseline the benchmarks compare against): everything of the engine comes
+back before the update, so KV cache, engine weights and trainer params peak together:
+
+    ... -> empty_cache -> resume_rollout(weights, kv_cache) -> update_weights
+    -> offload_trainer_params -> empty_cache -> continue_generation [-> check_weights]
+
+Checked at every phase boundary (``LifecycleError`` otherwise): trainer params and engine
+weights are never both resident outside the phases that need them (the update); the
+update's engine fingerprint equals the trainer's (an update that did nothing fails
+loudly); a partial (LoRA) update is only sent to valid base weights — after a resume
+without CPU backup the lifecycle sends the full weights instead.
+
+The garbage guard (``check_weights``): right after ``train_step`` the trainer decodes a
+fixed probe greedily with its own model; after the update the engine decodes the same
+probe; the tokens must agree wherever the trainer's top-2 margin is not a near tie.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mllm_rl.engine import (
+    TAG_CUDA_GRAPH,
+    TAG_KV,
+    TAG_WEIGHTS,
+    SamplingParams,
+    WeightMismatch,
+    compare_fingerprints,
+)
+from mllm_rl.engine_state import ManagedEngine
+from mllm_rl.phases.recorder import PhaseRecorder
+from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, Trainer
+
+SCHEDULES = ("multi_stage", "naive")
+_HEAD = ["rollout", "drain", "release_rollout", "onload_trainer", "train_step", "checkpoint",
+         "offload_optimizer", "empty_cache"]  # fmt: skip
+STEP_PHASES = {
+    "multi_stage": _HEAD + ["resume_weights", "update_weights", "offload_trainer_params", "empty_cache",
+                            "resume_kv", "continue_generation"],
+    "naive": _HEAD + ["resume_rollout", "update_weights", "offload_trainer_params", "empty_cache",
+                      "continue_generation"],
+}  # fmt: skip
+# Phases at whose end trainer params and engine weights may both be resident.
+BOTH_RESIDENT_OK = {"resume_weights", "update_weights", "resume_rollout", "weights_swapped"}
+GREEDY_TIE = 1e-3  # top-2 logit margin below which a greedy token may differ across implementations
+
+
+class LifecycleError(RuntimeError):
+    """A lifecycle invariant broke (never silently continued)."""
+
+
+@dataclasses.dataclass
+class LifecycleOptions:
+    schedule: str = "multi_stage"
+    check_weights: bool = False
+    probe_ids: tuple[int, ...] = ()  # garbage-guard prompt (token ids)
+    probe_tokens: int = 8
+    drain_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+
+
+def step_phases(opts: LifecycleOptions) -> list[str]:
+    """The phase names of one step, in order (what the report's completeness check expects)."""
+    return STEP_PHASES[opts.schedule] + (["check_weights"] if opts.check_weights else [])
+
+
+RolloutFn = Callable[[ManagedEngine, int], tuple[RolloutBatch, dict[str, Any]]]
+SaveFn = Callable[[int], Path | None]
+
+
+class Colocated:
+    def __init__(
+        self,
+        backend: Any,
+        engine: ManagedEngine,
+        trainer: Trainer,
+        rec: PhaseRecorder,
+        opts: LifecycleOptions,
+    ) -> None:
+        self.backend, self.engine, self.trainer, self.rec, self.opts = backend, engine, trainer, rec, opts
+        if opts.check_weights and not opts.probe_ids:
+            raise ValueError("check_weights needs LifecycleOptions.probe_ids")
+        self.release_tags = [t for t in (TAG_KV, TAG_WEIGHTS, TAG_CUDA_GRAPH) if t in engine.tags]
+        self._expected_probe: tuple[list[int], list[float]] | None = None
+
+    # -- invariants ----------------------------------------------------------------------
+    def _check_residency(self, phase: str) -> None:
+        both = self.trainer.resident()[PARAMS] and TAG_WEIGHTS not in self.engine.released
+        if both and phase not in BOTH_RESIDENT_OK:
+            raise LifecycleError(
+                f"{phase}: trainer params and engine weights are both resident (allowed only in "
+                f"{sorted(BOTH_RESIDENT_OK)})"
+            )
+
+    def _phase(self, name: str, step: int | None, **info: Any):
+        return _CheckedPhase(self, name, step, info)
+
+    # -- setup ---------------------------------------------------------------------------
+    def initial_sync(self) -> dict[str, Any]:
+        """``weights_swapped``: the dummy-initialised engine gets the trainer's weights
+        (full, streamed, fingerprint-checked), then the trainer goes to the host."""
+        with self._phase("weights_swapped", None, mode="streaming") as ph:
+            ph.info.update(self._update(full=True))
+        with self._phase("offload_trainer", None) as ph:
+            held = self.trainer.offload([PARAMS, OPTIMIZER])
+            ph.info.update(expected_freed_bytes=held, trainer=self.trainer.resident())
+        return ph.info
+
+    # -- one RL step -----------------------------------------------------------------------
+    def step(self, step: int, rollout: RolloutFn, save: SaveFn | None = None) -> dict[str, Any]:
+        """Run one colocated step; returns the step's metrics (rollout + train)."""
+        o = self.opts
+        with self._phase("rollout", step) as ph:
+            if o.check_weights:  # before the rollout fills the prefix cache: see _engine_probe
+                ph.info["probe_tokens"] = self._engine_probe()
+            batch, metrics = rollout(self.engine, step)
+            ph.info.update(metrics)
+        with self._phase("drain", step) as ph:
+            ph.info.update(self.engine.drain(o.drain_timeout_s))
+        with self._phase("release_rollout", step, tags=self.release_tags) as ph:
+            held = self.engine.release(self.release_tags)
+            ph.info.update(expected_freed_bytes=sum(held.values()), held=held)
+        with self._phase("onload_trainer", step) as ph:
+            ph.info["expected_alloc_bytes"] = self.trainer.onload([PARAMS, OPTIMIZER])
+        with self._phase("train_step", step, batch=batch.size) as ph:
+            train = self.trainer.train_step(batch)
+            ph.info.update(train)
+            if o.check_weights:
+                self._expected_probe = self.trainer.greedy(list(o.probe_ids), o.probe_tokens)
+        metrics.update(train)
+        with self._phase("checkpoint", step) as ph:
+            path = save(step) if save is not None else None
+            ph.info.update(saved=path is not None, path=str(path) if path else None)
+        with self._phase("offload_optimizer", step) as ph:
+            ph.info["expected_freed_bytes"] = self.trainer.offload([OPTIMIZER])
+        with self._phase("empty_cache", step):
+            self.backend.empty_cache()
+        if o.schedule == "multi_stage":
+            with self._phase("resume_weights", step) as ph:
+                ph.info["expected_alloc_bytes"] = sum(self.engine.resume([TAG_WEIGHTS]).values())
+            with self._phase("update_weights", step) as ph:
+                ph.info.update(self._update(full=None))
+            self._offload_params(step)
+            with self._phase("resume_kv", step) as ph:
+                rest = [t for t in self.release_tags if t != TAG_WEIGHTS]
+                ph.info["expected_alloc_bytes"] = sum(self.engine.resume(rest).values())
+        else:
+            with self._phase("resume_rollout", step) as ph:
+                ph.info["expected_alloc_bytes"] = sum(self.engine.resume(self.release_tags).values())
+            with self._phase("update_weights", step) as ph:
+                ph.info.update(self._update(full=None))
+            self._offload_params(step)
+        with self._phase("continue_generation", step):
+            self.engine.continue_generation()
+        if o.check_weights:
+            with self._phase("check_weights", step) as ph:
+                ph.info.update(self._check_probe())
+        return metrics
+
+    def _offload_params(self, step: int) -> None:
+        with self._phase("offload_trainer_params", step) as ph:
+            ph.info["expected_freed_bytes"] = self.trainer.offload([PARAMS])
+        with self._phase("empty_cache", step):
+            self.backend.empty_cache()
+
+    # -- pieces --------------------------------------------------------------------------
+    def _update(self, full: bool | None) -> dict[str, Any]:
+        """Stream the trainer's weights into the engine and prove they landed.
+
+        ``full=None``: partial (only what training changes) when the trainer supports it
+        *and* the engine's base weights are valid; full otherwise (after a resume without
+        CPU backup, a partial sync would leave the rest undefined: the LoRA garbage bug).
+        """
+        if full is None:
+            full = not self.engine.weights_valid
+        export = self.trainer.export_weights(full=full)
+        stats = self.engine.update_weights(export, on_tensor=lambda name: self.rec.sample())
+        want = self.trainer.weights_fingerprint(export.names)
+        got = self.engine.weights_fingerprint()
+        bad = compare_fingerprints(want, got)
+        if bad:
+            raise WeightMismatch(
+                f"update_weights: engine weights differ from the trainer's for {len(bad)} tensor(s), e.g. {bad[:2]}"
+            )
+        return {
+            "full": export.full,
+            "tensors": stats.tensors,
+            "bytes": stats.bytes,
+            "seconds": round(stats.seconds, 4),
+            "gbps": round(stats.gbps, 3),
+            "fingerprint_ok": True,
+            "weights_version": self.engine.weights_version,
+        }
+
+    def _engine_probe(self) -> list[int]:
+        """Greedy probe from an empty prefix cache, alone in its batch: with the same weights
+        it is bitwise reproducible (a prefix reused from other requests is computed in another
+        batch layout, and a near-tie token can flip)."""
+        self.engine.flush_cache()
+        sampling = SamplingParams(max_new_tokens=self.opts.probe_tokens, temperature=0.0)
+        return self.engine.generate([list(self.opts.probe_ids)], sampling)[0].token_ids
+
+    def _check_probe(self) -> dict[str, Any]:
+        got = self._engine_probe()
+        if self._expected_probe is None:
+            raise LifecycleError("check_weights: no trainer probe from this step")
+        want, margins = self._expected_probe
+        for i, (a, b) in enumerate(zip(want, got, strict=False)):
+            if a != b:
+                if margins[i] < GREEDY_TIE:
+                    return {"probe_tokens": got, "trainer_tokens": want, "agree_until": i, "near_tie": True}
+                raise WeightMismatch(
+                    f"check_weights: engine greedy token {i} is {b}, the trainer's is {a} (top-2 margin "
+                    f"{margins[i]:.3g}): the engine's weights are not the trainer's (garbage output)"
+                )
+        return {"probe_tokens": got, "trainer_tokens": want, "agree_until": min(len(want), len(got))}
+
+
+class _CheckedPhase:
+    """``rec.phase`` plus the engine/trainer state and the residency invariant at its end."""
+
+    def __init__(self, life: Colocated, name: str, step: int | None, info: dict[str, Any]) -> None:
+        self.life, self.name, self.step, self.info = life, name, step, info
+
+    def __enter__(self):
+        self._cm = self.life.rec.phase(self.name, step=self.step, **self.info)
+        self.handle = self._cm.__enter__()
+        return self.handle
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            try:
+                self.handle.info["engine"] = self.life.engine.state()
+                self.handle.info["trainer"] = self.life.trainer.resident()
+                self.life._check_residency(self.name)
+            except BaseException as e:
+                self._cm.__exit__(type(e), e, e.__traceback__)
+                raise
+        return bool(self._cm.__exit__(exc_type, exc, tb))
+

@@ -1,0 +1,276 @@
+"""The RL plan: GRPO-style colocated training with the full memory lifecycle, any backend.
+
+Setup phases (once per attempt; a ``--resume`` attempt repeats them):
+
+1. ``wandb_init``, ``jax_ready``/``torch_ready``
+2. ``engine_ready_dummy``  rollout engine up with dummy weights
+3. ``trainer_init``        trainer built from the checkpoint (or restored from the run's
+                           last checkpoint with ``--resume``)
+4. ``weights_swapped``     the trainer's weights streamed into the engine, fingerprint-checked
+5. ``offload_trainer``     trainer params and optimizer state to the host
+
+Then ``steps`` colocated steps (``mllm_rl.lifecycle``: rollout ... continue_generation), and
+a final ``generate_result`` (greedy completions of held-out prompts and their reward).
+
+Data is a pure function of ``(seed, step)``, so a resumed run sees the prompts it would
+have seen; checkpoints are written in the ``checkpoint`` phase of a step and are complete
+only once their ``meta.json`` exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.engine import SamplingParams
+from mllm_rl.engine_state import ManagedEngine
+from mllm_rl.lifecycle import Colocated, LifecycleOptions, step_phases
+from mllm_rl.phases.recorder import PhaseRecorder, Sink
+from mllm_rl.progress import progress_bar
+from mllm_rl.rl.advantages import ESTIMATORS, group_advantages
+from mllm_rl.rl.batch import build_batch
+from mllm_rl.tasks import Task, get_task
+from mllm_rl.trainer import TrainConfig
+
+SETUP_PHASES = ["wandb_init", "{ready}", "engine_ready_dummy", "trainer_init", "weights_swapped", "offload_trainer"]
+FINAL_PHASES = ["generate_result"]
+PROBE_PROMPT = "abcabcab"
+CKPT_DIR = "checkpoints"
+KEEP_CHECKPOINTS = 2
+EVAL_STREAM = 2**31 - 1  # the held-out prompts' RNG stream (never a training step)
+
+
+@dataclasses.dataclass
+class RLOptions:
+    steps: int = 20
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    estimator: str = "grpo"
+    task: str = "pattern"
+    task_data: str | None = None
+    eval_prompts: int = 16
+    save_every: int = 5  # 0 = never (the last step is always saved when > 0)
+    resume: bool = False
+    seed: int = 0
+    tp: int = 1
+    platform: str = "auto"
+    engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    lifecycle: LifecycleOptions = dataclasses.field(default_factory=LifecycleOptions)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.prompts_per_step < 1 or self.group_size < 1:
+            raise ValueError("--prompts-per-step and --group-size must be >= 1")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"--estimator {self.estimator!r}: choose one of {', '.join(ESTIMATORS)}")
+        if self.estimator == "rloo" and self.group_size < 2:
+            raise ValueError("--estimator rloo needs --group-size >= 2")
+        if self.save_every < 0:
+            raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
+        SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
+
+
+def expected_phases(backend: Any) -> list[str]:
+    return [p.format(ready=backend.ready_phase) for p in SETUP_PHASES] + FINAL_PHASES
+
+
+# -- checkpoints -------------------------------------------------------------------------
+def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
+    """(step, dir) of the newest complete checkpoint (one with ``meta.json``), or None."""
+    best = None
+    for d in (run_dir / CKPT_DIR).glob("step_*"):
+        meta = d / "meta.json"
+        if meta.exists():
+            step = int(json.loads(meta.read_text())["step"])
+            if best is None or step > best[0]:
+                best = (step, d)
+    return best
+
+
+def _saver(trainer: Any, run_dir: Path, opts: RLOptions) -> Callable[[int], Path | None]:
+    def save(step: int) -> Path | None:
+        last = step == opts.steps - 1
+        if opts.save_every == 0 or not ((step + 1) % opts.save_every == 0 or last):
+            return None
+        path = run_dir / CKPT_DIR / f"step_{step:06d}"
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        trainer.save(path)
+        tmp = path / "meta.json.tmp"
+        tmp.write_text(json.dumps({"step": step, "seed": opts.seed}))
+        os.replace(tmp, path / "meta.json")  # the checkpoint counts from here on
+        done = sorted((run_dir / CKPT_DIR).glob("step_*"))
+        for old in done[:-KEEP_CHECKPOINTS]:
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    return save
+
+
+# -- rollout -----------------------------------------------------------------------------
+def _rng(seed: int, step: int, stream: int) -> np.random.Generator:
+    return np.random.default_rng([seed, step, stream])
+
+
+def make_rollout(task: Task, tok: Any, opts: RLOptions, eos: int):
+    """The ``rollout`` phase's work: prompts of this step, ``group_size`` samples each,
+    rewards, group-relative advantages, the training batch and its metrics."""
+
+    def rollout(engine: ManagedEngine, step: int):
+        examples = task.sample(_rng(opts.seed, step, 0), opts.prompts_per_step)
+        prompt_ids = [tok(e.prompt, add_special_tokens=False).input_ids for e in examples]
+        g = opts.group_size
+        ids = [p for p in prompt_ids for _ in range(g)]
+        sampling = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
+                                  top_p=opts.top_p, stop_token_ids=(eos,),
+                                  seed=int(_rng(opts.seed, step, 1).integers(2**31)))  # fmt: skip
+        outs = engine.generate(ids, sampling)
+        texts = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+        rewards = np.array([task.reward(t, examples[i // g]) for i, t in enumerate(texts)], np.float64)
+        adv = group_advantages(rewards, g, opts.estimator)
+        batch = build_batch(ids, outs, adv)
+        groups = rewards.reshape(-1, g)
+        lens = np.array([len(o.token_ids) for o in outs])
+        metrics = {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "reward_max": float(rewards.max()),
+            "groups_zero_std": float((groups.std(axis=1) == 0).mean()),
+            "completion_len_mean": float(lens.mean()),
+            "rollout_tokens": int(lens.sum()),
+            "aborted": int(sum(o.finish_reason == "abort" for o in outs)),
+            "sample": {"prompt": examples[0].prompt, "answer": examples[0].answer, "completion": texts[0]},
+        }
+        return batch, metrics
+
+    return rollout
+
+
+def size_engine(task: Task, tok: Any, opts: RLOptions) -> dict[str, Any]:
+    """Engine kwargs with ``context_length`` / ``max_total_tokens`` filled in where unset.
+
+    The context is the longest prompt seen in a sample of the task (every prompt of a
+    file-backed task) plus ``max_new_tokens``, rounded up to a power of two (>= 64): the
+    native CPU attention of sglang-jax costs O(batch x context) per decoded token, so a
+    context sized to the task makes a tiny-model rollout ~10x faster than a generic 512.
+    """
+    kw = dict(opts.engine_kwargs)
+    if kw.get("context_length") is None:
+        sample = getattr(task, "examples", None) or task.sample(_rng(opts.seed, EVAL_STREAM, 3), 512)
+        longest = max(len(tok(e.prompt, add_special_tokens=False).input_ids) for e in sample)
+        need = longest + opts.max_new_tokens + 1
+        kw["context_length"] = max(64, 1 << (need - 1).bit_length())
+    if kw.get("max_total_tokens") is None:
+        kw["max_total_tokens"] = kw.get("max_running_requests", 128) * kw["context_length"]
+    return kw
+
+
+def evaluate(engine: ManagedEngine, task: Task, tok: Any, opts: RLOptions, eos: int) -> dict[str, Any]:
+    """Greedy completions of ``eval_prompts`` held-out prompts (their own RNG stream)."""
+    examples = task.sample(_rng(opts.seed, EVAL_STREAM, 2), opts.eval_prompts)
+    ids = [tok(e.prompt, add_special_tokens=False).input_ids for e in examples]
+    sampling = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=0.0, stop_token_ids=(eos,))
+    outs = engine.generate(ids, sampling)
+    texts = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+    rewards = [task.reward(t, e) for t, e in zip(texts, examples, strict=True)]
+    return {
+        "prompts": [e.prompt for e in examples],
+        "answers": [e.answer for e in examples],
+        "text": texts,
+        "token_ids": [o.token_ids for o in outs],
+        "greedy_reward_mean": float(np.mean(rewards)),
+    }
+
+
+# -- the plan ----------------------------------------------------------------------------
+def run_rl(
+    backend: Any,
+    rec: PhaseRecorder,
+    model: ModelDir,
+    opts: RLOptions,
+    make_wandb: Callable[[], Sink | None],
+    run_dir: Path,
+    on_engine: Callable[[Any], None] = lambda engine: None,
+) -> dict[str, Any]:
+    """Run the plan; returns a summary with the per-step metrics of this attempt."""
+    from transformers import AutoTokenizer
+
+    task = get_task(opts.task, opts.task_data)
+    tok = AutoTokenizer.from_pretrained(str(model.path))
+    eos = model.config.eos_token_id
+    resume_from = latest_checkpoint(run_dir) if opts.resume else None
+    first_step = resume_from[0] + 1 if resume_from else 0
+    lifecycle = dataclasses.replace(opts.lifecycle)
+    if lifecycle.check_weights and not lifecycle.probe_ids:
+        lifecycle.probe_ids = tuple(tok(PROBE_PROMPT, add_special_tokens=False).input_ids)
+
+    with rec.phase("wandb_init", attempt_first_step=first_step) as ph:
+        sink = make_wandb()
+        if sink is not None:
+            rec.sinks.append(sink)
+            ph.info["wandb_dir"] = getattr(sink, "offline_dir", None)
+        ph.info["wandb"] = "disabled" if sink is None else "enabled"
+    with rec.phase(backend.ready_phase) as ph:
+        ph.info.update(backend.init_runtime(tp=opts.tp, platform=opts.platform))
+        rec.set_probe(backend.memory_probe())
+    backend.check_engine_args(model, opts.tp)
+    with rec.phase("engine_ready_dummy", model=str(model.path), tp=opts.tp) as ph:
+        engine_kwargs = size_engine(task, tok, opts)
+        engine = ManagedEngine(backend.create_engine(model, tp=opts.tp, **engine_kwargs))
+        on_engine(engine)
+        ph.info.update(engine_weight_bytes=engine.weight_bytes(), engine=type(engine.engine).__name__,
+                       context_length=engine_kwargs["context_length"],
+                       max_total_tokens=engine_kwargs["max_total_tokens"],
+                       tags=list(engine.tags), weights_cpu_backup=engine.weights_cpu_backup)  # fmt: skip
+    with rec.phase("trainer_init", lora_rank=opts.train.lora_rank) as ph:
+        trainer = backend.create_trainer(model, opts.train)
+        if resume_from is not None:
+            trainer.restore(resume_from[1])
+            ph.info["restored_from"] = str(resume_from[1])
+        ph.info["state_bytes"] = trainer.state_bytes()
+    life = Colocated(backend, engine, trainer, rec, lifecycle)
+    life.initial_sync()
+
+    rollout = make_rollout(task, tok, opts, eos)
+    save = _saver(trainer, run_dir, opts)
+    history = []
+    with progress_bar(total=opts.steps, desc="rl", unit="step") as bar:
+        bar.update(first_step)
+        for step in range(first_step, opts.steps):
+            metrics = life.step(step, rollout, save)
+            rec.log_metrics(step, {k: v for k, v in metrics.items() if k != "sample"})
+            history.append({"step": step, **metrics})
+            bar.update(1)
+            bar.set_postfix_str(f"reward {metrics['reward_mean']:.3f}")
+    with rec.phase("generate_result") as ph:
+        ph.info.update(evaluate(engine, task, tok, opts, eos))
+    return {"first_step": first_step, "history": history, "eval": ph.info}
+
+
+def plan_json(backend: Any, opts: RLOptions) -> dict[str, Any]:
+    """What ``run.json`` says about this plan (the report's completeness check reads it)."""
+    return {
+        "steps": opts.steps,
+        "first_step": 0,
+        "expected_phases": expected_phases(backend),
+        "expected_step_phases": step_phases(opts.lifecycle),
+        "schedule": opts.lifecycle.schedule,
+        "task": opts.task,
+        "group_size": opts.group_size,
+        "prompts_per_step": opts.prompts_per_step,
+        "train": dataclasses.asdict(opts.train),
+    }
