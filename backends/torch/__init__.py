@@ -129,6 +129,12 @@ class TorchBackend:
 
         return [(name, Placed(engine.place(name, arr))) for name, arr in model.iter_tensors()]
 
+    def create_trainer(self, model: ModelDir, cfg: Any):
+        """``TorchTrainer`` (``backends/torch/trainer.py``) on the runtime's device."""
+        from mllm_rl.backends.torch.trainer import TorchTrainer
+
+        return TorchTrainer(model, cfg, device=self._device())
+
     def empty_cache(self) -> None:
         """Return cached-but-free CUDA memory to the driver (no-op on CPU)."""
         if self.device is not None and self.device.type == "cuda":

