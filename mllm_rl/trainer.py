@@ -92,6 +92,16 @@ class RolloutBatch:
                             self.advantages[s])  # fmt: skip
 
 
+def check_state_names(what: Sequence[str]) -> list[str]:
+    """``what`` of ``offload``/``onload`` validated (``params`` / ``optimizer``), deduplicated."""
+    if isinstance(what, str):
+        raise ValueError(f"offload/onload take a list of names, got the string {what!r}")
+    bad = [w for w in what if w not in (PARAMS, OPTIMIZER)]
+    if bad:
+        raise ValueError(f"unknown trainer state {bad}; use {PARAMS!r} and/or {OPTIMIZER!r}")
+    return list(dict.fromkeys(what))
+
+
 class Trainer(Protocol):
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """One RL step; metrics: loss, grad_norm, clip_frac, kl, ratio_mean, neg_logp_mean, tokens,

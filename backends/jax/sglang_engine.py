@@ -117,11 +117,10 @@ def validate_engine_args(model: ModelDir, tp: int, n_devices: int, n_processes: 
         )
     if tp < 1 or tp > n_devices:
         raise EngineConfigError(f"--tp {tp}: {n_devices} local device(s) available")
-    if cfg.num_key_value_heads % tp or cfg.num_attention_heads % tp:
-        raise EngineConfigError(
-            f"{model.path / 'config.json'}: {cfg.num_attention_heads} heads / "
-            f"{cfg.num_key_value_heads} kv heads are not divisible by --tp {tp}"
-        )
+    try:
+        model.check_tp(tp)
+    except ValueError as e:
+        raise EngineConfigError(str(e)) from None
     if cfg.head_dim % 128:
         raise EngineConfigError(
             f"{model.path / 'config.json'}: head_dim {cfg.head_dim} must be a multiple of 128 for sglang-jax"

@@ -36,7 +36,7 @@ from mllm_rl.backends.jax.rl_loss import policy_loss
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import Fingerprint, WeightExport
 from mllm_rl.faults import fault
-from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig
+from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig, check_state_names
 
 T_BUCKET = 32
 DEVICE, HOST = "device", "pinned_host"
@@ -169,16 +169,10 @@ class JaxTrainer:
     def state_bytes(self) -> dict[str, int]:
         return {PARAMS: device_bytes((self.trainable, self.frozen)), OPTIMIZER: device_bytes(self.opt_state)}
 
-    def _check_what(self, what: Sequence[str]) -> list[str]:
-        bad = [w for w in what if w not in (PARAMS, OPTIMIZER)]
-        if bad:
-            raise ValueError(f"unknown trainer state {bad}; use {PARAMS!r} and/or {OPTIMIZER!r}")
-        return list(dict.fromkeys(what))
-
     def offload(self, what: Sequence[str]) -> int:
         """Move ``params``/``optimizer`` to ``pinned_host``; returns the device bytes they held."""
         moved = 0
-        for w in self._check_what(what):
+        for w in check_state_names(what):
             if w == PARAMS:
                 moved += self._bytes_on(DEVICE, (self.trainable, self.frozen))
                 if fault("offload_noop"):
@@ -192,7 +186,7 @@ class JaxTrainer:
     def onload(self, what: Sequence[str]) -> int:
         """Move them back to the device; returns the device bytes they hold again."""
         moved = 0
-        for w in self._check_what(what):
+        for w in check_state_names(what):
             if w == PARAMS:
                 self.trainable, self.frozen = _move(self.trainable, DEVICE), _move(self.frozen, DEVICE)
                 moved += device_bytes((self.trainable, self.frozen))

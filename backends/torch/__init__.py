@@ -91,12 +91,9 @@ class TorchBackend:
         if kind == "sglang":
             import torch
 
-            cfg = model.config
             if tp > torch.cuda.device_count():
                 raise ValueError(f"--tp {tp}: {torch.cuda.device_count()} CUDA device(s) visible")
-            if cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp:
-                raise ValueError(f"{model.path / 'config.json'}: {cfg.num_attention_heads} heads / "
-                                 f"{cfg.num_key_value_heads} kv heads are not divisible by --tp {tp}")  # fmt: skip
+            model.check_tp(tp)
 
     def create_engine(
         self,

@@ -36,7 +36,7 @@ from mllm_rl.backends.torch.rl_loss import policy_loss
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import Fingerprint, WeightExport
 from mllm_rl.faults import fault
-from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig
+from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig, check_state_names
 
 T_BUCKET = 32
 STATE_FILE = "state.pt"
@@ -93,18 +93,10 @@ class TorchTrainer:
         """Device bytes the params / the optimizer state hold now (0 while offloaded)."""
         return {w: storage_bytes(self._tensors(w), self.device) for w in (PARAMS, OPTIMIZER)}
 
-    def _check_what(self, what: Sequence[str]) -> list[str]:
-        if isinstance(what, str):
-            raise ValueError(f"offload/onload take a list of names, got the string {what!r}")
-        bad = [w for w in what if w not in (PARAMS, OPTIMIZER)]
-        if bad:
-            raise ValueError(f"unknown trainer state {bad}; use {PARAMS!r} and/or {OPTIMIZER!r}")
-        return list(dict.fromkeys(what))
-
     def offload(self, what: Sequence[str]) -> int:
         """Move ``params``/``optimizer`` to host memory; returns the device bytes they held."""
         moved = 0
-        for w in self._check_what(what):
+        for w in check_state_names(what):
             if w == PARAMS and fault("offload_noop"):  # says it moved them, moves nothing
                 moved += storage_bytes(self._tensors(w), self.device)
                 continue
@@ -114,7 +106,7 @@ class TorchTrainer:
     def onload(self, what: Sequence[str]) -> int:
         """Bring them back to the device; returns the device bytes they hold again."""
         moved = 0
-        for w in self._check_what(what):
+        for w in check_state_names(what):
             self._groups[w].onload()
             moved += storage_bytes(self._tensors(w), self.device)
         return moved

@@ -61,6 +61,15 @@ class ModelDir:
     def nbytes(self) -> int:
         return sum(info.nbytes for _, info in self.tensors.values())
 
+    def check_tp(self, tp: int) -> None:
+        """``ValueError`` naming ``config.json`` unless ``tp`` divides the (kv) heads."""
+        c = self.config
+        if c.num_attention_heads % tp or c.num_key_value_heads % tp:
+            raise ValueError(
+                f"{self.path / 'config.json'}: {c.num_attention_heads} heads / "
+                f"{c.num_key_value_heads} kv heads are not divisible by --tp {tp}"
+            )
+
     def iter_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """Yield ``(hf_name, memmap array)`` one tensor at a time, in checkpoint order."""
         for name, (file, info) in self.tensors.items():

@@ -34,6 +34,7 @@ from mllm_rl.engine import SamplingParams
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.lifecycle import Colocated, LifecycleOptions, step_phases
 from mllm_rl.phases.recorder import PhaseRecorder, Sink
+from mllm_rl.plans import setup
 from mllm_rl.progress import progress_bar
 from mllm_rl.rl.advantages import ESTIMATORS, group_advantages
 from mllm_rl.rl.batch import build_batch
@@ -218,24 +219,8 @@ def run_rl(
     if lifecycle.check_weights and not lifecycle.probe_ids:
         lifecycle.probe_ids = tuple(tok(PROBE_PROMPT, add_special_tokens=False).input_ids)
 
-    with rec.phase("wandb_init", attempt_first_step=first_step) as ph:
-        sink = make_wandb()
-        if sink is not None:
-            rec.sinks.append(sink)
-            ph.info["wandb_dir"] = getattr(sink, "offline_dir", None)
-        ph.info["wandb"] = "disabled" if sink is None else "enabled"
-    with rec.phase(backend.ready_phase) as ph:
-        ph.info.update(backend.init_runtime(tp=opts.tp, platform=opts.platform))
-        rec.set_probe(backend.memory_probe())
-    backend.check_engine_args(model, opts.tp)
-    with rec.phase("engine_ready_dummy", model=str(model.path), tp=opts.tp) as ph:
-        engine_kwargs = size_engine(task, tok, opts)
-        engine = ManagedEngine(backend.create_engine(model, tp=opts.tp, **engine_kwargs))
-        on_engine(engine)
-        ph.info.update(engine_weight_bytes=engine.weight_bytes(), engine=type(engine.engine).__name__,
-                       context_length=engine_kwargs["context_length"],
-                       max_total_tokens=engine_kwargs["max_total_tokens"],
-                       tags=list(engine.tags), weights_cpu_backup=engine.weights_cpu_backup)  # fmt: skip
+    engine = setup.start(backend, rec, model, make_wandb, opts.tp, opts.platform, size_engine(task, tok, opts),
+                         on_engine, attempt_first_step=first_step)  # fmt: skip
     with rec.phase("trainer_init", lora_rank=opts.train.lora_rank) as ph:
         trainer = backend.create_trainer(model, opts.train)
         if resume_from is not None:

@@ -21,6 +21,7 @@ from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import SamplingParams, WeightExport, WeightMismatch
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.phases.recorder import PhaseRecorder, Sink
+from mllm_rl.plans import setup
 from mllm_rl.progress import progress_bar
 
 DEFAULT_PROMPTS = ("你是谁", "The capital of France is")
@@ -62,21 +63,7 @@ def run_swap(
     if opts.mode not in ("streaming", "naive"):
         raise ValueError(f"--swap-mode {opts.mode!r}: use streaming or naive")
     prompt_ids = encode_prompts(model, opts.prompts)
-    with rec.phase("wandb_init") as ph:
-        sink = make_wandb()
-        if sink is not None:
-            rec.sinks.append(sink)
-            ph.info["wandb_dir"] = getattr(sink, "offline_dir", None)
-        ph.info["wandb"] = "disabled" if sink is None else "enabled"
-    with rec.phase(backend.ready_phase) as ph:
-        ph.info.update(backend.init_runtime(tp=opts.tp, platform=opts.platform))
-        rec.set_probe(backend.memory_probe())
-    backend.check_engine_args(model, opts.tp)
-    with rec.phase("engine_ready_dummy", model=str(model.path), tp=opts.tp) as ph:
-        engine = ManagedEngine(backend.create_engine(model, tp=opts.tp, **opts.engine_kwargs))
-        on_engine(engine)
-        ph.info["engine_weight_bytes"] = engine.weight_bytes()
-        ph.info["engine"] = type(engine.engine).__name__
+    engine = setup.start(backend, rec, model, make_wandb, opts.tp, opts.platform, opts.engine_kwargs, on_engine)
     with rec.phase("weights_swapped", mode=opts.mode, checkpoint_bytes=model.nbytes) as ph:
         try:
             stats = swap_weights(backend, engine, model, opts.mode, rec)

@@ -38,50 +38,13 @@ def obs(request, tiny_ckpt):
     return run_driver(tiny_ckpt, engine, platform)
 
 
-def test_swap_matches_the_reference_model(obs, hf_logits):
-    assert obs["names_match"]
-    assert obs["update"]["tensors"] == 25 and obs["update"]["bytes"] == obs["update"]["checkpoint_bytes"]
-    contract.assert_greedy_matches_reference(obs["swap"], hf_logits, obs["eos"])
+@pytest.fixture(scope="module")
+def ref_logits(hf_logits):
+    return hf_logits
 
 
-def test_release_frees_each_tag_by_the_probe(obs):
-    contract.assert_release_frees(obs)
-
-
-def test_state_machine_refusals(obs):
-    contract.assert_state_machine(obs)
-
-
-def test_resume_without_backup_needs_a_full_update(obs):
-    assert obs["after_full_sync"]["tokens"] == obs["swap"]["tokens"]
-
-
-def test_resume_with_backup_is_identical(obs):
-    assert obs["backup_weights_valid"] is True
-    assert obs["after_backup_resume"] == obs["backup_reference"]
-    assert obs["backup_reference"]["tokens"] == obs["swap"]["tokens"]
-
-
-def test_drain_with_requests_in_flight_loses_none(obs):
-    contract.assert_drain_lost_nothing(obs)
-
-
-def test_three_release_resume_update_cycles_keep_greedy_output(obs):
-    assert len(obs["cycles"]) == contract.CYCLES
-    assert all(c["tokens"] == obs["swap"]["tokens"] for c in obs["cycles"])
-
-
-def test_stop_tokens(obs):
-    contract.assert_stop_token(obs)
-
-
-def test_seeded_sampling_is_reproducible(obs):
-    contract.assert_seeded_sampling_reproducible(obs)
-
-
-def test_logprobs_are_the_reference_log_softmax_at_the_sampled_tokens(obs, hf_logits):
-    for out in (*obs["sampled"], obs["sampled_other_seed"]):
-        contract.assert_sampled_logprobs_match_reference(out, hf_logits, contract.SAMPLED.temperature)
+# The shared contract checks, collected here against the fixtures above.
+globals().update(contract.CONTRACT_TESTS)
 
 
 def test_sglang_engine_contract(tiny_ckpt, hf_logits):
@@ -91,7 +54,6 @@ def test_sglang_engine_contract(tiny_ckpt, hf_logits):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     o = run_driver(tiny_ckpt, "sglang", "cuda")
-    for name, check in sorted(globals().items()):
-        if name.startswith("test_") and name != "test_sglang_engine_contract":
-            args = {"obs": o, "hf_logits": hf_logits}
-            check(*(args[p] for p in check.__code__.co_varnames[: check.__code__.co_argcount]))
+    for check in contract.CONTRACT_TESTS.values():
+        args = {"obs": o, "ref_logits": hf_logits}
+        check(*(args[p] for p in check.__code__.co_varnames[: check.__code__.co_argcount]))
