@@ -107,7 +107,9 @@ class JaxTrainer:
             optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
             optax.adamw(cfg.lr, b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay),
         )
-        self.opt_state = jax.jit(self.tx.init)(self.trainable)
+        # Every optimizer leaf on the mesh like the params (scalars such as Adam's step count
+        # replicated): a jit over leaves on different device sets is refused.
+        self.opt_state = self._shard(jax.jit(self.tx.init)(self.trainable))
         self.ref_host: Any = None  # full fine-tune + KL: the initial params, on the host
         if cfg.loss.beta > 0 and not self.lora:
             self.ref_host = _copy(self.trainable, HOST)
