@@ -17,6 +17,13 @@ back before the update, so KV cache, engine weights and trainer params peak toge
     ... -> empty_cache -> resume_rollout(weights, kv_cache) -> update_weights
     -> offload_trainer_params -> empty_cache -> continue_generation [-> check_weights]
 
+Setup (``Colocated.setup``, step ``None``), the same multi-stage idea for the first sync: the
+engine's dummy weights and its KV cache are released before the trainer is built, so the setup
+never holds engine weights + KV cache + the whole trainer at once:
+
+    release_rollout -> trainer_init -> offload_optimizer -> resume_weights -> weights_swapped
+    -> offload_trainer_params -> resume_kv -> continue_generation
+
 Checked at every phase boundary (``LifecycleError`` otherwise): trainer params and engine
 weights are never both resident outside the phases that need them (the update); the
 update's engine fingerprint equals the trainer's (an update that did nothing fails
@@ -56,6 +63,8 @@ STEP_PHASES = {
     "naive": _HEAD + ["resume_rollout", "update_weights", "offload_trainer_params", "empty_cache",
                       "continue_generation"],
 }  # fmt: skip
+SETUP_PHASES = ["release_rollout", "trainer_init", "offload_optimizer", "resume_weights", "weights_swapped",
+                "offload_trainer_params", "resume_kv", "continue_generation"]  # fmt: skip
 # Phases at whose end trainer params and engine weights may both be resident.
 BOTH_RESIDENT_OK = {"resume_weights", "update_weights", "resume_rollout", "weights_swapped"}
 GREEDY_TIE = 1e-3  # top-2 logit margin below which a greedy token may differ across implementations
@@ -92,9 +101,9 @@ class Colocated:
         self,
         backend: Any,
         engine: ManagedEngine,
-        trainer: Trainer,
         rec: PhaseRecorder,
         opts: LifecycleOptions,
+        trainer: Trainer | None = None,
     ) -> None:
         self.backend, self.engine, self.trainer, self.rec, self.opts = backend, engine, trainer, rec, opts
         if opts.check_weights and not opts.probe_ids:
@@ -104,6 +113,8 @@ class Colocated:
 
     # -- invariants ----------------------------------------------------------------------
     def _check_residency(self, phase: str) -> None:
+        if self.trainer is None:
+            return
         both = self.trainer.resident()[PARAMS] and TAG_WEIGHTS not in self.engine.released
         if both and phase not in BOTH_RESIDENT_OK:
             raise LifecycleError(
@@ -115,15 +126,31 @@ class Colocated:
         return _CheckedPhase(self, name, step, info)
 
     # -- setup ---------------------------------------------------------------------------
-    def initial_sync(self) -> dict[str, Any]:
-        """``weights_swapped``: the dummy-initialised engine gets the trainer's weights
-        (full, streamed, fingerprint-checked), then the trainer goes to the host."""
+    def setup(self, make_trainer: Callable[[], tuple[Trainer, dict[str, Any]]], **trainer_info: Any) -> Trainer:
+        """The first sync (``SETUP_PHASES``, step ``None``): release the dummy engine, build the
+        trainer (``make_trainer() -> (trainer, info)``), stream its weights in (``weights_swapped``:
+        full, fingerprint-checked), free the trainer, bring the KV cache back."""
+        with self._phase("release_rollout", None, tags=self.release_tags) as ph:
+            ph.info.update(self.engine.drain(self.opts.drain_timeout_s))
+            held = self.engine.release(self.release_tags)
+            ph.info.update(expected_freed_bytes=sum(held.values()), held=held)
+        with self._phase("trainer_init", None, **trainer_info) as ph:
+            self.trainer, info = make_trainer()
+            ph.info.update(info, state_bytes=self.trainer.state_bytes())
+        with self._phase("offload_optimizer", None) as ph:
+            ph.info["expected_freed_bytes"] = self.trainer.offload([OPTIMIZER])
+        with self._phase("resume_weights", None) as ph:
+            ph.info["expected_alloc_bytes"] = sum(self.engine.resume([TAG_WEIGHTS]).values())
         with self._phase("weights_swapped", None, mode="streaming") as ph:
             ph.info.update(self._update(full=True))
-        with self._phase("offload_trainer", None) as ph:
-            held = self.trainer.offload([PARAMS, OPTIMIZER])
-            ph.info.update(expected_freed_bytes=held, trainer=self.trainer.resident())
-        return ph.info
+        with self._phase("offload_trainer_params", None) as ph:
+            ph.info["expected_freed_bytes"] = self.trainer.offload([PARAMS])
+        with self._phase("resume_kv", None) as ph:
+            rest = [t for t in self.release_tags if t != TAG_WEIGHTS]
+            ph.info["expected_alloc_bytes"] = sum(self.engine.resume(rest).values())
+        with self._phase("continue_generation", None):
+            self.engine.continue_generation()
+        return self.trainer
 
     # -- one RL step -----------------------------------------------------------------------
     def step(self, step: int, rollout: RolloutFn, save: SaveFn | None = None) -> dict[str, Any]:
@@ -250,7 +277,8 @@ class _CheckedPhase:
         if exc_type is None:
             try:
                 self.handle.info["engine"] = self.life.engine.state()
-                self.handle.info["trainer"] = self.life.trainer.resident()
+                if self.life.trainer is not None:
+                    self.handle.info["trainer"] = self.life.trainer.resident()
                 self.life._check_residency(self.name)
             except BaseException as e:
                 self._cm.__exit__(type(e), e, e.__traceback__)

@@ -41,6 +41,7 @@ GREEDY = SamplingParams(max_new_tokens=N_NEW)
 SAMPLED = SamplingParams(max_new_tokens=N_NEW, temperature=0.8, top_p=0.9, seed=1234)
 LONG = 400  # new tokens of the requests that are in flight when drain() is called
 CYCLES = 3
+LONG_GREEDY = 64  # > 50: sglang-jax repeats its per-token list every 50 tokens
 
 LogitsFn = Callable[[list[int]], np.ndarray]
 
@@ -87,6 +88,7 @@ def run_contract(make_engine: Callable[[bool], Any], model_dir: str | Path,
     stats = eng.update_weights(full())
     obs["update"] = {"tensors": stats.tensors, "bytes": stats.bytes, "checkpoint_bytes": model.nbytes}
     obs["swap"] = greedy()
+    obs["long"] = _outs(eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=LONG_GREEDY)))
     stop_tok = obs["swap"]["tokens"][0][2]
     obs["stop"] = {"token": stop_tok,
                    **_outs(eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=N_NEW, stop_token_ids=(stop_tok,))))}
@@ -259,6 +261,16 @@ def test_swap_matches_the_reference_model(obs, ref_logits):
     assert obs["names_match"]
     assert obs["update"]["tensors"] == 25 and obs["update"]["bytes"] == obs["update"]["checkpoint_bytes"]
     assert_greedy_matches_reference(obs["swap"], ref_logits, obs["eos"])
+
+
+def test_long_greedy_completions_match_the_reference(obs, ref_logits):
+    """Past 50 tokens (sglang-jax's streaming interval) tokens and logprobs still line up."""
+    out = obs["long"]
+    assert max(len(t) for t in out["tokens"]) > 50, "the check needs a completion longer than 50 tokens"
+    for prompt, toks, lps in zip(PROMPTS, out["tokens"], out["logprobs"], strict=False):
+        want, want_lp = reference_greedy(ref_logits, prompt, LONG_GREEDY, obs["eos"])
+        assert toks == want and len(lps) == len(toks)
+        assert np.allclose(lps, want_lp, atol=1e-3)
 
 
 def test_release_frees_each_tag_by_the_probe(obs):

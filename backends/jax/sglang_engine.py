@@ -414,9 +414,13 @@ class SglangJaxEngine:
             # (logprob, token_id, text) per sampled token. Token ids come from here, not from
             # output_ids, which drop special tokens (the EOS that ended the completion): the
             # trajectory a policy is trained on must include it.
+            # sglang-jax 0.1.0rc0 appends the cumulative list again every 50 tokens (120 tokens ->
+            # 50 + 100 + 120 entries); ``completion_tokens`` is right: the completion is the last n.
             lp = meta.get("output_token_logprobs") or []
-            if len(lp) < len(o["output_ids"]):
-                raise RuntimeError(f"sglang-jax returned {len(o['output_ids'])} tokens but {len(lp)} logprobs")
+            n = int(meta.get("completion_tokens") or len(lp))
+            if len(lp) < n:
+                raise RuntimeError(f"sglang-jax returned {n} completion tokens but {len(lp)} logprobs")
+            lp = lp[len(lp) - n :]
             results.append(
                 GenerateOutput(
                     token_ids=[int(x[1]) for x in lp],

@@ -4,10 +4,10 @@ Setup phases (once per attempt; a ``--resume`` attempt repeats them):
 
 1. ``wandb_init``, ``jax_ready``/``torch_ready``
 2. ``engine_ready_dummy``  rollout engine up with dummy weights
-3. ``trainer_init``        trainer built from the checkpoint (or restored from the run's
-                           last checkpoint with ``--resume``)
-4. ``weights_swapped``     the trainer's weights streamed into the engine, fingerprint-checked
-5. ``offload_trainer``     trainer params and optimizer state to the host
+3. ``mllm_rl.lifecycle.SETUP_PHASES``: the engine releases its dummy weights and KV cache,
+   ``trainer_init`` builds the trainer from the checkpoint (or restores the run's last
+   checkpoint with ``--resume``), ``weights_swapped`` streams its weights in (fingerprint-
+   checked), the trainer goes to the host, the KV cache comes back
 
 Then ``steps`` colocated steps (``mllm_rl.lifecycle``: rollout ... continue_generation), and
 a final ``generate_result`` (greedy completions of held-out prompts and their reward).
@@ -32,6 +32,7 @@ import numpy as np
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import SamplingParams
 from mllm_rl.engine_state import ManagedEngine
+from mllm_rl.lifecycle import SETUP_PHASES as LIFECYCLE_SETUP
 from mllm_rl.lifecycle import Colocated, LifecycleOptions, step_phases
 from mllm_rl.phases.recorder import PhaseRecorder, Sink
 from mllm_rl.plans import setup
@@ -41,7 +42,7 @@ from mllm_rl.rl.batch import build_batch
 from mllm_rl.tasks import Task, get_task
 from mllm_rl.trainer import TrainConfig
 
-SETUP_PHASES = ["wandb_init", "{ready}", "engine_ready_dummy", "trainer_init", "weights_swapped", "offload_trainer"]
+SETUP_PHASES = ["wandb_init", "{ready}", "engine_ready_dummy", *LIFECYCLE_SETUP]
 FINAL_PHASES = ["generate_result"]
 PROBE_PROMPT = "abcabcab"
 CKPT_DIR = "checkpoints"
@@ -221,14 +222,15 @@ def run_rl(
 
     engine = setup.start(backend, rec, model, make_wandb, opts.tp, opts.platform, size_engine(task, tok, opts),
                          on_engine, attempt_first_step=first_step)  # fmt: skip
-    with rec.phase("trainer_init", lora_rank=opts.train.lora_rank) as ph:
+    def make_trainer():
         trainer = backend.create_trainer(model, opts.train)
-        if resume_from is not None:
-            trainer.restore(resume_from[1])
-            ph.info["restored_from"] = str(resume_from[1])
-        ph.info["state_bytes"] = trainer.state_bytes()
-    life = Colocated(backend, engine, trainer, rec, lifecycle)
-    life.initial_sync()
+        if resume_from is None:
+            return trainer, {}
+        trainer.restore(resume_from[1])
+        return trainer, {"restored_from": str(resume_from[1])}
+
+    life = Colocated(backend, engine, rec, lifecycle)
+    trainer = life.setup(make_trainer, lora_rank=opts.train.lora_rank)
 
     rollout = make_rollout(task, tok, opts, eos)
     save = _saver(trainer, run_dir, opts)
