@@ -1,13 +1,28 @@
-"""Measure release/resume of a rollout engine's memory tags; prints one JSON object.
+"""Measure release/resume of a rollout engine's memory tags against a raw copy of the same bytes.
 
-    python scripts/bench_release.py --backend torch --preset qwen3-4b [--platform cuda] [--cpu-backup]
+    python scripts/bench_release.py --backend torch|jax --preset qwen3-4b [--platform cuda] [--cpu-backup]
+                                    [--cycles 3] [--json OUT]
 
-For each tag (``kv_cache``, then ``weights``): bytes the tag holds (``tag_bytes``), bytes the
-release freed by device truth (the backend probe's first entry: ``mem_get_info`` on CUDA,
-``live_tensors`` on torch CPU, ``live_arrays``/``memory_stats`` on JAX), the same on resume,
-and the wall time of each call. The engine is swapped to the checkpoint's weights and drained
-first; after the resume a full update (no backup) or nothing (backup) makes it valid again and
-a greedy generation is checked against the one before the release.
+One process, one engine (torch: the embedded engine, or SGLang with ``--engine sglang``;
+jax: sglang-jax, whose adapter deletes the arrays of a tag and reallocates them). The engine
+is swapped to the checkpoint's weights and drained; then, ``--cycles`` times: release
+``kv_cache`` then ``weights``, resume ``weights`` then ``kv_cache``, and (no CPU backup) a full
+re-sync of the weights. Per tag:
+
+- ``held_bytes`` (the engine's ``tag_bytes``) and ``freed_bytes`` = device bytes in use before
+  minus after the release, by device truth (the backend probe's first entry: ``mem_get_info``
+  on CUDA, ``live_tensors`` on torch CPU, ``memory_stats``/``live_arrays`` on JAX);
+  ``freed_frac`` = freed / held (min over cycles). Target: >= 0.99. The same on resume
+  (``reclaimed_bytes``).
+- ``release_s`` / ``resume_s`` (median over cycles) against a raw copy of ``held_bytes``
+  measured in the same process right after: without CPU backup, an on-device copy (the
+  release is a free and the resume an allocation + zero fill: the copy is the scale of
+  "touching those bytes once"); with CPU backup, device-to-host for the release (the
+  backup) and host-to-device for the resume (the restore). On CPU all of them are host memcpys.
+
+After the last cycle a greedy generation is compared with the one before the first release.
+The last stdout line is one JSON object (``--json`` also writes it to a file). Exit 0 with
+results (``--strict``: 1 when a target fails), 2 on bad input.
 """
 
 from __future__ import annotations
@@ -15,73 +30,175 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def bench(backend_name: str, preset: str, platform: str, cpu_backup: bool, seed: int) -> dict[str, Any]:
+from bench_common import command_line, machine_info, positive, target, write_json  # noqa: E402
+
+FREED_TARGET = 0.99
+TAGS = ("kv_cache", "weights")
+
+
+def memcpy_baselines(backend_name: str, platform: str, nbytes: int, repeats: int, cpu_backup: bool) -> dict[str, Any]:
+    """Seconds of a raw copy of ``nbytes``: on-device (d2d) always, d2h/h2d with a CPU backup."""
+    from bench_common import jax_copy_bandwidth, torch_copy_bandwidth
+
+    kinds = ("d2d", "d2h", "h2d") if cpu_backup else ("d2d",)
+    if backend_name == "jax":
+        bw = jax_copy_bandwidth(nbytes, repeats, kinds)
+    else:
+        bw = torch_copy_bandwidth(nbytes, "cpu" if platform == "cpu" else "auto", repeats, kinds)
+    return {k: bw[k]["seconds_median"] for k in kinds}
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
     from mllm_rl.backend_registry import load_backend
     from mllm_rl.checkpoint.resolve import resolve_model
     from mllm_rl.engine import SamplingParams, WeightExport
     from mllm_rl.engine_state import ManagedEngine
 
-    backend = load_backend(backend_name)
-    model = resolve_model(preset, seed=seed)
-    runtime = backend.init_runtime(tp=1, platform=platform)
+    backend = load_backend(args.backend)
+    model = resolve_model(args.preset, seed=args.seed)
+    runtime = backend.init_runtime(tp=1, platform=args.platform)
     probe = backend.memory_probe()
     truth = lambda: probe.in_use()[0]  # noqa: E731
     source = probe.snapshot()[0].source
-    engine = ManagedEngine(backend.create_engine(model, tp=1, weights_cpu_backup=cpu_backup))
+    kw: dict[str, Any] = {"weights_cpu_backup": args.cpu_backup}
+    if args.engine:
+        kw["engine"] = args.engine
+    if args.max_total_tokens:
+        kw["max_total_tokens"] = args.max_total_tokens
+    engine = ManagedEngine(backend.create_engine(model, tp=1, **kw))
     full = lambda: WeightExport(list(model.tensors), model.iter_tensors(), full=True)  # noqa: E731
     engine.update_weights(full())
     prompt, greedy = [[51, 71, 68, 220, 66, 64, 79]], SamplingParams(max_new_tokens=8)
     before = engine.generate(prompt, greedy)[0].token_ids
-    engine.drain()
-    tags: dict[str, dict[str, Any]] = {}
-    for tag in ("kv_cache", "weights"):
-        used0, t0 = truth(), time.perf_counter()
-        held = engine.release([tag])[tag]
-        t1 = time.perf_counter()
-        freed = used0 - truth()
-        tags[tag] = {"held_bytes": held, "freed_bytes": freed, "freed_frac": round(freed / held, 4) if held else None,
-                     "release_s": round(t1 - t0, 4)}  # fmt: skip
-    for tag in ("weights", "kv_cache"):
-        used0, t0 = truth(), time.perf_counter()
-        back = engine.resume([tag])[tag]
-        tags[tag].update(resume_s=round(time.perf_counter() - t0, 4), reclaimed_bytes=truth() - used0, back_bytes=back)
-    t0 = time.perf_counter()
-    if not engine.state()["weights_valid"]:
-        engine.update_weights(full())
-    resync_s = round(time.perf_counter() - t0, 4)
-    engine.continue_generation()
+    per: dict[str, dict[str, list[Any]]] = {t: {"held": [], "freed": [], "rel": [], "res": [], "back": [], "recl": []}
+                                            for t in TAGS}  # fmt: skip
+    resync: list[float] = []
+    for _ in range(args.cycles):
+        engine.drain()
+        for tag in TAGS:
+            used0, t0 = truth(), time.perf_counter()
+            held = engine.release([tag])[tag]
+            t1 = time.perf_counter()
+            p = per[tag]
+            p["held"].append(held)
+            p["freed"].append(used0 - truth())
+            p["rel"].append(t1 - t0)
+        for tag in reversed(TAGS):
+            used0, t0 = truth(), time.perf_counter()
+            back = engine.resume([tag])[tag]
+            t1 = time.perf_counter()
+            p = per[tag]
+            p["res"].append(t1 - t0)
+            p["recl"].append(truth() - used0)
+            p["back"].append(back)
+        t0 = time.perf_counter()
+        if not engine.state()["weights_valid"]:
+            engine.update_weights(full())
+        resync.append(time.perf_counter() - t0)
+        engine.continue_generation()
     after = engine.generate(prompt, greedy)[0].token_ids
+    mode = getattr(getattr(engine.engine, "memory", None), "mode", None)
+    engine_name = type(engine.engine).__name__
+    bases: dict[str, dict[str, Any]] = {}
+    for tag in TAGS:  # before shutdown: an sglang-jax shutdown kills this process's children
+        try:
+            bases[tag] = memcpy_baselines(args.backend, runtime.get("platform", "cpu"), per[tag]["held"][0],
+                                          args.repeats, args.cpu_backup)  # fmt: skip
+        except Exception as e:  # e.g. no room for two more copies next to the engine: report, go on
+            bases[tag] = {"error": f"{type(e).__name__}: {e}"[:300]}
     engine.shutdown()
+    tags: dict[str, dict[str, Any]] = {}
+    targets: dict[str, Any] = {}
+    for tag in TAGS:
+        p = per[tag]
+        held = p["held"][0]
+        base = bases[tag]
+        backed = args.cpu_backup and tag == "weights"
+        rel_base, res_base = (base.get("d2h"), base.get("h2d")) if backed else (base.get("d2d"), base.get("d2d"))
+        rel, res = statistics.median(p["rel"]), statistics.median(p["res"])
+        frac = min(f / h for f, h in zip(p["freed"], p["held"], strict=True)) if held else None
+        recl = min(r / h for r, h in zip(p["recl"], p["held"], strict=True)) if held else None
+        tags[tag] = {
+            "held_bytes": held, "freed_bytes": min(p["freed"]), "freed_frac": round(frac, 4) if frac is not None else None,
+            "reclaimed_bytes": min(p["recl"]), "reclaimed_frac": round(recl, 4) if recl is not None else None,
+            "back_bytes": p["back"][0], "release_s": round(rel, 5), "resume_s": round(res, 5),
+            "release_baseline": "d2h" if backed else "d2d", "resume_baseline": "h2d" if backed else "d2d",
+            "release_baseline_s": round(rel_base, 5) if rel_base else None,
+            "resume_baseline_s": round(res_base, 5) if res_base else None, "baseline_error": base.get("error"),
+            "release_over_memcpy": round(rel / rel_base, 3) if rel_base else None,
+            "resume_over_memcpy": round(res / res_base, 3) if res_base else None,
+            "release_s_all": [round(x, 5) for x in p["rel"]], "resume_s_all": [round(x, 5) for x in p["res"]],
+        }  # fmt: skip
+        targets[f"{tag}_freed_frac"] = target(tags[tag]["freed_frac"], ">=", FREED_TARGET)
+        targets[f"{tag}_reclaimed_frac"] = target(tags[tag]["reclaimed_frac"], ">=", FREED_TARGET)
+    targets["greedy_identical"] = {"value": after == before, "target": "== True", "pass": after == before}
     return {
-        "backend": backend_name, "preset": preset, "platform": runtime.get("platform"), "source": source,
-        "engine": type(engine.engine).__name__, "memory_mode": getattr(getattr(engine.engine, "memory", None), "mode", None),
-        "weights_cpu_backup": cpu_backup, "tags": tags, "resync_s": resync_s, "greedy_identical": after == before,
+        "bench": "release", "backend": args.backend, "preset": args.preset, "platform": runtime.get("platform"),
+        "source": source, "engine": engine_name, "memory_mode": mode, "weights_cpu_backup": args.cpu_backup,
+        "cycles": args.cycles, "tags": tags, "resync_s": round(statistics.median(resync), 4),
+        "greedy_identical": after == before, "targets": targets, "command": command_line(), "machine": machine_info(),
     }  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backend", default="torch")
+def report(out: dict[str, Any]) -> str:
+    from bench_common import table
+
+    cols = [("tag", "tag", ""), ("held_mib", "held MiB", ".1f"), ("freed_frac", "freed/held", ".4f"),
+            ("reclaimed_frac", "reclaimed/held", ".4f"), ("release_ms", "release ms", ".2f"),
+            ("release_baseline", "vs", ""), ("release_over_memcpy", "x memcpy", ".3f"), ("resume_ms", "resume ms", ".2f"),
+            ("resume_baseline", "vs", ""), ("resume_over_memcpy", "x memcpy", ".3f")]  # fmt: skip
+    rows = [{"tag": t, **v, "held_mib": v["held_bytes"] / 2**20, "release_ms": v["release_s"] * 1e3,
+             "resume_ms": v["resume_s"] * 1e3} for t, v in out["tags"].items()]  # fmt: skip
+    head = (f"release/resume {out['backend']} {out['preset']} on {out['platform']} ({out['engine']}, "
+            f"{out['memory_mode'] or 'delete/reallocate'}, source {out['source']}, cpu backup "
+            f"{out['weights_cpu_backup']}, median of {out['cycles']} cycles)")  # fmt: skip
+    verdicts = ", ".join(f"{k} {({True: 'pass', False: 'FAIL', None: 'n/a'})[t['pass']]}"
+                         for k, t in out["targets"].items())  # fmt: skip
+    return "\n".join([head, table(rows, cols), f"re-sync {out['resync_s']:.3f} s; targets: {verdicts}"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Details: docs/BENCHMARKS.md")
+    ap.add_argument("--backend", default="torch", choices=["jax", "torch"])
     ap.add_argument("--preset", default="tiny", help="preset (written once to $MLLM_RL_CACHE) or checkpoint dir")
-    ap.add_argument("--platform", default="auto")
+    ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda", "tpu"])
+    ap.add_argument("--engine", default=None, choices=["embedded", "sglang"], help="torch backend's engine")
     ap.add_argument("--cpu-backup", action="store_true", help="engine keeps a host copy of its weights")
+    ap.add_argument("--cycles", type=positive(int), default=3, help="release/resume cycles (times: median)")
+    ap.add_argument("--repeats", type=positive(int), default=3, help="timed raw copies per baseline")
+    ap.add_argument("--max-total-tokens", type=positive(int), default=None, help="engine KV cache size, tokens")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    ap.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    platform = "gpu" if args.platform == "cuda" else args.platform
+    args.platform = platform
     try:
-        out = bench(args.backend, args.preset, args.platform, args.cpu_backup, args.seed)
+        out = bench(args)
     except ValueError as e:  # bad preset / checkpoint / backend: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
+    print(report(out), file=sys.stderr)
+    write_json(args.json, out)
     print(json.dumps(out), flush=True)
-    return 0
+    failed = any(t["pass"] is False for t in out["targets"].values())
+    return 1 if failed and args.strict else 0
 
 
 if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)  # engines with scheduler threads (sglang-jax) abort interpreter teardown

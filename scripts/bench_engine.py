@@ -1,0 +1,327 @@
+"""Engine throughput: greedy decode tokens/s of our rollout engines vs Hugging Face ``generate``.
+
+    python scripts/bench_engine.py --backend torch --preset tiny --batch 1,32 [--json OUT]
+    python scripts/bench_engine.py --backend jax --preset tiny --batch 1,32     # sglang-jax vs HF
+    python scripts/bench_engine.py --engines embedded,hf,sglang --platform cuda --preset qwen3-0.6b
+
+Engines (each measured in its own fresh process, one after the other, same machine, same
+model, same prompts; every number below is a median over ``--repeats``):
+
+- ``embedded``: the torch backend's embedded engine (the fallback when SGLang is missing);
+- ``hf``: ``transformers`` ``AutoModelForCausalLM.generate`` (greedy, ``min_new_tokens`` =
+  ``max_new_tokens``, its default dynamic KV cache);
+- ``sglang-jax``: the jax backend's engine (needs the jax venv);
+- ``sglang``: the torch backend's SGLang adapter (CUDA with sglang installed).
+
+torch engines run under ``--python-torch`` and sglang-jax under ``--python-jax`` (default: this
+interpreter when it has the package, else ``.venv-torch``/``.venv-jax`` of the repo).
+
+Per engine and batch size B (prompts of ``--prompt-len`` random byte tokens, the same for every
+engine): ``t1`` = time of a generate with 1 new token (prefill + 1), ``tN`` = with
+``--new-tokens`` N, timed back to back ``--repeats`` times per process and ``--rounds`` fresh
+processes per engine (engines interleaved round by round, so a change in the machine's load
+hits them alike); ``decode tok/s`` = median over the pairs of B (N - 1) / (tN - t1),
+``e2e tok/s`` = generated tokens / fastest tN, ``prefill tok/s`` = B P / fastest t1; and the
+ratio of each engine's decode and e2e tok/s to HF's.
+``greedy = hf`` is the fraction of sequences whose N greedy tokens equal HF's (a sanity check:
+bf16 near-ties may differ legitimately); ``> N tokens`` counts outputs longer than asked (an
+engine bug; they are cut to N for the counts and the comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import (  # noqa: E402
+    ROOT,
+    BenchError,
+    command_line,
+    csv_choice,
+    last_json_line,
+    machine_info,
+    positive,
+    run_cmd,
+    table,
+    write_json,
+)
+
+ENGINES = ("embedded", "hf", "sglang-jax", "sglang")
+NEEDS = {"embedded": "torch", "hf": "torch", "sglang": "torch", "sglang-jax": "jax"}
+DEFAULT_ENGINES = {"torch": ["embedded", "hf"], "jax": ["sglang-jax", "hf"]}
+
+
+def csv_ints(s: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: comma-separated integers expected") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"{s!r}: every value must be >= 1")
+    return vals
+
+
+# -- worker (one engine, in its own process) ----------------------------------------------
+def prompts(seed: int, batch: int, length: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng([seed, batch, length])
+    return rng.integers(32, 127, size=(batch, length)).tolist()  # printable bytes of the shipped tokenizer
+
+
+class _Managed:
+    """Our engines through ``ManagedEngine``: (prompts, n) -> token lists."""
+
+    def __init__(self, kind: str, model: Any, platform: str, max_batch: int, ctx: int) -> None:
+        from mllm_rl.backend_registry import load_backend
+        from mllm_rl.engine import WeightExport
+        from mllm_rl.engine_state import ManagedEngine
+
+        backend = load_backend("jax" if kind == "sglang-jax" else "torch")
+        self.runtime = backend.init_runtime(tp=1, platform=platform)
+        kw: dict[str, Any] = {"max_total_tokens": max_batch * ctx, "context_length": ctx,
+                              "max_running_requests": max_batch}  # fmt: skip
+        if kind != "sglang-jax":
+            kw["engine"] = kind
+        self.engine = ManagedEngine(backend.create_engine(model, tp=1, **kw))
+        self.engine.update_weights(WeightExport(list(model.tensors), model.iter_tensors(), full=True))
+
+    def __call__(self, ids: list[list[int]], n: int) -> list[list[int]]:
+        from mllm_rl.engine import SamplingParams
+
+        return [o.token_ids for o in self.engine.generate(ids, SamplingParams(max_new_tokens=n, temperature=0.0))]
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class _HF:
+    def __init__(self, model: Any, platform: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        cuda = torch.cuda.is_available() and platform not in ("cpu",)
+        self.device = torch.device("cuda" if cuda else "cpu")
+        dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[
+            next(iter(model.tensors.values()))[1].dtype]  # fmt: skip
+        self.model = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=dtype).to(self.device).eval()
+        self.eos = model.config.eos_token_id
+        self.runtime = {"platform": self.device.type, "torch_version": torch.__version__}
+
+    def __call__(self, ids: list[list[int]], n: int) -> list[list[int]]:
+        t = self.torch.tensor(ids, device=self.device)
+        with self.torch.no_grad():
+            out = self.model.generate(input_ids=t, attention_mask=self.torch.ones_like(t), max_new_tokens=n,
+                                      min_new_tokens=n, do_sample=False, pad_token_id=self.eos)  # fmt: skip
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+        return out[:, t.shape[1] :].tolist()
+
+    def close(self) -> None:
+        pass
+
+
+def rates(b: int, p: int, n: int, n_gen: int, t1s: list[float], tns: list[float]) -> dict[str, Any]:
+    """Throughputs from the timings of all repeats and rounds. Each repeat times a 1-token and an
+    N-token generate back to back; ``decode_tok_s`` is the median over repeats of
+    B (N - 1) / (tN - t1) (pairs measured together share the machine's load at that moment),
+    ``e2e_tok_s``/``prefill_tok_s`` use the fastest tN / t1 (the least disturbed run)."""
+    pair = [b * (n - 1) / (tn - t1) for t1, tn in zip(t1s, tns, strict=True) if tn > t1]
+    t1, tn = min(t1s), min(tns)
+    return {
+        "t1_s": round(statistics.median(t1s), 5), "tN_s": round(statistics.median(tns), 5),
+        "t1_s_best": round(t1, 5), "tN_s_best": round(tn, 5),
+        "decode_tok_s": round(statistics.median(pair), 2) if pair else None,
+        "decode_pairs_used": f"{len(pair)}/{len(t1s)}",
+        "e2e_tok_s_best": round(n_gen / tn, 2), "prefill_tok_s_best": round(b * p / t1, 2),
+    }  # fmt: skip
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    from mllm_rl.checkpoint.resolve import resolve_model
+
+    model = resolve_model(args.preset, seed=args.seed)
+    ctx = args.prompt_len + args.new_tokens + 1
+    ctx = 1 << (ctx - 1).bit_length()
+    kind = args.worker
+    t0 = time.perf_counter()
+    eng = _HF(model, args.platform) if kind == "hf" else _Managed(kind, model, args.platform, max(args.batch), ctx)
+    start_s = time.perf_counter() - t0
+    rows = []
+    for b in args.batch:
+        ids = prompts(args.seed, b, args.prompt_len)
+        eng(ids, args.new_tokens)  # warm-up: compilation / allocator growth for these shapes
+        eng(ids, 1)
+        t1s, tns, toks = [], [], None
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            eng(ids, 1)
+            t1s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            toks = eng(ids, args.new_tokens)
+            tns.append(time.perf_counter() - t0)
+        toks = toks or []
+        over = sum(len(t) > args.new_tokens for t in toks)  # an engine must never return more than asked
+        toks = [t[: args.new_tokens] for t in toks]
+        rows.append({"batch": b, "generated_tokens": sum(len(t) for t in toks), "over_length_outputs": over,
+                     "tokens": toks, "t1_all": t1s, "tN_all": tns})  # fmt: skip
+    eng.close()
+    return {"engine": kind, "runtime": eng.runtime, "start_s": round(start_s, 3), "rows": rows,
+            "python": sys.executable}  # fmt: skip
+
+
+# -- driver ----------------------------------------------------------------------------------
+def python_for(engine: str, args: argparse.Namespace) -> str:
+    need = NEEDS[engine]
+    given = args.python_torch if need == "torch" else args.python_jax
+    if given:
+        return given
+    module = "torch" if need == "torch" else "sgl_jax"
+    if importlib.util.find_spec(module) is not None:
+        return sys.executable
+    venv = ROOT / (".venv-torch" if need == "torch" else ".venv-jax") / "bin" / "python"
+    if venv.exists():
+        return str(venv)
+    raise BenchError(f"engine {engine}: no interpreter with {module}; pass --python-{need}")
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    from mllm_rl.checkpoint.resolve import resolve_model
+
+    resolve_model(args.preset, seed=args.seed)
+    engines = args.engines or DEFAULT_ENGINES[args.backend]
+    results: dict[str, Any] = {}
+    for rnd in range(args.rounds):  # engines interleaved round by round: load changes hit them alike
+        for e in engines:
+            if "error" in results.get(e, {}):
+                continue
+            cmd = [python_for(e, args), str(Path(__file__).resolve()), "--worker", e, "--preset", args.preset,
+                   "--batch", ",".join(map(str, args.batch)), "--prompt-len", str(args.prompt_len),
+                   "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
+                   "--platform", args.platform, "--seed", str(args.seed)]  # fmt: skip
+            print(f"  round {rnd + 1}/{args.rounds}: {e} ...", file=sys.stderr, flush=True)
+            try:
+                res = last_json_line(run_cmd(cmd, f"engine {e}", timeout=args.timeout).stdout, e)
+            except BenchError as err:
+                if not args.keep_going:
+                    raise
+                results[e] = {"engine": e, "error": str(err)[:2000]}
+                continue
+            if e not in results:
+                results[e] = {**res, "start_s_all": [res["start_s"]]}
+                continue
+            results[e]["start_s_all"].append(res["start_s"])
+            for r0, r in zip(results[e]["rows"], res["rows"], strict=True):
+                r0["t1_all"] += r["t1_all"]
+                r0["tN_all"] += r["tN_all"]
+    per_engine: dict[str, dict[int, dict[str, Any]]] = {}
+    for e, res in results.items():
+        per_engine[e] = {}
+        for r in res.get("rows", []):
+            per_engine[e][r["batch"]] = {**r, **rates(r["batch"], args.prompt_len, args.new_tokens,
+                                                      r["generated_tokens"], r["t1_all"], r["tN_all"])}  # fmt: skip
+    hf_rows = per_engine.get("hf", {})
+    rows = []
+    for e, by_batch in per_engine.items():
+        for b, r in by_batch.items():
+            h = hf_rows.get(b)
+            same = None
+            if h is not None and e != "hf":
+                same = round(statistics.fmean(x == y for x, y in zip(r["tokens"], h["tokens"], strict=True)), 3)
+            ratio = (round(r["decode_tok_s"] / h["decode_tok_s"], 3)
+                     if h and r["decode_tok_s"] and h["decode_tok_s"] else None)  # fmt: skip
+            rows.append({"engine": e, **{k: v for k, v in r.items() if k not in ("tokens", "t1_all", "tN_all")},
+                         "timings_t1": [round(x, 5) for x in r["t1_all"]], "timings_tN": [round(x, 5) for x in r["tN_all"]],
+                         "decode_over_hf": ratio,
+                         "e2e_over_hf": round(r["e2e_tok_s_best"] / h["e2e_tok_s_best"], 3) if h else None,
+                         "greedy_equal_hf": same})  # fmt: skip
+    return {
+        "bench": "engine", "backend": args.backend, "preset": args.preset, "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "repeats": args.repeats, "rounds": args.rounds, "platform": args.platform,
+        "rows": rows,
+        "engines": {e: {k: v for k, v in r.items() if k != "rows"} for e, r in results.items()},
+        "command": command_line(), "machine": machine_info(),
+    }  # fmt: skip
+
+
+def report(out: dict[str, Any]) -> str:
+    cols = [("engine", "engine", ""), ("batch", "batch", ""), ("t1_s", "t1 s", ".4f"), ("tN_s", "tN s", ".4f"),
+            ("decode_tok_s", "decode tok/s", ".1f"), ("decode_pairs_used", "pairs", ""),
+            ("e2e_tok_s_best", "e2e tok/s (best)", ".1f"), ("prefill_tok_s_best", "prefill tok/s (best)", ".1f"),
+            ("decode_over_hf", "decode / hf", ".3f"), ("e2e_over_hf", "e2e / hf", ".3f"),
+            ("greedy_equal_hf", "greedy = hf", ".3f"), ("over_length_outputs", "> N tokens", "")]  # fmt: skip
+    head = (f"engine throughput {out['preset']} (prompt {out['prompt_len']}, {out['new_tokens']} new tokens, "
+            f"{out['repeats']} repeats x {out['rounds']} rounds: medians, 'best' = fastest; platform {out['platform']})")
+    lines = [head, table(out["rows"], cols)]
+    for e, info in out["engines"].items():
+        if "error" in info:
+            lines.append(f"{e}: FAILED: {info['error'].splitlines()[0]}")
+        else:
+            lines.append(f"{e}: started in {min(info['start_s_all']):.2f} s on {info['runtime'].get('platform')} "
+                         f"({info['python']})")  # fmt: skip
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Details: docs/BENCHMARKS.md")
+    ap.add_argument("--backend", default="torch", choices=["jax", "torch"],
+                    help="default engines: torch -> embedded,hf; jax -> sglang-jax,hf")
+    ap.add_argument("--engines", type=csv_choice(ENGINES), default=None, help="comma-separated; overrides --backend")
+    ap.add_argument("--preset", default="tiny", help="preset name or checkpoint dir")
+    ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda"])
+    ap.add_argument("--batch", type=csv_ints, default=[1, 32], help="batch sizes, comma-separated")
+    ap.add_argument("--prompt-len", type=positive(int), default=16)
+    ap.add_argument("--new-tokens", type=positive(int), default=64)
+    ap.add_argument("--repeats", type=positive(int), default=3, help="timed generates per length and process")
+    ap.add_argument("--rounds", type=positive(int), default=2, help="fresh processes per engine, interleaved")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--python-torch", default=None, help="interpreter for embedded/hf/sglang")
+    ap.add_argument("--python-jax", default=None, help="interpreter for sglang-jax")
+    ap.add_argument("--keep-going", action="store_true", help="report a failing engine and go on")
+    ap.add_argument("--timeout", type=positive(float), default=3600.0, help="seconds per engine")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.new_tokens < 2:
+        print("error: --new-tokens must be >= 2 (decode rate = tokens after the first)", file=sys.stderr)
+        return 2
+    args.platform = "gpu" if args.platform == "cuda" and args.worker == "sglang-jax" else args.platform
+    from mllm_rl.checkpoint.model_dir import CheckpointError
+
+    try:
+        if args.worker:
+            print(json.dumps(worker(args)), flush=True)
+            return 0
+        out = bench(args)
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(report(out))
+    write_json(args.json, out)
+    print(json.dumps({"bench": "engine", "rows": [{k: r[k] for k in ("engine", "batch", "decode_tok_s", "decode_over_hf")}
+                                                   for r in out["rows"]]}))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # engines with scheduler threads (sglang-jax) abort interpreter teardown

@@ -1,0 +1,329 @@
+"""RL step memory: the multi-stage schedule vs the naive one, side by side in one run.
+
+    python scripts/bench_rl_memory.py --backend jax|torch --preset tiny [--budget-gb 0.05] [--json OUT]
+    python scripts/bench_rl_memory.py --backend torch --preset qwen3-1.7b --platform cuda --bisect
+    python scripts/bench_rl_memory.py --preset tiny -- --prompts-per-step 4   # extra flags for mllm_rl.run
+
+Runs ``python -m mllm_rl.run --plan rl`` once per schedule (``--schedule multi_stage`` and
+``--schedule naive``), each in a fresh process, same everything else (``--steps``, default 2),
+and reads the phase records (device truth: ``memory_stats``/``live_arrays`` on JAX,
+``mem_get_info``/``live_tensors`` on torch; max over devices, max over steps):
+
+- per phase: the peak device bytes of each schedule;
+- ``step peak`` of each schedule (max over the step phases) and ``setup peak`` (engine start,
+  trainer init, initial weight sync: both the engine, its KV cache and the trainer are
+  resident there);
+- ``multi-stage step peak / max(train_step peak, rollout peak)``: 1.0 = the schedule costs no
+  more than its largest phase;
+- the largest KV cache each schedule fits into a budget (``--budget-gb``; default: the
+  device's ``bytes_limit`` where the runtime has one; JAX/torch CPU has none, so on CPU the
+  figure exists only with ``--budget-gb``). Predicted from the measured per-phase bytes: in
+  each phase the KV cache is resident at its start or end (engine state in the record) or
+  not; only the KV pool grows with ``--max-total-tokens`` (the rollout batch is fixed), so
+  ``fits(K) <=> non-KV bytes of every phase + K (where resident) <= budget``. Reported for the
+  steps only and for the whole run (setup included).
+- ``--bisect`` (accelerators): measures it instead: reruns each schedule with larger
+  ``--max-total-tokens`` until the run fails with an out-of-memory error, then bisects
+  (a failure that is not an OOM stops the search with its stderr).
+
+Exit 0 with results, 1 when a run failed, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import (  # noqa: E402
+    BenchError,
+    GiB,
+    MiB,
+    command_line,
+    csv_choice,
+    is_oom,
+    machine_info,
+    max_of,
+    positive,
+    run_cmd,
+    table,
+    truth,
+    write_json,
+)
+
+SCHEDULES = ("multi_stage", "naive")
+PRE_ENGINE = ("wandb_init", "jax_ready", "torch_ready")
+
+
+# -- one run -------------------------------------------------------------------------------
+def rl_cmd(args: argparse.Namespace, schedule: str, run_dir: str, max_total_tokens: int | None) -> list[str]:
+    cmd = [sys.executable, "-m", "mllm_rl.run", "--backend", args.backend, "--plan", "rl", "--model", args.preset,
+           "--platform", args.platform, "--schedule", schedule, "--steps", str(args.steps), "--save-every", "0",
+           "--wandb", "disabled", "--quiet", "--run-dir", run_dir]  # fmt: skip
+    if max_total_tokens is not None:
+        cmd += ["--max-total-tokens", str(max_total_tokens)]
+    return cmd + list(args.extra)
+
+
+def run_once(args: argparse.Namespace, schedule: str, max_total_tokens: int | None = None) -> dict[str, Any]:
+    """One RL run; returns {"ok", "oom", "records", "stderr"} (failures are data for the bisect)."""
+    import subprocess
+
+    from mllm_rl.sinks.jsonl import read_jsonl
+
+    with tempfile.TemporaryDirectory() as d:
+        cmd = rl_cmd(args, schedule, d, max_total_tokens)
+        try:
+            run_cmd(cmd, f"rl {schedule}", timeout=args.timeout)
+            ok, err = True, ""
+        except BenchError as e:
+            ok, err = False, str(e)
+        except subprocess.TimeoutExpired:  # pragma: no cover (run_cmd turns it into BenchError)
+            ok, err = False, "timeout"
+        path = Path(d) / "phases.jsonl"
+        records = read_jsonl(path) if path.exists() else []
+    return {"ok": ok, "oom": (not ok) and is_oom(err), "records": records, "stderr": err, "cmd": cmd}
+
+
+def analyse(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-phase peaks, KV residency, step/setup peaks and KV bytes of one run's records."""
+    phases: dict[str, dict[str, Any]] = {}
+    order: list[str] = []
+    kv_prev, seen_engine = False, False
+    kv_bytes = tokens = limit = None
+    count: dict[tuple[int | None, str], int] = {}
+    for r in records:
+        devs = truth(r["memory"]["devices"])
+        name = r["phase"]
+        if name == "engine_ready_dummy":
+            seen_engine = True
+            tokens = r["info"].get("max_total_tokens")
+        eng = r["info"].get("engine") if isinstance(r["info"].get("engine"), dict) else None
+        kv_end = ("kv_cache" not in eng["released"]) if eng else (seen_engine and name not in PRE_ENGINE)
+        held = r["info"].get("held")
+        if isinstance(held, dict) and "kv_cache" in held:
+            kv_bytes = held["kv_cache"]
+        limit = max_of([limit, *[d.get("bytes_limit") for d in devs]])
+        step = r["step"]
+        k = count[(step, name)] = count.get((step, name), 0) + 1
+        key = name if k == 1 else f"{name}#{k}"
+        peak = max_of([d.get("phase_peak_bytes") for d in devs])
+        p = phases.get(key)
+        if p is None:
+            p = phases[key] = {"phase": key, "stepped": step is not None, "peak": None, "end": None, "kv": False,
+                               "n": 0, "host_rss_peak": None}  # fmt: skip
+            order.append(key)
+        p["peak"] = max_of([p["peak"], peak])
+        p["end"] = max_of([p["end"], max_of([d.get("bytes_in_use") for d in devs])])
+        p["kv"] = p["kv"] or kv_prev or kv_end
+        # host RSS peak: on CPU it also sees what the device probes cannot (XLA temporaries, autograd)
+        p["host_rss_peak"] = max_of([p["host_rss_peak"], r["memory"]["host"].get("rss_peak_bytes")])
+        p["n"] += 1
+        kv_prev = kv_end
+    stepped = [phases[k] for k in order if phases[k]["stepped"]]
+    setup = [phases[k] for k in order if not phases[k]["stepped"]]
+    return {
+        "phases": [phases[k] for k in order],
+        "step_peak": max_of([p["peak"] for p in stepped]),
+        "step_peak_phase": max(stepped, key=lambda p: p["peak"] or 0)["phase"] if stepped else None,
+        "setup_peak": max_of([p["peak"] for p in setup]),
+        "setup_peak_phase": max(setup, key=lambda p: p["peak"] or 0)["phase"] if setup else None,
+        "train_peak": phases.get("train_step", {}).get("peak"),
+        "rollout_peak": phases.get("rollout", {}).get("peak"),
+        "kv_bytes": kv_bytes,
+        "max_total_tokens": tokens,
+        "kv_bytes_per_token": kv_bytes / tokens if kv_bytes and tokens else None,
+        "bytes_limit": limit,
+        "source": truth(records[-1]["memory"]["devices"])[0]["source"] if records else None,
+        "platform": truth(records[-1]["memory"]["devices"])[0]["platform"] if records else None,
+    }
+
+
+def predict_kv(a: dict[str, Any], budget: int, steps_only: bool) -> dict[str, Any]:
+    """Largest KV cache (bytes, tokens) for which every phase fits ``budget`` (see the docstring)."""
+    kv = a["kv_bytes"] or 0
+    cap = math.inf
+    limiting = None
+    for p in a["phases"]:
+        if p["peak"] is None or (steps_only and not p["stepped"]):
+            continue
+        non_kv = p["peak"] - (kv if p["kv"] else 0)
+        if p["kv"]:
+            if budget - non_kv < cap:
+                cap, limiting = budget - non_kv, p["phase"]
+        elif non_kv > budget:
+            return {"kv_bytes": 0, "tokens": 0, "limiting_phase": p["phase"], "note": "does not fit even without KV"}
+    if cap is math.inf:
+        return {"kv_bytes": None, "tokens": None, "limiting_phase": None, "note": "no phase holds the KV cache"}
+    cap = max(0, int(cap))
+    per_tok = a["kv_bytes_per_token"]
+    return {"kv_bytes": cap, "tokens": int(cap // per_tok) if per_tok else None, "limiting_phase": limiting}
+
+
+# -- bisect --------------------------------------------------------------------------------
+def bisect(args: argparse.Namespace, schedule: str, lo: int, guess: int | None) -> dict[str, Any]:
+    """Largest --max-total-tokens with which the run succeeds; ``lo`` is known to succeed."""
+    align = args.bisect_align
+    trials: list[dict[str, Any]] = []
+
+    def attempt(tokens: int) -> bool:
+        r = run_once(args, schedule, tokens)
+        a = analyse(r["records"]) if r["records"] else {}
+        trials.append({"max_total_tokens": tokens, "ok": r["ok"], "oom": r["oom"], "kv_bytes": a.get("kv_bytes"),
+                       "step_peak": a.get("step_peak"), "setup_peak": a.get("setup_peak")})  # fmt: skip
+        print(f"  bisect {schedule}: --max-total-tokens {tokens}: {'ok' if r['ok'] else 'OOM' if r['oom'] else 'FAILED'}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        if not r["ok"] and not r["oom"]:
+            raise BenchError(f"bisect {schedule} at {tokens} tokens failed without an OOM:\n{r['stderr'][-2000:]}")
+        return r["ok"]
+
+    hi = max(lo * 2, ((guess or 0) * 5 // 4) // align * align)
+    iters = 0
+    while iters < args.bisect_iters and attempt(hi):  # grow until a failure
+        lo, hi, iters = hi, hi * 2, iters + 1
+    while iters < args.bisect_iters and (hi - lo) > max(align, lo * args.bisect_tol):
+        mid = (lo + hi) // 2 // align * align
+        if mid <= lo:
+            break
+        if attempt(mid):
+            lo = mid
+        else:
+            hi = mid
+        iters += 1
+    return {"largest_ok_tokens": lo, "smallest_oom_tokens": hi if any(not t["ok"] for t in trials) else None,
+            "trials": trials}  # fmt: skip
+
+
+# -- driver --------------------------------------------------------------------------------
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    from mllm_rl.checkpoint.resolve import resolve_model
+
+    resolve_model(args.preset)  # written once, outside every run's timing
+    runs: dict[str, dict[str, Any]] = {}
+    for s in args.schedules:
+        r = run_once(args, s)
+        if not r["ok"]:
+            raise BenchError(r["stderr"])
+        runs[s] = analyse(r["records"])
+    any_run = next(iter(runs.values()))
+    budget = int(args.budget_gb * GiB) if args.budget_gb else any_run["bytes_limit"]
+    out: dict[str, Any] = {"bench": "rl_memory", "backend": args.backend, "preset": args.preset, "steps": args.steps,
+                           "extra": list(args.extra), "platform": any_run["platform"], "source": any_run["source"],
+                           "budget_bytes": budget,
+                           "budget_from": "--budget-gb" if args.budget_gb else ("bytes_limit" if budget else None),
+                           "schedules": {}, "command": command_line(), "machine": machine_info()}  # fmt: skip
+    for s, a in runs.items():
+        big = max_of([a["train_peak"], a["rollout_peak"]])
+        entry = {k: a[k] for k in ("step_peak", "step_peak_phase", "setup_peak", "setup_peak_phase", "train_peak",
+                                   "rollout_peak", "kv_bytes", "max_total_tokens", "kv_bytes_per_token", "bytes_limit")}
+        entry["step_peak_over_max_train_rollout"] = round(a["step_peak"] / big, 4) if big and a["step_peak"] else None
+        entry["phases"] = a["phases"]
+        if budget:
+            entry["fit_steps"] = predict_kv(a, budget, steps_only=True)
+            entry["fit_run"] = predict_kv(a, budget, steps_only=False)
+        out["schedules"][s] = entry  # fmt: skip
+    if args.bisect:
+        for s, a in runs.items():
+            guess = out["schedules"][s].get("fit_run", {}).get("tokens")
+            out["schedules"][s]["bisect"] = bisect(args, s, a["max_total_tokens"], guess)
+    if "multi_stage" in runs and "naive" in runs:
+        ms, nv = runs["multi_stage"]["step_peak"], runs["naive"]["step_peak"]
+        out["naive_over_multi_stage_step_peak"] = round(nv / ms, 4) if ms and nv else None
+        out["step_peak_saved_bytes"] = nv - ms if ms is not None and nv is not None else None
+    return out
+
+
+def report(out: dict[str, Any]) -> str:
+    scheds = list(out["schedules"])
+    names: list[str] = []
+    for s in scheds:  # merge the phase orders: a phase only one schedule has goes after its predecessor
+        prev = None
+        for p in out["schedules"][s]["phases"]:
+            if p["phase"] not in names:
+                names.insert(names.index(prev) + 1 if prev in names else len(names), p["phase"])
+            prev = p["phase"]
+    by = {s: {p["phase"]: p for p in out["schedules"][s]["phases"]} for s in scheds}
+    rows = []
+    for n in names:
+        row: dict[str, Any] = {"phase": n}
+        for s in scheds:
+            p = by[s].get(n)
+            row[s] = p["peak"] / MiB if p and p["peak"] is not None else None
+            row[s + "_kv"] = ("kv" if p["kv"] else "") if p else None
+        rows.append(row)
+    cols = [("phase", "phase", "")]
+    for s in scheds:
+        cols += [(s, f"{s} peak MiB", ".2f"), (s + "_kv", "", "")]
+    lines = [f"rl memory {out['backend']} {out['preset']} ({out['platform']}/{out['source']}, {out['steps']} steps, "
+             f"max over steps and devices; 'kv' = KV cache resident in the phase)", table(rows, cols), ""]  # fmt: skip
+    srows = []
+    for s in scheds:
+        e = out["schedules"][s]
+        srows.append({"schedule": s, "step": e["step_peak"] / MiB if e["step_peak"] is not None else None, "at": e["step_peak_phase"],
+                      "setup": e["setup_peak"] / MiB if e["setup_peak"] is not None else None, "sat": e["setup_peak_phase"],
+                      "ratio": e["step_peak_over_max_train_rollout"], "kv": (e["kv_bytes"] or 0) / MiB,
+                      "fs": (e.get("fit_steps") or {}).get("tokens"), "fr": (e.get("fit_run") or {}).get("tokens"),
+                      "bis": (e.get("bisect") or {}).get("largest_ok_tokens")})  # fmt: skip
+    budget = out["budget_bytes"]
+    cols2 = [("schedule", "schedule", ""), ("step", "step peak MiB", ".2f"), ("at", "at", ""),
+             ("setup", "setup+final peak MiB", ".2f"), ("sat", "at", ""), ("ratio", "step/max(train,rollout)", ".3f"),
+             ("kv", "KV MiB", ".2f"), ("fs", "max KV tokens (steps)", ""), ("fr", "max KV tokens (run)", ""),
+             ("bis", "bisected tokens", "")]  # fmt: skip
+    lines.append(table(srows, cols2))
+    if "naive_over_multi_stage_step_peak" in out:
+        lines.append(f"naive / multi_stage step peak: {out['naive_over_multi_stage_step_peak']}  "
+                     f"(saved {out['step_peak_saved_bytes'] / MiB:.2f} MiB)")  # fmt: skip
+    if budget:
+        lines.append(f"max KV tokens: predicted for a budget of {budget / GiB:.3f} GiB ({out['budget_from']}) from "
+                     "the measured per-phase bytes (only the KV pool grows with --max-total-tokens)")  # fmt: skip
+    else:
+        lines.append("max KV tokens: no budget (CPU has no device limit): pass --budget-gb to predict it")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Details: docs/BENCHMARKS.md")
+    ap.add_argument("--backend", default="jax", choices=["jax", "torch"])
+    ap.add_argument("--preset", default="tiny", help="preset name or checkpoint dir")
+    ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda", "tpu"])
+    ap.add_argument("--steps", type=positive(int), default=2, help="RL steps per run (>= 2 catches step-2 faults)")
+    ap.add_argument("--schedules", type=csv_choice(SCHEDULES), default=list(SCHEDULES), help="comma-separated")
+    ap.add_argument("--budget-gb", type=positive(float), default=None,
+                    help="device budget (GiB) for the predicted largest KV cache (default: the device's bytes_limit)")
+    ap.add_argument("--bisect", action="store_true", help="measure the largest --max-total-tokens by OOM bisection")
+    ap.add_argument("--bisect-iters", type=positive(int), default=8, help="runs per schedule at most")
+    ap.add_argument("--bisect-tol", type=positive(float), default=0.05, help="stop when (hi - lo) / lo is below")
+    ap.add_argument("--bisect-align", type=positive(int), default=256, help="token granularity")
+    ap.add_argument("--timeout", type=positive(float), default=3600.0, help="seconds per run")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("extra", nargs="*", help="extra args for mllm_rl.run (after --), the same for every run")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from mllm_rl.checkpoint.model_dir import CheckpointError
+
+    try:
+        out = bench(args)
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(report(out))
+    write_json(args.json, out)
+    print(json.dumps({k: out[k] for k in ("bench", "backend", "preset", "naive_over_multi_stage_step_peak")
+                      if k in out}))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Soak: N release/resume/update cycles of one rollout engine in one process; nothing may drift.
+
+    python scripts/soak.py --backend jax|torch --preset tiny --cycles 100 [--cpu-backup] [--trainer] [--json OUT]
+
+This process owns one ``ManagedEngine`` (an sglang-jax engine must live in its own process:
+its shutdown SIGKILLs every child process; this script is that process) and, with
+``--trainer``, the backend's trainer. Before the first cycle: a full weight sync (from the
+checkpoint, or from the trainer, which then goes to the host), a greedy probe, and the
+baseline: device bytes in use (every probe entry: device truth, and on CUDA torch also the
+allocator) and host RSS. Each cycle does what a colocated RL step does to the engine:
+
+    drain -> release(kv_cache, weights) [-> trainer onload params+optimizer -> offload optimizer]
+    -> empty_cache -> resume(weights) -> update_weights (full; from the trainer with --trainer)
+    [-> trainer offload params] -> empty_cache -> resume(kv_cache) -> continue -> greedy probe
+
+With ``--cpu-backup`` the engine keeps a host copy of its weights; the update then runs only
+every ``--update-every`` cycles (default 2), so every other probe reads weights restored from
+the backup. Checked after every cycle, printed as the max deviation of each:
+
+- device memory back at its baseline within ``--device-tol-mib`` (1 MiB), every probe entry;
+  and the release freed at least 99% of the bytes the tags held (device truth);
+- greedy probe tokens identical to the baseline's (logprob deviation printed too);
+- host RSS flat: after ``--warmup`` cycles (caches, compilation), RSS stays within
+  ``--rss-tol-mib`` of its value then (a leaked CPU backup of the weights adds their size
+  per cycle: the least-squares slope is printed in bytes/cycle).
+
+Exit 0 when every target holds, 1 when one fails, 2 on bad input. JSON: ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import MiB, command_line, machine_info, positive, target, write_json  # noqa: E402
+
+PROMPTS = [[51, 71, 68, 220, 66, 64, 79], [64, 65, 66, 64, 65, 66, 64]]
+
+
+def _slope(ys: list[int]) -> float | None:
+    """Least-squares slope of ``ys`` against 0..n-1 (bytes per cycle)."""
+    n = len(ys)
+    if n < 2:
+        return None
+    mx, my = (n - 1) / 2, statistics.fmean(ys)
+    den = sum((i - mx) ** 2 for i in range(n))
+    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / den
+
+
+def soak(args: argparse.Namespace) -> dict[str, Any]:
+    from mllm_rl.backend_registry import load_backend
+    from mllm_rl.checkpoint.resolve import resolve_model
+    from mllm_rl.engine import SamplingParams, WeightExport
+    from mllm_rl.engine_state import ManagedEngine
+    from mllm_rl.phases.probe import host_rss
+    from mllm_rl.trainer import OPTIMIZER, PARAMS, TrainConfig
+
+    backend = load_backend(args.backend)
+    model = resolve_model(args.preset, seed=args.seed)
+    runtime = backend.init_runtime(tp=1, platform=args.platform)
+    probe = backend.memory_probe()
+    snap = probe.snapshot()
+    sources = [f"{d.id}:{d.source}" for d in snap]
+    truth_idx = [i for i, d in enumerate(snap) if d.source != "torch_allocator"]
+    kw: dict[str, Any] = {"weights_cpu_backup": args.cpu_backup, "max_total_tokens": args.max_total_tokens,
+                          "context_length": args.context_length}  # fmt: skip
+    engine = ManagedEngine(backend.create_engine(model, tp=1, **kw))
+    trainer = backend.create_trainer(model, TrainConfig()) if args.trainer else None
+
+    def export() -> WeightExport:
+        if trainer is not None:
+            return trainer.export_weights(full=True)
+        return WeightExport(list(model.tensors), model.iter_tensors(), full=True)
+
+    engine.update_weights(export())
+    if trainer is not None:
+        trainer.offload([PARAMS, OPTIMIZER])
+    backend.empty_cache()
+    greedy = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    ref = engine.generate(PROMPTS, greedy)
+    ref_tokens = [o.token_ids for o in ref]
+    weight_bytes = engine.weight_bytes()
+    base_dev = probe.in_use()
+    base_rss = host_rss()
+    every = args.update_every or (2 if args.cpu_backup else 1)
+    cycles: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    for i in range(args.cycles):
+        t0 = time.perf_counter()
+        engine.drain()
+        used0 = [probe.in_use()[j] for j in truth_idx]
+        held = sum(engine.release(["kv_cache", "weights"]).values())
+        used1 = [probe.in_use()[j] for j in truth_idx]
+        freed = sum(a - b for a, b in zip(used0, used1, strict=True) if a is not None and b is not None)
+        if trainer is not None:
+            trainer.onload([PARAMS, OPTIMIZER])
+            trainer.offload([OPTIMIZER])
+        backend.empty_cache()
+        engine.resume(["weights"])
+        updated = not engine.weights_valid or i % every == 0
+        if updated:
+            engine.update_weights(export())
+        if trainer is not None:
+            trainer.offload([PARAMS])
+        backend.empty_cache()
+        engine.resume(["kv_cache"])
+        engine.continue_generation()
+        outs = engine.generate(PROMPTS, greedy)
+        dev = probe.in_use()
+        rss = host_rss()
+        lp_dev = max((abs(a - b) for o, r in zip(outs, ref, strict=True)
+                      for a, b in zip(o.logprobs, r.logprobs, strict=False)), default=0.0)  # fmt: skip
+        cycles.append({
+            "cycle": i, "seconds": round(time.perf_counter() - t0, 4), "updated": updated,
+            "tokens_identical": [o.token_ids for o in outs] == ref_tokens, "logprob_max_abs_diff": lp_dev,
+            "device_dev_bytes": [None if a is None or b is None else a - b for a, b in zip(dev, base_dev, strict=True)],
+            "freed_over_held": round(freed / held, 5) if held else None, "rss_bytes": rss,
+            "tokens": [o.token_ids for o in outs] if args.per_cycle else None,
+        })  # fmt: skip
+        if args.verbose:
+            c = cycles[-1]
+            print(f"cycle {i}: {c['seconds']:.2f}s dev {c['device_dev_bytes']} rss {rss / MiB:.1f} MiB "
+                  f"tokens {'ok' if c['tokens_identical'] else 'DIFFER'}", file=sys.stderr, flush=True)  # fmt: skip
+    total_s = time.perf_counter() - t_start
+    engine.shutdown()
+
+    dev_dev = [max((abs(c["device_dev_bytes"][j] or 0) for c in cycles), default=0) for j in range(len(base_dev))]
+    truth_dev = max((dev_dev[j] for j in truth_idx), default=0)
+    warm = min(args.warmup, max(0, len(cycles) - 1))
+    rss_ref = cycles[warm - 1]["rss_bytes"] if warm > 0 else base_rss
+    rss_after = [c["rss_bytes"] for c in cycles[warm:]]
+    rss_dev = max((abs(r - rss_ref) for r in rss_after), default=0)
+    slope = _slope(rss_after)
+    mismatches = [c["cycle"] for c in cycles if not c["tokens_identical"]]
+    freed_min = min((c["freed_over_held"] for c in cycles if c["freed_over_held"] is not None), default=None)
+    targets = {
+        "device_back_to_baseline_bytes": target(truth_dev, "<=", args.device_tol_mib * MiB),
+        "release_freed_over_held": target(freed_min, ">=", 0.99),
+        "greedy_identical_cycles": {"value": len(cycles) - len(mismatches), "target": f"== {len(cycles)}",
+                                    "pass": not mismatches},  # fmt: skip
+        "host_rss_deviation_bytes": target(rss_dev, "<=", args.rss_tol_mib * MiB),
+    }
+    return {
+        "bench": "soak", "backend": args.backend, "preset": args.preset, "platform": runtime.get("platform"),
+        "engine": type(engine.engine).__name__, "trainer": args.trainer, "weights_cpu_backup": args.cpu_backup,
+        "update_every": every, "cycles": len(cycles), "warmup": warm, "probe_sources": sources,
+        "weight_bytes": weight_bytes,
+        "baseline_device_bytes": base_dev, "baseline_rss_bytes": base_rss, "rss_ref_bytes": rss_ref,
+        "device_max_abs_dev_bytes": dev_dev, "rss_max_abs_dev_bytes": rss_dev,
+        "rss_slope_bytes_per_cycle": round(slope, 1) if slope is not None else None,
+        "rss_first_last_bytes": [cycles[0]["rss_bytes"], cycles[-1]["rss_bytes"]] if cycles else None,
+        "logprob_max_abs_diff": max((c["logprob_max_abs_diff"] for c in cycles), default=0.0),
+        "token_mismatch_count": len(mismatches), "token_mismatch_cycles": mismatches[:50],
+        "reference_tokens": ref_tokens, "freed_over_held_min": freed_min,
+        "cycle_seconds_median": round(statistics.median(c["seconds"] for c in cycles), 4) if cycles else None,
+        "total_seconds": round(total_s, 2), "targets": targets,
+        "per_cycle": cycles if args.per_cycle else None,
+        "command": command_line(), "machine": machine_info(),
+    }  # fmt: skip
+
+
+def report(out: dict[str, Any]) -> str:
+    verdict = {True: "pass", False: "FAIL", None: "n/a"}
+    lines = [
+        f"soak {out['backend']} {out['preset']} on {out['platform']} ({out['engine']}"
+        f"{', trainer' if out['trainer'] else ''}, cpu backup {out['weights_cpu_backup']}, update every "
+        f"{out['update_every']}): {out['cycles']} cycles in {out['total_seconds']:.1f} s "
+        f"(median {out['cycle_seconds_median']} s/cycle)",
+        f"device: max |bytes in use - baseline| per probe entry {out['device_max_abs_dev_bytes']} B "
+        f"({', '.join(out['probe_sources'])}); release freed >= {out['freed_over_held_min']} of held",
+        f"greedy: {out['cycles'] - out['token_mismatch_count']}/{out['cycles']} cycles identical tokens "
+        f"(first differing: {out['token_mismatch_cycles'][:10]}); "
+        f"max |logprob - baseline| {out['logprob_max_abs_diff']:.3g}",
+        f"host RSS: max |RSS - RSS after {out['warmup']} warm-up cycles| {out['rss_max_abs_dev_bytes'] / MiB:.2f} MiB, "
+        f"slope {(out['rss_slope_bytes_per_cycle'] or 0) / 1024:.1f} KiB/cycle, first/last "
+        f"{[round(x / MiB, 1) for x in out['rss_first_last_bytes'] or []]} MiB",
+    ]  # fmt: skip
+    for k, t in out["targets"].items():
+        lines.append(f"target {k}: {t['value']} {t['target']} -> {verdict[t['pass']]}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Details: docs/BENCHMARKS.md")
+    ap.add_argument("--backend", required=True, choices=["jax", "torch"])
+    ap.add_argument("--preset", default="tiny", help="preset (written once to $MLLM_RL_CACHE) or checkpoint dir")
+    ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda", "tpu"])
+    ap.add_argument("--cycles", type=positive(int), default=100)
+    ap.add_argument("--cpu-backup", action="store_true", help="engine keeps a host copy of its weights")
+    ap.add_argument("--update-every", type=positive(int), default=None,
+                    help="full update every N cycles when the weights are still valid (default 1; 2 with --cpu-backup)")
+    ap.add_argument("--trainer", action="store_true", help="also cycle the trainer (onload/offload, export)")
+    ap.add_argument("--max-total-tokens", type=positive(int), default=4096, help="engine KV cache, tokens")
+    ap.add_argument("--context-length", type=positive(int), default=512)
+    ap.add_argument("--max-new-tokens", type=positive(int), default=8, help="greedy probe length")
+    ap.add_argument("--warmup", type=int, default=3, help="cycles before the RSS reference is taken")
+    ap.add_argument("--device-tol-mib", type=positive(float), default=1.0)
+    ap.add_argument("--rss-tol-mib", type=positive(float), default=64.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--per-cycle", action="store_true", help="include every cycle's numbers in the JSON")
+    ap.add_argument("--verbose", action="store_true", help="one line per cycle on stderr")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.warmup < 0:
+        print(f"error: --warmup must be >= 0, got {args.warmup}", file=sys.stderr)
+        return 2
+    args.platform = "gpu" if args.platform == "cuda" else args.platform
+    try:
+        out = soak(args)
+    except ValueError as e:  # bad preset / checkpoint / backend
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report(out))
+    write_json(args.json, out)
+    print(json.dumps({k: out[k] for k in ("bench", "backend", "preset", "cycles", "targets")}))
+    return 1 if any(t["pass"] is False for t in out["targets"].values()) else 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # the engine's scheduler thread (sglang-jax) aborts interpreter teardown

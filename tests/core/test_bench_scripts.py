@@ -1,0 +1,154 @@
+"""Cheap checks of the benchmark scripts (no benchmark runs here: those are in docs/BENCHMARKS.md).
+
+``--help`` of every script, argument validation (one-line error, exit 2), ``gpu_bench_all.sh``
+(--list / --dry-run / shellcheck), and the pure parts: the RL-memory analysis and KV-fit
+prediction on synthetic phase records, the soak's RSS slope, the summary table.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+SCRIPTS = ROOT / "scripts"
+PY_SCRIPTS = ["bench_swap.py", "bench_release.py", "bench_rl_memory.py", "bench_engine.py", "soak.py",
+              "bench_summary.py", "bench_common.py"]  # fmt: skip
+sys.path.insert(0, str(SCRIPTS))
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("script", PY_SCRIPTS)
+def test_help(script):
+    r = run(sys.executable, str(SCRIPTS / script), "--help")
+    assert r.returncode == 0, r.stderr
+    assert "usage:" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench_swap.py", "--modes", "fast"],
+        ["bench_swap.py", "--tp", "0"],
+        ["bench_release.py", "--cycles", "0"],
+        ["bench_rl_memory.py", "--budget-gb", "-1"],
+        ["bench_rl_memory.py", "--schedules", "eager"],
+        ["bench_engine.py", "--batch", "0,4"],
+        ["bench_engine.py", "--engines", "vllm"],
+        ["bench_engine.py", "--new-tokens", "1"],
+        ["soak.py"],  # --backend is required
+        ["soak.py", "--backend", "torch", "--warmup", "-1"],
+        ["bench_common.py", "copy", "--backend", "jax", "--mb", "0"],
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(args):
+    r = run(sys.executable, str(SCRIPTS / args[0]), *args[1:])
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "error" in r.stderr.strip().splitlines()[-1]
+
+
+def test_bad_preset_is_one_line_error(tmp_path):
+    r = run(sys.executable, str(SCRIPTS / "bench_rl_memory.py"), "--preset", str(tmp_path / "missing"))
+    assert r.returncode == 2
+    assert r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_gpu_bench_all_lists_and_dry_runs(tmp_path):
+    sh = str(SCRIPTS / "gpu_bench_all.sh")
+    gpu = run("bash", sh, "--list").stdout.split()
+    cpu = run("bash", sh, "--cpu", "--list").stdout.split()
+    for prefix in ("swap-", "release-", "rl-", "soak-", "engine-"):
+        assert any(s.startswith(prefix) for s in gpu) and any(s.startswith(prefix) for s in cpu)
+    assert "swap-torch-qwen3-4b" in gpu and "swap-jax-qwen3-4b" in gpu and "soak-jax-tiny" in cpu
+    r = run("bash", sh, "--dry-run", "--only", "swap,rl-torch", "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stdout.splitlines() if not x.startswith("#")]
+    assert len(lines) == 4 and all("--json" in x for x in lines)
+    assert "--platform cuda" in r.stdout and "--bisect" in r.stdout
+    assert not (tmp_path / "o").exists()  # a dry run writes nothing
+    bad = run("bash", sh, "--install", "conda")
+    assert bad.returncode == 2 and bad.stderr.startswith("error:")
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+def test_gpu_bench_all_is_shellcheck_clean():
+    r = run("shellcheck", str(SCRIPTS / "gpu_bench_all.sh"))
+    assert r.returncode == 0, r.stdout
+
+
+def _rec(phase: str, step: int | None, start: int, end: int, peak: int, kv_released: bool | None,
+         info: dict | None = None) -> dict:  # fmt: skip
+    inf = dict(info or {})
+    if kv_released is not None:
+        inf["engine"] = {"released": ["kv_cache"] if kv_released else []}
+    dev = {"id": 0, "platform": "cpu", "bytes_in_use": end, "bytes_in_use_start": start, "phase_peak_bytes": peak,
+           "bytes_limit": None, "source": "live_arrays"}  # fmt: skip
+    return {"phase": phase, "step": step, "memory": {"devices": [dev], "host": {}}, "info": inf}
+
+
+def _records(naive: bool) -> list[dict]:
+    kv, w, t = 100, 10, 30  # KV cache, engine weights, trainer (params + optimizer)
+    recs = [_rec("jax_ready", None, 0, 0, 0, None),
+            _rec("engine_ready_dummy", None, 0, kv + w, kv + w, None, {"max_total_tokens": 50}),
+            _rec("trainer_init", None, kv + w, kv + w + t, kv + w + t, None),
+            _rec("offload_trainer", None, kv + w + t, kv + w, kv + w + t, False)]  # fmt: skip
+    for step in range(2):
+        recs += [_rec("rollout", step, kv + w, kv + w, kv + w + 5, False),
+                 _rec("release_rollout", step, kv + w, 0, kv + w, True, {"held": {"kv_cache": kv, "weights": w}}),
+                 _rec("train_step", step, t, t, t + 20, True)]  # fmt: skip
+        if naive:
+            recs += [_rec("resume_rollout", step, t, t + kv + w, t + kv + w, False),
+                     _rec("offload_trainer_params", step, t + kv + w, kv + w, t + kv + w, False)]  # fmt: skip
+        else:
+            recs += [_rec("update_weights", step, t + w, t + w, t + w, True),
+                     _rec("offload_trainer_params", step, t + w, w, t + w, True),
+                     _rec("resume_kv", step, w, kv + w, kv + w, False)]  # fmt: skip
+    return recs
+
+
+def test_rl_memory_analysis_and_kv_fit():
+    import bench_rl_memory as b
+
+    ms, nv = b.analyse(_records(naive=False)), b.analyse(_records(naive=True))
+    assert ms["kv_bytes"] == 100 and ms["kv_bytes_per_token"] == 2.0
+    assert ms["step_peak"] == 115 and ms["step_peak_phase"] == "rollout"
+    assert nv["step_peak"] == 140 and nv["step_peak_phase"] == "resume_rollout"
+    assert ms["setup_peak"] == 140  # engine + KV + trainer during setup
+    phases = {p["phase"]: p for p in ms["phases"]}
+    assert phases["release_rollout"]["kv"] and not phases["train_step"]["kv"] and phases["resume_kv"]["kv"]
+    # budget 200: steps only -> multi_stage KV <= 200 - 15 (rollout's non-KV) = 185 bytes = 92 tokens
+    fit = b.predict_kv(ms, 200, steps_only=True)
+    assert fit == {"kv_bytes": 185, "tokens": 92, "limiting_phase": "rollout"}
+    assert b.predict_kv(nv, 200, steps_only=True)["kv_bytes"] == 160  # resume_rollout: trainer + weights
+    assert b.predict_kv(ms, 200, steps_only=False)["limiting_phase"] in ("trainer_init", "offload_trainer")
+    assert b.predict_kv(ms, 40, steps_only=True)["tokens"] == 0  # train_step alone (50) does not fit
+
+
+def test_soak_slope():
+    import soak
+
+    assert soak._slope([5, 5, 5, 5]) == 0
+    assert soak._slope([0, 10, 20, 30]) == pytest.approx(10)
+    assert soak._slope([7]) is None
+
+
+def test_summary_table(tmp_path):
+    import bench_summary
+
+    (tmp_path / "soak-x.json").write_text(json.dumps({
+        "bench": "soak", "backend": "torch", "preset": "tiny", "platform": "cpu", "cycles": 3, "engine": "E",
+        "trainer": False, "weights_cpu_backup": False, "device_max_abs_dev_bytes": [0], "rss_max_abs_dev_bytes": 0,
+        "token_mismatch_cycles": [], "targets": {"t": {"pass": True}, "u": {"pass": None}}}))  # fmt: skip
+    (tmp_path / "status.tsv").write_text("soak-x\t0\t5\nswap-y\t1\t9\n")
+    text = bench_summary.summarize(Path(tmp_path))
+    assert "| soak-x | soak | torch | tiny | cpu |" in text and "t pass, u n/a" in text
+    assert "swap-y" in text and "FAIL" in text
