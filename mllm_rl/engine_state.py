@@ -88,7 +88,9 @@ class ManagedEngine:
         n = len(input_ids)
         with self._cv:
             if self.released:
-                raise EngineStateError(f"generate refused: memory released for {sorted(self.released)}; resume first")
+                raise EngineStateError(
+                    f"generate refused: memory released for {sorted(self.released)}; resume first"
+                )
             if not self.weights_valid:
                 raise EngineStateError(
                     "generate refused: weights are invalid (resumed without CPU backup); a full update_weights is needed"
@@ -119,10 +121,16 @@ class ManagedEngine:
         self.engine.pause_generation()
         with self._cv:
             if not self._cv.wait_for(lambda: self.in_flight == 0, timeout=timeout_s):
-                raise EngineStateError(f"drain: {self.in_flight} request(s) still in flight after {timeout_s}s")
+                raise EngineStateError(
+                    f"drain: {self.in_flight} request(s) still in flight after {timeout_s}s"
+                )
             aborted = self.aborted - aborted0
         self.engine.flush_cache()
-        return {"in_flight_at_pause": in_flight, "aborted": aborted, "drain_s": round(time.perf_counter() - t0, 4)}
+        return {
+            "in_flight_at_pause": in_flight,
+            "aborted": aborted,
+            "drain_s": round(time.perf_counter() - t0, 4),
+        }
 
     def continue_generation(self) -> None:
         with self._cv:
@@ -182,11 +190,15 @@ class ManagedEngine:
         if TAG_WEIGHTS in self.released:
             raise EngineStateError("update_weights refused: weights are released; resume(['weights']) first")
         if self.in_flight:
-            raise EngineStateError(f"update_weights refused: {self.in_flight} request(s) in flight; drain() first")
+            raise EngineStateError(
+                f"update_weights refused: {self.in_flight} request(s) in flight; drain() first"
+            )
         known = set(self._names)
         unknown = [n for n in export.names if n not in known]
         if unknown:
-            raise ValueError(f"update_weights: unknown parameter(s) for this engine: {', '.join(unknown[:3])}")
+            raise ValueError(
+                f"update_weights: unknown parameter(s) for this engine: {', '.join(unknown[:3])}"
+            )
         if len(set(export.names)) != len(export.names):
             raise ValueError("update_weights: duplicate parameter names")
         if export.full:
@@ -206,7 +218,9 @@ class ManagedEngine:
         self.check_update(export)
         stats = self.engine.update_weights(iter(export), on_tensor=on_tensor)
         if stats.tensors != len(export.names):
-            raise WeightMismatch(f"update_weights: {stats.tensors} of {len(export.names)} announced tensors arrived")
+            raise WeightMismatch(
+                f"update_weights: {stats.tensors} of {len(export.names)} announced tensors arrived"
+            )
         got = self.engine.weights_fingerprint()
         bad = compare_fingerprints(stats.fingerprint, got)
         if bad:

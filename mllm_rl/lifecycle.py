@@ -126,7 +126,9 @@ class Colocated:
         return _CheckedPhase(self, name, step, info)
 
     # -- setup ---------------------------------------------------------------------------
-    def setup(self, make_trainer: Callable[[], tuple[Trainer, dict[str, Any]]], **trainer_info: Any) -> Trainer:
+    def setup(
+        self, make_trainer: Callable[[], tuple[Trainer, dict[str, Any]]], **trainer_info: Any
+    ) -> Trainer:
         """The first sync (``SETUP_PHASES``, step ``None``): release the dummy engine, build the
         trainer (``make_trainer() -> (trainer, info)``), stream its weights in (``weights_swapped``:
         full, fingerprint-checked), free the trainer, bring the KV cache back."""
@@ -284,4 +286,3 @@ class _CheckedPhase:
                 self._cm.__exit__(type(e), e, e.__traceback__)
                 raise
         return bool(self._cm.__exit__(exc_type, exc, tb))
-

@@ -175,9 +175,7 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-0.6b": ModelConfig("qwen3-0.6b", _QWEN3_VOCAB, 1024, 3072, 28, 16, 8, 128),
     "qwen3-1.7b": ModelConfig("qwen3-1.7b", _QWEN3_VOCAB, 2048, 6144, 28, 16, 8, 128),
     "qwen3-4b": ModelConfig("qwen3-4b", _QWEN3_VOCAB, 2560, 9728, 36, 32, 8, 128),
-    "qwen3-8b": ModelConfig(
-        "qwen3-8b", _QWEN3_VOCAB, 4096, 12288, 36, 32, 8, 128, tie_word_embeddings=False
-    ),
+    "qwen3-8b": ModelConfig("qwen3-8b", _QWEN3_VOCAB, 4096, 12288, 36, 32, 8, 128, tie_word_embeddings=False),
 }
 
 

@@ -82,44 +82,87 @@ def build_parser() -> argparse.ArgumentParser:
         "engine + streamed weight swap).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    ap.add_argument("--backend", required=True, help="backend name (entry point group mllm_rl.backends): jax, torch")
+    ap.add_argument(
+        "--backend", required=True, help="backend name (entry point group mllm_rl.backends): jax, torch"
+    )
     ap.add_argument("--plan", default="rl", choices=["rl", "swap"], help="what to run")
-    ap.add_argument("--model", default="tiny", help=f"preset ({', '.join(PRESETS)}), checkpoint dir, or hub id")
+    ap.add_argument(
+        "--model", default="tiny", help=f"preset ({', '.join(PRESETS)}), checkpoint dir, or hub id"
+    )
     ap.add_argument("--seed", type=int, default=0, help="seed for preset checkpoints, data and sampling")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the rollout engine")
-    ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "tpu", "cuda"],
-                    help="assert the accelerator platform (auto: accept what the runtime finds)")
-    ap.add_argument("--max-new-tokens", type=int, default=None,
-                    help="tokens per completion (default: 8 for rl, 16 for swap)")
-    ap.add_argument("--max-total-tokens", type=int, default=None,
-                    help="engine KV cache size in tokens (default: swap 4096; rl max-running-requests x context)")
-    ap.add_argument("--context-length", type=int, default=None,
-                    help="engine context length (default: swap 512; rl: fits the task's prompts + completions)")
+    ap.add_argument(
+        "--platform",
+        default="auto",
+        choices=["auto", "cpu", "gpu", "tpu", "cuda"],
+        help="assert the accelerator platform (auto: accept what the runtime finds)",
+    )
+    ap.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="tokens per completion (default: 8 for rl, 16 for swap)",
+    )
+    ap.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="engine KV cache size in tokens (default: swap 4096; rl max-running-requests x context)",
+    )
+    ap.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="engine context length (default: swap 512; rl: fits the task's prompts + completions)",
+    )
     ap.add_argument("--max-running-requests", type=int, default=128, help="engine batch limit (requests)")
-    ap.add_argument("--engine", default="auto", choices=["auto", "embedded", "sglang"],
-                    help="torch backend's rollout engine (auto: SGLang when importable on CUDA, else embedded)")
-    ap.add_argument("--weights-cpu-backup", action="store_true",
-                    help="engine keeps a host copy of its weights across release/resume (else: full re-sync)")
+    ap.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "embedded", "sglang"],
+        help="torch backend's rollout engine (auto: SGLang when importable on CUDA, else embedded)",
+    )
+    ap.add_argument(
+        "--weights-cpu-backup",
+        action="store_true",
+        help="engine keeps a host copy of its weights across release/resume (else: full re-sync)",
+    )
     out = ap.add_argument_group("outputs")
     out.add_argument("--wandb", default="offline", choices=["disabled", "offline", "online"])
     out.add_argument("--wandb-project", default="mllm_rl")
     out.add_argument("--run-id", default=None, help="default: <plan>-<backend>-<time>-<rand>")
     out.add_argument("--run-dir", default=None, help="default: runs/<run_id>")
-    out.add_argument("--console", default="compact", choices=["compact", "full", "off"],
-                     help="phase records on stdout: one short line each, the full JSON, or nothing")
+    out.add_argument(
+        "--console",
+        default="compact",
+        choices=["compact", "full", "off"],
+        help="phase records on stdout: one short line each, the full JSON, or nothing",
+    )
     out.add_argument("--quiet", action="store_true", help="same as --console off")
     sw = ap.add_argument_group("swap plan")
-    sw.add_argument("--swap-mode", default="streaming", choices=["streaming", "naive"],
-                    help="streaming: one tensor at a time; naive: load all, then replace (baseline)")
-    sw.add_argument("--swap-chunk-mb", type=float, default=64.0,
-                    help="streaming: tensors larger than this are written into the engine buffer in chunks "
-                         "of this size (peak = one copy + one chunk); 0 = whole tensors")
+    sw.add_argument(
+        "--swap-mode",
+        default="streaming",
+        choices=["streaming", "naive"],
+        help="streaming: one tensor at a time; naive: load all, then replace (baseline)",
+    )
+    sw.add_argument(
+        "--swap-chunk-mb",
+        type=float,
+        default=64.0,
+        help="streaming: tensors larger than this are written into the engine buffer in chunks "
+        "of this size (peak = one copy + one chunk); 0 = whole tensors",
+    )
     sw.add_argument("--prompt", action="append", help="prompt for generate_result (repeatable)")
     rl = ap.add_argument_group("rl plan")
     rl.add_argument("--steps", type=int, default=20, help="RL steps")
-    rl.add_argument("--task", default="pattern", choices=list(TASKS),
-                    help="pattern: shipped periodic-string completion (learnable from scratch); "
-                         "boxed: GSM8K-style \\boxed{} answers from --task-data")
+    rl.add_argument(
+        "--task",
+        default="pattern",
+        choices=list(TASKS),
+        help="pattern: shipped periodic-string completion (learnable from scratch); "
+        "boxed: GSM8K-style \\boxed{} answers from --task-data",
+    )
     rl.add_argument("--task-data", default=None, help="JSONL of {question, answer} for --task boxed")
     rl.add_argument("--prompts-per-step", type=int, default=16)
     rl.add_argument("--group-size", type=int, default=8, help="completions per prompt (GRPO group)")
@@ -137,13 +180,25 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--loss-agg", default="token_mean", choices=list(AGGREGATIONS))
     rl.add_argument("--lora-rank", type=int, default=0, help="> 0: train LoRA adapters, base frozen")
     rl.add_argument("--lora-alpha", type=float, default=16.0)
-    rl.add_argument("--schedule", default="multi_stage", choices=list(SCHEDULES),
-                    help="multi_stage: resume weights, update, free trainer, then resume KV; naive: baseline")
-    rl.add_argument("--check-weights", action="store_true",
-                    help="garbage guard: engine greedy probe after each update must match the trainer's")
-    rl.add_argument("--save-every", type=int, default=5, help="checkpoint every N steps (and the last); 0 = never")
-    rl.add_argument("--resume", action="store_true",
-                    help="continue --run-dir/--run-id from its last complete checkpoint (appends to its phase log)")
+    rl.add_argument(
+        "--schedule",
+        default="multi_stage",
+        choices=list(SCHEDULES),
+        help="multi_stage: resume weights, update, free trainer, then resume KV; naive: baseline",
+    )
+    rl.add_argument(
+        "--check-weights",
+        action="store_true",
+        help="garbage guard: engine greedy probe after each update must match the trainer's",
+    )
+    rl.add_argument(
+        "--save-every", type=int, default=5, help="checkpoint every N steps (and the last); 0 = never"
+    )
+    rl.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue --run-dir/--run-id from its last complete checkpoint (appends to its phase log)",
+    )
     return ap
 
 
@@ -242,13 +297,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     pidx, pcount = int(procs["process_index"]), int(procs["process_count"])
-    run_id = args.run_id or f"{args.plan}-{args.backend}-{time.strftime('%y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    run_id = (
+        args.run_id or f"{args.plan}-{args.backend}-{time.strftime('%y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    )
     run_dir = Path(args.run_dir or Path("runs") / run_id).resolve()
     if args.resume and args.run_id is None:
         run_id = _previous_run_id(run_dir) or run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     phase_file = run_dir / phase_file_name(pidx)
-    sinks: list[Any] = [JsonlSink(phase_file), MetricsJsonlSink(run_dir / phase_file.name.replace("phases", "metrics"))]
+    sinks: list[Any] = [
+        JsonlSink(phase_file),
+        MetricsJsonlSink(run_dir / phase_file.name.replace("phases", "metrics")),
+    ]
     console = "off" if args.quiet else args.console
     if console != "off":
         sinks.append(ConsoleSink(compact=console == "compact"))

@@ -47,6 +47,7 @@ def step_table(records: list[dict[str, Any]]) -> str:
         errs = sum(1 for r in rs if r["info"].get("error"))
         lines.append(
             f"{name:<22} {len(rs):>4} {sum(secs) / len(secs):>9.3f} {max(secs):>8.3f} "
-            f"{_gib(max(peaks) if peaks else None):>13} {_gib(rss):>13}" + (f"  ERRORS: {errs}" if errs else "")
+            f"{_gib(max(peaks) if peaks else None):>13} {_gib(rss):>13}"
+            + (f"  ERRORS: {errs}" if errs else "")
         )
     return "\n".join(lines)

@@ -37,7 +37,17 @@ GiB = 2**30
 MiB = 2**20
 OOM_MARKERS = ("out of memory", "resource_exhausted", "outofmemoryerror", "cuda error: out of memory",
                "failed to allocate", "oom")  # fmt: skip
-PACKAGES = ("jax", "jaxlib", "flax", "sglang-jax", "torch", "transformers", "torch-memory-saver", "sglang", "numpy")
+PACKAGES = (
+    "jax",
+    "jaxlib",
+    "flax",
+    "sglang-jax",
+    "torch",
+    "transformers",
+    "torch-memory-saver",
+    "sglang",
+    "numpy",
+)
 
 
 class BenchError(RuntimeError):
@@ -256,7 +266,9 @@ def _bw(nbytes: int, times: list[float]) -> dict[str, Any]:
             "gbps_median": round(nbytes / med / 1e9, 3)}  # fmt: skip
 
 
-def jax_copy_bandwidth(nbytes: int, repeats: int = 5, kinds: Sequence[str] = ("h2d", "d2h", "d2d")) -> dict[str, Any]:
+def jax_copy_bandwidth(
+    nbytes: int, repeats: int = 5, kinds: Sequence[str] = ("h2d", "d2h", "d2d")
+) -> dict[str, Any]:
     """JAX: ``h2d`` = ``device_put`` of a pageable numpy buffer (new device buffer each time),
     ``d2h`` = ``device_get`` into a new numpy array, ``d2d`` = an on-device copy (``jnp.copy``).
     On JAX CPU every one of them is a host memcpy."""
@@ -358,7 +370,9 @@ def copy_bandwidth(backend: str, nbytes: int, platform_: str = "auto", repeats: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Copy-bandwidth baselines for the benchmark scripts (one JSON line).")
+    ap = argparse.ArgumentParser(
+        description="Copy-bandwidth baselines for the benchmark scripts (one JSON line)."
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     cp = sub.add_parser("copy", help="host-to-device / device-to-host / on-device copy bandwidth")
     cp.add_argument("--backend", required=True, choices=["jax", "torch"])

@@ -98,7 +98,9 @@ class _Managed:
     def __call__(self, ids: list[list[int]], n: int) -> list[list[int]]:
         from mllm_rl.engine import SamplingParams
 
-        return [o.token_ids for o in self.engine.generate(ids, SamplingParams(max_new_tokens=n, temperature=0.0))]
+        return [
+            o.token_ids for o in self.engine.generate(ids, SamplingParams(max_new_tokens=n, temperature=0.0))
+        ]
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -155,7 +157,11 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     ctx = 1 << (ctx - 1).bit_length()
     kind = args.worker
     t0 = time.perf_counter()
-    eng = _HF(model, args.platform) if kind == "hf" else _Managed(kind, model, args.platform, max(args.batch), ctx)
+    eng = (
+        _HF(model, args.platform)
+        if kind == "hf"
+        else _Managed(kind, model, args.platform, max(args.batch), ctx)
+    )
     start_s = time.perf_counter() - t0
     rows = []
     for b in args.batch:
@@ -237,7 +243,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             h = hf_rows.get(b)
             same = None
             if h is not None and e != "hf":
-                same = round(statistics.fmean(x == y for x, y in zip(r["tokens"], h["tokens"], strict=True)), 3)
+                same = round(
+                    statistics.fmean(x == y for x, y in zip(r["tokens"], h["tokens"], strict=True)), 3
+                )
             ratio = (round(r["decode_tok_s"] / h["decode_tok_s"], 3)
                      if h and r["decode_tok_s"] and h["decode_tok_s"] else None)  # fmt: skip
             rows.append({"engine": e, **{k: v for k, v in r.items() if k not in ("tokens", "t1_all", "tN_all")},
@@ -260,8 +268,10 @@ def report(out: dict[str, Any]) -> str:
             ("e2e_tok_s_best", "e2e tok/s (best)", ".1f"), ("prefill_tok_s_best", "prefill tok/s (best)", ".1f"),
             ("decode_over_hf", "decode / hf", ".3f"), ("e2e_over_hf", "e2e / hf", ".3f"),
             ("greedy_equal_hf", "greedy = hf", ".3f"), ("over_length_outputs", "> N tokens", "")]  # fmt: skip
-    head = (f"engine throughput {out['preset']} (prompt {out['prompt_len']}, {out['new_tokens']} new tokens, "
-            f"{out['repeats']} repeats x {out['rounds']} rounds: medians, 'best' = fastest; platform {out['platform']})")
+    head = (
+        f"engine throughput {out['preset']} (prompt {out['prompt_len']}, {out['new_tokens']} new tokens, "
+        f"{out['repeats']} repeats x {out['rounds']} rounds: medians, 'best' = fastest; platform {out['platform']})"
+    )
     lines = [head, table(out["rows"], cols)]
     for e, info in out["engines"].items():
         if "error" in info:
@@ -274,9 +284,15 @@ def report(out: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Details: docs/BENCHMARKS.md")
-    ap.add_argument("--backend", default="torch", choices=["jax", "torch"],
-                    help="default engines: torch -> embedded,hf; jax -> sglang-jax,hf")
-    ap.add_argument("--engines", type=csv_choice(ENGINES), default=None, help="comma-separated; overrides --backend")
+    ap.add_argument(
+        "--backend",
+        default="torch",
+        choices=["jax", "torch"],
+        help="default engines: torch -> embedded,hf; jax -> sglang-jax,hf",
+    )
+    ap.add_argument(
+        "--engines", type=csv_choice(ENGINES), default=None, help="comma-separated; overrides --backend"
+    )
     ap.add_argument("--preset", default="tiny", help="preset name or checkpoint dir")
     ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda"])
     ap.add_argument("--batch", type=csv_ints, default=[1, 32], help="batch sizes, comma-separated")

@@ -44,7 +44,9 @@ FREED_TARGET = 0.99
 TAGS = ("kv_cache", "weights")
 
 
-def memcpy_baselines(backend_name: str, platform: str, nbytes: int, repeats: int, cpu_backup: bool) -> dict[str, Any]:
+def memcpy_baselines(
+    backend_name: str, platform: str, nbytes: int, repeats: int, cpu_backup: bool
+) -> dict[str, Any]:
     """Seconds of a raw copy of ``nbytes``: on-device (d2d) always, d2h/h2d with a CPU backup."""
     from bench_common import jax_copy_bandwidth, torch_copy_bandwidth
 
@@ -122,7 +124,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         held = p["held"][0]
         base = bases[tag]
         backed = args.cpu_backup and tag == "weights"
-        rel_base, res_base = (base.get("d2h"), base.get("h2d")) if backed else (base.get("d2d"), base.get("d2d"))
+        rel_base, res_base = (
+            (base.get("d2h"), base.get("h2d")) if backed else (base.get("d2d"), base.get("d2d"))
+        )
         rel, res = statistics.median(p["rel"]), statistics.median(p["res"])
         frac = min(f / h for f, h in zip(p["freed"], p["held"], strict=True)) if held else None
         recl = min(r / h for r, h in zip(p["recl"], p["held"], strict=True)) if held else None
@@ -168,13 +172,17 @@ def report(out: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Details: docs/BENCHMARKS.md")
     ap.add_argument("--backend", default="torch", choices=["jax", "torch"])
-    ap.add_argument("--preset", default="tiny", help="preset (written once to $MLLM_RL_CACHE) or checkpoint dir")
+    ap.add_argument(
+        "--preset", default="tiny", help="preset (written once to $MLLM_RL_CACHE) or checkpoint dir"
+    )
     ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda", "tpu"])
     ap.add_argument("--engine", default=None, choices=["embedded", "sglang"], help="torch backend's engine")
     ap.add_argument("--cpu-backup", action="store_true", help="engine keeps a host copy of its weights")
     ap.add_argument("--cycles", type=positive(int), default=3, help="release/resume cycles (times: median)")
     ap.add_argument("--repeats", type=positive(int), default=3, help="timed raw copies per baseline")
-    ap.add_argument("--max-total-tokens", type=positive(int), default=None, help="engine KV cache size, tokens")
+    ap.add_argument(
+        "--max-total-tokens", type=positive(int), default=None, help="engine KV cache size, tokens"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
     ap.add_argument("--json", type=Path, help="also write the results here")

@@ -158,9 +158,19 @@ def predict_kv(a: dict[str, Any], budget: int, steps_only: bool) -> dict[str, An
             if budget - non_kv < cap:
                 cap, limiting = budget - non_kv, p["phase"]
         elif non_kv > budget:
-            return {"kv_bytes": 0, "tokens": 0, "limiting_phase": p["phase"], "note": "does not fit even without KV"}
+            return {
+                "kv_bytes": 0,
+                "tokens": 0,
+                "limiting_phase": p["phase"],
+                "note": "does not fit even without KV",
+            }
     if cap is math.inf:
-        return {"kv_bytes": None, "tokens": None, "limiting_phase": None, "note": "no phase holds the KV cache"}
+        return {
+            "kv_bytes": None,
+            "tokens": None,
+            "limiting_phase": None,
+            "note": "no phase holds the KV cache",
+        }
     cap = max(0, int(cap))
     per_tok = a["kv_bytes_per_token"]
     return {"kv_bytes": cap, "tokens": int(cap // per_tok) if per_tok else None, "limiting_phase": limiting}
@@ -180,7 +190,9 @@ def bisect(args: argparse.Namespace, schedule: str, lo: int, guess: int | None) 
         print(f"  bisect {schedule}: --max-total-tokens {tokens}: {'ok' if r['ok'] else 'OOM' if r['oom'] else 'FAILED'}",
               file=sys.stderr, flush=True)  # fmt: skip
         if not r["ok"] and not r["oom"]:
-            raise BenchError(f"bisect {schedule} at {tokens} tokens failed without an OOM:\n{r['stderr'][-2000:]}")
+            raise BenchError(
+                f"bisect {schedule} at {tokens} tokens failed without an OOM:\n{r['stderr'][-2000:]}"
+            )
         return r["ok"]
 
     hi = max(lo * 2, ((guess or 0) * 5 // 4) // align * align)
@@ -220,9 +232,24 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                            "schedules": {}, "command": command_line(), "machine": machine_info()}  # fmt: skip
     for s, a in runs.items():
         big = max_of([a["train_peak"], a["rollout_peak"]])
-        entry = {k: a[k] for k in ("step_peak", "step_peak_phase", "setup_peak", "setup_peak_phase", "train_peak",
-                                   "rollout_peak", "kv_bytes", "max_total_tokens", "kv_bytes_per_token", "bytes_limit")}
-        entry["step_peak_over_max_train_rollout"] = round(a["step_peak"] / big, 4) if big and a["step_peak"] else None
+        entry = {
+            k: a[k]
+            for k in (
+                "step_peak",
+                "step_peak_phase",
+                "setup_peak",
+                "setup_peak_phase",
+                "train_peak",
+                "rollout_peak",
+                "kv_bytes",
+                "max_total_tokens",
+                "kv_bytes_per_token",
+                "bytes_limit",
+            )
+        }
+        entry["step_peak_over_max_train_rollout"] = (
+            round(a["step_peak"] / big, 4) if big and a["step_peak"] else None
+        )
         entry["phases"] = a["phases"]
         if budget:
             entry["fit_steps"] = predict_kv(a, budget, steps_only=True)
@@ -292,13 +319,25 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--backend", default="jax", choices=["jax", "torch"])
     ap.add_argument("--preset", default="tiny", help="preset name or checkpoint dir")
     ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda", "tpu"])
-    ap.add_argument("--steps", type=positive(int), default=2, help="RL steps per run (>= 2 catches step-2 faults)")
-    ap.add_argument("--schedules", type=csv_choice(SCHEDULES), default=list(SCHEDULES), help="comma-separated")
-    ap.add_argument("--budget-gb", type=positive(float), default=None,
-                    help="device budget (GiB) for the predicted largest KV cache (default: the device's bytes_limit)")
-    ap.add_argument("--bisect", action="store_true", help="measure the largest --max-total-tokens by OOM bisection")
+    ap.add_argument(
+        "--steps", type=positive(int), default=2, help="RL steps per run (>= 2 catches step-2 faults)"
+    )
+    ap.add_argument(
+        "--schedules", type=csv_choice(SCHEDULES), default=list(SCHEDULES), help="comma-separated"
+    )
+    ap.add_argument(
+        "--budget-gb",
+        type=positive(float),
+        default=None,
+        help="device budget (GiB) for the predicted largest KV cache (default: the device's bytes_limit)",
+    )
+    ap.add_argument(
+        "--bisect", action="store_true", help="measure the largest --max-total-tokens by OOM bisection"
+    )
     ap.add_argument("--bisect-iters", type=positive(int), default=8, help="runs per schedule at most")
-    ap.add_argument("--bisect-tol", type=positive(float), default=0.05, help="stop when (hi - lo) / lo is below")
+    ap.add_argument(
+        "--bisect-tol", type=positive(float), default=0.05, help="stop when (hi - lo) / lo is below"
+    )
     ap.add_argument("--bisect-align", type=positive(int), default=256, help="token granularity")
     ap.add_argument("--timeout", type=positive(float), default=3600.0, help="seconds per run")
     ap.add_argument("--json", type=Path, help="also write the results here")

@@ -74,7 +74,10 @@ def targets(d: dict[str, Any]) -> str:
 
 
 def summarize(root: Path) -> str:
-    rows = ["| result | bench | backend | preset | platform | figures | targets |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| result | bench | backend | preset | platform | figures | targets |",
+        "|---|---|---|---|---|---|---|",
+    ]
     seen = set()
     for f in sorted(root.glob("*.json")):
         try:
@@ -94,7 +97,9 @@ def summarize(root: Path) -> str:
             parts = line.split("\t")
             if len(parts) >= 2 and parts[1] != "0":
                 note = "no JSON" if parts[0] not in seen else "JSON written, exit non-zero"
-                rows.append(f"| {parts[0]} | | | | | step exited {parts[1]} ({note}; see {parts[0]}.log) | FAIL |")
+                rows.append(
+                    f"| {parts[0]} | | | | | step exited {parts[1]} ({note}; see {parts[0]}.log) | FAIL |"
+                )
     return "\n".join(rows)
 
 

@@ -158,7 +158,11 @@ def report(out: dict[str, Any]) -> str:
              table(rows, cols)]  # fmt: skip
     b = out["copy_baseline"]
     if b:
-        parts = [f"{k} {b[k]['gbps_best']:.3f}" for k in ("h2d", "h2d_pinned", "d2h", "d2d") if "gbps_best" in b.get(k, {})]
+        parts = [
+            f"{k} {b[k]['gbps_best']:.3f}"
+            for k in ("h2d", "h2d_pinned", "d2h", "d2d")
+            if "gbps_best" in b.get(k, {})
+        ]
         lines.append(f"copy baseline ({b['runtime']} {b['platform']}, {b['bytes'] / MiB:.0f} MiB, best GB/s): "
                      + ", ".join(parts) + (f"  [{b['note']}]" if "note" in b else ""))  # fmt: skip
     if "naive_over_streaming_peak" in out:
@@ -177,12 +181,22 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--preset", default="tiny", help="preset name or checkpoint dir")
     ap.add_argument("--backend", default="jax", choices=["jax", "torch"])
     ap.add_argument("--tp", type=positive(int), default=1)
-    ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda", "tpu"],
-                    help="asserted by every run (auto: what the runtime finds)")
+    ap.add_argument(
+        "--platform",
+        default="auto",
+        choices=["auto", "cpu", "gpu", "cuda", "tpu"],
+        help="asserted by every run (auto: what the runtime finds)",
+    )
     ap.add_argument("--modes", type=csv_choice(MODES), default=list(MODES), help="comma-separated")
-    ap.add_argument("--copy-mb", type=positive(float), default=None,
-                    help="copy-baseline buffer, MiB (default: checkpoint size clamped to [64, 4096])")
-    ap.add_argument("--repeats", type=positive(int), default=5, help="timed copies per baseline (best is used)")
+    ap.add_argument(
+        "--copy-mb",
+        type=positive(float),
+        default=None,
+        help="copy-baseline buffer, MiB (default: checkpoint size clamped to [64, 4096])",
+    )
+    ap.add_argument(
+        "--repeats", type=positive(int), default=5, help="timed copies per baseline (best is used)"
+    )
     ap.add_argument("--no-baseline", action="store_true", help="skip the copy baseline")
     ap.add_argument("--timeout", type=positive(float), default=3600.0, help="seconds per subprocess")
     ap.add_argument("--strict", action="store_true", help="exit 1 when an applicable target fails")

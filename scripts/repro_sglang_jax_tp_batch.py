@@ -55,8 +55,12 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=8)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--overlap", default="both", choices=["on", "off", "both"],
-                    help="sglang-jax's overlap scheduler (on is its default)")
+    ap.add_argument(
+        "--overlap",
+        default="both",
+        choices=["on", "off", "both"],
+        help="sglang-jax's overlap scheduler (on is its default)",
+    )
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from mllm_rl.checkpoint.resolve import resolve_model

@@ -132,7 +132,9 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     total_s = time.perf_counter() - t_start
     engine.shutdown()
 
-    dev_dev = [max((abs(c["device_dev_bytes"][j] or 0) for c in cycles), default=0) for j in range(len(base_dev))]
+    dev_dev = [
+        max((abs(c["device_dev_bytes"][j] or 0) for c in cycles), default=0) for j in range(len(base_dev))
+    ]
     truth_dev = max((dev_dev[j] for j in truth_idx), default=0)
     warm = min(args.warmup, max(0, len(cycles) - 1))
     rss_ref = cycles[warm - 1]["rss_bytes"] if warm > 0 else base_rss
@@ -144,8 +146,11 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     targets = {
         "device_back_to_baseline_bytes": target(truth_dev, "<=", args.device_tol_mib * MiB),
         "release_freed_over_held": target(freed_min, ">=", 0.99),
-        "greedy_identical_cycles": {"value": len(cycles) - len(mismatches), "target": f"== {len(cycles)}",
-                                    "pass": not mismatches},  # fmt: skip
+        "greedy_identical_cycles": {
+            "value": len(cycles) - len(mismatches),
+            "target": f"== {len(cycles)}",
+            "pass": not mismatches,
+        },  # fmt: skip
         "host_rss_deviation_bytes": target(rss_dev, "<=", args.rss_tol_mib * MiB),
     }
     return {
@@ -191,12 +196,18 @@ def report(out: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Details: docs/BENCHMARKS.md")
     ap.add_argument("--backend", required=True, choices=["jax", "torch"])
-    ap.add_argument("--preset", default="tiny", help="preset (written once to $MLLM_RL_CACHE) or checkpoint dir")
+    ap.add_argument(
+        "--preset", default="tiny", help="preset (written once to $MLLM_RL_CACHE) or checkpoint dir"
+    )
     ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda", "tpu"])
     ap.add_argument("--cycles", type=positive(int), default=100)
     ap.add_argument("--cpu-backup", action="store_true", help="engine keeps a host copy of its weights")
-    ap.add_argument("--update-every", type=positive(int), default=None,
-                    help="full update every N cycles when the weights are still valid (default 1; 2 with --cpu-backup)")
+    ap.add_argument(
+        "--update-every",
+        type=positive(int),
+        default=None,
+        help="full update every N cycles when the weights are still valid (default 1; 2 with --cpu-backup)",
+    )
     ap.add_argument("--trainer", action="store_true", help="also cycle the trainer (onload/offload, export)")
     ap.add_argument("--max-total-tokens", type=positive(int), default=4096, help="engine KV cache, tokens")
     ap.add_argument("--context-length", type=positive(int), default=512)

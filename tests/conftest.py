@@ -31,7 +31,9 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     return make_checkpoint(get_preset("tiny"), out, shard_bytes=600_000, show_progress=False)
 
 
-def run_cli(module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(
+    module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """``python -m module args`` in a subprocess of the test's interpreter (same venv)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(

@@ -90,8 +90,10 @@ def run_contract(make_engine: Callable[[bool], Any], model_dir: str | Path,
     obs["swap"] = greedy()
     obs["long"] = _outs(eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=LONG_GREEDY)))
     stop_tok = obs["swap"]["tokens"][0][2]
-    obs["stop"] = {"token": stop_tok,
-                   **_outs(eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=N_NEW, stop_token_ids=(stop_tok,))))}
+    obs["stop"] = {
+        "token": stop_tok,
+        **_outs(eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=N_NEW, stop_token_ids=(stop_tok,)))),
+    }
     obs["sampled"] = [_outs(eng.generate(PROMPTS, SAMPLED)) for _ in range(2)]
     obs["sampled_other_seed"] = _outs(eng.generate(PROMPTS, dataclasses.replace(SAMPLED, seed=99)))
     obs["release_undrained"] = _refused(lambda: eng.release(["kv_cache"]))
@@ -101,11 +103,15 @@ def run_contract(make_engine: Callable[[bool], Any], model_dir: str | Path,
         held = eng.release([tag])[tag]
         obs[f"{tag}_held"], obs[f"{tag}_freed"] = held, before - used()
     obs["refused_while_released"] = _refused(lambda: eng.generate(PROMPTS, GREEDY))
-    obs["double_release"], obs["double_release_warned"] = _warned(lambda: eng.release(["kv_cache"]), "already")
+    obs["double_release"], obs["double_release_warned"] = _warned(
+        lambda: eng.release(["kv_cache"]), "already"
+    )
     obs["update_while_released"] = _refused(lambda: eng.update_weights(first()))
     obs["unknown_tag"] = _refused(lambda: eng.release(["no_such_tag"]), ValueError)
     eng.resume(["kv_cache", "weights"])  # no CPU backup: the weights are invalid now
-    obs["double_resume"], obs["double_resume_warned"] = _warned(lambda: eng.resume(["kv_cache"]), "not released")
+    obs["double_resume"], obs["double_resume_warned"] = _warned(
+        lambda: eng.resume(["kv_cache"]), "not released"
+    )
     eng.continue_generation()
     obs["weights_valid_after_resume"] = eng.state()["weights_valid"]
     obs["refused_while_invalid"] = _refused(lambda: eng.generate(PROMPTS, GREEDY))
@@ -169,7 +175,9 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
-def reference_greedy(logits_fn: LogitsFn, prompt: list[int], n: int, eos: int) -> tuple[list[int], list[float]]:
+def reference_greedy(
+    logits_fn: LogitsFn, prompt: list[int], n: int, eos: int
+) -> tuple[list[int], list[float]]:
     """Greedy decoding by full re-forward; (tokens [<= n], logprobs)."""
     ids, toks, lps = list(prompt), [], []
     for _ in range(n):
@@ -183,7 +191,9 @@ def reference_greedy(logits_fn: LogitsFn, prompt: list[int], n: int, eos: int) -
     return toks, lps
 
 
-def reference_logprobs(logits_fn: LogitsFn, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
+def reference_logprobs(
+    logits_fn: LogitsFn, prompt: list[int], tokens: list[int], temperature: float
+) -> list[float]:
     """``log_softmax(logits / T)`` (T = 1 when greedy) of each of ``tokens`` after ``prompt``."""
     if not tokens:
         return []
@@ -209,7 +219,11 @@ def assert_sampled_logprobs_match_reference(out: dict, logits_fn: LogitsFn, temp
 def assert_release_frees(obs: dict, frac: float = 0.99) -> None:
     for tag in ("kv_cache", "weights"):
         assert obs[f"{tag}_held"] > 0, tag
-        assert obs[f"{tag}_freed"] >= frac * obs[f"{tag}_held"], (tag, obs[f"{tag}_freed"], obs[f"{tag}_held"])
+        assert obs[f"{tag}_freed"] >= frac * obs[f"{tag}_held"], (
+            tag,
+            obs[f"{tag}_freed"],
+            obs[f"{tag}_held"],
+        )
     assert obs["backup_freed"] >= frac * obs["backup_held"] > 0
 
 
@@ -234,7 +248,9 @@ def assert_drain_lost_nothing(obs: dict) -> None:
     assert d["in_flight_at_pause"] == len(PROMPTS), "drain() ran with no request in flight"
     assert len(d["outs"]["tokens"]) == len(PROMPTS)
     assert set(d["outs"]["finish"]) <= {"stop", "length", "abort"}
-    assert d["aborted"] == d["outs"]["finish"].count("abort") >= 1, "nothing was cut short: not a drain under load"
+    assert d["aborted"] == d["outs"]["finish"].count("abort") >= 1, (
+        "nothing was cut short: not a drain under load"
+    )
     for toks, lps, why in zip(d["outs"]["tokens"], d["outs"]["logprobs"], d["outs"]["finish"], strict=True):
         assert len(toks) == len(lps) and (why != "abort" or len(toks) < LONG)
     assert d["state"]["in_flight"] == 0 and d["state"]["paused"]

@@ -139,7 +139,9 @@ class Qwen3(nnx.Module):
         self.embed_tokens = nnx.Param(jnp.zeros((c.vocab_size, c.hidden_size), dtype))
         self.layers = nnx.List([Block(c, dtype) for _ in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.lm_head = None if c.tie_word_embeddings else nnx.Param(jnp.zeros((c.vocab_size, c.hidden_size), dtype))
+        self.lm_head = (
+            None if c.tie_word_embeddings else nnx.Param(jnp.zeros((c.vocab_size, c.hidden_size), dtype))
+        )
 
     def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
         b, t = tokens.shape

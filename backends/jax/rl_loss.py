@@ -26,6 +26,7 @@ from mllm_rl.rl.loss_config import AGGREGATIONS, LossConfig
 
 __all__ = ["AGGREGATIONS", "LossConfig", "policy_loss"]
 
+
 def policy_loss(
     logp: jax.Array,
     old_logp: jax.Array,

@@ -86,12 +86,17 @@ def _check_version() -> str:
     version = getattr(sgl_jax, "__version__", None) or sgl_jax.version.__version__
     for owner, attr in ((Engine, "generate"), (Engine, "pause_generation"), (Engine, "flush_cache")):
         if not hasattr(owner, attr):
-            raise RuntimeError(f"sglang-jax {version}: Engine.{attr} missing; adapter verified on {VERIFIED_VERSIONS}")
+            raise RuntimeError(
+                f"sglang-jax {version}: Engine.{attr} missing; adapter verified on {VERIFIED_VERSIONS}"
+            )
     if not hasattr(Qwen3ForCausalLM, "_create_qwen3_weight_mappings"):
-        raise RuntimeError(f"sglang-jax {version}: Qwen3 weight mappings missing; verified on {VERIFIED_VERSIONS}")
+        raise RuntimeError(
+            f"sglang-jax {version}: Qwen3 weight mappings missing; verified on {VERIFIED_VERSIONS}"
+        )
     if not hasattr(engine_mod, "run_scheduler_loop_thread_after_create"):
-        raise RuntimeError(f"sglang-jax {version}: in-process scheduler launcher missing; verified on "
-                           f"{VERIFIED_VERSIONS}")
+        raise RuntimeError(
+            f"sglang-jax {version}: in-process scheduler launcher missing; verified on {VERIFIED_VERSIONS}"
+        )
     if version not in VERIFIED_VERSIONS:
         warnings.warn(f"sglang-jax {version} is not a verified version {VERIFIED_VERSIONS}", stacklevel=2)
     return version
@@ -226,7 +231,9 @@ class SglangJaxEngine:
         flat = jax.tree_util.tree_flatten_with_path(state)[0]
         leaves = self.runner.model_state_leaves
         if len(flat) != len(leaves) or any(a is not b for (_, a), b in zip(flat, leaves, strict=True)):
-            raise RuntimeError("sglang-jax model_state_leaves no longer mirror nnx.split(model); adapter outdated")
+            raise RuntimeError(
+                "sglang-jax model_state_leaves no longer mirror nnx.split(model); adapter outdated"
+            )
         by_path = {_dotted(p): i for i, (p, _) in enumerate(flat)}
         self.mappings: dict[str, tuple[int, bool]] = {}
         for hf_name, m in model._create_qwen3_weight_mappings().items():
@@ -274,7 +281,9 @@ class SglangJaxEngine:
         """Point the nnx module's variables at the installed leaves (frees nothing, copies nothing)."""
         from flax import nnx
 
-        nnx.update(self.runner.model, jax.tree_util.tree_unflatten(self._state_def, self.runner.model_state_leaves))
+        nnx.update(
+            self.runner.model, jax.tree_util.tree_unflatten(self._state_def, self.runner.model_state_leaves)
+        )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
         """Streaming update: per tensor, place it, fingerprint it, install it, drop the old leaf.
@@ -358,7 +367,9 @@ class SglangJaxEngine:
 
     def weights_fingerprint(self) -> Fingerprint:
         """(sum, sum of squares) of every mapped leaf, read from what the jitted forward uses."""
-        return {name: _fingerprint(self.runner.model_state_leaves[i]) for name, (i, _) in self.mappings.items()}
+        return {
+            name: _fingerprint(self.runner.model_state_leaves[i]) for name, (i, _) in self.mappings.items()
+        }
 
     def weight_names(self) -> list[str]:
         return list(self.mappings)
@@ -406,7 +417,9 @@ class SglangJaxEngine:
         base = sampling.seed if sampling.seed is not None else int(self._seeds.integers(2**31))
         for i, p in enumerate(per_req):
             p["sampling_seed"] = (base * 1_000_003 + i) % 2**31
-        out = self._call(self.engine.async_generate(input_ids=ids, sampling_params=per_req, return_logprob=True))
+        out = self._call(
+            self.engine.async_generate(input_ids=ids, sampling_params=per_req, return_logprob=True)
+        )
         outs = out if isinstance(out, list) else [out]
         results = []
         for o in outs:
@@ -500,7 +513,9 @@ class SglangJaxEngine:
             if getattr(out, "success", True):
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"sglang-jax flush_cache did not succeed within {timeout_s}s: {out.error_msg}")
+                raise RuntimeError(
+                    f"sglang-jax flush_cache did not succeed within {timeout_s}s: {out.error_msg}"
+                )
             time.sleep(0.005)
 
     def pause_generation(self) -> None:

@@ -244,7 +244,9 @@ class JaxTrainer:
         over micro-batches of ``micro_batch_size`` rows."""
         self._need(PARAMS, OPTIMIZER)
         if fault("train_oom"):
-            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate (injected: train_oom)")
+            raise RuntimeError(
+                "RESOURCE_EXHAUSTED: Out of memory while trying to allocate (injected: train_oom)"
+            )
         t0 = time.perf_counter()
         ref = None
         if self.cfg.loss.beta > 0:

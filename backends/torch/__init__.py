@@ -87,7 +87,9 @@ class TorchBackend:
             raise ValueError(f"--tp must be >= 1, got {tp}")
         kind = self.resolve_engine(engine)
         if kind == "embedded" and tp != 1:
-            raise ValueError(f"--tp {tp}: the embedded torch engine runs on one device; tp > 1 needs SGLang on CUDA")
+            raise ValueError(
+                f"--tp {tp}: the embedded torch engine runs on one device; tp > 1 needs SGLang on CUDA"
+            )
         if kind == "sglang":
             import torch
 

@@ -97,7 +97,9 @@ class EmbeddedEngine:
         max_running_requests: int = 128,
     ) -> None:
         if tp != 1:
-            raise ValueError(f"--tp {tp}: the embedded torch engine runs on one device (SGLang serves tp > 1)")
+            raise ValueError(
+                f"--tp {tp}: the embedded torch engine runs on one device (SGLang serves tp > 1)"
+            )
         if context_length < 2 or max_total_tokens < context_length:
             raise ValueError(
                 f"--context-length {context_length} / --max-total-tokens {max_total_tokens}: "
@@ -196,7 +198,9 @@ class EmbeddedEngine:
         fp: Fingerprint = {n: (float(s[0]), float(s[1])) for n, s in sums.items()}
         return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp)
 
-    def _write(self, name: str, dst: torch.Tensor, src: torch.Tensor, on_tensor: Any, noop: bool) -> torch.Tensor:
+    def _write(
+        self, name: str, dst: torch.Tensor, src: torch.Tensor, on_tensor: Any, noop: bool
+    ) -> torch.Tensor:
         """Stage ``src`` on the device slice by slice (rows of dim 0, at most ``chunk_bytes`` per
         slice) and copy each slice into ``dst``; returns [sum, sumsq] of what was staged."""
         rows = dst.shape[0]
@@ -274,7 +278,9 @@ class EmbeddedEngine:
             key_mask[i, plen - len(p) : plen] = True
         positions = (key_mask[:, :plen].long().cumsum(1) - 1).clamp(min=0)
         tokens, key_mask, positions = tokens.to(dev), key_mask.to(dev), positions.to(dev)
-        pool = self.kv[:, :, : b * cap].view(c.num_hidden_layers, 2, b, cap, c.num_key_value_heads, c.head_dim)
+        pool = self.kv[:, :, : b * cap].view(
+            c.num_hidden_layers, 2, b, cap, c.num_key_value_heads, c.head_dim
+        )
         cache = KVCache([pool[i, 0] for i in range(c.num_hidden_layers)],
                         [pool[i, 1] for i in range(c.num_hidden_layers)])  # fmt: skip
         out_tok: list[list[int]] = [[] for _ in prompts]
@@ -302,7 +308,9 @@ class EmbeddedEngine:
                 break
             slot = plen + step
             key_mask[:, slot] = True
-            logits = self.model.forward_cached(tok.to(dev)[:, None], next_pos[:, None], key_mask, cache, slot)[:, 0]
+            logits = self.model.forward_cached(
+                tok.to(dev)[:, None], next_pos[:, None], key_mask, cache, slot
+            )[:, 0]
             next_pos += 1
         return [self._output(t, lp, r or ABORT) for t, lp, r in zip(out_tok, out_lp, reason, strict=True)]
 
@@ -333,7 +341,9 @@ class EmbeddedEngine:
 
     def release_memory(self, tag: str) -> None:
         with torch.no_grad(), self._lock:
-            self.memory.release(tag, self._tensors(tag), cpu_backup=tag == TAG_WEIGHTS and self.weights_cpu_backup)
+            self.memory.release(
+                tag, self._tensors(tag), cpu_backup=tag == TAG_WEIGHTS and self.weights_cpu_backup
+            )
 
     def resume_memory(self, tag: str) -> bool:
         """True when the contents came back (weights with CPU backup); kv_cache contents are
@@ -350,7 +360,9 @@ class EmbeddedEngine:
             torch.cuda.empty_cache()
 
 
-def sample(logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of ``logits`` [B, V] (float32). Returns (tokens [B], logprobs [B])
     on the host; logprobs are ``log_softmax(logits / T)`` at the token (before top-p)."""
     logits = logits.float().cpu()

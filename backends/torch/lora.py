@@ -36,7 +36,9 @@ class LoRALinear(nn.Linear):
         self.weight = base.weight
         self.register_parameter("bias", None)
         w = base.weight
-        a = torch.randn(rank, self.in_features, generator=generator, dtype=torch.float32) / math.sqrt(self.in_features)
+        a = torch.randn(rank, self.in_features, generator=generator, dtype=torch.float32) / math.sqrt(
+            self.in_features
+        )
         self.lora_a = nn.Parameter(a.to(device=w.device, dtype=w.dtype))
         self.lora_b = nn.Parameter(torch.zeros(self.out_features, rank, device=w.device, dtype=w.dtype))
         self.scale = alpha / rank

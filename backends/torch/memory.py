@@ -110,7 +110,10 @@ class SaverMemory:
     @contextlib.contextmanager
     def region(self, tag: str, cpu_backup: bool = False) -> Iterator[None]:
         self._backup[tag] = cpu_backup
-        with torch.cuda.device(self.device), self.tms.region(tag=self.prefix + tag, enable_cpu_backup=cpu_backup):
+        with (
+            torch.cuda.device(self.device),
+            self.tms.region(tag=self.prefix + tag, enable_cpu_backup=cpu_backup),
+        ):
             yield
 
     def release(self, tag: str, tensors: list[torch.Tensor], cpu_backup: bool) -> None:
@@ -146,4 +149,3 @@ def _to_host(t: torch.Tensor) -> np.ndarray:
 
 def _from_host(t: torch.Tensor, host: np.ndarray) -> None:
     t.detach().reshape(-1).view(torch.uint8).copy_(torch.from_numpy(host))
-

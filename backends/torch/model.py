@@ -93,7 +93,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, c.rms_norm_eps, dtype, device)
         self.k_norm = RMSNorm(d, c.rms_norm_eps, dtype, device)
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x``: [B, T, H] -> q [B, T, N, D], k [B, T, K, D], v [B, T, K, D] (q, k normed and roped)."""
         c = self.c
         b, t, _ = x.shape
@@ -145,7 +147,9 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_cached(self, x, positions, mask, k_cache, v_cache, start: int) -> torch.Tensor:
-        x = x + self.self_attn.forward_cached(self.input_layernorm(x), positions, mask, k_cache, v_cache, start)
+        x = x + self.self_attn.forward_cached(
+            self.input_layernorm(x), positions, mask, k_cache, v_cache, start
+        )
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -195,7 +199,12 @@ class Qwen3(nn.Module):
         return self.logits(x)
 
     def forward_cached(
-        self, tokens: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor, cache: KVCache, start: int
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        key_mask: torch.Tensor,
+        cache: KVCache,
+        start: int,
     ) -> torch.Tensor:
         """Incremental forward for the engine.
 
@@ -248,7 +257,9 @@ def load_qwen3(model_dir: ModelDir, dtype: torch.dtype | None = None, device: st
         for name, arr in model_dir.iter_tensors():
             src = to_torch(arr)
             if tuple(src.shape) != tuple(params[name].shape):
-                raise ValueError(f"{name}: checkpoint {tuple(src.shape)} vs model {tuple(params[name].shape)}")
+                raise ValueError(
+                    f"{name}: checkpoint {tuple(src.shape)} vs model {tuple(params[name].shape)}"
+                )
             params[name].copy_(src)
     return model.eval()
 

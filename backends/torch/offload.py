@@ -80,7 +80,9 @@ class OffloadGroup:
         for t in mine:
             st = t.untyped_storage()
             if t.storage_offset() or st.nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
-                raise ValueError(f"offload({self.name}): a tensor {tuple(t.shape)} does not own its whole storage")
+                raise ValueError(
+                    f"offload({self.name}): a tensor {tuple(t.shape)} does not own its whole storage"
+                )
         if len({t.untyped_storage().data_ptr() for t in mine}) != len(mine):
             raise ValueError(f"offload({self.name}): tensors share a storage")
         freed = storage_bytes(mine, self.device)

@@ -62,7 +62,11 @@ class CpuTensorProbe:
 
     def snapshot(self) -> list[DeviceMemory]:
         used, n = tracked_cpu_bytes()
-        return [DeviceMemory(0, "cpu", used, None, None, "live_tensors", {"live_tensors_bytes": used, "tensors": n})]
+        return [
+            DeviceMemory(
+                0, "cpu", used, None, None, "live_tensors", {"live_tensors_bytes": used, "tensors": n}
+            )
+        ]
 
 
 class CudaMemoryProbe:
@@ -119,8 +123,17 @@ class CudaMemoryProbe:
             out.append(DeviceMemory(d, "cuda", total - free, None, total, "mem_get_info", raw))
             stats = torch.cuda.memory_stats(d)
             alloc_raw = {k: int(stats[k]) for k in self.RAW_KEYS if k in stats}
-            out.append(DeviceMemory(d, "cuda", int(torch.cuda.memory_allocated(d)),
-                                    int(torch.cuda.max_memory_allocated(d)), total, "torch_allocator", alloc_raw))
+            out.append(
+                DeviceMemory(
+                    d,
+                    "cuda",
+                    int(torch.cuda.memory_allocated(d)),
+                    int(torch.cuda.max_memory_allocated(d)),
+                    total,
+                    "torch_allocator",
+                    alloc_raw,
+                )
+            )
         return out  # fmt: skip
 
 

@@ -75,16 +75,23 @@ def _probe_version() -> str:
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
     version = str(getattr(sglang, "__version__", "unknown"))
-    for owner, attr in [(Engine, "_serialize_tensors_per_rank"), *((TokenizerManager, a) for a in _TM_COROUTINES)]:
+    for owner, attr in [
+        (Engine, "_serialize_tensors_per_rank"),
+        *((TokenizerManager, a) for a in _TM_COROUTINES),
+    ]:
         if not hasattr(owner, attr):
-            raise RuntimeError(f"sglang {version}: {owner.__name__}.{attr} missing; adapter written for {READ_VERSIONS}")
+            raise RuntimeError(
+                f"sglang {version}: {owner.__name__}.{attr} missing; adapter written for {READ_VERSIONS}"
+            )
     from sglang.srt.managers import io_struct
 
     for name in ("GenerateReqInput", "PauseGenerationReqInput", "ContinueGenerationReqInput",
                  "UpdateWeightsFromTensorReqInput", "GetWeightsByNameReqInput",
                  "ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput"):  # fmt: skip
         if not hasattr(io_struct, name):
-            raise RuntimeError(f"sglang {version}: io_struct.{name} missing; adapter written for {READ_VERSIONS}")
+            raise RuntimeError(
+                f"sglang {version}: io_struct.{name} missing; adapter written for {READ_VERSIONS}"
+            )
     if version not in READ_VERSIONS:
         warnings.warn(f"sglang {version}: adapter written against {READ_VERSIONS}", stacklevel=2)
     return version
@@ -146,7 +153,9 @@ class SglangEngine:
         """``value`` as a new CUDA tensor in the engine dtype (the naive baseline's second copy)."""
         src = value if isinstance(value, torch.Tensor) else to_torch(value)
         if tuple(src.shape) != tuple(self.shapes[hf_name]):
-            raise ValueError(f"{hf_name}: shape {tuple(src.shape)} does not match engine {self.shapes[hf_name]}")
+            raise ValueError(
+                f"{hf_name}: shape {tuple(src.shape)} does not match engine {self.shapes[hf_name]}"
+            )
         return src.to(device="cuda", dtype=self.dtype, copy=True)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
@@ -163,7 +172,9 @@ class SglangEngine:
             if noop:
                 return
             payload = self.engine._serialize_tensors_per_rank(items, None)
-            req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, load_format=None, flush_cache=flush)
+            req = UpdateWeightsFromTensorReqInput(
+                serialized_named_tensors=payload, load_format=None, flush_cache=flush
+            )
             ok, msg = self._call(self.tm.update_weights_from_tensor(req, None))
             if not ok:
                 raise RuntimeError(f"sglang update_weights_from_tensor failed: {msg}")
@@ -221,7 +232,9 @@ class SglangEngine:
             return await self.tm.generate_request(obj, None).__anext__()
 
         async def all_of() -> list[Any]:
-            return await asyncio.gather(*(one([int(t) for t in p]) for p in input_ids), return_exceptions=True)
+            return await asyncio.gather(
+                *(one([int(t) for t in p]) for p in input_ids), return_exceptions=True
+            )
 
         outs = []
         for o in self._call(all_of()):
@@ -258,7 +271,11 @@ class SglangEngine:
             c = self.model_dir.config
             info = self.engine._scheduler_init_result.scheduler_infos[0]
             per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim
-            return int(info["max_total_num_tokens"]) * per_token * torch.empty((), dtype=self.dtype).element_size()
+            return (
+                int(info["max_total_num_tokens"])
+                * per_token
+                * torch.empty((), dtype=self.dtype).element_size()
+            )
         return self._graph_bytes
 
     def release_memory(self, tag: str) -> None:

@@ -55,7 +55,9 @@ class TorchTrainer:
         self.model = load_qwen3(model_dir, device=str(self.device))
         self.lora = cfg.lora_rank > 0
         if self.lora:
-            self.adapters: dict[str, LoRALinear] = add_lora(self.model, cfg.lora_rank, cfg.lora_alpha, cfg.seed)
+            self.adapters: dict[str, LoRALinear] = add_lora(
+                self.model, cfg.lora_rank, cfg.lora_alpha, cfg.seed
+            )
         else:
             self.adapters = {}
             self.model.requires_grad_(True)
@@ -72,7 +74,10 @@ class TorchTrainer:
             self.ref_host = {n: host_copy(p, self.device) for n, p in self.trainable.items()}
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-        self._groups = {PARAMS: OffloadGroup(PARAMS, self.device), OPTIMIZER: OffloadGroup(OPTIMIZER, self.device)}
+        self._groups = {
+            PARAMS: OffloadGroup(PARAMS, self.device),
+            OPTIMIZER: OffloadGroup(OPTIMIZER, self.device),
+        }
         self.step = 0
         track(self)  # the CPU memory probe counts held_tensors()
 
@@ -145,7 +150,9 @@ class TorchTrainer:
         """[B, T] -> log p(tokens[:, t] | tokens[:, :t]) for t >= 1, [B, T - 1] float32
         (under ``params`` instead of the model's own when given)."""
         args = (tokens[:, :-1], attn[:, :-1])
-        logits = self.model(*args) if params is None else functional_call(self.model, params, args)  # [B, T-1, V]
+        logits = (
+            self.model(*args) if params is None else functional_call(self.model, params, args)
+        )  # [B, T-1, V]
         tgt = logits.gather(-1, tokens[:, 1:, None])[..., 0]
         return tgt - torch.logsumexp(logits, dim=-1)
 
@@ -163,7 +170,9 @@ class TorchTrainer:
         over micro-batches of ``micro_batch_size`` rows."""
         self._need(PARAMS, OPTIMIZER)
         if fault("train_oom"):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected: train_oom)")
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 1.00 GiB (injected: train_oom)"
+            )
         t0 = time.perf_counter()
         cfg = self.cfg
         ref = None
@@ -191,7 +200,9 @@ class TorchTrainer:
                 n = mask.sum().double()
                 sums = {k: v.double() * n for k, v in m.items()}  # token-weighted, summed over micro-batches
                 sums["tokens"] = n
-                sums["entropy_proxy"] = -(logp.detach().double() * mask).sum()  # sum of -log p of the taken tokens
+                sums["entropy_proxy"] = -(
+                    logp.detach().double() * mask
+                ).sum()  # sum of -log p of the taken tokens
                 loss_sum += loss.detach().double()
                 for k, v in sums.items():
                     totals[k] = totals.get(k, zero) + v
@@ -284,7 +295,10 @@ class TorchTrainer:
     def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
         """(sum, sumsq) of what ``export_weights`` sends (the engine's ``tensor_sums``)."""
         self._need(PARAMS)
-        sums = {name: tensor_sums(self._engine_tensor(name)) for name in (names if names is not None else self.names)}
+        sums = {
+            name: tensor_sums(self._engine_tensor(name))
+            for name in (names if names is not None else self.names)
+        }
         return {n: (float(s[0]), float(s[1])) for n, s in sums.items()}
 
     # -- checkpoints ---------------------------------------------------------------------
@@ -321,7 +335,9 @@ class TorchTrainer:
                                      f"the model's is {p.dtype}{tuple(p.shape)}")  # fmt: skip
                 p.copy_(saved[n])
         self.optimizer.load_state_dict(state["optimizer"])
-        for st in self.optimizer.state.values():  # own, resizable storages (offload resizes them), not the file's
+        for (
+            st
+        ) in self.optimizer.state.values():  # own, resizable storages (offload resizes them), not the file's
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
                     st[k] = v.clone()

@@ -42,7 +42,9 @@ def resolve_model(spec: str, seed: int = 0, dtype: str | None = None) -> ModelDi
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise CheckpointError(f"{spec}: hub download needs huggingface_hub (pip install huggingface_hub)") from None
+        raise CheckpointError(
+            f"{spec}: hub download needs huggingface_hub (pip install huggingface_hub)"
+        ) from None
     try:
         local = snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja"])
     except Exception as e:  # network/auth errors come in many types

@@ -222,6 +222,7 @@ def run_rl(
 
     engine = setup.start(backend, rec, model, make_wandb, opts.tp, opts.platform, size_engine(task, tok, opts),
                          on_engine, attempt_first_step=first_step)  # fmt: skip
+
     def make_trainer():
         trainer = backend.create_trainer(model, opts.train)
         if resume_from is None:

@@ -63,7 +63,9 @@ def run_swap(
     if opts.mode not in ("streaming", "naive"):
         raise ValueError(f"--swap-mode {opts.mode!r}: use streaming or naive")
     prompt_ids = encode_prompts(model, opts.prompts)
-    engine = setup.start(backend, rec, model, make_wandb, opts.tp, opts.platform, opts.engine_kwargs, on_engine)
+    engine = setup.start(
+        backend, rec, model, make_wandb, opts.tp, opts.platform, opts.engine_kwargs, on_engine
+    )
     with rec.phase("weights_swapped", mode=opts.mode, checkpoint_bytes=model.nbytes) as ph:
         try:
             stats = swap_weights(backend, engine, model, opts.mode, rec)

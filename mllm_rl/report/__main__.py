@@ -22,8 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
         "Several run directories: a side-by-side comparison.",
     )
     ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (holds phases.jsonl)")
-    ap.add_argument("--out", default=None,
-                    help="output directory (default: RUN_DIR/report for one run, ./report-compare for several)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default: RUN_DIR/report for one run, ./report-compare for several)",
+    )
     ap.add_argument("--quiet", action="store_true", help="print only errors and the exit summary")
     return ap
 
@@ -40,10 +43,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for issue, where in group_issues(result.issues):
         if not args.quiet or issue.severity == "error":
-            print(f"{issue.severity}: {issue.run}{' ' + where if where else ''}: {issue.message}", file=sys.stderr)
+            print(
+                f"{issue.severity}: {issue.run}{' ' + where if where else ''}: {issue.message}",
+                file=sys.stderr,
+            )
     c = count(result.issues)
-    print(f"report: {result.files['html']} ({c['error']} error(s), {c['warning']} warning(s), {c['info']} note(s); "
-          f"trace {result.files['trace']}; {result.seconds:.2f} s)", file=sys.stderr)
+    print(
+        f"report: {result.files['html']} ({c['error']} error(s), {c['warning']} warning(s), {c['info']} note(s); "
+        f"trace {result.files['trace']}; {result.seconds:.2f} s)",
+        file=sys.stderr,
+    )
     return result.exit_code
 
 

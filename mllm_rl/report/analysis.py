@@ -77,5 +77,17 @@ def analyze(run: Run) -> RunAnalysis:
 
 def efficiency_issues(label: str, rows: list[dict[str, Any]]) -> list[Issue]:
     """A warning per flagged release (listed with the findings; it does not fail the check)."""
-    return [Issue(label, "release_efficiency", f"{r['phase']} {r['note']}", WARNING, process=r["process"],
-                  attempt=r["attempt"], step=r["step"], phase=r["phase"]) for r in rows if r["flagged"]]
+    return [
+        Issue(
+            label,
+            "release_efficiency",
+            f"{r['phase']} {r['note']}",
+            WARNING,
+            process=r["process"],
+            attempt=r["attempt"],
+            step=r["step"],
+            phase=r["phase"],
+        )
+        for r in rows
+        if r["flagged"]
+    ]

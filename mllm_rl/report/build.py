@@ -53,8 +53,12 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
-def summary_json(analyses: list[RunAnalysis], issues: list[Issue], comparison: list[dict[str, Any]] | None,
-                 files: dict[str, Path]) -> dict[str, Any]:
+def summary_json(
+    analyses: list[RunAnalysis],
+    issues: list[Issue],
+    comparison: list[dict[str, Any]] | None,
+    files: dict[str, Path],
+) -> dict[str, Any]:
     return {
         "schema": SUMMARY_SCHEMA,
         "generated_at": time.time(),
@@ -87,10 +91,14 @@ def build_report(run_dirs: list[str | Path] | str | Path, out_dir: str | Path | 
     out = Path(out_dir) if out_dir is not None else default_out_dir(dirs)
     out.mkdir(parents=True, exist_ok=True)
     files = {"trace": out / "trace.json", "html": out / "report.html", "summary": out / "summary.json"}
-    trace = build_trace([(an.run.label, an.run.t0, an.attempts) for an in analyses],
-                        other={"runs": [an.run.label for an in analyses],
-                               "t0_epoch_s": [an.run.t0 for an in analyses],
-                               "issues": [i.line() for i in issues]})
+    trace = build_trace(
+        [(an.run.label, an.run.t0, an.attempts) for an in analyses],
+        other={
+            "runs": [an.run.label for an in analyses],
+            "t0_epoch_s": [an.run.t0 for an in analyses],
+            "issues": [i.line() for i in issues],
+        },
+    )
     _write(files["trace"], json.dumps(trace, separators=(",", ":")))
     _write(files["html"], render(analyses, issues, comparison))
     summary = summary_json(analyses, issues, comparison, files)

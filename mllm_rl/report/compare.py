@@ -39,7 +39,9 @@ def keyed_records(atts: list[Attempt]) -> dict[PhaseKey, Record]:
     return out
 
 
-def run_phase_values(attempts: dict[int, list[Attempt]]) -> tuple[list[PhaseKey], dict[PhaseKey, dict[str, Any]]]:
+def run_phase_values(
+    attempts: dict[int, list[Attempt]],
+) -> tuple[list[PhaseKey], dict[PhaseKey, dict[str, Any]]]:
     """A run's phase keys in order and, per key, ``seconds`` / ``after_bytes`` / ``peak_bytes``."""
     per_proc = [keyed_records(atts) for atts in attempts.values() if atts]
     keys = merge_orders([list(d) for d in per_proc])
@@ -64,6 +66,7 @@ def compare_rows(per_run: list[dict[int, list[Attempt]]]) -> list[dict[str, Any]
     rows = []
     for lab in order:
         k = label_of[lab]
-        rows.append({"phase": lab, "step": k[0], "name": k[1],
-                     "runs": [values.get(k) for _, values in keyed]})
+        rows.append(
+            {"phase": lab, "step": k[0], "name": k[1], "runs": [values.get(k) for _, values in keyed]}
+        )
     return rows

@@ -58,7 +58,7 @@ def trailing_phases(exp: Expected, attempts: dict[int, list[Attempt]]) -> set[st
                 elif has_steps and r["phase"] in last_index:
                     last_setup = max(last_setup, last_index[r["phase"]])
     if last_setup >= 0:
-        out |= set(exp.phases[last_setup + 1:])
+        out |= set(exp.phases[last_setup + 1 :])
     return out
 
 
@@ -82,11 +82,15 @@ def _last_phase(names: list[str]) -> str:
 
 def _other_findings(f: Finding, mk: Make, step: int | None) -> Issue | None:
     if f.kind == OUT_OF_ORDER:
-        return mk("out_of_order", f"phase {f.phase} out of order: {f.detail}", ERROR, step=step, phase=f.phase)
+        return mk(
+            "out_of_order", f"phase {f.phase} out of order: {f.detail}", ERROR, step=step, phase=f.phase
+        )
     if f.kind == DUPLICATE:
         return mk("duplicate_phase", f"phase {f.phase} {f.detail}", WARNING, step=step, phase=f.phase)
     if f.kind == UNEXPECTED:
-        return mk("unexpected_phase", f"unexpected phase {f.phase} ({f.detail})", WARNING, step=step, phase=f.phase)
+        return mk(
+            "unexpected_phase", f"unexpected phase {f.phase} ({f.detail})", WARNING, step=step, phase=f.phase
+        )
     return None
 
 
@@ -114,8 +118,14 @@ def _check_setup(a: Attempt, exp: Expected, trailing: set[str], mk: Make) -> lis
         if a.is_last:
             issues.append(mk("incomplete", f"run {what}", ERROR, phase=stopped[0].phase))
         elif not has_steps:  # (an attempt that died in its steps gets its note from the step check)
-            issues.append(mk("interrupted", f"attempt {what} (resumed by attempt {a.number + 1})", INFO,
-                             phase=stopped[0].phase))
+            issues.append(
+                mk(
+                    "interrupted",
+                    f"attempt {what} (resumed by attempt {a.number + 1})",
+                    INFO,
+                    phase=stopped[0].phase,
+                )
+            )
     return issues
 
 
@@ -124,8 +134,14 @@ def _check_steps(atts: list[Attempt], exp: Expected, plan_steps: bool, mk: Make)
     recorded = {s for a in atts for s in a.steps()}
     for lo, hi in _ranges([s for s in exp.steps if s not in recorded]):
         what = f"step {lo}" if lo == hi else f"steps {lo}-{hi}"
-        issues.append(mk("missing_step", f"no record for {what} (expected steps {exp.steps[0]}-{exp.steps[-1]})",
-                         ERROR, step=lo))
+        issues.append(
+            mk(
+                "missing_step",
+                f"no record for {what} (expected steps {exp.steps[0]}-{exp.steps[-1]})",
+                ERROR,
+                step=lo,
+            )
+        )
     if plan_steps:
         for s in sorted(recorded - set(exp.steps)):
             issues.append(mk("unexpected_step", f"step {s} is not in the plan", WARNING, step=s))
@@ -137,8 +153,16 @@ def _check_steps(atts: list[Attempt], exp: Expected, plan_steps: bool, mk: Make)
             if s is None:
                 continue
             if top is not None and s < top:
-                issues.append(mk("out_of_order", f"phase {r['phase']} of step {s} recorded after step {top}",
-                                 ERROR, a, step=s, phase=r["phase"]))
+                issues.append(
+                    mk(
+                        "out_of_order",
+                        f"phase {r['phase']} of step {s} recorded after step {top}",
+                        ERROR,
+                        a,
+                        step=s,
+                        phase=r["phase"],
+                    )
+                )
             top = s if top is None else max(top, s)
         for s in a.steps():
             names = [r["phase"] for r in a.records if r["step"] == s]
@@ -158,17 +182,42 @@ def _check_steps(atts: list[Attempt], exp: Expected, plan_steps: bool, mk: Make)
             resumed_after = [b.number for b in atts if b.number > a.number and s + 1 in b.steps()]
             if not a.is_last and _checkpointed(a, s) and resumed_after:
                 # killed after the step's checkpoint: the next attempt restored it and went on
-                issues.append(mk("interrupted", f"interrupted after its checkpoint, {what}; attempt "
-                                 f"{resumed_after[0]} resumed from it", INFO, a, step=s, phase=stopped[0].phase))
+                issues.append(
+                    mk(
+                        "interrupted",
+                        f"interrupted after its checkpoint, {what}; attempt "
+                        f"{resumed_after[0]} resumed from it",
+                        INFO,
+                        a,
+                        step=s,
+                        phase=stopped[0].phase,
+                    )
+                )
                 continue
             if a.is_last:
                 issues.append(mk("incomplete_step", what, ERROR, a, step=s, phase=stopped[0].phase))
             elif later:
-                issues.append(mk("interrupted", f"interrupted, {what}; re-run in attempt {later[0]}", INFO, a,
-                                 step=s, phase=stopped[0].phase))
+                issues.append(
+                    mk(
+                        "interrupted",
+                        f"interrupted, {what}; re-run in attempt {later[0]}",
+                        INFO,
+                        a,
+                        step=s,
+                        phase=stopped[0].phase,
+                    )
+                )
             else:
-                issues.append(mk("incomplete_step", f"interrupted and never re-run, {what}", ERROR, a, step=s,
-                                 phase=stopped[0].phase))
+                issues.append(
+                    mk(
+                        "incomplete_step",
+                        f"interrupted and never re-run, {what}",
+                        ERROR,
+                        a,
+                        step=s,
+                        phase=stopped[0].phase,
+                    )
+                )
     return issues
 
 
@@ -185,12 +234,28 @@ def _check_records(atts: list[Attempt], mk: Make) -> list[Issue]:
             if err:
                 ended = i == len(a.records) - 1 and not a.is_last
                 sev, note = (INFO, f" (ended attempt {a.number}; resumed)") if ended else (ERROR, "")
-                issues.append(mk("phase_error", f"phase {r['phase']} failed: {str(err)[:300]}{note}", sev, a,
-                                 step=r["step"], phase=r["phase"]))
+                issues.append(
+                    mk(
+                        "phase_error",
+                        f"phase {r['phase']} failed: {str(err)[:300]}{note}",
+                        sev,
+                        a,
+                        step=r["step"],
+                        phase=r["phase"],
+                    )
+                )
             n = r["info"].get("sample_errors")
             if n:
-                issues.append(mk("sample_errors", f"memory sampler failed {n} time(s) in phase {r['phase']}: "
-                                 "its peak may be low", WARNING, a, step=r["step"], phase=r["phase"]))
+                issues.append(
+                    mk(
+                        "sample_errors",
+                        f"memory sampler failed {n} time(s) in phase {r['phase']}: its peak may be low",
+                        WARNING,
+                        a,
+                        step=r["step"],
+                        phase=r["phase"],
+                    )
+                )
     return issues
 
 
@@ -201,13 +266,22 @@ def completeness(run: Run, exp: Expected, attempts: dict[int, list[Attempt]]) ->
         names = ", ".join(f.name for f in run.files.values())
         issues.append(Issue(run.label, "no_records", f"no phase record in {names}"))
     for name in run.torn_lines:
-        issues.append(Issue(run.label, "torn_line", f"{name}: torn last line skipped (writer killed mid-write)",
-                            WARNING))
+        issues.append(
+            Issue(
+                run.label, "torn_line", f"{name}: torn last line skipped (writer killed mid-write)", WARNING
+            )
+        )
     for p in range(exp.process_count):
         if not run.records.get(p) and run.n_records:
             why = f"{run.files[p].name} is empty" if p in run.files else "no phase file"
-            issues.append(Issue(run.label, "missing_process",
-                                f"process {p} of {exp.process_count} recorded nothing ({why})", process=p))
+            issues.append(
+                Issue(
+                    run.label,
+                    "missing_process",
+                    f"process {p} of {exp.process_count} recorded nothing ({why})",
+                    process=p,
+                )
+            )
     trailing = trailing_phases(exp, attempts)
     plan_steps = run.plan is not None and run.plan.get("steps") is not None
     for p, atts in attempts.items():
@@ -215,17 +289,27 @@ def completeness(run: Run, exp: Expected, attempts: dict[int, list[Attempt]]) ->
             continue
         multi = len(atts) > 1
 
-        def mk(kind: str, msg: str, sev: str, a: Attempt | None = None, p: int = p, multi: bool = multi,
-               **where: object) -> Issue:
+        def mk(
+            kind: str,
+            msg: str,
+            sev: str,
+            a: Attempt | None = None,
+            p: int = p,
+            multi: bool = multi,
+            **where: object,
+        ) -> Issue:
             attempt = a.number if a is not None and multi else None
             return Issue(run.label, kind, msg, sev, process=p, attempt=attempt, **where)  # type: ignore[arg-type]
 
         if p >= exp.process_count:
-            issues.append(mk("unexpected_process", f"process {p} is beyond process_count {exp.process_count}",
-                             WARNING))
+            issues.append(
+                mk("unexpected_process", f"process {p} is beyond process_count {exp.process_count}", WARNING)
+            )
         if multi:
-            starts = ", ".join(f"{a.number} at idx {a.records[0]['idx']}"
-                               + (f" (step {a.steps()[0]})" if a.steps() else "") for a in atts)
+            starts = ", ".join(
+                f"{a.number} at idx {a.records[0]['idx']}" + (f" (step {a.steps()[0]})" if a.steps() else "")
+                for a in atts
+            )
             issues.append(mk("resumed", f"{len(atts)} attempts (resumed): {starts}", INFO))
         for a in atts:
             issues += _check_setup(a, exp, trailing, _bind(mk, a))

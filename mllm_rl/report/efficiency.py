@@ -48,7 +48,8 @@ def _moved(devs: list[dict[str, Any]], kind: str) -> int | None:
     """Bytes freed (``free``) or allocated (``alloc``) over the phase, summed; ``None`` if unknown."""
     sign = 1 if kind == "free" else -1
     return total(
-        None if (d := diff(x.get("bytes_in_use_start"), x.get("bytes_in_use"))) is None else sign * d for x in devs
+        None if (d := diff(x.get("bytes_in_use_start"), x.get("bytes_in_use"))) is None else sign * d
+        for x in devs
     )
 
 
@@ -72,7 +73,10 @@ def efficiency_row(run_label: str, a: Attempt, rec: Record, multi: bool) -> dict
         elif actual <= 0:
             flagged, note = True, "freed nothing"
         elif ratio is not None and ratio < EFFICIENCY_MIN:
-            flagged, note = True, f"freed {ratio:.1%} of what the released objects hold (< {EFFICIENCY_MIN:.0%})"
+            flagged, note = (
+                True,
+                f"freed {ratio:.1%} of what the released objects hold (< {EFFICIENCY_MIN:.0%})",
+            )
         elif expected is None:
             note = "no expected_freed_bytes"
     return {
@@ -123,9 +127,16 @@ def swap_ratios(run_label: str, attempts: dict[int, list[Attempt]]) -> list[dict
                 if r["phase"] not in SWAP_PHASES:
                     continue
                 devs = primary_devices(r["memory"]["devices"])
-                per_dev = [{"device": device_name(d), "source": d.get("source"), "peak": d.get("phase_peak_bytes"),
-                            "steady": d.get("bytes_in_use"),
-                            "ratio": _ratio(d.get("phase_peak_bytes"), d.get("bytes_in_use"))} for d in devs]
+                per_dev = [
+                    {
+                        "device": device_name(d),
+                        "source": d.get("source"),
+                        "peak": d.get("phase_peak_bytes"),
+                        "steady": d.get("bytes_in_use"),
+                        "ratio": _ratio(d.get("phase_peak_bytes"), d.get("bytes_in_use")),
+                    }
+                    for d in devs
+                ]
                 ratios = [d["ratio"] for d in per_dev if d["ratio"] is not None]
                 weights = _bytes_info(r["info"].get("bytes"))
                 per_dev_w = weights / len(devs) if weights and tp > 1 and devs else weights

@@ -49,11 +49,11 @@ dl.meta dt{color:#666} dl.meta dd{margin:0;overflow-wrap:anywhere}
 
 
 def _td(v: Any, left: bool = False) -> str:
-    return f'<td{" class=l" if left else ""}>{escape(str(v))}</td>'
+    return f"<td{' class=l' if left else ''}>{escape(str(v))}</td>"
 
 
 def _th(v: str, left: bool = False) -> str:
-    return f'<th{" class=l" if left else ""}>{escape(v)}</th>'
+    return f"<th{' class=l' if left else ''}>{escape(v)}</th>"
 
 
 def _opt(v: Any) -> str:
@@ -68,21 +68,35 @@ def issues_html(issues: list[Issue], analyses: Sequence[RunAnalysis]) -> str:
         for an in analyses:
             e = an.expected
             steps = f", {len(e.steps)} step(s) x {len(e.step_phases)} phase(s)" if e.steps else ""
-            checked.append(f"{escape(an.run.label)}: {e.process_count} process(es) x {len(e.phases)} phase(s)"
-                           f"{steps} (expected from {escape(e.source)})")
-        out.append(f'<p><span class="badge b-ok">complete</span>every expected phase recorded on every process, '
-                   f'in order. {"; ".join(checked)}</p>')
+            checked.append(
+                f"{escape(an.run.label)}: {e.process_count} process(es) x {len(e.phases)} phase(s)"
+                f"{steps} (expected from {escape(e.source)})"
+            )
+        out.append(
+            f'<p><span class="badge b-ok">complete</span>every expected phase recorded on every process, '
+            f"in order. {'; '.join(checked)}</p>"
+        )
     names = {ERROR: "error", WARNING: "warning", INFO: "note"}
-    out.append("<p>" + "".join(f'<span class="badge b-{s}">{c[s]} {names[s]}{"s" if c[s] != 1 else ""}</span>'
-                               for s in (ERROR, WARNING, INFO)) + "</p>")
+    out.append(
+        "<p>"
+        + "".join(
+            f'<span class="badge b-{s}">{c[s]} {names[s]}{"s" if c[s] != 1 else ""}</span>'
+            for s in (ERROR, WARNING, INFO)
+        )
+        + "</p>"
+    )
     if any(an.expected.source == "inferred" for an in analyses):
-        out.append('<p class="muted small">No run.json: expected phases inferred from the records; a phase '
-                   "missing on every process cannot be detected.</p>")
+        out.append(
+            '<p class="muted small">No run.json: expected phases inferred from the records; a phase '
+            "missing on every process cannot be detected.</p>"
+        )
     if issues:
         out.append('<ul class="issues">')
         for i, where in group_issues(issues):
-            out.append(f'<li class="{i.severity}"><b>{escape(i.severity)}</b> [{escape(i.kind)}] '
-                       f"{escape(i.run)}{' ' + escape(where) if where else ''}: {escape(i.message)}</li>")
+            out.append(
+                f'<li class="{i.severity}"><b>{escape(i.severity)}</b> [{escape(i.kind)}] '
+                f"{escape(i.run)}{' ' + escape(where) if where else ''}: {escape(i.message)}</li>"
+            )
         out.append("</ul>")
     return "\n".join(out)
 
@@ -98,7 +112,11 @@ def meta_html(an: RunAnalysis) -> str:
         ("attempts", ", ".join(f"process {p}: {n}" for p, n in resumed.items()) or "1 per process"),
         ("phase files", ", ".join(s["phase_files"])), ("directory", s["dir"]),
     ]  # fmt: skip
-    return '<dl class="meta">' + "".join(f"<dt>{escape(k)}</dt><dd>{escape(str(v))}</dd>" for k, v in items) + "</dl>"
+    return (
+        '<dl class="meta">'
+        + "".join(f"<dt>{escape(k)}</dt><dd>{escape(str(v))}</dd>" for k, v in items)
+        + "</dl>"
+    )
 
 
 def phase_table_html(an: RunAnalysis) -> str:
@@ -109,8 +127,11 @@ def phase_table_html(an: RunAnalysis) -> str:
             f"before {unit[1]}", f"after {unit[1]}", f"peak {unit[1]}", f"delta {unit[1]}"]  # fmt: skip
     head += [f"{s} after {unit[1]}" for s in secondary]
     head += [f"host rss {hunit[1]}", f"rss peak {hunit[1]}", "source", "error"]
-    out = ['<div class="tablewrap"><table><tr>' + "".join(_th(h, h in ("phase", "error", "source")) for h in head)
-           + "</tr>"]
+    out = [
+        '<div class="tablewrap"><table><tr>'
+        + "".join(_th(h, h in ("phase", "error", "source")) for h in head)
+        + "</tr>"
+    ]
     prev_step: Any = object()
     for r in an.phases:
         cls = "err" if r["error"] else ("step" if r["step"] is not None and r["step"] != prev_step else "")
@@ -120,13 +141,19 @@ def phase_table_html(an: RunAnalysis) -> str:
             _td(fmt_bytes(r["before_bytes"], unit)), _td(fmt_bytes(r["after_bytes"], unit)),
             _td(fmt_bytes(r["peak_bytes"], unit)), _td(fmt_bytes(r["delta_bytes"], unit, signed=True))]  # fmt: skip
         cells += [_td(fmt_bytes(r["secondary"].get(s, {}).get("after"), unit)) for s in secondary]
-        cells += [_td(fmt_bytes(r["host_rss_bytes"], hunit)), _td(fmt_bytes(r["host_rss_peak_bytes"], hunit)),
-                  _td(_opt(r["source"]), True), _td((r["error"] or "")[:120], True)]
+        cells += [
+            _td(fmt_bytes(r["host_rss_bytes"], hunit)),
+            _td(fmt_bytes(r["host_rss_peak_bytes"], hunit)),
+            _td(_opt(r["source"]), True),
+            _td((r["error"] or "")[:120], True),
+        ]
         out.append(f'<tr class="{cls}">' + "".join(cells) + "</tr>")
     out.append("</table></div>")
-    note = ('<p class="muted small">Device bytes summed over each process\'s devices, one entry per device (the '
-            "most truthful source: mem_get_info, then memory_stats, torch_allocator, live_arrays). peak = the "
-            "phase's own peak (sampled), not the allocator's cumulative one.</p>")
+    note = (
+        '<p class="muted small">Device bytes summed over each process\'s devices, one entry per device (the '
+        "most truthful source: mem_get_info, then memory_stats, torch_allocator, live_arrays). peak = the "
+        "phase's own peak (sampled), not the allocator's cumulative one.</p>"
+    )
     return note + "\n".join(out)
 
 
@@ -142,11 +169,14 @@ def efficiency_html(an: RunAnalysis) -> str:
     head = ["process"] + (["attempt"] if multi else []) + ["step", "phase", "kind", "source",
             f"freed/alloc {unit[1]}", f"expected {unit[1]}", "ratio"]  # fmt: skip
     head += [f"{s} {unit[1]}" for s in others] + ["note"]
-    out = [f"<p>{flagged} of {n_free} release/offload phase(s) flagged (freed below {EFFICIENCY_MIN:.0%} of "
-           "<code>expected_freed_bytes</code>, or nothing). Freed = bytes in use at the start minus at the end, "
-           "by device truth where recorded.</p>",
-           '<div class="tablewrap"><table><tr>' + "".join(_th(h, h in ("phase", "note", "kind", "source"))
-                                                          for h in head) + "</tr>"]
+    out = [
+        f"<p>{flagged} of {n_free} release/offload phase(s) flagged (freed below {EFFICIENCY_MIN:.0%} of "
+        "<code>expected_freed_bytes</code>, or nothing). Freed = bytes in use at the start minus at the end, "
+        "by device truth where recorded.</p>",
+        '<div class="tablewrap"><table><tr>'
+        + "".join(_th(h, h in ("phase", "note", "kind", "source")) for h in head)
+        + "</tr>",
+    ]
     for r in rows:
         cells = [_td(r["process"])] + ([_td(_opt(r["attempt"]))] if multi else []) + [
             _td(_opt(r["step"])), _td(r["phase"], True), _td(r["kind"], True), _td(_opt(r["source"]), True),
@@ -160,25 +190,44 @@ def efficiency_html(an: RunAnalysis) -> str:
 
 
 def swap_html(swaps: list[dict[str, Any]], unit: tuple[int, str], with_run: bool = False) -> str:
-    head = (["run"] if with_run else []) + ["process", "step", "phase", f"peak {unit[1]}", f"steady {unit[1]}",
-                                            "peak/steady", "weights-only"]
+    head = (["run"] if with_run else []) + [
+        "process",
+        "step",
+        "phase",
+        f"peak {unit[1]}",
+        f"steady {unit[1]}",
+        "peak/steady",
+        "weights-only",
+    ]
     out = ["<table><tr>" + "".join(_th(h, h in ("run", "phase")) for h in head) + "</tr>"]
     for r in swaps:
         cells = ([_td(r["run"], True)] if with_run else []) + [
-            _td(r["process"]), _td(_opt(r["step"])), _td(r["phase"], True), _td(fmt_bytes(r["peak_max"], unit)),
-            _td(fmt_bytes(r["steady_max"], unit)), _td(fmt_num(r["ratio"])), _td(fmt_num(r["weights_only_ratio"]))]
+            _td(r["process"]),
+            _td(_opt(r["step"])),
+            _td(r["phase"], True),
+            _td(fmt_bytes(r["peak_max"], unit)),
+            _td(fmt_bytes(r["steady_max"], unit)),
+            _td(fmt_num(r["ratio"])),
+            _td(fmt_num(r["weights_only_ratio"])),
+        ]
         out.append("<tr>" + "".join(cells) + "</tr>")
     out.append("</table>")
-    return ('<p class="muted small">peak/steady = phase peak / bytes in use at the end of the phase, max over '
-            "devices (steady includes the KV cache); weights-only = (peak - non-weight bytes) / weight bytes: "
-            "1.0 is one copy, 2.0 two full copies.</p>" + "\n".join(out))
+    return (
+        '<p class="muted small">peak/steady = phase peak / bytes in use at the end of the phase, max over '
+        "devices (steady includes the KV cache); weights-only = (peak - non-weight bytes) / weight bytes: "
+        "1.0 is one copy, 2.0 two full copies.</p>" + "\n".join(out)
+    )
 
 
 def run_section(an: RunAnalysis, heading: bool) -> str:
     out = [f"<h2>Run {escape(an.run.label)}</h2>" if heading else "<h2>Run</h2>", meta_html(an)]
     out += ["<h3>Memory per phase per device</h3>", memory_per_phase_charts(an)]
-    out += ["<h3>Memory over time</h3>", memory_over_time_charts(an), "<h3>Host RSS over time</h3>",
-            host_over_time_chart(an)]
+    out += [
+        "<h3>Memory over time</h3>",
+        memory_over_time_charts(an),
+        "<h3>Host RSS over time</h3>",
+        host_over_time_chart(an),
+    ]
     out += ["<h3>Offload efficiency</h3>", efficiency_html(an)]
     if an.swaps:
         out += ["<h3>Weight swap: peak / steady</h3>", swap_html(an.swaps, an.unit)]
@@ -207,22 +256,31 @@ def compare_html(analyses: Sequence[RunAnalysis], rows: list[dict[str, Any]]) ->
     if swaps:
         out += ["<h3>Weight swap: peak / steady per run</h3>", swap_html(swaps, unit, with_run=True)]
     out += ["<h3>Same phase, side by side</h3>", compare_charts(analyses, rows, unit)]
-    head = ["phase"] + [f"{an.run.label} {k}" for an in analyses for k in ("s", f"after {unit[1]}", f"peak {unit[1]}")]
+    head = ["phase"] + [
+        f"{an.run.label} {k}" for an in analyses for k in ("s", f"after {unit[1]}", f"peak {unit[1]}")
+    ]
     out.append('<div class="tablewrap"><table><tr>' + "".join(_th(h, h == "phase") for h in head) + "</tr>")
     for row in rows:
         cells = [_td(row["phase"], True)]
         for v in row["runs"]:
             v = v or {}
-            cells += [_td(fmt_seconds(v.get("seconds"))), _td(fmt_bytes(v.get("after_bytes"), unit)),
-                      _td(fmt_bytes(v.get("peak_bytes"), unit))]
+            cells += [
+                _td(fmt_seconds(v.get("seconds"))),
+                _td(fmt_bytes(v.get("after_bytes"), unit)),
+                _td(fmt_bytes(v.get("peak_bytes"), unit)),
+            ]
         out.append("<tr>" + "".join(cells) + "</tr>")
     out.append("</table></div>")
-    out.append('<p class="muted small">Per phase: seconds of the slowest process; bytes summed over every device of '
-               "every process.</p>")
+    out.append(
+        '<p class="muted small">Per phase: seconds of the slowest process; bytes summed over every device of '
+        "every process.</p>"
+    )
     return "\n".join(out)
 
 
-def render(analyses: Sequence[RunAnalysis], issues: list[Issue], comparison: list[dict[str, Any]] | None) -> str:
+def render(
+    analyses: Sequence[RunAnalysis], issues: list[Issue], comparison: list[dict[str, Any]] | None
+) -> str:
     labels = ", ".join(an.run.label for an in analyses)
     title = f"mllm_rl memory report: {labels}"
     body = [f"<h1>{escape(title)}</h1>",
@@ -234,5 +292,7 @@ def render(analyses: Sequence[RunAnalysis], issues: list[Issue], comparison: lis
         body.append(compare_html(analyses, comparison))
     for an in analyses:
         body.append(run_section(an, heading=len(analyses) > 1))
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
-            f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
+        f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )

@@ -81,10 +81,18 @@ def group_issues(issues: list[Issue]) -> list[tuple[Issue, str]]:
             steps.setdefault((m.process, m.attempt), []).extend([] if m.step is None else [m.step])
         procs: dict[tuple[int | None, str], list[int]] = {}
         for (p, a), st in steps.items():
-            text = " ".join(x for x in (f"attempt {a}" if a is not None else "",
-                                        f"{_plural('step', st)} {_ranges_text(st)}" if st else "") if x)
+            text = " ".join(
+                x
+                for x in (
+                    f"attempt {a}" if a is not None else "",
+                    f"{_plural('step', st)} {_ranges_text(st)}" if st else "",
+                )
+                if x
+            )
             procs.setdefault((a, text), []).extend([] if p is None else [p])
-        parts = [" ".join(x for x in (f"{_plural('process', ps)} {_ranges_text(ps)}" if ps else "", text) if x)
-                 for (_, text), ps in procs.items()]
+        parts = [
+            " ".join(x for x in (f"{_plural('process', ps)} {_ranges_text(ps)}" if ps else "", text) if x)
+            for (_, text), ps in procs.items()
+        ]
         out.append((members[0], f"{len(members)}x: " + "; ".join(parts)))
     return out

@@ -159,7 +159,9 @@ def load_run(run_dir: str | Path, label: str | None = None) -> Run:
         records[p], was_torn = read_phase_file(files[p], p)
         if was_torn:
             torn.append(files[p].name)
-    run = Run(run_dir, label or "", records, _read_plan(run_dir / "run.json"), dict(sorted(files.items())), torn)
+    run = Run(
+        run_dir, label or "", records, _read_plan(run_dir / "run.json"), dict(sorted(files.items())), torn
+    )
     run.label = run.label or run.run_id
     return run
 

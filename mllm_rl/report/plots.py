@@ -23,8 +23,10 @@ def _procs(an: RunAnalysis) -> tuple[list[int], str]:
     procs = [p for p in sorted(an.attempts) if an.attempts[p]]
     note = ""
     if len(procs) > MAX_PROCESS_CHARTS:
-        note = (f'<p class="muted small">Charts show processes {procs[0]}-{procs[MAX_PROCESS_CHARTS - 1]} of '
-                f"{len(procs)}; every process is in the phase table and trace.json.</p>")
+        note = (
+            f'<p class="muted small">Charts show processes {procs[0]}-{procs[MAX_PROCESS_CHARTS - 1]} of '
+            f"{len(procs)}; every process is in the phase table and trace.json.</p>"
+        )
     return procs[:MAX_PROCESS_CHARTS], note
 
 
@@ -55,7 +57,9 @@ def _device_keys(recs: list[tuple[Attempt, Record]], primary_only: bool) -> list
 
 
 def _entry(r: Record, dev_id: Any, source: str) -> dict[str, Any] | None:
-    return next((d for d in r["memory"]["devices"] if d.get("id") == dev_id and d.get("source") == source), None)
+    return next(
+        (d for d in r["memory"]["devices"] if d.get("id") == dev_id and d.get("source") == source), None
+    )
 
 
 def _scaled(v: int | None, div: int) -> float | None:
@@ -77,14 +81,27 @@ def memory_per_phase_charts(an: RunAnalysis) -> str:
         series = []
         for i, (dev_id, source, label) in enumerate(keys):
             entries = [_entry(r, dev_id, source) for _, r in recs]
-            series.append(BarSeries(label, [None if e is None else _scaled(e.get("bytes_in_use"), div) for e in entries],
-                                    [None if e is None else _scaled(e.get("phase_peak_bytes"), div) for e in entries],
-                                    color(i)))
-        svg = bar_chart([r["phase"] for _, r in recs], series, uname, marks=_marks(recs),
-                        value_fmt=lambda v, u=uname: f"{v:.3f} {u}")
+            series.append(
+                BarSeries(
+                    label,
+                    [None if e is None else _scaled(e.get("bytes_in_use"), div) for e in entries],
+                    [None if e is None else _scaled(e.get("phase_peak_bytes"), div) for e in entries],
+                    color(i),
+                )
+            )
+        svg = bar_chart(
+            [r["phase"] for _, r in recs],
+            series,
+            uname,
+            marks=_marks(recs),
+            value_fmt=lambda v, u=uname: f"{v:.3f} {u}",
+        )
         items = [(s.name, s.color, "bar") for s in series] + [("peak during the phase", "", "peak")]
-        out.append(f'<div class="small"><b>process {p}</b> - bar: bytes in use at the end of the phase</div>'
-                   + legend(items) + _wrap(svg))
+        out.append(
+            f'<div class="small"><b>process {p}</b> - bar: bytes in use at the end of the phase</div>'
+            + legend(items)
+            + _wrap(svg)
+        )
     return "\n".join(out)
 
 
@@ -94,8 +111,14 @@ def _step_starts(recs: list[tuple[Attempt, Record]], t0: float) -> list[tuple[fl
 
 def _phase_spans(recs: list[tuple[Attempt, Record]], t0: float) -> list[tuple[float, float, str]]:
     """Shaded phase ranges (all of them: labels are drawn only where they fit)."""
-    return [(r["t_start"] - t0, r["t_end"] - t0, r["phase"] if r["step"] is None else f"{r['phase']} @{r['step']}")
-            for _, r in recs]
+    return [
+        (
+            r["t_start"] - t0,
+            r["t_end"] - t0,
+            r["phase"] if r["step"] is None else f"{r['phase']} @{r['step']}",
+        )
+        for _, r in recs
+    ]
 
 
 def memory_over_time_charts(an: RunAnalysis) -> str:
@@ -127,18 +150,39 @@ def memory_over_time_charts(an: RunAnalysis) -> str:
                 if e is None:
                     pts.append((ts, None))
                     continue
-                pts += [(ts, _scaled(e.get("bytes_in_use_start"), div)), (te, _scaled(e.get("bytes_in_use"), div))]
+                pts += [
+                    (ts, _scaled(e.get("bytes_in_use_start"), div)),
+                    (te, _scaled(e.get("bytes_in_use"), div)),
+                ]
                 if (dev_id, source) in prim_set and e.get("phase_peak_bytes") is not None:
                     bands.append((ts, te, e["phase_peak_bytes"] / div))
-            pts = [(x, y) for i, (x, y) in enumerate(pts) if y is not None or i == 0 or pts[i - 1][1] is not None]
+            pts = [
+                (x, y) for i, (x, y) in enumerate(pts) if y is not None or i == 0 or pts[i - 1][1] is not None
+            ]
             name = f"{label} device truth" if source == TRUTH else label
-            series.append(LineSeries(name, pts, dev_color.get(dev_id, color(0)),
-                                     dashed=(dev_id, source) not in prim_set, bands=bands))
-        svg = line_chart(series, "seconds since the run began", uname, marks=_step_starts(recs, t0),
-                         spans=_phase_spans(recs, t0), value_fmt=lambda v, u=uname: f"{v:.3f} {u}")
+            series.append(
+                LineSeries(
+                    name,
+                    pts,
+                    dev_color.get(dev_id, color(0)),
+                    dashed=(dev_id, source) not in prim_set,
+                    bands=bands,
+                )
+            )
+        svg = line_chart(
+            series,
+            "seconds since the run began",
+            uname,
+            marks=_step_starts(recs, t0),
+            spans=_phase_spans(recs, t0),
+            value_fmt=lambda v, u=uname: f"{v:.3f} {u}",
+        )
         items = [(s.name, s.color, "dash" if s.dashed else "line") for s in series]
-        out.append(f'<div class="small"><b>process {p}</b> - faint band: the phase\'s peak</div>' + legend(items)
-                   + _wrap(svg))
+        out.append(
+            f'<div class="small"><b>process {p}</b> - faint band: the phase\'s peak</div>'
+            + legend(items)
+            + _wrap(svg)
+        )
     return "\n".join(out)
 
 
@@ -159,9 +203,12 @@ def host_over_time_chart(an: RunAnalysis) -> str:
             pts += [(ts, _scaled(h.get("rss_start_bytes"), div)), (te, _scaled(h.get("rss_bytes"), div))]
             if h.get("rss_peak_bytes") is not None:
                 bands.append((ts, te, h["rss_peak_bytes"] / div))
-        series.append(LineSeries(f"process {p} rss", [x for x in pts if x[1] is not None], color(i), bands=bands))
-    svg = line_chart(series, "seconds since the run began", uname, height=200,
-                     value_fmt=lambda v, u=uname: f"{v:.3f} {u}")
+        series.append(
+            LineSeries(f"process {p} rss", [x for x in pts if x[1] is not None], color(i), bands=bands)
+        )
+    svg = line_chart(
+        series, "seconds since the run began", uname, height=200, value_fmt=lambda v, u=uname: f"{v:.3f} {u}"
+    )
     return legend([(s.name, s.color, "line") for s in series]) + _wrap(svg)
 
 
@@ -170,8 +217,15 @@ def metric_charts(an: RunAnalysis) -> str:
     cells = []
     for i, m in enumerate(an.metrics):
         pts = [(float(s), v) for s, v in m["points"]]
-        svg = line_chart([LineSeries(m["name"], pts, color(i), dots=True)], "step", "", width=400, height=170,
-                         y_from_zero=False, x_integer=True)
+        svg = line_chart(
+            [LineSeries(m["name"], pts, color(i), dots=True)],
+            "step",
+            "",
+            width=400,
+            height=170,
+            y_from_zero=False,
+            x_integer=True,
+        )
         cells.append(f'<div class="cell"><div class="small"><b>{escape(m["name"])}</b></div>{svg}</div>')
     return '<div class="grid">' + "".join(cells) + "</div>"
 
@@ -189,14 +243,17 @@ def compare_charts(analyses: Sequence[RunAnalysis], rows: list[dict[str, Any]], 
     def values(key: str, i: int, scale: float) -> list[float | None]:
         return [None if (v := r["runs"][i]) is None or v.get(key) is None else v[key] / scale for r in rows]
 
-    mem = [BarSeries(an.run.label, values("after_bytes", i, div), values("peak_bytes", i, div), color(i))
-           for i, an in enumerate(analyses)]
+    mem = [
+        BarSeries(an.run.label, values("after_bytes", i, div), values("peak_bytes", i, div), color(i))
+        for i, an in enumerate(analyses)
+    ]
     secs = [BarSeries(an.run.label, values("seconds", i, 1.0), [], color(i)) for i, an in enumerate(analyses)]
     items = [(an.run.label, color(i), "bar") for i, an in enumerate(analyses)]
     return (
         '<div class="small"><b>memory</b> - bar: bytes in use at the end of the phase (all devices)</div>'
         + legend([*items, ("peak during the phase", "", "peak")])
         + _wrap(bar_chart(groups, mem, uname, marks=marks, value_fmt=lambda v: f"{v:.3f} {uname}"))
-        + '<div class="small"><b>time</b> - seconds of the slowest process</div>' + legend(items)
+        + '<div class="small"><b>time</b> - seconds of the slowest process</div>'
+        + legend(items)
         + _wrap(bar_chart(groups, secs, "s", marks=marks, height=240, value_fmt=lambda v: f"{v:.3f} s"))
     )

@@ -67,7 +67,9 @@ def check_sequence(actual: list[str], expected: list[str]) -> list[Finding]:
             extra[actual[i]] += 1
             continue
         left_e.remove(j)
-        out.append(Finding(OUT_OF_ORDER, actual[i], f"recorded [{_short(actual)}], expected [{_short(expected)}]"))
+        out.append(
+            Finding(OUT_OF_ORDER, actual[i], f"recorded [{_short(actual)}], expected [{_short(expected)}]")
+        )
     ce, ca = Counter(expected), Counter(actual)
     missing: dict[str, list[int]] = {}
     for j in left_e:

@@ -59,11 +59,15 @@ class LineSeries:
     dots: bool = False
 
 
-def _y_axis(ticks: list[float], y: Callable[[float], float], left: float, right: float, label: str) -> list[str]:
+def _y_axis(
+    ticks: list[float], y: Callable[[float], float], left: float, right: float, label: str
+) -> list[str]:
     out = []
     for t in ticks:
         out.append(f'<line x1="{left}" x2="{right}" y1="{y(t):.1f}" y2="{y(t):.1f}" stroke="{GRID}"/>')
-        out.append(f'<text x="{left - 6}" y="{y(t) + 4:.1f}" text-anchor="end" fill="{AXIS}">{_tick(t)}</text>')
+        out.append(
+            f'<text x="{left - 6}" y="{y(t) + 4:.1f}" text-anchor="end" fill="{AXIS}">{_tick(t)}</text>'
+        )
     if label:
         out.append(f'<text x="12" y="{y(ticks[-1]) - 10:.1f}" fill="{AXIS}">{escape(label)}</text>')
     return out
@@ -106,20 +110,30 @@ def bar_chart(
             tip = f"{g} - {s.name}: {'-' if v is None else value_fmt(v)}"
             tip += f", peak {'-' if p is None else value_fmt(p)}" if s.peaks else ""
             if v is None:
-                out.append(f'<text x="{x + bw / 2:.1f}" y="{base - 2:.1f}" text-anchor="middle" fill="#999">'
-                           f'-<title>{escape(tip)} (not measurable)</title></text>')
+                out.append(
+                    f'<text x="{x + bw / 2:.1f}" y="{base - 2:.1f}" text-anchor="middle" fill="#999">'
+                    f"-<title>{escape(tip)} (not measurable)</title></text>"
+                )
             else:
-                out.append(f'<rect x="{x:.1f}" y="{y(v):.1f}" width="{bw - 1}" height="{max(0.0, base - y(v)):.1f}" '
-                           f'fill="{s.color}"><title>{escape(tip)}</title></rect>')
+                out.append(
+                    f'<rect x="{x:.1f}" y="{y(v):.1f}" width="{bw - 1}" height="{max(0.0, base - y(v)):.1f}" '
+                    f'fill="{s.color}"><title>{escape(tip)}</title></rect>'
+                )
             if p is not None:
-                out.append(f'<line x1="{x - 1:.1f}" x2="{x + bw:.1f}" y1="{y(p):.1f}" y2="{y(p):.1f}" '
-                           f'stroke="{TEXT}" stroke-width="2.5"><title>{escape(tip)}</title></line>')
+                out.append(
+                    f'<line x1="{x - 1:.1f}" x2="{x + bw:.1f}" y1="{y(p):.1f}" y2="{y(p):.1f}" '
+                    f'stroke="{TEXT}" stroke-width="2.5"><title>{escape(tip)}</title></line>'
+                )
         cx = left + gi * gw + gw / 2
-        out.append(f'<text transform="translate({cx:.1f},{base + 10:.1f}) rotate(-55)" text-anchor="end" '
-                   f'fill="{TEXT}">{escape(g)}</text>')
+        out.append(
+            f'<text transform="translate({cx:.1f},{base + 10:.1f}) rotate(-55)" text-anchor="end" '
+            f'fill="{TEXT}">{escape(g)}</text>'
+        )
     for gi, text in marks:
         x = left + gi * gw
-        out.append(f'<line x1="{x}" x2="{x}" y1="{top - 8}" y2="{base}" stroke="#999" stroke-dasharray="3,3"/>')
+        out.append(
+            f'<line x1="{x}" x2="{x}" y1="{top - 8}" y2="{base}" stroke="#999" stroke-dasharray="3,3"/>'
+        )
         out.append(f'<text x="{x + 3}" y="{top - 10}" fill="{AXIS}">{escape(text)}</text>')
     out.append(f'<line x1="{left}" x2="{width - 16}" y1="{base:.1f}" y2="{base:.1f}" stroke="{AXIS}"/>')
     out.append("</svg>")
@@ -144,8 +158,10 @@ def line_chart(
     ys = [v for s in series for _, v in s.points if v is not None] + [b[2] for s in series for b in s.bands]
     left, right, top, bottom = 64, 16, 24, 36
     if not xs or not ys:
-        return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="40" {FONT}>'
-                f'<text x="8" y="24" fill="{AXIS}">- (nothing measured)</text></svg>')
+        return (
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="40" {FONT}>'
+            f'<text x="8" y="24" fill="{AXIS}">- (nothing measured)</text></svg>'
+        )
     x_lo, x_hi = min(xs), max(xs)
     if x_hi <= x_lo:
         x_hi = x_lo + 1.0
@@ -167,44 +183,64 @@ def line_chart(
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" {FONT}>']
     for i, (x0, x1, label) in enumerate(spans):
         w = max(X(x1) - X(x0), 0.5)
-        out.append(f'<rect x="{X(x0):.1f}" y="{top}" width="{w:.1f}" height="{plot_h}" '
-                   f'fill="{"#f3f3f3" if i % 2 == 0 else "#fafafa"}"><title>{escape(label)}</title></rect>')
+        out.append(
+            f'<rect x="{X(x0):.1f}" y="{top}" width="{w:.1f}" height="{plot_h}" '
+            f'fill="{"#f3f3f3" if i % 2 == 0 else "#fafafa"}"><title>{escape(label)}</title></rect>'
+        )
         if w > 6.5 * len(label) + 6:
             out.append(f'<text x="{X(x0) + 3:.1f}" y="{top + 11}" fill="#888">{escape(label)}</text>')
     out += _y_axis(ticks, Y, left, width - right, y_label)
     x_ticks = nice_ticks(x_lo, x_hi, 8)
     if x_integer:
-        x_ticks = [t for t in x_ticks if t == int(t)] if x_hi - x_lo > 8 else list(range(int(x_lo), int(x_hi) + 1))
+        x_ticks = (
+            [t for t in x_ticks if t == int(t)] if x_hi - x_lo > 8 else list(range(int(x_lo), int(x_hi) + 1))
+        )
     for t in x_ticks:
         if x_lo <= t <= x_hi:
-            out.append(f'<text x="{X(t):.1f}" y="{height - bottom + 14}" text-anchor="middle" fill="{AXIS}">'
-                       f"{_tick(t)}</text>")
-    out.append(f'<text x="{width - right}" y="{height - 4}" text-anchor="end" fill="{AXIS}">{escape(x_label)}</text>')
+            out.append(
+                f'<text x="{X(t):.1f}" y="{height - bottom + 14}" text-anchor="middle" fill="{AXIS}">'
+                f"{_tick(t)}</text>"
+            )
+    out.append(
+        f'<text x="{width - right}" y="{height - 4}" text-anchor="end" fill="{AXIS}">{escape(x_label)}</text>'
+    )
     for x, text in marks:
-        out.append(f'<line x1="{X(x):.1f}" x2="{X(x):.1f}" y1="{top}" y2="{top + plot_h}" stroke="#aaa" '
-                   f'stroke-dasharray="3,3"/><text x="{X(x) + 3:.1f}" y="{top - 6}" fill="{AXIS}">{escape(text)}</text>')
+        out.append(
+            f'<line x1="{X(x):.1f}" x2="{X(x):.1f}" y1="{top}" y2="{top + plot_h}" stroke="#aaa" '
+            f'stroke-dasharray="3,3"/><text x="{X(x) + 3:.1f}" y="{top - 6}" fill="{AXIS}">{escape(text)}</text>'
+        )
     for s in series:
         for x0, x1, v in s.bands:
-            out.append(f'<line x1="{X(x0):.1f}" x2="{max(X(x1), X(x0) + 2):.1f}" y1="{Y(v):.1f}" y2="{Y(v):.1f}" '
-                       f'stroke="{s.color}" stroke-width="3" opacity="0.45"><title>{escape(s.name)} phase peak '
-                       f"{value_fmt(v)}</title></line>")
+            out.append(
+                f'<line x1="{X(x0):.1f}" x2="{max(X(x1), X(x0) + 2):.1f}" y1="{Y(v):.1f}" y2="{Y(v):.1f}" '
+                f'stroke="{s.color}" stroke-width="3" opacity="0.45"><title>{escape(s.name)} phase peak '
+                f"{value_fmt(v)}</title></line>"
+            )
         dash = ' stroke-dasharray="5,3"' if s.dashed else ""
         seg: list[str] = []
         for x, v in [*s.points, (math.nan, None)]:
             if v is None:
                 if len(seg) > 1:
-                    out.append(f'<polyline fill="none" stroke="{s.color}" stroke-width="1.6"{dash} '
-                               f'points="{" ".join(seg)}"><title>{escape(s.name)}</title></polyline>')
+                    out.append(
+                        f'<polyline fill="none" stroke="{s.color}" stroke-width="1.6"{dash} '
+                        f'points="{" ".join(seg)}"><title>{escape(s.name)}</title></polyline>'
+                    )
                 elif seg:
-                    out.append(f'<circle cx="{seg[0].split(",")[0]}" cy="{seg[0].split(",")[1]}" r="2" '
-                               f'fill="{s.color}"/>')
+                    out.append(
+                        f'<circle cx="{seg[0].split(",")[0]}" cy="{seg[0].split(",")[1]}" r="2" '
+                        f'fill="{s.color}"/>'
+                    )
                 seg = []
                 continue
             seg.append(f"{X(x):.1f},{Y(v):.1f}")
             if s.dots:
-                out.append(f'<circle cx="{X(x):.1f}" cy="{Y(v):.1f}" r="2.5" fill="{s.color}">'
-                           f"<title>{escape(s.name)} @ {_tick(x)}: {value_fmt(v)}</title></circle>")
-    out.append(f'<line x1="{left}" x2="{width - right}" y1="{top + plot_h}" y2="{top + plot_h}" stroke="{AXIS}"/>')
+                out.append(
+                    f'<circle cx="{X(x):.1f}" cy="{Y(v):.1f}" r="2.5" fill="{s.color}">'
+                    f"<title>{escape(s.name)} @ {_tick(x)}: {value_fmt(v)}</title></circle>"
+                )
+    out.append(
+        f'<line x1="{left}" x2="{width - right}" y1="{top + plot_h}" y2="{top + plot_h}" stroke="{AXIS}"/>'
+    )
     out.append("</svg>")
     return "\n".join(out)
 

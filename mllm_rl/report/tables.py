@@ -30,9 +30,11 @@ def phase_rows(run_label: str, attempts: dict[int, list[Attempt]], t0: float | N
                 secondary = {}
                 for s in sources(devs)[1:]:
                     sd = devices_of_source(devs, s)
-                    secondary[s] = {"before": total(d.get("bytes_in_use_start") for d in sd),
-                                    "after": total(d.get("bytes_in_use") for d in sd),
-                                    "peak": total(d.get("phase_peak_bytes") for d in sd)}
+                    secondary[s] = {
+                        "before": total(d.get("bytes_in_use_start") for d in sd),
+                        "after": total(d.get("bytes_in_use") for d in sd),
+                        "peak": total(d.get("phase_peak_bytes") for d in sd),
+                    }
                 host = r["memory"]["host"]
                 rows.append({
                     "run": run_label, "process": a.process, "attempt": a.number if len(atts) > 1 else None,

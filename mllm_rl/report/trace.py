@@ -43,7 +43,11 @@ def summarize(v: Any) -> Any:
         return v
     if isinstance(v, str):
         return v if len(v) <= MAX_STR else v[:MAX_STR] + "..."
-    if isinstance(v, (list, tuple)) and len(v) <= 8 and all(isinstance(x, (bool, int, float, str)) for x in v):
+    if (
+        isinstance(v, (list, tuple))
+        and len(v) <= 8
+        and all(isinstance(x, (bool, int, float, str)) for x in v)
+    ):
         return [summarize(x) for x in v]
     if isinstance(v, (list, tuple)):
         return f"[{len(v)} items]"
@@ -65,7 +69,11 @@ def _memory_args(r: Record) -> dict[str, Any]:
             "peak": d.get("phase_peak_bytes"), "limit": d.get("bytes_limit"),
         }  # fmt: skip
     h = r["memory"]["host"]
-    out["host rss"] = {"before": h.get("rss_start_bytes"), "after": h.get("rss_bytes"), "peak": h.get("rss_peak_bytes")}
+    out["host rss"] = {
+        "before": h.get("rss_start_bytes"),
+        "after": h.get("rss_bytes"),
+        "peak": h.get("rss_peak_bytes"),
+    }
     return out
 
 
@@ -77,8 +85,13 @@ def _counter(pid: int, name: str, ts: float, value: Any) -> dict[str, Any] | Non
 
 def _record_events(r: Record, pid: int, t0: float, attempt: int | None) -> list[dict[str, Any]]:
     ts, te = _us(r["t_start"], t0), _us(r["t_end"], t0)
-    args: dict[str, Any] = {"step": r["step"], "idx": r["idx"], "attempt": attempt,
-                            "info": {k: summarize(v) for k, v in r["info"].items()}, "memory": _memory_args(r)}
+    args: dict[str, Any] = {
+        "step": r["step"],
+        "idx": r["idx"],
+        "attempt": attempt,
+        "info": {k: summarize(v) for k, v in r["info"].items()},
+        "memory": _memory_args(r),
+    }
     ev: list[dict[str, Any] | None] = [
         {"ph": "X", "name": r["phase"], "cat": "phase", "pid": pid, "tid": PHASES_TID, "ts": ts,
          "dur": max(0.0, round(te - ts, 3)), "args": args}
@@ -86,17 +99,35 @@ def _record_events(r: Record, pid: int, t0: float, attempt: int | None) -> list[
     primary = [id(d) for d in primary_devices(r["memory"]["devices"])]
     for d in r["memory"]["devices"]:
         name = counter_name(d)
-        ev += [_counter(pid, name, ts, d.get("bytes_in_use_start")), _counter(pid, name, te, d.get("bytes_in_use"))]
+        ev += [
+            _counter(pid, name, ts, d.get("bytes_in_use_start")),
+            _counter(pid, name, te, d.get("bytes_in_use")),
+        ]
         if id(d) in primary:  # the peak companion only for the entry sums use
-            ev += [_counter(pid, f"phase peak {name}", ts, d.get("phase_peak_bytes")),
-                   _counter(pid, f"phase peak {name}", te, d.get("bytes_in_use"))]
+            ev += [
+                _counter(pid, f"phase peak {name}", ts, d.get("phase_peak_bytes")),
+                _counter(pid, f"phase peak {name}", te, d.get("bytes_in_use")),
+            ]
     h = r["memory"]["host"]
-    ev += [_counter(pid, "host rss", ts, h.get("rss_start_bytes")), _counter(pid, "host rss", te, h.get("rss_bytes")),
-           _counter(pid, "phase peak host rss", ts, h.get("rss_peak_bytes")),
-           _counter(pid, "phase peak host rss", te, h.get("rss_bytes"))]
+    ev += [
+        _counter(pid, "host rss", ts, h.get("rss_start_bytes")),
+        _counter(pid, "host rss", te, h.get("rss_bytes")),
+        _counter(pid, "phase peak host rss", ts, h.get("rss_peak_bytes")),
+        _counter(pid, "phase peak host rss", te, h.get("rss_bytes")),
+    ]
     if r["info"].get("error"):
-        ev.append({"ph": "i", "name": f"error: {r['phase']}", "cat": "error", "pid": pid, "tid": PHASES_TID,
-                   "ts": te, "s": "t", "args": {"error": summarize(str(r["info"]["error"]))}})
+        ev.append(
+            {
+                "ph": "i",
+                "name": f"error: {r['phase']}",
+                "cat": "error",
+                "pid": pid,
+                "tid": PHASES_TID,
+                "ts": te,
+                "s": "t",
+                "args": {"error": summarize(str(r["info"]["error"]))},
+            }
+        )
     return [e for e in ev if e is not None]
 
 
@@ -106,9 +137,19 @@ def _step_spans(a: Attempt, pid: int, t0: float, attempt: int | None) -> list[di
         if r["step"] is not None:
             lo_hi = spans.setdefault(r["step"], [r["t_start"], r["t_end"]])
             lo_hi[0], lo_hi[1] = min(lo_hi[0], r["t_start"]), max(lo_hi[1], r["t_end"])
-    return [{"ph": "X", "name": f"step {s}", "cat": "step", "pid": pid, "tid": STEPS_TID, "ts": _us(lo, t0),
-             "dur": max(0.0, round(_us(hi, t0) - _us(lo, t0), 3)), "args": {"step": s, "attempt": attempt}}
-            for s, (lo, hi) in spans.items()]
+    return [
+        {
+            "ph": "X",
+            "name": f"step {s}",
+            "cat": "step",
+            "pid": pid,
+            "tid": STEPS_TID,
+            "ts": _us(lo, t0),
+            "dur": max(0.0, round(_us(hi, t0) - _us(lo, t0), 3)),
+            "args": {"step": s, "attempt": attempt},
+        }
+        for s, (lo, hi) in spans.items()
+    ]
 
 
 def _metadata(pid: int, name: str, sort: int) -> list[dict[str, Any]]:
@@ -120,8 +161,9 @@ def _metadata(pid: int, name: str, sort: int) -> list[dict[str, Any]]:
     ]
 
 
-def build_trace(runs: list[tuple[str, float | None, dict[int, list[Attempt]]]],
-                other: dict[str, Any] | None = None) -> dict[str, Any]:
+def build_trace(
+    runs: list[tuple[str, float | None, dict[int, list[Attempt]]]], other: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The trace of ``runs`` = ``[(label, t0, attempts per process)]``; each run's time starts at 0."""
     events: list[dict[str, Any]] = []
     for ri, (label, t0, attempts) in enumerate(runs):

@@ -35,8 +35,9 @@ def report_payload(result: ReportResult) -> dict[str, Any]:
     import wandb
 
     def table(columns: tuple[str, ...], rows: list[dict[str, Any]]) -> Any:
-        return wandb.Table(columns=list(columns), data=[[r.get(c) for c in columns] for r in rows],
-                           allow_mixed_types=True)
+        return wandb.Table(
+            columns=list(columns), data=[[r.get(c) for c in columns] for r in rows], allow_mixed_types=True
+        )
 
     def html(body: str) -> Any:
         return wandb.Html(_page(body), inject=False, data_is_not_path=True)
@@ -52,7 +53,9 @@ def report_payload(result: ReportResult) -> dict[str, Any]:
         "report/memory_over_time": html("".join(memory_over_time_charts(an) for an in result.analyses)),
     }
     if any(an.metrics for an in result.analyses):
-        payload["report/step_metrics"] = html("".join(metric_charts(an) for an in result.analyses if an.metrics))
+        payload["report/step_metrics"] = html(
+            "".join(metric_charts(an) for an in result.analyses if an.metrics)
+        )
     return payload
 
 

@@ -15,7 +15,9 @@ import numpy as np
 ESTIMATORS = ("grpo", "drgrpo", "rloo")
 
 
-def group_advantages(rewards: np.ndarray, group_size: int, estimator: str = "grpo", eps: float = 1e-6) -> np.ndarray:
+def group_advantages(
+    rewards: np.ndarray, group_size: int, estimator: str = "grpo", eps: float = 1e-6
+) -> np.ndarray:
     r = np.asarray(rewards, dtype=np.float64)
     if r.ndim != 1:
         raise ValueError(f"rewards must be 1-D [num_prompts * group_size], got shape {r.shape}")

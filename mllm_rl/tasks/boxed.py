@@ -72,7 +72,9 @@ class BoxedMathTask:
                 row = json.loads(line)
                 q, a = row["question"], row["answer"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{i}: expected a JSON object with question and answer ({e})") from None
+                raise ValueError(
+                    f"{path}:{i}: expected a JSON object with question and answer ({e})"
+                ) from None
             if not isinstance(q, str) or not isinstance(a, str) or not target_of(a):
                 raise ValueError(f"{path}:{i}: question and answer must be non-empty strings")
             examples.append(Example(prompt=f"{q}\n{INSTRUCTION}\n", answer=a))

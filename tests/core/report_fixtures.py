@@ -60,11 +60,15 @@ class FakeDevices:
         for i in range(self.n):
             if self.kind == "cuda":
                 out.append(DeviceMemory(i, "cuda", self.total(i) + MiB, None, 1024 * MiB, "mem_get_info", {}))
-                out.append(DeviceMemory(i, "cuda", self.alloc[i], self.peak[i], 1024 * MiB, "torch_allocator", {}))
+                out.append(
+                    DeviceMemory(i, "cuda", self.alloc[i], self.peak[i], 1024 * MiB, "torch_allocator", {})
+                )
             elif self.kind == "jax_cpu":
                 out.append(DeviceMemory(i, "cpu", self.total(i), None, None, "live_arrays", {}))
             else:
-                out.append(DeviceMemory(i, "tpu", self.total(i), self.peak[i], 1024 * MiB, "memory_stats", {}))
+                out.append(
+                    DeviceMemory(i, "tpu", self.total(i), self.peak[i], 1024 * MiB, "memory_stats", {})
+                )
         return out
 
     def in_use(self) -> list[int | None]:
@@ -111,8 +115,9 @@ def setup(c: Ctx) -> None:
         c.dev.add(engine=W + K)
 
 
-def rl_step(c: Ctx, s: int, release_frees: float = 1.0, stop_after: str | None = None,
-            fail_in: str | None = None) -> None:
+def rl_step(
+    c: Ctx, s: int, release_frees: float = 1.0, stop_after: str | None = None, fail_in: str | None = None
+) -> None:
     """One multi-stage-awake step. ``release_frees``: fraction of the engine's bytes the release
     really frees; ``stop_after``: the process is killed after this phase; ``fail_in``: this phase raises."""
     n = c.dev.n
@@ -142,8 +147,15 @@ def rl_step(c: Ctx, s: int, release_frees: float = 1.0, stop_after: str | None =
             raise Killed(name)
 
 
-def run_json(run_dir: Path, processes: int, steps: int, phases: list[str] = SETUP + FINAL,
-             step_phases: list[str] = STEP, run_id: str = "rl-test", plan: str = "rl") -> None:
+def run_json(
+    run_dir: Path,
+    processes: int,
+    steps: int,
+    phases: list[str] = SETUP + FINAL,
+    step_phases: list[str] = STEP,
+    run_id: str = "rl-test",
+    plan: str = "rl",
+) -> None:
     write_run_json(run_dir, {
         "run_id": run_id, "backend": "fake", "plan": plan, "model": "tiny", "steps": steps,
         "process_count": processes, "expected_phases": phases, "expected_step_phases": step_phases,
@@ -176,9 +188,13 @@ def write_rl_run(
             try:
                 setup(c)
                 for s in range(first, steps):
-                    rl_step(c, s, release_frees,
-                            stop_after=stop[1] if stop and stop[0] == s else None,
-                            fail_in=fail_in[1] if fail_in and fail_in[0] == s else None)
+                    rl_step(
+                        c,
+                        s,
+                        release_frees,
+                        stop_after=stop[1] if stop and stop[0] == s else None,
+                        fail_in=fail_in[1] if fail_in and fail_in[0] == s else None,
+                    )
                 with c.phase("generate_result"):
                     pass
             except (Killed, RuntimeError):
@@ -188,8 +204,15 @@ def write_rl_run(
     return run_dir
 
 
-def write_swap_run(run_dir: Path, swap_extra: int = 2 * MiB, kind: str = "tpu", devices: int = 1,
-                   run_id: str = "swap-test", backend: str = "fake", with_run_json: bool = True) -> Path:
+def write_swap_run(
+    run_dir: Path,
+    swap_extra: int = 2 * MiB,
+    kind: str = "tpu",
+    devices: int = 1,
+    run_id: str = "swap-test",
+    backend: str = "fake",
+    with_run_json: bool = True,
+) -> Path:
     """A param-swap run (SWAP phases); ``weights_swapped`` peaks ``swap_extra`` above its steady bytes."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if with_run_json:

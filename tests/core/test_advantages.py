@@ -28,7 +28,9 @@ def test_rloo_uses_leave_one_out_baseline():
     np.testing.assert_allclose(adv, [1 - 4, 2 - 3.5, 6 - 1.5], rtol=1e-6)
 
 
-@pytest.mark.parametrize("kw,msg", [({"group_size": 4}, "groups of 4"), ({"group_size": 3, "estimator": "ppo"}, "estimator")])
+@pytest.mark.parametrize(
+    "kw,msg", [({"group_size": 4}, "groups of 4"), ({"group_size": 3, "estimator": "ppo"}, "estimator")]
+)
 def test_bad_input_is_rejected(kw, msg):
     with pytest.raises(ValueError, match=msg):
         group_advantages(np.zeros(6), **kw)

@@ -92,8 +92,11 @@ def _truncate(p):
 def _missing_tensor(p):
     shard = _shard_of(p, "model.norm.weight")
     header = read_header(shard)
-    keep = [(n, i.shape, i.dtype, lambda i=i: np.array(np.memmap(shard, np.float32, "r", i.begin, i.shape)))
-            for n, i in header.items() if n != "model.norm.weight"]
+    keep = [
+        (n, i.shape, i.dtype, lambda i=i: np.array(np.memmap(shard, np.float32, "r", i.begin, i.shape)))
+        for n, i in header.items()
+        if n != "model.norm.weight"
+    ]
     write_file(shard, keep)
     index = json.loads((p / "model.safetensors.index.json").read_text())
     del index["weight_map"]["model.norm.weight"]
@@ -109,14 +112,29 @@ def _config(p, **changes):
 CASES = {
     "truncated": (_truncate, r"model-\d+-of-\d+\.safetensors: tensor .*truncated"),
     "missing_tensor": (_missing_tensor, r"tensor model\.norm\.weight: missing"),
-    "wrong_shape": (lambda p: _rewrite_tensor(p, LAYER0_Q, shape=(7, 128)), rf"tensor {LAYER0_Q}: shape \[7, 128\]"),
+    "wrong_shape": (
+        lambda p: _rewrite_tensor(p, LAYER0_Q, shape=(7, 128)),
+        rf"tensor {LAYER0_Q}: shape \[7, 128\]",
+    ),
     "wrong_dtype": (lambda p: _rewrite_tensor(p, LAYER0_Q, dtype="I32"), rf"tensor {LAYER0_Q}: dtype I32"),
-    "config_mismatch": (lambda p: _config(p, intermediate_size=512), r"tensor model\.layers\.0\.mlp\..*shape"),
-    "config_missing_field": (lambda p: _config(p, hidden_size=None) or _drop_key(p), r"config\.json: missing field"),
+    "config_mismatch": (
+        lambda p: _config(p, intermediate_size=512),
+        r"tensor model\.layers\.0\.mlp\..*shape",
+    ),
+    "config_missing_field": (
+        lambda p: _config(p, hidden_size=None) or _drop_key(p),
+        r"config\.json: missing field",
+    ),
     "bad_config_json": (lambda p: (p / "config.json").write_text("{oops"), r"config\.json: invalid JSON"),
-    "tokenizer_missing": (lambda p: (p / "tokenizer.json").unlink(), r"tokenizer\.json: tokenizer file missing"),
+    "tokenizer_missing": (
+        lambda p: (p / "tokenizer.json").unlink(),
+        r"tokenizer\.json: tokenizer file missing",
+    ),
     "tokenizer_corrupt": (lambda p: (p / "tokenizer.json").write_text("{"), r"tokenizer\.json: invalid JSON"),
-    "header_garbage": (lambda p: _shard_of(p, LAYER0_Q).write_bytes(struct.pack("<Q", 10**12)), r"header length"),
+    "header_garbage": (
+        lambda p: _shard_of(p, LAYER0_Q).write_bytes(struct.pack("<Q", 10**12)),
+        r"header length",
+    ),
 }
 
 

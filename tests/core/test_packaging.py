@@ -46,7 +46,9 @@ def test_shipped_tokenizer_matches_its_generator(tmp_path):
     spec.loader.exec_module(mod)
     mod.build().save_pretrained(tmp_path)
     shipped = root / "mllm_rl" / "assets" / "tokenizer"
-    assert json.loads((tmp_path / "tokenizer.json").read_text()) == json.loads((shipped / "tokenizer.json").read_text())
+    assert json.loads((tmp_path / "tokenizer.json").read_text()) == json.loads(
+        (shipped / "tokenizer.json").read_text()
+    )
     tok = mod.build()
     text = "Hello, 世界 <|im_end|>"
     assert tok.decode(tok(text).input_ids) == text

@@ -6,7 +6,12 @@ from mllm_rl.presets import PRESETS, ModelConfig, get_preset
 @pytest.mark.parametrize(
     "name,low,high",
     # Published sizes: Qwen3-0.6B 0.6B, 1.7B 1.7B, 4B 4.0B, 8B 8.2B parameters.
-    [("qwen3-0.6b", 0.55e9, 0.65e9), ("qwen3-1.7b", 1.6e9, 1.8e9), ("qwen3-4b", 3.9e9, 4.1e9), ("qwen3-8b", 8.1e9, 8.3e9)],
+    [
+        ("qwen3-0.6b", 0.55e9, 0.65e9),
+        ("qwen3-1.7b", 1.6e9, 1.8e9),
+        ("qwen3-4b", 3.9e9, 4.1e9),
+        ("qwen3-8b", 8.1e9, 8.3e9),
+    ],
 )
 def test_qwen3_presets_have_published_sizes(name, low, high):
     assert low < get_preset(name).num_params() < high

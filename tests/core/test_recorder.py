@@ -25,13 +25,17 @@ class ScriptedProbe:
         return list(self.used)
 
     def snapshot(self):
-        return [DeviceMemory(i, "fake", u, self.peak[i], 1000, "memory_stats", {"bytes_in_use": u})
-                for i, u in enumerate(self.used)]
+        return [
+            DeviceMemory(i, "fake", u, self.peak[i], 1000, "memory_stats", {"bytes_in_use": u})
+            for i, u in enumerate(self.used)
+        ]
 
 
 def test_records_are_schema_valid_and_in_order(tmp_path):
     probe = ScriptedProbe()
-    rec = PhaseRecorder("r1", "jax", sinks=[JsonlSink(tmp_path / "p.jsonl")], probe=probe, sample_interval_s=0)
+    rec = PhaseRecorder(
+        "r1", "jax", sinks=[JsonlSink(tmp_path / "p.jsonl")], probe=probe, sample_interval_s=0
+    )
     for i, name in enumerate(["a", "b", "c"]):
         with rec.phase(name, step=i, note=name) as ph:
             ph.info["extra"] = i
@@ -74,7 +78,9 @@ def test_sampler_thread_sees_peak_during_phase():
 
     probe = ScriptedProbe()
     probe.peak = [None, None]  # an allocator without cumulative peak: only sampling can see it
-    probe.snapshot = lambda: [DeviceMemory(i, "fake", u, None, None, "live_arrays") for i, u in enumerate(probe.used)]
+    probe.snapshot = lambda: [
+        DeviceMemory(i, "fake", u, None, None, "live_arrays") for i, u in enumerate(probe.used)
+    ]
     rec = PhaseRecorder("r", "jax", probe=probe, sample_interval_s=0.001)
     with rec.phase("p"):
         probe.used[0] = 5000
@@ -85,7 +91,9 @@ def test_sampler_thread_sees_peak_during_phase():
 
 
 def test_failing_phase_is_recorded_with_error_and_reraises(tmp_path):
-    rec = PhaseRecorder("r", "jax", sinks=[JsonlSink(tmp_path / "p.jsonl")], probe=ScriptedProbe(), sample_interval_s=0)
+    rec = PhaseRecorder(
+        "r", "jax", sinks=[JsonlSink(tmp_path / "p.jsonl")], probe=ScriptedProbe(), sample_interval_s=0
+    )
     with pytest.raises(MemoryError):
         with rec.phase("train_step", step=1):
             raise MemoryError("RESOURCE_EXHAUSTED: 9.1G")

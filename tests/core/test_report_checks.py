@@ -40,8 +40,9 @@ def test_second_empty_cache_of_a_step_counts(tmp_path):
 
 
 def test_dropped_setup_phase_and_last_phase_of_a_middle_step(tmp_path):
-    run = write_rl_run(tmp_path / "run", processes=2, steps=3,
-                       drop={(0, None, "jax_ready"), (1, 0, "continue_generation")})
+    run = write_rl_run(
+        tmp_path / "run", processes=2, steps=3, drop={(0, None, "jax_ready"), (1, 0, "continue_generation")}
+    )
     found = {(i.kind, i.process, i.step, i.phase) for i in errors(build_report([run]))}
     assert found == {("missing_phase", 0, None, "jax_ready"), ("missing_phase", 1, 0, "continue_generation")}
 
@@ -72,14 +73,18 @@ def test_resumed_run_interrupted_step_is_a_note(tmp_path):
     result = build_report([run])
     assert errors(result) == []
     notes = [i for i in result.issues if i.kind == "interrupted"]
-    assert {(i.process, i.attempt, i.step, i.phase) for i in notes} == {(0, 1, 1, "checkpoint"),
-                                                                       (1, 1, 1, "checkpoint")}
+    assert {(i.process, i.attempt, i.step, i.phase) for i in notes} == {
+        (0, 1, 1, "checkpoint"),
+        (1, 1, 1, "checkpoint"),
+    }
     assert all(i.severity == "info" and "re-run in attempt 2" in i.message for i in notes)
     assert [len(a) for a in result.analyses[0].attempts.values()] == [2, 2]
 
 
 def test_resumed_run_with_continuing_idx(tmp_path):
-    run = write_rl_run(tmp_path / "run", processes=1, steps=2, attempts=[(0, (0, "update_weights")), (0, None)])
+    run = write_rl_run(
+        tmp_path / "run", processes=1, steps=2, attempts=[(0, (0, "update_weights")), (0, None)]
+    )
     path = run / "phases.jsonl"
     recs = read_lines(path)
     for i, r in enumerate(recs):  # a recorder that kept counting across the restart
@@ -109,8 +114,13 @@ def test_resume_from_the_checkpoint_of_the_interrupted_step_is_a_note(tmp_path):
 
 
 def test_resumed_attempt_is_still_checked(tmp_path):
-    run = write_rl_run(tmp_path / "run", processes=1, steps=3, attempts=[(0, (1, "train_step")), (1, None)],
-                       drop={(0, 2, "resume_kv")})
+    run = write_rl_run(
+        tmp_path / "run",
+        processes=1,
+        steps=3,
+        attempts=[(0, (1, "train_step")), (1, None)],
+        drop={(0, 2, "resume_kv")},
+    )
     (err,) = errors(build_report([run]))
     assert (err.kind, err.attempt, err.step, err.phase) == ("missing_phase", 2, 2, "resume_kv")
 
@@ -129,12 +139,17 @@ def test_killed_during_setup_then_resumed(tmp_path):
 def test_last_attempt_stopped_is_an_error(tmp_path):
     run = write_rl_run(tmp_path / "run", processes=1, steps=3, attempts=[(0, (1, "drain"))])
     found = {(i.kind, i.step, i.phase) for i in errors(build_report([run]))}
-    assert found == {("incomplete_step", 1, "release_rollout"), ("missing_step", 2, None),
-                     ("incomplete", None, "generate_result")}
+    assert found == {
+        ("incomplete_step", 1, "release_rollout"),
+        ("missing_step", 2, None),
+        ("incomplete", None, "generate_result"),
+    }
 
 
 def test_inferred_expectations_without_run_json(tmp_path):
-    run = write_rl_run(tmp_path / "run", processes=3, steps=2, with_run_json=False, drop={(2, 1, "resume_weights")})
+    run = write_rl_run(
+        tmp_path / "run", processes=3, steps=2, with_run_json=False, drop={(2, 1, "resume_weights")}
+    )
     result = build_report([run])
     assert result.analyses[0].expected.source == "inferred"
     (err,) = errors(result)

@@ -15,8 +15,14 @@ from tests.core.report_fixtures import MiB, read_lines, write_lines, write_rl_ru
 
 
 def report_cli(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mllm_rl.report", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "mllm_rl.report", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=60,
+    )
 
 
 def test_cli_clean_run_exit_0_and_default_out_dir(tmp_path):
@@ -40,8 +46,18 @@ def test_cli_dropped_phase_exit_1_names_it(tmp_path):
     assert (err["process"], err["step"], err["phase"]) == (1, 1, "offload_optimizer")
 
 
-@pytest.mark.parametrize("case", ["missing_dir", "no_phase_file", "not_json", "invalid_record", "wrong_process",
-                                  "bad_run_json", "bad_plan_field"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing_dir",
+        "no_phase_file",
+        "not_json",
+        "invalid_record",
+        "wrong_process",
+        "bad_run_json",
+        "bad_plan_field",
+    ],
+)
 def test_bad_input_exit_2_one_line_naming_the_file(tmp_path, case):
     run = write_rl_run(tmp_path / "run", processes=2, steps=1)
     path, where = run / "phases.jsonl", None
@@ -86,7 +102,13 @@ def test_compare_two_runs_side_by_side(tmp_path):
     ratios = {x["run"]: x["ratio"] for x in summary["swap_ratios"]}
     assert ratios["swap-naive"] > ratios["swap-streaming"] > 1.0
     rows = {x["phase"]: x for x in summary["comparison"]}
-    assert list(rows) == ["wandb_init", "jax_ready", "engine_ready_dummy", "weights_swapped", "generate_result"]
+    assert list(rows) == [
+        "wandb_init",
+        "jax_ready",
+        "engine_ready_dummy",
+        "weights_swapped",
+        "generate_result",
+    ]
     sw = rows["weights_swapped"]["runs"]
     assert sw[1]["peak_bytes"] - sw[0]["peak_bytes"] == 38 * MiB
     assert sw[0]["after_bytes"] == sw[1]["after_bytes"]
@@ -123,8 +145,14 @@ def test_odd_but_valid_records_never_raise(tmp_path):
     run = write_rl_run(tmp_path / "run", processes=1, steps=1, kind="cuda")
     path = run / "phases.jsonl"
     recs = read_lines(path)
-    recs[4]["info"] = {"error": {"code": 7, "text": "<b>oom</b>"}, "nested": [[1, 2], {"a": None}], "s": "x" * 5000,
-                       "nan_like": "NaN", "flag": True, "expected_freed_bytes": {"kv": 5, "weights": None}}
+    recs[4]["info"] = {
+        "error": {"code": 7, "text": "<b>oom</b>"},
+        "nested": [[1, 2], {"a": None}],
+        "s": "x" * 5000,
+        "nan_like": "NaN",
+        "flag": True,
+        "expected_freed_bytes": {"kv": 5, "weights": None},
+    }
     recs[5]["memory"]["devices"][0].update(id=None, bytes_in_use=None, phase_peak_bytes=None)
     recs[6]["phase"] = "<script>alert(1)</script>"
     write_lines(path, recs)
@@ -139,14 +167,18 @@ def test_screenshot_script(tmp_path):
     import shutil
 
     script = ROOT / "scripts" / "screenshot_report.sh"
-    r = subprocess.run([str(script), str(tmp_path / "nope"), str(tmp_path / "x.png")], capture_output=True, text=True)
+    r = subprocess.run(
+        [str(script), str(tmp_path / "nope"), str(tmp_path / "x.png")], capture_output=True, text=True
+    )
     assert r.returncode == 2 and "no such file" in r.stderr
     if not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")):
         pytest.skip("no chromium: apt-get install -y chromium")
     run = write_swap_run(tmp_path / "run")
     build_report([run])
     out = tmp_path / "shot.png"
-    r = subprocess.run([str(script), str(run), str(out), "800", "600"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [str(script), str(run), str(out), "800", "600"], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(data[16:20], "big") == 800

@@ -20,8 +20,22 @@ pytestmark = [
 
 def test_report_of_a_real_swap_run(tiny_ckpt, tmp_path):
     run_dir = tmp_path / "run"
-    r = run_cli("mllm_rl.run", "--backend", "jax", "--plan", "swap", "--model", str(tiny_ckpt), "--run-dir",
-                str(run_dir), "--max-new-tokens", "4", "--wandb", "disabled", "--quiet")
+    r = run_cli(
+        "mllm_rl.run",
+        "--backend",
+        "jax",
+        "--plan",
+        "swap",
+        "--model",
+        str(tiny_ckpt),
+        "--run-dir",
+        str(run_dir),
+        "--max-new-tokens",
+        "4",
+        "--wandb",
+        "disabled",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     r = run_cli("mllm_rl.report", str(run_dir))
     assert r.returncode == 0, r.stderr
@@ -36,7 +50,9 @@ def test_report_of_a_real_swap_run(tiny_ckpt, tmp_path):
     assert swap["phase"] == "weights_swapped" and 1.0 <= swap["ratio"] < 1.5
     rows = {row["phase"]: row for row in summary["phases"]}
     assert rows["wandb_init"]["after_bytes"] is None  # no device probe yet: unknown, shown as '-'
-    assert rows["engine_ready_dummy"]["after_bytes"] > 0 and rows["engine_ready_dummy"]["source"] == "live_arrays"
+    assert (
+        rows["engine_ready_dummy"]["after_bytes"] > 0
+        and rows["engine_ready_dummy"]["source"] == "live_arrays"
+    )
     html = (out / "report.html").read_text()
     assert "weights_swapped" in html and "<svg" in html
-

@@ -22,8 +22,10 @@ def test_release_that_frees_nothing_is_flagged(tmp_path):
         assert r["actual_bytes"] == 0 and r["expected_bytes"] == 2 * (W + K)
     assert not any(r["flagged"] for r in result.analyses[0].efficiency if r["phase"] != "release_rollout")
     warn = [i for i in result.issues if i.kind == "release_efficiency"]
-    assert [(i.severity, i.step, i.phase) for i in warn] == [("warning", 0, "release_rollout"),
-                                                             ("warning", 1, "release_rollout")]
+    assert [(i.severity, i.step, i.phase) for i in warn] == [
+        ("warning", 0, "release_rollout"),
+        ("warning", 1, "release_rollout"),
+    ]
     assert result.exit_code == 0  # a warning, listed at the top, does not fail the check
     html = result.files["html"].read_text()
     assert html.count('<tr class="flag">') == 2

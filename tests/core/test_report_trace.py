@@ -42,8 +42,9 @@ def check_chrome_trace(trace: dict) -> list[dict]:
         if e["ph"] == "X":
             assert isinstance(e["dur"], (int, float)) and e["dur"] >= 0, e
         if e["ph"] == "C":
-            assert e["args"] and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                     for v in e["args"].values()), e
+            assert e["args"] and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in e["args"].values()
+            ), e
     return events
 
 
@@ -61,20 +62,36 @@ def test_trace_is_valid_with_rank_tracks_phases_and_counters(tmp_path):
         assert [e["args"]["step"] for e in slices] == [r["step"] for r in recs[p]]
         train = next(e for e in slices if e["name"] == "train_step")
         assert train["args"]["info"]["loss"] == 1.0
-        assert set(train["args"]["memory"]) == {"cuda:0 (mem_get_info)", "cuda:0 (torch_allocator)",
-                                                "cuda:1 (mem_get_info)", "cuda:1 (torch_allocator)", "host rss"}
+        assert set(train["args"]["memory"]) == {
+            "cuda:0 (mem_get_info)",
+            "cuda:0 (torch_allocator)",
+            "cuda:1 (mem_get_info)",
+            "cuda:1 (torch_allocator)",
+            "host rss",
+        }
         steps = [e["name"] for e in events if e["ph"] == "X" and e["pid"] == pid and e["cat"] == "step"]
         assert steps == ["step 0", "step 1"]
         counters = {e["name"] for e in events if e["ph"] == "C" and e["pid"] == pid}
-        assert {"device truth cuda:0 (mem_get_info)", "device truth cuda:1 (mem_get_info)",
-                "mem cuda:0 (torch_allocator)", "mem cuda:1 (torch_allocator)", "host rss",
-                "phase peak device truth cuda:0 (mem_get_info)"} <= counters
+        assert {
+            "device truth cuda:0 (mem_get_info)",
+            "device truth cuda:1 (mem_get_info)",
+            "mem cuda:0 (torch_allocator)",
+            "mem cuda:1 (torch_allocator)",
+            "host rss",
+            "phase peak device truth cuda:0 (mem_get_info)",
+        } <= counters
     # counters follow the records exactly: end of release_rollout on rank 0, device 0
     rel = next(r for r in recs[0] if r["phase"] == "release_rollout")
     t0 = min(r["t_start"] for rs in recs.values() for r in rs)
     pid0 = next(pid for pid, n in procs.items() if n == "rank 0")
-    pts = [e for e in events if e["ph"] == "C" and e["pid"] == pid0 and e["name"] == "device truth cuda:0 (mem_get_info)"
-           and abs(e["ts"] - (rel["t_end"] - t0) * 1e6) < 1]
+    pts = [
+        e
+        for e in events
+        if e["ph"] == "C"
+        and e["pid"] == pid0
+        and e["name"] == "device truth cuda:0 (mem_get_info)"
+        and abs(e["ts"] - (rel["t_end"] - t0) * 1e6) < 1
+    ]
     assert [e["args"]["bytes"] for e in pts] == [rel["memory"]["devices"][0]["bytes_in_use"]]
 
 
@@ -84,7 +101,11 @@ def test_null_values_make_no_counter_point(tmp_path):
     events = check_chrome_trace(json.loads(result.files["trace"].read_text()))
     ready = next(e for e in events if e["ph"] == "X" and e["name"] == "jax_ready")
     assert ready["args"]["memory"]["cpu:0 (live_arrays)"]["before"] is None
-    at_start = [e for e in events if e["ph"] == "C" and e["name"] == "mem cpu:0 (live_arrays)" and e["ts"] == ready["ts"]]
+    at_start = [
+        e
+        for e in events
+        if e["ph"] == "C" and e["name"] == "mem cpu:0 (live_arrays)" and e["ts"] == ready["ts"]
+    ]
     assert at_start == []  # unknown at the start of jax_ready: no point, not a 0
 
 
@@ -100,8 +121,14 @@ def test_html_is_self_contained_and_shows_unknown_as_dash(tmp_path):
     html = build_report([run]).files["html"].read_text()
     assert "<script" not in html and "<link" not in html and " src=" not in html
     assert set(re.findall(r"https?://[^\s\"'<>]+", html)) == {"http://www.w3.org/2000/svg"}
-    for section in ("Findings", "Memory per phase per device", "Memory over time", "Offload efficiency",
-                    "RL metrics per step", "Phases"):
+    for section in (
+        "Findings",
+        "Memory per phase per device",
+        "Memory over time",
+        "Offload efficiency",
+        "RL metrics per step",
+        "Phases",
+    ):
         assert f">{section}<" in html, section
     assert "train_step.loss" in html and "train_step.reward_mean" in html
     # wandb_init has no device: its row shows '-' for bytes, never 0
@@ -121,8 +148,10 @@ def test_fast_enough_for_a_few_hundred_records(tmp_path):
 
 
 def test_report_package_imports_no_framework():
-    code = ("import sys, json; import mllm_rl.report, mllm_rl.report.__main__, mllm_rl.report.wandb_extras;"
-            "print(json.dumps([m for m in ('jax', 'torch', 'flax', 'matplotlib', 'wandb') if m in sys.modules]))")
+    code = (
+        "import sys, json; import mllm_rl.report, mllm_rl.report.__main__, mllm_rl.report.wandb_extras;"
+        "print(json.dumps([m for m in ('jax', 'torch', 'flax', 'matplotlib', 'wandb') if m in sys.modules]))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
 
@@ -130,5 +159,10 @@ def test_report_package_imports_no_framework():
 def test_swap_run_trace_has_five_phase_slices(tmp_path):
     run = write_swap_run(tmp_path / "run")
     events = check_chrome_trace(json.loads(build_report([run]).files["trace"].read_text()))
-    assert [e["name"] for e in events if e["ph"] == "X"] == ["wandb_init", "jax_ready", "engine_ready_dummy",
-                                                             "weights_swapped", "generate_result"]
+    assert [e["name"] for e in events if e["ph"] == "X"] == [
+        "wandb_init",
+        "jax_ready",
+        "engine_ready_dummy",
+        "weights_swapped",
+        "generate_result",
+    ]

@@ -165,7 +165,9 @@ def test_naive_schedule_peaks_with_kv_cache_weights_and_trainer_together(lora_ba
     recs_naive, recs_multi = records(lora_backup_naive[1]), records(lora_lr0[1])
     plan = json.loads((lora_backup_naive[1] / "run.json").read_text())
     assert [x["phase"] for x in by_step(recs_naive)[1]] == plan["expected_step_phases"]
-    assert "resume_rollout" in plan["expected_step_phases"] and "resume_kv" not in plan["expected_step_phases"]
+    assert (
+        "resume_rollout" in plan["expected_step_phases"] and "resume_kv" not in plan["expected_step_phases"]
+    )
     kv = phase(recs_multi, "release_rollout", 1)["info"]["held"]["kv_cache"]
 
     def peak(recs):
@@ -213,7 +215,8 @@ def test_kill_and_resume_continues_from_the_last_checkpoint(tiny_ckpt, tmp_path)
     phases, deadline = tmp_path / "phases.jsonl", time.time() + 600
     while time.time() < deadline and p.poll() is None:
         done = phases.exists() and any(
-            x["phase"] == "checkpoint" and x["step"] == 1 and x["info"].get("saved") for x in read_jsonl(phases)
+            x["phase"] == "checkpoint" and x["step"] == 1 and x["info"].get("saved")
+            for x in read_jsonl(phases)
         )
         if done:
             break

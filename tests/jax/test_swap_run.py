@@ -115,8 +115,15 @@ def test_chunked_streaming_swap_is_exact_and_peaks_at_one_chunk(tiny_ckpt, tmp_p
 
 
 def test_chunked_swap_that_does_nothing_fails_loudly(tiny_ckpt, tmp_path):
-    r = swap_run(tmp_path, tiny_ckpt, "--swap-chunk-mb", "0.05", "--wandb", "disabled",
-                 env={"MLLM_RL_FAULTS": "swap_noop"})
+    r = swap_run(
+        tmp_path,
+        tiny_ckpt,
+        "--swap-chunk-mb",
+        "0.05",
+        "--wandb",
+        "disabled",
+        env={"MLLM_RL_FAULTS": "swap_noop"},
+    )
     assert r.returncode == 3 and "engine weights differ" in r.stderr
 
 
@@ -200,5 +207,7 @@ def test_sigterm_finishes_the_run_with_its_exit_code(tiny_ckpt, tmp_path):
     from mllm_rl.sinks.wandb_file import read_history
 
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    assert [r["phase/name"] for r in read_history(run_file) if "phase/name" in r] == [r["phase"] for r in recs]
+    assert [r["phase/name"] for r in read_history(run_file) if "phase/name" in r] == [
+        r["phase"] for r in recs
+    ]
     assert json.loads((tmp_path / "run.json").read_text())["plan"] == "swap"

@@ -19,6 +19,8 @@ def test_bench_release_reports_freed_bytes_per_tag():
     assert out["source"] == "live_tensors" and out["memory_mode"] == "storage_resize"
     for tag in ("kv_cache", "weights"):
         t = out["tags"][tag]
-        assert t["held_bytes"] > 0 and t["freed_frac"] >= 0.99 and t["reclaimed_bytes"] >= 0.99 * t["held_bytes"]
+        assert (
+            t["held_bytes"] > 0 and t["freed_frac"] >= 0.99 and t["reclaimed_bytes"] >= 0.99 * t["held_bytes"]
+        )
         assert t["release_s"] >= 0 and t["resume_s"] >= 0
     assert out["greedy_identical"] is True and out["resync_s"] > 0  # no backup: a full re-sync ran

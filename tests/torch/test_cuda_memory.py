@@ -23,7 +23,9 @@ GREEDY = SamplingParams(max_new_tokens=8)
 @pytest.fixture
 def make(tiny_ckpt):
     needs_cuda()
-    pytest.importorskip("torch_memory_saver", reason="needs torch_memory_saver (pip install torch-memory-saver==0.0.10)")
+    pytest.importorskip(
+        "torch_memory_saver", reason="needs torch_memory_saver (pip install torch-memory-saver==0.0.10)"
+    )
     from mllm_rl.backends.torch.engine import EmbeddedEngine
 
     model = ModelDir.open(tiny_ckpt)

@@ -44,7 +44,9 @@ def test_greedy_equals_our_reference_decoder(engine, tiny_ckpt):
 @pytest.mark.parametrize("kw", [{"max_total_tokens": 40, "context_length": 32}, {"max_running_requests": 1}])
 def test_sub_batches_give_the_same_tokens(engine, tiny_ckpt, kw):
     small = swapped(tiny_ckpt, **kw)
-    assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+    assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == [
+        o.token_ids for o in engine.generate(PROMPTS, GREEDY)
+    ]
 
 
 def test_context_length_caps_new_tokens(tiny_ckpt):
@@ -79,7 +81,9 @@ def test_updates_from_torch_tensors_and_placed_tensors(tiny_ckpt, engine):
     ref = load_qwen3(ModelDir.open(tiny_ckpt))
     want = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
     eng = ManagedEngine(EmbeddedEngine(ModelDir.open(tiny_ckpt), device="cpu"))
-    eng.update_weights(WeightExport.of([(n, p.detach().double()) for n, p in ref.named_parameters()], full=True))
+    eng.update_weights(
+        WeightExport.of([(n, p.detach().double()) for n, p in ref.named_parameters()], full=True)
+    )
     assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == want
     eng2 = ManagedEngine(EmbeddedEngine(ModelDir.open(tiny_ckpt), device="cpu"))
     placed = [(n, Placed(eng2.engine.place(n, p.detach()))) for n, p in ref.named_parameters()]
@@ -123,7 +127,9 @@ def test_unseeded_sampling_follows_the_engine_seed(tiny_ckpt):
 def test_pause_from_another_thread_returns_promptly(tiny_ckpt):
     eng = swapped(tiny_ckpt)
     out = {}
-    th = threading.Thread(target=lambda: out.update(r=eng.engine.generate(PROMPTS, SamplingParams(max_new_tokens=480))))
+    th = threading.Thread(
+        target=lambda: out.update(r=eng.engine.generate(PROMPTS, SamplingParams(max_new_tokens=480)))
+    )
     th.start()
     time.sleep(0.3)
     t0 = time.perf_counter()

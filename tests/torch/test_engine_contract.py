@@ -50,7 +50,9 @@ globals().update(contract.CONTRACT_TESTS)
 def test_sglang_engine_contract(tiny_ckpt, hf_logits):
     """Every check above on the SGLang adapter (CUDA, sglang installed)."""
     if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang is not importable here (needs CUDA); the adapter was written from its source, not run")
+        pytest.skip(
+            "sglang is not importable here (needs CUDA); the adapter was written from its source, not run"
+        )
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     o = run_driver(tiny_ckpt, "sglang", "cuda")

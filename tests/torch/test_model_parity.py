@@ -65,14 +65,19 @@ def test_cached_path_equals_training_forward(ours):
     c = ours.config
     b, t, cap = 2, 8, 12
     pool = torch.zeros(c.num_hidden_layers, 2, b, cap, c.num_key_value_heads, c.head_dim)
-    cache = KVCache([pool[i, 0] for i in range(c.num_hidden_layers)], [pool[i, 1] for i in range(c.num_hidden_layers)])
+    cache = KVCache(
+        [pool[i, 0] for i in range(c.num_hidden_layers)], [pool[i, 1] for i in range(c.num_hidden_layers)]
+    )
     key_mask = torch.zeros(b, cap, dtype=torch.bool)
     key_mask[:, :t] = MASK
     positions = (MASK.long().cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():
         full = ours(TOKENS, MASK)
         pre = ours.forward_cached(TOKENS[:, :6], positions[:, :6], key_mask, cache, 0)
-        steps = [ours.forward_cached(TOKENS[:, i : i + 1], positions[:, i : i + 1], key_mask, cache, i) for i in (6, 7)]
+        steps = [
+            ours.forward_cached(TOKENS[:, i : i + 1], positions[:, i : i + 1], key_mask, cache, i)
+            for i in (6, 7)
+        ]
     assert (pre - full[:, :6])[MASK[:, :6]].abs().max() < ATOL
     for i, s in zip((6, 7), steps, strict=True):
         assert (s[:, 0] - full[:, i]).abs().max() < ATOL

@@ -23,7 +23,14 @@ def test_backend_protocol_surface():
     from mllm_rl.backend_registry import load_backend
 
     b = load_backend("torch")
-    for attr in ("init_runtime", "memory_probe", "check_engine_args", "create_engine", "place_all", "empty_cache"):
+    for attr in (
+        "init_runtime",
+        "memory_probe",
+        "check_engine_args",
+        "create_engine",
+        "place_all",
+        "empty_cache",
+    ):
         assert callable(getattr(b, attr)), attr
     info = b.init_runtime(tp=1, platform="cpu")
     assert info["platform"] == "cpu" and info["device"] == "cpu" and info["torch_version"]

@@ -42,7 +42,13 @@ def test_cpu_probe_counts_distinct_storages_of_holders_once():
 def test_cpu_probe_snapshot_is_schema_shaped():
     h = Holder(torch.zeros(MB // 4))
     (d,) = CpuTensorProbe().snapshot()
-    assert (d.id, d.platform, d.source, d.peak_bytes_in_use, d.bytes_limit) == (0, "cpu", "live_tensors", None, None)
+    assert (d.id, d.platform, d.source, d.peak_bytes_in_use, d.bytes_limit) == (
+        0,
+        "cpu",
+        "live_tensors",
+        None,
+        None,
+    )
     assert d.bytes_in_use == d.raw["live_tensors_bytes"] == tracked_cpu_bytes()[0] >= MB
     del h
 

@@ -135,7 +135,9 @@ def _cases(mask: np.ndarray) -> list[dict]:
     return cases
 
 
-@pytest.mark.skipif(not JAX_PYTHON.exists(), reason=f"{JAX_PYTHON} absent (the JAX venv computes the reference)")
+@pytest.mark.skipif(
+    not JAX_PYTHON.exists(), reason=f"{JAX_PYTHON} absent (the JAX venv computes the reference)"
+)
 def test_matches_the_jax_loss_and_gradient(tmp_path: Path):
     logp, old, ref, adv, mask = batch_np(7, b=8, t=7)
     old[0, :3] = logp[0, :3] - 1.0  # ratios far outside the clip range on both sides
@@ -158,7 +160,9 @@ def test_matches_the_jax_loss_and_gradient(tmp_path: Path):
         loss.backward()
         w = want[case["name"]]
         assert float(loss.detach()) == pytest.approx(w["loss"], rel=1e-5, abs=1e-7), case["name"]
-        np.testing.assert_allclose(lp.grad.numpy(), np.asarray(w["grad"]), rtol=1e-5, atol=1e-7, err_msg=case["name"])
+        np.testing.assert_allclose(
+            lp.grad.numpy(), np.asarray(w["grad"]), rtol=1e-5, atol=1e-7, err_msg=case["name"]
+        )
         for k in ("clip_frac", "kl", "ratio_mean"):
             assert float(m[k]) == pytest.approx(w[k], rel=1e-5, abs=1e-7), (case["name"], k)
         clipped = max(clipped, float(m["clip_frac"]))

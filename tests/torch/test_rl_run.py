@@ -32,7 +32,17 @@ RUNS = {
     "lora": ["--lora-rank", "4"],
 }
 FAULTS = {"oom": "train_oom", "offload_noop": "offload_noop"}
-TRAIN_METRICS = {"loss", "grad_norm", "clip_frac", "kl", "ratio_mean", "neg_logp_mean", "tokens", "updates", "train_s"}
+TRAIN_METRICS = {
+    "loss",
+    "grad_norm",
+    "clip_frac",
+    "kl",
+    "ratio_mean",
+    "neg_logp_mean",
+    "tokens",
+    "updates",
+    "train_s",
+}
 SLACK = 4096  # bytes of small temporaries another thread may hold while the probe scans
 
 
@@ -74,7 +84,11 @@ def test_exits_clean_with_every_phase_in_order_and_schema_valid(runs, name):
     plan = json.loads((run_dir / "run.json").read_text())
     assert plan["backend"] == "torch" and plan["steps"] == 2
     setup, final = plan["expected_phases"][:-1], plan["expected_phases"][-1:]
-    assert setup[1] == "torch_ready" and final == ["generate_result"] and "check_weights" in plan["expected_step_phases"]
+    assert (
+        setup[1] == "torch_ready"
+        and final == ["generate_result"]
+        and "check_weights" in plan["expected_step_phases"]
+    )
     recs = records(run_dir)
     want = setup + plan["expected_step_phases"] * 2 + final
     assert [x["phase"] for x in recs] == want
@@ -123,8 +137,13 @@ def test_the_probe_sees_the_trainer_leave_and_come_back(runs, name):
         for x in by_phase(recs, phase):
             dev = x["memory"]["devices"][0]
             want = x["info"][key]
-            assert want > 0 and abs(sign * (dev["bytes_in_use"] - dev["bytes_in_use_start"]) - want) <= SLACK, phase
-    assert by_phase(recs, "onload_trainer")[0]["info"]["expected_alloc_bytes"] == state["params"] + state["optimizer"]
+            assert (
+                want > 0 and abs(sign * (dev["bytes_in_use"] - dev["bytes_in_use_start"]) - want) <= SLACK
+            ), phase
+    assert (
+        by_phase(recs, "onload_trainer")[0]["info"]["expected_alloc_bytes"]
+        == state["params"] + state["optimizer"]
+    )
     for x in by_phase(recs, "offload_trainer_params"):
         assert x["info"]["trainer"] == {"params": False, "optimizer": False}
 
@@ -150,7 +169,9 @@ def test_injected_oom_fails_the_train_step_phase_with_exit_1(runs):
     assert r.returncode == 1 and "error: OutOfMemoryError: CUDA out of memory" in r.stderr, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     last = records(run_dir)[-1]
-    assert last["phase"] == "train_step" and last["step"] == 0 and "injected: train_oom" in last["info"]["error"]
+    assert (
+        last["phase"] == "train_step" and last["step"] == 0 and "injected: train_oom" in last["info"]["error"]
+    )
     assert last["memory"]["devices"][0]["bytes_in_use"] > 0
 
 

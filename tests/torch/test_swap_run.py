@@ -18,7 +18,9 @@ PHASES = ["wandb_init", "torch_ready", "engine_ready_dummy", "weights_swapped", 
 SMALL_TEMPORARIES = 4096  # fingerprint accumulators and the like
 
 
-def swap_run(run_dir: Path, model: Path, *extra: str, env: dict[str, str] | None = None, platform: str = "cpu"):
+def swap_run(
+    run_dir: Path, model: Path, *extra: str, env: dict[str, str] | None = None, platform: str = "cpu"
+):
     """A swap run; on CPU unless told (the CPU probe's numbers are what these tests check)."""
     return run_cli(
         "mllm_rl.run", "--backend", "torch", "--plan", "swap", "--model", str(model), "--platform", platform,
@@ -71,7 +73,9 @@ def test_probe_sees_the_engine_and_the_streaming_peak_is_one_copy_plus_one_tenso
     assert swapped["bytes_in_use"] == ready["bytes_in_use"]  # in place: nothing added, nothing left behind
     # On CPU a staged slice of the same dtype is a view of the checkpoint's page cache: the
     # streaming swap allocates nothing the engine holds beyond its own weights.
-    assert swapped["phase_peak_bytes"] <= swapped["bytes_in_use"] + largest_tensor(tiny_ckpt) + SMALL_TEMPORARIES
+    assert (
+        swapped["phase_peak_bytes"] <= swapped["bytes_in_use"] + largest_tensor(tiny_ckpt) + SMALL_TEMPORARIES
+    )
 
 
 def test_wandb_offline_has_one_row_per_phase(streaming):

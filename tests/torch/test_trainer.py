@@ -25,7 +25,17 @@ from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig
 from tests.conftest import ROOT
 from tests.torch.conftest import needs_cuda
 
-METRICS = {"loss", "grad_norm", "clip_frac", "kl", "ratio_mean", "neg_logp_mean", "tokens", "updates", "train_s"}
+METRICS = {
+    "loss",
+    "grad_norm",
+    "clip_frac",
+    "kl",
+    "ratio_mean",
+    "neg_logp_mean",
+    "tokens",
+    "updates",
+    "train_s",
+}
 PROMPT = [51, 71, 68, 220, 66, 64, 79]
 JAX_PYTHON = ROOT / ".venv-jax" / "bin" / "python"
 
@@ -90,7 +100,9 @@ def capture_grads(t: TorchTrainer) -> list[list[torch.Tensor]]:
     return seen
 
 
-def assert_same(a: dict[str, torch.Tensor] | list[torch.Tensor], b: dict[str, torch.Tensor] | list[torch.Tensor]):
+def assert_same(
+    a: dict[str, torch.Tensor] | list[torch.Tensor], b: dict[str, torch.Tensor] | list[torch.Tensor]
+):
     pairs = zip(a.values(), b.values(), strict=True) if isinstance(a, dict) else zip(a, b, strict=True)
     for x, y in pairs:
         assert torch.equal(x, y)
@@ -261,7 +273,9 @@ def test_save_restore_round_trip(model_dir, tmp_path, lora_rank):
     a = trainer(model_dir, lora_rank=lora_rank)
     a.train_step(make_batch())
     a.save(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.pt"]  # written under a temporary name, renamed
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "state.pt"
+    ]  # written under a temporary name, renamed
     b = trainer(model_dir, lora_rank=lora_rank)
     b.restore(tmp_path)
     assert_same(params(b), params(a))
@@ -287,7 +301,9 @@ def test_export_lands_in_the_embedded_engine_and_its_greedy_agrees(model_dir, lo
     engine = ManagedEngine(EmbeddedEngine(model_dir, device="cpu"))
     shapes = {n: (tuple(p.shape), p.dtype) for n, p in engine.engine.params.items()}
     export = t.export_weights(full=True)
-    assert sorted(export.names) == sorted(engine.weight_names()) and len(set(export.names)) == len(export.names)
+    assert sorted(export.names) == sorted(engine.weight_names()) and len(set(export.names)) == len(
+        export.names
+    )
     sent = []
 
     def check(items):
@@ -370,7 +386,9 @@ print("RESULT" + json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not JAX_PYTHON.exists(), reason=f"{JAX_PYTHON} absent (the JAX venv computes the reference)")
+@pytest.mark.skipif(
+    not JAX_PYTHON.exists(), reason=f"{JAX_PYTHON} absent (the JAX venv computes the reference)"
+)
 def test_two_steps_match_the_jax_trainer(model_dir, tmp_path):
     """Full fine-tune and LoRA (torch adapters started from JAX's lora_a), KL in the loss, 2 mini-batches
     of micro-batches of 5 rows: metrics and the exported weights agree after 2 steps."""
