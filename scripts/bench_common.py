@@ -129,6 +129,41 @@ def write_json(path: Path | None, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def run_bench(
+    bench: Callable[[Any], dict[str, Any]],
+    args: Any,
+    report: Callable[[dict[str, Any]], str],
+    summary: Callable[[dict[str, Any]], dict[str, Any]],
+    report_to_stderr: bool = False,
+) -> tuple[int, dict[str, Any] | None]:
+    """The shared end of every bench script: run ``bench(args)``, print the human report, write
+    ``--json``, print one JSON summary line last (what ``gpu_bench_all.sh`` and tests parse).
+
+    Returns ``(exit code, results)``: 2 on bad input (``ValueError``, incl. ``CheckpointError``:
+    one line on stderr), 1 on a ``BenchError``, else 0 and the results (the caller decides whether
+    failed targets turn the 0 into a 1).
+    """
+    try:
+        out = bench(args)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1, None
+    except ValueError as e:  # bad preset / checkpoint / backend / flag value: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2, None
+    text = report(out)
+    if text:
+        print(text, file=sys.stderr if report_to_stderr else sys.stdout)
+    write_json(getattr(args, "json", None), out)
+    print(json.dumps(summary(out), default=str), flush=True)
+    return 0, out
+
+
+def failed_targets(out: dict[str, Any]) -> bool:
+    """True when a target that applies failed (``pass`` is False; None = not applicable)."""
+    return any(t.get("pass") is False for t in out.get("targets", {}).values())
+
+
 def positive(kind: type = int) -> Callable[[str], Any]:
     """argparse type: a number > 0 (one-line error otherwise)."""
 

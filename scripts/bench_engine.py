@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -50,9 +49,9 @@ from bench_common import (  # noqa: E402
     last_json_line,
     machine_info,
     positive,
+    run_bench,
     run_cmd,
     table,
-    write_json,
 )
 
 ENGINES = ("embedded", "hf", "sglang-jax", "sglang")
@@ -316,24 +315,15 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --new-tokens must be >= 2 (decode rate = tokens after the first)", file=sys.stderr)
         return 2
     args.platform = "gpu" if args.platform == "cuda" and args.worker == "sglang-jax" else args.platform
-    from mllm_rl.checkpoint.model_dir import CheckpointError
-
-    try:
-        if args.worker:
-            print(json.dumps(worker(args)), flush=True)
-            return 0
-        out = bench(args)
-    except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except BenchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(report(out))
-    write_json(args.json, out)
-    print(json.dumps({"bench": "engine", "rows": [{k: r[k] for k in ("engine", "batch", "decode_tok_s", "decode_over_hf")}
-                                                   for r in out["rows"]]}))  # fmt: skip
-    return 0
+    if args.worker:
+        return run_bench(worker, args, lambda o: "", lambda o: o)[0]
+    keys = ("engine", "batch", "decode_tok_s", "decode_over_hf")
+    return run_bench(
+        bench,
+        args,
+        report,
+        lambda o: {"bench": "engine", "rows": [{k: r[k] for k in keys} for r in o["rows"]]},
+    )[0]
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ results (``--strict``: 1 when a target fails), 2 on bad input.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import command_line, machine_info, positive, target, write_json  # noqa: E402
+from bench_common import command_line, failed_targets, machine_info, positive, run_bench, target  # noqa: E402
 
 FREED_TARGET = 0.99
 TAGS = ("kv_cache", "weights")
@@ -191,18 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    platform = "gpu" if args.platform == "cuda" else args.platform
-    args.platform = platform
-    try:
-        out = bench(args)
-    except ValueError as e:  # bad preset / checkpoint / backend: one line
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(report(out), file=sys.stderr)
-    write_json(args.json, out)
-    print(json.dumps(out), flush=True)
-    failed = any(t["pass"] is False for t in out["targets"].values())
-    return 1 if failed and args.strict else 0
+    args.platform = "gpu" if args.platform == "cuda" else args.platform
+    code, out = run_bench(bench, args, report, lambda o: o, report_to_stderr=True)
+    return 1 if out is not None and failed_targets(out) and args.strict else code
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ Exit 0 with results, 1 when a run failed, 2 on bad input.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -51,10 +50,10 @@ from bench_common import (  # noqa: E402
     machine_info,
     max_of,
     positive,
+    run_bench,
     run_cmd,
     table,
     truth,
-    write_json,
 )
 
 SCHEDULES = ("multi_stage", "naive")
@@ -347,21 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from mllm_rl.checkpoint.model_dir import CheckpointError
-
-    try:
-        out = bench(args)
-    except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except BenchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(report(out))
-    write_json(args.json, out)
-    print(json.dumps({k: out[k] for k in ("bench", "backend", "preset", "naive_over_multi_stage_step_peak")
-                      if k in out}))  # fmt: skip
-    return 0
+    keys = ("bench", "backend", "preset", "naive_over_multi_stage_step_peak")
+    return run_bench(bench, args, report, lambda o: {k: o[k] for k in keys if k in o})[0]
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ Exit 0 with the results (``--strict``: 1 when an applicable target fails), 2 on 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -42,20 +41,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import (  # noqa: E402
     ROOT,
-    BenchError,
     MiB,
     allocator,
     command_line,
     csv_choice,
+    failed_targets,
     last_json_line,
     machine_info,
     positive,
+    run_bench,
     run_cmd,
     table,
     target,
     truth,
     warm_page_cache,
-    write_json,
 )
 
 MODES = ("streaming", "naive")
@@ -207,21 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from mllm_rl.checkpoint.model_dir import CheckpointError
-
-    try:
-        out = bench(args)
-    except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except BenchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(report(out))
-    write_json(args.json, out)
-    print(json.dumps({k: out[k] for k in ("bench", "backend", "preset", "targets") if k in out}))
-    failed = any(t["pass"] is False for t in out.get("targets", {}).values())
-    return 1 if failed and args.strict else 0
+    keys = ("bench", "backend", "preset", "targets")
+    code, out = run_bench(bench, args, report, lambda o: {k: o[k] for k in keys if k in o})
+    return 1 if out is not None and failed_targets(out) and args.strict else code
 
 
 if __name__ == "__main__":

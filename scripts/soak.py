@@ -30,7 +30,6 @@ Exit 0 when every target holds, 1 when one fails, 2 on bad input. JSON: ``--json
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -40,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import MiB, command_line, machine_info, positive, target, write_json  # noqa: E402
+from bench_common import MiB, command_line, failed_targets, machine_info, positive, run_bench, target  # noqa: E402
 
 PROMPTS = [[51, 71, 68, 220, 66, 64, 79], [64, 65, 66, 64, 65, 66, 64]]
 
@@ -228,15 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --warmup must be >= 0, got {args.warmup}", file=sys.stderr)
         return 2
     args.platform = "gpu" if args.platform == "cuda" else args.platform
-    try:
-        out = soak(args)
-    except ValueError as e:  # bad preset / checkpoint / backend
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(report(out))
-    write_json(args.json, out)
-    print(json.dumps({k: out[k] for k in ("bench", "backend", "preset", "cycles", "targets")}))
-    return 1 if any(t["pass"] is False for t in out["targets"].values()) else 0
+    keys = ("bench", "backend", "preset", "cycles", "targets")
+    code, out = run_bench(soak, args, report, lambda o: {k: o[k] for k in keys})
+    return 1 if out is not None and failed_targets(out) else code
 
 
 if __name__ == "__main__":
