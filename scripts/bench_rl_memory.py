@@ -94,7 +94,7 @@ def analyse(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-phase peaks, KV residency, step/setup peaks and KV bytes of one run's records."""
     phases: dict[str, dict[str, Any]] = {}
     order: list[str] = []
-    kv_prev, seen_engine = False, False
+    kv_prev, seen_engine, seen_step = False, False, False
     kv_bytes = tokens = limit = None
     count: dict[tuple[int | None, str], int] = {}
     for r in records:
@@ -110,8 +110,14 @@ def analyse(records: list[dict[str, Any]]) -> dict[str, Any]:
             kv_bytes = held["kv_cache"]
         limit = max_of([limit, *[d.get("bytes_limit") for d in devs]])
         step = r["step"]
-        k = count[(step, name)] = count.get((step, name), 0) + 1
-        key = name if k == 1 else f"{name}#{k}"
+        if step is not None:
+            seen_step = True
+        # once-per-run phases are kept apart from the steps' phases of the same name (the setup runs
+        # release_rollout, offload_optimizer, resume_kv, ... too): "setup:NAME" before the first step,
+        # "end:NAME" after the last
+        base = name if step is not None else (f"end:{name}" if seen_step else f"setup:{name}")
+        k = count[(step, base)] = count.get((step, base), 0) + 1
+        key = base if k == 1 else f"{base}#{k}"
         peak = max_of([d.get("phase_peak_bytes") for d in devs])
         p = phases.get(key)
         if p is None:

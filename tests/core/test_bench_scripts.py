@@ -100,7 +100,9 @@ def _records(naive: bool) -> list[dict]:
     recs = [_rec("jax_ready", None, 0, 0, 0, None),
             _rec("engine_ready_dummy", None, 0, kv + w, kv + w, None, {"max_total_tokens": 50}),
             _rec("trainer_init", None, kv + w, kv + w + t, kv + w + t, None),
-            _rec("offload_trainer", None, kv + w + t, kv + w, kv + w + t, False)]  # fmt: skip
+            _rec("offload_trainer", None, kv + w + t, kv + w, kv + w + t, False),
+            # a setup phase with a step phase's name and a peak above every step: must stay apart
+            _rec("release_rollout", None, kv + w, 0, kv + w + 7, True)]  # fmt: skip
     for step in range(2):
         recs += [_rec("rollout", step, kv + w, kv + w, kv + w + 5, False),
                  _rec("release_rollout", step, kv + w, 0, kv + w, True, {"held": {"kv_cache": kv, "weights": w}}),
@@ -129,7 +131,12 @@ def test_rl_memory_analysis_and_kv_fit():
     fit = b.predict_kv(ms, 200, steps_only=True)
     assert fit == {"kv_bytes": 185, "tokens": 92, "limiting_phase": "rollout"}
     assert b.predict_kv(nv, 200, steps_only=True)["kv_bytes"] == 160  # resume_rollout: trainer + weights
-    assert b.predict_kv(ms, 200, steps_only=False)["limiting_phase"] in ("trainer_init", "offload_trainer")
+    assert b.predict_kv(ms, 200, steps_only=False)["limiting_phase"] in (
+        "setup:trainer_init",
+        "setup:offload_trainer",
+    )
+    assert phases["setup:release_rollout"]["peak"] == 117 and phases["release_rollout"]["peak"] == 110
+    assert phases["release_rollout"]["n"] == 2 and phases["setup:release_rollout"]["n"] == 1
     assert b.predict_kv(ms, 40, steps_only=True)["tokens"] == 0  # train_step alone (50) does not fit
 
 
