@@ -10,12 +10,15 @@ import sys
 from tests.conftest import ROOT
 
 
-def test_bench_release_reports_freed_bytes_per_tag():
+def test_bench_release_reports_freed_bytes_per_tag(tmp_path):
+    saved = tmp_path / "release.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts/bench_release.py"), "--backend", "torch",
-                        "--preset", "tiny", "--platform", "cpu"], capture_output=True, text=True, cwd=ROOT,
-                       timeout=300)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
+                        "--preset", "tiny", "--platform", "cpu", "--strict", "--json", str(saved)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]  # --strict: exit 1 if a target failed
     out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert json.loads(saved.read_text())["targets"] == out["targets"] and out["targets"]
+    assert "held MiB" in r.stderr  # the human table goes to stderr, the JSON line last on stdout
     assert out["source"] == "live_tensors" and out["memory_mode"] == "storage_resize"
     for tag in ("kv_cache", "weights"):
         t = out["tags"][tag]
