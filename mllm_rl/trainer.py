@@ -102,10 +102,37 @@ def check_state_names(what: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(what))
 
 
+TRAIN_METRICS = (
+    "loss", "grad_norm", "clip_frac", "kl", "ratio_mean", "neg_logp_mean", "tokens", "updates", "train_s",
+)  # fmt: skip
+
+
+def train_metrics(
+    loss_sum: float, n_parts: int, grad_norms: list[float], totals: dict[str, float], seconds: float
+) -> dict[str, float]:
+    """The metrics every ``Trainer.train_step`` returns (``TRAIN_METRICS``), from its sums.
+
+    ``totals`` holds token-summed ``clip_frac``, ``kl``, ``ratio_mean``, ``entropy_proxy`` and the
+    valid-token count ``tokens`` over the step; each is reported as a per-token mean.
+    ``loss_sum`` is the sum of the ``n_parts`` micro-batch losses; ``grad_norms`` one per update.
+    """
+    n = max(totals.get("tokens", 0.0), 1.0)
+    return {
+        "loss": loss_sum / max(n_parts, 1),
+        "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
+        "clip_frac": totals.get("clip_frac", 0.0) / n,
+        "kl": totals.get("kl", 0.0) / n,
+        "ratio_mean": totals.get("ratio_mean", 0.0) / n,
+        "neg_logp_mean": totals.get("entropy_proxy", 0.0) / n,
+        "tokens": int(totals.get("tokens", 0.0)),
+        "updates": len(grad_norms),
+        "train_s": round(seconds, 4),
+    }
+
+
 class Trainer(Protocol):
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One RL step; metrics: loss, grad_norm, clip_frac, kl, ratio_mean, neg_logp_mean, tokens,
-        updates, train_s."""
+        """One RL step; returns ``TRAIN_METRICS`` (built by ``train_metrics``)."""
         ...
 
     def logprobs(self, batch: RolloutBatch) -> np.ndarray:

@@ -36,7 +36,7 @@ from mllm_rl.backends.jax.rl_loss import policy_loss
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import Fingerprint, WeightExport
 from mllm_rl.faults import fault
-from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig, check_state_names
+from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig, check_state_names, train_metrics
 
 T_BUCKET = 32
 DEVICE, HOST = "device", "pinned_host"
@@ -274,18 +274,7 @@ class JaxTrainer:
         if ref is not None:
             jax.tree.map(lambda x: x.delete(), ref)
         self.step += 1
-        n = max(totals.get("tokens", 0.0), 1.0)
-        return {
-            "loss": loss_sum / len(parts),
-            "grad_norm": float(np.mean(gnorms)) if gnorms else 0.0,
-            "clip_frac": totals.get("clip_frac", 0.0) / n,
-            "kl": totals.get("kl", 0.0) / n,
-            "ratio_mean": totals.get("ratio_mean", 0.0) / n,
-            "neg_logp_mean": totals.get("entropy_proxy", 0.0) / n,
-            "tokens": int(totals.get("tokens", 0.0)),
-            "updates": len(gnorms),
-            "train_s": round(time.perf_counter() - t0, 4),
-        }
+        return train_metrics(loss_sum, len(parts), gnorms, totals, time.perf_counter() - t0)
 
     def logprobs(self, batch: RolloutBatch) -> np.ndarray:
         self._need(PARAMS)

@@ -36,7 +36,7 @@ from mllm_rl.backends.torch.rl_loss import policy_loss
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import Fingerprint, WeightExport
 from mllm_rl.faults import fault
-from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig, check_state_names
+from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig, check_state_names, train_metrics
 
 T_BUCKET = 32
 STATE_FILE = "state.pt"
@@ -211,18 +211,8 @@ class TorchTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         host = {k: float(v) for k, v in totals.items()}
-        n = max(host.get("tokens", 0.0), 1.0)
-        return {
-            "loss": float(loss_sum) / len(parts),
-            "grad_norm": float(np.mean([float(g) for g in gnorms])) if gnorms else 0.0,
-            "clip_frac": host.get("clip_frac", 0.0) / n,
-            "kl": host.get("kl", 0.0) / n,
-            "ratio_mean": host.get("ratio_mean", 0.0) / n,
-            "neg_logp_mean": host.get("entropy_proxy", 0.0) / n,
-            "tokens": int(host.get("tokens", 0.0)),
-            "updates": len(gnorms),
-            "train_s": round(time.perf_counter() - t0, 4),
-        }
+        grad_norms = [float(g) for g in gnorms]
+        return train_metrics(float(loss_sum), len(parts), grad_norms, host, time.perf_counter() - t0)
 
     def _apply(self) -> torch.Tensor:
         """Global-norm clipping (optax ``clip_by_global_norm``: g * clip / norm when norm >= clip)

@@ -18,6 +18,7 @@ import pytest
 
 from mllm_rl.phases import validate_record
 from mllm_rl.sinks.jsonl import read_jsonl
+from mllm_rl.trainer import TRAIN_METRICS
 from tests.conftest import ROOT, run_cli
 
 SMALL = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4",
@@ -132,6 +133,7 @@ def test_wandb_has_one_point_per_step_per_rl_metric(lora_lr0):
     assert sum("phase/name" in row for row in rows) == len(records(run_dir))
     lines = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in lines] == [0, 1] and all("reward_mean" in m for m in lines)
+    assert all(set(TRAIN_METRICS) <= set(m) and m["updates"] >= 1 and m["tokens"] > 0 for m in lines)
 
 
 def test_report_is_written_and_finds_the_run_complete(lora_lr0):

@@ -21,21 +21,11 @@ from mllm_rl.engine import SamplingParams, WeightExport, compare_fingerprints
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.rl.batch import build_batch
 from mllm_rl.rl.loss_config import LossConfig
-from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig
+from mllm_rl.trainer import OPTIMIZER, PARAMS, TRAIN_METRICS, RolloutBatch, TrainConfig
 from tests.conftest import ROOT
 from tests.torch.conftest import needs_cuda
 
-METRICS = {
-    "loss",
-    "grad_norm",
-    "clip_frac",
-    "kl",
-    "ratio_mean",
-    "neg_logp_mean",
-    "tokens",
-    "updates",
-    "train_s",
-}
+METRICS = set(TRAIN_METRICS)
 PROMPT = [51, 71, 68, 220, 66, 64, 79]
 JAX_PYTHON = ROOT / ".venv-jax" / "bin" / "python"
 
