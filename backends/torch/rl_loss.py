@@ -8,13 +8,8 @@ with ``ratio = exp(logp - old_logp)`` against the *rollout* log-probs, and the k
 estimator to a reference policy, ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased),
 which is part of the loss (not only logged) when ``beta > 0``.
 
-Aggregation (``agg``; see ``mllm_rl.rl.loss_config``):
-- ``token_mean``: sum over all valid tokens / number of valid tokens in the *whole batch*
-  (pass ``total_tokens`` when accumulating micro-batches, so that summing micro-batch
-  losses equals the full-batch loss);
-- ``seq_mean_token_mean``: mean over sequences of each sequence's token mean
-  (pass ``total_seqs`` likewise);
-- ``seq_mean_token_sum_norm``: Dr. GRPO: sum of tokens / ``max_len``, mean over sequences.
+Aggregation (``agg``, and ``total_tokens`` / ``total_seqs`` for exact micro-batch accumulation):
+as in ``backends/jax/rl_loss.py``; the modes are listed in ``mllm_rl.rl.loss_config``.
 """
 
 from __future__ import annotations
