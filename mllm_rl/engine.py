@@ -43,6 +43,15 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+def request_seeds(base: int, n: int) -> list[int]:
+    """One sampling seed per request of a batch of ``n``, derived from the batch seed ``base``.
+
+    For engines that seed each request (sglang-jax, SGLang): the batch seed on every request would
+    make every completion of a GRPO group the same sample.
+    """
+    return [(base * 1_000_003 + i) % 2**31 for i in range(n)]
+
+
 @dataclasses.dataclass
 class GenerateOutput:
     token_ids: list[int]  # generated tokens only, [T_out]

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from mllm_rl.report.memory import primary_devices
+
 
 def _gib(v: int | None) -> str:
     return "-" if v is None else f"{v / 2**30:.3f}"
 
 
 def _sum(devices: list[dict[str, Any]], key: str) -> int | None:
-    vals = [d[key] for d in devices if d.get(key) is not None]
+    """``key`` summed over one entry per device (CUDA records list a device twice: driver truth and
+    allocator; see ``report.memory.primary_devices``), skipping unknown values."""
+    vals = [d[key] for d in primary_devices(devices) if d.get(key) is not None]
     return sum(vals) if vals else None
 
 

@@ -62,7 +62,7 @@ class JaxBackend:
 
         return JaxMemoryProbe()
 
-    def check_engine_args(self, model: ModelDir, tp: int) -> None:
+    def check_engine_args(self, model: ModelDir, tp: int, **engine_kwargs: Any) -> None:
         """Validate before any engine starts (sglang-jax kills the host on a bad init)."""
         import jax
 

@@ -65,7 +65,15 @@ from jax.sharding import NamedSharding
 
 from mllm_rl.backends.jax import distributed as dist
 from mllm_rl.checkpoint.model_dir import ModelDir
-from mllm_rl.engine import TAG_KV, TAG_WEIGHTS, Fingerprint, GenerateOutput, SamplingParams, UpdateStats
+from mllm_rl.engine import (
+    TAG_KV,
+    TAG_WEIGHTS,
+    Fingerprint,
+    GenerateOutput,
+    SamplingParams,
+    UpdateStats,
+    request_seeds,
+)
 from mllm_rl.faults import fault
 
 VERIFIED_VERSIONS = ("0.1.0rc0",)
@@ -411,12 +419,8 @@ class SglangJaxEngine:
         if sampling.stop_token_ids:
             params["stop_token_ids"] = list(sampling.stop_token_ids)
         ids = [list(map(int, x)) for x in input_ids]
-        # One seed per request (derived from the batch seed): one seed for all would make
-        # every completion of a GRPO group identical.
-        per_req = [dict(params) for _ in ids]
         base = sampling.seed if sampling.seed is not None else int(self._seeds.integers(2**31))
-        for i, p in enumerate(per_req):
-            p["sampling_seed"] = (base * 1_000_003 + i) % 2**31
+        per_req = [{**params, "sampling_seed": s} for s in request_seeds(base, len(ids))]
         out = self._call(
             self.engine.async_generate(input_ids=ids, sampling_params=per_req, return_logprob=True)
         )

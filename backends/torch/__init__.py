@@ -81,7 +81,7 @@ class TorchBackend:
             raise ValueError("engine 'sglang' needs the sglang package and a CUDA device")
         return engine
 
-    def check_engine_args(self, model: ModelDir, tp: int, engine: str = "auto") -> None:
+    def check_engine_args(self, model: ModelDir, tp: int, engine: str = "auto", **engine_kwargs: Any) -> None:
         """Validate before any engine starts: the embedded engine runs on one device."""
         if tp < 1:
             raise ValueError(f"--tp must be >= 1, got {tp}")

@@ -30,7 +30,6 @@ double pause.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
@@ -53,6 +52,7 @@ from mllm_rl.engine import (
     SamplingParams,
     UpdateStats,
 )
+from mllm_rl.faults import fault
 
 _FP_CHUNK = 1 << 20  # elements per fingerprint slice (bounds the float32 temporary of bf16 weights)
 
@@ -61,11 +61,6 @@ class Placed(NamedTuple):
     """A tensor already on the engine's device in the engine dtype, HF layout (naive swap baseline)."""
 
     tensor: torch.Tensor
-
-
-def faults() -> set[str]:
-    """Fault-injection points for tests (``MLLM_RL_FAULTS="swap_noop,..."``)."""
-    return {f for f in os.environ.get("MLLM_RL_FAULTS", "").split(",") if f}
 
 
 def tensor_sums(x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +151,7 @@ class EmbeddedEngine:
         device in the engine dtype (always a copy: the naive baseline's second copy)."""
         dst = self._param(hf_name)
         src = value if isinstance(value, torch.Tensor) else to_torch(value)
-        _check_shape(hf_name, src, dst)
+        check_shape(hf_name, src, dst.shape)
         placed = src.to(device=self.device, dtype=self.dtype, copy=True)
         self._placed.add(placed)  # held for the engine until installed and dropped
         return placed
@@ -168,7 +163,7 @@ class EmbeddedEngine:
         tensor on any device, or a ``Placed`` tensor (naive baseline; installed as is).
         """
         t0 = time.perf_counter()
-        noop = "swap_noop" in faults()
+        noop = fault("swap_noop")
         sums: dict[str, torch.Tensor] = {}
         nbytes = 0
         with torch.no_grad(), self._lock:
@@ -176,7 +171,7 @@ class EmbeddedEngine:
                 dst = self._param(name)
                 if isinstance(value, Placed):
                     src = value.tensor
-                    _check_shape(name, src, dst)
+                    check_shape(name, src, dst.shape)
                     if src.device != dst.device or src.dtype != dst.dtype:
                         raise ValueError(f"{name}: placed {src.dtype} on {src.device}, engine holds {dst.dtype} "
                                          f"on {dst.device}")  # fmt: skip
@@ -188,7 +183,7 @@ class EmbeddedEngine:
                     del src
                 else:
                     src = value if isinstance(value, torch.Tensor) else to_torch(value)
-                    _check_shape(name, src, dst)
+                    check_shape(name, src, dst.shape)
                     sums[name] = self._write(name, dst, src, on_tensor, noop)
                     del src
                 del value
@@ -341,16 +336,17 @@ class EmbeddedEngine:
 
     def release_memory(self, tag: str) -> None:
         with torch.no_grad(), self._lock:
-            self.memory.release(
-                tag, self._tensors(tag), cpu_backup=tag == TAG_WEIGHTS and self.weights_cpu_backup
-            )
+            backup = (
+                tag == TAG_WEIGHTS and self.weights_cpu_backup and not fault("resume_lies")
+            )  # the fault: lost
+            self.memory.release(tag, self._tensors(tag), cpu_backup=backup)
 
     def resume_memory(self, tag: str) -> bool:
         """True when the contents came back (weights with CPU backup); kv_cache contents are
         undefined after a resume (False) and are never read before being written."""
         with torch.no_grad(), self._lock:
             restored = self.memory.resume(tag, self._tensors(tag))
-        return restored and tag == TAG_WEIGHTS
+        return (restored or fault("resume_lies")) and tag == TAG_WEIGHTS
 
     def shutdown(self) -> None:
         self.params = {}
@@ -381,6 +377,7 @@ def sample(
     return tok, lp.gather(1, tok[:, None])[:, 0]
 
 
-def _check_shape(name: str, src: torch.Tensor | np.ndarray, dst: torch.Tensor) -> None:
-    if tuple(src.shape) != tuple(dst.shape):
-        raise ValueError(f"{name}: shape {tuple(src.shape)} does not match engine {tuple(dst.shape)}")
+def check_shape(name: str, src: torch.Tensor | np.ndarray, shape: Sequence[int]) -> None:
+    """A received tensor must have the engine tensor's ``shape`` (one-line error otherwise)."""
+    if tuple(src.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape {tuple(src.shape)} does not match engine {tuple(shape)}")

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from mllm_rl.backends.torch.engine import Placed, faults, tensor_sums
+from mllm_rl.backends.torch.engine import Placed, check_shape, tensor_sums
 from mllm_rl.backends.torch.model import checkpoint_dtype, to_torch
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import (
@@ -60,7 +60,9 @@ from mllm_rl.engine import (
     GenerateOutput,
     SamplingParams,
     UpdateStats,
+    request_seeds,
 )
+from mllm_rl.faults import fault
 
 READ_VERSIONS = ("0.5.23",)  # read, never run (see the module docstring)
 _TM_COROUTINES = ("generate_request", "pause_generation", "continue_generation", "flush_cache",
@@ -137,6 +139,7 @@ class SglangEngine:
         self._loop_thread.start()
         self.shapes = {n: info.shape for n, (_, info) in model.tensors.items()}
         self._graph_bytes = 0  # cuda_graph bytes, measured by mem_get_info at its last release
+        self._paused = False  # set by pause_generation: errors of requests in flight then mean "aborted"
 
     def _call(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -152,10 +155,7 @@ class SglangEngine:
     def place(self, hf_name: str, value: Any) -> torch.Tensor:
         """``value`` as a new CUDA tensor in the engine dtype (the naive baseline's second copy)."""
         src = value if isinstance(value, torch.Tensor) else to_torch(value)
-        if tuple(src.shape) != tuple(self.shapes[hf_name]):
-            raise ValueError(
-                f"{hf_name}: shape {tuple(src.shape)} does not match engine {self.shapes[hf_name]}"
-            )
+        check_shape(hf_name, src, self.shapes[hf_name])
         return src.to(device="cuda", dtype=self.dtype, copy=True)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
@@ -163,7 +163,7 @@ class SglangEngine:
         ``update_weights_from_tensor`` (``flush_cache`` only with the last)."""
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 
-        t0, noop = time.perf_counter(), "swap_noop" in faults()
+        t0, noop = time.perf_counter(), fault("swap_noop")
         sums: dict[str, torch.Tensor] = {}
         bucket: list[tuple[str, torch.Tensor]] = []
         size = nbytes = 0
@@ -217,28 +217,31 @@ class SglangEngine:
     # -- generation -------------------------------------------------------------------------
     def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
         """One request per prompt, submitted together; a request that SGLang ends with an error
-        while generation is paused comes back as ``abort`` with no tokens."""
+        while generation is paused comes back as ``abort`` with no tokens; any other error is raised."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         params: dict[str, Any] = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                                   "top_p": sampling.top_p}  # fmt: skip
         if sampling.stop_token_ids:
             params["stop_token_ids"] = list(sampling.stop_token_ids)
-        if sampling.seed is not None:
-            params["sampling_seed"] = sampling.seed
+        # a seed per request (the batch seed on all would make a GRPO group one sample); none: random
+        seeds = request_seeds(sampling.seed, len(input_ids)) if sampling.seed is not None else None
 
-        async def one(ids: list[int]) -> dict:
-            obj = GenerateReqInput(input_ids=ids, sampling_params=dict(params), return_logprob=True)
+        async def one(i: int, ids: list[int]) -> dict:
+            req = params if seeds is None else {**params, "sampling_seed": seeds[i]}
+            obj = GenerateReqInput(input_ids=ids, sampling_params=dict(req), return_logprob=True)
             return await self.tm.generate_request(obj, None).__anext__()
 
         async def all_of() -> list[Any]:
             return await asyncio.gather(
-                *(one([int(t) for t in p]) for p in input_ids), return_exceptions=True
+                *(one(i, [int(t) for t in p]) for i, p in enumerate(input_ids)), return_exceptions=True
             )
 
         outs = []
         for o in self._call(all_of()):
             if isinstance(o, BaseException):
+                if not self._paused:  # a real failure, not a request cut short by a drain
+                    raise o
                 outs.append(GenerateOutput([], [], "", ABORT))
                 continue
             meta = o["meta_info"]
@@ -251,12 +254,14 @@ class SglangEngine:
     def pause_generation(self) -> None:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
+        self._paused = True
         self._call(self.tm.pause_generation(PauseGenerationReqInput(mode="abort")))
 
     def continue_generation(self) -> None:
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput
 
         self._call(self.tm.continue_generation(ContinueGenerationReqInput()))
+        self._paused = False
 
     def flush_cache(self) -> None:
         self._call(self.tm.flush_cache())

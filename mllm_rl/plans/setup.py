@@ -33,7 +33,7 @@ def start(
     with rec.phase(backend.ready_phase) as ph:
         ph.info.update(backend.init_runtime(tp=tp, platform=platform))
         rec.set_probe(backend.memory_probe())
-    backend.check_engine_args(model, tp)
+    backend.check_engine_args(model, tp, **engine_kwargs)  # the engine choice decides what is valid
     with rec.phase("engine_ready_dummy", model=str(model.path), tp=tp) as ph:
         engine = ManagedEngine(backend.create_engine(model, tp=tp, **engine_kwargs))
         on_engine(engine)

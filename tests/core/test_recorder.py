@@ -167,3 +167,17 @@ def test_phase_table_sums_devices_and_marks_errors():
     lines = phase_table(rec.records).splitlines()
     assert lines[2].split()[0] == "ok" and lines[2].split()[4] == f"{(2**30 + 200) / 2**30:.3f}"
     assert lines[3].split()[:2] == ["bad", "2"] and "ERROR: RuntimeError: boom" in lines[3]
+
+
+def test_phase_table_counts_each_device_once_when_two_sources_report_it():
+    """CUDA records list a device twice (mem_get_info and torch_allocator): one of them is summed."""
+    from mllm_rl.summary import phase_table
+
+    def dev(source: str, used: int) -> dict:
+        return {"id": 0, "platform": "gpu", "source": source, "bytes_in_use_start": used,
+                "bytes_in_use": used, "phase_peak_bytes": used}  # fmt: skip
+
+    rec = {"phase": "p", "step": None, "t_start": 0.0, "t_end": 1.0, "info": {},
+           "memory": {"devices": [dev("mem_get_info", 3 * 2**30), dev("torch_allocator", 2**30)],
+                      "host": {"rss_bytes": 0, "rss_peak_bytes": 0}}}  # fmt: skip
+    assert phase_table([rec]).splitlines()[2].split()[3:6] == ["3.000", "3.000", "3.000"]

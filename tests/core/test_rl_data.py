@@ -98,3 +98,11 @@ def test_boxed_task_loads_the_shipped_sample_and_rejects_bad_files(tmp_path):
         get_task("boxed", str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="--task 'chess'"):
         get_task("chess")
+
+
+def test_request_seeds_differ_per_request_and_repeat_per_batch_seed():
+    from mllm_rl.engine import request_seeds
+
+    seeds = request_seeds(7, 64)
+    assert len(set(seeds)) == 64 and all(0 <= s < 2**31 for s in seeds)
+    assert request_seeds(7, 64) == seeds and set(request_seeds(8, 64)).isdisjoint(seeds)

@@ -32,16 +32,20 @@ RUNS = {
     "lora_backup": ["--lora-rank", "4", "--weights-cpu-backup", "--schedule", "naive"],
     "lora": ["--lora-rank", "4"],
 }
-FAULTS = {"oom": "train_oom", "offload_noop": "offload_noop"}
+FAULTS = {  # run name: (MLLM_RL_FAULTS, extra flags)
+    "oom": ("train_oom", []),
+    "offload_noop": ("offload_noop", []),
+    "resume_lies": ("resume_lies", ["--lora-rank", "4", "--weights-cpu-backup"]),
+}
 SLACK = 4096  # bytes of small temporaries another thread may hold while the probe scans
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_ckpt, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     procs = {}
-    for name, extra in [*RUNS.items(), *((f, []) for f in FAULTS)]:
+    for name, (faults, extra) in [*((n, ("", x)) for n, x in RUNS.items()), *FAULTS.items()]:
         run_dir = tmp_path_factory.mktemp(f"torch_rl_{name}")
-        procs[name] = (start(tiny_ckpt, run_dir, *extra, faults=FAULTS.get(name, "")), run_dir)
+        procs[name] = (start(tiny_ckpt, run_dir, *extra, faults=faults), run_dir)
     return {name: (finish(p), run_dir) for name, (p, run_dir) in procs.items()}
 
 
@@ -171,6 +175,18 @@ def test_trainer_that_does_not_offload_breaks_the_residency_invariant(runs):
     last = records(run_dir)[-1]
     assert last["phase"] == "offload_trainer_params" and last["step"] is None  # the setup's
     assert "LifecycleError" in last["info"]["error"]
+
+
+def test_garbage_guard_catches_weights_that_resume_lied_about(runs):
+    """Seed 001: weights resumed without their backup (zeros) but believed valid, then a LoRA
+    partial sync: every synced tensor's fingerprint is right, the output is garbage."""
+    r, run_dir = runs["resume_lies"]
+    assert r.returncode == 3 and "garbage output" in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    recs = records(run_dir)
+    assert recs[-1]["phase"] == "check_weights" and recs[-1]["step"] == 0
+    assert "WeightMismatch" in recs[-1]["info"]["error"]
+    assert [u["info"]["full"] for u in by_phase(recs, "update_weights")] == [False]
 
 
 def test_resume_restores_the_last_checkpoint_and_runs_the_remaining_step(runs, tiny_ckpt, tmp_path):

@@ -157,6 +157,14 @@ def test_tp_2_is_refused_before_the_engine(tiny_ckpt, tmp_path):
     assert phases == ["wandb_init", "torch_ready"]
 
 
+def test_engine_sglang_is_refused_before_the_engine_where_it_cannot_run(tiny_ckpt, tmp_path):
+    r = swap_run(tmp_path, tiny_ckpt, "--engine", "sglang", "--wandb", "disabled")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "engine 'sglang' needs the sglang package and a CUDA device" in r.stderr
+    phases = [x["phase"] for x in read_jsonl(tmp_path / "phases.jsonl")]
+    assert phases == ["wandb_init", "torch_ready"]
+
+
 def test_platform_cuda_without_cuda_is_a_clear_error(tiny_ckpt, tmp_path):
     import torch
 
