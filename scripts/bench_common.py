@@ -89,7 +89,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "executable": sys.executable,
         "versions": versions,
-        "git": _git(),
+        "git": GIT_AT_START,  # the code that ran, not what HEAD became while it ran
     }
 
 
@@ -113,6 +113,9 @@ def _git() -> dict[str, Any] | None:
     if head.returncode != 0:
         return None
     return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+
+
+GIT_AT_START = _git()  # read when a bench script imports this module, i.e. when it starts
 
 
 def command_line() -> str:
