@@ -213,8 +213,12 @@ class ManagedEngine:
                 "would leave the rest undefined; sync the full weights or enable weights CPU backup"
             )
 
-    def update_weights(self, export: WeightExport, on_tensor: Any = None) -> UpdateStats:
-        """Stream ``export`` into the engine; raises ``WeightMismatch`` if it did not land."""
+    def update_weights(
+        self, export: WeightExport, on_tensor: Any = None, expected: Fingerprint | None = None
+    ) -> UpdateStats:
+        """Stream ``export`` into the engine; raises ``WeightMismatch`` if it did not land: the
+        engine's fingerprint (read back once) must match what was sent and, when given,
+        ``expected`` (the trainer's own fingerprint of the same tensors)."""
         self.check_update(export)
         stats = self.engine.update_weights(iter(export), on_tensor=on_tensor)
         if stats.tensors != len(export.names):
@@ -226,6 +230,11 @@ class ManagedEngine:
         if bad:
             raise WeightMismatch(
                 f"update_weights: engine weights differ from what was sent for {len(bad)} tensor(s), e.g. {bad[:2]}"
+            )
+        bad = compare_fingerprints(expected, got) if expected is not None else []
+        if bad:
+            raise WeightMismatch(
+                f"update_weights: engine weights differ from the trainer's for {len(bad)} tensor(s), e.g. {bad[:2]}"
             )
         if export.full:
             self.weights_valid = True

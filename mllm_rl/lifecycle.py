@@ -48,7 +48,6 @@ from mllm_rl.engine import (
     TAG_WEIGHTS,
     SamplingParams,
     WeightMismatch,
-    compare_fingerprints,
 )
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.phases.recorder import PhaseRecorder
@@ -109,6 +108,7 @@ class Colocated:
         if opts.check_weights and not opts.probe_ids:
             raise ValueError("check_weights needs LifecycleOptions.probe_ids")
         self.release_tags = [t for t in (TAG_KV, TAG_WEIGHTS, TAG_CUDA_GRAPH) if t in engine.tags]
+        self.kv_tags = [t for t in self.release_tags if t != TAG_WEIGHTS]  # what resume_kv brings back
         self._expected_probe: tuple[list[int], list[float]] | None = None
 
     # -- invariants ----------------------------------------------------------------------
@@ -132,24 +132,18 @@ class Colocated:
         """The first sync (``SETUP_PHASES``, step ``None``): release the dummy engine, build the
         trainer (``make_trainer() -> (trainer, info)``), stream its weights in (``weights_swapped``:
         full, fingerprint-checked), free the trainer, bring the KV cache back."""
-        with self._phase("release_rollout", None, tags=self.release_tags) as ph:
-            ph.info.update(self.engine.drain(self.opts.drain_timeout_s))
-            held = self.engine.release(self.release_tags)
-            ph.info.update(expected_freed_bytes=sum(held.values()), held=held)
+        self._release(None, drain=True)
         with self._phase("trainer_init", None, **trainer_info) as ph:
             self.trainer, info = make_trainer()
             ph.info.update(info, state_bytes=self.trainer.state_bytes())
         with self._phase("offload_optimizer", None) as ph:
             ph.info["expected_freed_bytes"] = self.trainer.offload([OPTIMIZER])
-        with self._phase("resume_weights", None) as ph:
-            ph.info["expected_alloc_bytes"] = sum(self.engine.resume([TAG_WEIGHTS]).values())
+        self._resume("resume_weights", [TAG_WEIGHTS], None)
         with self._phase("weights_swapped", None, mode="streaming") as ph:
             ph.info.update(self._update(full=True))
         with self._phase("offload_trainer_params", None) as ph:
             ph.info["expected_freed_bytes"] = self.trainer.offload([PARAMS])
-        with self._phase("resume_kv", None) as ph:
-            rest = [t for t in self.release_tags if t != TAG_WEIGHTS]
-            ph.info["expected_alloc_bytes"] = sum(self.engine.resume(rest).values())
+        self._resume("resume_kv", self.kv_tags, None)
         with self._phase("continue_generation", None):
             self.engine.continue_generation()
         return self.trainer
@@ -165,9 +159,7 @@ class Colocated:
             ph.info.update(metrics)
         with self._phase("drain", step) as ph:
             ph.info.update(self.engine.drain(o.drain_timeout_s))
-        with self._phase("release_rollout", step, tags=self.release_tags) as ph:
-            held = self.engine.release(self.release_tags)
-            ph.info.update(expected_freed_bytes=sum(held.values()), held=held)
+        self._release(step)
         with self._phase("onload_trainer", step) as ph:
             ph.info["expected_alloc_bytes"] = self.trainer.onload([PARAMS, OPTIMIZER])
         with self._phase("train_step", step, batch=batch.size) as ph:
@@ -184,17 +176,13 @@ class Colocated:
         with self._phase("empty_cache", step):
             self.backend.empty_cache()
         if o.schedule == "multi_stage":
-            with self._phase("resume_weights", step) as ph:
-                ph.info["expected_alloc_bytes"] = sum(self.engine.resume([TAG_WEIGHTS]).values())
+            self._resume("resume_weights", [TAG_WEIGHTS], step)
             with self._phase("update_weights", step) as ph:
                 ph.info.update(self._update(full=None))
             self._offload_params(step)
-            with self._phase("resume_kv", step) as ph:
-                rest = [t for t in self.release_tags if t != TAG_WEIGHTS]
-                ph.info["expected_alloc_bytes"] = sum(self.engine.resume(rest).values())
+            self._resume("resume_kv", self.kv_tags, step)
         else:
-            with self._phase("resume_rollout", step) as ph:
-                ph.info["expected_alloc_bytes"] = sum(self.engine.resume(self.release_tags).values())
+            self._resume("resume_rollout", self.release_tags, step)
             with self._phase("update_weights", step) as ph:
                 ph.info.update(self._update(full=None))
             self._offload_params(step)
@@ -204,6 +192,18 @@ class Colocated:
             with self._phase("check_weights", step) as ph:
                 ph.info.update(self._check_probe())
         return metrics
+
+    def _release(self, step: int | None, drain: bool = False) -> None:
+        """``release_rollout``: every releasable tag (the setup drains first: nothing ran yet)."""
+        with self._phase("release_rollout", step, tags=self.release_tags) as ph:
+            if drain:
+                ph.info.update(self.engine.drain(self.opts.drain_timeout_s))
+            held = self.engine.release(self.release_tags)
+            ph.info.update(expected_freed_bytes=sum(held.values()), held=held)
+
+    def _resume(self, phase: str, tags: list[str], step: int | None) -> None:
+        with self._phase(phase, step) as ph:
+            ph.info["expected_alloc_bytes"] = sum(self.engine.resume(tags).values())
 
     def _offload_params(self, step: int) -> None:
         with self._phase("offload_trainer_params", step) as ph:
@@ -222,14 +222,8 @@ class Colocated:
         if full is None:
             full = not self.engine.weights_valid
         export = self.trainer.export_weights(full=full)
-        stats = self.engine.update_weights(export, on_tensor=lambda name: self.rec.sample())
         want = self.trainer.weights_fingerprint(export.names)
-        got = self.engine.weights_fingerprint()
-        bad = compare_fingerprints(want, got)
-        if bad:
-            raise WeightMismatch(
-                f"update_weights: engine weights differ from the trainer's for {len(bad)} tensor(s), e.g. {bad[:2]}"
-            )
+        stats = self.engine.update_weights(export, on_tensor=lambda name: self.rec.sample(), expected=want)
         return {
             "full": export.full,
             "tensors": stats.tensors,

@@ -7,7 +7,7 @@ from typing import Any
 from mllm_rl.report.memory import primary_devices
 
 
-def _gib(v: int | None) -> str:
+def gib(v: int | None) -> str:
     return "-" if v is None else f"{v / 2**30:.3f}"
 
 
@@ -29,9 +29,9 @@ def phase_table(records: list[dict[str, Any]]) -> str:
         step = "-" if r.get("step") is None else str(r["step"])
         err = "  ERROR: " + r["info"]["error"][:60] if r["info"].get("error") else ""
         lines.append(
-            f"{r['phase']:<22} {step:>4} {r['t_end'] - r['t_start']:>7.2f} {_gib(_sum(devs, 'bytes_in_use_start')):>10} "
-            f"{_gib(_sum(devs, 'bytes_in_use')):>9} {_gib(_sum(devs, 'phase_peak_bytes')):>9} "
-            f"{_gib(host['rss_bytes']):>7} {_gib(host['rss_peak_bytes']):>8}{err}"
+            f"{r['phase']:<22} {step:>4} {r['t_end'] - r['t_start']:>7.2f} {gib(_sum(devs, 'bytes_in_use_start')):>10} "
+            f"{gib(_sum(devs, 'bytes_in_use')):>9} {gib(_sum(devs, 'phase_peak_bytes')):>9} "
+            f"{gib(host['rss_bytes']):>7} {gib(host['rss_peak_bytes']):>8}{err}"
         )
     return "\n".join(lines)
 
@@ -51,7 +51,6 @@ def step_table(records: list[dict[str, Any]]) -> str:
         errs = sum(1 for r in rs if r["info"].get("error"))
         lines.append(
             f"{name:<22} {len(rs):>4} {sum(secs) / len(secs):>9.3f} {max(secs):>8.3f} "
-            f"{_gib(max(peaks) if peaks else None):>13} {_gib(rss):>13}"
-            + (f"  ERRORS: {errs}" if errs else "")
+            f"{gib(max(peaks) if peaks else None):>13} {gib(rss):>13}" + (f"  ERRORS: {errs}" if errs else "")
         )
     return "\n".join(lines)

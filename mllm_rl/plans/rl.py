@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from mllm_rl.checkpoint.model_dir import ModelDir
-from mllm_rl.engine import SamplingParams
+from mllm_rl.engine import ABORT, SamplingParams
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.lifecycle import SETUP_PHASES as LIFECYCLE_SETUP
 from mllm_rl.lifecycle import Colocated, LifecycleOptions, step_phases
@@ -154,7 +154,7 @@ def make_rollout(task: Task, tok: Any, opts: RLOptions, eos: int):
             "groups_zero_std": float((groups.std(axis=1) == 0).mean()),
             "completion_len_mean": float(lens.mean()),
             "rollout_tokens": int(lens.sum()),
-            "aborted": int(sum(o.finish_reason == "abort" for o in outs)),
+            "aborted": int(sum(o.finish_reason == ABORT for o in outs)),
             "sample": {"prompt": examples[0].prompt, "answer": examples[0].answer, "completion": texts[0]},
         }
         return batch, metrics

@@ -7,6 +7,9 @@ import json
 import sys
 from typing import Any, TextIO
 
+from mllm_rl.report.memory import device_sum
+from mllm_rl.summary import gib
+
 
 class ConsoleSink:
     def __init__(self, stream: TextIO | None = None, full: bool = True, compact: bool = False) -> None:
@@ -37,22 +40,12 @@ class ConsoleSink:
         self.stream.flush()
 
 
-def _gib(v: int | None) -> str:
-    return "-" if v is None else f"{v / 2**30:.3f}"
-
-
 def compact_line(r: dict[str, Any]) -> str:
     """``phase  12 release_rollout  step 0  0.003s  dev 0.020 -> 0.004 GiB (peak 0.020)  rss 1.21 GiB``."""
-    devs = r["memory"]["devices"]
-
-    def total(key: str) -> int | None:
-        vals = [d.get(key) for d in devs]
-        return None if not vals or any(v is None for v in vals) else sum(vals)
-
     step = "" if r.get("step") is None else f" step {r['step']}"
     err = f"  ERROR {r['info']['error'][:80]}" if r["info"].get("error") else ""
     return (
         f"phase {r['idx']:>4} {r['phase']:<22}{step:<9} {r['t_end'] - r['t_start']:7.3f}s  "
-        f"dev {_gib(total('bytes_in_use_start'))} -> {_gib(total('bytes_in_use'))} GiB "
-        f"(peak {_gib(total('phase_peak_bytes'))})  rss {_gib(r['memory']['host']['rss_bytes'])} GiB{err}"
+        f"dev {gib(device_sum(r, 'bytes_in_use_start'))} -> {gib(device_sum(r, 'bytes_in_use'))} GiB "
+        f"(peak {gib(device_sum(r, 'phase_peak_bytes'))})  rss {gib(r['memory']['host']['rss_bytes'])} GiB{err}"
     )
