@@ -43,10 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for issue, where in group_issues(result.issues):
         if not args.quiet or issue.severity == "error":
-            print(
-                f"{issue.severity}: {issue.run}{' ' + where if where else ''}: {issue.message}",
-                file=sys.stderr,
-            )
+            print(issue.line(where), file=sys.stderr)
     c = count(result.issues)
     print(
         f"report: {result.files['html']} ({c['error']} error(s), {c['warning']} warning(s), {c['info']} note(s); "

@@ -21,21 +21,11 @@ from collections.abc import Callable
 
 from mllm_rl.report.attempts import Attempt
 from mllm_rl.report.expected import Expected
-from mllm_rl.report.issues import ERROR, INFO, WARNING, Issue
+from mllm_rl.report.issues import ERROR, INFO, WARNING, Issue, int_ranges
 from mllm_rl.report.load import Run
 from mllm_rl.report.sequence import DUPLICATE, MISSING, OUT_OF_ORDER, UNEXPECTED, Finding, check_sequence
 
 Make = Callable[..., Issue]
-
-
-def _ranges(steps: list[int]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for s in steps:
-        if out and s == out[-1][1] + 1:
-            out[-1] = (out[-1][0], s)
-        else:
-            out.append((s, s))
-    return out
 
 
 def trailing_phases(exp: Expected, attempts: dict[int, list[Attempt]]) -> set[str]:
@@ -132,7 +122,7 @@ def _check_setup(a: Attempt, exp: Expected, trailing: set[str], mk: Make) -> lis
 def _check_steps(atts: list[Attempt], exp: Expected, plan_steps: bool, mk: Make) -> list[Issue]:
     issues: list[Issue] = []
     recorded = {s for a in atts for s in a.steps()}
-    for lo, hi in _ranges([s for s in exp.steps if s not in recorded]):
+    for lo, hi in int_ranges([s for s in exp.steps if s not in recorded]):
         what = f"step {lo}" if lo == hi else f"steps {lo}-{hi}"
         issues.append(
             mk(
@@ -154,11 +144,10 @@ def _check_steps(atts: list[Attempt], exp: Expected, plan_steps: bool, mk: Make)
                 continue
             if top is not None and s < top:
                 issues.append(
-                    mk(
+                    mka(
                         "out_of_order",
                         f"phase {r['phase']} of step {s} recorded after step {top}",
                         ERROR,
-                        a,
                         step=s,
                         phase=r["phase"],
                     )
@@ -183,37 +172,34 @@ def _check_steps(atts: list[Attempt], exp: Expected, plan_steps: bool, mk: Make)
             if not a.is_last and _checkpointed(a, s) and resumed_after:
                 # killed after the step's checkpoint: the next attempt restored it and went on
                 issues.append(
-                    mk(
+                    mka(
                         "interrupted",
                         f"interrupted after its checkpoint, {what}; attempt "
                         f"{resumed_after[0]} resumed from it",
                         INFO,
-                        a,
                         step=s,
                         phase=stopped[0].phase,
                     )
                 )
                 continue
             if a.is_last:
-                issues.append(mk("incomplete_step", what, ERROR, a, step=s, phase=stopped[0].phase))
+                issues.append(mka("incomplete_step", what, ERROR, step=s, phase=stopped[0].phase))
             elif later:
                 issues.append(
-                    mk(
+                    mka(
                         "interrupted",
                         f"interrupted, {what}; re-run in attempt {later[0]}",
                         INFO,
-                        a,
                         step=s,
                         phase=stopped[0].phase,
                     )
                 )
             else:
                 issues.append(
-                    mk(
+                    mka(
                         "incomplete_step",
                         f"interrupted and never re-run, {what}",
                         ERROR,
-                        a,
                         step=s,
                         phase=stopped[0].phase,
                     )

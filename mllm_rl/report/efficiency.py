@@ -17,7 +17,7 @@ from typing import Any
 
 from mllm_rl.report.attempts import Attempt
 from mllm_rl.report.load import Record
-from mllm_rl.report.memory import device_name, diff, primary_devices, sources, total
+from mllm_rl.report.memory import device_name, devices_of_source, diff, primary_devices, sources, total
 
 EFFICIENCY_MIN = 0.95
 FREE_PREFIXES = ("release", "offload")
@@ -44,6 +44,10 @@ def row_kind(rec: Record) -> str | None:
     return None
 
 
+def _ratio(num: int | None, den: int | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
 def _moved(devs: list[dict[str, Any]], kind: str) -> int | None:
     """Bytes freed (``free``) or allocated (``alloc``) over the phase, summed; ``None`` if unknown."""
     sign = 1 if kind == "free" else -1
@@ -60,10 +64,10 @@ def efficiency_row(run_label: str, a: Attempt, rec: Record, multi: bool) -> dict
     devices = rec["memory"]["devices"]
     prim = primary_devices(devices)
     actual = _moved(prim, kind)
-    by_source = {s: _moved([d for d in devices if d.get("source") == s], kind) for s in sources(devices)}
+    by_source = {s: _moved(devices_of_source(devices, s), kind) for s in sources(devices)}
     key = "expected_freed_bytes" if kind == "free" else "expected_alloc_bytes"
     expected = _bytes_info(rec["info"].get(key))
-    ratio = actual / expected if actual is not None and expected else None
+    ratio = _ratio(actual, expected)
     flagged, note = False, ""
     if actual is None:
         note = "device bytes not measurable" if prim else "no device recorded"
@@ -111,10 +115,6 @@ def efficiency_rows(run_label: str, attempts: dict[int, list[Attempt]]) -> list[
                 if row is not None:
                     rows.append(row)
     return rows
-
-
-def _ratio(num: int | None, den: int | None) -> float | None:
-    return num / den if num is not None and den else None
 
 
 def swap_ratios(run_label: str, attempts: dict[int, list[Attempt]]) -> list[dict[str, Any]]:

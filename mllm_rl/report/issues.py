@@ -33,8 +33,11 @@ class Issue:
             parts.append(f"step {self.step}")
         return " ".join(parts)
 
-    def line(self) -> str:
-        where = self.where()
+    def line(self, where: str | None = None) -> str:
+        """``severity: run where: message``; ``where`` defaults to ``self.where()`` (a folded group's
+        text from ``group_issues`` replaces it)."""
+        if where is None:
+            where = self.where()
         return f"{self.severity}: {self.run}{' ' + where if where else ''}: {self.message}"
 
     def to_json(self) -> dict[str, Any]:
@@ -50,15 +53,20 @@ def sort_issues(issues: list[Issue]) -> list[Issue]:
     return sorted(issues, key=lambda i: SEVERITIES.index(i.severity))
 
 
+def int_ranges(values: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive ints, in the given order: ``[(0, 2), (5, 5)]`` for ``[0, 1, 2, 5]``."""
+    out: list[tuple[int, int]] = []
+    for v in values:
+        if out and v == out[-1][1] + 1:
+            out[-1] = (out[-1][0], v)
+        else:
+            out.append((v, v))
+    return out
+
+
 def _ranges_text(values: list[int]) -> str:
     """``0-2, 5`` for ``[0, 1, 2, 5]``."""
-    out: list[list[int]] = []
-    for v in sorted(set(values)):
-        if out and v == out[-1][1] + 1:
-            out[-1][1] = v
-        else:
-            out.append([v, v])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in int_ranges(sorted(set(values))))
 
 
 def _plural(word: str, values: list[int]) -> str:

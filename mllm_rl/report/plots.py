@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from html import escape
 from typing import Any
 
@@ -66,18 +66,39 @@ def _scaled(v: int | None, div: int) -> float | None:
     return None if v is None else v / div
 
 
+def _value_fmt(unit: str) -> Callable[[float], str]:
+    """Hover text of a chart value: ``1.234 GiB``."""
+    return lambda v: f"{v:.3f} {unit}"
+
+
+Chart = tuple[str, list[tuple[str, str, str]], str]  # (caption, legend items, svg)
+
+
+def _per_process_charts(
+    an: RunAnalysis, chart: Callable[[list[tuple[Attempt, Record]]], Chart | None]
+) -> str:
+    """One ``chart`` per charted process (``None``: no device memory recorded), captioned and with its legend."""
+    procs, note = _procs(an)
+    out = [note]
+    for p in procs:
+        made = chart(_flat(an.attempts[p]))
+        if made is None:
+            out.append(f'<p class="muted">process {p}: no device memory recorded.</p>')
+            continue
+        caption, items, svg = made
+        out.append(f'<div class="small"><b>process {p}</b> - {caption}</div>' + legend(items) + _wrap(svg))
+    return "\n".join(out)
+
+
 def memory_per_phase_charts(an: RunAnalysis) -> str:
     """Per process: a group of bars per phase record, one bar per device (bytes in use at the
     end of the phase), a dark tick at the phase's peak."""
     div, uname = an.unit
-    procs, note = _procs(an)
-    out = [note]
-    for p in procs:
-        recs = _flat(an.attempts[p])
+
+    def chart(recs: list[tuple[Attempt, Record]]) -> Chart | None:
         keys = _device_keys(recs, primary_only=True)
         if not keys:
-            out.append(f'<p class="muted">process {p}: no device memory recorded.</p>')
-            continue
+            return None
         series = []
         for i, (dev_id, source, label) in enumerate(keys):
             entries = [_entry(r, dev_id, source) for _, r in recs]
@@ -90,19 +111,12 @@ def memory_per_phase_charts(an: RunAnalysis) -> str:
                 )
             )
         svg = bar_chart(
-            [r["phase"] for _, r in recs],
-            series,
-            uname,
-            marks=_marks(recs),
-            value_fmt=lambda v, u=uname: f"{v:.3f} {u}",
+            [r["phase"] for _, r in recs], series, uname, marks=_marks(recs), value_fmt=_value_fmt(uname)
         )
         items = [(s.name, s.color, "bar") for s in series] + [("peak during the phase", "", "peak")]
-        out.append(
-            f'<div class="small"><b>process {p}</b> - bar: bytes in use at the end of the phase</div>'
-            + legend(items)
-            + _wrap(svg)
-        )
-    return "\n".join(out)
+        return "bar: bytes in use at the end of the phase", items, svg
+
+    return _per_process_charts(an, chart)
 
 
 def _step_starts(recs: list[tuple[Attempt, Record]], t0: float) -> list[tuple[float, str]]:
@@ -129,15 +143,12 @@ def memory_over_time_charts(an: RunAnalysis) -> str:
     if t0 is None:
         return '<p class="muted">No records.</p>'
     div, uname = an.unit
-    procs, note = _procs(an)
-    out = [note]
-    for p in procs:
-        recs = _flat(an.attempts[p])
+
+    def chart(recs: list[tuple[Attempt, Record]]) -> Chart | None:
         prim = _device_keys(recs, primary_only=True)
         keys = _device_keys(recs, primary_only=False)
         if not keys:
-            out.append(f'<p class="muted">process {p}: no device memory recorded.</p>')
-            continue
+            return None
         dev_color = {k[0]: color(i) for i, k in enumerate(prim)}
         prim_set = {(k[0], k[1]) for k in prim}
         series = []
@@ -175,15 +186,12 @@ def memory_over_time_charts(an: RunAnalysis) -> str:
             uname,
             marks=_step_starts(recs, t0),
             spans=_phase_spans(recs, t0),
-            value_fmt=lambda v, u=uname: f"{v:.3f} {u}",
+            value_fmt=_value_fmt(uname),
         )
         items = [(s.name, s.color, "dash" if s.dashed else "line") for s in series]
-        out.append(
-            f'<div class="small"><b>process {p}</b> - faint band: the phase\'s peak</div>'
-            + legend(items)
-            + _wrap(svg)
-        )
-    return "\n".join(out)
+        return "faint band: the phase's peak", items, svg
+
+    return _per_process_charts(an, chart)
 
 
 def host_over_time_chart(an: RunAnalysis) -> str:
@@ -206,9 +214,7 @@ def host_over_time_chart(an: RunAnalysis) -> str:
         series.append(
             LineSeries(f"process {p} rss", [x for x in pts if x[1] is not None], color(i), bands=bands)
         )
-    svg = line_chart(
-        series, "seconds since the run began", uname, height=200, value_fmt=lambda v, u=uname: f"{v:.3f} {u}"
-    )
+    svg = line_chart(series, "seconds since the run began", uname, height=200, value_fmt=_value_fmt(uname))
     return legend([(s.name, s.color, "line") for s in series]) + _wrap(svg)
 
 
@@ -252,8 +258,8 @@ def compare_charts(analyses: Sequence[RunAnalysis], rows: list[dict[str, Any]], 
     return (
         '<div class="small"><b>memory</b> - bar: bytes in use at the end of the phase (all devices)</div>'
         + legend([*items, ("peak during the phase", "", "peak")])
-        + _wrap(bar_chart(groups, mem, uname, marks=marks, value_fmt=lambda v: f"{v:.3f} {uname}"))
+        + _wrap(bar_chart(groups, mem, uname, marks=marks, value_fmt=_value_fmt(uname)))
         + '<div class="small"><b>time</b> - seconds of the slowest process</div>'
         + legend(items)
-        + _wrap(bar_chart(groups, secs, "s", marks=marks, height=240, value_fmt=lambda v: f"{v:.3f} s"))
+        + _wrap(bar_chart(groups, secs, "s", marks=marks, height=240, value_fmt=_value_fmt("s")))
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from mllm_rl.report.attempts import Attempt
-from mllm_rl.report.memory import devices_of_source, diff, primary_devices, sources, total
+from mllm_rl.report.memory import device_sum, diff, primary_devices, sources
 
 PHASE_COLUMNS = (
     "run", "process", "attempt", "step", "phase", "idx", "seconds", "t_offset_s", "before_bytes",
@@ -25,16 +25,16 @@ def phase_rows(run_label: str, attempts: dict[int, list[Attempt]], t0: float | N
             for r in a.records:
                 devs = r["memory"]["devices"]
                 prim = primary_devices(devs)
-                before = total(d.get("bytes_in_use_start") for d in prim)
-                after = total(d.get("bytes_in_use") for d in prim)
-                secondary = {}
-                for s in sources(devs)[1:]:
-                    sd = devices_of_source(devs, s)
-                    secondary[s] = {
-                        "before": total(d.get("bytes_in_use_start") for d in sd),
-                        "after": total(d.get("bytes_in_use") for d in sd),
-                        "peak": total(d.get("phase_peak_bytes") for d in sd),
+                before = device_sum(r, "bytes_in_use_start")
+                after = device_sum(r, "bytes_in_use")
+                secondary = {
+                    s: {
+                        "before": device_sum(r, "bytes_in_use_start", s),
+                        "after": device_sum(r, "bytes_in_use", s),
+                        "peak": device_sum(r, "phase_peak_bytes", s),
                     }
+                    for s in sources(devs)[1:]
+                }
                 host = r["memory"]["host"]
                 rows.append({
                     "run": run_label, "process": a.process, "attempt": a.number if len(atts) > 1 else None,
@@ -42,7 +42,7 @@ def phase_rows(run_label: str, attempts: dict[int, list[Attempt]], t0: float | N
                     "seconds": r["t_end"] - r["t_start"],
                     "t_offset_s": None if t0 is None else r["t_start"] - t0,
                     "before_bytes": before, "after_bytes": after,
-                    "peak_bytes": total(d.get("phase_peak_bytes") for d in prim),
+                    "peak_bytes": device_sum(r, "phase_peak_bytes"),
                     "delta_bytes": diff(after, before),
                     "host_rss_bytes": host.get("rss_bytes"), "host_rss_peak_bytes": host.get("rss_peak_bytes"),
                     "source": "+".join(sorted({str(d.get("source")) for d in prim})) or None,

@@ -17,7 +17,7 @@ from typing import Any
 
 from mllm_rl.report.build import ReportResult
 from mllm_rl.report.html import CSS
-from mllm_rl.report.issues import ERROR, WARNING
+from mllm_rl.report.issues import ERROR, WARNING, count
 from mllm_rl.report.plots import memory_over_time_charts, memory_per_phase_charts, metric_charts
 from mllm_rl.report.tables import PHASE_COLUMNS
 
@@ -44,7 +44,7 @@ def report_payload(result: ReportResult) -> dict[str, Any]:
 
     phases = [r for an in result.analyses for r in an.phases]
     efficiency = [r for an in result.analyses for r in an.efficiency]
-    issues = [{**i.to_json(), "message": i.message} for i in result.issues]
+    issues = [i.to_json() for i in result.issues]
     payload = {
         "report/phases": table(PHASE_COLUMNS, phases),
         "report/efficiency": table(EFFICIENCY_COLUMNS, efficiency),
@@ -69,8 +69,9 @@ def log_report(wandb_run: Any, result: ReportResult, strict: bool = False) -> li
         payload = report_payload(result)
         wandb_run.log(payload)
         ratios = [r["ratio"] for an in result.analyses for r in an.swaps if r["ratio"] is not None]
-        wandb_run.summary["report/errors"] = sum(i.severity == ERROR for i in result.issues)
-        wandb_run.summary["report/warnings"] = sum(i.severity == WARNING for i in result.issues)
+        counts = count(result.issues)
+        wandb_run.summary["report/errors"] = counts[ERROR]
+        wandb_run.summary["report/warnings"] = counts[WARNING]
         if ratios:
             wandb_run.summary["report/swap_peak_over_steady"] = max(ratios)
         return list(payload)

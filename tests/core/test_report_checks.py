@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mllm_rl.report import build_report
 from mllm_rl.report.attempts import split_records
+from mllm_rl.report.issues import ERROR, WARNING, Issue, group_issues, int_ranges
 from mllm_rl.report.sequence import MISSING, OUT_OF_ORDER, check_sequence
 from tests.core.report_fixtures import STEP, read_lines, write_lines, write_rl_run
 
@@ -195,3 +196,18 @@ def test_split_records_on_first_phase_or_idx_restart():
     recs = [r("w", 0), r("x", 1), r("s", 2, 0), r("w", 3), r("x", 4), r("s", 5, 0), r("s", 0, 1)]
     parts = split_records(recs, "w")
     assert [[x["idx"] for x in p] for p in parts] == [[0, 1, 2], [3, 4, 5], [0]]
+
+
+def test_group_issues_folds_same_finding_over_processes_attempts_and_steps():
+    def mk(msg, sev=ERROR, **where):
+        return Issue("r", "k", msg, sev, **where)
+
+    issues = [mk("a", process=p, step=s) for p in (0, 1) for s in (0, 1, 2, 5)]
+    issues += [mk("b", WARNING, process=0, attempt=1, step=1), mk("b", WARNING, process=0, attempt=2, step=4)]
+    issues.append(mk("c", process=3, step=7))
+    assert [i.line(where) for i, where in group_issues(issues)] == [
+        "error: r 8x: processes 0-1 steps 0-2, 5: a",
+        "error: r process 3 step 7: c",
+        "warning: r 2x: process 0 attempt 1 step 1; process 0 attempt 2 step 4: b",
+    ]
+    assert int_ranges([0, 1, 2, 5, 7, 8]) == [(0, 2), (5, 5), (7, 8)]

@@ -46,6 +46,24 @@ def test_cli_dropped_phase_exit_1_names_it(tmp_path):
     assert (err["process"], err["step"], err["phase"]) == (1, 1, "offload_optimizer")
 
 
+def test_repeated_findings_fold_into_one_line(tmp_path):
+    # 2 processes x 2 steps whose release frees nothing: 4 warnings, one line on stderr and in the page
+    run = write_rl_run(tmp_path / "run", processes=2, steps=2, release_frees=0.0)
+    r = report_cli(run, "--out", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    folded = "rl-test 4x: processes 0-1 steps 0-1: release_rollout freed nothing"
+    assert [x for x in r.stderr.splitlines() if not x.startswith("report: ")] == [f"warning: {folded}"]
+    assert "0 error(s), 4 warning(s), 0 note(s)" in r.stderr
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert html.count("release_rollout freed nothing") == html.count(folded) == 1
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [i["line"] for i in summary["issues"]] == [
+        f"warning: rl-test process {p} step {s}: release_rollout freed nothing"
+        for p in (0, 1)
+        for s in (0, 1)
+    ]
+
+
 @pytest.mark.parametrize(
     "case",
     [

@@ -139,7 +139,7 @@ def test_html_is_self_contained_and_shows_unknown_as_dash(tmp_path):
 def test_fast_enough_for_a_few_hundred_records(tmp_path):
     run = write_rl_run(tmp_path / "run", processes=4, steps=5, kind="cuda", devices=2)
     n = sum(len(v) for v in load_run(run).records.values())
-    assert n == 4 * (3 + 5 * len(STEP) + 1)  # 276 records
+    assert n == 4 * (3 + 5 * len(STEP) + 1)  # 296 records
     t = time.perf_counter()
     result = build_report([run])
     took = time.perf_counter() - t
