@@ -7,7 +7,9 @@
   served in consecutive sub-batches.
 - Greedy (``temperature == 0``) or temperature / top-p sampling with a ``torch.Generator``:
   seeded by ``SamplingParams.seed`` per call (reproducible for the same prompts), else by the
-  engine seed (reproducible for the same sequence of calls). Sampling runs on the host.
+  engine seed (reproducible for the same sequence of calls). ``log_softmax`` runs on the
+  engine's device; greedy takes the argmax there too and only [B] tokens and logprobs go to
+  the host per step; temperature sampling draws on the host (the generator is a CPU one).
 - Logprobs: ``log_softmax(logits / temperature)`` at the chosen token (``logits`` when
   greedy), i.e. under the temperature-scaled distribution *before* top-p truncation.
 - A request stops at EOS or a stop token (included in its output, ``finish_reason="stop"``),
@@ -290,12 +292,13 @@ class EmbeddedEngine:
             if self._abort.is_set():
                 break
             tok, lp = sample(logits, sampling, gen)
+            toks, lps = tok.tolist(), lp.tolist()
             for i in range(b):
                 if reason[i] is not None:
                     continue
-                out_tok[i].append(int(tok[i]))
-                out_lp[i].append(float(lp[i]))
-                if int(tok[i]) in stops:
+                out_tok[i].append(toks[i])
+                out_lp[i].append(lps[i])
+                if toks[i] in stops:
                     reason[i] = "stop"
                 elif len(out_tok[i]) >= budget[i]:
                     reason[i] = "length"
@@ -359,14 +362,20 @@ class EmbeddedEngine:
 def sample(
     logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row of ``logits`` [B, V] (float32). Returns (tokens [B], logprobs [B])
-    on the host; logprobs are ``log_softmax(logits / T)`` at the token (before top-p)."""
-    logits = logits.float().cpu()
+    """Pick one token per row of ``logits`` [B, V] (any device and float dtype; computed in
+    float32). Returns (tokens [B], logprobs [B]) on the host; logprobs are
+    ``log_softmax(logits / T)`` at the token (before top-p).
+
+    ``log_softmax`` runs on ``logits``' device. Greedy: the argmax and its logprob too, so only
+    [B] values cross to the host. Temperature: the [B, V] logprobs go to the host, where
+    ``gen`` (a CPU generator) draws: the random stream does not depend on the device."""
+    logits = logits.float()
     if sampling.temperature == 0:
         lp = torch.log_softmax(logits, dim=-1)
         tok = lp.argmax(dim=-1)
-        return tok, lp.gather(1, tok[:, None])[:, 0]
-    lp = torch.log_softmax(logits / sampling.temperature, dim=-1)
+        chosen = lp.gather(1, tok[:, None])[:, 0]
+        return tok.cpu(), chosen.cpu()
+    lp = torch.log_softmax(logits / sampling.temperature, dim=-1).cpu()
     probs = lp.exp()
     if sampling.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)

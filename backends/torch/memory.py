@@ -11,8 +11,8 @@ tag's tensors, ``resume(tag)`` gives them back; tensor objects, shapes and dtype
   torch_memory_saver 0.0.10 calls ``exit(1)`` on pausing a paused allocation or resuming an
   active one (``csrc/core.cpp``), and its tags are process-global; so each engine gets its
   own region tags (``mllm_rl-<n>-weights``: releasing one engine never touches another's
-  memory), and a process-wide set of paused region tags turns a repeated call into a warned
-  no-op.
+  memory), and each instance's set of its paused tags turns a repeated call into a warned
+  no-op (callers serialize release/resume: ``EmbeddedEngine`` holds its lock).
 - ``StorageMemory`` (CPU, or CUDA without torch_memory_saver): ``release`` resizes each
   tensor's storage to 0 bytes (after copying it into a host numpy buffer when backed up),
   ``resume`` resizes it back and refills it from the backup (else zeros). Tensor objects are
@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import warnings
 from collections.abc import Iterator
 
 import numpy as np
 import torch
+
+from mllm_rl.backends.torch.offload import from_host_bytes, to_host_bytes
 
 
 def saver_available(device: torch.device) -> bool:
@@ -65,7 +66,7 @@ class StorageMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if cpu_backup:
-            self._backup[tag] = [_to_host(t) for t in tensors]
+            self._backup[tag] = [to_host_bytes(t) for t in tensors]
         for t in tensors:
             t.untyped_storage().resize_(0)
         self._released.add(tag)
@@ -80,16 +81,14 @@ class StorageMemory:
         for t in tensors:
             t.untyped_storage().resize_(t.numel() * t.element_size())
             if backup is not None:
-                _from_host(t, backup.pop(0))  # host copies are freed as they are restored
+                from_host_bytes(t, backup.pop(0))  # host copies are freed as they are restored
             else:
                 t.zero_()
         self._released.discard(tag)
         return backup is not None
 
 
-_ENGINE_IDS = itertools.count()
-_PAUSED: set[str] = set()  # region tags paused in this process (torch_memory_saver is process-global)
-_PAUSED_LOCK = threading.Lock()
+_ENGINE_IDS = itertools.count()  # region tag prefixes, unique in the process
 
 
 class SaverMemory:
@@ -106,6 +105,7 @@ class SaverMemory:
         self.device = device
         self.prefix = f"mllm_rl-{next(_ENGINE_IDS)}-"
         self._backup: dict[str, bool] = {}
+        self._paused: set[str] = set()  # our tags paused now (prefix is ours alone)
 
     @contextlib.contextmanager
     def region(self, tag: str, cpu_backup: bool = False) -> Iterator[None]:
@@ -117,35 +117,22 @@ class SaverMemory:
             yield
 
     def release(self, tag: str, tensors: list[torch.Tensor], cpu_backup: bool) -> None:
-        with _PAUSED_LOCK:
-            if self.prefix + tag in _PAUSED:  # a second tms.pause would exit(1) the process
-                warnings.warn(f"release({tag!r}): already released; no-op", stacklevel=2)
-                return
-            torch.cuda.synchronize(self.device)  # no kernel may still use the memory being unmapped
-            self.tms.pause(self.prefix + tag)
-            _PAUSED.add(self.prefix + tag)
+        if tag in self._paused:  # a second tms.pause would exit(1) the process
+            warnings.warn(f"release({tag!r}): already released; no-op", stacklevel=2)
+            return
+        torch.cuda.synchronize(self.device)  # no kernel may still use the memory being unmapped
+        self.tms.pause(self.prefix + tag)
+        self._paused.add(tag)
 
     def resume(self, tag: str, tensors: list[torch.Tensor]) -> bool:
-        with _PAUSED_LOCK:
-            if self.prefix + tag not in _PAUSED:  # tms.resume of an active allocation would exit(1)
-                warnings.warn(f"resume({tag!r}): not released; no-op", stacklevel=2)
-                return True
-            self.tms.resume(self.prefix + tag)
-            _PAUSED.discard(self.prefix + tag)
+        if tag not in self._paused:  # tms.resume of an active allocation would exit(1)
+            warnings.warn(f"resume({tag!r}): not released; no-op", stacklevel=2)
+            return True
+        self.tms.resume(self.prefix + tag)
+        self._paused.discard(tag)
         torch.cuda.synchronize(self.device)
         return self._backup.get(tag, False)
 
 
 def make_memory(device: torch.device) -> StorageMemory | SaverMemory:
     return SaverMemory(device) if saver_available(device) else StorageMemory(device)
-
-
-def _to_host(t: torch.Tensor) -> np.ndarray:
-    """A host copy of ``t``'s bytes (numpy uint8, [nbytes])."""
-    host = np.empty(t.numel() * t.element_size(), np.uint8)
-    torch.from_numpy(host).copy_(t.detach().reshape(-1).view(torch.uint8))
-    return host
-
-
-def _from_host(t: torch.Tensor, host: np.ndarray) -> None:
-    t.detach().reshape(-1).view(torch.uint8).copy_(torch.from_numpy(host))

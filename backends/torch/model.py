@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -262,11 +261,6 @@ def load_qwen3(model_dir: ModelDir, dtype: torch.dtype | None = None, device: st
                 )
             params[name].copy_(src)
     return model.eval()
-
-
-def iter_hf_tensors(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` of every parameter, in ``named_parameters`` order."""
-    yield from model.named_parameters()
 
 
 @torch.no_grad()

@@ -41,9 +41,19 @@ def host_copy(t: torch.Tensor, device: torch.device) -> Any:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t.detach(), non_blocking=True)
         return host
+    return to_host_bytes(t)
+
+
+def to_host_bytes(t: torch.Tensor) -> np.ndarray:
+    """A numpy uint8 copy [nbytes] of ``t``'s bytes (any device; a blocking copy)."""
     host = np.empty(t.numel() * t.element_size(), np.uint8)
     torch.from_numpy(host).copy_(t.detach().reshape(-1).view(torch.uint8))
     return host
+
+
+def from_host_bytes(t: torch.Tensor, host: np.ndarray) -> None:
+    """Copy ``to_host_bytes``' buffer back into ``t`` (same nbytes; a blocking copy)."""
+    t.detach().reshape(-1).view(torch.uint8).copy_(torch.from_numpy(host))
 
 
 def device_tensor(host: Any, like: torch.Tensor) -> torch.Tensor:
@@ -55,8 +65,10 @@ def device_tensor(host: Any, like: torch.Tensor) -> torch.Tensor:
 
 
 def _restore(t: torch.Tensor, host: Any) -> None:
-    src = host if isinstance(host, torch.Tensor) else torch.from_numpy(host).view(t.dtype).view(t.shape)
-    t.detach().copy_(src, non_blocking=True)
+    if isinstance(host, torch.Tensor):  # pinned (CUDA)
+        t.detach().copy_(host, non_blocking=True)
+    else:  # numpy bytes: only CPU tensors are held as numpy (see ``host_copy``)
+        from_host_bytes(t, host)
 
 
 class OffloadGroup:

@@ -119,9 +119,30 @@ def test_sampling_top_p_keeps_the_nucleus_and_reports_tempered_logprobs():
 
 
 def test_unseeded_sampling_follows_the_engine_seed(tiny_ckpt):
-    s = SamplingParams(max_new_tokens=8, temperature=1.0)
-    a, b = swapped(tiny_ckpt, seed=7), swapped(tiny_ckpt, seed=7)
-    assert [o.token_ids for o in a.generate(PROMPTS, s)] == [o.token_ids for o in b.generate(PROMPTS, s)]
+    s = SamplingParams(max_new_tokens=16, temperature=1.0)
+    a, b, c = swapped(tiny_ckpt, seed=7), swapped(tiny_ckpt, seed=7), swapped(tiny_ckpt, seed=8)
+    first = [o.token_ids for o in a.generate(PROMPTS, s)]
+    assert first == [o.token_ids for o in b.generate(PROMPTS, s)]
+    assert first != [o.token_ids for o in c.generate(PROMPTS, s)], "the engine seed has no effect"
+    greedy = dataclasses.replace(s, temperature=0.0)  # same length: the tokens must differ
+    assert first != [o.token_ids for o in a.generate(PROMPTS, greedy)], "sampling returned the greedy tokens"
+    again = [o.token_ids for o in a.generate(PROMPTS, s)]  # the engine's generator moved on
+    assert again != first and again == [o.token_ids for o in b.generate(PROMPTS, s)]
+
+
+def test_seeded_sampling_ignores_the_engine_seed(tiny_ckpt):
+    s = SamplingParams(max_new_tokens=16, temperature=1.0, seed=1234)
+    a, b = swapped(tiny_ckpt, seed=7), swapped(tiny_ckpt, seed=8)
+    first = [o.token_ids for o in a.generate(PROMPTS, s)]
+    assert (
+        first
+        == [o.token_ids for o in a.generate(PROMPTS, s)]
+        == [o.token_ids for o in b.generate(PROMPTS, s)]
+    )
+    other = dataclasses.replace(s, seed=99)
+    assert first != [o.token_ids for o in a.generate(PROMPTS, other)], "the request seed has no effect"
+    greedy = dataclasses.replace(s, temperature=0.0)
+    assert first != [o.token_ids for o in a.generate(PROMPTS, greedy)], "sampling returned the greedy tokens"
 
 
 def test_pause_from_another_thread_returns_promptly(tiny_ckpt):
