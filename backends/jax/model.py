@@ -181,11 +181,6 @@ def add_lora(model: Qwen3, rank: int, alpha: float, seed: int = 0) -> None:
 
 def hf_path(name: str) -> tuple[tuple[str | int, ...], bool]:
     """HF parameter name -> (attribute path in ``Qwen3``, stored transposed?)."""
-    return _hf_to_path(name)
-
-
-def _hf_to_path(name: str) -> tuple[tuple[str | int, ...], bool]:
-    """HF parameter name -> (attribute path in ``Qwen3``, transpose?)."""
     parts = name.split(".")
     if name == "model.embed_tokens.weight":
         return ("embed_tokens",), False
@@ -207,7 +202,7 @@ def load_qwen3(model_dir: ModelDir, dtype: jnp.dtype | None = None) -> Qwen3:
         dtype = jnp.float32 if next(iter(model_dir.tensors.values()))[1].dtype == "F32" else jnp.bfloat16
     model = nnx.eval_shape(lambda: Qwen3(c, dtype))
     for name, arr in model_dir.iter_tensors():
-        path, transpose = _hf_to_path(name)
+        path, transpose = hf_path(name)
         obj = model
         for p in path[:-1]:
             obj = obj[p] if isinstance(p, int) else getattr(obj, p)

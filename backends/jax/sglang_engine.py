@@ -64,6 +64,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from mllm_rl.backends.jax import distributed as dist
+from mllm_rl.backends.jax.fingerprint import fingerprint, read_sums, tensor_sums
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import (
     TAG_KV,
@@ -130,10 +131,7 @@ def validate_engine_args(model: ModelDir, tp: int, n_devices: int, n_processes: 
         )
     if tp < 1 or tp > n_devices:
         raise EngineConfigError(f"--tp {tp}: {n_devices} local device(s) available")
-    try:
-        model.check_tp(tp)
-    except ValueError as e:
-        raise EngineConfigError(str(e)) from None
+    model.check_tp(tp)  # ValueError naming config.json
     if cfg.head_dim % 128:
         raise EngineConfigError(
             f"{model.path / 'config.json'}: head_dim {cfg.head_dim} must be a multiple of 128 for sglang-jax"
@@ -309,7 +307,7 @@ class SglangJaxEngine:
                 nbytes += self.runner.model_state_leaves[self.mappings[name][0]].nbytes
                 continue
             new = value.array if isinstance(value, Placed) else self.place(name, value)
-            sums[name] = _sums(new)  # dispatched async; read back once at the end
+            sums[name] = tensor_sums(new)  # dispatched async; read back once at the end
             nbytes += new.nbytes
             if on_tensor is not None:
                 on_tensor(name)  # the high point: new tensor placed, old one still resident
@@ -320,7 +318,7 @@ class SglangJaxEngine:
             del new
         self._resync_module()
         jax.block_until_ready(self.runner.model_state_leaves)
-        fp: Fingerprint = {n: (float(s), float(q)) for n, (s, q) in sums.items()}
+        fp = read_sums(sums)
         return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp)
 
     def _chunk_axis(self, hf_name: str, host: Any) -> int | None:
@@ -363,7 +361,7 @@ class SglangJaxEngine:
             window[axis] = slice(start, min(start + step, buf.shape[axis]))
             part = src[tuple(window)]  # a view of the memmap; copied once by the cast below
             chunk = jax.device_put(host_copy(part, buf.dtype), NamedSharding(buf.sharding.mesh, spec))
-            s, q = _sums(chunk)
+            s, q = tensor_sums(chunk)
             total_s, total_q = total_s + s, total_q + q
             if on_tensor is not None and start == 0:
                 on_tensor(hf_name)  # the high point: buffer plus one chunk
@@ -375,9 +373,8 @@ class SglangJaxEngine:
 
     def weights_fingerprint(self) -> Fingerprint:
         """(sum, sum of squares) of every mapped leaf, read from what the jitted forward uses."""
-        return {
-            name: _fingerprint(self.runner.model_state_leaves[i]) for name, (i, _) in self.mappings.items()
-        }
+        leaves = self.runner.model_state_leaves
+        return fingerprint((name, leaves[i]) for name, (i, _) in self.mappings.items())
 
     def weight_names(self) -> list[str]:
         return list(self.mappings)
@@ -624,14 +621,3 @@ def _zeros(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.Array:
 def _zeros_fn(shape: tuple[int, ...], dtype: Any, sharding: Any):
     """One compiled allocator per (shape, dtype, sharding): resume must not recompile."""
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-
-
-@jax.jit
-def _sums(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x = x.astype(jnp.float32)
-    return jnp.sum(x), jnp.sum(x * x)
-
-
-def _fingerprint(x: jax.Array) -> tuple[float, float]:
-    s, q = _sums(x)
-    return float(s), float(q)

@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mllm_rl.backends.jax.fingerprint import read_sums, tensor_sums
 from mllm_rl.backends.jax.model import LoRAParam, Qwen3, add_lora, hf_path, linear_layers, load_qwen3
 from mllm_rl.backends.jax.rl_loss import policy_loss
 from mllm_rl.checkpoint.model_dir import ModelDir
@@ -74,12 +75,6 @@ def _move(tree: Any, kind: str) -> Any:
     return jax.tree.map(one, tree)
 
 
-@jax.jit
-def _sums(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x = x.astype(jnp.float32)
-    return jnp.sum(x), jnp.sum(x * x)
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def _hf_layout(x: jax.Array, transpose: bool) -> jax.Array:
     return x.T if transpose else x
@@ -117,17 +112,16 @@ class JaxTrainer:
         self._build_fns()
 
     # -- setup -------------------------------------------------------------------------
-    def _spec(self, x: Any) -> NamedSharding:
-        n = self.mesh.size
-        split = n > 1 and x.ndim >= 2 and x.shape[0] % n == 0
-        return NamedSharding(self.mesh, P("fsdp") if split else P())
-
-    def _shard(self, tree: Any) -> Any:
-        return jax.tree.map(lambda x: jax.device_put(x, self._spec(x)), tree)
-
     def _batch_sharding(self, rows: int) -> NamedSharding:
         n = self.mesh.size
         return NamedSharding(self.mesh, P("fsdp") if n > 1 and rows % n == 0 else P())
+
+    def _spec(self, x: Any) -> NamedSharding:
+        """Matrices split along their first axis like a batch; vectors and scalars replicated."""
+        return self._batch_sharding(x.shape[0]) if x.ndim >= 2 else NamedSharding(self.mesh, P())
+
+    def _shard(self, tree: Any) -> Any:
+        return jax.tree.map(lambda x: jax.device_put(x, self._spec(x)), tree)
 
     def _build_fns(self) -> None:
         graphdef, loss_cfg = self.graphdef, self.cfg.loss
@@ -251,8 +245,10 @@ class JaxTrainer:
         ref = None
         if self.cfg.loss.beta > 0:
             ref = jax.tree.map(jnp.zeros_like, self.trainable) if self.lora else _copy(self.ref_host, DEVICE)
-        totals: dict[str, float] = {}
-        loss_sum, gnorms = 0.0, []
+        # Device scalars, read back once after the loop (no host sync per micro-batch).
+        losses: list[jax.Array] = []
+        metric_sums: list[dict[str, jax.Array]] = []
+        gnorms_dev: list[jax.Array] = []
         parts = np.array_split(np.arange(batch.size), self.cfg.mini_batches)
         for rows in parts:
             if not len(rows):
@@ -266,11 +262,18 @@ class JaxTrainer:
                     mb["ref_logp"] = self._ref_logp(mb, ref)
                 (loss, sums), grads = self._grad(self.trainable, self.frozen, mb, total_tokens, total_seqs)
                 acc = grads if acc is None else self._acc(acc, grads)
-                loss_sum += float(loss)
-                for k, v in sums.items():
-                    totals[k] = totals.get(k, 0.0) + float(v)
+                losses.append(loss)
+                metric_sums.append(sums)
             self.trainable, self.opt_state, gnorm = self._apply(self.trainable, self.opt_state, acc)
-            gnorms.append(float(gnorm))
+            gnorms_dev.append(gnorm)
+        host_losses, host_sums, host_gnorms = jax.device_get((losses, metric_sums, gnorms_dev))
+        totals: dict[str, float] = {}
+        loss_sum = 0.0
+        for mb_loss, mb_sums in zip(host_losses, host_sums, strict=True):
+            loss_sum += float(mb_loss)
+            for k, v in mb_sums.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        gnorms = [float(g) for g in host_gnorms]
         if ref is not None:
             jax.tree.map(lambda x: x.delete(), ref)
         self.step += 1
@@ -293,7 +296,7 @@ class JaxTrainer:
         length = len(prompt) + n
         toks = np.zeros((1, length), np.int32)
         toks[0, : len(prompt)] = prompt
-        model = nnx.merge(self.graphdef, self.trainable, self.frozen)
+        model = self._model_view()
         out, margins = [], []
         for i in range(len(prompt), length):
             logits = np.asarray(_forward(model, jnp.asarray(toks), jnp.asarray(np.arange(length)[None] < i)))
@@ -342,11 +345,12 @@ class JaxTrainer:
     def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
         self._need(PARAMS)
         model = self._model_view()
-        out = {}
-        for name in names if names is not None else self.names:
-            s, q = _sums(self._engine_layout(model, name)[0])
-            out[name] = (float(s), float(q))
-        return out
+        names = names if names is not None else self.names
+        fp: Fingerprint = {}
+        for name in names:  # one at a time: each engine-layout copy (merged LoRA, transposed) is
+            # freed before the next is made, so the check never holds a second copy of the weights
+            fp.update(read_sums({name: tensor_sums(self._engine_layout(model, name)[0])}))
+        return fp
 
     # -- checkpoints ---------------------------------------------------------------------
     def save(self, path: Path) -> None:
