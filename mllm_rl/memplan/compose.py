@@ -1,0 +1,212 @@
+"""Compose a memory plan: per-device component bytes and compiled functions laid over the phases.
+
+Everything here is backend-neutral and pure (no jax/torch). A backend produces:
+
+- ``Component`` figures (bytes per device of engine weights, KV pool, trainer params, ...),
+  each with the method that produced it (``"layout"`` for an exact formula over shapes and
+  dtypes, ``"compiler"`` for a compiled program's buffers, ``"fake_tensor"`` for torch
+  MemTracker);
+- ``FunctionMemory`` of each compiled function that runs in a phase (its argument, output,
+  temp and peak bytes per device, as the compiler reports them).
+
+``compose`` lays them over ``residency.phase_rows`` and returns a ``Plan``: per phase the
+resident bytes by component plus the largest function's extra bytes (``peak - arguments``:
+its inputs are already counted as resident components), against the device's memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mllm_rl.memplan.residency import COMPONENTS, phase_rows
+
+GIB = 1024**3
+SCHEMA = "mllm_rl.memplan/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A device topology a plan is made for.
+
+    ``hbm_bytes`` is the memory of one device as the compiler (or the device spec) reports it;
+    ``source`` says where that figure comes from.
+    """
+
+    name: str  # e.g. "v4-8", "h100x8", "cpu"
+    platform: str  # "tpu" | "gpu" | "cpu"
+    num_devices: int
+    num_hosts: int
+    hbm_bytes: int
+    device_kind: str
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    name: str  # one of residency.COMPONENTS
+    bytes_per_device: int
+    method: str  # "layout" | "compiler" | "fake_tensor"
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if self.name not in COMPONENTS:
+            raise ValueError(f"Component.name {self.name!r}: expected one of {', '.join(COMPONENTS)}")
+        if self.bytes_per_device < 0:
+            raise ValueError(f"Component {self.name}: bytes_per_device must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionMemory:
+    """One compiled function's memory per device (compiler ``memory_analysis`` or MemTracker).
+
+    ``peak_bytes`` is the whole program's peak (arguments included); ``extra_bytes`` is what it
+    adds on top of its arguments, which the plan counts as resident components.
+    """
+
+    name: str  # one of residency.FUNCTIONS
+    peak_bytes: int
+    argument_bytes: int
+    output_bytes: int = 0
+    temp_bytes: int = 0
+    alias_bytes: int = 0
+    compile_seconds: float | None = None
+    method: str = "compiler"
+    detail: str = ""
+
+    @property
+    def extra_bytes(self) -> int:
+        return max(0, self.peak_bytes - self.argument_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class PhasePlan:
+    phase: str
+    resident: dict[str, int]  # component -> bytes per device
+    function: str | None  # the function whose extra bytes set this phase's peak
+    function_extra: int
+    total: int
+
+    def overflow(self, budget: int) -> str | None:
+        """The component that crosses ``budget`` first in this phase's sum (None: it fits)."""
+        if self.total <= budget:
+            return None
+        acc = 0
+        for name, b in list(self.resident.items()) + [(f"temp:{self.function}", self.function_extra)]:
+            acc += b
+            if acc > budget:
+                return name
+        return None  # unreachable: total > budget
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    target: Target
+    schedule: str
+    margin: float  # the fraction of device memory a phase may use (e.g. 0.9)
+    components: dict[str, Component]
+    functions: dict[str, FunctionMemory]
+    phases: list[PhasePlan]
+    inputs: dict[str, Any]  # model, batch, mesh, ... (what the plan was made for)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def budget(self) -> int:
+        return int(self.target.hbm_bytes * self.margin)
+
+    @property
+    def peak(self) -> PhasePlan:
+        return max(self.phases, key=lambda p: p.total)
+
+    @property
+    def fits(self) -> bool:
+        return all(p.total <= self.budget for p in self.phases)
+
+    def first_overflow(self) -> tuple[str, str] | None:
+        """``(phase, component)`` of the first phase over budget, in schedule order."""
+        for p in self.phases:
+            comp = p.overflow(self.budget)
+            if comp is not None:
+                return p.phase, comp
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "kind": "predicted",
+            "target": dataclasses.asdict(self.target),
+            "schedule": self.schedule,
+            "margin": self.margin,
+            "budget_bytes": self.budget,
+            "fits": self.fits,
+            "first_overflow": self.first_overflow(),
+            "peak_phase": self.peak.phase,
+            "peak_bytes": self.peak.total,
+            "components": {k: dataclasses.asdict(v) for k, v in self.components.items()},
+            "functions": {
+                k: dict(dataclasses.asdict(v), extra_bytes=v.extra_bytes) for k, v in self.functions.items()
+            },
+            "phases": [dataclasses.asdict(p) for p in self.phases],
+            "inputs": self.inputs,
+            "notes": self.notes,
+        }
+
+
+def compose(
+    target: Target,
+    schedule: str,
+    phases: list[str],
+    components: dict[str, Component],
+    functions: dict[str, FunctionMemory],
+    margin: float = 0.9,
+    inputs: dict[str, Any] | None = None,
+    notes: list[str] | None = None,
+) -> Plan:
+    """Lay ``components`` and ``functions`` over ``phases`` of ``schedule``.
+
+    A component absent from ``components`` is 0 bytes (e.g. no ``ref_params`` without KL); a
+    function absent from ``functions`` adds nothing (say so in ``notes``).
+    """
+    if not 0 < margin <= 1:
+        raise ValueError(f"margin {margin}: expected 0 < margin <= 1")
+    rows = []
+    for name, resident, fns in phase_rows(phases, schedule):
+        res = {c: components[c].bytes_per_device for c in resident if c in components}
+        best, extra = None, 0
+        for f in fns:
+            if f in functions and functions[f].extra_bytes >= extra:
+                best, extra = f, functions[f].extra_bytes
+        rows.append(PhasePlan(name, res, best, extra, sum(res.values()) + extra))
+    return Plan(target, schedule, margin, dict(components), dict(functions), rows, dict(inputs or {}),
+                list(notes or []))  # fmt: skip
+
+
+def format_table(plan: Plan) -> str:
+    """The plan as a text table: phase x component, GiB per device, against the budget."""
+    used = [c for c in COMPONENTS if any(c in p.resident for p in plan.phases)]
+    head = ["phase"] + used + ["temp", "total", "of HBM"]
+    rows = [head]
+    for p in plan.phases:
+        cells = [p.phase] + [_gib(p.resident[c]) if c in p.resident else "-" for c in used]
+        temp = f"{_gib(p.function_extra)} ({p.function})" if p.function else "-"
+        mark = "" if p.total <= plan.budget else "  OVER"
+        rows.append(cells + [temp, _gib(p.total), f"{p.total / plan.target.hbm_bytes:.0%}{mark}"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in rows]  # fmt: skip
+    t = plan.target
+    title = (
+        f"PREDICTED memory plan, {plan.schedule} schedule, {t.name} ({t.num_devices} x {t.device_kind}, "
+        f"{_gib(t.hbm_bytes)} GiB per device from {t.source}); GiB per device; budget "
+        f"{plan.margin:.0%} = {_gib(plan.budget)} GiB"
+    )
+    verdict = (
+        f"fits: peak {_gib(plan.peak.total)} GiB in {plan.peak.phase}"
+        if plan.fits
+        else "DOES NOT FIT: {} overflows in {}".format(*reversed(plan.first_overflow() or ("?", "?")))
+    )
+    return "\n".join([title, *lines, verdict])
+
+
+def _gib(b: int) -> str:
+    return f"{b / GIB:.2f}"

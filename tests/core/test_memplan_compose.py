@@ -1,0 +1,74 @@
+"""The backend-neutral memory-plan core: residency table and composition."""
+
+from __future__ import annotations
+
+import pytest
+
+from mllm_rl.lifecycle import SETUP_PHASES, STEP_PHASES
+from mllm_rl.memplan.compose import GIB, Component, FunctionMemory, Target, compose, format_table
+from mllm_rl.memplan.kv import kv_cell_bytes, kv_tokens
+from mllm_rl.memplan.residency import phase_rows
+
+TARGET = Target("t", "tpu", 4, 1, 10 * GIB, "fake device", "test")
+
+
+def comps(**gib: float) -> dict[str, Component]:
+    return {k: Component(k, int(v * GIB), "layout") for k, v in gib.items()}
+
+
+@pytest.mark.parametrize("schedule", list(STEP_PHASES))
+def test_every_lifecycle_phase_has_a_residency_row(schedule):
+    rows = phase_rows(STEP_PHASES[schedule] + ["check_weights"], schedule)
+    assert [r[0] for r in rows] == STEP_PHASES[schedule] + ["check_weights"]
+    phase_rows(SETUP_PHASES, "multi_stage")
+
+
+def test_unknown_phase_is_refused():
+    with pytest.raises(KeyError, match="no residency row"):
+        phase_rows(["rollout", "teleport"], "multi_stage")
+
+
+def test_multi_stage_never_stacks_kv_with_trainer_but_naive_does():
+    c = comps(engine_weights=2, kv_pool=4, trainer_params=2, optimizer=4, grads=2, staging=0.1)
+    fns = {"grad_step": FunctionMemory("grad_step", peak_bytes=5 * GIB, argument_bytes=2 * GIB)}
+    ms = compose(TARGET, "multi_stage", STEP_PHASES["multi_stage"], c, fns)
+    naive = compose(TARGET, "naive", STEP_PHASES["naive"], c, fns)
+    by = {p.phase: p for p in ms.phases}
+    assert by["train_step"].total == int(2 * GIB) + int(4 * GIB) + int(2 * GIB) + 3 * GIB
+    assert by["update_weights"].total == int(2 * GIB) * 2 + int(0.1 * GIB)
+    assert "kv_pool" not in by["update_weights"].resident
+    nby = {p.phase: p for p in naive.phases}
+    assert nby["update_weights"].resident["kv_pool"] == int(4 * GIB)
+    # empty_cache after offload_optimizer keeps only the trainer params
+    empties = [p for p in ms.phases if p.phase == "empty_cache"]
+    assert list(empties[0].resident) == ["trainer_params"]
+    assert list(empties[1].resident) == ["engine_weights"]
+    assert ms.peak.phase == "train_step" and not ms.fits  # 11 GiB > 9 GiB budget
+    assert ms.first_overflow() == ("train_step", "temp:grad_step")
+    assert "DOES NOT FIT: temp:grad_step overflows in train_step" in format_table(ms)
+
+
+def test_fits_and_json():
+    c = comps(engine_weights=1, kv_pool=1, trainer_params=1, optimizer=2)
+    plan = compose(TARGET, "multi_stage", STEP_PHASES["multi_stage"], c, {}, inputs={"model": "m"})
+    assert plan.fits and plan.first_overflow() is None
+    js = plan.to_json()
+    assert js["kind"] == "predicted" and js["fits"] and js["inputs"] == {"model": "m"}
+    assert len(js["phases"]) == len(STEP_PHASES["multi_stage"])
+
+
+def test_bad_component_and_margin():
+    with pytest.raises(ValueError, match="Component.name"):
+        Component("activations", 1, "layout")
+    with pytest.raises(ValueError, match="margin"):
+        compose(TARGET, "multi_stage", ["rollout"], {}, {}, margin=1.5)
+
+
+def test_kv_cell_sglang_jax_rule():
+    # Qwen3-4B: 36 layers, 8 kv heads, head_dim 128, bf16, tp 4 -> 2 heads per shard
+    assert kv_cell_bytes(36, 8, 128, 2, tp=4, head_dim_align=128) == 2 * 128 * 2 * 36 * 2
+    # head_dim 64 pads to 128 under the sglang-jax rule, not under SGLang's
+    assert kv_cell_bytes(2, 2, 64, 4, head_dim_align=128) == 2 * kv_cell_bytes(2, 2, 64, 4)
+    # tp beyond the kv heads replicates one head per shard
+    assert kv_cell_bytes(2, 2, 128, 2, tp=8) == kv_cell_bytes(2, 1, 128, 2)
+    assert kv_tokens(10_000, 100) == 100 and kv_tokens(1, 0) == 0
