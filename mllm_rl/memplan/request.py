@@ -1,0 +1,59 @@
+"""What a memory plan is asked for, and the contract a backend's planner implements.
+
+A backend that can plan provides ``mllm_rl.backends.<name>.memplan.measure(req) -> Measured``:
+the target's devices and memory, the per-device ``Component`` bytes and the compiled
+``FunctionMemory`` of each function the schedule runs, each figure labelled with its method.
+``mllm_rl.memplan.compose`` then lays them over the phases. Nothing here imports jax or torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mllm_rl.memplan.compose import Component, FunctionMemory, Target
+from mllm_rl.presets import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """One plan's inputs. Shapes: a micro-batch is ``micro_batch`` sequences of ``seq_len`` tokens
+    (prompt + completion); a rollout batch is ``prompts x group_size`` sequences."""
+
+    backend: str  # "jax" | "torch"
+    target: str  # "v4-8", "v5e-8", "h100x8", "cpu", ... (the backend lists what it knows)
+    model: ModelConfig
+    micro_batch: int = 4
+    seq_len: int = 4096
+    group_size: int = 8
+    prompts: int = 8
+    tp: int = 1  # tensor parallel (engine and trainer)
+    fsdp: int = 0  # 0: every device not used by tp
+    lora_rank: int = 0
+    kl: bool = False  # full fine-tune with a KL term keeps reference params
+    schedule: str = "multi_stage"
+    kv_tokens: int | None = None  # None: size the pool by the engine's own rule
+    mem_fraction_static: float | None = None  # None: derived (the plan says which value to pass)
+    margin: float = 0.9  # the fraction of device memory a phase may use
+    param_dtype: str = "bfloat16"
+    optimizer_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "seq_len", "group_size", "prompts", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PlanRequest.{name} must be >= 1, got {getattr(self, name)}")
+        if self.fsdp < 0 or self.lora_rank < 0:
+            raise ValueError("PlanRequest.fsdp and PlanRequest.lora_rank must be >= 0")
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise ValueError(f"PlanRequest.kv_tokens must be >= 1, got {self.kv_tokens}")
+        if not 0 < self.margin <= 1:
+            raise ValueError(f"PlanRequest.margin must be in (0, 1], got {self.margin}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What a backend's planner returns for one request."""
+
+    target: Target
+    components: dict[str, Component]
+    functions: dict[str, FunctionMemory]
+    notes: list[str] = dataclasses.field(default_factory=list)
