@@ -1,5 +1,5 @@
-"""scripts/bench_release.py runs on CPU with tiny (so it is known to work when a GPU session
-runs it for qwen3-4b)."""
+"""scripts/bench_release.py runs on CPU with tiny (so it is known to work before it runs for qwen3-4b
+on a GPU)."""
 
 from __future__ import annotations
 

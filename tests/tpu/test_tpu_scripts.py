@@ -1,6 +1,6 @@
 """tpu/tpu.sh against a FAKE gcloud (tests/tpu/fake_gcloud.py) and fake TPU workers.
 
-What is checked: the --dry-run command sequence against the SOP (seed 002), zone fallback and
+What is checked: the --dry-run command sequence against the manual param-swap procedure (docs/TPU.md §2), zone fallback and
 fail-fast on create, wait's retries, setup's idempotence (marker per commit), that secrets never
 reach a command line, the run's TPU assertion and launch, fetch, and watch's recovery from
 preemption with a bound. Nothing here talks to Google Cloud.
@@ -96,7 +96,7 @@ def test_unknown_flag_and_type_exit_2(fake_cloud):
     assert fake_cloud.calls() == []
 
 
-# ---------------------------------------------------------------- dry-run = the SOP
+# ---------------------------------------------------------------- dry-run = the manual procedure
 
 
 def test_dry_run_up_v4_8_spot_reproduces_the_sop(fake_cloud):
@@ -124,7 +124,7 @@ def test_dry_run_up_v4_8_spot_reproduces_the_sop(fake_cloud):
     assert fake_cloud.calls() == [], "--dry-run must not call gcloud"
     cmds = dry_commands(r.stdout)
     assert all(c[0] == "gcloud" and c[1:5] == PREFIX for c in cmds)
-    # 1) create, exactly as in the SOP
+    # 1) create, exactly as in the manual procedure
     assert cmds[0] == [
         "gcloud",
         *PREFIX,
