@@ -179,7 +179,7 @@ def test_naive_schedule_peaks_with_kv_cache_weights_and_trainer_together(lora_ba
 
 
 def test_garbage_guard_catches_weights_that_resume_lied_about(tiny_ckpt, tmp_path):
-    """Seed 001: weights resumed without a backup (zeros) but believed valid, then a LoRA
+    """The LoRA garbage-output bug: weights resumed without a backup (zeros) but believed valid, then a LoRA
     partial sync: the fingerprint of the synced tensors is right, the output is garbage."""
     r = rl_run(tmp_path, tiny_ckpt, "--lora-rank", "4", "--weights-cpu-backup", "--check-weights",
                "--wandb", "disabled", env={"MLLM_RL_FAULTS": "resume_lies"})  # fmt: skip

@@ -178,7 +178,7 @@ def test_trainer_that_does_not_offload_breaks_the_residency_invariant(runs):
 
 
 def test_garbage_guard_catches_weights_that_resume_lied_about(runs):
-    """Seed 001: weights resumed without their backup (zeros) but believed valid, then a LoRA
+    """The LoRA garbage-output bug: weights resumed without their backup (zeros) but believed valid, then a LoRA
     partial sync: every synced tensor's fingerprint is right, the output is garbage."""
     r, run_dir = runs["resume_lies"]
     assert r.returncode == 3 and "garbage output" in r.stderr, r.stderr[-3000:]
