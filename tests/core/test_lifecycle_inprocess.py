@@ -2,9 +2,9 @@
 
 The engine, trainer and backend are the named fakes of ``tests/fakes.py`` (exact device bytes,
 controllable requests in flight); the recorder, sinks, batch building and advantages are the
-real core code. Each invariant of docs/RL.md has a scenario here; ``test_each_scenario_fails_
-when_its_invariant_is_removed`` removes the invariant from the core (monkeypatch) and shows that
-its scenario then fails, so none of these tests passes by construction.
+real core code. Each invariant of docs/RL.md has a scenario here;
+``test_each_scenario_fails_when_its_invariant_is_removed`` removes the check that enforces it from
+the core (monkeypatch) and shows that the scenario then fails: none of them passes by construction.
 """
 
 from __future__ import annotations
