@@ -1,4 +1,5 @@
-# Two commands on a fresh machine:  make run   (main job, embedded default)   make test   (the suite)
+# Two commands on a fresh machine:  make run   (main job, embedded default)   make test   (the suite;
+# make test-fast: everything but the tests marked slow)
 # Each creates the venvs it needs, idempotently (scripts/venv.sh).
 SHELL := /bin/bash
 BACKEND ?= jax
@@ -6,7 +7,7 @@ PY_JAX := .venv-jax/bin/python
 PY_TORCH := .venv-torch/bin/python
 ARGS ?=
 
-.PHONY: run test setup venv-jax venv-torch lint clean-venvs
+.PHONY: run test test-fast setup venv-jax venv-torch lint clean-venvs
 
 venv-jax:
 	@scripts/venv.sh jax
@@ -26,6 +27,12 @@ test: venv-jax venv-torch
 	$(PY_JAX) -m ruff check . && $(PY_JAX) -m ruff format --check .
 	$(PY_JAX) -m pytest -q tests/core tests/jax tests/tpu
 	$(PY_TORCH) -m pytest -q tests/torch
+
+## test-fast: ruff + every test not marked slow (no engine, no whole run starts), in both venvs
+test-fast: venv-jax venv-torch
+	$(PY_JAX) -m ruff check . && $(PY_JAX) -m ruff format --check .
+	$(PY_JAX) -m pytest -q -m "not slow" tests/core tests/jax tests/tpu
+	$(PY_TORCH) -m pytest -q -m "not slow" tests/torch
 
 lint: venv-jax
 	$(PY_JAX) -m ruff check . && $(PY_JAX) -m ruff format --check .

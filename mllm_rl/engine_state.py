@@ -15,7 +15,8 @@ Invariants it enforces, each refused *before* anything changes:
   update (LoRA: only some tensors) on invalid weights is refused;
 - an update with unknown, duplicate or (for a full update) missing names is refused; an
   update whose tensors did not land (fingerprint of the engine != what was sent) raises
-  ``WeightMismatch``;
+  ``WeightMismatch``; an update that failed once the engine had started installing leaves
+  the weights invalid (until a full update);
 - double release / resume of a resident tag is a no-op with a warning; an unknown tag is
   a ``ValueError``.
 """
@@ -220,22 +221,28 @@ class ManagedEngine:
         engine's fingerprint (read back once) must match what was sent and, when given,
         ``expected`` (the trainer's own fingerprint of the same tensors)."""
         self.check_update(export)
-        stats = self.engine.update_weights(iter(export), on_tensor=on_tensor)
-        if stats.tensors != len(export.names):
-            raise WeightMismatch(
-                f"update_weights: {stats.tensors} of {len(export.names)} announced tensors arrived"
-            )
-        got = self.engine.weights_fingerprint()
-        bad = compare_fingerprints(stats.fingerprint, got)
-        if bad:
-            raise WeightMismatch(
-                f"update_weights: engine weights differ from what was sent for {len(bad)} tensor(s), e.g. {bad[:2]}"
-            )
-        bad = compare_fingerprints(expected, got) if expected is not None else []
-        if bad:
-            raise WeightMismatch(
-                f"update_weights: engine weights differ from the trainer's for {len(bad)} tensor(s), e.g. {bad[:2]}"
-            )
+        try:
+            stats = self.engine.update_weights(iter(export), on_tensor=on_tensor)
+            if stats.tensors != len(export.names):
+                raise WeightMismatch(
+                    f"update_weights: {stats.tensors} of {len(export.names)} announced tensors arrived"
+                )
+            got = self.engine.weights_fingerprint()
+            bad = compare_fingerprints(stats.fingerprint, got)
+            if bad:
+                raise WeightMismatch(
+                    f"update_weights: engine weights differ from what was sent for {len(bad)} tensor(s), e.g. {bad[:2]}"
+                )
+            bad = compare_fingerprints(expected, got) if expected is not None else []
+            if bad:
+                raise WeightMismatch(
+                    f"update_weights: engine weights differ from the trainer's for {len(bad)} tensor(s), e.g. {bad[:2]}"
+                )
+        except BaseException:
+            # Adapters install in place: some tensors may have landed, so the engine holds
+            # neither the old nor the new weights; only a full update makes them valid again.
+            self.weights_valid = False
+            raise
         if export.full:
             self.weights_valid = True
         self.weights_version += 1

@@ -1,13 +1,54 @@
-"""Turn rollouts into a ``RolloutBatch`` (host numpy, backend-neutral)."""
+"""``RolloutBatch``, one RL step's training data, and ``build_batch`` that makes it from rollouts
+(host numpy, backend-neutral)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from mllm_rl.engine import ABORT, GenerateOutput
-from mllm_rl.trainer import RolloutBatch
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """One RL step's data on the host. B sequences, T positions (prompt + completion, right-padded).
+
+    - ``tokens`` [B, T] int32: prompt tokens, then completion tokens, then padding (0);
+    - ``attention_mask`` [B, T] bool: True on real tokens;
+    - ``loss_mask`` [B, T] bool: True where ``tokens[b, t]`` is a completion token (it is
+      predicted from position t - 1; ``loss_mask[:, 0]`` is always False);
+    - ``old_logp`` [B, T] float32: the rollout engine's log-prob of ``tokens[b, t]`` where
+      ``loss_mask``, 0 elsewhere;
+    - ``advantages`` [B] float32: one scalar per completion.
+    """
+
+    tokens: np.ndarray
+    attention_mask: np.ndarray
+    loss_mask: np.ndarray
+    old_logp: np.ndarray
+    advantages: np.ndarray
+
+    def __post_init__(self) -> None:
+        b, t = self.tokens.shape
+        for name in ("attention_mask", "loss_mask", "old_logp"):
+            if getattr(self, name).shape != (b, t):
+                raise ValueError(f"RolloutBatch.{name}: shape {getattr(self, name).shape}, expected {(b, t)}")
+        if self.advantages.shape != (b,):
+            raise ValueError(f"RolloutBatch.advantages: shape {self.advantages.shape}, expected {(b,)}")
+        if self.loss_mask[:, 0].any():
+            raise ValueError("RolloutBatch.loss_mask[:, 0] must be False (position 0 is never predicted)")
+        if (self.loss_mask & ~self.attention_mask).any():
+            raise ValueError("RolloutBatch.loss_mask is True on padding")
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def rows(self, s: slice) -> RolloutBatch:
+        return RolloutBatch(self.tokens[s], self.attention_mask[s], self.loss_mask[s], self.old_logp[s],
+                            self.advantages[s])  # fmt: skip
 
 
 def build_batch(

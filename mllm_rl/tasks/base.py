@@ -1,4 +1,4 @@
-"""The task contract and the registry behind ``--task``."""
+"""The task contract (``Task``, ``Example``) and the task names ``--task`` accepts (``TASKS``)."""
 
 from __future__ import annotations
 
@@ -26,19 +26,4 @@ class Task(Protocol):
         ...
 
 
-TASKS = ("pattern", "boxed")
-
-
-def get_task(name: str, data: str | None = None) -> Task:
-    """``pattern`` (shipped, learnable from scratch) or ``boxed`` (GSM8K-style JSONL file)."""
-    if name == "pattern":
-        from mllm_rl.tasks.pattern import PatternTask
-
-        if data is not None:
-            raise ValueError("--task-data: the pattern task generates its own prompts")
-        return PatternTask()
-    if name == "boxed":
-        from mllm_rl.tasks.boxed import BoxedMathTask
-
-        return BoxedMathTask.from_jsonl(data)
-    raise ValueError(f"--task {name!r}: choose one of {', '.join(TASKS)}")
+TASKS = ("pattern", "boxed")  # each is built by mllm_rl.tasks.registry.get_task

@@ -18,6 +18,8 @@ import pytest
 from tests import engine_contract as contract
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # every test here starts an engine (or waits on one that did)
+
 
 @pytest.fixture(scope="module")
 def obs(tiny_ckpt):

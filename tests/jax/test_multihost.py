@@ -136,6 +136,7 @@ def swap2(tiny_ckpt, tmp_path_factory):
     return procs, run_dir
 
 
+@pytest.mark.slow
 def test_both_processes_exit_clean(swap2):
     procs, _ = swap2
     for i, p in enumerate(procs):
@@ -143,6 +144,7 @@ def test_both_processes_exit_clean(swap2):
         assert "Traceback" not in p.stderr, f"process {i}:\n{p.stderr[-3000:]}"
 
 
+@pytest.mark.slow
 def test_each_process_records_every_phase_in_its_own_file(swap2):
     _, run_dir = swap2
     assert sorted(f.name for f in run_dir.glob("phases*.jsonl")) == ["phases.jsonl", "phases.p1.jsonl"]
@@ -158,6 +160,7 @@ def test_each_process_records_every_phase_in_its_own_file(swap2):
     assert plan["process_count"] == N and plan["expected_phases"] == PHASES
 
 
+@pytest.mark.slow
 def test_the_engine_mesh_spans_both_processes(swap2):
     _, run_dir = swap2
     ready = [read_jsonl(phase_file(run_dir, i))[1]["info"] for i in range(N)]
@@ -167,6 +170,7 @@ def test_the_engine_mesh_spans_both_processes(swap2):
     assert len({d for info in ready for d in info["devices"]}) == N  # disjoint local devices
 
 
+@pytest.mark.slow
 def test_memory_records_cover_each_process_own_devices(swap2):
     _, run_dir = swap2
     by_proc = []
@@ -183,6 +187,7 @@ def test_memory_records_cover_each_process_own_devices(swap2):
     assert max(by_proc) - min(by_proc) <= 4096, by_proc
 
 
+@pytest.mark.slow
 def test_swap_fingerprint_ok_on_every_process(swap2):
     _, run_dir = swap2
     for i in range(N):
@@ -190,6 +195,7 @@ def test_swap_fingerprint_ok_on_every_process(swap2):
         assert info["fingerprint_ok"] is True and info["tensors"] == 25, (i, info)
 
 
+@pytest.mark.slow
 def test_generated_tokens_equal_the_reference_on_every_process(swap2, tiny_ckpt):
     _, run_dir = swap2
     gens = [read_jsonl(phase_file(run_dir, i))[-1]["info"] for i in range(N)]
@@ -200,6 +206,7 @@ def test_generated_tokens_equal_the_reference_on_every_process(swap2, tiny_ckpt)
             assert max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)) < 1e-3
 
 
+@pytest.mark.slow
 def test_a_swap_that_does_nothing_on_one_process_fails_every_process(tiny_ckpt, tmp_path):
     """Fault injection on process 1 only: its shards are dropped instead of installed. The
     fingerprint is taken over the global arrays, so every process sees the mismatch."""

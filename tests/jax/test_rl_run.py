@@ -62,6 +62,7 @@ def lora_lr0(tiny_ckpt, tmp_path_factory):
     return r, run_dir
 
 
+@pytest.mark.slow
 def test_every_phase_of_every_step_is_recorded_in_order(lora_lr0):
     r, run_dir = lora_lr0
     assert r.returncode == 0, r.stderr[-3000:]
@@ -79,6 +80,7 @@ def test_every_phase_of_every_step_is_recorded_in_order(lora_lr0):
     assert [x["idx"] for x in recs] == list(range(len(recs)))
 
 
+@pytest.mark.slow
 def test_release_and_offload_free_what_they_hold(lora_lr0):
     _, run_dir = lora_lr0
     recs = records(run_dir)
@@ -91,6 +93,7 @@ def test_release_and_offload_free_what_they_hold(lora_lr0):
         assert set(held) == {"kv_cache", "weights"}
 
 
+@pytest.mark.slow
 def test_trainer_params_and_engine_weights_never_both_resident_outside_the_update(lora_lr0):
     _, run_dir = lora_lr0
     allowed = {"resume_weights", "update_weights", "weights_swapped"}
@@ -102,6 +105,7 @@ def test_trainer_params_and_engine_weights_never_both_resident_outside_the_updat
         assert not both or x["phase"] in allowed, x["phase"]
 
 
+@pytest.mark.slow
 def test_update_without_backup_is_full_and_fingerprinted(lora_lr0):
     _, run_dir = lora_lr0
     recs = records(run_dir)
@@ -112,6 +116,7 @@ def test_update_without_backup_is_full_and_fingerprinted(lora_lr0):
         assert info["full"] is True and info["fingerprint_ok"] is True and info["tensors"] == 25
 
 
+@pytest.mark.slow
 def test_garbage_guard_greedy_probe_identical_before_release_and_after_update(lora_lr0):
     _, run_dir = lora_lr0
     recs = records(run_dir)
@@ -122,6 +127,7 @@ def test_garbage_guard_greedy_probe_identical_before_release_and_after_update(lo
         assert after["trainer_tokens"] == before and after["agree_until"] == 8
 
 
+@pytest.mark.slow
 def test_wandb_has_one_point_per_step_per_rl_metric(lora_lr0):
     from mllm_rl.sinks.wandb_file import read_history
 
@@ -136,6 +142,7 @@ def test_wandb_has_one_point_per_step_per_rl_metric(lora_lr0):
     assert all(set(TRAIN_METRICS) <= set(m) and m["updates"] >= 1 and m["tokens"] > 0 for m in lines)
 
 
+@pytest.mark.slow
 def test_report_is_written_and_finds_the_run_complete(lora_lr0):
     _, run_dir = lora_lr0
     summary = json.loads((run_dir / "report" / "summary.json").read_text())
@@ -153,6 +160,7 @@ def lora_backup_naive(tiny_ckpt, tmp_path_factory):
     return r, run_dir
 
 
+@pytest.mark.slow
 def test_lora_with_backup_sends_only_the_adapted_layers(lora_backup_naive):
     r, run_dir = lora_backup_naive
     assert r.returncode == 0, r.stderr[-3000:]
@@ -163,6 +171,7 @@ def test_lora_with_backup_sends_only_the_adapted_layers(lora_backup_naive):
         assert phase(recs, "check_weights", s)["info"]["agree_until"] > 0
 
 
+@pytest.mark.slow
 def test_naive_schedule_peaks_with_kv_cache_weights_and_trainer_together(lora_backup_naive, lora_lr0):
     recs_naive, recs_multi = records(lora_backup_naive[1]), records(lora_lr0[1])
     plan = json.loads((lora_backup_naive[1] / "run.json").read_text())
@@ -178,6 +187,7 @@ def test_naive_schedule_peaks_with_kv_cache_weights_and_trainer_together(lora_ba
     assert peak(recs_naive) >= peak(recs_multi) + 0.99 * kv
 
 
+@pytest.mark.slow
 def test_garbage_guard_catches_weights_that_resume_lied_about(tiny_ckpt, tmp_path):
     """The LoRA garbage-output bug: weights resumed without a backup (zeros) but believed valid, then a LoRA
     partial sync: the fingerprint of the synced tensors is right, the output is garbage."""
@@ -191,6 +201,7 @@ def test_garbage_guard_catches_weights_that_resume_lied_about(tiny_ckpt, tmp_pat
     assert phase(records(tmp_path), "update_weights", 0)["info"]["full"] is False
 
 
+@pytest.mark.slow
 def test_injected_oom_names_the_phase_and_the_memory_in_use(tiny_ckpt, tmp_path):
     r = rl_run(tmp_path, tiny_ckpt, "--wandb", "disabled", env={"MLLM_RL_FAULTS": "train_oom"})
     assert r.returncode == 1 and "RESOURCE_EXHAUSTED" in r.stderr
@@ -200,6 +211,7 @@ def test_injected_oom_names_the_phase_and_the_memory_in_use(tiny_ckpt, tmp_path)
     assert last["memory"]["devices"][0]["bytes_in_use"] > 0
 
 
+@pytest.mark.slow
 def test_trainer_that_does_not_offload_breaks_the_residency_invariant(tiny_ckpt, tmp_path):
     r = rl_run(tmp_path, tiny_ckpt, "--wandb", "disabled", env={"MLLM_RL_FAULTS": "offload_noop"})
     assert r.returncode == 4, r.stderr[-3000:]
@@ -209,6 +221,7 @@ def test_trainer_that_does_not_offload_breaks_the_residency_invariant(tiny_ckpt,
     assert "LifecycleError" in last["info"]["error"]
 
 
+@pytest.mark.slow
 def test_kill_and_resume_continues_from_the_last_checkpoint(tiny_ckpt, tmp_path):
     args = rl_args(tmp_path, tiny_ckpt, "--steps", "3", "--wandb", "disabled")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLLM_RL_NO_PROGRESS": "1"}
@@ -262,6 +275,7 @@ def test_resume_needs_a_run_to_continue(tiny_ckpt):
     assert r.returncode == 2 and "--resume needs --run-dir or --run-id" in r.stderr
 
 
+@pytest.mark.slow
 def test_reward_rises_on_the_embedded_default(tmp_path):
     """The README's run command (defaults: tiny preset from random init, pattern task),
     shortened to 8 steps: the mean reward must rise clearly (seed 0 goes from ~0.005 to ~0.5)."""
@@ -273,6 +287,7 @@ def test_reward_rises_on_the_embedded_default(tmp_path):
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.2, rewards
 
 
+@pytest.mark.slow
 def test_two_devices_sharded_trainer_and_tp2_engine(tiny_ckpt, tmp_path):
     """--tp 2 on two CPU devices: the trainer's params and optimizer state are sharded over a
     2-device mesh (a replicated scalar on one device only broke the step once), the engine is

@@ -45,6 +45,7 @@ def tp1(tiny_ckpt, tmp_path_factory):
     return swap_run(run_dir, tiny_ckpt), run_dir
 
 
+@pytest.mark.slow
 def test_tp1_exits_clean_and_records_five_phases(tp1):
     r, run_dir = tp1
     assert r.returncode == 0, r.stderr[-3000:]
@@ -58,6 +59,7 @@ def test_tp1_exits_clean_and_records_five_phases(tp1):
     assert recs[3]["info"]["fingerprint_ok"] is True and recs[3]["info"]["tensors"] == 25
 
 
+@pytest.mark.slow
 def test_tp1_swapped_engine_matches_reference_model(tp1, tiny_ckpt):
     _, run_dir = tp1
     gen = read_jsonl(run_dir / "phases.jsonl")[-1]["info"]
@@ -67,6 +69,7 @@ def test_tp1_swapped_engine_matches_reference_model(tp1, tiny_ckpt):
         assert max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)) < 1e-3
 
 
+@pytest.mark.slow
 def test_tp1_streaming_peak_is_one_copy_plus_one_tensor(tp1, tiny_ckpt):
     from mllm_rl.checkpoint import ModelDir
 
@@ -77,6 +80,7 @@ def test_tp1_streaming_peak_is_one_copy_plus_one_tensor(tp1, tiny_ckpt):
     assert swapped["phase_peak_bytes"] <= swapped["bytes_in_use"] + largest + small_temporaries
 
 
+@pytest.mark.slow
 def test_tp1_wandb_offline_has_one_row_per_phase(tp1):
     from mllm_rl.sinks.wandb_file import read_history
 
@@ -88,6 +92,7 @@ def test_tp1_wandb_offline_has_one_row_per_phase(tp1):
     assert "mem/jax/bytes_in_use_sum" in rows[3]
 
 
+@pytest.mark.slow
 def test_tp2_on_two_cpu_devices(tiny_ckpt, tmp_path):
     r = swap_run(tmp_path, tiny_ckpt, "--tp", "2", "--wandb", "disabled", "--swap-chunk-mb", "0.05")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -101,6 +106,7 @@ def test_tp2_on_two_cpu_devices(tiny_ckpt, tmp_path):
     assert gen["token_ids"] == [t for t, _ in ref]
 
 
+@pytest.mark.slow
 def test_chunked_streaming_swap_is_exact_and_peaks_at_one_chunk(tiny_ckpt, tmp_path):
     """Tensors above --swap-chunk-mb are written into the engine buffer slice by slice."""
     chunk = 0.05  # MiB: every 2-D tiny tensor (192-256 KiB) goes through the chunked path
@@ -114,6 +120,7 @@ def test_chunked_streaming_swap_is_exact_and_peaks_at_one_chunk(tiny_ckpt, tmp_p
     assert gen["token_ids"] == [t for t, _ in reference(tiny_ckpt, gen["prompt_ids"], 8)]
 
 
+@pytest.mark.slow
 def test_chunked_swap_that_does_nothing_fails_loudly(tiny_ckpt, tmp_path):
     r = swap_run(
         tmp_path,
@@ -127,6 +134,7 @@ def test_chunked_swap_that_does_nothing_fails_loudly(tiny_ckpt, tmp_path):
     assert r.returncode == 3 and "engine weights differ" in r.stderr
 
 
+@pytest.mark.slow
 def test_naive_swap_holds_two_copies(tiny_ckpt, tmp_path, tp1):
     r = swap_run(tmp_path, tiny_ckpt, "--swap-mode", "naive", "--wandb", "disabled")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -137,6 +145,7 @@ def test_naive_swap_holds_two_copies(tiny_ckpt, tmp_path, tp1):
     assert naive["phase_peak_bytes"] > streaming["phase_peak_bytes"]
 
 
+@pytest.mark.slow
 def test_swap_that_does_nothing_fails_loudly(tiny_ckpt, tmp_path):
     """Fault injection: the engine drops every placed tensor instead of installing it."""
     r = swap_run(tmp_path, tiny_ckpt, "--wandb", "disabled", env={"MLLM_RL_FAULTS": "swap_noop"})
@@ -186,6 +195,7 @@ def test_tp_not_dividing_heads_is_rejected_before_engine(tiny_ckpt, tmp_path):
     assert "engine_ready_dummy" not in phases
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_run_with_its_exit_code(tiny_ckpt, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLLM_RL_NO_PROGRESS": "1", "WANDB_SILENT": "true"}
     cmd = [sys.executable, "-m", "mllm_rl.run", "--backend", "jax", "--plan", "swap", "--model", str(tiny_ckpt),

@@ -7,7 +7,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow  # every test here starts an engine (or waits on one that did)
 
 
 def test_bench_release_reports_freed_bytes_per_tag(tmp_path):

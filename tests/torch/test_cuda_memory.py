@@ -16,6 +16,8 @@ from mllm_rl.engine import EngineStateError, SamplingParams, WeightExport
 from mllm_rl.engine_state import ManagedEngine
 from tests.torch.conftest import needs_cuda
 
+pytestmark = pytest.mark.slow  # every test here starts an engine (or waits on one that did)
+
 PROMPTS = [[51, 71, 68, 220, 66, 64, 79], [160, 121, 254, 162]]
 GREEDY = SamplingParams(max_new_tokens=8)
 

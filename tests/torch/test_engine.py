@@ -33,6 +33,7 @@ def engine(tiny_ckpt):
     return swapped(tiny_ckpt)
 
 
+@pytest.mark.slow
 def test_greedy_equals_our_reference_decoder(engine, tiny_ckpt):
     ref = load_qwen3(ModelDir.open(tiny_ckpt))
     for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, GREEDY), strict=True):
@@ -41,6 +42,7 @@ def test_greedy_equals_our_reference_decoder(engine, tiny_ckpt):
         assert max(abs(a - b) for a, b in zip(out.logprobs, lps, strict=True)) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [{"max_total_tokens": 40, "context_length": 32}, {"max_running_requests": 1}])
 def test_sub_batches_give_the_same_tokens(engine, tiny_ckpt, kw):
     small = swapped(tiny_ckpt, **kw)
@@ -49,6 +51,7 @@ def test_sub_batches_give_the_same_tokens(engine, tiny_ckpt, kw):
     ]
 
 
+@pytest.mark.slow
 def test_context_length_caps_new_tokens(tiny_ckpt):
     eng = swapped(tiny_ckpt, max_total_tokens=64, context_length=12)
     outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=50))
@@ -56,6 +59,7 @@ def test_context_length_caps_new_tokens(tiny_ckpt):
     assert all(o.finish_reason == "length" for o in outs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "prompts,match",
     [([[]], "prompt 0: empty"), ([[1] * 600], "--context-length 512"), ([[5, 384]], r"outside \[0, 384\)")],
@@ -67,6 +71,7 @@ def test_bad_prompts_are_refused_and_leave_the_engine_usable(engine, prompts, ma
     assert len(engine.generate(PROMPTS[:1], GREEDY)[0].token_ids) == 8
 
 
+@pytest.mark.slow
 def test_update_with_a_wrong_shape_names_the_tensor(tiny_ckpt):
     eng = swapped(tiny_ckpt)
     fp = eng.weights_fingerprint()
@@ -76,6 +81,7 @@ def test_update_with_a_wrong_shape_names_the_tensor(tiny_ckpt):
     assert eng.weights_fingerprint() == fp
 
 
+@pytest.mark.slow
 def test_updates_from_torch_tensors_and_placed_tensors(tiny_ckpt, engine):
     """What a torch trainer exports (tensors, any dtype) and the naive baseline's Placed tensors."""
     ref = load_qwen3(ModelDir.open(tiny_ckpt))
@@ -91,6 +97,7 @@ def test_updates_from_torch_tensors_and_placed_tensors(tiny_ckpt, engine):
     assert [o.token_ids for o in eng2.generate(PROMPTS, GREEDY)] == want
 
 
+@pytest.mark.slow
 def test_chunked_update_equals_whole_update(tiny_ckpt):
     whole = swapped(tiny_ckpt, chunk_bytes=0)
     chunked = swapped(tiny_ckpt, chunk_bytes=10_000)  # every matrix in ~20 slices
@@ -118,6 +125,7 @@ def test_sampling_top_p_keeps_the_nucleus_and_reports_tempered_logprobs():
     assert tok.tolist() == [0] * 5  # the top token is always kept
 
 
+@pytest.mark.slow
 def test_unseeded_sampling_follows_the_engine_seed(tiny_ckpt):
     s = SamplingParams(max_new_tokens=16, temperature=1.0)
     a, b, c = swapped(tiny_ckpt, seed=7), swapped(tiny_ckpt, seed=7), swapped(tiny_ckpt, seed=8)
@@ -130,6 +138,7 @@ def test_unseeded_sampling_follows_the_engine_seed(tiny_ckpt):
     assert again != first and again == [o.token_ids for o in b.generate(PROMPTS, s)]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_ignores_the_engine_seed(tiny_ckpt):
     s = SamplingParams(max_new_tokens=16, temperature=1.0, seed=1234)
     a, b = swapped(tiny_ckpt, seed=7), swapped(tiny_ckpt, seed=8)
@@ -145,6 +154,7 @@ def test_seeded_sampling_ignores_the_engine_seed(tiny_ckpt):
     assert first != [o.token_ids for o in a.generate(PROMPTS, greedy)], "sampling returned the greedy tokens"
 
 
+@pytest.mark.slow
 def test_pause_from_another_thread_returns_promptly(tiny_ckpt):
     eng = swapped(tiny_ckpt)
     out = {}
@@ -163,6 +173,7 @@ def test_pause_from_another_thread_returns_promptly(tiny_ckpt):
     assert eng.engine.generate(PROMPTS[:1], GREEDY)[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_tied_and_bf16_checkpoints_swap_and_generate(tmp_path):
     tied = dataclasses.replace(get_preset("tiny"), name="tiny-tied", tie_word_embeddings=True)
     for cfg, dtype in ((tied, "float32"), (get_preset("tiny"), "bfloat16")):

@@ -17,6 +17,8 @@ import torch
 from tests import engine_contract as contract
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # every test here starts an engine (or waits on one that did)
+
 # (engine, platform): the embedded engine on CPU (storage release) and on CUDA (torch_memory_saver)
 ENGINES = [("embedded", "cpu"), ("embedded", "cuda")]
 

@@ -10,6 +10,8 @@ from mllm_rl.sinks.jsonl import read_jsonl
 from tests.conftest import ROOT
 from tests.torch.test_swap_run import swap_run
 
+pytestmark = pytest.mark.slow  # every test here starts an engine (or waits on one that did)
+
 JAX_PY = ROOT / ".venv-jax" / "bin" / "python"
 
 

@@ -135,6 +135,7 @@ def _cases(mask: np.ndarray) -> list[dict]:
     return cases
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not JAX_PYTHON.exists(), reason=f"{JAX_PYTHON} absent (the JAX venv computes the reference)"
 )

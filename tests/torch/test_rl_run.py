@@ -25,6 +25,8 @@ from mllm_rl.sinks.jsonl import read_jsonl
 from mllm_rl.trainer import TRAIN_METRICS
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # every test here starts an engine (or waits on one that did)
+
 SMALL = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4",
          "--wandb", "disabled", "--check-weights", "--quiet", "--platform", "cpu"]  # fmt: skip
 RUNS = {

@@ -38,6 +38,7 @@ def streaming(tiny_ckpt, tmp_path_factory):
     return swap_run(run_dir, tiny_ckpt), run_dir
 
 
+@pytest.mark.slow
 def test_exits_clean_and_records_five_schema_valid_phases(streaming):
     r, run_dir = streaming
     assert r.returncode == 0, r.stderr[-3000:]
@@ -55,6 +56,7 @@ def test_exits_clean_and_records_five_schema_valid_phases(streaming):
     assert recs[3]["info"]["fingerprint_ok"] is True and recs[3]["info"]["tensors"] == 25
 
 
+@pytest.mark.slow
 def test_swapped_engine_matches_the_hf_reference(streaming, hf_logits):
     from tests.engine_contract import reference_greedy
 
@@ -65,6 +67,7 @@ def test_swapped_engine_matches_the_hf_reference(streaming, hf_logits):
         assert max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)) < 1e-3
 
 
+@pytest.mark.slow
 def test_probe_sees_the_engine_and_the_streaming_peak_is_one_copy_plus_one_tensor(streaming, tiny_ckpt):
     recs = read_jsonl(streaming[1] / "phases.jsonl")
     ready, swapped = recs[2]["memory"]["devices"][0], recs[3]["memory"]["devices"][0]
@@ -78,6 +81,7 @@ def test_probe_sees_the_engine_and_the_streaming_peak_is_one_copy_plus_one_tenso
     )
 
 
+@pytest.mark.slow
 def test_wandb_offline_has_one_row_per_phase(streaming):
     from mllm_rl.sinks.wandb_file import read_history
 
@@ -87,6 +91,7 @@ def test_wandb_offline_has_one_row_per_phase(streaming):
     assert "mem/torch/bytes_in_use_sum" in rows[3]
 
 
+@pytest.mark.slow
 def test_naive_swap_holds_two_copies(tiny_ckpt, tmp_path, streaming):
     r = swap_run(tmp_path, tiny_ckpt, "--swap-mode", "naive", "--wandb", "disabled")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -99,6 +104,7 @@ def test_naive_swap_holds_two_copies(tiny_ckpt, tmp_path, streaming):
     assert recs[-1]["info"]["token_ids"] == read_jsonl(streaming[1] / "phases.jsonl")[-1]["info"]["token_ids"]
 
 
+@pytest.mark.slow
 def test_chunked_streaming_swap_is_exact(tiny_ckpt, tmp_path, streaming):
     r = swap_run(tmp_path, tiny_ckpt, "--swap-chunk-mb", "0.05", "--wandb", "disabled")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -107,6 +113,7 @@ def test_chunked_streaming_swap_is_exact(tiny_ckpt, tmp_path, streaming):
     assert recs[-1]["info"]["token_ids"] == read_jsonl(streaming[1] / "phases.jsonl")[-1]["info"]["token_ids"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", ["0", "0.05"])
 def test_swap_that_does_nothing_fails_loudly(tiny_ckpt, tmp_path, chunk):
     """Fault injection: the engine stages and fingerprints every tensor but never installs it."""
@@ -176,6 +183,7 @@ def test_platform_cuda_without_cuda_is_a_clear_error(tiny_ckpt, tmp_path):
     assert [x["phase"] for x in read_jsonl(tmp_path / "phases.jsonl")] == ["wandb_init", "torch_ready"]
 
 
+@pytest.mark.slow
 def test_cuda_swap_records_driver_truth_and_allocator_peaks(tiny_ckpt, tmp_path, streaming):
     from tests.torch.conftest import needs_cuda
 

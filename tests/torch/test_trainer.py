@@ -283,6 +283,7 @@ def test_save_restore_round_trip(model_dir, tmp_path, lora_rank):
         other.restore(tmp_path / "missing")
 
 
+@pytest.mark.slow
 # -- the engine side -----------------------------------------------------------------
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_export_lands_in_the_embedded_engine_and_its_greedy_agrees(model_dir, lora_rank):
@@ -324,6 +325,7 @@ def test_fingerprint_sees_a_changed_weight(model_dir):
     assert bad == ["model.norm.weight"]
 
 
+@pytest.mark.slow
 def test_logprobs_are_the_engines_sampling_logprobs(model_dir):
     """The alignment convention: ``old_logp[b, t]`` (engine) and ``logprobs[b, t]`` (trainer)
     are both log p(tokens[b, t] | tokens[b, :t]); on-policy the ratio is 1."""
@@ -376,6 +378,7 @@ print("RESULT" + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not JAX_PYTHON.exists(), reason=f"{JAX_PYTHON} absent (the JAX venv computes the reference)"
 )
