@@ -8,14 +8,17 @@ tokenizer the project ships).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Qwen3 dense decoder (names follow the HF config)."""
+    """Architecture of a Qwen3 dense decoder (names follow the HF config).
+
+    The field defaults are the published Qwen3 values the presets share; a ``config.json``
+    missing a key gets transformers' ``Qwen3Config`` default instead (``from_hf_config``).
+    """
 
     name: str
     vocab_size: int
@@ -69,11 +72,11 @@ class ModelConfig:
             total += n
         return total
 
-    def to_hf_config(self) -> dict[str, Any]:
-        """The ``config.json`` of a Hugging Face ``Qwen3ForCausalLM`` checkpoint."""
+    def hf_architecture(self) -> dict[str, Any]:
+        """Every ``config.json`` field that decides what ``Qwen3ForCausalLM`` computes, written
+        the way transformers 4.x and 5.x both read identically (top-level ``rope_theta``,
+        ``rope_scaling: null``, nothing left to a default)."""
         return {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -86,13 +89,21 @@ class ModelConfig:
             "rope_scaling": None,
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "torch_dtype": self.torch_dtype,
             "hidden_act": "silu",
             "attention_bias": False,
             "attention_dropout": 0.0,
             "use_sliding_window": False,
             "sliding_window": None,
             "max_window_layers": self.num_hidden_layers,
+        }
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The ``config.json`` of a Hugging Face ``Qwen3ForCausalLM`` checkpoint."""
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            **self.hf_architecture(),
+            "torch_dtype": self.torch_dtype,
             "initializer_range": 0.02,
             "use_cache": True,
             "bos_token_id": self.bos_token_id,
@@ -101,56 +112,22 @@ class ModelConfig:
         }
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], name: str = "checkpoint") -> ModelConfig:
-        """Parse a Qwen3 ``config.json``; raises ``ValueError`` naming the missing field."""
-        if cfg.get("model_type") not in ("qwen3", None):
-            raise ValueError(f"model_type is {cfg.get('model_type')!r}, expected 'qwen3'")
-        required = (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-        )
-        missing = [k for k in required if k not in cfg]
-        if missing:
-            raise ValueError(f"missing field(s) {', '.join(missing)}")
-        eos = cfg.get("eos_token_id", 256)
-        if isinstance(eos, list):
-            eos = eos[0]
-        return cls(
-            name=cfg.get("mllm_rl_preset", name),
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
-            num_attention_heads=int(cfg["num_attention_heads"]),
-            num_key_value_heads=int(cfg["num_key_value_heads"]),
-            head_dim=int(cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
-            rope_theta=float(cfg.get("rope_theta", 1_000_000.0)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            torch_dtype=str(cfg.get("torch_dtype", "bfloat16")),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=int(eos if eos is not None else 0),
-        )
+    def from_hf_config(
+        cls, cfg: dict[str, Any], name: str = "checkpoint", fallback_eos: Any = None
+    ) -> ModelConfig:
+        """Parse a Qwen3 ``config.json`` as transformers does (``mllm_rl.checkpoint.hf_config``);
+        raises a one-line ``ValueError`` naming the field it refuses."""
+        from mllm_rl.checkpoint.hf_config import parse_qwen3
+
+        return parse_qwen3(cfg, name=name, fallback_eos=fallback_eos)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
-        cfg_file = path / "config.json"
-        try:
-            cfg = json.loads(cfg_file.read_text())
-        except FileNotFoundError:
-            raise ValueError(f"{cfg_file}: not found") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_file}: invalid JSON ({e.msg} at line {e.lineno})") from None
-        try:
-            return cls.from_hf_config(cfg, name=path.name)
-        except ValueError as e:
-            raise ValueError(f"{cfg_file}: {e}") from None
+        """``path/config.json`` (and ``generation_config.json`` for a missing EOS) -> config;
+        every error is one line starting with the file's path."""
+        from mllm_rl.checkpoint.hf_config import config_from_dir
+
+        return config_from_dir(Path(path))
 
 
 # Qwen3 numbers from the published Qwen/Qwen3-*B config.json files.

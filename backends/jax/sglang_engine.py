@@ -178,6 +178,11 @@ class SglangJaxEngine:
                 **multi,
                 model_path=str(model.path),
                 tokenizer_path=str(model.path),
+                # sglang-jax reads config.json with its own transformers (4.57), which knows no
+                # ``rope_parameters`` (the transformers>=5 form) and would build RoPE with base
+                # 10000. Every field that decides the computation is set from the config the
+                # trainer uses (``get_config`` applies these with ``config.update``).
+                json_model_override_args=json.dumps(model.config.hf_architecture()),
                 load_format="dummy",
                 enable_single_process=True,
                 device=platform,

@@ -9,27 +9,31 @@ the host process, so it must never see a bad directory):
   each tensor's bytes inside its file (catches truncation);
 - exactly the expected tensor names are present, each with the expected shape and a
   floating dtype;
-- tokenizer files exist and ``tokenizer.json`` parses.
+- tokenizer files exist and ``tokenizer.json`` parses;
+- every weight is finite (``check_values``; streamed, once per ``open``).
 
 Errors are ``CheckpointError`` with a one-line message naming the file and tensor.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from mllm_rl.checkpoint.hf_config import read_json
 from mllm_rl.checkpoint.safetensors_io import SafetensorsError, TensorInfo, read_header, read_tensor
+from mllm_rl.checkpoint.values import NonFiniteError, check_finite
 from mllm_rl.presets import ModelConfig
+from mllm_rl.progress import progress_bar
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+PROGRESS_BYTES = 256 * 2**20  # value scans of larger checkpoints show a progress bar
 
 
 class CheckpointError(ValueError):
@@ -43,7 +47,10 @@ class ModelDir:
     tensors: dict[str, tuple[Path, TensorInfo]]  # HF name -> (shard file, info), checkpoint order
 
     @classmethod
-    def open(cls, path: str | Path, check_tokenizer: bool = True) -> ModelDir:
+    def open(cls, path: str | Path, check_tokenizer: bool = True, check_values: bool = True) -> ModelDir:
+        """Validate and open ``path``. ``check_values`` scans every weight for NaN/inf (reads
+        the whole checkpoint once, with a progress bar on a terminal); pass False only for a
+        checkpoint whose values were just written or already checked in this process."""
         path = Path(path).expanduser().resolve()
         if not path.is_dir():
             raise CheckpointError(f"{path}: not a directory")
@@ -55,7 +62,19 @@ class ModelDir:
         _check_names_and_shapes(path, config, tensors)
         if check_tokenizer:
             _check_tokenizer(path, config)
-        return cls(path, config, tensors)
+        md = cls(path, config, tensors)
+        if check_values:
+            md.check_values()
+        return md
+
+    def check_values(self, show_progress: bool = True) -> None:
+        """``CheckpointError`` naming file and tensor unless every weight is finite."""
+        with progress_bar(total=self.nbytes, desc=f"check {self.path.name}", unit="B",
+                          enabled=show_progress and self.nbytes > PROGRESS_BYTES) as bar:  # fmt: skip
+            try:
+                check_finite(((n, f, i) for n, (f, i) in self.tensors.items()), on_bytes=bar.update)
+            except NonFiniteError as e:
+                raise CheckpointError(str(e)) from None
 
     @property
     def nbytes(self) -> int:
@@ -80,9 +99,12 @@ def _read_tensor_table(path: Path) -> dict[str, tuple[Path, TensorInfo]]:
     index_file = path / INDEX
     if index_file.exists():
         try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_file}: invalid index ({e})") from None
+            index = read_json(index_file)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index_file}: invalid index (no weight_map of tensor name -> file name)")
         files = sorted(set(weight_map.values()))
     elif (path / SINGLE).exists():
         weight_map, files = None, [SINGLE]
@@ -136,10 +158,13 @@ def _check_tokenizer(path: Path, config: ModelConfig) -> None:
         if not (path / fname).exists():
             raise CheckpointError(f"{path / fname}: tokenizer file missing")
     try:
-        tok = json.loads((path / "tokenizer.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path / 'tokenizer.json'}: invalid JSON ({e})") from None
-    vocab = len(tok.get("model", {}).get("vocab", {})) + len(tok.get("added_tokens", []))
+        tok = read_json(path / "tokenizer.json")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    model = tok.get("model") if isinstance(tok, dict) else None
+    if not isinstance(model, dict) or not isinstance(tok.get("added_tokens", []), list):
+        raise CheckpointError(f"{path / 'tokenizer.json'}: not a tokenizers JSON (no model object)")
+    vocab = len(model.get("vocab") or {}) + len(tok.get("added_tokens", []))
     if vocab > config.vocab_size:
         raise CheckpointError(
             f"{path / 'tokenizer.json'}: {vocab} tokens exceed config vocab_size {config.vocab_size}"

@@ -29,7 +29,7 @@ def resolve_model(spec: str, seed: int = 0, dtype: str | None = None) -> ModelDi
             return ModelDir.open(out)
         except CheckpointError:
             make_checkpoint(cfg, out, dtype=dt, seed=seed)
-            return ModelDir.open(out)
+            return ModelDir.open(out, check_values=False)  # values just drawn: finite by construction
     path = Path(spec).expanduser()
     if path.exists() or spec.startswith((".", "/", "~")):
         return ModelDir.open(path)

@@ -91,18 +91,24 @@ def write_file(
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and check a header: every tensor's bytes must lie inside the file."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise SafetensorsError(f"{path}: truncated (no header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER or 8 + n > size:
-            raise SafetensorsError(f"{path}: header length {n} exceeds file size {size}")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise SafetensorsError(f"{path}: header is not valid JSON ({e})") from None
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise SafetensorsError(f"{path}: truncated (no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise SafetensorsError(f"{path}: header length {n} exceeds file size {size}")
+            raw = f.read(n)
+    except OSError as e:
+        raise SafetensorsError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SafetensorsError(f"{path}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path}: header is not a JSON object")
     base = 8 + n
     out: dict[str, TensorInfo] = {}
     for name, spec in header.items():
@@ -110,6 +116,9 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             continue
         try:
             dt, shape, (b, e) = spec["dtype"], tuple(int(s) for s in spec["shape"]), spec["data_offsets"]
+            b, e = int(b), int(e)
+            if not isinstance(dt, str) or b < 0 or e < b or any(s < 0 for s in shape):
+                raise ValueError
         except (KeyError, TypeError, ValueError):
             raise SafetensorsError(f"{path}: tensor {name}: malformed header entry") from None
         if dt not in DTYPES:

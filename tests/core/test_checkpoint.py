@@ -183,3 +183,85 @@ def test_resolve_preset_writes_once_and_hub_id_respects_offline(monkeypatch, tmp
         resolve_model("Qwen/Qwen3-4B")
     with pytest.raises(CheckpointError, match="not a preset"):
         resolve_model("qwen3-99b")
+
+
+# -- non-finite weights ---------------------------------------------------------------------
+def _poison(path, name, flat_index, value=np.nan):
+    """Overwrite one float32 element of tensor ``name`` in place."""
+    shard = _shard_of(path, name)
+    info = read_header(shard)[name]
+    mm = np.memmap(shard, np.float32, "r+", info.begin, (info.nbytes // 4,))
+    mm[flat_index] = value
+    mm.flush()
+    del mm
+    return shard
+
+
+@pytest.mark.parametrize("dtype", ["F32", "BF16", "F16"])
+def test_nonfinite_count_and_first_index_across_chunks(dtype):
+    from mllm_rl.checkpoint.safetensors_io import DTYPES
+    from mllm_rl.checkpoint.values import count_nonfinite
+
+    np_dtype = DTYPES[dtype]
+    big = float(np.finfo(np.float16).max) if dtype == "F16" else 3e38
+    x = np.linspace(-big, big, 1000).astype(np_dtype)  # the largest finite values, and -0/subnormals
+    x[[0, 1]] = [np.float32(-0.0), np.float32(1e-40) if dtype != "F16" else 1e-7]
+    assert count_nonfinite(x.reshape(20, 50), dtype, chunk_elems=64) == (0, -1)
+    x[[130, 131, 999]] = [np.inf, -np.inf, np.nan]
+    assert count_nonfinite(x.reshape(20, 50), dtype, chunk_elems=64) == (3, 130)
+
+
+def test_nan_weight_is_refused_naming_file_tensor_and_index(broken):
+    shard = _poison(broken, LAYER0_Q, 128 * 3 + 5)
+    with pytest.raises(CheckpointError) as e:
+        ModelDir.open(broken)
+    assert str(e.value) == (
+        f"{shard}: tensor {LAYER0_Q}: 1 non-finite value(s) (NaN/inf), first at index [3, 5]"
+    )
+    ModelDir.open(broken, check_values=False)  # the structure itself is sound
+
+
+def test_check_cli_refuses_inf_weight_exit_2_and_skip_values_flag(broken):
+    _poison(broken, "model.norm.weight", 7, np.inf)
+    r = run_cli("mllm_rl.checkpoint", "check", str(broken))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1 and "tensor model.norm.weight: 1 non-finite value(s)" in r.stderr
+    ok = run_cli("mllm_rl.checkpoint", "check", "--skip-values", str(broken))
+    assert ok.returncode == 0 and "values not scanned" in ok.stdout
+
+
+def test_check_cli_reports_the_scan(tiny_ckpt):
+    r = run_cli("mllm_rl.checkpoint", "check", str(tiny_ckpt))
+    assert r.returncode == 0 and "values all finite (" in r.stdout, r.stderr
+
+
+def test_run_refuses_nan_checkpoint_before_any_engine(broken, tmp_path):
+    _poison(broken, "model.embed_tokens.weight", 0)
+    run_dir = tmp_path / "run"
+    r = run_cli("mllm_rl.run", "--backend", "jax", "--plan", "swap", "--model", str(broken),
+                "--run-dir", str(run_dir), "--wandb", "disabled", "--quiet")  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "tensor model.embed_tokens.weight: 1 non-finite value(s)" in r.stderr
+    assert not (run_dir / "phases.jsonl").exists()
+
+
+def test_a_run_scans_the_values_once(monkeypatch, tmp_path):
+    """``resolve_model`` (what ``mllm_rl.run`` validates ``--model`` with) scans each tensor once;
+    a preset it has just written is not scanned again."""
+    from mllm_rl.checkpoint import model_dir, resolve_model
+
+    scanned: list[str] = []
+    real = model_dir.check_finite
+
+    def counting(tensors, on_bytes=None):
+        tensors = list(tensors)
+        scanned.extend(name for name, _, _ in tensors)
+        return real(tensors, on_bytes)
+
+    monkeypatch.setattr(model_dir, "check_finite", counting)
+    monkeypatch.setenv("MLLM_RL_CACHE", str(tmp_path))
+    md = resolve_model("tiny")  # written now: values drawn by us
+    assert scanned == []
+    resolve_model(str(md.path))  # an existing directory, as `--model DIR` gives it
+    assert sorted(scanned) == sorted(md.tensors)
