@@ -8,7 +8,6 @@ tokenizer the project ships).
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 
@@ -17,7 +16,7 @@ class ModelConfig:
     """Architecture of a Qwen3 dense decoder (names follow the HF config).
 
     The field defaults are the published Qwen3 values the presets share; a ``config.json``
-    missing a key gets transformers' ``Qwen3Config`` default instead (``from_hf_config``).
+    missing a key gets transformers' ``Qwen3Config`` default instead (``mllm_rl.checkpoint.hf_config.parse_qwen3``).
     """
 
     name: str
@@ -110,24 +109,6 @@ class ModelConfig:
             "eos_token_id": self.eos_token_id,
             "mllm_rl_preset": self.name,
         }
-
-    @classmethod
-    def from_hf_config(
-        cls, cfg: dict[str, Any], name: str = "checkpoint", fallback_eos: Any = None
-    ) -> ModelConfig:
-        """Parse a Qwen3 ``config.json`` as transformers does (``mllm_rl.checkpoint.hf_config``);
-        raises a one-line ``ValueError`` naming the field it refuses."""
-        from mllm_rl.checkpoint.hf_config import parse_qwen3
-
-        return parse_qwen3(cfg, name=name, fallback_eos=fallback_eos)
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> ModelConfig:
-        """``path/config.json`` (and ``generation_config.json`` for a missing EOS) -> config;
-        every error is one line starting with the file's path."""
-        from mllm_rl.checkpoint.hf_config import config_from_dir
-
-        return config_from_dir(Path(path))
 
 
 # Qwen3 numbers from the published Qwen/Qwen3-*B config.json files.

@@ -103,9 +103,9 @@ def _is_v5() -> bool:
 
 
 def our_reading(cfg: Any) -> dict[str, Any]:
-    from mllm_rl.presets import ModelConfig
+    from mllm_rl.checkpoint.hf_config import parse_qwen3
 
-    c = ModelConfig.from_hf_config(cfg)
+    c = parse_qwen3(cfg)
     return {"rope_theta": c.rope_theta, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
             "tie_word_embeddings": c.tie_word_embeddings, "num_key_value_heads": c.num_key_value_heads,
             "max_position_embeddings": c.max_position_embeddings}  # fmt: skip

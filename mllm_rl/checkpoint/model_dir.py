@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mllm_rl.checkpoint.hf_config import read_json
+from mllm_rl.checkpoint.hf_config import config_from_dir, read_json
 from mllm_rl.checkpoint.safetensors_io import SafetensorsError, TensorInfo, read_header, read_tensor
 from mllm_rl.checkpoint.values import NonFiniteError, check_finite
 from mllm_rl.presets import ModelConfig
@@ -55,7 +55,7 @@ class ModelDir:
         if not path.is_dir():
             raise CheckpointError(f"{path}: not a directory")
         try:
-            config = ModelConfig.from_dir(path)
+            config = config_from_dir(path)
         except ValueError as e:
             raise CheckpointError(str(e)) from None
         tensors = _read_tensor_table(path)

@@ -14,7 +14,8 @@ import shutil
 import pytest
 
 from mllm_rl.checkpoint import CheckpointError, ModelDir
-from mllm_rl.presets import PRESETS, ModelConfig
+from mllm_rl.checkpoint.hf_config import parse_qwen3
+from mllm_rl.presets import PRESETS
 from tests import hf_oracle as oracle
 from tests.conftest import run_cli
 
@@ -23,7 +24,7 @@ _DROP = object()  # a value meaning "remove this key"
 
 def parse(**changes):
     cfg = {**oracle.SIZES, **changes}
-    return ModelConfig.from_hf_config({k: v for k, v in cfg.items() if v is not _DROP})
+    return parse_qwen3({k: v for k, v in cfg.items() if v is not _DROP})
 
 
 @pytest.mark.parametrize("case", sorted(oracle.CONFIG_CASES))
@@ -52,7 +53,7 @@ def test_transformers5_rope_parameters_base_is_read():
 
 def test_presets_round_trip_and_hf_architecture_pins_every_default():
     for cfg in PRESETS.values():
-        assert ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg
+        assert parse_qwen3(cfg.to_hf_config()) == cfg
         arch = cfg.hf_architecture()
         assert arch["rope_theta"] == cfg.rope_theta and arch["rope_scaling"] is None
         assert {"head_dim", "tie_word_embeddings", "rms_norm_eps", "num_key_value_heads"} <= set(arch)

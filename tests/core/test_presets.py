@@ -1,6 +1,7 @@
 import pytest
 
-from mllm_rl.presets import PRESETS, ModelConfig, get_preset
+from mllm_rl.checkpoint.hf_config import parse_qwen3
+from mllm_rl.presets import PRESETS, get_preset
 
 
 @pytest.mark.parametrize(
@@ -19,7 +20,7 @@ def test_qwen3_presets_have_published_sizes(name, low, high):
 
 def test_hf_config_round_trip():
     for cfg in PRESETS.values():
-        back = ModelConfig.from_hf_config(cfg.to_hf_config())
+        back = parse_qwen3(cfg.to_hf_config())
         assert back == cfg
 
 
@@ -32,4 +33,4 @@ def test_config_missing_field_names_it():
     cfg = PRESETS["tiny"].to_hf_config()
     del cfg["num_key_value_heads"]
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        ModelConfig.from_hf_config(cfg)
+        parse_qwen3(cfg)
