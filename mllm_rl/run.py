@@ -23,6 +23,7 @@ import _thread
 import argparse
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -280,14 +281,28 @@ def write_run_json(run_dir: Path, plan: dict[str, Any]) -> None:
     os.replace(tmp, run_dir / "run.json")
 
 
+# Lower bounds of numeric flags, "> 0" where 0 itself is refused (NaN and inf are refused too:
+# argparse's float() takes "nan"). --group-size has its own check with the reason (RLOptions).
+NUMERIC_FLAGS: dict[str, tuple[float, bool]] = {
+    "--tp": (1, False), "--max-new-tokens": (1, False), "--max-total-tokens": (1, False),
+    "--context-length": (1, False), "--max-running-requests": (1, False), "--swap-chunk-mb": (0, False),
+    "--steps": (1, False), "--prompts-per-step": (1, False), "--temperature": (0, False), "--top-p": (0, True),
+    "--lr": (0, False), "--weight-decay": (0, False), "--grad-clip": (0, False), "--mini-batches": (1, False),
+    "--micro-batch-size": (1, False), "--eps-low": (0, False), "--eps-high": (0, False), "--kl-beta": (0, False),
+    "--lora-rank": (0, False), "--lora-alpha": (0, True), "--checkpoint-every": (0, False),
+}  # fmt: skip
+
+
 def build_options(args: argparse.Namespace) -> Any:
     """The plan's options from the flags; raises ``ValueError`` naming the flag (exit 2)."""
     from mllm_rl.engine import EngineOptions
 
-    if args.swap_chunk_mb < 0:
-        raise ValueError(f"--swap-chunk-mb must be >= 0, got {args.swap_chunk_mb}")
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    for flag, (low, strict) in NUMERIC_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not (math.isfinite(value) and (value > low if strict else value >= low)):
+            raise ValueError(f"{flag} must be {'>' if strict else '>='} {low:g}, got {value}")
+    if args.top_p > 1:
+        raise ValueError(f"--top-p must be <= 1, got {args.top_p}")
     if (args.resume or args.resume_or_start) and not (args.run_dir or args.run_id):
         flag = "--resume" if args.resume else "--resume-or-start"
         raise ValueError(f"{flag} needs --run-dir or --run-id (the run to continue)")
@@ -394,9 +409,8 @@ def prepare(args: argparse.Namespace) -> Prepared:
             get_task(args.task, args.task_data)
         except (ValueError, OSError) as e:
             msg = str(e)
-            raise ValueError(
-                msg if not args.task_data or args.task_data in msg else f"--task-data {args.task_data}: {msg}"
-            ) from None
+            named = not args.task_data or args.task_data in msg or "--task-data" in msg
+            raise ValueError(msg if named else f"--task-data {args.task_data}: {msg}") from None
         if args.task == "boxed" and args.task_data is None:
             from mllm_rl.tasks.boxed import SAMPLE_DATA
 
@@ -405,7 +419,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
             )
     from mllm_rl.checkpoint.resolve import resolve_model
 
-    model = resolve_model(args.model, seed=args.seed)
+    model = resolve_model(args.model, seed=args.seed)  # CheckpointError naming the file
     model.check_tp(opts.engine.tp)  # heads divisible by --tp; devices are checked once the runtime is up
     if args.resume or args.resume_or_start:
         run_id = args.run_id or _previous_run_id(run_dir) or run_id
@@ -453,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         backend.check_engine_args(model, opts.engine)
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:  # the backend's framework is not in this environment
+        print(f"error: --backend {args.backend}: {e} (install the '{args.backend}' extra)", file=sys.stderr)
         return 2
     except RuntimeError as e:  # no platform as asserted, processes that could not meet
         print(f"error: {e}", file=sys.stderr)

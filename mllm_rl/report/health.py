@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mllm_rl.phases.jsonsafe import is_non_finite
+from mllm_rl.phases.jsonsafe import is_non_finite, json_safe
 from mllm_rl.report.attempts import Attempt
 from mllm_rl.report.issues import ERROR, INFO, Issue
 
@@ -44,7 +44,7 @@ def health_issues(label: str, attempts: dict[int, list[Attempt]]) -> list[Issue]
                 sev, note = (INFO, f" (ended attempt {a.number}; resumed)") if ended else (ERROR, "")
                 bad = non_finite_keys(info) if r["step"] is not None else []
                 if bad:
-                    values = ", ".join(f"{k} {info[k]}" for k in bad)
+                    values = ", ".join(f"{k} {json_safe(info[k])}" for k in bad)
                     issues.append(Issue(label, "non_finite", f"{r['phase']}: non-finite {values}{note}", sev,
                                         step=r["step"], phase=r["phase"], **where))  # fmt: skip
                 stuck = info.get("stuck")
