@@ -15,7 +15,7 @@ never touches their framework.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 Fingerprint = dict[str, tuple[float, float]]  # hf_name -> (sum, sum of squares), float64
@@ -41,6 +41,63 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+ENGINE_CHOICES = ("auto", "embedded", "sglang")  # every backend's choices, for --engine
+DEFAULT_CONTEXT_LENGTH = 512
+DEFAULT_MAX_TOTAL_TOKENS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """What ``Backend.create_engine(model, opts)`` starts: typed, validated on construction.
+
+    ``None`` means "not chosen": ``context_length`` / ``max_total_tokens`` are then sized by the
+    plan (``resolved`` fills in ``DEFAULT_CONTEXT_LENGTH`` / ``DEFAULT_MAX_TOTAL_TOKENS``), and
+    ``max_running_requests`` is the engine's own default. ``engine`` is one of the backend's
+    ``engines`` (``check_backend``): the jax backend has only sglang-jax (``auto``); the torch
+    backend ``auto``, ``embedded``, ``sglang``.
+    """
+
+    tp: int = 1
+    engine: str = "auto"
+    max_total_tokens: int | None = None
+    context_length: int | None = None
+    max_running_requests: int | None = None
+    seed: int = 0
+    chunk_bytes: int = 64 * 2**20  # streamed updates: tensors above this go in chunks; 0 = whole
+    weights_cpu_backup: bool = False
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINE_CHOICES:
+            raise ValueError(f"--engine {self.engine!r}: choose one of {', '.join(ENGINE_CHOICES)}")
+        for flag, value, low in (("--tp", self.tp, 1), ("--max-total-tokens", self.max_total_tokens, 1),
+                                 ("--context-length", self.context_length, 1),
+                                 ("--max-running-requests", self.max_running_requests, 1),
+                                 ("chunk_bytes (--swap-chunk-mb)", self.chunk_bytes, 0)):  # fmt: skip
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{flag} must be an integer, got {value!r}")
+            if value < low:
+                raise ValueError(f"{flag} must be >= {low}, got {value}")
+
+    def check_backend(self, backend: str, engines: Mapping[str, str]) -> None:
+        """``ValueError`` unless ``engine`` is one of ``engines`` (choice -> what it starts), the
+        choices of ``backend``: an engine/backend combination is refused here, before any start."""
+        if self.engine not in engines:
+            have = ", ".join(f"{k} ({v})" for k, v in engines.items())
+            raise ValueError(
+                f"--engine {self.engine}: not an engine of the {backend} backend; choices: {have}"
+            )
+
+    def resolved(self) -> EngineOptions:
+        """A copy with ``context_length`` / ``max_total_tokens`` defaulted where unset."""
+        return dataclasses.replace(
+            self,
+            context_length=self.context_length or DEFAULT_CONTEXT_LENGTH,
+            max_total_tokens=self.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS,
+        )
 
 
 def request_seeds(base: int, n: int) -> list[int]:

@@ -7,12 +7,44 @@ catch that bug really does (a test without it could not fail). Names in use:
 - ``resume_lies``    an engine loses its weights' CPU backup but reports them restored on resume
 - ``train_oom``      the trainer's step fails like a device out-of-memory
 - ``offload_noop``   the trainer's params offload moves nothing
+- ``reward_nan``     the first completion of every RL step gets a NaN reward (as a broken reward
+                     function would give): its group's advantages, then the loss, are NaN
+- ``hang=PHASE``     the phase named PHASE sleeps until interrupted (the watchdog's test)
+- ``hang_deaf=PHASE`` the same, but every interruption is swallowed: a hang in C code that never
+                     returns to Python (only the watchdog's hard exit ends it)
 """
 
 from __future__ import annotations
 
 import os
+import time
+
+
+def _faults() -> list[str]:
+    return os.environ.get("MLLM_RL_FAULTS", "").split(",")
 
 
 def fault(name: str) -> bool:
-    return name in os.environ.get("MLLM_RL_FAULTS", "").split(",")
+    return name in _faults()
+
+
+def fault_value(name: str) -> str | None:
+    """``VALUE`` of a ``name=VALUE`` fault, or None when it is off."""
+    for f in _faults():
+        key, sep, value = f.partition("=")
+        if sep and key == name:
+            return value
+    return None
+
+
+def injected_hang(phase: str) -> None:
+    """Sleep forever in ``phase`` under ``hang=PHASE`` (interruptible) or ``hang_deaf=PHASE`` (not)."""
+    if fault_value("hang") == phase:
+        while True:
+            time.sleep(3600)
+    if fault_value("hang_deaf") == phase:
+        while True:
+            try:
+                time.sleep(3600)
+            except BaseException:  # the point: a hang that ignores every interruption
+                pass

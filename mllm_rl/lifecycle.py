@@ -24,6 +24,9 @@ never holds engine weights + KV cache + the whole trainer at once:
     release_rollout -> trainer_init -> offload_optimizer -> resume_weights -> weights_swapped
     -> offload_trainer_params -> resume_kv -> continue_generation
 
+A step whose loss or grad norm is not finite stops in ``train_step`` (``NonFiniteTraining``),
+before the checkpoint and the update.
+
 Checked at every phase boundary (``LifecycleError`` otherwise): trainer params and engine
 weights are never both resident outside the phases that need them (the update); the
 update's engine fingerprint equals the trainer's (an update that did nothing fails
@@ -38,6 +41,7 @@ probe; the tokens must agree wherever the trainer's top-2 margin is not a near t
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -69,8 +73,29 @@ BOTH_RESIDENT_OK = {"resume_weights", "update_weights", "resume_rollout", "weigh
 GREEDY_TIE = 1e-3  # top-2 logit margin below which a greedy token may differ across implementations
 
 
+FINITE_METRICS = ("loss", "grad_norm")  # train metrics that must be finite for the step to count
+
+
 class LifecycleError(RuntimeError):
     """A lifecycle invariant broke (never silently continued)."""
+
+
+class NonFiniteTraining(RuntimeError):
+    """A train step's loss or grad norm is NaN/inf: the step stops there, before its checkpoint and
+    the weight update, so neither a checkpoint nor the engine ever holds what it produced."""
+
+
+def check_finite(step: int, train: dict[str, Any], info: dict[str, Any]) -> None:
+    """Raise ``NonFiniteTraining`` when a ``FINITE_METRICS`` value of ``train`` is not finite (its
+    names go to ``info.non_finite``)."""
+    bad = [k for k in FINITE_METRICS if k in train and not math.isfinite(float(train[k]))]
+    if bad:
+        info["non_finite"] = bad
+        values = ", ".join(f"{k} {float(train[k])}" for k in bad)
+        raise NonFiniteTraining(
+            f"train_step of step {step}: non-finite {values}; stopped before the checkpoint and the "
+            f"weight update (the trainer's weights are no longer usable)"
+        )
 
 
 @dataclasses.dataclass
@@ -165,6 +190,7 @@ class Colocated:
         with self._phase("train_step", step, batch=batch.size) as ph:
             train = self.trainer.train_step(batch)
             ph.info.update(train)
+            check_finite(step, train, ph.info)
             if o.check_weights:
                 self._expected_probe = self.trainer.greedy(list(o.probe_ids), o.probe_tokens)
         metrics.update(train)

@@ -9,9 +9,12 @@ phase, the source of truth; ``phases.p<i>.jsonl`` for process i > 0), ``run.json
 run and which phases to expect), ``metrics.jsonl`` (RL metrics, one line per step),
 ``checkpoints/`` (RL), a W&B offline run under ``wandb/`` unless ``--wandb disabled``.
 
-Exit codes: 0 ok; 1 runtime error; 2 bad input (one line on stderr, nothing started);
-3 an engine's weights differ from what was sent (update that did not land, garbage guard);
-4 a lifecycle invariant broke; 128+N killed by signal N (SIGTERM: 143) after closing the sinks.
+Exit codes (``EXIT_CODES``, also in ``--help``): 0 ok; 1 runtime error; 2 bad input (one line on
+stderr, nothing started: every check that can run before start-up runs before the run directory,
+W&B or an engine is touched; ``docs/ERRORS.md`` lists them); 3 an engine's weights differ from what
+was sent (update that did not land, garbage guard); 4 a lifecycle invariant broke; 5 a train step's
+loss or grad norm is not finite; 6 a phase ran past its ``--phase-timeout`` (stuck; every thread's
+stack in the run directory); 128+N killed by signal N (SIGTERM: 143) after closing the sinks.
 """
 
 from __future__ import annotations
@@ -24,12 +27,21 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from mllm_rl.presets import PRESETS
 
+EXIT_CODES = {
+    0: "ok",
+    1: "runtime error",
+    2: "bad input: one line on stderr, nothing started (no run directory, W&B run or engine); docs/ERRORS.md",
+    3: "an engine's weights differ from what was sent (fingerprint) or from the trainer's (garbage guard)",
+    4: "a lifecycle invariant broke",
+    5: "a train step's loss or grad norm is not finite (stopped before its checkpoint and update)",
+    6: "a phase ran past its --phase-timeout (stuck): every thread's stack is in the run directory",
+    143: "SIGTERM (128 + signal), after the phase log and the W&B run were closed",
+}
 # Nothing imported at module level may start a thread (numpy's OpenBLAS pool does):
 # ``install_sigterm`` must run while the main thread is the only one.
 
@@ -68,19 +80,42 @@ def install_sigterm() -> None:
     threading.Thread(target=wait, name="mllm_rl-sigterm", daemon=True).start()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2): ``error: argument --tp: invalid int value: 'x'``."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each flag's default once: appended unless the help already says it, or there is none to say
+    (``None``, a switch's ``False``, a required flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        none = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.required or none or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     # Imported here, not at module level: they import numpy, whose thread pool must start
     # after ``install_sigterm`` blocked SIGTERM (see there).
     from mllm_rl.lifecycle import SCHEDULES
+    from mllm_rl.phases.watchdog import DEFAULT_LIMIT_S, LIGHT_FACTOR
     from mllm_rl.rl.advantages import ESTIMATORS
     from mllm_rl.rl.loss_config import AGGREGATIONS
     from mllm_rl.tasks.base import TASKS
 
-    ap = argparse.ArgumentParser(
+    codes = "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items())
+    ap = _Parser(
         prog="python -m mllm_rl.run",
         description="Run a plan (rl: colocated GRPO with every memory phase recorded; swap: dummy-init "
         "engine + streamed weight swap).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=f"exit codes:\n{codes}",
+        formatter_class=_HelpFormatter,
     )
     ap.add_argument(
         "--backend", required=True, help="backend name (entry point group mllm_rl.backends): jax, torch"
@@ -120,16 +155,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         default="auto",
         choices=["auto", "embedded", "sglang"],
-        help="torch backend's rollout engine (auto: SGLang when importable on CUDA, else embedded)",
+        help="rollout engine; torch: auto (SGLang when importable on CUDA, else embedded), embedded, "
+        "sglang; jax: auto only (sglang-jax)",
     )
     ap.add_argument(
         "--weights-cpu-backup",
         action="store_true",
         help="engine keeps a host copy of its weights across release/resume (else: full re-sync)",
     )
+    ap.add_argument(
+        "--phase-timeout",
+        action="append",
+        metavar="[PHASE=]SECONDS",
+        help=f"watchdog: a phase still running after its limit is recorded as stuck, every thread's "
+        f"stack goes to the run dir, and the run exits 6. SECONDS sets the limit of the phases that "
+        f"compute or move a model (rollout, train_step, engine start, ...; the others get "
+        f"{LIGHT_FACTOR:g}x it), PHASE=SECONDS one phase's; repeatable; 0 = no limit "
+        f"(default: {DEFAULT_LIMIT_S:g})",
+    )
     out = ap.add_argument_group("outputs")
-    out.add_argument("--wandb", default="offline", choices=["disabled", "offline", "online"])
-    out.add_argument("--wandb-project", default="mllm_rl")
+    out.add_argument("--wandb", default="offline", choices=["disabled", "offline", "online"], help="W&B mode")
+    out.add_argument("--wandb-project", default="mllm_rl", help="W&B project")
     out.add_argument("--run-id", default=None, help="default: <plan>-<backend>-<time>-<rand>")
     out.add_argument("--run-dir", default=None, help="default: runs/<run_id>")
     out.add_argument(
@@ -138,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["compact", "full", "off"],
         help="phase records on stdout: one short line each, the full JSON, or nothing",
     )
-    out.add_argument("--quiet", action="store_true", help="same as --console off")
+    out.add_argument("--quiet", action="store_true", help="print only errors (implies --console off)")
     sw = ap.add_argument_group("swap plan")
     sw.add_argument(
         "--swap-mode",
@@ -153,7 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="streaming: tensors larger than this are written into the engine buffer in chunks "
         "of this size (peak = one copy + one chunk); 0 = whole tensors",
     )
-    sw.add_argument("--prompt", action="append", help="prompt for generate_result (repeatable)")
+    sw.add_argument(
+        "--prompt",
+        action="append",
+        help="prompt for generate_result (repeatable; default: two built-in prompts)",
+    )
     rl = ap.add_argument_group("rl plan")
     rl.add_argument("--steps", type=int, default=20, help="RL steps")
     rl.add_argument(
@@ -163,23 +213,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="pattern: shipped periodic-string completion (learnable from scratch); "
         "boxed: GSM8K-style \\boxed{} answers from --task-data",
     )
-    rl.add_argument("--task-data", default=None, help="JSONL of {question, answer} for --task boxed")
-    rl.add_argument("--prompts-per-step", type=int, default=16)
-    rl.add_argument("--group-size", type=int, default=8, help="completions per prompt (GRPO group)")
-    rl.add_argument("--temperature", type=float, default=1.0)
-    rl.add_argument("--top-p", type=float, default=1.0)
+    rl.add_argument(
+        "--task-data",
+        default=None,
+        help="JSONL of {question, answer} for --task boxed (default: a shipped sample)",
+    )
+    rl.add_argument("--prompts-per-step", type=int, default=16, help="prompts per RL step")
+    rl.add_argument("--group-size", type=int, default=8, help="completions per prompt (GRPO group, >= 2)")
+    rl.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollout")
+    rl.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of the rollout")
     rl.add_argument("--estimator", default="grpo", choices=list(ESTIMATORS), help="advantage estimator")
-    rl.add_argument("--lr", type=float, default=3e-3)
-    rl.add_argument("--weight-decay", type=float, default=0.0)
+    rl.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    rl.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     rl.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clip; 0 = off")
     rl.add_argument("--mini-batches", type=int, default=1, help="optimizer updates per step")
     rl.add_argument("--micro-batch-size", type=int, default=64, help="sequences per forward/backward")
-    rl.add_argument("--eps-low", type=float, default=0.2)
-    rl.add_argument("--eps-high", type=float, default=0.28)
+    rl.add_argument("--eps-low", type=float, default=0.2, help="PPO clip range below 1")
+    rl.add_argument("--eps-high", type=float, default=0.28, help="PPO clip range above 1 (clip-higher)")
     rl.add_argument("--kl-beta", type=float, default=0.0, help="KL-to-reference weight in the loss (k3)")
-    rl.add_argument("--loss-agg", default="token_mean", choices=list(AGGREGATIONS))
+    rl.add_argument("--loss-agg", default="token_mean", choices=list(AGGREGATIONS), help="loss aggregation")
     rl.add_argument("--lora-rank", type=int, default=0, help="> 0: train LoRA adapters, base frozen")
-    rl.add_argument("--lora-alpha", type=float, default=16.0)
+    rl.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scale numerator (alpha / rank)")
     rl.add_argument(
         "--schedule",
         default="multi_stage",
@@ -192,12 +246,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="garbage guard: engine greedy probe after each update must match the trainer's",
     )
     rl.add_argument(
-        "--save-every", type=int, default=5, help="checkpoint every N steps (and the last); 0 = never"
+        "--checkpoint-every",
+        "--save-every",
+        dest="checkpoint_every",
+        type=int,
+        default=5,
+        help="checkpoint every N steps, and always the last step; 0 = never",
     )
     rl.add_argument(
         "--resume",
         action="store_true",
-        help="continue --run-dir/--run-id from its last complete checkpoint (appends to its phase log)",
+        help="continue --run-dir/--run-id from its newest valid checkpoint (appends to its phase log); "
+        "a run with nothing to resume is refused",
+    )
+    rl.add_argument(
+        "--resume-or-start",
+        action="store_true",
+        help="like --resume, but a run directory without checkpoints (or none at all) starts from step 0",
     )
     return ap
 
@@ -213,98 +278,58 @@ def write_run_json(run_dir: Path, plan: dict[str, Any]) -> None:
     os.replace(tmp, run_dir / "run.json")
 
 
-def build_options(args: argparse.Namespace) -> Any:
-    """The plan's options from the flags; raises ``ValueError`` naming the flag (exit 2)."""
-    if args.tp < 1:
-        raise ValueError(f"--tp must be >= 1, got {args.tp}")
-    if args.swap_chunk_mb < 0:
-        raise ValueError(f"--swap-chunk-mb must be >= 0, got {args.swap_chunk_mb}")
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.resume and not (args.run_dir or args.run_id):
-        raise ValueError("--resume needs --run-dir or --run-id (the run to continue)")
-    platform = "gpu" if args.platform == "cuda" else args.platform
-    engine_kwargs = {"max_total_tokens": args.max_total_tokens, "context_length": args.context_length,
-                     "max_running_requests": args.max_running_requests, "seed": args.seed,
-                     "chunk_bytes": int(args.swap_chunk_mb * 2**20)}  # fmt: skip
-    if args.engine != "auto":
-        engine_kwargs["engine"] = args.engine
-    if args.plan == "swap":
-        from mllm_rl.plans.swap import SwapOptions
-
-        engine_kwargs["context_length"] = engine_kwargs["context_length"] or 512
-        engine_kwargs["max_total_tokens"] = engine_kwargs["max_total_tokens"] or 4096
-
-        return SwapOptions(tp=args.tp, platform=platform, mode=args.swap_mode,
-                           prompts=tuple(args.prompt) if args.prompt else SwapOptions.prompts,
-                           max_new_tokens=args.max_new_tokens or 16, engine_kwargs=engine_kwargs)  # fmt: skip
-    from mllm_rl.lifecycle import LifecycleOptions
-    from mllm_rl.plans.rl import RLOptions
-    from mllm_rl.rl.loss_config import LossConfig
-    from mllm_rl.trainer import TrainConfig
-
-    loss = LossConfig(eps_low=args.eps_low, eps_high=args.eps_high, beta=args.kl_beta, aggregation=args.loss_agg,
-                      max_len=args.max_new_tokens or 8)  # fmt: skip
-    train = TrainConfig(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                        mini_batches=args.mini_batches, micro_batch_size=args.micro_batch_size, loss=loss,
-                        lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, seed=args.seed)  # fmt: skip
-    if args.weights_cpu_backup:
-        engine_kwargs["weights_cpu_backup"] = True
-    return RLOptions(
-        steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
-        max_new_tokens=args.max_new_tokens or 8, temperature=args.temperature, top_p=args.top_p,
-        estimator=args.estimator, task=args.task, task_data=args.task_data, save_every=args.save_every,
-        resume=args.resume, seed=args.seed, tp=args.tp, platform=platform, engine_kwargs=engine_kwargs,
-        train=train, lifecycle=LifecycleOptions(schedule=args.schedule, check_weights=args.check_weights),
-    )  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> int:
     if threading.active_count() == 1:
         install_sigterm()
     args = build_parser().parse_args(argv)
     from mllm_rl.checkpoint.model_dir import CheckpointError
     from mllm_rl.engine import WeightMismatch
-    from mllm_rl.lifecycle import LifecycleError
+    from mllm_rl.lifecycle import LifecycleError, NonFiniteTraining
     from mllm_rl.phases.recorder import PhaseRecorder
+    from mllm_rl.phases.watchdog import STUCK_EXIT, PhaseStuck, Watchdog
+    from mllm_rl.plans.preflight import check_fresh, prepare
     from mllm_rl.sinks.console import ConsoleSink
     from mllm_rl.sinks.jsonl import JsonlSink, MetricsJsonlSink, count_records
 
+    def say(line: str) -> None:
+        if not args.quiet:
+            print(line, file=sys.stderr, flush=True)
+
     try:
-        opts = build_options(args)
-        if args.plan == "rl":
-            from mllm_rl.tasks import get_task
-
-            get_task(args.task, args.task_data)  # a bad data file is bad input: before anything starts
-        from mllm_rl.backend_registry import load_backend
-        from mllm_rl.checkpoint.resolve import resolve_model
-
-        backend = load_backend(args.backend)
-        model = resolve_model(args.model, seed=args.seed)  # validated before any engine starts
+        pre = prepare(args)
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    backend, model, opts, run_dir, run_id = pre.backend, pre.model, pre.opts, pre.run_dir, pre.run_id
 
     # Multi-process runs (multi-host TPU slices; jax.distributed): every process records its
-    # own phases; process 0 writes run.json.
+    # own phases; process 0 writes run.json. Then the runtime comes up and the engine options are
+    # checked against its devices -- all before the run directory exists.
     init_distributed = getattr(backend, "init_distributed", None)
     try:
-        procs = init_distributed(tp=args.tp) if init_distributed else {"process_index": 0, "process_count": 1}
-    except ValueError as e:
+        tp = opts.engine.tp
+        procs = init_distributed(tp=tp) if init_distributed else {"process_index": 0, "process_count": 1}
+        pidx, pcount = int(procs["process_index"]), int(procs["process_count"])
+        phase_file = run_dir / phase_file_name(pidx)
+        if not (args.resume or args.resume_or_start):
+            check_fresh(run_dir, phase_file.name)
+        t0 = time.perf_counter()
+        runtime = backend.init_runtime(tp=tp, platform=opts.platform)
+        runtime["init_s"] = round(time.perf_counter() - t0, 3)
+        backend.check_engine_args(model, opts.engine)
+    except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:  # the processes could not meet (coordinator unreachable, timeout)
+    except ImportError as e:  # the backend's framework is not in this environment
+        print(f"error: --backend {args.backend}: {e} (install the '{args.backend}' extra)", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # no platform as asserted, processes that could not meet
         print(f"error: {e}", file=sys.stderr)
         return 1
-    pidx, pcount = int(procs["process_index"]), int(procs["process_count"])
-    run_id = (
-        args.run_id or f"{args.plan}-{args.backend}-{time.strftime('%y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
-    )
-    run_dir = Path(args.run_dir or Path("runs") / run_id).resolve()
-    if args.resume and args.run_id is None:
-        run_id = _previous_run_id(run_dir) or run_id
+
     run_dir.mkdir(parents=True, exist_ok=True)
-    phase_file = run_dir / phase_file_name(pidx)
+    for line in pre.notes:
+        say(line)
     sinks: list[Any] = [
         JsonlSink(phase_file),
         MetricsJsonlSink(run_dir / phase_file.name.replace("phases", "metrics")),
@@ -312,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     console = "off" if args.quiet else args.console
     if console != "off":
         sinks.append(ConsoleSink(compact=console == "compact"))
-    start_idx = count_records(phase_file) if args.resume else 0
+    start_idx = count_records(phase_file) if (args.resume or args.resume_or_start) else 0
     rec = PhaseRecorder(run_id, backend.name, sinks=sinks, process_index=pidx, start_idx=start_idx)
 
     if args.plan == "rl":
@@ -325,11 +350,16 @@ def main(argv: list[str] | None = None) -> int:
         from mllm_rl.plans.swap import run_swap as run_plan
 
         plan_info = {"steps": 0, "expected_phases": expected_phases(backend), "expected_step_phases": []}
-    if pidx == 0:
-        write_run_json(run_dir, {
-            "run_id": run_id, "backend": backend.name, "plan": args.plan, "model": str(model.path),
-            "process_count": pcount, **plan_info, "argv": sys.argv[1:] if argv is None else argv,
-        })  # fmt: skip
+
+    def write_plan() -> None:
+        if pidx == 0:
+            write_run_json(run_dir, {
+                "run_id": run_id, "backend": backend.name, "plan": args.plan, "model": str(model.path),
+                "process_count": pcount, **plan_info, "argv": sys.argv[1:] if argv is None else argv,
+            })  # fmt: skip
+
+    if not pre.resuming:
+        write_plan()  # a resumed attempt rewrites the run's run.json only once it has started (on_started)
 
     def make_wandb():
         if args.wandb == "disabled":
@@ -337,71 +367,86 @@ def main(argv: list[str] | None = None) -> int:
         from mllm_rl.sinks.wandb_sink import WandbSink
 
         wid = run_id if pidx == 0 else f"{run_id}-p{pidx}"
-        return WandbSink(args.wandb, run_dir, wid, project=args.wandb_project, resume=args.resume,
+        return WandbSink(args.wandb, run_dir, wid, project=args.wandb_project,
+                         resume=args.resume or args.resume_or_start,
                          config={k: v for k, v in vars(args).items() if k != "prompt"})  # fmt: skip
 
     engines: list[Any] = []
-    code = 0
+
+    def hard_exit(stuck: PhaseStuck) -> None:
+        """The watchdog's last resort (the main thread never came back): record, report, close."""
+        rec.abandon(stuck, stuck=stuck.info)
+        if pidx == 0:
+            _report(run_dir, rec, quiet=args.quiet)
+        rec.close(STUCK_EXIT)
+
+    watchdog = Watchdog(pre.limits, run_dir, pidx, on_hard_exit=hard_exit)
+    if threading.current_thread() is threading.main_thread():
+        watchdog.install()
+        rec.watchdog = watchdog
+    code, error = 0, None
     result: dict[str, Any] = {}
     try:
         if args.plan == "rl":
-            result = run_plan(backend, rec, model, opts, make_wandb, run_dir, on_engine=engines.append)
+            result = run_plan(backend, rec, model, opts, make_wandb, run_dir, runtime, on_engine=engines.append,
+                              on_started=write_plan if pre.resuming else lambda: None)  # fmt: skip
         else:
-            result = run_plan(backend, rec, model, opts, make_wandb, on_engine=engines.append)
+            result = run_plan(backend, rec, model, opts, make_wandb, runtime, on_engine=engines.append)
+            if pre.resuming:
+                write_plan()
     except Terminated as e:
-        code = 128 + e.signum
-        print(f"terminated by signal {e.signum}; phase log closed", file=sys.stderr)
+        code, error = 128 + e.signum, f"terminated by signal {e.signum}; phase log closed"
+    except PhaseStuck as e:
+        code, error = STUCK_EXIT, f"error: {e}"
+    except NonFiniteTraining as e:
+        code, error = 5, f"error: {e}"
     except WeightMismatch as e:
-        code = 3
-        print(f"error: {e}", file=sys.stderr)
+        code, error = 3, f"error: {e}"
     except LifecycleError as e:
-        code = 4
-        print(f"error: {e}", file=sys.stderr)
+        code, error = 4, f"error: {e}"
     except (CheckpointError, ValueError) as e:
-        code = 2
-        print(f"error: {e}", file=sys.stderr)
-    except RuntimeError as e:  # platform assertion, engine adapter probes, refused operations
-        code = 1
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        code, error = 2, f"error: {e}"
+    except RuntimeError as e:  # engine adapter probes, refused operations
+        code, error = 1, f"error: {type(e).__name__}: {e}"
     finally:
         if pidx == 0:
-            _report(run_dir, rec)
+            _report(run_dir, rec, quiet=args.quiet)
         rec.close(code)  # W&B finished and torn down before the engine kills child processes
         for engine in engines:
             engine.shutdown()
         shutdown_distributed = getattr(backend, "shutdown_distributed", None)
         if shutdown_distributed is not None:
             shutdown_distributed()  # all processes leave jax.distributed together (else the others abort)
-    _print_summary(rec.records, result)
-    print(f"run_dir {run_dir}", file=sys.stderr)
+        watchdog.finish()
+    if not args.quiet:
+        _print_summary(rec.records, result)
+        print(f"run_dir {run_dir}", file=sys.stderr)
+    if error is not None:
+        print(error, file=sys.stderr)  # last: the line that says why the run failed
     return code
 
 
-def _report(run_dir: Path, rec: Any) -> None:
+def _report(run_dir: Path, rec: Any, quiet: bool = False) -> None:
     """``runs/<id>/report/`` (trace.json, report.html, summary.json), also into W&B; a report
     problem is a warning, never the run's failure. In a multi-process run the others may still
     be writing: ``python -m mllm_rl.report RUN_DIR`` redoes it afterwards."""
     from mllm_rl.report import ReportInputError, build_report
+    from mllm_rl.report.issues import group_issues
     from mllm_rl.report.wandb_extras import log_report
 
     try:
         report = build_report([run_dir])
     except (ReportInputError, OSError, ValueError) as e:
-        print(f"warning: report: {e}", file=sys.stderr)
+        if not quiet:
+            print(f"warning: report: {e}", file=sys.stderr)
         return
     for sink in rec.sinks:
         if hasattr(sink, "run") and not getattr(sink, "_closed", True):
             log_report(sink.run, report)
-    for issue in report.errors[:10]:
-        print(f"report: {issue.line()}", file=sys.stderr)
-    print(f"report {run_dir / 'report' / 'report.html'}", file=sys.stderr)
-
-
-def _previous_run_id(run_dir: Path) -> str | None:
-    try:
-        return json.loads((run_dir / "run.json").read_text())["run_id"]
-    except (OSError, ValueError, KeyError):
-        return None
+    for issue, where in group_issues(report.errors)[:10]:
+        print(f"report: {issue.line(where)}", file=sys.stderr)
+    if not quiet:
+        print(f"report {run_dir / 'report' / 'report.html'}", file=sys.stderr)
 
 
 def _print_summary(records: list[dict[str, Any]], result: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from mllm_rl.engine import Fingerprint, WeightExport
+from mllm_rl.engine import EngineOptions, Fingerprint, WeightExport
 from mllm_rl.rl.batch import RolloutBatch  # defined with build_batch; imported from here by the backends
 from mllm_rl.rl.loss_config import LossConfig
 
@@ -145,11 +145,13 @@ class Backend(Protocol):
 
     def memory_probe(self) -> Any: ...
 
-    def check_engine_args(self, model: Any, tp: int, **engine_kwargs: Any) -> None:
-        """Reject bad engine arguments (the ones ``create_engine`` will get) before any engine starts."""
+    engines: dict[str, str]  # --engine choices -> what each starts (EngineOptions.check_backend)
+
+    def check_engine_args(self, model: Any, opts: EngineOptions) -> None:
+        """Reject bad engine options (the ones ``create_engine`` will get) before any engine starts."""
         ...
 
-    def create_engine(self, model: Any, tp: int = 1, **kw: Any) -> Any: ...
+    def create_engine(self, model: Any, opts: EngineOptions) -> Any: ...
 
     def place_all(self, engine: Any, model: Any) -> list[tuple[str, Any]]: ...
 

@@ -82,16 +82,14 @@ class _Managed:
 
     def __init__(self, kind: str, model: Any, platform: str, max_batch: int, ctx: int) -> None:
         from mllm_rl.backend_registry import load_backend
-        from mllm_rl.engine import WeightExport
+        from mllm_rl.engine import EngineOptions, WeightExport
         from mllm_rl.engine_state import ManagedEngine
 
         backend = load_backend("jax" if kind == "sglang-jax" else "torch")
         self.runtime = backend.init_runtime(tp=1, platform=platform)
-        kw: dict[str, Any] = {"max_total_tokens": max_batch * ctx, "context_length": ctx,
-                              "max_running_requests": max_batch}  # fmt: skip
-        if kind != "sglang-jax":
-            kw["engine"] = kind
-        self.engine = ManagedEngine(backend.create_engine(model, tp=1, **kw))
+        opts = EngineOptions(max_total_tokens=max_batch * ctx, context_length=ctx, max_running_requests=max_batch,
+                             engine="auto" if kind == "sglang-jax" else kind)  # fmt: skip
+        self.engine = ManagedEngine(backend.create_engine(model, opts))
         self.engine.update_weights(WeightExport(list(model.tensors), model.iter_tensors(), full=True))
 
     def __call__(self, ids: list[list[int]], n: int) -> list[list[int]]:

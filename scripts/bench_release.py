@@ -60,7 +60,7 @@ def memcpy_baselines(
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     from mllm_rl.backend_registry import load_backend
     from mllm_rl.checkpoint.resolve import resolve_model
-    from mllm_rl.engine import SamplingParams, WeightExport
+    from mllm_rl.engine import EngineOptions, SamplingParams, WeightExport
     from mllm_rl.engine_state import ManagedEngine
 
     backend = load_backend(args.backend)
@@ -69,12 +69,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     probe = backend.memory_probe()
     truth = lambda: probe.in_use()[0]  # noqa: E731
     source = probe.snapshot()[0].source
-    kw: dict[str, Any] = {"weights_cpu_backup": args.cpu_backup}
-    if args.engine:
-        kw["engine"] = args.engine
-    if args.max_total_tokens:
-        kw["max_total_tokens"] = args.max_total_tokens
-    engine = ManagedEngine(backend.create_engine(model, tp=1, **kw))
+    opts = EngineOptions(weights_cpu_backup=args.cpu_backup, engine=args.engine or "auto",
+                         max_total_tokens=args.max_total_tokens or None)  # fmt: skip
+    engine = ManagedEngine(backend.create_engine(model, opts))
     full = lambda: WeightExport(list(model.tensors), model.iter_tensors(), full=True)  # noqa: E731
     engine.update_weights(full())
     prompt, greedy = [[51, 71, 68, 220, 66, 64, 79]], SamplingParams(max_new_tokens=8)

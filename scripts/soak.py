@@ -57,7 +57,7 @@ def _slope(ys: list[int]) -> float | None:
 def soak(args: argparse.Namespace) -> dict[str, Any]:
     from mllm_rl.backend_registry import load_backend
     from mllm_rl.checkpoint.resolve import resolve_model
-    from mllm_rl.engine import SamplingParams, WeightExport
+    from mllm_rl.engine import EngineOptions, SamplingParams, WeightExport
     from mllm_rl.engine_state import ManagedEngine
     from mllm_rl.phases.probe import host_rss
     from mllm_rl.trainer import OPTIMIZER, PARAMS, TrainConfig
@@ -69,9 +69,9 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     snap = probe.snapshot()
     sources = [f"{d.id}:{d.source}" for d in snap]
     truth_idx = [i for i, d in enumerate(snap) if d.source != "torch_allocator"]
-    kw: dict[str, Any] = {"weights_cpu_backup": args.cpu_backup, "max_total_tokens": args.max_total_tokens,
-                          "context_length": args.context_length}  # fmt: skip
-    engine = ManagedEngine(backend.create_engine(model, tp=1, **kw))
+    opts = EngineOptions(weights_cpu_backup=args.cpu_backup, max_total_tokens=args.max_total_tokens,
+                         context_length=args.context_length)  # fmt: skip
+    engine = ManagedEngine(backend.create_engine(model, opts))
     trainer = backend.create_trainer(model, TrainConfig()) if args.trainer else None
 
     def export() -> WeightExport:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from mllm_rl.checkpoint.model_dir import ModelDir
-from mllm_rl.engine import EngineStateError, SamplingParams, WeightExport
+from mllm_rl.engine import EngineOptions, EngineStateError, SamplingParams, WeightExport
 from mllm_rl.engine_state import ManagedEngine
 
 # Token ids valid for every preset (the shipped byte-level tokenizer has 384 ids).
@@ -347,10 +347,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     backend.init_runtime(tp=1, platform=args.platform)
     probe = backend.memory_probe()
     model = ModelDir.open(args.checkpoint)
-    extra = {"engine": args.engine} if args.engine else {}
 
     def make_engine(backup: bool) -> Any:
-        return backend.create_engine(model, tp=1, weights_cpu_backup=backup, **extra)
+        return backend.create_engine(
+            model, EngineOptions(engine=args.engine or "auto", weights_cpu_backup=backup)
+        )
 
     return run_contract(make_engine, model.path, lambda: probe.in_use()[0])
 

@@ -711,14 +711,14 @@ load_run_state() {
   fi
 }
 
-# run_vm [--resume]: start the run on every worker (with --resume appended if asked and
-# not already there).
+# run_vm [--resume]: start the run on every worker (with --resume-or-start appended if asked,
+# in place of a --resume of the arguments: a recreated VM's new disk may hold nothing to resume).
 run_vm() {
-  local -a args=(${PASSTHRU[@]+"${PASSTHRU[@]}"})
-  local a has=0 rc=0 ok
+  local -a args=(${PASSTHRU[@]+"${PASSTHRU[@]}"}) kept=()
+  local a rc=0 ok
   if [[ ${1:-} == --resume ]]; then
-    for a in ${args[@]+"${args[@]}"}; do [[ $a == --resume ]] && has=1; done
-    ((has)) || args+=(--resume)
+    for a in ${args[@]+"${args[@]}"}; do [[ $a == --resume || $a == --resume-or-start ]] || kept+=("$a"); done
+    args=(${kept[@]+"${kept[@]}"} --resume-or-start)
   fi
   [[ -n $RUN_ID ]] || RUN_ID="$NAME-$(date -u +%y%m%d-%H%M%S)"
   save_run_state
@@ -791,7 +791,7 @@ fetch_vm() {
 err() { printf 'tpu.sh: error: %s\n' "$1" >&2; }
 
 # recover_vm: the node is gone (PREEMPTED / TERMINATED / deleted): delete it, create it again
-# (same zone list, same fallback), wait, setup, env, and run again with --resume.
+# (same zone list, same fallback), wait, setup, env, and run again with --resume-or-start.
 recover_vm() {
   [[ $STATE == NOT_FOUND ]] || delete_vm || true
   ZONE=""
@@ -833,7 +833,7 @@ watch_vm() {
           return 1
         fi
         recoveries=$((recoveries + 1))
-        log "TPU $NAME is $STATE: recovery $recoveries of $MAX_RECOVERIES (delete, create, wait, setup, env, run --resume)"
+        log "TPU $NAME is $STATE: recovery $recoveries of $MAX_RECOVERIES (delete, create, wait, setup, env, run --resume-or-start)"
         recover_vm
         last=""
         ;;

@@ -31,7 +31,7 @@ Subcommands:
            (idempotent: a marker ~/.mllm_rl_setup_<commit> skips work already done)
   env      copy a local .env (WANDB_API_KEY=...) to ~/.mllm_rl.env (mode 600) on every worker
   run      free the TPU, assert JAX sees it, start python -m mllm_rl.run --backend jax ... (detached)
-  watch    follow the run; on PREEMPTED/TERMINATED recreate the VM and re-run with --resume
+  watch    follow the run; on PREEMPTED/TERMINATED recreate the VM and re-run with --resume-or-start
   fetch    bring runs/<run_id>/ back from every worker into runs/<run_id>/worker<i>/
   delete   delete the VM (or the queued resource)
   up       create + wait + setup + env + run + watch + fetch, then delete (unless --keep)
@@ -141,7 +141,7 @@ usage: tpu/tpu.sh watch [FLAGS] [-- ARGS FOR python -m mllm_rl.run]
 
 Polls the VM and the run until the run ends (exit 0 when every worker exited 0). On
 PREEMPTED or TERMINATED (or the VM gone): delete, create (same zone fallback), wait, setup,
-env (if the env file exists) and run again with --resume appended, at most --max-recoveries
+env (if the env file exists) and run again with --resume-or-start appended, at most --max-recoveries
 times. Without ARGS and --run-id, the ones of the last 'tpu.sh run' from this machine are used.
 
   --max-recoveries N   recoveries before giving up (default 3)

@@ -12,11 +12,13 @@ from typing import Any
 
 from mllm_rl.backends.jax import distributed
 from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.engine import EngineOptions
 
 
 class JaxBackend:
     name = "jax"
     ready_phase = "jax_ready"
+    engines = {"auto": "sglang-jax"}  # --engine choices (EngineOptions.check_backend)
 
     def init_distributed(self, tp: int = 1) -> dict[str, int]:
         """Join a multi-process run (``jax.distributed``) when the environment describes one;
@@ -62,18 +64,25 @@ class JaxBackend:
 
         return JaxMemoryProbe()
 
-    def check_engine_args(self, model: ModelDir, tp: int, **engine_kwargs: Any) -> None:
+    def check_engine_args(self, model: ModelDir, opts: EngineOptions) -> None:
         """Validate before any engine starts (sglang-jax kills the host on a bad init)."""
         import jax
 
         from mllm_rl.backends.jax.sglang_engine import validate_engine_args
 
-        validate_engine_args(model, tp, len(jax.devices()), distributed.procs().count)
+        opts.check_backend(self.name, self.engines)
+        validate_engine_args(model, opts.tp, len(jax.devices()), distributed.procs().count)
 
-    def create_engine(self, model: ModelDir, tp: int = 1, **kw: Any):
+    def create_engine(self, model: ModelDir, opts: EngineOptions):
+        """An sglang-jax engine with dummy weights (``opts`` unset sizes: ``EngineOptions.resolved``)."""
         from mllm_rl.backends.jax.sglang_engine import SglangJaxEngine
 
-        return SglangJaxEngine(model, tp=tp, **kw)
+        opts.check_backend(self.name, self.engines)
+        o = opts.resolved()
+        extra = {} if o.max_running_requests is None else {"max_running_requests": o.max_running_requests}
+        return SglangJaxEngine(model, tp=o.tp, max_total_tokens=o.max_total_tokens, context_length=o.context_length,
+                               seed=o.seed, chunk_bytes=o.chunk_bytes, weights_cpu_backup=o.weights_cpu_backup,
+                               **extra)  # fmt: skip
 
     def create_trainer(self, model: ModelDir, cfg: Any):
         from mllm_rl.backends.jax.trainer import JaxTrainer

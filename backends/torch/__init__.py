@@ -3,7 +3,7 @@
 Import-light: loading this module (the ``mllm_rl.backends`` entry point) imports neither
 torch nor jax; torch is imported inside the methods.
 
-Engines (``create_engine(..., engine=...)``):
+Engines (``create_engine(model, EngineOptions(engine=...))``):
 
 - ``"embedded"``: ``backends/torch/engine.py``, our torch Qwen3 on one device (CPU or CUDA),
   torch_memory_saver regions on CUDA;
@@ -17,13 +17,19 @@ import importlib.util
 from typing import Any
 
 from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.engine import EngineOptions
 
-ENGINES = ("auto", "embedded", "sglang")
+ENGINES = {
+    "auto": "SGLang when importable on CUDA, else embedded",
+    "embedded": "the torch engine of this package, one device",
+    "sglang": "SGLang, CUDA",
+}
 
 
 class TorchBackend:
     name = "torch"
     ready_phase = "torch_ready"
+    engines = ENGINES  # --engine choices (EngineOptions.check_backend)
 
     def __init__(self) -> None:
         self.device: Any = None  # torch.device, set by init_runtime
@@ -81,11 +87,11 @@ class TorchBackend:
             raise ValueError("engine 'sglang' needs the sglang package and a CUDA device")
         return engine
 
-    def check_engine_args(self, model: ModelDir, tp: int, engine: str = "auto", **engine_kwargs: Any) -> None:
+    def check_engine_args(self, model: ModelDir, opts: EngineOptions) -> None:
         """Validate before any engine starts: the embedded engine runs on one device."""
-        if tp < 1:
-            raise ValueError(f"--tp must be >= 1, got {tp}")
-        kind = self.resolve_engine(engine)
+        opts.check_backend(self.name, self.engines)
+        tp = opts.tp
+        kind = self.resolve_engine(opts.engine)
         if kind == "embedded" and tp != 1:
             raise ValueError(
                 f"--tp {tp}: the embedded torch engine runs on one device; tp > 1 needs SGLang on CUDA"
@@ -97,30 +103,23 @@ class TorchBackend:
                 raise ValueError(f"--tp {tp}: {torch.cuda.device_count()} CUDA device(s) visible")
             model.check_tp(tp)
 
-    def create_engine(
-        self,
-        model: ModelDir,
-        tp: int = 1,
-        max_total_tokens: int = 4096,
-        context_length: int = 512,
-        seed: int = 0,
-        chunk_bytes: int = 64 * 2**20,
-        weights_cpu_backup: bool = False,
-        max_running_requests: int = 128,
-        engine: str = "auto",
-    ):
-        kind = self.resolve_engine(engine)
+    def create_engine(self, model: ModelDir, opts: EngineOptions):
+        """The engine ``opts.engine`` resolves to (``resolve_engine``), with dummy weights."""
+        opts.check_backend(self.name, self.engines)
+        o = opts.resolved()
+        kind = self.resolve_engine(o.engine)
+        extra = {} if o.max_running_requests is None else {"max_running_requests": o.max_running_requests}
         if kind == "sglang":
             from mllm_rl.backends.torch.sglang_engine import SglangEngine
 
-            return SglangEngine(model, tp=tp, max_total_tokens=max_total_tokens, context_length=context_length,
-                                seed=seed, chunk_bytes=chunk_bytes, weights_cpu_backup=weights_cpu_backup,
-                                max_running_requests=max_running_requests)  # fmt: skip
+            return SglangEngine(model, tp=o.tp, max_total_tokens=o.max_total_tokens, context_length=o.context_length,
+                                seed=o.seed, chunk_bytes=o.chunk_bytes, weights_cpu_backup=o.weights_cpu_backup,
+                                **extra)  # fmt: skip
         from mllm_rl.backends.torch.engine import EmbeddedEngine
 
-        return EmbeddedEngine(model, tp=tp, max_total_tokens=max_total_tokens, context_length=context_length,
-                              seed=seed, chunk_bytes=chunk_bytes, weights_cpu_backup=weights_cpu_backup,
-                              max_running_requests=max_running_requests, device=self._device())  # fmt: skip
+        return EmbeddedEngine(model, tp=o.tp, max_total_tokens=o.max_total_tokens, context_length=o.context_length,
+                              seed=o.seed, chunk_bytes=o.chunk_bytes, weights_cpu_backup=o.weights_cpu_backup,
+                              device=self._device(), **extra)  # fmt: skip
 
     def place_all(self, engine: Any, model: ModelDir) -> list[tuple[str, Any]]:
         """Naive-swap baseline: every checkpoint tensor placed on the device first (two copies)."""

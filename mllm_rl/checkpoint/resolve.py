@@ -1,9 +1,19 @@
-"""Turn ``--model PRESET|DIR|HUB_ID`` into a validated local checkpoint directory."""
+"""Resolve what a run loads: ``--model PRESET|DIR|HUB_ID`` into a validated local checkpoint
+directory, and ``--resume`` into the newest RL checkpoint of a run whose files match the manifest
+(sizes and sha256) written with it."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mllm_rl.checkpoint.make import make_checkpoint
 from mllm_rl.checkpoint.model_dir import CheckpointError, ModelDir
@@ -50,3 +60,111 @@ def resolve_model(spec: str, seed: int = 0, dtype: str | None = None) -> ModelDi
     except Exception as e:  # network/auth errors come in many types
         raise CheckpointError(f"{spec}: hub download failed ({type(e).__name__}: {e})") from None
     return ModelDir.open(local)
+
+
+# -- RL checkpoints (``RUN_DIR/checkpoints/step_<k>``): written with a manifest, verified before use --
+CKPT_DIR = "checkpoints"
+META = "meta.json"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+HASH_CHUNK = 8 * 2**20
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_manifest(ckpt: Path) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"bytes": size, "sha256": hex}}`` of every file under ``ckpt`` but its
+    ``meta.json``; files hashed in parallel (hashlib releases the GIL on large buffers)."""
+    files = sorted(p for p in ckpt.rglob("*") if p.is_file() and not p.name.startswith(META))
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(_sha256, files))
+    return {
+        str(p.relative_to(ckpt)): {"bytes": p.stat().st_size, "sha256": d}
+        for p, d in zip(files, digests, strict=True)
+    }
+
+
+def write_meta(ckpt: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Write ``ckpt/meta.json`` = ``meta`` + the manifest of the files already there (atomically:
+    the checkpoint counts from this rename on). Returns what was written."""
+    t0 = time.perf_counter()
+    files = file_manifest(ckpt)
+    full = {**meta, "files": files, "manifest_s": round(time.perf_counter() - t0, 4)}
+    tmp = ckpt / f"{META}.tmp"
+    tmp.write_text(json.dumps(full, indent=1))
+    os.replace(tmp, ckpt / META)
+    return full
+
+
+@dataclass(frozen=True)
+class RLCheckpoint:
+    step: int
+    path: Path
+    meta: dict[str, Any]
+    verified: bool  # False: written before manifests existed (sizes and checksums unknown)
+
+
+def verify_rl_checkpoint(ckpt: Path, expect: Mapping[str, Any] | None = None) -> RLCheckpoint:
+    """The checkpoint in ``ckpt`` if its ``meta.json`` is valid and every file it lists has the
+    recorded size and sha256, and ``meta`` agrees with ``expect`` (e.g. ``backend``, ``lora_rank``);
+    ``CheckpointError`` naming the file otherwise."""
+    meta_path = ckpt / META
+    if not meta_path.is_file():
+        raise CheckpointError(f"{meta_path}: missing (a save that did not finish)")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta_path}: not valid JSON ({e})") from None
+    step = meta.get("step") if isinstance(meta, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{meta_path}: expected an object with a non-negative integer 'step'")
+    for key, want in (expect or {}).items():
+        if key in meta and meta[key] != want:
+            raise CheckpointError(f"{meta_path}: written with {key} {meta[key]!r}, this run has {want!r}")
+    files = meta.get("files")
+    if files is None:
+        return RLCheckpoint(step, ckpt, meta, verified=False)
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"{meta_path}: 'files' must map each file to its bytes and sha256")
+    for rel, want in files.items():
+        path = ckpt / rel
+        if not isinstance(want, dict) or not {"bytes", "sha256"} <= set(want):
+            raise CheckpointError(f"{meta_path}: files[{rel!r}]: expected bytes and sha256")
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing")
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(
+                f"{path}: {size} bytes, {META} says {want['bytes']} (truncated or rewritten)"
+            )
+        if _sha256(path) != want["sha256"]:
+            raise CheckpointError(f"{path}: sha256 differs from {META} (corrupt)")
+    return RLCheckpoint(step, ckpt, meta, verified=True)
+
+
+def rl_checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """``RUN_DIR/checkpoints/step_<k>`` directories, newest (largest k) first."""
+    root = Path(run_dir) / CKPT_DIR
+    found = [
+        (int(m.group(1)), d) for d in root.glob("step_*") if (m := STEP_DIR.match(d.name)) and d.is_dir()
+    ]
+    return [d for _, d in sorted(found, reverse=True)]
+
+
+def find_resumable(
+    run_dir: Path, expect: Mapping[str, Any] | None = None
+) -> tuple[RLCheckpoint | None, list[tuple[Path, str]]]:
+    """The newest valid RL checkpoint of ``run_dir`` (``verify_rl_checkpoint``), and the newer ones
+    skipped on the way, each with the reason."""
+    skipped: list[tuple[Path, str]] = []
+    for d in rl_checkpoint_dirs(run_dir):
+        try:
+            return verify_rl_checkpoint(d, expect), skipped
+        except CheckpointError as e:
+            skipped.append((d, str(e)))
+    return None, skipped

@@ -22,8 +22,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from mllm_rl.faults import injected_hang
 from mllm_rl.phases.probe import DeviceMemory, MemoryProbe, NullProbe, host_rss
 from mllm_rl.phases.schema import SCHEMA
+from mllm_rl.phases.watchdog import PhaseStuck, Watchdog
 
 SAMPLER_THREAD = "mllm_rl-mem-sampler"  # probes may rate-limit calls from this thread
 
@@ -79,6 +81,8 @@ class PhaseRecorder:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.sample_errors = 0
+        self.watchdog: Watchdog | None = None  # armed for every phase when set (``phases/watchdog.py``)
+        self._open: tuple[PhaseHandle, float, list[DeviceMemory], int] | None = None
 
     # -- sampling -------------------------------------------------------------
     def set_probe(self, probe: MemoryProbe) -> None:
@@ -141,22 +145,51 @@ class PhaseRecorder:
         self._wake.set()
         t0 = time.time()
         errors0 = self.sample_errors
+        with self._lock:
+            self._open = (handle, t0, before, rss0)
+        if self.watchdog is not None:
+            self.watchdog.enter(name, step)
         try:
+            injected_hang(name)
             yield handle
         except BaseException as e:
             handle.info["error"] = f"{type(e).__name__}: {e}"[:2000]
+            if isinstance(e, PhaseStuck):
+                handle.info["stuck"] = e.info
             raise
         finally:
-            t1 = time.time()
-            self.sample()
+            if self.watchdog is not None:
+                self.watchdog.leave()
             with self._lock:
-                self._active = False
-                dev_peak, host_peak = list(self._dev_peak), self._host_peak
-            after = self.probe.snapshot()
-            rss1 = host_rss()
-            if self.sample_errors > errors0:
-                handle.info["sample_errors"] = self.sample_errors - errors0
-            self._emit(handle, t0, t1, before, after, dev_peak, max(host_peak, rss1), rss0, rss1)
+                mine, self._open = self._open is not None and self._open[0] is handle, None
+            if mine:  # else ``abandon`` already wrote it
+                self._finish(handle, t0, before, rss0, errors0)
+
+    def _finish(
+        self, handle: PhaseHandle, t0: float, before: list[DeviceMemory], rss0: int, errors0: int
+    ) -> None:
+        t1 = time.time()
+        self.sample()
+        with self._lock:
+            self._active = False
+            dev_peak, host_peak = list(self._dev_peak), self._host_peak
+        after = self.probe.snapshot()
+        rss1 = host_rss()
+        if self.sample_errors > errors0:
+            handle.info["sample_errors"] = self.sample_errors - errors0
+        self._emit(handle, t0, t1, before, after, dev_peak, max(host_peak, rss1), rss0, rss1)
+
+    def abandon(self, error: BaseException, **info: Any) -> bool:
+        """Write the record of the phase still open in another thread (one that will never end: the
+        watchdog's hard exit), with ``info.error`` and ``info``; False when no phase is open."""
+        with self._lock:
+            opened, self._open = self._open, None
+        if opened is None:
+            return False
+        handle, t0, before, rss0 = opened
+        handle.info.update(info, error=f"{type(error).__name__}: {error}"[:2000])
+        self._finish(handle, t0, before, rss0, self.sample_errors)
+        return True
 
     def _emit(
         self,

@@ -20,8 +20,6 @@ only once their ``meta.json`` exists.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -30,8 +28,10 @@ from typing import Any
 import numpy as np
 
 from mllm_rl.checkpoint.model_dir import ModelDir
-from mllm_rl.engine import ABORT, SamplingParams
+from mllm_rl.checkpoint.resolve import CKPT_DIR, RLCheckpoint, rl_checkpoint_dirs, write_meta
+from mllm_rl.engine import ABORT, EngineOptions, SamplingParams
 from mllm_rl.engine_state import ManagedEngine
+from mllm_rl.faults import fault
 from mllm_rl.lifecycle import SETUP_PHASES as LIFECYCLE_SETUP
 from mllm_rl.lifecycle import Colocated, LifecycleOptions, step_phases
 from mllm_rl.phases.recorder import PhaseRecorder, Sink
@@ -45,8 +45,8 @@ from mllm_rl.trainer import TrainConfig
 SETUP_PHASES = ["wandb_init", "{ready}", "engine_ready_dummy", *LIFECYCLE_SETUP]
 FINAL_PHASES = ["generate_result"]
 PROBE_PROMPT = "abcabcab"
-CKPT_DIR = "checkpoints"
 KEEP_CHECKPOINTS = 2
+DEFAULT_RUNNING = 128  # requests per batch when sizing the KV cache of an unset --max-running-requests
 EVAL_STREAM = 2**31 - 1  # the held-out prompts' RNG stream (never a training step)
 
 
@@ -62,27 +62,38 @@ class RLOptions:
     task: str = "pattern"
     task_data: str | None = None
     eval_prompts: int = 16
-    save_every: int = 5  # 0 = never (the last step is always saved when > 0)
-    resume: bool = False
+    checkpoint_every: int = 5  # 0 = never; otherwise every N steps and always the last one
+    resume_from: RLCheckpoint | None = None  # verified by the caller (``find_resumable``)
     seed: int = 0
-    tp: int = 1
     platform: str = "auto"
-    engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     lifecycle: LifecycleOptions = dataclasses.field(default_factory=LifecycleOptions)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
-        if self.prompts_per_step < 1 or self.group_size < 1:
-            raise ValueError("--prompts-per-step and --group-size must be >= 1")
+        if self.prompts_per_step < 1:
+            raise ValueError(f"--prompts-per-step must be >= 1, got {self.prompts_per_step}")
+        if self.group_size < 2:
+            raise ValueError(
+                f"--group-size {self.group_size}: group-relative advantages need >= 2 completions per "
+                f"prompt (a group of one has advantage 0 and trains nothing)"
+            )
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"--estimator {self.estimator!r}: choose one of {', '.join(ESTIMATORS)}")
-        if self.estimator == "rloo" and self.group_size < 2:
-            raise ValueError("--estimator rloo needs --group-size >= 2")
-        if self.save_every < 0:
-            raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.resume_from is not None and self.resume_from.step + 1 >= self.steps:
+            raise ValueError(
+                f"--steps {self.steps}: the run is already past it ({self.resume_from.path} is step "
+                f"{self.resume_from.step}); pass a larger --steps to continue it"
+            )
         SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
+
+    @property
+    def first_step(self) -> int:
+        return 0 if self.resume_from is None else self.resume_from.step + 1
 
 
 def expected_phases(backend: Any) -> list[str]:
@@ -90,33 +101,29 @@ def expected_phases(backend: Any) -> list[str]:
 
 
 # -- checkpoints -------------------------------------------------------------------------
-def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
-    """(step, dir) of the newest complete checkpoint (one with ``meta.json``), or None."""
-    best = None
-    for d in (run_dir / CKPT_DIR).glob("step_*"):
-        meta = d / "meta.json"
-        if meta.exists():
-            step = int(json.loads(meta.read_text())["step"])
-            if best is None or step > best[0]:
-                best = (step, d)
-    return best
+def checkpoint_meta(backend: str, opts: RLOptions) -> dict[str, Any]:
+    """What a checkpoint's ``meta.json`` records besides its step and files, and what ``--resume``
+    requires of it (``verify_rl_checkpoint(expect=...)``)."""
+    return {"seed": opts.seed, "backend": backend, "lora_rank": opts.train.lora_rank}
 
 
-def _saver(trainer: Any, run_dir: Path, opts: RLOptions) -> Callable[[int], Path | None]:
+def _saver(trainer: Any, run_dir: Path, backend: str, opts: RLOptions) -> Callable[[int], Path | None]:
+    """The ``checkpoint`` phase's work: save on the cadence (and the last step), then the manifest
+    (sizes and sha256 of every file) in ``meta.json``; keeps the newest ``KEEP_CHECKPOINTS``."""
+
     def save(step: int) -> Path | None:
         last = step == opts.steps - 1
-        if opts.save_every == 0 or not ((step + 1) % opts.save_every == 0 or last):
+        every = opts.checkpoint_every
+        if every == 0 or not ((step + 1) % every == 0 or last):
             return None
         path = run_dir / CKPT_DIR / f"step_{step:06d}"
         if path.exists():
             shutil.rmtree(path)
         path.mkdir(parents=True)
         trainer.save(path)
-        tmp = path / "meta.json.tmp"
-        tmp.write_text(json.dumps({"step": step, "seed": opts.seed}))
-        os.replace(tmp, path / "meta.json")  # the checkpoint counts from here on
-        done = sorted((run_dir / CKPT_DIR).glob("step_*"))
-        for old in done[:-KEEP_CHECKPOINTS]:
+        # the checkpoint counts from here on (meta.json with the manifest, written last)
+        write_meta(path, {"step": step, **checkpoint_meta(backend, opts)})
+        for old in rl_checkpoint_dirs(run_dir)[KEEP_CHECKPOINTS:]:
             shutil.rmtree(old, ignore_errors=True)
         return path
 
@@ -143,6 +150,8 @@ def make_rollout(task: Task, tok: Any, opts: RLOptions, eos: int):
         outs = engine.generate(ids, sampling)
         texts = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
         rewards = np.array([task.reward(t, examples[i // g]) for i, t in enumerate(texts)], np.float64)
+        if fault("reward_nan"):
+            rewards[0] = np.nan
         adv = group_advantages(rewards, g, opts.estimator)
         batch = build_batch(ids, outs, adv)
         groups = rewards.reshape(-1, g)
@@ -162,23 +171,23 @@ def make_rollout(task: Task, tok: Any, opts: RLOptions, eos: int):
     return rollout
 
 
-def size_engine(task: Task, tok: Any, opts: RLOptions) -> dict[str, Any]:
-    """Engine kwargs with ``context_length`` / ``max_total_tokens`` filled in where unset.
+def size_engine(task: Task, tok: Any, opts: RLOptions) -> EngineOptions:
+    """``opts.engine`` with ``context_length`` / ``max_total_tokens`` filled in where unset.
 
     The context is the longest prompt seen in a sample of the task (every prompt of a
     file-backed task) plus ``max_new_tokens``, rounded up to a power of two (>= 64): the
     native CPU attention of sglang-jax costs O(batch x context) per decoded token, so a
     context sized to the task makes a tiny-model rollout ~10x faster than a generic 512.
     """
-    kw = dict(opts.engine_kwargs)
-    if kw.get("context_length") is None:
+    eng = opts.engine
+    ctx = eng.context_length
+    if ctx is None:
         sample = getattr(task, "examples", None) or task.sample(_rng(opts.seed, EVAL_STREAM, 3), 512)
         longest = max(len(tok(e.prompt, add_special_tokens=False).input_ids) for e in sample)
         need = longest + opts.max_new_tokens + 1
-        kw["context_length"] = max(64, 1 << (need - 1).bit_length())
-    if kw.get("max_total_tokens") is None:
-        kw["max_total_tokens"] = kw.get("max_running_requests", 128) * kw["context_length"]
-    return kw
+        ctx = max(64, 1 << (need - 1).bit_length())
+    total = eng.max_total_tokens or (eng.max_running_requests or DEFAULT_RUNNING) * ctx
+    return dataclasses.replace(eng, context_length=ctx, max_total_tokens=total)
 
 
 def evaluate(engine: ManagedEngine, task: Task, tok: Any, opts: RLOptions, eos: int) -> dict[str, Any]:
@@ -206,35 +215,39 @@ def run_rl(
     opts: RLOptions,
     make_wandb: Callable[[], Sink | None],
     run_dir: Path,
+    runtime: dict[str, Any],
     on_engine: Callable[[Any], None] = lambda engine: None,
+    on_started: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
-    """Run the plan; returns a summary with the per-step metrics of this attempt."""
+    """Run the plan; returns a summary with the per-step metrics of this attempt. ``runtime``: what
+    ``backend.init_runtime`` returned; ``on_started`` runs once the setup is done (engine up,
+    trainer built or restored, weights synced)."""
     from transformers import AutoTokenizer
 
     task = get_task(opts.task, opts.task_data)
     tok = AutoTokenizer.from_pretrained(str(model.path))
     eos = model.config.eos_token_id
-    resume_from = latest_checkpoint(run_dir) if opts.resume else None
-    first_step = resume_from[0] + 1 if resume_from else 0
+    resume_from, first_step = opts.resume_from, opts.first_step
     lifecycle = dataclasses.replace(opts.lifecycle)
     if lifecycle.check_weights and not lifecycle.probe_ids:
         lifecycle.probe_ids = tuple(tok(PROBE_PROMPT, add_special_tokens=False).input_ids)
 
-    engine = setup.start(backend, rec, model, make_wandb, opts.tp, opts.platform, size_engine(task, tok, opts),
-                         on_engine, attempt_first_step=first_step)  # fmt: skip
+    engine = setup.start(backend, rec, model, make_wandb, runtime, size_engine(task, tok, opts), on_engine,
+                         attempt_first_step=first_step)  # fmt: skip
 
     def make_trainer():
         trainer = backend.create_trainer(model, opts.train)
         if resume_from is None:
             return trainer, {}
-        trainer.restore(resume_from[1])
-        return trainer, {"restored_from": str(resume_from[1])}
+        trainer.restore(resume_from.path)
+        return trainer, {"restored_from": str(resume_from.path), "restored_verified": resume_from.verified}
 
     life = Colocated(backend, engine, rec, lifecycle)
     trainer = life.setup(make_trainer, lora_rank=opts.train.lora_rank)
+    on_started()
 
     rollout = make_rollout(task, tok, opts, eos)
-    save = _saver(trainer, run_dir, opts)
+    save = _saver(trainer, run_dir, backend.name, opts)
     history = []
     with progress_bar(total=opts.steps, desc="rl", unit="step") as bar:
         bar.update(first_step)
@@ -261,4 +274,5 @@ def plan_json(backend: Any, opts: RLOptions) -> dict[str, Any]:
         "group_size": opts.group_size,
         "prompts_per_step": opts.prompts_per_step,
         "train": dataclasses.asdict(opts.train),
+        "checkpoint_every": opts.checkpoint_every,
     }

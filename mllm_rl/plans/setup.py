@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.engine import EngineOptions
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.phases.recorder import PhaseRecorder, Sink
 
@@ -16,14 +18,19 @@ def start(
     rec: PhaseRecorder,
     model: ModelDir,
     make_wandb: Callable[[], Sink | None],
-    tp: int,
-    platform: str,
-    engine_kwargs: dict[str, Any],
+    runtime: dict[str, Any],
+    engine_opts: EngineOptions,
     on_engine: Callable[[Any], None],
     **wandb_info: Any,
 ) -> ManagedEngine:
     """Record the three setup phases; returns the engine (handed to ``on_engine`` as soon as it
-    exists: the caller owns its shutdown, after the sinks are closed)."""
+    exists: the caller owns its shutdown, after the sinks are closed).
+
+    ``runtime`` is what ``backend.init_runtime`` returned: the runtime is brought up (and the engine
+    options checked against its devices, ``backend.check_engine_args``) before the run directory
+    exists, so that a refusal leaves nothing behind; ``<backend>_ready`` records it and installs the
+    memory probe.
+    """
     with rec.phase("wandb_init", **wandb_info) as ph:
         sink = make_wandb()
         if sink is not None:
@@ -31,15 +38,15 @@ def start(
             ph.info["wandb_dir"] = getattr(sink, "offline_dir", None)
         ph.info["wandb"] = "disabled" if sink is None else "enabled"
     with rec.phase(backend.ready_phase) as ph:
-        ph.info.update(backend.init_runtime(tp=tp, platform=platform))
+        ph.info.update(runtime)
         rec.set_probe(backend.memory_probe())
-    backend.check_engine_args(model, tp, **engine_kwargs)  # the engine choice decides what is valid
-    with rec.phase("engine_ready_dummy", model=str(model.path), tp=tp) as ph:
-        engine = ManagedEngine(backend.create_engine(model, tp=tp, **engine_kwargs))
+    with rec.phase("engine_ready_dummy", model=str(model.path), tp=engine_opts.tp) as ph:
+        engine = ManagedEngine(backend.create_engine(model, engine_opts))
         on_engine(engine)
         ph.info.update(engine_weight_bytes=engine.weight_bytes(), engine=type(engine.engine).__name__,
                        tags=list(engine.tags), weights_cpu_backup=engine.weights_cpu_backup)  # fmt: skip
+        opts = dataclasses.asdict(engine_opts)
         for key in ("context_length", "max_total_tokens", "max_running_requests"):
-            if key in engine_kwargs:
-                ph.info[key] = engine_kwargs[key]
+            if opts[key] is not None:
+                ph.info[key] = opts[key]
     return engine

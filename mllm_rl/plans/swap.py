@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mllm_rl.checkpoint.model_dir import ModelDir
-from mllm_rl.engine import SamplingParams, WeightExport, WeightMismatch
+from mllm_rl.engine import EngineOptions, SamplingParams, WeightExport, WeightMismatch
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.phases.recorder import PhaseRecorder, Sink
 from mllm_rl.plans import setup
@@ -30,12 +30,17 @@ PHASES = ("wandb_init", "{ready}", "engine_ready_dummy", "weights_swapped", "gen
 
 @dataclasses.dataclass
 class SwapOptions:
-    tp: int = 1
     platform: str = "auto"
     mode: str = "streaming"  # or "naive"
     prompts: tuple[str, ...] = DEFAULT_PROMPTS
     max_new_tokens: int = 16
-    engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("streaming", "naive"):
+            raise ValueError(f"--swap-mode {self.mode!r}: use streaming or naive")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
 
 
 def expected_phases(backend: Any) -> list[str]:
@@ -56,16 +61,14 @@ def run_swap(
     model: ModelDir,
     opts: SwapOptions,
     make_wandb: Callable[[], Sink | None],
+    runtime: dict[str, Any],
     on_engine: Callable[[Any], None] = lambda engine: None,
 ) -> dict[str, Any]:
-    """Run the five phases; returns a summary. ``on_engine`` receives the engine as soon as
-    it exists (the caller owns its shutdown, after the sinks are closed)."""
-    if opts.mode not in ("streaming", "naive"):
-        raise ValueError(f"--swap-mode {opts.mode!r}: use streaming or naive")
+    """Run the five phases; returns a summary. ``runtime``: what ``backend.init_runtime`` returned;
+    ``on_engine`` receives the engine as soon as it exists (the caller owns its shutdown, after the
+    sinks are closed)."""
     prompt_ids = encode_prompts(model, opts.prompts)
-    engine = setup.start(
-        backend, rec, model, make_wandb, opts.tp, opts.platform, opts.engine_kwargs, on_engine
-    )
+    engine = setup.start(backend, rec, model, make_wandb, runtime, opts.engine.resolved(), on_engine)
     with rec.phase("weights_swapped", mode=opts.mode, checkpoint_bytes=model.nbytes) as ph:
         try:
             stats = swap_weights(backend, engine, model, opts.mode, rec)

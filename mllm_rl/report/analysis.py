@@ -9,6 +9,7 @@ from mllm_rl.report.attempts import Attempt, split_attempts
 from mllm_rl.report.completeness import completeness
 from mllm_rl.report.efficiency import efficiency_rows, swap_ratios
 from mllm_rl.report.expected import Expected, first_phase_guess, from_plan, inferred
+from mllm_rl.report.health import health_issues
 from mllm_rl.report.issues import WARNING, Issue
 from mllm_rl.report.load import Run
 from mllm_rl.report.memory import pick_unit
@@ -67,7 +68,9 @@ def analyze(run: Run) -> RunAnalysis:
         run=run,
         expected=exp,
         attempts=attempts,
-        issues=completeness(run, exp, attempts) + efficiency_issues(run.label, efficiency),
+        issues=completeness(run, exp, attempts)
+        + health_issues(run.label, attempts)
+        + efficiency_issues(run.label, efficiency),
         phases=phase_rows(run.label, attempts, run.t0),
         efficiency=efficiency,
         swaps=swap_ratios(run.label, attempts),

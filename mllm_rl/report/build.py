@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mllm_rl.phases.jsonsafe import dumps
 from mllm_rl.report.analysis import RunAnalysis, analyze
 from mllm_rl.report.compare import compare_rows
 from mllm_rl.report.html import render
@@ -99,8 +99,8 @@ def build_report(run_dirs: list[str | Path] | str | Path, out_dir: str | Path | 
             "issues": [i.line() for i in issues],
         },
     )
-    _write(files["trace"], json.dumps(trace, separators=(",", ":")))
+    _write(files["trace"], dumps(trace, separators=(",", ":")))
     _write(files["html"], render(analyses, issues, comparison))
     summary = summary_json(analyses, issues, comparison, files)
-    _write(files["summary"], json.dumps(summary, separators=(",", ":"), default=str))
+    _write(files["summary"], dumps(summary, separators=(",", ":")))
     return ReportResult(out, files, issues, analyses, comparison, time.perf_counter() - t, summary)

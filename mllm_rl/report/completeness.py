@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from mllm_rl.report.attempts import Attempt
 from mllm_rl.report.expected import Expected
+from mllm_rl.report.health import own_finding
 from mllm_rl.report.issues import ERROR, INFO, WARNING, Issue, int_ranges
 from mllm_rl.report.load import Run
 from mllm_rl.report.sequence import DUPLICATE, MISSING, OUT_OF_ORDER, UNEXPECTED, Finding, check_sequence
@@ -217,7 +218,7 @@ def _check_records(atts: list[Attempt], mk: Make) -> list[Issue]:
     for a in atts:
         for i, r in enumerate(a.records):
             err = r["info"].get("error")
-            if err:
+            if err and not own_finding(r):  # non_finite / stuck_phase: health.py reports those
                 ended = i == len(a.records) - 1 and not a.is_last
                 sev, note = (INFO, f" (ended attempt {a.number}; resumed)") if ended else (ERROR, "")
                 issues.append(

@@ -18,9 +18,9 @@ Unmeasured values (``null``) produce no counter point, never a 0.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from mllm_rl.phases.jsonsafe import dumps
 from mllm_rl.report.attempts import Attempt
 from mllm_rl.report.load import Record
 from mllm_rl.report.memory import TRUTH, device_name, primary_devices
@@ -51,7 +51,7 @@ def summarize(v: Any) -> Any:
         return [summarize(x) for x in v]
     if isinstance(v, (list, tuple)):
         return f"[{len(v)} items]"
-    text = json.dumps(v, default=str)
+    text = dumps(v)
     return text if len(text) <= MAX_STR else text[:MAX_STR] + "..."
 
 

@@ -3,10 +3,10 @@ short human line (``compact``); RL metrics as one line per step on stderr."""
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any, TextIO
 
+from mllm_rl.phases.jsonsafe import dumps
 from mllm_rl.report.memory import device_sum
 from mllm_rl.summary import gib
 
@@ -27,7 +27,7 @@ class ConsoleSink:
             mem = dict(record["memory"])
             mem["devices"] = [{k: v for k, v in d.items() if k != "raw"} for d in mem["devices"]]
             rec = {**record, "memory": mem}
-        self.stream.write("phase " + json.dumps(rec, separators=(",", ":"), default=str) + "\n")
+        self.stream.write("phase " + dumps(rec, separators=(",", ":")) + "\n")
         self.stream.flush()
 
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:

@@ -1,4 +1,5 @@
-"""Append-only JSONL sink: the source of truth. Flushed and fsynced per record."""
+"""Append-only JSONL sink: the source of truth. Flushed and fsynced per record; strict JSON
+(a non-finite number is written as ``"NaN"``/``"Infinity"``: ``mllm_rl.phases.jsonsafe``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from mllm_rl.phases.jsonsafe import dumps
 
 
 class JsonlSink:
@@ -16,7 +19,7 @@ class JsonlSink:
         self._f = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record, separators=(",", ":"), default=str) + "\n")
+        self._f.write(dumps(record, separators=(",", ":")) + "\n")
         self._f.flush()
         os.fsync(self._f.fileno())
 

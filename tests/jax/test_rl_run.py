@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from mllm_rl.trainer import TRAIN_METRICS
 from tests.conftest import ROOT, run_cli
 
 SMALL = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4",
-         "--max-running-requests", "8", "--save-every", "1"]  # fmt: skip
+         "--max-running-requests", "8", "--checkpoint-every", "1"]  # fmt: skip
 
 
 def rl_args(run_dir: Path, model: Path, *extra: str) -> list[str]:
@@ -256,7 +257,8 @@ def test_kill_and_resume_continues_from_the_last_checkpoint(tiny_ckpt, tmp_path)
     "extra,pattern",
     [
         (["--task", "boxed", "--task-data", "/nonexistent.jsonl"], "not a file"),
-        (["--estimator", "rloo", "--group-size", "1"], "rloo needs --group-size >= 2"),
+        (["--estimator", "rloo", "--group-size", "1"], "--group-size 1: group-relative advantages need >= 2"),
+        (["--engine", "embedded"], "--engine embedded: not an engine of the jax backend"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
         (["--schedule", "eager"], None),
@@ -270,6 +272,81 @@ def test_bad_rl_arguments_exit_2_before_anything_starts(tiny_ckpt, tmp_path, ext
     assert not (tmp_path / "run").exists()
 
 
+def strict_json(text: str):
+    """``json.loads`` that refuses bare NaN / Infinity (not JSON)."""
+
+    def refuse(name: str):
+        raise ValueError(f"bare {name} in JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_nan_loss_stops_the_run_with_exit_5_before_its_checkpoint(tiny_ckpt, tmp_path):
+    """A NaN reward (fault ``reward_nan``) makes the group's advantages, then the loss and the grad norm
+    NaN: the run stops in train_step of step 0, saves nothing, and every file it wrote is valid JSON."""
+    r = rl_run(tmp_path, tiny_ckpt, "--wandb", "offline", "--quiet", env={"MLLM_RL_FAULTS": "reward_nan"})
+    assert r.returncode == 5, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: train_step of step 0: non-finite loss nan")
+    last = records(tmp_path)[-1]
+    assert last["phase"] == "train_step" and last["step"] == 0
+    assert last["info"]["loss"] == "NaN" and last["info"]["non_finite"] == ["loss", "grad_norm"]
+    assert not (tmp_path / "checkpoints").exists()  # --checkpoint-every 1, but the step stopped before it
+    for name in ("phases.jsonl", "metrics.jsonl"):
+        for line in (tmp_path / name).read_text().splitlines():
+            strict_json(line)
+    summary = strict_json((tmp_path / "report" / "summary.json").read_text())
+    strict_json((tmp_path / "report" / "trace.json").read_text())
+    errors = [i for i in summary["issues"] if i["severity"] == "error"]
+    assert summary["counts"]["error"] > 0 and "non_finite" in {i["kind"] for i in errors}
+    assert "phase_error" not in {i["kind"] for i in errors}
+
+
+def test_resume_skips_a_truncated_newest_checkpoint_and_finishes_from_the_older(
+    lora_lr0, tiny_ckpt, tmp_path
+):
+    """The LoRA run saved steps 0 and 1; one file of step 1's orbax state is truncated. --resume names
+    it, restores step 0, re-runs step 1, runs step 2, and the report of the whole run is clean."""
+    r0, src = lora_lr0
+    assert r0.returncode == 0, r0.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    shutil.copytree(src, run_dir)
+    biggest = max((p for p in (run_dir / "checkpoints" / "step_000001").rglob("*") if p.is_file()),
+                  key=lambda p: p.stat().st_size)  # fmt: skip
+    with open(biggest, "r+b") as f:
+        f.truncate(biggest.stat().st_size // 2)
+    r = rl_run(run_dir, tiny_ckpt, "--lora-rank", "4", "--lr", "0", "--check-weights", "--wandb", "offline",
+               "--steps", "3", "--resume")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    skipped = [x for x in r.stderr.splitlines() if x.startswith("resume: skipped step_000001: ")]
+    assert len(skipped) == 1 and f"{biggest}: " in skipped[0] and "(truncated or rewritten)" in skipped[0]
+    recs = records(run_dir)
+    inits = [x for x in recs if x["phase"] == "trainer_init"]
+    assert len(inits) == 2 and inits[1]["info"]["restored_from"].endswith("checkpoints/step_000000")
+    assert [x["step"] for x in recs if x["phase"] == "train_step"] == [0, 1, 1, 2]
+    assert json.loads((run_dir / "run.json").read_text())["steps"] == 3
+    summary = json.loads((run_dir / "report" / "summary.json").read_text())
+    assert [i for i in summary["issues"] if i["severity"] == "error"] == []
+
+
+def test_a_train_step_that_never_ends_is_dumped_and_exits_6(tiny_ckpt, tmp_path):
+    """Fault ``hang=train_step``: the phase sleeps; the watchdog dumps every thread (the engine's
+    included) into the run dir, records the phase as stuck and the run exits 6 instead of hanging."""
+    t0 = time.monotonic()
+    r = rl_run(tmp_path, tiny_ckpt, "--wandb", "disabled", "--phase-timeout", "train_step=5",
+               env={"MLLM_RL_FAULTS": "hang=train_step"})  # fmt: skip
+    assert r.returncode == 6, r.stderr[-3000:]
+    assert time.monotonic() - t0 < 600 and "Traceback" not in r.stderr
+    (stacks,) = tmp_path.glob("stuck-*.txt")
+    assert stacks.name == "stuck-train_step-step0-p0.txt"
+    dump = stacks.read_text()
+    assert "injected_hang" in dump and dump.count("\nThread ") >= 4  # main, watchdog, sampler, engine threads
+    last = records(tmp_path)[-1]
+    assert last["phase"] == "train_step" and last["step"] == 0 and last["info"]["stuck"]["limit_s"] == 5.0
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert "stuck_phase" in {i["kind"] for i in summary["issues"] if i["severity"] == "error"}
+
+
 def test_resume_needs_a_run_to_continue(tiny_ckpt):
     r = run_cli("mllm_rl.run", "--backend", "jax", "--model", str(tiny_ckpt), "--resume")
     assert r.returncode == 2 and "--resume needs --run-dir or --run-id" in r.stderr
@@ -279,9 +356,10 @@ def test_resume_needs_a_run_to_continue(tiny_ckpt):
 def test_reward_rises_on_the_embedded_default(tmp_path):
     """The README's run command (defaults: tiny preset from random init, pattern task),
     shortened to 8 steps: the mean reward must rise clearly (seed 0 goes from ~0.005 to ~0.5)."""
-    r = run_cli("mllm_rl.run", "--backend", "jax", "--run-dir", str(tmp_path), "--steps", "8", "--console", "off",
-                "--wandb", "disabled", "--save-every", "0", timeout=900)  # fmt: skip
+    r = run_cli("mllm_rl.run", "--backend", "jax", "--run-dir", str(tmp_path), "--steps", "8", "--quiet",
+                "--wandb", "disabled", "--checkpoint-every", "0", timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr == ""  # --quiet: only errors, and there are none
     rewards = [m["reward_mean"] for m in read_jsonl(tmp_path / "metrics.jsonl")]
     assert len(rewards) == 8
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.2, rewards

@@ -6,7 +6,8 @@ thread each so that they share 2 cores without stalling each other):
 - ``full``: full fine-tune, ``multi_stage``, garbage guard on (later resumed for a third step);
 - ``lora_backup``: LoRA rank 4, engine weights CPU backup, ``naive`` schedule: partial updates;
 - ``lora``: LoRA rank 4, no backup: every resumed engine is invalid, so the updates are full;
-- ``oom`` / ``offload_noop``: injected faults (``mllm_rl.faults``) that the run must report.
+- ``oom`` / ``offload_noop`` / ``reward_nan``: injected faults (``mllm_rl.faults``) that the run
+  must report (``reward_nan``: a NaN reward makes the loss NaN; the run stops with exit 5).
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ from mllm_rl.phases import validate_record
 from mllm_rl.sinks.jsonl import read_jsonl
 from mllm_rl.trainer import TRAIN_METRICS
 from tests.conftest import ROOT
+from tests.core.test_cli_errors import ROWS
+from tests.core.test_cli_errors import test_refusal as refusal
 
 pytestmark = pytest.mark.slow  # every test here starts an engine (or waits on one that did)
 
 SMALL = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4",
          "--wandb", "disabled", "--check-weights", "--quiet", "--platform", "cpu"]  # fmt: skip
 RUNS = {
-    "full": [],
+    "full": ["--checkpoint-every", "1"],
     "lora_backup": ["--lora-rank", "4", "--weights-cpu-backup", "--schedule", "naive"],
     "lora": ["--lora-rank", "4"],
 }
@@ -38,6 +41,7 @@ FAULTS = {  # run name: (MLLM_RL_FAULTS, extra flags)
     "oom": ("train_oom", []),
     "offload_noop": ("offload_noop", []),
     "resume_lies": ("resume_lies", ["--lora-rank", "4", "--weights-cpu-backup"]),
+    "reward_nan": ("reward_nan", ["--checkpoint-every", "1"]),
 }
 SLACK = 4096  # bytes of small temporaries another thread may hold while the probe scans
 
@@ -203,3 +207,56 @@ def test_resume_restores_the_last_checkpoint_and_runs_the_remaining_step(runs, t
     assert [x["idx"] for x in recs] == list(range(len(recs)))  # the resumed attempt appends to the phase log
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2]
     assert (run_dir / "checkpoints" / "step_000002" / "state.pt").exists()
+
+
+def strict_json(text: str):
+    """``json.loads`` that refuses bare NaN / Infinity (not JSON)."""
+
+    def refuse(name: str):
+        raise ValueError(f"bare {name} in JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_nan_loss_stops_the_run_with_exit_5_before_its_checkpoint(runs):
+    r, run_dir = runs["reward_nan"]
+    assert r.returncode == 5, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: train_step of step 0: non-finite loss nan")
+    last = records(run_dir)[-1]
+    assert last["phase"] == "train_step" and last["step"] == 0
+    assert last["info"]["loss"] == "NaN" and "loss" in last["info"]["non_finite"]
+    assert not (run_dir / "checkpoints").exists()  # --checkpoint-every 1, but the step stopped before it
+    for line in (run_dir / "phases.jsonl").read_text().splitlines():
+        strict_json(line)
+    summary = strict_json((run_dir / "report" / "summary.json").read_text())
+    strict_json((run_dir / "report" / "trace.json").read_text())
+    kinds = {i["kind"] for i in summary["issues"] if i["severity"] == "error"}
+    assert "non_finite" in kinds and "phase_error" not in kinds
+
+
+def test_resume_skips_a_truncated_newest_checkpoint_and_finishes_from_the_older(runs, tiny_ckpt, tmp_path):
+    """``full`` saved steps 0 and 1 (the last); step 1's state file is truncated: --resume says so,
+    restores step 0, re-runs step 1 and runs step 2; the report finds no error."""
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(runs["full"][1], run_dir)
+    state = run_dir / "checkpoints" / "step_000001" / "state.pt"
+    with open(state, "r+b") as f:
+        f.truncate(state.stat().st_size // 2)
+    r = finish(start(tiny_ckpt, run_dir, "--resume", "--steps", "3"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    inits = by_phase(records(run_dir), "trainer_init")
+    assert inits[1]["info"]["restored_from"].endswith("checkpoints/step_000000")
+    assert [x["step"] for x in by_phase(records(run_dir), "train_step")] == [0, 1, 1, 2]
+    summary = json.loads((run_dir / "report" / "summary.json").read_text())
+    assert [i for i in summary["issues"] if i["severity"] == "error"] == []
+
+
+TORCH_ROWS = [row for row in ROWS if "--backend torch" in row[0] and row[3] == "runtime"]
+
+
+@pytest.mark.parametrize("cmd,code,message,when", TORCH_ROWS, ids=[r[0] for r in TORCH_ROWS])
+def test_refusals_checked_once_the_torch_runtime_is_up(cmd, code, message, when, tmp_path):
+    """The torch rows of docs/ERRORS.md (the core test skips them outside the torch venv)."""
+    assert TORCH_ROWS
+    refusal(cmd, code, message, when, tmp_path)

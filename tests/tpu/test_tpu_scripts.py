@@ -527,10 +527,10 @@ def test_up_recovers_from_preemption_with_resume_and_zone_fallback(fake_cloud):
     first_delete = verbs.index("delete")
     assert "create" in verbs[first_delete:], "delete, then create again"
     launches = [flag(c, "command") for c in calls if c[4] == "ssh" and "mllm_rl_launch" in flag(c, "command")]
-    assert len(launches) == 2 and "--resume" not in launches[0] and "--resume" in launches[1]
+    assert len(launches) == 2 and "--resume" not in launches[0] and "--resume-or-start" in launches[1]
     runs = _python_runs(fake_cloud)  # the fake run of each VM generation
     (resumed,) = [x for x in runs if x["gen"] == 2]
-    assert resumed["argv"][-1] == "--resume"
+    assert resumed["argv"][-1] == "--resume-or-start"  # the new disk may hold nothing to resume
     # (the first VM may be deleted before its detached run got going: no count for gen 1)
     assert all("--resume" not in x["argv"] for x in runs if x["gen"] == 1)
     # the new VM was set up from scratch (fresh disk) and got the env file again

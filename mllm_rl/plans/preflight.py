@@ -1,0 +1,247 @@
+"""Checks that run before a run starts: nothing of the run exists yet when they refuse.
+
+``prepare(args)`` runs them in order, fastest first (docs/ERRORS.md lists every refusal): the
+flags (``build_options``, ``phase_limits``), the backend's name and its engine choices, the run
+directory, the resume target and its checkpoints, the task's data file, the model and ``--tp``
+against its heads. Each raises ``ValueError`` (or ``CheckpointError``, a ``ValueError``) with one
+line naming the flag and the file; ``mllm_rl.run`` turns it into exit code 2. None of them imports
+jax or torch (the checks that need the backend's runtime run in ``mllm_rl.run`` once it is up,
+still before the run directory exists).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from mllm_rl.checkpoint.model_dir import CheckpointError
+from mllm_rl.checkpoint.resolve import CKPT_DIR, RLCheckpoint, find_resumable
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """``run_dir`` (which may not exist yet) can be created and written: neither it nor an ancestor
+    is a file, and the nearest existing directory takes a new file (tried, then removed: ``os.access``
+    says yes to root on a read-only file system)."""
+    existing = run_dir
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == run_dir else f"is inside {existing}, a file"
+        raise ValueError(f"--run-dir {run_dir}: {what}, not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".mllm_rl-write-test-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        where = "" if existing == run_dir else f" ({existing} is not)"
+        raise ValueError(f"--run-dir {run_dir}: not writable{where}: {e.strerror}") from None
+
+
+def check_fresh(run_dir: Path, phase_file: str) -> None:
+    """A new run must not append to another run's phase log."""
+    path = run_dir / phase_file
+    if path.is_file() and path.stat().st_size > 0:
+        raise ValueError(
+            f"--run-dir {run_dir} already holds a run ({path.name}); pass --resume to continue it "
+            f"or choose another --run-dir"
+        )
+
+
+def resolve_resume(
+    run_dir: Path, expect: dict[str, object], or_start: bool
+) -> tuple[RLCheckpoint | None, list[str]]:
+    """The checkpoint ``--resume`` continues from, and one line per newer checkpoint it skipped.
+
+    Refused (``CheckpointError``): a run directory that does not exist, one with no checkpoint
+    (unless ``or_start``: then ``(None, [])``, a run from step 0), one whose checkpoints are all
+    invalid (each reason in the line; never "start fresh" over them).
+    """
+    fresh = "; --resume-or-start starts a new run when there is nothing to resume"
+    if not run_dir.is_dir():
+        if or_start:
+            return None, []
+        raise CheckpointError(f"--resume: {run_dir}: no such run directory{fresh}")
+    found, skipped = find_resumable(run_dir, expect)
+    lines = [f"resume: skipped {d.name}: {why}" for d, why in skipped]
+    if found is not None:
+        if not found.verified:
+            lines.append(
+                f"resume: {found.path.name} has no file manifest (written before checksums): not verified"
+            )
+        return found, lines
+    if skipped:
+        reasons = "; ".join(f"{d.name}: {why}" for d, why in skipped)
+        raise CheckpointError(f"--resume: no valid checkpoint in {run_dir / CKPT_DIR}: {reasons}")
+    if or_start:
+        return None, []
+    raise CheckpointError(f"--resume: nothing to resume in {run_dir} (no {CKPT_DIR}/step_*){fresh}")
+
+
+def known_phases() -> set[str]:
+    """Every phase name a plan records (``--phase-timeout PHASE=SECONDS`` must name one)."""
+    from mllm_rl.lifecycle import SETUP_PHASES, STEP_PHASES
+    from mllm_rl.plans import rl, swap
+
+    names = {*SETUP_PHASES, "check_weights", *rl.SETUP_PHASES, *rl.FINAL_PHASES, *swap.PHASES}
+    names |= {p for phases in STEP_PHASES.values() for p in phases}
+    return {n for n in names if "{" not in n} | {"jax_ready", "torch_ready"}
+
+
+# Lower bounds of numeric flags, "> 0" where 0 itself is refused (NaN and inf are refused too:
+# argparse's float() takes "nan"). --group-size has its own check with the reason (RLOptions).
+NUMERIC_FLAGS: dict[str, tuple[float, bool]] = {
+    "--tp": (1, False), "--max-new-tokens": (1, False), "--max-total-tokens": (1, False),
+    "--context-length": (1, False), "--max-running-requests": (1, False), "--swap-chunk-mb": (0, False),
+    "--steps": (1, False), "--prompts-per-step": (1, False), "--temperature": (0, False), "--top-p": (0, True),
+    "--lr": (0, False), "--weight-decay": (0, False), "--grad-clip": (0, False), "--mini-batches": (1, False),
+    "--micro-batch-size": (1, False), "--eps-low": (0, False), "--eps-high": (0, False), "--kl-beta": (0, False),
+    "--lora-rank": (0, False), "--lora-alpha": (0, True), "--checkpoint-every": (0, False),
+}  # fmt: skip
+
+
+def build_options(args: argparse.Namespace) -> Any:
+    """The plan's options from the flags; raises ``ValueError`` naming the flag (exit 2)."""
+    from mllm_rl.engine import EngineOptions
+
+    for flag, (low, strict) in NUMERIC_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not (math.isfinite(value) and (value > low if strict else value >= low)):
+            raise ValueError(f"{flag} must be {'>' if strict else '>='} {low:g}, got {value}")
+    if args.top_p > 1:
+        raise ValueError(f"--top-p must be <= 1, got {args.top_p}")
+    if (args.resume or args.resume_or_start) and not (args.run_dir or args.run_id):
+        flag = "--resume" if args.resume else "--resume-or-start"
+        raise ValueError(f"{flag} needs --run-dir or --run-id (the run to continue)")
+    if args.resume and args.resume_or_start:
+        raise ValueError("--resume and --resume-or-start: pass one (--resume-or-start also resumes)")
+    if args.plan != "rl" and args.task_data is not None:
+        raise ValueError(f"--task-data: only the rl plan reads a task (this is --plan {args.plan})")
+    platform = "gpu" if args.platform == "cuda" else args.platform
+    engine = EngineOptions(tp=args.tp, engine=args.engine, max_total_tokens=args.max_total_tokens,
+                           context_length=args.context_length, max_running_requests=args.max_running_requests,
+                           seed=args.seed, chunk_bytes=int(args.swap_chunk_mb * 2**20),
+                           weights_cpu_backup=args.weights_cpu_backup)  # fmt: skip
+    if args.plan == "swap":
+        from mllm_rl.plans.swap import SwapOptions
+
+        if args.resume:
+            raise ValueError("--resume: the swap plan keeps no checkpoints; --resume-or-start runs it again")
+        return SwapOptions(platform=platform, mode=args.swap_mode,
+                           prompts=tuple(args.prompt) if args.prompt else SwapOptions.prompts,
+                           max_new_tokens=args.max_new_tokens or 16, engine=engine)  # fmt: skip
+    if args.prompt:
+        raise ValueError("--prompt: only the swap plan takes prompts (the rl plan's come from --task)")
+    from mllm_rl.lifecycle import LifecycleOptions
+    from mllm_rl.plans.rl import RLOptions
+    from mllm_rl.rl.loss_config import LossConfig
+    from mllm_rl.trainer import TrainConfig
+
+    loss = LossConfig(eps_low=args.eps_low, eps_high=args.eps_high, beta=args.kl_beta, aggregation=args.loss_agg,
+                      max_len=args.max_new_tokens or 8)  # fmt: skip
+    train = TrainConfig(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                        mini_batches=args.mini_batches, micro_batch_size=args.micro_batch_size, loss=loss,
+                        lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, seed=args.seed)  # fmt: skip
+    return RLOptions(
+        steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+        max_new_tokens=args.max_new_tokens or 8, temperature=args.temperature, top_p=args.top_p,
+        estimator=args.estimator, task=args.task, task_data=args.task_data, checkpoint_every=args.checkpoint_every,
+        seed=args.seed, platform=platform, engine=engine, train=train,
+        lifecycle=LifecycleOptions(schedule=args.schedule, check_weights=args.check_weights),
+    )  # fmt: skip
+
+
+def phase_limits(args: argparse.Namespace) -> Any:
+    """``--phase-timeout`` parsed; a PHASE must be one that some plan records."""
+    from mllm_rl.phases.watchdog import PhaseLimits
+
+    limits = PhaseLimits.parse(args.phase_timeout or [])
+    unknown = sorted(set(limits.overrides) - known_phases())
+    if unknown:
+        raise ValueError(
+            f"--phase-timeout {unknown[0]}=...: no such phase; phases: {', '.join(sorted(known_phases()))}"
+        )
+    return limits
+
+
+@dataclasses.dataclass
+class Prepared:
+    """Everything a run needs, checked before anything of it exists (``prepare``)."""
+
+    opts: Any  # RLOptions | SwapOptions
+    backend: Any
+    model: Any  # ModelDir
+    run_id: str
+    run_dir: Path
+    limits: Any  # PhaseLimits
+    resuming: bool  # appends to an existing run (its run.json is rewritten only once the attempt started)
+    notes: list[str]
+
+
+def prepare(args: argparse.Namespace) -> Prepared:
+    """Every check that can run before start-up, fastest first: flags, backend/engine combination,
+    run directory, resume target and its checkpoints, task data, model and ``--tp`` against its heads.
+    Raises ``ValueError`` / ``CheckpointError`` (exit 2); touches nothing of the run."""
+    from mllm_rl.backend_registry import load_backend
+
+    opts = build_options(args)
+    limits = phase_limits(args)
+    backend = load_backend(args.backend)
+    opts.engine.check_backend(backend.name, backend.engines)
+    run_id = (
+        args.run_id or f"{args.plan}-{args.backend}-{time.strftime('%y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    )
+    run_dir = Path(args.run_dir or Path("runs") / run_id).resolve()
+    check_run_dir(run_dir)
+    notes: list[str] = []
+    resuming = (args.resume or args.resume_or_start) and (run_dir / "run.json").exists()
+    if args.plan == "rl":
+        from mllm_rl.plans.rl import checkpoint_meta
+        from mllm_rl.tasks import get_task
+
+        if args.resume or args.resume_or_start:
+            ckpt, notes = resolve_resume(run_dir, checkpoint_meta(backend.name, opts), args.resume_or_start)
+            if ckpt is not None:
+                opts = dataclasses.replace(opts, resume_from=ckpt)
+                notes.append(
+                    f"resume: from {ckpt.path} (step {ckpt.step}; continuing at step {ckpt.step + 1})"
+                )
+            else:
+                notes.append(
+                    f"resume: nothing to resume in {run_dir}: starting at step 0 (--resume-or-start)"
+                )
+        try:
+            get_task(args.task, args.task_data)
+        except (ValueError, OSError) as e:
+            msg = str(e)
+            named = not args.task_data or args.task_data in msg or "--task-data" in msg
+            raise ValueError(msg if named else f"--task-data {args.task_data}: {msg}") from None
+        if args.task == "boxed" and args.task_data is None:
+            from mllm_rl.tasks.boxed import SAMPLE_DATA
+
+            notes.append(
+                f"note: --task boxed without --task-data: training on the shipped sample {SAMPLE_DATA}"
+            )
+    from mllm_rl.checkpoint.resolve import resolve_model
+
+    model = resolve_model(args.model, seed=args.seed)  # CheckpointError naming the file
+    model.check_tp(opts.engine.tp)  # heads divisible by --tp; devices are checked once the runtime is up
+    if args.resume or args.resume_or_start:
+        run_id = args.run_id or _previous_run_id(run_dir) or run_id
+    return Prepared(opts, backend, model, run_id, run_dir, limits, bool(resuming), notes)
+
+
+def _previous_run_id(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / "run.json").read_text())["run_id"]
+    except (OSError, ValueError, KeyError):
+        return None

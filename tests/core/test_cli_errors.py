@@ -1,0 +1,138 @@
+"""Every refusal of ``python -m mllm_rl.run`` listed in ``docs/ERRORS.md``, run as written there.
+
+Each row of the table: the command exits with the code the row says, prints exactly one line on
+stderr containing the row's message (``...`` in it: anything), no traceback, and leaves nothing
+behind: no run directory, no W&B run, no report; a run directory that existed before is unchanged,
+file by file. Each row runs in an empty working directory (where the default ``runs/<id>`` would
+appear) with ``--wandb offline`` appended (a W&B run *would* be created if the command got that far).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mllm_rl.checkpoint.resolve import write_meta
+from tests.conftest import ROOT
+
+DOC = ROOT / "docs" / "ERRORS.md"
+ROW = re.compile(
+    r"^\|\s*`(?P<cmd>[^`]+)`\s*\|\s*(?P<exit>\d+)\s*\|\s*`(?P<msg>[^`]+)`\s*\|\s*(?P<when>[a-z]+)\s*\|"
+)
+WHEN = ("flags", "runtime")  # checked before any backend import / once the backend's runtime is up
+
+
+def doc_rows() -> list[tuple[str, int, str, str]]:
+    """``(command, exit code, message, when)`` of every table row of docs/ERRORS.md."""
+    rows = []
+    for line in DOC.read_text(encoding="utf-8").splitlines():
+        m = ROW.match(line)
+        if m:
+            assert m["when"] in WHEN, line
+            rows.append((m["cmd"], int(m["exit"]), m["msg"], m["when"]))
+    return rows
+
+
+def installed(dist: str) -> bool:
+    """Is the distribution installed? (Not ``find_spec``: under pytest, ``tests/torch`` would pass for torch.)"""
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def fake_checkpoint(run_dir: Path, step: int, **meta: object) -> Path:
+    """``checkpoints/step_<k>`` with a state file and a valid manifest (what the verification reads;
+    the real trainers' checkpoints are resumed in tests/jax and tests/torch)."""
+    ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
+    (ckpt / "state").mkdir(parents=True)
+    (ckpt / "state" / "a.bin").write_bytes(os.urandom(4096))
+    write_meta(ckpt, {"step": step, "seed": 0, "backend": "jax", "lora_rank": 0, **meta})
+    return ckpt
+
+
+def make_fixtures(tmp: Path) -> dict[str, Path]:
+    paths = {name: tmp / name for name in ("file", "garbage", "badrow", "missing", "empty", "corrupt",
+                                           "finished", "used")}  # fmt: skip
+    paths["file"].write_text("not a directory\n")
+    paths["garbage"].write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe binary garbage\n")
+    paths["badrow"].write_text('{"question": "1 + 1?"}\n')
+    paths["empty"].mkdir()
+    # every checkpoint invalid: the newest truncated, the older one's meta.json torn
+    fake_checkpoint(paths["corrupt"], 1)
+    newest = fake_checkpoint(paths["corrupt"], 2)
+    with open(newest / "state" / "a.bin", "r+b") as f:
+        f.truncate(100)
+    (paths["corrupt"] / "checkpoints" / "step_000001" / "meta.json").write_text('{"step": 1, "fi')
+    fake_checkpoint(paths["finished"], 1)
+    paths["used"].mkdir()
+    (paths["used"] / "phases.jsonl").write_text('{"phase": "wandb_init"}\n')
+    if os.geteuid() == 0:  # root writes into a chmod 555 directory; sysfs refuses new files to anyone
+        paths["readonly"] = Path("/sys")
+    else:
+        paths["readonly"] = tmp / "readonly"
+        paths["readonly"].mkdir(mode=0o555)
+    return paths
+
+
+def tree(d: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``d`` (directories as "dir")."""
+    if not d.exists():
+        return {}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(d.rglob("*"))
+    }
+
+
+ROWS = doc_rows()
+
+
+def test_the_table_is_there_and_covers_every_exit_2_check():
+    assert len(ROWS) >= 30
+    text = " ".join(cmd for cmd, *_ in ROWS)
+    for flag in ("--tp", "--engine", "--run-dir", "--resume", "--task-data", "--group-size", "--phase-timeout",
+                 "--resume-or-start", "--checkpoint-every", "--model"):  # fmt: skip
+        assert flag in text, flag
+
+
+@pytest.mark.parametrize("cmd,code,message,when", ROWS, ids=[r[0][:60] for r in ROWS])
+def test_refusal(cmd, code, message, when, tmp_path):
+    paths = make_fixtures(tmp_path)
+    fmt = {k: str(v) for k, v in paths.items()}
+    tokens = [t.format(**fmt) for t in shlex.split(cmd)]
+    env = {}
+    while tokens and re.match(r"^[A-Z_]+=", tokens[0]):
+        key, _, value = tokens.pop(0).partition("=")
+        env[key] = value
+    backend = tokens[tokens.index("--backend") + 1] if "--backend" in tokens else None
+    if when == "runtime" and not installed(str(backend)):
+        pytest.skip(f"checked once the {backend} runtime is up: needs the {backend} environment")
+    tokens += ["--wandb", "offline"]
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    before = {name: tree(p) for name, p in paths.items() if p.is_dir() and name != "readonly"}
+    r = subprocess.run([sys.executable, "-m", "mllm_rl.run", *tokens], capture_output=True, text=True,
+                       env={**os.environ, **env}, cwd=cwd, timeout=300)  # fmt: skip
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == code, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert len(lines) == 1, r.stderr[-3000:]
+    fragments = [f.format(**fmt) for f in message.split("...")]
+    pos = 0
+    for frag in fragments:
+        found = lines[0].find(frag, pos)
+        assert found >= 0, (frag, lines[0])
+        pos = found + len(frag)
+    assert os.listdir(cwd) == []  # no runs/<id>, no wandb/
+    assert not paths["missing"].exists()
+    assert {name: tree(p) for name, p in paths.items() if p.is_dir() and name != "readonly"} == before

@@ -1,0 +1,64 @@
+"""``EngineOptions``: the typed engine options the CLI builds and both backends' ``create_engine`` take.
+
+Nothing here starts an engine or imports jax/torch: an invalid option or engine/backend combination
+is refused by validation, before any engine code runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from mllm_rl.backend_registry import load_backend
+from mllm_rl.engine import DEFAULT_CONTEXT_LENGTH, DEFAULT_MAX_TOTAL_TOKENS, EngineOptions
+
+
+@pytest.mark.parametrize(
+    "kw,flag",
+    [
+        ({"tp": 0}, "--tp"),
+        ({"max_total_tokens": 0}, "--max-total-tokens"),
+        ({"context_length": -5}, "--context-length"),
+        ({"max_running_requests": 0}, "--max-running-requests"),
+        ({"chunk_bytes": -1}, "chunk_bytes"),
+        ({"tp": True}, "--tp"),
+        ({"tp": 2.0}, "--tp"),
+        ({"engine": "vllm"}, "--engine"),
+    ],
+)
+def test_invalid_options_are_refused_naming_the_flag(kw, flag):
+    with pytest.raises(ValueError, match=flag):
+        EngineOptions(**kw)
+
+
+def test_resolved_fills_only_what_was_not_chosen():
+    o = EngineOptions(context_length=128).resolved()
+    assert (o.context_length, o.max_total_tokens) == (128, DEFAULT_MAX_TOTAL_TOKENS)
+    o = EngineOptions().resolved()
+    assert (o.context_length, o.max_total_tokens, o.max_running_requests) == (
+        DEFAULT_CONTEXT_LENGTH, DEFAULT_MAX_TOTAL_TOKENS, None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["jax", "torch"])
+def test_both_backends_create_engine_take_one_engine_options(name):
+    backend = load_backend(name)
+    for method in ("create_engine", "check_engine_args"):
+        params = list(inspect.signature(getattr(backend, method)).parameters)
+        assert params == ["model", "opts"], (name, method, params)
+    assert "auto" in backend.engines
+
+
+def test_jax_backend_refuses_other_engines_by_validation_not_a_type_error():
+    jax_backend = load_backend("jax")
+    for engine in ("embedded", "sglang"):
+        with pytest.raises(ValueError, match=f"--engine {engine}: not an engine of the jax backend"):
+            jax_backend.create_engine(None, EngineOptions(engine=engine))  # refused before the model is read
+    EngineOptions(engine="auto").check_backend("jax", jax_backend.engines)
+
+
+def test_torch_backend_takes_all_three_engine_choices():
+    torch_backend = load_backend("torch")
+    for engine in ("auto", "embedded", "sglang"):
+        EngineOptions(engine=engine).check_backend("torch", torch_backend.engines)
