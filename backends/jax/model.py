@@ -6,6 +6,13 @@ R LoRA rank. Linear kernels are stored ``(in, out)`` (the HF ``(out, in)`` matri
 transposed). With ``lora_rank > 0`` every linear layer also holds ``lora_a`` [in, R] and
 ``lora_b`` [R, out] (``LoRAParam``; b starts at zero so the model starts as the base) and
 computes ``x @ kernel + (x @ lora_a @ lora_b) * alpha / R``.
+
+Layouts: ``Qwen3(..., scan_layers=False)`` holds a list of L ``Block``s run in a Python loop;
+with ``scan_layers=True`` one ``Block`` whose variables are stacked [L, ...] and run under
+``jax.lax.scan`` (kernels [L, in, out], LoRA [L, in, R] / [L, R, out]). HF names address both
+(``hf_path``, ``get_weight``, ``linear_layers``). How a forward pass runs (attention
+implementation, remat, compute dtype, mesh) is its ``Run`` (``options.ModelOptions``); the
+default ``Run()`` is the reference math.
 """
 
 from __future__ import annotations

@@ -63,8 +63,8 @@ def param_spec(path: tuple[Any, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
     proj = next((n for n in reversed(names) if n in COLUMN or n in ROW), None)
     if "embed_tokens" in names or "lm_head" in names:
         axes: tuple[str | None, ...] = ("tp", "fsdp")
-    elif leaf is None or proj is None:
-        axes = (None, None)
+    elif leaf is None or proj is None:  # e.g. stacked norm weights [L, H]
+        return P()
     else:
         col = proj in COLUMN
         axes = {

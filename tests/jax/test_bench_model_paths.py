@@ -59,5 +59,5 @@ def test_both_paths_compile_for_v4_8(tmp_path):
         assert p["fits"] is True and p["devices"] == 4, p
         assert p["peak_bytes"] > 0 and p["argument_bytes"] > 0 and p["compile_s"] > 0
     assert res["paths"]["new"]["options"]["attention"] == "splash"
-    assert set(res["ratios_new_over_old"]) == {"peak_bytes", "temp_bytes", "compile_s", "host_peak_rss_bytes"}
+    assert {"peak_bytes", "compile_s", "host_peak_rss_bytes"} <= set(res["ratios_new_over_old"])
     assert json.loads(r.stdout.strip().splitlines()[-1])["bench"] == "model_paths"

@@ -53,11 +53,12 @@ def md(tiny_ckpt) -> ModelDir:
 
 @pytest.fixture(scope="module")
 def mb() -> dict[str, jax.Array]:
-    """4 rows of 40 positions: full, right-padded, full, all padding."""
+    """4 rows of 40 positions: full, right-padded, left-padded, all padding."""
     rng = np.random.default_rng(0)
     b, t = 4, 40
     attn = np.ones((b, t), bool)
     attn[1, 29:] = False
+    attn[2, :5] = False
     attn[3] = False
     loss_mask = attn.copy()
     loss_mask[:, :9] = False
@@ -143,6 +144,7 @@ def test_attention_paths_agree_on_gqa_with_padding_and_odd_length():
     b, t, n, k, d = 2, 77, 6, 2, 64
     q, kk, v = (jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32) for h in (n, k, k))
     attn = np.ones((b, t), bool)
+    attn[0, :9] = False  # left padding: a real query must not see these keys
     attn[1, 50:] = False
     ref = attention(q, kk, v, jnp.asarray(attn), "dense")
     interp = make_run(ModelOptions(attention="splash"), make_mesh(1, jax.devices()[:1])).interpret
@@ -254,6 +256,7 @@ def test_sharding_rules_by_parameter_name():
     assert param_spec(path("embed_tokens"), (384, 128), mesh) == P("tp", "fsdp")
     assert param_spec(path("embed_tokens"), (383, 128), mesh) == P(None, "fsdp")  # 383 % 2: replicated
     assert param_spec(path("norm", "weight"), (128,), mesh) == P()
+    assert param_spec(path("layers", "input_layernorm", "weight"), (28, 128), mesh) == P()  # stacked norm
     # optimizer state: the same names under optax's containers
     assert param_spec(path("mu", "layers", 0, "mlp", "gate_proj", "kernel"), (128, 384), mesh) == P(
         "fsdp", "tp"
@@ -297,7 +300,7 @@ def test_fsdp_by_tp_mesh_on_four_devices_matches_one_device(md, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.split("RESULT", 1)[1])
     assert out["ref"]["mesh"] == {"fsdp": 4, "tp": 1} and out["tp2"]["mesh"] == {"fsdp": 2, "tp": 2}
-    assert "PartitionSpec(None, 'fsdp', 'tp')" in out["tp2"]["specs"]  # stacked column-parallel kernels
+    assert "P(None, 'fsdp', 'tp')" in out["tp2"]["specs"]  # stacked column-parallel kernels
     for a, b in zip(out["ref"]["metrics"], out["tp2"]["metrics"], strict=True):
         for k, x in a.items():
             assert b[k] == pytest.approx(x, rel=1e-3, abs=1e-5), k
