@@ -6,7 +6,8 @@ per module. Nothing here imports jax or torch at module level.
 - ``records``: reading phase records (device truth, allocator entries);
 - ``cli``: argparse types, target checks and ``run_bench``, the shared end of every script;
 - ``tables``: plain-text tables;
-- ``copy_bandwidth``: host/device copy baselines (``python -m mllm_rl.bench copy ...``).
+- ``copy_bandwidth``: host/device copy baselines (``python -m mllm_rl.bench copy ...``);
+- ``step_cost``: the share of each lifecycle phase in an RL step (``scripts/bench_step_cost.py``).
 """
 
 from __future__ import annotations

@@ -25,12 +25,13 @@ from tests.conftest import ROOT
 
 SCRIPTS = ROOT / "scripts"
 PY_SCRIPTS = ["bench_swap.py", "bench_release.py", "bench_rl_memory.py", "bench_engine.py", "soak.py",
-              "bench_summary.py", "bench_common.py", "repro_sglang_jax_tp_batch.py"]  # fmt: skip
+              "bench_summary.py", "bench_common.py", "bench_step_cost.py", "repro_sglang_jax_tp_batch.py"]  # fmt: skip
 # The scripts that import the shared helpers from the package (never through sys.path).
 PACKAGE_USERS = ["bench_swap.py", "bench_release.py", "bench_rl_memory.py", "bench_engine.py", "soak.py",
-                 "repro_sglang_jax_tp_batch.py"]  # fmt: skip
+                 "bench_step_cost.py", "repro_sglang_jax_tp_batch.py"]  # fmt: skip
 BENCH_MODULES = ["mllm_rl.bench", "mllm_rl.bench.machine", "mllm_rl.bench.child", "mllm_rl.bench.records",
-                 "mllm_rl.bench.cli", "mllm_rl.bench.tables", "mllm_rl.bench.copy_bandwidth"]  # fmt: skip
+                 "mllm_rl.bench.cli", "mllm_rl.bench.tables", "mllm_rl.bench.copy_bandwidth",
+                 "mllm_rl.bench.step_cost"]  # fmt: skip
 
 
 def load_script(name: str) -> ModuleType:
