@@ -39,20 +39,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mllm_rl.bench.child import BenchError, last_json_line, run_cmd
+from mllm_rl.bench.cli import csv_choice, positive, run_bench
+from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.tables import table
 
-from bench_common import (  # noqa: E402
-    ROOT,
-    BenchError,
-    command_line,
-    csv_choice,
-    last_json_line,
-    machine_info,
-    positive,
-    run_bench,
-    run_cmd,
-    table,
-)
+ROOT = Path(__file__).resolve().parents[1]  # the venvs .venv-torch / .venv-jax live here
 
 ENGINES = ("embedded", "hf", "sglang-jax", "sglang")
 NEEDS = {"embedded": "torch", "hf": "torch", "sglang": "torch", "sglang-jax": "jax"}

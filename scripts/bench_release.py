@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_common import command_line, failed_targets, machine_info, positive, run_bench, target  # noqa: E402
+from mllm_rl.bench.cli import failed_targets, positive, run_bench, target
+from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.tables import table
 
 FREED_TARGET = 0.99
 TAGS = ("kv_cache", "weights")
@@ -47,7 +47,7 @@ def memcpy_baselines(
     backend_name: str, platform: str, nbytes: int, repeats: int, cpu_backup: bool
 ) -> dict[str, Any]:
     """Seconds of a raw copy of ``nbytes``: on-device (d2d) always, d2h/h2d with a CPU backup."""
-    from bench_common import jax_copy_bandwidth, torch_copy_bandwidth
+    from mllm_rl.bench.copy_bandwidth import jax_copy_bandwidth, torch_copy_bandwidth
 
     kinds = ("d2d", "d2h", "h2d") if cpu_backup else ("d2d",)
     if backend_name == "jax":
@@ -149,8 +149,6 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(out: dict[str, Any]) -> str:
-    from bench_common import table
-
     cols = [("tag", "tag", ""), ("held_mib", "held MiB", ".1f"), ("freed_frac", "freed/held", ".4f"),
             ("reclaimed_frac", "reclaimed/held", ".4f"), ("release_ms", "release ms", ".2f"),
             ("release_baseline", "vs", ""), ("release_over_memcpy", "x memcpy", ".3f"), ("resume_ms", "resume ms", ".2f"),

@@ -38,23 +38,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_common import (  # noqa: E402
-    BenchError,
-    GiB,
-    MiB,
-    command_line,
-    csv_choice,
-    is_oom,
-    machine_info,
-    max_of,
-    positive,
-    run_bench,
-    run_cmd,
-    table,
-    truth,
-)
+from mllm_rl.bench import GiB, MiB
+from mllm_rl.bench.child import BenchError, is_oom, run_cmd
+from mllm_rl.bench.cli import csv_choice, positive, run_bench
+from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.records import max_of, truth
+from mllm_rl.bench.tables import table
 
 SCHEDULES = ("multi_stage", "naive")
 PRE_ENGINE = ("wandb_init", "jax_ready", "torch_ready")

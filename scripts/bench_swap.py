@@ -5,7 +5,7 @@
 
 In one invocation, each in its own fresh process of this interpreter (fresh device memory):
 
-1. the copy-bandwidth baseline (``scripts/bench_common.py copy``): JAX ``device_put`` of a
+1. the copy-bandwidth baseline (``python -m mllm_rl.bench copy``): JAX ``device_put`` of a
    pageable host buffer; torch ``tensor.to(device)`` from pageable and from pinned memory
    (CUDA); also device-to-host and on-device copies. Buffer: the checkpoint's size, clamped
    to [64 MiB, 4 GiB] (``--copy-mb``);
@@ -37,25 +37,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_common import (  # noqa: E402
-    ROOT,
-    MiB,
-    allocator,
-    command_line,
-    csv_choice,
-    failed_targets,
-    last_json_line,
-    machine_info,
-    positive,
-    run_bench,
-    run_cmd,
-    table,
-    target,
-    truth,
-    warm_page_cache,
-)
+from mllm_rl.bench import MiB
+from mllm_rl.bench.child import last_json_line, run_cmd, warm_page_cache
+from mllm_rl.bench.cli import csv_choice, failed_targets, positive, run_bench, target
+from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.records import allocator, truth
+from mllm_rl.bench.tables import table
 
 MODES = ("streaming", "naive")
 PEAK_TARGET = 1.10
@@ -109,7 +96,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def copy_baseline(args: argparse.Namespace, ckpt_bytes: int) -> dict[str, Any]:
     mb = args.copy_mb or min(4096.0, max(64.0, ckpt_bytes / MiB))
-    cmd = [sys.executable, str(ROOT / "scripts/bench_common.py"), "copy", "--backend", args.backend,
+    cmd = [sys.executable, "-m", "mllm_rl.bench", "copy", "--backend", args.backend,
            "--mb", str(mb), "--platform", args.platform, "--repeats", str(args.repeats)]  # fmt: skip
     return last_json_line(run_cmd(cmd, "copy baseline", timeout=args.timeout).stdout, "copy baseline")
 

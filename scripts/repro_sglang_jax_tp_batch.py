@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 CHILD = r"""
 import json, os, sys
@@ -62,7 +61,6 @@ def main() -> None:
         help="sglang-jax's overlap scheduler (on is its default)",
     )
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from mllm_rl.checkpoint.resolve import resolve_model
 
     ckpt = str(resolve_model(args.model).path)

@@ -37,9 +37,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_common import MiB, command_line, failed_targets, machine_info, positive, run_bench, target  # noqa: E402
+from mllm_rl.bench import MiB
+from mllm_rl.bench.cli import failed_targets, positive, run_bench, target
+from mllm_rl.bench.machine import command_line, machine_info
 
 PROMPTS = [[51, 71, 68, 220, 66, 64, 79], [64, 65, 66, 64, 65, 66, 64]]
 

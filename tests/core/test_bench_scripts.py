@@ -1,17 +1,23 @@
 """Cheap checks of the benchmark scripts (no benchmark runs here: those are in docs/BENCHMARKS.md).
 
 ``--help`` of every script, argument validation (one-line error, exit 2), ``gpu_bench_all.sh``
-(--list / --dry-run / shellcheck), and the pure parts: the RL-memory analysis and KV-fit
-prediction on synthetic phase records, the soak's RSS slope, the summary table.
+(--list / --dry-run / shellcheck), the shared helpers of ``mllm_rl.bench`` (no framework at import,
+the copy baseline, the deprecated ``scripts/bench_common.py`` re-export), and the pure parts: the
+RL-memory analysis and KV-fit prediction on synthetic phase records, the soak's RSS slope, the
+summary table.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -19,8 +25,21 @@ from tests.conftest import ROOT
 
 SCRIPTS = ROOT / "scripts"
 PY_SCRIPTS = ["bench_swap.py", "bench_release.py", "bench_rl_memory.py", "bench_engine.py", "soak.py",
-              "bench_summary.py", "bench_common.py"]  # fmt: skip
-sys.path.insert(0, str(SCRIPTS))
+              "bench_summary.py", "bench_common.py", "bench_step_cost.py", "repro_sglang_jax_tp_batch.py"]  # fmt: skip
+# The scripts that import the shared helpers from the package (never through sys.path).
+PACKAGE_USERS = ["bench_swap.py", "bench_release.py", "bench_rl_memory.py", "bench_engine.py", "soak.py",
+                 "bench_step_cost.py", "repro_sglang_jax_tp_batch.py"]  # fmt: skip
+BENCH_MODULES = ["mllm_rl.bench", "mllm_rl.bench.machine", "mllm_rl.bench.child", "mllm_rl.bench.records",
+                 "mllm_rl.bench.cli", "mllm_rl.bench.tables", "mllm_rl.bench.copy_bandwidth",
+                 "mllm_rl.bench.step_cost"]  # fmt: skip
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -48,10 +67,12 @@ def test_help(script):
         ["soak.py"],  # --backend is required
         ["soak.py", "--backend", "torch", "--warmup", "-1"],
         ["bench_common.py", "copy", "--backend", "jax", "--mb", "0"],
+        ["-m", "mllm_rl.bench", "copy", "--backend", "jax", "--mb", "0"],
+        ["-m", "mllm_rl.bench", "copy", "--backend", "mxnet"],
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args):
-    r = run(sys.executable, str(SCRIPTS / args[0]), *args[1:])
+    r = run(sys.executable, *(args if args[0] == "-m" else [str(SCRIPTS / args[0]), *args[1:]]))
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "error" in r.stderr.strip().splitlines()[-1]
 
@@ -118,7 +139,7 @@ def _records(naive: bool) -> list[dict]:
 
 
 def test_rl_memory_analysis_and_kv_fit():
-    import bench_rl_memory as b
+    b = load_script("bench_rl_memory")
 
     ms, nv = b.analyse(_records(naive=False)), b.analyse(_records(naive=True))
     assert ms["kv_bytes"] == 100 and ms["kv_bytes_per_token"] == 2.0
@@ -140,7 +161,7 @@ def test_rl_memory_analysis_and_kv_fit():
 
 
 def test_soak_slope():
-    import soak
+    soak = load_script("soak")
 
     assert soak._slope([5, 5, 5, 5]) == 0
     assert soak._slope([0, 10, 20, 30]) == pytest.approx(10)
@@ -148,7 +169,7 @@ def test_soak_slope():
 
 
 def test_summary_table(tmp_path):
-    import bench_summary
+    bench_summary = load_script("bench_summary")
 
     (tmp_path / "soak-x.json").write_text(json.dumps({
         "bench": "soak", "backend": "torch", "preset": "tiny", "platform": "cpu", "cycles": 3, "engine": "E",
@@ -158,3 +179,61 @@ def test_summary_table(tmp_path):
     text = bench_summary.summarize(Path(tmp_path))
     assert "| soak-x | soak | torch | tiny | cpu |" in text and "t pass, u n/a" in text
     assert "swap-y" in text and "FAIL" in text
+
+
+# -- the shared helpers (mllm_rl.bench) --------------------------------------------------------
+def test_bench_package_imports_no_framework():
+    code = f"import sys, json; import {', '.join(BENCH_MODULES)}; " + (
+        "print(json.dumps([m for m in ('jax', 'torch', 'flax') if m in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+@pytest.mark.parametrize("script", PACKAGE_USERS)
+def test_scripts_import_the_helpers_from_the_package(script):
+    text = (SCRIPTS / script).read_text()
+    assert "sys.path" not in text and "bench_common" not in text
+
+
+def test_copy_baseline_from_the_package_and_through_the_deprecated_shim():
+    for cmd in (["-m", "mllm_rl.bench"], [str(SCRIPTS / "bench_common.py")]):
+        r = run(
+            sys.executable,
+            *cmd,
+            "copy",
+            "--backend",
+            "jax",
+            "--platform",
+            "cpu",
+            "--mb",
+            "1",
+            "--repeats",
+            "2",
+        )
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["runtime"] == "jax" and out["platform"] == "cpu" and out["bytes"] == 2**20
+        for k in ("h2d", "d2h", "d2d"):
+            assert out[k]["gbps_best"] > 0 and out[k]["seconds_best"] <= out[k]["seconds_median"]
+
+
+def test_deprecated_shim_re_exports_the_package_helpers(monkeypatch):
+    """Scripts that still do ``sys.path.insert(0, "scripts"); from bench_common import ...`` get the
+    very objects of ``mllm_rl.bench`` (and a DeprecationWarning)."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    monkeypatch.delitem(sys.modules, "bench_common", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shim = importlib.import_module("bench_common")
+    assert any(
+        issubclass(w.category, DeprecationWarning) and "mllm_rl.bench" in str(w.message) for w in caught
+    )
+    owners = {}
+    for mod in BENCH_MODULES:
+        m = importlib.import_module(mod)
+        owners.update({k: v for k, v in vars(m).items() if not k.startswith("_")})
+    assert len(shim.__all__) == 28
+    for name in shim.__all__:
+        assert getattr(shim, name) is owners[name], name
+    assert shim.ROOT == ROOT

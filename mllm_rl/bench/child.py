@@ -1,0 +1,63 @@
+"""Running a child process of a benchmark (an RL run, a worker, a copy baseline): each in a fresh
+process, so device memory starts empty; failures become ``BenchError`` with the stderr tail."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mllm_rl.bench import MiB
+from mllm_rl.bench.machine import ROOT
+
+OOM_MARKERS = ("out of memory", "resource_exhausted", "outofmemoryerror", "cuda error: out of memory",
+               "failed to allocate", "oom")  # fmt: skip
+
+
+class BenchError(RuntimeError):
+    """A benchmark could not run; ``str(e)`` starts with one line saying why."""
+
+
+def run_cmd(cmd: Sequence[str], what: str, timeout: float | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    """Run ``cmd`` in the repo root (no progress bars, unbuffered); ``BenchError`` naming ``what``
+    with the stderr tail when it fails or times out."""
+    full_env = {**os.environ, "MLLM_RL_NO_PROGRESS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    cwd = ROOT if (ROOT / "pyproject.toml").exists() else None
+    try:
+        r = subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"{what}: timed out after {timeout}s: {' '.join(cmd)}") from None
+    if r.returncode != 0:
+        raise BenchError(f"{what} failed (exit {r.returncode}): {' '.join(cmd)}\n{r.stderr[-3000:]}")
+    return r
+
+
+def is_oom(text: str) -> bool:
+    """Whether ``text`` (a child's stderr) reports running out of memory."""
+    low = text.lower()
+    return any(m in low for m in OOM_MARKERS)
+
+
+def last_json_line(stdout: str, what: str) -> dict[str, Any]:
+    """The last line of ``stdout`` that is a JSON object (what every child prints last)."""
+    for line in reversed(stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise BenchError(f"{what}: printed no JSON line")
+
+
+def warm_page_cache(path: Path) -> dict[str, Any]:
+    """Read every file under ``path`` once (so a child's later read comes from the page cache)."""
+    t0, n = time.perf_counter(), 0
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                while chunk := fh.read(64 * MiB):
+                    n += len(chunk)
+    dt = time.perf_counter() - t0
+    return {"bytes": n, "seconds": round(dt, 3), "gbps": round(n / dt / 1e9, 3) if dt > 0 else None}

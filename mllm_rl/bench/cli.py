@@ -1,0 +1,99 @@
+"""The shared command-line pieces of the benchmark scripts: argparse types, target checks, and
+``run_bench``, the end every script shares (report, ``--json``, one JSON summary line, exit code)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from mllm_rl.bench.child import BenchError
+
+
+def write_json(path: Path | None, obj: dict[str, Any]) -> None:
+    """Write ``obj`` to ``path`` atomically (nothing when ``path`` is None)."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def run_bench(
+    bench: Callable[[Any], dict[str, Any]],
+    args: Any,
+    report: Callable[[dict[str, Any]], str],
+    summary: Callable[[dict[str, Any]], dict[str, Any]],
+    report_to_stderr: bool = False,
+) -> tuple[int, dict[str, Any] | None]:
+    """The shared end of every bench script: run ``bench(args)``, print the human report, write
+    ``--json``, print one JSON summary line last (what ``gpu_bench_all.sh`` and tests parse).
+
+    Returns ``(exit code, results)``: 2 on bad input (``ValueError``, incl. ``CheckpointError``:
+    one line on stderr), 1 on a ``BenchError``, else 0 and the results (the caller decides whether
+    failed targets turn the 0 into a 1).
+    """
+    try:
+        out = bench(args)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1, None
+    except ValueError as e:  # bad preset / checkpoint / backend / flag value: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2, None
+    text = report(out)
+    if text:
+        print(text, file=sys.stderr if report_to_stderr else sys.stdout)
+    write_json(getattr(args, "json", None), out)
+    print(json.dumps(summary(out), default=str), flush=True)
+    return 0, out
+
+
+def failed_targets(out: dict[str, Any]) -> bool:
+    """True when a target that applies failed (``pass`` is False; None = not applicable)."""
+    return any(t.get("pass") is False for t in out.get("targets", {}).values())
+
+
+def target(value: float | None, op: str, bound: float, applies: bool = True, why: str = "") -> dict[str, Any]:
+    """A target check: ``pass`` is None when it does not apply (e.g. a GPU target on CPU)."""
+    ok = None
+    if applies and value is not None:
+        ok = value <= bound if op == "<=" else value >= bound
+    shown = int(bound) if float(bound).is_integer() and abs(bound) >= 1000 else bound
+    out: dict[str, Any] = {"value": value, "target": f"{op} {shown}", "pass": ok}
+    if not applies and why:
+        out["not_applicable"] = why
+    return out
+
+
+def positive(kind: type = int) -> Callable[[str], Any]:
+    """argparse type: a number > 0 (one-line error otherwise)."""
+
+    def parse(s: str) -> Any:
+        try:
+            v = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+        return v
+
+    return parse
+
+
+def csv_choice(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """argparse type: comma-separated subset of ``choices``."""
+
+    def parse(s: str) -> list[str]:
+        items = [x.strip() for x in s.split(",") if x.strip()]
+        bad = [x for x in items if x not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{s!r}: choose from {', '.join(choices)} (comma-separated)")
+        return items
+
+    return parse

@@ -1,0 +1,165 @@
+"""Copy-bandwidth baselines: what a raw host-to-device, device-to-host and on-device copy of the
+same bytes costs on this machine, for the backend's runtime. The benchmarks compare their
+transfers (weight swaps, release/resume with CPU backup) against these.
+
+    python -m mllm_rl.bench copy --backend jax|torch --mb 1024 [--platform auto] [--repeats 5]
+
+prints one JSON object (``copy_bandwidth``); the drivers run it in a fresh process of the
+benchmark's own venv. jax and torch are imported inside the functions that use them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mllm_rl.bench import MiB
+from mllm_rl.bench.child import BenchError
+from mllm_rl.bench.cli import positive
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> list[float]:
+    fn()  # warm-up: first-touch page faults, allocator growth, kernel load
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _bw(nbytes: int, times: list[float]) -> dict[str, Any]:
+    best, med = min(times), statistics.median(times)
+    return {"seconds_best": round(best, 6), "seconds_median": round(med, 6), "gbps_best": round(nbytes / best / 1e9, 3),
+            "gbps_median": round(nbytes / med / 1e9, 3)}  # fmt: skip
+
+
+def jax_copy_bandwidth(
+    nbytes: int, repeats: int = 5, kinds: Sequence[str] = ("h2d", "d2h", "d2d")
+) -> dict[str, Any]:
+    """JAX: ``h2d`` = ``device_put`` of a pageable numpy buffer (new device buffer each time),
+    ``d2h`` = ``device_get`` into a new numpy array, ``d2d`` = an on-device copy (``jnp.copy``).
+    On JAX CPU every one of them is a host memcpy."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    dev = jax.devices()[0]
+    host = np.full(nbytes, 1, np.uint8)  # touched: no first-touch faults inside the timing
+    out: dict[str, Any] = {"runtime": "jax", "platform": dev.platform, "device": str(dev), "bytes": nbytes}
+    on_dev = jax.device_put(host, dev)
+    on_dev.block_until_ready()
+    copy = jax.jit(jnp.copy)
+
+    def h2d() -> None:
+        a = jax.device_put(host, dev)
+        a.block_until_ready()
+        a.delete()
+
+    def d2h() -> None:
+        np.array(on_dev, copy=True)
+
+    def d2d() -> None:
+        a = copy(on_dev)
+        a.block_until_ready()
+        a.delete()
+
+    fns = {"h2d": h2d, "d2h": d2h, "d2d": d2d}
+    for k in kinds:
+        out[k] = _bw(nbytes, _timed(fns[k], repeats))
+    on_dev.delete()
+    return out
+
+
+def torch_copy_bandwidth(nbytes: int, device: str = "auto", repeats: int = 5,
+                         kinds: Sequence[str] = ("h2d", "h2d_pinned", "d2h", "d2d")) -> dict[str, Any]:  # fmt: skip
+    """torch: ``h2d`` = ``tensor.to(device)`` from pageable host memory, ``h2d_pinned`` = the same
+    from pinned memory (CUDA only), ``d2h`` = ``.to("cpu")``, ``d2d`` = ``clone()`` on the device.
+    On CPU ``.to("cpu")`` is a no-op, so ``h2d``/``d2h``/``d2d`` are a host ``clone()`` (memcpy)."""
+    import torch
+
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    host = torch.ones(nbytes, dtype=torch.uint8)
+    out: dict[str, Any] = {"runtime": "torch", "platform": dev.type, "bytes": nbytes,
+                           "device": torch.cuda.get_device_name(dev) if cuda else "cpu"}  # fmt: skip
+    on_dev = host.to(dev) if cuda else host.clone()
+    sync()
+
+    def h2d() -> None:
+        y = host.to(dev) if cuda else host.clone()
+        sync()
+        del y
+
+    def d2h() -> None:
+        y = on_dev.to("cpu") if cuda else on_dev.clone()
+        del y
+
+    def d2d() -> None:
+        y = on_dev.clone()
+        sync()
+        del y
+
+    fns: dict[str, Callable[[], None]] = {"h2d": h2d, "d2h": d2h, "d2d": d2d}
+    if cuda and "h2d_pinned" in kinds:
+        pinned = host.pin_memory()
+
+        def h2d_pinned() -> None:
+            y = pinned.to(dev, non_blocking=True)
+            sync()
+            del y
+
+        fns["h2d_pinned"] = h2d_pinned
+    for k in kinds:
+        if k in fns:
+            out[k] = _bw(nbytes, _timed(fns[k], repeats))
+        else:
+            out[k] = {"not_measured": "pinned host memory needs CUDA"}
+    fns.clear()  # drops the closures' device buffers
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def copy_bandwidth(backend: str, nbytes: int, platform_: str = "auto", repeats: int = 5) -> dict[str, Any]:
+    """The copy baselines of ``backend`` (``jax`` or ``torch``) for a buffer of ``nbytes``."""
+    if backend == "jax":
+        if platform_ == "cpu":
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        out = jax_copy_bandwidth(nbytes, repeats)
+    elif backend == "torch":
+        out = torch_copy_bandwidth(nbytes, "cpu" if platform_ == "cpu" else "auto", repeats)
+    else:
+        raise BenchError(f"--backend {backend!r}: choose jax or torch")
+    if out["platform"] == "cpu":
+        out["note"] = ("CPU: every copy is a host-to-host memcpy; there is no host-to-device link, so "
+                       "ratios against it are not H2D efficiencies")  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """``copy``: print the copy baselines as one JSON line; 2 on bad input."""
+    ap = argparse.ArgumentParser(
+        prog=prog, description="Copy-bandwidth baselines for the benchmark scripts (one JSON line)."
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    cp = sub.add_parser("copy", help="host-to-device / device-to-host / on-device copy bandwidth")
+    cp.add_argument("--backend", required=True, choices=["jax", "torch"])
+    cp.add_argument("--mb", type=positive(float), default=1024.0, help="buffer size, MiB")
+    cp.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda", "tpu"])
+    cp.add_argument("--repeats", type=positive(int), default=5)
+    args = ap.parse_args(argv)
+    try:
+        out = copy_bandwidth(args.backend, int(args.mb * MiB), args.platform, args.repeats)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(out), flush=True)
+    return 0

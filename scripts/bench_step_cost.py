@@ -1,0 +1,295 @@
+"""Step cost: the share of each lifecycle phase in a colocated RL step, side by side for models and backends.
+
+    python scripts/bench_step_cost.py                        # tiny and qwen3-0.6b, jax and torch
+    python scripts/bench_step_cost.py --models tiny --steps 3 --json OUT
+    python scripts/bench_step_cost.py --models qwen3-0.6b -- --prompts-per-step 2 --group-size 2
+    python scripts/bench_step_cost.py --from-run runs/a --from-run runs/b     # recorded runs, no new run
+
+In one invocation, one after the other, each in its own fresh process: ``python -m mllm_rl.run
+--backend B --model M --steps N --save-every S --max-new-tokens T --wandb disabled`` for every
+model M and backend B (jax under ``--python-jax``, torch under ``--python-torch``; defaults: the
+repo's ``.venv-jax`` / ``.venv-torch`` when they exist, else this interpreter). Arguments after
+``--`` go to every run alike. ``--from-run DIR`` reads ``DIR/phases.jsonl`` and ``DIR/run.json``
+of runs made before instead (any number, any mix).
+
+From each run's phase records (``mllm_rl.bench.step_cost``): per phase of the step, the median
+over the steps after the first (the first compiles) of its share of the step's wall time and of
+its seconds; ``between_phases`` = wall time outside every phase (the recorder's memory snapshots
+and its sinks); ``non-rollout, non-train`` = 1 - rollout - train_step, the lifecycle's own cost;
+for phases that move bytes (``onload_trainer``, ``offload_*``, ``resume_*``, ``update_weights``),
+the bytes and the rate. ``update_weights`` is split into the engine's install (its
+``info.seconds``) and what goes around it (the trainer's export and fingerprint, the engine's
+fingerprint read-back).
+
+``--save-every`` defaults to 1: every step saves a checkpoint, so the ``checkpoint`` phase's
+median is the cost of one save (``mllm_rl.run`` saves every 5 steps by default).
+
+Exit 0 with the results, 2 on bad input (one line), 1 when a run failed (``--keep-going``:
+reported, the others go on). Times are wall-clock and depend on the machine's load: the load
+average before and after each run is recorded with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from mllm_rl.bench.child import BenchError, run_cmd
+from mllm_rl.bench.cli import csv_choice, positive, run_bench
+from mllm_rl.bench.machine import command_line, load_avg_1m, machine_info
+from mllm_rl.bench.step_cost import BETWEEN, ROLLOUT, TRAIN, analyse
+from mllm_rl.bench.tables import table
+
+ROOT = Path(__file__).resolve().parents[1]  # the venvs .venv-jax / .venv-torch live here
+BACKENDS = ("jax", "torch")
+DEFAULT_MODELS = ["tiny", "qwen3-0.6b"]
+
+
+def at_least_two(s: str) -> int:
+    v = positive(int)(s)
+    if v < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (the first step compiles and is left out), got {s}")
+    return v
+
+
+def non_negative(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
+def models_list(s: str) -> list[str]:
+    items = [x.strip() for x in s.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"{s!r}: comma-separated presets or checkpoint dirs expected")
+    return items
+
+
+# -- inputs --------------------------------------------------------------------------------
+def python_for(backend: str, args: argparse.Namespace) -> str:
+    """The interpreter for ``backend``'s runs; ``ValueError`` when the one given does not exist."""
+    given = args.python_jax if backend == "jax" else args.python_torch
+    if given:
+        found = shutil.which(given) if os.sep not in given else (given if os.access(given, os.X_OK) else None)
+        if not found:
+            raise ValueError(f"--python-{backend} {given!r}: no such executable")
+        return given
+    venv = ROOT / f".venv-{backend}" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+def read_run(run_dir: Path) -> dict[str, Any]:
+    """``run.json`` and the records of ``phases.jsonl`` of one run; ``ValueError`` naming the file."""
+    from mllm_rl.phases.schema import validate_record
+    from mllm_rl.sinks.jsonl import read_jsonl
+
+    meta_path, phases_path = run_dir / "run.json", run_dir / "phases.jsonl"
+    for p in (meta_path, phases_path):
+        if not p.is_file():
+            raise ValueError(f"{p}: not found (--from-run takes a run directory of python -m mllm_rl.run)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{meta_path}: not JSON ({e.msg}, line {e.lineno})") from None
+    if meta.get("plan", "rl") != "rl" or not isinstance(meta.get("expected_step_phases"), list):
+        raise ValueError(f"{meta_path}: not an RL run (no expected_step_phases)")
+    records = read_jsonl(phases_path)
+    for i, r in enumerate(records):
+        try:
+            validate_record(r)
+        except ValueError as e:
+            raise ValueError(f"{phases_path}: record {i + 1}: {e}") from None
+    argv = meta.get("argv") or []
+    model = argv[argv.index("--model") + 1] if "--model" in argv[:-1] else Path(str(meta.get("model"))).name
+    return {"meta": meta, "records": records, "model": model, "backend": meta.get("backend")}
+
+
+def run_cmd_for(args: argparse.Namespace, model: str, backend: str, run_dir: Path) -> list[str]:
+    return [python_for(backend, args), "-m", "mllm_rl.run", "--backend", backend, "--plan", "rl",
+            "--model", model, "--steps", str(args.steps), "--save-every", str(args.save_every),
+            "--max-new-tokens", str(args.max_new_tokens), "--platform", args.platform,
+            "--wandb", "disabled", "--quiet", "--run-dir", str(run_dir), *args.extra]  # fmt: skip
+
+
+# -- driver --------------------------------------------------------------------------------
+def one(label: str, model: str, backend: str, run: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    try:
+        analysis = analyse(run["records"], run["meta"].get("expected_step_phases"))
+    except ValueError as e:
+        raise ValueError(f"{label}: {e}") from None
+    return {"label": label, "model": model, "backend": backend, **extra, "analysis": analysis}
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    if args.from_run:
+        runs = [(d, read_run(d)) for d in args.from_run]  # every one validated before any analysis
+        labels = [f"{run['model']} {run['backend']}" for _, run in runs]
+        for (d, run), label in zip(runs, labels, strict=True):
+            if labels.count(label) > 1:  # the same model and backend twice: tell them apart
+                label = f"{label} ({d.name})"
+            rows.append(
+                one(label, run["model"], run["backend"], run, {"run_dir": str(d), "run_seconds": None})
+            )
+    else:
+        plan = [(m, b) for m in args.models for b in args.backends]
+        for b in args.backends:
+            python_for(b, args)  # bad --python-* before anything runs
+        keep = args.runs_dir
+        with tempfile.TemporaryDirectory() as tmp:
+            for i, (model, backend) in enumerate(plan):
+                label = f"{model} {backend}"
+                run_dir = (keep or Path(tmp)) / f"{Path(model).name}-{backend}"
+                if run_dir.exists():
+                    shutil.rmtree(run_dir)
+                cmd = run_cmd_for(args, model, backend, run_dir)
+                load0, t0 = load_avg_1m(), time.perf_counter()
+                print(f"  [{i + 1}/{len(plan)}] {label}: {args.steps} steps ...", file=sys.stderr, flush=True)
+                try:
+                    run_cmd(cmd, f"run {label}", timeout=args.timeout)
+                    row = one(label, model, backend, read_run(run_dir), {})
+                except (BenchError, ValueError) as e:
+                    if not args.keep_going:
+                        raise BenchError(str(e)) from None
+                    rows.append({"label": label, "model": model, "backend": backend, "error": str(e)[:3000],
+                                 "command": cmd})  # fmt: skip
+                    print(f"  [{i + 1}/{len(plan)}] {label}: FAILED", file=sys.stderr, flush=True)
+                    continue
+                dt = time.perf_counter() - t0
+                row.update(command=cmd, run_seconds=round(dt, 2), load_avg_1m_before=load0,
+                           load_avg_1m_after=load_avg_1m(), run_dir=str(run_dir) if keep else None)  # fmt: skip
+                rows.append(row)
+                print(f"  [{i + 1}/{len(plan)}] {label}: {dt:.0f} s", file=sys.stderr, flush=True)
+    return {"bench": "step_cost", "steps": None if args.from_run else args.steps,
+            "save_every": None if args.from_run else args.save_every,
+            "max_new_tokens": None if args.from_run else args.max_new_tokens, "extra": list(args.extra),
+            "runs": rows, "command": command_line(), "machine": machine_info()}  # fmt: skip
+
+
+# -- report --------------------------------------------------------------------------------
+def _pct(x: float | None) -> str | None:
+    return None if x is None else f"{100 * x:.1f}%"
+
+
+def report(out: dict[str, Any]) -> str:
+    ok = [r for r in out["runs"] if "analysis" in r]
+    names: list[str] = []
+    for r in ok:  # merge the phase orders (schedules may differ): a new phase goes after its predecessor
+        prev = None
+        for p in r["analysis"]["phases"]:
+            if p["phase"] not in names:
+                names.insert(names.index(prev) + 1 if prev in names else len(names), p["phase"])
+            prev = p["phase"]
+    if BETWEEN in names:  # last, next to the summary rows
+        names.remove(BETWEEN)
+        names.append(BETWEEN)
+    by = [{p["phase"]: p for p in r["analysis"]["phases"]} for r in ok]
+    cols = [("phase", "phase", "")] + [(str(i), r["label"], "") for i, r in enumerate(ok)]
+    share_rows, sec_rows = [], []
+    for n in names:
+        share_rows.append({"phase": n, **{str(i): _pct(b[n]["share_median"]) if n in b else None
+                                          for i, b in enumerate(by)}})  # fmt: skip
+        cells = {}
+        for i, b in enumerate(by):
+            p = b.get(n)
+            if p is not None:
+                rate = f" ({p['gbps_median']:.3f} GB/s)" if p["gbps_median"] is not None else ""
+                cells[str(i)] = f"{p['seconds_median']:.3f}{rate}"
+        sec_rows.append({"phase": n, **cells})
+    a = [r["analysis"] for r in ok]
+    share_rows.append({"phase": f"non-{ROLLOUT}, non-{TRAIN}",
+                       **{str(i): _pct(x["other_share_median"]) for i, x in enumerate(a)}})  # fmt: skip
+    sec_rows += [
+        {"phase": f"non-{ROLLOUT}, non-{TRAIN}", **{str(i): f"{x['other_s_median']:.3f}" for i, x in enumerate(a)}},
+        {"phase": "step (median)", **{str(i): f"{x['step_s_median']:.3f}" for i, x in enumerate(a)}},
+        {"phase": "first step (compiles)", **{str(i): f"{x['first_step_s']:.3f}" if x["first_step_s"] else None
+                                              for i, x in enumerate(a)}},
+    ]  # fmt: skip
+    counted = {r["label"]: r["analysis"]["steps_counted"] for r in ok}
+    lines = [
+        "step cost: share of each phase in the step's wall time (median over the steps after the first; "
+        f"steps counted: {counted})",
+        table(share_rows, cols),
+        "",
+        "median seconds per phase (rate where the phase moves bytes)",
+        table(sec_rows, cols),
+    ]
+    for r in ok:
+        u = r["analysis"]["update"]
+        if u:
+            lines.append(f"{r['label']}: update_weights {u['phase_s_median']:.3f} s, of which the engine's install "
+                         f"{u['install_s_median']:.3f} s; around it (export, fingerprints) "
+                         f"{_pct(u['around_install_share_median'])}; full updates {u['full_updates']}/{u['updates']}; "
+                         f"checkpoints saved in counted steps {r['analysis']['checkpoints_saved']}")  # fmt: skip
+        if r.get("run_seconds") is not None:
+            lines.append(f"{r['label']}: run {r['run_seconds']:.0f} s, load average (1 min) "
+                         f"{r.get('load_avg_1m_before')} -> {r.get('load_avg_1m_after')}")  # fmt: skip
+    for r in out["runs"]:
+        if "error" in r:
+            lines.append(f"{r['label']}: FAILED: {r['error'].splitlines()[0]}")
+    return "\n".join(lines)
+
+
+def summary(out: dict[str, Any]) -> dict[str, Any]:
+    return {"bench": "step_cost", "runs": [
+        {"label": r["label"], "step_s_median": r["analysis"]["step_s_median"],
+         "other_share_median": r["analysis"]["other_share_median"]} if "analysis" in r
+        else {"label": r["label"], "error": r["error"].splitlines()[0]} for r in out["runs"]]}  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", type=models_list, default=DEFAULT_MODELS,
+                    help="presets or checkpoint dirs, comma-separated (default: tiny,qwen3-0.6b)")  # fmt: skip
+    ap.add_argument("--backends", type=csv_choice(BACKENDS), default=list(BACKENDS), help="comma-separated")
+    ap.add_argument(
+        "--steps",
+        type=at_least_two,
+        default=4,
+        help="RL steps per run (>= 2; the first is left out; default 4)",
+    )
+    ap.add_argument(
+        "--save-every", type=non_negative, default=1, help="checkpoint every N steps; 0 = never (default 1)"
+    )
+    ap.add_argument(
+        "--max-new-tokens", type=positive(int), default=8, help="tokens per completion (default 8)"
+    )
+    ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda", "tpu"])
+    ap.add_argument("--python-jax", default=None, help="interpreter for the jax runs (default: .venv-jax)")
+    ap.add_argument(
+        "--python-torch", default=None, help="interpreter for the torch runs (default: .venv-torch)"
+    )
+    ap.add_argument(
+        "--from-run",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="read a recorded run instead of running (repeatable; --models/--backends are ignored)",
+    )
+    ap.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here (default: a temp dir)")
+    ap.add_argument("--keep-going", action="store_true", help="report a failing run and go on")
+    ap.add_argument("--timeout", type=positive(float), default=3600.0, help="seconds per run (default 3600)")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("extra", nargs="*", help="extra args for every mllm_rl.run (after --)")
+    return ap  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_bench(bench, args, report, summary)[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
