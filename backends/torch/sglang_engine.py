@@ -1,13 +1,17 @@
-"""SGLang rollout engine adapter (CUDA): every SGLang touch-point of the torch backend lives here.
+"""SGLang rollout engine adapter (CUDA).
 
-Written against **sglang 0.5.23** (the PyPI wheel ``sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl``,
-read file by file: ``sglang/srt/entrypoints/engine.py``, ``managers/tokenizer_manager.py``,
+Every SGLang call goes through the declared table ``backends/torch/sglang_calls.py``
+(``construct`` / ``invoke`` / ``attr`` / ``key``). Written against **sglang 0.5.23** (the PyPI
+wheel ``sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl``, read file by file:
+``sglang/srt/entrypoints/engine.py``, ``managers/tokenizer_manager.py``,
 ``managers/tokenizer_control_mixin.py``, ``managers/io_struct.py``,
 ``managers/scheduler_components/weight_updater.py``,
 ``model_executor/model_runner_components/weight_updater.py`` and ``weight_exporter.py``,
-``layers/sampler.py``, ``models/qwen3.py``). It has **not been run**: sglang needs CUDA and is
-not installed where this was written; ``_probe_version`` fails loudly when an API it relies on
-is missing. Facts it relies on (0.5.23):
+``layers/sampler.py``, ``models/qwen3.py``). It has **not run against a real SGLang** (sglang
+needs CUDA): ``tests/torch/test_sglang_conformance.py`` checks every entry of the table against
+that wheel's source and drives this adapter end to end against a fake built from those
+signatures; ``_probe_version`` fails loudly at import when a declared API is missing.
+Facts it relies on (0.5.23):
 
 - ``Engine(model_path, load_format="dummy", enable_memory_saver=True,
   enable_weights_cpu_backup, mem_fraction_static, tp_size, max_total_tokens, context_length,
@@ -23,6 +27,8 @@ is missing. Facts it relies on (0.5.23):
   when its loop is first used from the main thread.)
 - ``pause_generation(PauseGenerationReqInput(mode="abort"))`` aborts every request in flight
   and returns once none is running; ``continue_generation`` lifts the pause.
+- ``flush_cache()`` returns ``FlushCacheReqOutput(success, message)``; ``success=False`` means
+  nothing was flushed (nothing raised), so the adapter retries until it succeeds.
 - ``update_weights_from_tensor(UpdateWeightsFromTensorReqInput(serialized_named_tensors=one
   payload per TP rank, load_format=None, flush_cache))``: HF-named tensors go through the
   model's ``load_weights`` (fusing q/k/v and gate/up). CUDA tensors travel by IPC handle.
@@ -43,11 +49,12 @@ import asyncio
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from mllm_rl.backends.torch import sglang_calls as sc
 from mllm_rl.backends.torch.engine import Placed, check_shape, tensor_sums
 from mllm_rl.backends.torch.model import checkpoint_dtype, to_torch
 from mllm_rl.checkpoint.model_dir import ModelDir
@@ -64,36 +71,28 @@ from mllm_rl.engine import (
 )
 from mllm_rl.faults import fault
 
-READ_VERSIONS = ("0.5.23",)  # read, never run (see the module docstring)
-_TM_COROUTINES = ("generate_request", "pause_generation", "continue_generation", "flush_cache",
-                  "update_weights_from_tensor", "get_weights_by_name", "release_memory_occupation",
-                  "resume_memory_occupation")  # fmt: skip
+READ_VERSIONS = (sc.SGLANG_VERSION,)  # read, never run (see the module docstring)
+_CHECKED_AT_IMPORT = ("kwargs", "method", "coroutine", "agen", "constant")
 
 
 def _probe_version() -> str:
-    """The installed sglang version; RuntimeError when an API this adapter uses is missing."""
+    """The installed sglang version; RuntimeError naming the first declared call it lacks."""
+    import importlib
+
     import sglang
-    from sglang.srt.entrypoints.engine import Engine
-    from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
     version = str(getattr(sglang, "__version__", "unknown"))
-    for owner, attr in [
-        (Engine, "_serialize_tensors_per_rank"),
-        *((TokenizerManager, a) for a in _TM_COROUTINES),
-    ]:
-        if not hasattr(owner, attr):
-            raise RuntimeError(
-                f"sglang {version}: {owner.__name__}.{attr} missing; adapter written for {READ_VERSIONS}"
-            )
-    from sglang.srt.managers import io_struct
-
-    for name in ("GenerateReqInput", "PauseGenerationReqInput", "ContinueGenerationReqInput",
-                 "UpdateWeightsFromTensorReqInput", "GetWeightsByNameReqInput",
-                 "ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput"):  # fmt: skip
-        if not hasattr(io_struct, name):
-            raise RuntimeError(
-                f"sglang {version}: io_struct.{name} missing; adapter written for {READ_VERSIONS}"
-            )
+    for k, c in sc.CALLS.items():
+        if c.kind not in _CHECKED_AT_IMPORT:
+            continue  # attributes set in __init__, output keys: checked against the wheel by the test
+        mod = importlib.import_module(c.module)
+        owner = getattr(mod, c.owner, None) if c.owner else mod
+        if owner is None or not hasattr(owner, c.name):
+            raise RuntimeError(f"sglang {version}: {c.module}.{c.owner + '.' if c.owner else ''}{c.name} "
+                               f"missing (sglang_calls.CALLS[{k!r}]); adapter written for {READ_VERSIONS}")  # fmt: skip
+        if c.kind == "constant" and getattr(owner, c.name) != dict(c.values)["value"][0]:
+            raise RuntimeError(f"sglang {version}: {c.module}.{c.name} = {getattr(owner, c.name)!r}, "
+                               f"expected {dict(c.values)['value'][0]!r}")  # fmt: skip
     if version not in READ_VERSIONS:
         warnings.warn(f"sglang {version}: adapter written against {READ_VERSIONS}", stacklevel=2)
     return version
@@ -106,6 +105,7 @@ class SglangEngine:
     """An ``sglang.Engine`` started with dummy weights; implements ``EnginePrimitives``."""
 
     tags = (TAG_WEIGHTS, TAG_KV, TAG_CUDA_GRAPH)
+    device = torch.device("cuda")  # where update tensors are staged (IPC handles need CUDA tensors)
 
     def __init__(
         self,
@@ -114,27 +114,27 @@ class SglangEngine:
         max_total_tokens: int = 4096,
         context_length: int = 512,
         seed: int = 0,
-        chunk_bytes: int = 64 * 2**20,
+        chunk_bytes: int = sc.CHUNK_BYTES,
         weights_cpu_backup: bool = False,
-        max_running_requests: int = 128,
-        mem_fraction_static: float = 0.6,
+        max_running_requests: int = sc.MAX_RUNNING_REQUESTS,
+        mem_fraction_static: float = sc.MEM_FRACTION_STATIC,
     ) -> None:
-        from sglang.srt.entrypoints.engine import Engine
+        from sglang.srt.entrypoints import engine as engine_mod
 
         self.model_dir = model
         self.dtype = checkpoint_dtype(model)
         self.bucket_bytes = max(chunk_bytes, 1)
         self.weights_cpu_backup = weights_cpu_backup
-        self.engine = Engine(
-            model_path=str(model.path), tokenizer_path=str(model.path), load_format="dummy",
+        self.engine = sc.construct(
+            engine_mod, "Engine", model_path=str(model.path), tokenizer_path=str(model.path), load_format="dummy",
             enable_memory_saver=True, enable_weights_cpu_backup=weights_cpu_backup,
             mem_fraction_static=mem_fraction_static, tp_size=tp, max_total_tokens=max_total_tokens,
             context_length=context_length, max_running_requests=max_running_requests, random_seed=seed,
             log_level="error",
             dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.dtype],
         )  # fmt: skip
-        self.tm = self.engine.tokenizer_manager
-        self.loop = self.engine.loop
+        self.tm = sc.attr(self.engine, "Engine.tokenizer_manager")
+        self.loop = sc.attr(self.engine, "Engine.loop")
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="sglang-loop", daemon=True)
         self._loop_thread.start()
         self.shapes = {n: info.shape for n, (_, info) in model.tensors.items()}
@@ -143,6 +143,12 @@ class SglangEngine:
 
     def _call(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @staticmethod
+    def _io() -> Any:
+        from sglang.srt.managers import io_struct
+
+        return io_struct
 
     # -- weights ----------------------------------------------------------------------------
     def weight_names(self) -> list[str]:
@@ -153,59 +159,58 @@ class SglangEngine:
         return sum(int(torch.Size(s).numel()) * itemsize for s in self.shapes.values())
 
     def place(self, hf_name: str, value: Any) -> torch.Tensor:
-        """``value`` as a new CUDA tensor in the engine dtype (the naive baseline's second copy)."""
+        """``value`` as a new tensor on ``self.device`` in the engine dtype (the naive baseline's
+        second copy; the staging copy of an update)."""
         src = value if isinstance(value, torch.Tensor) else to_torch(value)
         check_shape(hf_name, src, self.shapes[hf_name])
-        return src.to(device="cuda", dtype=self.dtype, copy=True)
+        return src.to(device=self.device, dtype=self.dtype, copy=True)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
-        """Stage tensors on CUDA in buckets of ~``chunk_bytes`` and send each bucket with
-        ``update_weights_from_tensor`` (``flush_cache`` only with the last)."""
-        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-
+        """Stage tensors on the device in buckets of ~``chunk_bytes`` (``sc.update_buckets``) and
+        send each bucket with ``update_weights_from_tensor`` (``flush_cache`` only with the last)."""
         t0, noop = time.perf_counter(), fault("swap_noop")
         sums: dict[str, torch.Tensor] = {}
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = nbytes = 0
+        nbytes = 0
+
+        def staged() -> Iterator[tuple[str, torch.Tensor, int]]:
+            nonlocal nbytes
+            for name, value in named_tensors:
+                t = value.tensor if isinstance(value, Placed) else self.place(name, value)
+                sums[name] = tensor_sums(t)
+                if on_tensor is not None:
+                    on_tensor(name)
+                n = t.numel() * t.element_size()
+                nbytes += n
+                del value
+                yield name, t, n
+                del t  # the bucket holds it until sent; nothing else does
 
         def send(items: list[tuple[str, torch.Tensor]], flush: bool) -> None:
             if noop:
                 return
-            payload = self.engine._serialize_tensors_per_rank(items, None)
-            req = UpdateWeightsFromTensorReqInput(
-                serialized_named_tensors=payload, load_format=None, flush_cache=flush
-            )
-            ok, msg = self._call(self.tm.update_weights_from_tensor(req, None))
+            payload = sc.invoke(self.engine, "Engine._serialize_tensors_per_rank", items, None)
+            req = sc.construct(self._io(), "UpdateWeightsFromTensorReqInput", serialized_named_tensors=payload,
+                               load_format=None, flush_cache=flush)  # fmt: skip
+            ok, msg = self._call(sc.invoke(self.tm, "update_weights_from_tensor", req, None))
             if not ok:
                 raise RuntimeError(f"sglang update_weights_from_tensor failed: {msg}")
 
-        for name, value in named_tensors:
-            t = value.tensor if isinstance(value, Placed) else self.place(name, value)
-            sums[name] = tensor_sums(t)
-            if on_tensor is not None:
-                on_tensor(name)
-            bucket.append((name, t))
-            size += t.numel() * t.element_size()
-            nbytes += t.numel() * t.element_size()
-            del t, value
-            if size >= self.bucket_bytes:
-                send(bucket, flush=False)
-                bucket, size = [], 0
-        if bucket:
-            send(bucket, flush=True)
-        else:
+        last_open = False
+        for bucket, closed in sc.update_buckets(staged(), self.bucket_bytes):
+            send(bucket, flush=not closed)
+            last_open = not closed
+            del bucket
+        if not last_open:  # every bucket was sent full (or none): flush on its own
             self.flush_cache()
         fp: Fingerprint = {n: (float(s[0]), float(s[1])) for n, s in sums.items()}
         return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp)
 
     def weights_fingerprint(self) -> Fingerprint:
         """(sum, sumsq) per weight, read back with ``get_weights_by_name`` (rank 0's view)."""
-        from sglang.srt.managers.io_struct import GetWeightsByNameReqInput
-
         out: Fingerprint = {}
         for name, shape in self.shapes.items():
-            req = GetWeightsByNameReqInput(name=name, truncate_size=int(shape[0]))
-            values = self._call(self.tm.get_weights_by_name(req, None))
+            req = sc.construct(self._io(), "GetWeightsByNameReqInput", name=name, truncate_size=int(shape[0]))
+            values = self._call(sc.invoke(self.tm, "get_weights_by_name", req, None))
             if values is None:
                 raise RuntimeError(f"sglang {VERSION}: get_weights_by_name({name!r}) returned None (this model "
                                    "has no read-back); the update cannot be verified")  # fmt: skip
@@ -218,25 +223,30 @@ class SglangEngine:
     def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
         """One request per prompt, submitted together; a request that SGLang ends with an error
         while generation is paused comes back as ``abort`` with no tokens; any other error is raised."""
-        from sglang.srt.managers.io_struct import GenerateReqInput
-
         params: dict[str, Any] = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                                   "top_p": sampling.top_p}  # fmt: skip
         if sampling.stop_token_ids:
             params["stop_token_ids"] = list(sampling.stop_token_ids)
         # a seed per request (the batch seed on all would make a GRPO group one sample); none: random
         seeds = request_seeds(sampling.seed, len(input_ids)) if sampling.seed is not None else None
+        undeclared = (set(params) | {"sampling_seed"}) - set(sc.CALLS["SamplingParams"].kwargs)
+        if undeclared:
+            raise sc.UndeclaredCall(f"sampling_params key(s) {sorted(undeclared)} not declared")
+        io = self._io()
 
         async def one(i: int, ids: list[int]) -> dict:
             req = params if seeds is None else {**params, "sampling_seed": seeds[i]}
-            obj = GenerateReqInput(input_ids=ids, sampling_params=dict(req), return_logprob=True)
-            return await self.tm.generate_request(obj, None).__anext__()
+            obj = sc.construct(
+                io, "GenerateReqInput", input_ids=ids, sampling_params=dict(req), return_logprob=True
+            )
+            return await sc.invoke(self.tm, "generate_request", obj, None).__anext__()
 
         async def all_of() -> list[Any]:
             return await asyncio.gather(
                 *(one(i, [int(t) for t in p]) for i, p in enumerate(input_ids)), return_exceptions=True
             )
 
+        k = sc.key
         outs = []
         for o in self._call(all_of()):
             if isinstance(o, BaseException):
@@ -244,27 +254,36 @@ class SglangEngine:
                     raise o
                 outs.append(GenerateOutput([], [], "", ABORT))
                 continue
-            meta = o["meta_info"]
-            reason = (meta.get("finish_reason") or {}).get("type") or ABORT
-            outs.append(GenerateOutput([int(t) for t in o["output_ids"]],
-                                       [float(x[0]) for x in meta.get("output_token_logprobs") or []],
-                                       o.get("text", ""), reason))  # fmt: skip
+            meta = o[k("generate_output", "meta_info")]
+            reason = (meta.get(k("generate_output", "finish_reason")) or {}).get("type") or ABORT
+            lps = meta.get(k("output_token_logprobs", "output_token_logprobs")) or []
+            outs.append(GenerateOutput([int(t) for t in o[k("generate_output", "output_ids")]],
+                                       [float(x[0]) for x in lps],  # entry: (logprob, token_id, text)
+                                       o.get(k("generate_output", "text")) or "", reason))  # fmt: skip
         return outs
 
     def pause_generation(self) -> None:
-        from sglang.srt.managers.io_struct import PauseGenerationReqInput
-
         self._paused = True
-        self._call(self.tm.pause_generation(PauseGenerationReqInput(mode="abort")))
+        req = sc.construct(self._io(), "PauseGenerationReqInput", mode="abort")
+        self._call(sc.invoke(self.tm, "pause_generation", req))
 
     def continue_generation(self) -> None:
-        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
-
-        self._call(self.tm.continue_generation(ContinueGenerationReqInput()))
+        req = sc.construct(self._io(), "ContinueGenerationReqInput")
+        self._call(sc.invoke(self.tm, "continue_generation", req))
         self._paused = False
 
-    def flush_cache(self) -> None:
-        self._call(self.tm.flush_cache())
+    def flush_cache(self, timeout_s: float = 60.0) -> None:
+        """``flush_cache`` until it reports success (it refuses, without raising, while the
+        scheduler still holds requests); RuntimeError after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = self._call(sc.invoke(self.tm, "flush_cache"))
+            if getattr(out, sc.key("FlushCacheReqOutput", "success")):
+                return
+            if time.monotonic() > deadline:
+                msg = getattr(out, sc.key("FlushCacheReqOutput", "message"))
+                raise RuntimeError(f"sglang flush_cache did not succeed within {timeout_s}s: {msg}")
+            time.sleep(0.05)
 
     # -- memory tags ------------------------------------------------------------------------
     def tag_bytes(self, tag: str) -> int:
@@ -274,29 +293,28 @@ class SglangEngine:
             return self.weight_bytes()
         if tag == TAG_KV:
             c = self.model_dir.config
-            info = self.engine._scheduler_init_result.scheduler_infos[0]
+            result = sc.attr(self.engine, "Engine._scheduler_init_result")
+            info = getattr(result, sc.key("SchedulerInitResult", "scheduler_infos"))[0]
             per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim
-            return (
-                int(info["max_total_num_tokens"])
-                * per_token
-                * torch.empty((), dtype=self.dtype).element_size()
-            )
+            tokens = int(info[sc.key("scheduler_info", "max_total_num_tokens")])
+            return tokens * per_token * torch.empty((), dtype=self.dtype).element_size()
         return self._graph_bytes
 
-    def release_memory(self, tag: str) -> None:
-        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+    def _free_bytes(self) -> int:
+        return int(torch.cuda.mem_get_info()[0])
 
-        free0 = torch.cuda.mem_get_info()[0]
-        self._call(self.tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=[tag]), None))
+    def release_memory(self, tag: str) -> None:
+        free0 = self._free_bytes()
+        req = sc.construct(self._io(), "ReleaseMemoryOccupationReqInput", tags=[tag])
+        self._call(sc.invoke(self.tm, "release_memory_occupation", req, None))
         if tag == TAG_CUDA_GRAPH:
-            self._graph_bytes = max(0, int(torch.cuda.mem_get_info()[0] - free0))
+            self._graph_bytes = max(0, self._free_bytes() - free0)
 
     def resume_memory(self, tag: str) -> bool:
-        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
-
-        self._call(self.tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=[tag]), None))
+        req = sc.construct(self._io(), "ResumeMemoryOccupationReqInput", tags=[tag])
+        self._call(sc.invoke(self.tm, "resume_memory_occupation", req, None))
         return tag == TAG_WEIGHTS and self.weights_cpu_backup
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        sc.invoke(self.engine, "Engine.shutdown")
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -29,7 +29,7 @@ from torch.func import functional_call
 
 from mllm_rl.backends.torch.engine import tensor_sums
 from mllm_rl.backends.torch.lora import LoRALinear, add_lora, disabled, linear_layers
-from mllm_rl.backends.torch.model import load_qwen3
+from mllm_rl.backends.torch.model import Qwen3, load_qwen3
 from mllm_rl.backends.torch.offload import OffloadGroup, device_tensor, host_copy, storage_bytes
 from mllm_rl.backends.torch.probe import track
 from mllm_rl.backends.torch.rl_loss import policy_loss
@@ -47,12 +47,20 @@ class TrainerStateError(RuntimeError):
 
 
 class TorchTrainer:
-    def __init__(self, model_dir: ModelDir, cfg: TrainConfig, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        model_dir: ModelDir,
+        cfg: TrainConfig,
+        device: str | torch.device = "cpu",
+        model: Qwen3 | None = None,
+    ) -> None:
+        """``model``: a ``Qwen3`` already in ``model_dir``'s layout on ``device`` (the memory
+        planner builds one on fake tensors); by default it is loaded from ``model_dir``."""
         self.cfg = cfg
         self.config = model_dir.config
         self.device = torch.device(device)
         self.names = list(model_dir.tensors)  # HF names, checkpoint order
-        self.model = load_qwen3(model_dir, device=str(self.device))
+        self.model = model if model is not None else load_qwen3(model_dir, device=str(self.device))
         self.lora = cfg.lora_rank > 0
         if self.lora:
             self.adapters: dict[str, LoRALinear] = add_lora(
@@ -167,13 +175,24 @@ class TorchTrainer:
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """``mini_batches`` AdamW updates over ``batch``, each accumulating exact gradients
-        over micro-batches of ``micro_batch_size`` rows."""
+        over micro-batches of ``micro_batch_size`` rows; the metrics read back once at the end."""
+        t0 = time.perf_counter()
+        loss_sum, parts, gnorms, totals = self.device_step(batch)
+        host = {k: float(v) for k, v in totals.items()}
+        grad_norms = [float(g) for g in gnorms]
+        return train_metrics(float(loss_sum), parts, grad_norms, host, time.perf_counter() - t0)
+
+    def device_step(
+        self, batch: RolloutBatch
+    ) -> tuple[torch.Tensor, int, list[torch.Tensor], dict[str, torch.Tensor]]:
+        """The work of ``train_step`` without reading anything back (the memory planner runs it
+        on fake tensors): (loss sum, mini-batches, pre-clip grad norms, token-weighted metric
+        sums), all device scalars."""
         self._need(PARAMS, OPTIMIZER)
         if fault("train_oom"):
             raise torch.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate 1.00 GiB (injected: train_oom)"
             )
-        t0 = time.perf_counter()
         cfg = self.cfg
         ref = None
         if cfg.loss.beta > 0 and not self.lora:
@@ -210,9 +229,7 @@ class TorchTrainer:
         del ref
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        host = {k: float(v) for k, v in totals.items()}
-        grad_norms = [float(g) for g in gnorms]
-        return train_metrics(float(loss_sum), len(parts), grad_norms, host, time.perf_counter() - t0)
+        return loss_sum, len(parts), gnorms, totals
 
     def _apply(self) -> torch.Tensor:
         """Global-norm clipping (optax ``clip_by_global_norm``: g * clip / norm when norm >= clip)

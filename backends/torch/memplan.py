@@ -1,0 +1,424 @@
+"""Torch memory planner for CUDA targets: ``measure(req) -> Measured`` (``mllm_rl/memplan/request.py``).
+
+Every figure is **predicted**, per device (the torch trainer runs on one device), and says how:
+
+- ``trainer_params``, ``grads``, ``optimizer`` and the ``grad_step`` function (method
+  ``fake_tensor``): the real ``TorchTrainer`` (``backends/torch/trainer.py``: our Qwen3, AdamW,
+  the policy loss, exact gradient accumulation, global-norm clipping) built on ``meta`` and
+  materialised with ``to_empty`` inside ``FakeTensorMode`` (nothing is allocated), then two
+  ``device_step`` calls, each of two micro-batches of ``micro_batch x seq_len`` tokens (one when
+  the rollout batch is a single micro-batch), tracked by ``torch.distributed._tools.mem_tracker
+  .MemTracker``. The components are read just before an optimizer step (every gradient
+  allocated); ``grad_step`` is the tracker's peak (activations, temporaries and what the
+  components hold at that moment). AdamW runs its ``foreach`` implementation, the one torch
+  picks for CUDA tensors (``torch/optim/optimizer.py: _default_to_fused_or_foreach``); its
+  ``step`` counters live on the host on CUDA (``torch/optim/adam.py``) and are left out.
+  Fake CUDA tensors cannot run backward without a CUDA context (pytorch/pytorch#92627), so the
+  fake device is the CPU: byte counts are the same, CUDA's 512-byte allocation rounding is not
+  applied.
+- ``engine_weights``, ``kv_pool``, ``staging`` (method ``layout``): SGLang's own rules
+  (``sglang_calls.SGLANG_VERSION``), cited at each function below.
+
+Not in any figure (it needs a GPU to know): memory that depends on CUDA kernels (attention and
+cuBLAS workspaces), the CUDA contexts, the caching allocator's fragmentation, SGLang's own
+activations and CUDA graphs while it decodes (``engine_step``: SGLang keeps
+``1 - mem_fraction_static`` of the device for them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mllm_rl.backends.torch import sglang_calls as sc
+from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.checkpoint.safetensors_io import TensorInfo
+from mllm_rl.lifecycle import SETUP_PHASES, STEP_PHASES
+from mllm_rl.memplan.compose import GIB, Component, FunctionMemory, Target
+from mllm_rl.memplan.kv import kv_cell_bytes
+from mllm_rl.memplan.request import Measured, PlanRequest
+from mllm_rl.memplan.residency import phase_rows
+from mllm_rl.presets import ModelConfig
+from mllm_rl.progress import progress_bar
+from mllm_rl.trainer import RolloutBatch, TrainConfig
+
+MIB = 2**20
+# name -> (device kind, memory per device in bytes, where that figure comes from)
+GPUS: dict[str, tuple[str, int, str]] = {
+    "h100": ("NVIDIA H100 80GB HBM3", 81559 * MIB,
+             "spec: H100 SXM5 80 GB HBM3; 81559 MiB is the total nvidia-smi reports for that card"),
+    "h200": ("NVIDIA H200", 143771 * MIB,
+             "spec: H200 141 GB HBM3e; 143771 MiB is the total nvidia-smi reports for that card"),
+}  # fmt: skip
+_TARGET = re.compile(r"^(h100|h200)(?:x(\d+))?$")
+DTYPES = {"bfloat16": (torch.bfloat16, "BF16"), "float16": (torch.float16, "F16"),
+          "float32": (torch.float32, "F32")}  # fmt: skip
+KL_BETA = 0.04  # any beta > 0 takes the KL code path; its value does not change memory
+STEPS = 2
+PAGE_SIZE = 1  # SGLang's default page size for the CUDA attention backends of a dense model
+ROPE_CACHE_BYTES = 4  # SGLang keeps the RoPE cos/sin cache in float32 on CUDA
+
+
+def parse_target(name: str) -> Target:
+    """``h100`` / ``h200`` (``hNNNx1`` too); more cards refused: the torch trainer uses one device."""
+    m = _TARGET.match(name)
+    if m is None:
+        raise ValueError(f"PlanRequest.target {name!r}: the torch planner knows {', '.join(GPUS)} "
+                         "(one card; 'h100x1' is the same)")  # fmt: skip
+    cards = int(m.group(2) or 1)
+    if cards != 1:
+        raise ValueError(f"PlanRequest.target {name!r}: the torch backend trains on one device (TorchTrainer has "
+                         f"no data or tensor parallelism), so {cards} cards plan like one; use {m.group(1)!r}")  # fmt: skip
+    kind, hbm, source = GPUS[m.group(1)]
+    return Target(name, "gpu", 1, 1, hbm, kind, source)
+
+
+def check_request(req: PlanRequest) -> Target:
+    """Validate everything before any work; ValueError naming the field."""
+    if req.backend != "torch":
+        raise ValueError(f"PlanRequest.backend {req.backend!r}: this is the torch planner")
+    if req.tp != 1:
+        raise ValueError(f"PlanRequest.tp {req.tp}: the torch trainer runs on one device (no tensor parallelism); "
+                         "plan with tp=1")  # fmt: skip
+    if req.fsdp > 1:
+        raise ValueError(f"PlanRequest.fsdp {req.fsdp}: the torch trainer does not shard (use 0 or 1)")
+    if req.param_dtype not in DTYPES:
+        raise ValueError(f"PlanRequest.param_dtype {req.param_dtype!r}: expected one of {', '.join(DTYPES)}")
+    if req.schedule not in STEP_PHASES:
+        raise ValueError(f"PlanRequest.schedule {req.schedule!r}: expected one of {', '.join(STEP_PHASES)}")
+    if req.mem_fraction_static is not None and not 0 < req.mem_fraction_static < 1:
+        raise ValueError(f"PlanRequest.mem_fraction_static {req.mem_fraction_static}: expected 0 < x < 1")
+    return parse_target(req.target)
+
+
+# -- the trainer step on fake tensors ------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """What MemTracker saw of ``TorchTrainer.device_step`` (bytes on the fake device).
+
+    ``params``/``grads``/``optimizer``: just before an optimizer step (every gradient allocated;
+    AdamW's host-side ``step`` counters, ``host_scalars``, excluded). ``peak``: the tracker's
+    per-category bytes at its peak (MemTracker names: Parameter, Gradient, Optstate,
+    Activation, Temp, ...; ``Optstate`` there still includes ``host_scalars``), ``peak_total``
+    their sum without ``host_scalars``.
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    ref_params: int
+    peak: dict[str, int]
+    peak_total: int
+    host_scalars: int
+    rows: int
+    micro_batches: int
+    seq_len: int
+    seconds: float
+
+    @property
+    def activations(self) -> int:
+        """Bytes at the peak beyond params (a KL reference included), gradients and optimizer state:
+        activations and temporaries (the optimizer's own, when the peak is in its step)."""
+        return self.peak_total - self.peak.get("Parameter", 0) - self.peak.get("Gradient", 0) - self.optimizer
+
+
+def layout_dir(config: ModelConfig, dtype: str) -> ModelDir:
+    """A ``ModelDir`` with the checkpoint's names, shapes and dtype and no files (for a trainer
+    built around a given model: nothing is read from it)."""
+    torch_dtype, st_dtype = DTYPES[dtype]
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    tensors, off = {}, 0
+    for name, shape in config.param_shapes().items():
+        n = math.prod(shape) * itemsize
+        tensors[name] = (Path(), TensorInfo(name, st_dtype, shape, off, off + n))
+        off += n
+    return ModelDir(Path(f"<layout of {config.name}>"), config, tensors)
+
+
+def _tracker_class() -> type:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class PeakTracker(MemTracker):
+        """MemTracker with two changes for a trainer step:
+
+        - only the global per-device peak: MemTracker also keeps a module-wise peak, updated for
+          every live module on every op (20x slower on a 28-layer model), unused here;
+        - no gradient hook on a frozen parameter (LoRA's base weights, the reference params a
+          KL step swaps in): torch 2.13's MemTracker registers one on every parameter a module
+          holds, which raises for a tensor that does not require grad.
+        """
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            saved, self.memory_tracking = self.memory_tracking, {}
+            try:
+                super()._update_peak_stats(peak_state)
+            finally:
+                self.memory_tracking = saved
+
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            hooks = self._param_to_grad_hook_handles
+            frozen = [p for p in module.parameters() if not p.requires_grad and p not in hooks]
+            for p in frozen:  # MemTracker skips parameters that already have hook handles
+                hooks[p] = ()
+            try:
+                return super()._track_module_params_and_buffers(module, install_grad_hooks)
+            finally:
+                for p in frozen:
+                    hooks.pop(p, None)
+
+    return PeakTracker
+
+
+def _bytes(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
+    """MemTracker snapshot {device: {category: bytes}} -> {category name: bytes} over devices."""
+    out: dict[str, int] = {}
+    for per_dev in snapshot.values():
+        for k, v in per_dev.items():
+            name = str(getattr(k, "value", k))
+            out[name] = out.get(name, 0) + int(v)
+    return out
+
+
+def step_batch(config: ModelConfig, rows: int, seq_len: int) -> RolloutBatch:
+    """A rollout batch of ``rows x seq_len`` tokens, the second half completion (values do not
+    change memory)."""
+    rng = np.random.default_rng(0)
+    loss = np.zeros((rows, seq_len), bool)
+    loss[:, seq_len // 2 :] = True
+    return RolloutBatch(tokens=rng.integers(0, config.vocab_size, (rows, seq_len)).astype(np.int32),
+                        attention_mask=np.ones((rows, seq_len), bool), loss_mask=loss,
+                        old_logp=np.zeros((rows, seq_len), np.float32), advantages=np.ones(rows, np.float32))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=8)  # one plan per schedule of the same request traces the step once
+def trainer_step_memory(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, dtype: str = "bfloat16",
+                        lora_rank: int = 0, kl: bool = False, steps: int = STEPS) -> StepMemory:  # fmt: skip
+    """Run ``TorchTrainer.device_step`` ``steps`` times on fake tensors under MemTracker.
+
+    ``rows`` sequences of ``seq_len`` tokens per step, in micro-batches of ``micro_batch``.
+    """
+    out = _trace_step(config, micro_batch, seq_len, rows, dtype, lora_rank, kl, steps)
+    gc.collect()  # the fake trainer leaves the CPU probe's holder set (a WeakSet) now
+    return out
+
+
+def _trace_step(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, dtype: str = "bfloat16",
+                lora_rank: int = 0, kl: bool = False, steps: int = STEPS) -> StepMemory:  # fmt: skip
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    from mllm_rl.backends.torch.model import build_qwen3
+    from mllm_rl.backends.torch.trainer import TorchTrainer
+    from mllm_rl.rl.loss_config import LossConfig
+
+    t0 = time.perf_counter()
+    lora = lora_rank > 0
+    cfg = TrainConfig(
+        micro_batch_size=micro_batch, lora_rank=lora_rank, loss=LossConfig(beta=KL_BETA if kl else 0)
+    )
+    meta = build_qwen3(config, DTYPES[dtype][0], "meta")
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        model = meta.to_empty(device="cpu")
+        # full fine-tune + KL: built without it (its host copies of the params would be numpy
+        # buffers on CPU), then given what the CUDA path holds: host tensors of the initial
+        # params that each step copies to the device (offload.host_copy / device_tensor)
+        init_cfg = dataclasses.replace(cfg, loss=LossConfig(beta=0.0)) if kl and not lora else cfg
+        trainer = TorchTrainer(layout_dir(config, dtype), init_cfg, device="cpu", model=model)
+        if kl and not lora:
+            trainer.cfg = cfg
+            trainer.ref_host = {n: torch.empty_like(p, device="meta") for n, p in trainer.trainable.items()}
+        for group in trainer.optimizer.param_groups:
+            group["foreach"] = True  # torch's choice for CUDA tensors
+    ref_params = (
+        sum(p.numel() * p.element_size() for p in trainer.trainable.values()) if kl and not lora else 0
+    )
+    host_scalars = sum(t.numel() * t.element_size() for st in trainer.optimizer.state.values()
+                       for k, t in st.items() if k == "step" and isinstance(t, torch.Tensor))  # fmt: skip
+    batch = step_batch(config, rows, seq_len)
+    tracker = _tracker_class()()
+    tracker.track_external(trainer.model, trainer.optimizer)
+    before_step: list[dict[str, int]] = []
+    hooks = [
+        trainer.optimizer.register_step_pre_hook(
+            lambda *_: before_step.append(_bytes(tracker.get_tracker_snapshot("current")))
+        ),
+        # MemTracker refuses a second call of the root module in one session; the step calls it
+        # once per micro-batch (twice with a KL reference): forget the module-wise stats first
+        register_module_forward_pre_hook(
+            lambda m, _: tracker.reset_mod_stats() if m is trainer.model else None
+        ),
+    ]
+    try:
+        with fake, tracker, progress_bar(steps, "fake-tensor train step", unit="step") as bar:
+            for _ in range(steps):
+                trainer.device_step(batch)
+                bar.update()
+    finally:
+        for h in hooks:
+            h.remove()
+    peak = _bytes(tracker.get_tracker_snapshot("peak"))
+    pre = before_step[-1]
+    out = StepMemory(
+        # functional_call swaps the KL reference tensors in as module params: MemTracker files them as such
+        params=pre.get("Parameter", 0) - ref_params, grads=pre.get("Gradient", 0),
+        optimizer=pre.get("Optstate", 0) - host_scalars, ref_params=ref_params, peak=peak,
+        peak_total=peak.get("Total", sum(peak.values())) - host_scalars, host_scalars=host_scalars, rows=rows,
+        micro_batches=-(-rows // micro_batch), seq_len=seq_len, seconds=time.perf_counter() - t0,
+    )  # fmt: skip
+    return out
+
+
+# -- SGLang's layout -------------------------------------------------------------------------------
+def sglang_weight_bytes(config: ModelConfig, itemsize: int) -> tuple[int, str]:
+    """Bytes of SGLang's Qwen3 weights (tp=1) and how they add up.
+
+    The checkpoint's tensors (q/k/v and gate/up fused: the same bytes), the vocabulary padded
+    to a multiple of 64 (``layers/vocab_parallel_embedding.py: DEFAULT_VOCAB_PADDING_SIZE``),
+    ``lm_head`` sharing the embedding when tied (``models/qwen3.py``), and one RoPE cos/sin
+    cache ``[max_position_embeddings, head_dim]`` float32 (``layers/rotary_embedding/base.py``),
+    all allocated in the ``weights`` region.
+    """
+    pad = -(-config.vocab_size // 64) * 64 - config.vocab_size
+    tables = 1 if config.tie_word_embeddings else 2
+    weights = (config.num_params() + pad * config.hidden_size * tables) * itemsize
+    rope = config.max_position_embeddings * config.head_dim * ROPE_CACHE_BYTES
+    detail = (f"{config.num_params():,} params x {itemsize} B, vocab padding {pad} rows, RoPE cache "
+              f"{rope / MIB:.1f} MiB fp32")  # fmt: skip
+    return weights + rope, detail
+
+
+def sglang_pool_tokens(free_at_start: int, weight_bytes: int, cell: int, mem_fraction_static: float) -> int:
+    """SGLang's KV pool size in tokens when the user sets no cap.
+
+    ``mem_cache/kv_cache_configurator.py: _profile_available_bytes``: rest = free after loading
+    the weights - free before loading x (1 - mem_fraction_static); ``model_executor/
+    pool_configurator.py: DefaultPoolConfigurator.calculate_pool_sizes``: tokens = rest // cell
+    (page aligned). With the weights the only thing loaded: rest = free x mfs - weights.
+    """
+    rest = int(free_at_start * mem_fraction_static) - weight_bytes
+    return max(0, rest // cell // PAGE_SIZE * PAGE_SIZE)
+
+
+def sglang_pool_bytes(tokens: int, cell: int, context_len: int) -> int:
+    """Bytes SGLang allocates in the ``kv_cache`` region for a pool of ``tokens``.
+
+    K and V buffers of ``tokens + page_size`` slots (``mem_cache/memory_pool.py:
+    MHATokenToKVPool._create_buffers``: slot 0 absorbs padded writes) and the
+    ``req_to_token`` table, ``(max_running_requests + 1) x (context_len + 4)`` int32
+    (``ReqToTokenPool``; ``max_running_requests = min(ours, tokens // 2)``,
+    ``kv_cache_configurator.py: resolve_max_num_reqs``; + 4: ``allocation_sizing.py``).
+    """
+    reqs = min(sc.MAX_RUNNING_REQUESTS, max(tokens // 2, 1))
+    return (tokens + PAGE_SIZE) * cell + (reqs + 1) * (context_len + 4) * 4
+
+
+def staging_bytes(config: ModelConfig, itemsize: int, chunk: int = sc.CHUNK_BYTES, lora: bool = False) -> int:
+    """The largest bucket ``SglangEngine.update_weights`` stages at once (``sc.update_buckets``
+    over the checkpoint's tensors in export order), plus with LoRA one merged weight."""
+    items = [(n, math.prod(s) * itemsize, math.prod(s) * itemsize) for n, s in config.param_shapes().items()]
+    biggest = max(sum(nbytes for _, nbytes in bucket) for bucket, _ in sc.update_buckets(items, chunk))
+    merged = max(nbytes for _, _, nbytes in items) if lora else 0
+    return biggest + merged
+
+
+# -- the planner ---------------------------------------------------------------------------------
+def _kv_room(components: dict[str, Component], functions: dict[str, FunctionMemory], schedule: str,
+             budget: int) -> tuple[int, str]:  # fmt: skip
+    """The largest KV pool (bytes) every phase of the schedule holding it can take, and that phase."""
+    best, where = None, ""
+    rows = phase_rows(SETUP_PHASES, "multi_stage") + phase_rows(STEP_PHASES[schedule], schedule)
+    for name, resident, fns in rows:  # the setup runs the multi-stage way under both schedules
+        if "kv_pool" not in resident:
+            continue
+        other = sum(components[c].bytes_per_device for c in resident if c in components and c != "kv_pool")
+        extra = max((functions[f].extra_bytes for f in fns if f in functions), default=0)
+        room = budget - other - extra
+        if best is None or room < best:
+            best, where = room, name
+    return (best or 0), where
+
+
+def measure(req: PlanRequest) -> Measured:
+    """Predicted per-device components and functions of ``req`` on a CUDA target (see module docstring)."""
+    target = check_request(req)
+    c = req.model
+    torch_dtype = DTYPES[req.param_dtype][0]
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    rows = min(req.prompts * req.group_size, 2 * req.micro_batch)
+    step = trainer_step_memory(c, req.micro_batch, req.seq_len, rows, req.param_dtype, req.lora_rank, req.kl)
+    shape = f"{step.micro_batches} micro-batch(es) of {min(rows, req.micro_batch)} x {req.seq_len} tokens"
+    comps = {
+        "trainer_params": Component("trainer_params", step.params, "fake_tensor",
+                                    f"TorchTrainer params ({req.param_dtype}{', LoRA adapters too' if req.lora_rank else ''})"),
+        "grads": Component("grads", step.grads, "fake_tensor", f"gradients of the trainable params ({req.param_dtype})"),
+        "optimizer": Component("optimizer", step.optimizer, "fake_tensor",
+                               f"AdamW exp_avg + exp_avg_sq in the param dtype ({req.param_dtype}); "
+                               f"{step.host_scalars} B of step counters on the host"),
+    }  # fmt: skip
+    if step.ref_params:
+        comps["ref_params"] = Component("ref_params", step.ref_params, "layout",
+                                        "KL reference: the initial trainable params, copied to the device each step")  # fmt: skip
+    cats = ", ".join(f"{k} {v / MIB:.1f}" for k, v in step.peak.items() if k != "Total" and v)
+    fns = {
+        "grad_step": FunctionMemory(
+            "grad_step", peak_bytes=step.peak_total,
+            argument_bytes=step.params + step.optimizer + step.grads + step.ref_params,
+            temp_bytes=step.activations, method="fake_tensor",
+            detail=f"TorchTrainer.device_step x{STEPS}, {shape} (forward, backward, clipping, AdamW foreach; "
+                   f"KL reference forward when on); MiB at the peak: {cats}",
+        )
+    }  # fmt: skip
+    weights, wdetail = sglang_weight_bytes(c, itemsize)
+    comps["engine_weights"] = Component("engine_weights", weights, "layout", f"SGLang Qwen3: {wdetail}")
+    stage = staging_bytes(c, itemsize, lora=req.lora_rank > 0)
+    comps["staging"] = Component("staging", stage, "layout",
+                                 f"largest update bucket (>= {sc.CHUNK_BYTES // MIB} MiB each)")  # fmt: skip
+
+    cell = kv_cell_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, itemsize)
+    mfs = req.mem_fraction_static if req.mem_fraction_static is not None else sc.MEM_FRACTION_STATIC
+    free = target.hbm_bytes  # the engine starts first: the whole card is free (CUDA contexts not counted)
+    rule = sglang_pool_tokens(free, weights, cell, mfs)
+    budget = int(target.hbm_bytes * req.margin)
+    room, tight = _kv_room({**comps, "kv_pool": Component("kv_pool", 0, "layout")}, fns, req.schedule, budget)
+    fit = max(0, (room - (sc.MAX_RUNNING_REQUESTS + 1) * (req.seq_len + 4) * 4) // cell - PAGE_SIZE)
+    notes = [
+        f"trainer step: {shape}, rows = min(prompts x group_size, 2 x micro_batch) = {rows}; "
+        f"{step.seconds:.0f} s of fake-tensor tracing",
+        "not in any figure: CUDA kernel workspaces (attention, cuBLAS), CUDA contexts, allocator fragmentation, "
+        "SGLang's decode activations and CUDA graphs (engine_step; SGLang keeps 1 - mem_fraction_static for them)",
+    ]
+    if req.optimizer_dtype != req.param_dtype:
+        notes.append(f"optimizer_dtype {req.optimizer_dtype} does not apply: torch.optim.AdamW keeps its state "
+                     f"in the param dtype ({req.param_dtype})")  # fmt: skip
+    if req.kv_tokens is not None:
+        tokens = min(req.kv_tokens, rule)
+        if tokens < req.kv_tokens:
+            notes.append(f"kv_tokens {req.kv_tokens} asked; SGLang's rule at mem_fraction_static {mfs} caps the "
+                         f"pool at {rule} tokens")  # fmt: skip
+    else:
+        tokens = min(fit, rule)
+        need = math.ceil((weights + (fit + PAGE_SIZE) * cell) / free * 1000) / 1000
+        why = f"SGLang's rule at mem_fraction_static {mfs}" if rule < fit else f"the budget in {tight}"
+        notes.append(f"KV pool derived: {tokens} tokens (limited by {why}; pass --max-total-tokens {tokens}); "
+                     f"{fit} tokens fit every phase of {req.schedule}"
+                     + (f", which needs mem_fraction_static >= {need}" if rule < fit else ""))  # fmt: skip
+    demand = req.prompts * req.group_size * req.seq_len
+    if tokens < demand:
+        notes.append(f"the rollout batch holds up to {demand} tokens at once ({req.prompts} x {req.group_size} x "
+                     f"{req.seq_len}); a pool of {tokens} runs it in waves")  # fmt: skip
+    pool = sglang_pool_bytes(tokens, cell, req.seq_len)
+    comps["kv_pool"] = Component("kv_pool", pool, "layout",
+                                 f"SGLang MHA pool: {tokens} tokens x {cell} B/token (+1 slot) + req_to_token")  # fmt: skip
+    notes.append(f"torch_memory_saver regions: weights {weights / GIB:.2f} GiB, kv_cache {pool / GIB:.2f} GiB, "
+                 "cuda_graph: known only after capture on the GPU")  # fmt: skip
+    return Measured(target, comps, fns, notes)

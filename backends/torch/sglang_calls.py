@@ -1,0 +1,222 @@
+"""Every SGLang (and torch_memory_saver) touch-point of the torch backend, declared once.
+
+``backends/torch/sglang_engine.py`` reaches SGLang only through ``construct`` / ``invoke`` /
+``attr`` with a key of ``CALLS``, and ``tests/torch/test_sglang_conformance.py`` checks each
+entry against the source of the pinned wheels (read with ``zipfile`` + ``ast``, never
+imported): a renamed method, a dropped keyword, a changed tag or output key upstream fails
+that test. ``TMS_CALLS`` lists what ``backends/torch/memory.py`` uses of torch_memory_saver
+(the test checks memory.py's uses against it, and it against the wheel).
+
+Imports neither torch nor sglang: the memory planner (``backends/torch/memplan.py``) reads the
+engine defaults and the update bucketing from here on machines without SGLang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+SGLANG_VERSION = "0.5.23"  # the wheel the adapter targets (pip download sglang==0.5.23)
+TORCH_MEMORY_SAVER_VERSION = "0.0.10"
+
+# Arguments the adapter starts ``Engine`` with when the caller does not set them.
+MEM_FRACTION_STATIC = 0.6  # SGLang's static share (weights + KV pool) of the free memory at start
+MAX_RUNNING_REQUESTS = 128
+CHUNK_BYTES = 64 * 2**20  # one ``update_weights_from_tensor`` call carries at least this much (last: less)
+
+KINDS = ("kwargs", "fields", "method", "coroutine", "agen", "attribute", "constant", "keys", "key_values",
+         "tuple_first", "absent")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One thing used from an upstream module, as the conformance test checks it in the wheel.
+
+    ``kind``:
+
+    - ``kwargs``: a class built with keywords ``kwargs`` (its fields, bases included; for
+      ``Engine`` the ``ServerArgs`` fields it forwards ``**kwargs`` to); ``values``: literal
+      values passed for some keywords, which the field's ``choices`` / ``Literal`` must allow;
+    - ``fields``: a result object whose fields ``kwargs`` we read;
+    - ``method`` / ``coroutine`` / ``agen``: a sync method, an ``async def``, an async generator
+      of ``owner`` (bases included) called with ``args`` positionally (upstream names);
+    - ``attribute``: an attribute ``owner`` assigns (``self.name = ...``) or declares;
+    - ``constant``: a module-level ``name = value``;
+    - ``keys``: dict keys ``kwargs`` that ``owner.name`` builds (literal or ``d[key] = ...``);
+    - ``key_values``: dict literals of the module give key ``kwargs[0]`` each of ``values``;
+    - ``tuple_first``: ``owner.name`` returns tuples whose first element is its parameter
+      ``kwargs[0]`` (the log-prob of an ``output_token_logprobs`` entry);
+    - ``absent``: ``owner`` defines no ``name`` (a known upstream gap we rely on being there).
+    """
+
+    module: str  # dotted module inside the wheel, e.g. "sglang.srt.managers.io_struct"
+    owner: str  # class name; "" for module level
+    name: str
+    kind: str
+    args: tuple[str, ...] = ()
+    kwargs: tuple[str, ...] = ()
+    values: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    why: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Call {self.owner}.{self.name}: kind {self.kind!r} not in {KINDS}")
+
+
+_ENGINE = "sglang.srt.entrypoints.engine"
+_TM = "sglang.srt.managers.tokenizer_manager"
+_IO = "sglang.srt.managers.io_struct"
+
+ENGINE_KWARGS = ("model_path", "tokenizer_path", "load_format", "enable_memory_saver", "enable_weights_cpu_backup",
+                 "mem_fraction_static", "tp_size", "max_total_tokens", "context_length", "max_running_requests",
+                 "random_seed", "log_level", "dtype")  # fmt: skip
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "stop_token_ids", "sampling_seed")
+
+CALLS: dict[str, Call] = {
+    # -- the engine object (this process) -------------------------------------------------------
+    "Engine": Call(_ENGINE, "", "Engine", "kwargs", kwargs=ENGINE_KWARGS,
+                   values=(("load_format", ("dummy",)), ("dtype", ("float32", "bfloat16", "float16"))),
+                   why="started with dummy weights; every other argument a ServerArgs field"),
+    "Engine.tokenizer_manager": Call(_ENGINE, "Engine", "tokenizer_manager", "attribute"),
+    "Engine.loop": Call(_ENGINE, "Engine", "loop", "attribute", why="run forever in our own thread"),
+    "Engine._scheduler_init_result": Call(_ENGINE, "Engine", "_scheduler_init_result", "attribute"),
+    "SchedulerInitResult": Call(_ENGINE, "SchedulerInitResult", "", "fields", kwargs=("scheduler_infos",)),
+    "scheduler_info": Call("sglang.srt.managers.scheduler", "Scheduler", "get_init_info", "keys",
+                           kwargs=("max_total_num_tokens",), why="the KV pool's token count (tag_bytes)"),
+    "Engine._serialize_tensors_per_rank": Call(_ENGINE, "Engine", "_serialize_tensors_per_rank", "method",
+                                               args=("tensors", "load_format")),
+    "Engine.shutdown": Call(_ENGINE, "Engine", "shutdown", "method"),
+    # -- tokenizer manager coroutines (submitted to Engine.loop) --------------------------------
+    "generate_request": Call(_TM, "TokenizerManager", "generate_request", "agen", args=("obj", "request")),
+    "pause_generation": Call(_TM, "TokenizerManager", "pause_generation", "coroutine", args=("obj",)),
+    "continue_generation": Call(_TM, "TokenizerManager", "continue_generation", "coroutine", args=("obj",)),
+    "flush_cache": Call(_TM, "TokenizerManager", "flush_cache", "coroutine"),
+    "update_weights_from_tensor": Call(_TM, "TokenizerManager", "update_weights_from_tensor", "coroutine",
+                                       args=("obj", "request"), why="returns (success, message)"),
+    "get_weights_by_name": Call(_TM, "TokenizerManager", "get_weights_by_name", "coroutine",
+                                args=("obj", "request")),
+    "release_memory_occupation": Call(_TM, "TokenizerManager", "release_memory_occupation", "coroutine",
+                                      args=("obj", "request")),
+    "resume_memory_occupation": Call(_TM, "TokenizerManager", "resume_memory_occupation", "coroutine",
+                                     args=("obj", "request")),
+    # -- request objects ------------------------------------------------------------------------
+    "GenerateReqInput": Call(_IO, "", "GenerateReqInput", "kwargs",
+                             kwargs=("input_ids", "sampling_params", "return_logprob")),
+    "SamplingParams": Call("sglang.srt.sampling.sampling_params", "", "SamplingParams", "kwargs",
+                           kwargs=SAMPLING_KEYS, why="the keys of GenerateReqInput.sampling_params"),
+    "PauseGenerationReqInput": Call(_IO, "", "PauseGenerationReqInput", "kwargs", kwargs=("mode",),
+                                    values=(("mode", ("abort",)),),
+                                    why="abort: requests in flight return; retract would keep them queued"),
+    "ContinueGenerationReqInput": Call(_IO, "", "ContinueGenerationReqInput", "kwargs"),
+    "UpdateWeightsFromTensorReqInput": Call(_IO, "", "UpdateWeightsFromTensorReqInput", "kwargs",
+                                            kwargs=("serialized_named_tensors", "load_format", "flush_cache")),
+    "GetWeightsByNameReqInput": Call(_IO, "", "GetWeightsByNameReqInput", "kwargs",
+                                     kwargs=("name", "truncate_size")),
+    "ReleaseMemoryOccupationReqInput": Call(_IO, "", "ReleaseMemoryOccupationReqInput", "kwargs",
+                                            kwargs=("tags",)),
+    "ResumeMemoryOccupationReqInput": Call(_IO, "", "ResumeMemoryOccupationReqInput", "kwargs",
+                                           kwargs=("tags",)),
+    "FlushCacheReqOutput": Call(_IO, "FlushCacheReqOutput", "", "fields", kwargs=("success", "message"),
+                                why="what flush_cache returns; success=False means nothing was flushed"),
+    # -- what generate_request yields -----------------------------------------------------------
+    "generate_output": Call(_TM, "TokenizerManager", "_handle_batch_output", "keys",
+                            kwargs=("text", "output_ids", "meta_info", "finish_reason")),
+    "output_token_logprobs": Call(_TM, "TokenizerManager", "add_logprob_to_meta_info", "keys",
+                                  kwargs=("output_token_logprobs",)),
+    "logprob_entry": Call(_TM, "TokenizerManager", "detokenize_logprob_tokens", "tuple_first",
+                          kwargs=("token_logprobs_val",), why="entry[0] is the log-prob"),
+    "finish_reason": Call("sglang.srt.managers.schedule_batch", "", "to_json", "key_values", kwargs=("type",),
+                          values=(("type", ("stop", "length", "abort")),)),
+    # -- memory tags (torch_memory_saver regions inside the scheduler) --------------------------
+    "TAG_WEIGHTS": Call("sglang.srt.constants", "", "GPU_MEMORY_TYPE_WEIGHTS", "constant",
+                        values=(("value", ("weights",)),)),
+    "TAG_KV": Call("sglang.srt.constants", "", "GPU_MEMORY_TYPE_KV_CACHE", "constant",
+                   values=(("value", ("kv_cache",)),)),
+    "TAG_CUDA_GRAPH": Call("sglang.srt.constants", "", "GPU_MEMORY_TYPE_CUDA_GRAPH", "constant",
+                           values=(("value", ("cuda_graph",)),)),
+    # -- known gap: a Qwen3 engine cannot read its weights back ---------------------------------
+    "qwen3_no_readback": Call("sglang.srt.models.qwen3", "Qwen3ForCausalLM", "get_weights_by_name", "absent",
+                              why="get_weights_by_name returns None for Qwen3; weights_fingerprint raises"),
+}  # fmt: skip
+
+# torch_memory_saver as backends/torch/memory.py uses it (the ``torch_memory_saver`` singleton).
+_TMS = "torch_memory_saver.entrypoint"
+TMS_CALLS: dict[str, Call] = {
+    "singleton": Call("torch_memory_saver", "", "torch_memory_saver", "attribute"),
+    "region": Call(_TMS, "TorchMemorySaver", "region", "method", kwargs=("tag", "enable_cpu_backup")),
+    "pause": Call(_TMS, "TorchMemorySaver", "pause", "method", args=("tag",)),
+    "resume": Call(_TMS, "TorchMemorySaver", "resume", "method", args=("tag",)),
+    "hook_mode": Call(
+        _TMS, "TorchMemorySaver", "hook_mode", "attribute", why="set to 'torch' before first use"
+    ),
+    "_impl": Call(_TMS, "TorchMemorySaver", "_impl", "attribute", why="None until first use"),
+}
+
+
+class UndeclaredCall(TypeError):
+    """The adapter used something ``CALLS`` does not declare (fix the table, then the test checks it)."""
+
+
+def _call(entry: str, *kinds: str) -> Call:
+    c = CALLS.get(entry)
+    if c is None or c.kind not in kinds:
+        raise UndeclaredCall(
+            f"sglang call {entry!r} is not declared as {'/'.join(kinds)} in sglang_calls.CALLS"
+        )
+    return c
+
+
+def construct(module: Any, entry: str, **kwargs: Any) -> Any:
+    """``module.<name>(**kwargs)`` for a ``kwargs`` entry; every keyword must be declared."""
+    c = _call(entry, "kwargs")
+    extra = sorted(set(kwargs) - set(c.kwargs))
+    if extra:
+        raise UndeclaredCall(f"{c.name}: keyword(s) {', '.join(extra)} not declared in sglang_calls.CALLS")
+    return getattr(module, c.name)(**kwargs)
+
+
+def invoke(obj: Any, entry: str, *args: Any) -> Any:
+    """``obj.<name>(*args)`` for a method / coroutine / async generator entry (positional, as declared)."""
+    c = _call(entry, "method", "coroutine", "agen")
+    if len(args) != len(c.args):
+        raise UndeclaredCall(f"{c.name}: {len(args)} argument(s), declared {c.args}")
+    return getattr(obj, c.name)(*args)
+
+
+def attr(obj: Any, entry: str) -> Any:
+    """``obj.<name>`` for an ``attribute`` entry."""
+    return getattr(obj, _call(entry, "attribute").name)
+
+
+def key(entry: str, name: str) -> str:
+    """A dict key we read from an upstream result (declared in ``entry``'s ``kwargs``)."""
+    c = _call(entry, "keys", "fields")
+    if name not in c.kwargs:
+        raise UndeclaredCall(f"{entry}: key {name!r} not declared in sglang_calls.CALLS")
+    return name
+
+
+T = TypeVar("T")
+
+
+def update_buckets(
+    items: Iterable[tuple[str, T, int]], limit: int
+) -> Iterator[tuple[list[tuple[str, T]], bool]]:
+    """Group ``(name, tensor, nbytes)`` into the buckets of one ``update_weights_from_tensor`` call each.
+
+    A bucket is closed (``True``) as soon as its bytes reach ``limit``; what is left at the
+    end comes last as an open bucket (``False``). The largest bucket is what a weight update
+    stages on the device at once (the memory plan's ``staging``).
+    """
+    bucket: list[tuple[str, T]] = []
+    size = 0
+    for name, t, nbytes in items:
+        bucket.append((name, t))
+        del t  # only the bucket holds it: a sent bucket frees its tensors
+        size += nbytes
+        if size >= limit:
+            yield bucket, True
+            bucket, size = [], 0
+    if bucket:
+        yield bucket, False

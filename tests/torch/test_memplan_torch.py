@@ -1,0 +1,223 @@
+"""The torch memory planner (backends/torch/memplan.py) against hand counts from the model's shapes.
+
+The trainer figures come from the real TorchTrainer step on fake tensors; each is checked
+against what ``ModelConfig.param_shapes`` says it must be, the SGLang layout figures against
+the formulas written out here, and the composed plan against an over-large configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from mllm_rl.backends.torch import memplan
+from mllm_rl.backends.torch import sglang_calls as sc
+from mllm_rl.lifecycle import SETUP_PHASES, STEP_PHASES
+from mllm_rl.memplan.compose import compose
+from mllm_rl.memplan.request import PlanRequest
+from mllm_rl.presets import get_preset
+from tests.conftest import ROOT
+
+TINY = get_preset("tiny")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def nbytes(shapes, itemsize: int) -> int:
+    return sum(math.prod(s) for s in shapes) * itemsize
+
+
+def request(**kw) -> PlanRequest:
+    base = dict(backend="torch", target="h100", model=TINY, micro_batch=2, seq_len=32, prompts=2, group_size=2,
+                param_dtype="float32")  # fmt: skip
+    return PlanRequest(**{**base, **kw})
+
+
+def plan(measured, schedule: str = "multi_stage", margin: float = 0.9):
+    return compose(measured.target, schedule, SETUP_PHASES + STEP_PHASES[schedule], measured.components,
+                   measured.functions, margin=margin)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32():
+    return memplan.measure(request(kv_tokens=1000))
+
+
+def test_trainer_components_equal_the_hand_count(tiny_fp32):
+    params = nbytes(TINY.param_shapes().values(), 4)
+    c = tiny_fp32.components
+    assert c["trainer_params"].bytes_per_device == params
+    assert c["grads"].bytes_per_device == params  # full fine-tune: every param trains
+    assert c["optimizer"].bytes_per_device == 2 * params  # exp_avg + exp_avg_sq, param dtype
+    assert {c[k].method for k in ("trainer_params", "grads", "optimizer")} == {"fake_tensor"}
+    f = tiny_fp32.functions["grad_step"]
+    assert f.method == "fake_tensor" and f.argument_bytes == 4 * params
+    assert f.extra_bytes > 0 and f.peak_bytes == f.argument_bytes + f.extra_bytes
+
+
+def test_bf16_components_halve(tiny_fp32):
+    m = memplan.measure(request(param_dtype="bfloat16", kv_tokens=1000))
+    for k in ("trainer_params", "grads", "optimizer"):
+        assert 2 * m.components[k].bytes_per_device == tiny_fp32.components[k].bytes_per_device, k
+
+
+def test_engine_layout_figures_equal_the_hand_count(tiny_fp32):
+    c = tiny_fp32.components
+    params = nbytes(TINY.param_shapes().values(), 4)
+    rope = TINY.max_position_embeddings * TINY.head_dim * 4  # fp32 cos/sin cache; vocab 384 needs no padding
+    assert c["engine_weights"].bytes_per_device == params + rope
+    assert c["staging"].bytes_per_device == params  # every tiny tensor fits one 64 MiB bucket
+    cell = TINY.num_hidden_layers * 2 * TINY.num_key_value_heads * TINY.head_dim * 4
+    req_to_token = (min(sc.MAX_RUNNING_REQUESTS, 1000 // 2) + 1) * (32 + 4) * 4
+    assert c["kv_pool"].bytes_per_device == (1000 + 1) * cell + req_to_token
+    assert {c[k].method for k in ("engine_weights", "staging", "kv_pool")} == {"layout"}
+
+
+def test_staging_is_the_largest_update_bucket():
+    q = get_preset("qwen3-0.6b")
+    embed = 151936 * 1024 * 2  # 297 MiB: over the chunk, a bucket of its own
+    assert memplan.staging_bytes(q, 2) == embed
+    assert memplan.staging_bytes(q, 2, chunk=2**40) == nbytes(q.param_shapes().values(), 2)  # one bucket
+    assert memplan.staging_bytes(q, 2, lora=True) == 2 * embed  # + one merged LoRA weight in flight
+
+
+def test_sglang_pool_rule():
+    cell = 36 * 2 * 8 * 128 * 2  # qwen3-4b bf16
+    free, weights = 80 * 2**30, 8 * 2**30
+    assert memplan.sglang_pool_tokens(free, weights, cell, 0.6) == (int(free * 0.6) - weights) // cell
+    assert memplan.sglang_pool_tokens(free, free, cell, 0.6) == 0  # weights over the static share: no pool
+
+
+def test_lora_trains_only_the_adapters():
+    r = 4
+    m = memplan.measure(request(lora_rank=r, kv_tokens=1000))
+    base = nbytes(TINY.param_shapes().values(), 4)
+    adapters = sum(r * (shape[0] + shape[1]) for name, shape in TINY.param_shapes().items()
+                   if name.split(".")[-2] in LINEARS) * 4  # fmt: skip
+    c = m.components
+    assert c["grads"].bytes_per_device == adapters
+    assert c["optimizer"].bytes_per_device == 2 * adapters
+    assert c["trainer_params"].bytes_per_device == base + adapters
+
+
+def test_kl_full_finetune_holds_reference_params(tiny_fp32):
+    m = memplan.measure(request(kl=True, kv_tokens=1000))
+    params = nbytes(TINY.param_shapes().values(), 4)
+    assert m.components["ref_params"].bytes_per_device == params
+    assert m.components["trainer_params"].bytes_per_device == params
+    assert m.functions["grad_step"].argument_bytes == 5 * params
+    # the reference forward adds to the step's peak: it cannot be lower than without KL
+    assert m.functions["grad_step"].peak_bytes >= tiny_fp32.functions["grad_step"].peak_bytes + params
+
+
+def test_activations_grow_linearly_with_batch():
+    """From 2 rows on the backward's activations set the peak (at 1 row AdamW's foreach
+    temporaries, one params-sized set, are larger) and grow by the same bytes per row."""
+    acts = [memplan.trainer_step_memory(TINY, b, 64, rows=b, dtype="float32", steps=1).activations
+            for b in (2, 4, 8)]  # fmt: skip
+    assert acts[0] < acts[1] < acts[2]
+    assert acts[2] - acts[1] == pytest.approx(2 * (acts[1] - acts[0]), rel=0.01)
+    assert acts[0] > nbytes(TINY.param_shapes().values(), 4)  # past the optimizer's temporaries
+
+
+def test_over_large_step_reports_phase_and_component():
+    m = memplan.measure(request(micro_batch=8, seq_len=16384, prompts=1, group_size=8, kv_tokens=1000))
+    p = plan(m)
+    assert not p.fits
+    assert p.first_overflow() == ("train_step", "temp:grad_step")
+
+
+def test_over_large_kv_pool_reports_phase_and_component():
+    m = memplan.measure(request(mem_fraction_static=0.95, kv_tokens=10**9))
+    p = plan(m)
+    assert p.first_overflow() == ("release_rollout", "kv_pool")  # the dummy engine at start
+    kv = m.components["kv_pool"].bytes_per_device
+    assert kv > p.budget  # SGLang's rule at 0.95 hands the pool more than the 90% budget
+
+
+def test_derived_kv_fills_what_the_schedule_allows():
+    m = memplan.measure(request())
+    naive = memplan.measure(request(schedule="naive"))
+    assert plan(m).fits and plan(naive, "naive").fits
+    # the SGLang rule at the adapter's default mem_fraction_static (0.6) is the limit on tiny
+    tokens = memplan.sglang_pool_tokens(m.target.hbm_bytes, m.components["engine_weights"].bytes_per_device,
+                                        TINY.num_hidden_layers * 2 * TINY.num_key_value_heads * 128 * 4, 0.6)  # fmt: skip
+    assert any(f"KV pool derived: {tokens} tokens" in n for n in m.notes)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [({"tp": 2}, "PlanRequest.tp"), ({"target": "h100x8"}, "PlanRequest.target"),
+     ({"target": "v4-8"}, "PlanRequest.target"), ({"backend": "jax"}, "PlanRequest.backend"),
+     ({"param_dtype": "int8"}, "PlanRequest.param_dtype"), ({"fsdp": 2}, "PlanRequest.fsdp")],
+)  # fmt: skip
+def test_refusals_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        memplan.check_request(request(**kw))
+
+
+def test_targets_from_the_card_spec():
+    h100, h200 = memplan.parse_target("h100"), memplan.parse_target("h200x1")
+    assert h100.hbm_bytes == 81559 * 2**20 and h200.hbm_bytes == 143771 * 2**20
+    assert "spec" in h100.source and h100.num_devices == 1
+
+
+@pytest.mark.slow
+def test_qwen3_plan_allocates_nothing():
+    """A Qwen3-0.6B plan (bf16: 1.1 GiB params, 2.2 GiB AdamW state if real) in a fresh process:
+    its peak host RSS stays far below what one real copy of the params would take."""
+    code = (
+        "import json, resource\n"
+        "from mllm_rl.backends.torch.memplan import measure\n"
+        "from mllm_rl.memplan.request import PlanRequest\n"
+        "from mllm_rl.presets import get_preset\n"
+        "m = measure(PlanRequest('torch', 'h100', get_preset('qwen3-0.6b'), micro_batch=1, seq_len=256, prompts=1,"
+        " group_size=2))\n"
+        "print(json.dumps({'rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,"
+        " 'params': m.components['trainer_params'].bytes_per_device}))\n"
+    )  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["params"] == nbytes(get_preset("qwen3-0.6b").param_shapes().values(), 2)
+    assert out["rss"] < 0.75 * out["params"], out
+
+
+def test_step_memory_categories_add_up():
+    s = memplan.trainer_step_memory(TINY, 2, 32, rows=4, dtype="float32")
+    assert s.micro_batches == 2
+    peak = dataclasses.asdict(s)["peak"]
+    assert s.peak_total == peak["Total"] - s.host_scalars
+    assert s.peak_total == sum(v for k, v in peak.items() if k != "Total") - s.host_scalars
+    assert s.host_scalars == 4 * len(TINY.param_shapes())  # one float32 step counter per tensor
+
+
+def test_bench_plan_only_prints_both_schedules(tmp_path):
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "scripts/bench_plan_vs_live.py", "--plan-only", "--preset", "tiny",
+                        "--micro-batch", "2", "--seq-len", "32", "--json", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "trainer_params [fake_tensor]" in r.stdout and "kv_pool [layout]" in r.stdout
+    data = json.loads(out.read_text())
+    assert [p["schedule"] for p in data["plans"]] == ["multi_stage", "naive"]
+    assert all(p["fits"] for p in data["plans"]) and data["kind"] == "predicted"
+    bad = subprocess.run([sys.executable, "scripts/bench_plan_vs_live.py", "--plan-only", "--preset", "tiny",
+                          "--target", "h100x8"], capture_output=True, text=True, cwd=ROOT, timeout=600)  # fmt: skip
+    assert bad.returncode == 2 and "PlanRequest.target" in bad.stderr
+
+
+@pytest.mark.slow
+def test_bench_cross_check_tiny(tmp_path):
+    """The plan's params / grads / optimizer within 1% of a live CPU run's (exit 1 otherwise)."""
+    out = tmp_path / "x.json"
+    r = subprocess.run([sys.executable, "scripts/bench_plan_vs_live.py", "--preset", "tiny", "--json", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=1200)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert {row["quantity"] for row in data["rows"]} == {"params", "optimizer", "grads"}
+    assert all(t["pass"] for t in data["targets"].values())
