@@ -46,6 +46,7 @@ Facts it relies on (0.5.23):
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 import warnings
@@ -131,6 +132,8 @@ class SglangEngine:
             mem_fraction_static=mem_fraction_static, tp_size=tp, max_total_tokens=max_total_tokens,
             context_length=context_length, max_running_requests=max_running_requests, random_seed=seed,
             log_level="error",
+            # SGLang reads config.json with its own transformers: hand it the config the trainer uses
+            json_model_override_args=json.dumps(model.config.hf_architecture()),
             dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.dtype],
         )  # fmt: skip
         self.tm = sc.attr(self.engine, "Engine.tokenizer_manager")
