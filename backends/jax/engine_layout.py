@@ -2,10 +2,10 @@
 
 Both come from sglang-jax 0.1.0rc0 itself, not from a copy of its numbers:
 
-- weights: ``nnx.eval_shape`` of its ``Qwen3ForCausalLM`` on the engine's ``("data", "tensor")``
-  mesh of the target's first ``tp`` devices (as ``create_device_mesh`` builds it), so every
-  weight carries the sharding the engine gives it (``kernel_axes`` of each layer); the bytes of
-  one device's shards. The compiler's size of the same arrays (TPU tile padding included) is
+- weights: its ``Qwen3ForCausalLM`` built with ``nnx.eval_shape`` on the engine's
+  ``("data", "tensor")`` mesh of the target's first ``tp`` devices, each weight with the sharding
+  of its ``WeightMapping`` (what the dummy loader gives it, and weight updates keep); the bytes
+  of one device's shards. The compiler's size of the same arrays (TPU tile padding included) is
   reported next to it.
 - KV pool: ``MHATokenToKVPool`` allocates, per layer, a fused buffer
   ``[(size + page_size * dp) / page_size, page_size, kv_heads * 2 / packing, packing, head_dim]``
@@ -74,12 +74,16 @@ def _hf_config(model: ModelConfig) -> Any:
 
 
 def weights(model: ModelConfig, devices: list[Any], tp: int) -> EngineWeights:
-    """Per-device bytes of the engine's weights, from sglang-jax's own model and shardings."""
+    """Per-device bytes of the engine's weights, as sglang-jax's dummy loader places them: the
+    model built abstractly on its mesh (``nnx.eval_shape``, as ``JAXDummyModelLoader`` does), then
+    every weight of ``_create_qwen3_weight_mappings()`` with that mapping's sharding
+    (``WeightLoader._load_dummy_weights``; the weight updates keep each leaf's sharding)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
     from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
     from sgl_jax.srt.models.qwen3 import Qwen3ForCausalLM
 
     mesh = engine_mesh(devices, tp)
@@ -87,21 +91,37 @@ def weights(model: ModelConfig, devices: list[Any], tp: int) -> EngineWeights:
     hf = _hf_config(model)
     with jax.set_mesh(mesh):
         abstract = nnx.eval_shape(lambda: Qwen3ForCausalLM(hf, mesh=mesh, dtype=dtype))
-    leaves = jax.tree.leaves(nnx.split(abstract)[1])
-    shardings = [NamedSharding(mesh, x.sharding.spec) for x in leaves]
-    per = [
-        int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
-        for x, s in zip(leaves, shardings, strict=True)
-    ]
-    specs = [(x.shape, x.dtype) for x in leaves]
+    flat = jax.tree_util.tree_flatten_with_path(nnx.split(abstract)[1])[0]
+    by_path = {_dotted(path): leaf for path, leaf in flat}
+    specs = []
+    for hf_name, m in abstract._create_qwen3_weight_mappings().items():
+        target = m.target_path if isinstance(m.target_path, str) else None
+        if target not in by_path:
+            raise RuntimeError(f"sglang-jax mapping for {hf_name} names no model leaf ({m.target_path})")
+        leaf = by_path[target]
+        specs.append((leaf.shape, leaf.dtype, NamedSharding(mesh, P(*m.sharding) if m.sharding else P())))
+    per = [int(np.prod(sh.shard_shape(shape))) * jnp.dtype(dt).itemsize for shape, dt, sh in specs]
 
     def alloc() -> list[Any]:
-        return [jnp.zeros(shape, dt) for shape, dt in specs]
+        return [jnp.zeros(shape, dt) for shape, dt, _ in specs]
 
-    compiled = jax.jit(alloc, out_shardings=shardings).lower().compile()
-    return EngineWeights(
-        sum(per), int(compiled.memory_analysis().output_size_in_bytes), len(leaves), max(per)
-    )
+    compiled = jax.jit(alloc, out_shardings=[sh for _, _, sh in specs]).lower().compile()
+    return EngineWeights(sum(per), int(compiled.memory_analysis().output_size_in_bytes), len(specs), max(per))
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    """A ``tree_flatten_with_path`` key path as sglang-jax's mappings spell it (``a.b.0.c``)."""
+    parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    return ".".join(parts[:-1] if parts and parts[-1] == "value" else parts)
+
+
+def logits_bytes(model: ModelConfig, max_running_requests: int) -> int:
+    """What sglang-jax keeps alive between generate calls: the last decode batch's logits and
+    log-probs, two float32 [batch, vocab] arrays (measured on CPU with the tiny model: 2 x [128, 384]
+    after a 128-request generate; nothing else outside the weights and the pool). The batch is
+    padded to a bucket, the largest being ``max_running_requests``; counted whole on every engine
+    device (not split over ``tensor``: an upper bound where the engine shards them)."""
+    return 2 * max_running_requests * model.vocab_size * 4
 
 
 def kv_cell(model: ModelConfig, tp: int) -> int:

@@ -13,6 +13,7 @@ engine_weights     layout      sglang-jax's own model, abstract, sharded on its 
                                (``engine_layout.weights``); compiler size in the detail
 kv_pool            layout      sglang-jax's pool formula and sizing rule (``engine_layout``);
                                one layer's buffer compiled to check it
+engine_logits      layout      2 x [max_running_requests, vocab] float32 the engine keeps
 trainer_params     layout      ``abstract_state`` shards on device 0 (trainable + frozen)
 optimizer          layout      the AdamW state's shards on device 0
 grads              compiler    ``grad``'s output buffers (the compiler picks their sharding)
@@ -86,6 +87,9 @@ def measure(req: PlanRequest) -> Measured:
                              f"sglang-jax MHATokenToKVPool: ({kv.tokens} + {kv.pad_tokens}) tokens x "
                              f"{kv.cell_bytes} B/token ({kv.rule}); one layer compiled: {layer} B "
                              f"(formula {formula_layer} B)"),
+        "engine_logits": Component("engine_logits", engine_layout.logits_bytes(req.model, req.max_running_requests),
+                                   "layout", f"2 x [{req.max_running_requests}, {req.model.vocab_size}] float32: the last "
+                                   "decode batch's logits and log-probs sglang-jax keeps between generate calls"),
     }  # fmt: skip
     if layer != formula_layer:
         notes.append(

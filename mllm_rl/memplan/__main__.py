@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--group-size", type=int, default=8, help="completions per prompt")
     run.add_argument("--prompts-per-step", dest="prompts", type=int, default=8, help="prompts per RL step")
     run.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the rollout engine")
+    run.add_argument("--max-running-requests", type=int, default=128, help="engine batch limit (requests)")
     run.add_argument("--trainer-tp", type=int, default=1, help="tensor-parallel size of the trainer's mesh")
     run.add_argument("--fsdp", type=int, default=0, help="trainer's fsdp axis (0: devices / trainer-tp)")
     run.add_argument("--lora-rank", type=int, default=0, help="> 0: LoRA adapters, base frozen")
@@ -105,7 +106,7 @@ def make_request(args: argparse.Namespace) -> Any:
     model = load_model(args.model)
     return PlanRequest(backend=args.backend, target=args.target, model=model, micro_batch=args.micro_batch,
                        seq_len=args.seq_len, group_size=args.group_size, prompts=args.prompts, tp=args.tp,
-                       fsdp=args.fsdp, lora_rank=args.lora_rank, kl=args.kl_beta > 0, schedule=args.schedule,
+                       max_running_requests=args.max_running_requests, fsdp=args.fsdp, lora_rank=args.lora_rank, kl=args.kl_beta > 0, schedule=args.schedule,
                        kv_tokens=args.kv_tokens, mem_fraction_static=args.mem_fraction_static, margin=args.margin,
                        param_dtype=model.torch_dtype, trainer_tp=args.trainer_tp, options=options)  # fmt: skip
 

@@ -177,7 +177,7 @@ def compose(
     if not 0 < margin <= 1:
         raise ValueError(f"margin {margin}: expected 0 < margin <= 1")
     rows = []
-    tables = [(SETUP_PREFIX, phase_rows(setup, "multi_stage"))] if setup else []
+    tables = [(SETUP_PREFIX, phase_rows(setup, "multi_stage", step=False))] if setup else []
     tables.append(("", phase_rows(phases, schedule)))
     for prefix, table in tables:
         for name, resident, fns in table:

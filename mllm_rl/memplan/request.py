@@ -38,11 +38,20 @@ class PlanRequest:
     margin: float = 0.9  # the fraction of device memory a phase may use
     param_dtype: str = "bfloat16"
     optimizer_dtype: str = "float32"
+    max_running_requests: int = 128  # the engine's batch limit (the run's --max-running-requests)
     trainer_tp: int = 1  # tensor parallel of the trainer's mesh (fsdp x trainer_tp = devices)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # backend model options (by name)
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "seq_len", "group_size", "prompts", "tp", "trainer_tp"):
+        for name in (
+            "micro_batch",
+            "seq_len",
+            "group_size",
+            "prompts",
+            "tp",
+            "trainer_tp",
+            "max_running_requests",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"PlanRequest.{name} must be >= 1, got {getattr(self, name)}")
         if self.fsdp < 0 or self.lora_rank < 0:
