@@ -115,13 +115,28 @@ def _dotted(path: tuple[Any, ...]) -> str:
     return ".".join(parts[:-1] if parts and parts[-1] == "value" else parts)
 
 
-def logits_bytes(model: ModelConfig, max_running_requests: int) -> int:
-    """What sglang-jax keeps alive between generate calls: the last decode batch's logits and
-    log-probs, two float32 [batch, vocab] arrays (measured on CPU with the tiny model: 2 x [128, 384]
-    after a 128-request generate; nothing else outside the weights and the pool). The batch is
-    padded to a bucket, the largest being ``max_running_requests``; counted whole on every engine
-    device (not split over ``tensor``: an upper bound where the engine shards them)."""
-    return 2 * max_running_requests * model.vocab_size * 4
+def batch_bucket(n: int, max_running_requests: int) -> int:
+    """The padded decode batch sglang-jax runs ``n`` requests in: the smallest of its batch
+    buckets (powers of two up to 256 that do not exceed ``max_running_requests``, then
+    ``max_running_requests`` itself; ``PRECOMPILE_DEFAULT_BS_PADDINGS``,
+    ``CompilationManager._compute_bs_buckets``) that holds ``min(n, max_running_requests)``."""
+    buckets = [1 << i for i in range(9) if 1 << i <= max_running_requests]
+    if not buckets or buckets[-1] < max_running_requests:
+        buckets.append(max_running_requests)
+    n = max(1, min(n, max_running_requests))
+    return next(b for b in buckets if b >= n)
+
+
+def logits_bytes(model: ModelConfig, max_running_requests: int, batch: int) -> tuple[int, int]:
+    """``(bytes, rows)`` of what sglang-jax keeps alive between generate calls: float32
+    ``[rows, vocab]`` logits, one ``[max_running_requests, V]`` array and two ``[bucket, V]`` arrays
+    of the last decode batches (one array fewer when the bucket is ``max_running_requests``).
+    Measured on CPU with the tiny model: 2 x [128, 384] after 128 requests, [128, 384] + 2 x
+    [4, 384] after 4 (max_running_requests 128); nothing else outside the weights and the pool.
+    Counted whole on every engine device (an upper bound where the engine shards them)."""
+    b = batch_bucket(batch, max_running_requests)
+    rows = 2 * max_running_requests if b == max_running_requests else max_running_requests + 2 * b
+    return rows * model.vocab_size * 4, rows
 
 
 def kv_cell(model: ModelConfig, tp: int) -> int:

@@ -13,7 +13,7 @@ engine_weights     layout      sglang-jax's own model, abstract, sharded on its 
                                (``engine_layout.weights``); compiler size in the detail
 kv_pool            layout      sglang-jax's pool formula and sizing rule (``engine_layout``);
                                one layer's buffer compiled to check it
-engine_logits      layout      2 x [max_running_requests, vocab] float32 the engine keeps
+engine_logits      layout      float32 [rows, vocab] logits the engine keeps between generates
 trainer_params     layout      ``abstract_state`` shards on device 0 (trainable + frozen)
 optimizer          layout      the AdamW state's shards on device 0
 grads              compiler    ``grad``'s output buffers (the compiler picks their sharding)
@@ -79,6 +79,9 @@ def measure(req: PlanRequest) -> Measured:
     default_frac = engine_layout.DEFAULT_MEM_FRACTION[target.platform]
     info.update(kv_tokens=kv.tokens, kv_cell_bytes=kv.cell_bytes, kv_pad_tokens=kv.pad_tokens,
                 mem_fraction_static=kv.mem_fraction_static, engine_free_bytes=kv.free_bytes)  # fmt: skip
+    logits, rows = engine_layout.logits_bytes(
+        req.model, req.max_running_requests, req.prompts * req.group_size
+    )
     comps = {
         "engine_weights": Component("engine_weights", eng.bytes_per_device, "layout",
                                     f"sglang-jax Qwen3ForCausalLM sharded over tensor={req.tp}; "
@@ -87,9 +90,10 @@ def measure(req: PlanRequest) -> Measured:
                              f"sglang-jax MHATokenToKVPool: ({kv.tokens} + {kv.pad_tokens}) tokens x "
                              f"{kv.cell_bytes} B/token ({kv.rule}); one layer compiled: {layer} B "
                              f"(formula {formula_layer} B)"),
-        "engine_logits": Component("engine_logits", engine_layout.logits_bytes(req.model, req.max_running_requests),
-                                   "layout", f"2 x [{req.max_running_requests}, {req.model.vocab_size}] float32: the last "
-                                   "decode batch's logits and log-probs sglang-jax keeps between generate calls"),
+        "engine_logits": Component("engine_logits", logits, "layout",
+                                   f"[{rows}, {req.model.vocab_size}] float32 rows of logits sglang-jax keeps between "
+                                   f"generate calls (max_running_requests {req.max_running_requests}, rollout batch "
+                                   f"{req.prompts * req.group_size})"),
     }  # fmt: skip
     if layer != formula_layer:
         notes.append(
