@@ -26,6 +26,8 @@ Shapes: B micro-batch rows, T positions (prompt + completion, right-padded), V v
 
 - ``logprob(trainable, frozen, tokens [B, T], attn [B, T]) -> [B, T - 1]`` float32:
   ``log p(tokens[:, t] | tokens[:, :t])`` for ``t >= 1`` (rollout/reference log-probs);
+- ``next_logits(trainable, frozen, tokens [B, T], attn [B, T], pos []) -> [B, V]`` float32:
+  the logits after position ``pos`` (the greedy probe);
 - ``grad(trainable, frozen, mb, total_tokens [], total_seqs []) -> ((loss [], sums), grads)``:
   the policy loss of one micro-batch and its gradient w.r.t. ``trainable``; ``sums`` holds
   token-summed metrics (``clip_frac``, ``kl``, ``ratio_mean``, ``tokens``, ``entropy_proxy``);
@@ -46,7 +48,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from mllm_rl.backends.jax.model import LoRAParam, Qwen3, add_lora, load_qwen3
+from mllm_rl.backends.jax.logprob import head_logits, token_logprobs
+from mllm_rl.backends.jax.model import LoRAParam, Qwen3, Run, add_lora, load_qwen3
 from mllm_rl.backends.jax.options import ModelOptions
 from mllm_rl.backends.jax.rl_loss import policy_loss
 from mllm_rl.backends.jax.sharding import batch_sharding, tree_shardings
@@ -62,17 +65,29 @@ class StepFns:
     graphdef: Any  # nnx graph definition: nnx.merge(graphdef, trainable, frozen) is the model
     tx: optax.GradientTransformation
     logprob: Callable[..., Any]
+    next_logits: Callable[..., Any]
     grad: Callable[..., Any]
     accumulate: Callable[..., Any]
     apply: Callable[..., Any]
 
 
-def make_tx(cfg: TrainConfig) -> optax.GradientTransformation:
-    """The optimizer: global-norm clipping (when ``grad_clip > 0``), then AdamW."""
-    return optax.chain(
+def make_tx(cfg: TrainConfig, opts: ModelOptions | None = None) -> optax.GradientTransformation:
+    """The optimizer: global-norm clipping (when ``grad_clip > 0``), then AdamW. With
+    ``opts.opt_dtype`` the moments live in that dtype and grads and params are cast to it
+    before the update (``optax.apply_updates`` casts the sum back to the params' dtype)."""
+    base = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
         optax.adamw(cfg.lr, b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay),
     )
+    odt = None if opts is None else opts.opt_jnp_dtype()
+    if odt is None:
+        return base
+    cast = lambda tree: jax.tree.map(lambda a: a.astype(odt), tree)  # noqa: E731
+
+    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return base.update(cast(grads), state, None if params is None else cast(params))
+
+    return optax.GradientTransformation(lambda params: base.init(cast(params)), update)
 
 
 def checkpoint_dtype(model_cfg: ModelConfig) -> jnp.dtype:
@@ -92,7 +107,7 @@ def _split(model: Qwen3, lora: bool) -> tuple[Any, Any, Any]:
 
 
 def _build(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: ModelOptions, dtype: Any) -> Qwen3:
-    model = Qwen3(model_cfg, dtype)
+    model = Qwen3(model_cfg, opts.param_jnp_dtype(dtype), opts.scan_layers)
     if train_cfg.lora_rank > 0:
         add_lora(model, train_cfg.lora_rank, train_cfg.lora_alpha, train_cfg.seed)
     return model
@@ -101,7 +116,8 @@ def _build(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: ModelOptions, d
 def abstract_model(
     model_cfg: ModelConfig, train_cfg: TrainConfig, opts: ModelOptions, dtype: Any = None
 ) -> tuple[Any, Any, Any]:
-    """(graphdef, trainable, frozen) with ``ShapeDtypeStruct`` leaves (nothing allocated)."""
+    """(graphdef, trainable, frozen) with ``ShapeDtypeStruct`` leaves (nothing allocated).
+    ``dtype``: the checkpoint's (default ``model_cfg.torch_dtype``)."""
     dtype = checkpoint_dtype(model_cfg) if dtype is None else dtype
     model = nnx.eval_shape(lambda: _build(model_cfg, train_cfg, opts, dtype))
     return _split(model, train_cfg.lora_rank > 0)
@@ -118,7 +134,7 @@ def abstract_state(
     """(trainable, frozen, opt_state) as ``ShapeDtypeStruct`` trees carrying the trainer's
     ``NamedSharding``s on ``mesh``. ``dtype``: the checkpoint's (default ``model_cfg.torch_dtype``)."""
     _, trainable, frozen = abstract_model(model_cfg, train_cfg, opts, dtype)
-    opt_state = jax.eval_shape(make_tx(train_cfg).init, trainable)
+    opt_state = jax.eval_shape(make_tx(train_cfg, opts).init, trainable)
     return _with_shardings(trainable, mesh), _with_shardings(frozen, mesh), _with_shardings(opt_state, mesh)
 
 
@@ -144,7 +160,7 @@ def load_state(
     """The real (graphdef, trainable, frozen) of ``model_dir``, placed with the shardings of
     ``abstract_state`` (the tree structure is checked against it)."""
     dtype = model_dir_dtype(model_dir)
-    model = load_qwen3(model_dir, dtype)
+    model = load_qwen3(model_dir, opts.param_jnp_dtype(dtype), opts.scan_layers)
     if train_cfg.lora_rank > 0:
         add_lora(model, train_cfg.lora_rank, train_cfg.lora_alpha, train_cfg.seed)
     graphdef, trainable, frozen = _split(model, train_cfg.lora_rank > 0)
@@ -157,20 +173,53 @@ def load_state(
     return graphdef, place(trainable), place(frozen)
 
 
+def make_run(opts: ModelOptions, mesh: Mesh) -> Run:
+    """How the forward runs on ``mesh``'s platform: ``splash`` is a TPU kernel, run by the
+    Pallas interpreter on CPU (slow; for tests) and refused elsewhere."""
+    platform = mesh.devices.flat[0].platform
+    if opts.attention == "splash" and platform not in ("tpu", "cpu"):
+        raise ValueError(
+            f"ModelOptions.attention='splash' is a TPU kernel; on {platform} use 'chunked' or 'xla'"
+        )
+    return Run(opts, mesh, interpret=opts.attention == "splash" and platform == "cpu")
+
+
 def make_step_fns(
-    model_cfg: ModelConfig, train_cfg: TrainConfig, opts: ModelOptions, mesh: Mesh, dtype: Any = None
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    opts: ModelOptions,
+    mesh: Mesh,
+    dtype: Any = None,
 ) -> StepFns:
-    """The trainer's jitted functions for this model, training and layout configuration."""
-    graphdef, _, _ = abstract_model(model_cfg, train_cfg, opts, dtype)
+    """The trainer's jitted functions for this model, training and layout configuration, for
+    the devices of ``mesh`` (a target's, for a plan). ``dtype``: the checkpoint's."""
+    graphdef, abs_trainable, _ = abstract_model(model_cfg, train_cfg, opts, dtype)
     loss_cfg = train_cfg.loss
-    tx = make_tx(train_cfg)
+    tx = make_tx(train_cfg, opts)
+    run = make_run(opts, mesh)
+    # Gradients, updated params and optimizer state pinned to the params' layout (XLA would
+    # otherwise be free to return e.g. a scan's stacked gradients less sharded).
+    t_sh = tree_shardings(abs_trainable, mesh)
+    o_sh = tree_shardings(jax.eval_shape(tx.init, abs_trainable), mesh)
+    pin = jax.lax.with_sharding_constraint
+    cdt = opts.compute_jnp_dtype()
 
     def token_logp(trainable: Any, frozen: Any, tokens: jax.Array, attn: jax.Array) -> jax.Array:
         """[B, T] -> log p(tokens[:, t] | tokens[:, :t]) for t >= 1, [B, T - 1]."""
-        model = nnx.merge(graphdef, trainable, frozen)
-        logits = model(tokens[:, :-1], attn[:, :-1])  # [B, T-1, V] float32
-        tgt = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
-        return tgt - jax.nn.logsumexp(logits, axis=-1)
+        model: Qwen3 = nnx.merge(graphdef, trainable, frozen)
+        x = model.hidden(tokens, attn, run)  # [B, T, H]; the last position predicts nothing
+        targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+        head = model.head() if cdt is None else model.head().astype(cdt)
+        return token_logprobs(x, head, targets, opts.logprob_chunk)[:, :-1]
+
+    def next_logits(
+        trainable: Any, frozen: Any, tokens: jax.Array, attn: jax.Array, pos: jax.Array
+    ) -> jax.Array:
+        """Logits [B, V] float32 of the token after position ``pos`` (greedy probe)."""
+        model: Qwen3 = nnx.merge(graphdef, trainable, frozen)
+        x = jax.lax.dynamic_index_in_dim(model.hidden(tokens, attn, run), pos, axis=1, keepdims=False)
+        head = model.head() if cdt is None else model.head().astype(cdt)
+        return head_logits(x, head)
 
     def loss_fn(trainable, frozen, mb, total_tokens, total_seqs):
         logp = token_logp(trainable, frozen, mb["tokens"], mb["attn"])
@@ -184,16 +233,25 @@ def make_step_fns(
         sums["entropy_proxy"] = -(logp * mask).sum()  # sum of -log p of the taken tokens
         return loss, sums
 
+    odt = opts.opt_jnp_dtype()
+
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def grad(trainable, frozen, mb, total_tokens, total_seqs):
+        out, grads = value_and_grad(trainable, frozen, mb, total_tokens, total_seqs)
+        return out, pin(grads, t_sh)
+
     def apply(trainable, opt_state, grads):
-        gnorm = optax.global_norm(grads)
+        gnorm = optax.global_norm(grads if odt is None else jax.tree.map(lambda g: g.astype(odt), grads))
         updates, opt_state = tx.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state, gnorm
+        return pin(optax.apply_updates(trainable, updates), t_sh), pin(opt_state, o_sh), gnorm
 
     return StepFns(
         graphdef=graphdef,
         tx=tx,
         logprob=jax.jit(token_logp),
-        grad=jax.jit(jax.value_and_grad(loss_fn, has_aux=True)),
+        next_logits=jax.jit(next_logits),
+        grad=jax.jit(grad),
         accumulate=jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0),
         apply=jax.jit(apply, donate_argnums=(0, 1)),
     )

@@ -32,7 +32,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from mllm_rl.backends.jax.fingerprint import read_sums, tensor_sums
-from mllm_rl.backends.jax.model import Qwen3, hf_path, linear_layers
+from mllm_rl.backends.jax.model import Qwen3, get_weight, linear_layers
 from mllm_rl.backends.jax.options import ModelOptions
 from mllm_rl.backends.jax.sharding import batch_sharding, make_mesh, tree_shardings
 from mllm_rl.backends.jax.step_fns import load_state, make_step_fns, model_dir_dtype
@@ -77,20 +77,21 @@ def _move(tree: Any, kind: str) -> Any:
     return jax.tree.map(one, tree)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _hf_layout(x: jax.Array, transpose: bool) -> jax.Array:
-    return x.T if transpose else x
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _hf_layout(x: jax.Array, transpose: bool, dtype: Any) -> jax.Array:
+    return (x.T if transpose else x).astype(dtype)
 
 
 class JaxTrainer:
     def __init__(self, model_dir: ModelDir, cfg: TrainConfig, opts: ModelOptions | None = None) -> None:
         self.cfg = cfg
-        self.opts = ModelOptions() if opts is None else opts
+        self.opts = ModelOptions.for_platform(jax.devices()[0].platform) if opts is None else opts
         self.config = model_dir.config
         self.names = list(model_dir.tensors)  # HF names, checkpoint order
         self.mesh = make_mesh(self.opts.tp)
         self.lora = cfg.lora_rank > 0
         dtype = model_dir_dtype(model_dir)
+        self.export_dtype = dtype  # what the engine holds (the params may be stored wider)
         # The functions a memory plan lowers with abstract inputs (step_fns.abstract_state) are
         # the ones this trainer runs.
         self.fns = make_step_fns(self.config, cfg, self.opts, self.mesh, dtype)
@@ -251,11 +252,13 @@ class JaxTrainer:
         length = len(prompt) + n
         toks = np.zeros((1, length), np.int32)
         toks[0, : len(prompt)] = prompt
-        model = self._model_view()
         out, margins = [], []
         for i in range(len(prompt), length):
-            logits = np.asarray(_forward(model, jnp.asarray(toks), jnp.asarray(np.arange(length)[None] < i)))
-            row = logits[0, i - 1]
+            attn = jnp.asarray(np.arange(length)[None] < i)
+            logits = self.fns.next_logits(
+                self.trainable, self.frozen, jnp.asarray(toks), attn, jnp.int32(i - 1)
+            )
+            row = np.asarray(logits)[0]
             top2 = np.sort(row)[-2:]
             tok = int(row.argmax())
             out.append(tok)
@@ -269,15 +272,12 @@ class JaxTrainer:
     def _model_view(self) -> Qwen3:
         return nnx.merge(self.graphdef, self.trainable, self.frozen)
 
-    def _engine_layout(self, model: Qwen3, name: str) -> tuple[jax.Array, bool]:
-        """The weight ``name`` as stored in our model (kernels [in, out]; LoRA merged)."""
-        path, transpose = hf_path(name)
-        if self.lora and transpose:
-            return linear_layers(model)[name].merged_kernel(), True
-        obj: Any = model
-        for p in path:
-            obj = obj[p] if isinstance(p, int) else getattr(obj, p)
-        return obj[...], transpose
+    def _engine_layout(self, model: Qwen3, name: str, lins: dict[str, Any]) -> tuple[jax.Array, bool]:
+        """The weight ``name`` as stored in our model (kernels [in, out]; LoRA merged; one
+        layer's row of stacked layers). ``lins``: ``linear_layers(model)``."""
+        if self.lora and name in lins:
+            return lins[name].merged_kernel(), True
+        return get_weight(model, name)
 
     def export_names(self, full: bool = True) -> list[str]:
         """Full: every weight. Partial (LoRA only): the linear layers the adapters change."""
@@ -289,22 +289,25 @@ class JaxTrainer:
         self._need(PARAMS)
         names = self.export_names(full)
         model = self._model_view()
+        lins = linear_layers(model)
 
         def gen() -> Iterator[tuple[str, jax.Array]]:
             for name in names:
-                value, transpose = self._engine_layout(model, name)
-                yield name, _hf_layout(value, transpose)
+                value, transpose = self._engine_layout(model, name, lins)
+                yield name, _hf_layout(value, transpose, self.export_dtype)
 
         return WeightExport(names, gen(), full=full or not self.lora)
 
     def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
         self._need(PARAMS)
         model = self._model_view()
+        lins = linear_layers(model)
         names = names if names is not None else self.names
         fp: Fingerprint = {}
         for name in names:  # one at a time: each engine-layout copy (merged LoRA, transposed) is
             # freed before the next is made, so the check never holds a second copy of the weights
-            fp.update(read_sums({name: tensor_sums(self._engine_layout(model, name)[0])}))
+            value = self._engine_layout(model, name, lins)[0].astype(self.export_dtype)
+            fp.update(read_sums({name: tensor_sums(value)}))
         return fp
 
     # -- checkpoints ---------------------------------------------------------------------
@@ -329,8 +332,3 @@ class JaxTrainer:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         state = ocp.StandardCheckpointer().restore(Path(path).resolve() / "state", abstract)
         self.trainable, self.opt_state = state["trainable"], state["opt_state"]
-
-
-@nnx.jit
-def _forward(model: Qwen3, tokens: jax.Array, attn: jax.Array) -> jax.Array:
-    return model(tokens, attn)
