@@ -48,24 +48,27 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the rollout engine")
     run.add_argument("--max-running-requests", type=int, default=128, help="engine batch limit (requests)")
     run.add_argument("--trainer-tp", type=int, default=1, help="tensor-parallel size of the trainer's mesh")
-    run.add_argument("--fsdp", type=int, default=0, help="trainer's fsdp axis (0: devices / trainer-tp)")
+    run.add_argument("--fsdp", type=int, default=0, help="trainer's fsdp axis; 0: devices / trainer-tp")
     run.add_argument("--lora-rank", type=int, default=0, help="> 0: LoRA adapters, base frozen")
     run.add_argument("--kl-beta", type=float, default=0.0, help="> 0: KL term (reference params/log-probs)")
     run.add_argument("--schedule", default="multi_stage", choices=list(SCHEDULES),
                      help="the run's schedule (its fit decides the exit code; the other is shown too)")  # fmt: skip
     run.add_argument("--check-weights", action="store_true", help="include the garbage guard's phase")
     run.add_argument("--kv-tokens", "--max-total-tokens", dest="kv_tokens", type=int, default=None,
-                     help="KV pool size in tokens (default: sized by sglang-jax's rule from --mem-fraction-static)")  # fmt: skip
+                     help="KV pool size in tokens; None: sized by the engine's rule from --mem-fraction-static")  # fmt: skip
     run.add_argument("--mem-fraction-static", type=float, default=None,
-                     help="the engine's mem_fraction_static (default: what --kv-tokens needs, else the adapter's)")  # fmt: skip
+                     help="the engine's mem_fraction_static; None: what --kv-tokens needs, else the adapter's default")  # fmt: skip
     run.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
                      help="a backend model option (JAX: ModelOptions fields, e.g. remat=block); repeatable")  # fmt: skip
     plan = ap.add_argument_group("plan")
     plan.add_argument("--margin", type=float, default=0.9, help="fraction of device memory a phase may use")
-    plan.add_argument("--fit", nargs="?", const="micro_batch", choices=list(FIT_KNOBS), default=None,
-                      help="search the largest micro-batch (or seq_len) that fits, then the largest KV pool")  # fmt: skip
-    plan.add_argument("--fit-max", type=int, default=None, help="upper bound of the --fit search "
-                      "(default: 256 micro-batch, 131072 seq_len)")  # fmt: skip
+    plan.add_argument("--fit", nargs="?", const="micro_batch", choices=["kv", *FIT_KNOBS], default=None,
+                      help="kv: the largest KV pool next to everything else; micro_batch / seq_len: the largest "
+                      "value that fits (doubling, then bisection; one compile per probe), then the largest KV pool")  # fmt: skip
+    plan.add_argument("--fit-max", type=int, default=None, help="upper bound of the --fit search; "
+                      "None: 256 (micro_batch), 131072 (seq_len)")  # fmt: skip
+    plan.add_argument("--fit-step", type=int, default=None,
+                      help="granularity of the --fit search; None: " + ", ".join(f"{v} ({k})" for k, v in FIT_KNOBS.items()))  # fmt: skip
     plan.add_argument("--out", type=Path, default=None, help="write plan.json, plan.txt, plan.html here")
     return ap
 
@@ -179,8 +182,8 @@ def _plan(planner: Any, req: Any, args: argparse.Namespace, t_start: float) -> i
 
     _say(f"[plan] {req.backend} {req.model.name} on {req.target}: compiling the step functions ...")
     extra: dict[str, Any] = {}
-    if args.fit:
-        req, m, probes = run_fit(planner, req, args.fit, args.fit_max, args.check_weights)
+    if args.fit and args.fit != "kv":
+        req, m, probes = run_fit(planner, req, args.fit, args.fit_max, args.fit_step, args.check_weights)
         extra["fit"] = {"knob": args.fit, "value": getattr(req, args.fit),
                         "probes": [dataclasses.asdict(p) for p in probes]}  # fmt: skip
     else:
@@ -188,7 +191,9 @@ def _plan(planner: Any, req: Any, args: argparse.Namespace, t_start: float) -> i
     if args.fit:
         tokens, phase = kv_room(plans(m, req, args.check_weights)[req.schedule], m)
         if tokens < 1:
-            raise ValueError(f"no room for a KV pool in {phase} at {args.fit}={getattr(req, args.fit)}")
+            raise ValueError(
+                f"no room for a KV pool in {phase} (micro-batch {req.micro_batch} x {req.seq_len})"
+            )
         m = with_kv_tokens(m, tokens)
         extra["kv_fit"] = {"tokens": tokens, "tightest_phase": phase}
         req = dataclasses.replace(req, kv_tokens=tokens)
