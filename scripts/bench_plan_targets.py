@@ -29,48 +29,52 @@ from mllm_rl.memplan.__main__ import EXIT_DOES_NOT_FIT, EXIT_OK
 
 BATCH = ["--micro-batch-size", "4", "--seq-len", "4096", "--group-size", "8", "--prompts-per-step", "8"]
 KV128K = ["--kv-tokens", "131072"]
-# The trainer's memory-lean paths (its TPU default) for GPU targets, where ModelOptions.for_platform
-# keeps the reference paths; attention "xla" (no cuDNN here).
-GPU_LEAN = ["--model-option", "scan_layers=true", "--model-option", "remat=block", "--model-option", "attention=xla",
-            "--model-option", "logprob_chunk=256"]  # fmt: skip
+# The trainer's memory-lean paths for GPU targets, where ModelOptions.for_platform keeps the
+# reference paths: stacked layers, per-block remat, chunked attention (splash is a TPU kernel),
+# the head in 256-position chunks.
+GPU_LEAN = ["--model-option", "scan_layers=true", "--model-option", "remat=block", "--model-option",
+            "attention=chunked", "--model-option", "logprob_chunk=256"]  # fmt: skip
+FIT_SEQ = ["--micro-batch-size", "1", "--seq-len", "8192", "--fit", "seq_len", "--fit-step", "4096"]
+MLLM_JAX_ENGINE = [
+    "--micro-batch-size",
+    "1",
+    "--seq-len",
+    "1024",
+    "--kv-tokens",
+    "4096",
+    "--max-running-requests",
+    "16",
+]
+
+
+def _case(model: str, target: str, tp: int, *extra: str, expect: str = "report") -> tuple[list[str], str]:
+    return ["--model", model, "--target", target, "--tp", str(tp), *extra], expect
+
+
+# name: (plan arguments, expectation for multi_stage: "fits" | "report")
 CASES: dict[str, tuple[list[str], str]] = {
-    # name: (plan arguments, expectation for multi_stage: "fits" | "report")
-    "4b-v4-8": (["--model", "qwen3-4b", "--target", "v4-8", "--tp", "4", *BATCH, *KV128K], "fits"),
-    "4b-v4-8-fit-kv": (
-        ["--model", "qwen3-4b", "--target", "v4-8", "--tp", "4", *BATCH, "--fit", "kv"],
-        "fits",
-    ),
-    "4b-v4-8-fit-seq": (
-        [
-            "--model",
-            "qwen3-4b",
-            "--target",
-            "v4-8",
-            "--tp",
-            "4",
-            "--micro-batch-size",
-            "1",
-            "--seq-len",
-            "8192",
-            "--fit",
-            "seq_len",
-            "--fit-step",
-            "4096",
-        ],
-        "fits",
-    ),  # fmt: skip
-    "8b-v4-16": (["--model", "qwen3-8b", "--target", "v4-16", "--tp", "8", *BATCH, *KV128K], "report"),
-    "8b-v5p-8": (["--model", "qwen3-8b", "--target", "v5p-8", "--tp", "4", *BATCH, *KV128K], "report"),
-    "4b-v5e-8": (["--model", "qwen3-4b", "--target", "v5e-8", "--tp", "8", *BATCH, *KV128K], "report"),
-    "4b-h100x1": (
-        ["--model", "qwen3-4b", "--target", "h100x1", "--tp", "1", *BATCH, *KV128K, *GPU_LEAN],
-        "report",
-    ),
-    "4b-h100x8": (
-        ["--model", "qwen3-4b", "--target", "h100x8", "--tp", "8", *BATCH, *KV128K, *GPU_LEAN],
-        "report",
-    ),
+    "4b-v4-8": _case("qwen3-4b", "v4-8", 4, *BATCH, *KV128K, expect="fits"),
+    "4b-v4-8-fit-kv": _case("qwen3-4b", "v4-8", 4, *BATCH, "--fit", "kv", expect="fits"),
+    "4b-v4-8-fit-seq": _case("qwen3-4b", "v4-8", 4, *FIT_SEQ, expect="fits"),
+    # MLLM-JAX's v4-8 run of sglang-jax with Qwen3-4B (tp 4, bf16, max_total_tokens 4096,
+    # max_running_requests 16): engine weights + KV pool after the weight swap, before any generate
+    "4b-v4-8-engine": _case("qwen3-4b", "v4-8", 4, *MLLM_JAX_ENGINE, expect="fits"),
+    "8b-v4-16": _case("qwen3-8b", "v4-16", 8, *BATCH, *KV128K),
+    "8b-v5p-8": _case("qwen3-8b", "v5p-8", 4, *BATCH, *KV128K),
+    "4b-v5e-8": _case("qwen3-4b", "v5e-8", 8, *BATCH, *KV128K),
+    "4b-h100x1": _case("qwen3-4b", "h100x1", 1, *BATCH, *KV128K, *GPU_LEAN),
+    "4b-h100x8": _case("qwen3-4b", "h100x8", 8, *BATCH, *KV128K, *GPU_LEAN),
+    # 8 rows split over the 8 devices (4 rows cannot be: each device computes all 4)
+    "4b-h100x8-mb8": _case("qwen3-4b", "h100x8", 8, *BATCH, "--micro-batch-size", "8", *KV128K, *GPU_LEAN),
 }
+
+
+# Measured elsewhere, to hold a plan against: (case, phase of the plan, bytes summed over devices, source).
+REFERENCES = {
+    "4b-v4-8-engine": ("setup:continue_generation", 8652005376,
+                       "demon2036/MLLM-JAX docs/sops/tpu-sglang-jax-qwen3-4b-wandb-memory-logging.md, v4-8 run A: "
+                       "bytes_in_use_sum after weights_swapped"),
+}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,6 +113,13 @@ def _case(name: str, out: Path, timeout: float) -> dict[str, Any]:
                       "peak_of_hbm": peak["total"] / p["target"]["hbm_bytes"], "over": over,
                       "first_overflow": p["first_overflow"]}  # fmt: skip
     t = doc["plans"]["multi_stage"]["target"]
+    if name in REFERENCES:
+        phase, measured, source = REFERENCES[name]
+        ph = next(p for p in doc["plans"]["multi_stage"]["phases"] if p["phase"] == phase)
+        predicted = ph["total"] * t["num_devices"]
+        row["reference"] = {"phase": phase, "predicted_sum": predicted, "measured_sum": measured,
+                            "ratio": predicted / measured, "within_2pct": abs(predicted / measured - 1) <= 0.02,
+                            "source": source, "resident": ph["resident"]}  # fmt: skip
     row.update(target=t["name"], devices=t["num_devices"], hosts=t["num_hosts"], hbm_gib=t["hbm_bytes"] / GiB,
                kv_tokens=info.get("kv_tokens"), mem_fraction_static=info.get("mem_fraction_static"),
                compile_s=sum(info.get("compile_seconds", {}).values()),
@@ -120,6 +131,7 @@ def _case(name: str, out: Path, timeout: float) -> dict[str, Any]:
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     rows = [_case(name, args.out, args.timeout) for name in args.cases]
     ok = all("error" not in r and (r["expect"] != "fits" or r["multi_stage"]["fits"]) for r in rows)
+    ok = ok and all(r["reference"]["within_2pct"] for r in rows if "reference" in r)
     return {
         "bench": "plan_targets",
         "command": command_line(),
