@@ -160,9 +160,10 @@ def plan_request(args: argparse.Namespace, config: Any, flags: dict[str, Any], d
 
 def model_of(preset: str) -> tuple[Any, str]:
     """(ModelConfig, param dtype name) of a preset or a checkpoint dir."""
-    from mllm_rl.presets import PRESETS, ModelConfig
+    from mllm_rl.checkpoint.hf_config import config_from_dir
+    from mllm_rl.presets import PRESETS
 
-    c = PRESETS[preset] if preset in PRESETS else ModelConfig.from_dir(preset)
+    c = PRESETS[preset] if preset in PRESETS else config_from_dir(Path(preset))
     return c, c.torch_dtype
 
 

@@ -55,7 +55,7 @@ STRIP = {
 }  # fmt: skip
 SEED = 1234
 
-# config.json variants read by ``ModelConfig.from_hf_config`` and by transformers' Qwen3Config
+# config.json variants read by ``mllm_rl.checkpoint.hf_config.parse_qwen3`` and by transformers' Qwen3Config
 # (no weights): each is ``SIZES`` plus the entries shown. ``V4_DIFFERS``: 4.x reads these
 # with another RoPE base than 5.x (it never reads a RoPE dict's base); we follow 5.x.
 SIZES = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
