@@ -23,11 +23,11 @@
 #   venv   a GPU host with PyPI access: .venv-torch (Python 3.11/3.12; torch from PyPI is the CUDA build) with
 #          pip install -e ".[torch,cuda,wandb,dev]", and .venv-jax (Python 3.12) with
 #          pip install -e ".[jax,wandb,dev]" "sglang-jax[gpu]==0.1.0rc0" (jax[cuda12]==0.10.2)
-#   image  this workplace's CUDA image (one python3 with torch 2.11+cu130, jax 0.11.2, transformers 5.x; no
+#   image  an offline CUDA image (one python3 with torch 2.11+cu130, jax 0.11.2, transformers 5.x; no
 #          network, no sglang-jax, no torch_memory_saver): pip install --no-index --no-deps -e . into that
 #          python3, plus any wheels carried in .whl/ (e.g. torch_memory_saver-0.0.10); PY_TORCH=PY_JAX=python3.
 #          Without sglang-jax the jax steps fail (recorded as such).
-# The workplace's device tool runs one command for at most 10 minutes: run the steps in parts there
+# Where one command may only run for a few minutes, run the steps in parts
 # (--only), with the same --out, and tar the directory into $OUT (docs/BENCHMARKS.md has the commands).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -44,12 +44,12 @@ if [ -z "$py" ]; then
 fi
 echo "[venv] $venv from $py ($("$py" --version 2>&1))" >&2
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
-# This workplace's pip config names local indexes that may not exist; drop those warnings.
+# A pip config may name local indexes that do not exist; drop those warnings.
 quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 quiet "$venv/bin/python" -m pip install -q --upgrade pip
 if [ "$backend" = torch ] && "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
-  # The CPU build of torch 2.13.0 for Python 3.11 is on these machines' disk; any other
-  # torch pulls a multi-GB CUDA build. GPU hosts install their own torch first.
+  # CPU hosts: torch 2.13.0 for Python 3.11 is pinned (a CPU build); an unpinned torch can pull a
+  # multi-GB CUDA build. GPU hosts install their own torch first.
   "$venv/bin/python" -c 'import torch' 2>/dev/null || quiet "$venv/bin/python" -m pip install -q "torch==2.13.0"
 fi
 quiet "$venv/bin/python" -m pip install -q -e ".[$extras]"

@@ -1,6 +1,6 @@
 """Weights & Biases sink (offline by default).
 
-One ``wandb.log`` per phase record, keys per DESIGN.md §5:
+One ``wandb.log`` per phase record, keys per docs/DESIGN.md §5:
 ``mem/process/rss_bytes``, ``mem/process/rss_peak_bytes``,
 ``mem/<backend>/<key>_{sum,min,max}``, ``mem/<backend>/device{i}/<key>``,
 ``phase/idx``, ``phase/name``, ``phase/step``, ``time/elapsed_s``, ``time/phase_s``; all
@@ -9,8 +9,8 @@ memory and time series use ``phase/idx`` as x-axis (``define_metric``).
 RL metrics: one ``wandb.log`` per step (``log_metrics``) with ``rl/step`` and
 ``train/<metric>`` keys, x-axis ``rl/step``: exactly one point per step per metric.
 
-``close`` finishes the run *and* tears the wandb service down explicitly: the seed
-SOP saw an atexit ``BrokenPipeError`` otherwise, and sglang-jax's ``shutdown()``
+``close`` finishes the run *and* tears the wandb service down explicitly: the manual
+param-swap runs saw an atexit ``BrokenPipeError`` otherwise, and sglang-jax's ``shutdown()``
 SIGKILLs every child process (the service is one), so this must run before it.
 """
 
