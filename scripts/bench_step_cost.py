@@ -17,9 +17,10 @@ over the steps after the first (the first compiles) of its share of the step's w
 its seconds; ``between_phases`` = wall time outside every phase (the recorder's memory snapshots
 and its sinks); ``non-rollout, non-train`` = 1 - rollout - train_step, the lifecycle's own cost;
 for phases that move bytes (``onload_trainer``, ``offload_*``, ``resume_*``, ``update_weights``),
-the bytes and the rate. ``update_weights`` is split into the engine's install (its
-``info.seconds``) and what goes around it (the trainer's export and fingerprint, the engine's
-fingerprint read-back).
+the bytes and the rate (bytes / seconds; the JSON has it for ``release_rollout`` too, whose bytes
+are freed, not copied, so the report leaves that one out). ``update_weights`` is split into the
+engine's install (its ``info.seconds``) and what goes around it (the trainer's export and
+fingerprint, the engine's fingerprint read-back).
 
 ``--save-every`` defaults to 1: every step saves a checkpoint, so the ``checkpoint`` phase's
 median is the cost of one save (``mllm_rl.run`` saves every 5 steps by default).
@@ -204,7 +205,8 @@ def report(out: dict[str, Any]) -> str:
         for i, b in enumerate(by):
             p = b.get(n)
             if p is not None:
-                rate = f" ({p['gbps_median']:.3f} GB/s)" if p["gbps_median"] is not None else ""
+                copies = p["gbps_median"] is not None and not n.startswith("release")  # a release frees
+                rate = f" ({p['gbps_median']:.3f} GB/s)" if copies else ""
                 cells[str(i)] = f"{p['seconds_median']:.3f}{rate}"
         sec_rows.append({"phase": n, **cells})
     a = [r["analysis"] for r in ok]
@@ -222,7 +224,7 @@ def report(out: dict[str, Any]) -> str:
         f"steps counted: {counted})",
         table(share_rows, cols),
         "",
-        "median seconds per phase (rate where the phase moves bytes)",
+        "median seconds per phase (rate where the phase copies bytes: bytes moved / seconds)",
         table(sec_rows, cols),
     ]
     for r in ok:

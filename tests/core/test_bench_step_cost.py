@@ -186,7 +186,12 @@ def test_script_reads_recorded_runs_side_by_side(tmp_path):
         "non-rollout, non-train_step",
     ):
         assert any(line.startswith(row + " ") for line in share_table.splitlines()), row
-    assert "first step (compiles)" in r.stdout and "GB/s" in r.stdout
+    assert "first step (compiles)" in r.stdout
+    sec_table = r.stdout.split("\n\n")[1].splitlines()
+    assert "GB/s" in next(x for x in sec_table if x.startswith("update_weights "))
+    assert "GB/s" not in next(
+        x for x in sec_table if x.startswith("release_rollout ")
+    )  # frees, copies nothing
 
 
 @pytest.mark.parametrize(
