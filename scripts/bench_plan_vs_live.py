@@ -260,14 +260,16 @@ def report(out: dict[str, Any]) -> str:
              f"+ gradients: {out['plan_grads_plus_activations'] / MiB:.1f} MiB",
              "host RSS rise of train_step (live, per step): "
              + ", ".join(f"{x / MiB:.1f} MiB" for x in out["live_train_step_rss_rise"]),
-             "targets: " + ", ".join(f"{k} {'pass' if t['pass'] else 'FAIL'}" for k, t in out["targets"].items())]  # fmt: skip
+             "targets: " + ", ".join(f"{k} {'pass' if t['pass'] else 'FAIL'}"
+                                     for k, t in out["targets"].items())]  # fmt: skip
     return "\n".join(lines)
 
 
 def report_plan(out: dict[str, Any]) -> str:
     t = out["target"]
     lines = [f"PREDICTED (torch planner) - {out['preset']} on {t['name']} ({t['device_kind']}, "
-             f"{t['hbm_bytes'] / GiB:.2f} GiB from {t['source']}); micro-batch {out['micro_batch']} x {out['seq_len']}"]  # fmt: skip
+             f"{t['hbm_bytes'] / GiB:.2f} GiB from {t['source']}); micro-batch {out['micro_batch']} x "
+             f"{out['seq_len']}"]  # fmt: skip
     lines += [f"  {k}: {v['bytes_per_device'] / GiB:.3f} GiB [{v['method']}] {v['detail']}"
               for k, v in out["components"].items() if k != "kv_pool"]  # fmt: skip
     for k, v in out["functions"].items():
@@ -319,8 +321,13 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
         return {"bench": "plan_vs_live", "mode": "plan_only", "preset": out["preset"],
                 "fits": {p["schedule"]: p["fits"] for p in out["plans"]},
                 "planner_host_rss_peak": out["planner_host_rss_peak"]}  # fmt: skip
-    return {"bench": "plan_vs_live", "preset": out["preset"], "ratios": {r["quantity"]: r["ratio"] for r in out["rows"]},
-            "targets_pass": not failed_targets(out)}  # fmt: skip
+    ratios = {r["quantity"]: r["ratio"] for r in out["rows"]}
+    return {
+        "bench": "plan_vs_live",
+        "preset": out["preset"],
+        "ratios": ratios,
+        "targets_pass": not failed_targets(out),
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -76,8 +76,9 @@ def parse_target(name: str) -> Target:
                          "(one card; 'h100x1' is the same)")  # fmt: skip
     cards = int(m.group(2) or 1)
     if cards != 1:
-        raise ValueError(f"PlanRequest.target {name!r}: the torch backend trains on one device (TorchTrainer has "
-                         f"no data or tensor parallelism), so {cards} cards plan like one; use {m.group(1)!r}")  # fmt: skip
+        raise ValueError(f"PlanRequest.target {name!r}: the torch backend trains on one device (TorchTrainer "
+                         f"has no data or tensor parallelism), so {cards} cards plan like one; use "
+                         f"{m.group(1)!r}")  # fmt: skip
     kind, hbm, source = GPUS[m.group(1)]
     return Target(name, "gpu", 1, 1, hbm, kind, source)
 
@@ -87,8 +88,8 @@ def check_request(req: PlanRequest) -> Target:
     if req.backend != "torch":
         raise ValueError(f"PlanRequest.backend {req.backend!r}: this is the torch planner")
     if req.tp != 1:
-        raise ValueError(f"PlanRequest.tp {req.tp}: the torch trainer runs on one device (no tensor parallelism); "
-                         "plan with tp=1")  # fmt: skip
+        raise ValueError(f"PlanRequest.tp {req.tp}: the torch trainer runs on one device (no tensor "
+                         "parallelism); plan with tp=1")  # fmt: skip
     if req.fsdp > 1:
         raise ValueError(f"PlanRequest.fsdp {req.fsdp}: the torch trainer does not shard (use 0 or 1)")
     if req.param_dtype not in DTYPES:
@@ -120,9 +121,16 @@ class StepMemory:
     peak_total: int
     host_scalars: int
     rows: int
+    micro_batch: int
     micro_batches: int
     seq_len: int
     seconds: float
+
+    @property
+    def shape(self) -> str:
+        """``"2 micro-batch(es) of 4 x 4096 tokens"``."""
+        first = min(self.rows, self.micro_batch)
+        return f"{self.micro_batches} micro-batch(es) of {first} x {self.seq_len} tokens"
 
     @property
     def activations(self) -> int:
@@ -194,9 +202,9 @@ def step_batch(config: ModelConfig, rows: int, seq_len: int) -> RolloutBatch:
     rng = np.random.default_rng(0)
     loss = np.zeros((rows, seq_len), bool)
     loss[:, seq_len // 2 :] = True
-    return RolloutBatch(tokens=rng.integers(0, config.vocab_size, (rows, seq_len)).astype(np.int32),
-                        attention_mask=np.ones((rows, seq_len), bool), loss_mask=loss,
-                        old_logp=np.zeros((rows, seq_len), np.float32), advantages=np.ones(rows, np.float32))  # fmt: skip
+    tokens = rng.integers(0, config.vocab_size, (rows, seq_len)).astype(np.int32)
+    zeros = np.zeros((rows, seq_len), np.float32)
+    return RolloutBatch(tokens, np.ones((rows, seq_len), bool), loss, zeros, np.ones(rows, np.float32))
 
 
 @functools.lru_cache(maxsize=8)  # one plan per schedule of the same request traces the step once
@@ -273,7 +281,8 @@ def _trace_step(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, 
         params=pre.get("Parameter", 0) - ref_params, grads=pre.get("Gradient", 0),
         optimizer=pre.get("Optstate", 0) - host_scalars, ref_params=ref_params, peak=peak,
         peak_total=peak.get("Total", sum(peak.values())) - host_scalars, host_scalars=host_scalars, rows=rows,
-        micro_batches=-(-rows // micro_batch), seq_len=seq_len, seconds=time.perf_counter() - t0,
+        micro_batch=micro_batch, micro_batches=-(-rows // micro_batch), seq_len=seq_len,
+        seconds=time.perf_counter() - t0,
     )  # fmt: skip
     return out
 
@@ -348,42 +357,37 @@ def _kv_room(components: dict[str, Component], functions: dict[str, FunctionMemo
     return (best or 0), where
 
 
-def measure(req: PlanRequest) -> Measured:
-    """Predicted per-device components and functions of ``req`` on a CUDA target (see module docstring)."""
-    target = check_request(req)
-    c = req.model
-    torch_dtype = DTYPES[req.param_dtype][0]
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
-    rows = min(req.prompts * req.group_size, 2 * req.micro_batch)
-    step = trainer_step_memory(c, req.micro_batch, req.seq_len, rows, req.param_dtype, req.lora_rank, req.kl)
-    shape = f"{step.micro_batches} micro-batch(es) of {min(rows, req.micro_batch)} x {req.seq_len} tokens"
+def _trainer_figures(req: PlanRequest, step: StepMemory) -> tuple[dict[str, Component], FunctionMemory]:
+    """The trainer's components and its ``grad_step`` function from the traced step."""
+    dt = req.param_dtype
+    lora = ", LoRA adapters too" if req.lora_rank else ""
+    opt = f"AdamW exp_avg + exp_avg_sq in the param dtype ({dt}); {step.host_scalars} B of step counters on host"
     comps = {
-        "trainer_params": Component("trainer_params", step.params, "fake_tensor",
-                                    f"TorchTrainer params ({req.param_dtype}{', LoRA adapters too' if req.lora_rank else ''})"),
-        "grads": Component("grads", step.grads, "fake_tensor", f"gradients of the trainable params ({req.param_dtype})"),
-        "optimizer": Component("optimizer", step.optimizer, "fake_tensor",
-                               f"AdamW exp_avg + exp_avg_sq in the param dtype ({req.param_dtype}); "
-                               f"{step.host_scalars} B of step counters on the host"),
-    }  # fmt: skip
+        "trainer_params": Component(
+            "trainer_params", step.params, "fake_tensor", f"TorchTrainer params ({dt}{lora})"
+        ),
+        "grads": Component("grads", step.grads, "fake_tensor", f"gradients of the trainable params ({dt})"),
+        "optimizer": Component("optimizer", step.optimizer, "fake_tensor", opt),
+    }
     if step.ref_params:
-        comps["ref_params"] = Component("ref_params", step.ref_params, "layout",
-                                        "KL reference: the initial trainable params, copied to the device each step")  # fmt: skip
+        why = "KL reference: the initial trainable params, copied to the device each step"
+        comps["ref_params"] = Component("ref_params", step.ref_params, "layout", why)
     cats = ", ".join(f"{k} {v / MIB:.1f}" for k, v in step.peak.items() if k != "Total" and v)
-    fns = {
-        "grad_step": FunctionMemory(
-            "grad_step", peak_bytes=step.peak_total,
-            argument_bytes=step.params + step.optimizer + step.grads + step.ref_params,
-            temp_bytes=step.activations, method="fake_tensor",
-            detail=f"TorchTrainer.device_step x{STEPS}, {shape} (forward, backward, clipping, AdamW foreach; "
-                   f"KL reference forward when on); MiB at the peak: {cats}",
-        )
-    }  # fmt: skip
-    weights, wdetail = sglang_weight_bytes(c, itemsize)
-    comps["engine_weights"] = Component("engine_weights", weights, "layout", f"SGLang Qwen3: {wdetail}")
-    stage = staging_bytes(c, itemsize, lora=req.lora_rank > 0)
-    comps["staging"] = Component("staging", stage, "layout",
-                                 f"largest update bucket (>= {sc.CHUNK_BYTES // MIB} MiB each)")  # fmt: skip
+    fn = FunctionMemory(
+        "grad_step", peak_bytes=step.peak_total,
+        argument_bytes=step.params + step.optimizer + step.grads + step.ref_params,
+        temp_bytes=step.activations, method="fake_tensor",
+        detail=f"TorchTrainer.device_step x{STEPS}, {step.shape} (forward, backward, clipping, AdamW foreach; "
+               f"KL reference forward when on); MiB at the peak: {cats}",
+    )  # fmt: skip
+    return comps, fn
 
+
+def _kv_pool(req: PlanRequest, target: Target, comps: dict[str, Component], fns: dict[str, FunctionMemory],
+             itemsize: int) -> tuple[Component, list[str]]:  # fmt: skip
+    """SGLang's KV pool: ``req.kv_tokens`` capped by its rule, else the largest that fits the
+    schedule (capped by the rule); with notes saying which limit held."""
+    c, weights = req.model, comps["engine_weights"].bytes_per_device
     cell = kv_cell_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, itemsize)
     mfs = req.mem_fraction_static if req.mem_fraction_static is not None else sc.MEM_FRACTION_STATIC
     free = target.hbm_bytes  # the engine starts first: the whole card is free (CUDA contexts not counted)
@@ -391,34 +395,53 @@ def measure(req: PlanRequest) -> Measured:
     budget = int(target.hbm_bytes * req.margin)
     room, tight = _kv_room({**comps, "kv_pool": Component("kv_pool", 0, "layout")}, fns, req.schedule, budget)
     fit = max(0, (room - (sc.MAX_RUNNING_REQUESTS + 1) * (req.seq_len + 4) * 4) // cell - PAGE_SIZE)
-    notes = [
-        f"trainer step: {shape}, rows = min(prompts x group_size, 2 x micro_batch) = {rows}; "
-        f"{step.seconds:.0f} s of fake-tensor tracing",
-        "not in any figure: CUDA kernel workspaces (attention, cuBLAS), CUDA contexts, allocator fragmentation, "
-        "SGLang's decode activations and CUDA graphs (engine_step; SGLang keeps 1 - mem_fraction_static for them)",
-    ]
-    if req.optimizer_dtype != req.param_dtype:
-        notes.append(f"optimizer_dtype {req.optimizer_dtype} does not apply: torch.optim.AdamW keeps its state "
-                     f"in the param dtype ({req.param_dtype})")  # fmt: skip
+    notes = []
     if req.kv_tokens is not None:
         tokens = min(req.kv_tokens, rule)
         if tokens < req.kv_tokens:
-            notes.append(f"kv_tokens {req.kv_tokens} asked; SGLang's rule at mem_fraction_static {mfs} caps the "
-                         f"pool at {rule} tokens")  # fmt: skip
+            notes.append(f"kv_tokens {req.kv_tokens} asked; SGLang's rule at mem_fraction_static {mfs} caps "
+                         f"the pool at {rule} tokens")  # fmt: skip
     else:
         tokens = min(fit, rule)
         need = math.ceil((weights + (fit + PAGE_SIZE) * cell) / free * 1000) / 1000
         why = f"SGLang's rule at mem_fraction_static {mfs}" if rule < fit else f"the budget in {tight}"
+        more = f", which needs mem_fraction_static >= {need}" if rule < fit else ""
         notes.append(f"KV pool derived: {tokens} tokens (limited by {why}; pass --max-total-tokens {tokens}); "
-                     f"{fit} tokens fit every phase of {req.schedule}"
-                     + (f", which needs mem_fraction_static >= {need}" if rule < fit else ""))  # fmt: skip
+                     f"{fit} tokens fit every phase of {req.schedule}{more}")  # fmt: skip
     demand = req.prompts * req.group_size * req.seq_len
     if tokens < demand:
-        notes.append(f"the rollout batch holds up to {demand} tokens at once ({req.prompts} x {req.group_size} x "
-                     f"{req.seq_len}); a pool of {tokens} runs it in waves")  # fmt: skip
+        notes.append(f"the rollout batch holds up to {demand} tokens at once ({req.prompts} x "
+                     f"{req.group_size} x {req.seq_len}); a pool of {tokens} runs it in waves")  # fmt: skip
     pool = sglang_pool_bytes(tokens, cell, req.seq_len)
-    comps["kv_pool"] = Component("kv_pool", pool, "layout",
-                                 f"SGLang MHA pool: {tokens} tokens x {cell} B/token (+1 slot) + req_to_token")  # fmt: skip
+    detail = f"SGLang MHA pool: {tokens} tokens x {cell} B/token (+1 slot) + req_to_token"
     notes.append(f"torch_memory_saver regions: weights {weights / GIB:.2f} GiB, kv_cache {pool / GIB:.2f} GiB, "
                  "cuda_graph: known only after capture on the GPU")  # fmt: skip
-    return Measured(target, comps, fns, notes)
+    return Component("kv_pool", pool, "layout", detail), notes
+
+
+def measure(req: PlanRequest) -> Measured:
+    """Predicted per-device components and functions of ``req`` on a CUDA target (see module docstring)."""
+    target = check_request(req)
+    c = req.model
+    itemsize = torch.empty((), dtype=DTYPES[req.param_dtype][0]).element_size()
+    rows = min(req.prompts * req.group_size, 2 * req.micro_batch)
+    step = trainer_step_memory(c, req.micro_batch, req.seq_len, rows, req.param_dtype, req.lora_rank, req.kl)
+    comps, grad_step = _trainer_figures(req, step)
+    fns = {"grad_step": grad_step}
+    weights, wdetail = sglang_weight_bytes(c, itemsize)
+    comps["engine_weights"] = Component("engine_weights", weights, "layout", f"SGLang Qwen3: {wdetail}")
+    stage = staging_bytes(c, itemsize, lora=req.lora_rank > 0)
+    bucket = f"largest update bucket (>= {sc.CHUNK_BYTES // MIB} MiB each)"
+    comps["staging"] = Component("staging", stage, "layout", bucket)
+    notes = [
+        f"trainer step: {step.shape}, rows = min(prompts x group_size, 2 x micro_batch) = {rows}; "
+        f"{step.seconds:.0f} s of fake-tensor tracing",
+        "not in any figure: CUDA kernel workspaces (attention, cuBLAS), CUDA contexts, allocator "
+        "fragmentation, SGLang's decode activations and CUDA graphs (engine_step; SGLang keeps "
+        "1 - mem_fraction_static for them)",
+    ]
+    if req.optimizer_dtype != req.param_dtype:
+        notes.append(f"optimizer_dtype {req.optimizer_dtype} does not apply: torch.optim.AdamW keeps its state "
+                     f"in the param dtype ({req.param_dtype})")  # fmt: skip
+    comps["kv_pool"], kv_notes = _kv_pool(req, target, comps, fns, itemsize)
+    return Measured(target, comps, fns, notes + kv_notes)

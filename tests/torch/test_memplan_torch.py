@@ -144,8 +144,9 @@ def test_derived_kv_fills_what_the_schedule_allows():
     naive = memplan.measure(request(schedule="naive"))
     assert plan(m).fits and plan(naive, "naive").fits
     # the SGLang rule at the adapter's default mem_fraction_static (0.6) is the limit on tiny
-    tokens = memplan.sglang_pool_tokens(m.target.hbm_bytes, m.components["engine_weights"].bytes_per_device,
-                                        TINY.num_hidden_layers * 2 * TINY.num_key_value_heads * 128 * 4, 0.6)  # fmt: skip
+    cell = TINY.num_hidden_layers * 2 * TINY.num_key_value_heads * TINY.head_dim * 4
+    weights = m.components["engine_weights"].bytes_per_device
+    tokens = memplan.sglang_pool_tokens(m.target.hbm_bytes, weights, cell, 0.6)
     assert any(f"KV pool derived: {tokens} tokens" in n for n in m.notes)
 
 
