@@ -3,6 +3,7 @@
 #   jax   -> .venv-jax   on Python 3.12 (sglang-jax needs >= 3.12)
 #   torch -> .venv-torch on Python 3.11 (torch==2.13.0 CPU wheel on these machines) or 3.12
 # The install is skipped when the venv's stamp matches the hash of pyproject.toml and this script.
+# jax also gets the compile-only TPU/GPU compilers in .venv-jax/plan-compilers (python -m mllm_rl.memplan).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 backend=${1:?usage: scripts/venv.sh jax|torch}
@@ -52,4 +53,26 @@ if [ "$backend" = torch ] && "$venv/bin/python" -c 'import sys; sys.exit(sys.ver
   "$venv/bin/python" -c 'import torch' 2>/dev/null || quiet "$venv/bin/python" -m pip install -q "torch==2.13.0"
 fi
 quiet "$venv/bin/python" -m pip install -q -e ".[$extras]"
+if [ "$backend" = jax ]; then
+  # The TPU and GPU compilers for compile-only memory plans (python -m mllm_rl.memplan), at the
+  # pins of the 'tpu' and 'gpu-plan' extras, in a directory only the planner puts on sys.path:
+  # JAX loads every installed plugin at start-up, so in site-packages they would cost every
+  # plain CPU run host memory and start-up time (docs/PLAN.md).
+  pins=$("$venv/bin/python" - <<'PY'
+import importlib.metadata as md
+import tomllib
+
+extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]
+want = next(r for r in extras["tpu"] if r.startswith("jax[tpu]==")).split("==")[1]
+have = md.version("jax")
+if have != want:
+    raise SystemExit(f"error: .venv-jax has jax {have}, the 'tpu' extra pins {want}")
+libtpu = next(r.split(";")[0].strip() for r in md.requires("jax") if r.startswith("libtpu") and '"tpu"' in r)
+print(libtpu, *extras["gpu-plan"])
+PY
+)
+  rm -rf "$venv/plan-compilers"
+  # shellcheck disable=SC2086  # $pins: several requirement words
+  quiet "$venv/bin/python" -m pip install -q --no-deps --target "$venv/plan-compilers" $pins
+fi
 echo "$stamp_want" > "$venv/.stamp"

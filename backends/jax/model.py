@@ -10,11 +10,19 @@ computes ``x @ kernel + (x @ lora_a @ lora_b) * alpha / R``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from mllm_rl.backends.jax.attention import attention
+from mllm_rl.backends.jax.logprob import head_logits
+from mllm_rl.backends.jax.options import ModelOptions
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.presets import ModelConfig
 
@@ -50,11 +58,13 @@ class Linear(nnx.Module):
         self.lora_scale = 0.0
 
     def add_lora(self, rank: int, alpha: float, key: jax.Array) -> None:
-        """Attach adapters: ``lora_a`` ~ N(0, 1/in), ``lora_b`` = 0 (output unchanged)."""
-        d_in, d_out = self.kernel.shape
+        """Attach adapters: ``lora_a`` ~ N(0, 1/in), ``lora_b`` = 0 (output unchanged). A
+        stacked kernel [L, in, out] takes ``key`` [L] (one key per layer)."""
+        *lead, d_in, d_out = self.kernel.shape
         dtype = self.kernel.dtype
-        self.lora_a = LoRAParam(jax.random.normal(key, (d_in, rank), dtype) / np.sqrt(d_in))
-        self.lora_b = LoRAParam(jnp.zeros((rank, d_out), dtype))
+        draw = lambda k: jax.random.normal(k, (d_in, rank), dtype) / np.sqrt(d_in)  # noqa: E731
+        self.lora_a = LoRAParam(jax.vmap(draw)(key) if lead else draw(key))
+        self.lora_b = LoRAParam(jnp.zeros((*lead, rank, d_out), dtype))
         self.lora_scale = alpha / rank
 
     def merged_kernel(self) -> jax.Array:
@@ -92,21 +102,16 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(d, c.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(d, c.rms_norm_eps, dtype)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-        """``x``: [B, T, H]; ``mask``: [B, 1, T, T] bool (True = attend) -> [B, T, H]."""
+    def __call__(self, x: jax.Array, positions: jax.Array, attn: jax.Array, run: Run) -> jax.Array:
+        """``x``: [B, T, H]; ``attn``: [B, T] bool (True = real token) -> [B, T, H]."""
         c = self.c
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(b, t, c.num_attention_heads, c.head_dim))
         k = self.k_norm(self.k_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim))
         v = self.v_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
         q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
-        rep = c.num_attention_heads // c.num_key_value_heads
-        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-        scores = jnp.einsum("btnd,bsnd->bnts", q, k).astype(jnp.float32) / np.sqrt(c.head_dim)
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bnts,bsnd->btnd", probs, v).reshape(b, t, -1)
-        return self.o_proj(out)
+        out = attention(q, k, v, attn, run.opts.attention, run.opts.attention_chunk, run.mesh, run.interpret)
+        return self.o_proj(out.reshape(b, t, -1))
 
 
 class MLP(nnx.Module):
@@ -126,61 +131,174 @@ class Block(nnx.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = MLP(c, dtype)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-        x = x + self.self_attn(self.input_layernorm(x), positions, mask)
+    def __call__(self, x: jax.Array, positions: jax.Array, attn: jax.Array, run: Run) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x), positions, attn, run)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3(nnx.Module):
-    """``Qwen3(config)(tokens [B, T], attention_mask [B, T]) -> logits [B, T, V]`` (float32)."""
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """How a forward pass runs: the options, the mesh (``splash`` attention shards by it) and
+    Pallas interpret mode (``splash`` off TPU, for tests)."""
 
-    def __init__(self, c: ModelConfig, dtype: jnp.dtype = jnp.float32) -> None:
+    opts: ModelOptions = ModelOptions()
+    mesh: Mesh | None = None
+    interpret: bool = False
+
+
+REMAT_POLICIES = {
+    "block": None,  # save nothing but the block's input
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projection outputs
+}
+
+
+def _cast(tree: Any, dtype: jnp.dtype | None) -> Any:
+    if dtype is None:
+        return tree
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def _block_fn(graphdef: Any, run: Run, positions: jax.Array, attn: jax.Array) -> Any:
+    """``(x [B, T, H], layer state) -> x`` of one decoder block, rematerialised per
+    ``run.opts.remat``."""
+    cdt = run.opts.compute_jnp_dtype()
+
+    def f(x: jax.Array, state: Any) -> jax.Array:
+        return nnx.merge(graphdef, _cast(state, cdt))(x, positions, attn, run)
+
+    if run.opts.remat == "none":
+        return f
+    return jax.checkpoint(f, policy=REMAT_POLICIES[run.opts.remat], prevent_cse=not run.opts.scan_layers)
+
+
+class Qwen3(nnx.Module):
+    """``Qwen3(config)(tokens [B, T], attention_mask [B, T]) -> logits [B, T, V]`` (float32).
+
+    ``scan_layers``: the decoder blocks are one ``Block`` whose every variable has a leading
+    layer axis [L, ...] and run under ``jax.lax.scan`` (HLO size and compile time flat in
+    depth); otherwise ``layers`` is a list of L blocks run in a Python loop. HF names map
+    onto both layouts (``hf_path``)."""
+
+    def __init__(self, c: ModelConfig, dtype: jnp.dtype = jnp.float32, scan_layers: bool = False) -> None:
         self.config = c
+        self.scan_layers = scan_layers
         self.embed_tokens = nnx.Param(jnp.zeros((c.vocab_size, c.hidden_size), dtype))
-        self.layers = nnx.List([Block(c, dtype) for _ in range(c.num_hidden_layers)])
+        if scan_layers:
+            graphdef, state = nnx.split(Block(c, dtype))
+            stacked = jax.tree.map(lambda a: jnp.zeros((c.num_hidden_layers, *a.shape), a.dtype), state)
+            self.layers: Any = nnx.merge(graphdef, stacked)
+        else:
+            self.layers = nnx.List([Block(c, dtype) for _ in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.lm_head = (
             None if c.tie_word_embeddings else nnx.Param(jnp.zeros((c.vocab_size, c.hidden_size), dtype))
         )
 
-    def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+    def head(self) -> jax.Array:
+        """[V, H]: the output projection (the embedding when tied)."""
+        return (self.embed_tokens if self.lm_head is None else self.lm_head)[...]
+
+    def hidden(
+        self, tokens: jax.Array, attention_mask: jax.Array | None = None, run: Run = Run()
+    ) -> jax.Array:
+        """``tokens`` [B, T] -> final-norm hidden states [B, T, H] (compute dtype)."""
         b, t = tokens.shape
         if attention_mask is None:
             attention_mask = jnp.ones((b, t), bool)
-        attention_mask = attention_mask.astype(bool)
-        positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)  # left padding aware
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        mask = causal[None, None] & attention_mask[:, None, None, :]
-        x = self.embed_tokens[...][tokens]
-        for layer in self.layers:
-            x = layer(x, positions, mask)
-        x = self.norm(x)
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return (x @ head[...].T).astype(jnp.float32)
+        attn = attention_mask.astype(bool)
+        positions = jnp.maximum(jnp.cumsum(attn, axis=1) - 1, 0)  # left padding aware
+        cdt = run.opts.compute_jnp_dtype()
+        x = _cast(self.embed_tokens[...], cdt)[tokens]
+        if self.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+            step = _block_fn(graphdef, run, positions, attn)
+            x, _ = jax.lax.scan(lambda h, s: (step(h, s), None), x, state)
+        else:
+            for layer in self.layers:
+                graphdef, state = nnx.split(layer)
+                x = _block_fn(graphdef, run, positions, attn)(x, state)
+        norm_graph, norm_state = nnx.split(self.norm)
+        return nnx.merge(norm_graph, _cast(norm_state, cdt))(x)
+
+    def __call__(
+        self, tokens: jax.Array, attention_mask: jax.Array | None = None, run: Run = Run()
+    ) -> jax.Array:
+        x = self.hidden(tokens, attention_mask, run)
+        return head_logits(x, _cast(self.head(), run.opts.compute_jnp_dtype()))
 
 
-def linear_layers(model: Qwen3) -> dict[str, Linear]:
-    """HF weight name -> the ``Linear`` holding it (every projection of every layer)."""
-    out = {}
-    for i, layer in enumerate(model.layers):
-        for sub, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
-                           ("mlp", ("gate_proj", "up_proj", "down_proj"))):  # fmt: skip
+LINEAR_SUBS = (
+    ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    ("mlp", ("gate_proj", "up_proj", "down_proj")),
+)
+
+
+class LayerLinear:
+    """One layer's slice of a stacked ``Linear`` (``scan_layers``): the same read interface."""
+
+    def __init__(self, linear: Linear, i: int) -> None:
+        self.linear, self.i = linear, i
+        self.lora_scale = linear.lora_scale
+
+    @property
+    def kernel(self) -> jax.Array:
+        return self.linear.kernel[self.i]
+
+    @property
+    def lora_a(self) -> jax.Array | None:
+        return None if self.linear.lora_a is None else self.linear.lora_a[self.i]
+
+    @property
+    def lora_b(self) -> jax.Array | None:
+        return None if self.linear.lora_b is None else self.linear.lora_b[self.i]
+
+    def merged_kernel(self) -> jax.Array:
+        if self.lora_a is None:
+            return self.kernel
+        return merge_lora(self.kernel, self.lora_a, self.lora_b, jnp.float32(self.lora_scale))
+
+
+def linear_layers(model: Qwen3) -> dict[str, Linear | LayerLinear]:
+    """HF weight name -> the ``Linear`` holding it (every projection of every layer; with
+    stacked layers a ``LayerLinear`` view of its layer)."""
+    out: dict[str, Linear | LayerLinear] = {}
+    for i in range(model.config.num_hidden_layers):
+        for sub, names in LINEAR_SUBS:
             for n in names:
-                out[f"model.layers.{i}.{sub}.{n}.weight"] = getattr(getattr(layer, sub), n)
+                if model.scan_layers:
+                    out[f"model.layers.{i}.{sub}.{n}.weight"] = LayerLinear(
+                        getattr(getattr(model.layers, sub), n), i
+                    )
+                else:
+                    out[f"model.layers.{i}.{sub}.{n}.weight"] = getattr(getattr(model.layers[i], sub), n)
     return out
 
 
 def add_lora(model: Qwen3, rank: int, alpha: float, seed: int = 0) -> None:
-    """Attach LoRA adapters of ``rank`` to every linear layer (in place)."""
+    """Attach LoRA adapters of ``rank`` to every linear layer (in place). Adapter ``j`` (in
+    ``linear_layers`` order) draws ``lora_a`` from ``fold_in(key(seed), j)`` in both layouts."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     key = jax.random.key(seed)
-    for i, lin in enumerate(linear_layers(model).values()):
-        lin.add_lora(rank, alpha, jax.random.fold_in(key, i))
+    per_layer = sum(len(names) for _, names in LINEAR_SUBS)
+    j = 0
+    for sub, names in LINEAR_SUBS:
+        for n in names:
+            if model.scan_layers:
+                idx = jnp.arange(model.config.num_hidden_layers) * per_layer + j
+                keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(idx)
+                getattr(getattr(model.layers, sub), n).add_lora(rank, alpha, keys)
+            else:
+                for i, layer in enumerate(model.layers):
+                    getattr(getattr(layer, sub), n).add_lora(
+                        rank, alpha, jax.random.fold_in(key, i * per_layer + j)
+                    )
+            j += 1
 
 
 def hf_path(name: str) -> tuple[tuple[str | int, ...], bool]:
-    """HF parameter name -> (attribute path in ``Qwen3``, stored transposed?)."""
+    """HF parameter name -> (attribute path in a ``Qwen3`` with a list of layers, stored
+    transposed?). The integer is the layer index (the leading axis with stacked layers)."""
     parts = name.split(".")
     if name == "model.embed_tokens.weight":
         return ("embed_tokens",), False
@@ -195,25 +313,60 @@ def hf_path(name: str) -> tuple[tuple[str | int, ...], bool]:
     return ("layers", i, *rest, "weight"), False
 
 
-def load_qwen3(model_dir: ModelDir, dtype: jnp.dtype | None = None) -> Qwen3:
-    """Build a ``Qwen3`` and stream the checkpoint into it, one tensor at a time."""
+def _owner(model: Qwen3, path: tuple[str | int, ...]) -> tuple[Any, str, int | None]:
+    """(the module holding the variable at ``path``, its attribute, the layer row if stacked)."""
+    obj: Any = model
+    row = None
+    for p in path[:-1]:
+        if isinstance(p, int):
+            if model.scan_layers:
+                row = p
+            else:
+                obj = obj[p]
+        else:
+            obj = getattr(obj, p)
+    return obj, str(path[-1]), row
+
+
+def get_weight(model: Qwen3, name: str) -> tuple[jax.Array, bool]:
+    """The weight ``name`` as our model stores it (kernels [in, out]), and whether HF's is its
+    transpose. A stacked layer's row is sliced out (a copy of one layer)."""
+    path, transpose = hf_path(name)
+    obj, attr, row = _owner(model, path)
+    value = getattr(obj, attr)[...]
+    return (value if row is None else value[row]), transpose
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_row(stacked: jax.Array, row: jax.Array, value: jax.Array) -> jax.Array:
+    return stacked.at[row].set(value)
+
+
+def load_qwen3(model_dir: ModelDir, dtype: jnp.dtype | None = None, scan_layers: bool = False) -> Qwen3:
+    """Build a ``Qwen3`` and stream the checkpoint into it, one tensor at a time (stacked
+    layers: each tensor written into its row of the stacked array in place)."""
     c = model_dir.config
     if dtype is None:
         dtype = jnp.float32 if next(iter(model_dir.tensors.values()))[1].dtype == "F32" else jnp.bfloat16
-    model = nnx.eval_shape(lambda: Qwen3(c, dtype))
+    model = nnx.eval_shape(lambda: Qwen3(c, dtype, scan_layers))
     for name, arr in model_dir.iter_tensors():
         path, transpose = hf_path(name)
-        obj = model
-        for p in path[:-1]:
-            obj = obj[p] if isinstance(p, int) else getattr(obj, p)
+        obj, attr, row = _owner(model, path)
         # A copy, never the memmap itself: jax on CPU would alias the file mapping (see
         # ``sglang_engine.host_copy``).
         host = np.array(arr, copy=True)
         host = host.T if transpose else host
-        var = getattr(obj, path[-1])
-        if tuple(var.shape) != host.shape:
-            raise ValueError(f"{name}: checkpoint {host.shape} vs model {tuple(var.shape)}")
-        setattr(obj, path[-1], nnx.Param(jnp.asarray(host, dtype)))
+        var = getattr(obj, attr)
+        want = tuple(var.shape) if row is None else tuple(var.shape[1:])
+        if want != host.shape:
+            raise ValueError(f"{name}: checkpoint {host.shape} vs model {want}")
+        if row is None:
+            setattr(obj, attr, nnx.Param(jnp.asarray(host, dtype)))
+            continue
+        if isinstance(var.get_value(), jax.ShapeDtypeStruct):  # first layer: allocate the stack
+            setattr(obj, attr, nnx.Param(jnp.zeros(var.shape, dtype)))
+        stacked = getattr(obj, attr)
+        stacked.set_value(_set_row(stacked.get_value(), jnp.int32(row), jnp.asarray(host, dtype)))
     return model
 
 

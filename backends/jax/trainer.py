@@ -7,8 +7,10 @@ Shapes: B sequences, T positions (prompt + completion, right-padded to a multipl
 State is functional: ``nnx.split`` gives a graph definition plus two ``nnx.State`` pytrees,
 ``trainable`` (every ``Param``; in LoRA mode only the ``LoRAParam`` adapters) and
 ``frozen`` (the LoRA base; empty otherwise), and ``opt_state`` over ``trainable``. Params
-are sharded over a 1-D mesh ``("fsdp",)`` of every device (first axis of 2-D leaves when
-it divides), micro-batches along their batch axis when it divides.
+are sharded over a ``("fsdp", "tp")`` mesh of every device by the name rules of
+``sharding.py``, micro-batches along their batch axis over ``fsdp`` when it divides. The
+jitted functions are those of ``step_fns.make_step_fns`` (the ones a memory plan compiles);
+``ModelOptions`` (``options.py``) chooses their layout and memory/speed trade-offs.
 
 Offload moves leaves to the ``pinned_host`` memory kind with the same sharding (the arrays
 on ``device`` are deleted), onload moves them back.
@@ -26,14 +28,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from mllm_rl.backends.jax.fingerprint import read_sums, tensor_sums
-from mllm_rl.backends.jax.model import LoRAParam, Qwen3, add_lora, hf_path, linear_layers, load_qwen3
-from mllm_rl.backends.jax.rl_loss import policy_loss
+from mllm_rl.backends.jax.model import Qwen3, get_weight, linear_layers
+from mllm_rl.backends.jax.options import ModelOptions
+from mllm_rl.backends.jax.sharding import batch_sharding, make_mesh, tree_shardings
+from mllm_rl.backends.jax.step_fns import load_state, make_step_fns, model_dir_dtype
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import Fingerprint, WeightExport
 from mllm_rl.faults import fault
@@ -75,87 +77,41 @@ def _move(tree: Any, kind: str) -> Any:
     return jax.tree.map(one, tree)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _hf_layout(x: jax.Array, transpose: bool) -> jax.Array:
-    return x.T if transpose else x
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _hf_layout(x: jax.Array, transpose: bool, dtype: Any) -> jax.Array:
+    return (x.T if transpose else x).astype(dtype)
 
 
 class JaxTrainer:
-    def __init__(self, model_dir: ModelDir, cfg: TrainConfig) -> None:
+    def __init__(self, model_dir: ModelDir, cfg: TrainConfig, opts: ModelOptions | None = None) -> None:
         self.cfg = cfg
+        self.opts = ModelOptions.for_platform(jax.devices()[0].platform) if opts is None else opts
         self.config = model_dir.config
         self.names = list(model_dir.tensors)  # HF names, checkpoint order
-        devices = np.array(jax.devices())
-        self.mesh = Mesh(devices, ("fsdp",))
-        model = load_qwen3(model_dir)
+        self.mesh = make_mesh(self.opts.tp)
         self.lora = cfg.lora_rank > 0
-        if self.lora:
-            add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.seed)
-            self.graphdef, trainable, frozen = nnx.split(model, LoRAParam, ...)
-        else:
-            self.graphdef, trainable, frozen = nnx.split(model, nnx.Param, ...)
-        self.linear_names = [n for n in linear_layers(model) if n in set(self.names)]
-        self.trainable = self._shard(trainable)
-        self.frozen = self._shard(frozen)
-        del model
-        self.tx = optax.chain(
-            optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
-            optax.adamw(cfg.lr, b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay),
-        )
-        # Every optimizer leaf on the mesh like the params (scalars such as Adam's step count
+        dtype = model_dir_dtype(model_dir)
+        self.export_dtype = dtype  # what the engine holds (the params may be stored wider)
+        # The functions a memory plan lowers with abstract inputs (step_fns.abstract_state) are
+        # the ones this trainer runs.
+        self.fns = make_step_fns(self.config, cfg, self.opts, self.mesh, dtype)
+        self.graphdef, self.trainable, self.frozen = load_state(model_dir, cfg, self.opts, self.mesh)
+        self.linear_names = [n for n in linear_layers(self._model_view()) if n in set(self.names)]
+        self.tx = self.fns.tx
+        # Every optimizer leaf on the mesh like its param (scalars such as Adam's step count
         # replicated): a jit over leaves on different device sets is refused.
-        self.opt_state = self._shard(jax.jit(self.tx.init)(self.trainable))
+        opt_state = jax.jit(self.tx.init)(self.trainable)
+        self.opt_state = jax.tree.map(jax.device_put, opt_state, tree_shardings(opt_state, self.mesh))
         self.ref_host: Any = None  # full fine-tune + KL: the initial params, on the host
         if cfg.loss.beta > 0 and not self.lora:
             self.ref_host = _copy(self.trainable, HOST)
         self.step = 0
-        self._build_fns()
+        self._logp, self._grad = self.fns.logprob, self.fns.grad
+        self._acc, self._apply = self.fns.accumulate, self.fns.apply
 
     # -- setup -------------------------------------------------------------------------
     def _batch_sharding(self, rows: int) -> NamedSharding:
-        n = self.mesh.size
-        return NamedSharding(self.mesh, P("fsdp") if n > 1 and rows % n == 0 else P())
-
-    def _spec(self, x: Any) -> NamedSharding:
-        """Matrices split along their first axis like a batch; vectors and scalars replicated."""
-        return self._batch_sharding(x.shape[0]) if x.ndim >= 2 else NamedSharding(self.mesh, P())
-
-    def _shard(self, tree: Any) -> Any:
-        return jax.tree.map(lambda x: jax.device_put(x, self._spec(x)), tree)
-
-    def _build_fns(self) -> None:
-        graphdef, loss_cfg = self.graphdef, self.cfg.loss
-
-        def token_logp(trainable: Any, frozen: Any, tokens: jax.Array, attn: jax.Array) -> jax.Array:
-            """[B, T] -> log p(tokens[:, t] | tokens[:, :t]) for t >= 1, [B, T - 1]."""
-            model = nnx.merge(graphdef, trainable, frozen)
-            logits = model(tokens[:, :-1], attn[:, :-1])  # [B, T-1, V] float32
-            tgt = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
-            return tgt - jax.nn.logsumexp(logits, axis=-1)
-
-        def loss_fn(trainable, frozen, mb, total_tokens, total_seqs):
-            logp = token_logp(trainable, frozen, mb["tokens"], mb["attn"])
-            mask = mb["loss_mask"][:, 1:]
-            ref = mb["ref_logp"][:, 1:] if loss_cfg.beta > 0 else None
-            loss, m = policy_loss(logp, mb["old_logp"][:, 1:], mb["adv"], mask, loss_cfg, ref_logp=ref,
-                                  total_tokens=total_tokens, total_seqs=total_seqs)  # fmt: skip
-            n = mask.astype(jnp.float32).sum()
-            sums = {k: v * n for k, v in m.items()}  # token-weighted, summed over micro-batches
-            sums["tokens"] = n
-            sums["entropy_proxy"] = -(logp * mask).sum()  # sum of -log p of the taken tokens
-            return loss, sums
-
-        self._logp = jax.jit(token_logp)
-        self._grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
-        self._acc = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
-        tx = self.tx
-
-        def apply(trainable, opt_state, grads):
-            gnorm = optax.global_norm(grads)
-            updates, opt_state = tx.update(grads, opt_state, trainable)
-            return optax.apply_updates(trainable, updates), opt_state, gnorm
-
-        self._apply = jax.jit(apply, donate_argnums=(0, 1))
+        return batch_sharding(self.mesh, rows)
 
     # -- residency -----------------------------------------------------------------------
     def resident(self) -> dict[str, bool]:
@@ -296,11 +252,13 @@ class JaxTrainer:
         length = len(prompt) + n
         toks = np.zeros((1, length), np.int32)
         toks[0, : len(prompt)] = prompt
-        model = self._model_view()
         out, margins = [], []
         for i in range(len(prompt), length):
-            logits = np.asarray(_forward(model, jnp.asarray(toks), jnp.asarray(np.arange(length)[None] < i)))
-            row = logits[0, i - 1]
+            attn = jnp.asarray(np.arange(length)[None] < i)
+            logits = self.fns.next_logits(
+                self.trainable, self.frozen, jnp.asarray(toks), attn, jnp.int32(i - 1)
+            )
+            row = np.asarray(logits)[0]
             top2 = np.sort(row)[-2:]
             tok = int(row.argmax())
             out.append(tok)
@@ -314,15 +272,12 @@ class JaxTrainer:
     def _model_view(self) -> Qwen3:
         return nnx.merge(self.graphdef, self.trainable, self.frozen)
 
-    def _engine_layout(self, model: Qwen3, name: str) -> tuple[jax.Array, bool]:
-        """The weight ``name`` as stored in our model (kernels [in, out]; LoRA merged)."""
-        path, transpose = hf_path(name)
-        if self.lora and transpose:
-            return linear_layers(model)[name].merged_kernel(), True
-        obj: Any = model
-        for p in path:
-            obj = obj[p] if isinstance(p, int) else getattr(obj, p)
-        return obj[...], transpose
+    def _engine_layout(self, model: Qwen3, name: str, lins: dict[str, Any]) -> tuple[jax.Array, bool]:
+        """The weight ``name`` as stored in our model (kernels [in, out]; LoRA merged; one
+        layer's row of stacked layers). ``lins``: ``linear_layers(model)``."""
+        if self.lora and name in lins:
+            return lins[name].merged_kernel(), True
+        return get_weight(model, name)
 
     def export_names(self, full: bool = True) -> list[str]:
         """Full: every weight. Partial (LoRA only): the linear layers the adapters change."""
@@ -334,22 +289,25 @@ class JaxTrainer:
         self._need(PARAMS)
         names = self.export_names(full)
         model = self._model_view()
+        lins = linear_layers(model)
 
         def gen() -> Iterator[tuple[str, jax.Array]]:
             for name in names:
-                value, transpose = self._engine_layout(model, name)
-                yield name, _hf_layout(value, transpose)
+                value, transpose = self._engine_layout(model, name, lins)
+                yield name, _hf_layout(value, transpose, self.export_dtype)
 
         return WeightExport(names, gen(), full=full or not self.lora)
 
     def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
         self._need(PARAMS)
         model = self._model_view()
+        lins = linear_layers(model)
         names = names if names is not None else self.names
         fp: Fingerprint = {}
         for name in names:  # one at a time: each engine-layout copy (merged LoRA, transposed) is
             # freed before the next is made, so the check never holds a second copy of the weights
-            fp.update(read_sums({name: tensor_sums(self._engine_layout(model, name)[0])}))
+            value = self._engine_layout(model, name, lins)[0].astype(self.export_dtype)
+            fp.update(read_sums({name: tensor_sums(value)}))
         return fp
 
     # -- checkpoints ---------------------------------------------------------------------
@@ -374,8 +332,3 @@ class JaxTrainer:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         state = ocp.StandardCheckpointer().restore(Path(path).resolve() / "state", abstract)
         self.trainable, self.opt_state = state["trainable"], state["opt_state"]
-
-
-@nnx.jit
-def _forward(model: Qwen3, tokens: jax.Array, attn: jax.Array) -> jax.Array:
-    return model(tokens, attn)

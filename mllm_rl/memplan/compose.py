@@ -73,6 +73,7 @@ class FunctionMemory:
     compile_seconds: float | None = None
     method: str = "compiler"
     detail: str = ""
+    rejected: str = ""  # the compiler refused it (does not fit alone): its message; peak_bytes >= the memory
 
     @property
     def extra_bytes(self) -> int:
@@ -152,6 +153,9 @@ class Plan:
         }
 
 
+SETUP_PREFIX = "setup:"
+
+
 def compose(
     target: Target,
     schedule: str,
@@ -161,52 +165,65 @@ def compose(
     margin: float = 0.9,
     inputs: dict[str, Any] | None = None,
     notes: list[str] | None = None,
+    setup: list[str] | None = None,
 ) -> Plan:
     """Lay ``components`` and ``functions`` over ``phases`` of ``schedule``.
 
     A component absent from ``components`` is 0 bytes (e.g. no ``ref_params`` without KL); a
-    function absent from ``functions`` adds nothing (say so in ``notes``).
+    function absent from ``functions`` adds nothing (say so in ``notes``). ``setup``: the
+    once-per-run phases before the first step (``lifecycle.SETUP_PHASES``, the same for every
+    schedule), listed first as ``setup:<phase>``.
     """
     if not 0 < margin <= 1:
         raise ValueError(f"margin {margin}: expected 0 < margin <= 1")
     rows = []
-    for name, resident, fns in phase_rows(phases, schedule):
-        res = {c: components[c].bytes_per_device for c in resident if c in components}
-        best, extra = None, 0
-        for f in fns:
-            if f in functions and functions[f].extra_bytes >= extra:
-                best, extra = f, functions[f].extra_bytes
-        rows.append(PhasePlan(name, res, best, extra, sum(res.values()) + extra))
+    tables = [(SETUP_PREFIX, phase_rows(setup, "multi_stage", step=False))] if setup else []
+    tables.append(("", phase_rows(phases, schedule)))
+    for prefix, table in tables:
+        for name, resident, fns in table:
+            res = {c: components[c].bytes_per_device for c in resident if c in components}
+            best, extra = None, 0
+            for f in fns:
+                if f in functions and functions[f].extra_bytes >= extra:
+                    best, extra = f, functions[f].extra_bytes
+            rows.append(PhasePlan(prefix + name, res, best, extra, sum(res.values()) + extra))
     return Plan(target, schedule, margin, dict(components), dict(functions), rows, dict(inputs or {}),
                 list(notes or []))  # fmt: skip
 
 
+def unit_for(b: int) -> tuple[str, int]:
+    """``("GiB", 2**30)`` for figures of a GiB or more, else ``("MiB", 2**20)``."""
+    return ("GiB", GIB) if b >= GIB else ("MiB", 2**20)
+
+
+def fmt(b: int, scale: int) -> str:
+    return f"{b / scale:.2f}"
+
+
 def format_table(plan: Plan) -> str:
-    """The plan as a text table: phase x component, GiB per device, against the budget."""
+    """The plan as a text table: phase x component, per device (GiB, or MiB for a small plan),
+    against the budget."""
+    unit, scale = unit_for(plan.peak.total)
     used = [c for c in COMPONENTS if any(c in p.resident for p in plan.phases)]
     head = ["phase"] + used + ["temp", "total", "of HBM"]
     rows = [head]
     for p in plan.phases:
-        cells = [p.phase] + [_gib(p.resident[c]) if c in p.resident else "-" for c in used]
-        temp = f"{_gib(p.function_extra)} ({p.function})" if p.function else "-"
+        cells = [p.phase] + [fmt(p.resident[c], scale) if c in p.resident else "-" for c in used]
+        temp = f"{fmt(p.function_extra, scale)} ({p.function})" if p.function else "-"
         mark = "" if p.total <= plan.budget else "  OVER"
-        rows.append(cells + [temp, _gib(p.total), f"{p.total / plan.target.hbm_bytes:.0%}{mark}"])
+        rows.append(cells + [temp, fmt(p.total, scale), f"{p.total / plan.target.hbm_bytes:.0%}{mark}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]  # fmt: skip
     t = plan.target
     title = (
         f"PREDICTED memory plan, {plan.schedule} schedule, {t.name} ({t.num_devices} x {t.device_kind}, "
-        f"{_gib(t.hbm_bytes)} GiB per device from {t.source}); GiB per device; budget "
-        f"{plan.margin:.0%} = {_gib(plan.budget)} GiB"
+        f"{fmt(t.hbm_bytes, GIB)} GiB per device from {t.source}); {unit} per device; budget "
+        f"{plan.margin:.0%} = {fmt(plan.budget, GIB)} GiB"
     )
     verdict = (
-        f"fits: peak {_gib(plan.peak.total)} GiB in {plan.peak.phase}"
+        f"fits: peak {fmt(plan.peak.total, scale)} {unit} in {plan.peak.phase}"
         if plan.fits
         else "DOES NOT FIT: {} overflows in {}".format(*reversed(plan.first_overflow() or ("?", "?")))
     )
     return "\n".join([title, *lines, verdict])
-
-
-def _gib(b: int) -> str:
-    return f"{b / GIB:.2f}"

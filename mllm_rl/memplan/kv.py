@@ -25,6 +25,24 @@ def kv_cell_bytes(
     return heads * d * 2 * num_layers * dtype_bytes
 
 
-def kv_tokens(pool_bytes: int, cell_bytes: int) -> int:
-    """Tokens a pool of ``pool_bytes`` per device holds."""
-    return pool_bytes // cell_bytes if cell_bytes > 0 else 0
+def kv_tokens(pool_size: int, cell_bytes: int) -> int:
+    """Tokens a pool of ``pool_size`` bytes per device holds (without the padding slots)."""
+    return pool_size // cell_bytes if cell_bytes > 0 else 0
+
+
+def pool_bytes(tokens: int, cell_bytes: int, pad_tokens: int = 0) -> int:
+    """Bytes per device of a pool of ``tokens`` (sglang-jax allocates ``pad_tokens`` more slots:
+    ``page_size * dp``)."""
+    return (tokens + pad_tokens) * cell_bytes
+
+
+def max_pool_tokens(room_bytes: int, cell_bytes: int, pad_tokens: int = 0) -> int:
+    """The most tokens a pool can hold within ``room_bytes`` per device (may be <= 0)."""
+    return room_bytes // cell_bytes - pad_tokens if cell_bytes > 0 else 0
+
+
+def mem_fraction_for(weight_bytes: int, pool_size: int, free_bytes: int) -> float:
+    """The ``mem_fraction_static`` (rounded up to 0.001) that makes sglang-jax build a pool of
+    ``pool_size`` bytes next to ``weight_bytes`` of weights, with ``free_bytes`` free per device
+    when it starts: its rule gives the pool ``fraction * free - weights``."""
+    return math.ceil((weight_bytes + pool_size) / free_bytes * 1000) / 1000

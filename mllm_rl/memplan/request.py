@@ -1,6 +1,7 @@
 """What a memory plan is asked for, and the contract a backend's planner implements.
 
-A backend that can plan provides ``mllm_rl.backends.<name>.memplan.measure(req) -> Measured``:
+A backend that can plan provides ``mllm_rl.backends.<name>.memplan.measure(req) -> Measured``
+(and optionally ``targets() -> {name: description}``, what its ``--target`` accepts):
 the target's devices and memory, the per-device ``Component`` bytes and the compiled
 ``FunctionMemory`` of each function the schedule runs, each figure labelled with its method.
 ``mllm_rl.memplan.compose`` then lays them over the phases. Nothing here imports jax or torch.
@@ -9,6 +10,7 @@ the target's devices and memory, the per-device ``Component`` bytes and the comp
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from mllm_rl.memplan.compose import Component, FunctionMemory, Target
 from mllm_rl.presets import ModelConfig
@@ -26,8 +28,8 @@ class PlanRequest:
     seq_len: int = 4096
     group_size: int = 8
     prompts: int = 8
-    tp: int = 1  # tensor parallel (engine and trainer)
-    fsdp: int = 0  # 0: every device not used by tp
+    tp: int = 1  # tensor parallel of the rollout engine
+    fsdp: int = 0  # the trainer's data/FSDP axis; 0: every device not used by trainer_tp
     lora_rank: int = 0
     kl: bool = False  # full fine-tune with a KL term keeps reference params
     schedule: str = "multi_stage"
@@ -36,9 +38,20 @@ class PlanRequest:
     margin: float = 0.9  # the fraction of device memory a phase may use
     param_dtype: str = "bfloat16"
     optimizer_dtype: str = "float32"
+    max_running_requests: int = 128  # the engine's batch limit (the run's --max-running-requests)
+    trainer_tp: int = 1  # tensor parallel of the trainer's mesh (fsdp x trainer_tp = devices)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # backend model options (by name)
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "seq_len", "group_size", "prompts", "tp"):
+        for name in (
+            "micro_batch",
+            "seq_len",
+            "group_size",
+            "prompts",
+            "tp",
+            "trainer_tp",
+            "max_running_requests",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"PlanRequest.{name} must be >= 1, got {getattr(self, name)}")
         if self.fsdp < 0 or self.lora_rank < 0:
@@ -57,3 +70,7 @@ class Measured:
     components: dict[str, Component]
     functions: dict[str, FunctionMemory]
     notes: list[str] = dataclasses.field(default_factory=list)
+    # Backend facts the core uses when present: kv_cell_bytes, kv_pad_tokens (a KV pool of N
+    # tokens is (N + pad) x cell bytes), kv_tokens, mem_fraction_static, compile_seconds
+    # {function: s}, host_peak_rss_bytes.
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -15,6 +15,9 @@ Components (per-device bytes):
 - ``grads``           the gradient accumulator (one trainable-sized tree)
 - ``ref_params``      a full fine-tune with a KL term: the reference params, on device in train_step
 - ``staging``         the weight update's staging chunk (one bucket in flight)
+- ``engine_logits``   what the engine keeps between generate calls (sglang-jax: the last decode
+                      batch's logits and log-probs); from the first rollout on it is in every
+                      step phase (no release frees it), in no setup phase
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ COMPONENTS = (
     "grads",
     "ref_params",
     "staging",
+    "engine_logits",
 )
+# Resident in every step phase (never in setup, which runs before the first generate).
+STEP_ALWAYS = ("engine_logits",)
 
 # Functions whose compiled temporaries a phase adds (the largest one of its list).
 FUNCTIONS = ("engine_step", "logprob", "grad_step", "optimizer_apply")
@@ -63,8 +69,11 @@ _NAIVE: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
-def phase_rows(phases: list[str], schedule: str) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
-    """``[(phase, resident components, functions)]`` for a phase list of ``schedule``.
+def phase_rows(
+    phases: list[str], schedule: str, step: bool = True
+) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
+    """``[(phase, resident components, functions)]`` for a phase list of ``schedule``; ``step``:
+    the phases of an RL step (``STEP_ALWAYS`` resident in each), not the once-per-run setup.
 
     ``empty_cache`` holds what the phase before it ended with; in the multi-stage schedule
     ``offload_optimizer -> empty_cache`` keeps the trainer params, ``offload_trainer_params ->
@@ -84,13 +93,16 @@ def phase_rows(phases: list[str], schedule: str) -> list[tuple[str, tuple[str, .
         resident, fns = table[name]
         if name == "empty_cache":
             resident = prev_end
+        prev_end = end_state(name, resident)
+        if step:
+            resident = resident + tuple(c for c in STEP_ALWAYS if c not in resident)
         rows.append((name, resident, fns))
-        prev_end = _end_state(name, resident)
     return rows
 
 
-def _end_state(phase: str, resident: tuple[str, ...]) -> tuple[str, ...]:
-    """What is still resident when ``phase`` ends (what a following ``empty_cache`` holds)."""
+def end_state(phase: str, resident: tuple[str, ...]) -> tuple[str, ...]:
+    """What is still resident when ``phase`` ends (what a following ``empty_cache`` holds, and
+    what a phase record's ``bytes_in_use`` at the phase's end shows)."""
     drop = {
         "release_rollout": ("engine_weights", "kv_pool"),
         "offload_optimizer": ("optimizer", "grads", "ref_params"),

@@ -1,0 +1,288 @@
+"""The JAX backend's memory planner: ``measure(req) -> Measured`` (``mllm_rl.memplan.request``).
+
+For a target topology (``topologies.py``; nothing runs on a device) it compiles the trainer's
+real jitted functions (``step_fns.make_step_fns``: ``grad``, ``apply``, and ``logprob`` when a
+KL term needs reference log-probs) with the abstract state and shardings the trainer uses
+(``step_fns.abstract_state`` / ``batch_specs`` on ``sharding.make_mesh``), and reads each
+one's ``memory_analysis()`` per device. Components:
+
+=================  ==========  ==============================================================
+component          method      from
+=================  ==========  ==============================================================
+engine_weights     layout      sglang-jax's own model, abstract, sharded on its mesh
+                               (``engine_layout.weights``); compiler size in the detail
+kv_pool            layout      sglang-jax's pool formula and sizing rule (``engine_layout``);
+                               one layer's buffer compiled to check it
+engine_logits      layout      float32 [rows, vocab] logits the engine keeps between generates
+trainer_params     layout      ``abstract_state`` shards on device 0 (trainable + frozen)
+optimizer          layout      the AdamW state's shards on device 0
+grads              compiler    ``grad``'s output buffers (the compiler picks their sharding)
+ref_params         layout      full fine-tune with KL: the trainable params again
+staging            layout      estimate: the largest tensor in flight during the update, on
+                               the trainer side (HF layout, then cast/transposed) and placed
+=================  ==========  ==============================================================
+
+The engine's own forward/decode step is not compiled: sglang-jax builds its batch metadata on
+the host inside its scheduler, with no entry point that lowers a step from shapes alone; its
+temporaries are left out of the rollout phases (the plan says so in its notes).
+
+Peak of a compiled function: ``peak_memory_in_bytes`` on TPU and GPU; on CPU, where XLA
+reports no buffer reuse, ``arguments + outputs - aliased + temporaries`` (an upper bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import time
+from typing import Any
+
+from mllm_rl.backends.jax import engine_layout, topologies
+from mllm_rl.memplan.compose import Component, FunctionMemory
+from mllm_rl.memplan.request import Measured, PlanRequest
+from mllm_rl.rl.loss_config import LossConfig
+from mllm_rl.trainer import TrainConfig
+
+T_BUCKET = 32  # the trainer pads a batch's positions to a multiple of this (trainer.T_BUCKET)
+KL_BETA = 0.04  # any beta > 0: a KL term (its value does not change memory)
+
+_cache: dict[tuple[Any, ...], Any] = {}  # per process: topologies, engine layouts, compiled functions
+
+
+def targets() -> dict[str, str]:
+    """Target name -> description (what ``--target`` accepts with ``--backend jax``)."""
+    return topologies.describe()
+
+
+def measure(req: PlanRequest) -> Measured:
+    """Components and compiled functions of one colocated RL step for ``req`` (per device).
+
+    ``ValueError`` (one line) for a request the run would refuse: unknown target, a tp that
+    does not divide the heads or the devices, a pool the engine could not start with.
+    """
+    spec = topologies.spec(req.target)
+    topologies.prepare(spec, cpu_devices=max(req.tp, req.trainer_tp))
+    devices, target = _topology(spec)
+    _check_mesh(req, target)
+    opts = model_options(req, target.platform)
+    notes: list[str] = []
+    info: dict[str, Any] = {"model_options": dataclasses.asdict(opts), "compile_seconds": {}}
+
+    eng = _cached(
+        ("engine", req.target, req.model, req.tp), lambda: engine_layout.weights(req.model, devices, req.tp)
+    )
+    kv = engine_layout.size_pool(req.model, req.tp, target.hbm_bytes, eng.bytes_per_device, target.platform,
+                                 req.kv_tokens, req.mem_fraction_static)  # fmt: skip
+    layer = _cached(("kvlayer", req.target, req.model, req.tp, kv.tokens),
+                    lambda: engine_layout.compile_layer(req.model, devices, req.tp, kv.tokens))  # fmt: skip
+    formula_layer = kv.bytes_per_device // req.model.num_hidden_layers
+    default_frac = engine_layout.DEFAULT_MEM_FRACTION[target.platform]
+    info.update(kv_tokens=kv.tokens, kv_cell_bytes=kv.cell_bytes, kv_pad_tokens=kv.pad_tokens,
+                mem_fraction_static=kv.mem_fraction_static, engine_free_bytes=kv.free_bytes)  # fmt: skip
+    logits, rows = engine_layout.logits_bytes(
+        req.model, req.max_running_requests, req.prompts * req.group_size
+    )
+    comps = {
+        "engine_weights": Component("engine_weights", eng.bytes_per_device, "layout",
+                                    f"sglang-jax Qwen3ForCausalLM sharded over tensor={req.tp}; "
+                                    f"{eng.tensors} arrays; compiler size {eng.compiler_bytes} B"),
+        "kv_pool": Component("kv_pool", kv.bytes_per_device, "layout",
+                             f"sglang-jax MHATokenToKVPool: ({kv.tokens} + {kv.pad_tokens}) tokens x "
+                             f"{kv.cell_bytes} B/token ({kv.rule}); one layer compiled: {layer} B "
+                             f"(formula {formula_layer} B)"),
+        "engine_logits": Component("engine_logits", logits, "layout",
+                                   f"[{rows}, {req.model.vocab_size}] float32 rows of logits sglang-jax keeps between "
+                                   f"generate calls (max_running_requests {req.max_running_requests}, rollout batch "
+                                   f"{req.prompts * req.group_size})"),
+    }  # fmt: skip
+    if layer != formula_layer:
+        notes.append(
+            f"KV pool: the compiler lays one layer out in {layer} B, the formula says {formula_layer} B"
+        )
+    if req.kv_tokens is not None and req.mem_fraction_static is None:
+        notes.append(f"sglang-jax sizes this pool with mem_fraction_static >= {kv.mem_fraction_static} "
+                     f"(free at engine start: {kv.free_bytes} B per device; the adapter's default is {default_frac})")  # fmt: skip
+
+    fns, trainer_comps = _trainer(req, devices, target, opts, info, notes)
+    comps.update(trainer_comps)
+    comps["staging"] = _staging(eng)
+    notes.append("engine forward/decode step not compiled (sglang-jax has no shape-only entry point): "
+                 "rollout phases hold engine weights + KV pool without its activations")  # fmt: skip
+    if target.platform == "gpu":
+        notes.append("GPU: XLA's compiler does not reject a program that does not fit (the plan compares); "
+                     "JAX preallocates 75% of GPU memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise")  # fmt: skip
+    info["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return Measured(target, comps, fns, notes, info)
+
+
+def model_options(req: PlanRequest, platform: str) -> Any:
+    """The trainer's ``ModelOptions`` on ``platform`` (its default there), with ``req.options``
+    applied (``ValueError`` naming an unknown option)."""
+    from mllm_rl.backends.jax.options import ModelOptions
+
+    for_platform = getattr(
+        ModelOptions, "for_platform", None
+    )  # the trainer's per-platform default, when it has one
+    base = for_platform(platform, tp=req.trainer_tp) if for_platform else ModelOptions(tp=req.trainer_tp)
+    known = {f.name for f in dataclasses.fields(ModelOptions)}
+    bad = sorted(set(req.options) - known)
+    if bad:
+        raise ValueError(
+            f"--model-option {bad[0]}: unknown; the JAX trainer's options are {', '.join(sorted(known))}"
+        )
+    return dataclasses.replace(base, **req.options)
+
+
+def _cached(key: tuple[Any, ...], make: Any) -> Any:
+    if key not in _cache:
+        _cache[key] = make()
+    return _cache[key]
+
+
+def _topology(spec: topologies.TargetSpec) -> tuple[list[Any], Any]:
+    return _cached(("topology", spec.name), lambda: topologies.devices(spec))
+
+
+def _check_mesh(req: PlanRequest, target: Any) -> None:
+    n, c = target.num_devices, req.model
+    if req.tp > n:
+        raise ValueError(f"--tp {req.tp}: {target.name} has {n} devices")
+    if target.num_hosts > 1 and req.tp != n:
+        raise ValueError(
+            f"--tp {req.tp}: on {target.num_hosts} hosts the engine's mesh spans every device; pass --tp {n}"
+        )
+    if c.num_attention_heads % req.tp or c.num_key_value_heads % req.tp:
+        raise ValueError(f"--tp {req.tp}: {c.num_attention_heads} heads / {c.num_key_value_heads} kv heads of "
+                         f"{c.name} are not divisible by it")  # fmt: skip
+    if n % req.trainer_tp:
+        raise ValueError(f"--trainer-tp {req.trainer_tp} does not divide the {n} devices of {target.name}")
+    if req.fsdp not in (0, n // req.trainer_tp):
+        raise ValueError(f"--fsdp {req.fsdp}: the trainer's mesh is fsdp x tp = every device; "
+                         f"with --trainer-tp {req.trainer_tp} on {n} devices fsdp is {n // req.trainer_tp}")  # fmt: skip
+
+
+def _train_config(req: PlanRequest) -> TrainConfig:
+    return TrainConfig(micro_batch_size=req.micro_batch, lora_rank=req.lora_rank,
+                       loss=LossConfig(beta=KL_BETA if req.kl else 0.0))  # fmt: skip
+
+
+def _trainer(
+    req: PlanRequest, devices: list[Any], target: Any, opts: Any, info: dict[str, Any], notes: list[str]
+) -> tuple[dict[str, FunctionMemory], dict[str, Component]]:
+    """Compile the trainer's functions; their FunctionMemory and the trainer's components."""
+    import jax
+
+    from mllm_rl.backends.jax.sharding import make_mesh
+    from mllm_rl.backends.jax.step_fns import SCALAR, abstract_state, batch_specs, make_step_fns
+
+    cfg = _train_config(req)
+    mesh = make_mesh(opts.tp, devices)
+    key = (req.target, req.model, req.lora_rank, req.kl, opts)
+    fns = _cached(("fns",) + key, lambda: make_step_fns(req.model, cfg, opts, mesh))
+    trainable, frozen, opt_state = _cached(
+        ("state",) + key, lambda: abstract_state(req.model, cfg, opts, mesh)
+    )
+    seq = -(-req.seq_len // T_BUCKET) * T_BUCKET
+    mb = batch_specs(req.micro_batch, seq, mesh, kl=req.kl)
+    scalar = jax.ShapeDtypeStruct(
+        (), SCALAR.dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    )
+    if seq != req.seq_len:
+        notes.append(
+            f"sequence length {req.seq_len} padded to {seq} (the trainer pads to multiples of {T_BUCKET})"
+        )
+    params = _shard_bytes((trainable, frozen))
+    comps = {
+        "trainer_params": Component("trainer_params", params, "layout",
+                                    f"trainable + frozen shards on device 0, mesh fsdp={mesh.shape['fsdp']} x "
+                                    f"tp={mesh.shape['tp']}"),
+        "optimizer": Component("optimizer", _shard_bytes(opt_state), "layout", "AdamW state shards on device 0"),
+    }  # fmt: skip
+    if req.kl and req.lora_rank == 0:
+        comps["ref_params"] = Component("ref_params", _shard_bytes(trainable), "layout",
+                                        "KL reference: the initial trainable params, on device in train_step")  # fmt: skip
+    out: dict[str, FunctionMemory] = {}
+    grad = _compile("grad_step", fns.grad, (trainable, frozen, mb, scalar, scalar), target, info,
+                    f"micro-batch {req.micro_batch} x {seq} tokens")  # fmt: skip
+    out["grad_step"] = grad.memory
+    if grad.compiled is not None:
+        grads_bytes = grad.memory.output_bytes
+        grads_spec = grad.compiled.output_shardings[1]
+        grads_tree = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), trainable, grads_spec
+        )
+        comps["grads"] = Component("grads", grads_bytes, "compiler",
+                                   "grad_step's output buffers on one device (the accumulator has the same layout)")  # fmt: skip
+    else:
+        grads_tree = trainable
+        comps["grads"] = Component("grads", _shard_bytes(trainable), "layout",
+                                   "grad_step was rejected; gradients assumed sharded like the params")  # fmt: skip
+    apply_key = ("apply",) + key
+    if apply_key not in _cache:
+        _cache[apply_key] = _compile("optimizer_apply", fns.apply, (trainable, opt_state, grads_tree), target, info,
+                                     "AdamW update, params and state donated").memory  # fmt: skip
+    else:
+        info["compile_seconds"]["optimizer_apply"] = 0.0
+    out["optimizer_apply"] = _cache[apply_key]
+    if req.kl:
+        # the reference: the initial params (full fine-tune) or zero adapters (LoRA), same shapes
+        out["logprob"] = _compile("logprob", fns.logprob, (trainable, frozen, mb["tokens"], mb["attn"]), target, info,
+                                  f"reference log-probs, {req.micro_batch} x {seq}").memory  # fmt: skip
+    return out, comps
+
+
+@dataclasses.dataclass
+class _Compiled:
+    memory: FunctionMemory
+    compiled: Any
+
+
+def _compile(
+    name: str, fn: Any, args: tuple[Any, ...], target: Any, info: dict[str, Any], detail: str
+) -> _Compiled:
+    """Lower and compile ``fn`` for the target; its per-device memory (or the compiler's refusal)."""
+    t0 = time.perf_counter()
+    try:
+        compiled = fn.lower(*args).compile()
+    except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory refusal is expected
+        rej = topologies.rejection(e)
+        if rej is None:
+            raise
+        secs = time.perf_counter() - t0
+        info["compile_seconds"][name] = round(secs, 2)
+        line, need = rej
+        peak = max(need, target.hbm_bytes + 1)
+        mem = FunctionMemory(name, peak, 0, compile_seconds=secs, detail=detail, rejected=line)
+        return _Compiled(mem, None)
+    secs = time.perf_counter() - t0
+    info["compile_seconds"][name] = round(secs, 2)
+    m = compiled.memory_analysis()
+    arg, out, alias, temp = (int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
+                             int(m.alias_size_in_bytes), int(m.temp_size_in_bytes))  # fmt: skip
+    if target.platform == "cpu":
+        peak = arg + out - alias + temp  # XLA:CPU reports no buffer reuse: an upper bound
+    else:
+        peak = int(m.peak_memory_in_bytes)
+    mem = FunctionMemory(name, peak, arg, out, temp, alias, compile_seconds=secs, detail=detail)
+    return _Compiled(mem, compiled)
+
+
+def _shard_bytes(tree: Any) -> int:
+    """Bytes of device 0's shards of the ``ShapeDtypeStruct`` leaves of ``tree``."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for x in jax.tree.leaves(tree):
+        total += int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+    return total
+
+
+def _staging(eng: engine_layout.EngineWeights) -> Component:
+    """The weight update's bytes in flight beyond both resident copies (an estimate by layout):
+    the largest engine tensor's shard, three times: the trainer's HF-layout copy, its cast /
+    transposed copy, and the placed copy before the old leaf is freed."""
+    b = 3 * eng.largest_tensor_bytes
+    return Component("staging", b, "layout",
+                     f"3 x the largest engine tensor shard ({eng.largest_tensor_bytes} B): HF-layout, cast and "
+                     "placed copies of one tensor (estimate)")  # fmt: skip

@@ -1,0 +1,257 @@
+"""The JAX trainer's jitted step functions, as pure functions of abstract or real state.
+
+``JaxTrainer`` builds its state with ``load_state`` and runs exactly the functions of
+``make_step_fns``; a planner lowers the same functions with the ``ShapeDtypeStruct`` trees of
+``abstract_state`` / ``batch_specs`` (no parameter is ever allocated) and compiles them for a
+target, so a plan compiles what the run runs::
+
+    mesh = make_mesh(opts.tp, devices)              # devices of the target (or jax.devices())
+    fns = make_step_fns(model_cfg, train_cfg, opts, mesh)
+    trainable, frozen, opt_state = abstract_state(model_cfg, train_cfg, opts, mesh)
+    mb = batch_specs(B, T, mesh, kl=train_cfg.loss.beta > 0)
+    fns.grad.lower(trainable, frozen, mb, SCALAR, SCALAR).compile().memory_analysis()
+
+Shapes: B micro-batch rows, T positions (prompt + completion, right-padded), V vocab.
+
+- ``trainable`` / ``frozen``: ``nnx.State`` trees of the model's variables. Full fine-tune:
+  ``trainable`` = every ``Param``, ``frozen`` empty. LoRA: ``trainable`` = the ``LoRAParam``
+  adapters, ``frozen`` = the base. Leaves sharded by ``sharding.tree_shardings``.
+- ``opt_state``: ``optax`` state of ``make_tx(train_cfg)`` over ``trainable`` (same shardings
+  leaf by leaf; Adam's step count replicated).
+- micro-batch ``mb`` (``batch_specs``): ``tokens`` [B, T] int32, ``attn`` [B, T] bool,
+  ``loss_mask`` [B, T] bool, ``old_logp`` [B, T] float32, ``adv`` [B] float32, and with KL
+  ``ref_logp`` [B, T] float32; rows split over ``fsdp`` when B divides.
+
+``StepFns`` (each a ``jax.jit``-ed function; ``.lower(...)`` takes the abstract trees):
+
+- ``logprob(trainable, frozen, tokens [B, T], attn [B, T]) -> [B, T - 1]`` float32:
+  ``log p(tokens[:, t] | tokens[:, :t])`` for ``t >= 1`` (rollout/reference log-probs);
+- ``next_logits(trainable, frozen, tokens [B, T], attn [B, T], pos []) -> [B, V]`` float32:
+  the logits after position ``pos`` (the greedy probe);
+- ``grad(trainable, frozen, mb, total_tokens [], total_seqs []) -> ((loss [], sums), grads)``:
+  the policy loss of one micro-batch and its gradient w.r.t. ``trainable``; ``sums`` holds
+  token-summed metrics (``clip_frac``, ``kl``, ``ratio_mean``, ``tokens``, ``entropy_proxy``);
+- ``accumulate(acc, grads) -> acc + grads`` (donates ``acc``);
+- ``apply(trainable, opt_state, grads) -> (trainable, opt_state, grad_norm [])`` (donates
+  ``trainable`` and ``opt_state``): one AdamW update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from mllm_rl.backends.jax.logprob import head_logits, token_logprobs
+from mllm_rl.backends.jax.model import LoRAParam, Qwen3, Run, add_lora, load_qwen3
+from mllm_rl.backends.jax.options import ModelOptions
+from mllm_rl.backends.jax.rl_loss import policy_loss
+from mllm_rl.backends.jax.sharding import batch_sharding, tree_shardings
+from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.presets import ModelConfig
+from mllm_rl.trainer import TrainConfig
+
+SCALAR = jax.ShapeDtypeStruct((), jnp.float32)  # total_tokens / total_seqs of ``grad``
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFns:
+    graphdef: Any  # nnx graph definition: nnx.merge(graphdef, trainable, frozen) is the model
+    tx: optax.GradientTransformation
+    logprob: Callable[..., Any]
+    next_logits: Callable[..., Any]
+    grad: Callable[..., Any]
+    accumulate: Callable[..., Any]
+    apply: Callable[..., Any]
+
+
+def make_tx(cfg: TrainConfig, opts: ModelOptions | None = None) -> optax.GradientTransformation:
+    """The optimizer: global-norm clipping (when ``grad_clip > 0``), then AdamW. With
+    ``opts.opt_dtype`` the moments live in that dtype and grads and params are cast to it
+    before the update (``optax.apply_updates`` casts the sum back to the params' dtype)."""
+    base = optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
+        optax.adamw(cfg.lr, b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay),
+    )
+    odt = None if opts is None else opts.opt_jnp_dtype()
+    if odt is None:
+        return base
+    cast = lambda tree: jax.tree.map(lambda a: a.astype(odt), tree)  # noqa: E731
+
+    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return base.update(cast(grads), state, None if params is None else cast(params))
+
+    return optax.GradientTransformation(lambda params: base.init(cast(params)), update)
+
+
+def checkpoint_dtype(model_cfg: ModelConfig) -> jnp.dtype:
+    """The dtype a checkpoint of ``model_cfg`` stores (its ``torch_dtype``)."""
+    return jnp.dtype(model_cfg.torch_dtype)
+
+
+def model_dir_dtype(model_dir: ModelDir) -> jnp.dtype:
+    """The dtype of ``model_dir``'s tensors (float32 for ``F32``, else bfloat16)."""
+    return jnp.dtype(
+        jnp.float32 if next(iter(model_dir.tensors.values()))[1].dtype == "F32" else jnp.bfloat16
+    )
+
+
+def _split(model: Qwen3, lora: bool) -> tuple[Any, Any, Any]:
+    return nnx.split(model, LoRAParam, ...) if lora else nnx.split(model, nnx.Param, ...)
+
+
+def _build(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: ModelOptions, dtype: Any) -> Qwen3:
+    model = Qwen3(model_cfg, opts.param_jnp_dtype(dtype), opts.scan_layers)
+    if train_cfg.lora_rank > 0:
+        add_lora(model, train_cfg.lora_rank, train_cfg.lora_alpha, train_cfg.seed)
+    return model
+
+
+def abstract_model(
+    model_cfg: ModelConfig, train_cfg: TrainConfig, opts: ModelOptions, dtype: Any = None
+) -> tuple[Any, Any, Any]:
+    """(graphdef, trainable, frozen) with ``ShapeDtypeStruct`` leaves (nothing allocated).
+    ``dtype``: the checkpoint's (default ``model_cfg.torch_dtype``)."""
+    dtype = checkpoint_dtype(model_cfg) if dtype is None else dtype
+    model = nnx.eval_shape(lambda: _build(model_cfg, train_cfg, opts, dtype))
+    return _split(model, train_cfg.lora_rank > 0)
+
+
+def _with_shardings(tree: Any, mesh: Mesh) -> Any:
+    shardings = tree_shardings(tree, mesh)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def abstract_state(
+    model_cfg: ModelConfig, train_cfg: TrainConfig, opts: ModelOptions, mesh: Mesh, dtype: Any = None
+) -> tuple[Any, Any, Any]:
+    """(trainable, frozen, opt_state) as ``ShapeDtypeStruct`` trees carrying the trainer's
+    ``NamedSharding``s on ``mesh``. ``dtype``: the checkpoint's (default ``model_cfg.torch_dtype``)."""
+    _, trainable, frozen = abstract_model(model_cfg, train_cfg, opts, dtype)
+    opt_state = jax.eval_shape(make_tx(train_cfg, opts).init, trainable)
+    return _with_shardings(trainable, mesh), _with_shardings(frozen, mesh), _with_shardings(opt_state, mesh)
+
+
+def batch_specs(rows: int, seq_len: int, mesh: Mesh, kl: bool = False) -> dict[str, jax.ShapeDtypeStruct]:
+    """The micro-batch ``grad`` takes, as ``ShapeDtypeStruct``s (see the module docstring)."""
+    sh = batch_sharding(mesh, rows)
+    spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=sh)  # noqa: E731
+    out = {
+        "tokens": spec((rows, seq_len), jnp.int32),
+        "attn": spec((rows, seq_len), jnp.bool_),
+        "loss_mask": spec((rows, seq_len), jnp.bool_),
+        "old_logp": spec((rows, seq_len), jnp.float32),
+        "adv": spec((rows,), jnp.float32),
+    }
+    if kl:
+        out["ref_logp"] = spec((rows, seq_len), jnp.float32)
+    return out
+
+
+def load_state(
+    model_dir: ModelDir, train_cfg: TrainConfig, opts: ModelOptions, mesh: Mesh
+) -> tuple[Any, Any, Any]:
+    """The real (graphdef, trainable, frozen) of ``model_dir``, placed with the shardings of
+    ``abstract_state`` (the tree structure is checked against it)."""
+    dtype = model_dir_dtype(model_dir)
+    model = load_qwen3(model_dir, opts.param_jnp_dtype(dtype), opts.scan_layers)
+    if train_cfg.lora_rank > 0:
+        add_lora(model, train_cfg.lora_rank, train_cfg.lora_alpha, train_cfg.seed)
+    graphdef, trainable, frozen = _split(model, train_cfg.lora_rank > 0)
+    del model
+    _, want_t, want_f = abstract_model(model_dir.config, train_cfg, opts, dtype)
+    for got, want in ((trainable, want_t), (frozen, want_f)):
+        if jax.tree.structure(got) != jax.tree.structure(want):
+            raise ValueError(f"{model_dir.path}: loaded state does not match the model's abstract state")
+    place = lambda t: jax.tree.map(jax.device_put, t, tree_shardings(t, mesh))  # noqa: E731
+    return graphdef, place(trainable), place(frozen)
+
+
+def make_run(opts: ModelOptions, mesh: Mesh) -> Run:
+    """How the forward runs on ``mesh``'s platform: ``splash`` is a TPU kernel, run by the
+    Pallas interpreter on CPU (slow; for tests) and refused elsewhere."""
+    platform = mesh.devices.flat[0].platform
+    if opts.attention == "splash" and platform not in ("tpu", "cpu"):
+        raise ValueError(
+            f"ModelOptions.attention='splash' is a TPU kernel; on {platform} use 'chunked' or 'xla'"
+        )
+    return Run(opts, mesh, interpret=opts.attention == "splash" and platform == "cpu")
+
+
+def make_step_fns(
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    opts: ModelOptions,
+    mesh: Mesh,
+    dtype: Any = None,
+) -> StepFns:
+    """The trainer's jitted functions for this model, training and layout configuration, for
+    the devices of ``mesh`` (a target's, for a plan). ``dtype``: the checkpoint's."""
+    graphdef, abs_trainable, _ = abstract_model(model_cfg, train_cfg, opts, dtype)
+    loss_cfg = train_cfg.loss
+    tx = make_tx(train_cfg, opts)
+    run = make_run(opts, mesh)
+    # Gradients, updated params and optimizer state pinned to the params' layout (XLA would
+    # otherwise be free to return e.g. a scan's stacked gradients less sharded).
+    t_sh = tree_shardings(abs_trainable, mesh)
+    o_sh = tree_shardings(jax.eval_shape(tx.init, abs_trainable), mesh)
+    pin = jax.lax.with_sharding_constraint
+    cdt = opts.compute_jnp_dtype()
+
+    def token_logp(trainable: Any, frozen: Any, tokens: jax.Array, attn: jax.Array) -> jax.Array:
+        """[B, T] -> log p(tokens[:, t] | tokens[:, :t]) for t >= 1, [B, T - 1]."""
+        model: Qwen3 = nnx.merge(graphdef, trainable, frozen)
+        x = model.hidden(tokens, attn, run)  # [B, T, H]; the last position predicts nothing
+        targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+        head = model.head() if cdt is None else model.head().astype(cdt)
+        return token_logprobs(x, head, targets, opts.logprob_chunk)[:, :-1]
+
+    def next_logits(
+        trainable: Any, frozen: Any, tokens: jax.Array, attn: jax.Array, pos: jax.Array
+    ) -> jax.Array:
+        """Logits [B, V] float32 of the token after position ``pos`` (greedy probe)."""
+        model: Qwen3 = nnx.merge(graphdef, trainable, frozen)
+        x = jax.lax.dynamic_index_in_dim(model.hidden(tokens, attn, run), pos, axis=1, keepdims=False)
+        head = model.head() if cdt is None else model.head().astype(cdt)
+        return head_logits(x, head)
+
+    def loss_fn(trainable, frozen, mb, total_tokens, total_seqs):
+        logp = token_logp(trainable, frozen, mb["tokens"], mb["attn"])
+        mask = mb["loss_mask"][:, 1:]
+        ref = mb["ref_logp"][:, 1:] if loss_cfg.beta > 0 else None
+        loss, m = policy_loss(logp, mb["old_logp"][:, 1:], mb["adv"], mask, loss_cfg, ref_logp=ref,
+                              total_tokens=total_tokens, total_seqs=total_seqs)  # fmt: skip
+        n = mask.astype(jnp.float32).sum()
+        sums = {k: v * n for k, v in m.items()}  # token-weighted, summed over micro-batches
+        sums["tokens"] = n
+        sums["entropy_proxy"] = -(logp * mask).sum()  # sum of -log p of the taken tokens
+        return loss, sums
+
+    odt = opts.opt_jnp_dtype()
+
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def grad(trainable, frozen, mb, total_tokens, total_seqs):
+        out, grads = value_and_grad(trainable, frozen, mb, total_tokens, total_seqs)
+        return out, pin(grads, t_sh)
+
+    def apply(trainable, opt_state, grads):
+        gnorm = optax.global_norm(grads if odt is None else jax.tree.map(lambda g: g.astype(odt), grads))
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return pin(optax.apply_updates(trainable, updates), t_sh), pin(opt_state, o_sh), gnorm
+
+    return StepFns(
+        graphdef=graphdef,
+        tx=tx,
+        logprob=jax.jit(token_logp),
+        next_logits=jax.jit(next_logits),
+        grad=jax.jit(grad),
+        accumulate=jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0),
+        apply=jax.jit(apply, donate_argnums=(0, 1)),
+    )

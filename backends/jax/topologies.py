@@ -1,0 +1,242 @@
+"""Compile-only device topologies the JAX planner compiles for: TPU slices, NVIDIA GPUs, the local CPU.
+
+No accelerator is needed: the TPU compiler ships in ``libtpu`` and the GPU compiler in the
+``jax-cuda12-plugin``/``jax-cuda12-pjrt`` wheels; ``jax.experimental.topologies.get_topology_desc``
+gives devices that ``jax.jit(...).lower(...).compile()`` targets without running anything.
+Both compilers are installed by ``scripts/venv.sh`` into a side directory of the venv
+(``<venv>/plan-compilers``) that only the planner puts on ``sys.path``, because JAX loads every
+installed plugin at start-up: a plain CPU run would otherwise load libtpu (+225 MiB host RSS)
+and the CUDA plugin (+128 MiB, and warnings on every start). A TPU VM installs libtpu normally
+(the ``tpu`` extra); it is found there too.
+
+Call ``prepare(spec)`` before jax is imported in the process (it sets ``sys.path`` and the
+environment libtpu reads), then ``devices(spec)``.
+
+Device memory per target:
+
+- TPU: what libtpu's compiler itself allows, read from the ``RESOURCE_EXHAUSTED`` message of a
+  deliberately oversized program ("exceeds available HBM (30.75G)", GiB rounded to 0.01); the
+  compiler rejects any program that does not fit, so a plan's function that does not fit alone
+  fails to compile (reported as rejected).
+- GPU: ``device_memory_size`` of the target config (openxla/xla
+  ``xla/backends/gpu/target_config/specs/``, shipped in ``mllm_rl/assets/gpu_targets``). XLA's GPU
+  compiler does not reject a program that does not fit: the plan compares.
+- CPU: the host's RAM (``psutil``), which the local CPU devices share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from mllm_rl.memplan.compose import GIB, Target
+
+COMPILERS_ENV = "MLLM_RL_PLAN_COMPILERS"
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSpec:
+    name: str
+    platform: str  # "tpu" | "gpu" | "cpu"
+    topology: str = ""  # TPU: "v4:2x2x1"; GPU: "1x1x8" (slices x hosts x devices per host)
+    chips_per_host_bounds: tuple[int, int, int] | None = None
+    chip_config_name: str | None = None  # "megacore" for v4/v5p (one device per chip)
+    accelerator_type: str = ""  # TPU_ACCELERATOR_TYPE libtpu expects
+    gpu_config: str = ""  # file in mllm_rl/assets/gpu_targets
+    note: str = ""
+
+
+def _tpu(
+    name: str, topo: str, bounds: tuple[int, int, int], accel: str, megacore: bool = False
+) -> TargetSpec:
+    return TargetSpec(name, "tpu", topo, bounds, "megacore" if megacore else None, accel)
+
+
+def _gpu(name: str, topo: str, config: str) -> TargetSpec:
+    return TargetSpec(name, "gpu", topo, gpu_config=config)
+
+
+TARGETS: dict[str, TargetSpec] = {
+    s.name: s
+    for s in (
+        _tpu("v4-8", "v4:2x2x1", (2, 2, 1), "v4-8", megacore=True),
+        _tpu("v4-16", "v4:2x2x2", (2, 2, 1), "v4-16", megacore=True),
+        _tpu("v4-32", "v4:2x2x4", (2, 2, 1), "v4-32", megacore=True),
+        _tpu("v5e-4", "v5e:2x2", (2, 2, 1), "v5litepod-4"),
+        _tpu("v5e-8", "v5e:2x4", (2, 4, 1), "v5litepod-8"),
+        _tpu("v5e-16", "v5e:4x4", (2, 4, 1), "v5litepod-16"),
+        _tpu("v5p-8", "v5p:2x2x1", (2, 2, 1), "v5p-8", megacore=True),
+        _tpu("v5p-16", "v5p:2x2x2", (2, 2, 1), "v5p-16", megacore=True),
+        _tpu("v6e-4", "v6e:2x2", (2, 2, 1), "v6e-4"),
+        _tpu("v6e-8", "v6e:2x4", (2, 4, 1), "v6e-8"),
+        _gpu("h100x1", "1x1x1", "h100_sxm.txtpb"),
+        _gpu("h100x8", "1x1x8", "h100_sxm.txtpb"),
+        _gpu("h100x16", "1x2x8", "h100_sxm.txtpb"),
+        _gpu("h200x1", "1x1x1", "h200.txtpb"),
+        _gpu("h200x8", "1x1x8", "h200.txtpb"),
+        _gpu("h200x16", "1x2x8", "h200.txtpb"),
+        TargetSpec("cpu", "cpu", note="the local CPU devices (the host's RAM)"),
+    )
+}
+
+
+def describe() -> dict[str, str]:
+    """Target name -> one line (what ``--target`` accepts)."""
+    out = {}
+    for s in TARGETS.values():
+        if s.platform == "tpu":
+            out[s.name] = f"TPU {s.topology} ({s.accelerator_type}), libtpu compile-only topology"
+        elif s.platform == "gpu":
+            out[s.name] = f"GPU {s.topology} (slices x hosts x devices), XLA target config {s.gpu_config}"
+        else:
+            out[s.name] = s.note
+    return out
+
+
+def spec(name: str) -> TargetSpec:
+    if name not in TARGETS:
+        raise ValueError(f"--target {name!r}: unknown; choose one of {', '.join(TARGETS)}")
+    return TARGETS[name]
+
+
+def compilers_dir() -> Path:
+    """Where ``scripts/venv.sh`` installs libtpu and the CUDA plugin for planning."""
+    return Path(os.environ.get(COMPILERS_ENV) or Path(sys.prefix) / "plan-compilers")
+
+
+def prepare(s: TargetSpec, cpu_devices: int = 1) -> None:
+    """Set up the process for ``s`` before jax is imported: JAX on its CPU platform (nothing runs
+    on a device), the compilers directory on ``sys.path``, the environment libtpu reads.
+
+    ``RuntimeError`` if jax was already imported with a different setup (the plan then could not
+    load the compiler it needs); ``ValueError`` if the compiler is not installed.
+    """
+    if "jax" in sys.modules:
+        import jax
+
+        if s.platform == "cpu":
+            return
+        have = jax.config.jax_platforms
+        if have not in ("cpu", None) or not _plugin_importable(s):
+            raise RuntimeError(f"--target {s.name}: jax was imported before the planner set it up")
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if s.platform == "cpu":
+        if cpu_devices > 1:
+            from mllm_rl.backends.jax.distributed import force_cpu_devices
+
+            force_cpu_devices(cpu_devices)
+        return
+    d = compilers_dir()
+    if d.is_dir() and str(d) not in sys.path:
+        sys.path.insert(0, str(d))
+    if not _plugin_importable(s):
+        what = "libtpu" if s.platform == "tpu" else "jax_cuda12_plugin"
+        raise ValueError(
+            f"--target {s.name}: {what} is not installed (scripts/venv.sh jax installs it into {d}; "
+            f"or pip install --no-deps --target {d} the pins of the 'tpu'/'gpu-plan' extras)"
+        )
+    if s.platform == "tpu":
+        # libtpu reads these at load: no metadata server, one local host; several processes may
+        # load it at once (compile-only, no chip is opened).
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", s.accelerator_type)
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def _plugin_importable(s: TargetSpec) -> bool:
+    import importlib.util
+
+    name = "libtpu" if s.platform == "tpu" else "jax_cuda12_plugin"
+    return importlib.util.find_spec(name) is not None
+
+
+def gpu_config_text(s: TargetSpec) -> str:
+    return resources.files("mllm_rl").joinpath("assets", "gpu_targets", s.gpu_config).read_text()
+
+
+def devices(s: TargetSpec) -> tuple[list[Any], Target]:
+    """The devices to compile for and the ``Target`` (device memory and where it comes from)."""
+    import jax
+    from jax.experimental import topologies
+
+    if s.platform == "cpu":
+        import psutil
+
+        devs = jax.devices("cpu")
+        total = psutil.virtual_memory().total
+        return devs, Target(
+            "cpu", "cpu", len(devs), 1, total, "CPU", "host RAM (psutil), shared by the CPU devices"
+        )
+    if s.platform == "tpu":
+        kw: dict[str, Any] = {"chips_per_host_bounds": s.chips_per_host_bounds, "num_slices": 1}
+        if s.chip_config_name:
+            kw["chip_config_name"] = s.chip_config_name
+        devs = list(topologies.get_topology_desc(platform="tpu", topology_name=s.topology, **kw).devices)
+        hbm = _tpu_hbm(devs)
+        src = f"libtpu {_libtpu_version()} compiler limit"
+    else:
+        text = gpu_config_text(s)
+        devs = list(
+            topologies.get_topology_desc(
+                platform="cuda", topology_name="", topology=s.topology, target_config=text
+            ).devices
+        )
+        m = re.search(r"device_memory_size:\s*(\d+)", text)
+        if not m:
+            raise RuntimeError(f"{s.gpu_config}: no device_memory_size")
+        hbm = int(m.group(1))
+        src = f"XLA GPU target config {s.gpu_config} (device_memory_size)"
+    hosts = len({d.process_index for d in devs})
+    return devs, Target(s.name, s.platform, len(devs), hosts, hbm, devs[0].device_kind, src)
+
+
+def _libtpu_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("libtpu")
+    except PackageNotFoundError:
+        return "?"
+
+
+_HBM_RE = re.compile(r"available HBM \(([\d.]+)([GM])\)")
+_USED_RE = re.compile(r"(?:required for HLO temporaries|Used) \(?([\d.]+)([GMK])\)?")
+
+
+def _tpu_hbm(devs: list[Any]) -> int:
+    """The HBM libtpu's compiler allows one device: the figure of its RESOURCE_EXHAUSTED message
+    for a program one device cannot hold (1 TiB of temporaries)."""
+    import jax
+    import jax.numpy as jnp
+
+    dev = jax.sharding.SingleDeviceSharding(devs[0])
+    x = jax.ShapeDtypeStruct((2**38,), jnp.float32, sharding=dev)
+    try:
+        jax.jit(lambda a: a * 2).lower(x).compile()
+    except Exception as e:  # noqa: BLE001 - the message is what we want
+        m = _HBM_RE.search(str(e))
+        if m:
+            return int(float(m.group(1)) * (GIB if m.group(2) == "G" else 2**20))
+        raise RuntimeError(f"libtpu did not report its HBM: {str(e).splitlines()[0][:200]}") from None
+    raise RuntimeError("libtpu compiled a 1 TiB program for one device; cannot read its HBM")
+
+
+def rejection(e: BaseException) -> tuple[str, int] | None:
+    """``(first line, bytes it needed or 0)`` when ``e`` is the compiler refusing a program that
+    does not fit (``RESOURCE_EXHAUSTED``), else None."""
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
+        return None
+    line = next((ln.strip() for ln in text.splitlines() if "memory" in ln.lower() or "hbm" in ln.lower()), "")
+    m = _USED_RE.search(text)
+    need = 0
+    if m:
+        need = int(float(m.group(1)) * {"G": GIB, "M": 2**20, "K": 2**10}[m.group(2)])
+    return (line or text.splitlines()[0])[:300], need

@@ -1,0 +1,238 @@
+"""``python -m mllm_rl.memplan``: will a colocated RL step fit a target, phase by phase?
+
+Compiles the backend's real step functions for the target's devices (no device needed) and
+lays them, with the engine's weights and KV pool, over every phase of the schedule. Prints the
+table (phase x component, GiB per device, against the device memory), writes ``plan.json``,
+``plan.txt`` and ``plan.html`` with ``--out``. See docs/PLAN.md.
+
+Exit codes: 0 every phase fits the budget; 6 a phase does not (the line names the phase and the
+component that crosses the budget); 2 bad input (one line: unknown target or model, a mesh that
+does not divide the devices, a model that does not fit even at micro-batch 1 under ``--fit``,
+a compiler that is not installed); 1 an unexpected error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 1, 2, 6
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mllm_rl.lifecycle import SCHEDULES
+    from mllm_rl.memplan.fit import FIT_KNOBS
+    from mllm_rl.presets import PRESETS
+
+    ap = argparse.ArgumentParser(
+        prog="python -m mllm_rl.memplan",
+        description="PREDICTED per-device memory of every phase of a colocated RL step on a target "
+        "(compiled for the target, nothing runs on it). Exit 0 fits, 6 does not fit, 2 bad input.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--backend", default="jax", help="backend whose functions are compiled: jax, torch")
+    ap.add_argument("--target", default="v4-8", help="device topology (--list-targets)")
+    ap.add_argument("--list-targets", action="store_true", help="print the backend's targets and exit")
+    ap.add_argument("--model", default="qwen3-4b", help=f"preset ({', '.join(PRESETS)}) or checkpoint dir")
+    run = ap.add_argument_group("the run's knobs (same names as python -m mllm_rl.run)")
+    run.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=int, default=4,
+                     help="sequences per forward/backward")  # fmt: skip
+    run.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (prompt + completion)")
+    run.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    run.add_argument("--prompts-per-step", dest="prompts", type=int, default=8, help="prompts per RL step")
+    run.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the rollout engine")
+    run.add_argument("--max-running-requests", type=int, default=128, help="engine batch limit (requests)")
+    run.add_argument("--trainer-tp", type=int, default=1, help="tensor-parallel size of the trainer's mesh")
+    run.add_argument("--fsdp", type=int, default=0, help="trainer's fsdp axis; 0: devices / trainer-tp")
+    run.add_argument("--lora-rank", type=int, default=0, help="> 0: LoRA adapters, base frozen")
+    run.add_argument("--kl-beta", type=float, default=0.0, help="> 0: KL term (reference params/log-probs)")
+    run.add_argument("--schedule", default="multi_stage", choices=list(SCHEDULES),
+                     help="the run's schedule (its fit decides the exit code; the other is shown too)")  # fmt: skip
+    run.add_argument("--check-weights", action="store_true", help="include the garbage guard's phase")
+    run.add_argument("--kv-tokens", "--max-total-tokens", dest="kv_tokens", type=int, default=None,
+                     help="KV pool size in tokens; None: sized by the engine's rule from --mem-fraction-static")  # fmt: skip
+    run.add_argument("--mem-fraction-static", type=float, default=None,
+                     help="the engine's mem_fraction_static; None: what --kv-tokens needs, else the adapter's default")  # fmt: skip
+    run.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
+                     help="a backend model option (JAX: ModelOptions fields, e.g. remat=block); repeatable")  # fmt: skip
+    plan = ap.add_argument_group("plan")
+    plan.add_argument("--margin", type=float, default=0.9, help="fraction of device memory a phase may use")
+    plan.add_argument("--fit", nargs="?", const="micro_batch", choices=["kv", *FIT_KNOBS], default=None,
+                      help="kv: the largest KV pool next to everything else; micro_batch / seq_len: the largest "
+                      "value that fits (doubling, then bisection; one compile per probe), then the largest KV pool")  # fmt: skip
+    plan.add_argument("--fit-max", type=int, default=None, help="upper bound of the --fit search; "
+                      "None: 256 (micro_batch), 131072 (seq_len)")  # fmt: skip
+    plan.add_argument("--fit-step", type=int, default=None,
+                      help="granularity of the --fit search; None: " + ", ".join(f"{v} ({k})" for k, v in FIT_KNOBS.items()))  # fmt: skip
+    plan.add_argument("--out", type=Path, default=None, help="write plan.json, plan.txt, plan.html here")
+    return ap
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` with VALUE an int, a float, true/false/none, or a string."""
+    if "=" not in text:
+        raise ValueError(f"--model-option {text!r}: expected KEY=VALUE")
+    key, raw = text.split("=", 1)
+    low = raw.lower()
+    if low in ("true", "false"):
+        return key, low == "true"
+    if low == "none":
+        return key, None
+    for cast in (int, float):
+        try:
+            return key, cast(raw)
+        except ValueError:
+            pass
+    return key, raw
+
+
+def load_model(spec: str) -> Any:
+    from mllm_rl.presets import PRESETS, ModelConfig, get_preset
+
+    if spec in PRESETS:
+        return get_preset(spec)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return ModelConfig.from_dir(path)
+    raise ValueError(f"--model {spec!r}: neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+
+
+def make_request(args: argparse.Namespace) -> Any:
+    from mllm_rl.memplan.request import PlanRequest
+
+    options = dict(parse_option(o) for o in args.model_option)
+    model = load_model(args.model)
+    return PlanRequest(backend=args.backend, target=args.target, model=model, micro_batch=args.micro_batch,
+                       seq_len=args.seq_len, group_size=args.group_size, prompts=args.prompts, tp=args.tp,
+                       max_running_requests=args.max_running_requests, fsdp=args.fsdp, lora_rank=args.lora_rank, kl=args.kl_beta > 0, schedule=args.schedule,
+                       kv_tokens=args.kv_tokens, mem_fraction_static=args.mem_fraction_static, margin=args.margin,
+                       param_dtype=model.torch_dtype, trainer_tp=args.trainer_tp, options=options)  # fmt: skip
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_fit(
+    planner: Any, req: Any, knob: str, cap: int | None, check_weights: bool
+) -> tuple[Any, Any, list[Any]]:
+    """Search ``knob``; returns the request and measurement of the largest fit and the probes.
+    ``ValueError`` when even the smallest value does not fit."""
+    from mllm_rl.memplan.fit import FIT_KNOBS, Probe, fits_without_kv, search
+    from mllm_rl.memplan.planner import plans
+
+    step = FIT_KNOBS[knob]
+    cap = cap or {"micro_batch": 256, "seq_len": 131072}[knob]
+    found: dict[int, tuple[Any, Any]] = {}
+
+    def fits(v: int) -> Probe:
+        r = dataclasses.replace(req, **{knob: v})
+        t0 = time.perf_counter()
+        m = planner.measure(r)
+        plan = plans(m, r, check_weights)[r.schedule]
+        ok, detail = fits_without_kv(plan)
+        found[v] = (r, m)
+        return Probe(v, ok, f"{detail} ({time.perf_counter() - t0:.0f} s)")
+
+    def show(p: Any) -> None:
+        _say(f"[fit] {knob}={p.value}: {'fits' if p.fits else 'does not fit'}: {p.detail}")
+
+    best, probes = search(fits, getattr(req, knob), step, cap, show)
+    if best is None:
+        raise ValueError(
+            f"{req.model.name} does not fit {req.target} even at {knob}={step}: {probes[-1].detail}"
+        )
+    r, m = found[best]
+    return r, m, probes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    t_start = time.perf_counter()
+    try:
+        from mllm_rl.memplan.planner import load_planner
+
+        planner = load_planner(args.backend)
+        if args.list_targets:
+            for name, desc in getattr(planner, "targets", dict)().items():
+                print(f"{name:10s} {desc}")
+            return EXIT_OK
+        known = getattr(planner, "targets", None)
+        if known is not None and args.target not in known():
+            raise ValueError(f"--target {args.target!r}: unknown for --backend {args.backend}; "
+                             f"choose one of {', '.join(known())}")  # fmt: skip
+        req = make_request(args)
+        if args.out is not None and args.out.exists() and not args.out.is_dir():
+            raise ValueError(f"--out {args.out}: not a directory")
+        return _plan(planner, req, args, t_start)
+    except ValueError as e:
+        _say(f"error: {e}")
+        return EXIT_BAD_INPUT
+
+
+def _plan(planner: Any, req: Any, args: argparse.Namespace, t_start: float) -> int:
+    from mllm_rl.memplan import output
+    from mllm_rl.memplan.fit import kv_room
+    from mllm_rl.memplan.planner import plans, with_kv_tokens
+
+    _say(f"[plan] {req.backend} {req.model.name} on {req.target}: compiling the step functions ...")
+    extra: dict[str, Any] = {}
+    if args.fit and args.fit != "kv":
+        req, m, probes = run_fit(planner, req, args.fit, args.fit_max, args.fit_step, args.check_weights)
+        extra["fit"] = {"knob": args.fit, "value": getattr(req, args.fit),
+                        "probes": [dataclasses.asdict(p) for p in probes]}  # fmt: skip
+    else:
+        m = planner.measure(req)
+    if args.fit:
+        tokens, phase = kv_room(plans(m, req, args.check_weights)[req.schedule], m)
+        if tokens < 1:
+            raise ValueError(
+                f"no room for a KV pool in {phase} (micro-batch {req.micro_batch} x {req.seq_len})"
+            )
+        m = with_kv_tokens(m, tokens)
+        extra["kv_fit"] = {"tokens": tokens, "tightest_phase": phase}
+        req = dataclasses.replace(req, kv_tokens=tokens)
+    result = plans(m, req, args.check_weights)
+    summary = _summary(result, m, req, extra, t_start)
+    text = output.render(result, m, summary)
+    print(text, end="")
+    if args.out is not None:
+        files = output.write(args.out, text, output.document(result, m, summary, extra))
+        _say("[plan] wrote " + ", ".join(str(f) for f in files))
+    run_plan = result[req.schedule]
+    return EXIT_OK if run_plan.fits else EXIT_DOES_NOT_FIT
+
+
+def _summary(result: dict[str, Any], m: Any, req: Any, extra: dict[str, Any], t_start: float) -> list[str]:
+    from mllm_rl.memplan.compose import GIB
+    from mllm_rl.memplan.output import verdict
+
+    lines = [verdict(p) for p in result.values()]
+    info = m.info
+    if "kv_tokens" in info:
+        seqs = info["kv_tokens"] // req.seq_len
+        line = f"KV pool: {info['kv_tokens']} tokens per engine ({seqs} sequences of {req.seq_len} at once"
+        line += f"; a step's rollout is {req.prompts * req.group_size})"
+        if "mem_fraction_static" in info:
+            line += f"; pass max_total_tokens={info['kv_tokens']} with mem_fraction_static={info['mem_fraction_static']}"
+        lines.append(line)
+    if "kv_fit" in extra:
+        lines.append(f"KV pool fitted to the room left in {extra['kv_fit']['tightest_phase']}")
+    if "fit" in extra:
+        lines.append(
+            f"fit: largest {extra['fit']['knob']} = {extra['fit']['value']} ({len(extra['fit']['probes'])} probes)"
+        )
+    secs = info.get("compile_seconds", {})
+    rss = max(info.get("host_peak_rss_bytes", 0), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    lines.append(f"compile: {sum(secs.values()):.1f} s ({', '.join(f'{k} {v:.1f} s' for k, v in secs.items())}); "
+                 f"plan wall time {time.perf_counter() - t_start:.1f} s; host peak RSS {rss / GIB:.2f} GiB")  # fmt: skip
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())

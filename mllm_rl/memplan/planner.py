@@ -1,0 +1,81 @@
+"""Find a backend's planner and turn its measurement into plans, one per schedule.
+
+A backend named ``NAME`` in the ``mllm_rl.backends`` entry-point group (``backend_registry``)
+plans with the module next to its entry point: ``mllm_rl.backends.NAME`` ->
+``mllm_rl.backends.NAME.memplan`` (``measure(req) -> Measured``, optionally ``targets()``).
+Importing it must not import jax/torch (the planner sets its compiler up first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from importlib.metadata import entry_points
+from types import ModuleType
+
+from mllm_rl.backend_registry import GROUP, available_backends
+from mllm_rl.lifecycle import SCHEDULES, SETUP_PHASES, STEP_PHASES
+from mllm_rl.memplan.compose import Component, Plan, compose
+from mllm_rl.memplan.kv import mem_fraction_for, pool_bytes
+from mllm_rl.memplan.request import Measured, PlanRequest
+
+
+def load_planner(backend: str) -> ModuleType:
+    """The planner module of ``backend``; ``ValueError`` (one line) if it has none."""
+    eps = {ep.name: ep for ep in entry_points(group=GROUP)}
+    if backend not in eps:
+        have = ", ".join(available_backends()) or "none (is mllm-rl installed?)"
+        raise ValueError(f"--backend {backend!r}: not installed; available: {have}")
+    module = eps[backend].value.split(":")[0] + ".memplan"
+    try:
+        planner = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is not None and module.startswith(e.name):
+            raise ValueError(f"--backend {backend!r}: no memory planner ({module} not found)") from None
+        raise ValueError(
+            f"--backend {backend!r}: cannot import its planner ({e}); install the '{backend}' extra"
+        ) from None
+    if not callable(getattr(planner, "measure", None)):
+        raise ValueError(f"--backend {backend!r}: {module} has no measure(req)")
+    return planner
+
+
+def step_phases(check_weights: bool = False) -> dict[str, list[str]]:
+    """Schedule -> the phase names of one step (``lifecycle.STEP_PHASES``)."""
+    extra = ["check_weights"] if check_weights else []
+    return {s: STEP_PHASES[s] + extra for s in SCHEDULES}
+
+
+def plans(m: Measured, req: PlanRequest, check_weights: bool = False) -> dict[str, Plan]:
+    """One plan per schedule (setup phases first), ``req.schedule``'s first."""
+    order = [req.schedule] + [s for s in SCHEDULES if s != req.schedule]
+    inputs = inputs_of(req)
+    inputs.update({k: m.info[k] for k in ("kv_tokens", "mem_fraction_static") if k in m.info})
+    phases = step_phases(check_weights)
+    return {s: compose(m.target, s, phases[s], m.components, m.functions, req.margin, inputs, list(m.notes),
+                       setup=SETUP_PHASES) for s in order}  # fmt: skip
+
+
+def inputs_of(req: PlanRequest) -> dict[str, object]:
+    """What a plan was made for (JSON-able)."""
+    d = dataclasses.asdict(req)
+    d["model"] = req.model.name
+    return d
+
+
+def with_kv_tokens(m: Measured, tokens: int) -> Measured:
+    """``m`` with a KV pool of ``tokens`` (layout: ``info`` gives the cell and padding); the
+    ``mem_fraction_static`` that sizes it when the backend says what is free at engine start."""
+    cell, pad = int(m.info["kv_cell_bytes"]), int(m.info.get("kv_pad_tokens", 0))
+    b = pool_bytes(tokens, cell, pad)
+    comps = dict(m.components)
+    old = comps.get("kv_pool")
+    detail = f"{tokens} + {pad} tokens x {cell} B/token (fitted)"
+    comps["kv_pool"] = Component("kv_pool", b, old.method if old else "layout", detail)
+    info = dict(m.info, kv_tokens=tokens)
+    free = m.info.get("engine_free_bytes")
+    if free and "engine_weights" in comps:
+        info["mem_fraction_static"] = mem_fraction_for(
+            comps["engine_weights"].bytes_per_device, tokens * cell, free
+        )
+    return dataclasses.replace(m, components=comps, info=info)

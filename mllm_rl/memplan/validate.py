@@ -1,0 +1,127 @@
+"""Hold a plan against a run: predicted (``plan.json``) vs measured (``phases.jsonl``) bytes.
+
+Used by ``scripts/bench_plan_cpu.py`` and its test: a plan made for the run's own devices (the
+``cpu`` target, same code) must predict what the run's phase records measured.
+
+Measured, per component, from the records' ``info`` (the engine's and trainer's own byte counts
+of their arrays): ``engine_weights`` and ``kv_pool`` = ``held`` of the first ``release_rollout``;
+``trainer_params`` and ``optimizer`` = ``state_bytes`` of ``trainer_init``. Per phase: the device
+truth's ``bytes_in_use`` at the end of each phase of the last step (and of setup), against the
+plan's components still resident when the phase ends (``residency.end_state``). Single-device
+runs only (the CPU run without ``--tp``): one device's bytes are the run's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mllm_rl.memplan.compose import SETUP_PREFIX
+from mllm_rl.memplan.residency import end_state
+
+COMPARED = ("engine_weights", "kv_pool", "trainer_params", "optimizer")
+
+
+def load_records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "phases.jsonl"
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        raise ValueError(f"{path}: not found (not a run directory?)") from None
+
+
+def _device_bytes(rec: dict[str, Any]) -> int | None:
+    devs = rec.get("memory", {}).get("devices") or []
+    seen: dict[Any, int] = {}
+    for d in devs:  # the first entry of each device id is its truth
+        if d["id"] not in seen and d.get("bytes_in_use") is not None:
+            seen[d["id"]] = int(d["bytes_in_use"])
+    if len(seen) > 1:
+        raise ValueError("validate: the run used several devices; compare single-device runs")
+    return next(iter(seen.values()), None)
+
+
+def measured_components(records: list[dict[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in records:
+        info = r.get("info", {})
+        if r["phase"] == "release_rollout" and "held" in info and "engine_weights" not in out:
+            out["engine_weights"] = int(info["held"].get("weights", 0))
+            out["kv_pool"] = int(info["held"].get("kv_cache", 0))
+        if r["phase"] == "trainer_init" and "state_bytes" in info:
+            out["trainer_params"] = int(info["state_bytes"]["params"])
+            out["optimizer"] = int(info["state_bytes"]["optimizer"])
+    missing = [c for c in COMPARED if c not in out]
+    if missing:
+        raise ValueError(
+            f"phase records lack {', '.join(missing)} (need release_rollout held, trainer_init state_bytes)"
+        )
+    return out
+
+
+NOISE_BYTES = 2**20  # below this a measured figure is bookkeeping (scalars), not a component
+
+
+def _ratio(pred: int, meas: int | None) -> float | None:
+    return None if meas is None or meas < NOISE_BYTES else pred / meas
+
+
+def _within(pred: int, meas: int, tolerance: float) -> bool:
+    return abs(pred - meas) <= max(tolerance * meas, NOISE_BYTES if meas < NOISE_BYTES else 0)
+
+
+def compare(
+    records: list[dict[str, Any]], plan_doc: dict[str, Any], tolerance: float = 0.05
+) -> dict[str, Any]:
+    """Components and per-phase end-of-phase bytes, predicted vs measured, with ``within`` flags."""
+    plan = plan_doc["plans"][plan_doc["schedule"]]
+    comps = {k: int(v["bytes_per_device"]) for k, v in plan["components"].items()}
+    meas = measured_components(records)
+    comp_rows = []
+    for c in COMPARED:
+        pred = comps.get(c, 0)
+        comp_rows.append({"component": c, "predicted": pred, "measured": meas[c], "ratio": _ratio(pred, meas[c]),
+                          "within": _within(pred, meas[c], tolerance)})  # fmt: skip
+    steps = [r["step"] for r in records if r.get("step") is not None]
+    last = max(steps) if steps else None
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        if r.get("step") == last and last is not None:
+            by_name.setdefault(r["phase"], []).append(r)
+        elif r.get("step") is None:
+            by_name.setdefault(SETUP_PREFIX + r["phase"], []).append(r)
+    phase_rows, seen = [], {}
+    for p in plan["phases"]:
+        name = p["phase"]
+        i = seen.get(name, 0)
+        seen[name] = i + 1
+        recs = by_name.get(name, [])
+        if i >= len(recs):
+            continue
+        bare = name.removeprefix(SETUP_PREFIX)
+        ends = end_state(bare, tuple(p["resident"]))
+        pred = sum(p["resident"][c] for c in ends)
+        got = _device_bytes(recs[i])
+        if got is None:
+            continue
+        phase_rows.append({"phase": name, "resident_at_end": list(ends), "predicted": pred, "measured": got,
+                           "ratio": _ratio(pred, got), "within": _within(pred, got, tolerance)})  # fmt: skip
+    grad = plan["functions"].get("grad_step", {})
+    rss = []
+    for r in records:
+        h = r["memory"].get("host", {})
+        if r["phase"] == "train_step" and "rss_peak_bytes" in h:
+            rss.append({"step": r["step"], "rss_rise": int(h["rss_peak_bytes"]) - int(h["rss_start_bytes"])})
+    return {
+        "tolerance": tolerance,
+        "components": comp_rows,
+        "phases": phase_rows,
+        "grad_step": {
+            "temp_bytes": grad.get("temp_bytes"),
+            "peak_bytes": grad.get("peak_bytes"),
+            "extra_bytes": grad.get("extra_bytes"),
+            "measured_rss_rise": rss,
+        },  # fmt: skip
+        "within": all(r["within"] for r in comp_rows) and all(r["within"] for r in phase_rows),
+    }

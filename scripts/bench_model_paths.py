@@ -1,0 +1,227 @@
+"""Old vs new JAX model path, compiled ahead of time for a TPU target on this (CPU) machine.
+
+    python scripts/bench_model_paths.py --model qwen3-0.6b --target v4-8 --batch 4 --seq 1024
+    python scripts/bench_model_paths.py --model qwen3-4b --batch 4 --seq 4096 --paths new --json out.json
+
+For each path the trainer's real step function (``step_fns.make_step_fns``: ``grad`` = loss
+and gradient of one micro-batch, or ``logprob``) is lowered with abstract inputs
+(``step_fns.abstract_state`` / ``batch_specs``: nothing allocated) over a mesh of the target's
+devices and compiled by libtpu's compiler (``jax[tpu]`` installed; no TPU needed). Printed
+per path, per device: argument / output / temp / peak bytes from
+``compiled.memory_analysis()`` (**predicted** by the XLA TPU compiler: ``peak`` is the figure
+to read), compile seconds and the compiling process's peak host RSS (**measured** on this
+machine); then new / old ratios. Each path compiles in its own process, so RSS and compile
+time are its own. A program that does not fit the target's memory is reported as such
+(libtpu refuses it at compile time with RESOURCE_EXHAUSTED).
+
+Paths: ``old`` = ``ModelOptions()`` (layers in a Python loop, no remat, [B, N, T, T] attention
+scores, whole [B, T, V] logits); ``new`` = ``ModelOptions.for_platform("tpu")`` (stacked layers
+under scan, per-block remat, splash attention, the head in 256-position chunks), both with
+``--tp``. The last stdout line is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from importlib import metadata
+from typing import Any
+
+from bench_common import (
+    ROOT,
+    BenchError,
+    GiB,
+    command_line,
+    csv_choice,
+    machine_info,
+    positive,
+    run_bench,
+    table,
+)
+
+# Target name -> jax.experimental.topologies.get_topology_desc arguments (one host).
+TARGETS: dict[str, dict[str, Any]] = {
+    "v4-8": {
+        "topology_name": "v4:2x2x1",
+        "chip_config_name": "megacore",
+        "chips_per_host_bounds": (2, 2, 1),
+        "accelerator_type": "v4-8",
+    },  # fmt: skip
+}
+PATHS = ("old", "new")
+FNS = ("grad", "logprob")
+LIBTPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+              "JAX_PLATFORMS": "cpu"}  # fmt: skip
+
+
+def path_options(path: str, tp: int) -> Any:
+    from mllm_rl.backends.jax.options import ModelOptions
+
+    return ModelOptions(tp=tp) if path == "old" else ModelOptions.for_platform("tpu", tp=tp)
+
+
+def compile_one(args: argparse.Namespace) -> dict[str, Any]:
+    """In the child process: lower and compile one path, return its figures."""
+    from jax.experimental import topologies
+
+    from mllm_rl.backends.jax.sharding import make_mesh
+    from mllm_rl.backends.jax.step_fns import SCALAR, abstract_state, batch_specs, make_step_fns
+    from mllm_rl.presets import get_preset
+    from mllm_rl.rl.loss_config import LossConfig
+    from mllm_rl.trainer import TrainConfig
+
+    tgt = TARGETS[args.target]
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=tgt["topology_name"],
+                                        chip_config_name=tgt["chip_config_name"],
+                                        chips_per_host_bounds=tgt["chips_per_host_bounds"], num_slices=1)  # fmt: skip
+    model_cfg = get_preset(args.model)
+    train_cfg = TrainConfig(lora_rank=args.lora_rank, loss=LossConfig(beta=0.0))
+    opts = path_options(args.child, args.tp)
+    mesh = make_mesh(args.tp, topo.devices)
+    fns = make_step_fns(model_cfg, train_cfg, opts, mesh)
+    trainable, frozen, _ = abstract_state(model_cfg, train_cfg, opts, mesh)
+    mb = batch_specs(args.batch, args.seq, mesh)
+    t0 = time.perf_counter()
+    if args.fn == "grad":
+        lowered = fns.grad.lower(trainable, frozen, mb, SCALAR, SCALAR)
+    else:
+        lowered = fns.logprob.lower(trainable, frozen, mb["tokens"], mb["attn"])
+    lower_s = time.perf_counter() - t0
+    out: dict[str, Any] = {"path": args.child, "options": dataclasses.asdict(opts), "devices": len(topo.devices),
+                           "lower_s": round(lower_s, 2), "hlo_chars": len(lowered.as_text())}  # fmt: skip
+    t1 = time.perf_counter()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # libtpu refuses a program that does not fit: RESOURCE_EXHAUSTED
+        msg = str(e)
+        if "RESOURCE_EXHAUSTED" not in msg:
+            raise
+        out.update(fits=False, error=msg.strip().splitlines()[0][:400])
+    else:
+        m = compiled.memory_analysis()
+        out.update(fits=True, argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
+                   alias_bytes=m.alias_size_in_bytes, temp_bytes=m.temp_size_in_bytes,
+                   peak_bytes=m.peak_memory_in_bytes)  # fmt: skip
+    out["compile_s"] = round(time.perf_counter() - t1, 2)
+    out["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def run_path(args: argparse.Namespace, path: str) -> dict[str, Any]:
+    """One path in a fresh process of this interpreter (its own RSS and compile cache)."""
+    cmd = [sys.executable, __file__, "--child", path, "--model", args.model, "--target", args.target,
+           "--batch", str(args.batch), "--seq", str(args.seq), "--fn", args.fn, "--tp", str(args.tp),
+           "--lora-rank", str(args.lora_rank)]  # fmt: skip
+    env = {**os.environ, **LIBTPU_ENV, "TPU_ACCELERATOR_TYPE": TARGETS[args.target]["accelerator_type"]}
+    print(f"compiling the {path} path ({args.model}, {args.fn}, {args.batch} x {args.seq}, {args.target}) ...",
+          file=sys.stderr, flush=True)  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"path": path, "fits": None, "error": f"did not compile within --timeout {args.timeout}s"}
+    if r.returncode != 0:
+        tail = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"
+        killed = r.returncode < 0 or r.returncode == 137
+        return {"path": path, "fits": None, "error": ("killed (host memory?): " if killed else "") + tail[:400],
+                "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(f"  {path}: compiled in {res['compile_s']} s", file=sys.stderr, flush=True)
+    return res
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    from mllm_rl.presets import get_preset
+
+    get_preset(args.model)  # ValueError (exit 2) before anything starts
+    try:
+        libtpu = metadata.version("libtpu")
+    except metadata.PackageNotFoundError:
+        raise ValueError("libtpu is not installed: pip install 'jax[tpu]' into this venv") from None
+    results = {p: run_path(args, p) for p in args.paths}
+    out: dict[str, Any] = {
+        "bench": "model_paths", "command": command_line(), "machine": machine_info(), "libtpu": libtpu,
+        "target": args.target, "model": args.model, "fn": args.fn, "batch": args.batch, "seq": args.seq,
+        "tp": args.tp, "lora_rank": args.lora_rank, "method": "predicted: XLA TPU compiler memory_analysis "
+        "(libtpu " + libtpu + "); compile_s and host RSS measured on this machine", "paths": results,
+    }  # fmt: skip
+    old, new = results.get("old"), results.get("new")
+    if old and new and old.get("fits") and new.get("fits"):
+        out["ratios_new_over_old"] = {k: round(new[k] / old[k], 3) for k in
+                                      ("peak_bytes", "temp_bytes", "compile_s", "host_peak_rss_bytes") if old[k]}  # fmt: skip
+    if not any(r.get("fits") is not None for r in results.values()):
+        raise BenchError(
+            "no path compiled: " + "; ".join(f"{p}: {r.get('error')}" for p, r in results.items())
+        )
+    return out
+
+
+def report(out: dict[str, Any]) -> str:
+    rows = []
+    for p, r in out["paths"].items():
+        row = {"path": p, "fits": r.get("fits"), "compile_s": r.get("compile_s"), "lower_s": r.get("lower_s")}
+        for k in ("argument_bytes", "output_bytes", "temp_bytes", "peak_bytes", "host_peak_rss_bytes"):
+            row[k] = r[k] / GiB if r.get(k) is not None else None
+        rows.append(row)
+    cols = [("path", "path", ""), ("fits", "fits", ""), ("argument_bytes", "args GiB", ".2f"),
+            ("output_bytes", "out GiB", ".2f"), ("temp_bytes", "temp GiB", ".2f"), ("peak_bytes", "peak GiB", ".2f"),
+            ("compile_s", "compile s", ".1f"), ("host_peak_rss_bytes", "host RSS GiB", ".2f")]  # fmt: skip
+    lines = [f"{out['model']} {out['fn']} step, micro-batch {out['batch']} x {out['seq']}, {out['target']} "
+             f"(tp {out['tp']}), per device; memory predicted by libtpu {out['libtpu']}, time/RSS measured here",
+             table(rows, cols)]  # fmt: skip
+    for p, r in out["paths"].items():
+        if r.get("error"):
+            lines.append(f"{p}: {r['error']}")
+    if "ratios_new_over_old" in out:
+        lines.append("new / old: " + ", ".join(f"{k} {v}" for k, v in out["ratios_new_over_old"].items()))
+    return "\n".join(lines)
+
+
+def summary(out: dict[str, Any]) -> dict[str, Any]:
+    return {"bench": "model_paths", "model": out["model"], "target": out["target"],
+            **{f"{p}_peak_bytes": r.get("peak_bytes") for p, r in out["paths"].items()},
+            "ratios_new_over_old": out.get("ratios_new_over_old")}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)  # fmt: skip
+    ap.add_argument("--model", default="qwen3-0.6b", help="a preset of mllm_rl.presets (default qwen3-0.6b)")
+    ap.add_argument("--target", default="v4-8", choices=sorted(TARGETS), help="TPU slice to compile for")
+    ap.add_argument("--batch", type=positive(), default=4, help="micro-batch rows (default 4)")
+    ap.add_argument("--seq", type=positive(), default=1024, help="positions per row (default 1024)")
+    ap.add_argument("--fn", default="grad", choices=FNS, help="the step function to compile (default grad)")
+    ap.add_argument("--paths", type=csv_choice(PATHS), default=list(PATHS), help="old,new (default both)")
+    ap.add_argument(
+        "--tp", type=positive(), default=1, help="tensor-parallel size of the mesh (default 1: FSDP)"
+    )
+    ap.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (default 0: full fine-tune)")
+    ap.add_argument("--timeout", type=positive(float), default=3600.0, help="seconds per path (default 3600)")
+    ap.add_argument(
+        "--json", type=lambda s: __import__("pathlib").Path(s), help="write the full results here"
+    )
+    ap.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.lora_rank < 0:
+        ap.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        print(json.dumps(compile_one(args)), flush=True)
+        return 0
+    code, _ = run_bench(bench, args, report, summary)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

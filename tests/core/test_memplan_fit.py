@@ -1,0 +1,163 @@
+"""The memory plan's core beyond composition: setup rows, --fit search and KV room, the KV pool
+refit and the mem_fraction_static it needs, planner lookup, the CLI's bad-input exits, the
+validation against phase records, and the HTML page. Pure: no jax, no compiler."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mllm_rl.lifecycle import SETUP_PHASES, STEP_PHASES
+from mllm_rl.memplan.compose import GIB, Component, FunctionMemory, Target, compose, unit_for
+from mllm_rl.memplan.fit import Probe, fits_without_kv, kv_room, search
+from mllm_rl.memplan.kv import max_pool_tokens, mem_fraction_for, pool_bytes
+from mllm_rl.memplan.output import to_html
+from mllm_rl.memplan.planner import load_planner, plans, with_kv_tokens
+from mllm_rl.memplan.request import Measured, PlanRequest
+from mllm_rl.memplan.validate import compare
+from mllm_rl.presets import get_preset
+from tests.conftest import run_cli
+
+TARGET = Target("t", "tpu", 4, 1, 10 * GIB, "fake device", "test")
+MIB = 2**20
+
+
+def measured(kv_tokens: int = 1000, cell: int = MIB, **extra_gib: float) -> Measured:
+    gib = {"engine_weights": 1, "trainer_params": 1, "optimizer": 2, "grads": 1, "staging": 0.25}
+    gib.update(extra_gib)
+    comps = {k: Component(k, int(v * GIB), "layout") for k, v in gib.items()}
+    comps["kv_pool"] = Component("kv_pool", pool_bytes(kv_tokens, cell, 1), "layout")
+    fns = {"grad_step": FunctionMemory("grad_step", peak_bytes=3 * GIB, argument_bytes=1 * GIB)}
+    info = {"kv_cell_bytes": cell, "kv_pad_tokens": 1, "kv_tokens": kv_tokens, "engine_free_bytes": 10 * GIB}
+    return Measured(TARGET, comps, fns, [], info)
+
+
+def request(**kw) -> PlanRequest:
+    return PlanRequest(backend="jax", target="t", model=get_preset("tiny"), **kw)
+
+
+def test_setup_rows_come_first_and_hold_no_engine_logits():
+    m = measured(engine_logits=0.5)
+    plan = compose(TARGET, "multi_stage", STEP_PHASES["multi_stage"], m.components, m.functions,
+                   setup=SETUP_PHASES)  # fmt: skip
+    names = [p.phase for p in plan.phases]
+    assert names[: len(SETUP_PHASES)] == ["setup:" + p for p in SETUP_PHASES]
+    assert names[len(SETUP_PHASES) :] == STEP_PHASES["multi_stage"]
+    for p in plan.phases:
+        assert ("engine_logits" in p.resident) == (not p.phase.startswith("setup:")), p.phase
+    by = {p.phase: p for p in plan.phases}
+    # the setup trains nothing: trainer_init holds params + optimizer only
+    assert set(by["setup:trainer_init"].resident) == {"trainer_params", "optimizer"}
+    assert by["setup:weights_swapped"].resident.keys() >= {"engine_weights", "trainer_params", "staging"}
+
+
+def test_search_doubles_then_bisects_and_reports_each_probe():
+    seen = []
+    best, probes = search(lambda v: Probe(v, v <= 37, ""), start=4, step=1, cap=256, on_probe=seen.append)
+    assert best == 37
+    values = [p.value for p in probes]
+    assert values[:5] == [4, 8, 16, 32, 64]  # doubling until the first miss
+    assert len(values) <= 5 + 6 and seen == probes  # then bisection between 32 and 64
+    best, _ = search(lambda v: Probe(v, v <= 3, ""), start=16, step=1, cap=256, on_probe=lambda p: None)
+    assert best == 3  # a start that misses goes down
+    best, _ = search(lambda v: Probe(v, False, ""), start=4, step=1, cap=256, on_probe=lambda p: None)
+    assert best is None
+    best, _ = search(
+        lambda v: Probe(v, v <= 5000, ""), start=1024, step=1024, cap=131072, on_probe=lambda p: None
+    )
+    assert best == 4096  # the granularity holds
+    best, _ = search(lambda v: Probe(v, True, ""), start=4, step=1, cap=20, on_probe=lambda p: None)
+    assert best == 20
+
+
+def test_kv_room_is_set_by_the_tightest_phase_of_the_schedule():
+    m = measured()
+    req = request()
+    ms, naive = plans(m, req)["multi_stage"], plans(m, req)["naive"]
+    budget = ms.budget
+    # multi_stage: the pool sits next to engine weights (+ logits) only
+    tokens, phase = kv_room(ms, m)
+    assert tokens == max_pool_tokens(budget - GIB, MIB, 1)
+    # naive: also next to trainer params and the staging buffer during the update
+    tokens_n, phase_n = kv_room(naive, m)
+    assert phase_n == "update_weights"
+    assert tokens_n == max_pool_tokens(budget - int(1 * GIB) - int(1 * GIB) - int(0.25 * GIB), MIB, 1)
+    assert tokens_n < tokens
+    ok, why = fits_without_kv(ms)
+    assert ok and "train_step" in why
+
+
+def test_with_kv_tokens_resizes_the_pool_and_says_which_fraction_sglang_jax_needs():
+    m = with_kv_tokens(measured(), 3000)
+    assert m.components["kv_pool"].bytes_per_device == (3000 + 1) * MIB
+    assert m.info["kv_tokens"] == 3000
+    # sglang-jax gives the pool fraction * free - weights: (1 GiB + 3000 MiB) / 10 GiB, rounded up
+    assert m.info["mem_fraction_static"] == mem_fraction_for(GIB, 3000 * MIB, 10 * GIB) == 0.393
+    assert mem_fraction_for(1000, 1000, 4000) == 0.5
+
+
+def test_fits_without_kv_names_the_phase_that_overflows():
+    m = measured(optimizer=8)
+    ok, why = fits_without_kv(plans(m, request())["multi_stage"])
+    assert not ok and "train_step" in why
+
+
+def test_unit_for():
+    assert unit_for(GIB) == ("GiB", GIB) and unit_for(GIB - 1) == ("MiB", MIB)
+
+
+def test_load_planner_errors_are_one_line():
+    with pytest.raises(ValueError, match="not installed"):
+        load_planner("tensorflow")
+
+
+def test_html_page_has_a_bar_per_phase_and_the_verdict():
+    m = measured(optimizer=8)
+    ps = plans(m, request())
+    doc = {"plans": {s: p.to_json() for s, p in ps.items()}, "summary": ["x"]}
+    page = to_html(doc)
+    assert page.count("<tr") >= 2 * len(ps["multi_stage"].phases)
+    assert "DOES NOT FIT" in page and "train_step" in page
+
+
+@pytest.mark.parametrize(
+    ("args", "msg"),
+    [
+        (["--target", "v9-8"], "--target 'v9-8': unknown"),
+        (["--model", "/nonexistent/model"], "neither a preset"),
+        (["--backend", "mxnet"], "not installed"),
+        (["--micro-batch-size", "0"], "micro_batch must be >= 1"),
+        (["--model-option", "remat"], "expected KEY=VALUE"),
+        (["--margin", "1.5"], "margin"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(args, msg):
+    r = run_cli("mllm_rl.memplan", *args, timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and msg in last, r.stderr
+
+
+def test_compare_with_phase_records():
+    """validate.compare on hand-written records: components and end-of-phase bytes."""
+    m = measured(kv_tokens=100, engine_logits=0.0)
+    doc = {"schedule": "multi_stage", "plans": {s: p.to_json() for s, p in plans(m, request()).items()}}
+    comps = {k: v.bytes_per_device for k, v in m.components.items()}
+
+    def rec(phase, step, used, **info):
+        dev = {"id": 0, "bytes_in_use": used}
+        return {"phase": phase, "step": step, "memory": {"devices": [dev], "host": {}}, "info": info}
+
+    held = {"weights": comps["engine_weights"], "kv_cache": comps["kv_pool"]}
+    state = {"params": comps["trainer_params"], "optimizer": comps["optimizer"]}
+    records = [rec("release_rollout", None, 0, held=held), rec("trainer_init", None, 3 * GIB, state_bytes=state),
+               rec("rollout", 0, comps["engine_weights"] + comps["kv_pool"]),
+               rec("train_step", 0, int(3.3 * GIB))]  # fmt: skip
+    out = compare(records, doc, tolerance=0.05)
+    assert all(r["within"] for r in out["components"])
+    rows = {r["phase"]: r for r in out["phases"]}
+    assert rows["setup:trainer_init"]["within"] and rows["rollout"]["within"]
+    assert not rows["train_step"]["within"]  # 3.3 GiB measured vs 3 GiB predicted at its end
+    assert not out["within"]
+    json.dumps(out)

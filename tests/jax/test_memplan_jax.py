@@ -1,0 +1,158 @@
+"""The JAX memory planner: the plan command compiles the tiny model for a v4-8 (libtpu, compile
+only), its numbers are checked against independent layout arithmetic; exit 6 when a phase does
+not fit; one-line exit 2 for a mesh the run would refuse; and (slow) the plan for the local CPU
+holds against a real run's phase records (``scripts/bench_plan_cpu.py``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from mllm_rl.presets import get_preset
+from tests.conftest import ROOT, run_cli
+
+TINY = get_preset("tiny")
+
+
+def _compilers() -> Path:
+    from mllm_rl.backends.jax.topologies import compilers_dir
+
+    return compilers_dir()
+
+
+def needs_libtpu() -> None:
+    d = _compilers()
+    if importlib.util.find_spec("libtpu") is None and not (d / "libtpu").is_dir():
+        pytest.skip(f"needs libtpu (scripts/venv.sh jax installs it into {d})")
+
+
+def plan(tmp_path: Path, *args: str, timeout: float = 300):
+    out = tmp_path / "plan"
+    r = run_cli(
+        "mllm_rl.memplan", "--backend", "jax", "--model", "tiny", "--out", str(out), *args, timeout=timeout
+    )
+    doc = json.loads((out / "plan.json").read_text()) if (out / "plan.json").exists() else None
+    return r, doc
+
+
+def tiny_engine_bytes(tp: int) -> int:
+    """Engine weights on one device by hand: 2-D weights split over tp, vectors replicated (fp32)."""
+    total = 0
+    for shape in TINY.param_shapes().values():
+        n = math.prod(shape)
+        total += n // tp if len(shape) == 2 else n
+    return total * 4
+
+
+def test_tiny_plan_for_a_v4_8_compiles_with_libtpu(tmp_path):
+    needs_libtpu()
+    r, doc = plan(tmp_path, "--target", "v4-8", "--tp", "2", "--kv-tokens", "4096", "--micro-batch-size", "8",
+                  "--seq-len", "64")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert doc is not None and doc["kind"] == "predicted" and list(doc["plans"]) == ["multi_stage", "naive"]
+    p = doc["plans"]["multi_stage"]
+    t = p["target"]
+    assert (t["platform"], t["num_devices"], t["num_hosts"], t["device_kind"]) == ("tpu", 4, 1, "TPU v4")
+    assert t["hbm_bytes"] == int(30.75 * 2**30) and "libtpu" in t["source"]
+    comps = p["components"]
+    assert comps["engine_weights"]["bytes_per_device"] == tiny_engine_bytes(2)
+    cell = TINY.num_hidden_layers * (TINY.num_key_value_heads // 2) * 128 * 2 * 4
+    assert comps["kv_pool"]["bytes_per_device"] == (4096 + 1) * cell
+    # 8 prompts x 8 completions decode in the 64 bucket: [128, V] + 2 x [64, V] float32
+    assert comps["engine_logits"]["bytes_per_device"] == (128 + 2 * 64) * TINY.vocab_size * 4
+    # AdamW keeps two moments per trainable param: about twice the params, sharded alike
+    assert 1.9 < comps["optimizer"]["bytes_per_device"] / comps["trainer_params"]["bytes_per_device"] < 2.2
+    fns = p["functions"]
+    assert set(fns) == {"grad_step", "optimizer_apply"}
+    grad = fns["grad_step"]
+    assert (
+        grad["peak_bytes"] > grad["argument_bytes"] > 0
+        and grad["compile_seconds"] > 0
+        and not grad["rejected"]
+    )
+    phases = {ph["phase"]: ph for ph in p["phases"]}
+    assert phases["train_step"]["function"] == "grad_step"
+    assert (
+        phases["train_step"]["total"] == sum(phases["train_step"]["resident"].values()) + grad["extra_bytes"]
+    )
+    assert doc["plans"]["naive"]["phases"][-4]["phase"] == "update_weights"
+    assert "kv_pool" in doc["plans"]["naive"]["phases"][-4]["resident"]
+    assert p["fits"] and "multi_stage: fits" in r.stdout and "host peak RSS" in r.stdout
+    assert (tmp_path / "plan" / "plan.txt").read_text() == r.stdout
+    assert "<table>" in (tmp_path / "plan" / "plan.html").read_text()
+
+
+def test_a_phase_that_does_not_fit_exits_6_naming_phase_and_component(tmp_path):
+    # the local CPU target (host RAM): a 10-million-token KV pool of the tiny model is 38 GiB
+    r, doc = plan(
+        tmp_path, "--target", "cpu", "--kv-tokens", "10000000", "--micro-batch-size", "4", "--seq-len", "32"
+    )
+    assert r.returncode == 6, r.stderr[-3000:]
+    assert "DOES NOT FIT: kv_pool overflows in setup:release_rollout" in r.stdout
+    assert doc["plans"]["multi_stage"]["first_overflow"] == ["setup:release_rollout", "kv_pool"]
+
+
+@pytest.mark.parametrize(
+    ("args", "msg"),
+    [
+        (["--target", "v4-8", "--tp", "4"], "2 kv heads of tiny are not divisible"),
+        (["--target", "v4-16", "--tp", "2"], "on 2 hosts the engine's mesh spans every device; pass --tp 8"),
+        (["--target", "v4-8", "--trainer-tp", "3"], "--trainer-tp 3 does not divide the 4 devices"),
+        (["--target", "cpu", "--model-option", "warp_speed=9"], "--model-option warp_speed: unknown"),
+    ],
+)
+def test_a_mesh_the_run_would_refuse_is_one_line_exit_2(tmp_path, args, msg):
+    if args[1] != "cpu":
+        needs_libtpu()
+    r, _ = plan(tmp_path, *args)
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and msg in last, last
+
+
+def test_fit_reports_a_model_that_does_not_fit_at_micro_batch_1(tmp_path):
+    r, _ = plan(
+        tmp_path,
+        "--target",
+        "cpu",
+        "--fit",
+        "--margin",
+        "0.00001",
+        "--seq-len",
+        "32",
+        "--micro-batch-size",
+        "1",
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "[fit] micro_batch=1: does not fit" in r.stderr
+    assert "does not fit cpu even at micro_batch=1" in r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_cpu_plan_holds_against_a_tiny_run(tmp_path):
+    """The acceptance check: a real 2-step tiny run on CPU, then the plan for the local CPU with
+    the run's knobs: components and the bytes at the end of every phase within 5%."""
+    out = tmp_path / "cmp.json"
+    r = run_cli_script("bench_plan_cpu.py", "--model", "tiny", "--steps", "2", "--run-dir", str(tmp_path / "run"),
+                       "--json", str(out))  # fmt: skip
+    res = json.loads(out.read_text())
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert res["within"]
+    comps = {c["component"]: c for c in res["components"]}
+    assert set(comps) == {"engine_weights", "kv_pool", "trainer_params", "optimizer"}
+    assert all(abs(c["ratio"] - 1) <= 0.05 for c in comps.values())
+    names = [p["phase"] for p in res["phases"]]
+    assert "train_step" in names and "setup:trainer_init" in names and "resume_kv" in names
+    assert res["grad_step"]["temp_bytes"] > 0 and len(res["grad_step"]["measured_rss_rise"]) == 2
+
+
+def run_cli_script(name: str, *args: str):
+    import subprocess
+
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
