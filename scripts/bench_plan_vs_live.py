@@ -61,6 +61,7 @@ RUN_DEFAULTS = {
     "micro_batch_size": 64,
     "lora_rank": 0,
     "kl_beta": 0.0,
+    "max_running_requests": 128,
 }
 
 
@@ -155,7 +156,7 @@ def plan_request(args: argparse.Namespace, config: Any, flags: dict[str, Any], d
     return PlanRequest("torch", args.target, config, micro_batch=flags["micro_batch_size"], seq_len=args.seq_len,
                        prompts=flags["prompts_per_step"], group_size=flags["group_size"],
                        lora_rank=flags["lora_rank"], kl=flags["kl_beta"] > 0, param_dtype=dtype,
-                       margin=args.margin)  # fmt: skip
+                       margin=args.margin, max_running_requests=flags["max_running_requests"])  # fmt: skip
 
 
 def model_of(preset: str) -> tuple[Any, str]:
@@ -167,48 +168,33 @@ def model_of(preset: str) -> tuple[Any, str]:
     return c, c.torch_dtype
 
 
-def composed(measured: Any, schedule: str, margin: float) -> dict[str, Any]:
-    """The setup (run the multi-stage way under both schedules) and the steps of ``schedule``."""
-    from mllm_rl.lifecycle import SETUP_PHASES, STEP_PHASES
-    from mllm_rl.memplan.compose import compose
-
-    m = measured
-    setup = compose(m.target, "multi_stage", SETUP_PHASES, m.components, m.functions, margin=margin)
-    steps = compose(m.target, schedule, STEP_PHASES[schedule], m.components, m.functions, margin=margin)
-    rows_ = [dict(phase=f"setup:{p.phase}", **_row(p)) for p in setup.phases]
-    rows_ += [dict(phase=p.phase, **_row(p)) for p in steps.phases]
-    over = setup.first_overflow() or steps.first_overflow()
-    peak = max(setup.phases + steps.phases, key=lambda p: p.total)
-    return {"schedule": schedule, "budget": steps.budget, "phases": rows_, "fits": setup.fits and steps.fits,
-            "first_overflow": over, "peak_phase": peak.phase, "peak": peak.total}  # fmt: skip
-
-
-def _row(p: Any) -> dict[str, Any]:
-    return {"resident": dict(p.resident), "function": p.function, "function_extra": p.function_extra,
-            "total": p.total}  # fmt: skip
+def composed(plan: Any) -> dict[str, Any]:
+    """One schedule's plan (``mllm_rl.memplan.planner.plans``: setup phases first) as JSON rows."""
+    over = plan.first_overflow()
+    rows_ = [{"phase": p.phase, "resident": dict(p.resident), "function": p.function,
+              "function_extra": p.function_extra, "total": p.total} for p in plan.phases]  # fmt: skip
+    return {"schedule": plan.schedule, "budget": plan.budget, "phases": rows_, "fits": plan.fits,
+            "first_overflow": over, "peak_phase": plan.peak.phase, "peak": plan.peak.total}  # fmt: skip
 
 
 def plan_only(args: argparse.Namespace) -> dict[str, Any]:
-    from dataclasses import asdict, replace
+    from dataclasses import asdict
 
     from mllm_rl.backends.torch.memplan import measure
+    from mllm_rl.memplan.planner import plans
 
     config, dtype = model_of(args.preset)
     flags = {**RUN_DEFAULTS, "prompts_per_step": args.prompts, "group_size": args.group_size,
              "micro_batch_size": args.micro_batch}  # fmt: skip
     req = plan_request(args, config, flags, args.dtype or dtype)
-    measured = {
-        s: measure(replace(req, schedule=s)) for s in ("multi_stage", "naive")
-    }  # the KV pool per schedule
-    m = measured["multi_stage"]
+    m = measure(req)
+    comps = {k: asdict(v) for k, v in m.components.items()}
     return {
         "bench": "plan_vs_live", "mode": "plan_only", "kind": "predicted", "preset": args.preset,
         "target": asdict(m.target), "micro_batch": args.micro_batch, "seq_len": args.seq_len,
-        "markdown": args.markdown,
-        "components": {k: asdict(v) for k, v in m.components.items()},
+        "markdown": args.markdown, "components": comps, "info": m.info,
         "functions": {k: dict(asdict(v), extra_bytes=v.extra_bytes) for k, v in m.functions.items()},
-        "plans": [dict(composed(x, s, args.margin), components={k: asdict(v) for k, v in x.components.items()},
-                       notes=x.notes) for s, x in measured.items()],
+        "plans": [dict(composed(p), components=comps, notes=m.notes) for p in plans(m, req).values()],
         "planner_host_rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "command": command_line(), "machine": machine_info(),
     }  # fmt: skip
@@ -261,14 +247,16 @@ def report(out: dict[str, Any]) -> str:
              f"+ gradients: {out['plan_grads_plus_activations'] / MiB:.1f} MiB",
              "host RSS rise of train_step (live, per step): "
              + ", ".join(f"{x / MiB:.1f} MiB" for x in out["live_train_step_rss_rise"]),
-             "targets: " + ", ".join(f"{k} {'pass' if t['pass'] else 'FAIL'}" for k, t in out["targets"].items())]  # fmt: skip
+             "targets: " + ", ".join(f"{k} {'pass' if t['pass'] else 'FAIL'}"
+                                     for k, t in out["targets"].items())]  # fmt: skip
     return "\n".join(lines)
 
 
 def report_plan(out: dict[str, Any]) -> str:
     t = out["target"]
     lines = [f"PREDICTED (torch planner) - {out['preset']} on {t['name']} ({t['device_kind']}, "
-             f"{t['hbm_bytes'] / GiB:.2f} GiB from {t['source']}); micro-batch {out['micro_batch']} x {out['seq_len']}"]  # fmt: skip
+             f"{t['hbm_bytes'] / GiB:.2f} GiB from {t['source']}); micro-batch {out['micro_batch']} x "
+             f"{out['seq_len']}"]  # fmt: skip
     lines += [f"  {k}: {v['bytes_per_device'] / GiB:.3f} GiB [{v['method']}] {v['detail']}"
               for k, v in out["components"].items() if k != "kv_pool"]  # fmt: skip
     for k, v in out["functions"].items():
@@ -320,8 +308,13 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
         return {"bench": "plan_vs_live", "mode": "plan_only", "preset": out["preset"],
                 "fits": {p["schedule"]: p["fits"] for p in out["plans"]},
                 "planner_host_rss_peak": out["planner_host_rss_peak"]}  # fmt: skip
-    return {"bench": "plan_vs_live", "preset": out["preset"], "ratios": {r["quantity"]: r["ratio"] for r in out["rows"]},
-            "targets_pass": not failed_targets(out)}  # fmt: skip
+    ratios = {r["quantity"]: r["ratio"] for r in out["rows"]}
+    return {
+        "bench": "plan_vs_live",
+        "preset": out["preset"],
+        "ratios": ratios,
+        "targets_pass": not failed_targets(out),
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,54 +32,72 @@ import functools
 import gc
 import math
 import re
+import resource
 import time
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from mllm_rl.backends.torch import sglang_calls as sc
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.checkpoint.safetensors_io import TensorInfo
-from mllm_rl.lifecycle import SETUP_PHASES, STEP_PHASES
 from mllm_rl.memplan.compose import GIB, Component, FunctionMemory, Target
-from mllm_rl.memplan.kv import kv_cell_bytes
+from mllm_rl.memplan.kv import kv_cell_bytes, mem_fraction_for
 from mllm_rl.memplan.request import Measured, PlanRequest
-from mllm_rl.memplan.residency import phase_rows
 from mllm_rl.presets import ModelConfig
 from mllm_rl.progress import progress_bar
 from mllm_rl.trainer import RolloutBatch, TrainConfig
 
 MIB = 2**20
-# name -> (device kind, memory per device in bytes, where that figure comes from)
-GPUS: dict[str, tuple[str, int, str]] = {
-    "h100": ("NVIDIA H100 80GB HBM3", 81559 * MIB,
-             "spec: H100 SXM5 80 GB HBM3; 81559 MiB is the total nvidia-smi reports for that card"),
-    "h200": ("NVIDIA H200", 143771 * MIB,
-             "spec: H200 141 GB HBM3e; 143771 MiB is the total nvidia-smi reports for that card"),
-}  # fmt: skip
+# name -> (device kind, XLA GPU target config whose device_memory_size is the card's memory: the
+# same figure the JAX planner plans against)
+GPUS: dict[str, tuple[str, str]] = {
+    "h100": ("NVIDIA H100 80GB HBM3 (SXM)", "h100_sxm.txtpb"),
+    "h200": ("NVIDIA H200 (SXM)", "h200.txtpb"),
+}
 _TARGET = re.compile(r"^(h100|h200)(?:x(\d+))?$")
-DTYPES = {"bfloat16": (torch.bfloat16, "BF16"), "float16": (torch.float16, "F16"),
-          "float32": (torch.float32, "F32")}  # fmt: skip
+DTYPES = {"bfloat16": (2, "BF16"), "float16": (2, "F16"), "float32": (4, "F32")}  # itemsize, safetensors
 KL_BETA = 0.04  # any beta > 0 takes the KL code path; its value does not change memory
 STEPS = 2
 PAGE_SIZE = 1  # SGLang's default page size for the CUDA attention backends of a dense model
 ROPE_CACHE_BYTES = 4  # SGLang keeps the RoPE cos/sin cache in float32 on CUDA
 
 
+def targets() -> dict[str, str]:
+    """What ``--target`` accepts with ``--backend torch`` (one card: the trainer uses one device)."""
+    out = {}
+    for name, (kind, config) in GPUS.items():
+        desc = f"1 x {kind}, {card_memory(config) / GIB:.2f} GiB (XLA GPU target config {config})"
+        out[name] = desc
+        out[f"{name}x1"] = desc
+    return out
+
+
+def card_memory(config: str) -> int:
+    """``device_memory_size`` of an XLA GPU target config shipped in ``mllm_rl/assets/gpu_targets``
+    (openxla/xla's spec of the card; see the README there)."""
+    text = resources.files("mllm_rl").joinpath("assets", "gpu_targets", config).read_text()
+    m = re.search(r"device_memory_size:\s*(\d+)", text)
+    if m is None:
+        raise RuntimeError(f"{config}: no device_memory_size")
+    return int(m.group(1))
+
+
 def parse_target(name: str) -> Target:
     """``h100`` / ``h200`` (``hNNNx1`` too); more cards refused: the torch trainer uses one device."""
     m = _TARGET.match(name)
     if m is None:
-        raise ValueError(f"PlanRequest.target {name!r}: the torch planner knows {', '.join(GPUS)} "
-                         "(one card; 'h100x1' is the same)")  # fmt: skip
+        raise ValueError(f"PlanRequest.target {name!r}: the torch planner knows {', '.join(targets())}")
     cards = int(m.group(2) or 1)
     if cards != 1:
-        raise ValueError(f"PlanRequest.target {name!r}: the torch backend trains on one device (TorchTrainer has "
-                         f"no data or tensor parallelism), so {cards} cards plan like one; use {m.group(1)!r}")  # fmt: skip
-    kind, hbm, source = GPUS[m.group(1)]
-    return Target(name, "gpu", 1, 1, hbm, kind, source)
+        raise ValueError(f"PlanRequest.target {name!r}: the torch backend trains on one device (TorchTrainer "
+                         f"has no data or tensor parallelism), so {cards} cards plan like one; use "
+                         f"{m.group(1)!r}")  # fmt: skip
+    kind, config = GPUS[m.group(1)]
+    source = f"XLA GPU target config {config} (device_memory_size; openxla/xla's spec of the card)"
+    return Target(name, "gpu", 1, 1, card_memory(config), kind, source)
 
 
 def check_request(req: PlanRequest) -> Target:
@@ -87,14 +105,20 @@ def check_request(req: PlanRequest) -> Target:
     if req.backend != "torch":
         raise ValueError(f"PlanRequest.backend {req.backend!r}: this is the torch planner")
     if req.tp != 1:
-        raise ValueError(f"PlanRequest.tp {req.tp}: the torch trainer runs on one device (no tensor parallelism); "
-                         "plan with tp=1")  # fmt: skip
+        raise ValueError(f"PlanRequest.tp {req.tp}: the torch trainer runs on one device (no tensor "
+                         "parallelism); plan with tp=1")  # fmt: skip
     if req.fsdp > 1:
         raise ValueError(f"PlanRequest.fsdp {req.fsdp}: the torch trainer does not shard (use 0 or 1)")
     if req.param_dtype not in DTYPES:
         raise ValueError(f"PlanRequest.param_dtype {req.param_dtype!r}: expected one of {', '.join(DTYPES)}")
-    if req.schedule not in STEP_PHASES:
-        raise ValueError(f"PlanRequest.schedule {req.schedule!r}: expected one of {', '.join(STEP_PHASES)}")
+    if req.trainer_tp != 1:
+        raise ValueError(
+            f"PlanRequest.trainer_tp {req.trainer_tp}: the torch trainer has no tensor parallelism"
+        )
+    if req.options:
+        raise ValueError(f"PlanRequest.options {sorted(req.options)}: the torch model takes no options")
+    if req.schedule not in ("multi_stage", "naive"):
+        raise ValueError(f"PlanRequest.schedule {req.schedule!r}: expected multi_stage or naive")
     if req.mem_fraction_static is not None and not 0 < req.mem_fraction_static < 1:
         raise ValueError(f"PlanRequest.mem_fraction_static {req.mem_fraction_static}: expected 0 < x < 1")
     return parse_target(req.target)
@@ -120,9 +144,16 @@ class StepMemory:
     peak_total: int
     host_scalars: int
     rows: int
+    micro_batch: int
     micro_batches: int
     seq_len: int
     seconds: float
+
+    @property
+    def shape(self) -> str:
+        """``"2 micro-batch(es) of 4 x 4096 tokens"``."""
+        first = min(self.rows, self.micro_batch)
+        return f"{self.micro_batches} micro-batch(es) of {first} x {self.seq_len} tokens"
 
     @property
     def activations(self) -> int:
@@ -134,8 +165,7 @@ class StepMemory:
 def layout_dir(config: ModelConfig, dtype: str) -> ModelDir:
     """A ``ModelDir`` with the checkpoint's names, shapes and dtype and no files (for a trainer
     built around a given model: nothing is read from it)."""
-    torch_dtype, st_dtype = DTYPES[dtype]
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    itemsize, st_dtype = DTYPES[dtype]
     tensors, off = {}, 0
     for name, shape in config.param_shapes().items():
         n = math.prod(shape) * itemsize
@@ -194,9 +224,9 @@ def step_batch(config: ModelConfig, rows: int, seq_len: int) -> RolloutBatch:
     rng = np.random.default_rng(0)
     loss = np.zeros((rows, seq_len), bool)
     loss[:, seq_len // 2 :] = True
-    return RolloutBatch(tokens=rng.integers(0, config.vocab_size, (rows, seq_len)).astype(np.int32),
-                        attention_mask=np.ones((rows, seq_len), bool), loss_mask=loss,
-                        old_logp=np.zeros((rows, seq_len), np.float32), advantages=np.ones(rows, np.float32))  # fmt: skip
+    tokens = rng.integers(0, config.vocab_size, (rows, seq_len)).astype(np.int32)
+    zeros = np.zeros((rows, seq_len), np.float32)
+    return RolloutBatch(tokens, np.ones((rows, seq_len), bool), loss, zeros, np.ones(rows, np.float32))
 
 
 @functools.lru_cache(maxsize=8)  # one plan per schedule of the same request traces the step once
@@ -213,6 +243,7 @@ def trainer_step_memory(config: ModelConfig, micro_batch: int, seq_len: int, row
 
 def _trace_step(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, dtype: str = "bfloat16",
                 lora_rank: int = 0, kl: bool = False, steps: int = STEPS) -> StepMemory:  # fmt: skip
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.modules.module import register_module_forward_pre_hook
 
@@ -225,7 +256,7 @@ def _trace_step(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, 
     cfg = TrainConfig(
         micro_batch_size=micro_batch, lora_rank=lora_rank, loss=LossConfig(beta=KL_BETA if kl else 0)
     )
-    meta = build_qwen3(config, DTYPES[dtype][0], "meta")
+    meta = build_qwen3(config, getattr(torch, dtype), "meta")
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         model = meta.to_empty(device="cpu")
@@ -273,7 +304,8 @@ def _trace_step(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, 
         params=pre.get("Parameter", 0) - ref_params, grads=pre.get("Gradient", 0),
         optimizer=pre.get("Optstate", 0) - host_scalars, ref_params=ref_params, peak=peak,
         peak_total=peak.get("Total", sum(peak.values())) - host_scalars, host_scalars=host_scalars, rows=rows,
-        micro_batches=-(-rows // micro_batch), seq_len=seq_len, seconds=time.perf_counter() - t0,
+        micro_batch=micro_batch, micro_batches=-(-rows // micro_batch), seq_len=seq_len,
+        seconds=time.perf_counter() - t0,
     )  # fmt: skip
     return out
 
@@ -309,7 +341,7 @@ def sglang_pool_tokens(free_at_start: int, weight_bytes: int, cell: int, mem_fra
     return max(0, rest // cell // PAGE_SIZE * PAGE_SIZE)
 
 
-def sglang_pool_bytes(tokens: int, cell: int, context_len: int) -> int:
+def sglang_pool_bytes(tokens: int, cell: int, context_len: int, max_running_requests: int) -> int:
     """Bytes SGLang allocates in the ``kv_cache`` region for a pool of ``tokens``.
 
     K and V buffers of ``tokens + page_size`` slots (``mem_cache/memory_pool.py:
@@ -318,7 +350,7 @@ def sglang_pool_bytes(tokens: int, cell: int, context_len: int) -> int:
     (``ReqToTokenPool``; ``max_running_requests = min(ours, tokens // 2)``,
     ``kv_cache_configurator.py: resolve_max_num_reqs``; + 4: ``allocation_sizing.py``).
     """
-    reqs = min(sc.MAX_RUNNING_REQUESTS, max(tokens // 2, 1))
+    reqs = min(max_running_requests, max(tokens // 2, 1))
     return (tokens + PAGE_SIZE) * cell + (reqs + 1) * (context_len + 4) * 4
 
 
@@ -332,93 +364,117 @@ def staging_bytes(config: ModelConfig, itemsize: int, chunk: int = sc.CHUNK_BYTE
 
 
 # -- the planner ---------------------------------------------------------------------------------
-def _kv_room(components: dict[str, Component], functions: dict[str, FunctionMemory], schedule: str,
-             budget: int) -> tuple[int, str]:  # fmt: skip
-    """The largest KV pool (bytes) every phase of the schedule holding it can take, and that phase."""
-    best, where = None, ""
-    rows = phase_rows(SETUP_PHASES, "multi_stage") + phase_rows(STEP_PHASES[schedule], schedule)
-    for name, resident, fns in rows:  # the setup runs the multi-stage way under both schedules
-        if "kv_pool" not in resident:
-            continue
-        other = sum(components[c].bytes_per_device for c in resident if c in components and c != "kv_pool")
-        extra = max((functions[f].extra_bytes for f in fns if f in functions), default=0)
-        room = budget - other - extra
-        if best is None or room < best:
-            best, where = room, name
-    return (best or 0), where
+def _trainer_figures(req: PlanRequest, step: StepMemory) -> tuple[dict[str, Component], FunctionMemory]:
+    """The trainer's components and its ``grad_step`` function from the traced step."""
+    dt = req.param_dtype
+    lora = ", LoRA adapters too" if req.lora_rank else ""
+    opt = f"AdamW exp_avg + exp_avg_sq in the param dtype ({dt}); {step.host_scalars} B of step counters on host"
+    comps = {
+        "trainer_params": Component(
+            "trainer_params", step.params, "fake_tensor", f"TorchTrainer params ({dt}{lora})"
+        ),
+        "grads": Component("grads", step.grads, "fake_tensor", f"gradients of the trainable params ({dt})"),
+        "optimizer": Component("optimizer", step.optimizer, "fake_tensor", opt),
+    }
+    if step.ref_params:
+        why = "KL reference: the initial trainable params, copied to the device each step"
+        comps["ref_params"] = Component("ref_params", step.ref_params, "layout", why)
+    cats = ", ".join(f"{k} {v / MIB:.1f}" for k, v in step.peak.items() if k != "Total" and v)
+    fn = FunctionMemory(
+        "grad_step", peak_bytes=step.peak_total,
+        argument_bytes=step.params + step.optimizer + step.grads + step.ref_params,
+        temp_bytes=step.activations, method="fake_tensor",
+        detail=f"TorchTrainer.device_step x{STEPS}, {step.shape} (forward, backward, clipping, AdamW foreach; "
+               f"KL reference forward when on); MiB at the peak: {cats}",
+    )  # fmt: skip
+    return comps, fn
+
+
+@dataclasses.dataclass(frozen=True)
+class Pool:
+    """SGLang's KV pool for a request: ``tokens`` (+ ``PAGE_SIZE``) x ``cell`` bytes + req_to_token."""
+
+    tokens: int
+    cell: int
+    bytes: int
+    mem_fraction_static: float  # the value that makes SGLang build it from ``free`` bytes
+    free: int  # bytes free on the device when the engine starts (the engine starts first: the card)
+    notes: tuple[str, ...]
+
+
+def sglang_pool(req: PlanRequest, weight_bytes: int, free: int, itemsize: int) -> Pool:
+    """The pool SGLang builds (``mem_cache/kv_cache_configurator.py``, ``pool_configurator.py``).
+
+    ``req.kv_tokens`` None: its rule at ``req.mem_fraction_static`` (else the adapter's default).
+    Given: that many tokens, capped by the rule when ``mem_fraction_static`` is given too (SGLang
+    takes the smaller, with a warning), else the ``mem_fraction_static`` it needs. ``ValueError``
+    when SGLang would refuse to start (no room for one token next to the weights).
+    """
+    c = req.model
+    cell = kv_cell_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, itemsize)
+    notes = []
+    if req.kv_tokens is None:
+        mfs = req.mem_fraction_static if req.mem_fraction_static is not None else sc.MEM_FRACTION_STATIC
+        tokens = sglang_pool_tokens(free, weight_bytes, cell, mfs)
+    else:
+        tokens = req.kv_tokens
+        mfs = mem_fraction_for(weight_bytes, tokens * cell, free)
+        if req.mem_fraction_static is not None:
+            cap = sglang_pool_tokens(free, weight_bytes, cell, req.mem_fraction_static)
+            if cap < tokens:
+                notes.append(f"kv_tokens {tokens} asked; SGLang's rule at mem_fraction_static "
+                             f"{req.mem_fraction_static} caps the pool at {cap} tokens (it warns, and uses {cap})")  # fmt: skip
+                tokens = cap
+            mfs = req.mem_fraction_static
+        else:
+            notes.append(f"SGLang builds this pool with mem_fraction_static >= {mfs} ({free} B free at engine "
+                         f"start; the adapter's default is {sc.MEM_FRACTION_STATIC})")  # fmt: skip
+    if tokens < 1:
+        raise ValueError(f"{c.name} on {req.target}: SGLang leaves no room for a KV pool next to "
+                         f"{weight_bytes / GIB:.2f} GiB of weights at mem_fraction_static {mfs} (it refuses to start: "
+                         "'Loaded weights leave no GPU memory for the KV cache')")  # fmt: skip
+    demand = req.prompts * req.group_size * req.seq_len
+    if tokens < demand:
+        notes.append(f"the rollout batch holds up to {demand} tokens at once ({req.prompts} x "
+                     f"{req.group_size} x {req.seq_len}); a pool of {tokens} runs it in waves")  # fmt: skip
+    size = sglang_pool_bytes(tokens, cell, req.seq_len, req.max_running_requests)
+    return Pool(tokens, cell, size, mfs, free, tuple(notes))
 
 
 def measure(req: PlanRequest) -> Measured:
-    """Predicted per-device components and functions of ``req`` on a CUDA target (see module docstring)."""
+    """Predicted per-device components and functions of ``req`` on a CUDA target (see module
+    docstring); ``ValueError`` (one line, nothing traced) for a request the torch backend refuses."""
     target = check_request(req)
     c = req.model
-    torch_dtype = DTYPES[req.param_dtype][0]
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    itemsize = DTYPES[req.param_dtype][0]
+    weights, wdetail = sglang_weight_bytes(c, itemsize)
+    pool = sglang_pool(req, weights, target.hbm_bytes, itemsize)  # refuses before any tracing
     rows = min(req.prompts * req.group_size, 2 * req.micro_batch)
     step = trainer_step_memory(c, req.micro_batch, req.seq_len, rows, req.param_dtype, req.lora_rank, req.kl)
-    shape = f"{step.micro_batches} micro-batch(es) of {min(rows, req.micro_batch)} x {req.seq_len} tokens"
-    comps = {
-        "trainer_params": Component("trainer_params", step.params, "fake_tensor",
-                                    f"TorchTrainer params ({req.param_dtype}{', LoRA adapters too' if req.lora_rank else ''})"),
-        "grads": Component("grads", step.grads, "fake_tensor", f"gradients of the trainable params ({req.param_dtype})"),
-        "optimizer": Component("optimizer", step.optimizer, "fake_tensor",
-                               f"AdamW exp_avg + exp_avg_sq in the param dtype ({req.param_dtype}); "
-                               f"{step.host_scalars} B of step counters on the host"),
-    }  # fmt: skip
-    if step.ref_params:
-        comps["ref_params"] = Component("ref_params", step.ref_params, "layout",
-                                        "KL reference: the initial trainable params, copied to the device each step")  # fmt: skip
-    cats = ", ".join(f"{k} {v / MIB:.1f}" for k, v in step.peak.items() if k != "Total" and v)
-    fns = {
-        "grad_step": FunctionMemory(
-            "grad_step", peak_bytes=step.peak_total,
-            argument_bytes=step.params + step.optimizer + step.grads + step.ref_params,
-            temp_bytes=step.activations, method="fake_tensor",
-            detail=f"TorchTrainer.device_step x{STEPS}, {shape} (forward, backward, clipping, AdamW foreach; "
-                   f"KL reference forward when on); MiB at the peak: {cats}",
-        )
-    }  # fmt: skip
-    weights, wdetail = sglang_weight_bytes(c, itemsize)
+    comps, grad_step = _trainer_figures(req, step)
     comps["engine_weights"] = Component("engine_weights", weights, "layout", f"SGLang Qwen3: {wdetail}")
+    detail = f"SGLang MHA pool: ({pool.tokens} + {PAGE_SIZE}) tokens x {pool.cell} B/token + req_to_token"
+    comps["kv_pool"] = Component("kv_pool", pool.bytes, "layout", detail)
     stage = staging_bytes(c, itemsize, lora=req.lora_rank > 0)
-    comps["staging"] = Component("staging", stage, "layout",
-                                 f"largest update bucket (>= {sc.CHUNK_BYTES // MIB} MiB each)")  # fmt: skip
-
-    cell = kv_cell_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, itemsize)
-    mfs = req.mem_fraction_static if req.mem_fraction_static is not None else sc.MEM_FRACTION_STATIC
-    free = target.hbm_bytes  # the engine starts first: the whole card is free (CUDA contexts not counted)
-    rule = sglang_pool_tokens(free, weights, cell, mfs)
-    budget = int(target.hbm_bytes * req.margin)
-    room, tight = _kv_room({**comps, "kv_pool": Component("kv_pool", 0, "layout")}, fns, req.schedule, budget)
-    fit = max(0, (room - (sc.MAX_RUNNING_REQUESTS + 1) * (req.seq_len + 4) * 4) // cell - PAGE_SIZE)
+    bucket = f"largest update bucket (>= {sc.CHUNK_BYTES // MIB} MiB each)"
+    comps["staging"] = Component("staging", stage, "layout", bucket)
     notes = [
-        f"trainer step: {shape}, rows = min(prompts x group_size, 2 x micro_batch) = {rows}; "
+        f"trainer step: {step.shape}, rows = min(prompts x group_size, 2 x micro_batch) = {rows}; "
         f"{step.seconds:.0f} s of fake-tensor tracing",
-        "not in any figure: CUDA kernel workspaces (attention, cuBLAS), CUDA contexts, allocator fragmentation, "
-        "SGLang's decode activations and CUDA graphs (engine_step; SGLang keeps 1 - mem_fraction_static for them)",
+        "not in any figure: CUDA kernel workspaces (attention, cuBLAS), CUDA contexts, allocator "
+        "fragmentation, SGLang's decode activations and CUDA graphs (engine_step; SGLang keeps "
+        "1 - mem_fraction_static for them)",
+        *pool.notes,
+        "torch_memory_saver regions: weights = engine_weights, kv_cache = kv_pool, cuda_graph: its size is "
+        "known only after capture on the GPU",
     ]
     if req.optimizer_dtype != req.param_dtype:
         notes.append(f"optimizer_dtype {req.optimizer_dtype} does not apply: torch.optim.AdamW keeps its state "
                      f"in the param dtype ({req.param_dtype})")  # fmt: skip
-    if req.kv_tokens is not None:
-        tokens = min(req.kv_tokens, rule)
-        if tokens < req.kv_tokens:
-            notes.append(f"kv_tokens {req.kv_tokens} asked; SGLang's rule at mem_fraction_static {mfs} caps the "
-                         f"pool at {rule} tokens")  # fmt: skip
-    else:
-        tokens = min(fit, rule)
-        need = math.ceil((weights + (fit + PAGE_SIZE) * cell) / free * 1000) / 1000
-        why = f"SGLang's rule at mem_fraction_static {mfs}" if rule < fit else f"the budget in {tight}"
-        notes.append(f"KV pool derived: {tokens} tokens (limited by {why}; pass --max-total-tokens {tokens}); "
-                     f"{fit} tokens fit every phase of {req.schedule}"
-                     + (f", which needs mem_fraction_static >= {need}" if rule < fit else ""))  # fmt: skip
-    demand = req.prompts * req.group_size * req.seq_len
-    if tokens < demand:
-        notes.append(f"the rollout batch holds up to {demand} tokens at once ({req.prompts} x {req.group_size} x "
-                     f"{req.seq_len}); a pool of {tokens} runs it in waves")  # fmt: skip
-    pool = sglang_pool_bytes(tokens, cell, req.seq_len)
-    comps["kv_pool"] = Component("kv_pool", pool, "layout",
-                                 f"SGLang MHA pool: {tokens} tokens x {cell} B/token (+1 slot) + req_to_token")  # fmt: skip
-    notes.append(f"torch_memory_saver regions: weights {weights / GIB:.2f} GiB, kv_cache {pool / GIB:.2f} GiB, "
-                 "cuda_graph: known only after capture on the GPU")  # fmt: skip
-    return Measured(target, comps, fns, notes)
+    info = {
+        "kv_tokens": pool.tokens, "kv_cell_bytes": pool.cell, "kv_pad_tokens": PAGE_SIZE,
+        "mem_fraction_static": pool.mem_fraction_static, "engine_free_bytes": pool.free,
+        "compile_seconds": {"grad_step (fake-tensor trace)": round(step.seconds, 2)},
+        "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }  # fmt: skip
+    return Measured(target, comps, {"grad_step": grad_step}, notes, info)

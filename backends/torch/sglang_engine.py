@@ -89,8 +89,9 @@ def _probe_version() -> str:
         mod = importlib.import_module(c.module)
         owner = getattr(mod, c.owner, None) if c.owner else mod
         if owner is None or not hasattr(owner, c.name):
-            raise RuntimeError(f"sglang {version}: {c.module}.{c.owner + '.' if c.owner else ''}{c.name} "
-                               f"missing (sglang_calls.CALLS[{k!r}]); adapter written for {READ_VERSIONS}")  # fmt: skip
+            where = f"{c.module}.{c.owner + '.' if c.owner else ''}{c.name}"
+            raise RuntimeError(f"sglang {version}: {where} missing (sglang_calls.CALLS[{k!r}]); adapter written "
+                               f"for {READ_VERSIONS}")  # fmt: skip
         if c.kind == "constant" and getattr(owner, c.name) != dict(c.values)["value"][0]:
             raise RuntimeError(f"sglang {version}: {c.module}.{c.name} = {getattr(owner, c.name)!r}, "
                                f"expected {dict(c.values)['value'][0]!r}")  # fmt: skip

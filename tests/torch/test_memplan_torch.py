@@ -17,11 +17,11 @@ import pytest
 
 from mllm_rl.backends.torch import memplan
 from mllm_rl.backends.torch import sglang_calls as sc
-from mllm_rl.lifecycle import SETUP_PHASES, STEP_PHASES
-from mllm_rl.memplan.compose import compose
+from mllm_rl.memplan.fit import kv_room
+from mllm_rl.memplan.planner import plans, with_kv_tokens
 from mllm_rl.memplan.request import PlanRequest
 from mllm_rl.presets import get_preset
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 
 TINY = get_preset("tiny")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -37,9 +37,9 @@ def request(**kw) -> PlanRequest:
     return PlanRequest(**{**base, **kw})
 
 
-def plan(measured, schedule: str = "multi_stage", margin: float = 0.9):
-    return compose(measured.target, schedule, SETUP_PHASES + STEP_PHASES[schedule], measured.components,
-                   measured.functions, margin=margin)  # fmt: skip
+def plan(measured, req: PlanRequest):
+    """The core's composition (what ``python -m mllm_rl.memplan`` prints) for ``req.schedule``."""
+    return plans(measured, req)[req.schedule]
 
 
 @pytest.fixture(scope="module")
@@ -125,35 +125,69 @@ def test_activations_grow_linearly_with_batch():
 
 
 def test_over_large_step_reports_phase_and_component():
-    m = memplan.measure(request(micro_batch=8, seq_len=16384, prompts=1, group_size=8, kv_tokens=1000))
-    p = plan(m)
+    req = request(micro_batch=8, seq_len=16384, prompts=1, group_size=8, kv_tokens=1000)
+    p = plan(memplan.measure(req), req)
     assert not p.fits
     assert p.first_overflow() == ("train_step", "temp:grad_step")
 
 
 def test_over_large_kv_pool_reports_phase_and_component():
-    m = memplan.measure(request(mem_fraction_static=0.95, kv_tokens=10**9))
-    p = plan(m)
-    assert p.first_overflow() == ("release_rollout", "kv_pool")  # the dummy engine at start
-    kv = m.components["kv_pool"].bytes_per_device
-    assert kv > p.budget  # SGLang's rule at 0.95 hands the pool more than the 90% budget
+    req = request(mem_fraction_static=0.95, kv_tokens=10**9)
+    m = memplan.measure(req)
+    p = plan(m, req)
+    assert p.first_overflow() == ("setup:release_rollout", "kv_pool")  # the dummy engine at start
+    assert m.components["kv_pool"].bytes_per_device > p.budget  # SGLang's rule at 0.95 caps it above 90%
+    assert any("caps the pool" in n for n in m.notes)
 
 
-def test_derived_kv_fills_what_the_schedule_allows():
-    m = memplan.measure(request())
-    naive = memplan.measure(request(schedule="naive"))
-    assert plan(m).fits and plan(naive, "naive").fits
-    # the SGLang rule at the adapter's default mem_fraction_static (0.6) is the limit on tiny
-    tokens = memplan.sglang_pool_tokens(m.target.hbm_bytes, m.components["engine_weights"].bytes_per_device,
-                                        TINY.num_hidden_layers * 2 * TINY.num_key_value_heads * 128 * 4, 0.6)  # fmt: skip
-    assert any(f"KV pool derived: {tokens} tokens" in n for n in m.notes)
+def test_kv_pool_follows_sglangs_rule_and_reports_what_the_core_needs():
+    req = request()
+    m = memplan.measure(req)
+    cell = TINY.num_hidden_layers * 2 * TINY.num_key_value_heads * TINY.head_dim * 4
+    weights = m.components["engine_weights"].bytes_per_device
+    tokens = memplan.sglang_pool_tokens(m.target.hbm_bytes, weights, cell, sc.MEM_FRACTION_STATIC)
+    assert m.info["kv_tokens"] == tokens and m.info["kv_cell_bytes"] == cell
+    assert m.info["kv_pad_tokens"] == 1 and m.info["engine_free_bytes"] == m.target.hbm_bytes
+    assert m.info["mem_fraction_static"] == sc.MEM_FRACTION_STATIC
+    # asked for a pool: the mem_fraction_static SGLang needs for it (its rule solved backwards)
+    asked = memplan.measure(request(kv_tokens=tokens))
+    assert asked.info["mem_fraction_static"] == pytest.approx(sc.MEM_FRACTION_STATIC, abs=0.001)
+    # the core's --fit kv: the largest pool every phase holding it leaves room for, with the margin
+    fitted, phase = kv_room(plan(m, req), m)
+    fm = with_kv_tokens(m, fitted)
+    assert plan(fm, req).fits and not plan(with_kv_tokens(m, fitted + 1), req).fits
+    assert phase.endswith("release_rollout") or phase in ("rollout", "resume_kv")
+
+
+def test_no_room_for_a_pool_is_refused_before_tracing():
+    with pytest.raises(ValueError, match="no room for a KV pool"):
+        memplan.measure(request(mem_fraction_static=1e-6))
+
+
+def test_planner_imports_no_torch():
+    code = "import sys, mllm_rl.backends.torch.memplan as m; m.targets(); print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.stdout.strip() == "False", r.stderr[-2000:]
+
+
+def test_cli_plans_with_the_torch_backend(tmp_path):
+    args = ["--backend", "torch", "--model", "tiny", "--micro-batch", "2", "--seq-len", "32",
+            "--prompts-per-step", "2", "--group-size", "2"]  # fmt: skip
+    r = run_cli("mllm_rl.memplan", *args, "--target", "h100", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "fake_tensor" in r.stdout and "layout" in r.stdout and "multi_stage: fits" in r.stdout
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert doc["kind"] == "predicted"
+    bad = run_cli("mllm_rl.memplan", *args, "--target", "v4-8")
+    assert bad.returncode == 2 and "--target 'v4-8'" in bad.stderr
 
 
 @pytest.mark.parametrize(
     "kw, field",
     [({"tp": 2}, "PlanRequest.tp"), ({"target": "h100x8"}, "PlanRequest.target"),
      ({"target": "v4-8"}, "PlanRequest.target"), ({"backend": "jax"}, "PlanRequest.backend"),
-     ({"param_dtype": "int8"}, "PlanRequest.param_dtype"), ({"fsdp": 2}, "PlanRequest.fsdp")],
+     ({"param_dtype": "int8"}, "PlanRequest.param_dtype"), ({"fsdp": 2}, "PlanRequest.fsdp"),
+     ({"trainer_tp": 2}, "PlanRequest.trainer_tp"), ({"options": {"remat": "block"}}, "PlanRequest.options")],
 )  # fmt: skip
 def test_refusals_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
@@ -161,9 +195,11 @@ def test_refusals_name_the_field(kw, field):
 
 
 def test_targets_from_the_card_spec():
+    """The same device memory the JAX planner plans against: the XLA GPU target configs."""
     h100, h200 = memplan.parse_target("h100"), memplan.parse_target("h200x1")
-    assert h100.hbm_bytes == 81559 * 2**20 and h200.hbm_bytes == 143771 * 2**20
-    assert "spec" in h100.source and h100.num_devices == 1
+    assert h100.hbm_bytes == 84942979072 and h200.hbm_bytes == memplan.card_memory("h200.txtpb")
+    assert "h100_sxm.txtpb" in h100.source and h100.num_devices == 1
+    assert set(memplan.targets()) == {"h100", "h100x1", "h200", "h200x1"}
 
 
 @pytest.mark.slow

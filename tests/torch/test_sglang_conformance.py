@@ -406,7 +406,8 @@ def _mutations() -> list[tuple[str, str, dict[str, Any]]]:
         ("finish_reason", "finish reason not produced", {"values": (("type", ("stopped",)),)}),
         ("logprob_entry", "entry starts elsewhere", {"kwargs": ("token_logprobs_idx",)}),
         ("TAG_KV", "tag value changed", {"values": (("value", ("kv",)),)}),
-        ("qwen3_no_readback", "gap closed upstream", {"owner": "LlamaForCausalLM", "module": "sglang.srt.models.llama"}),
+        ("qwen3_no_readback", "gap closed upstream",
+         {"owner": "LlamaForCausalLM", "module": "sglang.srt.models.llama"}),
         ("FlushCacheReqOutput", "result field renamed", {"kwargs": ("ok",)}),
     ]  # fmt: skip
 
@@ -632,8 +633,8 @@ class FakeSglang:
             fake.record("generate_request", seed=sp.get("sampling_seed"))
             o = (await asyncio.to_thread(self.inner.generate, [obj.input_ids], sampling))[0]
             lps = [(lp, t, None) for lp, t in zip(o.logprobs, o.token_ids, strict=True)]
-            yield {"text": o.text, "output_ids": list(o.token_ids),
-                   "meta_info": {"finish_reason": {"type": o.finish_reason}, "output_token_logprobs": lps}}  # fmt: skip
+            meta = {"finish_reason": {"type": o.finish_reason}, "output_token_logprobs": lps}
+            yield {"text": o.text, "output_ids": list(o.token_ids), "meta_info": meta}
 
         async def pause_generation(self, obj):
             fake.record("pause_generation", mode=obj.mode)
@@ -793,11 +794,16 @@ def test_drain_release_update_against_the_fake(monkeypatch, signatures, tiny_ckp
         fake.flush_refusals = 2  # SGLang reports success=False while requests linger
         eng.drain()
         eng.release([TAG_KV, TAG_WEIGHTS, TAG_CUDA_GRAPH])
-        assert fake.names() == ["PauseGenerationReqInput", "pause_generation", "flush_cache", "flush_cache",
-                                "flush_cache"] + ["ReleaseMemoryOccupationReqInput", "release_memory_occupation"] * 3  # fmt: skip
+        release = ["ReleaseMemoryOccupationReqInput", "release_memory_occupation"]
+        assert fake.names() == [
+            "PauseGenerationReqInput",
+            "pause_generation",
+            *["flush_cache"] * 3,
+            *release * 3,
+        ]
         assert [i["mode"] for n, i in fake.calls if n == "pause_generation"] == ["abort"]
-        assert [i["tags"] for n, i in fake.calls if n == "release_memory_occupation"] == [[TAG_KV], [TAG_WEIGHTS],
-                                                                                          [TAG_CUDA_GRAPH]]  # fmt: skip
+        tags = [i["tags"] for n, i in fake.calls if n == "release_memory_occupation"]
+        assert tags == [[TAG_KV], [TAG_WEIGHTS], [TAG_CUDA_GRAPH]]
         fake.calls.clear()
         eng.resume([TAG_WEIGHTS])
         eng.update_weights(WeightExport(list(model.tensors), model.iter_tensors(), full=True))
