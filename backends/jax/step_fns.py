@@ -11,13 +11,20 @@ target, so a plan compiles what the run runs::
     mb = batch_specs(B, T, mesh, kl=train_cfg.loss.beta > 0)
     fns.grad.lower(trainable, frozen, mb, SCALAR, SCALAR).compile().memory_analysis()
 
-Shapes: B micro-batch rows, T positions (prompt + completion, right-padded), V vocab.
+Shapes: B micro-batch rows, T positions (prompt + completion, right-padded), V vocab, L layers.
+
+Arguments: ``model_cfg`` (``presets.ModelConfig``), ``train_cfg`` (``trainer.TrainConfig``:
+LoRA rank, loss, AdamW), ``opts`` (``options.ModelOptions``: layout, remat, attention, head
+chunking, dtypes, ``tp``), ``mesh`` (``sharding.make_mesh``), ``dtype`` the checkpoint's
+(default ``model_cfg.torch_dtype``; stored params are ``opts.param_dtype`` or this).
 
 - ``trainable`` / ``frozen``: ``nnx.State`` trees of the model's variables. Full fine-tune:
   ``trainable`` = every ``Param``, ``frozen`` empty. LoRA: ``trainable`` = the ``LoRAParam``
-  adapters, ``frozen`` = the base. Leaves sharded by ``sharding.tree_shardings``.
-- ``opt_state``: ``optax`` state of ``make_tx(train_cfg)`` over ``trainable`` (same shardings
-  leaf by leaf; Adam's step count replicated).
+  adapters, ``frozen`` = the base. With ``opts.scan_layers`` the layer variables are stacked
+  [L, ...]. Leaves sharded by ``sharding.tree_shardings`` (rules by parameter name).
+- ``opt_state``: ``optax`` state of ``make_tx(train_cfg, opts)`` over ``trainable`` (moments
+  in ``opts.opt_dtype`` or the params' dtype; same shardings leaf by leaf; Adam's step count
+  replicated).
 - micro-batch ``mb`` (``batch_specs``): ``tokens`` [B, T] int32, ``attn`` [B, T] bool,
   ``loss_mask`` [B, T] bool, ``old_logp`` [B, T] float32, ``adv`` [B] float32, and with KL
   ``ref_logp`` [B, T] float32; rows split over ``fsdp`` when B divides.
@@ -29,7 +36,8 @@ Shapes: B micro-batch rows, T positions (prompt + completion, right-padded), V v
 - ``next_logits(trainable, frozen, tokens [B, T], attn [B, T], pos []) -> [B, V]`` float32:
   the logits after position ``pos`` (the greedy probe);
 - ``grad(trainable, frozen, mb, total_tokens [], total_seqs []) -> ((loss [], sums), grads)``:
-  the policy loss of one micro-batch and its gradient w.r.t. ``trainable``; ``sums`` holds
+  the policy loss of one micro-batch and its gradient w.r.t. ``trainable`` (sharded like it);
+  ``total_tokens`` / ``total_seqs`` normalise over the whole mini-batch; ``sums`` holds
   token-summed metrics (``clip_frac``, ``kl``, ``ratio_mean``, ``tokens``, ``entropy_proxy``);
 - ``accumulate(acc, grads) -> acc + grads`` (donates ``acc``);
 - ``apply(trainable, opt_state, grads) -> (trainable, opt_state, grad_norm [])`` (donates

@@ -253,8 +253,8 @@ def test_sharding_rules_by_parameter_name():
     )
     assert param_spec(path("layers", "mlp", "up_proj", "lora_a"), (28, 128, 4), mesh) == P(None, "fsdp", None)
     assert param_spec(path("layers", "mlp", "up_proj", "lora_b"), (28, 4, 384), mesh) == P(None, None, "tp")
-    assert param_spec(path("embed_tokens"), (384, 128), mesh) == P("tp", "fsdp")
-    assert param_spec(path("embed_tokens"), (383, 128), mesh) == P(None, "fsdp")  # 383 % 2: replicated
+    assert param_spec(path("embed_tokens"), (384, 128), mesh) == P("fsdp", "tp")
+    assert param_spec(path("lm_head"), (383, 128), mesh) == P(None, "tp")  # 383 % 2: not split
     assert param_spec(path("norm", "weight"), (128,), mesh) == P()
     assert param_spec(path("layers", "input_layernorm", "weight"), (28, 128), mesh) == P()  # stacked norm
     # optimizer state: the same names under optax's containers
