@@ -23,6 +23,10 @@ class JaxBackend:
         see ``backends/jax/distributed.py``. Runs before ``init_runtime``."""
         return distributed.init_distributed(tp=tp)
 
+    def coordinator(self) -> distributed.Coordination:
+        """Lease handoffs of multi-task runs (``mllm_rl.multitask.coord``)."""
+        return distributed.Coordination()
+
     def shutdown_distributed(self) -> None:
         """Leave the multi-process run (every process, before exiting; idempotent)."""
         distributed.shutdown()

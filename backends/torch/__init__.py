@@ -108,19 +108,24 @@ class TorchBackend:
         weights_cpu_backup: bool = False,
         max_running_requests: int = 128,
         engine: str = "auto",
+        task: str | None = None,
+        ports: list[int] | None = None,
     ):
+        """``task``/``ports`` (multi-task runs): the engine's memory tags are ``<task>/...``; a
+        server engine (SGLang) binds ``ports`` (from the run's one allocator) instead of picking."""
         kind = self.resolve_engine(engine)
         if kind == "sglang":
             from mllm_rl.backends.torch.sglang_engine import SglangEngine
 
             return SglangEngine(model, tp=tp, max_total_tokens=max_total_tokens, context_length=context_length,
                                 seed=seed, chunk_bytes=chunk_bytes, weights_cpu_backup=weights_cpu_backup,
-                                max_running_requests=max_running_requests)  # fmt: skip
+                                max_running_requests=max_running_requests, task=task, ports=ports)  # fmt: skip
         from mllm_rl.backends.torch.engine import EmbeddedEngine
 
         return EmbeddedEngine(model, tp=tp, max_total_tokens=max_total_tokens, context_length=context_length,
                               seed=seed, chunk_bytes=chunk_bytes, weights_cpu_backup=weights_cpu_backup,
-                              max_running_requests=max_running_requests, device=self._device())  # fmt: skip
+                              max_running_requests=max_running_requests, device=self._device(),
+                              task=task)  # fmt: skip
 
     def place_all(self, engine: Any, model: ModelDir) -> list[tuple[str, Any]]:
         """Naive-swap baseline: every checkpoint tensor placed on the device first (two copies)."""

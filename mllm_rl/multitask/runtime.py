@@ -1,0 +1,156 @@
+"""One RL task of a multi-task run: its own model, engine, trainer, data, seed and checkpoints.
+
+The same pieces as the single-task plan (``mllm_rl.plans.rl``: rollout, rewards, advantages,
+checkpoints, resume, evaluation), driven lease by lease through ``Colocated``'s leased phase
+groups; every record it makes carries its name (``rec.for_task``). Checkpoints live in
+``<run_dir>/tasks/<name>/checkpoints`` and a resumed task restarts after its own last one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.engine_state import ManagedEngine
+from mllm_rl.lifecycle import (
+    LEASE_SETUP_PHASES,
+    TRAIN_LEASE_PHASES,
+    Colocated,
+    LifecycleOptions,
+    rollout_lease_phases,
+)
+from mllm_rl.multitask.schedule import FINAL, ROLLOUT, SETUP, TRAIN, Lease, TaskSteps
+from mllm_rl.multitask.spec import TaskSpec
+from mllm_rl.phases.recorder import PhaseRecorder
+from mllm_rl.plans.rl import PROBE_PROMPT, _saver, evaluate, latest_checkpoint, make_rollout, size_engine
+from mllm_rl.tasks import get_task
+
+ENGINE_READY = "engine_ready_dummy"
+
+
+def task_phases(opts: LifecycleOptions) -> dict[str, list[str]]:
+    """What a task records: ``expected_phases`` (step None: start-up, then the final lease) and
+    ``expected_step_phases`` (both leases of a step), for run.json and the report."""
+    return {
+        "expected_phases": [
+            ENGINE_READY,
+            *LEASE_SETUP_PHASES,
+            *rollout_lease_phases(opts, "generate_result"),
+        ],
+        "expected_step_phases": rollout_lease_phases(opts) + TRAIN_LEASE_PHASES,
+    }
+
+
+class RLTask:
+    """``TaskRuntime`` of one RL task (see the module doc)."""
+
+    def __init__(
+        self,
+        spec: TaskSpec,
+        model: ModelDir,
+        backend: Any,
+        rec: PhaseRecorder,
+        run_dir: Path,
+        tp: int = 1,
+        platform: str = "auto",
+        resume: bool = False,
+        ports: list[int] | None = None,
+        on_engine: Callable[[Any], None] = lambda engine: None,
+    ) -> None:
+        self.spec, self.name, self.model, self.backend, self.rec = spec, spec.name, model, backend, rec
+        self.opts = spec.rl_options(tp=tp, platform=platform, resume=resume)
+        self.dir = run_dir / "tasks" / spec.name
+        self.ports = ports
+        self.on_engine = on_engine
+        found = latest_checkpoint(self.dir) if resume else None
+        self.resume_from = found
+        self.first_step = found[0] + 1 if found else 0
+        self.life: Colocated | None = None
+        self.history: list[dict[str, Any]] = []
+        self.eval: dict[str, Any] | None = None
+        self._pending: tuple[Any, dict[str, Any]] | None = None
+        self.engine_kwargs: dict[str, Any] = {}
+
+    @property
+    def steps(self) -> TaskSteps:
+        return TaskSteps(self.name, min(self.first_step, self.opts.steps), self.opts.steps)
+
+    def prepare(self) -> None:
+        """Everything that can be checked before any engine starts (bad input: ``ValueError``):
+        the task's data, tokenizer, engine size and engine arguments."""
+        from transformers import AutoTokenizer
+
+        self.task = get_task(self.opts.task, self.opts.task_data)
+        self.tok = AutoTokenizer.from_pretrained(str(self.model.path))
+        self.eos = self.model.config.eos_token_id
+        self.lifecycle = dataclasses.replace(self.opts.lifecycle)
+        if self.lifecycle.check_weights:
+            self.lifecycle.probe_ids = tuple(self.tok(PROBE_PROMPT, add_special_tokens=False).input_ids)
+        kw = size_engine(self.task, self.tok, self.opts)
+        kw["task"] = self.name  # the engine's memory tags: <task>/weights, <task>/kv_cache
+        if self.ports is not None:
+            kw["ports"] = self.ports
+        self.backend.check_engine_args(self.model, self.opts.tp, **kw)
+        self.engine_kwargs = kw
+
+    # -- leases ----------------------------------------------------------------------------
+    def run_lease(self, lease: Lease) -> None:
+        with self.rec.for_task(self.name):
+            if lease.kind == SETUP:
+                self._setup()
+            elif lease.kind == ROLLOUT:
+                self._pending = self._life().rollout_lease(lease.step, self.rollout)
+            elif lease.kind == TRAIN:
+                self._train(lease.step)
+            elif lease.kind == FINAL:
+                self.eval = self._life().final_lease(
+                    lambda engine: evaluate(engine, self.task, self.tok, self.opts, self.eos)
+                )
+            else:
+                raise ValueError(f"unknown lease kind {lease.kind!r}")
+            self._life().check_asleep()
+
+    def fail(self, lease: Lease, error: BaseException) -> None:
+        if self.life is None:  # failed before its engine existed: nothing of it is on the devices
+            return
+        with self.rec.for_task(self.name):
+            self.life.release_on_fault(lease.step)
+
+    def _life(self) -> Colocated:
+        if self.life is None:
+            raise RuntimeError(f"task {self.name!r}: a lease before its setup lease")
+        return self.life
+
+    def _setup(self) -> None:
+        kw, tp = self.engine_kwargs, self.opts.tp
+        with self.rec.phase(ENGINE_READY, model=str(self.model.path), tp=tp, ports=self.ports) as ph:
+            engine = ManagedEngine(self.backend.create_engine(self.model, tp=tp, **kw))
+            self.on_engine(engine)
+            ph.info.update(engine_weight_bytes=engine.weight_bytes(), engine=type(engine.engine).__name__,
+                           tags=list(engine.tags), weights_cpu_backup=engine.weights_cpu_backup,
+                           context_length=kw.get("context_length"),
+                           max_total_tokens=kw.get("max_total_tokens"))  # fmt: skip
+        self.life = Colocated(self.backend, engine, self.rec, self.lifecycle)
+
+        def make_trainer():
+            trainer = self.backend.create_trainer(self.model, self.opts.train)
+            if self.resume_from is None:
+                return trainer, {}
+            trainer.restore(self.resume_from[1])
+            return trainer, {"restored_from": str(self.resume_from[1])}
+
+        trainer = self.life.lease_setup(make_trainer, lora_rank=self.opts.train.lora_rank)
+        self.save = _saver(trainer, self.dir, self.opts)
+        self.rollout = make_rollout(self.task, self.tok, self.opts, self.eos)
+
+    def _train(self, step: int | None) -> None:
+        if self._pending is None or step is None:
+            raise RuntimeError(f"task {self.name!r}: train lease of step {step} without its rollout")
+        batch, metrics = self._pending
+        self._pending = None
+        metrics = {**metrics, **self._life().train_lease(step, batch, self.save)}
+        self.rec.log_metrics(step, {k: v for k, v in metrics.items() if k != "sample"}, task=self.name)
+        self.history.append({"step": step, **metrics})
