@@ -7,6 +7,7 @@ catch that bug really does (a test without it could not fail). Names in use:
 - ``resume_lies``    an engine loses its weights' CPU backup but reports them restored on resume
 - ``train_oom``      the trainer's step fails like a device out-of-memory
 - ``offload_noop``   the trainer's params offload moves nothing
+- ``checkpoint_fails:<task>:<step>``  a multi-task run's checkpoint of one task at one step fails
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine_state import ManagedEngine
+from mllm_rl.faults import fault
 from mllm_rl.lifecycle import (
     LEASE_SETUP_PHASES,
     TRAIN_LEASE_PHASES,
@@ -143,7 +144,14 @@ class RLTask:
             return trainer, {"restored_from": str(self.resume_from[1])}
 
         trainer = self.life.lease_setup(make_trainer, lora_rank=self.opts.train.lora_rank)
-        self.save = _saver(trainer, self.dir, self.opts)
+        save = _saver(trainer, self.dir, self.opts)
+
+        def save_checked(step: int) -> Path | None:
+            if fault(f"checkpoint_fails:{self.name}:{step}"):  # a full disk, in one task only
+                raise OSError(f"checkpoint of task {self.name!r} step {step} could not be written (injected)")
+            return save(step)
+
+        self.save = save_checked
         self.rollout = make_rollout(self.task, self.tok, self.opts, self.eos)
 
     def _train(self, step: int | None) -> None:

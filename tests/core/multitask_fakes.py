@@ -29,6 +29,7 @@ from mllm_rl.engine import (
 )
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.lifecycle import Colocated, LifecycleOptions
+from mllm_rl.multitask.runtime import ENGINE_READY
 from mllm_rl.multitask.schedule import FINAL, ROLLOUT, SETUP, TRAIN, Lease
 from mllm_rl.phases import DeviceMemory, PhaseRecorder
 from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, train_metrics
@@ -257,7 +258,8 @@ class FakeTask:
     def run_lease(self, lease: Lease) -> None:
         with self.rec.for_task(self.name):
             if lease.kind == SETUP:
-                engine = ManagedEngine(FakeEngine(self.dev, self.name))
+                with self.rec.phase(ENGINE_READY):
+                    engine = ManagedEngine(FakeEngine(self.dev, self.name))
                 self.life = Colocated(_Backend(), engine, self.rec, LifecycleOptions())
                 if self.fail_at == (SETUP, None):  # the engine's bytes are on the device now
                     raise RuntimeError(f"injected failure in {self.name} setup")

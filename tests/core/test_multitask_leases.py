@@ -18,6 +18,7 @@ from mllm_rl.lifecycle import (
 )
 from mllm_rl.multitask.coord import LocalCoordinator, ScheduleMismatch
 from mllm_rl.multitask.driver import DONE, FAILED, Driver, TaskFailed
+from mllm_rl.multitask.runtime import task_phases
 from mllm_rl.multitask.schedule import (
     FINAL,
     ROLLOUT,
@@ -111,8 +112,9 @@ def test_lease_phase_groups_are_what_the_lifecycle_records():
         assert r["schema"] == "mllm_rl.phase/2" and r["task"] in {"a", "b", "c"}
     for t in TASKS:
         mine = [r for r in rec.records if r["task"] == t.name]
-        assert [r["phase"] for r in mine if r["step"] is None] == (
-            LEASE_SETUP_PHASES + rollout_lease_phases(opts, "generate_result")
+        assert [r["phase"] for r in mine if r["step"] is None] == task_phases(opts)["expected_phases"]
+        assert task_phases(opts)["expected_phases"] == (
+            ["engine_ready_dummy"] + LEASE_SETUP_PHASES + rollout_lease_phases(opts, "generate_result")
         )
         for s in range(t.steps):
             assert [r["phase"] for r in mine if r["step"] == s] == rollout_lease_phases(
