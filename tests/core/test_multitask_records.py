@@ -110,6 +110,7 @@ def test_report_marks_a_failed_task_and_checks_the_others_as_usual(tmp_path):
     kinds = {(i.run, i.kind) for i in result.errors}
     assert ("mt-fake / b", "task_failed") in kinds
     assert all(i.run == "mt-fake / b" for i in result.errors)
+    assert not [i for i in result.issues if "release_on_fault" in i.message]  # part of the failure
     assert json.loads((run / "run.json").read_text())["tasks"]["b"]["status"] == "failed"
 
 

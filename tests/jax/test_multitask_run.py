@@ -180,3 +180,7 @@ def test_a_failing_task_stops_alone_and_resume_finishes_it(models, tmp_path):
     ]  # fmt: skip
     restored = [x for x in read_jsonl(run_dir / "phases.jsonl") if x["phase"] == "trainer_init"][-1]
     assert restored["task"] == "b" and restored["info"]["restored_from"].endswith("step_000000")
+    summary = json.loads(
+        (run_dir / "report" / "summary.json").read_text()
+    )  # the failure, resumed: notes only
+    assert summary["counts"]["error"] == 0 and summary["counts"]["warning"] == 0, summary["issues"]
