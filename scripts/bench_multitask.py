@@ -56,7 +56,7 @@ def task_list(n: int) -> list[dict[str, Any]]:
 
 
 def tasks_toml(tasks: list[dict[str, Any]], settings: dict[str, Any]) -> str:
-    lines = ["[defaults]", *(f"{k} = {v}" for k, v in settings.items()), "eval_prompts = 4"]
+    lines = ["[defaults]", *(f"{k} = {v}" for k, v in settings.items())]
     for t in tasks:
         lines += ["", "[[task]]", *(f"{k} = {json.dumps(v)}" for k, v in t.items())]
     return "\n".join(lines) + "\n"

@@ -80,7 +80,17 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    return _run(args, argv, specs, backend, models, int(procs["process_index"]), int(procs["process_count"]))
+    pidx, pcount = int(procs["process_index"]), int(procs["process_count"])
+    if pcount > 1 and backend.name == "jax":
+        # The lease protocol spans processes (tests/jax/test_multitask_multihost.py), but sglang-jax
+        # refuses release/resume for an engine spanning processes (backends/jax/sglang_engine.py).
+        print(f"error: --tasks: {pcount} processes: sglang-jax cannot release an engine that spans "
+              "processes yet; run a multi-task run in one process", file=sys.stderr)  # fmt: skip
+        shutdown = getattr(backend, "shutdown_distributed", None)
+        if shutdown is not None:
+            shutdown()
+        return 2
+    return _run(args, argv, specs, backend, models, pidx, pcount)
 
 
 def _run(args: argparse.Namespace, argv: list[str] | None, specs: list[TaskSpec], backend: Any,
@@ -91,6 +101,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None, specs: list[TaskSpec]
     from mllm_rl.multitask.runtime import RLTask, task_phases
     from mllm_rl.multitask.schedule import lease_schedule, schedule_digest
     from mllm_rl.phases.recorder import PhaseRecorder
+    from mllm_rl.progress import progress_bar
     from mllm_rl.run import Terminated, phase_file_name, write_run_json
     from mllm_rl.sinks.console import ConsoleSink
     from mllm_rl.sinks.jsonl import JsonlSink, MetricsJsonlSink, count_records
@@ -144,10 +155,16 @@ def _run(args: argparse.Namespace, argv: list[str] | None, specs: list[TaskSpec]
     if pidx == 0:
         write_run_json(run_dir, plan)
     lease_file = open(run_dir / phase_file.name.replace("phases", "leases"), "a", encoding="utf-8")  # noqa: SIM115
+    bar_cm = progress_bar(total=len(schedule), desc="leases", unit="lease")
+    bar = bar_cm.__enter__()
 
     def on_lease(entry: dict[str, Any]) -> None:
         lease_file.write(json.dumps(entry) + "\n")
         lease_file.flush()
+        bar.update(1)
+        bar.set_postfix_str(
+            f"{entry['task']} {entry['kind']} {entry['step'] if entry['step'] is not None else ''}"
+        )
 
     code = 0
     driver: Driver | None = None
@@ -174,6 +191,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None, specs: list[TaskSpec]
         code = _exit_code(e)
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
     finally:
+        bar_cm.__exit__(None, None, None)
         lease_file.close()
         if pidx == 0:
             _report(run_dir, rec)

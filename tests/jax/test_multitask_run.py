@@ -25,7 +25,7 @@ MIB = 2**20
 
 
 def toml(models: dict[str, Path], tasks: dict[str, dict] = TASKS) -> str:
-    lines = ["[defaults]", *(f"{k} = {v}" for k, v in SMALL.items()), "eval_prompts = 4"]
+    lines = ["[defaults]", *(f"{k} = {v}" for k, v in SMALL.items())]
     for name, kw in tasks.items():
         lines += ["", "[[task]]", f'name = "{name}"', f'model = "{models[name]}"']
         lines += [f"{k} = {v}" for k, v in kw.items()]

@@ -21,7 +21,7 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def test_two_torch_tasks_each_equal_to_its_run_alone(tiny_ckpt, tmp_path):
-    lines = ["[defaults]", *(f"{k} = {v}" for k, v in SMALL.items()), "eval_prompts = 4"]
+    lines = ["[defaults]", *(f"{k} = {v}" for k, v in SMALL.items())]
     for name, kw in TASKS.items():
         lines += [
             "",
