@@ -44,6 +44,8 @@ def _process(index, hub, schedule, delay, fail=None, fail_fast=False, seed=0):
              for i, t in enumerate(TASKS)}  # fmt: skip
     coord = ThreadCoordinator(hub, index) if hub is not None else LocalCoordinator()
     drv = Driver(schedule, tasks, coord, fail_fast=fail_fast, device_bytes=dev.total)
+    drv.entries = []
+    drv.on_lease = drv.entries.append
     return drv, dev, rec, tasks
 
 
@@ -147,6 +149,10 @@ def test_three_tasks_random_delays_same_lease_order_on_every_process_in_bounded_
     for drv, dev, _, _ in procs:
         assert drv.ran == want
         assert dev.total() == 0
+    # the handoff: no process starts lease n+1 before every process finished lease n
+    ends = [max(drv.entries[n]["t_end"] for drv, *_ in procs) for n in range(len(schedule))]
+    for drv, *_ in procs:
+        assert all(drv.entries[n + 1]["t_start"] >= ends[n] for n in range(len(schedule) - 1))
     assert all(st.status == DONE for r in results.values() for st in r.values())
 
 
