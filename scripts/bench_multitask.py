@@ -14,7 +14,8 @@ records and ``leases.jsonl`` (device truth: ``live_arrays``/``memory_stats`` on 
   (the bytes after every task's start-up; target <= 1 MiB: a task leaves nothing behind);
 - ``wall ratio`` = the multi-task run's wall time / the sum of the single runs' (target <= 1.10;
   each wall time is the whole process, start-up included);
-- ``rewards equal``: each task's per-step rewards in the multi-task run equal its run alone.
+- ``rewards equal``: each task's per-step rewards, losses and gradient norms in the multi-task run
+  equal its run alone (exactly: same seeds, same data, same phases per step).
 
 Exit 0 when every target passed, 1 when one failed or a run failed, 2 on bad input.
 """
@@ -70,11 +71,12 @@ def _device_peak(run_dir: Path) -> int | None:
     return max_of(peaks)
 
 
-def _rewards(run_dir: Path, task: str | None = None) -> list[float]:
+def _rewards(run_dir: Path, task: str | None = None) -> list[list[float]]:
+    """``[reward_mean, loss, grad_norm]`` per step."""
     from mllm_rl.sinks.jsonl import read_jsonl
 
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if task is None or r.get("task") == task]
-    return [r["reward_mean"] for r in sorted(rows, key=lambda r: r["step"])]
+    return [[r["reward_mean"], r["loss"], r["grad_norm"]] for r in sorted(rows, key=lambda r: r["step"])]
 
 
 def _timed(cmd: list[str], what: str, env: dict[str, str]) -> float:

@@ -321,16 +321,15 @@ def engine_address(port: int | None = None) -> str:
     port+5 and port+6 on process 0 for its request broadcast (``PortArgs.init_new``)."""
     from jax._src import distributed as jax_dist
 
-    port_given = port
     coordinator = jax_dist.global_state.coordinator_address
     if not coordinator:
         raise RuntimeError("jax.distributed is not initialised: no coordinator address")
-    host, port = _host_port("coordinator", coordinator)
+    host, coord_port = _host_port("coordinator", coordinator)
     try:
         host = socket.gethostbyname(host)
     except OSError:
         pass  # an IPv6 literal or an unresolvable name: sglang-jax gets it as given
-    engine_port = int(os.environ.get(ENV_ENGINE_PORT) or port + 1) if port_given is None else port_given
+    engine_port = port if port is not None else int(os.environ.get(ENV_ENGINE_PORT) or coord_port + 1)
     return f"{host}:{engine_port}"
 
 
