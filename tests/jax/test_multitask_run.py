@@ -104,6 +104,7 @@ def test_each_task_rewards_equal_its_single_task_run(two_tasks):
         assert [x["reward_mean"] for x in mine] == [x["reward_mean"] for x in alone], name
         for key in ("loss", "grad_norm", "completion_len_mean"):
             np.testing.assert_allclose([x[key] for x in mine], [x[key] for x in alone], rtol=1e-5, atol=1e-7)
+        assert any(x["reward_mean"] > 0 for x in mine) and any(x["grad_norm"] > 0 for x in mine), name
     # the tasks really differ (different models, seeds, lr): equal curves would prove nothing
     a = [x["grad_norm"] for x in rows if x["task"] == "a"]
     b = [x["grad_norm"] for x in rows if x["task"] == "b"]

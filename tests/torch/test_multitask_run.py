@@ -15,7 +15,7 @@ from mllm_rl.sinks.jsonl import read_jsonl
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow
-SMALL = {"steps": 2, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4, "save_every": 0}
+SMALL = {"steps": 2, "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 8, "save_every": 0}
 TASKS = {"a": {"seed": 0, "lr": 3e-3}, "b": {"seed": 1, "lr": 1e-3, "lora_rank": 4, "check_weights": "true"}}
 ENV = {"OMP_NUM_THREADS": "1"}
 
@@ -62,4 +62,6 @@ def test_two_torch_tasks_each_equal_to_its_run_alone(tiny_ckpt, tmp_path):
         want = read_jsonl(alone / "metrics.jsonl")
         got = sorted((x for x in rows if x["task"] == name), key=lambda x: x["step"])
         assert [x["reward_mean"] for x in got] == [x["reward_mean"] for x in want], name
-        np.testing.assert_allclose([x["loss"] for x in got], [x["loss"] for x in want], rtol=1e-5, atol=1e-7)
+        assert any(x["reward_mean"] > 0 for x in got), name  # equal zeros would prove nothing
+        for key in ("loss", "grad_norm"):
+            np.testing.assert_allclose([x[key] for x in got], [x[key] for x in want], rtol=1e-5, atol=1e-7)
