@@ -121,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend", required=True, help="backend name (entry point group mllm_rl.backends): jax, torch"
     )
     ap.add_argument("--plan", default="rl", choices=["rl", "swap"], help="what to run")
+    ap.add_argument("--tasks", default=None, help="TOML file of several RL tasks sharing the devices "
+                    "(docs/MULTITASK.md); per-task settings then come from the file")  # fmt: skip
+    ap.add_argument(
+        "--fail-fast", action="store_true", help="--tasks: stop the whole run when one task fails"
+    )
     ap.add_argument(
         "--model", default="tiny", help=f"preset ({', '.join(PRESETS)}), checkpoint dir, or hub id"
     )
@@ -282,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     if threading.active_count() == 1:
         install_sigterm()
     args = build_parser().parse_args(argv)
+    if args.tasks:
+        from mllm_rl import multitask
+
+        return multitask.main(args, argv)
     from mllm_rl.checkpoint.model_dir import CheckpointError
     from mllm_rl.engine import WeightMismatch
     from mllm_rl.lifecycle import LifecycleError, NonFiniteTraining
