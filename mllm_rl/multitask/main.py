@@ -120,7 +120,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None, specs: list[TaskSpec]
     from mllm_rl.multitask.schedule import lease_schedule, schedule_digest
     from mllm_rl.phases.recorder import PhaseRecorder
     from mllm_rl.progress import progress_bar
-    from mllm_rl.run import Terminated, phase_file_name, write_run_json
+    from mllm_rl.run_files import phase_file_name, write_run_json
+    from mllm_rl.signals import Terminated
     from mllm_rl.sinks.console import ConsoleSink
     from mllm_rl.sinks.jsonl import JsonlSink, MetricsJsonlSink, count_records
 
