@@ -24,7 +24,7 @@ import json, os, sys
 import numpy as np
 from mllm_rl.backend_registry import load_backend
 from mllm_rl.checkpoint import ModelDir
-from mllm_rl.engine import SamplingParams, WeightExport
+from mllm_rl.engine import EngineOptions, SamplingParams, WeightExport
 from mllm_rl.engine_state import ManagedEngine
 
 backend = load_backend("jax")
@@ -33,8 +33,8 @@ probe = backend.memory_probe()
 total = lambda: sum(probe.in_use())
 model = ModelDir.open(sys.argv[1])
 kw = dict(context_length=64, max_total_tokens=512, max_running_requests=4)
-a = ManagedEngine(backend.create_engine(model, task="a", **kw))
-b = ManagedEngine(backend.create_engine(model, task="b", **kw))
+a = ManagedEngine(backend.create_engine(model, EngineOptions(task="a", **kw)))
+b = ManagedEngine(backend.create_engine(model, EngineOptions(task="b", **kw)))
 for e in (a, b):
     e.update_weights(WeightExport(list(model.tensors), model.iter_tensors(), full=True))
 greedy = SamplingParams(max_new_tokens=6)

@@ -11,7 +11,7 @@ import torch
 
 from mllm_rl.backends.torch import TorchBackend
 from mllm_rl.checkpoint import ModelDir
-from mllm_rl.engine import SamplingParams, WeightExport
+from mllm_rl.engine import EngineOptions, SamplingParams, WeightExport
 from mllm_rl.engine_state import ManagedEngine
 from tests.torch.conftest import needs_cuda
 
@@ -28,8 +28,8 @@ def _engines(tiny_ckpt, device: str):
     backend.init_runtime(platform=device)
     model = ModelDir.open(tiny_ckpt)
     kw = {"context_length": 64, "max_total_tokens": 256, "max_running_requests": 4, "engine": "embedded"}
-    a = ManagedEngine(backend.create_engine(model, task="a", **kw))
-    b = ManagedEngine(backend.create_engine(model, task="b", **kw))
+    a = ManagedEngine(backend.create_engine(model, EngineOptions(task="a", **kw)))
+    b = ManagedEngine(backend.create_engine(model, EngineOptions(task="b", **kw)))
     for e in (a, b):  # real weights in both, so generation means something
         e.update_weights(WeightExport(list(model.tensors), model.iter_tensors(), full=True))
     return backend, model, a, b
