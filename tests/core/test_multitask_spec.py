@@ -108,3 +108,31 @@ def test_allocate_never_hands_a_port_out_twice_even_if_it_looks_free():
     ports = allocate(["a", "b", "c"], PortAllocator(30000, 30100, is_free=lambda p: p % 10 != 7))
     flat = [p for ps in ports.values() for p in ps]
     assert len(flat) == len(set(flat)) == 3 * BLOCK and not any(p % 10 == 7 for p in flat)
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--engine", "sglang"], "not an engine of the jax backend"),
+        (["--tp", "3"], "not divisible by --tp 3"),
+        (["--plan", "swap"], "--plan swap"),
+        (["--resume-or-start"], "--resume-or-start"),
+    ],
+)
+def test_cli_run_level_flags_are_checked_per_task_before_anything_starts(tmp_path, flags, match):
+    path = tmp_path / "t.toml"
+    path.write_text('[[task]]\nname = "m"\n')
+    run = tmp_path / "run"
+    r = run_cli("mllm_rl.run", "--backend", "jax", "--tasks", str(path), "--run-dir", str(run), *flags)
+    assert r.returncode == 2 and match in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not run.exists()
+
+
+def test_save_every_is_an_alias_of_checkpoint_every(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text(
+        '[defaults]\nsave_every = 3\n\n[[task]]\nname = "a"\n\n[[task]]\nname = "b"\ncheckpoint_every = 1\n'
+    )
+    a, b = load_tasks(path)
+    assert (a.checkpoint_every, b.checkpoint_every) == (3, 1)
+    assert a.rl_options().checkpoint_every == 3 and b.rl_options().engine.task == "b"
