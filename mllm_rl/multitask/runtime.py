@@ -101,7 +101,8 @@ class RLTask:
             self.lifecycle.probe_ids = tuple(self.tok(PROBE_PROMPT, add_special_tokens=False).input_ids)
         eng = size_engine(self.task, self.tok, self.opts)  # task= set by the spec: <task>/weights, ...
         if self.ports is not None:
-            # the engine binds two: its server port and its process group's (ports[2:] stay spare)
+            # the engine is handed two (server port, process-group port); the rest of the block stays
+            # reserved for it (a multi-process sglang-jax engine binds ports[0] + 5 and + 6)
             eng = dataclasses.replace(eng, ports=tuple(self.ports[:2]))
         self.backend.check_engine_args(self.model, eng)
         self.engine_opts = eng
