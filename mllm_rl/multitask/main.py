@@ -9,7 +9,8 @@ lease: task, kind, step, times, outcome on every process, device bytes after it;
 status, ``done`` or ``failed`` with the error), ``tasks/<name>/checkpoints``, ``report/``.
 
 Exit codes: 0 every task done; 2 bad input (nothing started); otherwise the code of the first
-failure (3 weights differ, 4 lifecycle invariant, 1 anything else; also with ``--fail-fast``,
+failure (3 weights differ, 4 lifecycle invariant, 5 non-finite loss, 1 anything else; also with
+``--fail-fast``,
 which stops the whole run at the first failure instead of letting the other tasks go on);
 128+N on signal N.
 """
@@ -32,10 +33,12 @@ RUN_PHASES = ["wandb_init", "{ready}"]
 def _exit_code(e: BaseException) -> int:
     from mllm_rl.checkpoint.model_dir import CheckpointError
     from mllm_rl.engine import WeightMismatch
-    from mllm_rl.lifecycle import LifecycleError
+    from mllm_rl.lifecycle import LifecycleError, NonFiniteTraining
 
     if isinstance(e, WeightMismatch):
         return 3
+    if isinstance(e, NonFiniteTraining):
+        return 5
     if isinstance(e, LifecycleError):
         return 4
     if isinstance(e, (CheckpointError, ValueError)):
