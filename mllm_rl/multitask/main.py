@@ -10,8 +10,8 @@ status, ``done`` or ``failed`` with the error), ``tasks/<name>/checkpoints``, ``
 
 Exit codes: 0 every task done; 2 bad input (nothing started); otherwise the code of the first
 failure (3 weights differ, 4 lifecycle invariant, 5 non-finite loss, 1 anything else; also with
-``--fail-fast``,
-which stops the whole run at the first failure instead of letting the other tasks go on);
+``--fail-fast``, which stops the whole run at the first failure instead of letting the other tasks
+go on);
 128+N on signal N.
 """
 
