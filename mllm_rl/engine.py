@@ -15,6 +15,7 @@ never touches their framework.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -46,6 +47,7 @@ class SamplingParams:
 ENGINE_CHOICES = ("auto", "embedded", "sglang")  # every backend's choices, for --engine
 DEFAULT_CONTEXT_LENGTH = 512
 DEFAULT_MAX_TOTAL_TOKENS = 4096
+TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # an engine's task name: a path- and tag-safe word
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,10 @@ class EngineOptions:
     ``max_running_requests`` is the engine's own default. ``engine`` is one of the backend's
     ``engines`` (``check_backend``): the jax backend has only sglang-jax (``auto``); the torch
     backend ``auto``, ``embedded``, ``sglang``.
+
+    Multi-task runs (``docs/MULTITASK.md``): ``task`` names the engine's task (its memory tags are
+    ``<task>/weights``, ...); ``ports`` are two free ports from the run's one allocator (a server
+    engine's port and its process group's port) so engines started together never pick the same.
     """
 
     tp: int = 1
@@ -67,8 +73,18 @@ class EngineOptions:
     seed: int = 0
     chunk_bytes: int = 64 * 2**20  # streamed updates: tensors above this go in chunks; 0 = whole
     weights_cpu_backup: bool = False
+    task: str | None = None
+    ports: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.task is not None and (not isinstance(self.task, str) or not TASK_NAME.fullmatch(self.task)):
+            raise ValueError(f"engine task {self.task!r}: expected a simple name ({TASK_NAME.pattern})")
+        if self.ports is not None:
+            ok = isinstance(self.ports, tuple) and len(self.ports) == 2
+            if not ok or not all(
+                isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in self.ports
+            ):
+                raise ValueError(f"engine ports {self.ports!r}: expected a tuple of two ports (1..65535)")
         if self.engine not in ENGINE_CHOICES:
             raise ValueError(f"--engine {self.engine!r}: choose one of {', '.join(ENGINE_CHOICES)}")
         for flag, value, low in (("--tp", self.tp, 1), ("--max-total-tokens", self.max_total_tokens, 1),

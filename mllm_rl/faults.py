@@ -12,6 +12,7 @@ catch that bug really does (a test without it could not fail). Names in use:
 - ``hang=PHASE``     the phase named PHASE sleeps until interrupted (the watchdog's test)
 - ``hang_deaf=PHASE`` the same, but every interruption is swallowed: a hang in C code that never
                      returns to Python (only the watchdog's hard exit ends it)
+- ``checkpoint_fails:<task>:<step>``  a multi-task run's checkpoint of one task at one step fails
 """
 
 from __future__ import annotations

@@ -36,6 +36,22 @@ without CPU backup the lifecycle sends the full weights instead.
 The garbage guard (``check_weights``): right after ``train_step`` the trainer decodes a
 fixed probe greedily with its own model; after the update the engine decodes the same
 probe; the tokens must agree wherever the trainer's top-2 margin is not a near tie.
+
+Leased phase groups (several tasks on the same devices, ``docs/MULTITASK.md``): a task runs
+only while it holds the device lease, and between leases it holds nothing on the devices
+(``check_asleep``). Its start-up and each step are leased groups:
+
+    lease_setup:    release_rollout -> trainer_init -> offload_optimizer -> offload_trainer_params
+                    -> empty_cache
+    rollout_lease:  onload_trainer_params -> resume_weights -> update_weights
+                    -> offload_trainer_params -> empty_cache -> resume_kv -> continue_generation
+                    [-> check_weights] -> rollout -> drain -> release_rollout -> empty_cache
+    train_lease:    onload_trainer -> train_step -> checkpoint -> offload_optimizer
+                    -> offload_trainer_params -> empty_cache
+    final_lease:    (rollout_lease with generate_result in place of rollout; step None)
+
+The weight update is part of the rollout lease (the trainer's params come on only to stream
+them), so a task never needs the lease twice to make its engine usable.
 """
 
 from __future__ import annotations
@@ -68,6 +84,13 @@ STEP_PHASES = {
 }  # fmt: skip
 SETUP_PHASES = ["release_rollout", "trainer_init", "offload_optimizer", "resume_weights", "weights_swapped",
                 "offload_trainer_params", "resume_kv", "continue_generation"]  # fmt: skip
+LEASE_SETUP_PHASES = ["release_rollout", "trainer_init", "offload_optimizer", "offload_trainer_params",
+                      "empty_cache"]  # fmt: skip
+_AWAKE = ["onload_trainer_params", "resume_weights", "update_weights", "offload_trainer_params", "empty_cache",
+          "resume_kv", "continue_generation"]  # fmt: skip
+_ASLEEP = ["drain", "release_rollout", "empty_cache"]
+TRAIN_LEASE_PHASES = ["onload_trainer", "train_step", "checkpoint", "offload_optimizer", "offload_trainer_params",
+                      "empty_cache"]  # fmt: skip
 # Phases at whose end trainer params and engine weights may both be resident.
 BOTH_RESIDENT_OK = {"resume_weights", "update_weights", "resume_rollout", "weights_swapped"}
 GREEDY_TIE = 1e-3  # top-2 logit margin below which a greedy token may differ across implementations
@@ -114,6 +137,11 @@ class LifecycleOptions:
 def step_phases(opts: LifecycleOptions) -> list[str]:
     """The phase names of one step, in order (what the report's completeness check expects)."""
     return STEP_PHASES[opts.schedule] + (["check_weights"] if opts.check_weights else [])
+
+
+def rollout_lease_phases(opts: LifecycleOptions, work: str = "rollout") -> list[str]:
+    """Phase names of ``Colocated.rollout_lease`` (``work="generate_result"``: ``final_lease``)."""
+    return _AWAKE + (["check_weights"] if opts.check_weights else []) + [work] + _ASLEEP
 
 
 RolloutFn = Callable[[ManagedEngine, int], tuple[RolloutBatch, dict[str, Any]]]
@@ -218,6 +246,121 @@ class Colocated:
             with self._phase("check_weights", step) as ph:
                 ph.info.update(self._check_probe())
         return metrics
+
+    # -- leased phase groups (several tasks on the same devices) ----------------------------
+    def lease_setup(
+        self, make_trainer: Callable[[], tuple[Trainer, dict[str, Any]]], **trainer_info: Any
+    ) -> Trainer:
+        """A task's start-up inside its setup lease (``LEASE_SETUP_PHASES``, step ``None``): the
+        freshly started engine (dummy weights) drains and releases everything, the trainer is
+        built and goes to the host. No first sync here: the first ``rollout_lease`` sends the
+        full weights (the engine's are invalid or dummy until then)."""
+        self._release(None, drain=True)
+        with self._phase("trainer_init", None, **trainer_info) as ph:
+            self.trainer, info = make_trainer()
+            ph.info.update(info, state_bytes=self.trainer.state_bytes())
+        with self._phase("offload_optimizer", None) as ph:
+            ph.info["expected_freed_bytes"] = self.trainer.offload([OPTIMIZER])
+        self._offload_params(None)
+        return self.trainer
+
+    def rollout_lease(
+        self,
+        step: int | None,
+        work: Callable[[ManagedEngine, int | None], tuple[Any, dict[str, Any]]],
+        name: str = "rollout",
+    ) -> tuple[Any, dict[str, Any]]:
+        """Rollout + weight update under one lease (``rollout_lease_phases``): the trainer's
+        params come on only to stream the update (partial only onto valid base weights,
+        fingerprint-checked), the engine wakes, ``work(engine, step)`` runs in phase ``name``
+        (``rollout`` -> ``(batch, metrics)``), and the engine releases everything again."""
+        o = self.opts
+        with self._phase("onload_trainer_params", step) as ph:
+            ph.info["expected_alloc_bytes"] = self.trainer.onload([PARAMS])
+            if o.check_weights:  # the reference: the very params about to be streamed
+                self._expected_probe = self.trainer.greedy(list(o.probe_ids), o.probe_tokens)
+        self._resume("resume_weights", [TAG_WEIGHTS], step)
+        with self._phase("update_weights", step) as ph:
+            ph.info.update(self._update(full=None))
+        self._offload_params(step)
+        self._resume("resume_kv", self.kv_tags, step)
+        with self._phase("continue_generation", step):
+            self.engine.continue_generation()
+        if o.check_weights:
+            with self._phase("check_weights", step) as ph:
+                ph.info.update(self._check_probe())
+        with self._phase(name, step) as ph:
+            out, metrics = work(self.engine, step)
+            ph.info.update(metrics)
+        self._lease_release(step)
+        return out, metrics
+
+    def train_lease(self, step: int, batch: RolloutBatch, save: SaveFn | None = None) -> dict[str, Any]:
+        """Train under one lease (``TRAIN_LEASE_PHASES``), the engine released throughout;
+        returns the train metrics."""
+        with self._phase("onload_trainer", step) as ph:
+            ph.info["expected_alloc_bytes"] = self.trainer.onload([PARAMS, OPTIMIZER])
+        with self._phase("train_step", step, batch=batch.size) as ph:
+            train = self.trainer.train_step(batch)
+            ph.info.update(train)
+        with self._phase("checkpoint", step) as ph:
+            path = save(step) if save is not None else None
+            ph.info.update(saved=path is not None, path=str(path) if path else None)
+        with self._phase("offload_optimizer", step) as ph:
+            ph.info["expected_freed_bytes"] = self.trainer.offload([OPTIMIZER])
+        self._offload_params(step)
+        return train
+
+    def final_lease(self, evaluate: Callable[[ManagedEngine], dict[str, Any]]) -> dict[str, Any]:
+        """The last weights into the engine and ``generate_result`` (step ``None``), then
+        everything released: ``rollout_lease`` with ``evaluate`` as its work."""
+        _, info = self.rollout_lease(None, lambda engine, step: (None, evaluate(engine)), "generate_result")
+        return info
+
+    def check_asleep(self) -> None:
+        """Between leases a task holds nothing on the devices: every releasable engine tag is
+        released and no trainer state is resident (``LifecycleError`` otherwise)."""
+        held = [t for t in self.release_tags if t not in self.engine.released]
+        resident = [k for k, v in self.trainer.resident().items() if v] if self.trainer is not None else []
+        if held or resident:
+            raise LifecycleError(
+                f"between leases: engine still holds {held or 'nothing'}, trainer still holds "
+                f"{resident or 'nothing'} on the devices"
+            )
+
+    def release_on_fault(self, step: int | None) -> dict[str, Any]:
+        """After a failure inside a lease: free whatever this task still holds (phase
+        ``release_on_fault``), so the other tasks can go on."""
+        with self._phase("release_on_fault", step) as ph:
+            held: dict[str, int] = {}
+            keep = [t for t in self.release_tags if t not in self.engine.released]
+            if keep:
+                if self.engine.in_flight or not self.engine.paused:
+                    ph.info.update(self.engine.drain(self.opts.drain_timeout_s))
+                held = self.engine.release(keep)
+            offloaded = 0
+            if self.trainer is not None:
+                resident = [k for k, v in self.trainer.resident().items() if v]
+                offloaded = self.trainer.offload(resident) if resident else 0
+            self.backend.empty_cache()
+            ph.info.update(held=self._memory_names(held), expected_freed_bytes=sum(held.values()) + offloaded)
+        return ph.info
+
+    def _lease_release(self, step: int | None) -> None:
+        """``drain`` -> ``release_rollout`` (naming the engine's own memory tags) -> ``empty_cache``."""
+        with self._phase("drain", step) as ph:
+            ph.info.update(self.engine.drain(self.opts.drain_timeout_s))
+        with self._phase("release_rollout", step, tags=self.release_tags) as ph:
+            held = self.engine.release(self.release_tags)
+            ph.info.update(expected_freed_bytes=sum(held.values()), held=self._memory_names(held))
+        with self._phase("empty_cache", step):
+            self.backend.empty_cache()
+
+    def _memory_names(self, held: dict[str, int]) -> dict[str, int]:
+        """``held`` keyed by the engine's own memory tag names (``<task>/weights`` when the
+        engine belongs to a task: whose bytes moved is in the record)."""
+        name = getattr(self.engine.engine, "memory_tag", None)
+        return {name(t) if name else t: b for t, b in held.items()}
 
     def _release(self, step: int | None, drain: bool = False) -> None:
         """``release_rollout``: every releasable tag (the setup drains first: nothing ran yet)."""

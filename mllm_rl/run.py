@@ -19,11 +19,8 @@ stack in the run directory); 128+N killed by signal N (SIGTERM: 143) after closi
 
 from __future__ import annotations
 
-import _thread
 import argparse
-import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -31,6 +28,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from mllm_rl.presets import PRESETS
+from mllm_rl.run_files import phase_file_name, write_run_json
+from mllm_rl.signals import Terminated, install_sigterm
 
 EXIT_CODES = {
     0: "ok",
@@ -44,40 +43,6 @@ EXIT_CODES = {
 }
 # Nothing imported at module level may start a thread (numpy's OpenBLAS pool does):
 # ``install_sigterm`` must run while the main thread is the only one.
-
-
-class Terminated(SystemExit):
-    """Raised in the main thread by the SIGTERM handler so ``finally`` blocks run.
-
-    A ``SystemExit``: event loops (the engine's asyncio loop) swallow other exceptions
-    raised in their callbacks but let this one through.
-    """
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(128 + signum)
-        self.signum = signum
-
-
-def install_sigterm() -> None:
-    """Turn SIGTERM into ``Terminated`` in the main thread, whoever loads later.
-
-    jaxlib's absl failure handler takes SIGTERM over (lazily, when XLA starts) and aborts
-    the process (exit -6) with the W&B run unfinished. So SIGTERM is blocked in this thread
-    before any other thread exists (threads inherit the mask, XLA's included), a waiter
-    thread takes it with ``sigwait`` and raises it in the main thread through Python's own
-    handler table, which no C library touches.
-    """
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise Terminated(signum)
-
-    def wait() -> None:
-        signal.sigwait({signal.SIGTERM})
-        _thread.interrupt_main(signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    threading.Thread(target=wait, name="mllm_rl-sigterm", daemon=True).start()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -121,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend", required=True, help="backend name (entry point group mllm_rl.backends): jax, torch"
     )
     ap.add_argument("--plan", default="rl", choices=["rl", "swap"], help="what to run")
+    ap.add_argument("--tasks", default=None, help="TOML file of several RL tasks sharing the devices "
+                    "(docs/MULTITASK.md); per-task settings then come from the file")  # fmt: skip
+    ap.add_argument(
+        "--fail-fast", action="store_true", help="--tasks: stop the whole run when one task fails"
+    )
     ap.add_argument(
         "--model", default="tiny", help=f"preset ({', '.join(PRESETS)}), checkpoint dir, or hub id"
     )
@@ -267,21 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def phase_file_name(process_index: int) -> str:
-    """``phases.jsonl`` for process 0, ``phases.p<i>.jsonl`` for the others (one file each)."""
-    return "phases.jsonl" if process_index == 0 else f"phases.p{process_index}.jsonl"
-
-
-def write_run_json(run_dir: Path, plan: dict[str, Any]) -> None:
-    tmp = run_dir / "run.json.tmp"
-    tmp.write_text(json.dumps(plan, indent=2))
-    os.replace(tmp, run_dir / "run.json")
-
-
 def main(argv: list[str] | None = None) -> int:
     if threading.active_count() == 1:
         install_sigterm()
     args = build_parser().parse_args(argv)
+    if args.tasks:
+        from mllm_rl import multitask
+
+        return multitask.main(args, argv)
     from mllm_rl.checkpoint.model_dir import CheckpointError
     from mllm_rl.engine import WeightMismatch
     from mllm_rl.lifecycle import LifecycleError, NonFiniteTraining

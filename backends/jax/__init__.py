@@ -25,6 +25,10 @@ class JaxBackend:
         see ``backends/jax/distributed.py``. Runs before ``init_runtime``."""
         return distributed.init_distributed(tp=tp)
 
+    def coordinator(self) -> distributed.Coordination:
+        """Lease handoffs of multi-task runs (``mllm_rl.multitask.coord``)."""
+        return distributed.Coordination()
+
     def shutdown_distributed(self) -> None:
         """Leave the multi-process run (every process, before exiting; idempotent)."""
         distributed.shutdown()
@@ -74,7 +78,10 @@ class JaxBackend:
         validate_engine_args(model, opts.tp, len(jax.devices()), distributed.procs().count)
 
     def create_engine(self, model: ModelDir, opts: EngineOptions):
-        """An sglang-jax engine with dummy weights (``opts`` unset sizes: ``EngineOptions.resolved``)."""
+        """An sglang-jax engine with dummy weights (``opts`` unset sizes: ``EngineOptions.resolved``).
+
+        ``opts.task`` / ``opts.ports`` (multi-task runs): its memory tags are ``<task>/...``; a
+        multi-process engine's ``dist_init_addr`` uses ``ports[0]`` from the run's allocator."""
         from mllm_rl.backends.jax.sglang_engine import SglangJaxEngine
 
         opts.check_backend(self.name, self.engines)
@@ -82,7 +89,7 @@ class JaxBackend:
         extra = {} if o.max_running_requests is None else {"max_running_requests": o.max_running_requests}
         return SglangJaxEngine(model, tp=o.tp, max_total_tokens=o.max_total_tokens, context_length=o.context_length,
                                seed=o.seed, chunk_bytes=o.chunk_bytes, weights_cpu_backup=o.weights_cpu_backup,
-                               **extra)  # fmt: skip
+                               task=o.task, ports=o.ports, **extra)  # fmt: skip
 
     def create_trainer(self, model: ModelDir, cfg: Any):
         from mllm_rl.backends.jax.trainer import JaxTrainer

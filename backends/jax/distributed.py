@@ -268,6 +268,37 @@ def share(name: str, value: str | None, timeout_s: float | None = None) -> str:
         raise RuntimeError(f"{key}: nothing from process 0 within {timeout}s ({e})") from None
 
 
+def gather(name: str, value: str, timeout_s: float | None = None) -> list[str]:
+    """Every process's ``value`` for the ``n``-th ``gather(name)``, in process order; returns only
+    when all processes gave theirs (a barrier that carries data; key-value store, no device work)."""
+    if _procs.count == 1:
+        return [value]
+    key, timeout = _key(f"gather/{name}"), timeout_s or _timeout_s
+    client = _client()
+    client.key_value_set(f"{key}/{_procs.index}", value)
+    try:
+        return [
+            str(client.blocking_key_value_get(f"{key}/{i}", int(1000 * timeout))) for i in range(_procs.count)
+        ]
+    except Exception as e:
+        raise RuntimeError(f"{key}: not every process arrived within {timeout}s ({e})") from None
+
+
+class Coordination:
+    """``mllm_rl.multitask.coord.Coordinator`` over ``jax.distributed`` (multi-task lease handoffs)."""
+
+    @property
+    def index(self) -> int:
+        return _procs.index
+
+    @property
+    def count(self) -> int:
+        return _procs.count
+
+    def gather(self, name: str, value: str) -> list[str]:
+        return gather(name, value)
+
+
 def agree_on_platform(platform: str) -> None:
     """Every process publishes the platform jax came up on; ``RuntimeError`` unless all agree
     (e.g. one host's TPU was held by a stale process and jax fell back to CPU there)."""
@@ -283,22 +314,22 @@ def agree_on_platform(platform: str) -> None:
         raise RuntimeError(f"processes came up on different platforms ({desc})")
 
 
-def engine_address() -> str:
+def engine_address(port: int | None = None) -> str:
     """``ip:port`` for sglang-jax's ``dist_init_addr``: the coordinator's host as an IPv4 address
-    (process 0 ZMQ-binds it, and ZMQ binds addresses, not host names); port
-    ``MLLM_RL_ENGINE_PORT`` or the coordinator's + 1. sglang-jax binds port+5 and port+6 on
-    process 0 for its request broadcast (``PortArgs.init_new``)."""
+    (process 0 ZMQ-binds it, and ZMQ binds addresses, not host names); port ``port`` (a task's
+    own, multi-task runs), else ``MLLM_RL_ENGINE_PORT`` or the coordinator's + 1. sglang-jax binds
+    port+5 and port+6 on process 0 for its request broadcast (``PortArgs.init_new``)."""
     from jax._src import distributed as jax_dist
 
     coordinator = jax_dist.global_state.coordinator_address
     if not coordinator:
         raise RuntimeError("jax.distributed is not initialised: no coordinator address")
-    host, port = _host_port("coordinator", coordinator)
+    host, coord_port = _host_port("coordinator", coordinator)
     try:
         host = socket.gethostbyname(host)
     except OSError:
         pass  # an IPv6 literal or an unresolvable name: sglang-jax gets it as given
-    engine_port = int(os.environ.get(ENV_ENGINE_PORT) or port + 1)
+    engine_port = port if port is not None else int(os.environ.get(ENV_ENGINE_PORT) or coord_port + 1)
     return f"{host}:{engine_port}"
 
 

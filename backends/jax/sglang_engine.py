@@ -158,8 +158,11 @@ class SglangJaxEngine:
         seed: int = 0,
         chunk_bytes: int = 64 * 2**20,
         weights_cpu_backup: bool = False,
+        task: str | None = None,
+        ports: Sequence[int] | None = None,
     ) -> None:
         self.chunk_bytes = chunk_bytes
+        self.task = task  # multi-task runs: its memory tags are <task>/weights, <task>/kv_cache
         self.version = _check_version()
         self.procs = dist.procs()
         validate_engine_args(model, tp, len(jax.devices()), self.procs.count)
@@ -171,7 +174,7 @@ class SglangJaxEngine:
         multi: dict[str, Any] = {}
         if self.procs.count > 1:  # one engine over every process's devices (sglang-jax multi-node)
             multi = {"nnodes": self.procs.count, "node_rank": self.procs.index,
-                     "dist_init_addr": dist.engine_address()}  # fmt: skip
+                     "dist_init_addr": dist.engine_address(ports[0] if ports else None)}  # fmt: skip
         launch = _launched_scheduler() if multi else contextlib.nullcontext({})
         with launch as launched:
             self.engine = Engine(
@@ -451,6 +454,11 @@ class SglangJaxEngine:
         return results
 
     # -- memory tags ----------------------------------------------------------
+    def memory_tag(self, tag: str) -> str:
+        """The name of ``tag``'s bytes in records: ``<task>/<tag>`` for a task's engine. Its arrays
+        are this instance's own (no process-global pool), so a release frees only them."""
+        return f"{self.task}/{tag}" if self.task else tag
+
     def _kv_list(self) -> list[jax.Array]:
         return self.runner.memory_pools.token_to_kv_pool.kv_buffer
 

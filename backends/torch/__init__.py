@@ -104,7 +104,11 @@ class TorchBackend:
             model.check_tp(tp)
 
     def create_engine(self, model: ModelDir, opts: EngineOptions):
-        """The engine ``opts.engine`` resolves to (``resolve_engine``), with dummy weights."""
+        """The engine ``opts.engine`` resolves to (``resolve_engine``), with dummy weights.
+
+        ``opts.task`` / ``opts.ports`` (multi-task runs): the engine's memory tags are
+        ``<task>/...``; a server engine (SGLang) binds ``ports`` (from the run's one allocator)
+        instead of picking."""
         opts.check_backend(self.name, self.engines)
         o = opts.resolved()
         kind = self.resolve_engine(o.engine)
@@ -114,12 +118,12 @@ class TorchBackend:
 
             return SglangEngine(model, tp=o.tp, max_total_tokens=o.max_total_tokens, context_length=o.context_length,
                                 seed=o.seed, chunk_bytes=o.chunk_bytes, weights_cpu_backup=o.weights_cpu_backup,
-                                **extra)  # fmt: skip
+                                task=o.task, ports=list(o.ports) if o.ports else None, **extra)  # fmt: skip
         from mllm_rl.backends.torch.engine import EmbeddedEngine
 
         return EmbeddedEngine(model, tp=o.tp, max_total_tokens=o.max_total_tokens, context_length=o.context_length,
                               seed=o.seed, chunk_bytes=o.chunk_bytes, weights_cpu_backup=o.weights_cpu_backup,
-                              device=self._device(), **extra)  # fmt: skip
+                              device=self._device(), task=o.task, **extra)  # fmt: skip
 
     def place_all(self, engine: Any, model: ModelDir) -> list[tuple[str, Any]]:
         """Naive-swap baseline: every checkpoint tensor placed on the device first (two copies)."""

@@ -92,6 +92,7 @@ class EmbeddedEngine:
         weights_cpu_backup: bool = False,
         device: str | torch.device | None = None,
         max_running_requests: int = 128,
+        task: str | None = None,
     ) -> None:
         if tp != 1:
             raise ValueError(
@@ -113,7 +114,7 @@ class EmbeddedEngine:
         self.max_running_requests = max_running_requests
         self.chunk_bytes = chunk_bytes
         self.weights_cpu_backup = weights_cpu_backup
-        self.memory = make_memory(self.device)
+        self.memory = make_memory(self.device, task)  # task: its tags are <task>/weights, <task>/kv_cache
         gen = torch.Generator(device="cpu").manual_seed(seed)
         with torch.no_grad():
             with self.memory.region(TAG_WEIGHTS, cpu_backup=weights_cpu_backup):
@@ -332,6 +333,10 @@ class EmbeddedEngine:
         if tag == TAG_KV:
             return [self.kv]
         raise ValueError(f"unknown memory tag {tag!r}; this engine has {list(self.tags)}")
+
+    def memory_tag(self, tag: str) -> str:
+        """The memory layer's name of ``tag`` (``<task>/weights`` for a task's engine)."""
+        return self.memory.name(tag)
 
     def tag_bytes(self, tag: str) -> int:
         """Device bytes a resident tag holds (tensor bytes; CUDA allocations round up to 2 MiB pages)."""

@@ -10,15 +10,17 @@ tag's tensors, ``resume(tag)`` gives them back; tensor objects, shapes and dtype
   bytes from its CPU backup when the region had one; otherwise contents are undefined).
   torch_memory_saver 0.0.10 calls ``exit(1)`` on pausing a paused allocation or resuming an
   active one (``csrc/core.cpp``), and its tags are process-global; so each engine gets its
-  own region tags (``mllm_rl-<n>-weights``: releasing one engine never touches another's
-  memory), and each instance's set of its paused tags turns a repeated call into a warned
-  no-op (callers serialize release/resume: ``EmbeddedEngine`` holds its lock).
+  own region tags (``<task>/weights`` for a task's engine in a multi-task run, else
+  ``mllm_rl-<n>-weights``: releasing one engine never touches another's memory; a task name
+  can own tags once per process), and each instance's set of its paused tags turns a repeated
+  call into a warned no-op (callers serialize release/resume: ``EmbeddedEngine`` holds its lock).
 - ``StorageMemory`` (CPU, or CUDA without torch_memory_saver): ``release`` resizes each
   tensor's storage to 0 bytes (after copying it into a host numpy buffer when backed up),
   ``resume`` resizes it back and refills it from the backup (else zeros). Tensor objects are
   kept, so the model keeps using the same ``Parameter`` objects; storage addresses change.
   The host backup is numpy, not a torch tensor, so on CPU it is host memory (RSS) and not
-  counted as "device" memory by the ``live_tensors`` probe.
+  counted as "device" memory by the ``live_tensors`` probe. Its tags carry the same names
+  (``<task>/weights``) in warnings and records.
 """
 
 from __future__ import annotations
@@ -50,10 +52,15 @@ class StorageMemory:
 
     mode = "storage_resize"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, task: str | None = None) -> None:
         self.device = device
+        self.prefix = f"{task}/" if task else ""
         self._backup: dict[str, list[np.ndarray]] = {}
         self._released: set[str] = set()
+
+    def name(self, tag: str) -> str:
+        """The tag's name in records and warnings (``<task>/<tag>`` for a task's engine)."""
+        return self.prefix + tag
 
     @contextlib.contextmanager
     def region(self, tag: str, cpu_backup: bool = False) -> Iterator[None]:
@@ -61,7 +68,7 @@ class StorageMemory:
 
     def release(self, tag: str, tensors: list[torch.Tensor], cpu_backup: bool) -> None:
         if tag in self._released:
-            warnings.warn(f"release({tag!r}): already released; no-op", stacklevel=2)
+            warnings.warn(f"release({self.name(tag)!r}): already released; no-op", stacklevel=2)
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -75,7 +82,7 @@ class StorageMemory:
 
     def resume(self, tag: str, tensors: list[torch.Tensor]) -> bool:
         if tag not in self._released:
-            warnings.warn(f"resume({tag!r}): not released; no-op", stacklevel=2)
+            warnings.warn(f"resume({self.name(tag)!r}): not released; no-op", stacklevel=2)
             return True
         backup = self._backup.pop(tag, None)
         for t in tensors:
@@ -89,6 +96,7 @@ class StorageMemory:
 
 
 _ENGINE_IDS = itertools.count()  # region tag prefixes, unique in the process
+_TASK_PREFIXES: set[str] = set()  # "<task>/" prefixes in use by a SaverMemory of this process
 
 
 class SaverMemory:
@@ -96,16 +104,26 @@ class SaverMemory:
 
     mode = "torch_memory_saver"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, task: str | None = None) -> None:
         from torch_memory_saver import torch_memory_saver
 
+        if task and f"{task}/" in _TASK_PREFIXES:  # two engines pausing each other's bytes
+            raise ValueError(
+                f"torch_memory_saver tags {task}/*: already used by another engine of this process"
+            )
         if getattr(torch_memory_saver, "_impl", None) is None:  # configurable until first use
             torch_memory_saver.hook_mode = "torch"
         self.tms = torch_memory_saver
         self.device = device
-        self.prefix = f"mllm_rl-{next(_ENGINE_IDS)}-"
+        self.prefix = f"{task}/" if task else f"mllm_rl-{next(_ENGINE_IDS)}-"
+        if task:
+            _TASK_PREFIXES.add(self.prefix)
         self._backup: dict[str, bool] = {}
         self._paused: set[str] = set()  # our tags paused now (prefix is ours alone)
+
+    def name(self, tag: str) -> str:
+        """The torch_memory_saver tag of ``tag`` (what ``pause``/``resume`` name)."""
+        return self.prefix + tag
 
     @contextlib.contextmanager
     def region(self, tag: str, cpu_backup: bool = False) -> Iterator[None]:
@@ -134,5 +152,6 @@ class SaverMemory:
         return self._backup.get(tag, False)
 
 
-def make_memory(device: torch.device) -> StorageMemory | SaverMemory:
-    return SaverMemory(device) if saver_available(device) else StorageMemory(device)
+def make_memory(device: torch.device, task: str | None = None) -> StorageMemory | SaverMemory:
+    """``task``: the tags' namespace (``<task>/weights``) for a task's engine of a multi-task run."""
+    return SaverMemory(device, task) if saver_available(device) else StorageMemory(device, task)

@@ -120,8 +120,16 @@ class SglangEngine:
         weights_cpu_backup: bool = False,
         max_running_requests: int = sc.MAX_RUNNING_REQUESTS,
         mem_fraction_static: float = sc.MEM_FRACTION_STATIC,
+        task: str | None = None,
+        ports: list[int] | None = None,
     ) -> None:
         from sglang.srt.entrypoints import engine as engine_mod
+
+        self.task = task
+        # Multi-task runs: this engine's own ports (HTTP/scheduler port, and the nccl_port of its own
+        # process group), bind-tested free by the run's allocator; SGLang would otherwise pick
+        # "random + free?" and two engines started together can pick the same one.
+        own_ports = {"port": ports[0], "nccl_port": ports[1]} if ports else {}
 
         self.model_dir = model
         self.dtype = checkpoint_dtype(model)
@@ -132,7 +140,7 @@ class SglangEngine:
             enable_memory_saver=True, enable_weights_cpu_backup=weights_cpu_backup,
             mem_fraction_static=mem_fraction_static, tp_size=tp, max_total_tokens=max_total_tokens,
             context_length=context_length, max_running_requests=max_running_requests, random_seed=seed,
-            log_level="error",
+            log_level="error", **own_ports,
             # SGLang reads config.json with its own transformers: hand it the config the trainer uses
             json_model_override_args=json.dumps(model.config.hf_architecture()),
             dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.dtype],
@@ -290,6 +298,11 @@ class SglangEngine:
             time.sleep(0.05)
 
     # -- memory tags ------------------------------------------------------------------------
+    def memory_tag(self, tag: str) -> str:
+        """``<task>/<tag>`` in records: SGLang's torch_memory_saver tags live in this engine's
+        own scheduler process(es), so its release names only its own bytes."""
+        return f"{self.task}/{tag}" if self.task else tag
+
     def tag_bytes(self, tag: str) -> int:
         """weights: checkpoint bytes in the engine dtype; kv_cache: SGLang's token pool size x
         bytes per token; cuda_graph: the device bytes its last release freed (0 before one)."""

@@ -11,6 +11,9 @@ Each phase snapshots every local device and the host before and after. The per-p
 device peak is the max of: the samples, both snapshots, and the allocator's cumulative
 peak at the end when it rose during the phase (JAX cannot reset it; torch resets it at
 phase start through ``probe.reset_peak()`` if the probe has one).
+
+Multi-task runs (``tasks=True``) write schema ``mllm_rl.phase/2``: every record carries
+``task``, the task set with ``rec.for_task(name)`` while that task's phases run (else null).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any, Protocol
 
 from mllm_rl.faults import injected_hang
 from mllm_rl.phases.probe import DeviceMemory, MemoryProbe, NullProbe, host_rss
-from mllm_rl.phases.schema import SCHEMA
+from mllm_rl.phases.schema import SCHEMA, SCHEMA_V2
 from mllm_rl.phases.watchdog import PhaseStuck, Watchdog
 
 SAMPLER_THREAD = "mllm_rl-mem-sampler"  # probes may rate-limit calls from this thread
@@ -64,8 +67,11 @@ class PhaseRecorder:
         probe: MemoryProbe | None = None,
         sample_interval_s: float = 0.005,
         start_idx: int = 0,
+        tasks: bool = False,
     ) -> None:
         self.run_id = run_id
+        self.tasks = tasks  # schema v2: every record names its task (None: run-level)
+        self.task: str | None = None
         self.backend = backend
         self.process_index = process_index
         self.sinks = list(sinks)
@@ -126,6 +132,17 @@ class PhaseRecorder:
             self._thread.start()
 
     # -- phases ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def for_task(self, task: str | None) -> Iterator[None]:
+        """Records made inside belong to ``task`` (multi-task runs; needs ``tasks=True``)."""
+        if not self.tasks:
+            raise RuntimeError("for_task needs a recorder made with tasks=True (schema v2)")
+        prev, self.task = self.task, task
+        try:
+            yield
+        finally:
+            self.task = prev
+
     @contextlib.contextmanager
     def phase(self, name: str, step: int | None = None, **info: Any) -> Iterator[PhaseHandle]:
         """Record one phase; on an exception the record carries ``info.error`` and it re-raises."""
@@ -229,7 +246,8 @@ class PhaseRecorder:
                 }
             )
         record = {
-            "schema": SCHEMA,
+            "schema": SCHEMA_V2 if self.tasks else SCHEMA,
+            **({"task": self.task} if self.tasks else {}),
             "run_id": self.run_id,
             "backend": self.backend,
             "process_index": self.process_index,
@@ -248,12 +266,19 @@ class PhaseRecorder:
         for sink in self.sinks:
             sink.write(record)
 
-    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
-        """RL metrics of one step, once, to every sink that takes them (JSONL, console, W&B)."""
+    def log_metrics(self, step: int, metrics: dict[str, Any], task: str | None = None) -> None:
+        """RL metrics of one step, once, to every sink that takes them (JSONL, console, W&B).
+
+        With ``task`` (multi-task runs): sinks with ``log_task_metrics(task, step, metrics)`` get
+        that (W&B: keys and step axis of their own per task); the others get ``metrics`` with a
+        ``task`` key added."""
         for sink in self.sinks:
+            per_task = getattr(sink, "log_task_metrics", None) if task is not None else None
             log = getattr(sink, "log_metrics", None)
-            if log is not None:
-                log(step, metrics)
+            if per_task is not None:
+                per_task(task, step, metrics)
+            elif log is not None:
+                log(step, metrics if task is None else {"task": task, **metrics})
 
     def close(self, exit_code: int = 0) -> None:
         """Stop the sampler and close every sink (W&B is finished and torn down here)."""

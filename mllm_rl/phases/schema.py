@@ -1,5 +1,9 @@
 """The phase record, schema ``mllm_rl.phase/1`` (DESIGN.md §5): one JSON object per line.
 
+``mllm_rl.phase/2`` (multi-task runs, ``docs/MULTITASK.md``) is version 1 plus a top-level
+``task``: the name of the task whose phase it is, or ``null`` for a run-level phase
+(``wandb_init``, ``<backend>_ready``). Readers accept both versions.
+
 Units are bytes and seconds (``time.time()`` epoch). A quantity that cannot be
 measured is ``None`` (JSON ``null``), never 0 and never guessed.
 
@@ -15,6 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 SCHEMA = "mllm_rl.phase/1"
+SCHEMA_V2 = "mllm_rl.phase/2"  # + ``task`` (str or null): multi-task runs
+SCHEMAS = (SCHEMA, SCHEMA_V2)
 SOURCES = ("memory_stats", "live_arrays", "torch_allocator", "mem_get_info", "live_tensors", "host")
 TOP_KEYS = (
     "schema", "run_id", "backend", "process_index", "idx", "phase", "step",
@@ -41,8 +47,13 @@ def validate_record(rec: dict[str, Any]) -> None:
     missing = [k for k in TOP_KEYS if k not in rec]
     if missing:
         raise SchemaError(f"missing key(s): {', '.join(missing)}")
-    if rec["schema"] != SCHEMA:
-        raise SchemaError(f"schema: {rec['schema']!r} != {SCHEMA!r}")
+    if rec["schema"] not in SCHEMAS:
+        raise SchemaError(f"schema: {rec['schema']!r} is not one of {', '.join(SCHEMAS)}")
+    if rec["schema"] == SCHEMA_V2:
+        if "task" not in rec:
+            raise SchemaError(f"missing key: task ({SCHEMA_V2})")
+        if rec["task"] is not None and (not isinstance(rec["task"], str) or not rec["task"]):
+            raise SchemaError("task: expected a non-empty string or null")
     if not isinstance(rec["phase"], str) or not rec["phase"]:
         raise SchemaError("phase: expected a non-empty string")
     _int_or_none(rec["idx"], "idx")

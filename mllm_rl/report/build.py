@@ -14,6 +14,7 @@ from mllm_rl.report.compare import compare_rows
 from mllm_rl.report.html import render
 from mllm_rl.report.issues import ERROR, Issue, count, sort_issues
 from mllm_rl.report.load import load_runs
+from mllm_rl.report.tasks import split_tasks, task_issues
 from mllm_rl.report.trace import build_trace
 
 SUMMARY_SCHEMA = "mllm_rl.report/1"
@@ -84,10 +85,11 @@ def build_report(run_dirs: list[str | Path] | str | Path, out_dir: str | Path | 
     dirs = [Path(run_dirs)] if isinstance(run_dirs, (str, Path)) else [Path(d) for d in run_dirs]
     if not dirs:
         raise ValueError("build_report: no run directory given")
-    runs = load_runs(dirs)
-    analyses = [analyze(r) for r in runs]
-    issues = sort_issues([i for an in analyses for i in an.issues])
-    comparison = compare_rows([an.attempts for an in analyses]) if len(analyses) > 1 else None
+    split = [(run, split_tasks(run)) for run in load_runs(dirs)]  # multi-task runs: one part per task
+    analyses = [analyze(r) for _, parts in split for r in parts]
+    extra = [i for run, parts in split for i in task_issues(run, parts)]
+    issues = sort_issues([i for an in analyses for i in an.issues] + extra)
+    comparison = compare_rows([an.attempts for an in analyses]) if len(dirs) > 1 else None
     out = Path(out_dir) if out_dir is not None else default_out_dir(dirs)
     out.mkdir(parents=True, exist_ok=True)
     files = {"trace": out / "trace.json", "html": out / "report.html", "summary": out / "summary.json"}

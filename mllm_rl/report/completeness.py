@@ -13,6 +13,10 @@ Judged per attempt (see ``attempts.py``). A missing trace point is an error, nev
 * a record carrying ``info.error``: ``phase_error`` (error; info when it ended an attempt that
   was resumed); out-of-order phases or steps: ``out_of_order`` (error);
 * duplicates, unexpected phases/steps/processes, sampler failures, torn lines: warnings.
+
+``release_on_fault`` (a multi-task run freeing a failed task's memory, ``docs/MULTITASK.md``) is
+part of the failure it follows: not a phase of the sequence, and a phase error followed only by
+it still ended its attempt.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from mllm_rl.report.load import Run
 from mllm_rl.report.sequence import DUPLICATE, MISSING, OUT_OF_ORDER, UNEXPECTED, Finding, check_sequence
 
 Make = Callable[..., Issue]
+FAULT_PHASES = ("release_on_fault",)
 
 
 def trailing_phases(exp: Expected, attempts: dict[int, list[Attempt]]) -> set[str]:
@@ -91,7 +96,7 @@ def _missing(f: Finding, mk: Make, step: int | None) -> Issue:
 
 
 def _check_setup(a: Attempt, exp: Expected, trailing: set[str], mk: Make) -> list[Issue]:
-    names = [r["phase"] for r in a.records if r["step"] is None]
+    names = [r["phase"] for r in a.records if r["step"] is None and r["phase"] not in FAULT_PHASES]
     has_steps = any(r["step"] is not None for r in a.records)
     issues: list[Issue] = []
     stopped: list[Finding] = []
@@ -155,7 +160,7 @@ def _check_steps(atts: list[Attempt], exp: Expected, plan_steps: bool, mk: Make)
                 )
             top = s if top is None else max(top, s)
         for s in a.steps():
-            names = [r["phase"] for r in a.records if r["step"] == s]
+            names = [r["phase"] for r in a.records if r["step"] == s and r["phase"] not in FAULT_PHASES]
             later = [b.number for b in atts if b.number > a.number and s in b.steps()]
             stopped: list[Finding] = []
             for f in check_sequence(names, exp.step_phases):
@@ -219,7 +224,8 @@ def _check_records(atts: list[Attempt], mk: Make) -> list[Issue]:
         for i, r in enumerate(a.records):
             err = r["info"].get("error")
             if err and not own_finding(r):  # non_finite / stuck_phase: health.py reports those
-                ended = i == len(a.records) - 1 and not a.is_last
+                rest = a.records[i + 1 :]
+                ended = all(x["phase"] in FAULT_PHASES for x in rest) and not a.is_last
                 sev, note = (INFO, f" (ended attempt {a.number}; resumed)") if ended else (ERROR, "")
                 issues.append(
                     mk(

@@ -41,6 +41,7 @@ class Run:
     plan: dict[str, Any] | None = None
     files: dict[int, Path] = field(default_factory=dict)
     torn_lines: list[str] = field(default_factory=list)
+    origin_t0: float | None = None  # a task's part of a multi-task run keeps the run's time origin
 
     @property
     def run_id(self) -> str:
@@ -65,6 +66,8 @@ class Run:
     @property
     def t0(self) -> float | None:
         """Earliest ``t_start`` of any process of this run (``None`` without records)."""
+        if self.origin_t0 is not None:
+            return self.origin_t0
         return min((r["t_start"] for _, r in self.all_records()), default=None)
 
     @property

@@ -43,6 +43,7 @@ class ConsoleSink:
 def compact_line(r: dict[str, Any]) -> str:
     """``phase  12 release_rollout  step 0  0.003s  dev 0.020 -> 0.004 GiB (peak 0.020)  rss 1.21 GiB``."""
     step = "" if r.get("step") is None else f" step {r['step']}"
+    step = f" [{r['task']}]{step}" if r.get("task") else step  # multi-task runs (schema v2)
     err = f"  ERROR {r['info']['error'][:80]}" if r["info"].get("error") else ""
     return (
         f"phase {r['idx']:>4} {r['phase']:<22}{step:<9} {r['t_end'] - r['t_start']:7.3f}s  "

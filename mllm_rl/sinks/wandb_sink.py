@@ -8,6 +8,9 @@ memory and time series use ``phase/idx`` as x-axis (``define_metric``).
 
 RL metrics: one ``wandb.log`` per step (``log_metrics``) with ``rl/step`` and
 ``train/<metric>`` keys, x-axis ``rl/step``: exactly one point per step per metric.
+Multi-task runs (``log_task_metrics``): one ``wandb.log`` per step per task with
+``<task>/rl/step`` and ``<task>/train/<metric>`` keys, x-axis ``<task>/rl/step`` (each task its
+own step axis: tasks at different steps never share or overwrite a point).
 
 ``close`` finishes the run *and* tears the wandb service down explicitly: the manual
 param-swap runs saw an atexit ``BrokenPipeError`` otherwise, and sglang-jax's ``shutdown()``
@@ -85,6 +88,7 @@ class WandbSink:
         self.run.define_metric("train/*", step_metric="rl/step")
         self._t0: float | None = None
         self._closed = False
+        self._tasks: set[str] = set()  # tasks whose step axis is defined
 
     @property
     def offline_dir(self) -> str:
@@ -105,6 +109,20 @@ class WandbSink:
         for k, v in metrics.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 row[f"train/{k}"] = v
+        self.run.log(row)
+
+    def log_task_metrics(self, task: str, step: int, metrics: dict[str, Any]) -> None:
+        """One row per RL step of ``task``: ``<task>/train/<name>`` over ``<task>/rl/step``."""
+        if self._closed:
+            return
+        if task not in self._tasks:
+            self.run.define_metric(f"{task}/rl/step")
+            self.run.define_metric(f"{task}/train/*", step_metric=f"{task}/rl/step")
+            self._tasks.add(task)
+        row: dict[str, Any] = {f"{task}/rl/step": step}
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                row[f"{task}/train/{k}"] = v
         self.run.log(row)
 
     def close(self, exit_code: int = 0) -> None:

@@ -1,0 +1,41 @@
+"""How the processes of a run agree at every lease handoff (no networking of our own).
+
+A ``Coordinator`` has one primitive, ``gather(name, value)``: every process contributes a
+string under the same name and gets every process's string back, in process order; nobody
+returns before all contributed (a barrier that carries data). Multi-process runs get theirs
+from the backend (``backend.coordinator()``: JAX builds it on ``jax.distributed``'s coordination
+service key-value store and barriers); a single process uses ``LocalCoordinator``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class Coordinator(Protocol):
+    index: int  # this process
+    count: int  # processes in the run
+
+    def gather(self, name: str, value: str) -> list[str]:
+        """Every process's ``value`` for ``name``, in process order (blocks until all gave one)."""
+        ...
+
+
+class LocalCoordinator:
+    """One process: gathering is returning its own value."""
+
+    index, count = 0, 1
+
+    def gather(self, name: str, value: str) -> list[str]:
+        return [value]
+
+
+class ScheduleMismatch(RuntimeError):
+    """Processes computed different lease schedules (e.g. different task files or checkpoints)."""
+
+
+def coordinator_for(backend: Any) -> Coordinator:
+    """The backend's coordinator when it has one and the run has several processes, else local."""
+    make = getattr(backend, "coordinator", None)
+    coord = make() if make is not None else None
+    return coord if coord is not None and coord.count > 1 else LocalCoordinator()

@@ -1,0 +1,177 @@
+"""One RL task of a multi-task run: its own model, engine, trainer, data, seed and checkpoints.
+
+The same pieces as the single-task plan (``mllm_rl.plans.rl``: rollout, rewards, advantages,
+checkpoints, resume, evaluation), driven lease by lease through ``Colocated``'s leased phase
+groups; every record it makes carries its name (``rec.for_task``). Checkpoints live in
+``<run_dir>/tasks/<name>/checkpoints`` and a resumed task restarts after its own last one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.checkpoint.resolve import RLCheckpoint, find_resumable
+from mllm_rl.engine import EngineOptions
+from mllm_rl.engine_state import ManagedEngine
+from mllm_rl.faults import fault
+from mllm_rl.lifecycle import (
+    LEASE_SETUP_PHASES,
+    TRAIN_LEASE_PHASES,
+    Colocated,
+    LifecycleOptions,
+    rollout_lease_phases,
+)
+from mllm_rl.multitask.schedule import FINAL, ROLLOUT, SETUP, TRAIN, Lease, TaskSteps
+from mllm_rl.multitask.spec import TaskSpec
+from mllm_rl.phases.recorder import PhaseRecorder
+from mllm_rl.plans.rl import PROBE_PROMPT, _saver, checkpoint_meta, evaluate, make_rollout, size_engine
+from mllm_rl.tasks import get_task
+
+ENGINE_READY = "engine_ready_dummy"
+
+
+def task_phases(opts: LifecycleOptions) -> dict[str, list[str]]:
+    """What a task records: ``expected_phases`` (step None: start-up, then the final lease) and
+    ``expected_step_phases`` (both leases of a step), for run.json and the report."""
+    return {
+        "expected_phases": [
+            ENGINE_READY,
+            *LEASE_SETUP_PHASES,
+            *rollout_lease_phases(opts, "generate_result"),
+        ],
+        "expected_step_phases": rollout_lease_phases(opts) + TRAIN_LEASE_PHASES,
+    }
+
+
+class RLTask:
+    """``TaskRuntime`` of one RL task (see the module doc)."""
+
+    def __init__(
+        self,
+        spec: TaskSpec,
+        model: ModelDir,
+        backend: Any,
+        rec: PhaseRecorder,
+        run_dir: Path,
+        tp: int = 1,
+        platform: str = "auto",
+        engine: str = "auto",
+        resume: bool = False,
+        ports: list[int] | None = None,
+        on_engine: Callable[[Any], None] = lambda engine: None,
+    ) -> None:
+        self.spec, self.name, self.model, self.backend, self.rec = spec, spec.name, model, backend, rec
+        self.opts = spec.rl_options(tp=tp, platform=platform, engine=engine)
+        self.dir = run_dir / "tasks" / spec.name
+        self.ports = ports
+        self.on_engine = on_engine
+        # --resume: the task's newest checkpoint that verifies (manifest, and seed/backend/lora_rank
+        # as this task's); the newer ones that do not are skipped, as in a single-task --resume
+        self.resume_from: RLCheckpoint | None = None
+        self.skipped: list[tuple[Path, str]] = []
+        if resume:
+            self.resume_from, self.skipped = find_resumable(
+                self.dir, checkpoint_meta(backend.name, self.opts)
+            )
+        self.first_step = self.resume_from.step + 1 if self.resume_from else 0
+        self.life: Colocated | None = None
+        self.history: list[dict[str, Any]] = []
+        self.eval: dict[str, Any] | None = None
+        self._pending: tuple[Any, dict[str, Any]] | None = None
+        self.engine_opts: EngineOptions = self.opts.engine
+
+    @property
+    def steps(self) -> TaskSteps:
+        return TaskSteps(self.name, min(self.first_step, self.opts.steps), self.opts.steps)
+
+    def prepare(self) -> None:
+        """Everything that can be checked before any engine starts (bad input: ``ValueError``):
+        the task's data, tokenizer, engine size and engine arguments."""
+        from transformers import AutoTokenizer
+
+        self.task = get_task(self.opts.task, self.opts.task_data)
+        self.tok = AutoTokenizer.from_pretrained(str(self.model.path))
+        self.eos = self.model.config.eos_token_id
+        self.lifecycle = dataclasses.replace(self.opts.lifecycle)
+        if self.lifecycle.check_weights:
+            self.lifecycle.probe_ids = tuple(self.tok(PROBE_PROMPT, add_special_tokens=False).input_ids)
+        eng = size_engine(self.task, self.tok, self.opts)  # task= set by the spec: <task>/weights, ...
+        if self.ports is not None:
+            # the engine is handed two (server port, process-group port); the rest of the block stays
+            # reserved for it (a multi-process sglang-jax engine binds ports[0] + 5 and + 6)
+            eng = dataclasses.replace(eng, ports=tuple(self.ports[:2]))
+        self.backend.check_engine_args(self.model, eng)
+        self.engine_opts = eng
+
+    # -- leases ----------------------------------------------------------------------------
+    def run_lease(self, lease: Lease) -> None:
+        with self.rec.for_task(self.name):
+            if lease.kind == SETUP:
+                self._setup()
+            elif lease.kind == ROLLOUT:
+                self._pending = self._life().rollout_lease(lease.step, self.rollout)
+            elif lease.kind == TRAIN:
+                self._train(lease.step)
+            elif lease.kind == FINAL:
+                self.eval = self._life().final_lease(
+                    lambda engine: evaluate(engine, self.task, self.tok, self.opts, self.eos)
+                )
+            else:
+                raise ValueError(f"unknown lease kind {lease.kind!r}")
+            self._life().check_asleep()
+
+    def fail(self, lease: Lease, error: BaseException) -> None:
+        if self.life is None:  # failed before its engine existed: nothing of it is on the devices
+            return
+        with self.rec.for_task(self.name):
+            self.life.release_on_fault(lease.step)
+
+    def _life(self) -> Colocated:
+        if self.life is None:
+            raise RuntimeError(f"task {self.name!r}: a lease before its setup lease")
+        return self.life
+
+    def _setup(self) -> None:
+        eng = self.engine_opts
+        with self.rec.phase(ENGINE_READY, model=str(self.model.path), tp=eng.tp, ports=self.ports) as ph:
+            engine = ManagedEngine(self.backend.create_engine(self.model, eng))
+            self.on_engine(engine)
+            ph.info.update(engine_weight_bytes=engine.weight_bytes(), engine=type(engine.engine).__name__,
+                           tags=list(engine.tags), weights_cpu_backup=engine.weights_cpu_backup,
+                           context_length=eng.context_length,
+                           max_total_tokens=eng.max_total_tokens)  # fmt: skip
+        self.life = Colocated(self.backend, engine, self.rec, self.lifecycle)
+
+        def make_trainer():
+            trainer = self.backend.create_trainer(self.model, self.opts.train)
+            if self.resume_from is None:
+                return trainer, {}
+            trainer.restore(self.resume_from.path)
+            return trainer, {
+                "restored_from": str(self.resume_from.path),
+                "restored_verified": self.resume_from.verified,
+            }
+
+        trainer = self.life.lease_setup(make_trainer, lora_rank=self.opts.train.lora_rank)
+        save = _saver(trainer, self.dir, self.backend.name, self.opts)
+
+        def save_checked(step: int) -> Path | None:
+            if fault(f"checkpoint_fails:{self.name}:{step}"):  # a full disk, in one task only
+                raise OSError(f"checkpoint of task {self.name!r} step {step} could not be written (injected)")
+            return save(step)
+
+        self.save = save_checked
+        self.rollout = make_rollout(self.task, self.tok, self.opts, self.eos)
+
+    def _train(self, step: int | None) -> None:
+        if self._pending is None or step is None:
+            raise RuntimeError(f"task {self.name!r}: train lease of step {step} without its rollout")
+        batch, metrics = self._pending
+        self._pending = None
+        metrics = {**metrics, **self._life().train_lease(step, batch, self.save)}
+        self.rec.log_metrics(step, {k: v for k, v in metrics.items() if k != "sample"}, task=self.name)
+        self.history.append({"step": step, **metrics})

@@ -1,0 +1,191 @@
+"""Several tasks on the same devices vs each task alone, side by side in one run.
+
+    python scripts/bench_multitask.py --backend jax|torch [--tasks 2] [--steps 2] [--json OUT]
+
+Runs, each in a fresh process: every task alone (``python -m mllm_rl.run`` with the task's
+model, seed and lr), then all of them in one run (``python -m mllm_rl.run --tasks FILE``); the
+tasks are the ``tiny`` preset with seeds 0..N-1 and different learning rates. From the phase
+records and ``leases.jsonl`` (device truth: ``live_arrays``/``memory_stats`` on JAX,
+``live_tensors``/``mem_get_info`` on torch; summed over a process's devices):
+
+- ``peak ratio`` = the multi-task run's device peak / the largest single-task peak (target <= 1.05:
+  one task on the devices at a time);
+- ``between leases`` = the largest distance of the device bytes after any lease from the baseline
+  (the bytes after every task's start-up; target <= 1 MiB: a task leaves nothing behind);
+- ``wall ratio`` = the multi-task run's wall time / the sum of the single runs' (target <= 1.10;
+  each wall time is the whole process, start-up included);
+- ``rewards equal``: each task's per-step rewards, losses and gradient norms in the multi-task run
+  equal its run alone (exactly: same seeds, same data, same phases per step).
+
+Exit 0 when every target passed, 1 when one failed or a run failed, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import (  # noqa: E402
+    MiB,
+    command_line,
+    failed_targets,
+    machine_info,
+    max_of,
+    positive,
+    run_bench,
+    run_cmd,
+    table,
+    target,
+    truth,
+)
+
+# Enough samples that the tiny model earns non-zero rewards on both backends (equal zeros prove nothing).
+SETTINGS = {"steps": 2, "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 8, "max_running_requests": 64,
+            "checkpoint_every": 0}  # fmt: skip
+LRS = (3e-3, 1e-3, 2e-3, 5e-4)
+
+
+def task_list(n: int) -> list[dict[str, Any]]:
+    return [{"name": f"t{i}", "model": "tiny", "seed": i, "lr": LRS[i % len(LRS)]} for i in range(n)]
+
+
+def tasks_toml(tasks: list[dict[str, Any]], settings: dict[str, Any]) -> str:
+    lines = ["[defaults]", *(f"{k} = {v}" for k, v in settings.items())]
+    for t in tasks:
+        lines += ["", "[[task]]", *(f"{k} = {json.dumps(v)}" for k, v in t.items())]
+    return "\n".join(lines) + "\n"
+
+
+def _device_peak(run_dir: Path) -> int | None:
+    from mllm_rl.sinks.jsonl import read_jsonl
+
+    peaks = [sum(d["phase_peak_bytes"] or 0 for d in truth(r["memory"]["devices"]))
+             for r in read_jsonl(run_dir / "phases.jsonl")]  # fmt: skip
+    return max_of(peaks)
+
+
+def _rewards(run_dir: Path, task: str | None = None) -> list[list[float]]:
+    """``[reward_mean, loss, grad_norm]`` per step."""
+    from mllm_rl.sinks.jsonl import read_jsonl
+
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if task is None or r.get("task") == task]
+    return [[r["reward_mean"], r["loss"], r["grad_norm"]] for r in sorted(rows, key=lambda r: r["step"])]
+
+
+def _timed(cmd: list[str], what: str, env: dict[str, str]) -> float:
+    t0 = time.perf_counter()
+    run_cmd(cmd, what, timeout=3600, env=env)
+    return time.perf_counter() - t0
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    from mllm_rl.checkpoint.resolve import resolve_model
+
+    settings = {**SETTINGS, "steps": args.steps}
+    tasks = task_list(args.tasks)
+    load = [round(os.getloadavg()[0], 2)]
+    with tempfile.TemporaryDirectory() as d:
+        base = Path(d)
+        env = {"MLLM_RL_CACHE": str(base / "cache"), "WANDB_SILENT": "true"}
+        os.environ["MLLM_RL_CACHE"] = env["MLLM_RL_CACHE"]
+        for t in tasks:  # checkpoints written before anything is timed
+            resolve_model(t["model"], seed=t["seed"])
+        common = [sys.executable, "-m", "mllm_rl.run", "--backend", args.backend, "--platform", args.platform,
+                  "--wandb", "disabled", "--quiet"]  # fmt: skip
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+        singles = []
+        for t in tasks:
+            run_dir = base / f"single_{t['name']}"
+            cmd = [*common, "--model", t["model"], "--seed", str(t["seed"]), "--lr", str(t["lr"]), *flags,
+                   "--run-dir", str(run_dir)]  # fmt: skip
+            print(f"single task {t['name']} ...", file=sys.stderr, flush=True)
+            wall = _timed(cmd, f"single task {t['name']}", env)
+            load.append(round(os.getloadavg()[0], 2))
+            singles.append({"run": f"alone: {t['name']}", "wall_s": wall, "peak_bytes": _device_peak(run_dir),
+                            "rewards": _rewards(run_dir)})  # fmt: skip
+        toml = base / "tasks.toml"
+        toml.write_text(tasks_toml(tasks, settings))
+        run_dir = base / "multi"
+        print(f"{len(tasks)} tasks together ...", file=sys.stderr, flush=True)
+        wall = _timed([*common, "--tasks", str(toml), "--run-dir", str(run_dir)], "multi-task run", env)
+        load.append(round(os.getloadavg()[0], 2))
+        from mllm_rl.multitask.driver import read_leases
+
+        leases = read_leases(run_dir / "leases.jsonl")
+        n_setup = sum(x["kind"] == "setup" for x in leases)
+        baseline = leases[n_setup - 1]["device_bytes"]
+        drift = max_of(
+            [abs(x["device_bytes"] - baseline) for x in leases[n_setup:] if x["device_bytes"] is not None]
+        )
+        multi = {"run": f"{len(tasks)} tasks together", "wall_s": wall, "peak_bytes": _device_peak(run_dir),
+                 "rewards": {t["name"]: _rewards(run_dir, t["name"]) for t in tasks}, "leases": len(leases),
+                 "baseline_bytes": baseline, "max_drift_bytes": drift}  # fmt: skip
+    peak_single = max_of([s["peak_bytes"] for s in singles])
+    equal = all(multi["rewards"][t["name"]] == s["rewards"] for t, s in zip(tasks, singles, strict=True))
+    equal = equal and any(step[0] > 0 for s in singles for step in s["rewards"])  # not all zeros
+    ratio_peak = multi["peak_bytes"] / peak_single if peak_single else None
+    ratio_wall = wall / sum(s["wall_s"] for s in singles)
+    return {
+        "command": command_line(), "machine": machine_info(), "backend": args.backend, "tasks": tasks,
+        "settings": settings, "load_avg_1m": load, "singles": singles, "multi": multi,
+        "targets": {
+            "peak_ratio": target(ratio_peak, "<=", 1.05),
+            "between_leases_mib": target(drift / MiB if drift is not None else None, "<=", 1.0),
+            "wall_ratio": target(ratio_wall, "<=", 1.10),
+            "rewards_equal": {"value": equal, "target": "== alone, not all 0", "pass": equal},
+        },
+    }  # fmt: skip
+
+
+def report(out: dict[str, Any]) -> str:
+    rows = [
+        {**s, "peak_mib": s["peak_bytes"] / MiB if s["peak_bytes"] is not None else None}
+        for s in out["singles"]
+    ]
+    m = out["multi"]
+    rows.append({**m, "peak_mib": m["peak_bytes"] / MiB if m["peak_bytes"] is not None else None})
+    lines = [
+        table(rows, [("run", "run", ""), ("wall_s", "wall s", ".1f"), ("peak_mib", "device peak MiB", ".3f")])
+    ]
+    lines.append("")
+    trows = [{"name": k, "value": v["value"], "target": v["target"], "pass": v["pass"]}
+             for k, v in out["targets"].items()]  # fmt: skip
+    lines.append(table(trows, [("name", "target", ""), ("value", "measured", ".4g"), ("target", "bound", ""),
+                               ("pass", "pass", "")]))  # fmt: skip
+    lines.append(f"\nbaseline between leases {m['baseline_bytes']} B, max drift {m['max_drift_bytes']} B over "
+                 f"{m['leases']} leases; load average (1 min) before/after each run: {out['load_avg_1m']}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def summary(out: dict[str, Any]) -> dict[str, Any]:
+    return {"bench": "multitask", "backend": out["backend"],
+            **{k: v["value"] for k, v in out["targets"].items()}, "pass": not failed_targets(out)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", required=True, choices=["jax", "torch"])
+    ap.add_argument("--platform", default="cpu", choices=["auto", "cpu", "gpu", "tpu", "cuda"])
+    ap.add_argument(
+        "--tasks", type=positive(int), default=2, help="number of tasks (tiny preset, seeds 0..N-1)"
+    )
+    ap.add_argument("--steps", type=positive(int), default=2, help="RL steps per task")
+    ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
+    args = ap.parse_args(argv)
+    if args.tasks > len(LRS):
+        print(f"error: --tasks {args.tasks}: at most {len(LRS)}", file=sys.stderr)
+        return 2
+    code, out = run_bench(bench, args, report, summary)
+    return 1 if code == 0 and out is not None and failed_targets(out) else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

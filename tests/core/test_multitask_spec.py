@@ -1,0 +1,138 @@
+"""``--tasks`` files and the port allocator: bad input is one line naming file, task and field."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from mllm_rl.multitask.ports import BLOCK, PortAllocator, allocate, port_free
+from mllm_rl.multitask.spec import load_tasks
+from tests.conftest import run_cli
+
+GOOD = """
+[defaults]
+steps = 3
+group_size = 4
+
+[[task]]
+name = "small"
+seed = 1
+lr = 1
+
+[[task]]
+name = "other-2"
+model = "ckpt"
+task = "boxed"
+task_data = "data.jsonl"
+lora_rank = 4
+steps = 5
+"""
+
+
+def write(tmp_path, text, name="tasks.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_good_file_defaults_and_relative_paths(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    a, b = load_tasks(write(tmp_path, GOOD))
+    assert (a.name, a.steps, a.group_size, a.seed, a.lr, a.model) == ("small", 3, 4, 1, 1.0, "tiny")
+    assert (b.steps, b.lora_rank, b.task) == (5, 4, "boxed")
+    assert b.model == str(tmp_path / "ckpt") and b.task_data == str(tmp_path / "data.jsonl")
+    opts = a.rl_options()
+    assert opts.train.lr == 1.0 and opts.train.seed == 1 and opts.group_size == 4 and opts.seed == 1
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('[[task]]\nname = "a"\nstepz = 3\n', r"task 0 \('a'\): unknown field 'stepz'"),
+        ('[[task]]\nname = "a"\nsteps = "3"\n', r"task 0 \('a'\)\.steps: expected int"),
+        ('[[task]]\nname = "a"\nlr = true\n', r"\.lr: expected float"),
+        ("[[task]]\nsteps = 3\n", r"task 0 \(unnamed\): field 'name' is required"),
+        ('[[task]]\nname = "a b"\n', r"\.name: 'a b' must match"),
+        ('[[task]]\nname = "a"\n[[task]]\nname = "a"\n', r"task name 'a' is used twice"),
+        ('[[task]]\nname = "a"\nsteps = 0\n', r"task 'a': --steps must be >= 1"),
+        ('[[task]]\nname = "a"\nestimator = "x"\n', r"task 'a': --estimator 'x'"),
+        ('[defaults]\nname = "x"\n[[task]]\nname = "a"\n', r"\[defaults\] cannot set 'name'"),
+        ("[[task]]\nname = \n", r"not valid TOML"),
+        ("x = 1\n", r"unknown table\(s\) \['x'\]"),
+        ("[defaults]\nsteps = 1\n", r"no \[\[task\]\] table"),
+    ],
+)
+def test_bad_files_name_file_task_and_field(tmp_path, text, match):
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError, match=match) as e:
+        load_tasks(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cli_bad_tasks_file_exits_2_before_anything_starts(tmp_path):
+    path = write(tmp_path, '[[task]]\nname = "a"\nsteps = -1\n')
+    r = run_cli("mllm_rl.run", "--backend", "jax", "--tasks", str(path), "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [f"error: {path}: task 'a': --steps must be >= 1, got -1"]
+    assert not (tmp_path / "run").exists()
+    r = run_cli("mllm_rl.run", "--backend", "jax", "--tasks", str(tmp_path / "missing.toml"))
+    assert r.returncode == 2 and "cannot read" in r.stderr
+
+
+def test_cli_bad_data_file_of_one_task_exits_2(tmp_path):
+    path = write(
+        tmp_path, '[[task]]\nname = "a"\n[[task]]\nname = "m"\ntask = "boxed"\ntask_data = "nope.jsonl"\n'
+    )
+    r = run_cli("mllm_rl.run", "--backend", "jax", "--tasks", str(path), "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 2 and "task 'm'" in r.stderr and "nope.jsonl" in r.stderr, r.stderr
+
+
+def test_ports_blocks_are_disjoint_bind_tested_and_skip_busy_ports():
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        busy = s.getsockname()[1]
+        assert not port_free(busy)
+        alloc = PortAllocator(first=busy - 3, last=busy + 2 * BLOCK + 3)
+        a = alloc.block("a")
+        assert busy not in a and a[0] == busy + 1 and len(a) == BLOCK
+        b = alloc.block("b")
+        assert not set(a) & set(b) and all(port_free(p) for p in a + b)
+        with pytest.raises(ValueError, match="already allocated"):
+            alloc.block("a")
+        with pytest.raises(RuntimeError, match="no 8 consecutive free ports"):
+            alloc.block("c")
+
+
+def test_allocate_never_hands_a_port_out_twice_even_if_it_looks_free():
+    ports = allocate(["a", "b", "c"], PortAllocator(30000, 30100, is_free=lambda p: p % 10 != 7))
+    flat = [p for ps in ports.values() for p in ps]
+    assert len(flat) == len(set(flat)) == 3 * BLOCK and not any(p % 10 == 7 for p in flat)
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--engine", "sglang"], "not an engine of the jax backend"),
+        (["--tp", "3"], "not divisible by --tp 3"),
+        (["--plan", "swap"], "--plan swap"),
+        (["--resume-or-start"], "--resume-or-start"),
+    ],
+)
+def test_cli_run_level_flags_are_checked_per_task_before_anything_starts(tmp_path, flags, match):
+    path = tmp_path / "t.toml"
+    path.write_text('[[task]]\nname = "m"\n')
+    run = tmp_path / "run"
+    r = run_cli("mllm_rl.run", "--backend", "jax", "--tasks", str(path), "--run-dir", str(run), *flags)
+    assert r.returncode == 2 and match in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not run.exists()
+
+
+def test_save_every_is_an_alias_of_checkpoint_every(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text(
+        '[defaults]\nsave_every = 3\n\n[[task]]\nname = "a"\n\n[[task]]\nname = "b"\ncheckpoint_every = 1\n'
+    )
+    a, b = load_tasks(path)
+    assert (a.checkpoint_every, b.checkpoint_every) == (3, 1)
+    assert a.rl_options().checkpoint_every == 3 and b.rl_options().engine.task == "b"

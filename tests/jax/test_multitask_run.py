@@ -1,0 +1,187 @@
+"""``python -m mllm_rl.run --backend jax --tasks FILE``: two RL tasks (different model sizes, seeds,
+learning rates, one with LoRA) on real sglang-jax engines and flax trainers in one process (JAX CPU).
+
+Each run is a subprocess (an sglang-jax engine must not live in pytest's process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mllm_rl.phases import validate_record
+from mllm_rl.sinks.jsonl import read_jsonl
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+SMALL = {"steps": 2, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4, "max_running_requests": 8,
+         "checkpoint_every": 1}  # fmt: skip
+TASKS = {"a": {"seed": 0, "lr": 3e-3}, "b": {"seed": 1, "lr": 1e-3, "lora_rank": 4}}
+MIB = 2**20
+
+
+def toml(models: dict[str, Path], tasks: dict[str, dict] = TASKS) -> str:
+    lines = ["[defaults]", *(f"{k} = {v}" for k, v in SMALL.items())]
+    for name, kw in tasks.items():
+        lines += ["", "[[task]]", f'name = "{name}"', f'model = "{models[name]}"']
+        lines += [f"{k} = {v}" for k, v in kw.items()]
+    return "\n".join(lines) + "\n"
+
+
+def single_args(model: Path, run_dir: Path, seed: int, lr: float, lora_rank: int = 0) -> list[str]:
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
+    return ["mllm_rl.run", "--backend", "jax", "--model", str(model), "--seed", str(seed), "--lr", str(lr),
+            "--lora-rank", str(lora_rank), "--run-dir", str(run_dir), "--wandb", "disabled", "--console", "off",
+            *flags]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models(tiny_ckpt, tmp_path_factory) -> dict[str, Path]:
+    """Task b's model is bigger: the tiny preset with 3 layers instead of 2."""
+    from mllm_rl.checkpoint import make_checkpoint
+    from mllm_rl.presets import get_preset
+
+    cfg = dataclasses.replace(get_preset("tiny"), name="tiny-3l", num_hidden_layers=3)
+    bigger = make_checkpoint(cfg, tmp_path_factory.mktemp("ckpt3") / "tiny3", seed=1, show_progress=False)
+    return {"a": tiny_ckpt, "b": bigger}
+
+
+def multi_run(run_dir: Path, models: dict[str, Path], *extra: str, env: dict[str, str] | None = None,
+              tasks: dict[str, dict] = TASKS):  # fmt: skip
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir.parent / f"{run_dir.name}.toml").write_text(toml(models, tasks))
+    return run_cli("mllm_rl.run", "--backend", "jax", "--tasks", str(run_dir.parent / f"{run_dir.name}.toml"),
+                   "--run-dir", str(run_dir), "--console", "off", *extra, env=env, timeout=900)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_tasks(models, tmp_path_factory):
+    base = tmp_path_factory.mktemp("multitask")
+    r = multi_run(base / "multi", models, "--wandb", "offline")
+    singles = {}
+    for name, kw in TASKS.items():
+        d = base / f"single_{name}"
+        s = run_cli(*single_args(models[name], d, kw["seed"], kw["lr"], kw.get("lora_rank", 0)), timeout=900)
+        assert s.returncode == 0, s.stderr[-3000:]
+        singles[name] = read_jsonl(d / "metrics.jsonl")
+    return r, base / "multi", singles
+
+
+def test_two_tasks_run_to_the_end_and_every_record_names_its_task(two_tasks):
+    r, run_dir, _ = two_tasks
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = json.loads((run_dir / "run.json").read_text())
+    assert {n: t["status"] for n, t in plan["tasks"].items()} == {"a": "done", "b": "done"}
+    recs = read_jsonl(run_dir / "phases.jsonl")
+    for x in recs:
+        validate_record(x)
+        assert x["schema"] == "mllm_rl.phase/2" and "error" not in x["info"]
+    assert {x["task"] for x in recs} == {None, "a", "b"}
+    for name, t in plan["tasks"].items():
+        mine = [x for x in recs if x["task"] == name]
+        assert [x["phase"] for x in mine if x["step"] is None] == t["expected_phases"]
+        for s in range(SMALL["steps"]):
+            assert [x["phase"] for x in mine if x["step"] == s] == t["expected_step_phases"]
+        for x in mine:
+            if x["phase"] == "release_rollout" and x["step"] is not None:
+                assert set(x["info"]["held"]) == {f"{name}/weights", f"{name}/kv_cache"}
+    summary = json.loads((run_dir / "report" / "summary.json").read_text())
+    assert summary["counts"]["error"] == 0, summary["issues"]
+
+
+def test_each_task_rewards_equal_its_single_task_run(two_tasks):
+    r, run_dir, singles = two_tasks
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    for name in TASKS:
+        mine = sorted((x for x in rows if x["task"] == name), key=lambda x: x["step"])
+        alone = singles[name]
+        assert [x["step"] for x in mine] == [x["step"] for x in alone] == list(range(SMALL["steps"]))
+        assert [x["reward_mean"] for x in mine] == [x["reward_mean"] for x in alone], name
+        for key in ("loss", "grad_norm", "completion_len_mean"):
+            np.testing.assert_allclose([x[key] for x in mine], [x[key] for x in alone], rtol=1e-5, atol=1e-7)
+        assert any(x["reward_mean"] > 0 for x in mine) and any(x["grad_norm"] > 0 for x in mine), name
+    # the tasks really differ (different models, seeds, lr): equal curves would prove nothing
+    a = [x["grad_norm"] for x in rows if x["task"] == "a"]
+    b = [x["grad_norm"] for x in rows if x["task"] == "b"]
+    assert a != b
+
+
+def test_between_leases_the_device_is_back_at_the_baseline(two_tasks):
+    _, run_dir, _ = two_tasks
+    leases = read_jsonl(run_dir / "leases.jsonl")
+    kinds = [(x["task"], x["kind"], x["step"]) for x in leases]
+    assert kinds[:2] == [("a", "setup", None), ("b", "setup", None)] and kinds[-1] == ("b", "final", None)
+    assert all(x["outcomes"] == ["ok"] for x in leases)
+    baseline = leases[1]["device_bytes"]  # after every task's start-up
+    assert baseline is not None and baseline < MIB
+    assert all(abs(x["device_bytes"] - baseline) <= MIB for x in leases[2:])
+    recs = read_jsonl(run_dir / "phases.jsonl")
+    peaks = [
+        sum(d["phase_peak_bytes"] for d in x["memory"]["devices"]) for x in recs if x["step"] is not None
+    ]
+    assert max(peaks) > 4 * MIB  # the leases themselves do hold the model (the check above is not vacuous)
+
+
+def test_wandb_has_one_point_per_step_per_task(two_tasks):
+    from mllm_rl.sinks.wandb_file import read_history
+
+    _, run_dir, _ = two_tasks
+    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    rows = read_history(run_file)
+    for name in TASKS:
+        mine = [x for x in rows if f"{name}/train/reward_mean" in x]
+        assert [x[f"{name}/rl/step"] for x in mine] == list(range(SMALL["steps"]))
+
+
+def test_a_failing_task_stops_alone_and_resume_finishes_it(models, tmp_path):
+    """b's checkpoint of step 1 fails (in its train lease: params and optimizer on the device):
+    b is released and marked failed, a (3 steps) goes on to the end; ``--resume`` then runs only
+    b, from its own last checkpoint (step 0), to the end."""
+    run_dir = tmp_path / "faulty"
+    tasks = {"a": {**TASKS["a"], "steps": 3}, "b": TASKS["b"]}
+    env = {"MLLM_RL_FAULTS": "checkpoint_fails:b:1"}
+    r = multi_run(run_dir, models, "--wandb", "disabled", env=env, tasks=tasks)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "task(s) failed: b" in r.stderr
+    plan = json.loads((run_dir / "run.json").read_text())
+    assert plan["tasks"]["a"]["status"] == "done" and plan["tasks"]["b"]["status"] == "failed"
+    assert "could not be written" in plan["tasks"]["b"]["error"]
+    recs = read_jsonl(run_dir / "phases.jsonl")
+    (fault,) = [x for x in recs if x["phase"] == "release_on_fault"]
+    assert fault["task"] == "b" and fault["step"] == 1 and fault["info"]["expected_freed_bytes"] > MIB
+    freed = sum(d["bytes_in_use_start"] - d["bytes_in_use"] for d in fault["memory"]["devices"])
+    assert freed >= 0.99 * fault["info"]["expected_freed_bytes"]
+    leases = read_jsonl(run_dir / "leases.jsonl")
+    failed_at = next(i for i, x in enumerate(leases) if x["outcomes"] != ["ok"])
+    assert leases[failed_at]["outcomes"] == [plan["tasks"]["b"]["error"]]
+    after = leases[failed_at:]
+    assert all(x["device_bytes"] < MIB for x in after) and not any(x["task"] == "b" for x in after[1:])
+    assert [(x["task"], x["kind"], x["step"]) for x in after[1:]] == [
+        ("a", "rollout", 2), ("a", "train", 2), ("a", "final", None)
+    ]  # fmt: skip
+    errors = json.loads((run_dir / "report" / "summary.json").read_text())["issues"]
+    assert {(i["run"].split(" / ")[-1], i["kind"]) for i in errors if i["severity"] == "error"} >= {
+        ("b", "task_failed")
+    }
+    assert not [i for i in errors if i["severity"] == "error" and i["run"].endswith(" / a")]
+
+    r = multi_run(run_dir, models, "--wandb", "disabled", "--resume", tasks=tasks)
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = json.loads((run_dir / "run.json").read_text())
+    assert {n: t["status"] for n, t in plan["tasks"].items()} == {"a": "done", "b": "done"}
+    assert plan["tasks"]["b"]["resumed_at"] == 1 and plan["tasks"]["a"]["resumed_at"] == 3
+    leases = read_jsonl(run_dir / "leases.jsonl")[len(leases) :]
+    assert [(x["task"], x["kind"], x["step"]) for x in leases] == [
+        ("b", "setup", None), ("b", "rollout", 1), ("b", "train", 1), ("b", "final", None)
+    ]  # fmt: skip
+    restored = [x for x in read_jsonl(run_dir / "phases.jsonl") if x["phase"] == "trainer_init"][-1]
+    assert restored["task"] == "b" and restored["info"]["restored_from"].endswith("step_000000")
+    summary = json.loads(
+        (run_dir / "report" / "summary.json").read_text()
+    )  # the failure, resumed: notes only
+    assert summary["counts"]["error"] == 0 and summary["counts"]["warning"] == 0, summary["issues"]
