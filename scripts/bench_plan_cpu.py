@@ -95,7 +95,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 def report(out: dict[str, Any]) -> str:
     mib = lambda b: None if b is None else b / MiB  # noqa: E731
     comps = [dict(r, predicted=mib(r["predicted"]), measured=mib(r["measured"])) for r in out["components"]]
-    phases = [dict(r, predicted=mib(r["predicted"]), measured=mib(r["measured"])) for r in out["phases"]]
+    phases = [dict(r, predicted=mib(r["predicted"]), measured=mib(r["measured"]), during=mib(r["predicted_during"]))
+              for r in out["phases"]]  # fmt: skip
     g = out["grad_step"]
     rss = ", ".join(f"step {x['step']}: {x['rss_rise'] / MiB:.1f} MiB" for x in g["measured_rss_rise"])
     cols = [("predicted", "predicted MiB (plan)", ".2f"), ("measured", "measured MiB (run)", ".2f"), ("ratio", "ratio", ".3f"),
@@ -105,7 +106,8 @@ def report(out: dict[str, Any]) -> str:
         "", "Components (PREDICTED by the plan for the cpu target vs MEASURED by the run's own byte counts):",
         table(comps, [("component", "component", "")] + cols),
         "", "Bytes in use at the end of each phase (setup, then the last step; PREDICTED vs MEASURED live arrays):",
-        table(phases, [("phase", "phase", "")] + cols),
+        table(phases, [("phase", "phase", "")] + cols + [("during", "plan's peak during the phase MiB", ".2f"),
+                                                          ("below_during", "measured <= it", "")]),
         "", f"grad_step compiled temporaries (PREDICTED, XLA:CPU): {g['temp_bytes'] / MiB:.1f} MiB; "
             f"measured host-RSS rise in train_step: {rss}",
         "", "within tolerance: " + ("yes" if out["within"] else "NO"),

@@ -120,14 +120,16 @@ def _say(msg: str) -> None:
 
 
 def run_fit(
-    planner: Any, req: Any, knob: str, cap: int | None, check_weights: bool
+    planner: Any, req: Any, knob: str, cap: int | None, step: int | None, check_weights: bool
 ) -> tuple[Any, Any, list[Any]]:
     """Search ``knob``; returns the request and measurement of the largest fit and the probes.
     ``ValueError`` when even the smallest value does not fit."""
     from mllm_rl.memplan.fit import FIT_KNOBS, Probe, fits_without_kv, search
     from mllm_rl.memplan.planner import plans
 
-    step = FIT_KNOBS[knob]
+    step = step or FIT_KNOBS[knob]
+    if step < 1:
+        raise ValueError(f"--fit-step must be >= 1, got {step}")
     cap = cap or {"micro_batch": 256, "seq_len": 131072}[knob]
     found: dict[int, tuple[Any, Any]] = {}
 

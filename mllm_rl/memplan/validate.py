@@ -7,7 +7,9 @@ Measured, per component, from the records' ``info`` (the engine's and trainer's 
 of their arrays): ``engine_weights`` and ``kv_pool`` = ``held`` of the first ``release_rollout``;
 ``trainer_params`` and ``optimizer`` = ``state_bytes`` of ``trainer_init``. Per phase: the device
 truth's ``bytes_in_use`` at the end of each phase of the last step (and of setup), against the
-plan's components still resident when the phase ends (``residency.end_state``). Single-device
+plan's components still resident when the phase ends (``residency.end_state``), and under the
+plan's total during the phase (``predicted_during``, its peak with the compiled temporaries).
+Single-device
 runs only (the CPU run without ``--tp``): one device's bytes are the run's bytes.
 """
 
@@ -106,7 +108,9 @@ def compare(
         if got is None:
             continue
         phase_rows.append({"phase": name, "resident_at_end": list(ends), "predicted": pred, "measured": got,
-                           "ratio": _ratio(pred, got), "within": _within(pred, got, tolerance)})  # fmt: skip
+                           "ratio": _ratio(pred, got), "within": _within(pred, got, tolerance),
+                           "predicted_during": int(p["total"]),
+                           "below_during": got <= p["total"] * (1 + tolerance)})  # fmt: skip
     grad = plan["functions"].get("grad_step", {})
     rss = []
     for r in records:

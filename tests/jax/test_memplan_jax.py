@@ -156,3 +156,19 @@ def run_cli_script(name: str, *args: str):
 
     return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=900)  # fmt: skip
+
+
+def test_fit_finds_the_micro_batch_then_fills_the_kv_pool(tmp_path):
+    r, doc = plan(tmp_path, "--target", "cpu", "--fit", "--micro-batch-size", "4", "--fit-max", "8",
+                  "--seq-len", "32", "--margin", "0.002")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "[fit] micro_batch=4: fits" in r.stderr and "[fit] micro_batch=8: fits" in r.stderr
+    assert doc["fit"]["value"] == 8 and [p["value"] for p in doc["fit"]["probes"]] == [4, 8]
+    p = doc["plans"]["multi_stage"]
+    tokens = doc["kv_fit"]["tokens"]
+    cell = TINY.num_hidden_layers * TINY.num_key_value_heads * 128 * 2 * 4
+    assert p["components"]["kv_pool"]["bytes_per_device"] == (tokens + 1) * cell
+    assert p["inputs"]["micro_batch"] == 8 and p["inputs"]["kv_tokens"] == tokens
+    # the pool fills the tightest phase to the budget: one more token would not fit
+    tight = next(ph for ph in p["phases"] if ph["phase"] == doc["kv_fit"]["tightest_phase"])
+    assert tight["total"] <= p["budget_bytes"] < tight["total"] + cell
