@@ -32,6 +32,10 @@ from mllm_rl.rl.loss_config import LossConfig
 from mllm_rl.trainer import RolloutBatch, TrainConfig
 from tests.conftest import ROOT
 
+# Each test compiles several model paths (splash attention runs in Pallas interpret mode on CPU):
+# minutes on 2 cores, so the whole file is in the slow set; make test runs it.
+pytestmark = pytest.mark.slow
+
 TOL = {"rtol": 1e-4, "atol": 2e-5}
 PATHS = {
     "scan": ModelOptions(scan_layers=True),
