@@ -51,6 +51,7 @@ from bench_common import (  # noqa: E402
 SETTINGS = {"steps": 2, "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 8, "max_running_requests": 64,
             "checkpoint_every": 0}  # fmt: skip
 LRS = (3e-3, 1e-3, 2e-3, 5e-4)
+RUN_LEVEL = ("wandb_init", "jax_ready", "torch_ready")
 
 
 def task_list(n: int) -> list[dict[str, Any]]:
@@ -70,6 +71,14 @@ def _device_peak(run_dir: Path) -> int | None:
     peaks = [sum(d["phase_peak_bytes"] or 0 for d in truth(r["memory"]["devices"]))
              for r in read_jsonl(run_dir / "phases.jsonl")]  # fmt: skip
     return max_of(peaks)
+
+
+def _phase_seconds(run_dir: Path, task: str | None = None) -> float:
+    """Seconds spent in a task's phases (the run-level ``wandb_init``/``*_ready`` left out)."""
+    from mllm_rl.sinks.jsonl import read_jsonl
+
+    return sum(r["t_end"] - r["t_start"] for r in read_jsonl(run_dir / "phases.jsonl")
+               if r["phase"] not in RUN_LEVEL and (task is None or r.get("task") == task))  # fmt: skip
 
 
 def _rewards(run_dir: Path, task: str | None = None) -> list[list[float]]:
@@ -93,7 +102,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     tasks = task_list(args.tasks)
     load = [round(os.getloadavg()[0], 2)]
     with tempfile.TemporaryDirectory() as d:
-        base = Path(d)
+        base = args.keep or Path(d)
+        base.mkdir(parents=True, exist_ok=True)
         env = {"MLLM_RL_CACHE": str(base / "cache"), "WANDB_SILENT": "true"}
         os.environ["MLLM_RL_CACHE"] = env["MLLM_RL_CACHE"]
         for t in tasks:  # checkpoints written before anything is timed
@@ -110,7 +120,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             wall = _timed(cmd, f"single task {t['name']}", env)
             load.append(round(os.getloadavg()[0], 2))
             singles.append({"run": f"alone: {t['name']}", "wall_s": wall, "peak_bytes": _device_peak(run_dir),
-                            "rewards": _rewards(run_dir)})  # fmt: skip
+                            "rewards": _rewards(run_dir), "phase_s": _phase_seconds(run_dir)})  # fmt: skip
         toml = base / "tasks.toml"
         toml.write_text(tasks_toml(tasks, settings))
         run_dir = base / "multi"
@@ -127,7 +137,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         )
         multi = {"run": f"{len(tasks)} tasks together", "wall_s": wall, "peak_bytes": _device_peak(run_dir),
                  "rewards": {t["name"]: _rewards(run_dir, t["name"]) for t in tasks}, "leases": len(leases),
-                 "baseline_bytes": baseline, "max_drift_bytes": drift}  # fmt: skip
+                 "baseline_bytes": baseline, "max_drift_bytes": drift,
+                 "phase_s": {t["name"]: _phase_seconds(run_dir, t["name"]) for t in tasks}}  # fmt: skip
     peak_single = max_of([s["peak_bytes"] for s in singles])
     equal = all(multi["rewards"][t["name"]] == s["rewards"] for t, s in zip(tasks, singles, strict=True))
     equal = equal and any(step[0] > 0 for s in singles for step in s["rewards"])  # not all zeros
@@ -160,7 +171,10 @@ def report(out: dict[str, Any]) -> str:
              for k, v in out["targets"].items()]  # fmt: skip
     lines.append(table(trows, [("name", "target", ""), ("value", "measured", ".4g"), ("target", "bound", ""),
                                ("pass", "pass", "")]))  # fmt: skip
-    lines.append(f"\nbaseline between leases {m['baseline_bytes']} B, max drift {m['max_drift_bytes']} B over "
+    per_task = ", ".join(f"{t['name']} {m['phase_s'][t['name']]:.1f} s together vs {s['phase_s']:.1f} s alone"
+                         for t, s in zip(out["tasks"], out["singles"], strict=True))  # fmt: skip
+    lines.append(f"\ntime in each task's phases: {per_task}")
+    lines.append(f"baseline between leases {m['baseline_bytes']} B, max drift {m['max_drift_bytes']} B over "
                  f"{m['leases']} leases; load average (1 min) before/after each run: {out['load_avg_1m']}")  # fmt: skip
     return "\n".join(lines)
 
@@ -179,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--steps", type=positive(int), default=2, help="RL steps per task")
     ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
+    ap.add_argument(
+        "--keep", type=Path, default=None, help="keep the run directories here (default: a temp dir)"
+    )
     args = ap.parse_args(argv)
     if args.tasks > len(LRS):
         print(f"error: --tasks {args.tasks}: at most {len(LRS)}", file=sys.stderr)

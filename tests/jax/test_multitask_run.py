@@ -18,6 +18,7 @@ from mllm_rl.sinks.jsonl import read_jsonl
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow
+# 8 prompts x 8 samples x 8 tokens: enough that both tiny models earn non-zero rewards (equal zeros prove nothing)
 SMALL = {"steps": 2, "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 8, "max_running_requests": 64,
          "checkpoint_every": 1}  # fmt: skip
 TASKS = {"a": {"seed": 0, "lr": 3e-3}, "b": {"seed": 1, "lr": 1e-3, "lora_rank": 4}}
