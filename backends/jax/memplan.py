@@ -221,8 +221,6 @@ def _trainer(
     if apply_key not in _cache:
         _cache[apply_key] = _compile("optimizer_apply", fns.apply, (trainable, opt_state, grads_tree), target, info,
                                      "AdamW update, params and state donated").memory  # fmt: skip
-    else:
-        info["compile_seconds"]["optimizer_apply"] = 0.0
     out["optimizer_apply"] = _cache[apply_key]
     if req.kl:
         # the reference: the initial params (full fine-tune) or zero adapters (LoRA), same shapes
