@@ -157,9 +157,17 @@ def report(out: dict[str, Any]) -> str:
             ("naive", "naive", ""), ("kv", "KV tokens", ""), ("frac", "mem_fraction_static", ""),
             ("fit", "fitted", ""), ("compile", "compile s", ".0f"), ("rss", "host RSS GiB", ".2f"),
             ("wall", "wall s", ".0f")]  # fmt: skip
-    return "PREDICTED (compile-only; libtpu / XLA GPU on this machine):\n" + table(
-        [_flat(r) for r in out["rows"]], cols
-    )
+    lines = [
+        "PREDICTED (compile-only; libtpu / XLA GPU on this machine):",
+        table([_flat(r) for r in out["rows"]], cols),
+    ]
+    for r in out["rows"]:
+        if "reference" in r:
+            ref, n = r["reference"], r["devices"]
+            lines.append(f"{r['case']}: {ref['phase']} PREDICTED {ref['predicted_sum'] / GiB:.3f} GiB over {n} devices "
+                         f"({ref['predicted_sum'] / n / GiB:.3f} per device) vs MEASURED {ref['measured_sum'] / GiB:.3f} "
+                         f"GiB ({ref['source']}): ratio {ref['ratio']:.4f}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:

@@ -120,10 +120,7 @@ def model_options(req: PlanRequest, platform: str) -> Any:
     applied (``ValueError`` naming an unknown option)."""
     from mllm_rl.backends.jax.options import ModelOptions
 
-    for_platform = getattr(
-        ModelOptions, "for_platform", None
-    )  # the trainer's per-platform default, when it has one
-    base = for_platform(platform, tp=req.trainer_tp) if for_platform else ModelOptions(tp=req.trainer_tp)
+    base = ModelOptions.for_platform(platform, tp=req.trainer_tp)
     known = {f.name for f in dataclasses.fields(ModelOptions)}
     bad = sorted(set(req.options) - known)
     if bad:
@@ -198,9 +195,10 @@ def _trainer(
                                     f"tp={mesh.shape['tp']}"),
         "optimizer": Component("optimizer", _shard_bytes(opt_state), "layout", "AdamW state shards on device 0"),
     }  # fmt: skip
-    if req.kl and req.lora_rank == 0:
+    if req.kl:  # the trainer puts the reference on the device for train_step: the initial params
+        # (full fine-tune) or zero adapters (LoRA), shaped like the trainable params either way
         comps["ref_params"] = Component("ref_params", _shard_bytes(trainable), "layout",
-                                        "KL reference: the initial trainable params, on device in train_step")  # fmt: skip
+                                        "KL reference: a copy of the trainable params' layout, on device in train_step")  # fmt: skip
     out: dict[str, FunctionMemory] = {}
     grad = _compile("grad_step", fns.grad, (trainable, frozen, mb, scalar, scalar), target, info,
                     f"micro-batch {req.micro_batch} x {seq} tokens")  # fmt: skip
@@ -221,8 +219,6 @@ def _trainer(
     if apply_key not in _cache:
         _cache[apply_key] = _compile("optimizer_apply", fns.apply, (trainable, opt_state, grads_tree), target, info,
                                      "AdamW update, params and state donated").memory  # fmt: skip
-    else:
-        info["compile_seconds"]["optimizer_apply"] = 0.0
     out["optimizer_apply"] = _cache[apply_key]
     if req.kl:
         # the reference: the initial params (full fine-tune) or zero adapters (LoRA), same shapes

@@ -172,3 +172,16 @@ def test_fit_finds_the_micro_batch_then_fills_the_kv_pool(tmp_path):
     # the pool fills the tightest phase to the budget: one more token would not fit
     tight = next(ph for ph in p["phases"] if ph["phase"] == doc["kv_fit"]["tightest_phase"])
     assert tight["total"] <= p["budget_bytes"] < tight["total"] + cell
+
+
+def test_a_function_libtpu_rejects_is_shown_rejected_and_exits_6(tmp_path):
+    """libtpu refuses at compile time a program one device cannot hold: dense attention scores of
+    64 x 16384 positions are ~166 GiB per v4 device."""
+    needs_libtpu()
+    r, doc = plan(tmp_path, "--target", "v4-8", "--tp", "2", "--kv-tokens", "1024", "--micro-batch-size", "64",
+                  "--seq-len", "16384", "--model-option", "attention=dense")  # fmt: skip
+    assert r.returncode == 6, r.stderr[-2000:]
+    grad = doc["plans"]["multi_stage"]["functions"]["grad_step"]
+    assert "RESOURCE_EXHAUSTED" in grad["rejected"] and grad["peak_bytes"] > 30.75 * 2**30
+    assert doc["plans"]["multi_stage"]["first_overflow"] == ["train_step", "temp:grad_step"]
+    assert "REJECTED: RESOURCE_EXHAUSTED" in r.stdout
