@@ -1,4 +1,4 @@
-"""The rollout-engine contract (docs/DESIGN.md §4), backend-neutral.
+"""The rollout-engine contract (docs/DESIGN.md, "Contracts"), backend-neutral.
 
 Two layers:
 

@@ -1,4 +1,4 @@
-"""``ManagedEngine``: the core's state machine around an engine adapter (docs/DESIGN.md §6).
+"""``ManagedEngine``: the core's state machine around an engine adapter (docs/DESIGN.md, "The lifecycle").
 
 State it owns (adapters keep none of it):
 

@@ -1,4 +1,4 @@
-"""The colocated step: one place for the whole memory lifecycle (DESIGN.md §6).
+"""The colocated step: one place for the whole memory lifecycle (docs/DESIGN.md, "The lifecycle").
 
 A trainer and a rollout engine take turns on the same devices. ``Colocated.step`` drives
 them through recorded phases; backends implement only primitives (``EnginePrimitives``

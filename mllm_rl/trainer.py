@@ -1,4 +1,4 @@
-"""The trainer contract (docs/DESIGN.md §4), backend-neutral.
+"""The trainer contract (docs/DESIGN.md, "Contracts"), backend-neutral.
 
 A backend's trainer holds the policy (and its optimizer state) and implements the
 primitives the colocated lifecycle (``mllm_rl.lifecycle``) drives:

@@ -1,4 +1,4 @@
-"""One rollout-engine contract for every engine (docs/DESIGN.md §4, §6), engine-agnostic.
+"""One rollout-engine contract for every engine (docs/DESIGN.md, "Contracts" and "The lifecycle"), engine-agnostic.
 
 ``run_contract(make_engine, model_dir, used)`` drives a ``ManagedEngine`` around
 ``make_engine(weights_cpu_backup)`` through a swap, generation, drain, release/resume and

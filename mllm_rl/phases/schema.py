@@ -1,4 +1,4 @@
-"""The phase record, schema ``mllm_rl.phase/1`` (DESIGN.md §5): one JSON object per line.
+"""The phase record, schema ``mllm_rl.phase/1`` (docs/DESIGN.md, "The phase record"): one JSON object per line.
 
 ``mllm_rl.phase/2`` (multi-task runs, ``docs/MULTITASK.md``) is version 1 plus a top-level
 ``task``: the name of the task whose phase it is, or ``null`` for a run-level phase

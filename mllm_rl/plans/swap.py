@@ -1,6 +1,6 @@
 """The param-swap plan (MLLM-JAX's manual param-swap run as a product), backend-neutral.
 
-Phases, in order (docs/DESIGN.md §5):
+Phases, in order (docs/DESIGN.md, "The phase record"):
 
 1. ``wandb_init``          W&B run started (offline by default) — or skipped with ``--wandb disabled``
 2. ``jax_ready``/``torch_ready``  runtime up, platform asserted, devices listed

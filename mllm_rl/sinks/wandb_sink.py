@@ -1,6 +1,6 @@
 """Weights & Biases sink (offline by default).
 
-One ``wandb.log`` per phase record, keys per docs/DESIGN.md §5:
+One ``wandb.log`` per phase record, keys per docs/DESIGN.md, "The phase record":
 ``mem/process/rss_bytes``, ``mem/process/rss_peak_bytes``,
 ``mem/<backend>/<key>_{sum,min,max}``, ``mem/<backend>/device{i}/<key>``,
 ``phase/idx``, ``phase/name``, ``phase/step``, ``time/elapsed_s``, ``time/phase_s``; all

@@ -3,7 +3,7 @@
 A scripted probe plays the devices: ``cuda`` (two entries per device: ``mem_get_info`` driver
 truth and ``torch_allocator``; engine memory lives below the allocator, as with
 torch_memory_saver), ``jax_cpu`` (``live_arrays``) or ``tpu`` (``memory_stats``). The RL
-schedule is docs/DESIGN.md §6's multi-stage awake (14 phases per step incl. ``checkpoint``, ``empty_cache`` twice).
+schedule is the multi-stage awake (14 phases per step incl. ``checkpoint``, ``empty_cache`` twice).
 """
 
 from __future__ import annotations
