@@ -185,12 +185,7 @@ class Colocated:
         """The first sync (``SETUP_PHASES``, step ``None``): release the dummy engine, build the
         trainer (``make_trainer() -> (trainer, info)``), stream its weights in (``weights_swapped``:
         full, fingerprint-checked), free the trainer, bring the KV cache back."""
-        self._release(None, drain=True)
-        with self._phase("trainer_init", None, **trainer_info) as ph:
-            self.trainer, info = make_trainer()
-            ph.info.update(info, state_bytes=self.trainer.state_bytes())
-        with self._phase("offload_optimizer", None) as ph:
-            ph.info["expected_freed_bytes"] = self.trainer.offload([OPTIMIZER])
+        self._init_trainer(make_trainer, trainer_info)
         self._resume("resume_weights", [TAG_WEIGHTS], None)
         with self._phase("weights_swapped", None, mode="streaming") as ph:
             ph.info.update(self._update(full=True))
@@ -213,20 +208,7 @@ class Colocated:
         with self._phase("drain", step) as ph:
             ph.info.update(self.engine.drain(o.drain_timeout_s))
         self._release(step)
-        with self._phase("onload_trainer", step) as ph:
-            ph.info["expected_alloc_bytes"] = self.trainer.onload([PARAMS, OPTIMIZER])
-        with self._phase("train_step", step, batch=batch.size) as ph:
-            train = self.trainer.train_step(batch)
-            ph.info.update(train)
-            check_finite(step, train, ph.info)
-            if o.check_weights:
-                self._expected_probe = self.trainer.greedy(list(o.probe_ids), o.probe_tokens)
-        metrics.update(train)
-        with self._phase("checkpoint", step) as ph:
-            path = save(step) if save is not None else None
-            ph.info.update(saved=path is not None, path=str(path) if path else None)
-        with self._phase("offload_optimizer", step) as ph:
-            ph.info["expected_freed_bytes"] = self.trainer.offload([OPTIMIZER])
+        metrics.update(self._train(step, batch, save, probe=o.check_weights))
         with self._phase("empty_cache", step):
             self.backend.empty_cache()
         if o.schedule == "multi_stage":
@@ -255,12 +237,7 @@ class Colocated:
         freshly started engine (dummy weights) drains and releases everything, the trainer is
         built and goes to the host. No first sync here: the first ``rollout_lease`` sends the
         full weights (the engine's are invalid or dummy until then)."""
-        self._release(None, drain=True)
-        with self._phase("trainer_init", None, **trainer_info) as ph:
-            self.trainer, info = make_trainer()
-            ph.info.update(info, state_bytes=self.trainer.state_bytes())
-        with self._phase("offload_optimizer", None) as ph:
-            ph.info["expected_freed_bytes"] = self.trainer.offload([OPTIMIZER])
+        self._init_trainer(make_trainer, trainer_info)
         self._offload_params(None)
         return self.trainer
 
@@ -297,17 +274,8 @@ class Colocated:
 
     def train_lease(self, step: int, batch: RolloutBatch, save: SaveFn | None = None) -> dict[str, Any]:
         """Train under one lease (``TRAIN_LEASE_PHASES``), the engine released throughout;
-        returns the train metrics."""
-        with self._phase("onload_trainer", step) as ph:
-            ph.info["expected_alloc_bytes"] = self.trainer.onload([PARAMS, OPTIMIZER])
-        with self._phase("train_step", step, batch=batch.size) as ph:
-            train = self.trainer.train_step(batch)
-            ph.info.update(train)
-        with self._phase("checkpoint", step) as ph:
-            path = save(step) if save is not None else None
-            ph.info.update(saved=path is not None, path=str(path) if path else None)
-        with self._phase("offload_optimizer", step) as ph:
-            ph.info["expected_freed_bytes"] = self.trainer.offload([OPTIMIZER])
+        returns the train metrics (the garbage-guard probe is taken in ``rollout_lease``)."""
+        train = self._train(step, batch, save, probe=False)
         self._offload_params(step)
         return train
 
@@ -350,9 +318,7 @@ class Colocated:
         """``drain`` -> ``release_rollout`` (naming the engine's own memory tags) -> ``empty_cache``."""
         with self._phase("drain", step) as ph:
             ph.info.update(self.engine.drain(self.opts.drain_timeout_s))
-        with self._phase("release_rollout", step, tags=self.release_tags) as ph:
-            held = self.engine.release(self.release_tags)
-            ph.info.update(expected_freed_bytes=sum(held.values()), held=self._memory_names(held))
+        self._release(step)
         with self._phase("empty_cache", step):
             self.backend.empty_cache()
 
@@ -368,7 +334,38 @@ class Colocated:
             if drain:
                 ph.info.update(self.engine.drain(self.opts.drain_timeout_s))
             held = self.engine.release(self.release_tags)
-            ph.info.update(expected_freed_bytes=sum(held.values()), held=held)
+            ph.info.update(expected_freed_bytes=sum(held.values()), held=self._memory_names(held))
+
+    def _init_trainer(
+        self, make_trainer: Callable[[], tuple[Trainer, dict[str, Any]]], info: dict[str, Any]
+    ) -> None:
+        """Setup's first phases: the dummy engine drains and releases everything, ``trainer_init``
+        builds the trainer, its optimizer state goes to the host."""
+        self._release(None, drain=True)
+        with self._phase("trainer_init", None, **info) as ph:
+            self.trainer, built = make_trainer()
+            ph.info.update(built, state_bytes=self.trainer.state_bytes())
+        with self._phase("offload_optimizer", None) as ph:
+            ph.info["expected_freed_bytes"] = self.trainer.offload([OPTIMIZER])
+
+    def _train(self, step: int, batch: RolloutBatch, save: SaveFn | None, probe: bool) -> dict[str, Any]:
+        """``onload_trainer -> train_step -> checkpoint -> offload_optimizer``; a non-finite loss or
+        grad norm stops before the checkpoint (``NonFiniteTraining``). ``probe``: the trainer's
+        greedy garbage-guard reference right after the step."""
+        with self._phase("onload_trainer", step) as ph:
+            ph.info["expected_alloc_bytes"] = self.trainer.onload([PARAMS, OPTIMIZER])
+        with self._phase("train_step", step, batch=batch.size) as ph:
+            train = self.trainer.train_step(batch)
+            ph.info.update(train)
+            check_finite(step, train, ph.info)
+            if probe:
+                self._expected_probe = self.trainer.greedy(list(self.opts.probe_ids), self.opts.probe_tokens)
+        with self._phase("checkpoint", step) as ph:
+            path = save(step) if save is not None else None
+            ph.info.update(saved=path is not None, path=str(path) if path else None)
+        with self._phase("offload_optimizer", step) as ph:
+            ph.info["expected_freed_bytes"] = self.trainer.offload([OPTIMIZER])
+        return train
 
     def _resume(self, phase: str, tags: list[str], step: int | None) -> None:
         with self._phase(phase, step) as ph:

@@ -166,8 +166,10 @@ class FakeEngine:
 class FakeTrainer:
     """``Trainer`` on a ``FakeDevice``: numpy params, an optimizer state of the same size."""
 
-    def __init__(self, dev: FakeDevice, task: str, seed: int, fail_at: int | None = None) -> None:
-        self.dev, self.task, self.fail_at = dev, task, fail_at
+    def __init__(
+        self, dev: FakeDevice, task: str, seed: int, fail_at: int | None = None, nan_at: int | None = None
+    ) -> None:
+        self.dev, self.task, self.fail_at, self.nan_at = dev, task, fail_at, nan_at
         rng = np.random.default_rng(seed)
         self.params = {n: rng.standard_normal(SHAPE).astype(np.float32) * 0.02 for n in NAMES}
         self.onload([PARAMS, OPTIMIZER])
@@ -202,6 +204,8 @@ class FakeTrainer:
         g = float(batch.advantages.mean()) + 0.01
         for n in NAMES:
             self.params[n] = self.params[n] * (1 - 1e-3) + g * 1e-3
+        if self.nan_at == self.steps:  # a broken reward / diverged step: the loss is NaN
+            g = float("nan")
         self.steps += 1
         return train_metrics(g, 1, [abs(g)], {"tokens": float(batch.loss_mask.sum())}, 0.0)
 
@@ -264,7 +268,10 @@ class FakeTask:
                 if self.fail_at == (SETUP, None):  # the engine's bytes are on the device now
                     raise RuntimeError(f"injected failure in {self.name} setup")
                 fail_at = self.fail_at[1] if self.fail_at and self.fail_at[0] == TRAIN else None
-                self.life.lease_setup(lambda: (FakeTrainer(self.dev, self.name, self.seed, fail_at), {}))
+                nan_at = self.fail_at[1] if self.fail_at and self.fail_at[0] == "nan" else None
+                self.life.lease_setup(
+                    lambda: (FakeTrainer(self.dev, self.name, self.seed, fail_at, nan_at), {})
+                )
             elif lease.kind == ROLLOUT:
                 self.batch, metrics = self.life.rollout_lease(lease.step, self._rollout)
                 self.rewards[lease.step] = metrics["reward_mean"]

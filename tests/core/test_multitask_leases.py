@@ -193,6 +193,23 @@ def test_a_failed_task_releases_its_bytes_and_the_others_go_on(where):
         assert fault["task"] == "b" and fault["info"]["expected_freed_bytes"] > 0
 
 
+def test_a_non_finite_train_step_fails_its_task_before_checkpoint_and_update():
+    """A NaN loss in a train lease stops that task (``NonFiniteTraining``) before its checkpoint, so
+    no NaN weights are saved or streamed to its engine; the other tasks go on."""
+    procs, results = _run_processes(1, lease_schedule(TASKS), delay=0.0, fails={0: {"b": ("nan", 1)}})
+    _, dev, rec, tasks = procs[0]
+    st = results[0]
+    assert st["b"].status == FAILED and "non-finite" in st["b"].error
+    assert st["a"].status == DONE and st["c"].status == DONE and dev.total() == 0
+    b_step1 = [r["phase"] for r in rec.records if r["task"] == "b" and r["step"] == 1]
+    assert "train_step" in b_step1 and "checkpoint" not in b_step1
+    (nan,) = [r for r in rec.records if r["task"] == "b" and r["phase"] == "train_step" and r["step"] == 1]
+    assert "loss" in nan["info"]["non_finite"]
+    assert not [
+        r for r in rec.records if r["task"] == "b" and r["phase"] == "update_weights" and r["step"] == 2
+    ]
+
+
 def test_fail_fast_stops_the_run_at_the_first_failure():
     procs, results = _run_processes(1, lease_schedule(TASKS), delay=0.0, fails={0: {"b": (TRAIN, 0)}},
                                     fail_fast=True)  # fmt: skip
