@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import pytest
 
 from mllm_rl.multitask.ports import BLOCK, PortAllocator, allocate, port_free
-from mllm_rl.multitask.spec import load_tasks
+from mllm_rl.multitask.spec import TaskSpec, load_tasks
+from mllm_rl.run import build_parser
 from tests.conftest import run_cli
 
 GOOD = """
@@ -136,3 +138,13 @@ def test_save_every_is_an_alias_of_checkpoint_every(tmp_path):
     a, b = load_tasks(path)
     assert (a.checkpoint_every, b.checkpoint_every) == (3, 1)
     assert a.rl_options().checkpoint_every == 3 and b.rl_options().engine.task == "b"
+
+
+def test_every_task_field_defaults_like_its_single_task_flag():
+    """A task key means what the flag of the same name means: same default (``--max-new-tokens``
+    is unset on the CLI and resolves to 8 for the RL plan, as here)."""
+    flags = {a.dest: a.default for a in build_parser()._actions}
+    flags["max_new_tokens"] = 8
+    shared = [f for f in dataclasses.fields(TaskSpec) if f.name in flags]
+    assert len(shared) >= 25
+    assert {f.name: f.default for f in shared} == {f.name: flags[f.name] for f in shared}
