@@ -28,7 +28,13 @@ from mllm_rl.presets import ModelConfig
 
 PAGE_SIZE = 1  # sglang-jax's default --page-size
 DP = 1  # one data-parallel rank: the adapter starts the engine with dp_size 1
-DEFAULT_MEM_FRACTION = {"cpu": 0.1, "tpu": 0.6, "gpu": 0.6}  # SglangJaxEngine's defaults
+# SglangJaxEngine's defaults. sglang-jax refuses to start ("Not enough memory") unless the memory
+# available after loading the weights exceeds (1 - mem_fraction_static) x what was available before
+# (``model_runner.py`` / ``_profile_available_bytes``). On CPU "available" is the host's, which
+# other processes move while the engine loads: with 0.1 a drop of 10% during the load killed the
+# start on a busy host. The run always caps the pool with max_total_tokens, so on CPU a high
+# fraction only relaxes that start-up condition.
+DEFAULT_MEM_FRACTION = {"cpu": 0.9, "tpu": 0.6, "gpu": 0.6}
 
 
 @dataclasses.dataclass(frozen=True)

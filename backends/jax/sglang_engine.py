@@ -64,6 +64,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from mllm_rl.backends.jax import distributed as dist
+from mllm_rl.backends.jax.engine_layout import DEFAULT_MEM_FRACTION
 from mllm_rl.backends.jax.fingerprint import fingerprint, read_sums, tensor_sums
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import (
@@ -191,7 +192,7 @@ class SglangJaxEngine:
                 device=platform,
                 tp_size=tp,
                 dtype={"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[self._ckpt_dtype()],
-                mem_fraction_static=mem_fraction_static or (0.1 if platform == "cpu" else 0.6),
+                mem_fraction_static=mem_fraction_static or DEFAULT_MEM_FRACTION[platform],
                 max_total_tokens=max_total_tokens,
                 context_length=context_length,
                 max_running_requests=max_running_requests,
