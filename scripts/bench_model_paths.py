@@ -25,39 +25,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import resource
 import subprocess
 import sys
 import time
-from importlib import metadata
 from typing import Any
 
-from bench_common import (
-    ROOT,
-    BenchError,
-    GiB,
-    command_line,
-    csv_choice,
-    machine_info,
-    positive,
-    run_bench,
-    table,
-)
+from mllm_rl.bench import GiB
+from mllm_rl.bench.child import BenchError
+from mllm_rl.bench.cli import csv_choice, positive, run_bench
+from mllm_rl.bench.machine import ROOT, command_line, machine_info
+from mllm_rl.bench.tables import table
 
-# Target name -> jax.experimental.topologies.get_topology_desc arguments (one host).
-TARGETS: dict[str, dict[str, Any]] = {
-    "v4-8": {
-        "topology_name": "v4:2x2x1",
-        "chip_config_name": "megacore",
-        "chips_per_host_bounds": (2, 2, 1),
-        "accelerator_type": "v4-8",
-    },  # fmt: skip
-}
+TARGETS = ("v4-8",)  # TPU slices of mllm_rl.backends.jax.topologies this bench compiles for
 PATHS = ("old", "new")
 FNS = ("grad", "logprob")
-LIBTPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-              "JAX_PLATFORMS": "cpu"}  # fmt: skip
 
 
 def path_options(path: str, tp: int) -> Any:
@@ -68,22 +50,21 @@ def path_options(path: str, tp: int) -> Any:
 
 def compile_one(args: argparse.Namespace) -> dict[str, Any]:
     """In the child process: lower and compile one path, return its figures."""
-    from jax.experimental import topologies
+    from mllm_rl.backends.jax import topologies
 
+    spec = topologies.spec(args.target)
+    topologies.prepare(spec)  # before jax: CPU runtime, libtpu from the planner's compilers dir
     from mllm_rl.backends.jax.sharding import make_mesh
     from mllm_rl.backends.jax.step_fns import SCALAR, abstract_state, batch_specs, make_step_fns
     from mllm_rl.presets import get_preset
     from mllm_rl.rl.loss_config import LossConfig
     from mllm_rl.trainer import TrainConfig
 
-    tgt = TARGETS[args.target]
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=tgt["topology_name"],
-                                        chip_config_name=tgt["chip_config_name"],
-                                        chips_per_host_bounds=tgt["chips_per_host_bounds"], num_slices=1)  # fmt: skip
+    devices = topologies.topology_devices(spec)
     model_cfg = get_preset(args.model)
     train_cfg = TrainConfig(lora_rank=args.lora_rank, loss=LossConfig(beta=0.0))
     opts = path_options(args.child, args.tp)
-    mesh = make_mesh(args.tp, topo.devices)
+    mesh = make_mesh(args.tp, devices)
     fns = make_step_fns(model_cfg, train_cfg, opts, mesh)
     trainable, frozen, _ = abstract_state(model_cfg, train_cfg, opts, mesh)
     mb = batch_specs(args.batch, args.seq, mesh)
@@ -93,7 +74,7 @@ def compile_one(args: argparse.Namespace) -> dict[str, Any]:
     else:
         lowered = fns.logprob.lower(trainable, frozen, mb["tokens"], mb["attn"])
     lower_s = time.perf_counter() - t0
-    out: dict[str, Any] = {"path": args.child, "options": dataclasses.asdict(opts), "devices": len(topo.devices),
+    out: dict[str, Any] = {"path": args.child, "options": dataclasses.asdict(opts), "devices": len(devices),
                            "lower_s": round(lower_s, 2), "hlo_chars": len(lowered.as_text())}  # fmt: skip
     t1 = time.perf_counter()
     try:
@@ -118,12 +99,11 @@ def run_path(args: argparse.Namespace, path: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", path, "--model", args.model, "--target", args.target,
            "--batch", str(args.batch), "--seq", str(args.seq), "--fn", args.fn, "--tp", str(args.tp),
            "--lora-rank", str(args.lora_rank)]  # fmt: skip
-    env = {**os.environ, **LIBTPU_ENV, "TPU_ACCELERATOR_TYPE": TARGETS[args.target]["accelerator_type"]}
     print(f"compiling the {path} path ({args.model}, {args.fn}, {args.batch} x {args.seq}, {args.target}) ...",
           file=sys.stderr, flush=True)  # fmt: skip
     t0 = time.perf_counter()
     try:
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout, env=env)
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"path": path, "fits": None, "error": f"did not compile within --timeout {args.timeout}s"}
     if r.returncode != 0:
@@ -138,13 +118,12 @@ def run_path(args: argparse.Namespace, path: str) -> dict[str, Any]:
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
+    from mllm_rl.backends.jax import topologies
     from mllm_rl.presets import get_preset
 
     get_preset(args.model)  # ValueError (exit 2) before anything starts
-    try:
-        libtpu = metadata.version("libtpu")
-    except metadata.PackageNotFoundError:
-        raise ValueError("libtpu is not installed: pip install 'jax[tpu]' into this venv") from None
+    topologies.prepare(topologies.spec(args.target))  # ValueError (exit 2) without the compiler
+    libtpu = topologies.libtpu_version()
     results = {p: run_path(args, p) for p in args.paths}
     out: dict[str, Any] = {
         "bench": "model_paths", "command": command_line(), "machine": machine_info(), "libtpu": libtpu,
@@ -194,7 +173,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)  # fmt: skip
     ap.add_argument("--model", default="qwen3-0.6b", help="a preset of mllm_rl.presets (default qwen3-0.6b)")
-    ap.add_argument("--target", default="v4-8", choices=sorted(TARGETS), help="TPU slice to compile for")
+    ap.add_argument("--target", default="v4-8", choices=TARGETS, help="TPU slice to compile for")
     ap.add_argument("--batch", type=positive(), default=4, help="micro-batch rows (default 4)")
     ap.add_argument("--seq", type=positive(), default=1024, help="positions per row (default 1024)")
     ap.add_argument("--fn", default="grad", choices=FNS, help="the step function to compile (default grad)")

@@ -44,3 +44,15 @@ def run_cli(
         cwd=ROOT,
         timeout=timeout,
     )
+
+
+def needs_libtpu() -> None:
+    """Skip unless libtpu's compiler is installed (site-packages, or the planner's compilers
+    directory where ``scripts/venv.sh jax`` puts it)."""
+    import importlib.util
+
+    from mllm_rl.backends.jax.topologies import compilers_dir
+
+    d = compilers_dir()
+    if importlib.util.find_spec("libtpu") is None and not (d / "libtpu").is_dir():
+        pytest.skip(f"needs libtpu (scripts/venv.sh jax installs it into {d})")

@@ -164,7 +164,6 @@ def gpu_config_text(s: TargetSpec) -> str:
 def devices(s: TargetSpec) -> tuple[list[Any], Target]:
     """The devices to compile for and the ``Target`` (device memory and where it comes from)."""
     import jax
-    from jax.experimental import topologies
 
     if s.platform == "cpu":
         import psutil
@@ -174,20 +173,12 @@ def devices(s: TargetSpec) -> tuple[list[Any], Target]:
         return devs, Target(
             "cpu", "cpu", len(devs), 1, total, "CPU", "host RAM (psutil), shared by the CPU devices"
         )
+    devs = topology_devices(s)
     if s.platform == "tpu":
-        kw: dict[str, Any] = {"chips_per_host_bounds": s.chips_per_host_bounds, "num_slices": 1}
-        if s.chip_config_name:
-            kw["chip_config_name"] = s.chip_config_name
-        devs = list(topologies.get_topology_desc(platform="tpu", topology_name=s.topology, **kw).devices)
         hbm = _tpu_hbm(devs)
-        src = f"libtpu {_libtpu_version()} compiler limit"
+        src = f"libtpu {libtpu_version()} compiler limit"
     else:
         text = gpu_config_text(s)
-        devs = list(
-            topologies.get_topology_desc(
-                platform="cuda", topology_name="", topology=s.topology, target_config=text
-            ).devices
-        )
         m = re.search(r"device_memory_size:\s*(\d+)", text)
         if not m:
             raise RuntimeError(f"{s.gpu_config}: no device_memory_size")
@@ -197,7 +188,24 @@ def devices(s: TargetSpec) -> tuple[list[Any], Target]:
     return devs, Target(s.name, s.platform, len(devs), hosts, hbm, devs[0].device_kind, src)
 
 
-def _libtpu_version() -> str:
+def topology_devices(s: TargetSpec) -> list[Any]:
+    """The compile-only devices of a TPU or GPU target (``prepare`` first)."""
+    from jax.experimental import topologies
+
+    if s.platform == "tpu":
+        kw: dict[str, Any] = {"chips_per_host_bounds": s.chips_per_host_bounds, "num_slices": 1}
+        if s.chip_config_name:
+            kw["chip_config_name"] = s.chip_config_name
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=s.topology, **kw).devices)
+    text = gpu_config_text(s)
+    return list(
+        topologies.get_topology_desc(
+            platform="cuda", topology_name="", topology=s.topology, target_config=text
+        ).devices
+    )
+
+
+def libtpu_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from importlib import metadata
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, needs_libtpu
 
 SCRIPT = ROOT / "scripts" / "bench_model_paths.py"
 
@@ -45,15 +44,12 @@ def test_bad_arguments_exit_2_with_one_line(args, pattern):
 def test_both_paths_compile_for_v4_8(tmp_path):
     """The trainer's grad step of the tiny model, old and new (splash attention) path, through
     libtpu's compiler for the 4 devices of a v4-8."""
-    try:
-        metadata.version("libtpu")
-    except metadata.PackageNotFoundError:
-        pytest.skip("needs libtpu (pip install 'jax[tpu]') for the ahead-of-time TPU compile")
+    needs_libtpu()
     out = tmp_path / "r.json"
     r = run("--model", "tiny", "--batch", "4", "--seq", "256", "--json", str(out), timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["libtpu"] == metadata.version("libtpu") and res["target"] == "v4-8"
+    assert res["libtpu"][0].isdigit() and res["target"] == "v4-8"
     for path in ("old", "new"):
         p = res["paths"][path]
         assert p["fits"] is True and p["devices"] == 4, p

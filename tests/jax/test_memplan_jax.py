@@ -5,7 +5,6 @@ holds against a real run's phase records (``scripts/bench_plan_cpu.py``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -14,21 +13,9 @@ from pathlib import Path
 import pytest
 
 from mllm_rl.presets import get_preset
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, needs_libtpu, run_cli
 
 TINY = get_preset("tiny")
-
-
-def _compilers() -> Path:
-    from mllm_rl.backends.jax.topologies import compilers_dir
-
-    return compilers_dir()
-
-
-def needs_libtpu() -> None:
-    d = _compilers()
-    if importlib.util.find_spec("libtpu") is None and not (d / "libtpu").is_dir():
-        pytest.skip(f"needs libtpu (scripts/venv.sh jax installs it into {d})")
 
 
 def plan(tmp_path: Path, *args: str, timeout: float = 300):
