@@ -31,21 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_common import (  # noqa: E402
-    MiB,
-    command_line,
-    failed_targets,
-    machine_info,
-    max_of,
-    positive,
-    run_bench,
-    run_cmd,
-    table,
-    target,
-    truth,
-)
+from mllm_rl.bench import MiB
+from mllm_rl.bench.child import run_cmd
+from mllm_rl.bench.cli import failed_targets, positive, run_bench, target
+from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.records import max_of, truth
+from mllm_rl.bench.tables import table
 
 # Enough samples that the tiny model earns non-zero rewards on both backends (equal zeros prove nothing).
 SETTINGS = {"steps": 2, "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 8, "max_running_requests": 64,

@@ -25,8 +25,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench_common import BenchError, GiB, MiB, command_line, machine_info, positive, run_bench, run_cmd, table
-
+from mllm_rl.bench import GiB, MiB
+from mllm_rl.bench.child import BenchError, run_cmd
+from mllm_rl.bench.cli import positive, run_bench
+from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.tables import table
 from mllm_rl.memplan.validate import compare, load_records
 
 

@@ -27,7 +27,10 @@ import subprocess
 import sys
 from typing import Any
 
-from bench_common import ROOT, MiB, command_line, machine_info, positive, run_bench, table
+from mllm_rl.bench import MiB
+from mllm_rl.bench.cli import positive, run_bench
+from mllm_rl.bench.machine import ROOT, command_line, machine_info
+from mllm_rl.bench.tables import table
 
 CHILD = r"""
 import json, os, resource, sys, time

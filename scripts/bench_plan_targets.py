@@ -23,8 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import GiB, command_line, csv_choice, machine_info, run_bench, table
-
+from mllm_rl.bench import GiB
+from mllm_rl.bench.cli import csv_choice, run_bench
+from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.tables import table
 from mllm_rl.memplan.__main__ import EXIT_DOES_NOT_FIT, EXIT_OK
 
 BATCH = ["--micro-batch-size", "4", "--seq-len", "4096", "--group-size", "8", "--prompts-per-step", "8"]

@@ -38,22 +38,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_common import (  # noqa: E402
-    BenchError,
-    GiB,
-    MiB,
-    command_line,
-    failed_targets,
-    machine_info,
-    positive,
-    run_bench,
-    run_cmd,
-    table,
-    target,
-    truth,
-)
+from mllm_rl.bench import GiB, MiB
+from mllm_rl.bench.child import BenchError, run_cmd
+from mllm_rl.bench.cli import failed_targets, positive, run_bench, target
+from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.records import truth
+from mllm_rl.bench.tables import table
 
 RUN_DEFAULTS = {
     "prompts_per_step": 16,

@@ -2,44 +2,31 @@
 
 ``--help`` of every script, argument validation (one-line error, exit 2), ``gpu_bench_all.sh``
 (--list / --dry-run / shellcheck), the shared helpers of ``mllm_rl.bench`` (no framework at import,
-the copy baseline, the deprecated ``scripts/bench_common.py`` re-export), and the pure parts: the
+the copy baseline), and the pure parts: the
 RL-memory analysis and KV-fit prediction on synthetic phase records, the soak's RSS slope, the
 summary table.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, load_script
 
 SCRIPTS = ROOT / "scripts"
 PY_SCRIPTS = ["bench_swap.py", "bench_release.py", "bench_rl_memory.py", "bench_engine.py", "soak.py",
-              "bench_summary.py", "bench_common.py", "bench_step_cost.py", "repro_sglang_jax_tp_batch.py"]  # fmt: skip
-# The scripts that import the shared helpers from the package (never through sys.path).
-PACKAGE_USERS = ["bench_swap.py", "bench_release.py", "bench_rl_memory.py", "bench_engine.py", "soak.py",
-                 "bench_step_cost.py", "repro_sglang_jax_tp_batch.py"]  # fmt: skip
+              "bench_summary.py", "bench_step_cost.py", "repro_sglang_jax_tp_batch.py"]  # fmt: skip
+# Every script imports the shared helpers from the package (never through sys.path).
+PACKAGE_USERS = sorted(p.name for p in SCRIPTS.glob("*.py"))
 BENCH_MODULES = ["mllm_rl.bench", "mllm_rl.bench.machine", "mllm_rl.bench.child", "mllm_rl.bench.records",
                  "mllm_rl.bench.cli", "mllm_rl.bench.tables", "mllm_rl.bench.copy_bandwidth",
                  "mllm_rl.bench.step_cost"]  # fmt: skip
-
-
-def load_script(name: str) -> ModuleType:
-    """``scripts/<name>.py`` as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -66,7 +53,6 @@ def test_help(script):
         ["bench_engine.py", "--new-tokens", "1"],
         ["soak.py"],  # --backend is required
         ["soak.py", "--backend", "torch", "--warmup", "-1"],
-        ["bench_common.py", "copy", "--backend", "jax", "--mb", "0"],
         ["-m", "mllm_rl.bench", "copy", "--backend", "jax", "--mb", "0"],
         ["-m", "mllm_rl.bench", "copy", "--backend", "mxnet"],
     ],
@@ -193,47 +179,16 @@ def test_bench_package_imports_no_framework():
 @pytest.mark.parametrize("script", PACKAGE_USERS)
 def test_scripts_import_the_helpers_from_the_package(script):
     text = (SCRIPTS / script).read_text()
-    assert "sys.path" not in text and "bench_common" not in text
+    assert "bench_common" not in text
+    # bench_plan_startup puts the compilers directory on sys.path in its child, on purpose
+    assert "sys.path.insert(0, str(" not in text
 
 
-def test_copy_baseline_from_the_package_and_through_the_deprecated_shim():
-    for cmd in (["-m", "mllm_rl.bench"], [str(SCRIPTS / "bench_common.py")]):
-        r = run(
-            sys.executable,
-            *cmd,
-            "copy",
-            "--backend",
-            "jax",
-            "--platform",
-            "cpu",
-            "--mb",
-            "1",
-            "--repeats",
-            "2",
-        )
-        assert r.returncode == 0, r.stderr
-        out = json.loads(r.stdout.strip().splitlines()[-1])
-        assert out["runtime"] == "jax" and out["platform"] == "cpu" and out["bytes"] == 2**20
-        for k in ("h2d", "d2h", "d2d"):
-            assert out[k]["gbps_best"] > 0 and out[k]["seconds_best"] <= out[k]["seconds_median"]
-
-
-def test_deprecated_shim_re_exports_the_package_helpers(monkeypatch):
-    """Scripts that still do ``sys.path.insert(0, "scripts"); from bench_common import ...`` get the
-    very objects of ``mllm_rl.bench`` (and a DeprecationWarning)."""
-    monkeypatch.syspath_prepend(str(SCRIPTS))
-    monkeypatch.delitem(sys.modules, "bench_common", raising=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        shim = importlib.import_module("bench_common")
-    assert any(
-        issubclass(w.category, DeprecationWarning) and "mllm_rl.bench" in str(w.message) for w in caught
-    )
-    owners = {}
-    for mod in BENCH_MODULES:
-        m = importlib.import_module(mod)
-        owners.update({k: v for k, v in vars(m).items() if not k.startswith("_")})
-    assert len(shim.__all__) == 28
-    for name in shim.__all__:
-        assert getattr(shim, name) is owners[name], name
-    assert shim.ROOT == ROOT
+def test_copy_baseline_from_the_package():
+    r = run(sys.executable, "-m", "mllm_rl.bench", "copy", "--backend", "jax", "--platform", "cpu", "--mb", "1",
+            "--repeats", "2")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["runtime"] == "jax" and out["platform"] == "cpu" and out["bytes"] == 2**20
+    for k in ("h2d", "d2h", "d2d"):
+        assert out[k]["gbps_best"] > 0 and out[k]["seconds_best"] <= out[k]["seconds_median"]

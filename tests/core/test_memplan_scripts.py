@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, load_script
 
 SCRIPTS = ["bench_plan_cpu.py", "bench_plan_targets.py", "bench_plan_startup.py"]
 
@@ -40,8 +40,7 @@ def test_bad_arguments_exit_2_with_one_line(args):
 
 
 def test_every_target_case_names_a_known_target():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_plan_targets
+    bench_plan_targets = load_script("bench_plan_targets")
 
     from mllm_rl.backends.jax.topologies import TARGETS
 

@@ -9,10 +9,9 @@ import sys
 import pytest
 
 from mllm_rl.multitask.spec import load_tasks
-from tests.conftest import ROOT
+from tests.conftest import ROOT, load_script
 
 SCRIPT = ROOT / "scripts" / "bench_multitask.py"
-sys.path.insert(0, str(SCRIPT.parent))
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -35,7 +34,8 @@ def test_bad_arguments_exit_2_with_one_line(args):
 
 
 def test_the_tasks_file_matches_the_single_runs_settings(tmp_path):
-    from bench_multitask import SETTINGS, task_list, tasks_toml
+    b = load_script("bench_multitask")
+    SETTINGS, task_list, tasks_toml = b.SETTINGS, b.task_list, b.tasks_toml
 
     tasks = task_list(3)
     (tmp_path / "t.toml").write_text(tasks_toml(tasks, SETTINGS))
