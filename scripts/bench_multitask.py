@@ -33,7 +33,7 @@ from typing import Any
 
 from mllm_rl.bench import MiB
 from mllm_rl.bench.child import run_cmd
-from mllm_rl.bench.cli import failed_targets, positive, run_bench, target
+from mllm_rl.bench.cli import exit_code, failed_targets, positive, run_bench, target
 from mllm_rl.bench.machine import command_line, machine_info
 from mllm_rl.bench.records import max_of, truth
 from mllm_rl.bench.tables import table
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --tasks {args.tasks}: at most {len(LRS)}", file=sys.stderr)
         return 2
     code, out = run_bench(bench, args, report, summary)
-    return 1 if code == 0 and out is not None and failed_targets(out) else code
+    return exit_code(code, out)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mllm_rl.bench.cli import failed_targets, positive, run_bench, target
+from mllm_rl.bench.cli import exit_code, positive, run_bench, target
 from mllm_rl.bench.machine import command_line, machine_info
 from mllm_rl.bench.tables import table
 
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.platform = "gpu" if args.platform == "cuda" else args.platform
     code, out = run_bench(bench, args, report, lambda o: o, report_to_stderr=True)
-    return 1 if out is not None and failed_targets(out) and args.strict else code
+    return exit_code(code, out, args.strict)
 
 
 if __name__ == "__main__":

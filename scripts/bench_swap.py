@@ -39,7 +39,7 @@ from typing import Any
 
 from mllm_rl.bench import MiB
 from mllm_rl.bench.child import last_json_line, run_cmd, warm_page_cache
-from mllm_rl.bench.cli import csv_choice, failed_targets, positive, run_bench, target
+from mllm_rl.bench.cli import csv_choice, exit_code, positive, run_bench, target
 from mllm_rl.bench.machine import command_line, machine_info
 from mllm_rl.bench.records import allocator, truth
 from mllm_rl.bench.tables import table
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     keys = ("bench", "backend", "preset", "targets")
     code, out = run_bench(bench, args, report, lambda o: {k: o[k] for k in keys if k in o})
-    return 1 if out is not None and failed_targets(out) and args.strict else code
+    return exit_code(code, out, args.strict)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,11 @@ def failed_targets(out: dict[str, Any]) -> bool:
     return any(t.get("pass") is False for t in out.get("targets", {}).values())
 
 
+def exit_code(code: int, out: dict[str, Any] | None, strict: bool = True) -> int:
+    """``run_bench``'s code, turned into 1 when ``strict`` and a target that applies failed."""
+    return 1 if code == 0 and strict and out is not None and failed_targets(out) else code
+
+
 def target(value: float | None, op: str, bound: float, applies: bool = True, why: str = "") -> dict[str, Any]:
     """A target check: ``pass`` is None when it does not apply (e.g. a GPU target on CPU)."""
     ok = None

@@ -192,3 +192,12 @@ def test_copy_baseline_from_the_package():
     assert out["runtime"] == "jax" and out["platform"] == "cpu" and out["bytes"] == 2**20
     for k in ("h2d", "d2h", "d2d"):
         assert out[k]["gbps_best"] > 0 and out[k]["seconds_best"] <= out[k]["seconds_median"]
+
+
+def test_failed_targets_turn_success_into_exit_1_only_when_strict():
+    from mllm_rl.bench.cli import exit_code, target
+
+    ok = {"targets": {"a": target(1.0, "<=", 1.05), "gpu": target(None, "<=", 1.0, applies=False, why="cpu")}}
+    bad = {"targets": {"a": target(1.2, "<=", 1.05)}}
+    assert exit_code(0, ok) == 0 and exit_code(0, bad) == 1 and exit_code(0, bad, strict=False) == 0
+    assert exit_code(2, None) == 2 and exit_code(1, None) == 1
