@@ -7,7 +7,8 @@ vice versa.
 from __future__ import annotations
 
 from importlib.metadata import entry_points
-from typing import Any
+
+from mllm_rl.backend import Backend
 
 GROUP = "mllm_rl.backends"
 
@@ -16,7 +17,9 @@ def available_backends() -> list[str]:
     return sorted(ep.name for ep in entry_points(group=GROUP))
 
 
-def load_backend(name: str) -> Any:
+def load_backend(name: str) -> Backend:
+    """The backend registered as ``name``; ``ValueError`` (one line) when there is none, it cannot
+    be imported, or it is not a ``mllm_rl.backend.Backend``."""
     eps = {ep.name: ep for ep in entry_points(group=GROUP)}
     if name not in eps:
         have = ", ".join(sorted(eps)) or "none (is mllm-rl installed? run `make setup`)"
@@ -25,4 +28,8 @@ def load_backend(name: str) -> Any:
         cls = eps[name].load()
     except ImportError as e:
         raise ValueError(f"--backend {name!r}: cannot import ({e}); install the '{name}' extra") from None
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise ValueError(
+            f"--backend {name!r}: entry point {eps[name].value} is not a mllm_rl.backend.Backend"
+        )
     return cls()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 Fingerprint = dict[str, tuple[float, float]]  # hf_name -> (sum, sum of squares), float64
 
@@ -172,6 +172,14 @@ class WeightExport:
         return cls([n for n, _ in items], items, full)
 
 
+class Placed(NamedTuple):
+    """A weight already on the engine's devices in the engine's layout and dtype: what
+    ``EnginePrimitives.place`` returned. An engine installs it as it is (the naive swap
+    baseline places every tensor first, so two copies of the weights are resident)."""
+
+    value: Any  # the engine's own device array (jax.Array, torch.Tensor)
+
+
 class EnginePrimitives(Protocol):
     """What an engine adapter implements. Called only through ``ManagedEngine``."""
 
@@ -187,9 +195,20 @@ class EnginePrimitives(Protocol):
         """HF names of every weight; a full update covers exactly these."""
         ...
 
+    def memory_tag(self, tag: str) -> str:
+        """The name this engine's memory of ``tag`` goes by in the records (``<task>/weights``
+        for an engine of a multi-task run, else ``tag``)."""
+        ...
+
+    def place(self, hf_name: str, value: Any) -> Any:
+        """One HF-layout tensor (host ndarray or a device array) on the engine's devices in
+        the engine's layout and dtype, not installed (wrap it in ``Placed`` to install it)."""
+        ...
+
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
-        """Install tensors one at a time (names already validated); ``on_tensor(name)`` at
-        each tensor's high point (new placed, old still resident)."""
+        """Install tensors one at a time (names already validated); a ``Placed`` value goes in
+        as it is. ``on_tensor(name)`` at each tensor's high point (new placed, old still
+        resident)."""
         ...
 
     def weights_fingerprint(self) -> Fingerprint:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from mllm_rl.engine import (
@@ -37,6 +37,7 @@ from mllm_rl.engine import (
     EngineStateError,
     Fingerprint,
     GenerateOutput,
+    Placed,
     SamplingParams,
     UpdateStats,
     WeightExport,
@@ -83,6 +84,10 @@ class ManagedEngine:
     def tag_bytes(self, tag: str) -> int:
         self._check_tags([tag])
         return 0 if tag in self.released else self.engine.tag_bytes(tag)
+
+    def memory_tag(self, tag: str) -> str:
+        """``tag`` as the engine's memory goes by it in the records (``<task>/weights``)."""
+        return self.engine.memory_tag(tag)
 
     # -- generation ------------------------------------------------------------------------
     def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
@@ -247,6 +252,16 @@ class ManagedEngine:
             self.weights_valid = True
         self.weights_version += 1
         return stats
+
+    def place_all(self, tensors: Iterable[tuple[str, Any]]) -> WeightExport:
+        """The naive swap baseline's first half: every ``(hf_name, array)`` placed on the engine's
+        devices before any is installed (the new weights and the old ones both resident); the
+        returned full export installs them as they are (``update_weights``)."""
+        if TAG_WEIGHTS in self.released:
+            raise EngineStateError("place_all refused: weights are released")
+        return WeightExport.of(
+            ((name, Placed(self.engine.place(name, arr))) for name, arr in tensors), full=True
+        )
 
     def weights_fingerprint(self) -> Fingerprint:
         if TAG_WEIGHTS in self.released:

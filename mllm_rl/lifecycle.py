@@ -17,9 +17,9 @@ back before the update, so KV cache, engine weights and trainer params peak toge
     ... -> empty_cache -> resume_rollout(weights, kv_cache) -> update_weights
     -> offload_trainer_params -> empty_cache -> continue_generation [-> check_weights]
 
-Setup (``Colocated.setup``, step ``None``), the same multi-stage idea for the first sync: the
-engine's dummy weights and its KV cache are released before the trainer is built, so the setup
-never holds engine weights + KV cache + the whole trainer at once:
+Setup (``colocate``, then ``Colocated.first_sync``; step ``None``), the same multi-stage idea for
+the first sync: the engine's dummy weights and its KV cache are released before the trainer is
+built, so the setup never holds engine weights + KV cache + the whole trainer at once:
 
     release_rollout -> trainer_init -> offload_optimizer -> resume_weights -> weights_swapped
     -> offload_trainer_params -> resume_kv -> continue_generation
@@ -41,8 +41,8 @@ Leased phase groups (several tasks on the same devices, ``docs/MULTITASK.md``): 
 only while it holds the device lease, and between leases it holds nothing on the devices
 (``check_asleep``). Its start-up and each step are leased groups:
 
-    lease_setup:    release_rollout -> trainer_init -> offload_optimizer -> offload_trainer_params
-                    -> empty_cache
+    setup lease:    release_rollout -> trainer_init (``colocate``) -> offload_optimizer
+                    -> offload_trainer_params -> empty_cache (``Colocated.park``)
     rollout_lease:  onload_trainer_params -> resume_weights -> update_weights
                     -> offload_trainer_params -> empty_cache -> resume_kv -> continue_generation
                     [-> check_weights] -> rollout -> drain -> release_rollout -> empty_cache
@@ -60,7 +60,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mllm_rl.engine import (
     TAG_CUDA_GRAPH,
@@ -70,8 +70,11 @@ from mllm_rl.engine import (
     WeightMismatch,
 )
 from mllm_rl.engine_state import ManagedEngine
-from mllm_rl.phases.recorder import PhaseRecorder
+from mllm_rl.phases.recorder import PhaseHandle, PhaseRecorder
 from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, Trainer
+
+if TYPE_CHECKING:
+    from mllm_rl.backend import Backend
 
 SCHEDULES = ("multi_stage", "naive")
 _HEAD = ["rollout", "drain", "release_rollout", "onload_trainer", "train_step", "checkpoint",
@@ -148,44 +151,97 @@ RolloutFn = Callable[[ManagedEngine, int], tuple[RolloutBatch, dict[str, Any]]]
 SaveFn = Callable[[int], Path | None]
 
 
+def colocate(
+    backend: Backend,
+    engine: ManagedEngine,
+    rec: PhaseRecorder,
+    opts: LifecycleOptions,
+    make_trainer: Callable[[], tuple[Trainer, dict[str, Any]]],
+    **trainer_info: Any,
+) -> Colocated:
+    """A trainer and ``engine`` (just started, dummy weights) on the same devices: the engine
+    drains and releases everything (``release_rollout``), then ``trainer_init`` builds the trainer
+    (``make_trainer() -> (trainer, info)``; ``trainer_info`` goes into the record) — the engine's
+    weights and KV cache are never resident together with a whole new trainer. Returns the
+    complete ``Colocated``; what comes next is ``first_sync`` (one task) or ``park`` (a task of a
+    multi-task run)."""
+    if opts.check_weights and not opts.probe_ids:
+        raise ValueError("check_weights needs LifecycleOptions.probe_ids")
+    tags = release_tags(engine)
+    with _CheckedPhase(rec, engine, None, "release_rollout", None, {"tags": tags}) as ph:
+        ph.info.update(engine.drain(opts.drain_timeout_s))
+        held = engine.release(tags)
+        ph.info.update(expected_freed_bytes=sum(held.values()), held=_memory_names(engine, held))
+    with _CheckedPhase(rec, engine, None, "trainer_init", None, trainer_info) as ph:
+        trainer, built = make_trainer()
+        ph.info.update(built, state_bytes=trainer.state_bytes())
+    return Colocated(backend, engine, trainer, rec, opts)
+
+
+def release_on_fault(
+    backend: Backend,
+    engine: ManagedEngine,
+    trainer: Trainer | None,
+    rec: PhaseRecorder,
+    opts: LifecycleOptions,
+    step: int | None,
+) -> dict[str, Any]:
+    """Free whatever a failed task still holds on the devices (phase ``release_on_fault``): the
+    engine's resident tags (drained first) and the trainer's resident state, when there is a
+    trainer yet (a failure inside ``colocate`` leaves none)."""
+    with _CheckedPhase(rec, engine, trainer, "release_on_fault", step, {}) as ph:
+        held: dict[str, int] = {}
+        keep = [t for t in release_tags(engine) if t not in engine.released]
+        if keep:
+            if engine.in_flight or not engine.paused:
+                ph.info.update(engine.drain(opts.drain_timeout_s))
+            held = engine.release(keep)
+        resident = [k for k, v in trainer.resident().items() if v] if trainer is not None else []
+        offloaded = trainer.offload(resident) if resident else 0
+        backend.empty_cache()
+        ph.info.update(held=_memory_names(engine, held), expected_freed_bytes=sum(held.values()) + offloaded)
+    return ph.info
+
+
+def release_tags(engine: ManagedEngine) -> list[str]:
+    """The engine's releasable memory tags, in release order (KV cache first)."""
+    return [t for t in (TAG_KV, TAG_WEIGHTS, TAG_CUDA_GRAPH) if t in engine.tags]
+
+
+def _memory_names(engine: ManagedEngine, held: dict[str, int]) -> dict[str, int]:
+    """``held`` keyed by the engine's own memory tag names (``<task>/weights`` when the engine
+    belongs to a task: whose bytes moved is in the record)."""
+    return {engine.memory_tag(t): b for t, b in held.items()}
+
+
 class Colocated:
+    """A trainer and a rollout engine taking turns on the same devices (``colocate`` builds it)."""
+
     def __init__(
         self,
-        backend: Any,
+        backend: Backend,
         engine: ManagedEngine,
+        trainer: Trainer,
         rec: PhaseRecorder,
         opts: LifecycleOptions,
-        trainer: Trainer | None = None,
     ) -> None:
-        self.backend, self.engine, self.trainer, self.rec, self.opts = backend, engine, trainer, rec, opts
         if opts.check_weights and not opts.probe_ids:
             raise ValueError("check_weights needs LifecycleOptions.probe_ids")
-        self.release_tags = [t for t in (TAG_KV, TAG_WEIGHTS, TAG_CUDA_GRAPH) if t in engine.tags]
+        self.backend, self.engine, self.trainer, self.rec, self.opts = backend, engine, trainer, rec, opts
+        self.release_tags = release_tags(engine)
         self.kv_tags = [t for t in self.release_tags if t != TAG_WEIGHTS]  # what resume_kv brings back
         self._expected_probe: tuple[list[int], list[float]] | None = None
 
     # -- invariants ----------------------------------------------------------------------
-    def _check_residency(self, phase: str) -> None:
-        if self.trainer is None:
-            return
-        both = self.trainer.resident()[PARAMS] and TAG_WEIGHTS not in self.engine.released
-        if both and phase not in BOTH_RESIDENT_OK:
-            raise LifecycleError(
-                f"{phase}: trainer params and engine weights are both resident (allowed only in "
-                f"{sorted(BOTH_RESIDENT_OK)})"
-            )
-
-    def _phase(self, name: str, step: int | None, **info: Any):
-        return _CheckedPhase(self, name, step, info)
+    def _phase(self, name: str, step: int | None, **info: Any) -> _CheckedPhase:
+        return _CheckedPhase(self.rec, self.engine, self.trainer, name, step, info)
 
     # -- setup ---------------------------------------------------------------------------
-    def setup(
-        self, make_trainer: Callable[[], tuple[Trainer, dict[str, Any]]], **trainer_info: Any
-    ) -> Trainer:
-        """The first sync (``SETUP_PHASES``, step ``None``): release the dummy engine, build the
-        trainer (``make_trainer() -> (trainer, info)``), stream its weights in (``weights_swapped``:
-        full, fingerprint-checked), free the trainer, bring the KV cache back."""
-        self._init_trainer(make_trainer, trainer_info)
+    def first_sync(self) -> None:
+        """The rest of a run's setup (``SETUP_PHASES`` after ``trainer_init``, step ``None``): the
+        optimizer state goes to the host, the trainer's weights stream in (``weights_swapped``:
+        full, fingerprint-checked), the trainer's params go too, the KV cache comes back."""
+        self._offload_optimizer(None)
         self._resume("resume_weights", [TAG_WEIGHTS], None)
         with self._phase("weights_swapped", None, mode="streaming") as ph:
             ph.info.update(self._update(full=True))
@@ -194,7 +250,6 @@ class Colocated:
         self._resume("resume_kv", self.kv_tags, None)
         with self._phase("continue_generation", None):
             self.engine.continue_generation()
-        return self.trainer
 
     # -- one RL step -----------------------------------------------------------------------
     def step(self, step: int, rollout: RolloutFn, save: SaveFn | None = None) -> dict[str, Any]:
@@ -230,16 +285,13 @@ class Colocated:
         return metrics
 
     # -- leased phase groups (several tasks on the same devices) ----------------------------
-    def lease_setup(
-        self, make_trainer: Callable[[], tuple[Trainer, dict[str, Any]]], **trainer_info: Any
-    ) -> Trainer:
-        """A task's start-up inside its setup lease (``LEASE_SETUP_PHASES``, step ``None``): the
-        freshly started engine (dummy weights) drains and releases everything, the trainer is
-        built and goes to the host. No first sync here: the first ``rollout_lease`` sends the
-        full weights (the engine's are invalid or dummy until then)."""
-        self._init_trainer(make_trainer, trainer_info)
+    def park(self) -> None:
+        """A task's start-up inside its setup lease (``LEASE_SETUP_PHASES`` after ``trainer_init``,
+        step ``None``): the trainer goes to the host, so the task holds nothing on the devices. No
+        first sync here: the first ``rollout_lease`` sends the full weights (the engine's are
+        dummy until then)."""
+        self._offload_optimizer(None)
         self._offload_params(None)
-        return self.trainer
 
     def rollout_lease(
         self,
@@ -289,7 +341,7 @@ class Colocated:
         """Between leases a task holds nothing on the devices: every releasable engine tag is
         released and no trainer state is resident (``LifecycleError`` otherwise)."""
         held = [t for t in self.release_tags if t not in self.engine.released]
-        resident = [k for k, v in self.trainer.resident().items() if v] if self.trainer is not None else []
+        resident = [k for k, v in self.trainer.resident().items() if v]
         if held or resident:
             raise LifecycleError(
                 f"between leases: engine still holds {held or 'nothing'}, trainer still holds "
@@ -299,20 +351,7 @@ class Colocated:
     def release_on_fault(self, step: int | None) -> dict[str, Any]:
         """After a failure inside a lease: free whatever this task still holds (phase
         ``release_on_fault``), so the other tasks can go on."""
-        with self._phase("release_on_fault", step) as ph:
-            held: dict[str, int] = {}
-            keep = [t for t in self.release_tags if t not in self.engine.released]
-            if keep:
-                if self.engine.in_flight or not self.engine.paused:
-                    ph.info.update(self.engine.drain(self.opts.drain_timeout_s))
-                held = self.engine.release(keep)
-            offloaded = 0
-            if self.trainer is not None:
-                resident = [k for k, v in self.trainer.resident().items() if v]
-                offloaded = self.trainer.offload(resident) if resident else 0
-            self.backend.empty_cache()
-            ph.info.update(held=self._memory_names(held), expected_freed_bytes=sum(held.values()) + offloaded)
-        return ph.info
+        return release_on_fault(self.backend, self.engine, self.trainer, self.rec, self.opts, step)
 
     def _lease_release(self, step: int | None) -> None:
         """``drain`` -> ``release_rollout`` (naming the engine's own memory tags) -> ``empty_cache``."""
@@ -322,30 +361,14 @@ class Colocated:
         with self._phase("empty_cache", step):
             self.backend.empty_cache()
 
-    def _memory_names(self, held: dict[str, int]) -> dict[str, int]:
-        """``held`` keyed by the engine's own memory tag names (``<task>/weights`` when the
-        engine belongs to a task: whose bytes moved is in the record)."""
-        name = getattr(self.engine.engine, "memory_tag", None)
-        return {name(t) if name else t: b for t, b in held.items()}
-
-    def _release(self, step: int | None, drain: bool = False) -> None:
-        """``release_rollout``: every releasable tag (the setup drains first: nothing ran yet)."""
+    def _release(self, step: int | None) -> None:
+        """``release_rollout``: every releasable tag (after a ``drain``)."""
         with self._phase("release_rollout", step, tags=self.release_tags) as ph:
-            if drain:
-                ph.info.update(self.engine.drain(self.opts.drain_timeout_s))
             held = self.engine.release(self.release_tags)
-            ph.info.update(expected_freed_bytes=sum(held.values()), held=self._memory_names(held))
+            ph.info.update(expected_freed_bytes=sum(held.values()), held=_memory_names(self.engine, held))
 
-    def _init_trainer(
-        self, make_trainer: Callable[[], tuple[Trainer, dict[str, Any]]], info: dict[str, Any]
-    ) -> None:
-        """Setup's first phases: the dummy engine drains and releases everything, ``trainer_init``
-        builds the trainer, its optimizer state goes to the host."""
-        self._release(None, drain=True)
-        with self._phase("trainer_init", None, **info) as ph:
-            self.trainer, built = make_trainer()
-            ph.info.update(built, state_bytes=self.trainer.state_bytes())
-        with self._phase("offload_optimizer", None) as ph:
+    def _offload_optimizer(self, step: int | None) -> None:
+        with self._phase("offload_optimizer", step) as ph:
             ph.info["expected_freed_bytes"] = self.trainer.offload([OPTIMIZER])
 
     def _train(self, step: int, batch: RolloutBatch, save: SaveFn | None, probe: bool) -> dict[str, Any]:
@@ -363,8 +386,7 @@ class Colocated:
         with self._phase("checkpoint", step) as ph:
             path = save(step) if save is not None else None
             ph.info.update(saved=path is not None, path=str(path) if path else None)
-        with self._phase("offload_optimizer", step) as ph:
-            ph.info["expected_freed_bytes"] = self.trainer.offload([OPTIMIZER])
+        self._offload_optimizer(step)
         return train
 
     def _resume(self, phase: str, tags: list[str], step: int | None) -> None:
@@ -424,24 +446,47 @@ class Colocated:
         return {"probe_tokens": got, "trainer_tokens": want, "agree_until": min(len(want), len(got))}
 
 
+def check_residency(engine: ManagedEngine, trainer: Trainer | None, phase: str) -> None:
+    """Trainer params and engine weights are both resident only at the end of the phases that
+    need them (``BOTH_RESIDENT_OK``); ``LifecycleError`` otherwise."""
+    if trainer is None:
+        return
+    both = trainer.resident()[PARAMS] and TAG_WEIGHTS not in engine.released
+    if both and phase not in BOTH_RESIDENT_OK:
+        raise LifecycleError(
+            f"{phase}: trainer params and engine weights are both resident (allowed only in "
+            f"{sorted(BOTH_RESIDENT_OK)})"
+        )
+
+
 class _CheckedPhase:
-    """``rec.phase`` plus the engine/trainer state and the residency invariant at its end."""
+    """``rec.phase`` plus the engine/trainer state and the residency invariant at its end
+    (``trainer`` is ``None`` only before ``trainer_init`` has built it)."""
 
-    def __init__(self, life: Colocated, name: str, step: int | None, info: dict[str, Any]) -> None:
-        self.life, self.name, self.step, self.info = life, name, step, info
+    def __init__(
+        self,
+        rec: PhaseRecorder,
+        engine: ManagedEngine,
+        trainer: Trainer | None,
+        name: str,
+        step: int | None,
+        info: dict[str, Any],
+    ) -> None:
+        self.rec, self.engine, self.trainer = rec, engine, trainer
+        self.name, self.step, self.info = name, step, info
 
-    def __enter__(self):
-        self._cm = self.life.rec.phase(self.name, step=self.step, **self.info)
+    def __enter__(self) -> PhaseHandle:
+        self._cm = self.rec.phase(self.name, step=self.step, **self.info)
         self.handle = self._cm.__enter__()
         return self.handle
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is None:
             try:
-                self.handle.info["engine"] = self.life.engine.state()
-                if self.life.trainer is not None:
-                    self.handle.info["trainer"] = self.life.trainer.resident()
-                self.life._check_residency(self.name)
+                self.handle.info["engine"] = self.engine.state()
+                if self.trainer is not None:
+                    self.handle.info["trainer"] = self.trainer.resident()
+                check_residency(self.engine, self.trainer, self.name)
             except BaseException as e:
                 self._cm.__exit__(type(e), e, e.__traceback__)
                 raise

@@ -24,7 +24,6 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, NoReturn
 
 from mllm_rl.presets import PRESETS
@@ -70,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     # after ``install_sigterm`` blocked SIGTERM (see there).
     from mllm_rl.lifecycle import SCHEDULES
     from mllm_rl.phases.watchdog import DEFAULT_LIMIT_S, LIGHT_FACTOR
+    from mllm_rl.plans.registry import DEFAULT_PLAN, all_plans, plan_names
     from mllm_rl.rl.advantages import ESTIMATORS
     from mllm_rl.rl.loss_config import AGGREGATIONS
     from mllm_rl.tasks.base import TASKS
@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--backend", required=True, help="backend name (entry point group mllm_rl.backends): jax, torch"
     )
-    ap.add_argument("--plan", default="rl", choices=["rl", "swap"], help="what to run")
+    ap.add_argument("--plan", default=DEFAULT_PLAN, choices=plan_names(),
+                    help="what to run: " + "; ".join(f"{p.name}: {p.summary}" for p in all_plans()))  # fmt: skip
     ap.add_argument("--tasks", default=None, help="TOML file of several RL tasks sharing the devices "
                     "(docs/MULTITASK.md); per-task settings then come from the file")  # fmt: skip
     ap.add_argument(
@@ -250,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     from mllm_rl.lifecycle import LifecycleError, NonFiniteTraining
     from mllm_rl.phases.recorder import PhaseRecorder
     from mllm_rl.phases.watchdog import STUCK_EXIT, PhaseStuck, Watchdog
+    from mllm_rl.plans.base import PlanRun
     from mllm_rl.plans.preflight import check_fresh, prepare
+    from mllm_rl.report.at_exit import report_at_exit
     from mllm_rl.sinks.console import ConsoleSink
     from mllm_rl.sinks.jsonl import JsonlSink, MetricsJsonlSink, count_records
 
@@ -268,10 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     # Multi-process runs (multi-host TPU slices; jax.distributed): every process records its
     # own phases; process 0 writes run.json. Then the runtime comes up and the engine options are
     # checked against its devices -- all before the run directory exists.
-    init_distributed = getattr(backend, "init_distributed", None)
     try:
         tp = opts.engine.tp
-        procs = init_distributed(tp=tp) if init_distributed else {"process_index": 0, "process_count": 1}
+        procs = backend.init_distributed(tp=tp)
         pidx, pcount = int(procs["process_index"]), int(procs["process_count"])
         phase_file = run_dir / phase_file_name(pidx)
         if not (args.resume or args.resume_or_start):
@@ -303,16 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     start_idx = count_records(phase_file) if (args.resume or args.resume_or_start) else 0
     rec = PhaseRecorder(run_id, backend.name, sinks=sinks, process_index=pidx, start_idx=start_idx)
 
-    if args.plan == "rl":
-        from mllm_rl.plans.rl import plan_json
-        from mllm_rl.plans.rl import run_rl as run_plan
-
-        plan_info = plan_json(backend, opts)
-    else:
-        from mllm_rl.plans.swap import expected_phases
-        from mllm_rl.plans.swap import run_swap as run_plan
-
-        plan_info = {"steps": 0, "expected_phases": expected_phases(backend), "expected_step_phases": []}
+    plan_info = pre.plan.run_json(backend, opts)
 
     def write_plan() -> None:
         if pidx == 0:
@@ -340,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         """The watchdog's last resort (the main thread never came back): record, report, close."""
         rec.abandon(stuck, stuck=stuck.info)
         if pidx == 0:
-            _report(run_dir, rec, quiet=args.quiet)
+            report_at_exit(run_dir, rec, quiet=args.quiet)
         rec.close(STUCK_EXIT)
 
     watchdog = Watchdog(pre.limits, run_dir, pidx, on_hard_exit=hard_exit)
@@ -350,13 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     code, error = 0, None
     result: dict[str, Any] = {}
     try:
-        if args.plan == "rl":
-            result = run_plan(backend, rec, model, opts, make_wandb, run_dir, runtime, on_engine=engines.append,
-                              on_started=write_plan if pre.resuming else lambda: None)  # fmt: skip
-        else:
-            result = run_plan(backend, rec, model, opts, make_wandb, runtime, on_engine=engines.append)
-            if pre.resuming:
-                write_plan()
+        ctx = PlanRun(backend, rec, model, make_wandb, run_dir, runtime, on_engine=engines.append,
+                      on_started=write_plan if pre.resuming else lambda: None)  # fmt: skip
+        result = pre.plan.run(ctx, opts)
     except Terminated as e:
         code, error = 128 + e.signum, f"terminated by signal {e.signum}; phase log closed"
     except PhaseStuck as e:
@@ -373,13 +362,11 @@ def main(argv: list[str] | None = None) -> int:
         code, error = 1, f"error: {type(e).__name__}: {e}"
     finally:
         if pidx == 0:
-            _report(run_dir, rec, quiet=args.quiet)
+            report_at_exit(run_dir, rec, quiet=args.quiet)
         rec.close(code)  # W&B finished and torn down before the engine kills child processes
         for engine in engines:
             engine.shutdown()
-        shutdown_distributed = getattr(backend, "shutdown_distributed", None)
-        if shutdown_distributed is not None:
-            shutdown_distributed()  # all processes leave jax.distributed together (else the others abort)
+        backend.shutdown_distributed()  # all processes leave jax.distributed together (else the others abort)
         watchdog.finish()
     if not args.quiet:
         _print_summary(rec.records, result)
@@ -387,29 +374,6 @@ def main(argv: list[str] | None = None) -> int:
     if error is not None:
         print(error, file=sys.stderr)  # last: the line that says why the run failed
     return code
-
-
-def _report(run_dir: Path, rec: Any, quiet: bool = False) -> None:
-    """``runs/<id>/report/`` (trace.json, report.html, summary.json), also into W&B; a report
-    problem is a warning, never the run's failure. In a multi-process run the others may still
-    be writing: ``python -m mllm_rl.report RUN_DIR`` redoes it afterwards."""
-    from mllm_rl.report import ReportInputError, build_report
-    from mllm_rl.report.issues import group_issues
-    from mllm_rl.report.wandb_extras import log_report
-
-    try:
-        report = build_report([run_dir])
-    except (ReportInputError, OSError, ValueError) as e:
-        if not quiet:
-            print(f"warning: report: {e}", file=sys.stderr)
-        return
-    for sink in rec.sinks:
-        if hasattr(sink, "run") and not getattr(sink, "_closed", True):
-            log_report(sink.run, report)
-    for issue, where in group_issues(report.errors)[:10]:
-        print(f"report: {issue.line(where)}", file=sys.stderr)
-    if not quiet:
-        print(f"report {run_dir / 'report' / 'report.html'}", file=sys.stderr)
 
 
 def _print_summary(records: list[dict[str, Any]], result: dict[str, Any]) -> None:

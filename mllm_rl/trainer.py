@@ -18,11 +18,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
-from mllm_rl.engine import EngineOptions, Fingerprint, WeightExport
+from mllm_rl.engine import Fingerprint, WeightExport
 from mllm_rl.rl.batch import RolloutBatch  # defined with build_batch; imported from here by the backends
 from mllm_rl.rl.loss_config import LossConfig
 
@@ -133,30 +133,3 @@ class Trainer(Protocol):
     def save(self, path: Path) -> None: ...
 
     def restore(self, path: Path) -> None: ...
-
-
-class Backend(Protocol):
-    """What ``--backend NAME`` resolves to (entry point group ``mllm_rl.backends``)."""
-
-    name: str
-    ready_phase: str  # "jax_ready" | "torch_ready"
-
-    def init_runtime(self, tp: int = 1, platform: str = "auto") -> dict[str, Any]: ...
-
-    def memory_probe(self) -> Any: ...
-
-    engines: dict[str, str]  # --engine choices -> what each starts (EngineOptions.check_backend)
-
-    def check_engine_args(self, model: Any, opts: EngineOptions) -> None:
-        """Reject bad engine options (the ones ``create_engine`` will get) before any engine starts."""
-        ...
-
-    def create_engine(self, model: Any, opts: EngineOptions) -> Any: ...
-
-    def place_all(self, engine: Any, model: Any) -> list[tuple[str, Any]]: ...
-
-    def create_trainer(self, model: Any, cfg: TrainConfig) -> Trainer: ...
-
-    def empty_cache(self) -> None:
-        """Return cached-but-free device memory to the device (torch: ``empty_cache``)."""
-        ...

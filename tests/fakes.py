@@ -42,6 +42,7 @@ from mllm_rl.engine import (
     TAG_WEIGHTS,
     Fingerprint,
     GenerateOutput,
+    Placed,
     SamplingParams,
     UpdateStats,
     WeightExport,
@@ -290,6 +291,16 @@ class FakeEngine:
     def weight_names(self) -> list[str]:
         return list(self.weights)
 
+    def memory_tag(self, tag: str) -> str:
+        return tag
+
+    def place(self, hf_name: str, value: Any) -> np.ndarray:
+        """A copy of ``value`` on the device (owner ``engine.placed.<name>``) until installed."""
+        self.calls.append("place")
+        new = np.array(value, dtype=np.float32, copy=True)
+        self.device.alloc(f"engine.placed.{hf_name}", new.nbytes)
+        return new
+
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
         self.calls.append("update_weights")
         if TAG_WEIGHTS not in self.resident:
@@ -297,12 +308,14 @@ class FakeEngine:
         t0 = time.perf_counter()
         received: dict[str, np.ndarray] = {}
         for name, value in named_tensors:
-            new = np.array(value, dtype=np.float32, copy=True)
+            placed = isinstance(value, Placed)
+            new = value.value if placed else np.array(value, dtype=np.float32, copy=True)
             received[name] = new
             if self.drop_updates or (self.max_installed is not None and len(received) > self.max_installed):
                 continue
-            owner = f"engine.incoming.{name}"
-            self.device.alloc(owner, new.nbytes)  # the new tensor placed, the old one still resident
+            owner = f"engine.placed.{name}" if placed else f"engine.incoming.{name}"
+            if not placed:
+                self.device.alloc(owner, new.nbytes)  # the new tensor placed, the old one still resident
             if on_tensor is not None:
                 on_tensor(name)
             self.device.free(owner)

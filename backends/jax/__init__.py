@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from mllm_rl.backend import Backend
 from mllm_rl.backends.jax import distributed
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import EngineOptions
 
 
-class JaxBackend:
+class JaxBackend(Backend):
     name = "jax"
     ready_phase = "jax_ready"
     engines = {"auto": "sglang-jax"}  # --engine choices (EngineOptions.check_backend)
@@ -26,7 +27,7 @@ class JaxBackend:
         return distributed.init_distributed(tp=tp)
 
     def coordinator(self) -> distributed.Coordination:
-        """Lease handoffs of multi-task runs (``mllm_rl.multitask.coord``)."""
+        """Lease handoffs of multi-task runs (``mllm_rl.coordination``)."""
         return distributed.Coordination()
 
     def shutdown_distributed(self) -> None:
@@ -99,9 +100,3 @@ class JaxBackend:
     def empty_cache(self) -> None:
         """Nothing to do: XLA returns a deleted array's memory to its allocator at once (on
         TPU/GPU the BFC allocator keeps it for reuse; there is no cache to trim)."""
-
-    def place_all(self, engine, model: ModelDir) -> list[tuple[str, Any]]:
-        """Naive-swap baseline: every checkpoint tensor placed on device at once (2 copies)."""
-        from mllm_rl.backends.jax.sglang_engine import Placed
-
-        return [(name, Placed(engine.place(name, arr))) for name, arr in model.iter_tensors()]

@@ -285,7 +285,7 @@ def gather(name: str, value: str, timeout_s: float | None = None) -> list[str]:
 
 
 class Coordination:
-    """``mllm_rl.multitask.coord.Coordinator`` over ``jax.distributed`` (multi-task lease handoffs)."""
+    """``mllm_rl.coordination.Coordinator`` over ``jax.distributed`` (multi-task lease handoffs)."""
 
     @property
     def index(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from mllm_rl.backend import Backend
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import EngineOptions
 
@@ -26,7 +27,7 @@ ENGINES = {
 }
 
 
-class TorchBackend:
+class TorchBackend(Backend):
     name = "torch"
     ready_phase = "torch_ready"
     engines = ENGINES  # --engine choices (EngineOptions.check_backend)
@@ -124,12 +125,6 @@ class TorchBackend:
         return EmbeddedEngine(model, tp=o.tp, max_total_tokens=o.max_total_tokens, context_length=o.context_length,
                               seed=o.seed, chunk_bytes=o.chunk_bytes, weights_cpu_backup=o.weights_cpu_backup,
                               device=self._device(), task=o.task, **extra)  # fmt: skip
-
-    def place_all(self, engine: Any, model: ModelDir) -> list[tuple[str, Any]]:
-        """Naive-swap baseline: every checkpoint tensor placed on the device first (two copies)."""
-        from mllm_rl.backends.torch.engine import Placed
-
-        return [(name, Placed(engine.place(name, arr))) for name, arr in model.iter_tensors()]
 
     def create_trainer(self, model: ModelDir, cfg: Any):
         """``TorchTrainer`` (``backends/torch/trainer.py``) on the runtime's device."""

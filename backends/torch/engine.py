@@ -36,7 +36,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,18 +51,13 @@ from mllm_rl.engine import (
     TAG_WEIGHTS,
     Fingerprint,
     GenerateOutput,
+    Placed,
     SamplingParams,
     UpdateStats,
 )
 from mllm_rl.faults import fault
 
 _FP_CHUNK = 1 << 20  # elements per fingerprint slice (bounds the float32 temporary of bf16 weights)
-
-
-class Placed(NamedTuple):
-    """A tensor already on the engine's device in the engine dtype, HF layout (naive swap baseline)."""
-
-    tensor: torch.Tensor
 
 
 def tensor_sums(x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +168,7 @@ class EmbeddedEngine:
             for name, value in named_tensors:
                 dst = self._param(name)
                 if isinstance(value, Placed):
-                    src = value.tensor
+                    src = value.value
                     check_shape(name, src, dst.shape)
                     if src.device != dst.device or src.dtype != dst.dtype:
                         raise ValueError(f"{name}: placed {src.dtype} on {src.device}, engine holds {dst.dtype} "

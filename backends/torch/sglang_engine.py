@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from mllm_rl.backends.torch import sglang_calls as sc
-from mllm_rl.backends.torch.engine import Placed, check_shape, tensor_sums
+from mllm_rl.backends.torch.engine import check_shape, tensor_sums
 from mllm_rl.backends.torch.model import checkpoint_dtype, to_torch
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import (
@@ -66,6 +66,7 @@ from mllm_rl.engine import (
     TAG_WEIGHTS,
     Fingerprint,
     GenerateOutput,
+    Placed,
     SamplingParams,
     UpdateStats,
     request_seeds,
@@ -187,7 +188,7 @@ class SglangEngine:
         def staged() -> Iterator[tuple[str, torch.Tensor, int]]:
             nonlocal nbytes
             for name, value in named_tensors:
-                t = value.tensor if isinstance(value, Placed) else self.place(name, value)
+                t = value.value if isinstance(value, Placed) else self.place(name, value)
                 sums[name] = tensor_sums(t)
                 if on_tensor is not None:
                     on_tensor(name)

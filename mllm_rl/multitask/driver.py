@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from mllm_rl.multitask.coord import Coordinator, LocalCoordinator, ScheduleMismatch
+from mllm_rl.coordination import Coordinator, LocalCoordinator, ScheduleMismatch
 from mllm_rl.multitask.schedule import Lease, schedule_digest
 
 OK = "ok"

@@ -92,9 +92,8 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     except ImportError as e:  # the backend's framework is not in this environment
         print(f"error: --backend {args.backend}: {e} (install the '{args.backend}' extra)", file=sys.stderr)
         return 2
-    init_distributed = getattr(backend, "init_distributed", None)
     try:
-        procs = init_distributed(tp=args.tp) if init_distributed else {"process_index": 0, "process_count": 1}
+        procs = backend.init_distributed(tp=args.tp)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -107,22 +106,21 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         # refuses release/resume for an engine spanning processes (backends/jax/sglang_engine.py).
         print(f"error: --tasks: {pcount} processes: sglang-jax cannot release an engine that spans "
               "processes yet; run a multi-task run in one process", file=sys.stderr)  # fmt: skip
-        shutdown = getattr(backend, "shutdown_distributed", None)
-        if shutdown is not None:
-            shutdown()
+        backend.shutdown_distributed()
         return 2
     return _run(args, argv, specs, backend, models, pidx, pcount)
 
 
 def _run(args: argparse.Namespace, argv: list[str] | None, specs: list[TaskSpec], backend: Any,
          models: dict[str, Any], pidx: int, pcount: int) -> int:  # fmt: skip
-    from mllm_rl.multitask.coord import coordinator_for
+    from mllm_rl.coordination import coordinator_for
     from mllm_rl.multitask.driver import Driver, TaskFailed
     from mllm_rl.multitask.ports import allocate
     from mllm_rl.multitask.runtime import RLTask, task_phases
     from mllm_rl.multitask.schedule import lease_schedule, schedule_digest
     from mllm_rl.phases.recorder import PhaseRecorder
     from mllm_rl.progress import progress_bar
+    from mllm_rl.report.at_exit import report_at_exit
     from mllm_rl.run_files import phase_file_name, write_run_json
     from mllm_rl.signals import Terminated
     from mllm_rl.sinks.console import ConsoleSink
@@ -219,13 +217,11 @@ def _run(args: argparse.Namespace, argv: list[str] | None, specs: list[TaskSpec]
         bar_cm.__exit__(None, None, None)
         lease_file.close()
         if pidx == 0:
-            _report(run_dir, rec)
+            report_at_exit(run_dir, rec)
         rec.close(code)
         for engine in engines:
             engine.shutdown()
-        shutdown_distributed = getattr(backend, "shutdown_distributed", None)
-        if shutdown_distributed is not None:
-            shutdown_distributed()
+        backend.shutdown_distributed()
     for name, rt in runtimes.items():
         for h in rt.history:
             print(f"{name} step {h['step']:>3}: reward_mean {h['reward_mean']:.3f}  loss {h.get('loss', float('nan')):.4f}",
@@ -273,21 +269,3 @@ def _previous(run_dir: Path) -> dict[str, Any]:
         return json.loads((run_dir / "run.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _report(run_dir: Path, rec: Any) -> None:
-    """``report/`` of the run (also into W&B); a report problem is a warning, never a failure."""
-    from mllm_rl.report import ReportInputError, build_report
-    from mllm_rl.report.wandb_extras import log_report
-
-    try:
-        report = build_report([run_dir])
-    except (ReportInputError, OSError, ValueError) as e:
-        print(f"warning: report: {e}", file=sys.stderr)
-        return
-    for sink in rec.sinks:
-        if hasattr(sink, "run") and not getattr(sink, "_closed", True):
-            log_report(sink.run, report)
-    for issue in report.errors[:10]:
-        print(f"report: {issue.line()}", file=sys.stderr)
-    print(f"report {run_dir / 'report' / 'report.html'}", file=sys.stderr)

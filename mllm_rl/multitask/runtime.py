@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mllm_rl.backend import Backend
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.checkpoint.resolve import RLCheckpoint, find_resumable
 from mllm_rl.engine import EngineOptions
@@ -23,6 +24,8 @@ from mllm_rl.lifecycle import (
     TRAIN_LEASE_PHASES,
     Colocated,
     LifecycleOptions,
+    colocate,
+    release_on_fault,
     rollout_lease_phases,
 )
 from mllm_rl.multitask.schedule import FINAL, ROLLOUT, SETUP, TRAIN, Lease, TaskSteps
@@ -54,7 +57,7 @@ class RLTask:
         self,
         spec: TaskSpec,
         model: ModelDir,
-        backend: Any,
+        backend: Backend,
         rec: PhaseRecorder,
         run_dir: Path,
         tp: int = 1,
@@ -78,6 +81,7 @@ class RLTask:
                 self.dir, checkpoint_meta(backend.name, self.opts)
             )
         self.first_step = self.resume_from.step + 1 if self.resume_from else 0
+        self.engine: ManagedEngine | None = None
         self.life: Colocated | None = None
         self.history: list[dict[str, Any]] = []
         self.eval: dict[str, Any] | None = None
@@ -125,10 +129,13 @@ class RLTask:
             self._life().check_asleep()
 
     def fail(self, lease: Lease, error: BaseException) -> None:
-        if self.life is None:  # failed before its engine existed: nothing of it is on the devices
+        if self.engine is None:  # failed before its engine existed: nothing of it is on the devices
             return
         with self.rec.for_task(self.name):
-            self.life.release_on_fault(lease.step)
+            if self.life is not None:
+                self.life.release_on_fault(lease.step)
+            else:  # failed while colocating: the engine may still hold memory, there is no trainer yet
+                release_on_fault(self.backend, self.engine, None, self.rec, self.lifecycle, lease.step)
 
     def _life(self) -> Colocated:
         if self.life is None:
@@ -144,7 +151,7 @@ class RLTask:
                            tags=list(engine.tags), weights_cpu_backup=engine.weights_cpu_backup,
                            context_length=eng.context_length,
                            max_total_tokens=eng.max_total_tokens)  # fmt: skip
-        self.life = Colocated(self.backend, engine, self.rec, self.lifecycle)
+        self.engine = engine
 
         def make_trainer():
             trainer = self.backend.create_trainer(self.model, self.opts.train)
@@ -156,8 +163,10 @@ class RLTask:
                 "restored_verified": self.resume_from.verified,
             }
 
-        trainer = self.life.lease_setup(make_trainer, lora_rank=self.opts.train.lora_rank)
-        save = _saver(trainer, self.dir, self.backend.name, self.opts)
+        self.life = colocate(self.backend, engine, self.rec, self.lifecycle, make_trainer,
+                             lora_rank=self.opts.train.lora_rank)  # fmt: skip
+        self.life.park()
+        save = _saver(self.life.trainer, self.dir, self.backend.name, self.opts)
 
         def save_checked(step: int) -> Path | None:
             if fault(f"checkpoint_fails:{self.name}:{step}"):  # a full disk, in one task only

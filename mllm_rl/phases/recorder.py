@@ -34,8 +34,9 @@ SAMPLER_THREAD = "mllm_rl-mem-sampler"  # probes may rate-limit calls from this 
 
 
 class Sink(Protocol):
-    """Receives every phase record; sinks may also define ``log_metrics(step, metrics)``
-    (RL metrics, once per step) — the recorder forwards to those that do."""
+    """Receives every phase record; sinks may also define ``log_metrics(step, metrics)`` (RL
+    metrics, once per step), ``log_task_metrics(task, step, metrics)`` and ``log_report(report)``
+    (the run's memory report, before ``close``) — the recorder forwards to those that do."""
 
     def write(self, record: dict[str, Any]) -> None: ...
 
@@ -279,6 +280,14 @@ class PhaseRecorder:
                 per_task(task, step, metrics)
             elif log is not None:
                 log(step, metrics if task is None else {"task": task, **metrics})
+
+    def log_report(self, report: Any) -> None:
+        """The run's memory report (``mllm_rl.report.ReportResult``) to every sink that takes one
+        (``log_report(report)``: W&B, while its run is open)."""
+        for sink in self.sinks:
+            log = getattr(sink, "log_report", None)
+            if log is not None:
+                log(report)
 
     def close(self, exit_code: int = 0) -> None:
         """Stop the sampler and close every sink (W&B is finished and torn down here)."""

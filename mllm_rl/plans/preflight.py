@@ -22,8 +22,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from mllm_rl.backend import Backend
 from mllm_rl.checkpoint.model_dir import CheckpointError
 from mllm_rl.checkpoint.resolve import CKPT_DIR, RLCheckpoint, find_resumable
+from mllm_rl.plans.base import Plan
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -89,11 +91,10 @@ def resolve_resume(
 
 def known_phases() -> set[str]:
     """Every phase name a plan records (``--phase-timeout PHASE=SECONDS`` must name one)."""
-    from mllm_rl.lifecycle import SETUP_PHASES, STEP_PHASES
-    from mllm_rl.plans import rl, swap
+    from mllm_rl.lifecycle import SETUP_PHASES
+    from mllm_rl.plans.registry import all_plans
 
-    names = {*SETUP_PHASES, "check_weights", *rl.SETUP_PHASES, *rl.FINAL_PHASES, *swap.PHASES}
-    names |= {p for phases in STEP_PHASES.values() for p in phases}
+    names = set(SETUP_PHASES).union(*(plan.phase_names() for plan in all_plans()))
     return {n for n in names if "{" not in n} | {"jax_ready", "torch_ready"}
 
 
@@ -110,8 +111,10 @@ NUMERIC_FLAGS: dict[str, tuple[float, bool]] = {
 
 
 def build_options(args: argparse.Namespace) -> Any:
-    """The plan's options from the flags; raises ``ValueError`` naming the flag (exit 2)."""
+    """The plan's options from the flags (``Plan.options``); raises ``ValueError`` naming the flag
+    (exit 2)."""
     from mllm_rl.engine import EngineOptions
+    from mllm_rl.plans.registry import get_plan
 
     for flag, (low, strict) in NUMERIC_FLAGS.items():
         value = getattr(args, flag[2:].replace("-", "_"))
@@ -124,40 +127,12 @@ def build_options(args: argparse.Namespace) -> Any:
         raise ValueError(f"{flag} needs --run-dir or --run-id (the run to continue)")
     if args.resume and args.resume_or_start:
         raise ValueError("--resume and --resume-or-start: pass one (--resume-or-start also resumes)")
-    if args.plan != "rl" and args.task_data is not None:
-        raise ValueError(f"--task-data: only the rl plan reads a task (this is --plan {args.plan})")
     platform = "gpu" if args.platform == "cuda" else args.platform
     engine = EngineOptions(tp=args.tp, engine=args.engine, max_total_tokens=args.max_total_tokens,
                            context_length=args.context_length, max_running_requests=args.max_running_requests,
                            seed=args.seed, chunk_bytes=int(args.swap_chunk_mb * 2**20),
                            weights_cpu_backup=args.weights_cpu_backup)  # fmt: skip
-    if args.plan == "swap":
-        from mllm_rl.plans.swap import SwapOptions
-
-        if args.resume:
-            raise ValueError("--resume: the swap plan keeps no checkpoints; --resume-or-start runs it again")
-        return SwapOptions(platform=platform, mode=args.swap_mode,
-                           prompts=tuple(args.prompt) if args.prompt else SwapOptions.prompts,
-                           max_new_tokens=args.max_new_tokens or 16, engine=engine)  # fmt: skip
-    if args.prompt:
-        raise ValueError("--prompt: only the swap plan takes prompts (the rl plan's come from --task)")
-    from mllm_rl.lifecycle import LifecycleOptions
-    from mllm_rl.plans.rl import RLOptions
-    from mllm_rl.rl.loss_config import LossConfig
-    from mllm_rl.trainer import TrainConfig
-
-    loss = LossConfig(eps_low=args.eps_low, eps_high=args.eps_high, beta=args.kl_beta, aggregation=args.loss_agg,
-                      max_len=args.max_new_tokens or 8)  # fmt: skip
-    train = TrainConfig(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                        mini_batches=args.mini_batches, micro_batch_size=args.micro_batch_size, loss=loss,
-                        lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, seed=args.seed)  # fmt: skip
-    return RLOptions(
-        steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
-        max_new_tokens=args.max_new_tokens or 8, temperature=args.temperature, top_p=args.top_p,
-        estimator=args.estimator, task=args.task, task_data=args.task_data, checkpoint_every=args.checkpoint_every,
-        seed=args.seed, platform=platform, engine=engine, train=train,
-        lifecycle=LifecycleOptions(schedule=args.schedule, check_weights=args.check_weights),
-    )  # fmt: skip
+    return get_plan(args.plan).options(args, engine, platform)
 
 
 def phase_limits(args: argparse.Namespace) -> Any:
@@ -177,8 +152,9 @@ def phase_limits(args: argparse.Namespace) -> Any:
 class Prepared:
     """Everything a run needs, checked before anything of it exists (``prepare``)."""
 
-    opts: Any  # RLOptions | SwapOptions
-    backend: Any
+    plan: Plan
+    opts: Any  # the plan's options (RLOptions | SwapOptions)
+    backend: Backend
     model: Any  # ModelDir
     run_id: str
     run_dir: Path
@@ -192,6 +168,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
     run directory, resume target and its checkpoints, task data, model and ``--tp`` against its heads.
     Raises ``ValueError`` / ``CheckpointError`` (exit 2); touches nothing of the run."""
     from mllm_rl.backend_registry import load_backend
+    from mllm_rl.plans.registry import get_plan
 
     opts = build_options(args)
     limits = phase_limits(args)
@@ -202,42 +179,15 @@ def prepare(args: argparse.Namespace) -> Prepared:
     )
     run_dir = Path(args.run_dir or Path("runs") / run_id).resolve()
     check_run_dir(run_dir)
-    notes: list[str] = []
     resuming = (args.resume or args.resume_or_start) and (run_dir / "run.json").exists()
-    if args.plan == "rl":
-        from mllm_rl.plans.rl import checkpoint_meta
-        from mllm_rl.tasks import get_task
-
-        if args.resume or args.resume_or_start:
-            ckpt, notes = resolve_resume(run_dir, checkpoint_meta(backend.name, opts), args.resume_or_start)
-            if ckpt is not None:
-                opts = dataclasses.replace(opts, resume_from=ckpt)
-                notes.append(
-                    f"resume: from {ckpt.path} (step {ckpt.step}; continuing at step {ckpt.step + 1})"
-                )
-            else:
-                notes.append(
-                    f"resume: nothing to resume in {run_dir}: starting at step 0 (--resume-or-start)"
-                )
-        try:
-            get_task(args.task, args.task_data)
-        except (ValueError, OSError) as e:
-            msg = str(e)
-            named = not args.task_data or args.task_data in msg or "--task-data" in msg
-            raise ValueError(msg if named else f"--task-data {args.task_data}: {msg}") from None
-        if args.task == "boxed" and args.task_data is None:
-            from mllm_rl.tasks.boxed import SAMPLE_DATA
-
-            notes.append(
-                f"note: --task boxed without --task-data: training on the shipped sample {SAMPLE_DATA}"
-            )
+    opts, notes = get_plan(args.plan).preflight(args, opts, backend, run_dir)
     from mllm_rl.checkpoint.resolve import resolve_model
 
     model = resolve_model(args.model, seed=args.seed)  # CheckpointError naming the file
     model.check_tp(opts.engine.tp)  # heads divisible by --tp; devices are checked once the runtime is up
     if args.resume or args.resume_or_start:
         run_id = args.run_id or _previous_run_id(run_dir) or run_id
-    return Prepared(opts, backend, model, run_id, run_dir, limits, bool(resuming), notes)
+    return Prepared(get_plan(args.plan), opts, backend, model, run_id, run_dir, limits, bool(resuming), notes)
 
 
 def _previous_run_id(run_dir: Path) -> str | None:

@@ -19,6 +19,7 @@ only once their ``meta.json`` exists.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import shutil
 from collections.abc import Callable
@@ -27,18 +28,19 @@ from typing import Any
 
 import numpy as np
 
-from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.backend import Backend
 from mllm_rl.checkpoint.resolve import CKPT_DIR, RLCheckpoint, rl_checkpoint_dirs, write_meta
 from mllm_rl.engine import ABORT, EngineOptions, SamplingParams
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.faults import fault
 from mllm_rl.lifecycle import SETUP_PHASES as LIFECYCLE_SETUP
-from mllm_rl.lifecycle import Colocated, LifecycleOptions, step_phases
-from mllm_rl.phases.recorder import PhaseRecorder, Sink
+from mllm_rl.lifecycle import STEP_PHASES, LifecycleOptions, colocate, step_phases
 from mllm_rl.plans import setup
+from mllm_rl.plans.base import Plan, PlanRun
 from mllm_rl.progress import progress_bar
 from mllm_rl.rl.advantages import ESTIMATORS, group_advantages
 from mllm_rl.rl.batch import build_batch
+from mllm_rl.rl.loss_config import LossConfig
 from mllm_rl.tasks import Task, get_task
 from mllm_rl.trainer import TrainConfig
 
@@ -94,10 +96,6 @@ class RLOptions:
     @property
     def first_step(self) -> int:
         return 0 if self.resume_from is None else self.resume_from.step + 1
-
-
-def expected_phases(backend: Any) -> list[str]:
-    return [p.format(ready=backend.ready_phase) for p in SETUP_PHASES] + FINAL_PHASES
 
 
 # -- checkpoints -------------------------------------------------------------------------
@@ -208,22 +206,12 @@ def evaluate(engine: ManagedEngine, task: Task, tok: Any, opts: RLOptions, eos: 
 
 
 # -- the plan ----------------------------------------------------------------------------
-def run_rl(
-    backend: Any,
-    rec: PhaseRecorder,
-    model: ModelDir,
-    opts: RLOptions,
-    make_wandb: Callable[[], Sink | None],
-    run_dir: Path,
-    runtime: dict[str, Any],
-    on_engine: Callable[[Any], None] = lambda engine: None,
-    on_started: Callable[[], None] = lambda: None,
-) -> dict[str, Any]:
-    """Run the plan; returns a summary with the per-step metrics of this attempt. ``runtime``: what
-    ``backend.init_runtime`` returned; ``on_started`` runs once the setup is done (engine up,
-    trainer built or restored, weights synced)."""
+def run_rl(ctx: PlanRun, opts: RLOptions) -> dict[str, Any]:
+    """Run the plan; returns a summary with the per-step metrics of this attempt; ``ctx.on_started``
+    runs once the setup is done (engine up, trainer built or restored, weights synced)."""
     from transformers import AutoTokenizer
 
+    backend, rec, model = ctx.backend, ctx.rec, ctx.model
     task = get_task(opts.task, opts.task_data)
     tok = AutoTokenizer.from_pretrained(str(model.path))
     eos = model.config.eos_token_id
@@ -232,8 +220,8 @@ def run_rl(
     if lifecycle.check_weights and not lifecycle.probe_ids:
         lifecycle.probe_ids = tuple(tok(PROBE_PROMPT, add_special_tokens=False).input_ids)
 
-    engine = setup.start(backend, rec, model, make_wandb, runtime, size_engine(task, tok, opts), on_engine,
-                         attempt_first_step=first_step)  # fmt: skip
+    engine = setup.start(backend, rec, model, ctx.make_wandb, ctx.runtime, size_engine(task, tok, opts),
+                         ctx.on_engine, attempt_first_step=first_step)  # fmt: skip
 
     def make_trainer():
         trainer = backend.create_trainer(model, opts.train)
@@ -242,12 +230,12 @@ def run_rl(
         trainer.restore(resume_from.path)
         return trainer, {"restored_from": str(resume_from.path), "restored_verified": resume_from.verified}
 
-    life = Colocated(backend, engine, rec, lifecycle)
-    trainer = life.setup(make_trainer, lora_rank=opts.train.lora_rank)
-    on_started()
+    life = colocate(backend, engine, rec, lifecycle, make_trainer, lora_rank=opts.train.lora_rank)
+    life.first_sync()
+    ctx.on_started()
 
     rollout = make_rollout(task, tok, opts, eos)
-    save = _saver(trainer, run_dir, backend.name, opts)
+    save = _saver(life.trainer, ctx.run_dir, backend.name, opts)
     history = []
     with progress_bar(total=opts.steps, desc="rl", unit="step") as bar:
         bar.update(first_step)
@@ -262,17 +250,82 @@ def run_rl(
     return {"first_step": first_step, "history": history, "eval": ph.info}
 
 
-def plan_json(backend: Any, opts: RLOptions) -> dict[str, Any]:
-    """What ``run.json`` says about this plan (the report's completeness check reads it)."""
-    return {
-        "steps": opts.steps,
-        "first_step": 0,
-        "expected_phases": expected_phases(backend),
-        "expected_step_phases": step_phases(opts.lifecycle),
-        "schedule": opts.lifecycle.schedule,
-        "task": opts.task,
-        "group_size": opts.group_size,
-        "prompts_per_step": opts.prompts_per_step,
-        "train": dataclasses.asdict(opts.train),
-        "checkpoint_every": opts.checkpoint_every,
-    }
+class RLPlan(Plan):
+    """GRPO-style colocated RL: ``SETUP_PHASES``, ``steps`` lifecycle steps, ``FINAL_PHASES``."""
+
+    name = "rl"
+    summary = "colocated GRPO with every memory phase recorded"
+
+    def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> RLOptions:
+        if args.prompt:
+            raise ValueError("--prompt: only the swap plan takes prompts (the rl plan's come from --task)")
+        loss = LossConfig(eps_low=args.eps_low, eps_high=args.eps_high, beta=args.kl_beta,
+                          aggregation=args.loss_agg, max_len=args.max_new_tokens or 8)  # fmt: skip
+        train = TrainConfig(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                            mini_batches=args.mini_batches, micro_batch_size=args.micro_batch_size, loss=loss,
+                            lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, seed=args.seed)  # fmt: skip
+        return RLOptions(
+            steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+            max_new_tokens=args.max_new_tokens or 8, temperature=args.temperature, top_p=args.top_p,
+            estimator=args.estimator, task=args.task, task_data=args.task_data,
+            checkpoint_every=args.checkpoint_every, seed=args.seed, platform=platform, engine=engine, train=train,
+            lifecycle=LifecycleOptions(schedule=args.schedule, check_weights=args.check_weights),
+        )  # fmt: skip
+
+    def preflight(
+        self, args: argparse.Namespace, opts: RLOptions, backend: Backend, run_dir: Path
+    ) -> tuple[RLOptions, list[str]]:
+        """The checkpoint ``--resume`` continues from (every newer one it skips, said), and the
+        task's data file."""
+        from mllm_rl.plans.preflight import resolve_resume
+
+        notes: list[str] = []
+        if args.resume or args.resume_or_start:
+            ckpt, notes = resolve_resume(run_dir, checkpoint_meta(backend.name, opts), args.resume_or_start)
+            if ckpt is not None:
+                opts = dataclasses.replace(opts, resume_from=ckpt)
+                notes.append(
+                    f"resume: from {ckpt.path} (step {ckpt.step}; continuing at step {ckpt.step + 1})"
+                )
+            else:
+                notes.append(
+                    f"resume: nothing to resume in {run_dir}: starting at step 0 (--resume-or-start)"
+                )
+        try:
+            get_task(args.task, args.task_data)
+        except (ValueError, OSError) as e:
+            msg = str(e)
+            named = not args.task_data or args.task_data in msg or "--task-data" in msg
+            raise ValueError(msg if named else f"--task-data {args.task_data}: {msg}") from None
+        if args.task == "boxed" and args.task_data is None:
+            from mllm_rl.tasks.boxed import SAMPLE_DATA
+
+            notes.append(
+                f"note: --task boxed without --task-data: training on the shipped sample {SAMPLE_DATA}"
+            )
+        return opts, notes
+
+    def phase_names(self) -> set[str]:
+        names = {*SETUP_PHASES, *FINAL_PHASES, "check_weights"}
+        return names | {p for phases in STEP_PHASES.values() for p in phases}
+
+    def run_json(self, backend: Backend, opts: RLOptions) -> dict[str, Any]:
+        """``run.json``'s plan fields (the report's completeness check reads them)."""
+        return {
+            "steps": opts.steps,
+            "first_step": 0,
+            "expected_phases": [p.format(ready=backend.ready_phase) for p in SETUP_PHASES] + FINAL_PHASES,
+            "expected_step_phases": step_phases(opts.lifecycle),
+            "schedule": opts.lifecycle.schedule,
+            "task": opts.task,
+            "group_size": opts.group_size,
+            "prompts_per_step": opts.prompts_per_step,
+            "train": dataclasses.asdict(opts.train),
+            "checkpoint_every": opts.checkpoint_every,
+        }
+
+    def run(self, ctx: PlanRun, opts: RLOptions) -> dict[str, Any]:
+        return run_rl(ctx, opts)
+
+
+PLAN = RLPlan()

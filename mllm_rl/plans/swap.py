@@ -13,15 +13,17 @@ Phases, in order (docs/DESIGN.md, "The phase record"):
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
+from mllm_rl.backend import Backend
 from mllm_rl.checkpoint.model_dir import ModelDir
-from mllm_rl.engine import EngineOptions, SamplingParams, WeightExport, WeightMismatch
+from mllm_rl.engine import EngineOptions, SamplingParams, UpdateStats, WeightExport, WeightMismatch
 from mllm_rl.engine_state import ManagedEngine
-from mllm_rl.phases.recorder import PhaseRecorder, Sink
+from mllm_rl.phases.recorder import PhaseRecorder
 from mllm_rl.plans import setup
+from mllm_rl.plans.base import Plan, PlanRun
 from mllm_rl.progress import progress_bar
 
 DEFAULT_PROMPTS = ("你是谁", "The capital of France is")
@@ -43,10 +45,6 @@ class SwapOptions:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
 
 
-def expected_phases(backend: Any) -> list[str]:
-    return [p.format(ready=backend.ready_phase) for p in PHASES]
-
-
 def encode_prompts(model: ModelDir, prompts: tuple[str, ...]) -> list[list[int]]:
     """Token ids of each prompt with the checkpoint's own tokenizer, ``[n_prompts][T_i]``."""
     from transformers import AutoTokenizer
@@ -55,48 +53,63 @@ def encode_prompts(model: ModelDir, prompts: tuple[str, ...]) -> list[list[int]]
     return [tok(p, add_special_tokens=False).input_ids for p in prompts]
 
 
-def run_swap(
-    backend: Any,
-    rec: PhaseRecorder,
-    model: ModelDir,
-    opts: SwapOptions,
-    make_wandb: Callable[[], Sink | None],
-    runtime: dict[str, Any],
-    on_engine: Callable[[Any], None] = lambda engine: None,
-) -> dict[str, Any]:
-    """Run the five phases; returns a summary. ``runtime``: what ``backend.init_runtime`` returned;
-    ``on_engine`` receives the engine as soon as it exists (the caller owns its shutdown, after the
-    sinks are closed)."""
-    prompt_ids = encode_prompts(model, opts.prompts)
-    engine = setup.start(backend, rec, model, make_wandb, runtime, opts.engine.resolved(), on_engine)
-    with rec.phase("weights_swapped", mode=opts.mode, checkpoint_bytes=model.nbytes) as ph:
-        try:
-            stats = swap_weights(backend, engine, model, opts.mode, rec)
-        except WeightMismatch as e:
-            ph.info["fingerprint_ok"] = False
-            raise WeightMismatch(f"weights_swapped: {e}") from None
-        ph.info.update(
-            tensors=stats.tensors,
-            bytes=stats.bytes,
-            seconds=round(stats.seconds, 4),
-            gbps=round(stats.gbps, 3),
-            fingerprint_ok=True,
-        )
-    sampling = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=0.0)
-    with rec.phase("generate_result", prompts=list(opts.prompts)) as ph:
-        outs = engine.generate(prompt_ids, sampling)
-        ph.info.update(
-            prompt_ids=prompt_ids,
-            token_ids=[o.token_ids for o in outs],
-            logprobs=[[round(x, 6) for x in o.logprobs] for o in outs],
-            text=[o.text for o in outs],
-        )
-    return {"swap": ph.info, "tensors": stats.tensors, "gbps": stats.gbps}
+class SwapPlan(Plan):
+    """Dummy-init engine, then the checkpoint streamed in (``PHASES``); no steps."""
+
+    name = "swap"
+    summary = "dummy-init engine + streamed weight swap"
+
+    def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> SwapOptions:
+        if args.resume:
+            raise ValueError("--resume: the swap plan keeps no checkpoints; --resume-or-start runs it again")
+        if args.task_data is not None:
+            raise ValueError("--task-data: only the rl plan reads a task (this is --plan swap)")
+        return SwapOptions(platform=platform, mode=args.swap_mode,
+                           prompts=tuple(args.prompt) if args.prompt else SwapOptions.prompts,
+                           max_new_tokens=args.max_new_tokens or 16, engine=engine)  # fmt: skip
+
+    def phase_names(self) -> set[str]:
+        return set(PHASES)
+
+    def run_json(self, backend: Backend, opts: SwapOptions) -> dict[str, Any]:
+        phases = [p.format(ready=backend.ready_phase) for p in PHASES]
+        return {"steps": 0, "expected_phases": phases, "expected_step_phases": []}
+
+    def run(self, ctx: PlanRun, opts: SwapOptions) -> dict[str, Any]:
+        """The five phases; ``ctx.on_started`` once the weights are in."""
+        prompt_ids = encode_prompts(ctx.model, opts.prompts)
+        rec, model = ctx.rec, ctx.model
+        engine = setup.start(ctx.backend, rec, model, ctx.make_wandb, ctx.runtime, opts.engine.resolved(),
+                             ctx.on_engine)  # fmt: skip
+        with rec.phase("weights_swapped", mode=opts.mode, checkpoint_bytes=model.nbytes) as ph:
+            try:
+                stats = swap_weights(engine, model, opts.mode, rec)
+            except WeightMismatch as e:
+                ph.info["fingerprint_ok"] = False
+                raise WeightMismatch(f"weights_swapped: {e}") from None
+            ph.info.update(
+                tensors=stats.tensors,
+                bytes=stats.bytes,
+                seconds=round(stats.seconds, 4),
+                gbps=round(stats.gbps, 3),
+                fingerprint_ok=True,
+            )
+        ctx.on_started()
+        sampling = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=0.0)
+        with rec.phase("generate_result", prompts=list(opts.prompts)) as ph:
+            outs = engine.generate(prompt_ids, sampling)
+            ph.info.update(
+                prompt_ids=prompt_ids,
+                token_ids=[o.token_ids for o in outs],
+                logprobs=[[round(x, 6) for x in o.logprobs] for o in outs],
+                text=[o.text for o in outs],
+            )
+        return {"swap": ph.info, "tensors": stats.tensors, "gbps": stats.gbps}
 
 
 def swap_weights(
-    backend: Any, engine: ManagedEngine, model: ModelDir, mode: str, rec: PhaseRecorder | None = None
-):
+    engine: ManagedEngine, model: ModelDir, mode: str, rec: PhaseRecorder | None = None
+) -> UpdateStats:
     """Stream (or naively load then install) every checkpoint tensor into ``engine``; the
     engine's fingerprint is checked against what was sent (``WeightMismatch`` otherwise)."""
     with progress_bar(total=len(model.tensors), desc=f"swap ({mode})", unit="tensor") as bar:
@@ -107,9 +120,12 @@ def swap_weights(
             bar.update(1)
 
         if mode == "naive":
-            placed = backend.place_all(engine.engine, model)
+            placed = engine.place_all(model.iter_tensors())
             if rec is not None:
                 rec.sample()  # both copies are resident now
-            return engine.update_weights(WeightExport.of(placed, full=True), on_tensor=on_tensor)
+            return engine.update_weights(placed, on_tensor=on_tensor)
         export = WeightExport(list(model.tensors), model.iter_tensors(), full=True)
         return engine.update_weights(export, on_tensor=on_tensor)
+
+
+PLAN = SwapPlan()

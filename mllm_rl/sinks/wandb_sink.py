@@ -125,6 +125,15 @@ class WandbSink:
                 row[f"{task}/train/{k}"] = v
         self.run.log(row)
 
+    def log_report(self, report: Any) -> None:
+        """The run's memory report as W&B tables, charts and summary values
+        (``mllm_rl.report.wandb_extras``); nothing once the run is closed."""
+        if self._closed:
+            return
+        from mllm_rl.report.wandb_extras import log_report
+
+        log_report(self.run, report)
+
     def close(self, exit_code: int = 0) -> None:
         if self._closed:
             return

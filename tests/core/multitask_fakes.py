@@ -28,7 +28,7 @@ from mllm_rl.engine import (
     WeightExport,
 )
 from mllm_rl.engine_state import ManagedEngine
-from mllm_rl.lifecycle import Colocated, LifecycleOptions
+from mllm_rl.lifecycle import Colocated, LifecycleOptions, colocate, release_on_fault
 from mllm_rl.multitask.runtime import ENGINE_READY
 from mllm_rl.multitask.schedule import FINAL, ROLLOUT, SETUP, TRAIN, Lease
 from mllm_rl.phases import DeviceMemory, PhaseRecorder
@@ -254,6 +254,7 @@ class FakeTask:
     def __init__(self, name: str, dev: FakeDevice, rec: PhaseRecorder, seed: int = 0,
                  fail_at: tuple[str, int | None] | None = None) -> None:  # fmt: skip
         self.name, self.dev, self.rec, self.seed, self.fail_at = name, dev, rec, seed, fail_at
+        self.engine: ManagedEngine | None = None
         self.life: Colocated | None = None
         self.batch: RolloutBatch | None = None
         self.rewards: dict[int, float] = {}
@@ -264,14 +265,16 @@ class FakeTask:
             if lease.kind == SETUP:
                 with self.rec.phase(ENGINE_READY):
                     engine = ManagedEngine(FakeEngine(self.dev, self.name))
-                self.life = Colocated(_Backend(), engine, self.rec, LifecycleOptions())
+                self.engine = engine
                 if self.fail_at == (SETUP, None):  # the engine's bytes are on the device now
                     raise RuntimeError(f"injected failure in {self.name} setup")
                 fail_at = self.fail_at[1] if self.fail_at and self.fail_at[0] == TRAIN else None
                 nan_at = self.fail_at[1] if self.fail_at and self.fail_at[0] == "nan" else None
-                self.life.lease_setup(
-                    lambda: (FakeTrainer(self.dev, self.name, self.seed, fail_at, nan_at), {})
-                )
+                self.life = colocate(
+                    _Backend(), engine, self.rec, LifecycleOptions(),
+                    lambda: (FakeTrainer(self.dev, self.name, self.seed, fail_at, nan_at), {}),
+                )  # fmt: skip
+                self.life.park()
             elif lease.kind == ROLLOUT:
                 self.batch, metrics = self.life.rollout_lease(lease.step, self._rollout)
                 self.rewards[lease.step] = metrics["reward_mean"]
@@ -291,9 +294,13 @@ class FakeTask:
         return out
 
     def fail(self, lease: Lease, error: BaseException) -> None:
-        if self.life is not None:
-            with self.rec.for_task(self.name):
+        if self.engine is None:
+            return
+        with self.rec.for_task(self.name):
+            if self.life is not None:
                 self.life.release_on_fault(lease.step)
+            else:  # failed before its trainer existed: the engine's memory still goes
+                release_on_fault(_Backend(), self.engine, None, self.rec, LifecycleOptions(), lease.step)
 
 
 class ThreadCoordinator:

@@ -21,7 +21,7 @@ import pytest
 from mllm_rl.bench.step_cost import BETWEEN, analyse, counted, split_steps
 from mllm_rl.engine import SamplingParams
 from mllm_rl.engine_state import ManagedEngine
-from mllm_rl.lifecycle import Colocated, LifecycleOptions, step_phases
+from mllm_rl.lifecycle import LifecycleOptions, colocate, step_phases
 from mllm_rl.phases import PhaseRecorder
 from mllm_rl.rl.advantages import group_advantages
 from mllm_rl.rl.batch import build_batch
@@ -53,7 +53,6 @@ def record_run(
     rec = PhaseRecorder("fake-run", "fake", sinks=[JsonlSink(run_dir / "phases.jsonl")], probe=FakeProbe(device),
                         sample_interval_s=0.005 if sample else 0)  # fmt: skip
     opts = LifecycleOptions()
-    life = Colocated(FakeBackend(), engine, rec, opts)
     holder: dict[str, FakeTrainer] = {}
 
     def make_trainer() -> tuple[FakeTrainer, dict[str, Any]]:
@@ -70,7 +69,8 @@ def record_run(
         return t, {}
 
     life_step = [-1]
-    life.setup(make_trainer)
+    life = colocate(FakeBackend(), engine, rec, opts, make_trainer)
+    life.first_sync()
     try:
         for s in steps:
             life_step[0] = s

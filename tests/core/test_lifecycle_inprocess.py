@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import mllm_rl.engine_state as engine_state
+from mllm_rl import lifecycle
 from mllm_rl.engine import TAG_KV, TAG_WEIGHTS, EngineStateError, SamplingParams, WeightExport, WeightMismatch
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.lifecycle import (
@@ -30,6 +31,7 @@ from mllm_rl.lifecycle import (
     Colocated,
     LifecycleError,
     LifecycleOptions,
+    colocate,
     step_phases,
 )
 from mllm_rl.phases import PhaseRecorder, validate_record
@@ -68,7 +70,7 @@ def rollout(engine: ManagedEngine, step: int) -> tuple[Any, dict[str, Any]]:
 
 @dataclass
 class Rig:
-    """A colocated setup on one fake device. ``life.setup`` has not run yet."""
+    """A fake engine and device ready to colocate with a trainer (``setup`` does it)."""
 
     device: FakeDevice
     fake: FakeEngine
@@ -76,8 +78,9 @@ class Rig:
     backend: FakeBackend
     sink: MemorySink
     rec: PhaseRecorder
-    life: Colocated
+    opts: LifecycleOptions
     trainer_kw: dict[str, Any]
+    life: Colocated | None = None
     trainer: FakeTrainer | None = None
     threads: list[threading.Thread] = field(default_factory=list)
 
@@ -87,7 +90,10 @@ class Rig:
         return self.trainer
 
     def setup(self) -> Rig:
-        self.life.setup(lambda: (self.make_trainer(), {"fake": True}))
+        self.life = colocate(
+            self.backend, self.engine, self.rec, self.opts, lambda: (self.make_trainer(), {"fake": True})
+        )
+        self.life.first_sync()
         return self
 
     def names(self) -> list[str]:
@@ -137,9 +143,7 @@ def make_rig(
     opts = LifecycleOptions(schedule=schedule, check_weights=check_weights, probe_ids=PROBE if check_weights else (),
                             drain_timeout_s=drain_timeout_s)  # fmt: skip
     backend = FakeBackend()
-    return Rig(
-        device, fake, managed, backend, sink, rec, Colocated(backend, managed, rec, opts), trainer or {}
-    )
+    return Rig(device, fake, managed, backend, sink, rec, opts, trainer or {})
 
 
 def owners(record: dict[str, Any]) -> set[str]:
@@ -229,6 +233,46 @@ def scenario_trainer_that_keeps_its_params_breaks_residency() -> None:
 
 def test_trainer_that_keeps_its_params_breaks_residency():
     scenario_trainer_that_keeps_its_params_breaks_residency()
+
+
+def test_colocate_builds_the_trainer_only_after_the_engine_released_everything():
+    r = make_rig()
+    seen: list[set[str]] = []
+
+    def make() -> tuple[FakeTrainer, dict[str, Any]]:
+        seen.append(set(r.device.owners))  # what the device holds when the trainer is built
+        return r.make_trainer(), {}
+
+    life = colocate(r.backend, r.engine, r.rec, r.opts, make)
+    assert life.trainer is r.trainer and r.names() == SETUP_PHASES[:2]
+    assert not any(o.startswith("engine.") for o in seen[0])
+
+
+def test_a_trainer_that_fails_to_build_leaves_the_engine_released_and_nothing_else():
+    r = make_rig()
+
+    def make() -> tuple[FakeTrainer, dict[str, Any]]:
+        raise MemoryError("fake device out of memory")
+
+    with pytest.raises(MemoryError):
+        colocate(r.backend, r.engine, r.rec, r.opts, make)
+    assert r.names() == SETUP_PHASES[:2] and r.device.used == 0
+    info = lifecycle.release_on_fault(r.backend, r.engine, None, r.rec, r.opts, None)  # no trainer to free
+    assert info["expected_freed_bytes"] == 0 and r.names()[-1] == "release_on_fault"
+
+
+def test_the_naive_swap_places_every_tensor_before_installing_any():
+    r = make_rig()
+    new = {n: w + 1 for n, w in initial_weights().items()}
+    placed = r.engine.place_all(new.items())
+    assert r.device.used == W + KV_BYTES + W  # the old weights and every new tensor, both resident
+    assert placed.full and placed.names == list(new)
+    r.engine.update_weights(placed)
+    assert r.fake.weights_fingerprint() == fingerprint(new) and r.device.used == W + KV_BYTES
+    r.engine.drain()
+    r.engine.release([TAG_KV, TAG_WEIGHTS])
+    with pytest.raises(EngineStateError, match="place_all refused: weights are released"):
+        r.engine.place_all(new.items())
 
 
 # -- drain / in flight -------------------------------------------------------------------------
@@ -530,7 +574,7 @@ def _resume_always_valid(self: ManagedEngine, tags):
 
 MUTATIONS: dict[str, tuple[Any, str, Any, Callable[[], None], tuple[type[BaseException], ...]]] = {
     # name: (owner, attribute, replacement, scenario, what the scenario then raises)
-    "residency_check": (Colocated, "_check_residency", lambda self, phase: None,
+    "residency_check": (lifecycle, "check_residency", lambda engine, trainer, phase: None,
                         scenario_trainer_that_keeps_its_params_breaks_residency, ()),
     "release_in_flight_check": (ManagedEngine, "release", _release_without_checks,
                                 scenario_release_with_requests_in_flight_is_refused, ()),

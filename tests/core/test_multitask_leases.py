@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from mllm_rl.coordination import LocalCoordinator, ScheduleMismatch
 from mllm_rl.lifecycle import (
     LEASE_SETUP_PHASES,
     TRAIN_LEASE_PHASES,
@@ -16,7 +17,6 @@ from mllm_rl.lifecycle import (
     LifecycleOptions,
     rollout_lease_phases,
 )
-from mllm_rl.multitask.coord import LocalCoordinator, ScheduleMismatch
 from mllm_rl.multitask.driver import DONE, FAILED, Driver, TaskFailed
 from mllm_rl.multitask.runtime import task_phases
 from mllm_rl.multitask.schedule import (

@@ -25,7 +25,7 @@ import json, sys
 sys.path.insert(0, {str(ROOT)!r})
 from mllm_rl.backends.jax import JaxBackend, distributed
 distributed.init_distributed(tp=2)  # one (fake CPU) device per process
-from mllm_rl.multitask.coord import coordinator_for
+from mllm_rl.coordination import coordinator_for
 from mllm_rl.multitask.driver import Driver
 from mllm_rl.multitask.schedule import TaskSteps, lease_schedule
 from mllm_rl.phases import PhaseRecorder

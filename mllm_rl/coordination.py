@@ -1,4 +1,5 @@
-"""How the processes of a run agree at every lease handoff (no networking of our own).
+"""How the processes of a run agree (multi-task runs: at every lease handoff); no networking of
+our own.
 
 A ``Coordinator`` has one primitive, ``gather(name, value)``: every process contributes a
 string under the same name and gets every process's string back, in process order; nobody
@@ -9,7 +10,7 @@ service key-value store and barriers); a single process uses ``LocalCoordinator`
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 
 class Coordinator(Protocol):
@@ -34,8 +35,13 @@ class ScheduleMismatch(RuntimeError):
     """Processes computed different lease schedules (e.g. different task files or checkpoints)."""
 
 
-def coordinator_for(backend: Any) -> Coordinator:
+class HasCoordinator(Protocol):
+    """What ``coordinator_for`` needs of a backend (``mllm_rl.backend.Backend.coordinator``)."""
+
+    def coordinator(self) -> Coordinator | None: ...
+
+
+def coordinator_for(backend: HasCoordinator) -> Coordinator:
     """The backend's coordinator when it has one and the run has several processes, else local."""
-    make = getattr(backend, "coordinator", None)
-    coord = make() if make is not None else None
+    coord = backend.coordinator()
     return coord if coord is not None and coord.count > 1 else LocalCoordinator()

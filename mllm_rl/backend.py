@@ -1,0 +1,82 @@
+"""The backend interface: what ``--backend NAME`` resolves to (docs/DESIGN.md, "Contracts").
+
+A backend brings a runtime up (``init_runtime``), reads device memory (``memory_probe``),
+starts rollout engines (``create_engine``, behind ``mllm_rl.engine_state.ManagedEngine``) and
+trainers (``create_trainer``, ``mllm_rl.trainer.Trainer``). Backends subclass ``Backend`` and are
+registered in the ``mllm_rl.backends`` entry-point group (``mllm_rl.backend_registry``).
+
+Every capability the core may use is declared here. The ones only some backends have come with a
+default that is right for a backend without them, so the core never asks ``hasattr``:
+
+- ``init_distributed`` / ``shutdown_distributed``: one process (JAX: ``jax.distributed``);
+- ``coordinator``: ``None``, no multi-process lease handoffs (JAX: the coordination service);
+- ``empty_cache``: nothing to return (torch on CUDA: ``torch.cuda.empty_cache``).
+
+Subclasses import their framework inside the methods, never at module level: loading the entry
+point must not import jax or torch (``--backend jax`` never imports torch, and the reverse).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from mllm_rl.checkpoint.model_dir import ModelDir
+    from mllm_rl.coordination import Coordinator
+    from mllm_rl.engine import EngineOptions, EnginePrimitives
+    from mllm_rl.phases.probe import MemoryProbe
+    from mllm_rl.trainer import TrainConfig, Trainer
+
+SINGLE_PROCESS = {"process_index": 0, "process_count": 1}
+
+
+class Backend(abc.ABC):
+    """One ML framework's runtime, engines and trainer."""
+
+    name: ClassVar[str]  # "jax" | "torch": the --backend name, the phase records' ``backend``
+    ready_phase: ClassVar[str]  # the setup phase that records init_runtime ("jax_ready")
+    engines: ClassVar[dict[str, str]]  # --engine choices -> what each starts (EngineOptions.check_backend)
+
+    # -- required --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def init_runtime(self, tp: int = 1, platform: str = "auto") -> dict[str, Any]:
+        """Import the framework, find the devices, assert ``platform``; returns what the
+        ``<name>_ready`` phase records. ``RuntimeError`` when the platform is not as asserted."""
+
+    @abc.abstractmethod
+    def memory_probe(self) -> MemoryProbe:
+        """Device memory (per device, peak) and host RSS, read at every phase boundary."""
+
+    @abc.abstractmethod
+    def check_engine_args(self, model: ModelDir, opts: EngineOptions) -> None:
+        """Reject engine options (the ones ``create_engine`` will get) before any engine starts:
+        ``ValueError`` with one line naming the flag."""
+
+    @abc.abstractmethod
+    def create_engine(self, model: ModelDir, opts: EngineOptions) -> EnginePrimitives:
+        """A rollout engine for ``model`` started with dummy weights (``opts`` unset sizes are
+        filled by ``EngineOptions.resolved``)."""
+
+    @abc.abstractmethod
+    def create_trainer(self, model: ModelDir, cfg: TrainConfig) -> Trainer:
+        """A trainer holding ``model``'s weights on the devices."""
+
+    # -- optional, with the single-process / nothing-to-do default -------------------------
+    def init_distributed(self, tp: int = 1) -> dict[str, int]:
+        """Join a multi-process run when the environment describes one; runs before
+        ``init_runtime``. Returns ``{"process_index", "process_count"}``."""
+        return dict(SINGLE_PROCESS)
+
+    def shutdown_distributed(self) -> None:
+        """Leave the multi-process run (every process, before exiting; idempotent)."""
+        return None
+
+    def coordinator(self) -> Coordinator | None:
+        """Lease handoffs between the processes of a multi-task run; ``None``: this backend has
+        no multi-process runs (one process gathers alone)."""
+        return None
+
+    def empty_cache(self) -> None:
+        """Return cached-but-free device memory to the device (nothing to do by default)."""
+        return None

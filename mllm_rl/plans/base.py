@@ -1,0 +1,70 @@
+"""The plan interface: what ``python -m mllm_rl.run --plan NAME`` runs (``mllm_rl.plans.registry``).
+
+A plan turns the command line into its typed options (``options``), checks what it can before
+anything of the run exists (``preflight``), says what ``run.json`` records about it and which phases
+to expect (``run_json``, ``phase_names``), and runs its phases on a started recorder (``run``).
+``mllm_rl.run`` does the rest, the same for every plan: the backend's runtime, the run directory,
+the sinks, the watchdog, exit codes, the report.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from mllm_rl.backend import Backend
+    from mllm_rl.checkpoint.model_dir import ModelDir
+    from mllm_rl.engine import EngineOptions
+    from mllm_rl.phases.recorder import PhaseRecorder, Sink
+
+
+@dataclasses.dataclass
+class PlanRun:
+    """What a plan runs with, built by ``mllm_rl.run`` once the runtime is up and the run directory,
+    the phase log and the recorder exist."""
+
+    backend: Backend
+    rec: PhaseRecorder
+    model: ModelDir
+    make_wandb: Callable[[], Sink | None]  # the W&B sink (``None``: disabled), made in ``wandb_init``
+    run_dir: Path
+    runtime: dict[str, Any]  # what ``backend.init_runtime`` returned
+    on_engine: Callable[[Any], None]  # gets each engine as it exists (the caller shuts it down)
+    on_started: Callable[[], None]  # once the setup is done (a resumed run rewrites run.json then)
+
+
+class Plan(abc.ABC):
+    """One way of running: its options, checks, expected phases and phases."""
+
+    name: ClassVar[str]  # the --plan value
+    summary: ClassVar[str]  # one line for --help
+
+    @abc.abstractmethod
+    def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> Any:
+        """The plan's typed options from the flags (``engine``: the engine options every plan
+        shares); ``ValueError`` naming the flag for a value or a flag this plan does not take."""
+
+    def preflight(
+        self, args: argparse.Namespace, opts: Any, backend: Backend, run_dir: Path
+    ) -> tuple[Any, list[str]]:
+        """Checks that read files (resume target, data) before the run starts: the options to run
+        with and lines to tell the user. ``ValueError`` / ``CheckpointError`` (exit 2) to refuse."""
+        return opts, []
+
+    @abc.abstractmethod
+    def phase_names(self) -> set[str]:
+        """Every phase name this plan may record (``{ready}`` for the backend's ready phase)."""
+
+    @abc.abstractmethod
+    def run_json(self, backend: Backend, opts: Any) -> dict[str, Any]:
+        """What ``run.json`` records about this plan: at least ``steps``, ``expected_phases`` and
+        ``expected_step_phases`` (the report's completeness check reads them)."""
+
+    @abc.abstractmethod
+    def run(self, ctx: PlanRun, opts: Any) -> dict[str, Any]:
+        """Record the plan's phases; returns a summary (``history``: per-step metrics, if any)."""

@@ -1,0 +1,34 @@
+"""The plans ``--plan`` chooses from, by name. Each is imported only when asked for (the RL plan
+imports numpy and the tasks; ``--help`` and the swap plan do not need them)."""
+
+from __future__ import annotations
+
+import importlib
+
+from mllm_rl.plans.base import Plan
+
+# name -> "module:attribute" of its ``Plan`` instance; the first is the default
+PLANS = {
+    "rl": "mllm_rl.plans.rl:PLAN",
+    "swap": "mllm_rl.plans.swap:PLAN",
+}
+DEFAULT_PLAN = "rl"
+
+
+def plan_names() -> list[str]:
+    return list(PLANS)
+
+
+def get_plan(name: str) -> Plan:
+    """The plan called ``name``; ``ValueError`` (one line) when there is none."""
+    if name not in PLANS:
+        raise ValueError(f"--plan {name!r}: choose one of {', '.join(PLANS)}")
+    module, attr = PLANS[name].split(":")
+    plan = getattr(importlib.import_module(module), attr)
+    if not isinstance(plan, Plan) or plan.name != name:
+        raise TypeError(f"{PLANS[name]} is not the Plan {name!r}")
+    return plan
+
+
+def all_plans() -> list[Plan]:
+    return [get_plan(n) for n in PLANS]
