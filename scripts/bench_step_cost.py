@@ -23,7 +23,9 @@ engine's install (its ``info.seconds``) and what goes around it (the trainer's e
 fingerprint, the engine's fingerprint read-back).
 
 ``--save-every`` defaults to 1: every step saves a checkpoint, so the ``checkpoint`` phase's
-median is the cost of one save (``mllm_rl.run`` saves every 5 steps by default).
+median is the cost of one save; ``mllm_rl.run`` saves every 5 steps by default, so the share
+table also gives the non-rollout, non-train share with each save's seconds spread over 5 steps
+(derived from the same steps, labelled as such).
 
 Exit 0 with the results, 2 on bad input (one line), 1 when a run failed (``--keep-going``:
 reported, the others go on). Times are wall-clock and depend on the machine's load: the load
@@ -47,8 +49,10 @@ from mllm_rl.bench.cli import csv_choice, positive, run_bench
 from mllm_rl.bench.machine import command_line, load_avg_1m, machine_info
 from mllm_rl.bench.step_cost import BETWEEN, ROLLOUT, TRAIN, analyse
 from mllm_rl.bench.tables import table
+from mllm_rl.plans.rl import RLOptions
 
 ROOT = Path(__file__).resolve().parents[1]  # the venvs .venv-jax / .venv-torch live here
+RUN_CADENCE = RLOptions.checkpoint_every  # python -m mllm_rl.run's default: a checkpoint every 5 steps
 BACKENDS = ("jax", "torch")
 DEFAULT_MODELS = ["tiny", "qwen3-0.6b"]
 
@@ -126,7 +130,7 @@ def run_cmd_for(args: argparse.Namespace, model: str, backend: str, run_dir: Pat
 # -- driver --------------------------------------------------------------------------------
 def one(label: str, model: str, backend: str, run: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     try:
-        analysis = analyse(run["records"], run["meta"].get("expected_step_phases"))
+        analysis = analyse(run["records"], run["meta"].get("expected_step_phases"), cadence=RUN_CADENCE)
     except ValueError as e:
         raise ValueError(f"{label}: {e}") from None
     return {"label": label, "model": model, "backend": backend, **extra, "analysis": analysis}
@@ -212,6 +216,9 @@ def report(out: dict[str, Any]) -> str:
     a = [r["analysis"] for r in ok]
     share_rows.append({"phase": f"non-{ROLLOUT}, non-{TRAIN}",
                        **{str(i): _pct(x["other_share_median"]) for i, x in enumerate(a)}})  # fmt: skip
+    if any(x.get("other_share_at_cadence") is not None for x in a):
+        share_rows.append({"phase": f"  same, a checkpoint every {RUN_CADENCE} steps",
+                           **{str(i): _pct(x.get("other_share_at_cadence")) for i, x in enumerate(a)}})  # fmt: skip
     sec_rows += [
         {"phase": f"non-{ROLLOUT}, non-{TRAIN}", **{str(i): f"{x['other_s_median']:.3f}" for i, x in enumerate(a)}},
         {"phase": "step (median)", **{str(i): f"{x['step_s_median']:.3f}" for i, x in enumerate(a)}},
@@ -246,7 +253,8 @@ def report(out: dict[str, Any]) -> str:
 def summary(out: dict[str, Any]) -> dict[str, Any]:
     return {"bench": "step_cost", "runs": [
         {"label": r["label"], "step_s_median": r["analysis"]["step_s_median"],
-         "other_share_median": r["analysis"]["other_share_median"]} if "analysis" in r
+         "other_share_median": r["analysis"]["other_share_median"],
+         "other_share_at_cadence": r["analysis"]["other_share_at_cadence"]} if "analysis" in r
         else {"label": r["label"], "error": r["error"].splitlines()[0]} for r in out["runs"]]}  # fmt: skip
 
 

@@ -22,7 +22,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-ROLLOUT, TRAIN = "rollout", "train_step"
+ROLLOUT, TRAIN, CHECKPOINT = "rollout", "train_step", "checkpoint"
 BETWEEN = "between_phases"
 BYTE_FIELDS = ("bytes", "expected_alloc_bytes", "expected_freed_bytes")
 
@@ -109,8 +109,25 @@ def _median(xs: Sequence[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def analyse(records: Sequence[dict[str, Any]], expected: Sequence[str] | None = None) -> dict[str, Any]:
-    """Per-phase medians over the counted steps; ``ValueError`` when no step counts."""
+def other_share_at_cadence(use: Sequence[Step], every: int) -> float | None:
+    """The non-rollout, non-train share had each save's ``checkpoint`` seconds been spread over
+    ``every`` steps (a checkpoint every ``every`` steps, as ``mllm_rl.run`` saves by default), median
+    over ``use``: derived from steps that saved, ``None`` when none did."""
+    shares = []
+    for s in use:
+        if not s.info.get(CHECKPOINT, {}).get("saved"):
+            continue
+        ck = s.seconds[CHECKPOINT]
+        wall = s.wall_s - ck + ck / every
+        shares.append((wall - s.seconds.get(ROLLOUT, 0.0) - s.seconds.get(TRAIN, 0.0)) / wall)
+    return round(statistics.median(shares), 6) if shares else None
+
+
+def analyse(
+    records: Sequence[dict[str, Any]], expected: Sequence[str] | None = None, cadence: int | None = None
+) -> dict[str, Any]:
+    """Per-phase medians over the counted steps; ``ValueError`` when no step counts. ``cadence``:
+    also the share with a checkpoint every ``cadence`` steps (``other_share_at_cadence``)."""
     steps = split_steps(records)
     use = counted(steps, expected)
     if not use:
@@ -148,6 +165,8 @@ def analyse(records: Sequence[dict[str, Any]], expected: Sequence[str] | None = 
         "first_over_median": round(first[0].wall_s / step_med, 3) if first and step_med > 0 else None,
         "other_share_median": round(statistics.median(other), 6),
         "other_s_median": round(statistics.median(o * s.wall_s for o, s in zip(other, use, strict=True)), 6),
+        "cadence": cadence,
+        "other_share_at_cadence": other_share_at_cadence(use, cadence) if cadence else None,
         "phases": phases,
         "update": _update_detail(use),
         "checkpoints_saved": sum(bool(s.info.get("checkpoint", {}).get("saved")) for s in use),

@@ -44,7 +44,7 @@ def slow_rollout(engine: ManagedEngine, step: int) -> tuple[Any, dict[str, Any]]
 
 
 def record_run(
-    run_dir: Path, steps: range, fail_train_at: int | None = None, sample: bool = False
+    run_dir: Path, steps: range, fail_train_at: int | None = None, sample: bool = False, save_s: float = 0.0
 ) -> list[str]:
     """Setup + ``steps`` of the real lifecycle on the fakes, appended to ``run_dir/phases.jsonl``
     (a second call is a resumed attempt), plus the ``run.json`` fields the script reads."""
@@ -74,7 +74,7 @@ def record_run(
     try:
         for s in steps:
             life_step[0] = s
-            life.step(s, slow_rollout, save=lambda step: None)
+            life.step(s, slow_rollout, save=(lambda step: time.sleep(save_s) or run_dir) if save_s else None)
     finally:
         rec.close()
     meta = {"plan": "rl", "backend": "fake", "expected_step_phases": step_phases(opts),
@@ -116,6 +116,22 @@ def test_shares_medians_and_bytes_of_a_recorded_run(tmp_path):
     assert by["drain"]["bytes_median"] is None
     assert a["update"]["updates"] == 2 and a["update"]["full_updates"] == 2  # resumed without CPU backup
     assert a["checkpoints_saved"] == 0
+
+
+def test_the_share_with_a_checkpoint_every_n_steps_spreads_each_save_over_n(tmp_path):
+    expected = record_run(tmp_path, range(3), save_s=0.1)
+    records = read_jsonl(tmp_path / "phases.jsonl")
+    a = analyse(records, expected, cadence=5)
+    assert a["checkpoints_saved"] == 2 and a["cadence"] == 5
+    want = []
+    for s in (1, 2):  # independently, from the raw records
+        secs = {r["phase"]: r["t_end"] - r["t_start"] for r in records if r["step"] == s}
+        recs = [r for r in records if r["step"] == s]
+        wall = recs[-1]["t_end"] - recs[0]["t_start"] - secs["checkpoint"] * (1 - 1 / 5)
+        want.append((wall - secs["rollout"] - secs["train_step"]) / wall)
+    assert a["other_share_at_cadence"] == pytest.approx(np.median(want), abs=1e-6)
+    assert a["other_share_at_cadence"] < a["other_share_median"]  # a 0.1 s save, a fifth of it per step
+    assert analyse(records, expected)["other_share_at_cadence"] is None  # not asked for
 
 
 def _per_step(records: list[dict[str, Any]], walls: list[float]):
@@ -172,7 +188,7 @@ def test_script_reads_recorded_runs_side_by_side(tmp_path):
     assert [x["label"] for x in out["runs"]] == ["fake-model fake (a)", "fake-model fake (b)"]
     assert [x["analysis"]["steps_counted"] for x in out["runs"]] == [[1, 2], [1]]
     assert out["runs"][0]["analysis"] == analyse(
-        read_jsonl(a / "phases.jsonl"), step_phases(LifecycleOptions())
+        read_jsonl(a / "phases.jsonl"), step_phases(LifecycleOptions()), cadence=5
     )
     last = json.loads(r.stdout.strip().splitlines()[-1])
     assert last["bench"] == "step_cost" and len(last["runs"]) == 2
