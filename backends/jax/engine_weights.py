@@ -12,6 +12,8 @@ Values it accepts for a name (``place`` / ``stream``):
 
 - a host ndarray (or memmap) in HF layout: transposed as a view, copied once (``host_copy``);
 - a ``jax.Array`` in HF layout, on any devices: transposed / cast where it lives, then moved;
+- ``KernelInOut(a)`` (``export_layout``), ``a`` ``[in, out]`` on any devices: onto an
+  ``[in, out]`` leaf without a transpose (a dtype cast only if needed, and the move);
 - ``Placed(a)`` (``stream`` only): already the leaf's layout, dtype and sharding.
 """
 
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from mllm_rl.backends.jax.export_layout import KernelInOut
 from mllm_rl.backends.jax.fingerprint import fingerprint, tensor_sums
 from mllm_rl.engine import Fingerprint
 from mllm_rl.faults import fault
@@ -68,6 +71,27 @@ def dotted(path: tuple[Any, ...]) -> str:
 def _to_layout(x: jax.Array, transpose: bool, dtype: Any) -> jax.Array:
     """``x.T`` (``transpose``) or ``x``, as ``dtype``: a new array on ``x``'s devices."""
     return (x.T if transpose else x).astype(dtype)
+
+
+def to_engine(x: jax.Array, transpose: bool, dtype: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``x.T`` (``transpose``) or ``x`` as ``dtype`` with ``sharding``, in a buffer of its own.
+
+    A transpose or cast runs where ``x`` lives (a new array, half the bytes to move for a
+    narrowing cast), then the result moves. With neither, ``x`` is copied: a ``device_put``
+    to an equivalent sharding would alias ``x``'s buffer, and its owner (a trainer that
+    offloads its params) deletes that buffer later.
+    """
+    if transpose or x.dtype != dtype:
+        return jax.device_put(_to_layout(x, transpose, dtype), sharding)
+    return jax.device_put(x, sharding, may_alias=False)
+
+
+def _engine_view(value: Any, transpose: bool) -> tuple[Any, bool]:
+    """(the array in ``value``, whether it must be transposed to match a leaf that holds the
+    HF tensor transposed iff ``transpose``)."""
+    if isinstance(value, KernelInOut):  # value.array is the HF tensor's transpose already
+        return value.array, not transpose
+    return value, transpose
 
 
 @functools.cache
@@ -130,8 +154,8 @@ class EngineLeaves:
         return fingerprint((name, leaves[i]) for name, (i, _) in self.mappings.items())
 
     def place(self, hf_name: str, value: Any) -> jax.Array:
-        """``value`` (a host ndarray or ``jax.Array`` in HF layout) on the leaf's devices in its
-        layout, dtype and sharding; nothing is installed yet.
+        """``value`` (a host ndarray or ``jax.Array`` in HF layout, or a ``KernelInOut``) on
+        the leaf's devices in its layout, dtype and sharding; nothing is installed yet.
 
         Raises ``KeyError`` for an unknown name, ``ValueError`` naming the tensor when its
         shape does not match the leaf.
@@ -140,11 +164,11 @@ class EngineLeaves:
             raise KeyError(f"unknown parameter {hf_name!r} for this engine")
         idx, transpose = self.mappings[hf_name]
         leaf = self.leaves[idx]
-        if isinstance(value, jax.Array):  # from a trainer: transpose/cast where it lives
-            arr = _to_layout(value, transpose, leaf.dtype)
-            _check_shape(hf_name, arr.shape, leaf.shape)
-            return jax.device_put(arr, leaf.sharding)
-        arr = np.asarray(value)
+        src, transpose = _engine_view(value, transpose)
+        if isinstance(src, jax.Array):  # from a trainer: transpose/cast where it lives
+            _check_shape(hf_name, src.shape[::-1] if transpose else src.shape, leaf.shape)
+            return to_engine(src, transpose, leaf.dtype, leaf.sharding)
+        arr = np.asarray(src)
         arr = arr.T if transpose else arr
         _check_shape(hf_name, arr.shape, leaf.shape)
         return jax.device_put(host_copy(arr, leaf.dtype), leaf.sharding)

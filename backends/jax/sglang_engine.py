@@ -272,9 +272,10 @@ class SglangJaxEngine:
         """Streaming update: per tensor, place it, fingerprint it, install it, drop the old leaf.
 
         ``named_tensors`` yields ``(hf_name, value)`` in any order, value a host ndarray or a
-        jax.Array in HF layout, or a ``Placed`` array already in the engine layout (the naive
-        baseline); names were validated by the caller (``ManagedEngine.check_update``). The
-        fingerprint is of what was installed.
+        jax.Array in HF layout, a ``KernelInOut`` kernel ``[in, out]`` (installed without a
+        transpose), or a ``Placed`` array already in the engine layout (the naive baseline);
+        names were validated by the caller (``ManagedEngine.check_update``). The fingerprint
+        is of what was installed.
         """
         t0 = time.perf_counter()
         sums, nbytes = self.weights.stream(named_tensors, on_tensor)
