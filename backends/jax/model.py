@@ -360,7 +360,7 @@ def load_qwen3(model_dir: ModelDir, dtype: jnp.dtype | None = None, scan_layers:
         path, transpose = hf_path(name)
         obj, attr, row = _owner(model, path)
         # A copy, never the memmap itself: jax on CPU would alias the file mapping (see
-        # ``sglang_engine.host_copy``).
+        # ``engine_weights.host_copy``).
         host = np.array(arr, copy=True)
         host = host.T if transpose else host
         var = getattr(obj, attr)

@@ -1,5 +1,8 @@
 """sglang-jax rollout engine adapter: every private touch-point of sglang-jax lives here.
 
+What is pure JAX (placing HF-named tensors into the engine's weight leaves, chunked writes,
+fingerprints of the leaves) lives in ``engine_weights.py``, which does not import sglang-jax.
+
 Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4) on JAX CPU, tp=1 and tp=2
 (fake CPU devices). Facts this module relies on, each probed in ``_check_version``:
 
@@ -19,7 +22,7 @@ Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4) on JAX CPU, tp=1 
   batched requests intermittently decode garbage (tp=1 and tp=2; also with sglang-jax's own
   loader: ``scripts/repro_sglang_jax_tp_batch.py``), so the overlap schedule is off on CPU.
   (2) Our checkpoint tensors are memmaps: every host->device copy goes through
-  ``host_copy``.
+  ``engine_weights.host_copy``.
 - ``flush_cache`` silently fails (``success=False``) while the scheduler still holds the last
   batch of a request that already returned; a release/resume after an unchecked flush leaves
   prefixes pointing into reallocated KV: ``flush_cache`` here retries until it succeeds.
@@ -48,7 +51,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import signal
@@ -56,16 +58,15 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from mllm_rl.backends.jax import distributed as dist
 from mllm_rl.backends.jax.engine_layout import DEFAULT_MEM_FRACTION
-from mllm_rl.backends.jax.fingerprint import fingerprint, read_sums, tensor_sums
+from mllm_rl.backends.jax.engine_weights import EngineLeaves, Placed, dotted, host_copy, zeros
+from mllm_rl.backends.jax.fingerprint import read_sums
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import (
     TAG_KV,
@@ -77,6 +78,8 @@ from mllm_rl.engine import (
     request_seeds,
 )
 from mllm_rl.faults import fault
+
+__all__ = ["EngineConfigError", "Placed", "SglangJaxEngine", "host_copy", "validate_engine_args"]
 
 VERIFIED_VERSIONS = ("0.1.0rc0",)
 # Emitted by sglang-jax's scheduler/tokenizer threads for every hand-made tokenizer.
@@ -110,16 +113,6 @@ def _check_version() -> str:
     if version not in VERIFIED_VERSIONS:
         warnings.warn(f"sglang-jax {version} is not a verified version {VERIFIED_VERSIONS}", stacklevel=2)
     return version
-
-
-def _dotted(path: tuple[Any, ...]) -> str:
-    parts = []
-    for k in path:
-        key = getattr(k, "key", getattr(k, "idx", getattr(k, "name", None)))
-        parts.append(str(key))
-    if parts and parts[-1] == "value":
-        parts.pop()
-    return ".".join(parts)
 
 
 def validate_engine_args(model: ModelDir, tp: int, n_devices: int, n_processes: int = 1) -> None:
@@ -249,48 +242,23 @@ class SglangJaxEngine:
             raise RuntimeError(
                 "sglang-jax model_state_leaves no longer mirror nnx.split(model); adapter outdated"
             )
-        by_path = {_dotted(p): i for i, (p, _) in enumerate(flat)}
-        self.mappings: dict[str, tuple[int, bool]] = {}
+        by_path = {dotted(p): i for i, (p, _) in enumerate(flat)}
+        mappings: dict[str, tuple[int, bool]] = {}
         for hf_name, m in model._create_qwen3_weight_mappings().items():
             target = m.target_path if isinstance(m.target_path, str) else None
             if target is None or target not in by_path or m.reshape or m.repeat or m.transpose_axes:
                 raise RuntimeError(f"sglang-jax mapping for {hf_name} is not a plain copy/transpose")
-            self.mappings[hf_name] = (by_path[target], bool(m.transpose))
+            mappings[hf_name] = (by_path[target], bool(m.transpose))
+        # The jitted forward reads ``model_state_leaves`` on every call: items replaced there
+        # are the weights it runs with.
+        self.weights = EngineLeaves(lambda: self.runner.model_state_leaves, mappings, self.chunk_bytes)
+        self.mappings = self.weights.mappings  # HF name -> (leaf index, transpose)
         self._state_def = jax.tree_util.tree_structure(state)
 
     # -- weights --------------------------------------------------------------
-    def target_of(self, hf_name: str) -> jax.Array:
-        return self.runner.model_state_leaves[self.mappings[hf_name][0]]
-
     def place(self, hf_name: str, value: Any) -> jax.Array:
-        """Put one HF-layout tensor (host ndarray, or a jax.Array on any device) on the
-        engine's devices in the engine layout (transpose, dtype, sharding)."""
-        if hf_name not in self.mappings:
-            raise KeyError(f"unknown parameter {hf_name!r} for this engine")
-        idx, transpose = self.mappings[hf_name]
-        old = self.runner.model_state_leaves[idx]
-        if isinstance(value, jax.Array):  # from a trainer: transpose/cast where it lives
-            arr = _to_layout(value, transpose, old.dtype)
-            if arr.shape != old.shape:
-                raise ValueError(f"{hf_name}: shape {arr.shape} does not match engine {old.shape}")
-            return jax.device_put(arr, old.sharding)
-        arr = np.asarray(value)
-        if transpose:
-            arr = arr.T
-        if arr.shape != old.shape:
-            raise ValueError(f"{hf_name}: shape {arr.shape} does not match engine {old.shape}")
-        return jax.device_put(host_copy(arr, old.dtype), old.sharding)
-
-    def install(self, hf_name: str, new: jax.Array) -> None:
-        """Replace the engine leaf by ``new`` (already placed) and free the old buffer."""
-        idx, _ = self.mappings[hf_name]
-        leaves = self.runner.model_state_leaves
-        old = leaves[idx]
-        if new.shape != old.shape or new.dtype != old.dtype or new.sharding != old.sharding:
-            raise ValueError(f"{hf_name}: placed {new.shape}/{new.dtype} does not match engine leaf")
-        leaves[idx] = new
-        if old is not new:
-            old.delete()
+        """``value`` on the engine's devices in the engine layout (``EngineLeaves.place``)."""
+        return self.weights.place(hf_name, value)
 
     def _resync_module(self) -> None:
         """Point the nnx module's variables at the installed leaves (frees nothing, copies nothing)."""
@@ -304,92 +272,27 @@ class SglangJaxEngine:
         """Streaming update: per tensor, place it, fingerprint it, install it, drop the old leaf.
 
         ``named_tensors`` yields ``(hf_name, value)`` in any order, value a host ndarray or a
-        jax.Array in HF layout, or a ``Placed`` array already in the engine layout (the naive
-        baseline); names were validated by the caller (``ManagedEngine.check_update``).
+        jax.Array in HF layout, a ``KernelInOut`` kernel ``[in, out]`` (installed without a
+        transpose), or a ``Placed`` array already in the engine layout (the naive baseline);
+        names were validated by the caller (``ManagedEngine.check_update``). The fingerprint
+        is of what was installed.
         """
         t0 = time.perf_counter()
-        sums: dict[str, tuple[jax.Array, jax.Array]] = {}
-        nbytes = 0
-        for name, value in named_tensors:
-            if isinstance(value, np.ndarray) and self._chunk_axis(name, value) is not None:
-                sums[name] = self._write_in_chunks(name, value, on_tensor)
-                nbytes += self.runner.model_state_leaves[self.mappings[name][0]].nbytes
-                continue
-            new = value.array if isinstance(value, Placed) else self.place(name, value)
-            sums[name] = tensor_sums(new)  # dispatched async; read back once at the end
-            nbytes += new.nbytes
-            if on_tensor is not None:
-                on_tensor(name)  # the high point: new tensor placed, old one still resident
-            if fault("swap_noop"):
-                new.delete()
-            else:
-                self.install(name, new)
-            del new
+        sums, nbytes = self.weights.stream(named_tensors, on_tensor)
         self._resync_module()
         jax.block_until_ready(self.runner.model_state_leaves)
         fp = read_sums(sums)
         return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp)
 
-    def _chunk_axis(self, hf_name: str, host: Any) -> int | None:
-        """Engine-layout axis to stream ``hf_name`` along, or None to place it whole.
-
-        Only tensors above ``chunk_bytes`` are chunked, along an axis the target's
-        sharding leaves whole (each device then updates its own shard, no resharding).
-        """
-        if self.chunk_bytes <= 0 or np.asarray(host).nbytes <= self.chunk_bytes:
-            return None
-        leaf = self.target_of(hf_name)
-        spec = getattr(leaf.sharding, "spec", None)
-        if spec is None or leaf.ndim != 2:
-            return None
-        spec = tuple(spec) + (None,) * (leaf.ndim - len(tuple(spec)))
-        free = [ax for ax in range(leaf.ndim) if spec[ax] is None]
-        return free[0] if free else None
-
-    def _write_in_chunks(self, hf_name: str, host: np.ndarray, on_tensor: Any) -> tuple[jax.Array, jax.Array]:
-        """Write ``host`` into the engine's existing buffer slice by slice (donated update).
-
-        Peak device memory is the buffer plus one chunk instead of two whole tensors.
-        Returns the (sum, sumsq) of the data sent, accumulated over the chunks.
-        """
-        idx, transpose = self.mappings[hf_name]
-        axis = self._chunk_axis(hf_name, host)
-        leaves = self.runner.model_state_leaves
-        buf = leaves[idx]
-        src = np.asarray(host)
-        src = src.T if transpose else src
-        if src.shape != buf.shape:
-            raise ValueError(f"{hf_name}: shape {src.shape} does not match engine {buf.shape}")
-        row_bytes = buf.nbytes // buf.shape[axis]
-        step = max(1, self.chunk_bytes // max(1, row_bytes))
-        spec = buf.sharding.spec
-        write = _chunk_writer(buf.sharding, axis)
-        total_s = total_q = jnp.zeros((), jnp.float32)
-        for start in range(0, buf.shape[axis], step):
-            window = [slice(None)] * src.ndim
-            window[axis] = slice(start, min(start + step, buf.shape[axis]))
-            part = src[tuple(window)]  # a view of the memmap; copied once by the cast below
-            chunk = jax.device_put(host_copy(part, buf.dtype), NamedSharding(buf.sharding.mesh, spec))
-            s, q = tensor_sums(chunk)
-            total_s, total_q = total_s + s, total_q + q
-            if on_tensor is not None and start == 0:
-                on_tensor(hf_name)  # the high point: buffer plus one chunk
-            if not fault("swap_noop"):
-                buf = write(buf, chunk, jnp.int32(start))
-            del chunk
-        leaves[idx] = buf
-        return total_s, total_q
-
     def weights_fingerprint(self) -> Fingerprint:
         """(sum, sum of squares) of every mapped leaf, read from what the jitted forward uses."""
-        leaves = self.runner.model_state_leaves
-        return fingerprint((name, leaves[i]) for name, (i, _) in self.mappings.items())
+        return self.weights.fingerprint()
 
     def weight_names(self) -> list[str]:
-        return list(self.mappings)
+        return self.weights.names()
 
     def weight_bytes(self) -> int:
-        return sum(int(self.runner.model_state_leaves[i].nbytes) for i, _ in self.mappings.values())
+        return sum(int(a.nbytes) for a in self.weights.arrays())
 
     # -- generation -----------------------------------------------------------
     def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
@@ -468,7 +371,7 @@ class SglangJaxEngine:
         if tag == TAG_KV:
             arrs = self._kv_list()
         else:
-            arrs = [self.runner.model_state_leaves[i] for i, _ in self.mappings.values()]
+            arrs = self.weights.arrays()
         return sum(int(a.nbytes) for a in arrs if not a.is_deleted())
 
     def release_memory(self, tag: str) -> None:
@@ -494,7 +397,7 @@ class SglangJaxEngine:
         if tag == TAG_KV:
             kv = self._kv_list()
             for j, (shape, dtype, sharding) in enumerate(self._kv_specs):
-                kv[j] = _zeros(shape, dtype, sharding)
+                kv[j] = zeros(shape, dtype, sharding)
             return True
         leaves = self.runner.model_state_leaves
         restored = True
@@ -503,7 +406,7 @@ class SglangJaxEngine:
             if i in self._weight_backup:
                 leaves[i] = jax.device_put(self._weight_backup.pop(i), old.sharding)
             else:
-                leaves[i] = _zeros(old.shape, old.dtype, old.sharding)
+                leaves[i] = zeros(old.shape, old.dtype, old.sharding)
                 restored = False
         self._resync_module()
         return restored or fault("resume_lies")
@@ -590,48 +493,3 @@ def _launched_scheduler():
             os.environ.pop("SGLANG_BLOCK_NONZERO_RANK_CHILDREN", None)
         else:
             os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = block
-
-
-def host_copy(arr: np.ndarray, dtype: Any) -> np.ndarray:
-    """A C-contiguous host array that owns its memory, never a view of a file mapping.
-
-    On JAX CPU, ``jax.device_put`` of an ``np.memmap`` (our checkpoint tensors are memmap
-    views) *aliases* the mapped pages instead of copying them. Once the memmap is unmapped
-    and the address reused, the "device" array silently changes: an engine whose weights
-    were fingerprint-checked at install time decoded garbage for some prompts, in roughly
-    one engine instance in four (tests/jax/test_engine_contract.py caught it). A copy here
-    costs one tensor of host memory at a time.
-    """
-    return np.array(arr, dtype=dtype, order="C", copy=True)
-
-
-class Placed(NamedTuple):
-    """An array already on the engine's devices in the engine layout (naive swap baseline)."""
-
-    array: jax.Array
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _to_layout(x: jax.Array, transpose: bool, dtype: Any) -> jax.Array:
-    return (x.T if transpose else x).astype(dtype)
-
-
-@functools.cache
-def _chunk_writer(sharding: Any, axis: int):
-    """A jitted, donating ``buf[..., start:start+n, ...] = chunk`` along ``axis`` (in place)."""
-
-    def write(buf: jax.Array, chunk: jax.Array, start: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_update_slice_in_dim(buf, chunk, start, axis=axis)
-
-    return jax.jit(write, donate_argnums=0, out_shardings=sharding)
-
-
-def _zeros(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.Array:
-    """Zeros allocated directly with ``sharding`` (no host copy, no full replica)."""
-    return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
-
-
-@functools.cache
-def _zeros_fn(shape: tuple[int, ...], dtype: Any, sharding: Any):
-    """One compiled allocator per (shape, dtype, sharding): resume must not recompile."""
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)

@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from mllm_rl.backends.jax.export_layout import KernelInOut
 from mllm_rl.backends.jax.fingerprint import read_sums, tensor_sums
 from mllm_rl.backends.jax.model import Qwen3, get_weight, linear_layers
 from mllm_rl.backends.jax.options import ModelOptions
@@ -77,9 +78,18 @@ def _move(tree: Any, kind: str) -> Any:
     return jax.tree.map(one, tree)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _hf_layout(x: jax.Array, transpose: bool, dtype: Any) -> jax.Array:
-    return (x.T if transpose else x).astype(dtype)
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(x: jax.Array, dtype: Any) -> jax.Array:
+    return x.astype(dtype)
+
+
+def _export(value: jax.Array, transpose: bool, dtype: Any) -> jax.Array | KernelInOut:
+    """One weight as exported: ``value`` as our model stores it (cast to ``dtype`` only when it
+    differs, otherwise not copied); ``KernelInOut(value)`` when the HF tensor is ``value.T``
+    (a kernel [in, out]: HF [out, in]), so that an [in, out] engine installs it as is."""
+    if value.dtype != dtype:
+        value = _cast(value, dtype)
+    return KernelInOut(value) if transpose else value
 
 
 class JaxTrainer:
@@ -284,17 +294,19 @@ class JaxTrainer:
         return list(self.names) if full or not self.lora else list(self.linear_names)
 
     def export_weights(self, full: bool = True) -> WeightExport:
-        """HF-layout jax arrays, one at a time (a transposed/merged copy lives only while the
-        engine places it)."""
+        """HF-named jax arrays in ``export_dtype``, one at a time, in our layout: a kernel is
+        ``KernelInOut`` ``[in, out]`` (its HF tensor is the transpose: ``export_layout.hf_layout``),
+        every other weight a plain array in HF layout. Nothing is transposed; a copy (LoRA
+        merged, a stacked layer's row, a cast) lives only while the engine places it."""
         self._need(PARAMS)
         names = self.export_names(full)
         model = self._model_view()
         lins = linear_layers(model)
 
-        def gen() -> Iterator[tuple[str, jax.Array]]:
+        def gen() -> Iterator[tuple[str, jax.Array | KernelInOut]]:
             for name in names:
                 value, transpose = self._engine_layout(model, name, lins)
-                yield name, _hf_layout(value, transpose, self.export_dtype)
+                yield name, _export(value, transpose, self.export_dtype)
 
         return WeightExport(names, gen(), full=full or not self.lora)
 

@@ -22,6 +22,7 @@ import pytest
 from flax import nnx
 
 from mllm_rl.backends.jax.attention import attention
+from mllm_rl.backends.jax.export_layout import hf_layout
 from mllm_rl.backends.jax.model import get_weight, linear_layers
 from mllm_rl.backends.jax.options import ModelOptions
 from mllm_rl.backends.jax.sharding import make_mesh, param_spec
@@ -182,6 +183,7 @@ def test_trainer_on_the_tpu_paths_trains_exports_and_checkpoints_like_the_refere
     for (na, xa), (nb, xb) in zip(
         ref.export_weights(), new.export_weights(), strict=True
     ):  # as loaded: bit-equal
+        xa, xb = hf_layout(xa), hf_layout(xb)
         assert na == nb and xa.shape == xb.shape == tuple(md.tensors[na][1].shape) and xa.dtype == xb.dtype
         np.testing.assert_array_equal(np.asarray(xb), np.asarray(xa), err_msg=na)
     np.testing.assert_allclose(new.logprobs(batch), ref.logprobs(batch), **TOL)
@@ -203,6 +205,7 @@ def test_trainer_on_the_tpu_paths_trains_exports_and_checkpoints_like_the_refere
     exp_a, exp_b = ref.export_weights(full=False), new.export_weights(full=False)
     assert exp_a.names == exp_b.names == (ref.linear_names if lora else list(md.tensors))
     for (na, xa), (_, xb) in zip(exp_a, exp_b, strict=True):  # what the engine gets: LoRA merged, HF layout
+        xa, xb = hf_layout(xa), hf_layout(xb)
         assert xb.shape == xa.shape and xb.dtype == xa.dtype, na
         assert float(jnp.sum(xb.astype(jnp.float32) ** 2)) == pytest.approx(fb[na][1], rel=1e-5), na
     new.save(tmp_path)
@@ -239,7 +242,7 @@ def test_dtype_options(md, mb, reference):
     m = t.train_step(_batch())
     assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])
     names, arrays = zip(*t.export_weights(), strict=True)
-    assert {a.dtype for a in arrays} == {jnp.dtype(jnp.float32)}  # the engine's (checkpoint) dtype
+    assert {hf_layout(a).dtype for a in arrays} == {jnp.dtype(jnp.float32)}  # the engine's (checkpoint) dtype
     got = observe(md, ModelOptions(compute_dtype="bfloat16"), mb)
     valid = np.asarray(mb["attn"])
     np.testing.assert_allclose(got["logits"][valid], reference["logits"][valid], atol=0.1)

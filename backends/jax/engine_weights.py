@@ -1,0 +1,272 @@
+"""An engine's weight leaves: HF-named tensors placed and written into the arrays its forward reads.
+
+Pure JAX (no sglang-jax import): it runs on plain arrays on CPU. An engine's weights are a
+list of leaves (sglang-jax: ``model_runner.model_state_leaves``) and a map from HF name to
+``(leaf index, transpose)``, ``transpose`` meaning the leaf holds the HF tensor transposed
+(HF ``[out, in]`` -> leaf ``[in, out]``). ``EngineLeaves`` places a tensor on its leaf's
+devices in the leaf's layout, dtype and sharding, installs it in place of the old leaf (freed
+at once), writes large host tensors into the existing buffer chunk by chunk, and fingerprints
+the leaves.
+
+Values it accepts for a name (``place`` / ``stream``):
+
+- a host ndarray (or memmap) in HF layout: transposed as a view, copied once (``host_copy``);
+- a ``jax.Array`` in HF layout, on any devices: transposed / cast where it lives, then moved;
+- ``KernelInOut(a)`` (``export_layout``), ``a`` ``[in, out]`` on any devices: onto an
+  ``[in, out]`` leaf without a transpose (a dtype cast only if needed, and the move);
+- ``Placed(a)`` (``stream`` only): already the leaf's layout, dtype and sharding.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from mllm_rl.backends.jax.export_layout import KernelInOut
+from mllm_rl.backends.jax.fingerprint import fingerprint, tensor_sums
+from mllm_rl.engine import Fingerprint
+from mllm_rl.faults import fault
+
+Sums = tuple[jax.Array, jax.Array]  # (sum, sum of squares) as float32 device scalars
+
+
+class Placed(NamedTuple):
+    """An array already on the engine's devices in the engine layout (naive swap baseline)."""
+
+    array: jax.Array
+
+
+def host_copy(arr: np.ndarray, dtype: Any) -> np.ndarray:
+    """A C-contiguous host array that owns its memory, never a view of a file mapping.
+
+    On JAX CPU, ``jax.device_put`` of an ``np.memmap`` (our checkpoint tensors are memmap
+    views) *aliases* the mapped pages instead of copying them. Once the memmap is unmapped
+    and the address reused, the "device" array silently changes: an engine whose weights
+    were fingerprint-checked at install time decoded garbage for some prompts, in roughly
+    one engine instance in four (tests/jax/test_engine_contract.py caught it). A copy here
+    costs one tensor of host memory at a time.
+    """
+    return np.array(arr, dtype=dtype, order="C", copy=True)
+
+
+def dotted(path: tuple[Any, ...]) -> str:
+    """A pytree key path as a dotted name (``layers.0.mlp.up_proj.kernel``; a trailing
+    ``value`` of an nnx variable dropped)."""
+    parts = []
+    for k in path:
+        key = getattr(k, "key", getattr(k, "idx", getattr(k, "name", None)))
+        parts.append(str(key))
+    if parts and parts[-1] == "value":
+        parts.pop()
+    return ".".join(parts)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _to_layout(x: jax.Array, transpose: bool, dtype: Any) -> jax.Array:
+    """``x.T`` (``transpose``) or ``x``, as ``dtype``: a new array on ``x``'s devices."""
+    return (x.T if transpose else x).astype(dtype)
+
+
+def to_engine(x: jax.Array, transpose: bool, dtype: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``x.T`` (``transpose``) or ``x`` as ``dtype`` with ``sharding``, in a buffer of its own.
+
+    A transpose or cast runs where ``x`` lives (a new array, half the bytes to move for a
+    narrowing cast), then the result moves. With neither, ``x`` is copied: a ``device_put``
+    to an equivalent sharding would alias ``x``'s buffer, and its owner (a trainer that
+    offloads its params) deletes that buffer later.
+    """
+    if transpose or x.dtype != dtype:
+        return jax.device_put(_to_layout(x, transpose, dtype), sharding)
+    return jax.device_put(x, sharding, may_alias=False)
+
+
+def _engine_view(value: Any, transpose: bool) -> tuple[Any, bool]:
+    """(the array in ``value``, whether it must be transposed to match a leaf that holds the
+    HF tensor transposed iff ``transpose``)."""
+    if isinstance(value, KernelInOut):  # value.array is the HF tensor's transpose already
+        return value.array, not transpose
+    return value, transpose
+
+
+@functools.cache
+def _chunk_writer(sharding: Any, axis: int) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """A jitted, donating ``buf[..., start:start+n, ...] = chunk`` along ``axis`` (in place)."""
+
+    def write(buf: jax.Array, chunk: jax.Array, start: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice_in_dim(buf, chunk, start, axis=axis)
+
+    return jax.jit(write, donate_argnums=0, out_shardings=sharding)
+
+
+def zeros(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.Array:
+    """Zeros allocated directly with ``sharding`` (no host copy, no full replica)."""
+    return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
+
+
+@functools.cache
+def _zeros_fn(shape: tuple[int, ...], dtype: Any, sharding: Any) -> Callable[[], jax.Array]:
+    """One compiled allocator per (shape, dtype, sharding): a resume must not recompile."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+class EngineLeaves:
+    """The weight leaves of one engine, addressed by HF name.
+
+    ``leaves()`` returns the list the engine's forward reads (items are replaced in place,
+    the list itself is never swapped); ``mappings``: HF name -> (leaf index, transpose);
+    ``chunk_bytes``: host tensors above it are written in chunks (0: always whole).
+    """
+
+    def __init__(
+        self,
+        leaves: Callable[[], list[jax.Array]],
+        mappings: Mapping[str, tuple[int, bool]],
+        chunk_bytes: int = 64 * 2**20,
+    ) -> None:
+        self._leaves = leaves
+        self.mappings = dict(mappings)
+        self.chunk_bytes = chunk_bytes
+
+    @property
+    def leaves(self) -> list[jax.Array]:
+        return self._leaves()
+
+    def names(self) -> list[str]:
+        return list(self.mappings)
+
+    def arrays(self) -> list[jax.Array]:
+        """The mapped leaves, in ``names()`` order (deleted ones included)."""
+        leaves = self.leaves
+        return [leaves[i] for i, _ in self.mappings.values()]
+
+    def target_of(self, hf_name: str) -> jax.Array:
+        return self.leaves[self.mappings[hf_name][0]]
+
+    def fingerprint(self) -> Fingerprint:
+        """(sum, sum of squares) of every mapped leaf, read from what the forward uses."""
+        leaves = self.leaves
+        return fingerprint((name, leaves[i]) for name, (i, _) in self.mappings.items())
+
+    def place(self, hf_name: str, value: Any) -> jax.Array:
+        """``value`` (a host ndarray or ``jax.Array`` in HF layout, or a ``KernelInOut``) on
+        the leaf's devices in its layout, dtype and sharding; nothing is installed yet.
+
+        Raises ``KeyError`` for an unknown name, ``ValueError`` naming the tensor when its
+        shape does not match the leaf.
+        """
+        if hf_name not in self.mappings:
+            raise KeyError(f"unknown parameter {hf_name!r} for this engine")
+        idx, transpose = self.mappings[hf_name]
+        leaf = self.leaves[idx]
+        src, transpose = _engine_view(value, transpose)
+        if isinstance(src, jax.Array):  # from a trainer: transpose/cast where it lives
+            _check_shape(hf_name, src.shape[::-1] if transpose else src.shape, leaf.shape)
+            return to_engine(src, transpose, leaf.dtype, leaf.sharding)
+        arr = np.asarray(src)
+        arr = arr.T if transpose else arr
+        _check_shape(hf_name, arr.shape, leaf.shape)
+        return jax.device_put(host_copy(arr, leaf.dtype), leaf.sharding)
+
+    def install(self, hf_name: str, new: jax.Array) -> None:
+        """Replace the leaf by ``new`` (already placed) and free the old buffer."""
+        idx, _ = self.mappings[hf_name]
+        leaves = self.leaves
+        old = leaves[idx]
+        if new.shape != old.shape or new.dtype != old.dtype or new.sharding != old.sharding:
+            raise ValueError(f"{hf_name}: placed {new.shape}/{new.dtype} does not match engine leaf")
+        leaves[idx] = new
+        if old is not new:
+            old.delete()
+
+    def stream(
+        self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None
+    ) -> tuple[dict[str, Sums], int]:
+        """Per tensor: place it, dispatch its sums, install it (the old leaf freed at once).
+
+        Host ndarrays above ``chunk_bytes`` are written into the existing buffer in chunks.
+        ``on_tensor(name)`` runs at each tensor's high point (new placed, old still resident).
+        Returns the sums of what was installed (device scalars, not read back) and the bytes
+        written. Nothing is waited for: the caller blocks on the leaves.
+        """
+        sums: dict[str, Sums] = {}
+        nbytes = 0
+        for name, value in named_tensors:
+            if isinstance(value, np.ndarray) and self.chunk_axis(name, value) is not None:
+                sums[name] = self.write_in_chunks(name, value, on_tensor)
+                nbytes += self.target_of(name).nbytes
+                continue
+            new = value.array if isinstance(value, Placed) else self.place(name, value)
+            sums[name] = tensor_sums(new)  # dispatched async; read back once by the caller
+            nbytes += new.nbytes
+            if on_tensor is not None:
+                on_tensor(name)  # the high point: new tensor placed, old one still resident
+            if fault("swap_noop"):
+                new.delete()
+            else:
+                self.install(name, new)
+            del new
+        return sums, nbytes
+
+    def chunk_axis(self, hf_name: str, host: Any) -> int | None:
+        """Engine-layout axis to stream ``hf_name`` along, or None to place it whole.
+
+        Only tensors above ``chunk_bytes`` are chunked, along an axis the target's sharding
+        leaves whole (each device then updates its own shard, no resharding).
+        """
+        if self.chunk_bytes <= 0 or np.asarray(host).nbytes <= self.chunk_bytes:
+            return None
+        leaf = self.target_of(hf_name)
+        spec = getattr(leaf.sharding, "spec", None)
+        if spec is None or leaf.ndim != 2:
+            return None
+        spec = tuple(spec) + (None,) * (leaf.ndim - len(tuple(spec)))
+        free = [ax for ax in range(leaf.ndim) if spec[ax] is None]
+        return free[0] if free else None
+
+    def write_in_chunks(self, hf_name: str, host: np.ndarray, on_tensor: Any = None) -> Sums:
+        """Write ``host`` (HF layout) into the leaf's existing buffer slice by slice (donated
+        in-place update along ``chunk_axis``).
+
+        Peak device memory is the buffer plus one chunk instead of two whole tensors.
+        Returns the (sum, sumsq) of the data sent, accumulated over the chunks.
+        """
+        idx, transpose = self.mappings[hf_name]
+        axis = self.chunk_axis(hf_name, host)
+        if axis is None:
+            raise ValueError(f"{hf_name}: not chunked (at most chunk_bytes, or no unsharded axis)")
+        leaves = self.leaves
+        buf = leaves[idx]
+        src = np.asarray(host)
+        src = src.T if transpose else src
+        _check_shape(hf_name, src.shape, buf.shape)
+        row_bytes = buf.nbytes // buf.shape[axis]
+        step = max(1, self.chunk_bytes // max(1, row_bytes))
+        spec = buf.sharding.spec
+        write = _chunk_writer(buf.sharding, axis)
+        total_s = total_q = jnp.zeros((), jnp.float32)
+        for start in range(0, buf.shape[axis], step):
+            window = [slice(None)] * src.ndim
+            window[axis] = slice(start, min(start + step, buf.shape[axis]))
+            part = src[tuple(window)]  # a view of the memmap; copied once by the cast below
+            chunk = jax.device_put(host_copy(part, buf.dtype), NamedSharding(buf.sharding.mesh, spec))
+            s, q = tensor_sums(chunk)
+            total_s, total_q = total_s + s, total_q + q
+            if on_tensor is not None and start == 0:
+                on_tensor(hf_name)  # the high point: buffer plus one chunk
+            if not fault("swap_noop"):
+                buf = write(buf, chunk, jnp.int32(start))
+            del chunk
+        leaves[idx] = buf
+        return total_s, total_q
+
+
+def _check_shape(hf_name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
+    """``got``: the tensor's shape in the engine layout."""
+    if tuple(got) != tuple(want):
+        raise ValueError(f"{hf_name}: shape {tuple(got)} does not match engine {tuple(want)}")

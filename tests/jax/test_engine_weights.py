@@ -1,0 +1,261 @@
+"""Placing and writing an engine's weight leaves (``backends/jax/engine_weights.py``), and the
+trainer's export feeding them, on plain jax arrays on CPU: no engine is started.
+
+The leaves here mimic sglang-jax's: linear kernels stored ``[in, out]`` (HF ``[out, in]``, the
+mapping's ``transpose``), every other weight as in HF, on a mesh of their own.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mllm_rl.backends.jax import engine_weights as ew
+from mllm_rl.backends.jax.export_layout import KernelInOut, hf_layout
+from mllm_rl.backends.jax.fingerprint import read_sums, tensor_sums
+from mllm_rl.checkpoint import ModelDir
+
+ENGINE_MESH = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+REPLICATED = NamedSharding(ENGINE_MESH, PartitionSpec())
+W, N = "w.weight", "norm.weight"  # a kernel (HF [out=6, in=4], leaf [4, 6]) and a vector
+
+
+def _leaves(dtype=jnp.float32, chunk_bytes: int = 0) -> tuple[list[jax.Array], ew.EngineLeaves]:
+    leaves = [jnp.zeros((4, 6), dtype, device=REPLICATED), jnp.zeros((6,), dtype, device=REPLICATED)]
+    return leaves, ew.EngineLeaves(lambda: leaves, {W: (0, True), N: (1, False)}, chunk_bytes)
+
+
+def _hf_kernel(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((6, 4)).astype(np.float32)  # [out, in]
+
+
+def _assert_close(got: dict, want: dict, rel: float = 1e-6) -> None:
+    """Two fingerprints ``{name: (sum, sumsq)}`` equal up to float32 summation order."""
+    assert got.keys() == want.keys()
+    for name, pair in want.items():
+        assert got[name] == pytest.approx(pair, rel=rel, abs=1e-6), name
+
+
+def _ptr(x: jax.Array) -> int:
+    return x.addressable_shards[0].data.unsafe_buffer_pointer()
+
+
+@pytest.fixture
+def layouts(monkeypatch) -> list[tuple[bool, object]]:
+    """Every ``(transpose, dtype)`` the placement computes with (the only place it transposes
+    or casts a jax array)."""
+    calls: list[tuple[bool, object]] = []
+    real = ew._to_layout
+
+    def spy(x, transpose, dtype):
+        calls.append((transpose, jnp.dtype(dtype)))
+        return real(x, transpose, dtype)
+
+    monkeypatch.setattr(ew, "_to_layout", spy)
+    return calls
+
+
+# -- place ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["host", "jax"])
+def test_hf_layout_tensor_is_transposed_onto_a_kernel_leaf_and_kept_for_a_vector(kind):
+    leaves, w = _leaves()
+    hf, norm = _hf_kernel(), np.arange(6, dtype=np.float32)
+    conv = np.asarray if kind == "host" else jnp.asarray
+    placed = w.place(W, conv(hf))
+    assert placed.shape == (4, 6) and placed.sharding == leaves[0].sharding
+    np.testing.assert_array_equal(np.asarray(placed), hf.T)
+    np.testing.assert_array_equal(np.asarray(w.place(N, conv(norm))), norm)
+
+
+@pytest.mark.parametrize("kind", ["host", "jax", "kernel_in_out"])
+def test_placement_casts_to_the_leaf_dtype(kind):
+    leaves, w = _leaves(jnp.bfloat16)
+    hf = _hf_kernel()
+    value = {"host": hf, "jax": jnp.asarray(hf), "kernel_in_out": KernelInOut(jnp.asarray(hf.T))}[kind]
+    placed = w.place(W, value)
+    assert placed.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(placed), np.asarray(jnp.asarray(hf.T, jnp.bfloat16)))
+
+
+def test_kernel_in_out_goes_onto_an_in_out_leaf_without_a_transpose(layouts):
+    _, w = _leaves()
+    kernel = jnp.asarray(_hf_kernel().T)  # [in, out], as a trainer holds it
+    placed = w.place(W, KernelInOut(kernel))
+    np.testing.assert_array_equal(np.asarray(placed), np.asarray(kernel))
+    assert layouts == []  # no transpose, and no cast: only the copy onto the engine's sharding
+    _, w16 = _leaves(jnp.bfloat16)
+    w16.place(W, KernelInOut(kernel))
+    assert layouts == [(False, jnp.dtype(jnp.bfloat16))]  # the cast alone
+
+
+def test_kernel_in_out_onto_an_hf_layout_leaf_is_transposed_once(layouts):
+    leaves = [jnp.zeros((6, 4), jnp.float32, device=REPLICATED)]
+    w = ew.EngineLeaves(lambda: leaves, {W: (0, False)})
+    hf = _hf_kernel()
+    np.testing.assert_array_equal(np.asarray(w.place(W, KernelInOut(jnp.asarray(hf.T)))), hf)
+    assert layouts == [(True, jnp.dtype(jnp.float32))]
+
+
+def test_hf_layout_jax_array_is_transposed_once(layouts):
+    _, w = _leaves()
+    w.place(W, jnp.asarray(_hf_kernel()))
+    assert layouts == [(True, jnp.dtype(jnp.float32))]
+
+
+def test_placed_array_owns_its_buffer():
+    """Same dtype and an equivalent sharding: ``device_put`` alone would alias the sender's
+    buffer, which a trainer deletes when it offloads its params."""
+    _, w = _leaves()
+    norm = jnp.arange(6, dtype=jnp.float32)
+    placed = w.place(N, norm)
+    assert _ptr(placed) != _ptr(norm)
+    norm.delete()
+    np.testing.assert_array_equal(np.asarray(placed), np.arange(6, dtype=np.float32))
+
+
+@pytest.mark.parametrize("kind", ["host", "jax", "kernel_in_out"])
+def test_shape_mismatch_names_the_tensor(kind):
+    _, w = _leaves()
+    bad = np.zeros((5, 4), np.float32)  # HF [out=5, in=4] for a leaf [4, 6]
+    value = {"host": bad, "jax": jnp.asarray(bad), "kernel_in_out": KernelInOut(jnp.asarray(bad.T))}[kind]
+    with pytest.raises(ValueError, match=r"w\.weight: shape \(4, 5\) does not match engine \(4, 6\)"):
+        w.place(W, value)
+
+
+def test_unknown_name_and_mismatched_install_are_refused():
+    leaves, w = _leaves()
+    with pytest.raises(KeyError, match="unknown parameter 'nope.weight'"):
+        w.place("nope.weight", np.zeros(3))
+    with pytest.raises(ValueError, match="norm.weight: placed"):
+        w.install(N, jnp.zeros((6,), jnp.bfloat16, device=REPLICATED))
+    assert not leaves[1].is_deleted()
+
+
+# -- install / stream ----------------------------------------------------------------------
+def test_install_replaces_the_leaf_and_frees_the_old_one():
+    leaves, w = _leaves()
+    old = leaves[0]
+    new = w.place(W, _hf_kernel())
+    w.install(W, new)
+    assert leaves[0] is new and old.is_deleted()
+
+
+def test_stream_fingerprint_is_of_what_was_installed():
+    leaves, w = _leaves()
+    hf, norm = _hf_kernel(1), np.linspace(-1, 1, 6, dtype=np.float32)
+    sums, nbytes = w.stream([(W, KernelInOut(jnp.asarray(hf.T))), (N, norm)])
+    sent = read_sums(sums)
+    assert nbytes == (24 + 6) * 4
+    assert sent == w.fingerprint()  # read back from the leaves the forward uses
+    assert sent[W] == pytest.approx((float(hf.sum()), float((hf.astype(np.float64) ** 2).sum())), rel=1e-6)
+    np.testing.assert_array_equal(np.asarray(leaves[0]), hf.T)
+
+
+def test_stream_installs_placed_arrays_as_they_are():
+    leaves, w = _leaves()
+    new = jnp.ones((4, 6), jnp.float32, device=REPLICATED)
+    w.stream([(W, ew.Placed(new))])
+    assert leaves[0] is new
+
+
+# -- chunked writes ------------------------------------------------------------------------
+def test_chunked_write_equals_whole_write():
+    """A host tensor above ``chunk_bytes`` written slice by slice into the existing buffer:
+    the same leaf and the same sums as placing it whole."""
+    hf = _hf_kernel(2)
+    whole_leaves, whole = _leaves(chunk_bytes=0)
+    chunked_leaves, chunked = _leaves(chunk_bytes=24)  # one 6-float row of the [4, 6] leaf = 24 B
+    assert whole.chunk_axis(W, hf) is None and chunked.chunk_axis(W, hf) == 0
+    high_points: list[str] = []
+    sums_whole, _ = whole.stream([(W, hf)])
+    sums_chunked, nbytes = chunked.stream([(W, hf)], on_tensor=high_points.append)
+    np.testing.assert_array_equal(np.asarray(chunked_leaves[0]), np.asarray(whole_leaves[0]))
+    np.testing.assert_array_equal(np.asarray(chunked_leaves[0]), hf.T)
+    _assert_close(read_sums(sums_chunked), read_sums(sums_whole))
+    assert nbytes == 96 and high_points == [W]
+
+
+def test_chunked_write_checks_the_shape():
+    _, w = _leaves(chunk_bytes=24)
+    with pytest.raises(ValueError, match=r"w\.weight: shape \(4, 5\) does not match engine \(4, 6\)"):
+        w.write_in_chunks(W, np.zeros((5, 4), np.float32))
+
+
+def test_dotted_names_a_key_path():
+    tree = {"layers": [{"mlp": {"kernel": {"value": 1}}}], "norm": 2}
+    paths = [ew.dotted(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    assert paths == ["layers.0.mlp.kernel", "norm"]
+
+
+def test_zeros_are_allocated_with_the_sharding():
+    z = ew.zeros((3, 2), jnp.bfloat16, REPLICATED)
+    assert z.sharding == REPLICATED and z.dtype == jnp.bfloat16 and not np.asarray(z).any()
+
+
+# -- the trainer's export into engine leaves -----------------------------------------------
+def _engine_like(md: ModelDir) -> tuple[list[jax.Array], ew.EngineLeaves]:
+    """Dummy leaves laid out as sglang-jax's: projection kernels [in, out], the rest (embeddings,
+    lm_head, norms) as in HF."""
+    leaves, mappings = [], {}
+    for name, (_, t) in md.tensors.items():
+        transpose = name.endswith("_proj.weight")
+        shape = tuple(t.shape)[::-1] if transpose else tuple(t.shape)
+        mappings[name] = (len(leaves), transpose)
+        leaves.append(jnp.zeros(shape, jnp.float32, device=REPLICATED))
+    return leaves, ew.EngineLeaves(lambda: leaves, mappings)
+
+
+@pytest.mark.parametrize(("lora", "scan"), [(0, False), (4, False), (4, True)])
+def test_trainer_export_is_installed_without_a_transpose(tiny_ckpt, layouts, lora, scan):
+    """Kernels leave the trainer as ``KernelInOut`` [in, out] (LoRA: the merged kernel) and
+    land in [in, out] leaves with no transpose anywhere; the engine's fingerprint of what it
+    installed is the trainer's; the engine keeps its weights when the trainer offloads."""
+    from mllm_rl.backends.jax.model import get_weight, linear_layers
+    from mllm_rl.backends.jax.options import ModelOptions
+    from mllm_rl.backends.jax.trainer import JaxTrainer
+    from mllm_rl.trainer import PARAMS, TrainConfig
+
+    md = ModelDir.open(tiny_ckpt)
+    t = JaxTrainer(md, TrainConfig(lora_rank=lora), ModelOptions(scan_layers=scan))
+    if lora:  # adapters that change the kernels (lora_b starts at zero)
+        key = iter(jax.random.split(jax.random.key(1), 64))
+        t.trainable = jax.tree.map(
+            lambda x: x + 0.05 * jax.random.normal(next(key), x.shape, x.dtype), t.trainable
+        )
+    model = t._model_view()
+    lins = linear_layers(model)
+    leaves, engine = _engine_like(md)
+    export = t.export_weights(full=True)
+    items = list(export)
+    for name, value in items:
+        if name.endswith("_proj.weight"):
+            kernel = get_weight(model, name)[0]  # [in, out], as stored (LoRA: the frozen base)
+            assert isinstance(value, KernelInOut) and value.array.shape == kernel.shape, name
+            want = lins[name].merged_kernel()
+            assert lora == 0 or not np.array_equal(np.asarray(want), np.asarray(kernel)), name
+            np.testing.assert_array_equal(np.asarray(value.array), np.asarray(want), err_msg=name)
+            if not lora and not scan:  # the trainer's own buffer: no copy was made to export it
+                assert _ptr(value.array) == _ptr(kernel), name
+        else:
+            assert isinstance(value, jax.Array), name
+        assert hf_layout(value).shape == tuple(md.tensors[name][1].shape), name
+    sums, _ = engine.stream(items)
+    assert layouts == []  # same dtype: neither a transpose nor a cast, only the engine's copy
+    _assert_close(read_sums(sums), t.weights_fingerprint(export.names))
+    for name, value in items:
+        i, transpose = engine.mappings[name]
+        hf = np.asarray(hf_layout(value))
+        np.testing.assert_array_equal(np.asarray(leaves[i]), hf.T if transpose else hf, err_msg=name)
+    before = engine.fingerprint()
+    t.offload([PARAMS])  # deletes the trainer's device arrays
+    assert engine.fingerprint() == before
+
+
+def test_tensor_sums_are_transpose_invariant():
+    """Why the engine may fingerprint [in, out] while the HF tensor is [out, in]."""
+    x = jnp.asarray(_hf_kernel(3))
+    (s, q), (st, qt) = jax.device_get(tensor_sums(x)), jax.device_get(tensor_sums(x.T))
+    assert float(s) == pytest.approx(float(st), rel=1e-6) and float(q) == pytest.approx(float(qt), rel=1e-6)
