@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,16 +30,10 @@ from jax.sharding import NamedSharding
 
 from mllm_rl.backends.jax.export_layout import KernelInOut
 from mllm_rl.backends.jax.fingerprint import fingerprint, tensor_sums
-from mllm_rl.engine import Fingerprint
+from mllm_rl.engine import Fingerprint, Placed
 from mllm_rl.faults import fault
 
 Sums = tuple[jax.Array, jax.Array]  # (sum, sum of squares) as float32 device scalars
-
-
-class Placed(NamedTuple):
-    """An array already on the engine's devices in the engine layout (naive swap baseline)."""
-
-    array: jax.Array
 
 
 def host_copy(arr: np.ndarray, dtype: Any) -> np.ndarray:
@@ -201,7 +195,7 @@ class EngineLeaves:
                 sums[name] = self.write_in_chunks(name, value, on_tensor)
                 nbytes += self.target_of(name).nbytes
                 continue
-            new = value.array if isinstance(value, Placed) else self.place(name, value)
+            new = value.value if isinstance(value, Placed) else self.place(name, value)
             sums[name] = tensor_sums(new)  # dispatched async; read back once by the caller
             nbytes += new.nbytes
             if on_tensor is not None:

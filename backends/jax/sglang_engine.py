@@ -65,7 +65,7 @@ import numpy as np
 
 from mllm_rl.backends.jax import distributed as dist
 from mllm_rl.backends.jax.engine_layout import DEFAULT_MEM_FRACTION
-from mllm_rl.backends.jax.engine_weights import EngineLeaves, Placed, dotted, host_copy, zeros
+from mllm_rl.backends.jax.engine_weights import EngineLeaves, dotted, host_copy, zeros
 from mllm_rl.backends.jax.fingerprint import read_sums
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import (
@@ -79,7 +79,7 @@ from mllm_rl.engine import (
 )
 from mllm_rl.faults import fault
 
-__all__ = ["EngineConfigError", "Placed", "SglangJaxEngine", "host_copy", "validate_engine_args"]
+__all__ = ["EngineConfigError", "SglangJaxEngine", "host_copy", "validate_engine_args"]
 
 VERIFIED_VERSIONS = ("0.1.0rc0",)
 # Emitted by sglang-jax's scheduler/tokenizer threads for every hand-made tokenizer.

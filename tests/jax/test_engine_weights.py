@@ -17,6 +17,7 @@ from mllm_rl.backends.jax import engine_weights as ew
 from mllm_rl.backends.jax.export_layout import KernelInOut, hf_layout
 from mllm_rl.backends.jax.fingerprint import read_sums, tensor_sums
 from mllm_rl.checkpoint import ModelDir
+from mllm_rl.engine import Placed
 
 ENGINE_MESH = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
 REPLICATED = NamedSharding(ENGINE_MESH, PartitionSpec())
@@ -157,7 +158,7 @@ def test_stream_fingerprint_is_of_what_was_installed():
 def test_stream_installs_placed_arrays_as_they_are():
     leaves, w = _leaves()
     new = jnp.ones((4, 6), jnp.float32, device=REPLICATED)
-    w.stream([(W, ew.Placed(new))])
+    w.stream([(W, Placed(new))])
     assert leaves[0] is new
 
 
