@@ -207,8 +207,9 @@ class EnginePrimitives(Protocol):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
         """Install tensors one at a time (names already validated); a ``Placed`` value goes in
-        as it is. ``on_tensor(name)`` at each tensor's high point (new placed, old still
-        resident)."""
+        as it is. ``on_tensor(name, nbytes)`` at each tensor's high point (new placed, old still
+        resident), ``nbytes`` the device bytes staged for it then (the tensor, or the slice of
+        it a chunked write holds)."""
         ...
 
     def weights_fingerprint(self) -> Fingerprint:

@@ -411,7 +411,7 @@ class Colocated:
             full = not self.engine.weights_valid
         export = self.trainer.export_weights(full=full)
         want = self.trainer.weights_fingerprint(export.names)
-        stats = self.engine.update_weights(export, on_tensor=lambda name: self.rec.sample(), expected=want)
+        stats = self.engine.update_weights(export, on_tensor=self._high_point, expected=want)
         return {
             "full": export.full,
             "tensors": stats.tensors,
@@ -421,6 +421,9 @@ class Colocated:
             "fingerprint_ok": True,
             "weights_version": self.engine.weights_version,
         }
+
+    def _high_point(self, name: str, nbytes: int) -> None:
+        self.rec.sample_high_point(nbytes)
 
     def _engine_probe(self) -> list[int]:
         """Greedy probe from an empty prefix cache, alone in its batch: with the same weights

@@ -317,7 +317,7 @@ class FakeEngine:
             if not placed:
                 self.device.alloc(owner, new.nbytes)  # the new tensor placed, the old one still resident
             if on_tensor is not None:
-                on_tensor(name)
+                on_tensor(name, new.nbytes)
             self.device.free(owner)
             self.weights[name] = new
             self.garbage.discard(name)

@@ -184,7 +184,8 @@ class EngineLeaves:
         """Per tensor: place it, dispatch its sums, install it (the old leaf freed at once).
 
         Host ndarrays above ``chunk_bytes`` are written into the existing buffer in chunks.
-        ``on_tensor(name)`` runs at each tensor's high point (new placed, old still resident).
+        ``on_tensor(name, nbytes)`` runs at each tensor's high point (new placed, old still
+        resident; ``nbytes`` placed).
         Returns the sums of what was installed (device scalars, not read back) and the bytes
         written. Nothing is waited for: the caller blocks on the leaves.
         """
@@ -199,7 +200,7 @@ class EngineLeaves:
             sums[name] = tensor_sums(new)  # dispatched async; read back once by the caller
             nbytes += new.nbytes
             if on_tensor is not None:
-                on_tensor(name)  # the high point: new tensor placed, old one still resident
+                on_tensor(name, new.nbytes)  # the high point: new tensor placed, old one still resident
             if fault("swap_noop"):
                 new.delete()
             else:
@@ -252,7 +253,7 @@ class EngineLeaves:
             s, q = tensor_sums(chunk)
             total_s, total_q = total_s + s, total_q + q
             if on_tensor is not None and start == 0:
-                on_tensor(hf_name)  # the high point: buffer plus one chunk
+                on_tensor(hf_name, chunk.nbytes)  # the high point: buffer plus one chunk
             if not fault("swap_noop"):
                 buf = write(buf, chunk, jnp.int32(start))
             del chunk

@@ -175,7 +175,7 @@ class EmbeddedEngine:
                                          f"on {dst.device}")  # fmt: skip
                     sums[name] = tensor_sums(src)
                     if on_tensor is not None:
-                        on_tensor(name)
+                        on_tensor(name, src.numel() * src.element_size())
                     if not noop:
                         dst.copy_(src)
                     del src
@@ -205,7 +205,9 @@ class EmbeddedEngine:
             staged = src[start : start + step].to(device=self.device, dtype=self.dtype)
             acc += tensor_sums(staged)
             if start == 0 and on_tensor is not None:
-                on_tensor(name)  # the high point: the engine's copy plus one staged slice
+                on_tensor(
+                    name, staged.numel() * staged.element_size()
+                )  # the engine's copy + one staged slice
             if not noop:
                 dst[start : start + step].copy_(staged)
             del staged

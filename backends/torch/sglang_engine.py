@@ -190,9 +190,9 @@ class SglangEngine:
             for name, value in named_tensors:
                 t = value.value if isinstance(value, Placed) else self.place(name, value)
                 sums[name] = tensor_sums(t)
-                if on_tensor is not None:
-                    on_tensor(name)
                 n = t.numel() * t.element_size()
+                if on_tensor is not None:
+                    on_tensor(name, n)
                 nbytes += n
                 del value
                 yield name, t, n

@@ -84,6 +84,7 @@ class PhaseRecorder:
         self._active = False
         self._dev_peak: list[int | None] = []
         self._host_peak = 0
+        self._high_point = -1  # the most bytes in flight at a high point of this phase
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -114,6 +115,18 @@ class PhaseRecorder:
             for i, u in enumerate(used):
                 self._dev_peak[i] = _max(self._dev_peak[i], u)
             self._host_peak = max(self._host_peak, rss)
+
+    def sample_high_point(self, nbytes: int) -> None:
+        """``sample()`` at a high point with ``nbytes`` in flight (a weight update: one tensor
+        placed while the old one is still resident), when ``nbytes`` is at least the most in
+        flight at any earlier high point of this phase. What else is resident does not change
+        between the high points of an update, so its peak is at its largest tensor: a few
+        samples find it instead of one per tensor (a sample scans every live array on JAX CPU,
+        milliseconds each, hundreds of times per update)."""
+        if nbytes < self._high_point:
+            return
+        self._high_point = nbytes
+        self.sample()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -158,6 +171,7 @@ class PhaseRecorder:
         with self._lock:
             self._dev_peak = [d.bytes_in_use for d in before]
             self._host_peak = rss0
+            self._high_point = -1
             self._active = True
         self._ensure_thread()
         self._wake.set()

@@ -114,9 +114,9 @@ def swap_weights(
     engine's fingerprint is checked against what was sent (``WeightMismatch`` otherwise)."""
     with progress_bar(total=len(model.tensors), desc=f"swap ({mode})", unit="tensor") as bar:
 
-        def on_tensor(name: str) -> None:
+        def on_tensor(name: str, nbytes: int) -> None:
             if rec is not None:
-                rec.sample()
+                rec.sample_high_point(nbytes)
             bar.update(1)
 
         if mode == "naive":

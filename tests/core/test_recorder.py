@@ -61,6 +61,31 @@ def test_explicit_sample_catches_transient_peak():
     assert d0["phase_peak_bytes"] == 900
 
 
+def test_high_points_are_sampled_at_each_new_largest_in_flight_and_the_peak_is_kept():
+    class Counting(ScriptedProbe):
+        calls = 0
+
+        def in_use(self):
+            self.calls += 1
+            return super().in_use()
+
+    probe = Counting()
+    rec = PhaseRecorder("r", "jax", probe=probe, sample_interval_s=0)
+    with rec.phase("update_weights"):
+        n0 = probe.calls
+        for n in (300, 100, 300, 50, 400, 399):  # one tensor in flight at a time
+            probe.set(0, 100 + n)
+            rec.sample_high_point(n)
+            probe.set(0, 100)
+        sampled = probe.calls - n0
+    assert sampled == 3  # 300, 300 again (ties count), 400
+    assert rec.records[0]["memory"]["devices"][0]["phase_peak_bytes"] == 500
+    with rec.phase("next"):  # a new phase starts from nothing in flight
+        n0 = probe.calls
+        rec.sample_high_point(1)
+        assert probe.calls - n0 == 1
+
+
 def test_cumulative_peak_rise_counts_even_unsampled():
     probe = ScriptedProbe()
     rec = PhaseRecorder("r", "jax", probe=probe, sample_interval_s=0)

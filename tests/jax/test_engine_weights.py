@@ -172,7 +172,7 @@ def test_chunked_write_equals_whole_write():
     assert whole.chunk_axis(W, hf) is None and chunked.chunk_axis(W, hf) == 0
     high_points: list[str] = []
     sums_whole, _ = whole.stream([(W, hf)])
-    sums_chunked, nbytes = chunked.stream([(W, hf)], on_tensor=high_points.append)
+    sums_chunked, nbytes = chunked.stream([(W, hf)], on_tensor=lambda name, nbytes: high_points.append(name))
     np.testing.assert_array_equal(np.asarray(chunked_leaves[0]), np.asarray(whole_leaves[0]))
     np.testing.assert_array_equal(np.asarray(chunked_leaves[0]), hf.T)
     _assert_close(read_sums(sums_chunked), read_sums(sums_whole))
