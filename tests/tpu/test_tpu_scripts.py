@@ -1,6 +1,6 @@
 """tpu/tpu.sh against a FAKE gcloud (tests/tpu/fake_gcloud.py) and fake TPU workers.
 
-What is checked: the --dry-run command sequence against the manual param-swap procedure (docs/TPU.md §2), zone fallback and
+What is checked: the --dry-run command sequence against the manual param-swap procedure (docs/TPU.md, "Step by step"), zone fallback and
 fail-fast on create, wait's retries, setup's idempotence (marker per commit), that secrets never
 reach a command line, the run's TPU assertion and launch, fetch, and watch's recovery from
 preemption with a bound. Nothing here talks to Google Cloud.
