@@ -19,6 +19,8 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
+from mllm_rl.option_error import OptionError
+
 Fingerprint = dict[str, tuple[float, float]]  # hf_name -> (sum, sum of squares), float64
 
 TAG_WEIGHTS = "weights"
@@ -37,11 +39,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise OptionError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise OptionError("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise OptionError("top_p", f"must be in (0, 1], got {self.top_p}")
 
 
 ENGINE_CHOICES = ("auto", "embedded", "sglang")  # every backend's choices, for --engine
@@ -86,17 +88,17 @@ class EngineOptions:
             ):
                 raise ValueError(f"engine ports {self.ports!r}: expected a tuple of two ports (1..65535)")
         if self.engine not in ENGINE_CHOICES:
-            raise ValueError(f"--engine {self.engine!r}: choose one of {', '.join(ENGINE_CHOICES)}")
-        for flag, value, low in (("--tp", self.tp, 1), ("--max-total-tokens", self.max_total_tokens, 1),
-                                 ("--context-length", self.context_length, 1),
-                                 ("--max-running-requests", self.max_running_requests, 1),
-                                 ("chunk_bytes (--swap-chunk-mb)", self.chunk_bytes, 0)):  # fmt: skip
+            raise OptionError("engine", f"{self.engine!r}: choose one of {', '.join(ENGINE_CHOICES)}")
+        for field, value, low in (("tp", self.tp, 1), ("max_total_tokens", self.max_total_tokens, 1),
+                                  ("context_length", self.context_length, 1),
+                                  ("max_running_requests", self.max_running_requests, 1),
+                                  ("chunk_bytes", self.chunk_bytes, 0)):  # fmt: skip
             if value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"{flag} must be an integer, got {value!r}")
+                raise OptionError(field, f"must be an integer, got {value!r}")
             if value < low:
-                raise ValueError(f"{flag} must be >= {low}, got {value}")
+                raise OptionError(field, f"must be >= {low}, got {value}")
 
     def check_backend(self, backend: str, engines: Mapping[str, str]) -> None:
         """``ValueError`` unless ``engine`` is one of ``engines`` (choice -> what it starts), the

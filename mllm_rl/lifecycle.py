@@ -70,6 +70,7 @@ from mllm_rl.engine import (
     WeightMismatch,
 )
 from mllm_rl.engine_state import ManagedEngine
+from mllm_rl.option_error import OptionError
 from mllm_rl.phases.recorder import PhaseHandle, PhaseRecorder
 from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, Trainer
 
@@ -134,7 +135,7 @@ class LifecycleOptions:
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+            raise OptionError("schedule", f"{self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
 
 
 def step_phases(opts: LifecycleOptions) -> list[str]:

@@ -23,6 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from mllm_rl.engine import Fingerprint, WeightExport
+from mllm_rl.option_error import OptionError
 from mllm_rl.rl.batch import RolloutBatch  # defined with build_batch; imported from here by the backends
 from mllm_rl.rl.loss_config import LossConfig
 
@@ -46,11 +47,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.lr < 0:
-            raise ValueError(f"--lr must be >= 0, got {self.lr}")
-        if self.mini_batches < 1 or self.micro_batch_size < 1:
-            raise ValueError("mini_batches and micro_batch_size must be >= 1")
+            raise OptionError("lr", f"must be >= 0, got {self.lr}")
+        for field in ("mini_batches", "micro_batch_size"):
+            if getattr(self, field) < 1:
+                raise OptionError(field, f"must be >= 1, got {getattr(self, field)}")
         if self.lora_rank < 0:
-            raise ValueError(f"--lora-rank must be >= 0, got {self.lora_rank}")
+            raise OptionError("lora_rank", f"must be >= 0, got {self.lora_rank}")
 
 
 def check_state_names(what: Sequence[str]) -> list[str]:

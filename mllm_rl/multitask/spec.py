@@ -35,6 +35,7 @@ from typing import Any
 
 from mllm_rl.engine import EngineOptions
 from mllm_rl.lifecycle import LifecycleOptions
+from mllm_rl.option_error import OptionError, cli_key
 from mllm_rl.plans.rl import RLOptions
 from mllm_rl.rl.loss_config import LossConfig
 from mllm_rl.trainer import TrainConfig
@@ -177,6 +178,8 @@ def load_tasks(path: str | Path) -> list[TaskSpec]:
     for s in specs:  # the single-task checks (steps >= 1, estimator, loss, ...) before anything runs
         try:
             s.rl_options()
+        except OptionError as e:  # the options name their fields; the file names its keys
+            raise ValueError(f"{path}: task {s.name!r}: {e.named(cli_key(e.field))}") from None
         except ValueError as e:
             raise ValueError(f"{path}: task {s.name!r}: {e}") from None
     return specs

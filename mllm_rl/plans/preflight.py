@@ -25,6 +25,7 @@ from typing import Any
 from mllm_rl.backend import Backend
 from mllm_rl.checkpoint.model_dir import CheckpointError
 from mllm_rl.checkpoint.resolve import CKPT_DIR, RLCheckpoint, find_resumable
+from mllm_rl.option_error import OptionError, cli_flag
 from mllm_rl.plans.base import Plan
 
 
@@ -128,11 +129,14 @@ def build_options(args: argparse.Namespace) -> Any:
     if args.resume and args.resume_or_start:
         raise ValueError("--resume and --resume-or-start: pass one (--resume-or-start also resumes)")
     platform = "gpu" if args.platform == "cuda" else args.platform
-    engine = EngineOptions(tp=args.tp, engine=args.engine, max_total_tokens=args.max_total_tokens,
-                           context_length=args.context_length, max_running_requests=args.max_running_requests,
-                           seed=args.seed, chunk_bytes=int(args.swap_chunk_mb * 2**20),
-                           weights_cpu_backup=args.weights_cpu_backup)  # fmt: skip
-    return get_plan(args.plan).options(args, engine, platform)
+    try:
+        engine = EngineOptions(tp=args.tp, engine=args.engine, max_total_tokens=args.max_total_tokens,
+                               context_length=args.context_length, max_running_requests=args.max_running_requests,
+                               seed=args.seed, chunk_bytes=int(args.swap_chunk_mb * 2**20),
+                               weights_cpu_backup=args.weights_cpu_backup)  # fmt: skip
+        return get_plan(args.plan).options(args, engine, platform)
+    except OptionError as e:  # the options name their fields; the user typed flags
+        raise ValueError(e.named(cli_flag(e.field))) from None
 
 
 def phase_limits(args: argparse.Namespace) -> Any:
@@ -180,7 +184,10 @@ def prepare(args: argparse.Namespace) -> Prepared:
     run_dir = Path(args.run_dir or Path("runs") / run_id).resolve()
     check_run_dir(run_dir)
     resuming = (args.resume or args.resume_or_start) and (run_dir / "run.json").exists()
-    opts, notes = get_plan(args.plan).preflight(args, opts, backend, run_dir)
+    try:
+        opts, notes = get_plan(args.plan).preflight(args, opts, backend, run_dir)
+    except OptionError as e:  # e.g. --steps that a resumed run is already past
+        raise ValueError(e.named(cli_flag(e.field))) from None
     from mllm_rl.checkpoint.resolve import resolve_model
 
     model = resolve_model(args.model, seed=args.seed)  # CheckpointError naming the file

@@ -35,6 +35,7 @@ from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.faults import fault
 from mllm_rl.lifecycle import SETUP_PHASES as LIFECYCLE_SETUP
 from mllm_rl.lifecycle import STEP_PHASES, LifecycleOptions, colocate, step_phases
+from mllm_rl.option_error import OptionError
 from mllm_rl.plans import setup
 from mllm_rl.plans.base import Plan, PlanRun
 from mllm_rl.progress import progress_bar
@@ -74,22 +75,24 @@ class RLOptions:
 
     def __post_init__(self) -> None:
         if self.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+            raise OptionError("steps", f"must be >= 1, got {self.steps}")
         if self.prompts_per_step < 1:
-            raise ValueError(f"--prompts-per-step must be >= 1, got {self.prompts_per_step}")
+            raise OptionError("prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
         if self.group_size < 2:
-            raise ValueError(
-                f"--group-size {self.group_size}: group-relative advantages need >= 2 completions per "
-                f"prompt (a group of one has advantage 0 and trains nothing)"
+            raise OptionError(
+                "group_size",
+                f"{self.group_size}: group-relative advantages need >= 2 completions per "
+                f"prompt (a group of one has advantage 0 and trains nothing)",
             )
         if self.estimator not in ESTIMATORS:
-            raise ValueError(f"--estimator {self.estimator!r}: choose one of {', '.join(ESTIMATORS)}")
+            raise OptionError("estimator", f"{self.estimator!r}: choose one of {', '.join(ESTIMATORS)}")
         if self.checkpoint_every < 0:
-            raise ValueError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+            raise OptionError("checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
         if self.resume_from is not None and self.resume_from.step + 1 >= self.steps:
-            raise ValueError(
-                f"--steps {self.steps}: the run is already past it ({self.resume_from.path} is step "
-                f"{self.resume_from.step}); pass a larger --steps to continue it"
+            raise OptionError(
+                "steps",
+                f"{self.steps}: the run is already past it ({self.resume_from.path} is step "
+                f"{self.resume_from.step}); pass a larger --steps to continue it",
             )
         SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
 

@@ -21,6 +21,7 @@ from mllm_rl.backend import Backend
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import EngineOptions, SamplingParams, UpdateStats, WeightExport, WeightMismatch
 from mllm_rl.engine_state import ManagedEngine
+from mllm_rl.option_error import OptionError
 from mllm_rl.phases.recorder import PhaseRecorder
 from mllm_rl.plans import setup
 from mllm_rl.plans.base import Plan, PlanRun
@@ -40,9 +41,9 @@ class SwapOptions:
 
     def __post_init__(self) -> None:
         if self.mode not in ("streaming", "naive"):
-            raise ValueError(f"--swap-mode {self.mode!r}: use streaming or naive")
+            raise OptionError("mode", f"{self.mode!r}: use streaming or naive")
         if self.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+            raise OptionError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
 
 
 def encode_prompts(model: ModelDir, prompts: tuple[str, ...]) -> list[list[int]]:

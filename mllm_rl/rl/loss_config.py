@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from mllm_rl.option_error import OptionError
+
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
@@ -31,10 +33,9 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation {self.aggregation!r}: choose one of {', '.join(AGGREGATIONS)}")
+            raise OptionError("aggregation", f"{self.aggregation!r}: choose one of {', '.join(AGGREGATIONS)}")
         if self.aggregation == "seq_mean_token_sum_norm" and not self.max_len:
-            raise ValueError("seq_mean_token_sum_norm needs max_len")
-        if self.eps_low < 0 or self.eps_high < 0:
-            raise ValueError(f"clip epsilons must be >= 0, got {self.eps_low}, {self.eps_high}")
-        if self.beta < 0:
-            raise ValueError(f"beta (KL weight) must be >= 0, got {self.beta}")
+            raise OptionError("max_len", "must be set for seq_mean_token_sum_norm")
+        for field in ("eps_low", "eps_high", "beta"):
+            if getattr(self, field) < 0:
+                raise OptionError(field, f"must be >= 0, got {getattr(self, field)}")

@@ -12,24 +12,27 @@ import pytest
 
 from mllm_rl.backend_registry import load_backend
 from mllm_rl.engine import DEFAULT_CONTEXT_LENGTH, DEFAULT_MAX_TOTAL_TOKENS, EngineOptions
+from mllm_rl.option_error import OptionError, cli_flag
 
 
 @pytest.mark.parametrize(
-    "kw,flag",
+    "kw,field,flag",
     [
-        ({"tp": 0}, "--tp"),
-        ({"max_total_tokens": 0}, "--max-total-tokens"),
-        ({"context_length": -5}, "--context-length"),
-        ({"max_running_requests": 0}, "--max-running-requests"),
-        ({"chunk_bytes": -1}, "chunk_bytes"),
-        ({"tp": True}, "--tp"),
-        ({"tp": 2.0}, "--tp"),
-        ({"engine": "vllm"}, "--engine"),
+        ({"tp": 0}, "tp", "--tp"),
+        ({"max_total_tokens": 0}, "max_total_tokens", "--max-total-tokens"),
+        ({"context_length": -5}, "context_length", "--context-length"),
+        ({"max_running_requests": 0}, "max_running_requests", "--max-running-requests"),
+        ({"chunk_bytes": -1}, "chunk_bytes", "--swap-chunk-mb"),
+        ({"tp": True}, "tp", "--tp"),
+        ({"tp": 2.0}, "tp", "--tp"),
+        ({"engine": "vllm"}, "engine", "--engine"),
     ],
 )
-def test_invalid_options_are_refused_naming_the_flag(kw, flag):
-    with pytest.raises(ValueError, match=flag):
+def test_invalid_options_are_refused_naming_the_field_which_the_cli_spells_as_its_flag(kw, field, flag):
+    with pytest.raises(OptionError) as e:
         EngineOptions(**kw)
+    assert e.value.field == field and str(e.value).startswith(f"{field} ") and "--" not in str(e.value)
+    assert cli_flag(e.value.field) == flag
 
 
 def test_resolved_fills_only_what_was_not_chosen():

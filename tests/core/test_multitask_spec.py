@@ -57,8 +57,8 @@ def test_good_file_defaults_and_relative_paths(tmp_path):
         ("[[task]]\nsteps = 3\n", r"task 0 \(unnamed\): field 'name' is required"),
         ('[[task]]\nname = "a b"\n', r"\.name: 'a b' must match"),
         ('[[task]]\nname = "a"\n[[task]]\nname = "a"\n', r"task name 'a' is used twice"),
-        ('[[task]]\nname = "a"\nsteps = 0\n', r"task 'a': --steps must be >= 1"),
-        ('[[task]]\nname = "a"\nestimator = "x"\n', r"task 'a': --estimator 'x'"),
+        ('[[task]]\nname = "a"\nsteps = 0\n', r"task 'a': steps must be >= 1"),
+        ('[[task]]\nname = "a"\nestimator = "x"\n', r"task 'a': estimator 'x'"),
         ('[defaults]\nname = "x"\n[[task]]\nname = "a"\n', r"\[defaults\] cannot set 'name'"),
         ("[[task]]\nname = \n", r"not valid TOML"),
         ("x = 1\n", r"unknown table\(s\) \['x'\]"),
@@ -76,7 +76,7 @@ def test_cli_bad_tasks_file_exits_2_before_anything_starts(tmp_path):
     path = write(tmp_path, '[[task]]\nname = "a"\nsteps = -1\n')
     r = run_cli("mllm_rl.run", "--backend", "jax", "--tasks", str(path), "--run-dir", str(tmp_path / "run"))
     assert r.returncode == 2, r.stderr
-    assert r.stderr.strip().splitlines() == [f"error: {path}: task 'a': --steps must be >= 1, got -1"]
+    assert r.stderr.strip().splitlines() == [f"error: {path}: task 'a': steps must be >= 1, got -1"]
     assert not (tmp_path / "run").exists()
     r = run_cli("mllm_rl.run", "--backend", "jax", "--tasks", str(tmp_path / "missing.toml"))
     assert r.returncode == 2 and "cannot read" in r.stderr

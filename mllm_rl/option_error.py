@@ -1,0 +1,40 @@
+"""``OptionError``: a bad option value named by its field, not by how a user spelled it.
+
+The options dataclasses (``RLOptions``, ``SwapOptions``, ``EngineOptions``, ``TrainConfig``,
+``LossConfig``, ``LifecycleOptions``, ``SamplingParams``) raise it with the field's name
+(``steps must be >= 1, got 0``); whoever knows the spelling says it: the CLI as the flag
+(``--steps must be >= 1, got 0``, ``cli_flag``), a tasks file as its key (``cli_key``).
+"""
+
+from __future__ import annotations
+
+# Fields whose flag (and tasks-file key) is not the field's own name.
+CLI_NAMES = {
+    "beta": "kl_beta",
+    "aggregation": "loss_agg",
+    "mode": "swap_mode",
+    "chunk_bytes": "swap_chunk_mb",
+}
+
+
+class OptionError(ValueError):
+    """``field`` (a dataclass field name) and ``problem`` (``must be >= 1, got 0``, ``'x': choose
+    one of a, b``); ``str()`` is ``"<field> <problem>"``."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field, self.problem = field, problem
+        super().__init__(f"{field} {problem}")
+
+    def named(self, name: str) -> str:
+        """The message with ``name`` in place of the field."""
+        return f"{name} {self.problem}"
+
+
+def cli_key(field: str) -> str:
+    """The tasks-file key (and argparse ``dest``) of ``field``."""
+    return CLI_NAMES.get(field, field)
+
+
+def cli_flag(field: str) -> str:
+    """The command-line flag of ``field``: ``--`` + its key with dashes."""
+    return "--" + cli_key(field).replace("_", "-")
