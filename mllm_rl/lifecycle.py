@@ -166,13 +166,8 @@ def colocate(
     weights and KV cache are never resident together with a whole new trainer. Returns the
     complete ``Colocated``; what comes next is ``first_sync`` (one task) or ``park`` (a task of a
     multi-task run)."""
-    if opts.check_weights and not opts.probe_ids:
-        raise ValueError("check_weights needs LifecycleOptions.probe_ids")
-    tags = release_tags(engine)
-    with _CheckedPhase(rec, engine, None, "release_rollout", None, {"tags": tags}) as ph:
-        ph.info.update(engine.drain(opts.drain_timeout_s))
-        held = engine.release(tags)
-        ph.info.update(expected_freed_bytes=sum(held.values()), held=_memory_names(engine, held))
+    _require_probe(opts)
+    _release_rollout(rec, engine, None, None, drain_timeout_s=opts.drain_timeout_s)
     with _CheckedPhase(rec, engine, None, "trainer_init", None, trainer_info) as ph:
         trainer, built = make_trainer()
         ph.info.update(built, state_bytes=trainer.state_bytes())
@@ -204,6 +199,28 @@ def release_on_fault(
     return ph.info
 
 
+def _require_probe(opts: LifecycleOptions) -> None:
+    if opts.check_weights and not opts.probe_ids:
+        raise ValueError("check_weights needs LifecycleOptions.probe_ids")
+
+
+def _release_rollout(
+    rec: PhaseRecorder,
+    engine: ManagedEngine,
+    trainer: Trainer | None,
+    step: int | None,
+    drain_timeout_s: float | None = None,
+) -> None:
+    """Phase ``release_rollout``: every releasable tag of ``engine`` (drained first when given
+    ``drain_timeout_s``: the setup's engine has run nothing yet)."""
+    tags = release_tags(engine)
+    with _CheckedPhase(rec, engine, trainer, "release_rollout", step, {"tags": tags}) as ph:
+        if drain_timeout_s is not None:
+            ph.info.update(engine.drain(drain_timeout_s))
+        held = engine.release(tags)
+        ph.info.update(expected_freed_bytes=sum(held.values()), held=_memory_names(engine, held))
+
+
 def release_tags(engine: ManagedEngine) -> list[str]:
     """The engine's releasable memory tags, in release order (KV cache first)."""
     return [t for t in (TAG_KV, TAG_WEIGHTS, TAG_CUDA_GRAPH) if t in engine.tags]
@@ -226,8 +243,7 @@ class Colocated:
         rec: PhaseRecorder,
         opts: LifecycleOptions,
     ) -> None:
-        if opts.check_weights and not opts.probe_ids:
-            raise ValueError("check_weights needs LifecycleOptions.probe_ids")
+        _require_probe(opts)
         self.backend, self.engine, self.trainer, self.rec, self.opts = backend, engine, trainer, rec, opts
         self.release_tags = release_tags(engine)
         self.kv_tags = [t for t in self.release_tags if t != TAG_WEIGHTS]  # what resume_kv brings back
@@ -364,9 +380,7 @@ class Colocated:
 
     def _release(self, step: int | None) -> None:
         """``release_rollout``: every releasable tag (after a ``drain``)."""
-        with self._phase("release_rollout", step, tags=self.release_tags) as ph:
-            held = self.engine.release(self.release_tags)
-            ph.info.update(expected_freed_bytes=sum(held.values()), held=_memory_names(self.engine, held))
+        _release_rollout(self.rec, self.engine, self.trainer, step)
 
     def _offload_optimizer(self, step: int | None) -> None:
         with self._phase("offload_optimizer", step) as ph:
