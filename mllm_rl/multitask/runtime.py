@@ -31,7 +31,7 @@ from mllm_rl.lifecycle import (
 from mllm_rl.multitask.schedule import FINAL, ROLLOUT, SETUP, TRAIN, Lease, TaskSteps
 from mllm_rl.multitask.spec import TaskSpec
 from mllm_rl.phases.recorder import PhaseRecorder
-from mllm_rl.plans.rl import PROBE_PROMPT, Checkpointer, checkpoint_meta, evaluate, make_rollout, size_engine
+from mllm_rl.plans.rl import PROBE_PROMPT, _saver, checkpoint_meta, evaluate, make_rollout, size_engine
 from mllm_rl.tasks import get_task
 
 ENGINE_READY = "engine_ready_dummy"
@@ -83,7 +83,6 @@ class RLTask:
         self.first_step = self.resume_from.step + 1 if self.resume_from else 0
         self.engine: ManagedEngine | None = None
         self.life: Colocated | None = None
-        self.checkpointer: Checkpointer | None = None
         self.history: list[dict[str, Any]] = []
         self.eval: dict[str, Any] | None = None
         self._pending: tuple[Any, dict[str, Any]] | None = None
@@ -125,15 +124,11 @@ class RLTask:
                 self.eval = self._life().final_lease(
                     lambda engine: evaluate(engine, self.task, self.tok, self.opts, self.eos)
                 )
-                if self.checkpointer is not None:
-                    self.checkpointer.close()  # the last checkpoint's meta.json is written
             else:
                 raise ValueError(f"unknown lease kind {lease.kind!r}")
             self._life().check_asleep()
 
     def fail(self, lease: Lease, error: BaseException) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.close(quiet=True)  # the checkpoints that were written complete
         if self.engine is None:  # failed before its engine existed: nothing of it is on the devices
             return
         with self.rec.for_task(self.name):
@@ -171,7 +166,7 @@ class RLTask:
         self.life = colocate(self.backend, engine, self.rec, self.lifecycle, make_trainer,
                              lora_rank=self.opts.train.lora_rank)  # fmt: skip
         self.life.park()
-        self.checkpointer = save = Checkpointer(self.life.trainer, self.dir, self.backend.name, self.opts)
+        save = _saver(self.life.trainer, self.dir, self.backend.name, self.opts)
 
         def save_checked(step: int) -> Path | None:
             if fault(f"checkpoint_fails:{self.name}:{step}"):  # a full disk, in one task only

@@ -14,7 +14,7 @@ a final ``generate_result`` (greedy completions of held-out prompts and their re
 
 Data is a pure function of ``(seed, step)``, so a resumed run sees the prompts it would
 have seen; checkpoints are written in the ``checkpoint`` phase of a step and are complete
-only once their ``meta.json`` exists (written in the background, ``Checkpointer``).
+only once their ``meta.json`` exists.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shutil
-import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,61 +108,27 @@ def checkpoint_meta(backend: str, opts: RLOptions) -> dict[str, Any]:
     return {"seed": opts.seed, "backend": backend, "lora_rank": opts.train.lora_rank}
 
 
-class Checkpointer:
-    """The ``checkpoint`` phase's work, ``save(step)``: on the cadence (and the last step) the
-    trainer writes its state; then, in a background thread while the run goes on, the manifest
-    (sizes and sha256 of every file, read back from disk) goes into ``meta.json`` — the
-    checkpoint counts from that rename on — and all but the newest ``KEEP_CHECKPOINTS`` are
-    removed. The next save and ``close()`` wait for that thread and raise what it raised; a run
-    killed before it finished leaves a checkpoint without ``meta.json``, which ``--resume`` skips
-    (it takes the one before)."""
+def _saver(trainer: Any, run_dir: Path, backend: str, opts: RLOptions) -> Callable[[int], Path | None]:
+    """The ``checkpoint`` phase's work: save on the cadence (and the last step), then the manifest
+    (sizes and sha256 of every file) in ``meta.json``; keeps the newest ``KEEP_CHECKPOINTS``."""
 
-    def __init__(self, trainer: Any, run_dir: Path, backend: str, opts: RLOptions) -> None:
-        self.trainer, self.run_dir, self.backend, self.opts = trainer, run_dir, backend, opts
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def __call__(self, step: int) -> Path | None:
-        last = step == self.opts.steps - 1
-        every = self.opts.checkpoint_every
+    def save(step: int) -> Path | None:
+        last = step == opts.steps - 1
+        every = opts.checkpoint_every
         if every == 0 or not ((step + 1) % every == 0 or last):
             return None
-        self.wait()
-        path = self.run_dir / CKPT_DIR / f"step_{step:06d}"
+        path = run_dir / CKPT_DIR / f"step_{step:06d}"
         if path.exists():
             shutil.rmtree(path)
         path.mkdir(parents=True)
-        self.trainer.save(path)
-        meta = {"step": step, **checkpoint_meta(self.backend, self.opts)}
-        self._thread = threading.Thread(target=self._finish, args=(path, meta), name="checkpoint-manifest")
-        self._thread.start()
+        trainer.save(path)
+        # the checkpoint counts from here on (meta.json with the manifest, written last)
+        write_meta(path, {"step": step, **checkpoint_meta(backend, opts)})
+        for old in rl_checkpoint_dirs(run_dir)[KEEP_CHECKPOINTS:]:
+            shutil.rmtree(old, ignore_errors=True)
         return path
 
-    def _finish(self, path: Path, meta: dict[str, Any]) -> None:
-        try:
-            write_meta(path, meta)  # the checkpoint counts from here on
-            for old in rl_checkpoint_dirs(self.run_dir)[KEEP_CHECKPOINTS:]:
-                shutil.rmtree(old, ignore_errors=True)
-        except BaseException as e:  # raised in the main thread by wait()
-            self._error = e
-
-    def wait(self) -> None:
-        """Until the last checkpoint's ``meta.json`` is written; raises what writing it raised."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    def close(self, quiet: bool = False) -> None:
-        """The end of the run: the last checkpoint completed (``quiet``: an error writing it is not
-        raised, as the run is already failing with another)."""
-        try:
-            self.wait()
-        except BaseException:
-            if not quiet:
-                raise
+    return save
 
 
 # -- rollout -----------------------------------------------------------------------------
@@ -272,21 +238,16 @@ def run_rl(ctx: PlanRun, opts: RLOptions) -> dict[str, Any]:
     ctx.on_started()
 
     rollout = make_rollout(task, tok, opts, eos)
-    save = Checkpointer(life.trainer, ctx.run_dir, backend.name, opts)
+    save = _saver(life.trainer, ctx.run_dir, backend.name, opts)
     history = []
-    try:
-        with progress_bar(total=opts.steps, desc="rl", unit="step") as bar:
-            bar.update(first_step)
-            for step in range(first_step, opts.steps):
-                metrics = life.step(step, rollout, save)
-                rec.log_metrics(step, {k: v for k, v in metrics.items() if k != "sample"})
-                history.append({"step": step, **metrics})
-                bar.update(1)
-                bar.set_postfix_str(f"reward {metrics['reward_mean']:.3f}")
-    except BaseException:
-        save.close(quiet=True)
-        raise
-    save.close()
+    with progress_bar(total=opts.steps, desc="rl", unit="step") as bar:
+        bar.update(first_step)
+        for step in range(first_step, opts.steps):
+            metrics = life.step(step, rollout, save)
+            rec.log_metrics(step, {k: v for k, v in metrics.items() if k != "sample"})
+            history.append({"step": step, **metrics})
+            bar.update(1)
+            bar.set_postfix_str(f"reward {metrics['reward_mean']:.3f}")
     with rec.phase("generate_result") as ph:
         ph.info.update(evaluate(engine, task, tok, opts, eos))
     return {"first_step": first_step, "history": history, "eval": ph.info}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from mllm_rl.checkpoint.model_dir import CheckpointError
 from mllm_rl.checkpoint.resolve import find_resumable, rl_checkpoint_dirs, verify_rl_checkpoint, write_meta
 from mllm_rl.plans.preflight import resolve_resume
-from mllm_rl.plans.rl import Checkpointer, RLOptions
+from mllm_rl.plans.rl import RLOptions, _saver
 
 
 def ckpt(run_dir: Path, step: int, manifest: bool = True, **meta) -> Path:
@@ -124,56 +123,14 @@ class StateWriter:
 
 def test_saver_keeps_its_cadence_the_last_step_and_two_verified_checkpoints(tmp_path):
     opts = RLOptions(steps=7, checkpoint_every=3)
-    save = Checkpointer(StateWriter(), tmp_path, "jax", opts)
+    save = _saver(StateWriter(), tmp_path, "jax", opts)
     saved = [step for step in range(7) if save(step) is not None]
-    save.close()
     assert saved == [2, 5, 6]  # every 3rd step, and the last
     assert [d.name for d in rl_checkpoint_dirs(tmp_path)] == ["step_000006", "step_000005"]
     for d in rl_checkpoint_dirs(tmp_path):
         assert verify_rl_checkpoint(d, {"backend": "jax", "lora_rank": 0}).verified
-    never = Checkpointer(StateWriter(), tmp_path, "jax", RLOptions(steps=3, checkpoint_every=0))
-    assert [s for s in range(3) if never(s)] == []
-
-
-class SlowDisk:
-    """Holds the manifest thread until the test lets it go (``write_meta`` patched)."""
-
-    def __init__(self, real) -> None:
-        self.real, self.go = real, threading.Event()
-
-    def __call__(self, path: Path, meta: dict) -> dict:
-        assert self.go.wait(10)
-        return self.real(path, meta)
-
-
-def test_a_checkpoint_counts_once_its_manifest_is_written_in_the_background(tmp_path, monkeypatch):
-    from mllm_rl.plans import rl
-
-    slow = SlowDisk(rl.write_meta)
-    monkeypatch.setattr(rl, "write_meta", slow)
-    save = Checkpointer(StateWriter(), tmp_path, "jax", RLOptions(steps=2, checkpoint_every=1))
-    path = save(0)  # returns with the state written, the manifest still to come
-    assert (path / "state.bin").is_file() and not (path / "meta.json").exists()
-    with pytest.raises(CheckpointError, match="nothing to resume|no valid checkpoint"):
-        resolve_resume(tmp_path, {}, or_start=False)  # killed now: nothing to resume from yet
-    slow.go.set()
-    save.close()
-    assert verify_rl_checkpoint(path, {"backend": "jax"}).verified
-
-
-def test_an_error_writing_the_manifest_is_raised_by_the_next_save_or_close(tmp_path, monkeypatch):
-    from mllm_rl.plans import rl
-
-    def full_disk(path: Path, meta: dict) -> dict:
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(rl, "write_meta", full_disk)
-    save = Checkpointer(StateWriter(), tmp_path, "jax", RLOptions(steps=3, checkpoint_every=1))
-    save(0)
-    with pytest.raises(OSError, match="No space left"):
-        save(1)
-    save(1)  # raised once; this one fails in the background again
-    save.close(quiet=True)  # a run already failing with another error says nothing more
-    save(2)
-    with pytest.raises(OSError, match="No space left"):
-        save.close()
+    assert [
+        s
+        for s in range(3)
+        if _saver(StateWriter(), tmp_path, "jax", RLOptions(steps=3, checkpoint_every=0))(s)
+    ] == []
