@@ -45,6 +45,7 @@ from mllm_rl.trainer import TrainConfig
 
 T_BUCKET = 32  # the trainer pads a batch's positions to a multiple of this (trainer.T_BUCKET)
 KL_BETA = 0.04  # any beta > 0: a KL term (its value does not change memory)
+STAGING_COPIES = 2  # tensors in flight during a weight update beyond both resident copies (see _staging)
 
 _cache: dict[tuple[Any, ...], Any] = {}  # per process: topologies, engine layouts, compiled functions
 
@@ -276,9 +277,10 @@ def _shard_bytes(tree: Any) -> int:
 
 def _staging(eng: engine_layout.EngineWeights) -> Component:
     """The weight update's bytes in flight beyond both resident copies (an estimate by layout):
-    the largest engine tensor's shard, three times: the trainer's HF-layout copy, its cast /
-    transposed copy, and the placed copy before the old leaf is freed."""
-    b = 3 * eng.largest_tensor_bytes
+    the largest engine tensor's shard, twice: the trainer's export (a cast, a merged LoRA weight or
+    a stacked layer's row; kernels go out in the engine's ``[in, out]`` layout, untransposed) and
+    the engine's placed copy before the old leaf is freed (``engine_weights.to_engine``)."""
+    b = STAGING_COPIES * eng.largest_tensor_bytes
     return Component("staging", b, "layout",
-                     f"3 x the largest engine tensor shard ({eng.largest_tensor_bytes} B): HF-layout, cast and "
-                     "placed copies of one tensor (estimate)")  # fmt: skip
+                     f"{STAGING_COPIES} x the largest engine tensor shard ({eng.largest_tensor_bytes} B): the "
+                     "trainer's exported copy and the engine's placed copy of one tensor (estimate)")  # fmt: skip

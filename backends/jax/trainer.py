@@ -304,9 +304,9 @@ class JaxTrainer:
         lins = linear_layers(model)
 
         def gen() -> Iterator[tuple[str, jax.Array | KernelInOut]]:
-            for name in names:
-                value, transpose = self._engine_layout(model, name, lins)
-                yield name, _export(value, transpose, self.export_dtype)
+            for name in names:  # no local holds the uncast weight (a stacked layer's row) across the
+                # yield: while the engine places the export, only the export is alive beside it
+                yield name, _export(*self._engine_layout(model, name, lins), self.export_dtype)
 
         return WeightExport(names, gen(), full=full or not self.lora)
 

@@ -260,3 +260,32 @@ def test_tensor_sums_are_transpose_invariant():
     x = jnp.asarray(_hf_kernel(3))
     (s, q), (st, qt) = jax.device_get(tensor_sums(x)), jax.device_get(tensor_sums(x.T))
     assert float(s) == pytest.approx(float(st), rel=1e-6) and float(q) == pytest.approx(float(qt), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("lora", "scan", "param_dtype"), [(0, False, None), (4, True, None), (0, True, "bfloat16")]
+)
+def test_an_update_holds_at_most_the_planned_copies_in_flight(tiny_ckpt, lora, scan, param_dtype):
+    """What the memory plan's ``staging`` counts (``memplan.STAGING_COPIES`` x the largest engine
+    tensor): at every tensor's high point, the live arrays beyond the engine's leaves and the
+    trainer's state are at most that many copies of the largest leaf: the trainer's export (a
+    merged LoRA kernel, a stacked layer's row, params stored in another dtype cast to the
+    engine's) and the engine's placed copy."""
+    from mllm_rl.backends.jax.memplan import STAGING_COPIES
+    from mllm_rl.backends.jax.options import ModelOptions
+    from mllm_rl.backends.jax.trainer import JaxTrainer
+    from mllm_rl.trainer import TrainConfig
+
+    md = ModelDir.open(tiny_ckpt)
+    t = JaxTrainer(md, TrainConfig(lora_rank=lora), ModelOptions(scan_layers=scan, param_dtype=param_dtype))
+    leaves, engine = _engine_like(md)
+    assert {x.dtype for x in leaves} == {jnp.dtype(t.export_dtype)}  # the engine holds what is exported
+    largest = max(x.nbytes for x in leaves)
+
+    def live() -> int:  # the per-tensor sums (2 scalars each) are not staging
+        return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted() and a.size > 2)
+
+    base, extra = live(), []
+    engine.stream(t.export_weights(full=True), on_tensor=lambda name, nbytes: extra.append(live() - base))
+    assert len(extra) == len(md.tensors)
+    assert 0 < max(extra) <= STAGING_COPIES * largest, (max(extra), largest)
