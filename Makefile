@@ -21,18 +21,17 @@ setup: venv-jax venv-torch
 run: venv-$(BACKEND)
 	.venv-$(BACKEND)/bin/python -m mllm_rl.run --backend $(BACKEND) $(ARGS)
 
-## test: ruff (lint + format) + the whole pytest suite (CPU): core/jax/tpu tests in .venv-jax, torch tests in .venv-torch
+## test: ruff (lint + format) + the whole pytest suite (CPU): core/jax/tpu tests in .venv-jax and torch tests
+## in .venv-torch, both at once (scripts/run_tests.sh)
 test: venv-jax venv-torch
 	@command -v shellcheck >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && { apt-get update -qq >/dev/null && apt-get install -y -qq shellcheck >/dev/null; } || echo "[test] shellcheck not installed: its test will skip"; }
 	$(PY_JAX) -m ruff check . && $(PY_JAX) -m ruff format --check .
-	$(PY_JAX) -m pytest -q tests/core tests/jax tests/tpu
-	$(PY_TORCH) -m pytest -q tests/torch
+	scripts/run_tests.sh
 
 ## test-fast: ruff + every test not marked slow (no engine, no whole run starts), in both venvs
 test-fast: venv-jax venv-torch
 	$(PY_JAX) -m ruff check . && $(PY_JAX) -m ruff format --check .
-	$(PY_JAX) -m pytest -q -m "not slow" tests/core tests/jax tests/tpu
-	$(PY_TORCH) -m pytest -q -m "not slow" tests/torch
+	scripts/run_tests.sh -m "not slow"
 
 lint: venv-jax
 	$(PY_JAX) -m ruff check . && $(PY_JAX) -m ruff format --check .

@@ -59,7 +59,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mllm_rl.engine import (
@@ -149,7 +148,9 @@ def rollout_lease_phases(opts: LifecycleOptions, work: str = "rollout") -> list[
 
 
 RolloutFn = Callable[[ManagedEngine, int], tuple[RolloutBatch, dict[str, Any]]]
-SaveFn = Callable[[int], Path | None]
+# The ``checkpoint`` phase's work at a step; returns the phase's info (``saved``, ``path``, ...:
+# ``mllm_rl.checkpoint.writer.Checkpointer``).
+SaveFn = Callable[[int], dict[str, Any]]
 
 
 def colocate(
@@ -399,8 +400,7 @@ class Colocated:
             if probe:
                 self._expected_probe = self.trainer.greedy(list(self.opts.probe_ids), self.opts.probe_tokens)
         with self._phase("checkpoint", step) as ph:
-            path = save(step) if save is not None else None
-            ph.info.update(saved=path is not None, path=str(path) if path else None)
+            ph.info.update(save(step) if save is not None else {"saved": False, "path": None})
         self._offload_optimizer(step)
         return train
 

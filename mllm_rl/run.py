@@ -225,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint every N steps, and always the last step; 0 = never",
     )
     rl.add_argument(
+        "--checkpoint-sync",
+        action="store_true",
+        help="write each checkpoint inside its checkpoint phase (default: a trainer that can copy its state "
+        "to host memory, torch, has the copy written in the background; it counts once written)",
+    )
+    rl.add_argument(
         "--resume",
         action="store_true",
         help="continue --run-dir/--run-id from its newest valid checkpoint (appends to its phase log); "

@@ -10,7 +10,9 @@ primitives the colocated lifecycle (``mllm_rl.lifecycle``) drives:
 - ``export_weights(full)``: a ``WeightExport`` of HF-named tensors, streamed (full: every
   weight; partial: only what training changed, e.g. LoRA-merged linear layers);
 - ``weights_fingerprint(names)``: (sum, sumsq) of what ``export_weights`` would send;
-- ``save(dir)`` / ``restore(dir)``: params + optimizer state.
+- ``save(dir)`` / ``restore(dir)``: params + optimizer state;
+- ``snapshot()``: that state copied into host memory, for a background write
+  (``mllm_rl.checkpoint.writer``), or ``None`` when the trainer saves only in place.
 """
 
 from __future__ import annotations
@@ -93,6 +95,16 @@ def train_metrics(
     }
 
 
+class TrainerSnapshot(Protocol):
+    """A trainer's saved state, copied into host memory (``Trainer.snapshot``)."""
+
+    nbytes: int  # host bytes the copy holds until it is written and dropped
+
+    def write(self, path: Path) -> None:
+        """Write into ``path`` the files ``Trainer.save`` writes (safe on another thread)."""
+        ...
+
+
 class Trainer(Protocol):
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """One RL step; returns ``TRAIN_METRICS`` (built by ``train_metrics``)."""
@@ -132,6 +144,16 @@ class Trainer(Protocol):
         """(sum, sumsq) of the exported tensors (all, or ``names``)."""
         ...
 
-    def save(self, path: Path) -> None: ...
+    def save(self, path: Path) -> None:
+        """Write params and optimizer state into the directory ``path`` (both resident)."""
+        ...
 
-    def restore(self, path: Path) -> None: ...
+    def snapshot(self) -> TrainerSnapshot | None:
+        """What ``save`` writes, copied into host memory now (both resident): later train steps,
+        offloads and onloads do not change it, so another thread may write it while the run goes
+        on. ``None``: this trainer saves only in place (the ``checkpoint`` phase calls ``save``)."""
+        ...
+
+    def restore(self, path: Path) -> None:
+        """Load what ``save`` wrote (both resident)."""
+        ...

@@ -2,14 +2,33 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _jax_compilation_cache() -> None:
+    """One JAX persistent compilation cache for the session, set before anything imports jax and
+    inherited by every ``python -m mllm_rl.run`` a test starts: the tiny model's functions (the
+    trainer's and sglang-jax's) are compiled once per session instead of once per run. Every
+    entry is cached (no minimum compile time or size). A cache the caller set is kept as it is."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    cache = tempfile.mkdtemp(prefix="mllm-rl-tests-jax-cache-")
+    atexit.register(shutil.rmtree, cache, True)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")  # fmt: skip
+
+
+_jax_compilation_cache()
 
 
 @pytest.fixture(autouse=True)

@@ -334,6 +334,20 @@ class FakeEngine:
         self.resident.clear()
 
 
+class FakeSnapshot:
+    """``FakeTrainer.snapshot``: a host copy of the weights, written as ``save`` writes them
+    (after ``gate``, when given, is set)."""
+
+    def __init__(self, weights: dict[str, np.ndarray], gate: threading.Event | None = None) -> None:
+        self.weights, self.gate = weights, gate
+        self.nbytes = nbytes(weights)
+
+    def write(self, path: Path) -> None:
+        if self.gate is not None and not self.gate.wait(30):
+            raise TimeoutError("snapshot gate never opened")
+        np.savez(Path(path) / "weights.npz", **self.weights)
+
+
 class FakeTrainer:
     """``Trainer`` on a ``FakeDevice``: params (``nbytes`` of the weights) and AdamW-like optimizer
     state (twice that) are on the device or on the host, with exact bytes.
@@ -341,7 +355,9 @@ class FakeTrainer:
     ``lora=True`` trains only ``LORA_NAMES`` and exports only them unless asked for the full
     weights (what a LoRA trainer exports: the merged adapted layers). Knobs: ``offload_noop``
     (the params offload moves nothing, like the ``offload_noop`` fault), ``stale_fingerprint``
-    (its fingerprint is of the weights before the last step: what it claims != what it sends).
+    (its fingerprint is of the weights before the last step: what it claims != what it sends),
+    ``snapshots`` (``snapshot()`` copies the weights for a background write; ``False``: saves only
+    in place), ``snapshot_gate`` (each snapshot's write waits for this event first).
     """
 
     def __init__(
@@ -352,8 +368,11 @@ class FakeTrainer:
         lr: float = 0.01,
         offload_noop: bool = False,
         stale_fingerprint: bool = False,
+        snapshots: bool = True,
+        snapshot_gate: threading.Event | None = None,
     ) -> None:
         self.device = device
+        self.snapshots, self.snapshot_gate = snapshots, snapshot_gate
         self.weights = {n: w.copy() for n, w in (weights or initial_weights()).items()}
         self.lora, self.lr = lora, lr
         self.offload_noop, self.stale_fingerprint = offload_noop, stale_fingerprint
@@ -433,7 +452,15 @@ class FakeTrainer:
         return fingerprint(self._before_step if self.stale_fingerprint else self.weights, names)
 
     def save(self, path: Path) -> None:
+        self._need(PARAMS, OPTIMIZER, op="save")
         np.savez(Path(path) / "weights.npz", **self.weights)
+
+    def snapshot(self) -> FakeSnapshot | None:
+        """A copy of the weights a background thread writes (``None`` with ``snapshots=False``)."""
+        if not self.snapshots:
+            return None
+        self._need(PARAMS, OPTIMIZER, op="snapshot")
+        return FakeSnapshot({n: w.copy() for n, w in self.weights.items()}, self.snapshot_gate)
 
     def restore(self, path: Path) -> None:
         with np.load(Path(path) / "weights.npz") as f:

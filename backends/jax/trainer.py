@@ -336,6 +336,10 @@ class JaxTrainer:
         ckpt.save(target, {"trainable": self.trainable, "opt_state": self.opt_state})
         ckpt.wait_until_finished()
 
+    def snapshot(self) -> None:
+        """None: orbax writes the device arrays in place, in the ``checkpoint`` phase (``save``)."""
+        return None
+
     def restore(self, path: Path) -> None:
         import orbax.checkpoint as ocp
 

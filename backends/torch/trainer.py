@@ -309,20 +309,34 @@ class TorchTrainer:
         return {n: (float(s[0]), float(s[1])) for n, s in sums.items()}
 
     # -- checkpoints ---------------------------------------------------------------------
+    def _state(self, copy: Any) -> dict[str, Any]:
+        """What ``save`` writes, each tensor passed through ``copy``: the trainable params and the
+        optimizer state (``state_dict`` with its tensors), the LoRA rank and the step."""
+        opt = self.optimizer.state_dict()
+        opt["state"] = {
+            i: {k: copy(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+            for i, st in opt["state"].items()
+        }
+        return {
+            "lora_rank": self.cfg.lora_rank,
+            "trainable": {n: copy(p.detach()) for n, p in self.trainable.items()},
+            "optimizer": opt,
+            "step": self.step,
+        }
+
     def save(self, path: Path) -> None:
         """``<path>/state.pt``: the trainable params and the optimizer state (written to a
         temporary name, then renamed). The LoRA base is not saved: it is the run's ``--model``."""
         self._need(PARAMS, OPTIMIZER)
-        target = Path(path) / STATE_FILE
-        tmp = target.with_name(f".{STATE_FILE}.tmp")
-        state = {
-            "lora_rank": self.cfg.lora_rank,
-            "trainable": {n: p.detach() for n, p in self.trainable.items()},
-            "optimizer": self.optimizer.state_dict(),
-            "step": self.step,
-        }
-        torch.save(state, tmp)
-        os.replace(tmp, target)
+        _write_state(self._state(lambda t: t), Path(path))
+
+    @torch.no_grad()
+    def snapshot(self) -> StateSnapshot:
+        """``save``'s state copied into (CPU) host memory: a background thread may write it while
+        the next steps train, offload and onload (``mllm_rl.checkpoint.writer``)."""
+        self._need(PARAMS, OPTIMIZER)
+        state = self._state(lambda t: t.detach().to("cpu", copy=True))
+        return StateSnapshot(state)
 
     def restore(self, path: Path) -> None:
         """Load what ``save`` wrote (params and optimizer must be resident)."""
@@ -349,6 +363,27 @@ class TorchTrainer:
                 if isinstance(v, torch.Tensor):
                     st[k] = v.clone()
         self.step = int(state.get("step", 0))
+
+
+def _write_state(state: dict[str, Any], path: Path) -> None:
+    """``torch.save`` of ``state`` to ``path/state.pt`` through a temporary name."""
+    target = path / STATE_FILE
+    tmp = target.with_name(f".{STATE_FILE}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, target)
+
+
+class StateSnapshot:
+    """A ``TorchTrainer.snapshot``: host tensors only, written as ``save`` writes them."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+        tensors = [*state["trainable"].values(),
+                   *(v for st in state["optimizer"]["state"].values() for v in st.values() if isinstance(v, torch.Tensor))]  # fmt: skip
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+    def write(self, path: Path) -> None:
+        _write_state(self.state, Path(path))
 
 
 def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:

@@ -112,10 +112,14 @@ def _median(xs: Sequence[float | None]) -> float | None:
 def other_share_at_cadence(use: Sequence[Step], every: int) -> float | None:
     """The non-rollout, non-train share had each save's ``checkpoint`` seconds been spread over
     ``every`` steps (a checkpoint every ``every`` steps, as ``mllm_rl.run`` saves by default), median
-    over ``use``: derived from steps that saved, ``None`` when none did."""
+    over ``use``: derived from steps that saved, ``None`` when none did, or when a save was written
+    in the background (its cost is then also in the phases it overlapped: not derivable; measure
+    the cadence itself and read ``other_share_total``)."""
+    if any(s.info.get(CHECKPOINT, {}).get("background") for s in use):
+        return None
     shares = []
     for s in use:
-        if not s.info.get(CHECKPOINT, {}).get("saved"):
+        if not s.info.get(CHECKPOINT, {}).get("path"):  # no save begun (in the phase or in the background)
             continue
         ck = s.seconds[CHECKPOINT]
         wall = s.wall_s - ck + ck / every
@@ -164,12 +168,17 @@ def analyse(
         "first_step_s": round(first[0].wall_s, 6) if first else None,
         "first_over_median": round(first[0].wall_s / step_med, 3) if first and step_med > 0 else None,
         "other_share_median": round(statistics.median(other), 6),
+        # time-weighted over the counted steps: the share of the whole run's step time
+        "other_share_total": round(
+            sum(o * s.wall_s for o, s in zip(other, use, strict=True)) / sum(s.wall_s for s in use), 6
+        ),
+        "checkpoints_background": sum(bool(s.info.get(CHECKPOINT, {}).get("background")) for s in use),
         "other_s_median": round(statistics.median(o * s.wall_s for o, s in zip(other, use, strict=True)), 6),
         "cadence": cadence,
         "other_share_at_cadence": other_share_at_cadence(use, cadence) if cadence else None,
         "phases": phases,
         "update": _update_detail(use),
-        "checkpoints_saved": sum(bool(s.info.get("checkpoint", {}).get("saved")) for s in use),
+        "checkpoints_saved": sum(bool(s.info.get(CHECKPOINT, {}).get("path")) for s in use),
     }
 
 

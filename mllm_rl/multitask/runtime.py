@@ -31,7 +31,7 @@ from mllm_rl.lifecycle import (
 from mllm_rl.multitask.schedule import FINAL, ROLLOUT, SETUP, TRAIN, Lease, TaskSteps
 from mllm_rl.multitask.spec import TaskSpec
 from mllm_rl.phases.recorder import PhaseRecorder
-from mllm_rl.plans.rl import PROBE_PROMPT, _saver, checkpoint_meta, evaluate, make_rollout, size_engine
+from mllm_rl.plans.rl import PROBE_PROMPT, checkpoint_meta, checkpointer, evaluate, make_rollout, size_engine
 from mllm_rl.tasks import get_task
 
 ENGINE_READY = "engine_ready_dummy"
@@ -166,9 +166,11 @@ class RLTask:
         self.life = colocate(self.backend, engine, self.rec, self.lifecycle, make_trainer,
                              lora_rank=self.opts.train.lora_rank)  # fmt: skip
         self.life.park()
-        save = _saver(self.life.trainer, self.dir, self.backend.name, self.opts)
+        # in the train lease itself: a task's lease ends with everything it began written
+        save = checkpointer(self.life.trainer, self.dir, self.backend.name, self.opts,
+                            background=not self.opts.checkpoint_sync)  # fmt: skip
 
-        def save_checked(step: int) -> Path | None:
+        def save_checked(step: int) -> dict[str, Any]:
             if fault(f"checkpoint_fails:{self.name}:{step}"):  # a full disk, in one task only
                 raise OSError(f"checkpoint of task {self.name!r} step {step} could not be written (injected)")
             return save(step)

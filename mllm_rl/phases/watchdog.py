@@ -37,7 +37,7 @@ DEFAULT_LIMIT_S = 1800.0
 # LIGHT_FACTOR of it.
 HEAVY_PHASES = frozenset({
     "wandb_init", "jax_ready", "torch_ready", "engine_ready_dummy", "trainer_init", "weights_swapped",
-    "rollout", "train_step", "checkpoint", "update_weights", "check_weights", "generate_result",
+    "rollout", "train_step", "checkpoint", "checkpoint_flush", "update_weights", "check_weights", "generate_result",
 })  # fmt: skip
 LIGHT_FACTOR = 0.25
 WAKE_SIGNAL = signal.SIGUSR2

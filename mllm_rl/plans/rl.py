@@ -13,23 +13,23 @@ Then ``steps`` colocated steps (``mllm_rl.lifecycle``: rollout ... continue_gene
 a final ``generate_result`` (greedy completions of held-out prompts and their reward).
 
 Data is a pure function of ``(seed, step)``, so a resumed run sees the prompts it would
-have seen; checkpoints are written in the ``checkpoint`` phase of a step and are complete
-only once their ``meta.json`` exists.
+have seen; checkpoints are begun in the ``checkpoint`` phase of a step (written there, or from a
+host snapshot in the background: ``mllm_rl.checkpoint.writer``), are complete only once their
+``meta.json`` exists, and ``checkpoint_flush`` waits for the last write before the final phase.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mllm_rl.backend import Backend
-from mllm_rl.checkpoint.resolve import CKPT_DIR, RLCheckpoint, rl_checkpoint_dirs, write_meta
+from mllm_rl.checkpoint.resolve import RLCheckpoint
+from mllm_rl.checkpoint.writer import Checkpointer
 from mllm_rl.engine import ABORT, EngineOptions, SamplingParams
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.faults import fault
@@ -46,7 +46,7 @@ from mllm_rl.tasks import Task, get_task
 from mllm_rl.trainer import TrainConfig
 
 SETUP_PHASES = ["wandb_init", "{ready}", "engine_ready_dummy", *LIFECYCLE_SETUP]
-FINAL_PHASES = ["generate_result"]
+FINAL_PHASES = ["checkpoint_flush", "generate_result"]
 PROBE_PROMPT = "abcabcab"
 KEEP_CHECKPOINTS = 2
 DEFAULT_RUNNING = 128  # requests per batch when sizing the KV cache of an unset --max-running-requests
@@ -66,6 +66,7 @@ class RLOptions:
     task_data: str | None = None
     eval_prompts: int = 16
     checkpoint_every: int = 5  # 0 = never; otherwise every N steps and always the last one
+    checkpoint_sync: bool = False  # True: write in the checkpoint phase even if the trainer can snapshot
     resume_from: RLCheckpoint | None = None  # verified by the caller (``find_resumable``)
     seed: int = 0
     platform: str = "auto"
@@ -108,27 +109,14 @@ def checkpoint_meta(backend: str, opts: RLOptions) -> dict[str, Any]:
     return {"seed": opts.seed, "backend": backend, "lora_rank": opts.train.lora_rank}
 
 
-def _saver(trainer: Any, run_dir: Path, backend: str, opts: RLOptions) -> Callable[[int], Path | None]:
+def checkpointer(
+    trainer: Any, run_dir: Path, backend: str, opts: RLOptions, background: bool
+) -> Checkpointer:
     """The ``checkpoint`` phase's work: save on the cadence (and the last step), then the manifest
-    (sizes and sha256 of every file) in ``meta.json``; keeps the newest ``KEEP_CHECKPOINTS``."""
-
-    def save(step: int) -> Path | None:
-        last = step == opts.steps - 1
-        every = opts.checkpoint_every
-        if every == 0 or not ((step + 1) % every == 0 or last):
-            return None
-        path = run_dir / CKPT_DIR / f"step_{step:06d}"
-        if path.exists():
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
-        trainer.save(path)
-        # the checkpoint counts from here on (meta.json with the manifest, written last)
-        write_meta(path, {"step": step, **checkpoint_meta(backend, opts)})
-        for old in rl_checkpoint_dirs(run_dir)[KEEP_CHECKPOINTS:]:
-            shutil.rmtree(old, ignore_errors=True)
-        return path
-
-    return save
+    (sizes and sha256 of every file) in ``meta.json``; keeps the newest ``KEEP_CHECKPOINTS``.
+    ``background``: from the trainer's host snapshot on another thread, when it has one."""
+    return Checkpointer(trainer, run_dir, {**checkpoint_meta(backend, opts)}, opts.checkpoint_every, opts.steps,
+                        KEEP_CHECKPOINTS, background)  # fmt: skip
 
 
 # -- rollout -----------------------------------------------------------------------------
@@ -238,16 +226,22 @@ def run_rl(ctx: PlanRun, opts: RLOptions) -> dict[str, Any]:
     ctx.on_started()
 
     rollout = make_rollout(task, tok, opts, eos)
-    save = _saver(life.trainer, ctx.run_dir, backend.name, opts)
+    save = checkpointer(life.trainer, ctx.run_dir, backend.name, opts, background=not opts.checkpoint_sync)
     history = []
-    with progress_bar(total=opts.steps, desc="rl", unit="step") as bar:
-        bar.update(first_step)
-        for step in range(first_step, opts.steps):
-            metrics = life.step(step, rollout, save)
-            rec.log_metrics(step, {k: v for k, v in metrics.items() if k != "sample"})
-            history.append({"step": step, **metrics})
-            bar.update(1)
-            bar.set_postfix_str(f"reward {metrics['reward_mean']:.3f}")
+    try:
+        with progress_bar(total=opts.steps, desc="rl", unit="step") as bar:
+            bar.update(first_step)
+            for step in range(first_step, opts.steps):
+                metrics = life.step(step, rollout, save)
+                rec.log_metrics(step, {k: v for k, v in metrics.items() if k != "sample"})
+                history.append({"step": step, **metrics})
+                bar.update(1)
+                bar.set_postfix_str(f"reward {metrics['reward_mean']:.3f}")
+        with rec.phase("checkpoint_flush") as ph:
+            ph.info["written"] = save.flush()
+    except BaseException:
+        save.abandon()  # a checkpoint begun before the failure is still completed (and resumable)
+        raise
     with rec.phase("generate_result") as ph:
         ph.info.update(evaluate(engine, task, tok, opts, eos))
     return {"first_step": first_step, "history": history, "eval": ph.info}
@@ -271,7 +265,8 @@ class RLPlan(Plan):
             steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
             max_new_tokens=args.max_new_tokens or 8, temperature=args.temperature, top_p=args.top_p,
             estimator=args.estimator, task=args.task, task_data=args.task_data,
-            checkpoint_every=args.checkpoint_every, seed=args.seed, platform=platform, engine=engine, train=train,
+            checkpoint_every=args.checkpoint_every, checkpoint_sync=args.checkpoint_sync, seed=args.seed,
+            platform=platform, engine=engine, train=train,
             lifecycle=LifecycleOptions(schedule=args.schedule, check_weights=args.check_weights),
         )  # fmt: skip
 
@@ -325,6 +320,7 @@ class RLPlan(Plan):
             "prompts_per_step": opts.prompts_per_step,
             "train": dataclasses.asdict(opts.train),
             "checkpoint_every": opts.checkpoint_every,
+            "checkpoint_sync": opts.checkpoint_sync,
         }
 
     def run(self, ctx: PlanRun, opts: RLOptions) -> dict[str, Any]:

@@ -175,7 +175,11 @@ def _check_steps(atts: list[Attempt], exp: Expected, plan_steps: bool, mk: Make)
                 continue
             what = f"stopped after {_last_phase(names)}: missing {', '.join(_named(f) for f in stopped)}"
             resumed_after = [b.number for b in atts if b.number > a.number and s + 1 in b.steps()]
-            if not a.is_last and _checkpointed(a, s) and resumed_after:
+            if (
+                not a.is_last
+                and resumed_after
+                and (_checkpointed(a, s) or _restored(atts, resumed_after[0], s))
+            ):
                 # killed after the step's checkpoint: the next attempt restored it and went on
                 issues.append(
                     mka(
@@ -213,9 +217,27 @@ def _check_steps(atts: list[Attempt], exp: Expected, plan_steps: bool, mk: Make)
     return issues
 
 
+def _restored(atts: list[Attempt], number: int, step: int) -> bool:
+    """Did attempt ``number`` restore the checkpoint of ``step`` (``trainer_init``'s
+    ``info.restored_from``)? A checkpoint written in the background may have ended after the
+    last record of the attempt that began it."""
+    name = f"step_{step:06d}"
+    return any(
+        r["phase"] == "trainer_init" and str(r["info"].get("restored_from") or "").rstrip("/").endswith(name)
+        for b in atts
+        if b.number == number
+        for r in b.records
+    )
+
+
 def _checkpointed(a: Attempt, step: int) -> bool:
-    """Did ``a`` save a checkpoint in ``step`` (an RL ``checkpoint`` phase with ``info.saved``)?"""
-    return any(r["step"] == step and r["phase"] == "checkpoint" and r["info"].get("saved") for r in a.records)
+    """Did ``a`` save a checkpoint of ``step``: its ``checkpoint`` phase with ``info.saved``, or a
+    background write of it recorded as ended (in a later record's ``info.written``)?"""
+    return any(
+        (r["step"] == step and r["phase"] == "checkpoint" and r["info"].get("saved"))
+        or any(isinstance(w, dict) and w.get("step") == step for w in r["info"].get("written") or ())
+        for r in a.records
+    )
 
 
 def _check_records(atts: list[Attempt], mk: Make) -> list[Issue]:

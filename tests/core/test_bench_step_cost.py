@@ -44,7 +44,12 @@ def slow_rollout(engine: ManagedEngine, step: int) -> tuple[Any, dict[str, Any]]
 
 
 def record_run(
-    run_dir: Path, steps: range, fail_train_at: int | None = None, sample: bool = False, save_s: float = 0.0
+    run_dir: Path,
+    steps: range,
+    fail_train_at: int | None = None,
+    sample: bool = False,
+    save_s: float = 0.0,
+    background: bool = False,
 ) -> list[str]:
     """Setup + ``steps`` of the real lifecycle on the fakes, appended to ``run_dir/phases.jsonl``
     (a second call is a resumed attempt), plus the ``run.json`` fields the script reads."""
@@ -69,12 +74,14 @@ def record_run(
         return t, {}
 
     life_step = [-1]
+    saved = {"saved": False, "background": True} if background else {"saved": True}
     life = colocate(FakeBackend(), engine, rec, opts, make_trainer)
     life.first_sync()
     try:
         for s in steps:
             life_step[0] = s
-            life.step(s, slow_rollout, save=(lambda step: time.sleep(save_s) or run_dir) if save_s else None)
+            save = (lambda step: time.sleep(save_s) or {**saved, "path": str(run_dir)}) if save_s else None
+            life.step(s, slow_rollout, save=save)
     finally:
         rec.close()
     meta = {"plan": "rl", "backend": "fake", "expected_step_phases": step_phases(opts),
@@ -132,6 +139,28 @@ def test_the_share_with_a_checkpoint_every_n_steps_spreads_each_save_over_n(tmp_
     assert a["other_share_at_cadence"] == pytest.approx(np.median(want), abs=1e-6)
     assert a["other_share_at_cadence"] < a["other_share_median"]  # a 0.1 s save, a fifth of it per step
     assert analyse(records, expected)["other_share_at_cadence"] is None  # not asked for
+    others = [
+        w * (1 - by_s["rollout"] / w - by_s["train_step"] / w)
+        for by_s, w in _per_step(records, _walls(records))
+    ]
+    assert a["other_share_total"] == pytest.approx(sum(others) / sum(_walls(records)), abs=1e-6)
+
+
+def _walls(records: list[dict[str, Any]]) -> list[float]:
+    return [
+        max(r["t_end"] for r in records if r["step"] == s)
+        - min(r["t_start"] for r in records if r["step"] == s)
+        for s in (1, 2)
+    ]
+
+
+def test_a_background_save_is_not_spread_over_the_cadence(tmp_path):
+    """A save written in the background costs in the phases it overlaps too: the cadence figure is
+    not derived from it (``None``); the time-weighted share over the counted steps still is."""
+    expected = record_run(tmp_path, range(3), save_s=0.05, background=True)
+    a = analyse(read_jsonl(tmp_path / "phases.jsonl"), expected, cadence=5)
+    assert (a["checkpoints_saved"], a["checkpoints_background"]) == (2, 2)
+    assert a["other_share_at_cadence"] is None and 0 < a["other_share_total"] < 1
 
 
 def _per_step(records: list[dict[str, Any]], walls: list[float]):

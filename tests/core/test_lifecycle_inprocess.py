@@ -623,14 +623,14 @@ def test_checkpoint_phase_saves_through_the_callback(tmp_path):
     r = make_rig().setup()
     saved: list[Path] = []
 
-    def save(step: int) -> Path | None:
+    def save(step: int) -> dict:
         if step != 1:
-            return None
+            return {"saved": False, "path": None}
         path = tmp_path / f"step_{step}"
         path.mkdir()
         r.trainer.save(path)
         saved.append(path)
-        return path
+        return {"saved": True, "path": str(path)}
 
     for s in range(2):
         r.life.step(s, rollout, save)

@@ -114,6 +114,41 @@ def test_resume_from_the_checkpoint_of_the_interrupted_step_is_a_note(tmp_path):
     assert "after its checkpoint" in note.message and "attempt 2 resumed from it" in note.message
 
 
+def _background_checkpoint(run, step: int, written_in: str | None = None, restored_in: int | None = None):
+    """Rewrite the phase log: ``step``'s checkpoint begun in the background (not yet saved); its
+    end recorded in ``written_in``'s info (same step) and/or restored by attempt ``restored_in``."""
+    path = run / "phases.jsonl"
+    recs, attempt = read_lines(path), 0
+    for r in recs:
+        if r["phase"] == "wandb_init" and r["step"] is None:
+            attempt += 1
+        if r["step"] == step and r["phase"] == "checkpoint" and attempt == 1:
+            r["info"] = {"saved": False, "background": True, "path": f"ckpt/step_{step:06d}"}
+        if r["step"] == step and r["phase"] == written_in and attempt == 1:
+            r["info"]["written"] = [{"step": step, "path": f"ckpt/step_{step:06d}", "seconds": 1.0}]
+        if r["phase"] == "engine_ready" and attempt == restored_in:
+            r["info"]["restored_from"] = f"ckpt/step_{step:06d}"
+            r["phase"] = "trainer_init"
+    write_lines(path, recs)
+
+
+def test_a_background_checkpoint_counts_once_recorded_written_or_restored(tmp_path):
+    """Killed after step 1's checkpoint phase began a background write: the step is covered only
+    if the write was recorded as ended, or the next attempt restored that checkpoint."""
+    attempts = [(0, (1, "offload_optimizer")), (2, None)]
+    lost = write_rl_run(tmp_path / "lost", processes=1, steps=3, attempts=attempts)
+    _background_checkpoint(lost, 1)
+    assert [(e.kind, e.step) for e in errors(build_report([lost]))] == [("incomplete_step", 1)]
+    for name, kw in (("written", {"written_in": "offload_optimizer"}), ("restored", {"restored_in": 2})):
+        run = write_rl_run(tmp_path / name, processes=1, steps=3, attempts=attempts)
+        _background_checkpoint(run, 1, **kw)
+        result = build_report([run])
+        (note,) = [i for i in result.issues if i.kind == "interrupted"]
+        assert (note.step, note.severity) == (1, "info") and "after its checkpoint" in note.message, name
+        if name == "written":
+            assert errors(result) == []
+
+
 def test_resumed_attempt_is_still_checked(tmp_path):
     run = write_rl_run(
         tmp_path / "run",

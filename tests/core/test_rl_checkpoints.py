@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mllm_rl.checkpoint.model_dir import CheckpointError
 from mllm_rl.checkpoint.resolve import find_resumable, rl_checkpoint_dirs, verify_rl_checkpoint, write_meta
 from mllm_rl.plans.preflight import resolve_resume
-from mllm_rl.plans.rl import RLOptions, _saver
+from mllm_rl.plans.rl import RLOptions, checkpointer
+from tests.fakes import FakeDevice, FakeTrainer, fingerprint, nbytes
 
 
 def ckpt(run_dir: Path, step: int, manifest: bool = True, **meta) -> Path:
@@ -115,22 +119,108 @@ def test_resume_targets(tmp_path):
 
 
 class StateWriter:
-    """Stands in for a trainer's ``save`` (the saver's contract: it writes files into the directory)."""
+    """Stands in for a trainer's ``save`` (the saver's contract: it writes files into the directory);
+    it has no ``snapshot``: it saves only in place."""
 
     def save(self, path: Path) -> None:
         (path / "state.bin").write_bytes(os.urandom(1000))
 
+    def snapshot(self) -> None:
+        return None
+
+
+def saver(trainer, run_dir: Path, steps: int, every: int, background: bool = True):
+    return checkpointer(trainer, run_dir, "jax", RLOptions(steps=steps, checkpoint_every=every), background)
+
 
 def test_saver_keeps_its_cadence_the_last_step_and_two_verified_checkpoints(tmp_path):
-    opts = RLOptions(steps=7, checkpoint_every=3)
-    save = _saver(StateWriter(), tmp_path, "jax", opts)
-    saved = [step for step in range(7) if save(step) is not None]
-    assert saved == [2, 5, 6]  # every 3rd step, and the last
+    save = saver(StateWriter(), tmp_path, steps=7, every=3)
+    infos = [save(step) for step in range(7)]
+    assert [s for s, i in enumerate(infos) if i["saved"]] == [2, 5, 6]  # every 3rd step, and the last
+    assert [i["path"] is not None for i in infos] == [i["saved"] for i in infos]
     assert [d.name for d in rl_checkpoint_dirs(tmp_path)] == ["step_000006", "step_000005"]
     for d in rl_checkpoint_dirs(tmp_path):
         assert verify_rl_checkpoint(d, {"backend": "jax", "lora_rank": 0}).verified
-    assert [
-        s
-        for s in range(3)
-        if _saver(StateWriter(), tmp_path, "jax", RLOptions(steps=3, checkpoint_every=0))(s)
-    ] == []
+    never = saver(StateWriter(), tmp_path / "never", steps=3, every=0)
+    assert [never(s)["saved"] for s in range(3)] == [False] * 3
+    assert not (tmp_path / "never").exists()
+
+
+def _weights_of(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path / "weights.npz") as f:
+        return {n: f[n].copy() for n in f.files}
+
+
+def test_a_background_write_counts_only_once_written_and_holds_the_state_of_its_step(tmp_path):
+    """The phase returns while the write waits (no meta.json: not resumable yet, not recorded as
+    saved); the trainer trains on; the checkpoint, once written, holds the snapshot's weights."""
+    gate = threading.Event()
+    trainer = FakeTrainer(FakeDevice(), snapshot_gate=gate)
+    save = saver(trainer, tmp_path, steps=2, every=1)
+    info = save(0)
+    assert (info["saved"], info["background"], info["snapshot_bytes"]) == (
+        False,
+        True,
+        nbytes(trainer.weights),
+    )
+    d = Path(info["path"])
+    assert find_resumable(tmp_path)[0] is None  # begun, not written: a kill now loses it
+    at_step_0 = {n: w.copy() for n, w in trainer.weights.items()}
+    for w in trainer.weights.values():  # the next step trains while the write is pending
+        w += 1.0
+    gate.set()
+    written = save.flush()
+    assert [(w["step"], w["path"]) for w in written] == [(0, str(d))] and written[0]["bytes"] == info[
+        "snapshot_bytes"
+    ]
+    assert verify_rl_checkpoint(d, {"backend": "jax"}).verified
+    assert fingerprint(_weights_of(d)) == fingerprint(at_step_0) != fingerprint(trainer.weights)
+    assert save.flush() == []  # nothing left to wait for
+
+
+def test_a_due_save_waits_for_the_write_before_it_and_records_it(tmp_path):
+    gate = threading.Event()
+    save = saver(FakeTrainer(FakeDevice(), snapshot_gate=gate), tmp_path, steps=4, every=2)
+    assert save(1)["background"]
+    assert "written" not in save(2)  # not due: does not wait, the write is still running
+    threading.Timer(0.3, gate.set).start()
+    t0 = time.perf_counter()
+    info = save(3)  # due: one write at a time
+    assert time.perf_counter() - t0 >= 0.25
+    assert [w["step"] for w in info["written"]] == [1] and info["background"]
+    assert [w["step"] for w in save.flush()] == [3]
+    assert [d.name for d in rl_checkpoint_dirs(tmp_path)] == ["step_000003", "step_000001"]
+
+
+def test_without_a_snapshot_or_with_sync_the_phase_writes_the_checkpoint(tmp_path):
+    for trainer, background in ((FakeTrainer(FakeDevice(), snapshots=False), True),
+                                (FakeTrainer(FakeDevice()), False)):  # fmt: skip
+        run = tmp_path / str(background)
+        info = saver(trainer, run, steps=1, every=1, background=background)(0)
+        assert info["saved"] and "background" not in info
+        assert find_resumable(run)[0].step == 0
+
+
+class FailingSnapshot:
+    nbytes = 8
+
+    def write(self, path: Path) -> None:
+        (path / "weights.npz").write_bytes(b"part")
+        raise OSError(28, "No space left on device")
+
+
+class FailingWriter(StateWriter):
+    def snapshot(self) -> FailingSnapshot:
+        return FailingSnapshot()
+
+
+def test_a_failed_background_write_raises_where_collected_and_leaves_nothing_resumable(tmp_path):
+    save = saver(FailingWriter(), tmp_path, steps=2, every=1)
+    assert save(0)["background"]
+    with pytest.raises(OSError, match="No space left"):
+        save(1)
+    assert find_resumable(tmp_path)[0] is None
+    save = saver(FailingWriter(), tmp_path / "abandoned", steps=2, every=1)
+    save(0)
+    save.abandon()  # after another failure: waits, does not raise over it
+    assert save.flush() == []

@@ -5,6 +5,7 @@ thread each so that they share 2 cores without stalling each other):
 
 - ``full``: full fine-tune, ``multi_stage``, garbage guard on (later resumed for a third step);
 - ``lora_backup``: LoRA rank 4, engine weights CPU backup, ``naive`` schedule: partial updates;
+  checkpoints written in their phase (``--checkpoint-sync``; the others write in the background);
 - ``lora``: LoRA rank 4, no backup: every resumed engine is invalid, so the updates are full;
 - ``oom`` / ``offload_noop`` / ``reward_nan``: injected faults (``mllm_rl.faults``) that the run
   must report (``reward_nan``: a NaN reward makes the loss NaN; the run stops with exit 5).
@@ -34,7 +35,7 @@ SMALL = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-
          "--wandb", "disabled", "--check-weights", "--quiet", "--platform", "cpu"]  # fmt: skip
 RUNS = {
     "full": ["--checkpoint-every", "1"],
-    "lora_backup": ["--lora-rank", "4", "--weights-cpu-backup", "--schedule", "naive"],
+    "lora_backup": ["--lora-rank", "4", "--weights-cpu-backup", "--schedule", "naive", "--checkpoint-sync"],
     "lora": ["--lora-rank", "4"],
 }
 FAULTS = {  # run name: (MLLM_RL_FAULTS, extra flags)
@@ -83,10 +84,10 @@ def test_exits_clean_with_every_phase_in_order_and_schema_valid(runs, name):
     assert "Traceback" not in r.stderr
     plan = json.loads((run_dir / "run.json").read_text())
     assert plan["backend"] == "torch" and plan["steps"] == 2
-    setup, final = plan["expected_phases"][:-1], plan["expected_phases"][-1:]
+    setup, final = plan["expected_phases"][:-2], plan["expected_phases"][-2:]
     assert (
         setup[1] == "torch_ready"
-        and final == ["generate_result"]
+        and final == ["checkpoint_flush", "generate_result"]
         and "check_weights" in plan["expected_step_phases"]
     )
     recs = records(run_dir)
@@ -94,7 +95,7 @@ def test_exits_clean_with_every_phase_in_order_and_schema_valid(runs, name):
     assert [x["phase"] for x in recs] == want
     steps = [x["step"] for x in recs]
     n = len(plan["expected_step_phases"])
-    assert steps == [None] * len(setup) + [0] * n + [1] * n + [None]
+    assert steps == [None] * len(setup) + [0] * n + [1] * n + [None, None]
     for i, x in enumerate(recs):
         validate_record(x)
         assert x["backend"] == "torch"
@@ -207,6 +208,23 @@ def test_resume_restores_the_last_checkpoint_and_runs_the_remaining_step(runs, t
     assert [x["idx"] for x in recs] == list(range(len(recs)))  # the resumed attempt appends to the phase log
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2]
     assert (run_dir / "checkpoints" / "step_000002" / "state.pt").exists()
+
+
+def test_checkpoints_are_written_in_the_background_and_recorded_once_written(runs):
+    """``full`` saves steps 0 and 1 from host snapshots: each checkpoint phase begins a write
+    (not yet saved); step 0's end is recorded by step 1's checkpoint phase, step 1's by
+    ``checkpoint_flush``. ``lora_backup`` (``--checkpoint-sync``) saves its last step in the phase."""
+    recs = records(runs["full"][1])
+    ck = [c["info"] for c in by_phase(recs, "checkpoint")]
+    assert [(c["saved"], c.get("background")) for c in ck] == [(False, True), (False, True)]
+    assert all(c["snapshot_bytes"] > 0 for c in ck) and "written" not in ck[0]
+    assert [(w["step"], w["path"]) for w in ck[1]["written"]] == [(0, ck[0]["path"])]
+    (flush,) = by_phase(recs, "checkpoint_flush")
+    assert [(w["step"], w["path"]) for w in flush["info"]["written"]] == [(1, ck[1]["path"])]
+    assert flush["idx"] < by_phase(recs, "generate_result")[0]["idx"]
+    sync = [c["info"] for c in by_phase(records(runs["lora_backup"][1]), "checkpoint")]
+    assert [(c["saved"], c.get("background")) for c in sync] == [(False, None), (True, None)]
+    assert by_phase(records(runs["lora_backup"][1]), "checkpoint_flush")[0]["info"]["written"] == []
 
 
 def strict_json(text: str):

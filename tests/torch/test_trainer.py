@@ -283,6 +283,35 @@ def test_save_restore_round_trip(model_dir, tmp_path, lora_rank):
         other.restore(tmp_path / "missing")
 
 
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_a_snapshot_holds_the_state_of_its_moment_and_writes_what_save_writes(model_dir, tmp_path, lora_rank):
+    """What a background checkpoint writes: taken after step 1, written after the trainer trained,
+    offloaded and onloaded again, it restores step 1's params and optimizer state exactly."""
+    a = trainer(model_dir, lora_rank=lora_rank)
+    a.train_step(make_batch())
+    snap = a.snapshot()
+    p1, o1 = params(a), opt_state(a)
+    assert snap.nbytes == sum(t.numel() * t.element_size() for t in [*a.trainable.values(), *o1])
+    a.train_step(make_batch(seed=1))
+    a.offload([PARAMS, OPTIMIZER])
+    a.onload([PARAMS, OPTIMIZER])
+    for d in ("snap", "now"):
+        (tmp_path / d).mkdir()
+    snap.write(tmp_path / "snap")
+    a.save(tmp_path / "now")
+    b = trainer(model_dir, lora_rank=lora_rank)
+    b.restore(tmp_path / "snap")
+    assert_same(params(b), p1)
+    assert_same(opt_state(b), o1)
+    assert b.step == 1
+    c = trainer(model_dir, lora_rank=lora_rank)
+    c.restore(tmp_path / "now")
+    assert c.step == 2 and any(not torch.equal(params(c)[n], p1[n]) for n in p1)
+    a.offload([OPTIMIZER])
+    with pytest.raises(TrainerStateError, match="optimizer offloaded"):
+        a.snapshot()
+
+
 @pytest.mark.slow
 # -- the engine side -----------------------------------------------------------------
 @pytest.mark.parametrize("lora_rank", [0, 4])

@@ -1,0 +1,127 @@
+"""RL checkpoints on their cadence, written in the ``checkpoint`` phase or in the background.
+
+A trainer that can copy its state into host memory (``Trainer.snapshot()``: the torch trainer)
+has that copy written by one background thread while the run goes on, as asynchronous
+checkpointing does elsewhere (``torch.distributed.checkpoint.async_save``, orbax's
+``AsyncCheckpointer``): the ``checkpoint`` phase then costs the copy, not the write. Its price is
+host memory: the snapshot (the trainer's whole saved state) lives until its write ends.
+
+What does not change: a checkpoint counts only once its ``meta.json`` (the manifest of every file,
+``resolve.write_meta``) is written, last, and the run records a checkpoint as saved only then:
+
+- written in the phase (``sync``, or a trainer without ``snapshot``): the step's ``checkpoint``
+  phase says ``saved: true``;
+- written in the background: that phase says ``saved: false, background: true`` with its
+  ``path``; the write is recorded once it has ended, in ``info.written`` of a later
+  ``checkpoint`` phase or of the run's ``checkpoint_flush`` phase (which waits for it).
+
+One write at a time: a save that is due waits for the one before it (its phase time shows the
+wait). A background write that fails raises where it is collected, like a failed save in the
+phase. The newest ``keep`` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mllm_rl.checkpoint.resolve import CKPT_DIR, rl_checkpoint_dirs, write_meta
+
+
+@dataclass
+class _Write:
+    step: int
+    path: Path
+    t0: float
+    nbytes: int
+    thread: threading.Thread | None = None
+    seconds: float | None = None
+    error: BaseException | None = None
+
+
+class Checkpointer:
+    """Saves ``trainer`` into ``run_dir/checkpoints/step_<k>`` every ``every`` steps and at the
+    last of ``steps`` (``every`` 0: never); ``meta`` goes into each ``meta.json`` with the step.
+    ``background``: write through ``trainer.snapshot()`` when the trainer has one."""
+
+    def __init__(self, trainer: Any, run_dir: Path, meta: Mapping[str, Any], every: int, steps: int,
+                 keep: int, background: bool) -> None:  # fmt: skip
+        self.trainer, self.run_dir, self.meta = trainer, Path(run_dir), dict(meta)
+        self.every, self.steps, self.keep, self.background = every, steps, keep, background
+        self._pending: _Write | None = None
+
+    def due(self, step: int) -> bool:
+        """Is a checkpoint saved at ``step`` (every ``every`` steps, and the last step)?"""
+        return self.every > 0 and ((step + 1) % self.every == 0 or step == self.steps - 1)
+
+    def __call__(self, step: int) -> dict[str, Any]:
+        """The ``checkpoint`` phase's work at ``step``; returns the phase's info: ``saved`` (on
+        disk with its manifest now), ``path`` (the checkpoint begun, or None), ``background``,
+        ``snapshot_bytes`` and ``written`` (earlier background writes that have ended)."""
+        due = self.due(step)
+        info: dict[str, Any] = {}
+        written = self._collect(wait=due)
+        if written:
+            info["written"] = written
+        if not due:
+            return {"saved": False, "path": None, **info}
+        path = self.run_dir / CKPT_DIR / f"step_{step:06d}"
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        snap = self.trainer.snapshot() if self.background else None
+        if snap is None:
+            self.trainer.save(path)
+            self._finish(step, path)
+            return {"saved": True, "path": str(path), **info}
+        w = _Write(step, path, time.perf_counter(), int(snap.nbytes))
+        w.thread = threading.Thread(
+            target=self._write, args=(w, snap), name=f"checkpoint-{step}", daemon=True
+        )
+        w.thread.start()
+        self._pending = w
+        return {"saved": False, "path": str(path), "background": True, "snapshot_bytes": w.nbytes, **info}
+
+    def flush(self) -> list[dict[str, Any]]:
+        """Wait for the background write still running, if any; returns what ended (the
+        ``checkpoint_flush`` phase's ``written``); raises the write's error."""
+        return self._collect(wait=True)
+
+    def abandon(self) -> None:
+        """After a failure elsewhere: let a running write finish (its checkpoint is complete and
+        resumable) without raising its own error over the first one."""
+        w, self._pending = self._pending, None
+        if w is not None and w.thread is not None:
+            w.thread.join()
+
+    def _collect(self, wait: bool) -> list[dict[str, Any]]:
+        w = self._pending
+        if w is None or w.thread is None or (w.thread.is_alive() and not wait):
+            return []
+        w.thread.join()
+        self._pending = None
+        if w.error is not None:
+            raise w.error
+        return [
+            {"step": w.step, "path": str(w.path), "seconds": round(w.seconds or 0.0, 4), "bytes": w.nbytes}
+        ]
+
+    def _write(self, w: _Write, snap: Any) -> None:
+        try:
+            snap.write(w.path)
+            self._finish(w.step, w.path)
+        except BaseException as e:  # raised on the main thread where the write is collected
+            w.error = e
+        finally:
+            w.seconds = time.perf_counter() - w.t0
+
+    def _finish(self, step: int, path: Path) -> None:
+        # the checkpoint counts from here on (meta.json with the manifest, written last)
+        write_meta(path, {"step": step, **self.meta})
+        for old in rl_checkpoint_dirs(self.run_dir)[self.keep :]:
+            shutil.rmtree(old, ignore_errors=True)
