@@ -225,10 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint every N steps, and always the last step; 0 = never",
     )
     rl.add_argument(
-        "--checkpoint-sync",
+        "--checkpoint-background",
         action="store_true",
-        help="write each checkpoint inside its checkpoint phase (default: a trainer that can copy its state "
-        "to host memory, torch, has the copy written in the background; it counts once written)",
+        help="torch: copy the state to host memory in the checkpoint phase and write it in the background "
+        "(it counts once written; costs host memory the size of the state). Default: write in the phase",
     )
     rl.add_argument(
         "--resume",

@@ -1,16 +1,17 @@
 """RL checkpoints on their cadence, written in the ``checkpoint`` phase or in the background.
 
-A trainer that can copy its state into host memory (``Trainer.snapshot()``: the torch trainer)
-has that copy written by one background thread while the run goes on, as asynchronous
-checkpointing does elsewhere (``torch.distributed.checkpoint.async_save``, orbax's
-``AsyncCheckpointer``): the ``checkpoint`` phase then costs the copy, not the write. Its price is
-host memory: the snapshot (the trainer's whole saved state) lives until its write ends.
+With ``background`` (``--checkpoint-background``), a trainer that can copy its state into host
+memory (``Trainer.snapshot()``: the torch trainer) has that copy written by one background thread
+while the run goes on, as asynchronous checkpointing does elsewhere
+(``torch.distributed.checkpoint.async_save``, orbax's ``AsyncCheckpointer``): the ``checkpoint``
+phase then costs the copy, not the write. Its price is host memory: the snapshot (the trainer's
+whole saved state) lives until its write ends. Off by default (docs/RL.md says why).
 
 What does not change: a checkpoint counts only once its ``meta.json`` (the manifest of every file,
 ``resolve.write_meta``) is written, last, and the run records a checkpoint as saved only then:
 
-- written in the phase (``sync``, or a trainer without ``snapshot``): the step's ``checkpoint``
-  phase says ``saved: true``;
+- written in the phase (the default, or a trainer without ``snapshot``): the step's
+  ``checkpoint`` phase says ``saved: true``;
 - written in the background: that phase says ``saved: false, background: true`` with its
   ``path``; the write is recorded once it has ended, in ``info.written`` of a later
   ``checkpoint`` phase or of the run's ``checkpoint_flush`` phase (which waits for it).

@@ -167,8 +167,7 @@ class RLTask:
                              lora_rank=self.opts.train.lora_rank)  # fmt: skip
         self.life.park()
         # in the train lease itself: a task's lease ends with everything it began written
-        save = checkpointer(self.life.trainer, self.dir, self.backend.name, self.opts,
-                            background=not self.opts.checkpoint_sync)  # fmt: skip
+        save = checkpointer(self.life.trainer, self.dir, self.backend.name, self.opts, background=False)
 
         def save_checked(step: int) -> dict[str, Any]:
             if fault(f"checkpoint_fails:{self.name}:{step}"):  # a full disk, in one task only

@@ -94,8 +94,7 @@ class TaskSpec:
             steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.group_size,
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
             estimator=self.estimator, task=self.task, task_data=self.task_data, eval_prompts=self.eval_prompts,
-            checkpoint_every=self.checkpoint_every, checkpoint_sync=True,  # written in the task's train lease
-            seed=self.seed, platform=platform, engine=eng, train=train,
+            checkpoint_every=self.checkpoint_every, seed=self.seed, platform=platform, engine=eng, train=train,
             lifecycle=LifecycleOptions(check_weights=self.check_weights),
         )  # fmt: skip
 

@@ -66,7 +66,9 @@ class RLOptions:
     task_data: str | None = None
     eval_prompts: int = 16
     checkpoint_every: int = 5  # 0 = never; otherwise every N steps and always the last one
-    checkpoint_sync: bool = False  # True: write in the checkpoint phase even if the trainer can snapshot
+    checkpoint_background: bool = (
+        False  # True: a trainer with a host snapshot has it written in the background
+    )
     resume_from: RLCheckpoint | None = None  # verified by the caller (``find_resumable``)
     seed: int = 0
     platform: str = "auto"
@@ -226,7 +228,7 @@ def run_rl(ctx: PlanRun, opts: RLOptions) -> dict[str, Any]:
     ctx.on_started()
 
     rollout = make_rollout(task, tok, opts, eos)
-    save = checkpointer(life.trainer, ctx.run_dir, backend.name, opts, background=not opts.checkpoint_sync)
+    save = checkpointer(life.trainer, ctx.run_dir, backend.name, opts, background=opts.checkpoint_background)
     history = []
     try:
         with progress_bar(total=opts.steps, desc="rl", unit="step") as bar:
@@ -265,7 +267,7 @@ class RLPlan(Plan):
             steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
             max_new_tokens=args.max_new_tokens or 8, temperature=args.temperature, top_p=args.top_p,
             estimator=args.estimator, task=args.task, task_data=args.task_data,
-            checkpoint_every=args.checkpoint_every, checkpoint_sync=args.checkpoint_sync, seed=args.seed,
+            checkpoint_every=args.checkpoint_every, checkpoint_background=args.checkpoint_background, seed=args.seed,
             platform=platform, engine=engine, train=train,
             lifecycle=LifecycleOptions(schedule=args.schedule, check_weights=args.check_weights),
         )  # fmt: skip
@@ -320,7 +322,7 @@ class RLPlan(Plan):
             "prompts_per_step": opts.prompts_per_step,
             "train": dataclasses.asdict(opts.train),
             "checkpoint_every": opts.checkpoint_every,
-            "checkpoint_sync": opts.checkpoint_sync,
+            "checkpoint_background": opts.checkpoint_background,
         }
 
     def run(self, ctx: PlanRun, opts: RLOptions) -> dict[str, Any]:

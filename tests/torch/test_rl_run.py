@@ -3,9 +3,9 @@
 Runs of 2 steps start together (subprocesses of the torch venv's interpreter, one intra-op
 thread each so that they share 2 cores without stalling each other):
 
-- ``full``: full fine-tune, ``multi_stage``, garbage guard on (later resumed for a third step);
+- ``full``: full fine-tune, ``multi_stage``, garbage guard on, checkpoints written in the background
+  (``--checkpoint-background``; later resumed for a third step);
 - ``lora_backup``: LoRA rank 4, engine weights CPU backup, ``naive`` schedule: partial updates;
-  checkpoints written in their phase (``--checkpoint-sync``; the others write in the background);
 - ``lora``: LoRA rank 4, no backup: every resumed engine is invalid, so the updates are full;
 - ``oom`` / ``offload_noop`` / ``reward_nan``: injected faults (``mllm_rl.faults``) that the run
   must report (``reward_nan``: a NaN reward makes the loss NaN; the run stops with exit 5).
@@ -34,8 +34,8 @@ pytestmark = pytest.mark.slow  # every test here starts an engine (or waits on o
 SMALL = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4",
          "--wandb", "disabled", "--check-weights", "--quiet", "--platform", "cpu"]  # fmt: skip
 RUNS = {
-    "full": ["--checkpoint-every", "1"],
-    "lora_backup": ["--lora-rank", "4", "--weights-cpu-backup", "--schedule", "naive", "--checkpoint-sync"],
+    "full": ["--checkpoint-every", "1", "--checkpoint-background"],
+    "lora_backup": ["--lora-rank", "4", "--weights-cpu-backup", "--schedule", "naive"],
     "lora": ["--lora-rank", "4"],
 }
 FAULTS = {  # run name: (MLLM_RL_FAULTS, extra flags)
@@ -213,7 +213,7 @@ def test_resume_restores_the_last_checkpoint_and_runs_the_remaining_step(runs, t
 def test_checkpoints_are_written_in_the_background_and_recorded_once_written(runs):
     """``full`` saves steps 0 and 1 from host snapshots: each checkpoint phase begins a write
     (not yet saved); step 0's end is recorded by step 1's checkpoint phase, step 1's by
-    ``checkpoint_flush``. ``lora_backup`` (``--checkpoint-sync``) saves its last step in the phase."""
+    ``checkpoint_flush``. ``lora_backup`` (the default) saves its last step in the phase."""
     recs = records(runs["full"][1])
     ck = [c["info"] for c in by_phase(recs, "checkpoint")]
     assert [(c["saved"], c.get("background")) for c in ck] == [(False, True), (False, True)]
