@@ -36,6 +36,7 @@ def tiny_engine_bytes(tp: int) -> int:
     return total * 4
 
 
+@pytest.mark.slow  # a whole plan, compiled by libtpu
 def test_tiny_plan_for_a_v4_8_compiles_with_libtpu(tmp_path):
     needs_libtpu()
     r, doc = plan(tmp_path, "--target", "v4-8", "--tp", "2", "--kv-tokens", "4096", "--micro-batch-size", "8",
@@ -74,6 +75,7 @@ def test_tiny_plan_for_a_v4_8_compiles_with_libtpu(tmp_path):
     assert "<table>" in (tmp_path / "plan" / "plan.html").read_text()
 
 
+@pytest.mark.slow  # a whole plan, compiled by libtpu
 def test_a_phase_that_does_not_fit_exits_6_naming_phase_and_component(tmp_path):
     # the local CPU target (host RAM): a 10-million-token KV pool of the tiny model is 38 GiB
     r, doc = plan(
@@ -102,6 +104,7 @@ def test_a_mesh_the_run_would_refuse_is_one_line_exit_2(tmp_path, args, msg):
     assert last.startswith("error:") and msg in last, last
 
 
+@pytest.mark.slow  # a whole plan, compiled by libtpu
 def test_fit_reports_a_model_that_does_not_fit_at_micro_batch_1(tmp_path):
     r, _ = plan(
         tmp_path,
@@ -145,6 +148,7 @@ def run_cli_script(name: str, *args: str):
                           text=True, timeout=900)  # fmt: skip
 
 
+@pytest.mark.slow  # a whole plan, compiled by libtpu
 def test_fit_finds_the_micro_batch_then_fills_the_kv_pool(tmp_path):
     r, doc = plan(tmp_path, "--target", "cpu", "--fit", "--micro-batch-size", "4", "--fit-max", "8",
                   "--seq-len", "32", "--margin", "0.002")  # fmt: skip
@@ -161,6 +165,7 @@ def test_fit_finds_the_micro_batch_then_fills_the_kv_pool(tmp_path):
     assert tight["total"] <= p["budget_bytes"] < tight["total"] + cell
 
 
+@pytest.mark.slow  # a whole plan, compiled by libtpu
 def test_a_function_libtpu_rejects_is_shown_rejected_and_exits_6(tmp_path):
     """libtpu refuses at compile time a program one device cannot hold: dense attention scores of
     64 x 16384 positions are ~166 GiB per v4 device."""

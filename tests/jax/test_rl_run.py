@@ -281,6 +281,7 @@ def strict_json(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
+@pytest.mark.slow  # starts an engine
 def test_nan_loss_stops_the_run_with_exit_5_before_its_checkpoint(tiny_ckpt, tmp_path):
     """A NaN reward (fault ``reward_nan``) makes the group's advantages, then the loss and the grad norm
     NaN: the run stops in train_step of step 0, saves nothing, and every file it wrote is valid JSON."""
@@ -302,6 +303,7 @@ def test_nan_loss_stops_the_run_with_exit_5_before_its_checkpoint(tiny_ckpt, tmp
     assert "phase_error" not in {i["kind"] for i in errors}
 
 
+@pytest.mark.slow  # starts an engine
 def test_resume_skips_a_truncated_newest_checkpoint_and_finishes_from_the_older(
     lora_lr0, tiny_ckpt, tmp_path
 ):
@@ -329,6 +331,7 @@ def test_resume_skips_a_truncated_newest_checkpoint_and_finishes_from_the_older(
     assert [i for i in summary["issues"] if i["severity"] == "error"] == []
 
 
+@pytest.mark.slow  # starts an engine
 def test_a_train_step_that_never_ends_is_dumped_and_exits_6(tiny_ckpt, tmp_path):
     """Fault ``hang=train_step``: the phase sleeps; the watchdog dumps every thread (the engine's
     included) into the run dir, records the phase as stuck and the run exits 6 instead of hanging."""
