@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -62,25 +61,14 @@ def multi_run(run_dir: Path, models: dict[str, Path], *extra: str, env: dict[str
 
 @pytest.fixture(scope="module")
 def two_tasks(models, tmp_path_factory):
-    """The two-task run and each task alone, the three at once (their results do not depend on it)."""
     base = tmp_path_factory.mktemp("multitask")
-    with ThreadPoolExecutor(3) as pool:
-        multi = pool.submit(multi_run, base / "multi", models, "--wandb", "offline")
-        alone = {
-            name: pool.submit(
-                run_cli,
-                *single_args(
-                    models[name], base / f"single_{name}", kw["seed"], kw["lr"], kw.get("lora_rank", 0)
-                ),
-                timeout=900,
-            )  # fmt: skip
-            for name, kw in TASKS.items()
-        }
-        r = multi.result()
+    r = multi_run(base / "multi", models, "--wandb", "offline")
     singles = {}
-    for name, s in alone.items():
-        assert s.result().returncode == 0, s.result().stderr[-3000:]
-        singles[name] = read_jsonl(base / f"single_{name}" / "metrics.jsonl")
+    for name, kw in TASKS.items():
+        d = base / f"single_{name}"
+        s = run_cli(*single_args(models[name], d, kw["seed"], kw["lr"], kw.get("lora_rank", 0)), timeout=900)
+        assert s.returncode == 0, s.stderr[-3000:]
+        singles[name] = read_jsonl(d / "metrics.jsonl")
     return r, base / "multi", singles
 
 
