@@ -66,9 +66,8 @@ class RLOptions:
     task_data: str | None = None
     eval_prompts: int = 16
     checkpoint_every: int = 5  # 0 = never; otherwise every N steps and always the last one
-    checkpoint_background: bool = (
-        False  # True: a trainer with a host snapshot has it written in the background
-    )
+    # True: a trainer with a host snapshot (``Trainer.snapshot``) has it written in the background
+    checkpoint_background: bool = False
     resume_from: RLCheckpoint | None = None  # verified by the caller (``find_resumable``)
     seed: int = 0
     platform: str = "auto"
@@ -117,7 +116,7 @@ def checkpointer(
     """The ``checkpoint`` phase's work: save on the cadence (and the last step), then the manifest
     (sizes and sha256 of every file) in ``meta.json``; keeps the newest ``KEEP_CHECKPOINTS``.
     ``background``: from the trainer's host snapshot on another thread, when it has one."""
-    return Checkpointer(trainer, run_dir, {**checkpoint_meta(backend, opts)}, opts.checkpoint_every, opts.steps,
+    return Checkpointer(trainer, run_dir, checkpoint_meta(backend, opts), opts.checkpoint_every, opts.steps,
                         KEEP_CHECKPOINTS, background)  # fmt: skip
 
 

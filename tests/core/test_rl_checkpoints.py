@@ -192,7 +192,7 @@ def test_a_due_save_waits_for_the_write_before_it_and_records_it(tmp_path):
     assert [d.name for d in rl_checkpoint_dirs(tmp_path)] == ["step_000003", "step_000001"]
 
 
-def test_without_a_snapshot_or_with_sync_the_phase_writes_the_checkpoint(tmp_path):
+def test_without_a_snapshot_or_without_background_the_phase_writes_the_checkpoint(tmp_path):
     for trainer, background in ((FakeTrainer(FakeDevice(), snapshots=False), True),
                                 (FakeTrainer(FakeDevice()), False)):  # fmt: skip
         run = tmp_path / str(background)
