@@ -82,6 +82,7 @@ from mllm_rl.faults import fault
 __all__ = ["EngineConfigError", "SglangJaxEngine", "host_copy", "validate_engine_args"]
 
 VERIFIED_VERSIONS = ("0.1.0rc0",)
+PAUSE_TIMEOUT_S = 120.0  # pause_generation: longer means a request the pause cannot abort
 # Emitted by sglang-jax's scheduler/tokenizer threads for every hand-made tokenizer.
 warnings.filterwarnings("ignore", message="Created patched tokenizer config workaround")
 
@@ -105,6 +106,13 @@ def _check_version() -> str:
     if not hasattr(Qwen3ForCausalLM, "_create_qwen3_weight_mappings"):
         raise RuntimeError(
             f"sglang-jax {version}: Qwen3 weight mappings missing; verified on {VERIFIED_VERSIONS}"
+        )
+    from sgl_jax.srt.managers.tokenizer_manager import ReqState
+
+    # pause_generation reaps finished entries of the tokenizer manager's rid_to_state
+    if "finished" not in {f.name for f in dataclasses.fields(ReqState)}:
+        raise RuntimeError(
+            f"sglang-jax {version}: ReqState.finished missing; verified on {VERIFIED_VERSIONS}"
         )
     if not hasattr(engine_mod, "run_scheduler_loop_thread_after_create"):
         raise RuntimeError(
@@ -411,9 +419,15 @@ class SglangJaxEngine:
         self._resync_module()
         return restored or fault("resume_lies")
 
-    def _call(self, coro: Any) -> Any:
-        """Run a coroutine of the engine on its loop thread and wait for the result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.engine.loop).result()
+    def _call(self, coro: Any, timeout_s: float | None = None) -> Any:
+        """Run a coroutine of the engine on its loop thread and wait for the result (at most
+        ``timeout_s``: then the coroutine is cancelled and ``TimeoutError`` raised)."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.engine.loop)
+        try:
+            return fut.result(timeout=timeout_s)
+        except TimeoutError:
+            fut.cancel()
+            raise
 
     def flush_cache(self, timeout_s: float = 60.0) -> None:
         """Flush the prefix (radix) cache and the KV allocator, and make sure it happened.
@@ -436,11 +450,28 @@ class SglangJaxEngine:
                 )
             time.sleep(0.005)
 
-    def pause_generation(self) -> None:
+    def pause_generation(self, timeout_s: float = PAUSE_TIMEOUT_S) -> None:
         """Requests in flight return with finish_reason "abort" (sglang-jax's default mode,
-        "retract", would keep them queued: nothing could be released safely)."""
+        "retract", would keep them queued: nothing could be released safely).
+
+        sglang-jax's abort-mode pause re-sends "abort all" until its tokenizer manager tracks no
+        request (``rid_to_state`` empty). A request aborted while still in the scheduler's
+        waiting queue ("Abort before prefill", ``_handle_abort_req``) is answered and marked
+        finished but never removed from that map, so the pause would never return: a drain
+        that catches a request before its prefill hung the run. A normal finish removes the
+        entry in the same step that marks it finished, so an entry already finished is such a
+        leftover: ``_pause_reaping`` removes those while the pause runs. Still not returned
+        after ``timeout_s``: ``RuntimeError`` naming the requests it waits on."""
         self._single_process_only("pause_generation")
-        self._call(self.engine.async_pause_generation(mode="abort"))
+        tm = self.engine.tokenizer_manager
+        try:
+            self._call(_pause_reaping(tm, self.engine.async_pause_generation(mode="abort")), timeout_s)
+        except TimeoutError:
+            waiting = sorted(tm.rid_to_state)
+            raise RuntimeError(
+                f"sglang-jax pause_generation did not return within {timeout_s}s; "
+                f"{len(waiting)} request(s) still tracked: {waiting[:4]}"
+            ) from None
 
     def continue_generation(self) -> None:
         self._single_process_only("continue_generation")
@@ -463,6 +494,22 @@ class SglangJaxEngine:
         self.engine.shutdown()
         if self.procs.count > 1:
             dist.shutdown()
+
+
+async def _pause_reaping(tm: Any, pause: Any) -> Any:
+    """Await the tokenizer manager's ``pause`` coroutine while removing the entries of
+    ``tm.rid_to_state`` that are already finished (see ``SglangJaxEngine.pause_generation``).
+    Runs on the engine's loop, the only thread that touches that map."""
+    task = asyncio.ensure_future(pause)
+    try:
+        while not task.done():
+            for rid, state in list(tm.rid_to_state.items()):
+                if state.finished:
+                    tm.rid_to_state.pop(rid, None)
+            await asyncio.wait({task}, timeout=0.02)
+    finally:
+        task.cancel()  # a no-op once done; stops the pause when we are cancelled (timeout)
+    return task.result()
 
 
 @contextlib.contextmanager

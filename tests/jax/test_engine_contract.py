@@ -52,3 +52,13 @@ def ref_logits(tiny_ckpt):
 
 # The shared contract checks, collected here against the fixtures above.
 globals().update(contract.CONTRACT_TESTS)
+
+
+def test_drain_aborts_requests_still_queued(obs):
+    """The drain caught some requests before their prefill (sglang-jax answers those "Abort before
+    prefill", with no token): the case whose leftovers made sglang-jax's pause wait forever.
+    ``pause_generation`` now returns (the contract above saw every request come back)."""
+    d = obs["drain"]
+    assert "error" not in d and d["returned"]
+    finish_tokens = list(zip(d["outs"]["finish"], d["outs"]["tokens"], strict=True))
+    assert any(why == "abort" and not toks for why, toks in finish_tokens), finish_tokens
