@@ -99,6 +99,7 @@ def run_contract(make_engine: Callable[[bool], Any], model_dir: str | Path,
     }
     obs["sampled"] = [_outs(eng.generate(PROMPTS, SAMPLED)) for _ in range(2)]
     obs["sampled_other_seed"] = _outs(eng.generate(PROMPTS, dataclasses.replace(SAMPLED, seed=99)))
+    obs["idle_cpu_cores"] = _idle_cpu_cores()
     obs["release_undrained"] = _refused(lambda: eng.release(["kv_cache"]))
     obs["drain"] = _drain_in_flight(eng)
     for tag in ("kv_cache", "weights"):
@@ -148,6 +149,14 @@ def run_contract(make_engine: Callable[[bool], Any], model_dir: str | Path,
     obs["after_backup_resume"] = _outs(eng.generate(PROMPTS, GREEDY))
     eng.shutdown()
     return obs
+
+
+def _idle_cpu_cores(seconds: float = 1.0) -> float:
+    """CPU time of this whole process (every engine thread) per second of wall time while the
+    caller sleeps and the engine has nothing to do."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    time.sleep(seconds)
+    return (time.process_time() - c0) / (time.perf_counter() - t0)
 
 
 def _drain_in_flight(eng: ManagedEngine) -> dict[str, Any]:
@@ -290,6 +299,12 @@ def test_long_greedy_completions_match_the_reference(obs, ref_logits):
         want, want_lp = reference_greedy(ref_logits, prompt, LONG_GREEDY, obs["eos"])
         assert toks == want and len(lps) == len(toks)
         assert np.allclose(lps, want_lp, atol=1e-3)
+
+
+def test_an_idle_engine_does_not_spin(obs):
+    """With nothing to generate the engine waits: it takes no core from the trainer (an
+    sglang-jax scheduler polling its sockets in a loop used a whole one)."""
+    assert obs["idle_cpu_cores"] < 0.25, obs["idle_cpu_cores"]
 
 
 def test_release_frees_each_tag_by_the_probe(obs):
