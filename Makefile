@@ -21,8 +21,8 @@ setup: venv-jax venv-torch
 run: venv-$(BACKEND)
 	.venv-$(BACKEND)/bin/python -m mllm_rl.run --backend $(BACKEND) $(ARGS)
 
-## test: ruff (lint + format) + the whole pytest suite (CPU): core/jax/tpu tests in .venv-jax and torch tests
-## in .venv-torch, both at once (scripts/run_tests.sh)
+## test: ruff (lint + format) + the whole pytest suite (CPU): core/jax/tpu tests in .venv-jax (two pytest-xdist
+## workers) and torch tests in .venv-torch, both at once (scripts/run_tests.sh)
 test: venv-jax venv-torch
 	@command -v shellcheck >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && { apt-get update -qq >/dev/null && apt-get install -y -qq shellcheck >/dev/null; } || echo "[test] shellcheck not installed: its test will skip"; }
 	$(PY_JAX) -m ruff check . && $(PY_JAX) -m ruff format --check .

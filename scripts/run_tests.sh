@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The two pytest suites at the same time (they use different venvs and most of their tests wait
-# on engine start-up and subprocesses, so together they fill 2 cores better than one by one):
-#   core/jax/tpu in .venv-jax   (its output as it goes)
-#   torch        in .venv-torch (its output once it ends)
+# The two pytest suites at the same time (they use different venvs and many of their tests wait
+# on engine start-up and subprocesses, so together they fill the cores better than one by one):
+#   core/jax/tpu in .venv-jax,   in $MLLM_RL_TEST_WORKERS (default 2) pytest-xdist workers, one test
+#                file per worker at a time (--dist loadfile: a module's fixtures, e.g. a recorded
+#                run several tests read, are made once); its output as it goes
+#   torch        in .venv-torch, one process; its output once it ends
 # Exit status: 0 when both passed. Extra arguments go to both, e.g. scripts/run_tests.sh -m "not slow".
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -12,7 +14,8 @@ torch_pid=$!
 trap 'kill "$torch_pid" 2>/dev/null; rm -f "$log"' EXIT
 trap 'exit 130' INT TERM
 echo "[test] tests/torch runs in the background (.venv-torch); its output follows the others'"
-.venv-jax/bin/python -m pytest -q "$@" tests/core tests/jax tests/tpu
+workers=${MLLM_RL_TEST_WORKERS:-2}
+.venv-jax/bin/python -m pytest -q -n "$workers" --dist loadfile "$@" tests/core tests/jax tests/tpu
 jax_rc=$?
 wait "$torch_pid"
 torch_rc=$?

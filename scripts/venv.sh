@@ -52,7 +52,9 @@ if [ "$backend" = torch ] && "$venv/bin/python" -c 'import sys; sys.exit(sys.ver
   # multi-GB CUDA build. GPU hosts install their own torch first.
   "$venv/bin/python" -c 'import torch' 2>/dev/null || quiet "$venv/bin/python" -m pip install -q "torch==2.13.0"
 fi
-quiet "$venv/bin/python" -m pip install -q -e ".[$extras]"
+# setuptools says "Editable installation ... Please be careful with folders ..." on every
+# editable install with a package-dir mapping (informational): kept out of the log.
+PYTHONWARNINGS="ignore:Editable installation" quiet "$venv/bin/python" -m pip install -q -e ".[$extras]"
 if [ "$backend" = jax ]; then
   # The TPU and GPU compilers for compile-only memory plans (python -m mllm_rl.memplan), at the
   # pins of the 'tpu' and 'gpu-plan' extras, in a directory only the planner puts on sys.path:
