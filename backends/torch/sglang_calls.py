@@ -70,7 +70,7 @@ _IO = "sglang.srt.managers.io_struct"
 
 ENGINE_KWARGS = ("model_path", "tokenizer_path", "load_format", "enable_memory_saver", "enable_weights_cpu_backup",
                  "mem_fraction_static", "tp_size", "max_total_tokens", "context_length", "max_running_requests",
-                 "random_seed", "log_level", "dtype", "json_model_override_args")  # fmt: skip
+                 "random_seed", "log_level", "dtype", "json_model_override_args", "sleep_on_idle")  # fmt: skip
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "stop_token_ids", "sampling_seed")
 
 CALLS: dict[str, Call] = {

@@ -15,8 +15,9 @@ Facts it relies on (0.5.23):
 
 - ``Engine(model_path, load_format="dummy", enable_memory_saver=True,
   enable_weights_cpu_backup, mem_fraction_static, tp_size, max_total_tokens, context_length,
-  random_seed, dtype)`` runs the scheduler in subprocesses; the tokenizer manager lives in
-  this process on ``engine.loop``.
+  random_seed, dtype, sleep_on_idle=True)`` runs the scheduler in subprocesses; the tokenizer
+  manager lives in this process on ``engine.loop``. Without ``sleep_on_idle`` an idle
+  scheduler polls its sockets in a loop (a host core per TP rank while the trainer works).
 - ``Engine.generate``/``flush_cache``/... call ``engine.loop.run_until_complete``, so a
   second thread cannot pause a running ``generate`` through them. This adapter runs
   ``engine.loop`` forever in its own thread and submits the tokenizer manager's coroutines
@@ -142,6 +143,9 @@ class SglangEngine:
             mem_fraction_static=mem_fraction_static, tp_size=tp, max_total_tokens=max_total_tokens,
             context_length=context_length, max_running_requests=max_running_requests, random_seed=seed,
             log_level="error", **own_ports,
+            # An idle scheduler otherwise polls its sockets in a loop: a host core per TP rank
+            # busy for as long as the engine waits on the trainer (ServerArgs.sleep_on_idle)
+            sleep_on_idle=True,
             # SGLang reads config.json with its own transformers: hand it the config the trainer uses
             json_model_override_args=json.dumps(model.config.hf_architecture()),
             dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.dtype],
