@@ -30,7 +30,8 @@ Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4) on JAX CPU, tp=1 
   and every call goes through ``run_coroutine_threadsafe``, so a ``pause_generation`` from one
   thread aborts requests another thread is waiting on (a drain under load).
 - The scheduler loop polls its sockets without blocking and spins when idle (a whole core):
-  ``_sleep_when_idle`` makes ``on_idle`` wait on those sockets (single-process engines).
+  ``_sleep_when_idle`` makes ``on_idle`` wait on those sockets (node 0; the other nodes of a
+  multi-process engine block on node 0's broadcast).
 - ``sampling_seed`` is honoured only with ``enable_deterministic_sampling``; requests without
   one then share a default seed, so every request gets its own.
 - The tokenizer manager takes SIGTERM over (``loop.add_signal_handler``, lazily on the
@@ -238,7 +239,7 @@ class SglangJaxEngine:
             self.engine.loop.remove_signal_handler(signal.SIGTERM)
             signal.signal(signal.SIGTERM, prev_sigterm)
         scheduler = (self.engine.scheduler_info or launched)["scheduler"]
-        if self.procs.count == 1:
+        if self.procs.index == 0:  # nodes >= 1 wait in their subscriber's blocking recv
             _sleep_when_idle(scheduler)
         self.runner = scheduler.tp_worker.worker.model_runner
         self._index_leaves()
@@ -508,7 +509,7 @@ class SglangJaxEngine:
 
 
 def _sleep_when_idle(scheduler: Any, timeout_ms: int = IDLE_POLL_MS) -> None:
-    """Make an idle single-process scheduler wait for its next message instead of spinning.
+    """Make an idle scheduler (node 0's) wait for its next message instead of spinning.
 
     sglang-jax's scheduler loop polls its ZMQ sockets without blocking and, with nothing to run,
     calls ``on_idle()`` and loops again: an idle engine burns a whole core and contends for the
@@ -516,13 +517,19 @@ def _sleep_when_idle(scheduler: Any, timeout_ms: int = IDLE_POLL_MS) -> None:
     idle). ``on_idle`` is called when the loop has no batch to run; when the scheduler is also
     ``is_fully_idle()`` (no request waiting, running, chunked or with a pending result), it then
     blocks on the scheduler's own sockets, in the scheduler's thread, until a message arrives
-    (it wakes at once) or ``timeout_ms`` passes. A request held back for memory is not idle."""
+    (it wakes at once) or ``timeout_ms`` passes. A request held back for memory is not idle.
+
+    Multi-process engines: node 0 publishes what it received once per loop and the other nodes
+    wait for it in a blocking receive (5 s timeout, retried), so node 0 waiting here quiets
+    every node; the others have no sockets of their own to wait on."""
     import zmq
 
     poller = zmq.Poller()
     for sock in (scheduler.recv_from_tokenizer, scheduler.recv_from_rpc):
         if sock is not None:
             poller.register(sock, zmq.POLLIN)
+    if not poller.sockets:
+        return
     original = scheduler.on_idle
 
     def on_idle() -> None:
