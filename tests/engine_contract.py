@@ -153,7 +153,8 @@ def run_contract(make_engine: Callable[[bool], Any], model_dir: str | Path,
 
 def _idle_cpu_cores(seconds: float = 1.0) -> float:
     """CPU time of this whole process (every engine thread) per second of wall time while the
-    caller sleeps and the engine has nothing to do."""
+    caller sleeps and the engine has nothing to do. An engine's own subprocesses (SGLang's
+    schedulers) are not counted."""
     c0, t0 = time.process_time(), time.perf_counter()
     time.sleep(seconds)
     return (time.process_time() - c0) / (time.perf_counter() - t0)

@@ -120,10 +120,11 @@ def _check_version() -> str:
         )
     from sgl_jax.srt.managers.scheduler import Scheduler
 
-    if not all(hasattr(Scheduler, a) for a in ("on_idle", "is_fully_idle")):  # _sleep_when_idle
-        raise RuntimeError(
-            f"sglang-jax {version}: Scheduler.on_idle missing; verified on {VERIFIED_VERSIONS}"
-        )
+    for attr in ("on_idle", "is_fully_idle"):  # _sleep_when_idle wraps / calls them
+        if not hasattr(Scheduler, attr):
+            raise RuntimeError(
+                f"sglang-jax {version}: Scheduler.{attr} missing; verified on {VERIFIED_VERSIONS}"
+            )
     if not hasattr(engine_mod, "run_scheduler_loop_thread_after_create"):
         raise RuntimeError(
             f"sglang-jax {version}: in-process scheduler launcher missing; verified on {VERIFIED_VERSIONS}"
