@@ -71,6 +71,8 @@ from mllm_rl.engine import (
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.option_error import OptionError
 from mllm_rl.phases.recorder import PhaseHandle, PhaseRecorder
+from mllm_rl.rl.old_logp import SOURCES as OLD_LOGP_SOURCES
+from mllm_rl.rl.old_logp import with_trainer_old_logp
 from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, Trainer
 
 if TYPE_CHECKING:
@@ -131,10 +133,22 @@ class LifecycleOptions:
     probe_ids: tuple[int, ...] = ()  # garbage-guard prompt (token ids)
     probe_tokens: int = 8
     drain_timeout_s: float = 120.0
+    # The PPO ratio's old log-probs: recomputed by the trainer at the start of ``train_step``
+    # (verl's default) or the engine's (``mllm_rl.rl.old_logp``); ``tis_cap`` > 0: truncated
+    # importance sampling of the engine/trainer mismatch (needs ``old_logp="trainer"``).
+    old_logp: str = "trainer"
+    tis_cap: float = 0.0
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise OptionError("schedule", f"{self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if self.old_logp not in OLD_LOGP_SOURCES:
+            raise OptionError("old_logp", f"{self.old_logp!r}: choose one of {', '.join(OLD_LOGP_SOURCES)}")
+        if not (math.isfinite(self.tis_cap) and self.tis_cap >= 0):
+            raise OptionError("tis_cap", f"must be >= 0, got {self.tis_cap}")
+        if self.tis_cap > 0 and self.old_logp != "trainer":
+            raise OptionError("tis_cap", "truncated importance sampling needs the trainer's old log-probs "
+                              "(old_logp trainer): it weighs the engine/trainer mismatch")  # fmt: skip
 
 
 def step_phases(opts: LifecycleOptions) -> list[str]:
@@ -394,7 +408,10 @@ class Colocated:
         with self._phase("onload_trainer", step) as ph:
             ph.info["expected_alloc_bytes"] = self.trainer.onload([PARAMS, OPTIMIZER])
         with self._phase("train_step", step, batch=batch.size) as ph:
-            train = self.trainer.train_step(batch)
+            extra: dict[str, float] = {}
+            if self.opts.old_logp == "trainer":
+                batch, extra = with_trainer_old_logp(batch, self.trainer.logprobs(batch), self.opts.tis_cap)
+            train = {**self.trainer.train_step(batch), **extra}
             ph.info.update(train)
             check_finite(step, train, ph.info)
             if probe:

@@ -70,9 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     from mllm_rl.lifecycle import SCHEDULES
     from mllm_rl.phases.watchdog import DEFAULT_LIMIT_S, LIGHT_FACTOR
     from mllm_rl.plans.registry import DEFAULT_PLAN, all_plans, plan_names
-    from mllm_rl.rl.advantages import ESTIMATORS
+    from mllm_rl.rl.advantages import ESTIMATORS, STDS
     from mllm_rl.rl.loss_config import AGGREGATIONS
+    from mllm_rl.rl.old_logp import SOURCES as OLD_LOGP_SOURCES
     from mllm_rl.tasks.base import TASKS
+    from mllm_rl.trainer import PRECISIONS
 
     codes = "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items())
     ap = _Parser(
@@ -191,17 +193,62 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rl.add_argument("--prompts-per-step", type=int, default=16, help="prompts per RL step")
     rl.add_argument("--group-size", type=int, default=8, help="completions per prompt (GRPO group, >= 2)")
-    rl.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollout")
+    rl.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature of the rollout (> 0); the trainer's log-probs use the same (logits / T)",
+    )
     rl.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of the rollout")
     rl.add_argument("--estimator", default="grpo", choices=list(ESTIMATORS), help="advantage estimator")
-    rl.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    rl.add_argument(
+        "--adv-std",
+        default="unbiased",
+        choices=list(STDS),
+        help="grpo: the group std (unbiased: n - 1, as verl and TRL; biased: n)",
+    )
+    rl.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="AdamW learning rate. Default: 3e-3 for the tiny preset (trained from random init), "
+        "1e-6 for every other model (a pretrained checkpoint: fine-tuning, verl's default)",
+    )
+    rl.add_argument(
+        "--precision",
+        default="mixed",
+        choices=list(PRECISIONS),
+        help="mixed: a bf16/fp16 checkpoint trains float32 master weights with float32 AdamW moments, "
+        "computes in bf16/fp16, the engine gets casts; pure: params and moments in the checkpoint dtype "
+        "(half the state; Adam steps below half a bf16 ulp are lost: little or no learning at lr ~1e-6)",
+    )
     rl.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     rl.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clip; 0 = off")
     rl.add_argument("--mini-batches", type=int, default=1, help="optimizer updates per step")
     rl.add_argument("--micro-batch-size", type=int, default=64, help="sequences per forward/backward")
     rl.add_argument("--eps-low", type=float, default=0.2, help="PPO clip range below 1")
     rl.add_argument("--eps-high", type=float, default=0.28, help="PPO clip range above 1 (clip-higher)")
+    rl.add_argument(
+        "--clip-ratio-c",
+        type=float,
+        default=3.0,
+        help="dual-clip: for negative advantages the loss is capped at -A * c (verl's clip_ratio_c); 0 = off",
+    )
     rl.add_argument("--kl-beta", type=float, default=0.0, help="KL-to-reference weight in the loss (k3)")
+    rl.add_argument(
+        "--old-logp",
+        default="trainer",
+        choices=list(OLD_LOGP_SOURCES),
+        help="old log-probs of the PPO ratio: recomputed by the trainer before the update (verl's default; "
+        "the engine/trainer mismatch is reported) or the engine's rollout log-probs",
+    )
+    rl.add_argument(
+        "--tis-cap",
+        type=float,
+        default=0.0,
+        help="truncated importance sampling: weigh each token by min(exp(logp_trainer - logp_engine), C) "
+        "(needs --old-logp trainer); 0 = off",
+    )
     rl.add_argument("--loss-agg", default="token_mean", choices=list(AGGREGATIONS), help="loss aggregation")
     rl.add_argument("--lora-rank", type=int, default=0, help="> 0: train LoRA adapters, base frozen")
     rl.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scale numerator (alpha / rank)")

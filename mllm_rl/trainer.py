@@ -31,6 +31,7 @@ from mllm_rl.rl.loss_config import LossConfig
 
 PARAMS = "params"
 OPTIMIZER = "optimizer"
+PRECISIONS = ("mixed", "pure")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +47,19 @@ class TrainConfig:
     lora_rank: int = 0  # > 0: train LoRA adapters on every linear layer, base frozen
     lora_alpha: float = 16.0
     seed: int = 0
+    # The rollout's sampling temperature: every log-prob the trainer computes (new, reference,
+    # recomputed old) is of softmax(logits / temperature), the distribution the engine sampled.
+    temperature: float = 1.0
+    # mixed: a 16-bit checkpoint trains float32 master params with float32 AdamW moments and
+    # computes in the checkpoint's dtype (the engine gets casts of the masters); pure: params
+    # and moments in the checkpoint's dtype (half the state; steps below half an ulp are lost).
+    precision: str = "mixed"
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise OptionError("precision", f"{self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if not self.temperature > 0:
+            raise OptionError("temperature", f"must be > 0, got {self.temperature}")
         if self.lr < 0:
             raise OptionError("lr", f"must be >= 0, got {self.lr}")
         for field in ("mini_batches", "micro_batch_size"):

@@ -1,20 +1,10 @@
-"""Policy-gradient loss for GRPO-style training, in JAX.
+"""Policy-gradient loss for GRPO-style training, in JAX (same math as ``backends/torch/rl_loss.py``).
 
 Shapes: B sequences (micro-batch), T completion tokens (padded). All inputs are per token
-except ``advantages`` [B].
-
-``loss = agg( -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) + beta * KL )``
-with ``ratio = exp(logp - old_logp)`` against the *rollout* log-probs, and the k3 KL
-estimator to a reference policy, ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased),
-which is part of the loss (not only logged) when ``beta > 0``.
-
-Aggregation (``agg``):
-- ``token_mean``: sum over all valid tokens / number of valid tokens in the *whole batch*
-  (pass ``total_tokens`` when accumulating micro-batches, so that summing micro-batch
-  losses equals the full-batch loss);
-- ``seq_mean_token_mean``: mean over sequences of each sequence's token mean
-  (pass ``total_seqs`` likewise);
-- ``seq_mean_token_sum_norm``: Dr. GRPO: sum of tokens / ``max_len``, mean over sequences.
+except ``advantages`` [B]. The formula, the aggregation modes and the metrics are defined in
+``mllm_rl.rl.loss_config`` (each with its verl/TRL counterpart; docs/RL.md has the table).
+``total_tokens`` / ``total_seqs``: the whole mini-batch's counts when accumulating
+micro-batches, so that summing micro-batch losses equals the full-batch loss.
 """
 
 from __future__ import annotations
@@ -22,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mllm_rl.rl.loss_config import AGGREGATIONS, LossConfig
+from mllm_rl.rl.loss_config import AGGREGATIONS, LOG_RATIO_CLAMP, LossConfig
 
 __all__ = ["AGGREGATIONS", "LossConfig", "policy_loss"]
 
@@ -36,15 +26,22 @@ def policy_loss(
     ref_logp: jax.Array | None = None,
     total_tokens: jax.Array | float | None = None,
     total_seqs: jax.Array | float | None = None,
+    is_weight: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Returns (scalar loss, metrics). ``logp/old_logp/ref_logp/mask``: [B, T]; ``advantages``: [B]."""
+    """Returns (scalar loss, metrics). ``logp/old_logp/ref_logp/mask/is_weight``: [B, T];
+    ``advantages``: [B]. Metrics: ``clip_frac``, ``clip_frac_dual``, ``kl``, ``ratio_mean``."""
     mask = mask.astype(jnp.float32)
-    log_ratio = logp - old_logp
-    ratio = jnp.exp(log_ratio)
+    ratio = jnp.exp(jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     adv = advantages[:, None]
-    unclipped = ratio * adv
-    clipped = jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * adv
-    per_token = -jnp.minimum(unclipped, clipped)
+    loss1 = -adv * ratio
+    loss2 = -adv * jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    pg = jnp.maximum(loss1, loss2)
+    dual = jnp.zeros(pg.shape, bool)
+    if cfg.clip_ratio_c > 0:
+        loss3 = -adv * cfg.clip_ratio_c
+        dual = (adv < 0) & (pg > loss3)
+        pg = jnp.where(adv < 0, jnp.minimum(pg, loss3), pg)
+    per_token = pg if is_weight is None else pg * is_weight
     kl = jnp.zeros_like(per_token)
     if cfg.beta > 0:
         if ref_logp is None:
@@ -55,7 +52,8 @@ def policy_loss(
     loss = _aggregate(per_token, mask, cfg, total_tokens, total_seqs)
     n = jnp.maximum(mask.sum(), 1.0)
     metrics = {
-        "clip_frac": ((unclipped != clipped) * mask).sum() / n,
+        "clip_frac": ((loss2 > loss1) * mask).sum() / n,
+        "clip_frac_dual": (dual * mask).sum() / n,
         "kl": (kl * mask).sum() / n,
         "ratio_mean": (ratio * mask).sum() / n,
     }
@@ -63,12 +61,14 @@ def policy_loss(
 
 
 def _aggregate(per_token, mask, cfg: LossConfig, total_tokens, total_seqs) -> jax.Array:
+    """``per_token``, ``mask``: [B, T] -> scalar (see ``mllm_rl.rl.loss_config``)."""
     if cfg.aggregation == "token_mean":
         denom = mask.sum() if total_tokens is None else total_tokens
         return (per_token * mask).sum() / jnp.maximum(denom, 1.0)
     nseq = per_token.shape[0] if total_seqs is None else total_seqs
+    seq = (per_token * mask).sum(axis=1)
     if cfg.aggregation == "seq_mean_token_mean":
-        seq = (per_token * mask).sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
-    else:
-        seq = (per_token * mask).sum(axis=1) / cfg.max_len
+        seq = seq / jnp.maximum(mask.sum(axis=1), 1.0)
+    elif cfg.aggregation == "dr_grpo":
+        seq = seq / cfg.max_len
     return seq.sum() / nseq

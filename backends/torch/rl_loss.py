@@ -1,22 +1,15 @@
 """Policy-gradient loss for GRPO-style training, in torch (same math as ``backends/jax/rl_loss.py``).
 
 Shapes: B sequences (micro-batch), T completion tokens (padded). All inputs are per token
-except ``advantages`` [B].
-
-``loss = agg( -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) + beta * KL )``
-with ``ratio = exp(logp - old_logp)`` against the *rollout* log-probs, and the k3 KL
-estimator to a reference policy, ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased),
-which is part of the loss (not only logged) when ``beta > 0``.
-
-Aggregation (``agg``, and ``total_tokens`` / ``total_seqs`` for exact micro-batch accumulation):
-as in ``backends/jax/rl_loss.py``; the modes are listed in ``mllm_rl.rl.loss_config``.
+except ``advantages`` [B]. The formula, the aggregation modes and the metrics are defined in
+``mllm_rl.rl.loss_config`` (each with its verl/TRL counterpart; docs/RL.md has the table).
 """
 
 from __future__ import annotations
 
 import torch
 
-from mllm_rl.rl.loss_config import AGGREGATIONS, LossConfig
+from mllm_rl.rl.loss_config import AGGREGATIONS, LOG_RATIO_CLAMP, LossConfig
 
 __all__ = ["AGGREGATIONS", "LossConfig", "policy_loss"]
 
@@ -32,18 +25,26 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     total_tokens: Scalar | None = None,
     total_seqs: Scalar | None = None,
+    is_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Returns (scalar loss, metrics). ``logp/old_logp/ref_logp/mask``: [B, T]; ``advantages``: [B].
+    """Returns (scalar loss, metrics). ``logp/old_logp/ref_logp/mask/is_weight``: [B, T];
+    ``advantages``: [B].
 
-    Metrics (token means over this call's valid tokens, detached): ``clip_frac``, ``kl``,
-    ``ratio_mean``.
+    Metrics (token means over this call's valid tokens, detached): ``clip_frac``,
+    ``clip_frac_dual``, ``kl``, ``ratio_mean``.
     """
     mask = mask.float()
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp(torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     adv = advantages[:, None]
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * adv
-    per_token = -torch.minimum(unclipped, clipped)
+    loss1 = -adv * ratio
+    loss2 = -adv * torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    pg = torch.maximum(loss1, loss2)
+    dual = torch.zeros_like(pg, dtype=torch.bool)
+    if cfg.clip_ratio_c > 0:
+        loss3 = -adv * cfg.clip_ratio_c
+        dual = (adv < 0) & (pg > loss3)
+        pg = torch.where(adv < 0, torch.minimum(pg, loss3), pg)
+    per_token = pg if is_weight is None else pg * is_weight
     kl = torch.zeros_like(per_token)
     if cfg.beta > 0:
         if ref_logp is None:
@@ -55,7 +56,8 @@ def policy_loss(
     with torch.no_grad():
         n = mask.sum().clamp(min=1.0)
         metrics = {
-            "clip_frac": ((unclipped != clipped).float() * mask).sum() / n,
+            "clip_frac": ((loss2 > loss1).float() * mask).sum() / n,
+            "clip_frac_dual": (dual.float() * mask).sum() / n,
             "kl": (kl * mask).sum() / n,
             "ratio_mean": (ratio * mask).sum() / n,
         }
@@ -66,13 +68,14 @@ def _aggregate(
     per_token: torch.Tensor, mask: torch.Tensor, cfg: LossConfig, total_tokens: Scalar | None,
     total_seqs: Scalar | None,
 ) -> torch.Tensor:  # fmt: skip
-    """``per_token``, ``mask``: [B, T] -> scalar (see the module docstring)."""
+    """``per_token``, ``mask``: [B, T] -> scalar (see ``mllm_rl.rl.loss_config``)."""
     if cfg.aggregation == "token_mean":
         denom = mask.sum() if total_tokens is None else torch.as_tensor(total_tokens, dtype=torch.float32)
         return (per_token * mask).sum() / denom.clamp(min=1.0)
     nseq = per_token.shape[0] if total_seqs is None else total_seqs
+    seq = (per_token * mask).sum(dim=1)
     if cfg.aggregation == "seq_mean_token_mean":
-        seq = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
-    else:
-        seq = (per_token * mask).sum(dim=1) / cfg.max_len
+        seq = seq / mask.sum(dim=1).clamp(min=1.0)
+    elif cfg.aggregation == "dr_grpo":
+        seq = seq / cfg.max_len
     return seq.sum() / nseq

@@ -68,7 +68,7 @@ class RLTask:
         on_engine: Callable[[Any], None] = lambda engine: None,
     ) -> None:
         self.spec, self.name, self.model, self.backend, self.rec = spec, spec.name, model, backend, rec
-        self.opts = spec.rl_options(tp=tp, platform=platform, engine=engine)
+        self.opts = spec.rl_options(tp=tp, platform=platform, engine=engine, model_name=model.config.name)
         self.dir = run_dir / "tasks" / spec.name
         self.ports = ports
         self.on_engine = on_engine

@@ -53,13 +53,15 @@ class TaskSpec:
     task_data: str | None = None
     seed: int = 0
     steps: int = 20
-    lr: float = 3e-3
+    lr: float | None = None  # None: the model's default (``mllm_rl.plans.rl.default_lr``)
+    precision: str = "mixed"
     group_size: int = 8
     prompts_per_step: int = 16
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
     estimator: str = "grpo"
+    adv_std: str = "unbiased"
     lora_rank: int = 0
     lora_alpha: float = 16.0
     weight_decay: float = 0.0
@@ -69,6 +71,9 @@ class TaskSpec:
     eps_low: float = 0.2
     eps_high: float = 0.28
     kl_beta: float = 0.0
+    clip_ratio_c: float = 3.0
+    old_logp: str = "trainer"
+    tis_cap: float = 0.0
     loss_agg: str = "token_mean"
     checkpoint_every: int = 5  # the TOML file may spell it save_every, like --save-every
     eval_prompts: int = 16
@@ -78,24 +83,34 @@ class TaskSpec:
     context_length: int | None = None
     max_total_tokens: int | None = None
 
-    def rl_options(self, tp: int = 1, platform: str = "auto", engine: str = "auto") -> RLOptions:
+    def rl_options(
+        self, tp: int = 1, platform: str = "auto", engine: str = "auto", model_name: str | None = None
+    ) -> RLOptions:
         """The single-task plan's options for this task (``ValueError`` naming the bad value); the
         engine options carry the task's name (its memory tags are ``<task>/...``). A resumed task's
-        checkpoint is the runtime's (``runtime.RLTask``), not the options'."""
+        checkpoint is the runtime's (``runtime.RLTask``), not the options'. ``model_name``: the
+        resolved model's preset name (an unset ``lr`` is that model's default)."""
+        from mllm_rl.plans.rl import default_lr
+
         loss = LossConfig(eps_low=self.eps_low, eps_high=self.eps_high, beta=self.kl_beta,
-                          aggregation=self.loss_agg, max_len=self.max_new_tokens)  # fmt: skip
-        train = TrainConfig(lr=self.lr, weight_decay=self.weight_decay, grad_clip=self.grad_clip,
+                          aggregation=self.loss_agg, max_len=self.max_new_tokens,
+                          clip_ratio_c=self.clip_ratio_c)  # fmt: skip
+        lr = default_lr(model_name or self.model) if self.lr is None else self.lr
+        train = TrainConfig(lr=lr, weight_decay=self.weight_decay, grad_clip=self.grad_clip,
                             mini_batches=self.mini_batches, micro_batch_size=self.micro_batch_size, loss=loss,
-                            lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, seed=self.seed)  # fmt: skip
+                            lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, seed=self.seed,
+                            temperature=self.temperature or 1.0, precision=self.precision)  # fmt: skip
         eng = EngineOptions(tp=tp, engine=engine, max_total_tokens=self.max_total_tokens, context_length=self.context_length,
                                max_running_requests=self.max_running_requests, seed=self.seed,
                                weights_cpu_backup=self.weights_cpu_backup, task=self.name)  # fmt: skip
         return RLOptions(
             steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.group_size,
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-            estimator=self.estimator, task=self.task, task_data=self.task_data, eval_prompts=self.eval_prompts,
-            checkpoint_every=self.checkpoint_every, seed=self.seed, platform=platform, engine=eng, train=train,
-            lifecycle=LifecycleOptions(check_weights=self.check_weights),
+            estimator=self.estimator, adv_std=self.adv_std, task=self.task, task_data=self.task_data,
+            eval_prompts=self.eval_prompts, checkpoint_every=self.checkpoint_every, seed=self.seed,
+            platform=platform, engine=eng, train=train,
+            lifecycle=LifecycleOptions(check_weights=self.check_weights, old_logp=self.old_logp,
+                                       tis_cap=self.tis_cap),
         )  # fmt: skip
 
 

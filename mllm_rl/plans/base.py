@@ -56,6 +56,11 @@ class Plan(abc.ABC):
         with and lines to tell the user. ``ValueError`` / ``CheckpointError`` (exit 2) to refuse."""
         return opts, []
 
+    def with_model(self, opts: Any, model: Any) -> tuple[Any, list[str]]:
+        """The options once the model (``ModelDir``) is known (defaults that depend on it, e.g. the
+        learning rate), and lines to tell the user."""
+        return opts, []
+
     @abc.abstractmethod
     def phase_names(self) -> set[str]:
         """Every phase name this plan may record (``{ready}`` for the backend's ready phase)."""

@@ -108,6 +108,7 @@ NUMERIC_FLAGS: dict[str, tuple[float, bool]] = {
     "--lr": (0, False), "--weight-decay": (0, False), "--grad-clip": (0, False), "--mini-batches": (1, False),
     "--micro-batch-size": (1, False), "--eps-low": (0, False), "--eps-high": (0, False), "--kl-beta": (0, False),
     "--lora-rank": (0, False), "--lora-alpha": (0, True), "--checkpoint-every": (0, False),
+    "--clip-ratio-c": (0, False), "--tis-cap": (0, False),
 }  # fmt: skip
 
 
@@ -192,6 +193,8 @@ def prepare(args: argparse.Namespace) -> Prepared:
 
     model = resolve_model(args.model, seed=args.seed)  # CheckpointError naming the file
     model.check_tp(opts.engine.tp)  # heads divisible by --tp; devices are checked once the runtime is up
+    opts, model_notes = get_plan(args.plan).with_model(opts, model)
+    notes += model_notes
     if args.resume or args.resume_or_start:
         run_id = args.run_id or _previous_run_id(run_dir) or run_id
     return Prepared(get_plan(args.plan), opts, backend, model, run_id, run_dir, limits, bool(resuming), notes)

@@ -39,7 +39,7 @@ from mllm_rl.option_error import OptionError
 from mllm_rl.plans import setup
 from mllm_rl.plans.base import Plan, PlanRun
 from mllm_rl.progress import progress_bar
-from mllm_rl.rl.advantages import ESTIMATORS, group_advantages
+from mllm_rl.rl.advantages import ESTIMATORS, STDS, group_advantages
 from mllm_rl.rl.batch import build_batch
 from mllm_rl.rl.loss_config import LossConfig
 from mllm_rl.tasks import Task, get_task
@@ -49,6 +49,11 @@ SETUP_PHASES = ["wandb_init", "{ready}", "engine_ready_dummy", *LIFECYCLE_SETUP]
 FINAL_PHASES = ["checkpoint_flush", "generate_result"]
 PROBE_PROMPT = "abcabcab"
 KEEP_CHECKPOINTS = 2
+# Default learning rates (``--lr`` unset): ``tiny`` trains from random initialisation; any other
+# model is taken as pretrained and fine-tuned at verl's default actor learning rate.
+FROM_SCRATCH_LR = 3e-3
+FINE_TUNE_LR = 1e-6
+FROM_SCRATCH_PRESETS = ("tiny",)
 DEFAULT_RUNNING = 128  # requests per batch when sizing the KV cache of an unset --max-running-requests
 EVAL_STREAM = 2**31 - 1  # the held-out prompts' RNG stream (never a training step)
 
@@ -62,6 +67,8 @@ class RLOptions:
     temperature: float = 1.0
     top_p: float = 1.0
     estimator: str = "grpo"
+    adv_std: str = "unbiased"  # the GRPO group std (``mllm_rl.rl.advantages``)
+    lr_from_model: bool = False  # --lr unset: ``RLPlan.with_model`` sets ``train.lr`` from the model
     task: str = "pattern"
     task_data: str | None = None
     eval_prompts: int = 16
@@ -88,6 +95,17 @@ class RLOptions:
             )
         if self.estimator not in ESTIMATORS:
             raise OptionError("estimator", f"{self.estimator!r}: choose one of {', '.join(ESTIMATORS)}")
+        if self.adv_std not in STDS:
+            raise OptionError("adv_std", f"{self.adv_std!r}: choose one of {', '.join(STDS)}")
+        if self.temperature <= 0:
+            raise OptionError(
+                "temperature",
+                f"{self.temperature}: RL samples its groups (a temperature of 0 is greedy: every "
+                f"completion of a prompt the same, advantage 0, nothing trains)",
+            )
+        if self.train.temperature != self.temperature:
+            raise OptionError("temperature", f"the trainer's log-prob temperature {self.train.temperature} "
+                              f"differs from the rollout's {self.temperature}")  # fmt: skip
         if self.checkpoint_every < 0:
             raise OptionError("checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
         if self.resume_from is not None and self.resume_from.step + 1 >= self.steps:
@@ -103,11 +121,17 @@ class RLOptions:
         return 0 if self.resume_from is None else self.resume_from.step + 1
 
 
+def default_lr(model_name: str) -> float:
+    """The learning rate of a run without ``--lr`` (see ``FROM_SCRATCH_LR``)."""
+    return FROM_SCRATCH_LR if model_name in FROM_SCRATCH_PRESETS else FINE_TUNE_LR
+
+
 # -- checkpoints -------------------------------------------------------------------------
 def checkpoint_meta(backend: str, opts: RLOptions) -> dict[str, Any]:
     """What a checkpoint's ``meta.json`` records besides its step and files, and what ``--resume``
     requires of it (``verify_rl_checkpoint(expect=...)``)."""
-    return {"seed": opts.seed, "backend": backend, "lora_rank": opts.train.lora_rank}
+    return {"seed": opts.seed, "backend": backend, "lora_rank": opts.train.lora_rank,
+            "precision": opts.train.precision}  # fmt: skip
 
 
 def checkpointer(
@@ -142,7 +166,7 @@ def make_rollout(task: Task, tok: Any, opts: RLOptions, eos: int):
         rewards = np.array([task.reward(t, examples[i // g]) for i, t in enumerate(texts)], np.float64)
         if fault("reward_nan"):
             rewards[0] = np.nan
-        adv = group_advantages(rewards, g, opts.estimator)
+        adv = group_advantages(rewards, g, opts.estimator, std=opts.adv_std)
         batch = build_batch(ids, outs, adv)
         groups = rewards.reshape(-1, g)
         lens = np.array([len(o.token_ids) for o in outs])
@@ -258,18 +282,32 @@ class RLPlan(Plan):
         if args.prompt:
             raise ValueError("--prompt: only the swap plan takes prompts (the rl plan's come from --task)")
         loss = LossConfig(eps_low=args.eps_low, eps_high=args.eps_high, beta=args.kl_beta,
-                          aggregation=args.loss_agg, max_len=args.max_new_tokens or 8)  # fmt: skip
-        train = TrainConfig(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                          aggregation=args.loss_agg, max_len=args.max_new_tokens or 8,
+                          clip_ratio_c=args.clip_ratio_c)  # fmt: skip
+        lr = FROM_SCRATCH_LR if args.lr is None else args.lr  # the model's default: ``with_model``
+        train = TrainConfig(lr=lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                             mini_batches=args.mini_batches, micro_batch_size=args.micro_batch_size, loss=loss,
-                            lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, seed=args.seed)  # fmt: skip
+                            lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, seed=args.seed,
+                            temperature=args.temperature or 1.0, precision=args.precision)  # fmt: skip
         return RLOptions(
             steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
             max_new_tokens=args.max_new_tokens or 8, temperature=args.temperature, top_p=args.top_p,
-            estimator=args.estimator, task=args.task, task_data=args.task_data,
-            checkpoint_every=args.checkpoint_every, checkpoint_background=args.checkpoint_background, seed=args.seed,
-            platform=platform, engine=engine, train=train,
-            lifecycle=LifecycleOptions(schedule=args.schedule, check_weights=args.check_weights),
+            estimator=args.estimator, adv_std=args.adv_std, lr_from_model=args.lr is None, task=args.task,
+            task_data=args.task_data, checkpoint_every=args.checkpoint_every,
+            checkpoint_background=args.checkpoint_background, seed=args.seed, platform=platform, engine=engine,
+            train=train,
+            lifecycle=LifecycleOptions(schedule=args.schedule, check_weights=args.check_weights,
+                                       old_logp=args.old_logp, tis_cap=args.tis_cap),
         )  # fmt: skip
+
+    def with_model(self, opts: RLOptions, model: Any) -> tuple[RLOptions, list[str]]:
+        """``--lr`` unset: ``FROM_SCRATCH_LR`` for the ``tiny`` preset (random initialisation),
+        ``FINE_TUNE_LR`` for every other model (a pretrained checkpoint is fine-tuned)."""
+        if not opts.lr_from_model:
+            return opts, []
+        lr = default_lr(model.config.name)
+        train = dataclasses.replace(opts.train, lr=lr)
+        return dataclasses.replace(opts, train=train, lr_from_model=False), []
 
     def preflight(
         self, args: argparse.Namespace, opts: RLOptions, backend: Backend, run_dir: Path

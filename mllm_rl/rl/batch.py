@@ -21,7 +21,10 @@ class RolloutBatch:
       predicted from position t - 1; ``loss_mask[:, 0]`` is always False);
     - ``old_logp`` [B, T] float32: the rollout engine's log-prob of ``tokens[b, t]`` where
       ``loss_mask``, 0 elsewhere;
-    - ``advantages`` [B] float32: one scalar per completion.
+    - ``advantages`` [B] float32: one scalar per completion;
+    - ``is_weight`` [B, T] float32: a per-token weight of the policy-gradient term (truncated
+      importance sampling of the engine/trainer mismatch, ``mllm_rl.rl.old_logp``); ones when
+      not given.
     """
 
     tokens: np.ndarray
@@ -29,10 +32,13 @@ class RolloutBatch:
     loss_mask: np.ndarray
     old_logp: np.ndarray
     advantages: np.ndarray
+    is_weight: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         b, t = self.tokens.shape
-        for name in ("attention_mask", "loss_mask", "old_logp"):
+        if self.is_weight is None:
+            self.is_weight = np.ones((b, t), np.float32)
+        for name in ("attention_mask", "loss_mask", "old_logp", "is_weight"):
             if getattr(self, name).shape != (b, t):
                 raise ValueError(f"RolloutBatch.{name}: shape {getattr(self, name).shape}, expected {(b, t)}")
         if self.advantages.shape != (b,):
@@ -48,7 +54,7 @@ class RolloutBatch:
 
     def rows(self, s: slice) -> RolloutBatch:
         return RolloutBatch(self.tokens[s], self.attention_mask[s], self.loss_mask[s], self.old_logp[s],
-                            self.advantages[s])  # fmt: skip
+                            self.advantages[s], self.is_weight[s])  # fmt: skip
 
 
 def build_batch(

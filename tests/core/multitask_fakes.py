@@ -209,6 +209,12 @@ class FakeTrainer:
         self.steps += 1
         return train_metrics(g, 1, [abs(g)], {"tokens": float(batch.loss_mask.sum())}, 0.0)
 
+    def logprobs(self, batch: RolloutBatch) -> np.ndarray:
+        """The engine's log-probs (a trainer that agrees with the engine exactly)."""
+        if not self.resident()[PARAMS]:
+            raise RuntimeError(f"{self.task}: logprobs with params offloaded")
+        return batch.old_logp.copy()
+
     def greedy(self, prompt: Sequence[int], n: int) -> tuple[list[int], list[float]]:
         return [1] * n, [1.0] * n
 

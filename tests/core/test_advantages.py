@@ -2,14 +2,29 @@ import numpy as np
 import pytest
 
 from mllm_rl.rl import group_advantages
+from tests import rl_reference as ref_defs
 
 
 def test_grpo_normalises_within_each_group():
     r = np.array([1, 0, 0, 1, 5, 5, 5, 9], np.float32)
-    adv = group_advantages(r, 4, "grpo").reshape(2, 4)
+    adv = group_advantages(r, 4, "grpo", std="biased").reshape(2, 4)
     np.testing.assert_allclose(adv.mean(axis=1), 0, atol=1e-6)
     np.testing.assert_allclose(adv[0], [1, -1, -1, 1], atol=1e-5)
     assert adv[1, 3] > 0 and np.allclose(adv[1, :3], adv[1, 0])
+
+
+@pytest.mark.parametrize("g", [2, 8])
+def test_grpo_default_std_is_verl_and_trl_unbiased_std(g):
+    r = np.random.default_rng(g).integers(0, 3, 4 * g).astype(np.float64)
+    r[:g] = np.arange(g)  # one group surely not constant
+    ours = group_advantages(r, g, "grpo")
+    np.testing.assert_allclose(ours, ref_defs.verl_grpo_advantages(r, g), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ours, ref_defs.trl_advantages(r, g), rtol=2e-4, atol=1e-4)  # TRL's eps is 1e-4
+    biased = group_advantages(r, g, "grpo", std="biased")
+    nz = np.abs(ours) > 1e-3
+    np.testing.assert_allclose(
+        biased[nz] / ours[nz], np.sqrt(g / (g - 1)), rtol=1e-4
+    )  # x1.414 at 2, x1.069 at 8
 
 
 def test_equal_rewards_give_zero_advantage_not_nan():

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from mllm_rl.backends.jax.rl_loss import LossConfig, policy_loss
+from tests import rl_reference as ref_defs
 
 
 def batch(seed=0, b=4, t=6):
@@ -45,7 +46,7 @@ def test_kl_is_in_the_loss_and_its_gradient():
         policy_loss(logp, old, adv, mask, LossConfig(beta=0.1))
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"])
 def test_micro_batch_accumulation_equals_full_batch(agg):
     logp, old, ref, adv, mask = batch(2, b=6)
     cfg = LossConfig(aggregation=agg, beta=0.05, max_len=6)
@@ -59,3 +60,42 @@ def test_micro_batch_accumulation_equals_full_batch(agg):
         acc_grad.append(g)
     np.testing.assert_allclose(acc_loss, full_loss, rtol=1e-5)
     np.testing.assert_allclose(jnp.concatenate(acc_grad), full_grad, rtol=1e-5, atol=1e-7)
+
+
+# -- docs/RL.md's table: each quantity against verl's and TRL's definitions (tests/rl_reference.py)
+def ours(cfg: dict, d: dict, is_weight=None) -> dict[str, float]:
+    loss, m = policy_loss(jnp.asarray(d["logp"]), jnp.asarray(d["old"]), jnp.asarray(d["adv"]),
+                          jnp.asarray(d["mask"]), LossConfig(**cfg), ref_logp=jnp.asarray(d["ref"]),
+                          is_weight=None if is_weight is None else jnp.asarray(is_weight))  # fmt: skip
+    return {"loss": float(loss), **{k: float(v) for k, v in m.items()}}
+
+
+def test_every_row_of_the_rl_table_matches_verl_and_trl():
+    assert ref_defs.check_table(ours) >= 12
+
+
+def test_clip_frac_counts_tokens_whose_gradient_the_clip_cuts():
+    d = ref_defs.loss_batch()
+    got = ours({"eps_low": ref_defs.EPS_LOW, "eps_high": ref_defs.EPS_HIGH}, d)["clip_frac"]
+    assert (
+        0 < got < ref_defs.outside_range_frac(d)
+    )  # a ratio outside the range with the "wrong" sign is not cut
+
+
+def test_truncated_importance_sampling_matches_verl():
+    d = ref_defs.loss_batch(3)
+    w = np.minimum(np.exp(d["old"].astype(np.float64) - d["rollout"]), 1.5).astype(np.float32)
+    cfg = {"eps_low": ref_defs.EPS_LOW, "eps_high": ref_defs.EPS_HIGH}
+    got = ours(cfg, d, w)["loss"]
+    np.testing.assert_allclose(got, ref_defs.tis_reference(d, 1.5), rtol=1e-5)
+    assert abs(got - ours(cfg, d)["loss"]) > 1e-4  # the weight changes the loss
+
+
+def test_dual_clip_bounds_the_loss_of_a_huge_ratio_with_negative_advantage():
+    old, mask, adv = jnp.zeros((1, 1)), jnp.ones((1, 1)), -jnp.ones((1,))
+    huge = jnp.full((1, 1), 5.0)  # ratio e^5 = 148
+    loss, m = policy_loss(huge, old, adv, mask, LossConfig(clip_ratio_c=3.0))
+    np.testing.assert_allclose(loss, 3.0, rtol=1e-6)
+    assert float(m["clip_frac_dual"]) == 1.0
+    loss, _ = policy_loss(huge, old, adv, mask, LossConfig(clip_ratio_c=0.0))
+    np.testing.assert_allclose(loss, np.exp(5.0), rtol=1e-5)

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from mllm_rl.backends.torch.rl_loss import LossConfig, policy_loss
+from tests import rl_reference as ref_defs
 from tests.conftest import ROOT
 
 JAX_PYTHON = ROOT / ".venv-jax" / "bin" / "python"
-AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"]
 
 
 def batch_np(seed: int = 0, b: int = 4, t: int = 6) -> tuple[np.ndarray, ...]:
@@ -105,6 +106,45 @@ def test_micro_batch_accumulation_equals_full_batch(agg):
     assert not torch.allclose(part, with_totals)
 
 
+# -- docs/RL.md's table: each quantity against verl's and TRL's definitions (tests/rl_reference.py)
+def ours(cfg: dict, d: dict, is_weight=None) -> dict[str, float]:
+    t = {k: torch.from_numpy(v) for k, v in d.items()}
+    w = None if is_weight is None else torch.from_numpy(is_weight)
+    loss, m = policy_loss(t["logp"], t["old"], t["adv"], t["mask"], LossConfig(**cfg), ref_logp=t["ref"],
+                          is_weight=w)  # fmt: skip
+    return {"loss": float(loss), **{k: float(v) for k, v in m.items()}}
+
+
+def test_every_row_of_the_rl_table_matches_verl_and_trl():
+    assert ref_defs.check_table(ours) >= 12
+
+
+def test_clip_frac_counts_tokens_whose_gradient_the_clip_cuts():
+    d = ref_defs.loss_batch()
+    got = ours({"eps_low": ref_defs.EPS_LOW, "eps_high": ref_defs.EPS_HIGH}, d)["clip_frac"]
+    assert (
+        0 < got < ref_defs.outside_range_frac(d)
+    )  # a ratio outside the range with the "wrong" sign is not cut
+
+
+def test_truncated_importance_sampling_matches_verl():
+    d = ref_defs.loss_batch(3)
+    w = np.minimum(np.exp(d["old"].astype(np.float64) - d["rollout"]), 1.5).astype(np.float32)
+    cfg = {"eps_low": ref_defs.EPS_LOW, "eps_high": ref_defs.EPS_HIGH}
+    got = ours(cfg, d, w)["loss"]
+    assert got == pytest.approx(ref_defs.tis_reference(d, 1.5), rel=1e-5)
+    assert abs(got - ours(cfg, d)["loss"]) > 1e-4  # the weight changes the loss
+
+
+def test_dual_clip_bounds_the_loss_of_a_huge_ratio_with_negative_advantage():
+    old, mask, adv = torch.zeros(1, 1), torch.ones(1, 1), -torch.ones(1)
+    huge = torch.full((1, 1), 5.0)  # ratio e^5 = 148
+    loss, m = policy_loss(huge, old, adv, mask, LossConfig(clip_ratio_c=3.0))
+    assert float(loss) == pytest.approx(3.0, rel=1e-6) and float(m["clip_frac_dual"]) == 1.0
+    loss, _ = policy_loss(huge, old, adv, mask, LossConfig(clip_ratio_c=0.0))
+    assert float(loss) == pytest.approx(np.exp(5.0), rel=1e-5)
+
+
 # -- cross-backend: the same numbers from the JAX implementation -------------------------
 _JAX_SCRIPT = r"""
 import json, sys
@@ -164,7 +204,7 @@ def test_matches_the_jax_loss_and_gradient(tmp_path: Path):
         np.testing.assert_allclose(
             lp.grad.numpy(), np.asarray(w["grad"]), rtol=1e-5, atol=1e-7, err_msg=case["name"]
         )
-        for k in ("clip_frac", "kl", "ratio_mean"):
+        for k in ("clip_frac", "clip_frac_dual", "kl", "ratio_mean"):
             assert float(m[k]) == pytest.approx(w[k], rel=1e-5, abs=1e-7), (case["name"], k)
         clipped = max(clipped, float(m["clip_frac"]))
     assert clipped > 0  # the input exercises the clipped branch

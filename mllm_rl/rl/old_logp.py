@@ -1,0 +1,59 @@
+"""Old log-probs of the PPO ratio: the engine's, or recomputed by the trainer (verl's default),
+and the engine/trainer mismatch between the two.
+
+The rollout engine and the trainer compute the same policy with different kernels (and, with
+mixed precision, in bf16 from a cast of the float32 masters), so their log-probs of the sampled
+tokens differ. With ``old_logp="trainer"`` the train step first recomputes the log-probs of
+the batch with the trainer (before any update) and uses them as ``old_logp``: the PPO ratio then
+measures only the policy's own change. The mismatch is reported every step, and truncated
+importance sampling (``tis_cap > 0``; verl ``tis_imp_ratio_cap``, TRL
+``vllm_importance_sampling_cap``) reweights each token's policy-gradient term by
+``min(exp(logp_trainer - logp_engine), tis_cap)``, correcting for sampling from the engine's
+slightly different distribution.
+
+Shapes: B sequences, T positions; every array [B, T], valid where ``loss_mask``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from mllm_rl.rl.batch import RolloutBatch
+
+SOURCES = ("trainer", "engine")
+
+
+def mismatch_metrics(trainer_logp: np.ndarray, batch: RolloutBatch) -> dict[str, float]:
+    """Per-token ``|logp_trainer - logp_engine|`` over the batch's completion tokens: mean and
+    max, and the mean of ``exp(logp_trainer - logp_engine)`` (1 when they agree)."""
+    mask = batch.loss_mask
+    d = (trainer_logp.astype(np.float64) - batch.old_logp.astype(np.float64))[mask]
+    if d.size == 0:
+        return {"logp_mismatch_mean": 0.0, "logp_mismatch_max": 0.0, "engine_ratio_mean": 1.0}
+    return {
+        "logp_mismatch_mean": float(np.abs(d).mean()),
+        "logp_mismatch_max": float(np.abs(d).max()),
+        "engine_ratio_mean": float(np.exp(d).mean()),
+    }
+
+
+def with_trainer_old_logp(
+    batch: RolloutBatch, trainer_logp: np.ndarray, tis_cap: float = 0.0
+) -> tuple[RolloutBatch, dict[str, float]]:
+    """``batch`` (whose ``old_logp`` are the engine's) with the trainer's log-probs as
+    ``old_logp`` and, when ``tis_cap > 0``, truncated importance weights as ``is_weight``;
+    and the mismatch metrics (plus ``tis_capped_frac``, the share of tokens whose weight the
+    cap cut)."""
+    if trainer_logp.shape != batch.old_logp.shape:
+        raise ValueError(f"trainer log-probs {trainer_logp.shape}, batch {batch.old_logp.shape}")
+    mask = batch.loss_mask
+    metrics = mismatch_metrics(trainer_logp, batch)
+    old = np.where(mask, trainer_logp, 0.0).astype(np.float32)
+    weight = batch.is_weight
+    if tis_cap > 0:
+        raw = np.exp(np.clip(trainer_logp.astype(np.float64) - batch.old_logp, -20.0, 20.0))
+        weight = np.where(mask, np.minimum(raw, tis_cap), 1.0).astype(np.float32)
+        metrics["tis_capped_frac"] = float((raw[mask] > tis_cap).mean()) if mask.any() else 0.0
+    return dataclasses.replace(batch, old_logp=old, is_weight=weight), metrics

@@ -1,0 +1,54 @@
+"""The RL plan's options at real settings: the learning rate follows the model (from scratch for
+``tiny``, fine-tuning for a pretrained checkpoint), the trainer's log-probs use the rollout's
+temperature, mixed precision is the default, and each reaches the trainer's config."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from mllm_rl.plans.preflight import build_options
+from mllm_rl.plans.rl import FINE_TUNE_LR, FROM_SCRATCH_LR, PLAN, checkpoint_meta
+from mllm_rl.run import build_parser
+
+
+def options(*flags: str):
+    return build_options(build_parser().parse_args(["--backend", "jax", *flags]))
+
+
+def model(name: str):
+    """What ``with_model`` reads of a ``ModelDir``: its config's preset name."""
+    return types.SimpleNamespace(config=types.SimpleNamespace(name=name))
+
+
+@pytest.mark.parametrize(
+    "name,lr", [("tiny", FROM_SCRATCH_LR), ("qwen3-4b", FINE_TUNE_LR), ("Qwen3-8B", 1e-6)]
+)
+def test_an_unset_lr_is_the_models_default(name, lr):
+    opts, _ = PLAN.with_model(options(), model(name))
+    assert opts.train.lr == lr and not opts.lr_from_model
+
+
+def test_a_given_lr_is_kept_for_every_model():
+    opts, _ = PLAN.with_model(options("--lr", "3e-3"), model("qwen3-4b"))
+    assert opts.train.lr == 3e-3
+
+
+def test_temperature_precision_and_rl_math_reach_the_trainer_and_the_lifecycle():
+    opts = options("--temperature", "0.7", "--precision", "pure", "--clip-ratio-c", "0", "--adv-std", "biased",
+                   "--old-logp", "engine", "--loss-agg", "dr_grpo")  # fmt: skip
+    assert opts.train.temperature == opts.temperature == 0.7
+    assert opts.train.precision == "pure" and opts.train.loss.clip_ratio_c == 0
+    assert opts.train.loss.aggregation == "dr_grpo" and opts.adv_std == "biased"
+    assert opts.lifecycle.old_logp == "engine" and opts.lifecycle.tis_cap == 0
+    default = options()
+    assert default.train.precision == "mixed" and default.train.loss.clip_ratio_c == 3.0
+    assert default.lifecycle.old_logp == "trainer" and default.adv_std == "unbiased"
+    # a resume must load masters written at the same precision
+    assert checkpoint_meta("jax", default)["precision"] == "mixed"
+
+
+def test_help_says_how_the_default_lr_is_chosen():
+    text = build_parser().format_help()
+    assert "1e-6 for every other model" in " ".join(text.split())
