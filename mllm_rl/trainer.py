@@ -80,7 +80,8 @@ def check_state_names(what: Sequence[str]) -> list[str]:
 
 
 TRAIN_METRICS = (
-    "loss", "grad_norm", "clip_frac", "kl", "ratio_mean", "neg_logp_mean", "tokens", "updates", "train_s",
+    "loss", "grad_norm", "clip_frac", "clip_frac_dual", "kl", "ratio_mean", "neg_logp_mean", "tokens", "updates",
+    "train_s",
 )  # fmt: skip
 
 
@@ -89,7 +90,7 @@ def train_metrics(
 ) -> dict[str, float]:
     """The metrics every ``Trainer.train_step`` returns (``TRAIN_METRICS``), from its sums.
 
-    ``totals`` holds token-summed ``clip_frac``, ``kl``, ``ratio_mean``, ``entropy_proxy`` and the
+    ``totals`` holds token-summed ``clip_frac``, ``clip_frac_dual``, ``kl``, ``ratio_mean``, ``entropy_proxy`` and the
     valid-token count ``tokens`` over the step; each is reported as a per-token mean.
     ``loss_sum`` is the sum of the ``n_parts`` micro-batch losses; ``grad_norms`` one per update.
     """
@@ -98,6 +99,7 @@ def train_metrics(
         "loss": loss_sum / max(n_parts, 1),
         "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
         "clip_frac": totals.get("clip_frac", 0.0) / n,
+        "clip_frac_dual": totals.get("clip_frac_dual", 0.0) / n,
         "kl": totals.get("kl", 0.0) / n,
         "ratio_mean": totals.get("ratio_mean", 0.0) / n,
         "neg_logp_mean": totals.get("entropy_proxy", 0.0) / n,

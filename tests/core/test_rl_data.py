@@ -111,10 +111,18 @@ def test_request_seeds_differ_per_request_and_repeat_per_batch_seed():
 def test_train_metrics_are_per_token_means_of_the_step_sums():
     from mllm_rl.trainer import TRAIN_METRICS, train_metrics
 
-    totals = {"tokens": 40.0, "clip_frac": 10.0, "kl": 2.0, "ratio_mean": 41.0, "entropy_proxy": 120.0}
+    totals = {
+        "tokens": 40.0,
+        "clip_frac": 10.0,
+        "clip_frac_dual": 4.0,
+        "kl": 2.0,
+        "ratio_mean": 41.0,
+        "entropy_proxy": 120.0,
+    }
     m = train_metrics(loss_sum=3.0, n_parts=4, grad_norms=[1.0, 3.0], totals=totals, seconds=1.23456)
     assert list(m) == list(TRAIN_METRICS)
-    assert m == {"loss": 0.75, "grad_norm": 2.0, "clip_frac": 0.25, "kl": 0.05, "ratio_mean": 1.025,
+    assert m == {"loss": 0.75, "grad_norm": 2.0, "clip_frac": 0.25, "clip_frac_dual": 0.1, "kl": 0.05,
+                 "ratio_mean": 1.025,
                  "neg_logp_mean": 3.0, "tokens": 40, "updates": 2, "train_s": 1.2346}  # fmt: skip
     empty = train_metrics(0.0, 0, [], {}, 0.0)  # no valid token: zeros, no division by zero
     assert empty["grad_norm"] == 0.0 and empty["kl"] == 0.0 and empty["tokens"] == 0 and empty["updates"] == 0
