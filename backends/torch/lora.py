@@ -9,6 +9,11 @@ hold every HF name) plus ``lora_a`` [R, in] and ``lora_b`` [out, R] (the PEFT la
 ``lora_a`` ~ N(0, 1/in), ``lora_b`` = 0, so a fresh adapter leaves the model unchanged.
 ``merged_weight()`` [out, in] is what an engine without adapters must hold; ``disabled(model)``
 turns every adapter off (the base policy: the KL reference in LoRA mode).
+
+Precision: the adapters may be kept in another dtype than the base (float32 masters over a
+bf16 base under mixed precision); the adapter branch computes in the base weight's dtype (the
+compute dtype: the adapters are cast to it on every forward, so their gradients come back in
+their own dtype) and ``merged_weight()`` is in the base weight's dtype too.
 """
 
 from __future__ import annotations
@@ -28,7 +33,15 @@ PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
 class LoRALinear(nn.Linear):
     """An ``nn.Linear`` (no bias) with a low-rank adapter (see the module docstring)."""
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator) -> None:
+    def __init__(
+        self,
+        base: nn.Linear,
+        rank: int,
+        alpha: float,
+        generator: torch.Generator,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """``dtype``: the adapters' (master) dtype; by default the base weight's."""
         if base.bias is not None:
             raise ValueError("LoRALinear: linear layers with a bias are not supported")
         nn.Module.__init__(self)
@@ -39,16 +52,18 @@ class LoRALinear(nn.Linear):
         a = torch.randn(rank, self.in_features, generator=generator, dtype=torch.float32) / math.sqrt(
             self.in_features
         )
-        self.lora_a = nn.Parameter(a.to(device=w.device, dtype=w.dtype))
-        self.lora_b = nn.Parameter(torch.zeros(self.out_features, rank, device=w.device, dtype=w.dtype))
+        dtype = dtype or w.dtype
+        self.lora_a = nn.Parameter(a.to(device=w.device, dtype=dtype))
+        self.lora_b = nn.Parameter(torch.zeros(self.out_features, rank, device=w.device, dtype=dtype))
         self.scale = alpha / rank
         self.enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: [..., in] -> [..., out]."""
+        """``x``: [..., in] -> [..., out], the adapter branch in the base weight's dtype."""
         y = F.linear(x, self.weight)
         if self.enabled:
-            y = y + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
+            dt = self.weight.dtype
+            y = y + F.linear(F.linear(x, self.lora_a.to(dt)), self.lora_b.to(dt)) * self.scale
         return y
 
     @torch.no_grad()
@@ -68,9 +83,12 @@ def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
     return out
 
 
-def add_lora(model: nn.Module, rank: int, alpha: float, seed: int = 0) -> dict[str, LoRALinear]:
+def add_lora(
+    model: nn.Module, rank: int, alpha: float, seed: int = 0, dtype: torch.dtype | None = None
+) -> dict[str, LoRALinear]:
     """Replace every projection by a ``LoRALinear`` sharing its weight (in place); freeze
-    everything but the adapters. Returns HF weight name -> adapter layer."""
+    everything but the adapters (in ``dtype``, by default the base's). Returns HF weight name ->
+    adapter layer."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -80,7 +98,7 @@ def add_lora(model: nn.Module, rank: int, alpha: float, seed: int = 0) -> dict[s
         for sub, names in PROJECTIONS:
             parent = getattr(layer, sub)
             for n in names:
-                lora = LoRALinear(getattr(parent, n), rank, alpha, gen)
+                lora = LoRALinear(getattr(parent, n), rank, alpha, gen, dtype)
                 setattr(parent, n, lora)
                 out[f"model.layers.{i}.{sub}.{n}.weight"] = lora
     return out

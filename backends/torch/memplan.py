@@ -13,6 +13,10 @@ Every figure is **predicted**, per device (the torch trainer runs on one device)
   components hold at that moment). AdamW runs its ``foreach`` implementation, the one torch
   picks for CUDA tensors (``torch/optim/optimizer.py: _default_to_fused_or_foreach``); its
   ``step`` counters live on the host on CUDA (``torch/optim/adam.py``) and are left out.
+  The trainer runs at its default precision (``TrainConfig.precision`` ``mixed``): a 16-bit
+  checkpoint trains float32 masters with float32 gradients and AdamW moments, and each
+  forward/backward computes on casts of the masters in the checkpoint dtype (in ``grad_step``'s
+  peak, not in a component); a LoRA base stays in the checkpoint dtype, its adapters float32.
   Fake CUDA tensors cannot run backward without a CUDA context (pytorch/pytorch#92627), so the
   fake device is the CPU: byte counts are the same, CUDA's 512-byte allocation rounding is not
   applied.
@@ -34,6 +38,7 @@ import math
 import re
 import resource
 import time
+import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -132,8 +137,10 @@ class StepMemory:
     ``params``/``grads``/``optimizer``: just before an optimizer step (every gradient allocated;
     AdamW's host-side ``step`` counters, ``host_scalars``, excluded). ``peak``: the tracker's
     per-category bytes at its peak (MemTracker names: Parameter, Gradient, Optstate,
-    Activation, Temp, ...; ``Optstate`` there still includes ``host_scalars``), ``peak_total``
-    their sum without ``host_scalars``.
+    Activation, Temp, ...; ``Optstate`` there still includes ``host_scalars``; ``Parameter``
+    also the compute-dtype casts of float32 masters alive at the peak), ``peak_total`` their
+    sum without ``host_scalars``. ``master_dtype``: the trainable params' (and gradients', AdamW
+    moments') dtype; ``compute_dtype``: what forwards compute in (the checkpoint's).
     """
 
     params: int
@@ -148,6 +155,8 @@ class StepMemory:
     micro_batches: int
     seq_len: int
     seconds: float
+    master_dtype: str
+    compute_dtype: str
 
     @property
     def shape(self) -> str:
@@ -158,8 +167,10 @@ class StepMemory:
     @property
     def activations(self) -> int:
         """Bytes at the peak beyond params (a KL reference included), gradients and optimizer state:
-        activations and temporaries (the optimizer's own, when the peak is in its step)."""
-        return self.peak_total - self.peak.get("Parameter", 0) - self.peak.get("Gradient", 0) - self.optimizer
+        activations and temporaries (the optimizer's own, when the peak is in its step; the
+        compute-dtype casts of float32 masters under mixed precision)."""
+        held = self.params + self.ref_params + self.peak.get("Gradient", 0) + self.optimizer
+        return self.peak_total - held
 
 
 def layout_dir(config: ModelConfig, dtype: str) -> ModelDir:
@@ -183,8 +194,10 @@ def _tracker_class() -> type:
         - only the global per-device peak: MemTracker also keeps a module-wise peak, updated for
           every live module on every op (20x slower on a 28-layer model), unused here;
         - no gradient hook on a frozen parameter (LoRA's base weights, the reference params a
-          KL step swaps in): torch 2.13's MemTracker registers one on every parameter a module
-          holds, which raises for a tensor that does not require grad.
+          KL step swaps in) or a non-leaf one (the compute-dtype casts of the float32 masters a
+          mixed-precision step swaps in): torch 2.13's MemTracker registers one on every
+          parameter a module holds, which raises for a tensor that does not require grad or is
+          not a leaf.
         """
 
         def _update_peak_stats(self, peak_state: Any) -> None:
@@ -196,11 +209,16 @@ def _tracker_class() -> type:
 
         def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
             hooks = self._param_to_grad_hook_handles
-            frozen = [p for p in module.parameters() if not p.requires_grad and p not in hooks]
+            frozen = [p for p in module.parameters()
+                      if (not p.requires_grad or p.grad_fn is not None) and p not in hooks]  # fmt: skip
             for p in frozen:  # MemTracker skips parameters that already have hook handles
                 hooks[p] = ()
             try:
-                return super()._track_module_params_and_buffers(module, install_grad_hooks)
+                with warnings.catch_warnings():  # it reads ``.grad`` of the non-leaf casts too (None)
+                    warnings.filterwarnings(
+                        "ignore", message="The .grad attribute of a Tensor that is not a leaf"
+                    )
+                    return super()._track_module_params_and_buffers(module, install_grad_hooks)
             finally:
                 for p in frozen:
                     hooks.pop(p, None)
@@ -231,18 +249,21 @@ def step_batch(config: ModelConfig, rows: int, seq_len: int) -> RolloutBatch:
 
 @functools.lru_cache(maxsize=8)  # one plan per schedule of the same request traces the step once
 def trainer_step_memory(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, dtype: str = "bfloat16",
-                        lora_rank: int = 0, kl: bool = False, steps: int = STEPS) -> StepMemory:  # fmt: skip
+                        lora_rank: int = 0, kl: bool = False, steps: int = STEPS,
+                        precision: str = TrainConfig.precision) -> StepMemory:  # fmt: skip
     """Run ``TorchTrainer.device_step`` ``steps`` times on fake tensors under MemTracker.
 
-    ``rows`` sequences of ``seq_len`` tokens per step, in micro-batches of ``micro_batch``.
+    ``rows`` sequences of ``seq_len`` tokens per step, in micro-batches of ``micro_batch``; the
+    trainer at ``precision`` (``TrainConfig.precision``; the trainer's default by default).
     """
-    out = _trace_step(config, micro_batch, seq_len, rows, dtype, lora_rank, kl, steps)
+    out = _trace_step(config, micro_batch, seq_len, rows, dtype, lora_rank, kl, steps, precision)
     gc.collect()  # the fake trainer leaves the CPU probe's holder set (a WeakSet) now
     return out
 
 
 def _trace_step(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, dtype: str = "bfloat16",
-                lora_rank: int = 0, kl: bool = False, steps: int = STEPS) -> StepMemory:  # fmt: skip
+                lora_rank: int = 0, kl: bool = False, steps: int = STEPS,
+                precision: str = TrainConfig.precision) -> StepMemory:  # fmt: skip
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.modules.module import register_module_forward_pre_hook
@@ -253,9 +274,8 @@ def _trace_step(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, 
 
     t0 = time.perf_counter()
     lora = lora_rank > 0
-    cfg = TrainConfig(
-        micro_batch_size=micro_batch, lora_rank=lora_rank, loss=LossConfig(beta=KL_BETA if kl else 0)
-    )
+    cfg = TrainConfig(micro_batch_size=micro_batch, lora_rank=lora_rank, precision=precision,
+                      loss=LossConfig(beta=KL_BETA if kl else 0))  # fmt: skip
     meta = build_qwen3(config, getattr(torch, dtype), "meta")
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
@@ -267,12 +287,11 @@ def _trace_step(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, 
         trainer = TorchTrainer(layout_dir(config, dtype), init_cfg, device="cpu", model=model)
         if kl and not lora:
             trainer.cfg = cfg
-            trainer.ref_host = {n: torch.empty_like(p, device="meta") for n, p in trainer.trainable.items()}
+            trainer.ref_host = {n: torch.empty_like(p, device="meta", dtype=trainer.compute_dtype)
+                                for n, p in trainer.trainable.items()}  # fmt: skip
         for group in trainer.optimizer.param_groups:
             group["foreach"] = True  # torch's choice for CUDA tensors
-    ref_params = (
-        sum(p.numel() * p.element_size() for p in trainer.trainable.values()) if kl and not lora else 0
-    )
+    ref_params = sum(h.numel() * h.element_size() for h in (trainer.ref_host or {}).values())
     host_scalars = sum(t.numel() * t.element_size() for st in trainer.optimizer.state.values()
                        for k, t in st.items() if k == "step" and isinstance(t, torch.Tensor))  # fmt: skip
     batch = step_batch(config, rows, seq_len)
@@ -291,6 +310,9 @@ def _trace_step(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, 
     ]
     try:
         with fake, tracker, progress_bar(steps, "fake-tensor train step", unit="step") as bar:
+            # gradient hooks on the trainable params now: a mixed-precision forward swaps casts of the
+            # float32 masters into the modules, so the tracker's pre-forward hook never sees the masters
+            tracker._track_module_params_and_buffers(trainer.model)
             for _ in range(steps):
                 trainer.device_step(batch)
                 bar.update()
@@ -305,7 +327,8 @@ def _trace_step(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, 
         optimizer=pre.get("Optstate", 0) - host_scalars, ref_params=ref_params, peak=peak,
         peak_total=peak.get("Total", sum(peak.values())) - host_scalars, host_scalars=host_scalars, rows=rows,
         micro_batch=micro_batch, micro_batches=-(-rows // micro_batch), seq_len=seq_len,
-        seconds=time.perf_counter() - t0,
+        seconds=time.perf_counter() - t0, master_dtype=str(trainer.master_dtype).removeprefix("torch."),
+        compute_dtype=str(trainer.compute_dtype).removeprefix("torch."),
     )  # fmt: skip
     return out
 
@@ -354,30 +377,37 @@ def sglang_pool_bytes(tokens: int, cell: int, context_len: int, max_running_requ
     return (tokens + PAGE_SIZE) * cell + (reqs + 1) * (context_len + 4) * 4
 
 
-def staging_bytes(config: ModelConfig, itemsize: int, chunk: int = sc.CHUNK_BYTES, lora: bool = False) -> int:
+def staging_bytes(config: ModelConfig, itemsize: int, chunk: int = sc.CHUNK_BYTES, lora: bool = False,
+                  cast: bool = False) -> int:  # fmt: skip
     """The largest bucket ``SglangEngine.update_weights`` stages at once (``sc.update_buckets``
-    over the checkpoint's tensors in export order), plus with LoRA one merged weight."""
+    over the checkpoint's tensors in export order), plus the one tensor ``export_weights`` makes
+    while the engine places it: with LoRA a merged weight, with ``cast`` (float32 masters) the
+    cast to the checkpoint dtype."""
     items = [(n, math.prod(s) * itemsize, math.prod(s) * itemsize) for n, s in config.param_shapes().items()]
     biggest = max(sum(nbytes for _, nbytes in bucket) for bucket, _ in sc.update_buckets(items, chunk))
-    merged = max(nbytes for _, _, nbytes in items) if lora else 0
-    return biggest + merged
+    in_flight = max(nbytes for _, _, nbytes in items) if lora or cast else 0
+    return biggest + in_flight
 
 
 # -- the planner ---------------------------------------------------------------------------------
 def _trainer_figures(req: PlanRequest, step: StepMemory) -> tuple[dict[str, Component], FunctionMemory]:
     """The trainer's components and its ``grad_step`` function from the traced step."""
-    dt = req.param_dtype
-    lora = ", LoRA adapters too" if req.lora_rank else ""
-    opt = f"AdamW exp_avg + exp_avg_sq in the param dtype ({dt}); {step.host_scalars} B of step counters on host"
+    dt, mt = step.compute_dtype, step.master_dtype
+    mixed = mt != dt
+    if req.lora_rank:
+        what = f"LoRA base ({dt}) + adapters ({mt}{' masters' if mixed else ''})"
+    else:
+        what = f"{mt} masters (computing in {dt})" if mixed else dt
+    opt = f"AdamW exp_avg + exp_avg_sq ({mt}); {step.host_scalars} B of step counters on host"
     comps = {
         "trainer_params": Component(
-            "trainer_params", step.params, "fake_tensor", f"TorchTrainer params ({dt}{lora})"
+            "trainer_params", step.params, "fake_tensor", f"TorchTrainer params: {what}"
         ),
-        "grads": Component("grads", step.grads, "fake_tensor", f"gradients of the trainable params ({dt})"),
+        "grads": Component("grads", step.grads, "fake_tensor", f"gradients of the trainable params ({mt})"),
         "optimizer": Component("optimizer", step.optimizer, "fake_tensor", opt),
     }
     if step.ref_params:
-        why = "KL reference: the initial trainable params, copied to the device each step"
+        why = f"KL reference: the initial trainable params ({dt}), copied to the device each step"
         comps["ref_params"] = Component("ref_params", step.ref_params, "layout", why)
     cats = ", ".join(f"{k} {v / MIB:.1f}" for k, v in step.peak.items() if k != "Total" and v)
     fn = FunctionMemory(
@@ -385,7 +415,8 @@ def _trainer_figures(req: PlanRequest, step: StepMemory) -> tuple[dict[str, Comp
         argument_bytes=step.params + step.optimizer + step.grads + step.ref_params,
         temp_bytes=step.activations, method="fake_tensor",
         detail=f"TorchTrainer.device_step x{STEPS}, {step.shape} (forward, backward, clipping, AdamW foreach; "
-               f"KL reference forward when on); MiB at the peak: {cats}",
+               f"KL reference forward when on{'; casts of the masters to ' + dt if mixed else ''}); "
+               f"MiB at the peak: {cats}",
     )  # fmt: skip
     return comps, fn
 
@@ -455,7 +486,7 @@ def measure(req: PlanRequest) -> Measured:
     comps["engine_weights"] = Component("engine_weights", weights, "layout", f"SGLang Qwen3: {wdetail}")
     detail = f"SGLang MHA pool: ({pool.tokens} + {PAGE_SIZE}) tokens x {pool.cell} B/token + req_to_token"
     comps["kv_pool"] = Component("kv_pool", pool.bytes, "layout", detail)
-    stage = staging_bytes(c, itemsize, lora=req.lora_rank > 0)
+    stage = staging_bytes(c, itemsize, lora=req.lora_rank > 0, cast=step.master_dtype != req.param_dtype)
     bucket = f"largest update bucket (>= {sc.CHUNK_BYTES // MIB} MiB each)"
     comps["staging"] = Component("staging", stage, "layout", bucket)
     notes = [
@@ -468,9 +499,10 @@ def measure(req: PlanRequest) -> Measured:
         "torch_memory_saver regions: weights = engine_weights, kv_cache = kv_pool, cuda_graph: its size is "
         "known only after capture on the GPU",
     ]
-    if req.optimizer_dtype != req.param_dtype:
+    if req.optimizer_dtype != step.master_dtype:
         notes.append(f"optimizer_dtype {req.optimizer_dtype} does not apply: torch.optim.AdamW keeps its state "
-                     f"in the param dtype ({req.param_dtype})")  # fmt: skip
+                     f"in the trainable params' dtype ({step.master_dtype}; TrainConfig.precision "
+                     f"{TrainConfig.precision!r})")  # fmt: skip
     info = {
         "kv_tokens": pool.tokens, "kv_cell_bytes": pool.cell, "kv_pad_tokens": PAGE_SIZE,
         "mem_fraction_static": pool.mem_fraction_static, "engine_free_bytes": pool.free,

@@ -56,12 +56,13 @@ def from_host_bytes(t: torch.Tensor, host: np.ndarray) -> None:
     t.detach().reshape(-1).view(torch.uint8).copy_(torch.from_numpy(host))
 
 
-def device_tensor(host: Any, like: torch.Tensor) -> torch.Tensor:
-    """A tensor shaped and typed like ``like`` on its device holding ``host``'s bytes (a new
-    tensor; on CPU a view of the numpy buffer, no copy)."""
+def device_tensor(host: Any, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor shaped like ``like`` on its device, typed ``dtype`` (by default ``like``'s: the
+    dtype ``host``'s bytes were copied from), holding ``host``'s bytes (a new tensor; on CPU a
+    view of the numpy buffer, no copy)."""
     if isinstance(host, torch.Tensor):
         return host.to(like.device, non_blocking=True)
-    return torch.from_numpy(host).view(like.dtype).view(like.shape)
+    return torch.from_numpy(host).view(dtype or like.dtype).view(like.shape)
 
 
 def _restore(t: torch.Tensor, host: Any) -> None:

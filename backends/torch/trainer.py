@@ -10,6 +10,26 @@ weights are frozen and whose ``lora_a``/``lora_b`` train), ``optimizer`` (AdamW 
 trainable parameters; its state is created eagerly at init, like optax's ``init``, so
 offload/onload and ``state_bytes`` mean the same before and after the first step).
 
+Precision (``TrainConfig.precision``), for a 16-bit checkpoint (Qwen3's are bf16):
+
+- ``mixed`` (default; what FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
+  does over float32 params): the trainable params are float32 masters with float32 AdamW
+  moments; every forward/backward computes in the checkpoint dtype (the *compute dtype*) on
+  casts of the masters (``functional_call``), so autograd returns float32 gradients to the
+  masters and accumulates them over micro-batches in float32. An AdamW step of ~lr (1e-6) is
+  far below half a bf16 ulp of a weight ~0.02 (6e-5): on bf16 params it rounds to nothing, on
+  float32 masters it accumulates. LoRA: the frozen base stays in the checkpoint dtype, the
+  adapters are float32 masters and their branch computes in the compute dtype. The engine gets
+  casts to the checkpoint dtype (``export_weights``; ``weights_fingerprint`` hashes the casts).
+  ``save``/``snapshot`` write the masters, so a resume continues exactly. float16 gets no loss
+  scaling.
+- ``pure``: params and AdamW moments in the checkpoint dtype (half the state; updates below
+  half an ulp are lost).
+
+A float32 checkpoint trains in float32 either way. Every log-prob (the loss's, the KL
+reference's, ``logprobs``) is ``log_softmax(logits / cfg.temperature)``, the distribution the
+rollout sampled from, computed in the compute dtype like a 16-bit engine; ``greedy`` is untempered.
+
 Offload (``backends/torch/offload.py``): the bytes of every parameter / optimizer-state
 tensor go to the host (pinned on CUDA, numpy on CPU) and the device storages are resized to
 0; the tensor objects stay, so ``torch.optim`` and the model keep their references.
@@ -29,7 +49,7 @@ from torch.func import functional_call
 
 from mllm_rl.backends.torch.engine import tensor_sums
 from mllm_rl.backends.torch.lora import LoRALinear, add_lora, disabled, linear_layers
-from mllm_rl.backends.torch.model import Qwen3, load_qwen3
+from mllm_rl.backends.torch.model import Qwen3, checkpoint_dtype, load_qwen3
 from mllm_rl.backends.torch.offload import OffloadGroup, device_tensor, host_copy, storage_bytes
 from mllm_rl.backends.torch.probe import track
 from mllm_rl.backends.torch.rl_loss import policy_loss
@@ -40,6 +60,7 @@ from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig, check_
 
 T_BUCKET = 32
 STATE_FILE = "state.pt"
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit checkpoints: float32 masters under mixed precision
 
 
 class TrainerStateError(RuntimeError):
@@ -54,17 +75,25 @@ class TorchTrainer:
         device: str | torch.device = "cpu",
         model: Qwen3 | None = None,
     ) -> None:
-        """``model``: a ``Qwen3`` already in ``model_dir``'s layout on ``device`` (the memory
-        planner builds one on fake tensors); by default it is loaded from ``model_dir``."""
+        """``model``: a ``Qwen3`` already in ``model_dir``'s layout and dtype on ``device`` (the
+        memory planner builds one on fake tensors; its params are converted to the master dtype
+        here); by default it is loaded from ``model_dir``."""
         self.cfg = cfg
         self.config = model_dir.config
         self.device = torch.device(device)
         self.names = list(model_dir.tensors)  # HF names, checkpoint order
-        self.model = model if model is not None else load_qwen3(model_dir, device=str(self.device))
         self.lora = cfg.lora_rank > 0
+        # the checkpoint's dtype: what the engine holds, what forwards compute in
+        self.param_dtype = self.compute_dtype = checkpoint_dtype(model_dir)
+        self.mixed = cfg.precision == "mixed" and self.param_dtype in HALF_DTYPES
+        self.master_dtype = torch.float32 if self.mixed else self.param_dtype  # the trainable params'
+        base_dtype = self.param_dtype if self.lora else self.master_dtype  # a LoRA base never trains
+        if model is None:
+            model = load_qwen3(model_dir, dtype=base_dtype, device=str(self.device))
+        self.model = _to_dtype(model, base_dtype)
         if self.lora:
             self.adapters: dict[str, LoRALinear] = add_lora(
-                self.model, cfg.lora_rank, cfg.lora_alpha, cfg.seed
+                self.model, cfg.lora_rank, cfg.lora_alpha, cfg.seed, dtype=self.master_dtype
             )
         else:
             self.adapters = {}
@@ -77,9 +106,11 @@ class TorchTrainer:
             weight_decay=cfg.weight_decay,
         )  # fmt: skip
         _init_optimizer_state(self.optimizer)
-        self.ref_host: dict[str, Any] | None = None  # full fine-tune + KL: the initial params, on the host
+        # full fine-tune + KL: the initial params in the compute dtype (exact: the checkpoint's), on the host
+        self.ref_host: dict[str, Any] | None = None
         if cfg.loss.beta > 0 and not self.lora:
-            self.ref_host = {n: host_copy(p, self.device) for n, p in self.trainable.items()}
+            self.ref_host = {n: host_copy(p.detach().to(self.compute_dtype), self.device)
+                             for n, p in self.trainable.items()}  # fmt: skip
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         self._groups = {
@@ -149,18 +180,35 @@ class TorchTrainer:
                 "attn": pad(mb.attention_mask, torch.bool),
                 "loss_mask": pad(mb.loss_mask, torch.bool),
                 "old_logp": pad(mb.old_logp.astype(np.float32), torch.float32),
+                "is_weight": pad(mb.is_weight.astype(np.float32), torch.float32),
                 "adv": torch.from_numpy(mb.advantages.astype(np.float32)).to(self.device),
             }
+
+    def _compute_params(self) -> dict[str, torch.Tensor]:
+        """What a forward swaps into the model: mixed-precision full fine-tune, the masters cast to
+        the compute dtype (differentiable: autograd casts their gradients back to float32);
+        otherwise nothing (the params are in the compute dtype already; LoRA adapters cast
+        themselves)."""
+        if not self.mixed or self.lora:
+            return {}
+        return {n: p.to(self.compute_dtype) for n, p in self.trainable.items()}
+
+    def _logits(
+        self, args: tuple[torch.Tensor, ...], params: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The model's float32 logits [B, T, V] of ``args``, computed under ``params`` (by default
+        ``_compute_params()``; names not in it: the model's own)."""
+        params = self._compute_params() if params is None else params
+        return functional_call(self.model, params, args) if params else self.model(*args)
 
     def _token_logp(
         self, tokens: torch.Tensor, attn: torch.Tensor, params: dict[str, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """[B, T] -> log p(tokens[:, t] | tokens[:, :t]) for t >= 1, [B, T - 1] float32
-        (under ``params`` instead of the model's own when given)."""
-        args = (tokens[:, :-1], attn[:, :-1])
-        logits = (
-            self.model(*args) if params is None else functional_call(self.model, params, args)
-        )  # [B, T-1, V]
+        """[B, T] -> log p(tokens[:, t] | tokens[:, :t]) for t >= 1 under softmax(logits / temperature),
+        [B, T - 1] float32 (under ``params`` instead of ``_compute_params()`` when given)."""
+        logits = self._logits((tokens[:, :-1], attn[:, :-1]), params)  # [B, T-1, V]
+        if self.cfg.temperature != 1.0:
+            logits = logits / self.cfg.temperature
         tgt = logits.gather(-1, tokens[:, 1:, None])[..., 0]
         return tgt - torch.logsumexp(logits, dim=-1)
 
@@ -197,7 +245,9 @@ class TorchTrainer:
         ref = None
         if cfg.loss.beta > 0 and not self.lora:
             assert self.ref_host is not None
-            ref = {n: device_tensor(h, self.trainable[n]) for n, h in self.ref_host.items()}
+            ref = {
+                n: device_tensor(h, self.trainable[n], self.compute_dtype) for n, h in self.ref_host.items()
+            }
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         totals: dict[str, torch.Tensor] = {}
         loss_sum, gnorms = zero.clone(), []
@@ -214,7 +264,8 @@ class TorchTrainer:
                 logp = self._token_logp(mb["tokens"], mb["attn"])
                 mask = mb["loss_mask"][:, 1:]
                 loss, m = policy_loss(logp, mb["old_logp"][:, 1:], mb["adv"], mask, cfg.loss, ref_logp=ref_logp,
-                                      total_tokens=total_tokens, total_seqs=total_seqs)  # fmt: skip
+                                      total_tokens=total_tokens, total_seqs=total_seqs,
+                                      is_weight=mb["is_weight"][:, 1:])  # fmt: skip
                 loss.backward()
                 n = mask.sum().double()
                 sums = {k: v.double() * n for k, v in m.items()}  # token-weighted, summed over micro-batches
@@ -250,22 +301,25 @@ class TorchTrainer:
     def logprobs(self, batch: RolloutBatch) -> np.ndarray:
         """Log-prob of ``tokens[b, t]`` given ``tokens[b, :t]``, [B, T] float32 (0 at t = 0 and on padding)."""
         self._need(PARAMS)
-        out = [torch.nn.functional.pad(self._token_logp(mb["tokens"], mb["attn"]), (1, 0)).cpu()
+        params = self._compute_params()  # cast once for every micro-batch
+        out = [torch.nn.functional.pad(self._token_logp(mb["tokens"], mb["attn"], params), (1, 0)).cpu()
                for mb in self._micro_batches(batch)]  # fmt: skip
         logp = torch.cat(out).numpy()[:, : batch.tokens.shape[1]]
         return np.where(batch.attention_mask, logp, 0.0).astype(np.float32)
 
     @torch.no_grad()
     def greedy(self, prompt: Sequence[int], n: int) -> tuple[list[int], list[float]]:
-        """Greedy continuation of ``prompt`` by full re-forward (the garbage guard's reference).
+        """Greedy continuation of ``prompt`` by full re-forward (the garbage guard's reference),
+        computed in the compute dtype, untempered.
 
         Returns (tokens [n'], top-2 logit margins [n']); stops after EOS.
         """
         self._need(PARAMS)
+        params = self._compute_params()
         ids = [int(t) for t in prompt]
         out, margins = [], []
         for _ in range(n):
-            row = self.model(torch.tensor([ids], device=self.device))[0, -1]  # [V] float32
+            row = self._logits((torch.tensor([ids], device=self.device),), params)[0, -1]  # [V] float32
             top2 = torch.topk(row, 2).values
             tok = int(row.argmax())
             out.append(tok)
@@ -277,18 +331,20 @@ class TorchTrainer:
 
     # -- weights for the engine ----------------------------------------------------------
     def _engine_tensor(self, name: str) -> torch.Tensor:
-        """The weight ``name`` as the engine holds it (HF layout; LoRA merged into linear layers)."""
+        """The weight ``name`` as the engine holds it (HF layout, the checkpoint dtype: a cast of a
+        float32 master under mixed precision; LoRA merged into linear layers)."""
         if name in self.adapters:
             return self.adapters[name].merged_weight()
-        return self.params[name].detach()
+        return self.params[name].detach().to(self.param_dtype)
 
     def export_names(self, full: bool = True) -> list[str]:
         """Full: every weight. Partial (LoRA only): the linear layers the adapters change."""
         return list(self.names) if full or not self.lora else list(self.linear_names)
 
     def export_weights(self, full: bool = True) -> WeightExport:
-        """HF-named torch tensors on the trainer's device, one at a time (a merged LoRA copy
-        lives only while the engine places it; other weights are the trainer's own tensors)."""
+        """HF-named torch tensors on the trainer's device in the checkpoint dtype, one at a time (a
+        merged LoRA copy or a cast of a float32 master lives only while the engine places it; other
+        weights are the trainer's own tensors)."""
         self._need(PARAMS)
         names = self.export_names(full)
 
@@ -310,8 +366,9 @@ class TorchTrainer:
 
     # -- checkpoints ---------------------------------------------------------------------
     def _state(self, copy: Any) -> dict[str, Any]:
-        """What ``save`` writes, each tensor passed through ``copy``: the trainable params and the
-        optimizer state (``state_dict`` with its tensors), the LoRA rank and the step."""
+        """What ``save`` writes, each tensor passed through ``copy``: the trainable params (the
+        float32 masters under mixed precision) and the optimizer state (``state_dict`` with its
+        tensors), the LoRA rank, the precision and the step."""
         opt = self.optimizer.state_dict()
         opt["state"] = {
             i: {k: copy(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
@@ -319,6 +376,7 @@ class TorchTrainer:
         }
         return {
             "lora_rank": self.cfg.lora_rank,
+            "precision": self.cfg.precision,
             "trainable": {n: copy(p.detach()) for n, p in self.trainable.items()},
             "optimizer": opt,
             "step": self.step,
@@ -349,11 +407,17 @@ class TorchTrainer:
         if set(saved) != set(self.trainable):
             raise ValueError(f"{target}: written with lora_rank {state.get('lora_rank')}, this trainer has "
                              f"lora_rank {self.cfg.lora_rank} (trainable parameters differ)")  # fmt: skip
+        for n, p in self.trainable.items():
+            if saved[n].dtype != p.dtype:
+                raise ValueError(f"{target}: trainable params saved in {saved[n].dtype} (precision "
+                                 f"{state.get('precision', 'unknown')!r}), this trainer's are {p.dtype} (precision "
+                                 f"{self.cfg.precision!r} on a {self.param_dtype} checkpoint); resume with the "
+                                 "precision it was written with")  # fmt: skip
+            if saved[n].shape != p.shape:
+                raise ValueError(f"{target}: {n} is {saved[n].dtype}{tuple(saved[n].shape)}, "
+                                 f"the model's is {p.dtype}{tuple(p.shape)}")  # fmt: skip
         with torch.no_grad():
             for n, p in self.trainable.items():
-                if saved[n].shape != p.shape or saved[n].dtype != p.dtype:
-                    raise ValueError(f"{target}: {n} is {saved[n].dtype}{tuple(saved[n].shape)}, "
-                                     f"the model's is {p.dtype}{tuple(p.shape)}")  # fmt: skip
                 p.copy_(saved[n])
         self.optimizer.load_state_dict(state["optimizer"])
         for (
@@ -384,6 +448,16 @@ class StateSnapshot:
 
     def write(self, path: Path) -> None:
         _write_state(self.state, Path(path))
+
+
+def _to_dtype(model: Qwen3, dtype: torch.dtype) -> Qwen3:
+    """``model`` with every parameter in ``dtype``, converted in place one at a time (the
+    ``Parameter`` objects stay; ``Module.to`` cannot swap fake tensors)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    return model
 
 
 def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:

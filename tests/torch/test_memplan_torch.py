@@ -59,10 +59,49 @@ def test_trainer_components_equal_the_hand_count(tiny_fp32):
     assert f.extra_bytes > 0 and f.peak_bytes == f.argument_bytes + f.extra_bytes
 
 
-def test_bf16_components_halve(tiny_fp32):
+def test_bf16_trains_float32_masters_by_default(tiny_fp32):
+    """Mixed precision (the trainer's default) on a bf16 checkpoint: N params held as float32
+    masters (4N B), float32 gradients (4N B: autograd casts them back from the bf16 compute),
+    float32 AdamW moments (2 x 4N B): a float32 checkpoint's bytes. The engine holds bf16 (2N B)
+    and an update has one bf16 cast of a master in flight next to its bucket."""
+    n = nbytes(TINY.param_shapes().values(), 1)
     m = memplan.measure(request(param_dtype="bfloat16", kv_tokens=1000))
+    c = m.components
+    assert c["trainer_params"].bytes_per_device == 4 * n
+    assert c["grads"].bytes_per_device == 4 * n
+    assert c["optimizer"].bytes_per_device == 2 * 4 * n
     for k in ("trainer_params", "grads", "optimizer"):
-        assert 2 * m.components[k].bytes_per_device == tiny_fp32.components[k].bytes_per_device, k
+        assert c[k].bytes_per_device == tiny_fp32.components[k].bytes_per_device, k
+    rope = TINY.max_position_embeddings * TINY.head_dim * 4
+    largest = max(math.prod(s) for s in TINY.param_shapes().values())
+    assert c["engine_weights"].bytes_per_device == 2 * n + rope
+    assert c["staging"].bytes_per_device == 2 * n + 2 * largest  # one bucket + the cast being placed
+    assert "float32 masters (computing in bfloat16)" in c["trainer_params"].detail
+    assert not any("optimizer_dtype" in note for note in m.notes)  # float32 moments: what was asked
+
+
+def test_bf16_kl_reference_is_held_in_the_compute_dtype():
+    n = nbytes(TINY.param_shapes().values(), 1)
+    s = memplan.trainer_step_memory(TINY, 2, 32, rows=4, dtype="bfloat16", kl=True)
+    assert (s.params, s.ref_params, s.grads, s.optimizer) == (4 * n, 2 * n, 4 * n, 2 * 4 * n)
+    assert (s.master_dtype, s.compute_dtype) == ("float32", "bfloat16")
+
+
+def test_bf16_lora_base_stays_bf16_and_adapters_are_float32():
+    r = 4
+    n = nbytes(TINY.param_shapes().values(), 1)
+    adapters = sum(r * (shape[0] + shape[1]) for name, shape in TINY.param_shapes().items()
+                   if name.split(".")[-2] in LINEARS)  # fmt: skip
+    s = memplan.trainer_step_memory(TINY, 2, 32, rows=4, dtype="bfloat16", lora_rank=r)
+    assert (s.params, s.grads, s.optimizer) == (2 * n + 4 * adapters, 4 * adapters, 2 * 4 * adapters)
+
+
+def test_bf16_pure_precision_halves_the_state():
+    """``precision="pure"``: params, gradients and AdamW moments in bf16, N x (2 + 2 + 2 x 2) B."""
+    n = nbytes(TINY.param_shapes().values(), 1)
+    s = memplan.trainer_step_memory(TINY, 2, 32, rows=4, dtype="bfloat16", precision="pure")
+    assert (s.params, s.grads, s.optimizer) == (2 * n, 2 * n, 2 * 2 * n)
+    assert (s.master_dtype, s.compute_dtype) == ("bfloat16", "bfloat16")
 
 
 def test_engine_layout_figures_equal_the_hand_count(tiny_fp32):
@@ -83,6 +122,7 @@ def test_staging_is_the_largest_update_bucket():
     assert memplan.staging_bytes(q, 2) == embed
     assert memplan.staging_bytes(q, 2, chunk=2**40) == nbytes(q.param_shapes().values(), 2)  # one bucket
     assert memplan.staging_bytes(q, 2, lora=True) == 2 * embed  # + one merged LoRA weight in flight
+    assert memplan.staging_bytes(q, 2, cast=True) == 2 * embed  # + one bf16 cast of a float32 master
 
 
 def test_sglang_pool_rule():
@@ -204,8 +244,9 @@ def test_targets_from_the_card_spec():
 
 @pytest.mark.slow
 def test_qwen3_plan_allocates_nothing():
-    """A Qwen3-0.6B plan (bf16: 1.1 GiB params, 2.2 GiB AdamW state if real) in a fresh process:
-    its peak host RSS stays far below what one real copy of the params would take."""
+    """A Qwen3-0.6B plan (bf16 checkpoint, float32 masters: 2.2 GiB params, 4.5 GiB AdamW state
+    if real) in a fresh process: its peak host RSS stays far below what one real copy of the
+    params would take."""
     code = (
         "import json, resource\n"
         "from mllm_rl.backends.torch.memplan import measure\n"
@@ -219,7 +260,7 @@ def test_qwen3_plan_allocates_nothing():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["params"] == nbytes(get_preset("qwen3-0.6b").param_shapes().values(), 2)
+    assert out["params"] == nbytes(get_preset("qwen3-0.6b").param_shapes().values(), 4)  # float32 masters
     assert out["rss"] < 0.75 * out["params"], out
 
 

@@ -149,7 +149,7 @@ def test_full_fine_tune_kl_reference_is_the_initial_policy(model_dir):
     assert t.state_bytes() == {PARAMS: 0, OPTIMIZER: 0}
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"])
 def test_gradient_accumulation_over_micro_batches_equals_one_big_batch(model_dir, agg):
     loss = LossConfig(aggregation=agg, beta=0.05, max_len=5)
     batch = make_batch(b=5, seed=3)

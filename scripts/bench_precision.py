@@ -1,0 +1,187 @@
+"""Mixed vs pure precision at a fine-tuning learning rate: does a 16-bit checkpoint learn?
+
+    python scripts/bench_precision.py                                  # tiny in bf16, torch, CPU
+    python scripts/bench_precision.py --backend jax
+    python scripts/bench_precision.py --model qwen3-0.6b --platform cuda --json OUT.json
+    python scripts/bench_precision.py -- --prompts-per-step 4            # extra flags for every run
+
+In one invocation, side by side, each in its own fresh process: ``python -m mllm_rl.run --backend B
+--model M --precision P --lr LR --temperature T --steps N --checkpoint-every 1 --wandb disabled``
+for P = ``mixed`` (float32 master weights and AdamW moments, bf16 compute) and P = ``pure`` (params
+and moments in bf16, the baseline). The model is the preset written in ``--dtype`` (bfloat16 by
+default; ``tiny`` is float32 unless written so) under ``$MLLM_RL_CACHE``. From each run:
+
+- ``changed``: the share of trained weight elements that differ between the checkpoints of two
+  consecutive steps (torch ``state.pt``; JAX orbax ``state``; the run keeps its last two, so the
+  last step pair): what learning at all looks like (a weight that never moves learns nothing).
+  It needs a gradient: a step whose every group has equal rewards (``groups_zero_std`` 1, e.g. a
+  random-weight Qwen3 preset, which scores 0 on the task) has advantage 0 and changes nothing at
+  any precision; the report says so;
+- the engine/trainer log-prob mismatch of every step (``logp_mismatch_mean`` / ``_max``,
+  ``engine_ratio_mean``; ``--old-logp trainer``, the default), ``ratio_mean`` and ``reward_mean``;
+- the median ``train_step`` seconds of the steps after the first and its peak device bytes
+  (``phase_peak_bytes`` of the device; the trainer's memory cost of float32 masters).
+
+Ratios mixed / pure are printed for ``changed``, train-step seconds and peak bytes. Exit 0 with the
+results, 2 on bad input, 1 when a run failed. Times are wall-clock on whatever machine runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mllm_rl.bench.child import run_cmd
+from mllm_rl.bench.cli import positive, run_bench
+from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.tables import table
+
+PRECISIONS = ("mixed", "pure")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default="torch", choices=["torch", "jax"])
+    ap.add_argument("--model", default="tiny", help="preset (written in --dtype)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--platform", default="cpu", help="--platform of the runs (cpu, cuda, tpu)")
+    ap.add_argument("--steps", type=positive(int), default=3, help="RL steps per run (>= 2)")
+    ap.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of both runs")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("extra", nargs="*", help="after --: flags for every run")
+    args = ap.parse_args(argv)
+    if args.steps < 2:
+        ap.error("--steps must be >= 2 (changes are measured between two steps' checkpoints)")
+    return args
+
+
+def load_trained(ckpt: Path, backend: str) -> dict[str, np.ndarray]:
+    """The trained tensors of one RL checkpoint as float64 numpy, by name."""
+    if backend == "torch":
+        import torch
+
+        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
+        return {n: t.detach().double().numpy() for n, t in state["trainable"].items()}
+    import jax
+    import orbax.checkpoint as ocp
+
+    tree = ocp.StandardCheckpointer().restore((ckpt / "state").resolve())
+    leaves = jax.tree_util.tree_leaves_with_path(tree.get("trainable", tree))
+    return {jax.tree_util.keystr(p): np.asarray(x, np.float64) for p, x in leaves}
+
+
+def changed_share(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    """Elements that differ between two checkpoints' tensors / all elements."""
+    diff = sum(int(np.count_nonzero(a[n] != b[n])) for n in a)
+    return diff / max(sum(x.size for x in a.values()), 1)
+
+
+def one_run(args: argparse.Namespace, model: str, precision: str, work: Path) -> dict[str, Any]:
+    run_dir = work / precision
+    cmd = [sys.executable, "-m", "mllm_rl.run", "--backend", args.backend, "--model", model,
+           "--platform", args.platform, "--precision", precision, "--lr", str(args.lr),
+           "--temperature", str(args.temperature), "--steps", str(args.steps), "--checkpoint-every", "1",
+           "--wandb", "disabled", "--console", "off", "--run-dir", str(run_dir), *args.extra]  # fmt: skip
+    run_cmd(cmd, f"{precision} run", timeout=args.timeout)
+    steps = sorted((run_dir / "checkpoints").glob("step_*"))
+    states = [load_trained(s, args.backend) for s in steps]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    phases = [json.loads(line) for line in (run_dir / "phases.jsonl").read_text().splitlines() if line]
+    train = [p for p in phases if p["phase"] == "train_step"]
+    peaks = [d.get("phase_peak_bytes") for p in train for d in p["memory"]["devices"]]
+    keys = (
+        "reward_mean",
+        "groups_zero_std",
+        "ratio_mean",
+        "logp_mismatch_mean",
+        "logp_mismatch_max",
+        "engine_ratio_mean",
+    )
+    return {
+        "precision": precision,
+        "checkpoints": [s.name for s in steps],
+        "changed": [changed_share(a, b) for a, b in zip(states, states[1:], strict=False)],
+        "per_step": [{k: m.get(k) for k in ("step", *keys)} for m in metrics],
+        "train_step_s": statistics.median(p["t_end"] - p["t_start"] for p in train[1:] or train),
+        "train_step_peak_bytes": max((x for x in peaks if x is not None), default=None),
+    }
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    from mllm_rl.checkpoint.resolve import resolve_model
+
+    model = resolve_model(args.model, dtype=args.dtype)  # ValueError / CheckpointError: exit 2
+    work = Path(tempfile.mkdtemp(prefix="bench-precision-"))
+    try:
+        runs = {p: one_run(args, str(model.path), p, work) for p in PRECISIONS}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    mixed, pure = runs["mixed"], runs["pure"]
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or not b else a / b
+
+    return {
+        "machine": machine_info(),
+        "command": command_line(),
+        "backend": args.backend,
+        "model": args.model,
+        "dtype": args.dtype,
+        "lr": args.lr,
+        "temperature": args.temperature,
+        "runs": runs,
+        "ratios_mixed_over_pure": {
+            "changed_last": ratio(mixed["changed"][-1], pure["changed"][-1]),
+            "train_step_s": ratio(mixed["train_step_s"], pure["train_step_s"]),
+            "train_step_peak_bytes": ratio(mixed["train_step_peak_bytes"], pure["train_step_peak_bytes"]),
+        },
+    }
+
+
+def report(out: dict[str, Any]) -> str:
+    rows = []
+    for p, r in out["runs"].items():
+        last = r["per_step"][-1] if r["per_step"] else {}
+        rows.append({"precision": p, "changed": " ".join(f"{c:.4f}" for c in r["changed"]),
+                     "mismatch": last.get("logp_mismatch_mean"), "mismatch_max": last.get("logp_mismatch_max"),
+                     "ratio0": r["per_step"][0].get("ratio_mean") if r["per_step"] else None,
+                     "s": r["train_step_s"], "peak": (r["train_step_peak_bytes"] or 0) / 2**20})  # fmt: skip
+    cols = [("precision", "precision", ""), ("changed", "changed per step pair", ""),
+            ("ratio0", "ratio_mean step 0", ".4f"), ("mismatch", "mismatch mean (last)", ".2e"),
+            ("mismatch_max", "max", ".2e"), ("s", "train_step s", ".3f"), ("peak", "train peak MiB", ".1f")]  # fmt: skip
+    head = (f"{out['model']} ({out['dtype']}), {out['backend']}, lr {out['lr']:g}, T {out['temperature']:g}; "
+            f"measured on {out['machine'].get('host_cpu')}, GPUs {out['machine'].get('gpus') or 'none'}")  # fmt: skip
+    r = out["ratios_mixed_over_pure"]
+    silent = [
+        p for p, run in out["runs"].items() if all(m.get("groups_zero_std") == 1 for m in run["per_step"])
+    ]
+    warn = (
+        f"no learning signal in {', '.join(silent)}: every group's rewards were equal (advantage 0, no "
+        f"gradient), so 'changed' says nothing about precision (a random-weight model scores 0 on the task)"
+    )
+    tail = "mixed / pure: " + ", ".join(f"{k} {v:.3g}" if v is not None else f"{k} -" for k, v in r.items())
+    return "\n".join([head, table(rows, cols), tail] + ([warn] if silent else []))
+
+
+def summary(out: dict[str, Any]) -> dict[str, Any]:
+    return {"bench": "precision", **{f"changed_{p}": r["changed"] for p, r in out["runs"].items()},
+            **out["ratios_mixed_over_pure"]}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    code, _ = run_bench(bench, parse_args(argv), report, summary)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
