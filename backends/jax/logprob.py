@@ -4,7 +4,9 @@ Shapes: B batch, T positions, H hidden, V vocab, C chunk. ``token_logprobs`` wit
 ``chunk > 0`` computes the head ``C`` positions at a time under ``lax.scan``, each chunk
 rematerialised in the backward pass, so at most [B, C, V] float32 logits (and their
 gradient) exist at once instead of [B, T, V]. The loss, the rollout/reference log-probs and
-the greedy probe all go through ``head_logits``.
+the greedy probe all go through ``head_logits``; ``token_logprobs`` takes the rollout's sampling
+temperature (log-probs of ``softmax(logits / temperature)``, on both paths), the greedy probe
+reads the logits untempered.
 """
 
 from __future__ import annotations
@@ -18,24 +20,30 @@ def head_logits(x: jax.Array, head: jax.Array) -> jax.Array:
     return (x @ head.T).astype(jnp.float32)
 
 
-def _logp(x: jax.Array, head: jax.Array, targets: jax.Array) -> jax.Array:
-    """``x`` [B, C, H], ``targets`` [B, C] -> log p(targets) [B, C] float32."""
+def _logp(x: jax.Array, head: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """``x`` [B, C, H], ``targets`` [B, C] -> log softmax(logits / temperature)[targets] [B, C]
+    float32."""
     logits = head_logits(x, head)
+    if temperature != 1.0:
+        logits = logits / jnp.float32(temperature)
     tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return tgt - jax.nn.logsumexp(logits, axis=-1)
 
 
-def token_logprobs(x: jax.Array, head: jax.Array, targets: jax.Array, chunk: int = 0) -> jax.Array:
+def token_logprobs(
+    x: jax.Array, head: jax.Array, targets: jax.Array, chunk: int = 0, temperature: float = 1.0
+) -> jax.Array:
     """``x`` [B, T, H] hidden states, ``targets`` [B, T] int -> [B, T] float32
-    ``log softmax(x @ head^T)[targets]``; ``chunk`` positions at a time (0: all at once)."""
+    ``log softmax((x @ head^T) / temperature)[targets]``; ``chunk`` positions at a time (0: all
+    at once). ``temperature`` is a Python float (static)."""
     b, t, h = x.shape
     if chunk <= 0 or chunk >= t:
-        return _logp(x, head, targets)
+        return _logp(x, head, targets, temperature)
     n = -(-t // chunk)
     pad = n * chunk - t
     xs = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, h).swapaxes(0, 1)  # [n, B, C, H]
     ts = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)  # [n, B, C]
-    one = jax.checkpoint(_logp, prevent_cse=False)
+    one = jax.checkpoint(lambda xc, hd, tc: _logp(xc, hd, tc, temperature), prevent_cse=False)
 
     def body(carry: None, xt: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
         return None, one(xt[0], head, xt[1])

@@ -4,7 +4,11 @@ For a target topology (``topologies.py``; nothing runs on a device) it compiles 
 real jitted functions (``step_fns.make_step_fns``: ``grad``, ``apply``, and ``logprob`` when a
 KL term needs reference log-probs) with the abstract state and shardings the trainer uses
 (``step_fns.abstract_state`` / ``batch_specs`` on ``sharding.make_mesh``), and reads each
-one's ``memory_analysis()`` per device. Components:
+one's ``memory_analysis()`` per device. The trainer's dtypes are the run's default, resolved by
+the same ``ModelOptions.resolved`` (``TrainConfig.precision="mixed"``: a bf16 checkpoint's
+trainable params and AdamW moments in float32, compute in bf16, a LoRA base in bf16; explicit
+``--model-option param_dtype=... / compute_dtype=... / opt_dtype=...`` override); the plan's
+``info.dtypes`` says which. Components:
 
 =================  ==========  ==============================================================
 component          method      from
@@ -14,8 +18,9 @@ engine_weights     layout      sglang-jax's own model, abstract, sharded on its 
 kv_pool            layout      sglang-jax's pool formula and sizing rule (``engine_layout``);
                                one layer's buffer compiled to check it
 engine_logits      layout      float32 [rows, vocab] logits the engine keeps between generates
-trainer_params     layout      ``abstract_state`` shards on device 0 (trainable + frozen)
-optimizer          layout      the AdamW state's shards on device 0
+trainer_params     layout      ``abstract_state`` shards on device 0 (trainable + frozen;
+                               float32 masters of a bf16 checkpoint by default)
+optimizer          layout      the AdamW state's shards on device 0 (moments in ``dtypes.opt``)
 grads              compiler    ``grad``'s output buffers (the compiler picks their sharding)
 ref_params         layout      full fine-tune with KL: the trainable params again
 staging            layout      estimate: the largest tensor in flight during the update, on
@@ -171,9 +176,23 @@ def _trainer(
     import jax
 
     from mllm_rl.backends.jax.sharding import make_mesh
-    from mllm_rl.backends.jax.step_fns import SCALAR, abstract_state, batch_specs, make_step_fns
+    from mllm_rl.backends.jax.step_fns import (
+        SCALAR,
+        abstract_state,
+        batch_specs,
+        checkpoint_dtype,
+        make_step_fns,
+        resolve_dtypes,
+    )
 
     cfg = _train_config(req)
+    dts = resolve_dtypes(cfg, opts, checkpoint_dtype(req.model))
+    info["dtypes"] = {**dataclasses.asdict(dts), "precision": cfg.precision}
+    if dts.trainable != dts.export:
+        notes.append(f"trainer: {dts.trainable} master params and {dts.opt} AdamW moments of the {dts.export} "
+                     f"checkpoint (precision {cfg.precision}), computing in {dts.compute}"
+                     + (f", the frozen LoRA base in {dts.params}" if dts.lora else "")
+                     + f"; the engine gets {dts.export} casts")  # fmt: skip
     mesh = make_mesh(opts.tp, devices)
     key = (req.target, req.model, req.lora_rank, req.kl, opts)
     fns = _cached(("fns",) + key, lambda: make_step_fns(req.model, cfg, opts, mesh))

@@ -64,12 +64,13 @@ class Linear(nnx.Module):
         self.lora_b: LoRAParam | None = nnx.data(None)
         self.lora_scale = 0.0
 
-    def add_lora(self, rank: int, alpha: float, key: jax.Array) -> None:
-        """Attach adapters: ``lora_a`` ~ N(0, 1/in), ``lora_b`` = 0 (output unchanged). A
-        stacked kernel [L, in, out] takes ``key`` [L] (one key per layer)."""
+    def add_lora(self, rank: int, alpha: float, key: jax.Array, dtype: Any = None) -> None:
+        """Attach adapters in ``dtype`` (default: the kernel's): ``lora_a`` ~ N(0, 1/in), drawn
+        in float32 then cast, ``lora_b`` = 0 (output unchanged). A stacked kernel [L, in, out]
+        takes ``key`` [L] (one key per layer)."""
         *lead, d_in, d_out = self.kernel.shape
-        dtype = self.kernel.dtype
-        draw = lambda k: jax.random.normal(k, (d_in, rank), dtype) / np.sqrt(d_in)  # noqa: E731
+        dtype = self.kernel.dtype if dtype is None else jnp.dtype(dtype)
+        draw = lambda k: (jax.random.normal(k, (d_in, rank), jnp.float32) / np.sqrt(d_in)).astype(dtype)  # noqa: E731
         self.lora_a = LoRAParam(jax.vmap(draw)(key) if lead else draw(key))
         self.lora_b = LoRAParam(jnp.zeros((*lead, rank, d_out), dtype))
         self.lora_scale = alpha / rank
@@ -81,9 +82,12 @@ class Linear(nnx.Module):
         return merge_lora(self.kernel[...], self.lora_a[...], self.lora_b[...], jnp.float32(self.lora_scale))
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """``x`` [..., in] -> [..., out] in the dtype of ``x @ kernel``; the LoRA branch runs
+        in that dtype too (a ``Run`` with a compute dtype has cast every weight to it already)."""
         y = x @ self.kernel[...]
         if self.lora_a is not None:
-            y = y + ((x @ self.lora_a[...]) @ self.lora_b[...]) * self.lora_scale
+            a, b = self.lora_a[...].astype(y.dtype), self.lora_b[...].astype(y.dtype)
+            y = y + ((x.astype(y.dtype) @ a) @ b) * self.lora_scale
         return y
 
 
@@ -146,7 +150,14 @@ class Block(nnx.Module):
 @dataclasses.dataclass(frozen=True)
 class Run:
     """How a forward pass runs: the options, the mesh (``splash`` attention shards by it) and
-    Pallas interpret mode (``splash`` off TPU, for tests)."""
+    Pallas interpret mode (``splash`` off TPU, for tests).
+
+    With ``opts.compute_dtype`` every weight is cast to it where it is used, inside the traced
+    function: each decoder block's variables (LoRA adapters included) as the block runs, the
+    embedding's gathered rows, the final norm and the head, so every matmul runs in that dtype
+    and the gradients of float32 params arrive in float32. (The trainer's step functions cast
+    the whole params tree once before the model runs, ``step_fns.make_step_fns``, which makes
+    these casts no-ops there.) Without it the forward computes in the params' own dtype."""
 
     opts: ModelOptions = ModelOptions()
     mesh: Mesh | None = None
@@ -166,8 +177,8 @@ def _cast(tree: Any, dtype: jnp.dtype | None) -> Any:
 
 
 def _block_fn(graphdef: Any, run: Run, positions: jax.Array, attn: jax.Array) -> Any:
-    """``(x [B, T, H], layer state) -> x`` of one decoder block, rematerialised per
-    ``run.opts.remat``."""
+    """``(x [B, T, H], layer state) -> x`` of one decoder block, its variables cast to the
+    compute dtype inside, rematerialised per ``run.opts.remat``."""
     cdt = run.opts.compute_jnp_dtype()
 
     def f(x: jax.Array, state: Any) -> jax.Array:
@@ -215,7 +226,7 @@ class Qwen3(nnx.Module):
         attn = attention_mask.astype(bool)
         positions = jnp.maximum(jnp.cumsum(attn, axis=1) - 1, 0)  # left padding aware
         cdt = run.opts.compute_jnp_dtype()
-        x = _cast(self.embed_tokens[...], cdt)[tokens]
+        x = _cast(self.embed_tokens[...][tokens], cdt)  # gather, then cast the rows only
         if self.scan_layers:
             graphdef, state = nnx.split(self.layers)
             step = _block_fn(graphdef, run, positions, attn)
@@ -281,9 +292,11 @@ def linear_layers(model: Qwen3) -> dict[str, Linear | LayerLinear]:
     return out
 
 
-def add_lora(model: Qwen3, rank: int, alpha: float, seed: int = 0) -> None:
-    """Attach LoRA adapters of ``rank`` to every linear layer (in place). Adapter ``j`` (in
-    ``linear_layers`` order) draws ``lora_a`` from ``fold_in(key(seed), j)`` in both layouts."""
+def add_lora(model: Qwen3, rank: int, alpha: float, seed: int = 0, dtype: Any = None) -> None:
+    """Attach LoRA adapters of ``rank`` to every linear layer (in place), stored in ``dtype``
+    (default: the kernels'; the trainer's are ``Dtypes.adapters``: float32 masters under mixed
+    precision). Adapter ``j`` (in ``linear_layers`` order) draws ``lora_a`` from
+    ``fold_in(key(seed), j)`` in both layouts."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     key = jax.random.key(seed)
@@ -294,11 +307,11 @@ def add_lora(model: Qwen3, rank: int, alpha: float, seed: int = 0) -> None:
             if model.scan_layers:
                 idx = jnp.arange(model.config.num_hidden_layers) * per_layer + j
                 keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(idx)
-                getattr(getattr(model.layers, sub), n).add_lora(rank, alpha, keys)
+                getattr(getattr(model.layers, sub), n).add_lora(rank, alpha, keys, dtype)
             else:
                 for i, layer in enumerate(model.layers):
                     getattr(getattr(layer, sub), n).add_lora(
-                        rank, alpha, jax.random.fold_in(key, i * per_layer + j)
+                        rank, alpha, jax.random.fold_in(key, i * per_layer + j), dtype
                     )
             j += 1
 

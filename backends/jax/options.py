@@ -16,16 +16,34 @@ heavy, so a CLI can build one before jax starts.
   ``attention_chunk``: query positions per chunk of ``chunked``.
 - ``logprob_chunk``: positions per chunk of the output head (``logprob.py``); 0 = the
   whole [B, T, V] logits at once.
-- ``param_dtype``: dtype of the stored params (None: the checkpoint's); ``compute_dtype``:
-  dtype the forward runs in (None: the params'); ``opt_dtype``: dtype of the AdamW moments
-  and of the update arithmetic (None: the params'). E.g. bf16 params with
-  ``opt_dtype="float32"``, or float32 master params with ``compute_dtype="bfloat16"``.
+- ``param_dtype``: dtype of the stored params; ``compute_dtype``: dtype the forward and
+  backward run in; ``opt_dtype``: dtype of the AdamW moments and of the update arithmetic.
+  None (the default) leaves each to ``resolved``, which follows ``TrainConfig.precision``:
+
+  ============  ===========================  ===========================================
+  precision     16-bit checkpoint (bf16)     float32 checkpoint
+  ============  ===========================  ===========================================
+  ``mixed``     trainable params and AdamW   everything float32
+                moments float32 (masters),
+                compute in the checkpoint's
+                dtype; a LoRA base stays in
+                the checkpoint's dtype
+  ``pure``      everything in the            everything float32
+                checkpoint's dtype
+  ============  ===========================  ===========================================
+
+  The engine always gets the checkpoint's dtype (the trainer casts its masters). An explicit
+  dtype overrides: ``param_dtype`` sets every stored param (LoRA base and adapters),
+  ``compute_dtype`` defaults to ``param_dtype`` when that is set, ``opt_dtype`` to the
+  trainable params' dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+from mllm_rl.trainer import PRECISIONS
 
 REMAT = ("none", "block", "dots")
 ATTENTION = ("dense", "xla", "chunked", "splash")
@@ -69,21 +87,59 @@ class ModelOptions:
             return cls(tp=tp, scan_layers=True, remat="block", attention="splash", logprob_chunk=256)
         return cls(tp=tp)
 
-    @staticmethod
-    def _jnp(name: str | None) -> Any:
-        if name is None:
+    def compute_jnp_dtype(self) -> Any:
+        """``compute_dtype`` as a numpy dtype, or None (compute in the params' dtype): what a
+        forward pass's ``model.Run`` reads; the trainer's runs carry the resolved one."""
+        if self.compute_dtype is None:
             return None
         import jax.numpy as jnp
 
-        return jnp.dtype(name)
+        return jnp.dtype(self.compute_dtype)
 
-    def compute_jnp_dtype(self) -> Any:
-        """``compute_dtype`` as a numpy dtype, or None (compute in the params' dtype)."""
-        return self._jnp(self.compute_dtype)
+    def resolved(self, checkpoint: Any, precision: str = "mixed", lora: bool = False) -> Dtypes:
+        """The dtypes the trainer stores, computes and optimises in for a checkpoint of dtype
+        ``checkpoint`` under ``TrainConfig.precision`` ``precision`` (``mixed`` | ``pure``), full
+        fine-tune or ``lora`` (the table in the module docstring). The one place these defaults
+        are decided: the trainer, its step functions and the memory planner all call it."""
+        import jax.numpy as jnp
 
-    def param_jnp_dtype(self, checkpoint: Any) -> Any:
-        """The stored params' dtype: ``param_dtype``, else ``checkpoint``."""
-        return self._jnp(self.param_dtype) or checkpoint
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
+        ckpt = jnp.dtype(checkpoint).name
+        master = "float32" if precision == "mixed" and jnp.dtype(checkpoint).itemsize < 4 else ckpt
+        params = self.param_dtype or (ckpt if lora else master)
+        adapters = self.param_dtype or master
+        trainable = adapters if lora else params
+        return Dtypes(
+            params=params,
+            adapters=adapters,
+            compute=self.compute_dtype or self.param_dtype or ckpt,
+            opt=self.opt_dtype or trainable,
+            export=ckpt,
+            lora=lora,
+        )
 
-    def opt_jnp_dtype(self) -> Any:
-        return self._jnp(self.opt_dtype)
+
+@dataclasses.dataclass(frozen=True)
+class Dtypes:
+    """``ModelOptions.resolved``: dtype names of what the trainer holds and computes.
+
+    - ``params``: the model's ``Param``s as stored (in LoRA mode the frozen base);
+    - ``adapters``: the LoRA adapters (``LoRAParam``), the trainable state in LoRA mode;
+    - ``compute``: the dtype every matmul of the forward and backward runs in (the params are
+      cast to it inside the jitted functions; their gradients arrive in the stored dtype);
+    - ``opt``: the AdamW moments and the update arithmetic;
+    - ``export``: the checkpoint's dtype: what the engine gets (and what the fingerprint hashes).
+    """
+
+    params: str
+    adapters: str
+    compute: str
+    opt: str
+    export: str
+    lora: bool = False
+
+    @property
+    def trainable(self) -> str:
+        """The dtype of the trainable state (the optimizer's params)."""
+        return self.adapters if self.lora else self.params

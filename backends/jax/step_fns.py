@@ -14,27 +14,34 @@ target, so a plan compiles what the run runs::
 Shapes: B micro-batch rows, T positions (prompt + completion, right-padded), V vocab, L layers.
 
 Arguments: ``model_cfg`` (``presets.ModelConfig``), ``train_cfg`` (``trainer.TrainConfig``:
-LoRA rank, loss, AdamW), ``opts`` (``options.ModelOptions``: layout, remat, attention, head
-chunking, dtypes, ``tp``), ``mesh`` (``sharding.make_mesh``), ``dtype`` the checkpoint's
-(default ``model_cfg.torch_dtype``; stored params are ``opts.param_dtype`` or this).
+LoRA rank, loss, AdamW, ``precision``, ``temperature``), ``opts`` (``options.ModelOptions``:
+layout, remat, attention, head chunking, dtypes, ``tp``), ``mesh`` (``sharding.make_mesh``),
+``dtype`` the checkpoint's (default ``model_cfg.torch_dtype``). What is stored, computed and
+optimised in which dtype is ``resolve_dtypes`` (``ModelOptions.resolved``): by default
+(``precision="mixed"``) a bf16 checkpoint trains float32 master params (a LoRA base stays
+bf16) with float32 AdamW moments, and every forward/backward casts the params to bf16 inside
+the jitted function, so gradients arrive in float32 on the masters.
 
 - ``trainable`` / ``frozen``: ``nnx.State`` trees of the model's variables. Full fine-tune:
   ``trainable`` = every ``Param``, ``frozen`` empty. LoRA: ``trainable`` = the ``LoRAParam``
   adapters, ``frozen`` = the base. With ``opts.scan_layers`` the layer variables are stacked
   [L, ...]. Leaves sharded by ``sharding.tree_shardings`` (rules by parameter name).
-- ``opt_state``: ``optax`` state of ``make_tx(train_cfg, opts)`` over ``trainable`` (moments
-  in ``opts.opt_dtype`` or the params' dtype; same shardings leaf by leaf; Adam's step count
+- ``opt_state``: ``optax`` state of ``make_tx(train_cfg, dtypes.opt)`` over ``trainable``
+  (moments in the resolved ``opt`` dtype; same shardings leaf by leaf; Adam's step count
   replicated).
 - micro-batch ``mb`` (``batch_specs``): ``tokens`` [B, T] int32, ``attn`` [B, T] bool,
-  ``loss_mask`` [B, T] bool, ``old_logp`` [B, T] float32, ``adv`` [B] float32, and with KL
+  ``loss_mask`` [B, T] bool, ``old_logp`` [B, T] float32, ``is_weight`` [B, T] float32
+  (per-token weight of the policy-gradient term), ``adv`` [B] float32, and with KL
   ``ref_logp`` [B, T] float32; rows split over ``fsdp`` when B divides.
 
 ``StepFns`` (each a ``jax.jit``-ed function; ``.lower(...)`` takes the abstract trees):
 
 - ``logprob(trainable, frozen, tokens [B, T], attn [B, T]) -> [B, T - 1]`` float32:
-  ``log p(tokens[:, t] | tokens[:, :t])`` for ``t >= 1`` (rollout/reference log-probs);
+  ``log p(tokens[:, t] | tokens[:, :t])`` for ``t >= 1`` (rollout/reference log-probs), of
+  ``softmax(logits / train_cfg.temperature)``: the distribution the engine sampled from (the
+  loss's new log-probs are the same function);
 - ``next_logits(trainable, frozen, tokens [B, T], attn [B, T], pos []) -> [B, V]`` float32:
-  the logits after position ``pos`` (the greedy probe);
+  the untempered logits after position ``pos`` (the greedy probe);
 - ``grad(trainable, frozen, mb, total_tokens [], total_seqs []) -> ((loss [], sums), grads)``:
   the policy loss of one micro-batch and its gradient w.r.t. ``trainable`` (sharded like it);
   ``total_tokens`` / ``total_seqs`` normalise over the whole mini-batch; ``sums`` holds
@@ -58,7 +65,7 @@ from jax.sharding import Mesh
 
 from mllm_rl.backends.jax.logprob import head_logits, token_logprobs
 from mllm_rl.backends.jax.model import LoRAParam, Qwen3, Run, add_lora, load_qwen3
-from mllm_rl.backends.jax.options import ModelOptions
+from mllm_rl.backends.jax.options import Dtypes, ModelOptions
 from mllm_rl.backends.jax.rl_loss import policy_loss
 from mllm_rl.backends.jax.sharding import batch_sharding, tree_shardings
 from mllm_rl.checkpoint.model_dir import ModelDir
@@ -71,6 +78,7 @@ SCALAR = jax.ShapeDtypeStruct((), jnp.float32)  # total_tokens / total_seqs of `
 @dataclasses.dataclass(frozen=True)
 class StepFns:
     graphdef: Any  # nnx graph definition: nnx.merge(graphdef, trainable, frozen) is the model
+    dtypes: Dtypes  # what is stored, computed, optimised and exported in (ModelOptions.resolved)
     tx: optax.GradientTransformation
     logprob: Callable[..., Any]
     next_logits: Callable[..., Any]
@@ -79,17 +87,18 @@ class StepFns:
     apply: Callable[..., Any]
 
 
-def make_tx(cfg: TrainConfig, opts: ModelOptions | None = None) -> optax.GradientTransformation:
+def make_tx(cfg: TrainConfig, opt_dtype: str | None = None) -> optax.GradientTransformation:
     """The optimizer: global-norm clipping (when ``grad_clip > 0``), then AdamW. With
-    ``opts.opt_dtype`` the moments live in that dtype and grads and params are cast to it
-    before the update (``optax.apply_updates`` casts the sum back to the params' dtype)."""
+    ``opt_dtype`` (``Dtypes.opt``) the moments live in that dtype and grads and params are cast
+    to it before the update (a no-op when they are in it already; ``optax.apply_updates``
+    casts the sum back to the params' dtype)."""
     base = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
         optax.adamw(cfg.lr, b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay),
     )
-    odt = None if opts is None else opts.opt_jnp_dtype()
-    if odt is None:
+    if opt_dtype is None:
         return base
+    odt = jnp.dtype(opt_dtype)
     cast = lambda tree: jax.tree.map(lambda a: a.astype(odt), tree)  # noqa: E731
 
     def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
@@ -110,14 +119,24 @@ def model_dir_dtype(model_dir: ModelDir) -> jnp.dtype:
     )
 
 
+def resolve_dtypes(train_cfg: TrainConfig, opts: ModelOptions, dtype: Any) -> Dtypes:
+    """``opts.resolved`` for a checkpoint of ``dtype`` under ``train_cfg`` (precision, LoRA)."""
+    return opts.resolved(dtype, train_cfg.precision, lora=train_cfg.lora_rank > 0)
+
+
+def cast_floats(tree: Any, dtype: Any) -> Any:
+    """``tree`` with every floating leaf in ``dtype`` (a leaf already in it is not copied)."""
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
 def _split(model: Qwen3, lora: bool) -> tuple[Any, Any, Any]:
     return nnx.split(model, LoRAParam, ...) if lora else nnx.split(model, nnx.Param, ...)
 
 
-def _build(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: ModelOptions, dtype: Any) -> Qwen3:
-    model = Qwen3(model_cfg, opts.param_jnp_dtype(dtype), opts.scan_layers)
+def _build(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: ModelOptions, dts: Dtypes) -> Qwen3:
+    model = Qwen3(model_cfg, jnp.dtype(dts.params), opts.scan_layers)
     if train_cfg.lora_rank > 0:
-        add_lora(model, train_cfg.lora_rank, train_cfg.lora_alpha, train_cfg.seed)
+        add_lora(model, train_cfg.lora_rank, train_cfg.lora_alpha, train_cfg.seed, jnp.dtype(dts.adapters))
     return model
 
 
@@ -127,7 +146,8 @@ def abstract_model(
     """(graphdef, trainable, frozen) with ``ShapeDtypeStruct`` leaves (nothing allocated).
     ``dtype``: the checkpoint's (default ``model_cfg.torch_dtype``)."""
     dtype = checkpoint_dtype(model_cfg) if dtype is None else dtype
-    model = nnx.eval_shape(lambda: _build(model_cfg, train_cfg, opts, dtype))
+    dts = resolve_dtypes(train_cfg, opts, dtype)
+    model = nnx.eval_shape(lambda: _build(model_cfg, train_cfg, opts, dts))
     return _split(model, train_cfg.lora_rank > 0)
 
 
@@ -141,8 +161,9 @@ def abstract_state(
 ) -> tuple[Any, Any, Any]:
     """(trainable, frozen, opt_state) as ``ShapeDtypeStruct`` trees carrying the trainer's
     ``NamedSharding``s on ``mesh``. ``dtype``: the checkpoint's (default ``model_cfg.torch_dtype``)."""
+    dtype = checkpoint_dtype(model_cfg) if dtype is None else dtype
     _, trainable, frozen = abstract_model(model_cfg, train_cfg, opts, dtype)
-    opt_state = jax.eval_shape(make_tx(train_cfg, opts).init, trainable)
+    opt_state = jax.eval_shape(make_tx(train_cfg, resolve_dtypes(train_cfg, opts, dtype).opt).init, trainable)
     return _with_shardings(trainable, mesh), _with_shardings(frozen, mesh), _with_shardings(opt_state, mesh)
 
 
@@ -155,6 +176,7 @@ def batch_specs(rows: int, seq_len: int, mesh: Mesh, kl: bool = False) -> dict[s
         "attn": spec((rows, seq_len), jnp.bool_),
         "loss_mask": spec((rows, seq_len), jnp.bool_),
         "old_logp": spec((rows, seq_len), jnp.float32),
+        "is_weight": spec((rows, seq_len), jnp.float32),
         "adv": spec((rows,), jnp.float32),
     }
     if kl:
@@ -168,9 +190,10 @@ def load_state(
     """The real (graphdef, trainable, frozen) of ``model_dir``, placed with the shardings of
     ``abstract_state`` (the tree structure is checked against it)."""
     dtype = model_dir_dtype(model_dir)
-    model = load_qwen3(model_dir, opts.param_jnp_dtype(dtype), opts.scan_layers)
+    dts = resolve_dtypes(train_cfg, opts, dtype)
+    model = load_qwen3(model_dir, jnp.dtype(dts.params), opts.scan_layers)
     if train_cfg.lora_rank > 0:
-        add_lora(model, train_cfg.lora_rank, train_cfg.lora_alpha, train_cfg.seed)
+        add_lora(model, train_cfg.lora_rank, train_cfg.lora_alpha, train_cfg.seed, jnp.dtype(dts.adapters))
     graphdef, trainable, frozen = _split(model, train_cfg.lora_rank > 0)
     del model
     _, want_t, want_f = abstract_model(model_dir.config, train_cfg, opts, dtype)
@@ -181,14 +204,18 @@ def load_state(
     return graphdef, place(trainable), place(frozen)
 
 
-def make_run(opts: ModelOptions, mesh: Mesh) -> Run:
+def make_run(opts: ModelOptions, mesh: Mesh, compute: str | None = None) -> Run:
     """How the forward runs on ``mesh``'s platform: ``splash`` is a TPU kernel, run by the
-    Pallas interpreter on CPU (slow; for tests) and refused elsewhere."""
+    Pallas interpreter on CPU (slow; for tests) and refused elsewhere. ``compute``: the
+    resolved compute dtype (``Dtypes.compute``), which the run casts every layer's params to
+    (default: ``opts.compute_dtype``)."""
     platform = mesh.devices.flat[0].platform
     if opts.attention == "splash" and platform not in ("tpu", "cpu"):
         raise ValueError(
             f"ModelOptions.attention='splash' is a TPU kernel; on {platform} use 'chunked' or 'xla'"
         )
+    if compute is not None:
+        opts = dataclasses.replace(opts, compute_dtype=compute)
     return Run(opts, mesh, interpret=opts.attention == "splash" and platform == "cpu")
 
 
@@ -201,47 +228,58 @@ def make_step_fns(
 ) -> StepFns:
     """The trainer's jitted functions for this model, training and layout configuration, for
     the devices of ``mesh`` (a target's, for a plan). ``dtype``: the checkpoint's."""
+    dtype = checkpoint_dtype(model_cfg) if dtype is None else dtype
+    dts = resolve_dtypes(train_cfg, opts, dtype)
     graphdef, abs_trainable, _ = abstract_model(model_cfg, train_cfg, opts, dtype)
     loss_cfg = train_cfg.loss
-    tx = make_tx(train_cfg, opts)
-    run = make_run(opts, mesh)
+    tx = make_tx(train_cfg, dts.opt)
+    run = make_run(opts, mesh, dts.compute)
     # Gradients, updated params and optimizer state pinned to the params' layout (XLA would
     # otherwise be free to return e.g. a scan's stacked gradients less sharded).
     t_sh = tree_shardings(abs_trainable, mesh)
     o_sh = tree_shardings(jax.eval_shape(tx.init, abs_trainable), mesh)
     pin = jax.lax.with_sharding_constraint
-    cdt = opts.compute_jnp_dtype()
+    cdt = jnp.dtype(dts.compute)
+    temperature = train_cfg.temperature
+
+    def merged(trainable: Any, frozen: Any) -> Qwen3:
+        """The model with every param cast to the compute dtype, once, inside the jitted function
+        (float32 masters: their gradients come back through the cast in float32; a LoRA base
+        stored in the compute dtype is not copied). One cast of the whole tree compiles to less
+        memory than casting each layer inside the scan (libtpu, Qwen3-4B on a v4-8)."""
+        return nnx.merge(graphdef, cast_floats(trainable, cdt), cast_floats(frozen, cdt))
 
     def token_logp(trainable: Any, frozen: Any, tokens: jax.Array, attn: jax.Array) -> jax.Array:
-        """[B, T] -> log p(tokens[:, t] | tokens[:, :t]) for t >= 1, [B, T - 1]."""
-        model: Qwen3 = nnx.merge(graphdef, trainable, frozen)
+        """[B, T] -> log softmax(logits / temperature)[tokens[:, t]] given tokens[:, :t], for
+        t >= 1, [B, T - 1]."""
+        model = merged(trainable, frozen)
         x = model.hidden(tokens, attn, run)  # [B, T, H]; the last position predicts nothing
         targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
-        head = model.head() if cdt is None else model.head().astype(cdt)
-        return token_logprobs(x, head, targets, opts.logprob_chunk)[:, :-1]
+        head = model.head().astype(cdt)
+        return token_logprobs(x, head, targets, opts.logprob_chunk, temperature)[:, :-1]
 
     def next_logits(
         trainable: Any, frozen: Any, tokens: jax.Array, attn: jax.Array, pos: jax.Array
     ) -> jax.Array:
-        """Logits [B, V] float32 of the token after position ``pos`` (greedy probe)."""
-        model: Qwen3 = nnx.merge(graphdef, trainable, frozen)
+        """Untempered logits [B, V] float32 of the token after position ``pos`` (greedy probe)."""
+        model = merged(trainable, frozen)
         x = jax.lax.dynamic_index_in_dim(model.hidden(tokens, attn, run), pos, axis=1, keepdims=False)
-        head = model.head() if cdt is None else model.head().astype(cdt)
-        return head_logits(x, head)
+        return head_logits(x, model.head().astype(cdt))
 
     def loss_fn(trainable, frozen, mb, total_tokens, total_seqs):
         logp = token_logp(trainable, frozen, mb["tokens"], mb["attn"])
         mask = mb["loss_mask"][:, 1:]
         ref = mb["ref_logp"][:, 1:] if loss_cfg.beta > 0 else None
         loss, m = policy_loss(logp, mb["old_logp"][:, 1:], mb["adv"], mask, loss_cfg, ref_logp=ref,
-                              total_tokens=total_tokens, total_seqs=total_seqs)  # fmt: skip
+                              total_tokens=total_tokens, total_seqs=total_seqs,
+                              is_weight=mb["is_weight"][:, 1:])  # fmt: skip
         n = mask.astype(jnp.float32).sum()
         sums = {k: v * n for k, v in m.items()}  # token-weighted, summed over micro-batches
         sums["tokens"] = n
         sums["entropy_proxy"] = -(logp * mask).sum()  # sum of -log p of the taken tokens
         return loss, sums
 
-    odt = opts.opt_jnp_dtype()
+    odt = jnp.dtype(dts.opt)
 
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -250,12 +288,13 @@ def make_step_fns(
         return out, pin(grads, t_sh)
 
     def apply(trainable, opt_state, grads):
-        gnorm = optax.global_norm(grads if odt is None else jax.tree.map(lambda g: g.astype(odt), grads))
+        gnorm = optax.global_norm(jax.tree.map(lambda g: g.astype(odt), grads))
         updates, opt_state = tx.update(grads, opt_state, trainable)
         return pin(optax.apply_updates(trainable, updates), t_sh), pin(opt_state, o_sh), gnorm
 
     return StepFns(
         graphdef=graphdef,
+        dtypes=dts,
         tx=tx,
         logprob=jax.jit(token_logp),
         next_logits=jax.jit(next_logits),

@@ -12,6 +12,15 @@ are sharded over a ``("fsdp", "tp")`` mesh of every device by the name rules of
 jitted functions are those of ``step_fns.make_step_fns`` (the ones a memory plan compiles);
 ``ModelOptions`` (``options.py``) chooses their layout and memory/speed trade-offs.
 
+Precision (``TrainConfig.precision``, resolved once by ``ModelOptions.resolved`` into
+``self.dtypes``): ``mixed`` (the default) keeps float32 master params and float32 AdamW
+moments for a bf16 checkpoint (a LoRA base stays bf16: it never trains) and computes in bf16
+inside the jitted functions, so an Adam step of ~lr is never lost to bf16 rounding; ``pure``
+stores and optimises everything in the checkpoint's dtype. Either way the engine gets, and the
+fingerprint hashes, the weights cast to the checkpoint's dtype (``export_dtype``); orbax saves
+the masters as stored, so a resume continues exactly. Every log-prob the trainer computes is of
+``softmax(logits / TrainConfig.temperature)``.
+
 Offload moves leaves to the ``pinned_host`` memory kind with the same sharding (the arrays
 on ``device`` are deleted), onload moves them back.
 """
@@ -105,6 +114,7 @@ class JaxTrainer:
         # The functions a memory plan lowers with abstract inputs (step_fns.abstract_state) are
         # the ones this trainer runs.
         self.fns = make_step_fns(self.config, cfg, self.opts, self.mesh, dtype)
+        self.dtypes = self.fns.dtypes  # stored / computed / optimised / exported (options.Dtypes)
         self.graphdef, self.trainable, self.frozen = load_state(model_dir, cfg, self.opts, self.mesh)
         self.linear_names = [n for n in linear_layers(self._model_view()) if n in set(self.names)]
         self.tx = self.fns.tx
@@ -182,6 +192,7 @@ class JaxTrainer:
             "attn": pad(batch.attention_mask, bool),
             "loss_mask": pad(batch.loss_mask, bool),
             "old_logp": pad(batch.old_logp, np.float32),
+            "is_weight": pad(batch.is_weight, np.float32),
             "adv": np.concatenate([batch.advantages.astype(np.float32), np.zeros(rows - b, np.float32)]),
         }
 

@@ -72,6 +72,7 @@ def mb() -> dict[str, jax.Array]:
         "attn": attn,
         "loss_mask": loss_mask,
         "old_logp": np.where(loss_mask, -rng.random((b, t)), 0).astype(np.float32),
+        "is_weight": np.ones((b, t), np.float32),
         "adv": rng.normal(size=b).astype(np.float32),
         "ref_logp": np.where(loss_mask, -rng.random((b, t)), 0).astype(np.float32),
     }
