@@ -172,11 +172,26 @@ def table_rows(d: dict[str, np.ndarray]) -> list[tuple[str, dict, str, float]]:
     return rows
 
 
-def tis_reference(d: dict[str, np.ndarray], cap: float) -> float:
-    """verl's token-mean loss with truncated importance sampling: ``old`` the trainer's old
-    log-probs, ``rollout`` the engine's."""
-    return verl_policy_loss(d["old"], d["logp"], d["adv"], d["mask"], EPS_LOW, EPS_HIGH, 3.0,
+def check_tis(ours, cap: float = 1.5) -> None:
+    """A backend's loss with truncated importance weights ``min(exp(old - rollout), cap)`` (``old``
+    the trainer's old log-probs, ``rollout`` the engine's) equals verl's token-mean loss with
+    ``tis_imp_ratio_cap``, and differs from the unweighted loss."""
+    d = loss_batch(3)
+    w = np.minimum(np.exp(d["old"].astype(np.float64) - d["rollout"]), cap).astype(np.float32)
+    cfg = {"eps_low": EPS_LOW, "eps_high": EPS_HIGH}
+    got = ours(cfg, d, w)["loss"]
+    want = verl_policy_loss(d["old"], d["logp"], d["adv"], d["mask"], EPS_LOW, EPS_HIGH, 3.0,
                             rollout_logp=d["rollout"], tis_cap=cap)["pg_loss"]  # fmt: skip
+    assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (got, want)
+    assert abs(got - ours(cfg, d, None)["loss"]) > 1e-4  # the weight changes the loss
+
+
+def check_clip_frac_is_not_the_out_of_range_share(ours) -> None:
+    """``clip_frac`` counts tokens whose gradient the clip cuts: fewer than the tokens whose ratio
+    is outside the range (one outside with the advantage of the "wrong" sign is not cut)."""
+    d = loss_batch()
+    got = ours({"eps_low": EPS_LOW, "eps_high": EPS_HIGH}, d, None)["clip_frac"]
+    assert 0 < got < outside_range_frac(d), (got, outside_range_frac(d))
 
 
 def check_table(ours, d: dict[str, np.ndarray] | None = None) -> int:

@@ -165,7 +165,7 @@ def _check_mesh(req: PlanRequest, target: Any) -> None:
 
 
 def _train_config(req: PlanRequest) -> TrainConfig:
-    return TrainConfig(micro_batch_size=req.micro_batch, lora_rank=req.lora_rank,
+    return TrainConfig(micro_batch_size=req.micro_batch, lora_rank=req.lora_rank, precision=req.precision,
                        loss=LossConfig(beta=KL_BETA if req.kl else 0.0))  # fmt: skip
 
 
@@ -194,7 +194,7 @@ def _trainer(
                      + (f", the frozen LoRA base in {dts.params}" if dts.lora else "")
                      + f"; the engine gets {dts.export} casts")  # fmt: skip
     mesh = make_mesh(opts.tp, devices)
-    key = (req.target, req.model, req.lora_rank, req.kl, opts)
+    key = (req.target, req.model, req.lora_rank, req.kl, req.precision, opts)
     fns = _cached(("fns",) + key, lambda: make_step_fns(req.model, cfg, opts, mesh))
     trainable, frozen, opt_state = _cached(
         ("state",) + key, lambda: abstract_state(req.model, cfg, opts, mesh)

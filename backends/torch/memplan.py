@@ -481,7 +481,9 @@ def measure(req: PlanRequest) -> Measured:
     weights, wdetail = sglang_weight_bytes(c, itemsize)
     pool = sglang_pool(req, weights, target.hbm_bytes, itemsize)  # refuses before any tracing
     rows = min(req.prompts * req.group_size, 2 * req.micro_batch)
-    step = trainer_step_memory(c, req.micro_batch, req.seq_len, rows, req.param_dtype, req.lora_rank, req.kl)
+    step = trainer_step_memory(
+        c, req.micro_batch, req.seq_len, rows, req.param_dtype, req.lora_rank, req.kl, precision=req.precision
+    )
     comps, grad_step = _trainer_figures(req, step)
     comps["engine_weights"] = Component("engine_weights", weights, "layout", f"SGLang Qwen3: {wdetail}")
     detail = f"SGLang MHA pool: ({pool.tokens} + {PAGE_SIZE}) tokens x {pool.cell} B/token + req_to_token"
@@ -502,7 +504,7 @@ def measure(req: PlanRequest) -> Measured:
     if req.optimizer_dtype != step.master_dtype:
         notes.append(f"optimizer_dtype {req.optimizer_dtype} does not apply: torch.optim.AdamW keeps its state "
                      f"in the trainable params' dtype ({step.master_dtype}; TrainConfig.precision "
-                     f"{TrainConfig.precision!r})")  # fmt: skip
+                     f"{req.precision!r})")  # fmt: skip
     info = {
         "kv_tokens": pool.tokens, "kv_cell_bytes": pool.cell, "kv_pad_tokens": PAGE_SIZE,
         "mem_fraction_static": pool.mem_fraction_static, "engine_free_bytes": pool.free,

@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mllm_rl.lifecycle import SCHEDULES
     from mllm_rl.memplan.fit import FIT_KNOBS
     from mllm_rl.presets import PRESETS
+    from mllm_rl.trainer import PRECISIONS
 
     ap = argparse.ArgumentParser(
         prog="python -m mllm_rl.memplan",
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fsdp", type=int, default=0, help="trainer's fsdp axis; 0: devices / trainer-tp")
     run.add_argument("--lora-rank", type=int, default=0, help="> 0: LoRA adapters, base frozen")
     run.add_argument("--kl-beta", type=float, default=0.0, help="> 0: KL term (reference params/log-probs)")
+    run.add_argument("--precision", default="mixed", choices=list(PRECISIONS),
+                     help="the trainer's, as the run's --precision (mixed: float32 masters and moments of a "
+                          "bf16 checkpoint; pure: everything in the checkpoint's dtype)")  # fmt: skip
     run.add_argument("--schedule", default="multi_stage", choices=list(SCHEDULES),
                      help="the run's schedule (its fit decides the exit code; the other is shown too)")  # fmt: skip
     run.add_argument("--check-weights", action="store_true", help="include the garbage guard's phase")
@@ -110,7 +114,8 @@ def make_request(args: argparse.Namespace) -> Any:
     model = load_model(args.model)
     return PlanRequest(backend=args.backend, target=args.target, model=model, micro_batch=args.micro_batch,
                        seq_len=args.seq_len, group_size=args.group_size, prompts=args.prompts, tp=args.tp,
-                       max_running_requests=args.max_running_requests, fsdp=args.fsdp, lora_rank=args.lora_rank, kl=args.kl_beta > 0, schedule=args.schedule,
+                       max_running_requests=args.max_running_requests, fsdp=args.fsdp, lora_rank=args.lora_rank, kl=args.kl_beta > 0,
+                       precision=args.precision, schedule=args.schedule,
                        kv_tokens=args.kv_tokens, mem_fraction_static=args.mem_fraction_static, margin=args.margin,
                        param_dtype=model.torch_dtype, trainer_tp=args.trainer_tp, options=options)  # fmt: skip
 

@@ -32,6 +32,7 @@ class PlanRequest:
     fsdp: int = 0  # the trainer's data/FSDP axis; 0: every device not used by trainer_tp
     lora_rank: int = 0
     kl: bool = False  # full fine-tune with a KL term keeps reference params
+    precision: str = "mixed"  # the trainer's (TrainConfig.precision; the run's --precision)
     schedule: str = "multi_stage"
     kv_tokens: int | None = None  # None: size the pool by the engine's own rule
     mem_fraction_static: float | None = None  # None: derived (the plan says which value to pass)
@@ -56,6 +57,12 @@ class PlanRequest:
                 raise ValueError(f"PlanRequest.{name} must be >= 1, got {getattr(self, name)}")
         if self.fsdp < 0 or self.lora_rank < 0:
             raise ValueError("PlanRequest.fsdp and PlanRequest.lora_rank must be >= 0")
+        from mllm_rl.trainer import PRECISIONS
+
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"PlanRequest.precision: {self.precision!r}: choose one of {', '.join(PRECISIONS)}"
+            )
         if self.kv_tokens is not None and self.kv_tokens < 1:
             raise ValueError(f"PlanRequest.kv_tokens must be >= 1, got {self.kv_tokens}")
         if not 0 < self.margin <= 1:

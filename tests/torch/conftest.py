@@ -7,6 +7,15 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch tests run in .venv-torch (torch not importable here)")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread is fastest, and immune to a busy machine's scheduling."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def hf_model(tiny_ckpt):
     """Hugging Face ``transformers`` Qwen3ForCausalLM on the tiny checkpoint, fp32: the reference

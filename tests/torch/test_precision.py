@@ -28,12 +28,7 @@ from tests.torch.test_trainer import PROMPT, make_batch
 BF16, FP32 = torch.bfloat16, torch.float32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

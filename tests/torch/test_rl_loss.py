@@ -120,20 +120,11 @@ def test_every_row_of_the_rl_table_matches_verl_and_trl():
 
 
 def test_clip_frac_counts_tokens_whose_gradient_the_clip_cuts():
-    d = ref_defs.loss_batch()
-    got = ours({"eps_low": ref_defs.EPS_LOW, "eps_high": ref_defs.EPS_HIGH}, d)["clip_frac"]
-    assert (
-        0 < got < ref_defs.outside_range_frac(d)
-    )  # a ratio outside the range with the "wrong" sign is not cut
+    ref_defs.check_clip_frac_is_not_the_out_of_range_share(ours)
 
 
 def test_truncated_importance_sampling_matches_verl():
-    d = ref_defs.loss_batch(3)
-    w = np.minimum(np.exp(d["old"].astype(np.float64) - d["rollout"]), 1.5).astype(np.float32)
-    cfg = {"eps_low": ref_defs.EPS_LOW, "eps_high": ref_defs.EPS_HIGH}
-    got = ours(cfg, d, w)["loss"]
-    assert got == pytest.approx(ref_defs.tis_reference(d, 1.5), rel=1e-5)
-    assert abs(got - ours(cfg, d)["loss"]) > 1e-4  # the weight changes the loss
+    ref_defs.check_tis(ours)
 
 
 def test_dual_clip_bounds_the_loss_of_a_huge_ratio_with_negative_advantage():

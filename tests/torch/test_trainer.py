@@ -30,13 +30,7 @@ PROMPT = [51, 71, 68, 220, 66, 64, 79]
 JAX_PYTHON = ROOT / ".venv-jax" / "bin" / "python"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is fastest, and immune to a busy machine's scheduling."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
