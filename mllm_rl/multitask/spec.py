@@ -99,7 +99,8 @@ class TaskSpec:
         train = TrainConfig(lr=lr, weight_decay=self.weight_decay, grad_clip=self.grad_clip,
                             mini_batches=self.mini_batches, micro_batch_size=self.micro_batch_size, loss=loss,
                             lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, seed=self.seed,
-                            temperature=self.temperature or 1.0, precision=self.precision)  # fmt: skip
+                            temperature=self.temperature or 1.0,  # 0: RLOptions refuses it, saying why
+                            precision=self.precision)  # fmt: skip
         eng = EngineOptions(tp=tp, engine=engine, max_total_tokens=self.max_total_tokens, context_length=self.context_length,
                                max_running_requests=self.max_running_requests, seed=self.seed,
                                weights_cpu_backup=self.weights_cpu_backup, task=self.name)  # fmt: skip

@@ -288,7 +288,8 @@ class RLPlan(Plan):
         train = TrainConfig(lr=lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                             mini_batches=args.mini_batches, micro_batch_size=args.micro_batch_size, loss=loss,
                             lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, seed=args.seed,
-                            temperature=args.temperature or 1.0, precision=args.precision)  # fmt: skip
+                            temperature=args.temperature or 1.0,  # 0: RLOptions refuses it, saying why
+                            precision=args.precision)  # fmt: skip
         return RLOptions(
             steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
             max_new_tokens=args.max_new_tokens or 8, temperature=args.temperature, top_p=args.top_p,

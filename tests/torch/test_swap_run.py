@@ -32,10 +32,18 @@ def largest_tensor(ckpt: Path) -> int:
     return max(i.nbytes for _, i in ModelDir.open(ckpt).tensors.values())
 
 
+def have_wandb() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("wandb") is not None
+
+
 @pytest.fixture(scope="module")
 def streaming(tiny_ckpt, tmp_path_factory):
+    """The default swap run (W&B offline; without the ``wandb`` extra installed, W&B disabled and
+    only the W&B test skips)."""
     run_dir = tmp_path_factory.mktemp("torch_swap")
-    return swap_run(run_dir, tiny_ckpt), run_dir
+    return swap_run(run_dir, tiny_ckpt, *([] if have_wandb() else ["--wandb", "disabled"])), run_dir
 
 
 @pytest.mark.slow
@@ -49,7 +57,14 @@ def test_exits_clean_and_records_five_schema_valid_phases(streaming):
         validate_record(x)
         assert x["backend"] == "torch"
     ready = recs[1]["info"]
-    assert ready["platform"] == "cpu" and ready["torch_version"] and ready["cuda_available"] is False
+    import torch
+
+    # --platform cpu on any host; the record says whether the host has CUDA (an H100 host does)
+    assert (
+        ready["platform"] == "cpu"
+        and ready["torch_version"]
+        and ready["cuda_available"] is torch.cuda.is_available()
+    )
     assert recs[2]["info"]["engine"] == "EmbeddedEngine"
     dev = recs[3]["memory"]["devices"]
     assert len(dev) == 1 and dev[0]["source"] == "live_tensors" and dev[0]["platform"] == "cpu"
@@ -83,6 +98,8 @@ def test_probe_sees_the_engine_and_the_streaming_peak_is_one_copy_plus_one_tenso
 
 @pytest.mark.slow
 def test_wandb_offline_has_one_row_per_phase(streaming):
+    if not have_wandb():
+        pytest.skip("needs wandb (the project's [wandb] extra)")
     from mllm_rl.sinks.wandb_file import read_history
 
     (run_file,) = streaming[1].glob("wandb/offline-run-*/run-*.wandb")
