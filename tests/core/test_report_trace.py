@@ -6,7 +6,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 
 from mllm_rl.report import build_report
 from mllm_rl.report.load import load_run
@@ -136,15 +135,15 @@ def test_html_is_self_contained_and_shows_unknown_as_dash(tmp_path):
     assert row and re.findall(r"<td>([^<]*)</td>", row.group(1))[2:6] == ["-", "-", "-", "-"]
 
 
-def test_fast_enough_for_a_few_hundred_records(tmp_path):
+def test_a_few_hundred_records_from_four_processes_build(tmp_path):
+    """Size only: how fast it builds is measured by ``scripts/bench_report.py``, not here."""
     run = write_rl_run(tmp_path / "run", processes=4, steps=5, kind="cuda", devices=2)
     n = sum(len(v) for v in load_run(run).records.values())
     assert n == 4 * (3 + 5 * len(STEP) + 1)  # 296 records
-    t = time.perf_counter()
     result = build_report([run])
-    took = time.perf_counter() - t
     assert result.exit_code == 0
-    assert took < 1.0, f"build_report took {took:.2f} s for {n} records"
+    events = json.loads(result.files["trace"].read_text())["traceEvents"]
+    assert len({e["pid"] for e in events if e.get("ph") == "X"}) == 4  # one track per process
 
 
 def test_report_package_imports_no_framework():
