@@ -52,249 +52,55 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Each flag's default once: appended unless the help already says it, or there is none to say
-    (``None``, a switch's ``False``, a required flag)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        none = action.default is None or action.default is False or action.default == argparse.SUPPRESS
-        if action.required or none or "default" in text:
-            return text
-        return f"{text} (default: %(default)s)"
+RUN_SCOPES = ("rl", "swap", "tasks")  # the modes of this command (``mllm_rl.options.schema``)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # Imported here, not at module level: they import numpy, whose thread pool must start
-    # after ``install_sigterm`` blocked SIGTERM (see there).
-    from mllm_rl.lifecycle import SCHEDULES
-    from mllm_rl.phases.watchdog import DEFAULT_LIMIT_S, LIGHT_FACTOR
-    from mllm_rl.plans.registry import DEFAULT_PLAN, all_plans, plan_names
-    from mllm_rl.rl.advantages import ESTIMATORS, STDS
-    from mllm_rl.rl.loss_config import AGGREGATIONS
-    from mllm_rl.rl.old_logp import SOURCES as OLD_LOGP_SOURCES
-    from mllm_rl.tasks.base import TASKS
-    from mllm_rl.trainer import PRECISIONS
+    """The flags of every mode, from the one declaration of each (``mllm_rl.options.schema``)."""
+    from mllm_rl.options.cli import add_options
+    from mllm_rl.plans.registry import all_plans
 
     codes = "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items())
+    plans = "\n".join(f"  {p.name:<5} {p.summary}" for p in all_plans())
     ap = _Parser(
         prog="python -m mllm_rl.run",
-        description="Run a plan (rl: colocated GRPO with every memory phase recorded; swap: dummy-init "
-        "engine + streamed weight swap).",
+        usage="%(prog)s --backend {jax,torch} [--plan rl|swap | --tasks FILE] [options]",
+        description="Run a plan and record every memory phase. A flag that the chosen plan (or --tasks) "
+        f"does not take is refused.\n\nplans (--plan):\n{plans}\n\nmodel presets (--model): "
+        f"{', '.join(PRESETS)}",
         epilog=f"exit codes:\n{codes}",
-        formatter_class=_HelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument(
-        "--backend", required=True, help="backend name (entry point group mllm_rl.backends): jax, torch"
-    )
-    ap.add_argument("--plan", default=DEFAULT_PLAN, choices=plan_names(),
-                    help="what to run: " + "; ".join(f"{p.name}: {p.summary}" for p in all_plans()))  # fmt: skip
-    ap.add_argument("--tasks", default=None, help="TOML file of several RL tasks sharing the devices "
-                    "(docs/MULTITASK.md); per-task settings then come from the file")  # fmt: skip
-    ap.add_argument(
-        "--fail-fast", action="store_true", help="--tasks: stop the whole run when one task fails"
-    )
-    ap.add_argument(
-        "--model", default="tiny", help=f"preset ({', '.join(PRESETS)}), checkpoint dir, or hub id"
-    )
-    ap.add_argument("--seed", type=int, default=0, help="seed for preset checkpoints, data and sampling")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the rollout engine")
-    ap.add_argument(
-        "--platform",
-        default="auto",
-        choices=["auto", "cpu", "gpu", "tpu", "cuda"],
-        help="assert the accelerator platform (auto: accept what the runtime finds)",
-    )
-    ap.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=None,
-        help="tokens per completion (default: 8 for rl, 16 for swap)",
-    )
-    ap.add_argument(
-        "--max-total-tokens",
-        type=int,
-        default=None,
-        help="engine KV cache size in tokens (default: swap 4096; rl max-running-requests x context)",
-    )
-    ap.add_argument(
-        "--context-length",
-        type=int,
-        default=None,
-        help="engine context length (default: swap 512; rl: fits the task's prompts + completions)",
-    )
-    ap.add_argument("--max-running-requests", type=int, default=128, help="engine batch limit (requests)")
-    ap.add_argument(
-        "--engine",
-        default="auto",
-        choices=["auto", "embedded", "sglang"],
-        help="rollout engine; torch: auto (SGLang when importable on CUDA, else embedded), embedded, "
-        "sglang; jax: auto only (sglang-jax)",
-    )
-    ap.add_argument(
-        "--weights-cpu-backup",
-        action="store_true",
-        help="engine keeps a host copy of its weights across release/resume (else: full re-sync)",
-    )
-    ap.add_argument(
-        "--phase-timeout",
-        action="append",
-        metavar="[PHASE=]SECONDS",
-        help=f"watchdog: a phase still running after its limit is recorded as stuck, every thread's "
-        f"stack goes to the run dir, and the run exits 6. SECONDS sets the limit of the phases that "
-        f"compute or move a model (rollout, train_step, engine start, ...; the others get "
-        f"{LIGHT_FACTOR:g}x it), PHASE=SECONDS one phase's; repeatable; 0 = no limit "
-        f"(default: {DEFAULT_LIMIT_S:g})",
-    )
-    out = ap.add_argument_group("outputs")
-    out.add_argument("--wandb", default="offline", choices=["disabled", "offline", "online"], help="W&B mode")
-    out.add_argument("--wandb-project", default="mllm_rl", help="W&B project")
-    out.add_argument("--run-id", default=None, help="default: <plan>-<backend>-<time>-<rand>")
-    out.add_argument("--run-dir", default=None, help="default: runs/<run_id>")
-    out.add_argument(
-        "--console",
-        default="compact",
-        choices=["compact", "full", "off"],
-        help="phase records on stdout: one short line each, the full JSON, or nothing",
-    )
-    out.add_argument("--quiet", action="store_true", help="print only errors (implies --console off)")
-    sw = ap.add_argument_group("swap plan")
-    sw.add_argument(
-        "--swap-mode",
-        default="streaming",
-        choices=["streaming", "naive"],
-        help="streaming: one tensor at a time; naive: load all, then replace (baseline)",
-    )
-    sw.add_argument(
-        "--swap-chunk-mb",
-        type=float,
-        default=64.0,
-        help="streaming: tensors larger than this are written into the engine buffer in chunks "
-        "of this size (peak = one copy + one chunk); 0 = whole tensors",
-    )
-    sw.add_argument(
-        "--prompt",
-        action="append",
-        help="prompt for generate_result (repeatable; default: two built-in prompts)",
-    )
-    rl = ap.add_argument_group("rl plan")
-    rl.add_argument("--steps", type=int, default=20, help="RL steps")
-    rl.add_argument(
-        "--task",
-        default="pattern",
-        choices=list(TASKS),
-        help="pattern: shipped periodic-string completion (learnable from scratch); "
-        "boxed: GSM8K-style \\boxed{} answers from --task-data",
-    )
-    rl.add_argument(
-        "--task-data",
-        default=None,
-        help="JSONL of {question, answer} for --task boxed (default: a shipped sample)",
-    )
-    rl.add_argument("--prompts-per-step", type=int, default=16, help="prompts per RL step")
-    rl.add_argument("--group-size", type=int, default=8, help="completions per prompt (GRPO group, >= 2)")
-    rl.add_argument(
-        "--temperature",
-        type=float,
-        default=1.0,
-        help="sampling temperature of the rollout (> 0); the trainer's log-probs use the same (logits / T)",
-    )
-    rl.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of the rollout")
-    rl.add_argument("--estimator", default="grpo", choices=list(ESTIMATORS), help="advantage estimator")
-    rl.add_argument(
-        "--adv-std",
-        default="unbiased",
-        choices=list(STDS),
-        help="grpo: the group std (unbiased: n - 1, as verl and TRL; biased: n)",
-    )
-    rl.add_argument(
-        "--lr",
-        type=float,
-        default=None,
-        help="AdamW learning rate. Default: 3e-3 for the tiny preset (trained from random init), "
-        "1e-6 for every other model (a pretrained checkpoint: fine-tuning, verl's default)",
-    )
-    rl.add_argument(
-        "--precision",
-        default="mixed",
-        choices=list(PRECISIONS),
-        help="mixed: a bf16/fp16 checkpoint trains float32 master weights with float32 AdamW moments, "
-        "computes in bf16/fp16, the engine gets casts; pure: params and moments in the checkpoint dtype "
-        "(half the state; Adam steps below half a bf16 ulp are lost: little or no learning at lr ~1e-6)",
-    )
-    rl.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    rl.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clip; 0 = off")
-    rl.add_argument("--mini-batches", type=int, default=1, help="optimizer updates per step")
-    rl.add_argument("--micro-batch-size", type=int, default=64, help="sequences per forward/backward")
-    rl.add_argument("--eps-low", type=float, default=0.2, help="PPO clip range below 1")
-    rl.add_argument("--eps-high", type=float, default=0.28, help="PPO clip range above 1 (clip-higher)")
-    rl.add_argument(
-        "--clip-ratio-c",
-        type=float,
-        default=3.0,
-        help="dual-clip: for negative advantages the loss is capped at -A * c (verl's clip_ratio_c); 0 = off",
-    )
-    rl.add_argument("--kl-beta", type=float, default=0.0, help="KL-to-reference weight in the loss (k3)")
-    rl.add_argument(
-        "--old-logp",
-        default="trainer",
-        choices=list(OLD_LOGP_SOURCES),
-        help="old log-probs of the PPO ratio: recomputed by the trainer before the update (verl's default; "
-        "the engine/trainer mismatch is reported) or the engine's rollout log-probs",
-    )
-    rl.add_argument(
-        "--tis-cap",
-        type=float,
-        default=0.0,
-        help="truncated importance sampling: weigh each token by min(exp(logp_trainer - logp_engine), C) "
-        "(needs --old-logp trainer); 0 = off",
-    )
-    rl.add_argument("--loss-agg", default="token_mean", choices=list(AGGREGATIONS), help="loss aggregation")
-    rl.add_argument("--lora-rank", type=int, default=0, help="> 0: train LoRA adapters, base frozen")
-    rl.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scale numerator (alpha / rank)")
-    rl.add_argument(
-        "--schedule",
-        default="multi_stage",
-        choices=list(SCHEDULES),
-        help="multi_stage: resume weights, update, free trainer, then resume KV; naive: baseline",
-    )
-    rl.add_argument(
-        "--check-weights",
-        action="store_true",
-        help="garbage guard: engine greedy probe after each update must match the trainer's",
-    )
-    rl.add_argument(
-        "--checkpoint-every",
-        "--save-every",
-        dest="checkpoint_every",
-        type=int,
-        default=5,
-        help="checkpoint every N steps, and always the last step; 0 = never",
-    )
-    rl.add_argument(
-        "--checkpoint-background",
-        action="store_true",
-        help="torch: copy the state to host memory in the checkpoint phase and write it in the background "
-        "(it counts once written; costs host memory the size of the state). Default: write in the phase",
-    )
-    rl.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue --run-dir/--run-id from its newest valid checkpoint (appends to its phase log); "
-        "a run with nothing to resume is refused",
-    )
-    rl.add_argument(
-        "--resume-or-start",
-        action="store_true",
-        help="like --resume, but a run directory without checkpoints (or none at all) starts from step 0",
-    )
+    add_options(ap, RUN_SCOPES)
     return ap
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[str]]:
+    """The flags with every default filled in, and the keys the user gave (exit 2 on a bad flag)."""
+    from mllm_rl.options.cli import parse
+
+    return parse(build_parser(), argv, RUN_SCOPES)
+
+
+def check_mode(args: argparse.Namespace, given: set[str]) -> None:
+    """Refuse a flag that this mode (``--plan rl|swap`` or ``--tasks``) does not take, and a value
+    out of its range (``ValueError``, one line naming the flag)."""
+    from mllm_rl.options.cli import check_scope, check_values
+
+    mode = "tasks" if args.tasks else args.plan
+    check_scope(args, given, mode, where=args.tasks or "")
+    check_values(args, mode)
 
 
 def main(argv: list[str] | None = None) -> int:
     if threading.active_count() == 1:
         install_sigterm()
-    args = build_parser().parse_args(argv)
+    args, given = parse_args(argv)
+    try:
+        check_mode(args, given)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.tasks:
         from mllm_rl import multitask
 
@@ -315,10 +121,13 @@ def main(argv: list[str] | None = None) -> int:
             print(line, file=sys.stderr, flush=True)
 
     try:
-        pre = prepare(args)
+        pre = prepare(args, given)
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # W&B online unreachable with --wandb-fallback error
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     backend, model, opts, run_dir, run_id = pre.backend, pre.model, pre.opts, pre.run_dir, pre.run_id
 
     # Multi-process runs (multi-host TPU slices; jax.distributed): every process records its
@@ -345,7 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
+    from mllm_rl.run_lock import RunDirBusy, acquire
+
     run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        acquire(run_dir, pidx, run_id)  # a second run on this directory is refused here
+    except RunDirBusy as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     for line in pre.notes:
         say(line)
     sinks: list[Any] = [
@@ -365,19 +181,21 @@ def main(argv: list[str] | None = None) -> int:
             write_run_json(run_dir, {
                 "run_id": run_id, "backend": backend.name, "plan": args.plan, "model": str(model.path),
                 "process_count": pcount, **plan_info, "argv": sys.argv[1:] if argv is None else argv,
+                "options": pre.options, "overrides": pre.overrides,
             })  # fmt: skip
 
     if not pre.resuming:
         write_plan()  # a resumed attempt rewrites the run's run.json only once it has started (on_started)
 
     def make_wandb():
-        if args.wandb == "disabled":
+        if pre.wandb_mode == "disabled":
             return None
         from mllm_rl.sinks.wandb_sink import WandbSink
 
         wid = run_id if pidx == 0 else f"{run_id}-p{pidx}"
-        return WandbSink(args.wandb, run_dir, wid, project=args.wandb_project,
-                         resume=args.resume or args.resume_or_start,
+        return WandbSink(pre.wandb_mode, run_dir, wid, project=args.wandb_project,
+                         resume=args.resume or args.resume_or_start, fallback=args.wandb_fallback,
+                         init_timeout=max(30.0, 3 * args.wandb_timeout),
                          config={k: v for k, v in vars(args).items() if k != "prompt"})  # fmt: skip
 
     engines: list[Any] = []

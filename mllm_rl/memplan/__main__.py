@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import resource
 import sys
 import time
@@ -24,57 +25,49 @@ from typing import Any
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 1, 2, 6
 
 
+# This command's own defaults of the run's settings: a plan is asked about a real model at a real size.
+MEMPLAN_DEFAULTS = {"backend": "jax", "model": "qwen3-4b", "micro_batch_size": 4, "prompts_per_step": 8}
+# PlanRequest fields whose flag is not ``--`` + the field with dashes (messages name the flag)
+REQUEST_FLAGS = {"micro_batch": "--micro-batch-size", "prompts": "--prompts-per-step", "kv_tokens": "--kv-tokens",
+                 "kl": "--kl-beta", "options": "--model-option", "param_dtype": "--model's torch_dtype"}  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from mllm_rl.lifecycle import SCHEDULES
+    """The run's settings that a plan reads (scope ``memplan`` of ``mllm_rl.options.schema``, the
+    run's flags and names), and the plan's own: target, --fit, --out."""
     from mllm_rl.memplan.fit import FIT_KNOBS
-    from mllm_rl.presets import PRESETS
-    from mllm_rl.trainer import PRECISIONS
+    from mllm_rl.options.cli import add_options
 
     ap = argparse.ArgumentParser(
         prog="python -m mllm_rl.memplan",
         description="PREDICTED per-device memory of every phase of a colocated RL step on a target "
-        "(compiled for the target, nothing runs on it). Exit 0 fits, 6 does not fit, 2 bad input.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "(compiled for the target, nothing runs on it). Exit 0 fits, 6 does not fit, 2 bad input. "
+        "The run's settings have the names of python -m mllm_rl.run.",
     )
-    ap.add_argument("--backend", default="jax", help="backend whose functions are compiled: jax, torch")
-    ap.add_argument("--target", default="v4-8", help="device topology (--list-targets)")
+    ap.add_argument("--target", default="v4-8", help="device topology (--list-targets) (default: v4-8)")
     ap.add_argument("--list-targets", action="store_true", help="print the backend's targets and exit")
-    ap.add_argument("--model", default="qwen3-4b", help=f"preset ({', '.join(PRESETS)}) or checkpoint dir")
-    run = ap.add_argument_group("the run's knobs (same names as python -m mllm_rl.run)")
-    run.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=int, default=4,
-                     help="sequences per forward/backward")  # fmt: skip
-    run.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (prompt + completion)")
-    run.add_argument("--group-size", type=int, default=8, help="completions per prompt")
-    run.add_argument("--prompts-per-step", dest="prompts", type=int, default=8, help="prompts per RL step")
-    run.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the rollout engine")
-    run.add_argument("--max-running-requests", type=int, default=128, help="engine batch limit (requests)")
-    run.add_argument("--trainer-tp", type=int, default=1, help="tensor-parallel size of the trainer's mesh")
-    run.add_argument("--fsdp", type=int, default=0, help="trainer's fsdp axis; 0: devices / trainer-tp")
-    run.add_argument("--lora-rank", type=int, default=0, help="> 0: LoRA adapters, base frozen")
-    run.add_argument("--kl-beta", type=float, default=0.0, help="> 0: KL term (reference params/log-probs)")
-    run.add_argument("--precision", default="mixed", choices=list(PRECISIONS),
-                     help="the trainer's, as the run's --precision (mixed: float32 masters and moments of a "
-                          "bf16 checkpoint; pure: everything in the checkpoint's dtype)")  # fmt: skip
-    run.add_argument("--schedule", default="multi_stage", choices=list(SCHEDULES),
-                     help="the run's schedule (its fit decides the exit code; the other is shown too)")  # fmt: skip
-    run.add_argument("--check-weights", action="store_true", help="include the garbage guard's phase")
-    run.add_argument("--kv-tokens", "--max-total-tokens", dest="kv_tokens", type=int, default=None,
-                     help="KV pool size in tokens; None: sized by the engine's rule from --mem-fraction-static")  # fmt: skip
-    run.add_argument("--mem-fraction-static", type=float, default=None,
-                     help="the engine's mem_fraction_static; None: what --kv-tokens needs, else the adapter's default")  # fmt: skip
-    run.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
-                     help="a backend model option (JAX: ModelOptions fields, e.g. remat=block); repeatable")  # fmt: skip
-    plan = ap.add_argument_group("plan")
-    plan.add_argument("--margin", type=float, default=0.9, help="fraction of device memory a phase may use")
-    plan.add_argument("--fit", nargs="?", const="micro_batch", choices=["kv", *FIT_KNOBS], default=None,
-                      help="kv: the largest KV pool next to everything else; micro_batch / seq_len: the largest "
-                      "value that fits (doubling, then bisection; one compile per probe), then the largest KV pool")  # fmt: skip
-    plan.add_argument("--fit-max", type=int, default=None, help="upper bound of the --fit search; "
-                      "None: 256 (micro_batch), 131072 (seq_len)")  # fmt: skip
-    plan.add_argument("--fit-step", type=int, default=None,
-                      help="granularity of the --fit search; None: " + ", ".join(f"{v} ({k})" for k, v in FIT_KNOBS.items()))  # fmt: skip
-    plan.add_argument("--out", type=Path, default=None, help="write plan.json, plan.txt, plan.html here")
+    add_options(ap, ("memplan",), MEMPLAN_DEFAULTS)
+    ap.add_argument("--fit", nargs="?", const="micro_batch", choices=["kv", *FIT_KNOBS], default=None,
+                    help="kv: the largest KV pool next to everything else; micro_batch / seq_len: the largest "
+                    "value that fits (doubling, then bisection; one compile per probe), then the largest KV pool")  # fmt: skip
+    ap.add_argument("--out", type=Path, default=None, help="write plan.json, plan.txt, plan.html here")
     return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags with this command's defaults filled in; every value checked (``ValueError``)."""
+    from mllm_rl.options.cli import check_values, parse
+
+    args, _ = parse(build_parser(), argv, ("memplan",), MEMPLAN_DEFAULTS)
+    check_values(args, "memplan")
+    return args
+
+
+def flag_names(message: str) -> str:
+    """A ``PlanRequest.field`` in a message, as the flag the user typed."""
+    return re.sub(
+        r"PlanRequest\.(\w+)", lambda m: REQUEST_FLAGS.get(m[1], "--" + m[1].replace("_", "-")), message
+    )
 
 
 def parse_option(text: str) -> tuple[str, Any]:
@@ -110,13 +103,13 @@ def load_model(spec: str) -> Any:
 def make_request(args: argparse.Namespace) -> Any:
     from mllm_rl.memplan.request import PlanRequest
 
-    options = dict(parse_option(o) for o in args.model_option)
+    options = dict(parse_option(o) for o in args.model_option or [])
     model = load_model(args.model)
-    return PlanRequest(backend=args.backend, target=args.target, model=model, micro_batch=args.micro_batch,
-                       seq_len=args.seq_len, group_size=args.group_size, prompts=args.prompts, tp=args.tp,
+    return PlanRequest(backend=args.backend, target=args.target, model=model, micro_batch=args.micro_batch_size,
+                       seq_len=args.seq_len, group_size=args.group_size, prompts=args.prompts_per_step, tp=args.tp,
                        max_running_requests=args.max_running_requests, fsdp=args.fsdp, lora_rank=args.lora_rank, kl=args.kl_beta > 0,
                        precision=args.precision, schedule=args.schedule,
-                       kv_tokens=args.kv_tokens, mem_fraction_static=args.mem_fraction_static, margin=args.margin,
+                       kv_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static, margin=args.margin,
                        param_dtype=model.torch_dtype, trainer_tp=args.trainer_tp, options=options)  # fmt: skip
 
 
@@ -160,9 +153,9 @@ def run_fit(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     t_start = time.perf_counter()
     try:
+        args = parse_args(argv)
         from mllm_rl.memplan.planner import load_planner
 
         planner = load_planner(args.backend)
@@ -179,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--out {args.out}: not a directory")
         return _plan(planner, req, args, t_start)
     except ValueError as e:
-        _say(f"error: {e}")
+        _say(f"error: {flag_names(str(e))}")
         return EXIT_BAD_INPUT
 
 

@@ -51,13 +51,10 @@ def _validate(args: argparse.Namespace) -> tuple[list[TaskSpec], Any, dict[str, 
     anything starts (``ValueError`` / ``CheckpointError``, exit 2)."""
     from mllm_rl.backend_registry import load_backend
     from mllm_rl.checkpoint.resolve import resolve_model
-    from mllm_rl.plans.preflight import check_run_dir
+    from mllm_rl.plans.preflight import check_fresh, check_run_dir, check_run_id
     from mllm_rl.tasks import get_task
 
-    if args.plan != "rl":
-        raise ValueError(f"--tasks runs RL tasks: --plan {args.plan} cannot be combined with it")
-    if args.resume_or_start:
-        raise ValueError("--tasks: --resume-or-start is not supported; use --resume (per task)")
+    # --plan, --resume-or-start and every per-task flag next to --tasks: refused by ``run.check_mode``
     if args.resume and not (args.run_dir or args.run_id):
         raise ValueError("--resume needs --run-dir or --run-id (the run to continue)")
     specs = load_tasks(args.tasks)
@@ -69,8 +66,11 @@ def _validate(args: argparse.Namespace) -> tuple[list[TaskSpec], Any, dict[str, 
             get_task(s.task, s.task_data)
         except (ValueError, OSError) as e:
             raise ValueError(f"{args.tasks}: task {s.name!r}: {e}") from None
+    check_run_id(args.run_id)
     if args.run_dir:
         check_run_dir(Path(args.run_dir).resolve())
+        if not args.resume:
+            check_fresh(Path(args.run_dir).resolve(), "phases.jsonl")
     models = {s.name: resolve_model(s.model, seed=s.seed) for s in specs}
     for s in specs:
         try:
@@ -122,6 +122,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None, specs: list[TaskSpec]
     from mllm_rl.progress import progress_bar
     from mllm_rl.report.at_exit import report_at_exit
     from mllm_rl.run_files import phase_file_name, write_run_json
+    from mllm_rl.run_lock import RunDirBusy, acquire
     from mllm_rl.signals import Terminated
     from mllm_rl.sinks.console import ConsoleSink
     from mllm_rl.sinks.jsonl import JsonlSink, MetricsJsonlSink, count_records
@@ -133,6 +134,12 @@ def _run(args: argparse.Namespace, argv: list[str] | None, specs: list[TaskSpec]
     if args.resume and args.run_id is None:
         run_id = _previous(run_dir).get("run_id", run_id)
     run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        acquire(run_dir, pidx, run_id)  # a second run on this directory is refused here
+    except RunDirBusy as e:
+        print(f"error: {e}", file=sys.stderr)
+        backend.shutdown_distributed()
+        return 2
     phase_file = run_dir / phase_file_name(pidx)
     sinks: list[Any] = [JsonlSink(phase_file),
                         MetricsJsonlSink(run_dir / phase_file.name.replace("phases", "metrics"))]  # fmt: skip

@@ -20,123 +20,66 @@ task = "boxed"
 task_data = "gsm8k.jsonl"  # relative to the TOML file
 ```
 
-Every key of a task is one of ``FIELDS`` (same meaning and default as the single-task flag of
+Every key of a task is one of ``FIELDS``: ``name`` and the options of scope ``task`` of
+``mllm_rl.options.schema`` (declared once: same meaning, default and range as the single-task flag of
 the same name, ``python -m mllm_rl.run --help``). Everything is validated before anything
 starts: a bad file raises ``ValueError`` naming the file, the task and the field.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mllm_rl.engine import EngineOptions
-from mllm_rl.lifecycle import LifecycleOptions
 from mllm_rl.option_error import OptionError, cli_key
-from mllm_rl.plans.rl import RLOptions
-from mllm_rl.rl.loss_config import LossConfig
-from mllm_rl.trainer import TrainConfig
+from mllm_rl.options.check import check_range, check_type
+from mllm_rl.options.schema import ALIASES, OPTIONS, Option, defaults, in_scope
+
+if TYPE_CHECKING:
+    from mllm_rl.plans.rl import RLOptions
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+RUN_LEVEL = ("tp", "platform", "engine")  # the run's flags that every task's options take
 
 
-@dataclasses.dataclass(frozen=True)
-class TaskSpec:
-    """One task of a multi-task run: its own model, engine, trainer, data and seed."""
+def _rl_options(
+    self: Any, tp: int = 1, platform: str = "auto", engine: str = "auto", model_name: str | None = None
+) -> RLOptions:
+    """The single-task plan's options for this task, built by the same code as the flags'
+    (``RLPlan.options``; ``OptionError`` naming the bad field); the engine options carry the task's
+    name (its memory tags are ``<task>/...``). A resumed task's checkpoint is the runtime's
+    (``runtime.RLTask``). ``model_name``: the resolved model's preset name (an unset ``lr`` is that
+    model's default, ``mllm_rl.plans.rl.default_lr``)."""
+    from mllm_rl.plans.preflight import engine_options
+    from mllm_rl.plans.rl import PLAN, default_lr
 
-    name: str
-    model: str = "tiny"
-    task: str = "pattern"
-    task_data: str | None = None
-    seed: int = 0
-    steps: int = 20
-    lr: float | None = None  # None: the model's default (``mllm_rl.plans.rl.default_lr``)
-    precision: str = "mixed"
-    group_size: int = 8
-    prompts_per_step: int = 16
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    estimator: str = "grpo"
-    adv_std: str = "unbiased"
-    lora_rank: int = 0
-    lora_alpha: float = 16.0
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    mini_batches: int = 1
-    micro_batch_size: int = 64
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    kl_beta: float = 0.0
-    clip_ratio_c: float = 3.0
-    old_logp: str = "trainer"
-    tis_cap: float = 0.0
-    loss_agg: str = "token_mean"
-    checkpoint_every: int = 5  # the TOML file may spell it save_every, like --save-every
-    eval_prompts: int = 16
-    check_weights: bool = False
-    weights_cpu_backup: bool = False
-    max_running_requests: int = 128
-    context_length: int | None = None
-    max_total_tokens: int | None = None
-
-    def rl_options(
-        self, tp: int = 1, platform: str = "auto", engine: str = "auto", model_name: str | None = None
-    ) -> RLOptions:
-        """The single-task plan's options for this task (``ValueError`` naming the bad value); the
-        engine options carry the task's name (its memory tags are ``<task>/...``). A resumed task's
-        checkpoint is the runtime's (``runtime.RLTask``), not the options'. ``model_name``: the
-        resolved model's preset name (an unset ``lr`` is that model's default)."""
-        from mllm_rl.plans.rl import default_lr
-
-        loss = LossConfig(eps_low=self.eps_low, eps_high=self.eps_high, beta=self.kl_beta,
-                          aggregation=self.loss_agg, max_len=self.max_new_tokens,
-                          clip_ratio_c=self.clip_ratio_c)  # fmt: skip
-        lr = default_lr(model_name or self.model) if self.lr is None else self.lr
-        train = TrainConfig(lr=lr, weight_decay=self.weight_decay, grad_clip=self.grad_clip,
-                            mini_batches=self.mini_batches, micro_batch_size=self.micro_batch_size, loss=loss,
-                            lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, seed=self.seed,
-                            temperature=self.temperature or 1.0,  # 0: RLOptions refuses it, saying why
-                            precision=self.precision)  # fmt: skip
-        eng = EngineOptions(tp=tp, engine=engine, max_total_tokens=self.max_total_tokens, context_length=self.context_length,
-                               max_running_requests=self.max_running_requests, seed=self.seed,
-                               weights_cpu_backup=self.weights_cpu_backup, task=self.name)  # fmt: skip
-        return RLOptions(
-            steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.group_size,
-            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-            estimator=self.estimator, adv_std=self.adv_std, task=self.task, task_data=self.task_data,
-            eval_prompts=self.eval_prompts, checkpoint_every=self.checkpoint_every, seed=self.seed,
-            platform=platform, engine=eng, train=train,
-            lifecycle=LifecycleOptions(check_weights=self.check_weights, old_logp=self.old_logp,
-                                       tis_cap=self.tis_cap),
-        )  # fmt: skip
+    values = {k: v for scope in ("rl", "swap", "tasks") for k, v in defaults(scope).items()}
+    values.update(dataclasses.asdict(self), tp=tp, platform=platform, engine=engine)
+    args = argparse.Namespace(**values)
+    opts = PLAN.options(args, engine_options(args, task=self.name), platform)
+    if opts.lr_from_model:
+        lr = default_lr(model_name or self.model)
+        opts = dataclasses.replace(opts, train=dataclasses.replace(opts.train, lr=lr), lr_from_model=False)
+    return opts
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(TaskSpec)}
-ALIASES = {"save_every": "checkpoint_every"}  # as the single-task flag --save-every
+TASK_OPTIONS: dict[str, Option] = {o.key: o for o in in_scope("task")}
+# One task of a multi-task run: its name and every ``task`` option of the schema (same meaning and
+# default as the flag of the same name).
+TaskSpec = dataclasses.make_dataclass(
+    "TaskSpec",
+    [("name", str), *((o.key, Any, dataclasses.field(default=o.default)) for o in TASK_OPTIONS.values())],
+    frozen=True,
+    namespace={"rl_options": _rl_options, "__module__": __name__},
+)
+FIELDS = ["name", *TASK_OPTIONS]
 
 
-def _typed(value: Any, field: dataclasses.Field, where: str) -> Any:
-    """``value`` checked against the field's type (ints are accepted for floats)."""
-    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
-    optional = "None" in kind
-    if value is None and optional:
-        return None
-    if kind.startswith("bool"):
-        ok = isinstance(value, bool)
-    elif kind.startswith("int"):
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif kind.startswith("float"):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    else:
-        ok = isinstance(value, str)
-    if not ok:
-        raise ValueError(f"{where}: expected {kind.replace(' | None', '')}, got {value!r}")
-    return value
+OPTION_KEYS = {o.key for o in OPTIONS}
 
 
 def _unalias(table: dict[str, Any]) -> dict[str, Any]:
@@ -151,9 +94,15 @@ def _task(raw: Any, defaults: dict[str, Any], where: str, base: Path) -> TaskSpe
         raise ValueError(f"{where}: field 'name' is required")
     values: dict[str, Any] = {}
     for key, value in merged.items():
-        if key not in FIELDS:
+        if key == "name":
+            values[key] = value if isinstance(value, str) else repr(value)
+        elif key in TASK_OPTIONS:
+            values[key] = check_type(TASK_OPTIONS[key], value, f"{where}.{key}")
+        elif key in OPTION_KEYS:
+            raise ValueError(f"{where}: {key!r} is a run-level setting, not a task's: pass it as "
+                             f"--{key.replace('_', '-')} (or leave it out)")  # fmt: skip
+        else:
             raise ValueError(f"{where}: unknown field {key!r} (known: {', '.join(FIELDS)})")
-        values[key] = _typed(value, FIELDS[key], f"{where}.{key}")
     if not NAME.match(values["name"]):
         raise ValueError(f"{where}.name: {values['name']!r} must match {NAME.pattern}")
     data = values.get("task_data")  # relative paths are relative to the TOML file
@@ -193,6 +142,8 @@ def load_tasks(path: str | Path) -> list[TaskSpec]:
         seen.add(s.name)
     for s in specs:  # the single-task checks (steps >= 1, estimator, loss, ...) before anything runs
         try:
+            for key, opt in TASK_OPTIONS.items():
+                check_range(opt, getattr(s, key), key)
             s.rl_options()
         except OptionError as e:  # the options name their fields; the file names its keys
             raise ValueError(f"{path}: task {s.name!r}: {e.named(cli_key(e.field))}") from None

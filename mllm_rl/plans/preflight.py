@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
+import re
 import tempfile
 import time
 import uuid
@@ -27,6 +27,15 @@ from mllm_rl.checkpoint.model_dir import CheckpointError
 from mllm_rl.checkpoint.resolve import CKPT_DIR, RLCheckpoint, find_resumable
 from mllm_rl.option_error import OptionError, cli_flag
 from mllm_rl.plans.base import Plan
+
+RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+
+
+def check_run_id(run_id: str | None) -> None:
+    """``--run-id`` names a directory under ``runs/``: it cannot be a path (``../x``, ``/x``)."""
+    if run_id is not None and not RUN_ID.fullmatch(run_id):
+        raise ValueError(f"--run-id {run_id!r}: letters, digits, '.', '_' and '-' only, not starting with "
+                         f"'.' (it names a directory under runs/)")  # fmt: skip
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -41,6 +50,9 @@ def check_run_dir(run_dir: Path) -> None:
     if not existing.is_dir():
         what = "is a file" if existing == run_dir else f"is inside {existing}, a file"
         raise ValueError(f"--run-dir {run_dir}: {what}, not a directory")
+    if (run_dir / "config.json").is_file() and any(run_dir.glob("*.safetensors*")):
+        raise ValueError(f"--run-dir {run_dir} holds a model checkpoint (config.json, *.safetensors); a run "
+                         f"writes its files into a directory of its own")  # fmt: skip
     try:
         fd, probe = tempfile.mkstemp(prefix=".mllm_rl-write-test-", dir=existing)
         os.close(fd)
@@ -99,45 +111,42 @@ def known_phases() -> set[str]:
     return {n for n in names if "{" not in n} | {"jax_ready", "torch_ready"}
 
 
-# Lower bounds of numeric flags, "> 0" where 0 itself is refused (NaN and inf are refused too:
-# argparse's float() takes "nan"). --group-size has its own check with the reason (RLOptions).
-NUMERIC_FLAGS: dict[str, tuple[float, bool]] = {
-    "--tp": (1, False), "--max-new-tokens": (1, False), "--max-total-tokens": (1, False),
-    "--context-length": (1, False), "--max-running-requests": (1, False), "--swap-chunk-mb": (0, False),
-    "--steps": (1, False), "--prompts-per-step": (1, False), "--temperature": (0, False), "--top-p": (0, True),
-    "--lr": (0, False), "--weight-decay": (0, False), "--grad-clip": (0, False), "--mini-batches": (1, False),
-    "--micro-batch-size": (1, False), "--eps-low": (0, False), "--eps-high": (0, False), "--kl-beta": (0, False),
-    "--lora-rank": (0, False), "--lora-alpha": (0, True), "--checkpoint-every": (0, False),
-    "--clip-ratio-c": (0, False), "--tis-cap": (0, False),
-}  # fmt: skip
-
-
 def build_options(args: argparse.Namespace) -> Any:
     """The plan's options from the flags (``Plan.options``); raises ``ValueError`` naming the flag
     (exit 2)."""
-    from mllm_rl.engine import EngineOptions
     from mllm_rl.plans.registry import get_plan
 
-    for flag, (low, strict) in NUMERIC_FLAGS.items():
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None and not (math.isfinite(value) and (value > low if strict else value >= low)):
-            raise ValueError(f"{flag} must be {'>' if strict else '>='} {low:g}, got {value}")
-    if args.top_p > 1:
-        raise ValueError(f"--top-p must be <= 1, got {args.top_p}")
     if (args.resume or args.resume_or_start) and not (args.run_dir or args.run_id):
         flag = "--resume" if args.resume else "--resume-or-start"
         raise ValueError(f"{flag} needs --run-dir or --run-id (the run to continue)")
     if args.resume and args.resume_or_start:
         raise ValueError("--resume and --resume-or-start: pass one (--resume-or-start also resumes)")
-    platform = "gpu" if args.platform == "cuda" else args.platform
     try:
-        engine = EngineOptions(tp=args.tp, engine=args.engine, max_total_tokens=args.max_total_tokens,
-                               context_length=args.context_length, max_running_requests=args.max_running_requests,
-                               seed=args.seed, chunk_bytes=int(args.swap_chunk_mb * 2**20),
-                               weights_cpu_backup=args.weights_cpu_backup)  # fmt: skip
-        return get_plan(args.plan).options(args, engine, platform)
+        return get_plan(args.plan).options(args, engine_options(args), platform_of(args))
     except OptionError as e:  # the options name their fields; the user typed flags
         raise ValueError(e.named(cli_flag(e.field))) from None
+
+
+def platform_of(args: argparse.Namespace) -> str:
+    """``--platform`` as the backends name it (``cuda`` is ``gpu``)."""
+    return "gpu" if args.platform == "cuda" else args.platform
+
+
+def engine_options(args: argparse.Namespace, task: str | None = None) -> Any:
+    """The engine options every plan (and every task of ``--tasks``) shares, from the settings."""
+    from mllm_rl.engine import EngineOptions
+
+    return EngineOptions(
+        tp=args.tp,
+        engine=args.engine,
+        max_total_tokens=args.max_total_tokens,
+        context_length=args.context_length,
+        max_running_requests=args.max_running_requests,
+        seed=args.seed,
+        chunk_bytes=int(args.swap_chunk_mb * 2**20),
+        weights_cpu_backup=args.weights_cpu_backup,
+        task=task,
+    )
 
 
 def phase_limits(args: argparse.Namespace) -> Any:
@@ -166,29 +175,59 @@ class Prepared:
     limits: Any  # PhaseLimits
     resuming: bool  # appends to an existing run (its run.json is rewritten only once the attempt started)
     notes: list[str]
+    options: dict[
+        str, Any
+    ]  # run.json's ``options``: the settings a resume compares (``mllm_rl.options.resume``)
+    overrides: list[dict[str, Any]]  # run.json's ``overrides``: each ``--override`` change, every attempt
+    wandb_mode: str  # --wandb, or "offline" when the server was unreachable (``check_wandb``)
 
 
-def prepare(args: argparse.Namespace) -> Prepared:
-    """Every check that can run before start-up, fastest first: flags, backend/engine combination,
-    run directory, resume target and its checkpoints, task data, model and ``--tp`` against its heads.
-    Raises ``ValueError`` / ``CheckpointError`` (exit 2); touches nothing of the run."""
+def prepare(args: argparse.Namespace, given: set[str] | frozenset[str] = frozenset()) -> Prepared:
+    """Every check that can run before start-up, fastest first: run id and directory, the settings a
+    resumed run recorded (``given``: the flags the user typed; the others come from its ``run.json``),
+    flags, backend/engine combination, resume target and its checkpoints, task data, model and
+    ``--tp`` against its heads. Raises ``ValueError`` / ``CheckpointError`` (exit 2); touches
+    nothing of the run."""
     from mllm_rl.backend_registry import load_backend
+    from mllm_rl.options.resume import apply_recorded, check_overrides, known, record
     from mllm_rl.plans.registry import get_plan
 
-    opts = build_options(args)
-    limits = phase_limits(args)
-    backend = load_backend(args.backend)
-    opts.engine.check_backend(backend.name, backend.engines)
+    mode = args.plan
+    check_overrides(args, mode)
+    check_run_id(args.run_id)
     run_id = (
         args.run_id or f"{args.plan}-{args.backend}-{time.strftime('%y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     )
     run_dir = Path(args.run_dir or Path("runs") / run_id).resolve()
     check_run_dir(run_dir)
     resuming = (args.resume or args.resume_or_start) and (run_dir / "run.json").exists()
+    notes: list[str] = []
+    overrides: list[dict[str, Any]] = []
+    if resuming:
+        previous = _run_json(run_dir)
+        if known(previous.get("options")):
+            changes = apply_recorded(args, set(given), previous["options"], mode, run_dir / "run.json")
+            overrides = [*previous.get("overrides", []), *changes]
+            notes += [f"resume: --override {c['key']}: {c['from']} -> {c['to']} (recorded in run.json)"
+                      for c in changes]  # fmt: skip
+        else:
+            notes.append(f"resume: {run_dir / 'run.json'} records no settings (an older run): the flags are "
+                         f"not compared with it")  # fmt: skip
+    opts = build_options(args)
+    limits = phase_limits(args)
+    backend = load_backend(args.backend)
+    from mllm_rl.sinks.wandb_check import check_wandb
+
+    wandb_mode, wandb_notes = check_wandb(
+        args.wandb, args.wandb_fallback, args.wandb_timeout, run_dir=run_dir
+    )
+    notes += wandb_notes
+    opts.engine.check_backend(backend.name, backend.engines)
     try:
-        opts, notes = get_plan(args.plan).preflight(args, opts, backend, run_dir)
+        opts, plan_notes = get_plan(args.plan).preflight(args, opts, backend, run_dir)
     except OptionError as e:  # e.g. --steps that a resumed run is already past
         raise ValueError(e.named(cli_flag(e.field))) from None
+    notes += plan_notes
     from mllm_rl.checkpoint.resolve import resolve_model
 
     model = resolve_model(args.model, seed=args.seed)  # CheckpointError naming the file
@@ -197,7 +236,16 @@ def prepare(args: argparse.Namespace) -> Prepared:
     notes += model_notes
     if args.resume or args.resume_or_start:
         run_id = args.run_id or _previous_run_id(run_dir) or run_id
-    return Prepared(get_plan(args.plan), opts, backend, model, run_id, run_dir, limits, bool(resuming), notes)
+    return Prepared(get_plan(args.plan), opts, backend, model, run_id, run_dir, limits, bool(resuming), notes,
+                    record(args, mode), overrides, wandb_mode)  # fmt: skip
+
+
+def _run_json(run_dir: Path) -> dict[str, Any]:
+    try:
+        found = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--resume: {run_dir / 'run.json'}: unreadable ({e})") from None
+    return found if isinstance(found, dict) else {}
 
 
 def _previous_run_id(run_dir: Path) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 
+from mllm_rl.options.schema import BY_KEY
 from mllm_rl.plans.base import Plan
 
 # name -> "module:attribute" of its ``Plan`` instance; the first is the default
@@ -12,7 +13,7 @@ PLANS = {
     "rl": "mllm_rl.plans.rl:PLAN",
     "swap": "mllm_rl.plans.swap:PLAN",
 }
-DEFAULT_PLAN = "rl"
+DEFAULT_PLAN = BY_KEY["plan"].default  # declared with the option (``mllm_rl.options.schema``)
 
 
 def plan_names() -> list[str]:

@@ -279,8 +279,6 @@ class RLPlan(Plan):
     summary = "colocated GRPO with every memory phase recorded"
 
     def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> RLOptions:
-        if args.prompt:
-            raise ValueError("--prompt: only the swap plan takes prompts (the rl plan's come from --task)")
         loss = LossConfig(eps_low=args.eps_low, eps_high=args.eps_high, beta=args.kl_beta,
                           aggregation=args.loss_agg, max_len=args.max_new_tokens or 8,
                           clip_ratio_c=args.clip_ratio_c)  # fmt: skip
@@ -294,7 +292,7 @@ class RLPlan(Plan):
             steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
             max_new_tokens=args.max_new_tokens or 8, temperature=args.temperature, top_p=args.top_p,
             estimator=args.estimator, adv_std=args.adv_std, lr_from_model=args.lr is None, task=args.task,
-            task_data=args.task_data, checkpoint_every=args.checkpoint_every,
+            task_data=args.task_data, eval_prompts=args.eval_prompts, checkpoint_every=args.checkpoint_every,
             checkpoint_background=args.checkpoint_background, seed=args.seed, platform=platform, engine=engine,
             train=train,
             lifecycle=LifecycleOptions(schedule=args.schedule, check_weights=args.check_weights,

@@ -61,10 +61,7 @@ class SwapPlan(Plan):
     summary = "dummy-init engine + streamed weight swap"
 
     def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> SwapOptions:
-        if args.resume:
-            raise ValueError("--resume: the swap plan keeps no checkpoints; --resume-or-start runs it again")
-        if args.task_data is not None:
-            raise ValueError("--task-data: only the rl plan reads a task (this is --plan swap)")
+        # a flag of another plan (--resume, --task-data, ...) was refused by ``mllm_rl.run.check_mode``
         return SwapOptions(platform=platform, mode=args.swap_mode,
                            prompts=tuple(args.prompt) if args.prompt else SwapOptions.prompts,
                            max_new_tokens=args.max_new_tokens or 16, engine=engine)  # fmt: skip

@@ -20,10 +20,19 @@ SIGKILLs every child process (the service is one), so this must run before it.
 from __future__ import annotations
 
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 MEM_KEYS = ("bytes_in_use", "peak_bytes_in_use", "phase_peak_bytes", "bytes_limit")
+
+
+def _one_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none), at most 300 chars."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text and text != "<no message>" else ""
+    return f"{type(e).__name__}: {first}"[:300] if first else type(e).__name__
 
 
 def flatten_record(record: dict[str, Any], t0: float) -> dict[str, Any]:
@@ -55,6 +64,17 @@ def flatten_record(record: dict[str, Any], t0: float) -> dict[str, Any]:
 
 
 class WandbSink:
+    """One W&B run (``mode`` ``"offline"`` or ``"online"``) in ``run_dir/wandb``.
+
+    Online, ``wandb.init`` is bounded by ``init_timeout`` seconds (``Settings.init_timeout``) and
+    is not attempted without a credential (``wandb_check.find_credentials``: wandb would prompt on
+    a terminal). If it fails or times out, ``fallback="offline"`` starts an offline run in its place
+    and prints one ``warning:`` line on stderr; ``fallback="error"`` raises a one-line
+    ``RuntimeError``. Either way no wandb exception escapes. ``mode`` is the mode the run has
+    (``"offline"`` after a fallback) and ``fallback_reason`` why it fell back (``None`` if not).
+    Offline runs are made exactly as before (no timeout, no fallback).
+    """
+
     def __init__(
         self,
         mode: str,
@@ -64,23 +84,35 @@ class WandbSink:
         name: str | None = None,
         config: dict[str, Any] | None = None,
         resume: bool = False,
+        fallback: str = "offline",
+        init_timeout: float = 60.0,
     ) -> None:
         if mode not in ("offline", "online"):
             raise ValueError(f"--wandb {mode!r}: use disabled, offline or online")
+        if fallback not in ("offline", "error"):
+            raise ValueError(f"--wandb-fallback {fallback!r}: use offline or error")
+        if not init_timeout > 0:
+            raise ValueError(f"init_timeout must be > 0 seconds, got {init_timeout}")
         import wandb
 
         self._wandb = wandb
         os.environ.setdefault("WANDB_SILENT", "true")
-        self.run = wandb.init(
+        self.mode = mode
+        self.fallback_reason: str | None = None
+        kwargs: dict[str, Any] = dict(
             project=project,
             name=name or run_id,
             id=run_id,
             dir=str(run_dir),
-            mode=mode,
             config=config or {},
             resume="allow" if resume else None,
-            settings=wandb.Settings(console="off", x_disable_stats=True),
         )
+        if mode == "offline":
+            self.run = wandb.init(
+                mode="offline", settings=wandb.Settings(console="off", x_disable_stats=True), **kwargs
+            )
+        else:
+            self.run = self._init_online(wandb, kwargs, run_dir, fallback, init_timeout)
         self.run.define_metric("phase/idx")
         for pattern in ("mem/*", "time/*", "phase/name", "phase/step"):
             self.run.define_metric(pattern, step_metric="phase/idx")
@@ -89,6 +121,52 @@ class WandbSink:
         self._t0: float | None = None
         self._closed = False
         self._tasks: set[str] = set()  # tasks whose step axis is defined
+
+    def _init_online(
+        self, wandb: Any, kwargs: dict[str, Any], run_dir: str | Path, fallback: str, init_timeout: float
+    ) -> Any:
+        """``wandb.init`` online, or what ``fallback`` says when it cannot be (see the class)."""
+        from mllm_rl.sinks.wandb_check import base_url, find_credentials, offline_glob
+
+        settings: dict[str, Any] = dict(console="off", x_disable_stats=True)
+        if "init_timeout" in getattr(wandb.Settings, "model_fields", {"init_timeout": None}):
+            settings["init_timeout"] = float(init_timeout)
+        reason = None
+        try:
+            url = base_url()
+            if find_credentials(url).source is None:
+                reason = f"no W&B API key for {url}"
+        except ValueError as e:
+            reason = str(e).removeprefix("--wandb online: ")
+        if reason is None:
+            t0 = time.monotonic()
+            try:
+                return wandb.init(mode="online", settings=wandb.Settings(**settings), **kwargs)
+            except (
+                Exception
+            ) as e:  # wandb's errors (UsageError, CommError, ...) and any other; not SystemExit
+                took = time.monotonic() - t0
+                reason = f"wandb.init failed after {took:.1f} s (limit {init_timeout:g} s): {_one_line(e)}"
+        if fallback == "error":
+            raise RuntimeError(
+                f"--wandb online: {reason}; --wandb offline logs locally (upload later with wandb sync)"
+            )
+        self.mode, self.fallback_reason = "offline", reason
+        try:
+            # the failed online run still holds its id in the wandb service ("run ID ... is in use"):
+            # a fresh service for the offline run
+            wandb.teardown(1)
+            run = wandb.init(
+                mode="offline", settings=wandb.Settings(console="off", x_disable_stats=True), **kwargs
+            )
+        except Exception as e:
+            raise RuntimeError(
+                f"--wandb online: {reason}; the offline fallback failed too: {_one_line(e)}"
+            ) from e
+        where = str(run.dir).rsplit("/files", 1)[0] if getattr(run, "dir", None) else offline_glob(run_dir)
+        print(f"warning: --wandb online: {reason}; logging offline (sync later: wandb sync {where})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return run
 
     @property
     def offline_dir(self) -> str:

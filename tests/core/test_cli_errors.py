@@ -4,23 +4,29 @@ Each row of the table: the command exits with the code the row says, prints exac
 stderr containing the row's message (``...`` in it: anything), no traceback, and leaves nothing
 behind: no run directory, no W&B run, no report; a run directory that existed before is unchanged,
 file by file. Each row runs in an empty working directory (where the default ``runs/<id>`` would
-appear) with ``--wandb offline`` appended (a W&B run *would* be created if the command got that far).
+appear) with ``--wandb offline`` appended (unless it names its own ``--wandb``) (a W&B run *would* be created if the command got that far).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.metadata
+import json
 import os
 import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from mllm_rl.checkpoint.resolve import write_meta
+from mllm_rl.options.resume import record
+from mllm_rl.run import parse_args
+from mllm_rl.run_lock import lock_name
 from tests.conftest import ROOT
 
 DOC = ROOT / "docs" / "ERRORS.md"
@@ -62,7 +68,7 @@ def fake_checkpoint(run_dir: Path, step: int, **meta: object) -> Path:
 
 def make_fixtures(tmp: Path) -> dict[str, Path]:
     paths = {name: tmp / name for name in ("file", "garbage", "badrow", "missing", "empty", "corrupt",
-                                           "finished", "used")}  # fmt: skip
+                                           "finished", "used", "recorded", "model", "busy")}  # fmt: skip
     paths["file"].write_text("not a directory\n")
     paths["garbage"].write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe binary garbage\n")
     paths["badrow"].write_text('{"question": "1 + 1?"}\n')
@@ -74,6 +80,13 @@ def make_fixtures(tmp: Path) -> dict[str, Path]:
         f.truncate(100)
     (paths["corrupt"] / "checkpoints" / "step_000001" / "meta.json").write_text('{"step": 1, "fi')
     fake_checkpoint(paths["finished"], 1)
+    fake_checkpoint(paths["recorded"], 1)
+    options = record(parse_args(["--backend", "jax"])[0], "rl")
+    (paths["recorded"] / "run.json").write_text(json.dumps({"run_id": "recorded", "options": options}))
+    paths["model"].mkdir()
+    (paths["model"] / "config.json").write_text("{}")
+    (paths["model"] / "model.safetensors").write_bytes(b"\0" * 16)
+    paths["busy"].mkdir()
     paths["used"].mkdir()
     (paths["used"] / "phases.jsonl").write_text('{"phase": "wandb_init"}\n')
     if os.geteuid() == 0:  # root writes into a chmod 555 directory; sysfs refuses new files to anyone
@@ -92,6 +105,15 @@ def tree(d: Path) -> dict[str, str]:
         str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
         for p in sorted(d.rglob("*"))
     }
+
+
+def _hold_lock(run_dir: Path) -> Any:
+    """The run directory's lock, held by this (test) process as a live run would hold it."""
+    f = open(run_dir / lock_name(0), "a+")  # noqa: SIM115 -- closed by the caller
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    f.write(json.dumps({"pid": os.getpid(), "host": "here", "run_id": "other", "since": "now"}))
+    f.flush()
+    return f
 
 
 ROWS = doc_rows()
@@ -117,12 +139,16 @@ def test_refusal(cmd, code, message, when, tmp_path):
     backend = tokens[tokens.index("--backend") + 1] if "--backend" in tokens else None
     if when == "runtime" and not installed(str(backend)):
         pytest.skip(f"checked once the {backend} runtime is up: needs the {backend} environment")
-    tokens += ["--wandb", "offline"]
+    if "--wandb" not in tokens:
+        tokens += ["--wandb", "offline"]
     cwd = tmp_path / "cwd"
     cwd.mkdir()
+    held = _hold_lock(paths["busy"]) if "{busy}" in cmd else None
     before = {name: tree(p) for name, p in paths.items() if p.is_dir() and name != "readonly"}
     r = subprocess.run([sys.executable, "-m", "mllm_rl.run", *tokens], capture_output=True, text=True,
                        env={**os.environ, **env}, cwd=cwd, timeout=300)  # fmt: skip
+    if held is not None:
+        held.close()
     lines = r.stderr.strip().splitlines()
     assert r.returncode == code, r.stderr[-3000:]
     assert "Traceback" not in r.stderr

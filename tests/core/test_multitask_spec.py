@@ -9,7 +9,9 @@ import pytest
 
 from mllm_rl.multitask.ports import BLOCK, PortAllocator, allocate, port_free
 from mllm_rl.multitask.spec import TaskSpec, load_tasks
-from mllm_rl.run import build_parser
+from mllm_rl.options.schema import in_scope
+from mllm_rl.plans.preflight import build_options
+from mllm_rl.run import parse_args
 from tests.conftest import run_cli
 
 GOOD = """
@@ -140,11 +142,39 @@ def test_save_every_is_an_alias_of_checkpoint_every(tmp_path):
     assert a.rl_options().checkpoint_every == 3 and b.rl_options().engine.task == "b"
 
 
-def test_every_task_field_defaults_like_its_single_task_flag():
-    """A task key means what the flag of the same name means: same default (``--max-new-tokens``
-    is unset on the CLI and resolves to 8 for the RL plan, as here)."""
-    flags = {a.dest: a.default for a in build_parser()._actions}
-    flags["max_new_tokens"] = 8
-    shared = [f for f in dataclasses.fields(TaskSpec) if f.name in flags]
-    assert len(shared) >= 25
-    assert {f.name: f.default for f in shared} == {f.name: flags[f.name] for f in shared}
+def test_a_task_gets_the_options_the_same_flags_give():
+    """A task key is the flag of the same name: one declaration, one builder (``RLPlan.options``)."""
+    settings = {"lr": 1e-5, "temperature": 0.7, "lora_rank": 4, "precision": "pure", "steps": 3,
+                "eval_prompts": 5, "checkpoint_every": 2, "max_new_tokens": 12, "tis_cap": 2.0}  # fmt: skip
+    flags = [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    cli = build_options(parse_args(["--backend", "jax", *flags])[0])
+    task = TaskSpec(name="t", **settings).rl_options()
+    assert dataclasses.replace(task, engine=dataclasses.replace(task.engine, task=None)) == cli
+    assert task.engine.task == "t" and task.train.lr == 1e-5 and task.eval_prompts == 5
+    assert set(TaskSpec.__dataclass_fields__) == {"name", *(o.key for o in in_scope("task"))}
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('[[task]]\nname = "a"\nlr = nan\n', r"task 'a': lr must be a finite number, got nan"),
+        ('[[task]]\nname = "a"\ntop_p = 1.5\n', r"task 'a': top_p must be <= 1, got 1.5"),
+        (
+            '[[task]]\nname = "a"\nprecision = "fp8"\n',
+            r"task 'a': precision 'fp8': choose one of mixed, pure",
+        ),
+        ('[[task]]\nname = "a"\ntp = 2\n', r"'tp' is a run-level setting, not a task's: pass it as --tp"),
+    ],
+)
+def test_a_task_key_is_checked_like_its_flag(tmp_path, text, match):
+    with pytest.raises(ValueError, match=match):
+        load_tasks(write(tmp_path, text))
+
+
+def test_per_task_flags_next_to_tasks_are_refused_not_ignored(tmp_path):
+    path = write(tmp_path, '[[task]]\nname = "a"\n')
+    r = run_cli("mllm_rl.run", "--backend", "jax", "--tasks", str(path), "--steps", "3", "--lr", "0.1")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"error: --steps 3: with --tasks it is set per task: put steps in {path}'s [[task]] or [defaults] table"
+    ]

@@ -12,7 +12,7 @@ from mllm_rl.plans.preflight import build_options
 from mllm_rl.plans.rl import RLOptions
 from mllm_rl.plans.swap import SwapOptions
 from mllm_rl.rl.loss_config import LossConfig
-from mllm_rl.run import build_parser
+from mllm_rl.run import build_parser, parse_args
 from mllm_rl.trainer import TrainConfig
 
 BAD = [
@@ -48,7 +48,7 @@ def test_every_field_with_a_flag_of_another_name_is_a_tasks_file_key_too():
 
 
 def test_the_cli_says_the_flag_the_user_typed():
-    args = build_parser().parse_args(["--backend", "jax", "--group-size", "1"])
+    args, _ = parse_args(["--backend", "jax", "--group-size", "1"])
     with pytest.raises(ValueError, match=r"^--group-size 1: group-relative advantages need >= 2") as e:
         build_options(args)
     assert not isinstance(e.value, OptionError)

@@ -13,7 +13,8 @@ from mllm_rl.plans.preflight import build_options, known_phases
 from mllm_rl.plans.registry import DEFAULT_PLAN, all_plans, get_plan, plan_names
 from mllm_rl.plans.rl import RLOptions
 from mllm_rl.plans.swap import SwapOptions
-from mllm_rl.run import build_parser
+from mllm_rl.run import build_parser, parse_args
+from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,12 +37,12 @@ def test_an_unknown_plan_is_one_line_naming_the_choices():
 
 def test_the_cli_offers_exactly_the_registered_plans():
     (action,) = [a for a in build_parser()._actions if "--plan" in a.option_strings]
-    assert list(action.choices) == plan_names() and action.default == DEFAULT_PLAN
+    assert list(action.choices) == plan_names() and parse_args(["--backend", "x"])[0].plan == DEFAULT_PLAN
 
 
 @pytest.mark.parametrize("name,kind", [("rl", RLOptions), ("swap", SwapOptions)])
 def test_options_come_from_the_plan_and_run_json_names_its_phases(name, kind):
-    args = build_parser().parse_args(["--backend", "jax", "--plan", name])
+    args, _ = parse_args(["--backend", "jax", "--plan", name])
     opts = build_options(args)
     assert type(opts) is kind
     info = get_plan(name).run_json(FakeBackendNames(), opts)
@@ -56,11 +57,23 @@ def test_phase_timeouts_may_name_every_phase_of_every_plan():
         assert {p for p in plan.phase_names() if "{" not in p} <= known_phases()
 
 
-def test_a_flag_of_the_other_plan_is_refused_by_the_plan():
-    with pytest.raises(ValueError, match="--prompt: only the swap plan"):
-        build_options(build_parser().parse_args(["--backend", "jax", "--prompt", "hi"]))
-    with pytest.raises(ValueError, match="--task-data: only the rl plan"):
-        build_options(build_parser().parse_args(["--backend", "jax", "--plan", "swap", "--task-data", "x"]))
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--prompt", "hi"], "--prompt: only --plan swap takes it"),
+        (["--plan", "swap", "--task-data", "x"], "--task-data x: only --plan rl takes it"),
+        (["--plan", "swap", "--resume", "--run-dir", "r"], "--resume: only --plan rl and --tasks take it"),
+        (["--plan", "swap", "--steps", "20"], "--steps 20: only --plan rl takes it"),  # even its default
+        (["--plan", "swap", "--seq-len", "9"], "unrecognized arguments: --seq-len"),  # memplan's own
+    ],
+)
+def test_a_flag_of_another_mode_is_refused_not_ignored(flags, message):
+    r = run_cli("mllm_rl.run", "--backend", "jax", *flags)
+    assert (
+        r.returncode == 2
+        and r.stderr.strip().splitlines() == [f"error: {message}"]
+        or (r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1)
+    ), r.stderr
 
 
 def test_the_runner_never_branches_on_a_plan_name():

@@ -10,11 +10,11 @@ import pytest
 
 from mllm_rl.plans.preflight import build_options
 from mllm_rl.plans.rl import FINE_TUNE_LR, FROM_SCRATCH_LR, PLAN, checkpoint_meta
-from mllm_rl.run import build_parser
+from mllm_rl.run import build_parser, parse_args
 
 
 def options(*flags: str):
-    return build_options(build_parser().parse_args(["--backend", "jax", *flags]))
+    return build_options(parse_args(["--backend", "jax", *flags])[0])
 
 
 def model(name: str):

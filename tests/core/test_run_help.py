@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-from mllm_rl.run import EXIT_CODES, build_parser
+from mllm_rl.options.schema import in_scope
+from mllm_rl.run import EXIT_CODES, RUN_SCOPES, build_parser
 from tests.conftest import ROOT, run_cli
 
 
@@ -24,16 +25,13 @@ def test_help_prints_each_default_once_and_the_exit_codes():
 
 
 def test_every_flag_has_help_and_its_default():
-    parser = build_parser()
-    formatter = parser._get_formatter()
-    for action in parser._actions:
-        if action.dest == "help":
-            continue
-        assert action.help, action.option_strings
-        text = formatter._get_help_string(action).replace("%(default)s", "X")
-        assert text.count("default") <= 1, text
-        if action.default is not None and action.default is not False and not action.required:
-            assert "default" in text, action.option_strings
+    actions = {a.dest: a for a in build_parser()._actions}
+    for scope in RUN_SCOPES:
+        for opt in in_scope(scope):
+            text = actions[opt.key].help
+            assert text and text.count("(default:") <= 1, opt.key
+            if opt.default is not None and opt.default is not False and not opt.required:
+                assert f"(default: {opt.default})" in text, opt.key
 
 
 def test_readme_and_docs_list_the_exit_codes():

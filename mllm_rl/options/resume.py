@@ -1,0 +1,79 @@
+"""What ``run.json`` records of a run's settings, and what ``--resume`` does with them.
+
+A run records every setting of its mode whose ``resume`` is not ``fresh`` (``record``), with paths
+made absolute (a resume from another directory means the same files). A resumed attempt then
+(``apply_recorded``): takes each setting the command line does not give from the record; uses a
+given ``inherit`` setting as given; refuses a given ``fixed`` setting (what is trained: model,
+seed, task, learning rate, the RL math, ...) whose value differs, unless ``--override KEY`` names
+it -- then the change is returned for ``run.json``'s ``overrides``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from mllm_rl.options.cli import said
+from mllm_rl.options.schema import BY_KEY, in_scope
+
+PATH_KEYS = ("model", "task_data")  # a path here is recorded absolute (presets and hub ids as they are)
+
+
+def _normal(key: str, value: Any) -> Any:
+    if key in PATH_KEYS and isinstance(value, str) and Path(value).expanduser().exists():
+        return str(Path(value).expanduser().resolve())
+    return value
+
+
+def record(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    """``{key: value}`` of every setting of ``mode`` that a resume compares or inherits."""
+    return {o.key: _normal(o.key, getattr(args, o.key)) for o in in_scope(mode) if o.resume != "fresh"}
+
+
+def fixed_keys(mode: str) -> list[str]:
+    return [o.key for o in in_scope(mode) if o.resume == "fixed"]
+
+
+def check_overrides(args: argparse.Namespace, mode: str) -> None:
+    """``--override KEY``: only when resuming, and only a setting that defines the run."""
+    keys = args.override or []
+    if keys and not (args.resume or args.resume_or_start):
+        raise ValueError(f"--override {keys[0]}: only with --resume or --resume-or-start (a new run has "
+                         f"nothing to override)")  # fmt: skip
+    for key in keys:
+        if key not in fixed_keys(mode):
+            raise ValueError(f"--override {key}: not a setting that defines the run; those are: "
+                             f"{', '.join(fixed_keys(mode))}")  # fmt: skip
+
+
+def apply_recorded(
+    args: argparse.Namespace, given: set[str], recorded: dict[str, Any], mode: str, where: Path
+) -> list[dict[str, Any]]:
+    """Fill ``args`` from a run's ``recorded`` settings; the overridden changes (``[{key, from,
+    to}]``). ``ValueError`` (one line, naming the flag, ``where`` and ``--override``) for a
+    changed ``fixed`` setting that ``--override`` does not name; ``args`` is then unchanged."""
+    overrides = set(args.override or [])
+    changes, inherit = [], {}
+    for opt in in_scope(mode):
+        if opt.key not in recorded or opt.resume == "fresh":
+            continue
+        before, now = recorded[opt.key], _normal(opt.key, getattr(args, opt.key))
+        if opt.key not in given:
+            inherit[opt.key] = before
+        elif opt.resume == "fixed" and now != before:
+            if opt.key not in overrides:
+                raise ValueError(
+                    f"{said(opt, getattr(args, opt.key))}: {where} was run with "
+                    f"{said(opt, before) if before is not None else f'{opt.flag} unset'}; resuming with another "
+                    f"value changes what is trained: pass --override {opt.key} to accept it, or drop the flag"
+                )
+            changes.append({"key": opt.key, "from": before, "to": now})
+    for key, value in inherit.items():
+        setattr(args, key, value)
+    return changes
+
+
+def known(recorded: Any) -> bool:
+    """A ``run.json`` ``options`` table this version can compare (older runs have none)."""
+    return isinstance(recorded, dict) and all(isinstance(k, str) and k in BY_KEY for k in recorded)

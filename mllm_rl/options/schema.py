@@ -1,0 +1,220 @@
+"""Every setting of a run, declared once: name, type, default, range, help, where it applies.
+
+A setting's ``key`` is its argparse ``dest``, its ``--tasks`` file key, and its key in
+``run.json``'s ``options``; its flag is ``--`` + the key with dashes (``flag``). ``scope`` says
+where it may be given:
+
+- ``rl`` / ``swap``: ``python -m mllm_rl.run --plan rl|swap``;
+- ``tasks``: a run-level flag next to ``--tasks`` (the same for every task);
+- ``task``: a key of a ``[[task]]`` / ``[defaults]`` table (then *not* a flag next to ``--tasks``);
+- ``memplan``: a flag of ``python -m mllm_rl.memplan``.
+
+A flag given where it does not apply is refused (``cli.check_scope``), never ignored.
+``resume`` says what ``--resume`` does with a setting the command line does not give:
+``fixed`` (defines what is trained: taken from ``run.json``; a different value is refused unless
+``--override KEY``), ``inherit`` (taken from ``run.json``; a given value is used), ``fresh``
+(this invocation's own: outputs, the watchdog, the resume flags).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Iterable
+from typing import Any
+
+RUN = frozenset({"rl", "swap", "tasks"})  # every mode of ``python -m mllm_rl.run``
+RL = frozenset({"rl", "task"})  # an RL setting: the rl plan's flag and a task key
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    key: str
+    type: type  # int | float | str | bool (a switch) | list (a repeatable flag of str)
+    default: Any
+    help: str
+    group: str  # the --help section: "run" | "outputs" | "swap plan" | "rl plan" | "plan"
+    scope: frozenset[str]
+    resume: str = "inherit"  # "fixed" | "inherit" | "fresh"
+    low: float | None = None  # lower bound (inclusive unless ``strict``); NaN and inf are refused
+    strict: bool = False
+    high: float | None = None  # upper bound, inclusive
+    choices: tuple[str, ...] | str | None = None  # values, or "module:NAME" of a dict, tuple or function
+    nullable: bool = False  # None is a value (``default_text`` says what it means)
+    default_text: str | None = None  # --help's "(default: ...)" when the value alone does not say it
+    aliases: tuple[str, ...] = ()  # other flags (``--save-every``); their keys are tasks-file aliases
+    metavar: str | None = None
+    required: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+    def choice_list(self) -> tuple[str, ...] | None:
+        if self.choices is None or isinstance(self.choices, tuple):
+            return self.choices
+        module, name = self.choices.split(":")
+        found = getattr(importlib.import_module(module), name)
+        return tuple(found() if callable(found) else found)
+
+
+def _o(
+    key: str, type_: type, default: Any, help_: str, group: str, scope: Iterable[str], **kw: Any
+) -> Option:
+    return Option(key, type_, default, help_, group, frozenset(scope), **kw)
+
+
+OPTIONS: tuple[Option, ...] = (
+    # -- what runs, on what ------------------------------------------------------------------------
+    _o("backend", str, None, "backend name (entry point group mllm_rl.backends): jax, torch", "run",
+       {*RUN, "memplan"}, resume="fixed", required=True),
+    _o("plan", str, "rl", "what to run (see the list above)", "run", {"rl", "swap"}, resume="fixed",
+       choices="mllm_rl.plans.registry:plan_names"),
+    _o("tasks", str, None, "TOML file of several RL tasks sharing the devices (docs/MULTITASK.md); "
+       "per-task settings then come from the file", "run", {"tasks"}, resume="fresh", metavar="FILE"),
+    _o("fail_fast", bool, False, "--tasks: stop the whole run when one task fails", "run", {"tasks"},
+       resume="fresh"),
+    _o("model", str, "tiny", "preset (mllm_rl.presets), checkpoint dir, or hub id", "run",
+       {"rl", "swap", "task", "memplan"}, resume="fixed"),
+    _o("seed", int, 0, "seed for preset checkpoints, data and sampling", "run", {"rl", "swap", "task"},
+       resume="fixed", low=0),
+    _o("tp", int, 1, "tensor-parallel size of the rollout engine", "run", {*RUN, "memplan"}, low=1),
+    _o("platform", str, "auto", "assert the accelerator platform (auto: accept what the runtime finds)", "run",
+       RUN, resume="fresh", choices=("auto", "cpu", "gpu", "tpu", "cuda")),
+    _o("engine", str, "auto", "rollout engine; torch: auto (SGLang when importable on CUDA, else embedded), "
+       "embedded, sglang; jax: auto only (sglang-jax)", "run", RUN, choices=("auto", "embedded", "sglang")),
+    _o("max_new_tokens", int, None, "tokens per completion", "run", {"rl", "swap", "task"}, resume="fixed",
+       low=1, nullable=True, default_text="8 for rl, 16 for swap"),
+    _o("max_total_tokens", int, None, "engine KV cache size in tokens", "run",
+       {"rl", "swap", "task", "memplan"}, low=1, nullable=True, aliases=("--kv-tokens",),
+       default_text="swap 4096; rl max-running-requests x context; memplan: the engine's rule"),
+    _o("context_length", int, None, "engine context length", "run", {"rl", "swap", "task"}, low=1,
+       nullable=True, default_text="swap 512; rl: fits the task's prompts + completions"),
+    _o("max_running_requests", int, 128, "engine batch limit (requests)", "run",
+       {"rl", "swap", "task", "memplan"}, low=1),
+    _o("weights_cpu_backup", bool, False, "engine keeps a host copy of its weights across release/resume "
+       "(else: full re-sync)", "run", {"rl", "swap", "task"}),
+    _o("phase_timeout", list, None, "watchdog: a phase still running after its limit is recorded as stuck, "
+       "every thread's stack goes to the run dir, and the run exits 6. SECONDS sets the limit of the phases "
+       "that compute or move a model (rollout, train_step, engine start, ...; the others get a multiple of "
+       "it), PHASE=SECONDS one phase's; repeatable; 0 = no limit", "run", {"rl", "swap"}, resume="fresh",
+       metavar="[PHASE=]SECONDS", default_text="mllm_rl.phases.watchdog.DEFAULT_LIMIT_S"),
+    # -- outputs -------------------------------------------------------------------------------------
+    _o("wandb", str, "offline", "W&B mode", "outputs", RUN, resume="fresh",
+       choices=("disabled", "offline", "online")),
+    _o("wandb_project", str, "mllm_rl", "W&B project", "outputs", RUN, resume="fresh"),
+    _o("wandb_fallback", str, "offline", "--wandb online and the server cannot be reached: log offline "
+       "(one warning line) or refuse to start", "outputs", RUN, resume="fresh", choices=("offline", "error")),
+    _o("wandb_timeout", float, 10.0, "seconds to wait for the W&B server (the reachability probe and "
+       "wandb.init)", "outputs", RUN, resume="fresh", low=0, strict=True),
+    _o("run_id", str, None, "the run's name: letters, digits, '.', '_', '-'", "outputs", RUN, resume="fresh",
+       nullable=True, default_text="<plan>-<backend>-<time>-<rand>"),
+    _o("run_dir", str, None, "the run's directory (one run owns it: a second run on it is refused)", "outputs",
+       RUN, resume="fresh", nullable=True, default_text="runs/<run_id>"),
+    _o("console", str, "compact", "phase records on stdout: one short line each, the full JSON, or nothing",
+       "outputs", RUN, resume="fresh", choices=("compact", "full", "off")),
+    _o("quiet", bool, False, "print only errors (implies --console off)", "outputs", RUN, resume="fresh"),
+    # -- the swap plan -------------------------------------------------------------------------------
+    _o("swap_mode", str, "streaming", "streaming: one tensor at a time; naive: load all, then replace "
+       "(baseline)", "swap plan", {"swap"}, choices=("streaming", "naive")),
+    _o("swap_chunk_mb", float, 64.0, "streaming: tensors larger than this are written into the engine "
+       "buffer in chunks of this size (peak = one copy + one chunk); 0 = whole tensors", "swap plan",
+       {"swap"}, low=0),
+    _o("prompt", list, None, "prompt for generate_result (repeatable)", "swap plan", {"swap"},
+       default_text="two built-in prompts"),
+    # -- the rl plan ---------------------------------------------------------------------------------
+    _o("steps", int, 20, "RL steps", "rl plan", RL, low=1),
+    _o("task", str, "pattern", "pattern: shipped periodic-string completion (learnable from scratch); "
+       "boxed: GSM8K-style \\boxed{} answers from --task-data", "rl plan", RL, resume="fixed",
+       choices="mllm_rl.tasks.base:TASKS"),
+    _o("task_data", str, None, "JSONL of {question, answer} for --task boxed", "rl plan", RL, resume="fixed",
+       nullable=True, default_text="a shipped sample"),
+    _o("prompts_per_step", int, 16, "prompts per RL step", "rl plan", {*RL, "memplan"}, resume="fixed", low=1),
+    _o("group_size", int, 8, "completions per prompt (GRPO group, >= 2)", "rl plan", {*RL, "memplan"},
+       resume="fixed", low=1),
+    _o("eval_prompts", int, 16, "held-out prompts of the final greedy evaluation (generate_result)",
+       "rl plan", RL, low=1),
+    _o("temperature", float, 1.0, "sampling temperature of the rollout (> 0); the trainer's log-probs use "
+       "the same (logits / T)", "rl plan", RL, resume="fixed", low=0),
+    _o("top_p", float, 1.0, "nucleus sampling of the rollout", "rl plan", RL, resume="fixed", low=0,
+       strict=True, high=1),
+    _o("estimator", str, "grpo", "advantage estimator", "rl plan", RL, resume="fixed",
+       choices="mllm_rl.rl.advantages:ESTIMATORS"),
+    _o("adv_std", str, "unbiased", "grpo: the group std (unbiased: n - 1, as verl and TRL; biased: n)",
+       "rl plan", RL, resume="fixed", choices="mllm_rl.rl.advantages:STDS"),
+    _o("lr", float, None, "AdamW learning rate", "rl plan", RL, resume="fixed", low=0, nullable=True,
+       default_text="3e-3 for the tiny preset (trained from random init), 1e-6 for every other model "
+       "(a pretrained checkpoint: fine-tuning, verl's default)"),
+    _o("precision", str, "mixed", "mixed: a bf16/fp16 checkpoint trains float32 master weights with float32 "
+       "AdamW moments, computes in bf16/fp16, the engine gets casts; pure: params and moments in the "
+       "checkpoint dtype (half the state; Adam steps below half a bf16 ulp are lost: little or no learning "
+       "at lr ~1e-6)", "rl plan", {*RL, "memplan"}, resume="fixed", choices="mllm_rl.trainer:PRECISIONS"),
+    _o("weight_decay", float, 0.0, "AdamW weight decay", "rl plan", RL, resume="fixed", low=0),
+    _o("grad_clip", float, 1.0, "global-norm clip; 0 = off", "rl plan", RL, resume="fixed", low=0),
+    _o("mini_batches", int, 1, "optimizer updates per step", "rl plan", RL, resume="fixed", low=1),
+    _o("micro_batch_size", int, 64, "sequences per forward/backward", "rl plan", {*RL, "memplan"}, low=1,
+       aliases=("--micro-batch",)),
+    _o("eps_low", float, 0.2, "PPO clip range below 1", "rl plan", RL, resume="fixed", low=0),
+    _o("eps_high", float, 0.28, "PPO clip range above 1 (clip-higher)", "rl plan", RL, resume="fixed", low=0),
+    _o("clip_ratio_c", float, 3.0, "dual-clip: for negative advantages the loss is capped at -A * c (verl's "
+       "clip_ratio_c); 0 = off", "rl plan", RL, resume="fixed", low=0),
+    _o("kl_beta", float, 0.0, "KL-to-reference weight in the loss (k3); memplan: > 0 keeps reference params",
+       "rl plan", {*RL, "memplan"}, resume="fixed", low=0),
+    _o("old_logp", str, "trainer", "old log-probs of the PPO ratio: recomputed by the trainer before the "
+       "update (verl's default; the engine/trainer mismatch is reported) or the engine's rollout log-probs",
+       "rl plan", RL, resume="fixed", choices="mllm_rl.rl.old_logp:SOURCES"),
+    _o("tis_cap", float, 0.0, "truncated importance sampling: weigh each token by min(exp(logp_trainer - "
+       "logp_engine), C) (needs --old-logp trainer); 0 = off", "rl plan", RL, resume="fixed", low=0),
+    _o("loss_agg", str, "token_mean", "loss aggregation", "rl plan", RL, resume="fixed",
+       choices="mllm_rl.rl.loss_config:AGGREGATIONS"),
+    _o("lora_rank", int, 0, "> 0: train LoRA adapters, base frozen", "rl plan", {*RL, "memplan"},
+       resume="fixed", low=0),
+    _o("lora_alpha", float, 16.0, "LoRA scale numerator (alpha / rank)", "rl plan", RL, resume="fixed",
+       low=0, strict=True),
+    _o("schedule", str, "multi_stage", "multi_stage: resume weights, update, free trainer, then resume KV; "
+       "naive: baseline", "rl plan", {"rl", "memplan"}, choices="mllm_rl.lifecycle:SCHEDULES"),
+    _o("check_weights", bool, False, "garbage guard: engine greedy probe after each update must match the "
+       "trainer's", "rl plan", {*RL, "memplan"}),
+    _o("checkpoint_every", int, 5, "checkpoint every N steps, and always the last step; 0 = never",
+       "rl plan", RL, low=0, aliases=("--save-every",)),
+    _o("checkpoint_background", bool, False, "torch: copy the state to host memory in the checkpoint phase "
+       "and write it in the background (it counts once written; costs host memory the size of the state). "
+       "Default: write in the phase", "rl plan", {"rl"}),
+    _o("resume", bool, False, "continue --run-dir/--run-id from its newest valid checkpoint (appends to its "
+       "phase log; settings not given come from its run.json); a run with nothing to resume is refused",
+       "rl plan", {"rl", "tasks"}, resume="fresh"),
+    _o("resume_or_start", bool, False, "like --resume, but a run directory without checkpoints (or none at "
+       "all) starts from step 0 (swap: runs it again)", "rl plan", {"rl", "swap"}, resume="fresh"),
+    _o("override", list, None, "--resume: accept a changed value of a setting that defines the run "
+       "(e.g. --override lr); run.json records it; repeatable", "rl plan", {"rl"}, resume="fresh",
+       metavar="KEY"),
+    # -- the memory plan's own -----------------------------------------------------------------------
+    _o("seq_len", int, 4096, "tokens per sequence (prompt + completion)", "plan", {"memplan"}, low=1),
+    _o("trainer_tp", int, 1, "tensor-parallel size of the trainer's mesh (divides the devices)", "plan",
+       {"memplan"}, low=1),
+    _o("fsdp", int, 0, "the trainer's fsdp axis; 0: devices / trainer-tp", "plan", {"memplan"}, low=0),
+    _o("mem_fraction_static", float, None, "the engine's mem_fraction_static", "plan", {"memplan"}, low=0,
+       strict=True, high=1, nullable=True,
+       default_text="what --kv-tokens needs, else the adapter's default"),
+    _o("model_option", list, None, "a backend model option (JAX: ModelOptions fields, e.g. remat=block); "
+       "repeatable", "plan", {"memplan"}, metavar="KEY=VALUE"),
+    _o("margin", float, 0.9, "fraction of device memory a phase may use", "plan", {"memplan"}, low=0,
+       strict=True, high=1),
+    _o("fit_max", int, None, "upper bound of the --fit search", "plan", {"memplan"}, low=1, nullable=True,
+       default_text="256 (micro_batch_size), 131072 (seq_len)"),
+    _o("fit_step", int, None, "granularity of the --fit search", "plan", {"memplan"}, low=1, nullable=True,
+       default_text="mllm_rl.memplan.fit.FIT_KNOBS"),
+)  # fmt: skip
+
+BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
+ALIASES: dict[str, str] = {a[2:].replace("-", "_"): o.key for o in OPTIONS for a in o.aliases}
+
+
+def in_scope(scope: str) -> list[Option]:
+    """The options of one scope, in declaration order."""
+    return [o for o in OPTIONS if scope in o.scope]
+
+
+def defaults(scope: str) -> dict[str, Any]:
+    """``{key: default}`` of a scope (lists as ``None``: a repeatable flag not given)."""
+    return {o.key: o.default for o in in_scope(scope)}

@@ -1,0 +1,68 @@
+"""One run owns its run directory, and a resumed run is the run it continues (real runs, JAX CPU).
+
+Two runs started together on one directory: one is refused with exit 2 naming the holder, the other
+finishes with an intact phase log. Resuming with a changed setting that defines the run is refused
+until ``--override`` names it; ``run.json`` then records the change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mllm_rl.sinks.jsonl import read_jsonl
+from tests.conftest import ROOT, run_cli
+
+SMALL = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4",
+         "--max-running-requests", "8", "--checkpoint-every", "1", "--wandb", "disabled", "--console", "off"]  # fmt: skip
+
+
+@pytest.mark.slow  # starts an engine
+def test_two_runs_on_one_directory_one_is_refused_the_other_is_intact(tiny_ckpt, tmp_path):
+    args = [sys.executable, "-m", "mllm_rl.run", "--backend", "jax", "--model", str(tiny_ckpt),
+            "--run-dir", str(tmp_path), *SMALL]  # fmt: skip
+    env = {**os.environ, "MLLM_RL_NO_PROGRESS": "1"}
+    procs = [subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=900)[1] for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], outs
+    refused = outs[[p.returncode for p in procs].index(2)].strip().splitlines()
+    assert len(refused) == 1, refused
+    assert refused[0].startswith(f"error: --run-dir {tmp_path} ") and (
+        "is in use by another run (pid " in refused[0] or "already holds a run (phases.jsonl)" in refused[0]
+    )
+    recs = read_jsonl(tmp_path / "phases.jsonl")
+    assert [r["idx"] for r in recs] == list(range(len(recs)))  # one writer
+    assert [r["phase"] for r in recs].count("wandb_init") == 1
+    assert [r["step"] for r in recs if r["phase"] == "train_step"] == [0, 1]
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert [i for i in summary["issues"] if i["severity"] == "error"] == []
+
+    # resumed with another learning rate: refused, nothing changed; then accepted with --override
+    before = (tmp_path / "phases.jsonl").read_bytes(), (tmp_path / "run.json").read_bytes()
+    resume = ["mllm_rl.run", "--backend", "jax", "--run-dir", str(tmp_path), "--resume", "--steps", "3",
+              "--lr", "0.01", "--wandb", "disabled", "--console", "off"]  # fmt: skip
+    r = run_cli(*resume, timeout=900)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--lr 0.01: " in r.stderr and "pass --override lr" in r.stderr
+    assert ((tmp_path / "phases.jsonl").read_bytes(), (tmp_path / "run.json").read_bytes()) == before
+    r = run_cli(*resume, "--override", "lr", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resume: --override lr: None -> 0.01 (recorded in run.json)" in r.stderr
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["overrides"] == [{"key": "lr", "from": None, "to": 0.01}]
+    assert run["options"]["lr"] == 0.01 and run["train"]["lr"] == 0.01
+    # not given on the command line: the run's own (--model, --group-size, --checkpoint-every)
+    assert (
+        run["options"]["model"] == str(tiny_ckpt) and run["group_size"] == 4 and run["checkpoint_every"] == 1
+    )
+    assert [r["step"] for r in read_jsonl(tmp_path / "phases.jsonl") if r["phase"] == "train_step"] == [
+        0,
+        1,
+        2,
+    ]
