@@ -61,6 +61,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from mllm_rl import phase_table
 from mllm_rl.engine import (
     TAG_CUDA_GRAPH,
     TAG_KV,
@@ -78,26 +79,17 @@ from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, Trainer
 if TYPE_CHECKING:
     from mllm_rl.backend import Backend
 
-SCHEDULES = ("multi_stage", "naive")
-_HEAD = ["rollout", "drain", "release_rollout", "onload_trainer", "train_step", "checkpoint",
-         "offload_optimizer", "empty_cache"]  # fmt: skip
-STEP_PHASES = {
-    "multi_stage": _HEAD + ["resume_weights", "update_weights", "offload_trainer_params", "empty_cache",
-                            "resume_kv", "continue_generation"],
-    "naive": _HEAD + ["resume_rollout", "update_weights", "offload_trainer_params", "empty_cache",
-                      "continue_generation"],
-}  # fmt: skip
-SETUP_PHASES = ["release_rollout", "trainer_init", "offload_optimizer", "resume_weights", "weights_swapped",
-                "offload_trainer_params", "resume_kv", "continue_generation"]  # fmt: skip
-LEASE_SETUP_PHASES = ["release_rollout", "trainer_init", "offload_optimizer", "offload_trainer_params",
-                      "empty_cache"]  # fmt: skip
-_AWAKE = ["onload_trainer_params", "resume_weights", "update_weights", "offload_trainer_params", "empty_cache",
-          "resume_kv", "continue_generation"]  # fmt: skip
-_ASLEEP = ["drain", "release_rollout", "empty_cache"]
-TRAIN_LEASE_PHASES = ["onload_trainer", "train_step", "checkpoint", "offload_optimizer", "offload_trainer_params",
-                      "empty_cache"]  # fmt: skip
+# The phase names and sequences are declared once, in the phase table (mllm_rl.phase_table);
+# these are its public views (lists, as the plans and the report concatenate them).
+SCHEDULES = phase_table.SCHEDULES
+STEP_PHASES = {s: list(phase_table.STEP[s]) for s in SCHEDULES}
+SETUP_PHASES = list(phase_table.SETUP)
+LEASE_SETUP_PHASES = list(phase_table.LEASE_SETUP)
+_AWAKE = list(phase_table.AWAKE)
+_ASLEEP = list(phase_table.ASLEEP)
+TRAIN_LEASE_PHASES = list(phase_table.TRAIN_LEASE)
 # Phases at whose end trainer params and engine weights may both be resident.
-BOTH_RESIDENT_OK = {"resume_weights", "update_weights", "resume_rollout", "weights_swapped"}
+BOTH_RESIDENT_OK = set(phase_table.BOTH_RESIDENT_OK)
 GREEDY_TIE = 1e-3  # top-2 logit margin below which a greedy token may differ across implementations
 
 
@@ -153,12 +145,12 @@ class LifecycleOptions:
 
 def step_phases(opts: LifecycleOptions) -> list[str]:
     """The phase names of one step, in order (what the report's completeness check expects)."""
-    return STEP_PHASES[opts.schedule] + (["check_weights"] if opts.check_weights else [])
+    return list(phase_table.step_sequence(opts.schedule, opts.check_weights))
 
 
 def rollout_lease_phases(opts: LifecycleOptions, work: str = "rollout") -> list[str]:
     """Phase names of ``Colocated.rollout_lease`` (``work="generate_result"``: ``final_lease``)."""
-    return _AWAKE + (["check_weights"] if opts.check_weights else []) + [work] + _ASLEEP
+    return list(phase_table.rollout_lease_sequence(opts.check_weights, work))
 
 
 RolloutFn = Callable[[ManagedEngine, int], tuple[RolloutBatch, dict[str, Any]]]

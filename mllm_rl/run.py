@@ -26,20 +26,11 @@ import threading
 import time
 from typing import Any, NoReturn
 
+from mllm_rl.exit_codes import EXIT_CODES
 from mllm_rl.presets import PRESETS
 from mllm_rl.run_files import phase_file_name, write_run_json
-from mllm_rl.signals import Terminated, install_sigterm
+from mllm_rl.signals import install_sigterm
 
-EXIT_CODES = {
-    0: "ok",
-    1: "runtime error",
-    2: "bad input: one line on stderr, nothing started (no run directory, W&B run or engine); docs/ERRORS.md",
-    3: "an engine's weights differ from what was sent (fingerprint) or from the trainer's (garbage guard)",
-    4: "a lifecycle invariant broke",
-    5: "a train step's loss or grad norm is not finite (stopped before its checkpoint and update)",
-    6: "a phase ran past its --phase-timeout (stuck): every thread's stack is in the run directory",
-    143: "SIGTERM (128 + signal), after the phase log and the W&B run were closed",
-}
 # Nothing imported at module level may start a thread (numpy's OpenBLAS pool does):
 # ``install_sigterm`` must run while the main thread is the only one.
 
@@ -101,13 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.tasks:
-        from mllm_rl import multitask
-
-        return multitask.main(args, argv)
     from mllm_rl.checkpoint.model_dir import CheckpointError
-    from mllm_rl.engine import WeightMismatch
-    from mllm_rl.lifecycle import LifecycleError, NonFiniteTraining
+    from mllm_rl.exit_codes import exit_of
     from mllm_rl.phases.recorder import PhaseRecorder
     from mllm_rl.phases.watchdog import STUCK_EXIT, PhaseStuck, Watchdog
     from mllm_rl.plans.base import PlanRun
@@ -143,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         runtime = backend.init_runtime(tp=tp, platform=opts.platform)
         runtime["init_s"] = round(time.perf_counter() - t0, 3)
-        backend.check_engine_args(model, opts.engine)
+        pre.plan.check_runtime(backend, model, opts, pcount)
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -161,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         acquire(run_dir, pidx, run_id)  # a second run on this directory is refused here
     except RunDirBusy as e:
         print(f"error: {e}", file=sys.stderr)
+        backend.shutdown_distributed()
         return 2
     for line in pre.notes:
         say(line)
@@ -172,17 +159,23 @@ def main(argv: list[str] | None = None) -> int:
     if console != "off":
         sinks.append(ConsoleSink(compact=console == "compact"))
     start_idx = count_records(phase_file) if (args.resume or args.resume_or_start) else 0
-    rec = PhaseRecorder(run_id, backend.name, sinks=sinks, process_index=pidx, start_idx=start_idx)
+    rec = PhaseRecorder(run_id, backend.name, sinks=sinks, process_index=pidx, start_idx=start_idx,
+                        tasks=pre.plan.tasks)  # fmt: skip
 
-    plan_info = pre.plan.run_json(backend, opts)
+    plan_info = {"model": None if model is None else str(model.path), **pre.plan.run_json(backend, opts)}
+    extra: dict[str, Any] = {}
 
     def write_plan() -> None:
         if pidx == 0:
             write_run_json(run_dir, {
-                "run_id": run_id, "backend": backend.name, "plan": args.plan, "model": str(model.path),
-                "process_count": pcount, **plan_info, "argv": sys.argv[1:] if argv is None else argv,
-                "options": pre.options, "overrides": pre.overrides,
+                "run_id": run_id, "backend": backend.name, "plan": pre.plan.name, "process_count": pcount,
+                **plan_info, **extra, "argv": sys.argv[1:] if argv is None else argv, "options": pre.options,
+                "overrides": pre.overrides,
             })  # fmt: skip
+
+    def update_plan(fields: dict[str, Any]) -> None:
+        extra.update(fields)
+        write_plan()
 
     if not pre.resuming:
         write_plan()  # a resumed attempt rewrites the run's run.json only once it has started (on_started)
@@ -215,22 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {}
     try:
         ctx = PlanRun(backend, rec, model, make_wandb, run_dir, runtime, on_engine=engines.append,
-                      on_started=write_plan if pre.resuming else lambda: None)  # fmt: skip
+                      on_started=write_plan if pre.resuming else lambda: None, write_run_json=update_plan,
+                      process_index=pidx)  # fmt: skip
         result = pre.plan.run(ctx, opts)
-    except Terminated as e:
-        code, error = 128 + e.signum, f"terminated by signal {e.signum}; phase log closed"
-    except PhaseStuck as e:
-        code, error = STUCK_EXIT, f"error: {e}"
-    except NonFiniteTraining as e:
-        code, error = 5, f"error: {e}"
-    except WeightMismatch as e:
-        code, error = 3, f"error: {e}"
-    except LifecycleError as e:
-        code, error = 4, f"error: {e}"
-    except (CheckpointError, ValueError) as e:
-        code, error = 2, f"error: {e}"
-    except RuntimeError as e:  # engine adapter probes, refused operations
-        code, error = 1, f"error: {type(e).__name__}: {e}"
+    except BaseException as e:  # noqa: BLE001 -- every ending has its code and one line (mllm_rl.exit_codes)
+        code, error = exit_of(e)
+        if code == 1:  # not a failure we name: its traceback goes to a file, not the terminal
+            error += f" (traceback: {_save_traceback(run_dir, pidx)})"
     finally:
         if pidx == 0:
             report_at_exit(run_dir, rec, quiet=args.quiet)
@@ -247,6 +231,18 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _save_traceback(run_dir: Any, process_index: int) -> Any:
+    """The current exception's traceback in ``traceback[.p<i>].txt`` of the run directory; its path."""
+    import traceback
+
+    path = run_dir / ("traceback.txt" if process_index == 0 else f"traceback.p{process_index}.txt")
+    try:
+        path.write_text(traceback.format_exc())
+    except OSError:
+        return "not saved"
+    return path
+
+
 def _print_summary(records: list[dict[str, Any]], result: dict[str, Any]) -> None:
     if not records:
         return
@@ -259,6 +255,8 @@ def _print_summary(records: list[dict[str, Any]], result: dict[str, Any]) -> Non
     for h in result.get("history", []):
         print(f"step {h['step']:>3}: reward_mean {h['reward_mean']:.3f}  loss {h.get('loss', float('nan')):.4f}",
               file=sys.stderr)  # fmt: skip
+    for line in result.get("lines", []):
+        print(line, file=sys.stderr)
     gen = records[-1]["info"]
     if records[-1]["phase"] == "generate_result" and "text" in gen:
         for prompt, text in list(zip(gen["prompts"], gen["text"], strict=True))[:4]:

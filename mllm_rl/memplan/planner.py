@@ -14,10 +14,11 @@ from importlib.metadata import entry_points
 from types import ModuleType
 
 from mllm_rl.backend_registry import GROUP, available_backends
-from mllm_rl.lifecycle import SCHEDULES, SETUP_PHASES, STEP_PHASES
+from mllm_rl.lifecycle import SCHEDULES, SETUP_PHASES
 from mllm_rl.memplan.compose import Component, Plan, compose
 from mllm_rl.memplan.kv import mem_fraction_for, pool_bytes
 from mllm_rl.memplan.request import Measured, PlanRequest
+from mllm_rl.phase_table import step_sequence
 
 
 def load_planner(backend: str) -> ModuleType:
@@ -41,9 +42,8 @@ def load_planner(backend: str) -> ModuleType:
 
 
 def step_phases(check_weights: bool = False) -> dict[str, list[str]]:
-    """Schedule -> the phase names of one step (``lifecycle.STEP_PHASES``)."""
-    extra = ["check_weights"] if check_weights else []
-    return {s: STEP_PHASES[s] + extra for s in SCHEDULES}
+    """Schedule -> the phase names of one step (``phase_table.step_sequence``)."""
+    return {s: list(step_sequence(s, check_weights)) for s in SCHEDULES}
 
 
 def plans(m: Measured, req: PlanRequest, check_weights: bool = False) -> dict[str, Plan]:

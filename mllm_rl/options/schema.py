@@ -97,7 +97,7 @@ OPTIONS: tuple[Option, ...] = (
     _o("phase_timeout", list, None, "watchdog: a phase still running after its limit is recorded as stuck, "
        "every thread's stack goes to the run dir, and the run exits 6. SECONDS sets the limit of the phases "
        "that compute or move a model (rollout, train_step, engine start, ...; the others get a multiple of "
-       "it), PHASE=SECONDS one phase's; repeatable; 0 = no limit", "run", {"rl", "swap"}, resume="fresh",
+       "it), PHASE=SECONDS one phase's; repeatable; 0 = no limit", "run", RUN, resume="fresh",
        metavar="[PHASE=]SECONDS", default_text="mllm_rl.phases.watchdog.DEFAULT_LIMIT_S"),
     # -- outputs -------------------------------------------------------------------------------------
     _o("wandb", str, "offline", "W&B mode", "outputs", RUN, resume="fresh",

@@ -36,6 +36,9 @@ class PlanRun:
     runtime: dict[str, Any]  # what ``backend.init_runtime`` returned
     on_engine: Callable[[Any], None]  # gets each engine as it exists (the caller shuts it down)
     on_started: Callable[[], None]  # once the setup is done (a resumed run rewrites run.json then)
+    # run.json with these fields over what the run writes itself (process 0 writes; others ignore)
+    write_run_json: Callable[[dict[str, Any]], None] = lambda extra: None
+    process_index: int = 0
 
 
 class Plan(abc.ABC):
@@ -43,6 +46,8 @@ class Plan(abc.ABC):
 
     name: ClassVar[str]  # the --plan value
     summary: ClassVar[str]  # one line for --help
+    scope: ClassVar[str]  # the options it takes (``mllm_rl.options.schema``): usually its name
+    tasks: ClassVar[bool] = False  # records name their task (phase schema v2: multi-task runs)
 
     @abc.abstractmethod
     def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> Any:
@@ -60,6 +65,21 @@ class Plan(abc.ABC):
         """The options once the model (``ModelDir``) is known (defaults that depend on it, e.g. the
         learning rate), and lines to tell the user."""
         return opts, []
+
+    def resolve_model(self, args: argparse.Namespace, opts: Any) -> tuple[Any, Any, list[str]]:
+        """The model ``--model`` names (``ModelDir``; ``CheckpointError`` naming the file), checked
+        against ``--tp``, and the options that depend on it (``with_model``)."""
+        from mllm_rl.checkpoint.resolve import resolve_model
+
+        model = resolve_model(args.model, seed=args.seed)
+        model.check_tp(opts.engine.tp)  # heads divisible by --tp; devices are checked once the runtime is up
+        opts, notes = self.with_model(opts, model)
+        return opts, model, notes
+
+    def check_runtime(self, backend: Backend, model: Any, opts: Any, process_count: int) -> None:
+        """Checks once the runtime is up, before the run directory exists: the engine options against
+        the devices (``ValueError``, exit 2)."""
+        backend.check_engine_args(model, opts.engine)
 
     @abc.abstractmethod
     def phase_names(self) -> set[str]:

@@ -114,7 +114,7 @@ def known_phases() -> set[str]:
 def build_options(args: argparse.Namespace) -> Any:
     """The plan's options from the flags (``Plan.options``); raises ``ValueError`` naming the flag
     (exit 2)."""
-    from mllm_rl.plans.registry import get_plan
+    from mllm_rl.plans.registry import plan_of
 
     if (args.resume or args.resume_or_start) and not (args.run_dir or args.run_id):
         flag = "--resume" if args.resume else "--resume-or-start"
@@ -122,7 +122,7 @@ def build_options(args: argparse.Namespace) -> Any:
     if args.resume and args.resume_or_start:
         raise ValueError("--resume and --resume-or-start: pass one (--resume-or-start also resumes)")
     try:
-        return get_plan(args.plan).options(args, engine_options(args), platform_of(args))
+        return plan_of(args).options(args, engine_options(args), platform_of(args))
     except OptionError as e:  # the options name their fields; the user typed flags
         raise ValueError(e.named(cli_flag(e.field))) from None
 
@@ -190,13 +190,14 @@ def prepare(args: argparse.Namespace, given: set[str] | frozenset[str] = frozens
     nothing of the run."""
     from mllm_rl.backend_registry import load_backend
     from mllm_rl.options.resume import apply_recorded, check_overrides, known, record
-    from mllm_rl.plans.registry import get_plan
+    from mllm_rl.plans.registry import plan_of
 
-    mode = args.plan
+    plan = plan_of(args)
+    mode = plan.scope
     check_overrides(args, mode)
     check_run_id(args.run_id)
     run_id = (
-        args.run_id or f"{args.plan}-{args.backend}-{time.strftime('%y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+        args.run_id or f"{plan.name}-{args.backend}-{time.strftime('%y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     )
     run_dir = Path(args.run_dir or Path("runs") / run_id).resolve()
     check_run_dir(run_dir)
@@ -224,19 +225,15 @@ def prepare(args: argparse.Namespace, given: set[str] | frozenset[str] = frozens
     notes += wandb_notes
     opts.engine.check_backend(backend.name, backend.engines)
     try:
-        opts, plan_notes = get_plan(args.plan).preflight(args, opts, backend, run_dir)
+        opts, plan_notes = plan.preflight(args, opts, backend, run_dir)
     except OptionError as e:  # e.g. --steps that a resumed run is already past
         raise ValueError(e.named(cli_flag(e.field))) from None
     notes += plan_notes
-    from mllm_rl.checkpoint.resolve import resolve_model
-
-    model = resolve_model(args.model, seed=args.seed)  # CheckpointError naming the file
-    model.check_tp(opts.engine.tp)  # heads divisible by --tp; devices are checked once the runtime is up
-    opts, model_notes = get_plan(args.plan).with_model(opts, model)
+    opts, model, model_notes = plan.resolve_model(args, opts)  # CheckpointError naming the file
     notes += model_notes
     if args.resume or args.resume_or_start:
         run_id = args.run_id or _previous_run_id(run_dir) or run_id
-    return Prepared(get_plan(args.plan), opts, backend, model, run_id, run_dir, limits, bool(resuming), notes,
+    return Prepared(plan, opts, backend, model, run_id, run_dir, limits, bool(resuming), notes,
                     record(args, mode), overrides, wandb_mode)  # fmt: skip
 
 

@@ -276,6 +276,7 @@ class RLPlan(Plan):
     """GRPO-style colocated RL: ``SETUP_PHASES``, ``steps`` lifecycle steps, ``FINAL_PHASES``."""
 
     name = "rl"
+    scope = "rl"
     summary = "colocated GRPO with every memory phase recorded"
 
     def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> RLOptions:

@@ -13,6 +13,29 @@ from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.phases.recorder import PhaseRecorder, Sink
 
 
+def run_level(
+    backend: Any,
+    rec: PhaseRecorder,
+    make_wandb: Callable[[], Sink | None],
+    runtime: dict[str, Any],
+    **info: Any,
+) -> None:
+    """``wandb_init`` (the W&B sink joins the recorder) and ``<backend>_ready`` (the runtime that
+    ``mllm_rl.run`` brought up; installs the memory probe): the first two phases of every plan."""
+    with rec.phase("wandb_init", **info) as ph:
+        sink = make_wandb()
+        if sink is not None:
+            rec.sinks.append(sink)
+            ph.info["wandb_dir"] = getattr(sink, "offline_dir", None)
+            ph.info["wandb_mode"] = getattr(sink, "mode", None)
+            if getattr(sink, "fallback_reason", None):
+                ph.info["wandb_fallback"] = sink.fallback_reason
+        ph.info["wandb"] = "disabled" if sink is None else "enabled"
+    with rec.phase(backend.ready_phase) as ph:
+        ph.info.update(runtime)
+        rec.set_probe(backend.memory_probe())
+
+
 def start(
     backend: Any,
     rec: PhaseRecorder,
@@ -31,15 +54,7 @@ def start(
     exists, so that a refusal leaves nothing behind; ``<backend>_ready`` records it and installs the
     memory probe.
     """
-    with rec.phase("wandb_init", **wandb_info) as ph:
-        sink = make_wandb()
-        if sink is not None:
-            rec.sinks.append(sink)
-            ph.info["wandb_dir"] = getattr(sink, "offline_dir", None)
-        ph.info["wandb"] = "disabled" if sink is None else "enabled"
-    with rec.phase(backend.ready_phase) as ph:
-        ph.info.update(runtime)
-        rec.set_probe(backend.memory_probe())
+    run_level(backend, rec, make_wandb, runtime, **wandb_info)
     with rec.phase("engine_ready_dummy", model=str(model.path), tp=engine_opts.tp) as ph:
         engine = ManagedEngine(backend.create_engine(model, engine_opts))
         on_engine(engine)

@@ -58,6 +58,7 @@ class SwapPlan(Plan):
     """Dummy-init engine, then the checkpoint streamed in (``PHASES``); no steps."""
 
     name = "swap"
+    scope = "swap"
     summary = "dummy-init engine + streamed weight swap"
 
     def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> SwapOptions:

@@ -1,0 +1,52 @@
+"""The run's exit codes, and the one mapping from what ended a run to its code and last line
+(``python -m mllm_rl.run``, every plan; a multi-task run's failed task, ``TasksFailed``)."""
+
+from __future__ import annotations
+
+EXIT_CODES = {
+    0: "ok",
+    1: "runtime error",
+    2: "bad input: one line on stderr, nothing started (no run directory, W&B run or engine); docs/ERRORS.md",
+    3: "an engine's weights differ from what was sent (fingerprint) or from the trainer's (garbage guard)",
+    4: "a lifecycle invariant broke",
+    5: "a train step's loss or grad norm is not finite (stopped before its checkpoint and update)",
+    6: "a phase ran past its --phase-timeout (stuck): every thread's stack is in the run directory",
+    143: "SIGTERM (128 + signal), after the phase log and the W&B run were closed",
+}
+
+
+class TasksFailed(RuntimeError):
+    """Tasks of a multi-task run failed (the others ran on); ``code``: the first failure's."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def exit_of(e: BaseException) -> tuple[int, str]:
+    """The exit code and the last line of a run that ``e`` ended (imports nothing heavy itself:
+    the exception classes are looked up by module, so a plan that never loaded one costs nothing)."""
+    import sys
+
+    from mllm_rl.signals import Terminated
+
+    if isinstance(e, Terminated):
+        return 128 + e.signum, f"terminated by signal {e.signum}; phase log closed"
+    if isinstance(e, KeyboardInterrupt):
+        return 130, "interrupted (SIGINT); phase log closed"
+    if isinstance(e, TasksFailed):
+        return e.code, f"error: {e}"
+    kinds = [
+        ("mllm_rl.phases.watchdog", "PhaseStuck", 6),
+        ("mllm_rl.lifecycle", "NonFiniteTraining", 5),
+        ("mllm_rl.engine", "WeightMismatch", 3),
+        ("mllm_rl.lifecycle", "LifecycleError", 4),
+        ("mllm_rl.checkpoint.model_dir", "CheckpointError", 2),
+    ]
+    for module, name, code in kinds:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(e, cls):
+            return code, f"error: {e}"
+    if isinstance(e, ValueError):  # bad input found once running (a task's data, a resumed shape)
+        return 2, f"error: {e}"
+    return 1, f"error: {type(e).__name__}: {e}"

@@ -1,0 +1,212 @@
+"""``python -m mllm_rl.run --backend B --tasks tasks.toml``: several RL tasks on the same devices, as
+a plan of the one run (``mllm_rl.run`` does the run id and directory, its lock, the sinks, W&B, the
+watchdog, exit codes and teardown, as for every plan).
+
+Run-level phases (task ``null``): ``wandb_init``, ``<backend>_ready``. Then the lease schedule
+(``schedule.py``) over every task (``runtime.py``), driven by ``driver.py``. Outputs in the run
+directory besides the usual: ``leases.jsonl`` (one line per lease: task, kind, step, times, outcome
+on every process, device bytes after it; per process ``leases.p<i>.jsonl``), ``run.json`` with
+``tasks`` (per task its expected phases and its status, ``done`` or ``failed`` with the error),
+``tasks/<name>/checkpoints``.
+
+Exit code: 0 every task done; otherwise the code of the first failure (``TasksFailed``; 3 weights
+differ, 4 lifecycle invariant, 5 non-finite loss, 1 anything else), also with ``--fail-fast``, which
+stops the whole run at the first failure instead of letting the other tasks go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from mllm_rl.backend import Backend
+from mllm_rl.engine import EngineOptions
+from mllm_rl.plans.base import Plan, PlanRun
+
+RUN_PHASES = ["wandb_init", "{ready}"]
+
+
+@dataclasses.dataclass
+class MultitaskOptions:
+    tasks_file: str
+    specs: list[Any]  # TaskSpec, in file order
+    engine: EngineOptions  # the run-level engine choice and tp (every task's engine takes them)
+    platform: str
+    resume: bool
+    fail_fast: bool
+    models: dict[str, Any] = dataclasses.field(default_factory=dict)  # task -> ModelDir (``resolve_model``)
+
+
+class MultitaskPlan(Plan):
+    """The tasks of a ``--tasks`` file, lease by lease on the same devices (docs/MULTITASK.md)."""
+
+    name = "multitask"
+    scope = "tasks"
+    tasks = True
+    summary = "several RL tasks of a --tasks file on the same devices"
+
+    def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> MultitaskOptions:
+        from mllm_rl.multitask.spec import load_tasks
+
+        specs = load_tasks(args.tasks)  # every task's own options checked, named by file, task and key
+        for s in specs:
+            try:
+                s.rl_options(tp=args.tp, platform=platform, engine=args.engine)
+            except ValueError as e:
+                raise ValueError(f"{args.tasks}: task {s.name!r}: {e}") from None
+        return MultitaskOptions(args.tasks, specs, engine, platform, bool(args.resume), bool(args.fail_fast))
+
+    def preflight(
+        self, args: argparse.Namespace, opts: MultitaskOptions, backend: Backend, run_dir: Path
+    ) -> tuple[MultitaskOptions, list[str]]:
+        from mllm_rl.tasks import get_task
+
+        for s in opts.specs:
+            try:
+                get_task(s.task, s.task_data)
+            except (ValueError, OSError) as e:
+                raise ValueError(f"{opts.tasks_file}: task {s.name!r}: {e}") from None
+        return opts, []
+
+    def resolve_model(
+        self, args: argparse.Namespace, opts: MultitaskOptions
+    ) -> tuple[MultitaskOptions, None, list[str]]:
+        from mllm_rl.checkpoint.resolve import resolve_model
+
+        models = {}
+        for s in opts.specs:
+            try:
+                models[s.name] = resolve_model(s.model, seed=s.seed)
+                models[s.name].check_tp(opts.engine.tp)
+            except ValueError as e:
+                raise ValueError(f"{opts.tasks_file}: task {s.name!r}: {e}") from None
+        return dataclasses.replace(opts, models=models), None, []
+
+    def check_runtime(self, backend: Backend, model: Any, opts: MultitaskOptions, process_count: int) -> None:
+        if process_count > 1 and backend.name == "jax":
+            # The lease protocol spans processes (tests/jax/test_multitask_multihost.py), but sglang-jax
+            # refuses release/resume for an engine spanning processes (backends/jax/sglang_engine.py).
+            raise ValueError(f"--tasks: {process_count} processes: sglang-jax cannot release an engine that "
+                             "spans processes yet; run a multi-task run in one process")  # fmt: skip
+        for name, m in opts.models.items():
+            try:
+                backend.check_engine_args(m, opts.engine)
+            except ValueError as e:
+                raise ValueError(f"{opts.tasks_file}: task {name!r}: {e}") from None
+
+    def phase_names(self) -> set[str]:
+        from mllm_rl.lifecycle import (
+            LEASE_SETUP_PHASES,
+            TRAIN_LEASE_PHASES,
+            LifecycleOptions,
+            rollout_lease_phases,
+        )
+
+        names = {*RUN_PHASES, *LEASE_SETUP_PHASES, *TRAIN_LEASE_PHASES, "checkpoint_flush"}
+        for check in (False, True):
+            life = LifecycleOptions(check_weights=check)
+            names |= {*rollout_lease_phases(life), *rollout_lease_phases(life, "generate_result")}
+        return names
+
+    def run_json(self, backend: Backend, opts: MultitaskOptions) -> dict[str, Any]:
+        return {"model": None, "steps": 0, "expected_phases": [p.format(ready=backend.ready_phase) for p in RUN_PHASES],
+                "expected_step_phases": [], "lease_order": "round_robin", "tasks_file": opts.tasks_file}  # fmt: skip
+
+    def run(self, ctx: PlanRun, opts: MultitaskOptions) -> dict[str, Any]:
+        return run_tasks(ctx, opts)
+
+
+def run_tasks(ctx: PlanRun, opts: MultitaskOptions) -> dict[str, Any]:
+    """The run-level phases, then every lease of every task; ``TasksFailed`` when a task failed (the
+    others ran on), the task's own error with ``--fail-fast``."""
+    import sys
+
+    from mllm_rl.coordination import coordinator_for
+    from mllm_rl.exit_codes import TasksFailed, exit_of
+    from mllm_rl.multitask.driver import Driver
+    from mllm_rl.multitask.ports import allocate
+    from mllm_rl.multitask.runtime import RLTask, task_phases
+    from mllm_rl.multitask.schedule import lease_schedule, schedule_digest
+    from mllm_rl.plans import setup
+    from mllm_rl.progress import progress_bar
+
+    backend, rec, pidx = ctx.backend, ctx.rec, ctx.process_index
+    previous = _run_json(ctx.run_dir).get("tasks", {}) if opts.resume else {}
+    coord = coordinator_for(backend)
+    names = [s.name for s in opts.specs]
+    ports = json.loads(coord.gather("ports", json.dumps(allocate(names) if pidx == 0 else {}))[0])
+    runtimes = {s.name: RLTask(s, opts.models[s.name], backend, rec, ctx.run_dir, tp=opts.engine.tp,
+                               platform=opts.platform, engine=opts.engine.engine, resume=opts.resume,
+                               ports=ports[s.name], on_engine=ctx.on_engine)
+                for s in opts.specs}  # fmt: skip
+    for name, rt in runtimes.items():
+        for d, why in rt.skipped:
+            print(f"resume: task {name!r}: skipped {d.name}: {why}", file=sys.stderr)
+    schedule = lease_schedule([rt.steps for rt in runtimes.values()])
+    tasks = {name: {"model": str(rt.model.path), "seed": rt.spec.seed, "task": rt.spec.task,
+                    "steps": rt.opts.steps, "first_step": 0, "resumed_at": rt.first_step,
+                    "group_size": rt.spec.group_size, "lora_rank": rt.spec.lora_rank, "lr": rt.opts.train.lr,
+                    "ports": ports[name], **task_phases(rt.opts.lifecycle), "status": "pending", "error": None,
+                    "previous_status": previous.get(name, {}).get("status")}
+             for name, rt in runtimes.items()}  # fmt: skip
+    ctx.write_run_json({"schedule_digest": schedule_digest(schedule), "tasks": tasks})
+
+    def on_status(statuses: dict[str, Any]) -> None:
+        for name, st in statuses.items():
+            tasks[name].update(status=st.status, error=st.error, failed_lease=st.failed_lease)
+        ctx.write_run_json({"schedule_digest": schedule_digest(schedule), "tasks": tasks})
+
+    lease_path = ctx.run_dir / (f"leases.p{pidx}.jsonl" if pidx else "leases.jsonl")
+    with (
+        open(lease_path, "a", encoding="utf-8") as lease_file,
+        progress_bar(total=len(schedule), desc="leases", unit="lease") as bar,
+    ):
+
+        def on_lease(entry: dict[str, Any]) -> None:
+            lease_file.write(json.dumps(entry) + "\n")
+            lease_file.flush()
+            bar.update(1)
+            step = entry["step"] if entry["step"] is not None else ""
+            bar.set_postfix_str(f"{entry['task']} {entry['kind']} {step}")
+
+        setup.run_level(backend, rec, ctx.make_wandb, ctx.runtime)
+        for rt in runtimes.values():
+            rt.prepare()
+        ctx.on_started()
+        driver = Driver(schedule, runtimes, coord, fail_fast=opts.fail_fast, on_lease=on_lease,
+                        on_status=on_status, device_bytes=lambda: _device_bytes(rec))  # fmt: skip
+        statuses = driver.run()
+    lines = []
+    for name, rt in runtimes.items():
+        for h in rt.history:
+            lines.append(f"{name} step {h['step']:>3}: reward_mean {h['reward_mean']:.3f}  "
+                         f"loss {h.get('loss', float('nan')):.4f}")  # fmt: skip
+        if rt.eval is not None:
+            lines.append(f"{name}: greedy reward {rt.eval.get('greedy_reward_mean', float('nan')):.3f}")
+    failed = [n for n, st in statuses.items() if st.status == "failed"]
+    if failed:
+        first = driver.errors.get(failed[0])
+        code = exit_of(first)[0] if first is not None else 1
+        for line in lines:
+            print(line, file=sys.stderr)
+        raise TasksFailed(code, f"task(s) failed: {', '.join(f'{n} ({statuses[n].error})' for n in failed)}")
+    return {"history": [], "lines": lines}
+
+
+def _device_bytes(rec: Any) -> int | None:
+    """Device bytes in use now, summed over this process's devices (``None`` when unknown)."""
+    used = [u for u in rec.probe.in_use() if u is not None]
+    return sum(used) if used else None
+
+
+def _run_json(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+PLAN = MultitaskPlan()
