@@ -48,6 +48,7 @@ from mllm_rl.engine import (
     WeightExport,
 )
 from mllm_rl.phases.probe import DeviceMemory
+from mllm_rl.phases.recorder import Sink
 from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, check_state_names, train_metrics
 
 VOCAB = 64
@@ -479,7 +480,7 @@ class FakeBackend:
         self.empty_cache_calls += 1
 
 
-class MemorySink:
+class MemorySink(Sink):
     """A ``PhaseRecorder`` sink that keeps every record and every metrics line in memory."""
 
     def __init__(self) -> None:

@@ -40,7 +40,7 @@ class MultitaskOptions:
     models: dict[str, Any] = dataclasses.field(default_factory=dict)  # task -> ModelDir (``resolve_model``)
 
 
-class MultitaskPlan(Plan):
+class MultitaskPlan(Plan[MultitaskOptions]):
     """The tasks of a ``--tasks`` file, lease by lease on the same devices (docs/MULTITASK.md)."""
 
     name = "multitask"

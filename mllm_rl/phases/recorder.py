@@ -18,12 +18,13 @@ Multi-task runs (``tasks=True``) write schema ``mllm_rl.phase/2``: every record 
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from mllm_rl.faults import injected_hang
 from mllm_rl.phases.probe import DeviceMemory, MemoryProbe, NullProbe, host_rss
@@ -33,14 +34,27 @@ from mllm_rl.phases.watchdog import PhaseStuck, Watchdog
 SAMPLER_THREAD = "mllm_rl-mem-sampler"  # probes may rate-limit calls from this thread
 
 
-class Sink(Protocol):
-    """Receives every phase record; sinks may also define ``log_metrics(step, metrics)`` (RL
-    metrics, once per step), ``log_task_metrics(task, step, metrics)`` and ``log_report(report)``
-    (the run's memory report, before ``close``) — the recorder forwards to those that do."""
+class Sink(abc.ABC):
+    """Receives every phase record (``write``), the RL metrics of each step (``log_metrics``;
+    ``log_task_metrics`` in a multi-task run: by default the metrics with a ``task`` key) and the
+    run's memory report before ``close`` (``log_report``). A sink overrides what it takes; the
+    defaults take nothing, so the recorder calls every sink the same way."""
 
+    @abc.abstractmethod
     def write(self, record: dict[str, Any]) -> None: ...
 
+    @abc.abstractmethod
     def close(self, exit_code: int = 0) -> None: ...
+
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:  # noqa: B027 -- optional, not abstract
+        """RL metrics of one step (default: not taken)."""
+
+    def log_task_metrics(self, task: str, step: int, metrics: dict[str, Any]) -> None:
+        """A task's metrics of one step (default: ``log_metrics`` with a ``task`` key)."""
+        self.log_metrics(step, {"task": task, **metrics})
+
+    def log_report(self, report: Any) -> None:  # noqa: B027 -- optional, not abstract
+        """The run's memory report (``mllm_rl.report.ReportResult``; default: not taken)."""
 
 
 @dataclass
@@ -288,20 +302,16 @@ class PhaseRecorder:
         that (W&B: keys and step axis of their own per task); the others get ``metrics`` with a
         ``task`` key added."""
         for sink in self.sinks:
-            per_task = getattr(sink, "log_task_metrics", None) if task is not None else None
-            log = getattr(sink, "log_metrics", None)
-            if per_task is not None:
-                per_task(task, step, metrics)
-            elif log is not None:
-                log(step, metrics if task is None else {"task": task, **metrics})
+            if task is None:
+                sink.log_metrics(step, metrics)
+            else:
+                sink.log_task_metrics(task, step, metrics)
 
     def log_report(self, report: Any) -> None:
         """The run's memory report (``mllm_rl.report.ReportResult``) to every sink that takes one
         (``log_report(report)``: W&B, while its run is open)."""
         for sink in self.sinks:
-            log = getattr(sink, "log_report", None)
-            if log is not None:
-                log(report)
+            sink.log_report(report)
 
     def close(self, exit_code: int = 0) -> None:
         """Stop the sampler and close every sink (W&B is finished and torn down here)."""

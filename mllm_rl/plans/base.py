@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 if TYPE_CHECKING:
     from mllm_rl.backend import Backend
@@ -41,7 +41,10 @@ class PlanRun:
     process_index: int = 0
 
 
-class Plan(abc.ABC):
+OptionsT = TypeVar("OptionsT")  # a plan's typed options (RLOptions, SwapOptions, MultitaskOptions)
+
+
+class Plan(abc.ABC, Generic[OptionsT]):
     """One way of running: its options, checks, expected phases and phases."""
 
     name: ClassVar[str]  # the --plan value
@@ -50,23 +53,25 @@ class Plan(abc.ABC):
     tasks: ClassVar[bool] = False  # records name their task (phase schema v2: multi-task runs)
 
     @abc.abstractmethod
-    def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> Any:
+    def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> OptionsT:
         """The plan's typed options from the flags (``engine``: the engine options every plan
         shares); ``ValueError`` naming the flag for a value or a flag this plan does not take."""
 
     def preflight(
-        self, args: argparse.Namespace, opts: Any, backend: Backend, run_dir: Path
-    ) -> tuple[Any, list[str]]:
+        self, args: argparse.Namespace, opts: OptionsT, backend: Backend, run_dir: Path
+    ) -> tuple[OptionsT, list[str]]:
         """Checks that read files (resume target, data) before the run starts: the options to run
         with and lines to tell the user. ``ValueError`` / ``CheckpointError`` (exit 2) to refuse."""
         return opts, []
 
-    def with_model(self, opts: Any, model: Any) -> tuple[Any, list[str]]:
+    def with_model(self, opts: OptionsT, model: ModelDir) -> tuple[OptionsT, list[str]]:
         """The options once the model (``ModelDir``) is known (defaults that depend on it, e.g. the
         learning rate), and lines to tell the user."""
         return opts, []
 
-    def resolve_model(self, args: argparse.Namespace, opts: Any) -> tuple[Any, Any, list[str]]:
+    def resolve_model(
+        self, args: argparse.Namespace, opts: OptionsT
+    ) -> tuple[OptionsT, ModelDir | None, list[str]]:
         """The model ``--model`` names (``ModelDir``; ``CheckpointError`` naming the file), checked
         against ``--tp``, and the options that depend on it (``with_model``)."""
         from mllm_rl.checkpoint.resolve import resolve_model
@@ -76,7 +81,9 @@ class Plan(abc.ABC):
         opts, notes = self.with_model(opts, model)
         return opts, model, notes
 
-    def check_runtime(self, backend: Backend, model: Any, opts: Any, process_count: int) -> None:
+    def check_runtime(
+        self, backend: Backend, model: ModelDir | None, opts: OptionsT, process_count: int
+    ) -> None:
         """Checks once the runtime is up, before the run directory exists: the engine options against
         the devices (``ValueError``, exit 2)."""
         backend.check_engine_args(model, opts.engine)
@@ -86,10 +93,10 @@ class Plan(abc.ABC):
         """Every phase name this plan may record (``{ready}`` for the backend's ready phase)."""
 
     @abc.abstractmethod
-    def run_json(self, backend: Backend, opts: Any) -> dict[str, Any]:
+    def run_json(self, backend: Backend, opts: OptionsT) -> dict[str, Any]:
         """What ``run.json`` records about this plan: at least ``steps``, ``expected_phases`` and
         ``expected_step_phases`` (the report's completeness check reads them)."""
 
     @abc.abstractmethod
-    def run(self, ctx: PlanRun, opts: Any) -> dict[str, Any]:
+    def run(self, ctx: PlanRun, opts: OptionsT) -> dict[str, Any]:
         """Record the plan's phases; returns a summary (``history``: per-step metrics, if any)."""

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.backend import Backend
-from mllm_rl.checkpoint.model_dir import CheckpointError
+from mllm_rl.checkpoint.model_dir import CheckpointError, ModelDir
 from mllm_rl.checkpoint.resolve import CKPT_DIR, RLCheckpoint, find_resumable
 from mllm_rl.option_error import OptionError, cli_flag
+from mllm_rl.phases.watchdog import PhaseLimits
 from mllm_rl.plans.base import Plan
 
 RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
@@ -166,13 +167,13 @@ def phase_limits(args: argparse.Namespace) -> Any:
 class Prepared:
     """Everything a run needs, checked before anything of it exists (``prepare``)."""
 
-    plan: Plan
-    opts: Any  # the plan's options (RLOptions | SwapOptions)
+    plan: Plan[Any]
+    opts: Any  # the plan's options (``Plan[OptionsT]``'s OptionsT: RLOptions, SwapOptions, MultitaskOptions)
     backend: Backend
-    model: Any  # ModelDir
+    model: ModelDir | None  # None: a plan of several models (``--tasks``)
     run_id: str
     run_dir: Path
-    limits: Any  # PhaseLimits
+    limits: PhaseLimits
     resuming: bool  # appends to an existing run (its run.json is rewritten only once the attempt started)
     notes: list[str]
     options: dict[

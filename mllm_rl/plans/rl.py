@@ -272,7 +272,7 @@ def run_rl(ctx: PlanRun, opts: RLOptions) -> dict[str, Any]:
     return {"first_step": first_step, "history": history, "eval": ph.info}
 
 
-class RLPlan(Plan):
+class RLPlan(Plan[RLOptions]):
     """GRPO-style colocated RL: ``SETUP_PHASES``, ``steps`` lifecycle steps, ``FINAL_PHASES``."""
 
     name = "rl"

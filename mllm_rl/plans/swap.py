@@ -54,7 +54,7 @@ def encode_prompts(model: ModelDir, prompts: tuple[str, ...]) -> list[list[int]]
     return [tok(p, add_special_tokens=False).input_ids for p in prompts]
 
 
-class SwapPlan(Plan):
+class SwapPlan(Plan[SwapOptions]):
     """Dummy-init engine, then the checkpoint streamed in (``PHASES``); no steps."""
 
     name = "swap"

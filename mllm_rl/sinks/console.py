@@ -7,11 +7,12 @@ import sys
 from typing import Any, TextIO
 
 from mllm_rl.phases.jsonsafe import dumps
+from mllm_rl.phases.recorder import Sink
 from mllm_rl.report.memory import device_sum
 from mllm_rl.summary import gib
 
 
-class ConsoleSink:
+class ConsoleSink(Sink):
     def __init__(self, stream: TextIO | None = None, full: bool = True, compact: bool = False) -> None:
         self.stream = stream or sys.stdout
         self.full = full

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.phases.jsonsafe import dumps
+from mllm_rl.phases.recorder import Sink
 
 
-class JsonlSink:
+class JsonlSink(Sink):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -28,7 +29,7 @@ class JsonlSink:
             self._f.close()
 
 
-class MetricsJsonlSink:
+class MetricsJsonlSink(Sink):
     """``metrics.jsonl``: one line per RL step, ``{"step": k, "time": t, ...metrics}``."""
 
     def __init__(self, path: str | Path) -> None:

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mllm_rl.phases.recorder import Sink
+
 MEM_KEYS = ("bytes_in_use", "peak_bytes_in_use", "phase_peak_bytes", "bytes_limit")
 
 
@@ -63,7 +65,7 @@ def flatten_record(record: dict[str, Any], t0: float) -> dict[str, Any]:
     return row
 
 
-class WandbSink:
+class WandbSink(Sink):
     """One W&B run (``mode`` ``"offline"`` or ``"online"``) in ``run_dir/wandb``.
 
     Online, ``wandb.init`` is bounded by ``init_timeout`` seconds (``Settings.init_timeout``) and
