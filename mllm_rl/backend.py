@@ -37,6 +37,9 @@ class Backend(abc.ABC):
     name: ClassVar[str]  # "jax" | "torch": the --backend name, the phase records' ``backend``
     ready_phase: ClassVar[str]  # the setup phase that records init_runtime ("jax_ready")
     engines: ClassVar[dict[str, str]]  # --engine choices -> what each starts (EngineOptions.check_backend)
+    # An engine that spans several processes can pause, release and resume (what a colocated RL step
+    # needs); without it, only plans that never release run across processes (the param swap).
+    releases_across_processes: ClassVar[bool] = False
 
     # -- required --------------------------------------------------------------------------
     @abc.abstractmethod

@@ -25,7 +25,8 @@ class TasksFailed(RuntimeError):
 
 def exit_of(e: BaseException) -> tuple[int, str]:
     """The exit code and the last line of a run that ``e`` ended (imports nothing heavy itself:
-    the exception classes are looked up by module, so a plan that never loaded one costs nothing)."""
+    the exception classes are looked up by module, so a plan that never loaded one costs nothing).
+    ``named(e)`` says whether the line says all there is (else the traceback is worth keeping)."""
     import sys
 
     from mllm_rl.signals import Terminated
@@ -42,11 +43,23 @@ def exit_of(e: BaseException) -> tuple[int, str]:
         ("mllm_rl.engine", "WeightMismatch", 3),
         ("mllm_rl.lifecycle", "LifecycleError", 4),
         ("mllm_rl.checkpoint.model_dir", "CheckpointError", 2),
+        ("mllm_rl.checkpoint.writer", "CheckpointWriteError", 1),  # names the file and the OS's reason
     ]
     for module, name, code in kinds:
         cls = getattr(sys.modules.get(module), name, None)
         if cls is not None and isinstance(e, cls):
-            return code, f"error: {e}"
+            return code, f"error: {type(e).__name__ + ': ' if code == 1 else ''}{e}"
     if isinstance(e, ValueError):  # bad input found once running (a task's data, a resumed shape)
         return 2, f"error: {e}"
     return 1, f"error: {type(e).__name__}: {e}"
+
+
+def named(e: BaseException) -> bool:
+    """Whether ``exit_of(e)``'s line is the whole story: a failure this package names (not an
+    unexpected exception, whose traceback the run keeps in its directory)."""
+    import sys
+
+    if isinstance(e, (KeyboardInterrupt, TasksFailed)) or type(e).__name__ == "Terminated":
+        return True
+    writer = getattr(sys.modules.get("mllm_rl.checkpoint.writer"), "CheckpointWriteError", None)
+    return exit_of(e)[0] != 1 or (writer is not None and isinstance(e, writer))

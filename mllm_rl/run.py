@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from mllm_rl.checkpoint.model_dir import CheckpointError
-    from mllm_rl.exit_codes import exit_of
+    from mllm_rl.exit_codes import exit_of, named
     from mllm_rl.phases.recorder import PhaseRecorder
     from mllm_rl.phases.watchdog import STUCK_EXIT, PhaseStuck, Watchdog
     from mllm_rl.plans.base import PlanRun
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         result = pre.plan.run(ctx, opts)
     except BaseException as e:  # noqa: BLE001 -- every ending has its code and one line (mllm_rl.exit_codes)
         code, error = exit_of(e)
-        if code == 1:  # not a failure we name: its traceback goes to a file, not the terminal
+        if not named(e):  # not a failure we name: its traceback goes to a file, not the terminal
             error += f" (traceback: {_save_traceback(run_dir, pidx)})"
     finally:
         if pidx == 0:

@@ -430,11 +430,52 @@ class TorchTrainer:
 
 
 def _write_state(state: dict[str, Any], path: Path) -> None:
-    """``torch.save`` of ``state`` to ``path/state.pt`` through a temporary name."""
+    """``torch.save`` of ``state`` to ``path/state.pt`` through a temporary name (removed again when
+    the write fails). A write the OS refuses raises an ``OSError`` naming the file and the reason:
+    torch's zip writer reports it as ``RuntimeError: ... unexpected pos ...`` (or ``file write
+    failed`` when it opens the file itself), so it writes to a Python file that records the error."""
     target = path / STATE_FILE
     tmp = target.with_name(f".{STATE_FILE}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, target)
+    try:
+        with open(tmp, "wb") as f:
+            out = _ErrorRecordingFile(f)
+            try:
+                torch.save(state, out)
+            except RuntimeError:
+                if out.error is None:
+                    raise
+                raise out.error from None
+        os.replace(tmp, target)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is None and e.errno is not None:  # a write() or close() of the open file
+            raise OSError(e.errno, e.strerror, str(tmp)) from None
+        raise
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class _ErrorRecordingFile:
+    """The file ``torch.save`` writes to, keeping the first ``OSError`` of a ``write``/``flush``
+    (torch's C++ writer turns it into a ``RuntimeError`` without the reason)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.f.flush()
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
 
 class StateSnapshot:

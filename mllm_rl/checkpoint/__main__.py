@@ -20,6 +20,12 @@ def main(argv: list[str] | None = None) -> int:
     mk.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the preset's")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--shard-mb", type=float, default=2048.0, help="max shard size in MiB (default 2048)")
+    mk.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a different checkpoint already in --out (without it: refused, unless it holds the "
+        "same preset, dtype and seed)",
+    )
     ck = sub.add_parser(
         "check", help="validate a checkpoint directory (config, shards, tensors, tokenizer, finite values)"
     )
@@ -30,7 +36,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "make":
             cfg = get_preset(args.preset)
             out = make_checkpoint(
-                cfg, args.out, dtype=args.dtype, seed=args.seed, shard_bytes=int(args.shard_mb * 2**20)
+                cfg,
+                args.out,
+                dtype=args.dtype,
+                seed=args.seed,
+                shard_bytes=int(args.shard_mb * 2**20),
+                force=args.force,
             )
             md = ModelDir.open(out, check_values=False)  # values just drawn: finite by construction
             print(f"wrote {out} ({cfg.num_params() / 1e6:.1f}M params, {md.nbytes / 2**30:.3f} GiB)")

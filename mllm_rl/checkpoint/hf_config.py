@@ -55,6 +55,9 @@ REQUIRED = (
     "num_attention_heads",
     "num_key_value_heads",
 )
+# The checkpoint dtypes both backends' trainers and engines load (``torch_dtype`` / 5.x ``dtype``;
+# the safetensors dtypes F32, BF16, F16). Anything else (float8, float64, int8, "auto") is refused.
+DTYPES = ("float32", "bfloat16", "float16")
 SILU = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
 ROPE_KEYS = ("rope_scaling", "rope_parameters")
 LAYER_TYPE_KEYS = ("full_attention", "sliding_attention")
@@ -134,9 +137,12 @@ def parse_qwen3(cfg: Any, name: str = "checkpoint", fallback_eos: Any = None) ->
     tie = cfg.get("tie_word_embeddings", QWEN3_DEFAULTS["tie_word_embeddings"])
     if not isinstance(tie, bool):
         raise ValueError(f"tie_word_embeddings: {tie!r}, expected true or false")
-    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"  # 5.x writes "dtype"
-    if not isinstance(dtype, str):
-        raise ValueError(f"dtype: {dtype!r}, expected a dtype name")
+    dtype_key = "dtype" if cfg.get("dtype") else "torch_dtype"  # 5.x writes "dtype"
+    dtype = cfg.get(dtype_key) or "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(
+            f"{dtype_key}: {dtype!r} is not a dtype we train and serve (accepted: {', '.join(DTYPES)})"
+        )
     bos = cfg.get("bos_token_id")
     bos = bos[0] if isinstance(bos, list) and bos else bos
     if bos is not None and not _is_int(bos):

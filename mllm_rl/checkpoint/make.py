@@ -11,6 +11,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -46,11 +47,15 @@ def make_checkpoint(
     seed: int = 0,
     shard_bytes: int = 2 * 1024**3,
     show_progress: bool = True,
+    force: bool = False,
 ) -> Path:
     """Write ``config.json``, sharded safetensors + index, and the shipped tokenizer.
 
-    Writes into ``out`` (created; an existing non-empty dir is refused unless it holds a
-    checkpoint of ours, which is replaced). Returns the directory.
+    Writes into ``out`` (created). An existing non-empty ``out`` is refused (``ValueError``, one
+    line naming it) unless it holds the same checkpoint -- the same ``config.json``: architecture,
+    preset, dtype and seed (``mllm_rl_seed``), so the same weights: written again, identically --
+    or ``force`` is given and it holds another checkpoint, which is replaced. A directory that is
+    not a checkpoint (no ``config.json``) is always refused. Returns the directory.
     """
     dtype = dtype or config.torch_dtype
     if dtype not in _DTYPE_NAMES:
@@ -58,8 +63,10 @@ def make_checkpoint(
     st_dtype = _DTYPE_NAMES[dtype]
     np_dtype = DTYPES[st_dtype]
     out = Path(out).expanduser().resolve()
-    if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
-        raise ValueError(f"{out}: exists and is not a checkpoint directory; refusing to overwrite")
+    hf = config.to_hf_config()
+    hf["torch_dtype"] = dtype
+    hf["mllm_rl_seed"] = seed  # with the preset and the dtype: which weights these are
+    _check_out(out, hf, force)
     out.mkdir(parents=True, exist_ok=True)
 
     shapes = config.param_shapes()
@@ -96,8 +103,6 @@ def make_checkpoint(
     (out / INDEX).write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
     )
-    hf = config.to_hf_config()
-    hf["torch_dtype"] = dtype
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": config.eos_token_id, "do_sample": False}, indent=2)
@@ -105,3 +110,48 @@ def make_checkpoint(
     for f in TOKENIZER_DIR.iterdir():
         shutil.copy2(f, out / f.name)
     return out
+
+
+def _check_out(out: Path, want: dict[str, Any], force: bool) -> None:
+    """``ValueError`` unless ``make_checkpoint`` may write into ``out`` (see its docstring): ``want``
+    is the ``config.json`` it would write."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a directory; choose another --out")
+    if not any(out.iterdir()):
+        return
+    cfg_file = out / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(
+            f"{out}: exists and is not a checkpoint directory; refusing to overwrite (choose another --out)"
+        )
+    try:
+        have = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        have = None
+    if have == want or force:
+        return
+    raise ValueError(
+        f"{out}: holds a different checkpoint ({_difference(have, want)}); "
+        "pass --force to replace it or choose another --out"
+    )
+
+
+def _difference(have: Any, want: dict[str, Any]) -> str:
+    """What differs between the ``config.json`` in the directory and the one to write, briefly."""
+    if not isinstance(have, dict):
+        return "its config.json is not a JSON object of ours"
+    first = ["mllm_rl_preset", "torch_dtype", "mllm_rl_seed"]  # the make flags, then the rest
+    keys = first + sorted(k for k in {*have, *want} if k not in first)
+    diff = [k for k in keys if have.get(k, _UNSET) != want.get(k, _UNSET)]
+    shown = [f"{k} {_show(have.get(k, _UNSET))} there, {_show(want.get(k, _UNSET))} asked" for k in diff[:3]]
+    more = f", and {len(diff) - 3} more field(s)" if len(diff) > 3 else ""
+    return "config.json: " + "; ".join(shown) + more
+
+
+_UNSET = object()
+
+
+def _show(value: Any) -> str:
+    return "unset" if value is _UNSET else json.dumps(value)

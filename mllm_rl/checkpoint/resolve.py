@@ -38,7 +38,7 @@ def resolve_model(spec: str, seed: int = 0, dtype: str | None = None) -> ModelDi
         try:
             return ModelDir.open(out)
         except CheckpointError:
-            make_checkpoint(cfg, out, dtype=dt, seed=seed)
+            make_checkpoint(cfg, out, dtype=dt, seed=seed, force=True)  # the cache's own directory
             return ModelDir.open(out, check_values=False)  # values just drawn: finite by construction
     path = Path(spec).expanduser()
     if path.exists() or spec.startswith((".", "/", "~")):

@@ -19,10 +19,21 @@ What does not change: a checkpoint counts only once its ``meta.json`` (the manif
 One write at a time: a save that is due waits for the one before it (its phase time shows the
 wait). A background write that fails raises where it is collected, like a failed save in the
 phase. The newest ``keep`` checkpoints are kept.
+
+A write the operating system refuses (a full disk, a file-size limit, a lost permission: an
+``OSError`` from the trainer's ``save``, the snapshot's ``write`` or the manifest) is a runtime
+failure of the run, not bad input: it raises ``CheckpointWriteError`` (a ``RuntimeError``), one
+line naming the checkpoint, the file and the reason (``checkpoint step_000003: writing
+.../step_000003/state.pt: File too large``), after the unfinished checkpoint directory was removed.
+The older checkpoints are untouched (the newest ``keep`` are pruned only after a write that
+succeeded), so ``--resume`` continues from the newest of them. In the background, the error is
+raised on the main thread where the write is collected (the next due checkpoint, or the
+``checkpoint_flush`` phase).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -32,6 +43,36 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.checkpoint.resolve import CKPT_DIR, rl_checkpoint_dirs, write_meta
+
+
+class CheckpointWriteError(RuntimeError, OSError):
+    """An RL checkpoint could not be written (``OSError`` underneath: disk full, file too large,
+    permission lost). A ``RuntimeError`` (``python -m mllm_rl.run`` exits 1, not 2: the input was
+    fine) and still an ``OSError`` for code that catches those; ``str(e)`` is one line naming the
+    checkpoint, the file and the OS's reason. ``errno`` and ``path`` keep the details."""
+
+    def __init__(self, message: str, errno_: int | None = None, path: str | None = None) -> None:
+        super().__init__(message)  # one argument: ``str(e)`` is the message, not "[Errno N] ..."
+        self.errno, self.path = errno_, path
+
+
+def write_error(ckpt: Path, e: OSError) -> CheckpointWriteError:
+    """``e``, raised while writing the checkpoint ``ckpt``, as one line: ``checkpoint step_000003:
+    writing <file>: <reason>`` (the checkpoint directory when the error names no file)."""
+    if isinstance(e, CheckpointWriteError):
+        return e
+    where = e.filename if e.filename is not None else ckpt
+    reason = e.strerror or (os.strerror(e.errno) if e.errno else None) or str(e) or type(e).__name__
+    if e.filename2 is not None:
+        where = f"{where} -> {e.filename2}"
+    line = f"checkpoint {ckpt.name}: writing {where}: {reason}".replace("\n", " ")
+    return CheckpointWriteError(line, e.errno, str(where))
+
+
+def discard(ckpt: Path) -> None:
+    """Remove the unfinished checkpoint ``ckpt`` (best effort: a directory that cannot be removed
+    any more is left; it has no ``meta.json``, so ``--resume`` skips it)."""
+    shutil.rmtree(ckpt, ignore_errors=True)
 
 
 @dataclass
@@ -72,13 +113,19 @@ class Checkpointer:
         if not due:
             return {"saved": False, "path": None, **info}
         path = self.run_dir / CKPT_DIR / f"step_{step:06d}"
-        if path.exists():
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
-        snap = self.trainer.snapshot() if self.background else None
+        try:
+            if path.exists():
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+        except OSError as e:
+            raise write_error(path, e) from None
+        try:
+            snap = self.trainer.snapshot() if self.background else None
+        except BaseException:
+            discard(path)
+            raise
         if snap is None:
-            self.trainer.save(path)
-            self._finish(step, path)
+            self._written(step, path, self.trainer.save)
             return {"saved": True, "path": str(path), **info}
         w = _Write(step, path, time.perf_counter(), int(snap.nbytes))
         w.thread = threading.Thread(
@@ -114,15 +161,27 @@ class Checkpointer:
 
     def _write(self, w: _Write, snap: Any) -> None:
         try:
-            snap.write(w.path)
-            self._finish(w.step, w.path)
+            self._written(w.step, w.path, snap.write)
         except BaseException as e:  # raised on the main thread where the write is collected
             w.error = e
         finally:
             w.seconds = time.perf_counter() - w.t0
 
-    def _finish(self, step: int, path: Path) -> None:
-        # the checkpoint counts from here on (meta.json with the manifest, written last)
-        write_meta(path, {"step": step, **self.meta})
-        for old in rl_checkpoint_dirs(self.run_dir)[self.keep :]:
-            shutil.rmtree(old, ignore_errors=True)
+    def _written(self, step: int, path: Path, write: Any) -> None:
+        """``write(path)``, then the manifest; on any failure the unfinished ``path`` is removed,
+        and an ``OSError`` becomes a one-line ``CheckpointWriteError``."""
+        try:
+            write(path)
+            # the checkpoint counts from here on (meta.json with the manifest, written last)
+            write_meta(path, {"step": step, **self.meta})
+        except OSError as e:
+            discard(path)
+            raise write_error(path, e) from None
+        except BaseException:
+            discard(path)
+            raise
+        try:  # the oldest pruned only once this one is complete; best effort
+            for old in rl_checkpoint_dirs(self.run_dir)[self.keep :]:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass

@@ -86,11 +86,9 @@ class MultitaskPlan(Plan[MultitaskOptions]):
         return dataclasses.replace(opts, models=models), None, []
 
     def check_runtime(self, backend: Backend, model: Any, opts: MultitaskOptions, process_count: int) -> None:
-        if process_count > 1 and backend.name == "jax":
-            # The lease protocol spans processes (tests/jax/test_multitask_multihost.py), but sglang-jax
-            # refuses release/resume for an engine spanning processes (backends/jax/sglang_engine.py).
-            raise ValueError(f"--tasks: {process_count} processes: sglang-jax cannot release an engine that "
-                             "spans processes yet; run a multi-task run in one process")  # fmt: skip
+        # The lease protocol spans processes (tests/jax/test_multitask_multihost.py), but the engine must
+        # release across them too (sglang-jax cannot yet: backends/jax/sglang_engine.py).
+        self.require_release(backend, process_count)
         for name, m in opts.models.items():
             try:
                 backend.check_engine_args(m, opts.engine)

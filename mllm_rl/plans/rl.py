@@ -342,6 +342,10 @@ class RLPlan(Plan[RLOptions]):
             )
         return opts, notes
 
+    def check_runtime(self, backend: Backend, model: Any, opts: RLOptions, process_count: int) -> None:
+        self.require_release(backend, process_count)
+        super().check_runtime(backend, model, opts, process_count)
+
     def phase_names(self) -> set[str]:
         names = {*SETUP_PHASES, *FINAL_PHASES, "check_weights"}
         return names | {p for phases in STEP_PHASES.values() for p in phases}

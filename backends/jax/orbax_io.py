@@ -1,0 +1,150 @@
+"""The JAX trainer's orbax write, with a failed write said once, as an ``OSError``.
+
+When a write fails (a full disk, ``RLIMIT_FSIZE``, a lost permission), orbax 0.12 and tensorstore
+0.1 do three things ``save_pytree`` undoes:
+
+- the error is a ``ValueError`` (``OUT_OF_RANGE: Error writing ... Failed writing: "<file>": ...
+  File too large [os_error_code='27']``): bad input to ``python -m mllm_rl.run`` (exit 2). It
+  becomes the ``OSError`` it reports (errno, reason, the file), which the checkpoint writer turns
+  into a one-line ``CheckpointWriteError`` (``mllm_rl.checkpoint.writer``);
+- orbax logs the error with its traceback from each of its threads (three times, ~200 lines):
+  its log records are held while the save runs and dropped when it fails (the error is raised);
+  after a save that succeeded they are passed on;
+- the first failed write ends orbax's event loop (``asyncio.gather`` raises, the loop is closed)
+  while tensorstore's other writes go on: each one that ends calls back into the closed loop,
+  and Python prints ``RuntimeError: Event loop is closed`` with a traceback through
+  ``sys.unraisablehook`` (~30 more), and those writes create files and directories after the
+  save has returned (a temporary directory left behind, or a cleanup racing them). The save waits
+  for every tensorstore future still running before it raises, and an unraisable hook drops
+  exactly those callbacks (a ``RuntimeError('Event loop is closed')`` raised in
+  ``call_soon_threadsafe``: nothing waits for them); it stays after a failed save, since
+  callbacks of writes orbax abandoned may come later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+SETTLE_S = 30.0  # longest wait for the writes a failed save abandoned
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)'?")
+_QUOTED_PATH = re.compile(r'"(/[^"]+)"')
+
+
+def save_pytree(target: Path, tree: Any) -> None:
+    """``tree`` written by orbax into ``target``; ``OSError(errno, reason, file)`` when the OS
+    refused a write (orbax's own exception otherwise), only after every write it began has ended."""
+    import orbax.checkpoint as ocp
+
+    ckpt = ocp.StandardCheckpointer()
+    with _held_orbax_logs():
+        try:
+            ckpt.save(target, tree)
+            ckpt.wait_until_finished()
+        except BaseException as e:
+            settle_tensorstore()
+            os_error = os_error_of(e, target)
+            if os_error is None:
+                raise
+            raise os_error from None
+
+
+def os_error_of(e: BaseException, target: Path) -> OSError | None:
+    """The ``OSError`` a tensorstore/orbax error reports (``[os_error_code='27']``, the last
+    absolute path it quotes, else ``target``), or None when it reports none."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError):
+            return cur
+        text = str(cur)
+        m = _OS_ERROR_CODE.search(text)
+        if m:
+            code = int(m.group(1))
+            paths = _QUOTED_PATH.findall(text[: m.start()])
+            return OSError(code, os.strerror(code), paths[-1] if paths else str(target))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def settle_tensorstore(timeout_s: float = SETTLE_S) -> int:
+    """Wait (at most ``timeout_s``) for every tensorstore future not yet done: the writes a failed
+    save abandoned. Returns how many were waited for."""
+    import tensorstore as ts
+
+    pending = [o for o in gc.get_objects() if isinstance(o, (ts.Future, ts.WriteFutures)) and not o.done()]
+    end = time.monotonic() + timeout_s
+    for f in pending:
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            (f.commit if isinstance(f, ts.WriteFutures) else f).result(timeout=left)
+        except Exception:  # noqa: BLE001 - its own failure, or the timeout: it has ended or we stop
+            pass
+    return len(pending)
+
+
+class _Hold(logging.Filter):
+    """Holds the records orbax logs (to ``absl``) instead of letting them through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if f"{os.sep}orbax{os.sep}" in record.pathname:
+            self.records.append(record)
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def _held_orbax_logs() -> Iterator[None]:
+    """Orbax's log records held for the block (replayed if it succeeds, dropped if it raises), and
+    callbacks into a closed event loop kept off stderr (from here on, if it raises)."""
+    absl = logging.getLogger("absl")
+    hold = _Hold()
+    absl.addFilter(hold)
+    before = sys.unraisablehook
+    if not getattr(before, "drops_closed_loop_callbacks", False):
+        sys.unraisablehook = _dropping_closed_loop_callbacks(before)
+    try:
+        yield
+    except BaseException:
+        absl.removeFilter(hold)
+        raise
+    absl.removeFilter(hold)
+    sys.unraisablehook = before
+    for record in hold.records:
+        absl.handle(record)
+
+
+def _dropping_closed_loop_callbacks(hook: Any) -> Any:
+    def drop(unraisable: Any) -> None:
+        if not closed_loop_callback(unraisable.exc_value, unraisable.exc_traceback):
+            hook(unraisable)
+
+    drop.drops_closed_loop_callbacks = True  # type: ignore[attr-defined]
+    return drop
+
+
+def closed_loop_callback(exc: BaseException | None, tb: Any) -> bool:
+    """Is ``exc`` a ``RuntimeError('Event loop is closed')`` raised in ``call_soon_threadsafe``
+    (a future's callback into an event loop that is gone: asyncio's or uvloop's)?"""
+    if not isinstance(exc, RuntimeError) or str(exc) != "Event loop is closed":
+        return False
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name.endswith("call_soon_threadsafe"):
+            return True
+        tb = tb.tb_next
+    return False

@@ -1,0 +1,179 @@
+"""``python -m mllm_rl.launch --nproc N -- <arguments of python -m mllm_rl.run>``: N processes of one
+run on this machine (CPU tests, one multi-GPU node).
+
+Each process gets the environment a multi-process run reads, for both backends: JAX's
+(``MLLM_RL_COORDINATOR``, ``MLLM_RL_NUM_PROCESSES``, ``MLLM_RL_PROCESS_ID``:
+``mllm_rl.backends.jax.distributed``) and torchrun's (``MASTER_ADDR``, ``MASTER_PORT``,
+``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``). Their output is streamed line by
+line with a ``[p<i>]`` prefix. When one process fails, the others are sent SIGTERM (their runs close
+their logs and exit 143), then SIGKILL after ``--grace-s``; the launcher exits with the first
+failure's code (0 when every process exits 0). SIGTERM or SIGINT to the launcher goes to every
+process the same way. On a multi-host TPU slice use ``tpu/tpu.sh`` (one process per worker); on a
+GPU node ``torchrun --nproc-per-node N -m mllm_rl.run ...`` sets the same torch variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, NoReturn
+
+EXIT_BAD_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _bindable(port: int) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    return True
+
+
+def coordinator_port() -> int:
+    """A free port P with P+1..P+7 free too: the JAX backend's engine ports default to the
+    coordinator's + 1, and sglang-jax's request broadcast binds that port + 5 and + 6."""
+    for _ in range(100):
+        port = free_port()
+        if port + 7 < 65536 and all(_bindable(port + k) for k in range(1, 8)):
+            return port
+    raise RuntimeError("no 8 consecutive free ports for the coordinator")
+
+
+def process_env(rank: int, nproc: int, coord_port: int, torch_port: int) -> dict[str, str]:
+    """The variables process ``rank`` of ``nproc`` reads to find the others (both backends')."""
+    return {
+        "MLLM_RL_COORDINATOR": f"127.0.0.1:{coord_port}",
+        "MLLM_RL_NUM_PROCESSES": str(nproc),
+        "MLLM_RL_PROCESS_ID": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(torch_port),
+        "WORLD_SIZE": str(nproc),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(nproc),
+    }
+
+
+def _pump(stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock) -> None:
+    for line in stream:
+        with lock:
+            out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+            out.flush()
+
+
+def exit_code(returncode: int) -> int:
+    """A child's exit code as a shell says it (killed by signal N: 128 + N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(
+        prog="python -m mllm_rl.launch",
+        usage="%(prog)s --nproc N [options] -- <arguments of python -m mllm_rl.run>",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    ap.add_argument("--nproc", type=int, required=True, help="processes to start on this machine (>= 1)")
+    ap.add_argument(
+        "--module", default="mllm_rl.run", help="the module every process runs (default: mllm_rl.run)"
+    )
+    ap.add_argument("--grace-s", type=float, default=30.0,
+                    help="seconds between SIGTERM and SIGKILL when stopping the others (default: 30)")  # fmt: skip
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        build_parser().error("no run arguments: put them after -- (e.g. -- --backend jax --steps 2)")
+    cut = argv.index("--")
+    args = build_parser().parse_args(argv[:cut])
+    rest = argv[cut + 1 :]
+    if args.nproc < 1:
+        build_parser().error(f"--nproc must be >= 1, got {args.nproc}")
+    if not args.grace_s >= 0:
+        build_parser().error(f"--grace-s must be >= 0, got {args.grace_s}")
+    coord = coordinator_port()
+    torch_port = free_port()
+    lock = threading.Lock()
+    procs: list[subprocess.Popen[str]] = []
+    pumps: list[threading.Thread] = []
+    for rank in range(args.nproc):
+        env = {**os.environ, **process_env(rank, args.nproc, coord, torch_port), "PYTHONUNBUFFERED": "1"}
+        p = subprocess.Popen([sys.executable, "-m", args.module, *rest], env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+        procs.append(p)
+        for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+            t = threading.Thread(target=_pump, args=(stream, f"[p{rank}] ", out, lock), daemon=True)
+            t.start()
+            pumps.append(t)
+
+    stopping: list[int] = []  # the signal that stops the launcher, if any
+
+    def on_signal(signum: int, frame: object) -> None:
+        stopping.append(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    first_failure: int | None = None
+    while [p.poll() for p in procs].count(None):  # poll every process (any() would stop at the first)
+        failed = [p for p in procs if p.returncode not in (None, 0)]
+        if failed or stopping:
+            if failed and first_failure is None:
+                first_failure = exit_code(failed[0].returncode)
+                rank = procs.index(failed[0])
+                print(f"launch: process {rank} exited {first_failure}; stopping the others", file=sys.stderr)
+            _stop(procs, args.grace_s)
+            break
+        time.sleep(0.05)
+    for p in procs:
+        p.wait()
+    for t in pumps:
+        t.join(timeout=5)
+    if first_failure is None:
+        codes = [exit_code(p.returncode) for p in procs]
+        first_failure = next((c for c in codes if c != 0), 0)
+    if stopping and first_failure == 0:
+        first_failure = 128 + stopping[0]
+    return first_failure
+
+
+def _stop(procs: list[subprocess.Popen[str]], grace_s: float) -> None:
+    """SIGTERM to every process's session (an exited process's children too: no orphans),
+    SIGKILL after ``grace_s`` to every session that still has a process."""
+    for p in procs:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    for p in procs:
+        _signal_group(p, signal.SIGKILL)
+
+
+def _signal_group(p: subprocess.Popen[str], sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

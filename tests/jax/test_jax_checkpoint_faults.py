@@ -1,0 +1,61 @@
+"""A JAX run whose orbax checkpoint write the OS refuses (``RLIMIT_FSIZE``): exit 1 in one line, no
+traceback (orbax logs the error with tracebacks from three threads, tensorstore's abandoned writes
+print ``Event loop is closed`` ones), no temporary directory, the older checkpoint resumes
+(``backends/jax/orbax_io.py``)."""
+
+from __future__ import annotations
+
+import errno
+import sys
+from pathlib import Path
+
+import pytest
+
+from mllm_rl.backends.jax.orbax_io import closed_loop_callback, os_error_of
+from tests.core.test_checkpoint_faults import check_refused_checkpoint_write
+
+ORBAX_EFBIG = (
+    'OUT_OF_RANGE: Error writing "opt_state.1.0.mu.embed_tokens.value/0.0" in OCDBT database at local file '
+    '"/r/checkpoints/step_000000/state.orbax-checkpoint-tmp/ocdbt.process_0/": Failed writing: '
+    '"/r/checkpoints/step_000000/state.orbax-checkpoint-tmp/ocdbt.process_0/d/b445": Failed to write 2949120 '
+    "bytes to file 66: File too large [os_error_code='27']"
+)  # orbax 0.12.8 / tensorstore 0.1.86, verbatim but for the paths
+
+
+def test_orbax_errors_that_report_an_os_error_become_that_os_error():
+    e = os_error_of(ValueError(ORBAX_EFBIG), Path("/r/state"))
+    assert isinstance(e, OSError) and e.errno == errno.EFBIG and e.strerror == "File too large"
+    assert e.filename == "/r/checkpoints/step_000000/state.orbax-checkpoint-tmp/ocdbt.process_0/d/b445"
+    try:
+        raise RuntimeError("commit failed") from ValueError("NOT_FOUND: ... [os_error_code=28]")
+    except RuntimeError as wrapped:
+        e = os_error_of(wrapped, Path("/r/state"))
+    assert (e.errno, e.filename) == (errno.ENOSPC, "/r/state")  # no path quoted: the target
+    assert os_error_of(ValueError("INVALID_ARGUMENT: bad spec"), Path("/r/state")) is None
+    perm = PermissionError(errno.EACCES, "Permission denied", "/r/state")
+    assert os_error_of(perm, Path("/r/state")) is perm
+
+
+def test_only_callbacks_into_a_closed_event_loop_are_dropped():
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)
+    except RuntimeError as e:
+        closed = e
+    assert closed_loop_callback(closed, closed.__traceback__)
+    assert not closed_loop_callback(RuntimeError("Event loop is closed"), None)  # raised elsewhere
+    try:
+        raise RuntimeError("something else")
+    except RuntimeError as e:
+        assert not closed_loop_callback(e, e.__traceback__)
+
+
+@pytest.mark.slow  # three runs of the tiny model
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE and EFBIG as on Linux")
+def test_a_checkpoint_write_past_the_file_size_limit_exits_1_and_the_older_checkpoint_resumes(
+    tiny_ckpt, tmp_path
+):
+    check_refused_checkpoint_write("jax", tiny_ckpt, tmp_path / "run", [[]])
