@@ -89,10 +89,13 @@ class EngineOptions:
                 raise ValueError(f"engine ports {self.ports!r}: expected a tuple of two ports (1..65535)")
         if self.engine not in ENGINE_CHOICES:
             raise OptionError("engine", f"{self.engine!r}: choose one of {', '.join(ENGINE_CHOICES)}")
-        for field, value, low in (("tp", self.tp, 1), ("max_total_tokens", self.max_total_tokens, 1),
-                                  ("context_length", self.context_length, 1),
-                                  ("max_running_requests", self.max_running_requests, 1),
-                                  ("chunk_bytes", self.chunk_bytes, 0)):  # fmt: skip
+        for field, value, low in (
+            ("tp", self.tp, 1),
+            ("max_total_tokens", self.max_total_tokens, 1),
+            ("context_length", self.context_length, 1),
+            ("max_running_requests", self.max_running_requests, 1),
+            ("chunk_bytes", self.chunk_bytes, 0),
+        ):
             if value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool):

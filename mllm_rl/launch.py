@@ -95,8 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--module", default="mllm_rl.run", help="the module every process runs (default: mllm_rl.run)"
     )
-    ap.add_argument("--grace-s", type=float, default=30.0,
-                    help="seconds between SIGTERM and SIGKILL when stopping the others (default: 30)")  # fmt: skip
+    ap.add_argument(
+        "--grace-s",
+        type=float,
+        default=30.0,
+        help="seconds between SIGTERM and SIGKILL when stopping the others (default: 30)",
+    )
     return ap
 
 
@@ -118,8 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     pumps: list[threading.Thread] = []
     for rank in range(args.nproc):
         env = {**os.environ, **process_env(rank, args.nproc, coord, torch_port), "PYTHONUNBUFFERED": "1"}
-        p = subprocess.Popen([sys.executable, "-m", args.module, *rest], env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+        p = subprocess.Popen(
+            [sys.executable, "-m", args.module, *rest],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         procs.append(p)
         for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
             t = threading.Thread(target=_pump, args=(stream, f"[p{rank}] ", out, lock), daemon=True)

@@ -139,8 +139,11 @@ class LifecycleOptions:
         if not (math.isfinite(self.tis_cap) and self.tis_cap >= 0):
             raise OptionError("tis_cap", f"must be >= 0, got {self.tis_cap}")
         if self.tis_cap > 0 and self.old_logp != "trainer":
-            raise OptionError("tis_cap", "truncated importance sampling needs the trainer's old log-probs "
-                              "(old_logp trainer): it weighs the engine/trainer mismatch")  # fmt: skip
+            raise OptionError(
+                "tis_cap",
+                "truncated importance sampling needs the trainer's old log-probs "
+                "(old_logp trainer): it weighs the engine/trainer mismatch",
+            )
 
 
 def step_phases(opts: LifecycleOptions) -> list[str]:

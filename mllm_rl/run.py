@@ -159,19 +159,29 @@ def main(argv: list[str] | None = None) -> int:
     if console != "off":
         sinks.append(ConsoleSink(compact=console == "compact"))
     start_idx = count_records(phase_file) if (args.resume or args.resume_or_start) else 0
-    rec = PhaseRecorder(run_id, backend.name, sinks=sinks, process_index=pidx, start_idx=start_idx,
-                        tasks=pre.plan.tasks)  # fmt: skip
+    rec = PhaseRecorder(
+        run_id, backend.name, sinks=sinks, process_index=pidx, start_idx=start_idx, tasks=pre.plan.tasks
+    )
 
     plan_info = {"model": None if model is None else str(model.path), **pre.plan.run_json(backend, opts)}
     extra: dict[str, Any] = {}
 
     def write_plan() -> None:
         if pidx == 0:
-            write_run_json(run_dir, {
-                "run_id": run_id, "backend": backend.name, "plan": pre.plan.name, "process_count": pcount,
-                **plan_info, **extra, "argv": sys.argv[1:] if argv is None else argv, "options": pre.options,
-                "overrides": pre.overrides,
-            })  # fmt: skip
+            write_run_json(
+                run_dir,
+                {
+                    "run_id": run_id,
+                    "backend": backend.name,
+                    "plan": pre.plan.name,
+                    "process_count": pcount,
+                    **plan_info,
+                    **extra,
+                    "argv": sys.argv[1:] if argv is None else argv,
+                    "options": pre.options,
+                    "overrides": pre.overrides,
+                },
+            )
 
     def update_plan(fields: dict[str, Any]) -> None:
         extra.update(fields)
@@ -186,10 +196,16 @@ def main(argv: list[str] | None = None) -> int:
         from mllm_rl.sinks.wandb_sink import WandbSink
 
         wid = run_id if pidx == 0 else f"{run_id}-p{pidx}"
-        return WandbSink(pre.wandb_mode, run_dir, wid, project=args.wandb_project,
-                         resume=args.resume or args.resume_or_start, fallback=args.wandb_fallback,
-                         init_timeout=max(30.0, 3 * args.wandb_timeout),
-                         config={k: v for k, v in vars(args).items() if k != "prompt"})  # fmt: skip
+        return WandbSink(
+            pre.wandb_mode,
+            run_dir,
+            wid,
+            project=args.wandb_project,
+            resume=args.resume or args.resume_or_start,
+            fallback=args.wandb_fallback,
+            init_timeout=max(30.0, 3 * args.wandb_timeout),
+            config={k: v for k, v in vars(args).items() if k != "prompt"},
+        )
 
     engines: list[Any] = []
 
@@ -207,9 +223,18 @@ def main(argv: list[str] | None = None) -> int:
     code, error = 0, None
     result: dict[str, Any] = {}
     try:
-        ctx = PlanRun(backend, rec, model, make_wandb, run_dir, runtime, on_engine=engines.append,
-                      on_started=write_plan if pre.resuming else lambda: None, write_run_json=update_plan,
-                      process_index=pidx)  # fmt: skip
+        ctx = PlanRun(
+            backend,
+            rec,
+            model,
+            make_wandb,
+            run_dir,
+            runtime,
+            on_engine=engines.append,
+            on_started=write_plan if pre.resuming else lambda: None,
+            write_run_json=update_plan,
+            process_index=pidx,
+        )
         result = pre.plan.run(ctx, opts)
     except BaseException as e:  # noqa: BLE001 -- every ending has its code and one line (mllm_rl.exit_codes)
         code, error = exit_of(e)
@@ -253,8 +278,10 @@ def _print_summary(records: list[dict[str, Any]], result: dict[str, Any]) -> Non
     if stepped:
         print(step_table(stepped), file=sys.stderr)
     for h in result.get("history", []):
-        print(f"step {h['step']:>3}: reward_mean {h['reward_mean']:.3f}  loss {h.get('loss', float('nan')):.4f}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"step {h['step']:>3}: reward_mean {h['reward_mean']:.3f}  loss {h.get('loss', float('nan')):.4f}",
+            file=sys.stderr,
+        )
     for line in result.get("lines", []):
         print(line, file=sys.stderr)
     gen = records[-1]["info"]
@@ -262,8 +289,10 @@ def _print_summary(records: list[dict[str, Any]], result: dict[str, Any]) -> Non
         for prompt, text in list(zip(gen["prompts"], gen["text"], strict=True))[:4]:
             print(f"generate: {prompt!r} -> {text!r}", file=sys.stderr)
         if "greedy_reward_mean" in gen:
-            print(f"greedy reward on {len(gen['prompts'])} held-out prompts: {gen['greedy_reward_mean']:.3f}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"greedy reward on {len(gen['prompts'])} held-out prompts: {gen['greedy_reward_mean']:.3f}",
+                file=sys.stderr,
+            )
 
 
 def _exit(code: int) -> None:

@@ -47,8 +47,12 @@ def acquire(run_dir: Path, process_index: int, run_id: str) -> Path:
         ) from None
     f.seek(0)
     f.truncate()
-    holder = {"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id,
-              "since": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
+    holder = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "run_id": run_id,
+        "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     f.write(json.dumps(holder))
     f.flush()
     _HELD.append(f)

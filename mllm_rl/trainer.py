@@ -80,9 +80,17 @@ def check_state_names(what: Sequence[str]) -> list[str]:
 
 
 TRAIN_METRICS = (
-    "loss", "grad_norm", "clip_frac", "clip_frac_dual", "kl", "ratio_mean", "neg_logp_mean", "tokens", "updates",
+    "loss",
+    "grad_norm",
+    "clip_frac",
+    "clip_frac_dual",
+    "kl",
+    "ratio_mean",
+    "neg_logp_mean",
+    "tokens",
+    "updates",
     "train_s",
-)  # fmt: skip
+)
 
 
 def train_metrics(

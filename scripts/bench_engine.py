@@ -79,8 +79,12 @@ class _Managed:
 
         backend = load_backend("jax" if kind == "sglang-jax" else "torch")
         self.runtime = backend.init_runtime(tp=1, platform=platform)
-        opts = EngineOptions(max_total_tokens=max_batch * ctx, context_length=ctx, max_running_requests=max_batch,
-                             engine="auto" if kind == "sglang-jax" else kind)  # fmt: skip
+        opts = EngineOptions(
+            max_total_tokens=max_batch * ctx,
+            context_length=ctx,
+            max_running_requests=max_batch,
+            engine="auto" if kind == "sglang-jax" else kind,
+        )
         self.engine = ManagedEngine(backend.create_engine(model, opts))
         self.engine.update_weights(WeightExport(list(model.tensors), model.iter_tensors(), full=True))
 
@@ -104,7 +108,8 @@ class _HF:
         cuda = torch.cuda.is_available() and platform not in ("cpu",)
         self.device = torch.device("cuda" if cuda else "cpu")
         dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[
-            next(iter(model.tensors.values()))[1].dtype]  # fmt: skip
+            next(iter(model.tensors.values()))[1].dtype
+        ]
         self.model = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=dtype).to(self.device).eval()
         self.eos = model.config.eos_token_id
         self.runtime = {"platform": self.device.type, "torch_version": torch.__version__}
@@ -112,8 +117,14 @@ class _HF:
     def __call__(self, ids: list[list[int]], n: int) -> list[list[int]]:
         t = self.torch.tensor(ids, device=self.device)
         with self.torch.no_grad():
-            out = self.model.generate(input_ids=t, attention_mask=self.torch.ones_like(t), max_new_tokens=n,
-                                      min_new_tokens=n, do_sample=False, pad_token_id=self.eos)  # fmt: skip
+            out = self.model.generate(
+                input_ids=t,
+                attention_mask=self.torch.ones_like(t),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=self.eos,
+            )
         if self.device.type == "cuda":
             self.torch.cuda.synchronize()
         return out[:, t.shape[1] :].tolist()
@@ -130,12 +141,15 @@ def rates(b: int, p: int, n: int, n_gen: int, t1s: list[float], tns: list[float]
     pair = [b * (n - 1) / (tn - t1) for t1, tn in zip(t1s, tns, strict=True) if tn > t1]
     t1, tn = min(t1s), min(tns)
     return {
-        "t1_s": round(statistics.median(t1s), 5), "tN_s": round(statistics.median(tns), 5),
-        "t1_s_best": round(t1, 5), "tN_s_best": round(tn, 5),
+        "t1_s": round(statistics.median(t1s), 5),
+        "tN_s": round(statistics.median(tns), 5),
+        "t1_s_best": round(t1, 5),
+        "tN_s_best": round(tn, 5),
         "decode_tok_s": round(statistics.median(pair), 2) if pair else None,
         "decode_pairs_used": f"{len(pair)}/{len(t1s)}",
-        "e2e_tok_s_best": round(n_gen / tn, 2), "prefill_tok_s_best": round(b * p / t1, 2),
-    }  # fmt: skip
+        "e2e_tok_s_best": round(n_gen / tn, 2),
+        "prefill_tok_s_best": round(b * p / t1, 2),
+    }
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -168,11 +182,24 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         toks = toks or []
         over = sum(len(t) > args.new_tokens for t in toks)  # an engine must never return more than asked
         toks = [t[: args.new_tokens] for t in toks]
-        rows.append({"batch": b, "generated_tokens": sum(len(t) for t in toks), "over_length_outputs": over,
-                     "tokens": toks, "t1_all": t1s, "tN_all": tns})  # fmt: skip
+        rows.append(
+            {
+                "batch": b,
+                "generated_tokens": sum(len(t) for t in toks),
+                "over_length_outputs": over,
+                "tokens": toks,
+                "t1_all": t1s,
+                "tN_all": tns,
+            }
+        )
     eng.close()
-    return {"engine": kind, "runtime": eng.runtime, "start_s": round(start_s, 3), "rows": rows,
-            "python": sys.executable}  # fmt: skip
+    return {
+        "engine": kind,
+        "runtime": eng.runtime,
+        "start_s": round(start_s, 3),
+        "rows": rows,
+        "python": sys.executable,
+    }
 
 
 # -- driver ----------------------------------------------------------------------------------
@@ -200,10 +227,26 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         for e in engines:
             if "error" in results.get(e, {}):
                 continue
-            cmd = [python_for(e, args), str(Path(__file__).resolve()), "--worker", e, "--preset", args.preset,
-                   "--batch", ",".join(map(str, args.batch)), "--prompt-len", str(args.prompt_len),
-                   "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
-                   "--platform", args.platform, "--seed", str(args.seed)]  # fmt: skip
+            cmd = [
+                python_for(e, args),
+                str(Path(__file__).resolve()),
+                "--worker",
+                e,
+                "--preset",
+                args.preset,
+                "--batch",
+                ",".join(map(str, args.batch)),
+                "--prompt-len",
+                str(args.prompt_len),
+                "--new-tokens",
+                str(args.new_tokens),
+                "--repeats",
+                str(args.repeats),
+                "--platform",
+                args.platform,
+                "--seed",
+                str(args.seed),
+            ]
             print(f"  round {rnd + 1}/{args.rounds}: {e} ...", file=sys.stderr, flush=True)
             try:
                 res = last_json_line(run_cmd(cmd, f"engine {e}", timeout=args.timeout).stdout, e)
@@ -223,8 +266,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     for e, res in results.items():
         per_engine[e] = {}
         for r in res.get("rows", []):
-            per_engine[e][r["batch"]] = {**r, **rates(r["batch"], args.prompt_len, args.new_tokens,
-                                                      r["generated_tokens"], r["t1_all"], r["tN_all"])}  # fmt: skip
+            per_engine[e][r["batch"]] = {
+                **r,
+                **rates(
+                    r["batch"],
+                    args.prompt_len,
+                    args.new_tokens,
+                    r["generated_tokens"],
+                    r["t1_all"],
+                    r["tN_all"],
+                ),
+            }
     hf_rows = per_engine.get("hf", {})
     rows = []
     for e, by_batch in per_engine.items():
@@ -235,28 +287,53 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 same = round(
                     statistics.fmean(x == y for x, y in zip(r["tokens"], h["tokens"], strict=True)), 3
                 )
-            ratio = (round(r["decode_tok_s"] / h["decode_tok_s"], 3)
-                     if h and r["decode_tok_s"] and h["decode_tok_s"] else None)  # fmt: skip
-            rows.append({"engine": e, **{k: v for k, v in r.items() if k not in ("tokens", "t1_all", "tN_all")},
-                         "timings_t1": [round(x, 5) for x in r["t1_all"]], "timings_tN": [round(x, 5) for x in r["tN_all"]],
-                         "decode_over_hf": ratio,
-                         "e2e_over_hf": round(r["e2e_tok_s_best"] / h["e2e_tok_s_best"], 3) if h else None,
-                         "greedy_equal_hf": same})  # fmt: skip
+            ratio = (
+                round(r["decode_tok_s"] / h["decode_tok_s"], 3)
+                if h and r["decode_tok_s"] and h["decode_tok_s"]
+                else None
+            )
+            rows.append(
+                {
+                    "engine": e,
+                    **{k: v for k, v in r.items() if k not in ("tokens", "t1_all", "tN_all")},
+                    "timings_t1": [round(x, 5) for x in r["t1_all"]],
+                    "timings_tN": [round(x, 5) for x in r["tN_all"]],
+                    "decode_over_hf": ratio,
+                    "e2e_over_hf": round(r["e2e_tok_s_best"] / h["e2e_tok_s_best"], 3) if h else None,
+                    "greedy_equal_hf": same,
+                }
+            )
     return {
-        "bench": "engine", "backend": args.backend, "preset": args.preset, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "repeats": args.repeats, "rounds": args.rounds, "platform": args.platform,
+        "bench": "engine",
+        "backend": args.backend,
+        "preset": args.preset,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "rounds": args.rounds,
+        "platform": args.platform,
         "rows": rows,
         "engines": {e: {k: v for k, v in r.items() if k != "rows"} for e, r in results.items()},
-        "command": command_line(), "machine": machine_info(),
-    }  # fmt: skip
+        "command": command_line(),
+        "machine": machine_info(),
+    }
 
 
 def report(out: dict[str, Any]) -> str:
-    cols = [("engine", "engine", ""), ("batch", "batch", ""), ("t1_s", "t1 s", ".4f"), ("tN_s", "tN s", ".4f"),
-            ("decode_tok_s", "decode tok/s", ".1f"), ("decode_pairs_used", "pairs", ""),
-            ("e2e_tok_s_best", "e2e tok/s (best)", ".1f"), ("prefill_tok_s_best", "prefill tok/s (best)", ".1f"),
-            ("decode_over_hf", "decode / hf", ".3f"), ("e2e_over_hf", "e2e / hf", ".3f"),
-            ("greedy_equal_hf", "greedy = hf", ".3f"), ("over_length_outputs", "> N tokens", "")]  # fmt: skip
+    cols = [
+        ("engine", "engine", ""),
+        ("batch", "batch", ""),
+        ("t1_s", "t1 s", ".4f"),
+        ("tN_s", "tN s", ".4f"),
+        ("decode_tok_s", "decode tok/s", ".1f"),
+        ("decode_pairs_used", "pairs", ""),
+        ("e2e_tok_s_best", "e2e tok/s (best)", ".1f"),
+        ("prefill_tok_s_best", "prefill tok/s (best)", ".1f"),
+        ("decode_over_hf", "decode / hf", ".3f"),
+        ("e2e_over_hf", "e2e / hf", ".3f"),
+        ("greedy_equal_hf", "greedy = hf", ".3f"),
+        ("over_length_outputs", "> N tokens", ""),
+    ]
     head = (
         f"engine throughput {out['preset']} (prompt {out['prompt_len']}, {out['new_tokens']} new tokens, "
         f"{out['repeats']} repeats x {out['rounds']} rounds: medians, 'best' = fastest; platform {out['platform']})"
@@ -266,8 +343,10 @@ def report(out: dict[str, Any]) -> str:
         if "error" in info:
             lines.append(f"{e}: FAILED: {info['error'].splitlines()[0]}")
         else:
-            lines.append(f"{e}: started in {min(info['start_s_all']):.2f} s on {info['runtime'].get('platform')} "
-                         f"({info['python']})")  # fmt: skip
+            lines.append(
+                f"{e}: started in {min(info['start_s_all']):.2f} s on {info['runtime'].get('platform')} "
+                f"({info['python']})"
+            )
     return "\n".join(lines)
 
 

@@ -74,8 +74,13 @@ def compile_one(args: argparse.Namespace) -> dict[str, Any]:
     else:
         lowered = fns.logprob.lower(trainable, frozen, mb["tokens"], mb["attn"])
     lower_s = time.perf_counter() - t0
-    out: dict[str, Any] = {"path": args.child, "options": dataclasses.asdict(opts), "devices": len(devices),
-                           "lower_s": round(lower_s, 2), "hlo_chars": len(lowered.as_text())}  # fmt: skip
+    out: dict[str, Any] = {
+        "path": args.child,
+        "options": dataclasses.asdict(opts),
+        "devices": len(devices),
+        "lower_s": round(lower_s, 2),
+        "hlo_chars": len(lowered.as_text()),
+    }
     t1 = time.perf_counter()
     try:
         compiled = lowered.compile()
@@ -86,9 +91,14 @@ def compile_one(args: argparse.Namespace) -> dict[str, Any]:
         out.update(fits=False, error=msg.strip().splitlines()[0][:400])
     else:
         m = compiled.memory_analysis()
-        out.update(fits=True, argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
-                   alias_bytes=m.alias_size_in_bytes, temp_bytes=m.temp_size_in_bytes,
-                   peak_bytes=m.peak_memory_in_bytes)  # fmt: skip
+        out.update(
+            fits=True,
+            argument_bytes=m.argument_size_in_bytes,
+            output_bytes=m.output_size_in_bytes,
+            alias_bytes=m.alias_size_in_bytes,
+            temp_bytes=m.temp_size_in_bytes,
+            peak_bytes=m.peak_memory_in_bytes,
+        )
     out["compile_s"] = round(time.perf_counter() - t1, 2)
     out["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
@@ -96,11 +106,31 @@ def compile_one(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_path(args: argparse.Namespace, path: str) -> dict[str, Any]:
     """One path in a fresh process of this interpreter (its own RSS and compile cache)."""
-    cmd = [sys.executable, __file__, "--child", path, "--model", args.model, "--target", args.target,
-           "--batch", str(args.batch), "--seq", str(args.seq), "--fn", args.fn, "--tp", str(args.tp),
-           "--lora-rank", str(args.lora_rank)]  # fmt: skip
-    print(f"compiling the {path} path ({args.model}, {args.fn}, {args.batch} x {args.seq}, {args.target}) ...",
-          file=sys.stderr, flush=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        path,
+        "--model",
+        args.model,
+        "--target",
+        args.target,
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--fn",
+        args.fn,
+        "--tp",
+        str(args.tp),
+        "--lora-rank",
+        str(args.lora_rank),
+    ]
+    print(
+        f"compiling the {path} path ({args.model}, {args.fn}, {args.batch} x {args.seq}, {args.target}) ...",
+        file=sys.stderr,
+        flush=True,
+    )
     t0 = time.perf_counter()
     try:
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
@@ -109,8 +139,12 @@ def run_path(args: argparse.Namespace, path: str) -> dict[str, Any]:
     if r.returncode != 0:
         tail = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"
         killed = r.returncode < 0 or r.returncode == 137
-        return {"path": path, "fits": None, "error": ("killed (host memory?): " if killed else "") + tail[:400],
-                "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+        return {
+            "path": path,
+            "fits": None,
+            "error": ("killed (host memory?): " if killed else "") + tail[:400],
+            "wall_s": round(time.perf_counter() - t0, 1),
+        }
     res = json.loads(r.stdout.strip().splitlines()[-1])
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     print(f"  {path}: compiled in {res['compile_s']} s", file=sys.stderr, flush=True)
@@ -126,15 +160,28 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     libtpu = topologies.libtpu_version()
     results = {p: run_path(args, p) for p in args.paths}
     out: dict[str, Any] = {
-        "bench": "model_paths", "command": command_line(), "machine": machine_info(), "libtpu": libtpu,
-        "target": args.target, "model": args.model, "fn": args.fn, "batch": args.batch, "seq": args.seq,
-        "tp": args.tp, "lora_rank": args.lora_rank, "method": "predicted: XLA TPU compiler memory_analysis "
-        "(libtpu " + libtpu + "); compile_s and host RSS measured on this machine", "paths": results,
-    }  # fmt: skip
+        "bench": "model_paths",
+        "command": command_line(),
+        "machine": machine_info(),
+        "libtpu": libtpu,
+        "target": args.target,
+        "model": args.model,
+        "fn": args.fn,
+        "batch": args.batch,
+        "seq": args.seq,
+        "tp": args.tp,
+        "lora_rank": args.lora_rank,
+        "method": "predicted: XLA TPU compiler memory_analysis "
+        "(libtpu " + libtpu + "); compile_s and host RSS measured on this machine",
+        "paths": results,
+    }
     old, new = results.get("old"), results.get("new")
     if old and new and old.get("fits") and new.get("fits"):
-        out["ratios_new_over_old"] = {k: round(new[k] / old[k], 3) for k in
-                                      ("peak_bytes", "temp_bytes", "compile_s", "host_peak_rss_bytes") if old[k]}  # fmt: skip
+        out["ratios_new_over_old"] = {
+            k: round(new[k] / old[k], 3)
+            for k in ("peak_bytes", "temp_bytes", "compile_s", "host_peak_rss_bytes")
+            if old[k]
+        }
     if not any(r.get("fits") is not None for r in results.values()):
         raise BenchError(
             "no path compiled: " + "; ".join(f"{p}: {r.get('error')}" for p, r in results.items())
@@ -149,12 +196,21 @@ def report(out: dict[str, Any]) -> str:
         for k in ("argument_bytes", "output_bytes", "temp_bytes", "peak_bytes", "host_peak_rss_bytes"):
             row[k] = r[k] / GiB if r.get(k) is not None else None
         rows.append(row)
-    cols = [("path", "path", ""), ("fits", "fits", ""), ("argument_bytes", "args GiB", ".2f"),
-            ("output_bytes", "out GiB", ".2f"), ("temp_bytes", "temp GiB", ".2f"), ("peak_bytes", "peak GiB", ".2f"),
-            ("compile_s", "compile s", ".1f"), ("host_peak_rss_bytes", "host RSS GiB", ".2f")]  # fmt: skip
-    lines = [f"{out['model']} {out['fn']} step, micro-batch {out['batch']} x {out['seq']}, {out['target']} "
-             f"(tp {out['tp']}), per device; memory predicted by libtpu {out['libtpu']}, time/RSS measured here",
-             table(rows, cols)]  # fmt: skip
+    cols = [
+        ("path", "path", ""),
+        ("fits", "fits", ""),
+        ("argument_bytes", "args GiB", ".2f"),
+        ("output_bytes", "out GiB", ".2f"),
+        ("temp_bytes", "temp GiB", ".2f"),
+        ("peak_bytes", "peak GiB", ".2f"),
+        ("compile_s", "compile s", ".1f"),
+        ("host_peak_rss_bytes", "host RSS GiB", ".2f"),
+    ]
+    lines = [
+        f"{out['model']} {out['fn']} step, micro-batch {out['batch']} x {out['seq']}, {out['target']} "
+        f"(tp {out['tp']}), per device; memory predicted by libtpu {out['libtpu']}, time/RSS measured here",
+        table(rows, cols),
+    ]
     for p, r in out["paths"].items():
         if r.get("error"):
             lines.append(f"{p}: {r['error']}")
@@ -164,14 +220,21 @@ def report(out: dict[str, Any]) -> str:
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {"bench": "model_paths", "model": out["model"], "target": out["target"],
-            **{f"{p}_peak_bytes": r.get("peak_bytes") for p, r in out["paths"].items()},
-            "ratios_new_over_old": out.get("ratios_new_over_old")}  # fmt: skip
+    return {
+        "bench": "model_paths",
+        "model": out["model"],
+        "target": out["target"],
+        **{f"{p}_peak_bytes": r.get("peak_bytes") for p, r in out["paths"].items()},
+        "ratios_new_over_old": out.get("ratios_new_over_old"),
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     ap.add_argument("--model", default="qwen3-0.6b", help="a preset of mllm_rl.presets (default qwen3-0.6b)")
     ap.add_argument("--target", default="v4-8", choices=TARGETS, help="TPU slice to compile for")
     ap.add_argument("--batch", type=positive(), default=4, help="micro-batch rows (default 4)")

@@ -39,8 +39,14 @@ from mllm_rl.bench.records import max_of, truth
 from mllm_rl.bench.tables import table
 
 # Enough samples that the tiny model earns non-zero rewards on both backends (equal zeros prove nothing).
-SETTINGS = {"steps": 2, "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 8, "max_running_requests": 64,
-            "checkpoint_every": 0}  # fmt: skip
+SETTINGS = {
+    "steps": 2,
+    "prompts_per_step": 8,
+    "group_size": 8,
+    "max_new_tokens": 8,
+    "max_running_requests": 64,
+    "checkpoint_every": 0,
+}
 LRS = (3e-3, 1e-3, 2e-3, 5e-4)
 RUN_LEVEL = ("wandb_init", "jax_ready", "torch_ready")
 
@@ -59,8 +65,10 @@ def tasks_toml(tasks: list[dict[str, Any]], settings: dict[str, Any]) -> str:
 def _device_peak(run_dir: Path) -> int | None:
     from mllm_rl.sinks.jsonl import read_jsonl
 
-    peaks = [sum(d["phase_peak_bytes"] or 0 for d in truth(r["memory"]["devices"]))
-             for r in read_jsonl(run_dir / "phases.jsonl")]  # fmt: skip
+    peaks = [
+        sum(d["phase_peak_bytes"] or 0 for d in truth(r["memory"]["devices"]))
+        for r in read_jsonl(run_dir / "phases.jsonl")
+    ]
     return max_of(peaks)
 
 
@@ -68,8 +76,11 @@ def _phase_seconds(run_dir: Path, task: str | None = None) -> float:
     """Seconds spent in a task's phases (the run-level ``wandb_init``/``*_ready`` left out)."""
     from mllm_rl.sinks.jsonl import read_jsonl
 
-    return sum(r["t_end"] - r["t_start"] for r in read_jsonl(run_dir / "phases.jsonl")
-               if r["phase"] not in RUN_LEVEL and (task is None or r.get("task") == task))  # fmt: skip
+    return sum(
+        r["t_end"] - r["t_start"]
+        for r in read_jsonl(run_dir / "phases.jsonl")
+        if r["phase"] not in RUN_LEVEL and (task is None or r.get("task") == task)
+    )
 
 
 def _rewards(run_dir: Path, task: str | None = None) -> list[list[float]]:
@@ -99,19 +110,46 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         os.environ["MLLM_RL_CACHE"] = env["MLLM_RL_CACHE"]
         for t in tasks:  # checkpoints written before anything is timed
             resolve_model(t["model"], seed=t["seed"])
-        common = [sys.executable, "-m", "mllm_rl.run", "--backend", args.backend, "--platform", args.platform,
-                  "--wandb", "disabled", "--quiet"]  # fmt: skip
+        common = [
+            sys.executable,
+            "-m",
+            "mllm_rl.run",
+            "--backend",
+            args.backend,
+            "--platform",
+            args.platform,
+            "--wandb",
+            "disabled",
+            "--quiet",
+        ]
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
         singles = []
         for t in tasks:
             run_dir = base / f"single_{t['name']}"
-            cmd = [*common, "--model", t["model"], "--seed", str(t["seed"]), "--lr", str(t["lr"]), *flags,
-                   "--run-dir", str(run_dir)]  # fmt: skip
+            cmd = [
+                *common,
+                "--model",
+                t["model"],
+                "--seed",
+                str(t["seed"]),
+                "--lr",
+                str(t["lr"]),
+                *flags,
+                "--run-dir",
+                str(run_dir),
+            ]
             print(f"single task {t['name']} ...", file=sys.stderr, flush=True)
             wall = _timed(cmd, f"single task {t['name']}", env)
             load.append(round(os.getloadavg()[0], 2))
-            singles.append({"run": f"alone: {t['name']}", "wall_s": wall, "peak_bytes": _device_peak(run_dir),
-                            "rewards": _rewards(run_dir), "phase_s": _phase_seconds(run_dir)})  # fmt: skip
+            singles.append(
+                {
+                    "run": f"alone: {t['name']}",
+                    "wall_s": wall,
+                    "peak_bytes": _device_peak(run_dir),
+                    "rewards": _rewards(run_dir),
+                    "phase_s": _phase_seconds(run_dir),
+                }
+            )
         toml = base / "tasks.toml"
         toml.write_text(tasks_toml(tasks, settings))
         run_dir = base / "multi"
@@ -126,25 +164,37 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         drift = max_of(
             [abs(x["device_bytes"] - baseline) for x in leases[n_setup:] if x["device_bytes"] is not None]
         )
-        multi = {"run": f"{len(tasks)} tasks together", "wall_s": wall, "peak_bytes": _device_peak(run_dir),
-                 "rewards": {t["name"]: _rewards(run_dir, t["name"]) for t in tasks}, "leases": len(leases),
-                 "baseline_bytes": baseline, "max_drift_bytes": drift,
-                 "phase_s": {t["name"]: _phase_seconds(run_dir, t["name"]) for t in tasks}}  # fmt: skip
+        multi = {
+            "run": f"{len(tasks)} tasks together",
+            "wall_s": wall,
+            "peak_bytes": _device_peak(run_dir),
+            "rewards": {t["name"]: _rewards(run_dir, t["name"]) for t in tasks},
+            "leases": len(leases),
+            "baseline_bytes": baseline,
+            "max_drift_bytes": drift,
+            "phase_s": {t["name"]: _phase_seconds(run_dir, t["name"]) for t in tasks},
+        }
     peak_single = max_of([s["peak_bytes"] for s in singles])
     equal = all(multi["rewards"][t["name"]] == s["rewards"] for t, s in zip(tasks, singles, strict=True))
     equal = equal and any(step[0] > 0 for s in singles for step in s["rewards"])  # not all zeros
     ratio_peak = multi["peak_bytes"] / peak_single if peak_single else None
     ratio_wall = wall / sum(s["wall_s"] for s in singles)
     return {
-        "command": command_line(), "machine": machine_info(), "backend": args.backend, "tasks": tasks,
-        "settings": settings, "load_avg_1m": load, "singles": singles, "multi": multi,
+        "command": command_line(),
+        "machine": machine_info(),
+        "backend": args.backend,
+        "tasks": tasks,
+        "settings": settings,
+        "load_avg_1m": load,
+        "singles": singles,
+        "multi": multi,
         "targets": {
             "peak_ratio": target(ratio_peak, "<=", 1.05),
             "between_leases_mib": target(drift / MiB if drift is not None else None, "<=", 1.0),
             "wall_ratio": target(ratio_wall, "<=", 1.10),
             "rewards_equal": {"value": equal, "target": "== alone, not all 0", "pass": equal},
         },
-    }  # fmt: skip
+    }
 
 
 def report(out: dict[str, Any]) -> str:
@@ -158,21 +208,40 @@ def report(out: dict[str, Any]) -> str:
         table(rows, [("run", "run", ""), ("wall_s", "wall s", ".1f"), ("peak_mib", "device peak MiB", ".3f")])
     ]
     lines.append("")
-    trows = [{"name": k, "value": v["value"], "target": v["target"], "pass": v["pass"]}
-             for k, v in out["targets"].items()]  # fmt: skip
-    lines.append(table(trows, [("name", "target", ""), ("value", "measured", ".4g"), ("target", "bound", ""),
-                               ("pass", "pass", "")]))  # fmt: skip
-    per_task = ", ".join(f"{t['name']} {m['phase_s'][t['name']]:.1f} s together vs {s['phase_s']:.1f} s alone"
-                         for t, s in zip(out["tasks"], out["singles"], strict=True))  # fmt: skip
+    trows = [
+        {"name": k, "value": v["value"], "target": v["target"], "pass": v["pass"]}
+        for k, v in out["targets"].items()
+    ]
+    lines.append(
+        table(
+            trows,
+            [
+                ("name", "target", ""),
+                ("value", "measured", ".4g"),
+                ("target", "bound", ""),
+                ("pass", "pass", ""),
+            ],
+        )
+    )
+    per_task = ", ".join(
+        f"{t['name']} {m['phase_s'][t['name']]:.1f} s together vs {s['phase_s']:.1f} s alone"
+        for t, s in zip(out["tasks"], out["singles"], strict=True)
+    )
     lines.append(f"\ntime in each task's phases: {per_task}")
-    lines.append(f"baseline between leases {m['baseline_bytes']} B, max drift {m['max_drift_bytes']} B over "
-                 f"{m['leases']} leases; load average (1 min) before/after each run: {out['load_avg_1m']}")  # fmt: skip
+    lines.append(
+        f"baseline between leases {m['baseline_bytes']} B, max drift {m['max_drift_bytes']} B over "
+        f"{m['leases']} leases; load average (1 min) before/after each run: {out['load_avg_1m']}"
+    )
     return "\n".join(lines)
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {"bench": "multitask", "backend": out["backend"],
-            **{k: v["value"] for k, v in out["targets"].items()}, "pass": not failed_targets(out)}  # fmt: skip
+    return {
+        "bench": "multitask",
+        "backend": out["backend"],
+        **{k: v["value"] for k, v in out["targets"].items()},
+        "pass": not failed_targets(out),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,9 +59,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _run(args: argparse.Namespace, run_dir: Path) -> None:
     if (run_dir / "phases.jsonl").exists() and (run_dir / "run.json").exists():
         return
-    cmd = [sys.executable, "-m", "mllm_rl.run", "--backend", "jax", "--platform", "cpu", "--model", args.model,
-           "--steps", str(args.steps), "--wandb", "disabled", "--console", "off", "--run-dir", str(run_dir),
-           *args.run_arg]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mllm_rl.run",
+        "--backend",
+        "jax",
+        "--platform",
+        "cpu",
+        "--model",
+        args.model,
+        "--steps",
+        str(args.steps),
+        "--wandb",
+        "disabled",
+        "--console",
+        "off",
+        "--run-dir",
+        str(run_dir),
+        *args.run_arg,
+    ]
     run_cmd(cmd, "the RL run", timeout=3600)
 
 
@@ -71,13 +88,39 @@ def plan_command(run: dict[str, Any], records: list[dict[str, Any]], out: Path) 
     if eng is None:
         raise BenchError("the run has no engine_ready_dummy record")
     train = run["train"]
-    cmd = [sys.executable, "-m", "mllm_rl.memplan", "--backend", "jax", "--target", "cpu", "--model", run["model"],
-           "--micro-batch-size", str(train["micro_batch_size"]), "--seq-len", str(eng["context_length"]),
-           "--kv-tokens", str(eng["max_total_tokens"]), "--tp", str(eng["tp"]),
-           "--max-running-requests", str(eng["max_running_requests"]),
-           "--group-size", str(run["group_size"]), "--prompts-per-step", str(run["prompts_per_step"]),
-           "--lora-rank", str(train["lora_rank"]), "--kl-beta", str(train["loss"]["beta"]),
-           "--schedule", run["schedule"], "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mllm_rl.memplan",
+        "--backend",
+        "jax",
+        "--target",
+        "cpu",
+        "--model",
+        run["model"],
+        "--micro-batch-size",
+        str(train["micro_batch_size"]),
+        "--seq-len",
+        str(eng["context_length"]),
+        "--kv-tokens",
+        str(eng["max_total_tokens"]),
+        "--tp",
+        str(eng["tp"]),
+        "--max-running-requests",
+        str(eng["max_running_requests"]),
+        "--group-size",
+        str(run["group_size"]),
+        "--prompts-per-step",
+        str(run["prompts_per_step"]),
+        "--lora-rank",
+        str(train["lora_rank"]),
+        "--kl-beta",
+        str(train["loss"]["beta"]),
+        "--schedule",
+        run["schedule"],
+        "--out",
+        str(out),
+    ]
     return cmd
 
 
@@ -91,30 +134,57 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     r = run_cmd(cmd, "the plan")
     doc = json.loads((plan_dir / "plan.json").read_text())
     result = compare(records, doc, args.tolerance)
-    return {"bench": "plan_cpu", "command": command_line(), "run_dir": str(run_dir), "plan_command": " ".join(cmd[1:]),
-            "plan_summary": doc["summary"], "plan_stderr_tail": r.stderr[-500:], "machine": machine_info(), **result}  # fmt: skip
+    return {
+        "bench": "plan_cpu",
+        "command": command_line(),
+        "run_dir": str(run_dir),
+        "plan_command": " ".join(cmd[1:]),
+        "plan_summary": doc["summary"],
+        "plan_stderr_tail": r.stderr[-500:],
+        "machine": machine_info(),
+        **result,
+    }
 
 
 def report(out: dict[str, Any]) -> str:
     mib = lambda b: None if b is None else b / MiB  # noqa: E731
     comps = [dict(r, predicted=mib(r["predicted"]), measured=mib(r["measured"])) for r in out["components"]]
-    phases = [dict(r, predicted=mib(r["predicted"]), measured=mib(r["measured"]), during=mib(r["predicted_during"]))
-              for r in out["phases"]]  # fmt: skip
+    phases = [
+        dict(r, predicted=mib(r["predicted"]), measured=mib(r["measured"]), during=mib(r["predicted_during"]))
+        for r in out["phases"]
+    ]
     g = out["grad_step"]
     rss = ", ".join(f"step {x['step']}: {x['rss_rise'] / MiB:.1f} MiB" for x in g["measured_rss_rise"])
-    cols = [("predicted", "predicted MiB (plan)", ".2f"), ("measured", "measured MiB (run)", ".2f"), ("ratio", "ratio", ".3f"),
-            ("within", f"within {out['tolerance']:.0%}", "")]  # fmt: skip
-    return "\n".join([
-        f"run: {out['run_dir']}   plan: python {out['plan_command']}",
-        "", "Components (PREDICTED by the plan for the cpu target vs MEASURED by the run's own byte counts):",
-        table(comps, [("component", "component", "")] + cols),
-        "", "Bytes in use at the end of each phase (setup, then the last step; PREDICTED vs MEASURED live arrays):",
-        table(phases, [("phase", "phase", "")] + cols + [("during", "plan's peak during the phase MiB", ".2f"),
-                                                          ("below_during", "measured <= it", "")]),
-        "", f"grad_step compiled temporaries (PREDICTED, XLA:CPU): {g['temp_bytes'] / MiB:.1f} MiB; "
+    cols = [
+        ("predicted", "predicted MiB (plan)", ".2f"),
+        ("measured", "measured MiB (run)", ".2f"),
+        ("ratio", "ratio", ".3f"),
+        ("within", f"within {out['tolerance']:.0%}", ""),
+    ]
+    return "\n".join(
+        [
+            f"run: {out['run_dir']}   plan: python {out['plan_command']}",
+            "",
+            "Components (PREDICTED by the plan for the cpu target vs MEASURED by the run's own byte counts):",
+            table(comps, [("component", "component", "")] + cols),
+            "",
+            "Bytes in use at the end of each phase (setup, then the last step; PREDICTED vs MEASURED live arrays):",
+            table(
+                phases,
+                [("phase", "phase", "")]
+                + cols
+                + [
+                    ("during", "plan's peak during the phase MiB", ".2f"),
+                    ("below_during", "measured <= it", ""),
+                ],
+            ),
+            "",
+            f"grad_step compiled temporaries (PREDICTED, XLA:CPU): {g['temp_bytes'] / MiB:.1f} MiB; "
             f"measured host-RSS rise in train_step: {rss}",
-        "", "within tolerance: " + ("yes" if out["within"] else "NO"),
-    ])  # fmt: skip
+            "",
+            "within tolerance: " + ("yes" if out["within"] else "NO"),
+        ]
+    )
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
@@ -122,8 +192,13 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
         (abs(r["ratio"] - 1) for r in out["components"] + out["phases"] if r["ratio"] is not None),
         default=None,
     )
-    return {"bench": "plan_cpu", "within": out["within"], "worst_deviation": worst, "run_dir": out["run_dir"],
-            "grad_temp_gib": (out["grad_step"]["temp_bytes"] or 0) / GiB}  # fmt: skip
+    return {
+        "bench": "plan_cpu",
+        "within": out["within"],
+        "worst_deviation": worst,
+        "run_dir": out["run_dir"],
+        "grad_temp_gib": (out["grad_step"]["temp_bytes"] or 0) / GiB,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

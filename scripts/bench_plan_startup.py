@@ -67,8 +67,14 @@ def _one(case: str, comp: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     if case == "on_path_cpu":
         env["JAX_PLATFORMS"] = "cpu"
-    r = subprocess.run([sys.executable, "-c", CHILD, case, comp], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600, env=env)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD, case, comp],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     if r.returncode != 0:
         raise ValueError(f"{case}: child failed: {r.stderr.strip().splitlines()[-1:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -83,30 +89,57 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for case in CASES:
         runs = [_one(case, comp) for _ in range(args.repeats)]
-        rows.append({"case": case, "seconds": statistics.median(r["seconds"] for r in runs),
-                     "rss_mib": statistics.median(r["rss"] for r in runs) / MiB,
-                     "devices": runs[0]["devices"], "plugins": ",".join(runs[0]["plugins"]) or "none"})  # fmt: skip
+        rows.append(
+            {
+                "case": case,
+                "seconds": statistics.median(r["seconds"] for r in runs),
+                "rss_mib": statistics.median(r["rss"] for r in runs) / MiB,
+                "devices": runs[0]["devices"],
+                "plugins": ",".join(runs[0]["plugins"]) or "none",
+            }
+        )
     base = rows[0]
     for r in rows:
         r["x_time"] = r["seconds"] / base["seconds"]
         r["x_rss"] = r["rss_mib"] / base["rss_mib"]
-    return {"bench": "plan_startup", "command": command_line(), "compilers": comp, "repeats": args.repeats,
-            "machine": machine_info(), "rows": rows, "plain_loads_no_plugin": base["plugins"] == "none"}  # fmt: skip
+    return {
+        "bench": "plan_startup",
+        "command": command_line(),
+        "compilers": comp,
+        "repeats": args.repeats,
+        "machine": machine_info(),
+        "rows": rows,
+        "plain_loads_no_plugin": base["plugins"] == "none",
+    }
 
 
 def report(out: dict[str, Any]) -> str:
-    cols = [("case", "case", ""), ("seconds", "start s (median)", ".2f"), ("x_time", "x plain", ".2f"),
-            ("rss_mib", "peak RSS MiB", ".0f"), ("x_rss", "x plain", ".2f"), ("devices", "devices", ""),
-            ("plugins", "plugin modules imported", "")]  # fmt: skip
+    cols = [
+        ("case", "case", ""),
+        ("seconds", "start s (median)", ".2f"),
+        ("x_time", "x plain", ".2f"),
+        ("rss_mib", "peak RSS MiB", ".0f"),
+        ("x_rss", "x plain", ".2f"),
+        ("devices", "devices", ""),
+        ("plugins", "plugin modules imported", ""),
+    ]
     where = out["machine"].get("cpu") or f"{os.cpu_count()} CPUs"
-    return "\n".join([f"MEASURED ({where}), {out['repeats']} fresh interpreters per case; "
-                      f"compilers in {out['compilers']}", table(out["rows"], cols),
-                      "plain CPU start loads no plugin: " + ("yes" if out["plain_loads_no_plugin"] else "NO")])  # fmt: skip
+    return "\n".join(
+        [
+            f"MEASURED ({where}), {out['repeats']} fresh interpreters per case; "
+            f"compilers in {out['compilers']}",
+            table(out["rows"], cols),
+            "plain CPU start loads no plugin: " + ("yes" if out["plain_loads_no_plugin"] else "NO"),
+        ]
+    )
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {"bench": "plan_startup", "plain_loads_no_plugin": out["plain_loads_no_plugin"],
-            **{r["case"]: round(r["seconds"], 2) for r in out["rows"]}}  # fmt: skip
+    return {
+        "bench": "plan_startup",
+        "plain_loads_no_plugin": out["plain_loads_no_plugin"],
+        **{r["case"]: round(r["seconds"], 2) for r in out["rows"]},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,8 +34,16 @@ KV128K = ["--kv-tokens", "131072"]
 # The trainer's memory-lean paths for GPU targets, where ModelOptions.for_platform keeps the
 # reference paths: stacked layers, per-block remat, chunked attention (splash is a TPU kernel),
 # the head in 256-position chunks.
-GPU_LEAN = ["--model-option", "scan_layers=true", "--model-option", "remat=block", "--model-option",
-            "attention=chunked", "--model-option", "logprob_chunk=256"]  # fmt: skip
+GPU_LEAN = [
+    "--model-option",
+    "scan_layers=true",
+    "--model-option",
+    "remat=block",
+    "--model-option",
+    "attention=chunked",
+    "--model-option",
+    "logprob_chunk=256",
+]
 FIT_SEQ = ["--micro-batch-size", "1", "--seq-len", "8192", "--fit", "seq_len", "--fit-step", "4096"]
 MLLM_JAX_ENGINE = [
     "--micro-batch-size",
@@ -73,10 +81,13 @@ CASES: dict[str, tuple[list[str], str]] = {
 
 # Measured elsewhere, to hold a plan against: (case, phase of the plan, bytes summed over devices, source).
 REFERENCES = {
-    "4b-v4-8-engine": ("setup:continue_generation", 8652005376,
-                       "demon2036/MLLM-JAX docs/sops/tpu-sglang-jax-qwen3-4b-wandb-memory-logging.md, v4-8 run A: "
-                       "bytes_in_use_sum after weights_swapped"),
-}  # fmt: skip
+    "4b-v4-8-engine": (
+        "setup:continue_generation",
+        8652005376,
+        "demon2036/MLLM-JAX docs/sops/tpu-sglang-jax-qwen3-4b-wandb-memory-logging.md, v4-8 run A: "
+        "bytes_in_use_sum after weights_swapped",
+    ),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,8 +112,13 @@ def _case(name: str, out: Path, timeout: float) -> dict[str, Any]:
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
-    row: dict[str, Any] = {"case": name, "command": "python " + " ".join(cmd[1:]), "rc": r.returncode,
-                           "expect": expect, "wall_s": wall}  # fmt: skip
+    row: dict[str, Any] = {
+        "case": name,
+        "command": "python " + " ".join(cmd[1:]),
+        "rc": r.returncode,
+        "expect": expect,
+        "wall_s": wall,
+    }
     if r.returncode not in (EXIT_OK, EXIT_DOES_NOT_FIT):
         row["error"] = (r.stderr.strip().splitlines() or ["?"])[-1]
         return row
@@ -111,22 +127,40 @@ def _case(name: str, out: Path, timeout: float) -> dict[str, Any]:
     for sched, p in doc["plans"].items():
         peak = max(p["phases"], key=lambda ph: ph["total"])
         over = [ph["phase"] for ph in p["phases"] if ph["total"] > p["budget_bytes"]]
-        row[sched] = {"fits": p["fits"], "peak_gib": peak["total"] / GiB, "peak_phase": peak["phase"],
-                      "peak_of_hbm": peak["total"] / p["target"]["hbm_bytes"], "over": over,
-                      "first_overflow": p["first_overflow"]}  # fmt: skip
+        row[sched] = {
+            "fits": p["fits"],
+            "peak_gib": peak["total"] / GiB,
+            "peak_phase": peak["phase"],
+            "peak_of_hbm": peak["total"] / p["target"]["hbm_bytes"],
+            "over": over,
+            "first_overflow": p["first_overflow"],
+        }
     t = doc["plans"]["multi_stage"]["target"]
     if name in REFERENCES:
         phase, measured, source = REFERENCES[name]
         ph = next(p for p in doc["plans"]["multi_stage"]["phases"] if p["phase"] == phase)
         predicted = ph["total"] * t["num_devices"]
-        row["reference"] = {"phase": phase, "predicted_sum": predicted, "measured_sum": measured,
-                            "ratio": predicted / measured, "within_2pct": abs(predicted / measured - 1) <= 0.02,
-                            "source": source, "resident": ph["resident"]}  # fmt: skip
-    row.update(target=t["name"], devices=t["num_devices"], hosts=t["num_hosts"], hbm_gib=t["hbm_bytes"] / GiB,
-               kv_tokens=info.get("kv_tokens"), mem_fraction_static=info.get("mem_fraction_static"),
-               compile_s=sum(info.get("compile_seconds", {}).values()),
-               host_rss_gib=info.get("host_peak_rss_bytes", 0) / GiB, summary=doc["summary"],
-               fit=doc.get("fit", {}).get("value"))  # fmt: skip
+        row["reference"] = {
+            "phase": phase,
+            "predicted_sum": predicted,
+            "measured_sum": measured,
+            "ratio": predicted / measured,
+            "within_2pct": abs(predicted / measured - 1) <= 0.02,
+            "source": source,
+            "resident": ph["resident"],
+        }
+    row.update(
+        target=t["name"],
+        devices=t["num_devices"],
+        hosts=t["num_hosts"],
+        hbm_gib=t["hbm_bytes"] / GiB,
+        kv_tokens=info.get("kv_tokens"),
+        mem_fraction_static=info.get("mem_fraction_static"),
+        compile_s=sum(info.get("compile_seconds", {}).values()),
+        host_rss_gib=info.get("host_peak_rss_bytes", 0) / GiB,
+        summary=doc["summary"],
+        fit=doc.get("fit", {}).get("value"),
+    )
     return row
 
 
@@ -147,18 +181,39 @@ def _flat(r: dict[str, Any]) -> dict[str, Any]:
     if "error" in r:
         return {"case": r["case"], "ms": "ERROR: " + r["error"]}
     ms, nv = r["multi_stage"], r["naive"]
-    verdict = lambda p: (f"fits {p['peak_gib']:.2f} ({p['peak_of_hbm']:.0%}) {p['peak_phase']}"  # noqa: E731
-                         if p["fits"] else f"OVER in {', '.join(dict.fromkeys(p['over']))}")  # fmt: skip
-    return {"case": r["case"], "target": f"{r['target']} ({r['devices']}x{r['hbm_gib']:.2f} GiB)", "ms": verdict(ms),
-            "naive": verdict(nv), "kv": r["kv_tokens"], "frac": r["mem_fraction_static"], "fit": r["fit"],
-            "compile": r["compile_s"], "rss": r["host_rss_gib"], "wall": r["wall_s"]}  # fmt: skip
+
+    def verdict(p: dict[str, Any]) -> str:
+        if p["fits"]:
+            return f"fits {p['peak_gib']:.2f} ({p['peak_of_hbm']:.0%}) {p['peak_phase']}"
+        return f"OVER in {', '.join(dict.fromkeys(p['over']))}"
+
+    return {
+        "case": r["case"],
+        "target": f"{r['target']} ({r['devices']}x{r['hbm_gib']:.2f} GiB)",
+        "ms": verdict(ms),
+        "naive": verdict(nv),
+        "kv": r["kv_tokens"],
+        "frac": r["mem_fraction_static"],
+        "fit": r["fit"],
+        "compile": r["compile_s"],
+        "rss": r["host_rss_gib"],
+        "wall": r["wall_s"],
+    }
 
 
 def report(out: dict[str, Any]) -> str:
-    cols = [("case", "case", ""), ("target", "target", ""), ("ms", "multi_stage (GiB/device, of HBM, at)", ""),
-            ("naive", "naive", ""), ("kv", "KV tokens", ""), ("frac", "mem_fraction_static", ""),
-            ("fit", "fitted", ""), ("compile", "compile s", ".0f"), ("rss", "host RSS GiB", ".2f"),
-            ("wall", "wall s", ".0f")]  # fmt: skip
+    cols = [
+        ("case", "case", ""),
+        ("target", "target", ""),
+        ("ms", "multi_stage (GiB/device, of HBM, at)", ""),
+        ("naive", "naive", ""),
+        ("kv", "KV tokens", ""),
+        ("frac", "mem_fraction_static", ""),
+        ("fit", "fitted", ""),
+        ("compile", "compile s", ".0f"),
+        ("rss", "host RSS GiB", ".2f"),
+        ("wall", "wall s", ".0f"),
+    ]
     lines = [
         "PREDICTED (compile-only; libtpu / XLA GPU on this machine):",
         table([_flat(r) for r in out["rows"]], cols),
@@ -166,15 +221,20 @@ def report(out: dict[str, Any]) -> str:
     for r in out["rows"]:
         if "reference" in r:
             ref, n = r["reference"], r["devices"]
-            lines.append(f"{r['case']}: {ref['phase']} PREDICTED {ref['predicted_sum'] / GiB:.3f} GiB over {n} devices "
-                         f"({ref['predicted_sum'] / n / GiB:.3f} per device) vs MEASURED {ref['measured_sum'] / GiB:.3f} "
-                         f"GiB ({ref['source']}): ratio {ref['ratio']:.4f}")  # fmt: skip
+            lines.append(
+                f"{r['case']}: {ref['phase']} PREDICTED {ref['predicted_sum'] / GiB:.3f} GiB over {n} devices "
+                f"({ref['predicted_sum'] / n / GiB:.3f} per device) vs MEASURED {ref['measured_sum'] / GiB:.3f} "
+                f"GiB ({ref['source']}): ratio {ref['ratio']:.4f}"
+            )
     return "\n".join(lines)
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {"bench": "plan_targets", "ok": out["ok"],
-            "cases": {r["case"]: r.get("multi_stage", {}).get("fits", r.get("error")) for r in out["rows"]}}  # fmt: skip
+    return {
+        "bench": "plan_targets",
+        "ok": out["ok"],
+        "cases": {r["case"]: r.get("multi_stage", {}).get("fits", r.get("error")) for r in out["rows"]},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

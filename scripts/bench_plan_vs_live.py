@@ -67,9 +67,29 @@ def run_flags(extra: list[str]) -> dict[str, Any]:
 def live_run(args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
     from mllm_rl.sinks.jsonl import read_jsonl
 
-    cmd = [sys.executable, "-m", "mllm_rl.run", "--backend", "torch", "--plan", "rl", "--model", args.preset,
-           "--platform", "cpu", "--steps", "2", "--save-every", "0", "--wandb", "disabled", "--quiet",
-           "--run-dir", run_dir, *args.extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mllm_rl.run",
+        "--backend",
+        "torch",
+        "--plan",
+        "rl",
+        "--model",
+        args.preset,
+        "--platform",
+        "cpu",
+        "--steps",
+        "2",
+        "--save-every",
+        "0",
+        "--wandb",
+        "disabled",
+        "--quiet",
+        "--run-dir",
+        run_dir,
+        *args.extra,
+    ]
     run_cmd(cmd, "live run", timeout=args.timeout)
     records = read_jsonl(Path(run_dir) / "phases.jsonl")
     by = {}
@@ -92,14 +112,32 @@ def live_run(args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
         for r in by["train_step"]
     ]
     model = next(r["info"]["model"] for r in records if r["phase"] == "engine_ready_dummy")
-    return {"cmd": " ".join(cmd), "checkpoint": model, "params": params, "optimizer": [b - p for b, p in
-            zip(both, params, strict=True)], "train_step_rss_rise": rss}  # fmt: skip
+    return {
+        "cmd": " ".join(cmd),
+        "checkpoint": model,
+        "params": params,
+        "optimizer": [b - p for b, p in zip(both, params, strict=True)],
+        "train_step_rss_rise": rss,
+    }
 
 
 def live_grads(args: argparse.Namespace, checkpoint: str, flags: dict[str, Any]) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "_grads", checkpoint, "--rows", str(rows(flags)), "--seq-len",
-           str(args.seq_len), "--micro-batch", str(flags["micro_batch_size"]), "--lora-rank",
-           str(flags["lora_rank"]), "--kl-beta", str(flags["kl_beta"])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "_grads",
+        checkpoint,
+        "--rows",
+        str(rows(flags)),
+        "--seq-len",
+        str(args.seq_len),
+        "--micro-batch",
+        str(flags["micro_batch_size"]),
+        "--lora-rank",
+        str(flags["lora_rank"]),
+        "--kl-beta",
+        str(flags["kl_beta"]),
+    ]
     r = run_cmd(cmd, "live gradients", timeout=args.timeout)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -125,8 +163,11 @@ def grads_main(argv: list[str]) -> int:
     seen: list[int] = []
 
     def pre_step(*_: Any) -> None:
-        storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
-                    for p in tr.trainable.values() if p.grad is not None}  # fmt: skip
+        storages = {
+            p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+            for p in tr.trainable.values()
+            if p.grad is not None
+        }
         seen.append(sum(storages.values()))
 
     tr.optimizer.register_step_pre_hook(pre_step)
@@ -143,10 +184,20 @@ def rows(flags: dict[str, Any]) -> int:
 def plan_request(args: argparse.Namespace, config: Any, flags: dict[str, Any], dtype: str) -> Any:
     from mllm_rl.memplan.request import PlanRequest
 
-    return PlanRequest("torch", args.target, config, micro_batch=flags["micro_batch_size"], seq_len=args.seq_len,
-                       prompts=flags["prompts_per_step"], group_size=flags["group_size"],
-                       lora_rank=flags["lora_rank"], kl=flags["kl_beta"] > 0, param_dtype=dtype,
-                       margin=args.margin, max_running_requests=flags["max_running_requests"])  # fmt: skip
+    return PlanRequest(
+        "torch",
+        args.target,
+        config,
+        micro_batch=flags["micro_batch_size"],
+        seq_len=args.seq_len,
+        prompts=flags["prompts_per_step"],
+        group_size=flags["group_size"],
+        lora_rank=flags["lora_rank"],
+        kl=flags["kl_beta"] > 0,
+        param_dtype=dtype,
+        margin=args.margin,
+        max_running_requests=flags["max_running_requests"],
+    )
 
 
 def model_of(preset: str) -> tuple[Any, str]:
@@ -161,10 +212,25 @@ def model_of(preset: str) -> tuple[Any, str]:
 def composed(plan: Any) -> dict[str, Any]:
     """One schedule's plan (``mllm_rl.memplan.planner.plans``: setup phases first) as JSON rows."""
     over = plan.first_overflow()
-    rows_ = [{"phase": p.phase, "resident": dict(p.resident), "function": p.function,
-              "function_extra": p.function_extra, "total": p.total} for p in plan.phases]  # fmt: skip
-    return {"schedule": plan.schedule, "budget": plan.budget, "phases": rows_, "fits": plan.fits,
-            "first_overflow": over, "peak_phase": plan.peak.phase, "peak": plan.peak.total}  # fmt: skip
+    rows_ = [
+        {
+            "phase": p.phase,
+            "resident": dict(p.resident),
+            "function": p.function,
+            "function_extra": p.function_extra,
+            "total": p.total,
+        }
+        for p in plan.phases
+    ]
+    return {
+        "schedule": plan.schedule,
+        "budget": plan.budget,
+        "phases": rows_,
+        "fits": plan.fits,
+        "first_overflow": over,
+        "peak_phase": plan.peak.phase,
+        "peak": plan.peak.total,
+    }
 
 
 def plan_only(args: argparse.Namespace) -> dict[str, Any]:
@@ -174,20 +240,32 @@ def plan_only(args: argparse.Namespace) -> dict[str, Any]:
     from mllm_rl.memplan.planner import plans
 
     config, dtype = model_of(args.preset)
-    flags = {**RUN_DEFAULTS, "prompts_per_step": args.prompts, "group_size": args.group_size,
-             "micro_batch_size": args.micro_batch}  # fmt: skip
+    flags = {
+        **RUN_DEFAULTS,
+        "prompts_per_step": args.prompts,
+        "group_size": args.group_size,
+        "micro_batch_size": args.micro_batch,
+    }
     req = plan_request(args, config, flags, args.dtype or dtype)
     m = measure(req)
     comps = {k: asdict(v) for k, v in m.components.items()}
     return {
-        "bench": "plan_vs_live", "mode": "plan_only", "kind": "predicted", "preset": args.preset,
-        "target": asdict(m.target), "micro_batch": args.micro_batch, "seq_len": args.seq_len,
-        "markdown": args.markdown, "components": comps, "info": m.info,
+        "bench": "plan_vs_live",
+        "mode": "plan_only",
+        "kind": "predicted",
+        "preset": args.preset,
+        "target": asdict(m.target),
+        "micro_batch": args.micro_batch,
+        "seq_len": args.seq_len,
+        "markdown": args.markdown,
+        "components": comps,
+        "info": m.info,
         "functions": {k: dict(asdict(v), extra_bytes=v.extra_bytes) for k, v in m.functions.items()},
         "plans": [dict(composed(p), components=comps, notes=m.notes) for p in plans(m, req).values()],
         "planner_host_rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "command": command_line(), "machine": machine_info(),
-    }  # fmt: skip
+        "command": command_line(),
+        "machine": machine_info(),
+    }
 
 
 def cross_check(args: argparse.Namespace) -> dict[str, Any]:
@@ -200,23 +278,36 @@ def cross_check(args: argparse.Namespace) -> dict[str, Any]:
     live["grads"] = live_grads(args, live["checkpoint"], flags)["grads"]
     m = measure(plan_request(args, config, flags, dtype))
     c, f = m.components, m.functions["grad_step"]
-    pairs = {"params": (c["trainer_params"].bytes_per_device, max(live["params"])),
-             "optimizer": (c["optimizer"].bytes_per_device, max(live["optimizer"])),
-             "grads": (c["grads"].bytes_per_device, live["grads"])}  # fmt: skip
+    pairs = {
+        "params": (c["trainer_params"].bytes_per_device, max(live["params"])),
+        "optimizer": (c["optimizer"].bytes_per_device, max(live["optimizer"])),
+        "grads": (c["grads"].bytes_per_device, live["grads"]),
+    }
     rows_ = [
         {"quantity": k, "plan": p, "live": v, "ratio": p / v if v else None} for k, (p, v) in pairs.items()
     ]
-    targets = {f"{k}_within_1pct": target(abs(r["ratio"] - 1) if r["ratio"] else None, "<=", 0.01)
-               for k, r in zip(pairs, rows_, strict=True)}  # fmt: skip
+    targets = {
+        f"{k}_within_1pct": target(abs(r["ratio"] - 1) if r["ratio"] else None, "<=", 0.01)
+        for k, r in zip(pairs, rows_, strict=True)
+    }
     return {
-        "bench": "plan_vs_live", "mode": "cross_check", "preset": args.preset, "dtype": dtype,
+        "bench": "plan_vs_live",
+        "mode": "cross_check",
+        "preset": args.preset,
+        "dtype": dtype,
         "batch": {"rows": rows(flags), "micro_batch": flags["micro_batch_size"], "seq_len": args.seq_len},
-        "rows": rows_, "targets": targets,
-        "plan_activations": f.temp_bytes, "plan_grad_step_extra": f.extra_bytes, "plan_grad_step_peak": f.peak_bytes,
+        "rows": rows_,
+        "targets": targets,
+        "plan_activations": f.temp_bytes,
+        "plan_grad_step_extra": f.extra_bytes,
+        "plan_grad_step_peak": f.peak_bytes,
         "plan_grads_plus_activations": c["grads"].bytes_per_device + f.temp_bytes,
-        "live_train_step_rss_rise": live["train_step_rss_rise"], "live_cmd": live["cmd"],
-        "plan_notes": m.notes, "command": command_line(), "machine": machine_info(),
-    }  # fmt: skip
+        "live_train_step_rss_rise": live["train_step_rss_rise"],
+        "live_cmd": live["cmd"],
+        "plan_notes": m.notes,
+        "command": command_line(),
+        "machine": machine_info(),
+    }
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -227,37 +318,58 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 def report(out: dict[str, Any]) -> str:
     if out["mode"] == "plan_only":
         return report_plan(out)
-    lines = [f"PLAN (predicted, fake tensors) vs LIVE (measured, CPU) - {out['preset']} {out['dtype']}, "
-             f"{out['batch']['rows']} rows in micro-batches of {out['batch']['micro_batch']}, "
-             f"T = {out['batch']['seq_len']}",
-             table(out["rows"], [("quantity", "bytes", ""), ("plan", "plan (fake_tensor)", ","),
-                                 ("live", "live (live_tensors / real step)", ","), ("ratio", "plan / live", ".6f")]),
-             "",
-             f"activations + temporaries at the step's peak (plan): {out['plan_activations'] / MiB:.1f} MiB; "
-             f"+ gradients: {out['plan_grads_plus_activations'] / MiB:.1f} MiB",
-             "host RSS rise of train_step (live, per step): "
-             + ", ".join(f"{x / MiB:.1f} MiB" for x in out["live_train_step_rss_rise"]),
-             "targets: " + ", ".join(f"{k} {'pass' if t['pass'] else 'FAIL'}"
-                                     for k, t in out["targets"].items())]  # fmt: skip
+    lines = [
+        f"PLAN (predicted, fake tensors) vs LIVE (measured, CPU) - {out['preset']} {out['dtype']}, "
+        f"{out['batch']['rows']} rows in micro-batches of {out['batch']['micro_batch']}, "
+        f"T = {out['batch']['seq_len']}",
+        table(
+            out["rows"],
+            [
+                ("quantity", "bytes", ""),
+                ("plan", "plan (fake_tensor)", ","),
+                ("live", "live (live_tensors / real step)", ","),
+                ("ratio", "plan / live", ".6f"),
+            ],
+        ),
+        "",
+        f"activations + temporaries at the step's peak (plan): {out['plan_activations'] / MiB:.1f} MiB; "
+        f"+ gradients: {out['plan_grads_plus_activations'] / MiB:.1f} MiB",
+        "host RSS rise of train_step (live, per step): "
+        + ", ".join(f"{x / MiB:.1f} MiB" for x in out["live_train_step_rss_rise"]),
+        "targets: " + ", ".join(f"{k} {'pass' if t['pass'] else 'FAIL'}" for k, t in out["targets"].items()),
+    ]
     return "\n".join(lines)
 
 
 def report_plan(out: dict[str, Any]) -> str:
     t = out["target"]
-    lines = [f"PREDICTED (torch planner) - {out['preset']} on {t['name']} ({t['device_kind']}, "
-             f"{t['hbm_bytes'] / GiB:.2f} GiB from {t['source']}); micro-batch {out['micro_batch']} x "
-             f"{out['seq_len']}"]  # fmt: skip
-    lines += [f"  {k}: {v['bytes_per_device'] / GiB:.3f} GiB [{v['method']}] {v['detail']}"
-              for k, v in out["components"].items() if k != "kv_pool"]  # fmt: skip
+    lines = [
+        f"PREDICTED (torch planner) - {out['preset']} on {t['name']} ({t['device_kind']}, "
+        f"{t['hbm_bytes'] / GiB:.2f} GiB from {t['source']}); micro-batch {out['micro_batch']} x "
+        f"{out['seq_len']}"
+    ]
+    lines += [
+        f"  {k}: {v['bytes_per_device'] / GiB:.3f} GiB [{v['method']}] {v['detail']}"
+        for k, v in out["components"].items()
+        if k != "kv_pool"
+    ]
     for k, v in out["functions"].items():
-        lines.append(f"  {k}: peak {v['peak_bytes'] / GiB:.3f} GiB, extra {v['extra_bytes'] / GiB:.3f} GiB "
-                     f"[{v['method']}] {v['detail']}")  # fmt: skip
+        lines.append(
+            f"  {k}: peak {v['peak_bytes'] / GiB:.3f} GiB, extra {v['extra_bytes'] / GiB:.3f} GiB "
+            f"[{v['method']}] {v['detail']}"
+        )
     for p in out["plans"]:
         kv = p["components"]["kv_pool"]
-        verdict = (f"fits: peak {p['peak'] / GiB:.2f} GiB in {p['peak_phase']}" if p["fits"]
-                   else f"DOES NOT FIT: {p['first_overflow'][1]} overflows in {p['first_overflow'][0]}")  # fmt: skip
-        lines += ["", f"{p['schedule']} (budget {p['budget'] / GiB:.2f} GiB): {verdict}; kv_pool "
-                  f"{kv['bytes_per_device'] / GiB:.3f} GiB [{kv['method']}] {kv['detail']}"]  # fmt: skip
+        verdict = (
+            f"fits: peak {p['peak'] / GiB:.2f} GiB in {p['peak_phase']}"
+            if p["fits"]
+            else f"DOES NOT FIT: {p['first_overflow'][1]} overflows in {p['first_overflow'][0]}"
+        )
+        lines += [
+            "",
+            f"{p['schedule']} (budget {p['budget'] / GiB:.2f} GiB): {verdict}; kv_pool "
+            f"{kv['bytes_per_device'] / GiB:.3f} GiB [{kv['method']}] {kv['detail']}",
+        ]
         lines.append(_markdown(p) if out["markdown"] else _text(p))
         lines += [f"- {n}" for n in p["notes"]]
     lines.append(f"planner host RSS peak: {out['planner_host_rss_peak'] / MiB:.0f} MiB")
@@ -275,16 +387,23 @@ def _text(p: dict[str, Any]) -> str:
         row["over"] = "OVER" if r["total"] > p["budget"] else ""
         rows_.append(row)
     cols = [("phase", "phase", "")] + [(k, f"{k} [{comps[k]['method']}]", ".2f") for k in used]
-    cols += [("temp", "grad_step temp [fake_tensor]", ".2f"), ("total", "predicted GiB", ".2f"),
-             ("measured", "measured GiB", ""), ("over", "", "")]  # fmt: skip
+    cols += [
+        ("temp", "grad_step temp [fake_tensor]", ".2f"),
+        ("total", "predicted GiB", ".2f"),
+        ("measured", "measured GiB", ""),
+        ("over", "", ""),
+    ]
     return table(rows_, cols)
 
 
 def _markdown(p: dict[str, Any]) -> str:
     """The plan of one schedule as a Markdown table (what docs/BENCHMARKS.md shows)."""
     comps = p["components"]
-    out = ["| phase | resident, GiB per device [method] | + temporaries GiB [method] | predicted GiB | "
-           "measured GiB (H100) |", "|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        "| phase | resident, GiB per device [method] | + temporaries GiB [method] | predicted GiB | "
+        "measured GiB (H100) |",
+        "|---|---|---|---|---|",
+    ]
     for r in p["phases"]:
         res = ", ".join(f"{k} {v / GiB:.2f} [{comps[k]['method']}]" for k, v in r["resident"].items()) or "-"
         temp = f"{r['function_extra'] / GiB:.2f} ({r['function']}) [fake_tensor]" if r["function"] else "-"
@@ -295,9 +414,13 @@ def _markdown(p: dict[str, Any]) -> str:
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
     if out["mode"] == "plan_only":
-        return {"bench": "plan_vs_live", "mode": "plan_only", "preset": out["preset"],
-                "fits": {p["schedule"]: p["fits"] for p in out["plans"]},
-                "planner_host_rss_peak": out["planner_host_rss_peak"]}  # fmt: skip
+        return {
+            "bench": "plan_vs_live",
+            "mode": "plan_only",
+            "preset": out["preset"],
+            "fits": {p["schedule"]: p["fits"] for p in out["plans"]},
+            "planner_host_rss_peak": out["planner_host_rss_peak"],
+        }
     ratios = {r["quantity"]: r["ratio"] for r in out["rows"]}
     return {
         "bench": "plan_vs_live",
@@ -310,8 +433,12 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Details: docs/BENCHMARKS.md")
     ap.add_argument("--preset", default="tiny", help="preset name or checkpoint dir")
-    ap.add_argument("--seq-len", type=positive(int), default=32,
-                    help="tokens per row the trainer sees (default 32: the shipped task's rows, padded)")  # fmt: skip
+    ap.add_argument(
+        "--seq-len",
+        type=positive(int),
+        default=32,
+        help="tokens per row the trainer sees (default 32: the shipped task's rows, padded)",
+    )
     ap.add_argument(
         "--target", default="h100", help="plan target (h100, h200); the components do not depend on it"
     )

@@ -88,10 +88,34 @@ def changed_share(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
 
 def one_run(args: argparse.Namespace, model: str, precision: str, work: Path) -> dict[str, Any]:
     run_dir = work / precision
-    cmd = [sys.executable, "-m", "mllm_rl.run", "--backend", args.backend, "--model", model,
-           "--platform", args.platform, "--precision", precision, "--lr", str(args.lr),
-           "--temperature", str(args.temperature), "--steps", str(args.steps), "--checkpoint-every", "1",
-           "--wandb", "disabled", "--console", "off", "--run-dir", str(run_dir), *args.extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mllm_rl.run",
+        "--backend",
+        args.backend,
+        "--model",
+        model,
+        "--platform",
+        args.platform,
+        "--precision",
+        precision,
+        "--lr",
+        str(args.lr),
+        "--temperature",
+        str(args.temperature),
+        "--steps",
+        str(args.steps),
+        "--checkpoint-every",
+        "1",
+        "--wandb",
+        "disabled",
+        "--console",
+        "off",
+        "--run-dir",
+        str(run_dir),
+        *args.extra,
+    ]
     run_cmd(cmd, f"{precision} run", timeout=args.timeout)
     steps = sorted((run_dir / "checkpoints").glob("step_*"))
     states = [load_trained(s, args.backend) for s in steps]
@@ -152,15 +176,30 @@ def report(out: dict[str, Any]) -> str:
     rows = []
     for p, r in out["runs"].items():
         last = r["per_step"][-1] if r["per_step"] else {}
-        rows.append({"precision": p, "changed": " ".join(f"{c:.4f}" for c in r["changed"]),
-                     "mismatch": last.get("logp_mismatch_mean"), "mismatch_max": last.get("logp_mismatch_max"),
-                     "ratio0": r["per_step"][0].get("ratio_mean") if r["per_step"] else None,
-                     "s": r["train_step_s"], "peak": (r["train_step_peak_bytes"] or 0) / 2**20})  # fmt: skip
-    cols = [("precision", "precision", ""), ("changed", "changed per step pair", ""),
-            ("ratio0", "ratio_mean step 0", ".4f"), ("mismatch", "mismatch mean (last)", ".2e"),
-            ("mismatch_max", "max", ".2e"), ("s", "train_step s", ".3f"), ("peak", "train peak MiB", ".1f")]  # fmt: skip
-    head = (f"{out['model']} ({out['dtype']}), {out['backend']}, lr {out['lr']:g}, T {out['temperature']:g}; "
-            f"measured on {out['machine'].get('host_cpu')}, GPUs {out['machine'].get('gpus') or 'none'}")  # fmt: skip
+        rows.append(
+            {
+                "precision": p,
+                "changed": " ".join(f"{c:.4f}" for c in r["changed"]),
+                "mismatch": last.get("logp_mismatch_mean"),
+                "mismatch_max": last.get("logp_mismatch_max"),
+                "ratio0": r["per_step"][0].get("ratio_mean") if r["per_step"] else None,
+                "s": r["train_step_s"],
+                "peak": (r["train_step_peak_bytes"] or 0) / 2**20,
+            }
+        )
+    cols = [
+        ("precision", "precision", ""),
+        ("changed", "changed per step pair", ""),
+        ("ratio0", "ratio_mean step 0", ".4f"),
+        ("mismatch", "mismatch mean (last)", ".2e"),
+        ("mismatch_max", "max", ".2e"),
+        ("s", "train_step s", ".3f"),
+        ("peak", "train peak MiB", ".1f"),
+    ]
+    head = (
+        f"{out['model']} ({out['dtype']}), {out['backend']}, lr {out['lr']:g}, T {out['temperature']:g}; "
+        f"measured on {out['machine'].get('host_cpu')}, GPUs {out['machine'].get('gpus') or 'none'}"
+    )
     r = out["ratios_mixed_over_pure"]
     silent = [
         p for p, run in out["runs"].items() if all(m.get("groups_zero_std") == 1 for m in run["per_step"])
@@ -174,8 +213,11 @@ def report(out: dict[str, Any]) -> str:
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {"bench": "precision", **{f"changed_{p}": r["changed"] for p, r in out["runs"].items()},
-            **out["ratios_mixed_over_pure"]}  # fmt: skip
+    return {
+        "bench": "precision",
+        **{f"changed_{p}": r["changed"] for p, r in out["runs"].items()},
+        **out["ratios_mixed_over_pure"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,15 +69,19 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     probe = backend.memory_probe()
     truth = lambda: probe.in_use()[0]  # noqa: E731
     source = probe.snapshot()[0].source
-    opts = EngineOptions(weights_cpu_backup=args.cpu_backup, engine=args.engine or "auto",
-                         max_total_tokens=args.max_total_tokens or None)  # fmt: skip
+    opts = EngineOptions(
+        weights_cpu_backup=args.cpu_backup,
+        engine=args.engine or "auto",
+        max_total_tokens=args.max_total_tokens or None,
+    )
     engine = ManagedEngine(backend.create_engine(model, opts))
     full = lambda: WeightExport(list(model.tensors), model.iter_tensors(), full=True)  # noqa: E731
     engine.update_weights(full())
     prompt, greedy = [[51, 71, 68, 220, 66, 64, 79]], SamplingParams(max_new_tokens=8)
     before = engine.generate(prompt, greedy)[0].token_ids
-    per: dict[str, dict[str, list[Any]]] = {t: {"held": [], "freed": [], "rel": [], "res": [], "back": [], "recl": []}
-                                            for t in TAGS}  # fmt: skip
+    per: dict[str, dict[str, list[Any]]] = {
+        t: {"held": [], "freed": [], "rel": [], "res": [], "back": [], "recl": []} for t in TAGS
+    }
     resync: list[float] = []
     for _ in range(args.cycles):
         engine.drain()
@@ -108,8 +112,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     bases: dict[str, dict[str, Any]] = {}
     for tag in TAGS:  # before shutdown: an sglang-jax shutdown kills this process's children
         try:
-            bases[tag] = memcpy_baselines(args.backend, runtime.get("platform", "cpu"), per[tag]["held"][0],
-                                          args.repeats, args.cpu_backup)  # fmt: skip
+            bases[tag] = memcpy_baselines(
+                args.backend,
+                runtime.get("platform", "cpu"),
+                per[tag]["held"][0],
+                args.repeats,
+                args.cpu_backup,
+            )
         except Exception as e:  # e.g. no room for two more copies next to the engine: report, go on
             bases[tag] = {"error": f"{type(e).__name__}: {e}"[:300]}
     engine.shutdown()
@@ -127,39 +136,77 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         frac = min(f / h for f, h in zip(p["freed"], p["held"], strict=True)) if held else None
         recl = min(r / h for r, h in zip(p["recl"], p["held"], strict=True)) if held else None
         tags[tag] = {
-            "held_bytes": held, "freed_bytes": min(p["freed"]), "freed_frac": round(frac, 4) if frac is not None else None,
-            "reclaimed_bytes": min(p["recl"]), "reclaimed_frac": round(recl, 4) if recl is not None else None,
-            "back_bytes": p["back"][0], "release_s": round(rel, 5), "resume_s": round(res, 5),
-            "release_baseline": "d2h" if backed else "d2d", "resume_baseline": "h2d" if backed else "d2d",
+            "held_bytes": held,
+            "freed_bytes": min(p["freed"]),
+            "freed_frac": round(frac, 4) if frac is not None else None,
+            "reclaimed_bytes": min(p["recl"]),
+            "reclaimed_frac": round(recl, 4) if recl is not None else None,
+            "back_bytes": p["back"][0],
+            "release_s": round(rel, 5),
+            "resume_s": round(res, 5),
+            "release_baseline": "d2h" if backed else "d2d",
+            "resume_baseline": "h2d" if backed else "d2d",
             "release_baseline_s": round(rel_base, 5) if rel_base else None,
-            "resume_baseline_s": round(res_base, 5) if res_base else None, "baseline_error": base.get("error"),
+            "resume_baseline_s": round(res_base, 5) if res_base else None,
+            "baseline_error": base.get("error"),
             "release_over_memcpy": round(rel / rel_base, 3) if rel_base else None,
             "resume_over_memcpy": round(res / res_base, 3) if res_base else None,
-            "release_s_all": [round(x, 5) for x in p["rel"]], "resume_s_all": [round(x, 5) for x in p["res"]],
-        }  # fmt: skip
+            "release_s_all": [round(x, 5) for x in p["rel"]],
+            "resume_s_all": [round(x, 5) for x in p["res"]],
+        }
         targets[f"{tag}_freed_frac"] = target(tags[tag]["freed_frac"], ">=", FREED_TARGET)
         targets[f"{tag}_reclaimed_frac"] = target(tags[tag]["reclaimed_frac"], ">=", FREED_TARGET)
     targets["greedy_identical"] = {"value": after == before, "target": "== True", "pass": after == before}
     return {
-        "bench": "release", "backend": args.backend, "preset": args.preset, "platform": runtime.get("platform"),
-        "source": source, "engine": engine_name, "memory_mode": mode, "weights_cpu_backup": args.cpu_backup,
-        "cycles": args.cycles, "tags": tags, "resync_s": round(statistics.median(resync), 4),
-        "greedy_identical": after == before, "targets": targets, "command": command_line(), "machine": machine_info(),
-    }  # fmt: skip
+        "bench": "release",
+        "backend": args.backend,
+        "preset": args.preset,
+        "platform": runtime.get("platform"),
+        "source": source,
+        "engine": engine_name,
+        "memory_mode": mode,
+        "weights_cpu_backup": args.cpu_backup,
+        "cycles": args.cycles,
+        "tags": tags,
+        "resync_s": round(statistics.median(resync), 4),
+        "greedy_identical": after == before,
+        "targets": targets,
+        "command": command_line(),
+        "machine": machine_info(),
+    }
 
 
 def report(out: dict[str, Any]) -> str:
-    cols = [("tag", "tag", ""), ("held_mib", "held MiB", ".1f"), ("freed_frac", "freed/held", ".4f"),
-            ("reclaimed_frac", "reclaimed/held", ".4f"), ("release_ms", "release ms", ".2f"),
-            ("release_baseline", "vs", ""), ("release_over_memcpy", "x memcpy", ".3f"), ("resume_ms", "resume ms", ".2f"),
-            ("resume_baseline", "vs", ""), ("resume_over_memcpy", "x memcpy", ".3f")]  # fmt: skip
-    rows = [{"tag": t, **v, "held_mib": v["held_bytes"] / 2**20, "release_ms": v["release_s"] * 1e3,
-             "resume_ms": v["resume_s"] * 1e3} for t, v in out["tags"].items()]  # fmt: skip
-    head = (f"release/resume {out['backend']} {out['preset']} on {out['platform']} ({out['engine']}, "
-            f"{out['memory_mode'] or 'delete/reallocate'}, source {out['source']}, cpu backup "
-            f"{out['weights_cpu_backup']}, median of {out['cycles']} cycles)")  # fmt: skip
-    verdicts = ", ".join(f"{k} {({True: 'pass', False: 'FAIL', None: 'n/a'})[t['pass']]}"
-                         for k, t in out["targets"].items())  # fmt: skip
+    cols = [
+        ("tag", "tag", ""),
+        ("held_mib", "held MiB", ".1f"),
+        ("freed_frac", "freed/held", ".4f"),
+        ("reclaimed_frac", "reclaimed/held", ".4f"),
+        ("release_ms", "release ms", ".2f"),
+        ("release_baseline", "vs", ""),
+        ("release_over_memcpy", "x memcpy", ".3f"),
+        ("resume_ms", "resume ms", ".2f"),
+        ("resume_baseline", "vs", ""),
+        ("resume_over_memcpy", "x memcpy", ".3f"),
+    ]
+    rows = [
+        {
+            "tag": t,
+            **v,
+            "held_mib": v["held_bytes"] / 2**20,
+            "release_ms": v["release_s"] * 1e3,
+            "resume_ms": v["resume_s"] * 1e3,
+        }
+        for t, v in out["tags"].items()
+    ]
+    head = (
+        f"release/resume {out['backend']} {out['preset']} on {out['platform']} ({out['engine']}, "
+        f"{out['memory_mode'] or 'delete/reallocate'}, source {out['source']}, cpu backup "
+        f"{out['weights_cpu_backup']}, median of {out['cycles']} cycles)"
+    )
+    verdicts = ", ".join(
+        f"{k} {({True: 'pass', False: 'FAIL', None: 'n/a'})[t['pass']]}" for k, t in out["targets"].items()
+    )
     return "\n".join([head, table(rows, cols), f"re-sync {out['resync_s']:.3f} s; targets: {verdicts}"])
 
 

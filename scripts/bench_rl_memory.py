@@ -51,9 +51,30 @@ PRE_ENGINE = ("wandb_init", "jax_ready", "torch_ready")
 
 # -- one run -------------------------------------------------------------------------------
 def rl_cmd(args: argparse.Namespace, schedule: str, run_dir: str, max_total_tokens: int | None) -> list[str]:
-    cmd = [sys.executable, "-m", "mllm_rl.run", "--backend", args.backend, "--plan", "rl", "--model", args.preset,
-           "--platform", args.platform, "--schedule", schedule, "--steps", str(args.steps), "--save-every", "0",
-           "--wandb", "disabled", "--quiet", "--run-dir", run_dir]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mllm_rl.run",
+        "--backend",
+        args.backend,
+        "--plan",
+        "rl",
+        "--model",
+        args.preset,
+        "--platform",
+        args.platform,
+        "--schedule",
+        schedule,
+        "--steps",
+        str(args.steps),
+        "--save-every",
+        "0",
+        "--wandb",
+        "disabled",
+        "--quiet",
+        "--run-dir",
+        run_dir,
+    ]
     if max_total_tokens is not None:
         cmd += ["--max-total-tokens", str(max_total_tokens)]
     return cmd + list(args.extra)
@@ -110,8 +131,15 @@ def analyse(records: list[dict[str, Any]]) -> dict[str, Any]:
         peak = max_of([d.get("phase_peak_bytes") for d in devs])
         p = phases.get(key)
         if p is None:
-            p = phases[key] = {"phase": key, "stepped": step is not None, "peak": None, "end": None, "kv": False,
-                               "n": 0, "host_rss_peak": None}  # fmt: skip
+            p = phases[key] = {
+                "phase": key,
+                "stepped": step is not None,
+                "peak": None,
+                "end": None,
+                "kv": False,
+                "n": 0,
+                "host_rss_peak": None,
+            }
             order.append(key)
         p["peak"] = max_of([p["peak"], peak])
         p["end"] = max_of([p["end"], max_of([d.get("bytes_in_use") for d in devs])])
@@ -179,10 +207,21 @@ def bisect(args: argparse.Namespace, schedule: str, lo: int, guess: int | None) 
     def attempt(tokens: int) -> bool:
         r = run_once(args, schedule, tokens)
         a = analyse(r["records"]) if r["records"] else {}
-        trials.append({"max_total_tokens": tokens, "ok": r["ok"], "oom": r["oom"], "kv_bytes": a.get("kv_bytes"),
-                       "step_peak": a.get("step_peak"), "setup_peak": a.get("setup_peak")})  # fmt: skip
-        print(f"  bisect {schedule}: --max-total-tokens {tokens}: {'ok' if r['ok'] else 'OOM' if r['oom'] else 'FAILED'}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        trials.append(
+            {
+                "max_total_tokens": tokens,
+                "ok": r["ok"],
+                "oom": r["oom"],
+                "kv_bytes": a.get("kv_bytes"),
+                "step_peak": a.get("step_peak"),
+                "setup_peak": a.get("setup_peak"),
+            }
+        )
+        print(
+            f"  bisect {schedule}: --max-total-tokens {tokens}: {'ok' if r['ok'] else 'OOM' if r['oom'] else 'FAILED'}",
+            file=sys.stderr,
+            flush=True,
+        )
         if not r["ok"] and not r["oom"]:
             raise BenchError(
                 f"bisect {schedule} at {tokens} tokens failed without an OOM:\n{r['stderr'][-2000:]}"
@@ -202,8 +241,11 @@ def bisect(args: argparse.Namespace, schedule: str, lo: int, guess: int | None) 
         else:
             hi = mid
         iters += 1
-    return {"largest_ok_tokens": lo, "smallest_oom_tokens": hi if any(not t["ok"] for t in trials) else None,
-            "trials": trials}  # fmt: skip
+    return {
+        "largest_ok_tokens": lo,
+        "smallest_oom_tokens": hi if any(not t["ok"] for t in trials) else None,
+        "trials": trials,
+    }
 
 
 # -- driver --------------------------------------------------------------------------------
@@ -219,11 +261,20 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         runs[s] = analyse(r["records"])
     any_run = next(iter(runs.values()))
     budget = int(args.budget_gb * GiB) if args.budget_gb else any_run["bytes_limit"]
-    out: dict[str, Any] = {"bench": "rl_memory", "backend": args.backend, "preset": args.preset, "steps": args.steps,
-                           "extra": list(args.extra), "platform": any_run["platform"], "source": any_run["source"],
-                           "budget_bytes": budget,
-                           "budget_from": "--budget-gb" if args.budget_gb else ("bytes_limit" if budget else None),
-                           "schedules": {}, "command": command_line(), "machine": machine_info()}  # fmt: skip
+    out: dict[str, Any] = {
+        "bench": "rl_memory",
+        "backend": args.backend,
+        "preset": args.preset,
+        "steps": args.steps,
+        "extra": list(args.extra),
+        "platform": any_run["platform"],
+        "source": any_run["source"],
+        "budget_bytes": budget,
+        "budget_from": "--budget-gb" if args.budget_gb else ("bytes_limit" if budget else None),
+        "schedules": {},
+        "command": command_line(),
+        "machine": machine_info(),
+    }
     for s, a in runs.items():
         big = max_of([a["train_peak"], a["rollout_peak"]])
         entry = {
@@ -248,7 +299,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         if budget:
             entry["fit_steps"] = predict_kv(a, budget, steps_only=True)
             entry["fit_run"] = predict_kv(a, budget, steps_only=False)
-        out["schedules"][s] = entry  # fmt: skip
+        out["schedules"][s] = entry
     if args.bisect:
         for s, a in runs.items():
             guess = out["schedules"][s].get("fit_run", {}).get("tokens")
@@ -281,28 +332,53 @@ def report(out: dict[str, Any]) -> str:
     cols = [("phase", "phase", "")]
     for s in scheds:
         cols += [(s, f"{s} peak MiB", ".2f"), (s + "_kv", "", "")]
-    lines = [f"rl memory {out['backend']} {out['preset']} ({out['platform']}/{out['source']}, {out['steps']} steps, "
-             f"max over steps and devices; 'kv' = KV cache resident in the phase)", table(rows, cols), ""]  # fmt: skip
+    lines = [
+        f"rl memory {out['backend']} {out['preset']} ({out['platform']}/{out['source']}, {out['steps']} steps, "
+        f"max over steps and devices; 'kv' = KV cache resident in the phase)",
+        table(rows, cols),
+        "",
+    ]
     srows = []
     for s in scheds:
         e = out["schedules"][s]
-        srows.append({"schedule": s, "step": e["step_peak"] / MiB if e["step_peak"] is not None else None, "at": e["step_peak_phase"],
-                      "setup": e["setup_peak"] / MiB if e["setup_peak"] is not None else None, "sat": e["setup_peak_phase"],
-                      "ratio": e["step_peak_over_max_train_rollout"], "kv": (e["kv_bytes"] or 0) / MiB,
-                      "fs": (e.get("fit_steps") or {}).get("tokens"), "fr": (e.get("fit_run") or {}).get("tokens"),
-                      "bis": (e.get("bisect") or {}).get("largest_ok_tokens")})  # fmt: skip
+        srows.append(
+            {
+                "schedule": s,
+                "step": e["step_peak"] / MiB if e["step_peak"] is not None else None,
+                "at": e["step_peak_phase"],
+                "setup": e["setup_peak"] / MiB if e["setup_peak"] is not None else None,
+                "sat": e["setup_peak_phase"],
+                "ratio": e["step_peak_over_max_train_rollout"],
+                "kv": (e["kv_bytes"] or 0) / MiB,
+                "fs": (e.get("fit_steps") or {}).get("tokens"),
+                "fr": (e.get("fit_run") or {}).get("tokens"),
+                "bis": (e.get("bisect") or {}).get("largest_ok_tokens"),
+            }
+        )
     budget = out["budget_bytes"]
-    cols2 = [("schedule", "schedule", ""), ("step", "step peak MiB", ".2f"), ("at", "at", ""),
-             ("setup", "setup+final peak MiB", ".2f"), ("sat", "at", ""), ("ratio", "step/max(train,rollout)", ".3f"),
-             ("kv", "KV MiB", ".2f"), ("fs", "max KV tokens (steps)", ""), ("fr", "max KV tokens (run)", ""),
-             ("bis", "bisected tokens", "")]  # fmt: skip
+    cols2 = [
+        ("schedule", "schedule", ""),
+        ("step", "step peak MiB", ".2f"),
+        ("at", "at", ""),
+        ("setup", "setup+final peak MiB", ".2f"),
+        ("sat", "at", ""),
+        ("ratio", "step/max(train,rollout)", ".3f"),
+        ("kv", "KV MiB", ".2f"),
+        ("fs", "max KV tokens (steps)", ""),
+        ("fr", "max KV tokens (run)", ""),
+        ("bis", "bisected tokens", ""),
+    ]
     lines.append(table(srows, cols2))
     if "naive_over_multi_stage_step_peak" in out:
-        lines.append(f"naive / multi_stage step peak: {out['naive_over_multi_stage_step_peak']}  "
-                     f"(saved {out['step_peak_saved_bytes'] / MiB:.2f} MiB)")  # fmt: skip
+        lines.append(
+            f"naive / multi_stage step peak: {out['naive_over_multi_stage_step_peak']}  "
+            f"(saved {out['step_peak_saved_bytes'] / MiB:.2f} MiB)"
+        )
     if budget:
-        lines.append(f"max KV tokens: predicted for a budget of {budget / GiB:.3f} GiB ({out['budget_from']}) from "
-                     "the measured per-phase bytes (only the KV pool grows with --max-total-tokens)")  # fmt: skip
+        lines.append(
+            f"max KV tokens: predicted for a budget of {budget / GiB:.3f} GiB ({out['budget_from']}) from "
+            "the measured per-phase bytes (only the KV pool grows with --max-total-tokens)"
+        )
     else:
         lines.append("max KV tokens: no budget (CPU has no device limit): pass --budget-gb to predict it")
     return "\n".join(lines)

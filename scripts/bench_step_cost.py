@@ -125,10 +125,31 @@ def read_run(run_dir: Path) -> dict[str, Any]:
 
 
 def run_cmd_for(args: argparse.Namespace, model: str, backend: str, run_dir: Path) -> list[str]:
-    return [python_for(backend, args), "-m", "mllm_rl.run", "--backend", backend, "--plan", "rl",
-            "--model", model, "--steps", str(args.steps), "--save-every", str(args.save_every),
-            "--max-new-tokens", str(args.max_new_tokens), "--platform", args.platform,
-            "--wandb", "disabled", "--quiet", "--run-dir", str(run_dir), *args.extra]  # fmt: skip
+    return [
+        python_for(backend, args),
+        "-m",
+        "mllm_rl.run",
+        "--backend",
+        backend,
+        "--plan",
+        "rl",
+        "--model",
+        model,
+        "--steps",
+        str(args.steps),
+        "--save-every",
+        str(args.save_every),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--platform",
+        args.platform,
+        "--wandb",
+        "disabled",
+        "--quiet",
+        "--run-dir",
+        str(run_dir),
+        *args.extra,
+    ]
 
 
 # -- driver --------------------------------------------------------------------------------
@@ -171,19 +192,37 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 except (BenchError, ValueError) as e:
                     if not args.keep_going:
                         raise BenchError(str(e)) from None
-                    rows.append({"label": label, "model": model, "backend": backend, "error": str(e)[:3000],
-                                 "command": cmd})  # fmt: skip
+                    rows.append(
+                        {
+                            "label": label,
+                            "model": model,
+                            "backend": backend,
+                            "error": str(e)[:3000],
+                            "command": cmd,
+                        }
+                    )
                     print(f"  [{i + 1}/{len(plan)}] {label}: FAILED", file=sys.stderr, flush=True)
                     continue
                 dt = time.perf_counter() - t0
-                row.update(command=cmd, run_seconds=round(dt, 2), load_avg_1m_before=load0,
-                           load_avg_1m_after=load_avg_1m(), run_dir=str(run_dir) if keep else None)  # fmt: skip
+                row.update(
+                    command=cmd,
+                    run_seconds=round(dt, 2),
+                    load_avg_1m_before=load0,
+                    load_avg_1m_after=load_avg_1m(),
+                    run_dir=str(run_dir) if keep else None,
+                )
                 rows.append(row)
                 print(f"  [{i + 1}/{len(plan)}] {label}: {dt:.0f} s", file=sys.stderr, flush=True)
-    return {"bench": "step_cost", "steps": None if args.from_run else args.steps,
-            "save_every": None if args.from_run else args.save_every,
-            "max_new_tokens": None if args.from_run else args.max_new_tokens, "extra": list(args.extra),
-            "runs": rows, "command": command_line(), "machine": machine_info()}  # fmt: skip
+    return {
+        "bench": "step_cost",
+        "steps": None if args.from_run else args.steps,
+        "save_every": None if args.from_run else args.save_every,
+        "max_new_tokens": None if args.from_run else args.max_new_tokens,
+        "extra": list(args.extra),
+        "runs": rows,
+        "command": command_line(),
+        "machine": machine_info(),
+    }
 
 
 # -- report --------------------------------------------------------------------------------
@@ -207,8 +246,9 @@ def report(out: dict[str, Any]) -> str:
     cols = [("phase", "phase", "")] + [(str(i), r["label"], "") for i, r in enumerate(ok)]
     share_rows, sec_rows = [], []
     for n in names:
-        share_rows.append({"phase": n, **{str(i): _pct(b[n]["share_median"]) if n in b else None
-                                          for i, b in enumerate(by)}})  # fmt: skip
+        share_rows.append(
+            {"phase": n, **{str(i): _pct(b[n]["share_median"]) if n in b else None for i, b in enumerate(by)}}
+        )
         cells = {}
         for i, b in enumerate(by):
             p = b.get(n)
@@ -218,19 +258,36 @@ def report(out: dict[str, Any]) -> str:
                 cells[str(i)] = f"{p['seconds_median']:.3f}{rate}"
         sec_rows.append({"phase": n, **cells})
     a = [r["analysis"] for r in ok]
-    share_rows.append({"phase": f"non-{ROLLOUT}, non-{TRAIN}",
-                       **{str(i): _pct(x["other_share_median"]) for i, x in enumerate(a)}})  # fmt: skip
-    share_rows.append({"phase": "  same, over all counted steps (time-weighted)",
-                       **{str(i): _pct(x["other_share_total"]) for i, x in enumerate(a)}})  # fmt: skip
+    share_rows.append(
+        {
+            "phase": f"non-{ROLLOUT}, non-{TRAIN}",
+            **{str(i): _pct(x["other_share_median"]) for i, x in enumerate(a)},
+        }
+    )
+    share_rows.append(
+        {
+            "phase": "  same, over all counted steps (time-weighted)",
+            **{str(i): _pct(x["other_share_total"]) for i, x in enumerate(a)},
+        }
+    )
     if any(x.get("other_share_at_cadence") is not None for x in a):
-        share_rows.append({"phase": f"  same, a checkpoint every {RUN_CADENCE} steps",
-                           **{str(i): _pct(x.get("other_share_at_cadence")) for i, x in enumerate(a)}})  # fmt: skip
+        share_rows.append(
+            {
+                "phase": f"  same, a checkpoint every {RUN_CADENCE} steps",
+                **{str(i): _pct(x.get("other_share_at_cadence")) for i, x in enumerate(a)},
+            }
+        )
     sec_rows += [
-        {"phase": f"non-{ROLLOUT}, non-{TRAIN}", **{str(i): f"{x['other_s_median']:.3f}" for i, x in enumerate(a)}},
+        {
+            "phase": f"non-{ROLLOUT}, non-{TRAIN}",
+            **{str(i): f"{x['other_s_median']:.3f}" for i, x in enumerate(a)},
+        },
         {"phase": "step (median)", **{str(i): f"{x['step_s_median']:.3f}" for i, x in enumerate(a)}},
-        {"phase": "first step (compiles)", **{str(i): f"{x['first_step_s']:.3f}" if x["first_step_s"] else None
-                                              for i, x in enumerate(a)}},
-    ]  # fmt: skip
+        {
+            "phase": "first step (compiles)",
+            **{str(i): f"{x['first_step_s']:.3f}" if x["first_step_s"] else None for i, x in enumerate(a)},
+        },
+    ]
     counted = {r["label"]: r["analysis"]["steps_counted"] for r in ok}
     lines = [
         "step cost: share of each phase in the step's wall time (median over the steps after the first; "
@@ -243,13 +300,17 @@ def report(out: dict[str, Any]) -> str:
     for r in ok:
         u = r["analysis"]["update"]
         if u:
-            lines.append(f"{r['label']}: update_weights {u['phase_s_median']:.3f} s, of which the engine's install "
-                         f"{u['install_s_median']:.3f} s; around it (export, fingerprints) "
-                         f"{_pct(u['around_install_share_median'])}; full updates {u['full_updates']}/{u['updates']}; "
-                         f"checkpoints saved in counted steps {r['analysis']['checkpoints_saved']}")  # fmt: skip
+            lines.append(
+                f"{r['label']}: update_weights {u['phase_s_median']:.3f} s, of which the engine's install "
+                f"{u['install_s_median']:.3f} s; around it (export, fingerprints) "
+                f"{_pct(u['around_install_share_median'])}; full updates {u['full_updates']}/{u['updates']}; "
+                f"checkpoints saved in counted steps {r['analysis']['checkpoints_saved']}"
+            )
         if r.get("run_seconds") is not None:
-            lines.append(f"{r['label']}: run {r['run_seconds']:.0f} s, load average (1 min) "
-                         f"{r.get('load_avg_1m_before')} -> {r.get('load_avg_1m_after')}")  # fmt: skip
+            lines.append(
+                f"{r['label']}: run {r['run_seconds']:.0f} s, load average (1 min) "
+                f"{r.get('load_avg_1m_before')} -> {r.get('load_avg_1m_after')}"
+            )
     for r in out["runs"]:
         if "error" in r:
             lines.append(f"{r['label']}: FAILED: {r['error'].splitlines()[0]}")
@@ -257,18 +318,31 @@ def report(out: dict[str, Any]) -> str:
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {"bench": "step_cost", "runs": [
-        {"label": r["label"], "step_s_median": r["analysis"]["step_s_median"],
-         "other_share_median": r["analysis"]["other_share_median"],
-         "other_share_at_cadence": r["analysis"]["other_share_at_cadence"],
-         "other_share_total": r["analysis"]["other_share_total"]} if "analysis" in r
-        else {"label": r["label"], "error": r["error"].splitlines()[0]} for r in out["runs"]]}  # fmt: skip
+    return {
+        "bench": "step_cost",
+        "runs": [
+            {
+                "label": r["label"],
+                "step_s_median": r["analysis"]["step_s_median"],
+                "other_share_median": r["analysis"]["other_share_median"],
+                "other_share_at_cadence": r["analysis"]["other_share_at_cadence"],
+                "other_share_total": r["analysis"]["other_share_total"],
+            }
+            if "analysis" in r
+            else {"label": r["label"], "error": r["error"].splitlines()[0]}
+            for r in out["runs"]
+        ],
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", type=models_list, default=DEFAULT_MODELS,
-                    help="presets or checkpoint dirs, comma-separated (default: tiny,qwen3-0.6b)")  # fmt: skip
+    ap.add_argument(
+        "--models",
+        type=models_list,
+        default=DEFAULT_MODELS,
+        help="presets or checkpoint dirs, comma-separated (default: tiny,qwen3-0.6b)",
+    )
     ap.add_argument("--backends", type=csv_choice(BACKENDS), default=list(BACKENDS), help="comma-separated")
     ap.add_argument(
         "--steps",
@@ -300,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=positive(float), default=3600.0, help="seconds per run (default 3600)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("extra", nargs="*", help="extra args for every mllm_rl.run (after --)")
-    return ap  # fmt: skip
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,39 +32,57 @@ def figures(d: dict[str, Any]) -> str:
     if b == "swap":
         parts = []
         for r in d["rows"]:
-            parts.append(f"{r['mode']}: peak/steady {_r(r['peak_over_steady'])}, weights-only "
-                         f"{_r(r['weights_only_ratio'])}, {_r(r['gbps'])} GB/s ({_r(r['gbps_over_h2d'])} of H2D)")  # fmt: skip
+            parts.append(
+                f"{r['mode']}: peak/steady {_r(r['peak_over_steady'])}, weights-only "
+                f"{_r(r['weights_only_ratio'])}, {_r(r['gbps'])} GB/s ({_r(r['gbps_over_h2d'])} of H2D)"
+            )
         base = d.get("copy_baseline") or {}
         if base:
             pin = base.get("h2d_pinned", {}).get("gbps_best")
             parts.append(f"H2D {_r(base['h2d']['gbps_best'])} GB/s" + (f", pinned {_r(pin)}" if pin else ""))
         return "; ".join(parts)
     if b == "release":
-        parts = [f"{t}: freed {_r(v['freed_frac'], 4)}, release {_r(v['release_s'] * 1e3, 2)} ms "
-                 f"({_r(v['release_over_memcpy'])}x {v['release_baseline']}), resume {_r(v['resume_s'] * 1e3, 2)} ms "
-                 f"({_r(v['resume_over_memcpy'])}x {v['resume_baseline']})" for t, v in d["tags"].items()]  # fmt: skip
+        parts = [
+            f"{t}: freed {_r(v['freed_frac'], 4)}, release {_r(v['release_s'] * 1e3, 2)} ms "
+            f"({_r(v['release_over_memcpy'])}x {v['release_baseline']}), resume {_r(v['resume_s'] * 1e3, 2)} ms "
+            f"({_r(v['resume_over_memcpy'])}x {v['resume_baseline']})"
+            for t, v in d["tags"].items()
+        ]
         return f"cpu backup {d['weights_cpu_backup']}; " + "; ".join(parts)
     if b == "rl_memory":
         parts = []
         for s, e in d["schedules"].items():
             fit = e.get("bisect", {}).get("largest_ok_tokens") if e.get("bisect") else None
-            fit_txt = (f"bisected max KV {fit} tok" if fit is not None else
-                       f"predicted max KV {(e.get('fit_run') or {}).get('tokens')} tok (run), "
-                       f"{(e.get('fit_steps') or {}).get('tokens')} (steps)")  # fmt: skip
-            parts.append(f"{s}: step peak {_r((e['step_peak'] or 0) / MiB, 1)} MiB at {e['step_peak_phase']}, "
-                         f"/max(train,rollout) {_r(e['step_peak_over_max_train_rollout'])}, {fit_txt}")  # fmt: skip
+            fit_txt = (
+                f"bisected max KV {fit} tok"
+                if fit is not None
+                else f"predicted max KV {(e.get('fit_run') or {}).get('tokens')} tok (run), "
+                f"{(e.get('fit_steps') or {}).get('tokens')} (steps)"
+            )
+            parts.append(
+                f"{s}: step peak {_r((e['step_peak'] or 0) / MiB, 1)} MiB at {e['step_peak_phase']}, "
+                f"/max(train,rollout) {_r(e['step_peak_over_max_train_rollout'])}, {fit_txt}"
+            )
         parts.append(f"naive/multi_stage {_r(d.get('naive_over_multi_stage_step_peak'))}")
         return "; ".join(parts)
     if b == "soak":
-        return (f"{d['cycles']} cycles ({d['engine']}{', trainer' if d['trainer'] else ''}, backup "
-                f"{d['weights_cpu_backup']}): device max dev {d['device_max_abs_dev_bytes']} B, RSS max dev "
-                f"{_r(d['rss_max_abs_dev_bytes'] / MiB, 2)} MiB, greedy identical "
-                f"{d['cycles'] - d.get('token_mismatch_count', len(d['token_mismatch_cycles']))}/{d['cycles']}")  # fmt: skip
+        return (
+            f"{d['cycles']} cycles ({d['engine']}{', trainer' if d['trainer'] else ''}, backup "
+            f"{d['weights_cpu_backup']}): device max dev {d['device_max_abs_dev_bytes']} B, RSS max dev "
+            f"{_r(d['rss_max_abs_dev_bytes'] / MiB, 2)} MiB, greedy identical "
+            f"{d['cycles'] - d.get('token_mismatch_count', len(d['token_mismatch_cycles']))}/{d['cycles']}"
+        )
     if b == "engine":
-        return "; ".join(f"{r['engine']} B={r['batch']}: {_r(r['decode_tok_s'], 1)} tok/s "
-                         f"({_r(r['decode_over_hf'])}x hf)"
-                         + (f" [{r['over_length_outputs']} outputs longer than asked]" if r.get("over_length_outputs") else "")
-                         for r in d["rows"])  # fmt: skip
+        return "; ".join(
+            f"{r['engine']} B={r['batch']}: {_r(r['decode_tok_s'], 1)} tok/s "
+            f"({_r(r['decode_over_hf'])}x hf)"
+            + (
+                f" [{r['over_length_outputs']} outputs longer than asked]"
+                if r.get("over_length_outputs")
+                else ""
+            )
+            for r in d["rows"]
+        )
     return "(unknown bench)"
 
 
@@ -89,8 +107,10 @@ def summarize(root: Path) -> str:
             continue
         seen.add(f.stem)
         platform = d.get("platform") or (d.get("rows") or [{}])[0].get("platform")
-        rows.append(f"| {f.stem} | {d['bench']} | {d.get('backend', '-')} | {d.get('preset', '-')} | "
-                    f"{platform or '-'} | {figures(d)} | {targets(d)} |")  # fmt: skip
+        rows.append(
+            f"| {f.stem} | {d['bench']} | {d.get('backend', '-')} | {d.get('preset', '-')} | "
+            f"{platform or '-'} | {figures(d)} | {targets(d)} |"
+        )
     status = root / "status.tsv"
     if status.exists():
         for line in status.read_text().splitlines():

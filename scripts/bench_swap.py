@@ -64,9 +64,31 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     from mllm_rl.sinks.jsonl import read_jsonl
 
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, "-m", "mllm_rl.run", "--backend", args.backend, "--plan", "swap",
-               "--model", args.preset, "--tp", str(args.tp), "--platform", args.platform, "--swap-mode", mode,
-               "--wandb", "disabled", "--quiet", "--run-dir", d, "--max-new-tokens", "4", *args.extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "mllm_rl.run",
+            "--backend",
+            args.backend,
+            "--plan",
+            "swap",
+            "--model",
+            args.preset,
+            "--tp",
+            str(args.tp),
+            "--platform",
+            args.platform,
+            "--swap-mode",
+            mode,
+            "--wandb",
+            "disabled",
+            "--quiet",
+            "--run-dir",
+            d,
+            "--max-new-tokens",
+            "4",
+            *args.extra,
+        ]
         run_cmd(cmd, f"{mode} swap", timeout=args.timeout)
         recs = {x["phase"]: x for x in read_jsonl(Path(d) / "phases.jsonl")}
     sw = recs["weights_swapped"]
@@ -96,8 +118,20 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def copy_baseline(args: argparse.Namespace, ckpt_bytes: int) -> dict[str, Any]:
     mb = args.copy_mb or min(4096.0, max(64.0, ckpt_bytes / MiB))
-    cmd = [sys.executable, "-m", "mllm_rl.bench", "copy", "--backend", args.backend,
-           "--mb", str(mb), "--platform", args.platform, "--repeats", str(args.repeats)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mllm_rl.bench",
+        "copy",
+        "--backend",
+        args.backend,
+        "--mb",
+        str(mb),
+        "--platform",
+        args.platform,
+        "--repeats",
+        str(args.repeats),
+    ]
     return last_json_line(run_cmd(cmd, "copy baseline", timeout=args.timeout).stdout, "copy baseline")
 
 
@@ -114,34 +148,65 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     for r in rows:
         r["gbps_over_h2d"] = round(r["gbps"] / h2d, 4) if h2d else None
         r["gbps_over_h2d_pinned"] = round(r["gbps"] / pinned, 4) if pinned else None
-    out: dict[str, Any] = {"bench": "swap", "backend": args.backend, "preset": args.preset, "tp": args.tp,
-                           "checkpoint_bytes": model.nbytes, "page_cache_warmup": cache, "copy_baseline": base,
-                           "rows": rows, "command": command_line(), "machine": machine_info()}  # fmt: skip
+    out: dict[str, Any] = {
+        "bench": "swap",
+        "backend": args.backend,
+        "preset": args.preset,
+        "tp": args.tp,
+        "checkpoint_bytes": model.nbytes,
+        "page_cache_warmup": cache,
+        "copy_baseline": base,
+        "rows": rows,
+        "command": command_line(),
+        "machine": machine_info(),
+    }
     by_mode = {r["mode"]: r for r in rows}
     if "streaming" in by_mode:
         s = by_mode["streaming"]
         why = "CPU: no host-to-device link; the swap's time is host-side casting and compilation"
         out["targets"] = {
             "streaming_peak_over_steady": target(s["peak_over_steady"], "<=", PEAK_TARGET),
-            "streaming_gbps_over_h2d": target(s["gbps_over_h2d"], ">=", H2D_TARGET, applies=accel and h2d is not None,
-                                              why=why if not accel else "no baseline measured"),
-        }  # fmt: skip
+            "streaming_gbps_over_h2d": target(
+                s["gbps_over_h2d"],
+                ">=",
+                H2D_TARGET,
+                applies=accel and h2d is not None,
+                why=why if not accel else "no baseline measured",
+            ),
+        }
     gens = [r["generated"] for r in rows]
     out["outputs_identical"] = all(g == gens[0] for g in gens)  # greedy after each mode's swap
     if "naive" in by_mode and "streaming" in by_mode:
-        out["naive_over_streaming_peak"] = round(by_mode["naive"]["peak_bytes_max"] /
-                                                 by_mode["streaming"]["peak_bytes_max"], 4)  # fmt: skip
+        out["naive_over_streaming_peak"] = round(
+            by_mode["naive"]["peak_bytes_max"] / by_mode["streaming"]["peak_bytes_max"], 4
+        )
     return out
 
 
 def report(out: dict[str, Any]) -> str:
-    cols = [("mode", "mode", ""), ("peak_over_steady", "peak/steady", ".3f"), ("weights_only_ratio", "weights-only", ".3f"),
-            ("peak_gib", "peak GiB", ".3f"), ("steady_gib", "steady GiB", ".3f"), ("gbps", "GB/s", ".3f"),
-            ("gbps_over_h2d", "GB/s / H2D", ".3f"), ("src", "source", "")]  # fmt: skip
-    rows = [{**r, "peak_gib": r["peak_bytes_max"] / 2**30, "steady_gib": r["steady_bytes_max"] / 2**30,
-             "src": f"{r['platform']}/{r['source']}"} for r in out["rows"]]  # fmt: skip
-    lines = [f"swap {out['backend']} {out['preset']} (tp {out['tp']}, checkpoint {out['checkpoint_bytes'] / 2**30:.3f} GiB)",
-             table(rows, cols)]  # fmt: skip
+    cols = [
+        ("mode", "mode", ""),
+        ("peak_over_steady", "peak/steady", ".3f"),
+        ("weights_only_ratio", "weights-only", ".3f"),
+        ("peak_gib", "peak GiB", ".3f"),
+        ("steady_gib", "steady GiB", ".3f"),
+        ("gbps", "GB/s", ".3f"),
+        ("gbps_over_h2d", "GB/s / H2D", ".3f"),
+        ("src", "source", ""),
+    ]
+    rows = [
+        {
+            **r,
+            "peak_gib": r["peak_bytes_max"] / 2**30,
+            "steady_gib": r["steady_bytes_max"] / 2**30,
+            "src": f"{r['platform']}/{r['source']}",
+        }
+        for r in out["rows"]
+    ]
+    lines = [
+        f"swap {out['backend']} {out['preset']} (tp {out['tp']}, checkpoint {out['checkpoint_bytes'] / 2**30:.3f} GiB)",
+        table(rows, cols),
+    ]
     b = out["copy_baseline"]
     if b:
         parts = [
@@ -149,21 +214,29 @@ def report(out: dict[str, Any]) -> str:
             for k in ("h2d", "h2d_pinned", "d2h", "d2d")
             if "gbps_best" in b.get(k, {})
         ]
-        lines.append(f"copy baseline ({b['runtime']} {b['platform']}, {b['bytes'] / MiB:.0f} MiB, best GB/s): "
-                     + ", ".join(parts) + (f"  [{b['note']}]" if "note" in b else ""))  # fmt: skip
+        lines.append(
+            f"copy baseline ({b['runtime']} {b['platform']}, {b['bytes'] / MiB:.0f} MiB, best GB/s): "
+            + ", ".join(parts)
+            + (f"  [{b['note']}]" if "note" in b else "")
+        )
     if "naive_over_streaming_peak" in out:
         lines.append(f"naive/streaming peak: {out['naive_over_streaming_peak']:.3f}")
     lines.append(f"greedy output identical across modes: {out['outputs_identical']}")
     for name, t in out.get("targets", {}).items():
         verdict = {True: "pass", False: "FAIL", None: "n/a"}[t["pass"]]
-        lines.append(f"target {name}: {t['value']} {t['target']} -> {verdict}"
-                     + (f" ({t['not_applicable']})" if "not_applicable" in t else ""))  # fmt: skip
+        lines.append(
+            f"target {name}: {t['value']} {t['target']} -> {verdict}"
+            + (f" ({t['not_applicable']})" if "not_applicable" in t else "")
+        )
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Details: docs/BENCHMARKS.md",
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Details: docs/BENCHMARKS.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--preset", default="tiny", help="preset name or checkpoint dir")
     ap.add_argument("--backend", default="jax", choices=["jax", "torch"])
     ap.add_argument("--tp", type=positive(int), default=1)

@@ -43,8 +43,13 @@ os._exit(0)
 
 def trial(ckpt: str, tp: int, batched: bool, overlap: bool) -> str:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={tp}", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", CHILD, ckpt, str(tp), "1" if batched else "0", "1" if overlap else "0"],
-                       capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD, ckpt, str(tp), "1" if batched else "0", "1" if overlap else "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     lines = [x for x in r.stdout.splitlines() if x.startswith("OUT ")]
     return lines[0][4:] if lines else f"error: {r.stderr[-300:]}"
 

@@ -69,8 +69,11 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     snap = probe.snapshot()
     sources = [f"{d.id}:{d.source}" for d in snap]
     truth_idx = [i for i, d in enumerate(snap) if d.source != "torch_allocator"]
-    opts = EngineOptions(weights_cpu_backup=args.cpu_backup, max_total_tokens=args.max_total_tokens,
-                         context_length=args.context_length)  # fmt: skip
+    opts = EngineOptions(
+        weights_cpu_backup=args.cpu_backup,
+        max_total_tokens=args.max_total_tokens,
+        context_length=args.context_length,
+    )
     engine = ManagedEngine(backend.create_engine(model, opts))
     trainer = backend.create_trainer(model, TrainConfig()) if args.trainer else None
 
@@ -115,19 +118,37 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         outs = engine.generate(PROMPTS, greedy)
         dev = probe.in_use()
         rss = host_rss()
-        lp_dev = max((abs(a - b) for o, r in zip(outs, ref, strict=True)
-                      for a, b in zip(o.logprobs, r.logprobs, strict=False)), default=0.0)  # fmt: skip
-        cycles.append({
-            "cycle": i, "seconds": round(time.perf_counter() - t0, 4), "updated": updated,
-            "tokens_identical": [o.token_ids for o in outs] == ref_tokens, "logprob_max_abs_diff": lp_dev,
-            "device_dev_bytes": [None if a is None or b is None else a - b for a, b in zip(dev, base_dev, strict=True)],
-            "freed_over_held": round(freed / held, 5) if held else None, "rss_bytes": rss,
-            "tokens": [o.token_ids for o in outs] if args.per_cycle else None,
-        })  # fmt: skip
+        lp_dev = max(
+            (
+                abs(a - b)
+                for o, r in zip(outs, ref, strict=True)
+                for a, b in zip(o.logprobs, r.logprobs, strict=False)
+            ),
+            default=0.0,
+        )
+        cycles.append(
+            {
+                "cycle": i,
+                "seconds": round(time.perf_counter() - t0, 4),
+                "updated": updated,
+                "tokens_identical": [o.token_ids for o in outs] == ref_tokens,
+                "logprob_max_abs_diff": lp_dev,
+                "device_dev_bytes": [
+                    None if a is None or b is None else a - b for a, b in zip(dev, base_dev, strict=True)
+                ],
+                "freed_over_held": round(freed / held, 5) if held else None,
+                "rss_bytes": rss,
+                "tokens": [o.token_ids for o in outs] if args.per_cycle else None,
+            }
+        )
         if args.verbose:
             c = cycles[-1]
-            print(f"cycle {i}: {c['seconds']:.2f}s dev {c['device_dev_bytes']} rss {rss / MiB:.1f} MiB "
-                  f"tokens {'ok' if c['tokens_identical'] else 'DIFFER'}", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"cycle {i}: {c['seconds']:.2f}s dev {c['device_dev_bytes']} rss {rss / MiB:.1f} MiB "
+                f"tokens {'ok' if c['tokens_identical'] else 'DIFFER'}",
+                file=sys.stderr,
+                flush=True,
+            )
     total_s = time.perf_counter() - t_start
     engine.shutdown()
 
@@ -149,26 +170,41 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             "value": len(cycles) - len(mismatches),
             "target": f"== {len(cycles)}",
             "pass": not mismatches,
-        },  # fmt: skip
+        },
         "host_rss_deviation_bytes": target(rss_dev, "<=", args.rss_tol_mib * MiB),
     }
     return {
-        "bench": "soak", "backend": args.backend, "preset": args.preset, "platform": runtime.get("platform"),
-        "engine": type(engine.engine).__name__, "trainer": args.trainer, "weights_cpu_backup": args.cpu_backup,
-        "update_every": every, "cycles": len(cycles), "warmup": warm, "probe_sources": sources,
+        "bench": "soak",
+        "backend": args.backend,
+        "preset": args.preset,
+        "platform": runtime.get("platform"),
+        "engine": type(engine.engine).__name__,
+        "trainer": args.trainer,
+        "weights_cpu_backup": args.cpu_backup,
+        "update_every": every,
+        "cycles": len(cycles),
+        "warmup": warm,
+        "probe_sources": sources,
         "weight_bytes": weight_bytes,
-        "baseline_device_bytes": base_dev, "baseline_rss_bytes": base_rss, "rss_ref_bytes": rss_ref,
-        "device_max_abs_dev_bytes": dev_dev, "rss_max_abs_dev_bytes": rss_dev,
+        "baseline_device_bytes": base_dev,
+        "baseline_rss_bytes": base_rss,
+        "rss_ref_bytes": rss_ref,
+        "device_max_abs_dev_bytes": dev_dev,
+        "rss_max_abs_dev_bytes": rss_dev,
         "rss_slope_bytes_per_cycle": round(slope, 1) if slope is not None else None,
         "rss_first_last_bytes": [cycles[0]["rss_bytes"], cycles[-1]["rss_bytes"]] if cycles else None,
         "logprob_max_abs_diff": max((c["logprob_max_abs_diff"] for c in cycles), default=0.0),
-        "token_mismatch_count": len(mismatches), "token_mismatch_cycles": mismatches[:50],
-        "reference_tokens": ref_tokens, "freed_over_held_min": freed_min,
+        "token_mismatch_count": len(mismatches),
+        "token_mismatch_cycles": mismatches[:50],
+        "reference_tokens": ref_tokens,
+        "freed_over_held_min": freed_min,
         "cycle_seconds_median": round(statistics.median(c["seconds"] for c in cycles), 4) if cycles else None,
-        "total_seconds": round(total_s, 2), "targets": targets,
+        "total_seconds": round(total_s, 2),
+        "targets": targets,
         "per_cycle": cycles if args.per_cycle else None,
-        "command": command_line(), "machine": machine_info(),
-    }  # fmt: skip
+        "command": command_line(),
+        "machine": machine_info(),
+    }
 
 
 def report(out: dict[str, Any]) -> str:
@@ -186,7 +222,7 @@ def report(out: dict[str, Any]) -> str:
         f"host RSS: max |RSS - RSS after {out['warmup']} warm-up cycles| {out['rss_max_abs_dev_bytes'] / MiB:.2f} MiB, "
         f"slope {(out['rss_slope_bytes_per_cycle'] or 0) / 1024:.1f} KiB/cycle, first/last "
         f"{[round(x / MiB, 1) for x in out['rss_first_last_bytes'] or []]} MiB",
-    ]  # fmt: skip
+    ]
     for k, t in out["targets"].items():
         lines.append(f"target {k}: {t['value']} {t['target']} -> {verdict[t['pass']]}")
     return "\n".join(lines)

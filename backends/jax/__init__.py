@@ -88,9 +88,18 @@ class JaxBackend(Backend):
         opts.check_backend(self.name, self.engines)
         o = opts.resolved()
         extra = {} if o.max_running_requests is None else {"max_running_requests": o.max_running_requests}
-        return SglangJaxEngine(model, tp=o.tp, max_total_tokens=o.max_total_tokens, context_length=o.context_length,
-                               seed=o.seed, chunk_bytes=o.chunk_bytes, weights_cpu_backup=o.weights_cpu_backup,
-                               task=o.task, ports=o.ports, **extra)  # fmt: skip
+        return SglangJaxEngine(
+            model,
+            tp=o.tp,
+            max_total_tokens=o.max_total_tokens,
+            context_length=o.context_length,
+            seed=o.seed,
+            chunk_bytes=o.chunk_bytes,
+            weights_cpu_backup=o.weights_cpu_backup,
+            task=o.task,
+            ports=o.ports,
+            **extra,
+        )
 
     def create_trainer(self, model: ModelDir, cfg: Any):
         from mllm_rl.backends.jax.trainer import JaxTrainer

@@ -107,8 +107,16 @@ def splash(
     kh, vh = (jnp.moveaxis(jnp.pad(x, pad), 2, 1) for x in (k, v))
     seg = jnp.pad(attn.astype(jnp.int32), ((0, 0), (0, tp - t)))  # [B, Tp]
     bl = _block(tp)
-    sizes = sk.BlockSizes(block_q=bl, block_kv=bl, block_kv_compute=bl, block_q_dkv=bl, block_kv_dkv=bl,
-                          block_kv_dkv_compute=bl, block_q_dq=bl, block_kv_dq=bl)  # fmt: skip
+    sizes = sk.BlockSizes(
+        block_q=bl,
+        block_kv=bl,
+        block_kv_compute=bl,
+        block_q_dkv=bl,
+        block_kv_dkv=bl,
+        block_kv_dkv_compute=bl,
+        block_q_dq=bl,
+        block_kv_dq=bl,
+    )
 
     def local(qh: jax.Array, kh: jax.Array, vh: jax.Array, seg: jax.Array) -> jax.Array:
         heads = qh.shape[1]
@@ -124,8 +132,9 @@ def splash(
         bax = "fsdp" if fsdp > 1 and b % fsdp == 0 else None
         hax = "tp" if tpn > 1 and n % tpn == 0 and k.shape[2] % tpn == 0 else None
         spec = P(bax, hax)
-        local = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(bax)), out_specs=spec,
-                              check_vma=False)  # fmt: skip
+        local = jax.shard_map(
+            local, mesh=mesh, in_specs=(spec, spec, spec, P(bax)), out_specs=spec, check_vma=False
+        )
     out = local(qh, kh, vh, seg)  # [B, N, Tp, D]
     return jnp.moveaxis(out, 1, 2)[:, :t].astype(v.dtype)
 

@@ -122,8 +122,9 @@ def config_from_env(
     env = os.environ if env is None else env
     timeout = _int(env, ENV_TIMEOUT, 1) if env.get(ENV_TIMEOUT) else DEFAULT_TIMEOUT_S
     if env.get(ENV_ENGINE_PORT) and _int(env, ENV_ENGINE_PORT, 1) > 65529:
-        raise ValueError(f"{ENV_ENGINE_PORT}={env[ENV_ENGINE_PORT]}: must be <= 65529 "
-                         "(sglang-jax binds port+5, port+6)")  # fmt: skip
+        raise ValueError(
+            f"{ENV_ENGINE_PORT}={env[ENV_ENGINE_PORT]}: must be <= 65529 (sglang-jax binds port+5, port+6)"
+        )
     coord_var = next((v for v in (ENV_COORDINATOR, JAX_COORDINATOR) if env.get(v)), None)
     ours = [v for v in (ENV_NUM_PROCESSES, ENV_PROCESS_ID) if env.get(v)]
     if coord_var is None and not ours:
@@ -137,8 +138,10 @@ def config_from_env(
         if var == ENV_COORDINATOR and coord_var is not None:
             continue
         if not env.get(var):
-            raise ValueError(f"{var} is not set ({given}; a multi-process run needs {ENV_COORDINATOR}, "
-                             f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID})")  # fmt: skip
+            raise ValueError(
+                f"{var} is not set ({given}; a multi-process run needs {ENV_COORDINATOR}, "
+                f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID})"
+            )
     coordinator = env[coord_var]
     _host_port(coord_var, coordinator)
     n = _int(env, ENV_NUM_PROCESSES, 1)
@@ -173,9 +176,11 @@ def init_distributed(tp: int = 1, env: Mapping[str, str] | None = None) -> dict[
         return {"process_index": _procs.index, "process_count": _procs.count}
     if cfg.source == "env":
         if tp % cfg.num_processes:
-            raise ValueError(f"--tp {tp} with {ENV_NUM_PROCESSES}={cfg.num_processes}: the engine's mesh "
-                             "spans every process's devices, so --tp must be a multiple of "
-                             f"{cfg.num_processes}")  # fmt: skip
+            raise ValueError(
+                f"--tp {tp} with {ENV_NUM_PROCESSES}={cfg.num_processes}: the engine's mesh "
+                "spans every process's devices, so --tp must be a multiple of "
+                f"{cfg.num_processes}"
+            )
         force_cpu_devices(tp // cfg.num_processes)  # CPU only; on TPU/GPU the hardware decides
     import jax
     from jax._src import distributed as jax_dist
@@ -191,8 +196,9 @@ def init_distributed(tp: int = 1, env: Mapping[str, str] | None = None) -> dict[
         _wait_for_coordinator(cfg.coordinator or "", cfg.timeout_s)
     try:
         if cfg.source == "env":
-            jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id,
-                                       initialization_timeout=cfg.timeout_s)  # fmt: skip
+            jax.distributed.initialize(
+                cfg.coordinator, cfg.num_processes, cfg.process_id, initialization_timeout=cfg.timeout_s
+            )
         else:
             jax.distributed.initialize(initialization_timeout=cfg.timeout_s)
     except Exception as e:  # jaxlib raises its own error types (DEADLINE_EXCEEDED, ...)
@@ -215,8 +221,10 @@ def _wait_for_coordinator(coordinator: str, timeout_s: float) -> None:
                 return
         except OSError as e:
             if time.monotonic() >= deadline:
-                raise RuntimeError(f"coordinator {coordinator}: nothing accepted a connection within "
-                                   f"{timeout_s}s ({e}); is process 0 running there?") from None  # fmt: skip
+                raise RuntimeError(
+                    f"coordinator {coordinator}: nothing accepted a connection within "
+                    f"{timeout_s}s ({e}); is process 0 running there?"
+                ) from None
             time.sleep(0.5)
 
 
@@ -307,8 +315,10 @@ def agree_on_platform(platform: str) -> None:
     client = _client()
     client.key_value_set(f"mllm_rl/platform/{_procs.index}", platform)
     timeout_ms = int(1000 * _timeout_s)
-    seen = {i: str(client.blocking_key_value_get(f"mllm_rl/platform/{i}", timeout_ms))
-            for i in range(_procs.count)}  # fmt: skip
+    seen = {
+        i: str(client.blocking_key_value_get(f"mllm_rl/platform/{i}", timeout_ms))
+        for i in range(_procs.count)
+    }
     if len(set(seen.values())) > 1:
         desc = ", ".join(f"process {i}: {p}" for i, p in seen.items())
         raise RuntimeError(f"processes came up on different platforms ({desc})")

@@ -148,8 +148,9 @@ def logits_bytes(model: ModelConfig, max_running_requests: int, batch: int) -> t
 def kv_cell(model: ModelConfig, tp: int) -> int:
     """Bytes of one token's K and V, every layer, on one device (sglang-jax: head_dim -> x128)."""
     itemsize = 4 if engine_dtype(model) == "float32" else 2
-    return kv_cell_bytes(model.num_hidden_layers, model.num_key_value_heads, model.head_dim, itemsize, tp,
-                         head_dim_align=128)  # fmt: skip
+    return kv_cell_bytes(
+        model.num_hidden_layers, model.num_key_value_heads, model.head_dim, itemsize, tp, head_dim_align=128
+    )
 
 
 def size_pool(
@@ -175,8 +176,10 @@ def size_pool(
         frac = need if mem_fraction_static is None else mem_fraction_static
         rest = frac * free_bytes - weight_bytes
         if mem_fraction_static is not None and kv_tokens(int(rest), cell) < tokens:
-            rule = (f"max_total_tokens {max_total_tokens}, but mem_fraction_static {frac} gives only "
-                    f"{max(0, kv_tokens(int(rest), cell))} tokens (sglang-jax takes the smaller)")  # fmt: skip
+            rule = (
+                f"max_total_tokens {max_total_tokens}, but mem_fraction_static {frac} gives only "
+                f"{max(0, kv_tokens(int(rest), cell))} tokens (sglang-jax takes the smaller)"
+            )
             tokens = max(0, kv_tokens(int(rest), cell)) // PAGE_SIZE * PAGE_SIZE
         else:
             rule = f"max_total_tokens {max_total_tokens}"

@@ -77,46 +77,78 @@ def measure(req: PlanRequest) -> Measured:
     eng = _cached(
         ("engine", req.target, req.model, req.tp), lambda: engine_layout.weights(req.model, devices, req.tp)
     )
-    kv = engine_layout.size_pool(req.model, req.tp, target.hbm_bytes, eng.bytes_per_device, target.platform,
-                                 req.kv_tokens, req.mem_fraction_static)  # fmt: skip
-    layer = _cached(("kvlayer", req.target, req.model, req.tp, kv.tokens),
-                    lambda: engine_layout.compile_layer(req.model, devices, req.tp, kv.tokens))  # fmt: skip
+    kv = engine_layout.size_pool(
+        req.model,
+        req.tp,
+        target.hbm_bytes,
+        eng.bytes_per_device,
+        target.platform,
+        req.kv_tokens,
+        req.mem_fraction_static,
+    )
+    layer = _cached(
+        ("kvlayer", req.target, req.model, req.tp, kv.tokens),
+        lambda: engine_layout.compile_layer(req.model, devices, req.tp, kv.tokens),
+    )
     formula_layer = kv.bytes_per_device // req.model.num_hidden_layers
     default_frac = engine_layout.DEFAULT_MEM_FRACTION[target.platform]
-    info.update(kv_tokens=kv.tokens, kv_cell_bytes=kv.cell_bytes, kv_pad_tokens=kv.pad_tokens,
-                mem_fraction_static=kv.mem_fraction_static, engine_free_bytes=kv.free_bytes)  # fmt: skip
+    info.update(
+        kv_tokens=kv.tokens,
+        kv_cell_bytes=kv.cell_bytes,
+        kv_pad_tokens=kv.pad_tokens,
+        mem_fraction_static=kv.mem_fraction_static,
+        engine_free_bytes=kv.free_bytes,
+    )
     logits, rows = engine_layout.logits_bytes(
         req.model, req.max_running_requests, req.prompts * req.group_size
     )
     comps = {
-        "engine_weights": Component("engine_weights", eng.bytes_per_device, "layout",
-                                    f"sglang-jax Qwen3ForCausalLM sharded over tensor={req.tp}; "
-                                    f"{eng.tensors} arrays; compiler size {eng.compiler_bytes} B"),
-        "kv_pool": Component("kv_pool", kv.bytes_per_device, "layout",
-                             f"sglang-jax MHATokenToKVPool: ({kv.tokens} + {kv.pad_tokens}) tokens x "
-                             f"{kv.cell_bytes} B/token ({kv.rule}); one layer compiled: {layer} B "
-                             f"(formula {formula_layer} B)"),
-        "engine_logits": Component("engine_logits", logits, "layout",
-                                   f"[{rows}, {req.model.vocab_size}] float32 rows of logits sglang-jax keeps between "
-                                   f"generate calls (max_running_requests {req.max_running_requests}, rollout batch "
-                                   f"{req.prompts * req.group_size})"),
-    }  # fmt: skip
+        "engine_weights": Component(
+            "engine_weights",
+            eng.bytes_per_device,
+            "layout",
+            f"sglang-jax Qwen3ForCausalLM sharded over tensor={req.tp}; "
+            f"{eng.tensors} arrays; compiler size {eng.compiler_bytes} B",
+        ),
+        "kv_pool": Component(
+            "kv_pool",
+            kv.bytes_per_device,
+            "layout",
+            f"sglang-jax MHATokenToKVPool: ({kv.tokens} + {kv.pad_tokens}) tokens x "
+            f"{kv.cell_bytes} B/token ({kv.rule}); one layer compiled: {layer} B "
+            f"(formula {formula_layer} B)",
+        ),
+        "engine_logits": Component(
+            "engine_logits",
+            logits,
+            "layout",
+            f"[{rows}, {req.model.vocab_size}] float32 rows of logits sglang-jax keeps between "
+            f"generate calls (max_running_requests {req.max_running_requests}, rollout batch "
+            f"{req.prompts * req.group_size})",
+        ),
+    }
     if layer != formula_layer:
         notes.append(
             f"KV pool: the compiler lays one layer out in {layer} B, the formula says {formula_layer} B"
         )
     if req.kv_tokens is not None and req.mem_fraction_static is None:
-        notes.append(f"sglang-jax sizes this pool with mem_fraction_static >= {kv.mem_fraction_static} "
-                     f"(free at engine start: {kv.free_bytes} B per device; the adapter's default is {default_frac})")  # fmt: skip
+        notes.append(
+            f"sglang-jax sizes this pool with mem_fraction_static >= {kv.mem_fraction_static} "
+            f"(free at engine start: {kv.free_bytes} B per device; the adapter's default is {default_frac})"
+        )
 
     fns, trainer_comps = _trainer(req, devices, target, opts, info, notes)
     comps.update(trainer_comps)
     comps["staging"] = _staging(eng)
-    notes.append("engine forward/decode step not compiled (sglang-jax has no shape-only entry point): "
-                 "rollout phases hold engine weights + KV pool without its activations")  # fmt: skip
+    notes.append(
+        "engine forward/decode step not compiled (sglang-jax has no shape-only entry point): "
+        "rollout phases hold engine weights + KV pool without its activations"
+    )
     if target.platform == "gpu":
-        notes.append("GPU: XLA's compiler does not reject a program that does not fit (the plan compares); "
-                     "JAX preallocates 75% of GPU memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise")  # fmt: skip
+        notes.append(
+            "GPU: XLA's compiler does not reject a program that does not fit (the plan compares); "
+            "JAX preallocates 75% of GPU memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise"
+        )
     info["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return Measured(target, comps, fns, notes, info)
 
@@ -155,18 +187,26 @@ def _check_mesh(req: PlanRequest, target: Any) -> None:
             f"--tp {req.tp}: on {target.num_hosts} hosts the engine's mesh spans every device; pass --tp {n}"
         )
     if c.num_attention_heads % req.tp or c.num_key_value_heads % req.tp:
-        raise ValueError(f"--tp {req.tp}: {c.num_attention_heads} heads / {c.num_key_value_heads} kv heads of "
-                         f"{c.name} are not divisible by it")  # fmt: skip
+        raise ValueError(
+            f"--tp {req.tp}: {c.num_attention_heads} heads / {c.num_key_value_heads} kv heads of "
+            f"{c.name} are not divisible by it"
+        )
     if n % req.trainer_tp:
         raise ValueError(f"--trainer-tp {req.trainer_tp} does not divide the {n} devices of {target.name}")
     if req.fsdp not in (0, n // req.trainer_tp):
-        raise ValueError(f"--fsdp {req.fsdp}: the trainer's mesh is fsdp x tp = every device; "
-                         f"with --trainer-tp {req.trainer_tp} on {n} devices fsdp is {n // req.trainer_tp}")  # fmt: skip
+        raise ValueError(
+            f"--fsdp {req.fsdp}: the trainer's mesh is fsdp x tp = every device; "
+            f"with --trainer-tp {req.trainer_tp} on {n} devices fsdp is {n // req.trainer_tp}"
+        )
 
 
 def _train_config(req: PlanRequest) -> TrainConfig:
-    return TrainConfig(micro_batch_size=req.micro_batch, lora_rank=req.lora_rank, precision=req.precision,
-                       loss=LossConfig(beta=KL_BETA if req.kl else 0.0))  # fmt: skip
+    return TrainConfig(
+        micro_batch_size=req.micro_batch,
+        lora_rank=req.lora_rank,
+        precision=req.precision,
+        loss=LossConfig(beta=KL_BETA if req.kl else 0.0),
+    )
 
 
 def _trainer(
@@ -189,10 +229,12 @@ def _trainer(
     dts = resolve_dtypes(cfg, opts, checkpoint_dtype(req.model))
     info["dtypes"] = {**dataclasses.asdict(dts), "precision": cfg.precision}
     if dts.trainable != dts.export:
-        notes.append(f"trainer: {dts.trainable} master params and {dts.opt} AdamW moments of the {dts.export} "
-                     f"checkpoint (precision {cfg.precision}), computing in {dts.compute}"
-                     + (f", the frozen LoRA base in {dts.params}" if dts.lora else "")
-                     + f"; the engine gets {dts.export} casts")  # fmt: skip
+        notes.append(
+            f"trainer: {dts.trainable} master params and {dts.opt} AdamW moments of the {dts.export} "
+            f"checkpoint (precision {cfg.precision}), computing in {dts.compute}"
+            + (f", the frozen LoRA base in {dts.params}" if dts.lora else "")
+            + f"; the engine gets {dts.export} casts"
+        )
     mesh = make_mesh(opts.tp, devices)
     key = (req.target, req.model, req.lora_rank, req.kl, req.precision, opts)
     fns = _cached(("fns",) + key, lambda: make_step_fns(req.model, cfg, opts, mesh))
@@ -210,18 +252,33 @@ def _trainer(
         )
     params = _shard_bytes((trainable, frozen))
     comps = {
-        "trainer_params": Component("trainer_params", params, "layout",
-                                    f"trainable + frozen shards on device 0, mesh fsdp={mesh.shape['fsdp']} x "
-                                    f"tp={mesh.shape['tp']}"),
-        "optimizer": Component("optimizer", _shard_bytes(opt_state), "layout", "AdamW state shards on device 0"),
-    }  # fmt: skip
+        "trainer_params": Component(
+            "trainer_params",
+            params,
+            "layout",
+            f"trainable + frozen shards on device 0, mesh fsdp={mesh.shape['fsdp']} x tp={mesh.shape['tp']}",
+        ),
+        "optimizer": Component(
+            "optimizer", _shard_bytes(opt_state), "layout", "AdamW state shards on device 0"
+        ),
+    }
     if req.kl:  # the trainer puts the reference on the device for train_step: the initial params
         # (full fine-tune) or zero adapters (LoRA), shaped like the trainable params either way
-        comps["ref_params"] = Component("ref_params", _shard_bytes(trainable), "layout",
-                                        "KL reference: a copy of the trainable params' layout, on device in train_step")  # fmt: skip
+        comps["ref_params"] = Component(
+            "ref_params",
+            _shard_bytes(trainable),
+            "layout",
+            "KL reference: a copy of the trainable params' layout, on device in train_step",
+        )
     out: dict[str, FunctionMemory] = {}
-    grad = _compile("grad_step", fns.grad, (trainable, frozen, mb, scalar, scalar), target, info,
-                    f"micro-batch {req.micro_batch} x {seq} tokens")  # fmt: skip
+    grad = _compile(
+        "grad_step",
+        fns.grad,
+        (trainable, frozen, mb, scalar, scalar),
+        target,
+        info,
+        f"micro-batch {req.micro_batch} x {seq} tokens",
+    )
     out["grad_step"] = grad.memory
     if grad.compiled is not None:
         grads_bytes = grad.memory.output_bytes
@@ -229,21 +286,41 @@ def _trainer(
         grads_tree = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), trainable, grads_spec
         )
-        comps["grads"] = Component("grads", grads_bytes, "compiler",
-                                   "grad_step's output buffers on one device (the accumulator has the same layout)")  # fmt: skip
+        comps["grads"] = Component(
+            "grads",
+            grads_bytes,
+            "compiler",
+            "grad_step's output buffers on one device (the accumulator has the same layout)",
+        )
     else:
         grads_tree = trainable
-        comps["grads"] = Component("grads", _shard_bytes(trainable), "layout",
-                                   "grad_step was rejected; gradients assumed sharded like the params")  # fmt: skip
+        comps["grads"] = Component(
+            "grads",
+            _shard_bytes(trainable),
+            "layout",
+            "grad_step was rejected; gradients assumed sharded like the params",
+        )
     apply_key = ("apply",) + key
     if apply_key not in _cache:
-        _cache[apply_key] = _compile("optimizer_apply", fns.apply, (trainable, opt_state, grads_tree), target, info,
-                                     "AdamW update, params and state donated").memory  # fmt: skip
+        _cache[apply_key] = _compile(
+            "optimizer_apply",
+            fns.apply,
+            (trainable, opt_state, grads_tree),
+            target,
+            info,
+            "AdamW update, params and state donated",
+        ).memory
     out["optimizer_apply"] = _cache[apply_key]
     if req.kl:
         # the reference: the initial params (full fine-tune) or zero adapters (LoRA), same shapes
-        out["logprob"] = _compile("logprob", fns.logprob, (trainable, frozen, mb["tokens"], mb["attn"]), target, info,
-                                  f"reference log-probs, {req.micro_batch} x {seq}").memory  # fmt: skip
+        out["logprob"] = _compile(
+            "logprob",
+            fns.logprob,
+            (trainable, frozen, mb["tokens"], mb["attn"]),
+            target,
+            info,
+            f"reference log-probs, {req.micro_batch} x {seq}",
+        ).memory
     return out, comps
 
 
@@ -273,8 +350,12 @@ def _compile(
     secs = time.perf_counter() - t0
     info["compile_seconds"][name] = round(secs, 2)
     m = compiled.memory_analysis()
-    arg, out, alias, temp = (int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
-                             int(m.alias_size_in_bytes), int(m.temp_size_in_bytes))  # fmt: skip
+    arg, out, alias, temp = (
+        int(m.argument_size_in_bytes),
+        int(m.output_size_in_bytes),
+        int(m.alias_size_in_bytes),
+        int(m.temp_size_in_bytes),
+    )
     if target.platform == "cpu":
         peak = arg + out - alias + temp  # XLA:CPU reports no buffer reuse: an upper bound
     else:
@@ -300,6 +381,10 @@ def _staging(eng: engine_layout.EngineWeights) -> Component:
     a stacked layer's row; kernels go out in the engine's ``[in, out]`` layout, untransposed) and
     the engine's placed copy before the old leaf is freed (``engine_weights.to_engine``)."""
     b = STAGING_COPIES * eng.largest_tensor_bytes
-    return Component("staging", b, "layout",
-                     f"{STAGING_COPIES} x the largest engine tensor shard ({eng.largest_tensor_bytes} B): the "
-                     "trainer's exported copy and the engine's placed copy of one tensor (estimate)")  # fmt: skip
+    return Component(
+        "staging",
+        b,
+        "layout",
+        f"{STAGING_COPIES} x the largest engine tensor shard ({eng.largest_tensor_bytes} B): the "
+        "trainer's exported copy and the engine's placed copy of one tensor (estimate)",
+    )

@@ -57,10 +57,17 @@ class JaxMemoryProbe:
             used = live_array_bytes(self.devices)
             host = live_array_bytes(self.devices, "pinned_host")
             return [
-                DeviceMemory(d.id, d.platform, used[i], None, None, "live_arrays",
-                             {"live_arrays_bytes": used[i], "pinned_host_bytes": host[i]})
+                DeviceMemory(
+                    d.id,
+                    d.platform,
+                    used[i],
+                    None,
+                    None,
+                    "live_arrays",
+                    {"live_arrays_bytes": used[i], "pinned_host_bytes": host[i]},
+                )
                 for i, d in enumerate(self.devices)
-            ]  # fmt: skip
+            ]
         out = []
         for d in self.devices:
             stats = d.memory_stats() or {}

@@ -186,8 +186,11 @@ class SglangJaxEngine:
         prev_sigterm = signal.getsignal(signal.SIGTERM)
         multi: dict[str, Any] = {}
         if self.procs.count > 1:  # one engine over every process's devices (sglang-jax multi-node)
-            multi = {"nnodes": self.procs.count, "node_rank": self.procs.index,
-                     "dist_init_addr": dist.engine_address(ports[0] if ports else None)}  # fmt: skip
+            multi = {
+                "nnodes": self.procs.count,
+                "node_rank": self.procs.index,
+                "dist_init_addr": dist.engine_address(ports[0] if ports else None),
+            }
         launch = _launched_scheduler() if multi else contextlib.nullcontext({})
         with launch as launched:
             self.engine = Engine(

@@ -75,8 +75,10 @@ def param_spec(path: tuple[Any, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
         }[leaf]
     lead = (None,) * (len(shape) - 2)  # stacked layers [L, in, out]: L never split
     dims = shape[len(lead) :]
-    fitted = tuple(a if a is None or (mesh.shape[a] > 1 and d % mesh.shape[a] == 0) else None
-                   for a, d in zip(axes, dims, strict=True))  # fmt: skip
+    fitted = tuple(
+        a if a is None or (mesh.shape[a] > 1 and d % mesh.shape[a] == 0) else None
+        for a, d in zip(axes, dims, strict=True)
+    )
     return P(*lead, *fitted)
 
 

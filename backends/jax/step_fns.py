@@ -270,9 +270,17 @@ def make_step_fns(
         logp = token_logp(trainable, frozen, mb["tokens"], mb["attn"])
         mask = mb["loss_mask"][:, 1:]
         ref = mb["ref_logp"][:, 1:] if loss_cfg.beta > 0 else None
-        loss, m = policy_loss(logp, mb["old_logp"][:, 1:], mb["adv"], mask, loss_cfg, ref_logp=ref,
-                              total_tokens=total_tokens, total_seqs=total_seqs,
-                              is_weight=mb["is_weight"][:, 1:])  # fmt: skip
+        loss, m = policy_loss(
+            logp,
+            mb["old_logp"][:, 1:],
+            mb["adv"],
+            mask,
+            loss_cfg,
+            ref_logp=ref,
+            total_tokens=total_tokens,
+            total_seqs=total_seqs,
+            is_weight=mb["is_weight"][:, 1:],
+        )
         n = mask.astype(jnp.float32).sum()
         sums = {k: v * n for k, v in m.items()}  # token-weighted, summed over micro-batches
         sums["tokens"] = n

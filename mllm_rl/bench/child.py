@@ -14,16 +14,23 @@ from typing import Any
 from mllm_rl.bench import MiB
 from mllm_rl.bench.machine import ROOT
 
-OOM_MARKERS = ("out of memory", "resource_exhausted", "outofmemoryerror", "cuda error: out of memory",
-               "failed to allocate", "oom")  # fmt: skip
+OOM_MARKERS = (
+    "out of memory",
+    "resource_exhausted",
+    "outofmemoryerror",
+    "cuda error: out of memory",
+    "failed to allocate",
+    "oom",
+)
 
 
 class BenchError(RuntimeError):
     """A benchmark could not run; ``str(e)`` starts with one line saying why."""
 
 
-def run_cmd(cmd: Sequence[str], what: str, timeout: float | None = None,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+def run_cmd(
+    cmd: Sequence[str], what: str, timeout: float | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run ``cmd`` in the repo root (no progress bars, unbuffered); ``BenchError`` naming ``what``
     with the stderr tail when it fails or times out."""
     full_env = {**os.environ, "MLLM_RL_NO_PROGRESS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -36,8 +36,12 @@ def _timed(fn: Callable[[], Any], repeats: int) -> list[float]:
 
 def _bw(nbytes: int, times: list[float]) -> dict[str, Any]:
     best, med = min(times), statistics.median(times)
-    return {"seconds_best": round(best, 6), "seconds_median": round(med, 6), "gbps_best": round(nbytes / best / 1e9, 3),
-            "gbps_median": round(nbytes / med / 1e9, 3)}  # fmt: skip
+    return {
+        "seconds_best": round(best, 6),
+        "seconds_median": round(med, 6),
+        "gbps_best": round(nbytes / best / 1e9, 3),
+        "gbps_median": round(nbytes / med / 1e9, 3),
+    }
 
 
 def jax_copy_bandwidth(
@@ -77,8 +81,12 @@ def jax_copy_bandwidth(
     return out
 
 
-def torch_copy_bandwidth(nbytes: int, device: str = "auto", repeats: int = 5,
-                         kinds: Sequence[str] = ("h2d", "h2d_pinned", "d2h", "d2d")) -> dict[str, Any]:  # fmt: skip
+def torch_copy_bandwidth(
+    nbytes: int,
+    device: str = "auto",
+    repeats: int = 5,
+    kinds: Sequence[str] = ("h2d", "h2d_pinned", "d2h", "d2d"),
+) -> dict[str, Any]:
     """torch: ``h2d`` = ``tensor.to(device)`` from pageable host memory, ``h2d_pinned`` = the same
     from pinned memory (CUDA only), ``d2h`` = ``.to("cpu")``, ``d2d`` = ``clone()`` on the device.
     On CPU ``.to("cpu")`` is a no-op, so ``h2d``/``d2h``/``d2d`` are a host ``clone()`` (memcpy)."""
@@ -88,8 +96,12 @@ def torch_copy_bandwidth(nbytes: int, device: str = "auto", repeats: int = 5,
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     host = torch.ones(nbytes, dtype=torch.uint8)
-    out: dict[str, Any] = {"runtime": "torch", "platform": dev.type, "bytes": nbytes,
-                           "device": torch.cuda.get_device_name(dev) if cuda else "cpu"}  # fmt: skip
+    out: dict[str, Any] = {
+        "runtime": "torch",
+        "platform": dev.type,
+        "bytes": nbytes,
+        "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
+    }
     on_dev = host.to(dev) if cuda else host.clone()
     sync()
 
@@ -139,8 +151,10 @@ def copy_bandwidth(backend: str, nbytes: int, platform_: str = "auto", repeats: 
     else:
         raise BenchError(f"--backend {backend!r}: choose jax or torch")
     if out["platform"] == "cpu":
-        out["note"] = ("CPU: every copy is a host-to-host memcpy; there is no host-to-device link, so "
-                       "ratios against it are not H2D efficiencies")  # fmt: skip
+        out["note"] = (
+            "CPU: every copy is a host-to-host memcpy; there is no host-to-device link, so "
+            "ratios against it are not H2D efficiencies"
+        )
     return out
 
 

@@ -145,19 +145,24 @@ def analyse(
         secs = [s.seconds[k] for s in use]
         nbytes = _median([moved_bytes(s.info[k]) for s in use])
         med = statistics.median(secs)
-        phases.append({
-            "phase": k,
-            "seconds_median": round(med, 6),
-            "share_median": round(statistics.median(s.seconds[k] / s.wall_s for s in use), 6),
-            "bytes_median": int(nbytes) if nbytes is not None else None,
-            "gbps_median": round(nbytes / med / 1e9, 4) if nbytes and med > 0 else None,
-        })  # fmt: skip
-    phases.append({
-        "phase": BETWEEN,
-        "seconds_median": round(statistics.median(s.between_s for s in use), 6),
-        "share_median": round(statistics.median(s.between_s / s.wall_s for s in use), 6),
-        "bytes_median": None, "gbps_median": None,
-    })  # fmt: skip
+        phases.append(
+            {
+                "phase": k,
+                "seconds_median": round(med, 6),
+                "share_median": round(statistics.median(s.seconds[k] / s.wall_s for s in use), 6),
+                "bytes_median": int(nbytes) if nbytes is not None else None,
+                "gbps_median": round(nbytes / med / 1e9, 4) if nbytes and med > 0 else None,
+            }
+        )
+    phases.append(
+        {
+            "phase": BETWEEN,
+            "seconds_median": round(statistics.median(s.between_s for s in use), 6),
+            "share_median": round(statistics.median(s.between_s / s.wall_s for s in use), 6),
+            "bytes_median": None,
+            "gbps_median": None,
+        }
+    )
     other = [(s.wall_s - s.seconds.get(ROLLOUT, 0.0) - s.seconds.get(TRAIN, 0.0)) / s.wall_s for s in use]
     first = [s for s in steps if s.first_of_attempt and s.attempt == 0]
     step_med = statistics.median(s.wall_s for s in use)

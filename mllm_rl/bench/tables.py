@@ -21,7 +21,9 @@ def table(rows: Sequence[dict[str, Any]], cols: Sequence[tuple[str, str, str]]) 
     """Plain-text table: ``cols`` = (key, header, format spec); the first column left-aligned."""
     cells = [[h for _, h, _ in cols]] + [[fmt(r.get(k), s) for k, _, s in cols] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-             for row in cells]  # fmt: skip
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -69,8 +69,12 @@ class ModelDir:
 
     def check_values(self, show_progress: bool = True) -> None:
         """``CheckpointError`` naming file and tensor unless every weight is finite."""
-        with progress_bar(total=self.nbytes, desc=f"check {self.path.name}", unit="B",
-                          enabled=show_progress and self.nbytes > PROGRESS_BYTES) as bar:  # fmt: skip
+        with progress_bar(
+            total=self.nbytes,
+            desc=f"check {self.path.name}",
+            unit="B",
+            enabled=show_progress and self.nbytes > PROGRESS_BYTES,
+        ) as bar:
             try:
                 check_finite(((n, f, i) for n, (f, i) in self.tensors.items()), on_bytes=bar.update)
             except NonFiniteError as e:

@@ -91,8 +91,16 @@ class Checkpointer:
     last of ``steps`` (``every`` 0: never); ``meta`` goes into each ``meta.json`` with the step.
     ``background``: write through ``trainer.snapshot()`` when the trainer has one."""
 
-    def __init__(self, trainer: Any, run_dir: Path, meta: Mapping[str, Any], every: int, steps: int,
-                 keep: int, background: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        trainer: Any,
+        run_dir: Path,
+        meta: Mapping[str, Any],
+        every: int,
+        steps: int,
+        keep: int,
+        background: bool,
+    ) -> None:
         self.trainer, self.run_dir, self.meta = trainer, Path(run_dir), dict(meta)
         self.every, self.steps, self.keep, self.background = every, steps, keep, background
         self._pending: _Write | None = None

@@ -28,8 +28,14 @@ EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 1, 2, 6
 # This command's own defaults of the run's settings: a plan is asked about a real model at a real size.
 MEMPLAN_DEFAULTS = {"backend": "jax", "model": "qwen3-4b", "micro_batch_size": 4, "prompts_per_step": 8}
 # PlanRequest fields whose flag is not ``--`` + the field with dashes (messages name the flag)
-REQUEST_FLAGS = {"micro_batch": "--micro-batch-size", "prompts": "--prompts-per-step", "kv_tokens": "--kv-tokens",
-                 "kl": "--kl-beta", "options": "--model-option", "param_dtype": "--model's torch_dtype"}  # fmt: skip
+REQUEST_FLAGS = {
+    "micro_batch": "--micro-batch-size",
+    "prompts": "--prompts-per-step",
+    "kv_tokens": "--kv-tokens",
+    "kl": "--kl-beta",
+    "options": "--model-option",
+    "param_dtype": "--model's torch_dtype",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,9 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", default="v4-8", help="device topology (--list-targets) (default: v4-8)")
     ap.add_argument("--list-targets", action="store_true", help="print the backend's targets and exit")
     add_options(ap, ("memplan",), MEMPLAN_DEFAULTS)
-    ap.add_argument("--fit", nargs="?", const="micro_batch", choices=["kv", *FIT_KNOBS], default=None,
-                    help="kv: the largest KV pool next to everything else; micro_batch / seq_len: the largest "
-                    "value that fits (doubling, then bisection; one compile per probe), then the largest KV pool")  # fmt: skip
+    ap.add_argument(
+        "--fit",
+        nargs="?",
+        const="micro_batch",
+        choices=["kv", *FIT_KNOBS],
+        default=None,
+        help="kv: the largest KV pool next to everything else; micro_batch / seq_len: the largest "
+        "value that fits (doubling, then bisection; one compile per probe), then the largest KV pool",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write plan.json, plan.txt, plan.html here")
     return ap
 
@@ -105,12 +117,28 @@ def make_request(args: argparse.Namespace) -> Any:
 
     options = dict(parse_option(o) for o in args.model_option or [])
     model = load_model(args.model)
-    return PlanRequest(backend=args.backend, target=args.target, model=model, micro_batch=args.micro_batch_size,
-                       seq_len=args.seq_len, group_size=args.group_size, prompts=args.prompts_per_step, tp=args.tp,
-                       max_running_requests=args.max_running_requests, fsdp=args.fsdp, lora_rank=args.lora_rank, kl=args.kl_beta > 0,
-                       precision=args.precision, schedule=args.schedule,
-                       kv_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static, margin=args.margin,
-                       param_dtype=model.torch_dtype, trainer_tp=args.trainer_tp, options=options)  # fmt: skip
+    return PlanRequest(
+        backend=args.backend,
+        target=args.target,
+        model=model,
+        micro_batch=args.micro_batch_size,
+        seq_len=args.seq_len,
+        group_size=args.group_size,
+        prompts=args.prompts_per_step,
+        tp=args.tp,
+        max_running_requests=args.max_running_requests,
+        fsdp=args.fsdp,
+        lora_rank=args.lora_rank,
+        kl=args.kl_beta > 0,
+        precision=args.precision,
+        schedule=args.schedule,
+        kv_tokens=args.max_total_tokens,
+        mem_fraction_static=args.mem_fraction_static,
+        margin=args.margin,
+        param_dtype=model.torch_dtype,
+        trainer_tp=args.trainer_tp,
+        options=options,
+    )
 
 
 def _say(msg: str) -> None:
@@ -165,8 +193,10 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         known = getattr(planner, "targets", None)
         if known is not None and args.target not in known():
-            raise ValueError(f"--target {args.target!r}: unknown for --backend {args.backend}; "
-                             f"choose one of {', '.join(known())}")  # fmt: skip
+            raise ValueError(
+                f"--target {args.target!r}: unknown for --backend {args.backend}; "
+                f"choose one of {', '.join(known())}"
+            )
         req = make_request(args)
         if args.out is not None and args.out.exists() and not args.out.is_dir():
             raise ValueError(f"--out {args.out}: not a directory")
@@ -185,8 +215,11 @@ def _plan(planner: Any, req: Any, args: argparse.Namespace, t_start: float) -> i
     extra: dict[str, Any] = {}
     if args.fit and args.fit != "kv":
         req, m, probes = run_fit(planner, req, args.fit, args.fit_max, args.fit_step, args.check_weights)
-        extra["fit"] = {"knob": args.fit, "value": getattr(req, args.fit),
-                        "probes": [dataclasses.asdict(p) for p in probes]}  # fmt: skip
+        extra["fit"] = {
+            "knob": args.fit,
+            "value": getattr(req, args.fit),
+            "probes": [dataclasses.asdict(p) for p in probes],
+        }
     else:
         m = planner.measure(req)
     if args.fit:
@@ -230,8 +263,10 @@ def _summary(result: dict[str, Any], m: Any, req: Any, extra: dict[str, Any], t_
         )
     secs = info.get("compile_seconds", {})
     rss = max(info.get("host_peak_rss_bytes", 0), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    lines.append(f"compile: {sum(secs.values()):.1f} s ({', '.join(f'{k} {v:.1f} s' for k, v in secs.items())}); "
-                 f"plan wall time {time.perf_counter() - t_start:.1f} s; host peak RSS {rss / GIB:.2f} GiB")  # fmt: skip
+    lines.append(
+        f"compile: {sum(secs.values()):.1f} s ({', '.join(f'{k} {v:.1f} s' for k, v in secs.items())}); "
+        f"plan wall time {time.perf_counter() - t_start:.1f} s; host peak RSS {rss / GIB:.2f} GiB"
+    )
     return lines
 
 

@@ -187,8 +187,16 @@ def compose(
                 if f in functions and functions[f].extra_bytes >= extra:
                     best, extra = f, functions[f].extra_bytes
             rows.append(PhasePlan(prefix + name, res, best, extra, sum(res.values()) + extra))
-    return Plan(target, schedule, margin, dict(components), dict(functions), rows, dict(inputs or {}),
-                list(notes or []))  # fmt: skip
+    return Plan(
+        target,
+        schedule,
+        margin,
+        dict(components),
+        dict(functions),
+        rows,
+        dict(inputs or {}),
+        list(notes or []),
+    )
 
 
 def unit_for(b: int) -> tuple[str, int]:
@@ -213,8 +221,10 @@ def format_table(plan: Plan) -> str:
         mark = "" if p.total <= plan.budget else "  OVER"
         rows.append(cells + [temp, fmt(p.total, scale), f"{p.total / plan.target.hbm_bytes:.0%}{mark}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-             for r in rows]  # fmt: skip
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    ]
     t = plan.target
     title = (
         f"PREDICTED memory plan, {plan.schedule} schedule, {t.name} ({t.num_devices} x {t.device_kind}, "

@@ -40,10 +40,27 @@ def format_functions(m: Measured) -> str:
     for f in m.functions.values():
         secs = f"{f.compile_seconds:.1f}" if f.compile_seconds is not None else "-"
         note = f"REJECTED: {f.rejected}" if f.rejected else f.detail
-        rows.append([f.name] + [fmt(b, scale) for b in (f.peak_bytes, f.argument_bytes, f.output_bytes, f.temp_bytes,
-                                                         f.alias_bytes, f.extra_bytes)] + [secs, note])  # fmt: skip
-    return "\n".join([f"Compiled functions ({m.target.platform} compiler, {unit} per device; extra = peak - args):",
-                      *_table(rows)])  # fmt: skip
+        rows.append(
+            [f.name]
+            + [
+                fmt(b, scale)
+                for b in (
+                    f.peak_bytes,
+                    f.argument_bytes,
+                    f.output_bytes,
+                    f.temp_bytes,
+                    f.alias_bytes,
+                    f.extra_bytes,
+                )
+            ]
+            + [secs, note]
+        )
+    return "\n".join(
+        [
+            f"Compiled functions ({m.target.platform} compiler, {unit} per device; extra = peak - args):",
+            *_table(rows),
+        ]
+    )
 
 
 def verdict(plan: Plan) -> str:
@@ -93,8 +110,16 @@ def write(out: Path, text: str, doc: dict[str, Any]) -> list[Path]:
     return files
 
 
-_COLORS = {"engine_weights": "#4e79a7", "kv_pool": "#a0cbe8", "trainer_params": "#f28e2b", "optimizer": "#ffbe7d",
-           "grads": "#59a14f", "ref_params": "#8cd17d", "staging": "#b6992d", "temp": "#e15759"}  # fmt: skip
+_COLORS = {
+    "engine_weights": "#4e79a7",
+    "kv_pool": "#a0cbe8",
+    "trainer_params": "#f28e2b",
+    "optimizer": "#ffbe7d",
+    "grads": "#59a14f",
+    "ref_params": "#8cd17d",
+    "staging": "#b6992d",
+    "temp": "#e15759",
+}
 
 
 def to_html(doc: dict[str, Any]) -> str:
@@ -105,19 +130,26 @@ def to_html(doc: dict[str, Any]) -> str:
     for sched, p in doc["plans"].items():
         t, hbm, budget = p["target"], p["target"]["hbm_bytes"], p["budget_bytes"]
         scale = 600 / max(hbm, max(ph["total"] for ph in p["phases"]))
-        body.append(f"<h2>{esc(sched)}: {esc(t['name'])} ({t['num_devices']} x {esc(t['device_kind'])}, "
-                    f"{hbm / GIB:.2f} GiB per device from {esc(t['source'])}; budget {p['margin']:.0%})</h2>")  # fmt: skip
+        body.append(
+            f"<h2>{esc(sched)}: {esc(t['name'])} ({t['num_devices']} x {esc(t['device_kind'])}, "
+            f"{hbm / GIB:.2f} GiB per device from {esc(t['source'])}; budget {p['margin']:.0%})</h2>"
+        )
         body.append("<table><tr><th>phase</th><th>GiB</th><th></th></tr>")
         for ph in p["phases"]:
             segs = list(ph["resident"].items()) + (
                 [("temp", ph["function_extra"])] if ph["function_extra"] else []
             )
-            bars = "".join(f'<span title="{esc(k)} {v / GIB:.2f} GiB" style="display:inline-block;height:14px;'
-                           f'width:{v * scale:.1f}px;background:{_COLORS.get(k, "#999")}"></span>' for k, v in segs)  # fmt: skip
+            bars = "".join(
+                f'<span title="{esc(k)} {v / GIB:.2f} GiB" style="display:inline-block;height:14px;'
+                f'width:{v * scale:.1f}px;background:{_COLORS.get(k, "#999")}"></span>'
+                for k, v in segs
+            )
             over = ' style="color:#c00"' if ph["total"] > budget else ""
-            body.append(f"<tr{over}><td>{esc(ph['phase'])}</td><td>{ph['total'] / GIB:.2f}</td>"
-                        f'<td style="position:relative">{bars}<span style="position:absolute;left:{budget * scale:.0f}px;'
-                        f'top:0;height:14px;border-left:2px dashed #000"></span></td></tr>')  # fmt: skip
+            body.append(
+                f"<tr{over}><td>{esc(ph['phase'])}</td><td>{ph['total'] / GIB:.2f}</td>"
+                f'<td style="position:relative">{bars}<span style="position:absolute;left:{budget * scale:.0f}px;'
+                f'top:0;height:14px;border-left:2px dashed #000"></span></td></tr>'
+            )
         body.append("</table>")
         body.append(
             f"<p>{'fits' if p['fits'] else 'DOES NOT FIT: ' + esc(' in '.join(reversed(p['first_overflow'])))}</p>"
@@ -127,6 +159,9 @@ def to_html(doc: dict[str, Any]) -> str:
     )
     body.append(f"<p>{legend} (dashed line: budget)</p>")
     body.append("<pre>" + esc("\n".join(doc.get("summary", []))) + "</pre>")
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>memory plan</title>"
-            "<style>body{font-family:sans-serif}td{padding:1px 6px;white-space:nowrap}</style></head><body>"
-            + "\n".join(body) + "</body></html>\n")  # fmt: skip
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>memory plan</title>"
+        "<style>body{font-family:sans-serif}td{padding:1px 6px;white-space:nowrap}</style></head><body>"
+        + "\n".join(body)
+        + "</body></html>\n"
+    )

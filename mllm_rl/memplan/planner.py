@@ -52,8 +52,20 @@ def plans(m: Measured, req: PlanRequest, check_weights: bool = False) -> dict[st
     inputs = inputs_of(req)
     inputs.update({k: m.info[k] for k in ("kv_tokens", "mem_fraction_static") if k in m.info})
     phases = step_phases(check_weights)
-    return {s: compose(m.target, s, phases[s], m.components, m.functions, req.margin, inputs, list(m.notes),
-                       setup=SETUP_PHASES) for s in order}  # fmt: skip
+    return {
+        s: compose(
+            m.target,
+            s,
+            phases[s],
+            m.components,
+            m.functions,
+            req.margin,
+            inputs,
+            list(m.notes),
+            setup=SETUP_PHASES,
+        )
+        for s in order
+    }
 
 
 def inputs_of(req: PlanRequest) -> dict[str, object]:

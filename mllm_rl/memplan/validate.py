@@ -83,8 +83,15 @@ def compare(
     comp_rows = []
     for c in COMPARED:
         pred = comps.get(c, 0)
-        comp_rows.append({"component": c, "predicted": pred, "measured": meas[c], "ratio": _ratio(pred, meas[c]),
-                          "within": _within(pred, meas[c], tolerance)})  # fmt: skip
+        comp_rows.append(
+            {
+                "component": c,
+                "predicted": pred,
+                "measured": meas[c],
+                "ratio": _ratio(pred, meas[c]),
+                "within": _within(pred, meas[c], tolerance),
+            }
+        )
     steps = [r["step"] for r in records if r.get("step") is not None]
     last = max(steps) if steps else None
     by_name: dict[str, list[dict[str, Any]]] = {}
@@ -107,10 +114,18 @@ def compare(
         got = _device_bytes(recs[i])
         if got is None:
             continue
-        phase_rows.append({"phase": name, "resident_at_end": list(ends), "predicted": pred, "measured": got,
-                           "ratio": _ratio(pred, got), "within": _within(pred, got, tolerance),
-                           "predicted_during": int(p["total"]),
-                           "below_during": got <= p["total"] * (1 + tolerance)})  # fmt: skip
+        phase_rows.append(
+            {
+                "phase": name,
+                "resident_at_end": list(ends),
+                "predicted": pred,
+                "measured": got,
+                "ratio": _ratio(pred, got),
+                "within": _within(pred, got, tolerance),
+                "predicted_during": int(p["total"]),
+                "below_during": got <= p["total"] * (1 + tolerance),
+            }
+        )
     grad = plan["functions"].get("grad_step", {})
     rss = []
     for r in records:
@@ -126,6 +141,6 @@ def compare(
             "peak_bytes": grad.get("peak_bytes"),
             "extra_bytes": grad.get("extra_bytes"),
             "measured_rss_rise": rss,
-        },  # fmt: skip
+        },
         "within": all(r["within"] for r in comp_rows) and all(r["within"] for r in phase_rows),
     }

@@ -144,9 +144,17 @@ class Driver:
         st = self.status[lease.task]
         st.leases += 1
         failed = [(i, o) for i, o in enumerate(outcomes) if o != OK]
-        entry = {"lease": lease.index, "task": lease.task, "kind": lease.kind, "step": lease.step,
-                 "process_index": self.coord.index, "t_start": t0, "t_end": t1, "outcomes": outcomes,
-                 "device_bytes": self.device_bytes() if self.device_bytes else None}  # fmt: skip
+        entry = {
+            "lease": lease.index,
+            "task": lease.task,
+            "kind": lease.kind,
+            "step": lease.step,
+            "process_index": self.coord.index,
+            "t_start": t0,
+            "t_end": t1,
+            "outcomes": outcomes,
+            "device_bytes": self.device_bytes() if self.device_bytes else None,
+        }
         self.on_lease(entry)
         if not failed:
             return

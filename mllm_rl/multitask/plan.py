@@ -110,8 +110,14 @@ class MultitaskPlan(Plan[MultitaskOptions]):
         return names
 
     def run_json(self, backend: Backend, opts: MultitaskOptions) -> dict[str, Any]:
-        return {"model": None, "steps": 0, "expected_phases": [p.format(ready=backend.ready_phase) for p in RUN_PHASES],
-                "expected_step_phases": [], "lease_order": "round_robin", "tasks_file": opts.tasks_file}  # fmt: skip
+        return {
+            "model": None,
+            "steps": 0,
+            "expected_phases": [p.format(ready=backend.ready_phase) for p in RUN_PHASES],
+            "expected_step_phases": [],
+            "lease_order": "round_robin",
+            "tasks_file": opts.tasks_file,
+        }
 
     def run(self, ctx: PlanRun, opts: MultitaskOptions) -> dict[str, Any]:
         return run_tasks(ctx, opts)
@@ -136,20 +142,45 @@ def run_tasks(ctx: PlanRun, opts: MultitaskOptions) -> dict[str, Any]:
     coord = coordinator_for(backend)
     names = [s.name for s in opts.specs]
     ports = json.loads(coord.gather("ports", json.dumps(allocate(names) if pidx == 0 else {}))[0])
-    runtimes = {s.name: RLTask(s, opts.models[s.name], backend, rec, ctx.run_dir, tp=opts.engine.tp,
-                               platform=opts.platform, engine=opts.engine.engine, resume=opts.resume,
-                               ports=ports[s.name], on_engine=ctx.on_engine)
-                for s in opts.specs}  # fmt: skip
+    runtimes = {
+        s.name: RLTask(
+            s,
+            opts.models[s.name],
+            backend,
+            rec,
+            ctx.run_dir,
+            tp=opts.engine.tp,
+            platform=opts.platform,
+            engine=opts.engine.engine,
+            resume=opts.resume,
+            ports=ports[s.name],
+            on_engine=ctx.on_engine,
+        )
+        for s in opts.specs
+    }
     for name, rt in runtimes.items():
         for d, why in rt.skipped:
             print(f"resume: task {name!r}: skipped {d.name}: {why}", file=sys.stderr)
     schedule = lease_schedule([rt.steps for rt in runtimes.values()])
-    tasks = {name: {"model": str(rt.model.path), "seed": rt.spec.seed, "task": rt.spec.task,
-                    "steps": rt.opts.steps, "first_step": 0, "resumed_at": rt.first_step,
-                    "group_size": rt.spec.group_size, "lora_rank": rt.spec.lora_rank, "lr": rt.opts.train.lr,
-                    "ports": ports[name], **task_phases(rt.opts.lifecycle), "status": "pending", "error": None,
-                    "previous_status": previous.get(name, {}).get("status")}
-             for name, rt in runtimes.items()}  # fmt: skip
+    tasks = {
+        name: {
+            "model": str(rt.model.path),
+            "seed": rt.spec.seed,
+            "task": rt.spec.task,
+            "steps": rt.opts.steps,
+            "first_step": 0,
+            "resumed_at": rt.first_step,
+            "group_size": rt.spec.group_size,
+            "lora_rank": rt.spec.lora_rank,
+            "lr": rt.opts.train.lr,
+            "ports": ports[name],
+            **task_phases(rt.opts.lifecycle),
+            "status": "pending",
+            "error": None,
+            "previous_status": previous.get(name, {}).get("status"),
+        }
+        for name, rt in runtimes.items()
+    }
     ctx.write_run_json({"schedule_digest": schedule_digest(schedule), "tasks": tasks})
 
     def on_status(statuses: dict[str, Any]) -> None:
@@ -174,14 +205,23 @@ def run_tasks(ctx: PlanRun, opts: MultitaskOptions) -> dict[str, Any]:
         for rt in runtimes.values():
             rt.prepare()
         ctx.on_started()
-        driver = Driver(schedule, runtimes, coord, fail_fast=opts.fail_fast, on_lease=on_lease,
-                        on_status=on_status, device_bytes=lambda: _device_bytes(rec))  # fmt: skip
+        driver = Driver(
+            schedule,
+            runtimes,
+            coord,
+            fail_fast=opts.fail_fast,
+            on_lease=on_lease,
+            on_status=on_status,
+            device_bytes=lambda: _device_bytes(rec),
+        )
         statuses = driver.run()
     lines = []
     for name, rt in runtimes.items():
         for h in rt.history:
-            lines.append(f"{name} step {h['step']:>3}: reward_mean {h['reward_mean']:.3f}  "
-                         f"loss {h.get('loss', float('nan')):.4f}")  # fmt: skip
+            lines.append(
+                f"{name} step {h['step']:>3}: reward_mean {h['reward_mean']:.3f}  "
+                f"loss {h.get('loss', float('nan')):.4f}"
+            )
         if rt.eval is not None:
             lines.append(f"{name}: greedy reward {rt.eval.get('greedy_reward_mean', float('nan')):.3f}")
     failed = [n for n, st in statuses.items() if st.status == "failed"]

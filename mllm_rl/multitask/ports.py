@@ -35,8 +35,9 @@ def port_free(port: int, host: str = "0.0.0.0") -> bool:
 class PortAllocator:
     """Hands out blocks of ``BLOCK`` consecutive free ports, each port at most once."""
 
-    def __init__(self, first: int = FIRST_PORT, last: int = LAST_PORT,
-                 is_free: Callable[[int], bool] = port_free) -> None:  # fmt: skip
+    def __init__(
+        self, first: int = FIRST_PORT, last: int = LAST_PORT, is_free: Callable[[int], bool] = port_free
+    ) -> None:
         if not 0 < first < last < 65536:
             raise ValueError(f"port range {first}-{last} is not within 1-65535")
         self.next, self.last, self.is_free = first, last, is_free

@@ -147,10 +147,14 @@ class RLTask:
         with self.rec.phase(ENGINE_READY, model=str(self.model.path), tp=eng.tp, ports=self.ports) as ph:
             engine = ManagedEngine(self.backend.create_engine(self.model, eng))
             self.on_engine(engine)
-            ph.info.update(engine_weight_bytes=engine.weight_bytes(), engine=type(engine.engine).__name__,
-                           tags=list(engine.tags), weights_cpu_backup=engine.weights_cpu_backup,
-                           context_length=eng.context_length,
-                           max_total_tokens=eng.max_total_tokens)  # fmt: skip
+            ph.info.update(
+                engine_weight_bytes=engine.weight_bytes(),
+                engine=type(engine.engine).__name__,
+                tags=list(engine.tags),
+                weights_cpu_backup=engine.weights_cpu_backup,
+                context_length=eng.context_length,
+                max_total_tokens=eng.max_total_tokens,
+            )
         self.engine = engine
 
         def make_trainer():
@@ -163,8 +167,9 @@ class RLTask:
                 "restored_verified": self.resume_from.verified,
             }
 
-        self.life = colocate(self.backend, engine, self.rec, self.lifecycle, make_trainer,
-                             lora_rank=self.opts.train.lora_rank)  # fmt: skip
+        self.life = colocate(
+            self.backend, engine, self.rec, self.lifecycle, make_trainer, lora_rank=self.opts.train.lora_rank
+        )
         self.life.park()
         # in the train lease itself: a task's lease ends with everything it began written
         save = checkpointer(self.life.trainer, self.dir, self.backend.name, self.opts, background=False)

@@ -99,8 +99,10 @@ def _task(raw: Any, defaults: dict[str, Any], where: str, base: Path) -> TaskSpe
         elif key in TASK_OPTIONS:
             values[key] = check_type(TASK_OPTIONS[key], value, f"{where}.{key}")
         elif key in OPTION_KEYS:
-            raise ValueError(f"{where}: {key!r} is a run-level setting, not a task's: pass it as "
-                             f"--{key.replace('_', '-')} (or leave it out)")  # fmt: skip
+            raise ValueError(
+                f"{where}: {key!r} is a run-level setting, not a task's: pass it as "
+                f"--{key.replace('_', '-')} (or leave it out)"
+            )
         else:
             raise ValueError(f"{where}: unknown field {key!r} (known: {', '.join(FIELDS)})")
     if not NAME.match(values["name"]):

@@ -39,12 +39,16 @@ def check_overrides(args: argparse.Namespace, mode: str) -> None:
     """``--override KEY``: only when resuming, and only a setting that defines the run."""
     keys = args.override or []
     if keys and not (args.resume or args.resume_or_start):
-        raise ValueError(f"--override {keys[0]}: only with --resume or --resume-or-start (a new run has "
-                         f"nothing to override)")  # fmt: skip
+        raise ValueError(
+            f"--override {keys[0]}: only with --resume or --resume-or-start (a new run has "
+            f"nothing to override)"
+        )
     for key in keys:
         if key not in fixed_keys(mode):
-            raise ValueError(f"--override {key}: not a setting that defines the run; those are: "
-                             f"{', '.join(fixed_keys(mode))}")  # fmt: skip
+            raise ValueError(
+                f"--override {key}: not a setting that defines the run; those are: "
+                f"{', '.join(fixed_keys(mode))}"
+            )
 
 
 def apply_recorded(

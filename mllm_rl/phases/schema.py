@@ -23,13 +23,28 @@ SCHEMA_V2 = "mllm_rl.phase/2"  # + ``task`` (str or null): multi-task runs
 SCHEMAS = (SCHEMA, SCHEMA_V2)
 SOURCES = ("memory_stats", "live_arrays", "torch_allocator", "mem_get_info", "live_tensors", "host")
 TOP_KEYS = (
-    "schema", "run_id", "backend", "process_index", "idx", "phase", "step",
-    "t_start", "t_end", "memory", "info",
-)  # fmt: skip
+    "schema",
+    "run_id",
+    "backend",
+    "process_index",
+    "idx",
+    "phase",
+    "step",
+    "t_start",
+    "t_end",
+    "memory",
+    "info",
+)
 DEVICE_KEYS = (
-    "id", "platform", "bytes_in_use", "peak_bytes_in_use", "phase_peak_bytes",
-    "bytes_limit", "source", "raw",
-)  # fmt: skip
+    "id",
+    "platform",
+    "bytes_in_use",
+    "peak_bytes_in_use",
+    "phase_peak_bytes",
+    "bytes_limit",
+    "source",
+    "raw",
+)
 HOST_KEYS = ("rss_bytes", "rss_peak_bytes")
 
 

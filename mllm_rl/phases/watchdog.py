@@ -35,10 +35,23 @@ DEFAULT_LIMIT_S = 1800.0
 # Phases that compute or move a whole model (compilation on the first step included) get the full
 # limit; the bookkeeping phases between them (release, resume, offload, drain, empty_cache, ...)
 # LIGHT_FACTOR of it.
-HEAVY_PHASES = frozenset({
-    "wandb_init", "jax_ready", "torch_ready", "engine_ready_dummy", "trainer_init", "weights_swapped",
-    "rollout", "train_step", "checkpoint", "checkpoint_flush", "update_weights", "check_weights", "generate_result",
-})  # fmt: skip
+HEAVY_PHASES = frozenset(
+    {
+        "wandb_init",
+        "jax_ready",
+        "torch_ready",
+        "engine_ready_dummy",
+        "trainer_init",
+        "weights_swapped",
+        "rollout",
+        "train_step",
+        "checkpoint",
+        "checkpoint_flush",
+        "update_weights",
+        "check_weights",
+        "generate_result",
+    }
+)
 LIGHT_FACTOR = 0.25
 WAKE_SIGNAL = signal.SIGUSR2
 HARD_EXIT_BOUND_S = 60.0  # on_hard_exit gets this long before the process ends regardless
@@ -217,8 +230,11 @@ class Watchdog:
         grace = self.grace_s if self.grace_s is not None else min(60.0, max(5.0, 0.1 * armed.limit_s))
         if self._done.wait(grace):
             return
-        print(f"error: the main thread did not stop within {grace:g} s of the interrupt: exiting",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"error: the main thread did not stop within {grace:g} s of the interrupt: exiting",
+            file=sys.stderr,
+            flush=True,
+        )
         if self.on_hard_exit is not None:
             t = threading.Thread(
                 target=self.on_hard_exit, args=(stuck,), name="mllm_rl-hard-exit", daemon=True

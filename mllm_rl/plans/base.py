@@ -84,9 +84,11 @@ class Plan(abc.ABC, Generic[OptionsT]):
     def require_release(self, backend: Backend, process_count: int) -> None:
         """A plan that releases its engine refuses a run across processes whose engine cannot."""
         if process_count > 1 and not backend.releases_across_processes:
-            raise ValueError(f"{process_count} processes: the {backend.name} backend's engine cannot pause and "
-                             f"release across processes yet, which --plan {self.name} needs; run it as one process "
-                             f"(the swap plan runs across processes)")  # fmt: skip
+            raise ValueError(
+                f"{process_count} processes: the {backend.name} backend's engine cannot pause and "
+                f"release across processes yet, which --plan {self.name} needs; run it as one process "
+                f"(the swap plan runs across processes)"
+            )
 
     def check_runtime(
         self, backend: Backend, model: ModelDir | None, opts: OptionsT, process_count: int

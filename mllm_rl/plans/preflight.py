@@ -35,8 +35,10 @@ RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 def check_run_id(run_id: str | None) -> None:
     """``--run-id`` names a directory under ``runs/``: it cannot be a path (``../x``, ``/x``)."""
     if run_id is not None and not RUN_ID.fullmatch(run_id):
-        raise ValueError(f"--run-id {run_id!r}: letters, digits, '.', '_' and '-' only, not starting with "
-                         f"'.' (it names a directory under runs/)")  # fmt: skip
+        raise ValueError(
+            f"--run-id {run_id!r}: letters, digits, '.', '_' and '-' only, not starting with "
+            f"'.' (it names a directory under runs/)"
+        )
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -52,8 +54,10 @@ def check_run_dir(run_dir: Path) -> None:
         what = "is a file" if existing == run_dir else f"is inside {existing}, a file"
         raise ValueError(f"--run-dir {run_dir}: {what}, not a directory")
     if (run_dir / "config.json").is_file() and any(run_dir.glob("*.safetensors*")):
-        raise ValueError(f"--run-dir {run_dir} holds a model checkpoint (config.json, *.safetensors); a run "
-                         f"writes its files into a directory of its own")  # fmt: skip
+        raise ValueError(
+            f"--run-dir {run_dir} holds a model checkpoint (config.json, *.safetensors); a run "
+            f"writes its files into a directory of its own"
+        )
     try:
         fd, probe = tempfile.mkstemp(prefix=".mllm_rl-write-test-", dir=existing)
         os.close(fd)
@@ -210,11 +214,15 @@ def prepare(args: argparse.Namespace, given: set[str] | frozenset[str] = frozens
         if known(previous.get("options")):
             changes = apply_recorded(args, set(given), previous["options"], mode, run_dir / "run.json")
             overrides = [*previous.get("overrides", []), *changes]
-            notes += [f"resume: --override {c['key']}: {c['from']} -> {c['to']} (recorded in run.json)"
-                      for c in changes]  # fmt: skip
+            notes += [
+                f"resume: --override {c['key']}: {c['from']} -> {c['to']} (recorded in run.json)"
+                for c in changes
+            ]
         else:
-            notes.append(f"resume: {run_dir / 'run.json'} records no settings (an older run): the flags are "
-                         f"not compared with it")  # fmt: skip
+            notes.append(
+                f"resume: {run_dir / 'run.json'} records no settings (an older run): the flags are "
+                f"not compared with it"
+            )
     opts = build_options(args)
     limits = phase_limits(args)
     backend = load_backend(args.backend)
@@ -234,8 +242,20 @@ def prepare(args: argparse.Namespace, given: set[str] | frozenset[str] = frozens
     notes += model_notes
     if args.resume or args.resume_or_start:
         run_id = args.run_id or _previous_run_id(run_dir) or run_id
-    return Prepared(plan, opts, backend, model, run_id, run_dir, limits, bool(resuming), notes,
-                    record(args, mode), overrides, wandb_mode)  # fmt: skip
+    return Prepared(
+        plan,
+        opts,
+        backend,
+        model,
+        run_id,
+        run_dir,
+        limits,
+        bool(resuming),
+        notes,
+        record(args, mode),
+        overrides,
+        wandb_mode,
+    )
 
 
 def _run_json(run_dir: Path) -> dict[str, Any]:

@@ -58,8 +58,12 @@ def start(
     with rec.phase("engine_ready_dummy", model=str(model.path), tp=engine_opts.tp) as ph:
         engine = ManagedEngine(backend.create_engine(model, engine_opts))
         on_engine(engine)
-        ph.info.update(engine_weight_bytes=engine.weight_bytes(), engine=type(engine.engine).__name__,
-                       tags=list(engine.tags), weights_cpu_backup=engine.weights_cpu_backup)  # fmt: skip
+        ph.info.update(
+            engine_weight_bytes=engine.weight_bytes(),
+            engine=type(engine.engine).__name__,
+            tags=list(engine.tags),
+            weights_cpu_backup=engine.weights_cpu_backup,
+        )
         opts = dataclasses.asdict(engine_opts)
         for key in ("context_length", "max_total_tokens", "max_running_requests"):
             if opts[key] is not None:

@@ -63,9 +63,13 @@ class SwapPlan(Plan[SwapOptions]):
 
     def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> SwapOptions:
         # a flag of another plan (--resume, --task-data, ...) was refused by ``mllm_rl.run.check_mode``
-        return SwapOptions(platform=platform, mode=args.swap_mode,
-                           prompts=tuple(args.prompt) if args.prompt else SwapOptions.prompts,
-                           max_new_tokens=args.max_new_tokens or 16, engine=engine)  # fmt: skip
+        return SwapOptions(
+            platform=platform,
+            mode=args.swap_mode,
+            prompts=tuple(args.prompt) if args.prompt else SwapOptions.prompts,
+            max_new_tokens=args.max_new_tokens or 16,
+            engine=engine,
+        )
 
     def phase_names(self) -> set[str]:
         return set(PHASES)
@@ -78,8 +82,9 @@ class SwapPlan(Plan[SwapOptions]):
         """The five phases; ``ctx.on_started`` once the weights are in."""
         prompt_ids = encode_prompts(ctx.model, opts.prompts)
         rec, model = ctx.rec, ctx.model
-        engine = setup.start(ctx.backend, rec, model, ctx.make_wandb, ctx.runtime, opts.engine.resolved(),
-                             ctx.on_engine)  # fmt: skip
+        engine = setup.start(
+            ctx.backend, rec, model, ctx.make_wandb, ctx.runtime, opts.engine.resolved(), ctx.on_engine
+        )
         with rec.phase("weights_swapped", mode=opts.mode, checkpoint_bytes=model.nbytes) as ph:
             try:
                 stats = swap_weights(engine, model, opts.mode, rec)

@@ -43,15 +43,25 @@ class RunAnalysis:
         run, exp = self.run, self.expected
         plan = run.plan or {}
         return {
-            "label": run.label, "dir": str(run.dir), "run_id": run.run_id, "backend": run.backend,
-            "plan": plan.get("plan"), "model": plan.get("model"), "records": run.n_records,
+            "label": run.label,
+            "dir": str(run.dir),
+            "run_id": run.run_id,
+            "backend": run.backend,
+            "plan": plan.get("plan"),
+            "model": plan.get("model"),
+            "records": run.n_records,
             "processes": sorted(p for p, recs in run.records.items() if recs),
             "attempts": {str(p): len(a) for p, a in self.attempts.items()},
             "wall_seconds": None if run.t0 is None or run.t1 is None else run.t1 - run.t0,
             "phase_files": [f.name for f in run.files.values()],
-            "expected": {"source": exp.source, "process_count": exp.process_count, "phases": exp.phases,
-                         "step_phases": exp.step_phases, "steps": exp.steps},
-        }  # fmt: skip
+            "expected": {
+                "source": exp.source,
+                "process_count": exp.process_count,
+                "phases": exp.phases,
+                "step_phases": exp.step_phases,
+                "steps": exp.steps,
+            },
+        }
 
 
 def analyze(run: Run) -> RunAnalysis:

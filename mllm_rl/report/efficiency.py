@@ -99,11 +99,15 @@ def efficiency_row(run_label: str, a: Attempt, rec: Record, multi: bool) -> dict
         "note": note,
         "run": run_label,
         "devices": [
-            {"device": device_name(d), "source": d.get("source"), "start": d.get("bytes_in_use_start"),
-             "end": d.get("bytes_in_use")}
+            {
+                "device": device_name(d),
+                "source": d.get("source"),
+                "start": d.get("bytes_in_use_start"),
+                "end": d.get("bytes_in_use"),
+            }
             for d in devices
         ],
-    }  # fmt: skip
+    }
 
 
 def efficiency_rows(run_label: str, attempts: dict[int, list[Attempt]]) -> list[dict[str, Any]]:
@@ -142,15 +146,27 @@ def swap_ratios(run_label: str, attempts: dict[int, list[Attempt]]) -> list[dict
                 per_dev_w = weights / len(devs) if weights and tp > 1 and devs else weights
                 w_ratios = [
                     (d["peak"] - (d["steady"] - per_dev_w)) / per_dev_w
-                    for d in per_dev if d["peak"] is not None and d["steady"] is not None and per_dev_w
-                ]  # fmt: skip
-                rows.append({
-                    "run": run_label, "process": a.process, "attempt": a.number if len(atts) > 1 else None,
-                    "step": r["step"], "phase": r["phase"], "idx": r["idx"],
-                    "peak_max": max((d["peak"] for d in per_dev if d["peak"] is not None), default=None),
-                    "steady_max": max((d["steady"] for d in per_dev if d["steady"] is not None), default=None),
-                    "ratio": max(ratios) if ratios and len(ratios) == len(per_dev) else None,
-                    "weights_only_ratio": max(w_ratios) if w_ratios and len(w_ratios) == len(per_dev) else None,
-                    "weight_bytes": weights, "devices": per_dev,
-                })  # fmt: skip
+                    for d in per_dev
+                    if d["peak"] is not None and d["steady"] is not None and per_dev_w
+                ]
+                rows.append(
+                    {
+                        "run": run_label,
+                        "process": a.process,
+                        "attempt": a.number if len(atts) > 1 else None,
+                        "step": r["step"],
+                        "phase": r["phase"],
+                        "idx": r["idx"],
+                        "peak_max": max((d["peak"] for d in per_dev if d["peak"] is not None), default=None),
+                        "steady_max": max(
+                            (d["steady"] for d in per_dev if d["steady"] is not None), default=None
+                        ),
+                        "ratio": max(ratios) if ratios and len(ratios) == len(per_dev) else None,
+                        "weights_only_ratio": max(w_ratios)
+                        if w_ratios and len(w_ratios) == len(per_dev)
+                        else None,
+                        "weight_bytes": weights,
+                        "devices": per_dev,
+                    }
+                )
     return rows

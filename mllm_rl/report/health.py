@@ -45,14 +45,29 @@ def health_issues(label: str, attempts: dict[int, list[Attempt]]) -> list[Issue]
                 bad = non_finite_keys(info) if r["step"] is not None else []
                 if bad:
                     values = ", ".join(f"{k} {json_safe(info[k])}" for k in bad)
-                    issues.append(Issue(label, "non_finite", f"{r['phase']}: non-finite {values}{note}", sev,
-                                        step=r["step"], phase=r["phase"], **where))  # fmt: skip
+                    issues.append(
+                        Issue(
+                            label,
+                            "non_finite",
+                            f"{r['phase']}: non-finite {values}{note}",
+                            sev,
+                            step=r["step"],
+                            phase=r["phase"],
+                            **where,
+                        )
+                    )
                 stuck = info.get("stuck")
                 if isinstance(stuck, dict):
-                    issues.append(Issue(
-                        label, "stuck_phase",
-                        f"phase {r['phase']} stuck: still running after its {stuck.get('limit_s')} s limit; "
-                        f"every thread's stack in {stuck.get('stacks')}{note}",
-                        sev, step=r["step"], phase=r["phase"], **where,
-                    ))  # fmt: skip
+                    issues.append(
+                        Issue(
+                            label,
+                            "stuck_phase",
+                            f"phase {r['phase']} stuck: still running after its {stuck.get('limit_s')} s limit; "
+                            f"every thread's stack in {stuck.get('stacks')}{note}",
+                            sev,
+                            step=r["step"],
+                            phase=r["phase"],
+                            **where,
+                        )
+                    )
     return issues

@@ -105,13 +105,18 @@ def meta_html(an: RunAnalysis) -> str:
     s = an.summary()
     resumed = {p: n for p, n in s["attempts"].items() if n > 1}
     items = [
-        ("run id", s["run_id"]), ("backend", s["backend"]), ("plan", _opt(s["plan"])), ("model", _opt(s["model"])),
+        ("run id", s["run_id"]),
+        ("backend", s["backend"]),
+        ("plan", _opt(s["plan"])),
+        ("model", _opt(s["model"])),
         ("processes", f"{len(s['processes'])} recorded / {an.expected.process_count} expected"),
         ("steps", f"{len(an.expected.steps)} expected" if an.expected.steps else "none (no RL steps)"),
-        ("records", s["records"]), ("wall time", f"{fmt_num(s['wall_seconds'], 2)} s"),
+        ("records", s["records"]),
+        ("wall time", f"{fmt_num(s['wall_seconds'], 2)} s"),
         ("attempts", ", ".join(f"process {p}: {n}" for p, n in resumed.items()) or "1 per process"),
-        ("phase files", ", ".join(s["phase_files"])), ("directory", s["dir"]),
-    ]  # fmt: skip
+        ("phase files", ", ".join(s["phase_files"])),
+        ("directory", s["dir"]),
+    ]
     return (
         '<dl class="meta">'
         + "".join(f"<dt>{escape(k)}</dt><dd>{escape(str(v))}</dd>" for k, v in items)
@@ -123,8 +128,20 @@ def phase_table_html(an: RunAnalysis) -> str:
     unit, hunit = an.unit, an.host_unit
     multi = any(r["attempt"] is not None for r in an.phases)
     secondary = sorted({s for r in an.phases for s in r["secondary"]})
-    head = ["process"] + (["attempt"] if multi else []) + ["step", "phase", "start s", "dur s",
-            f"before {unit[1]}", f"after {unit[1]}", f"peak {unit[1]}", f"delta {unit[1]}"]  # fmt: skip
+    head = (
+        ["process"]
+        + (["attempt"] if multi else [])
+        + [
+            "step",
+            "phase",
+            "start s",
+            "dur s",
+            f"before {unit[1]}",
+            f"after {unit[1]}",
+            f"peak {unit[1]}",
+            f"delta {unit[1]}",
+        ]
+    )
     head += [f"{s} after {unit[1]}" for s in secondary]
     head += [f"host rss {hunit[1]}", f"rss peak {hunit[1]}", "source", "error"]
     out = [
@@ -136,10 +153,20 @@ def phase_table_html(an: RunAnalysis) -> str:
     for r in an.phases:
         cls = "err" if r["error"] else ("step" if r["step"] is not None and r["step"] != prev_step else "")
         prev_step = r["step"]
-        cells = [_td(r["process"])] + ([_td(_opt(r["attempt"]))] if multi else []) + [
-            _td(_opt(r["step"])), _td(r["phase"], True), _td(fmt_num(r["t_offset_s"], 2)), _td(fmt_seconds(r["seconds"])),
-            _td(fmt_bytes(r["before_bytes"], unit)), _td(fmt_bytes(r["after_bytes"], unit)),
-            _td(fmt_bytes(r["peak_bytes"], unit)), _td(fmt_bytes(r["delta_bytes"], unit, signed=True))]  # fmt: skip
+        cells = (
+            [_td(r["process"])]
+            + ([_td(_opt(r["attempt"]))] if multi else [])
+            + [
+                _td(_opt(r["step"])),
+                _td(r["phase"], True),
+                _td(fmt_num(r["t_offset_s"], 2)),
+                _td(fmt_seconds(r["seconds"])),
+                _td(fmt_bytes(r["before_bytes"], unit)),
+                _td(fmt_bytes(r["after_bytes"], unit)),
+                _td(fmt_bytes(r["peak_bytes"], unit)),
+                _td(fmt_bytes(r["delta_bytes"], unit, signed=True)),
+            ]
+        )
         cells += [_td(fmt_bytes(r["secondary"].get(s, {}).get("after"), unit)) for s in secondary]
         cells += [
             _td(fmt_bytes(r["host_rss_bytes"], hunit)),
@@ -166,8 +193,11 @@ def efficiency_html(an: RunAnalysis) -> str:
     n_free = sum(r["kind"] == "free" for r in rows)
     multi = any(r["attempt"] is not None for r in rows)
     others = sorted({s for r in rows for s in r["by_source"] if s != r["source"]})
-    head = ["process"] + (["attempt"] if multi else []) + ["step", "phase", "kind", "source",
-            f"freed/alloc {unit[1]}", f"expected {unit[1]}", "ratio"]  # fmt: skip
+    head = (
+        ["process"]
+        + (["attempt"] if multi else [])
+        + ["step", "phase", "kind", "source", f"freed/alloc {unit[1]}", f"expected {unit[1]}", "ratio"]
+    )
     head += [f"{s} {unit[1]}" for s in others] + ["note"]
     out = [
         f"<p>{flagged} of {n_free} release/offload phase(s) flagged (freed below {EFFICIENCY_MIN:.0%} of "
@@ -178,10 +208,19 @@ def efficiency_html(an: RunAnalysis) -> str:
         + "</tr>",
     ]
     for r in rows:
-        cells = [_td(r["process"])] + ([_td(_opt(r["attempt"]))] if multi else []) + [
-            _td(_opt(r["step"])), _td(r["phase"], True), _td(r["kind"], True), _td(_opt(r["source"]), True),
-            _td(fmt_bytes(r["actual_bytes"], unit)), _td(fmt_bytes(r["expected_bytes"], unit)),
-            _td(fmt_pct(r["ratio"]))]  # fmt: skip
+        cells = (
+            [_td(r["process"])]
+            + ([_td(_opt(r["attempt"]))] if multi else [])
+            + [
+                _td(_opt(r["step"])),
+                _td(r["phase"], True),
+                _td(r["kind"], True),
+                _td(_opt(r["source"]), True),
+                _td(fmt_bytes(r["actual_bytes"], unit)),
+                _td(fmt_bytes(r["expected_bytes"], unit)),
+                _td(fmt_pct(r["ratio"])),
+            ]
+        )
         cells += [_td(fmt_bytes(r["by_source"].get(s), unit)) for s in others]
         cells.append(_td(r["note"], True))
         out.append(f'<tr class="{"flag" if r["flagged"] else ""}">' + "".join(cells) + "</tr>")
@@ -239,18 +278,46 @@ def run_section(an: RunAnalysis, heading: bool) -> str:
 
 def compare_html(analyses: Sequence[RunAnalysis], rows: list[dict[str, Any]]) -> str:
     unit = max((an.unit for an in analyses), key=lambda u: u[0])
-    out = ["<h2>Comparison</h2>", "<table><tr>" + "".join(
-        _th(h, h in ("run", "backend", "plan")) for h in
-        ("run", "backend", "plan", "processes", "records", "wall s", f"max phase peak {unit[1]}", "peak/steady",
-         "errors")) + "</tr>"]  # fmt: skip
+    out = [
+        "<h2>Comparison</h2>",
+        "<table><tr>"
+        + "".join(
+            _th(h, h in ("run", "backend", "plan"))
+            for h in (
+                "run",
+                "backend",
+                "plan",
+                "processes",
+                "records",
+                "wall s",
+                f"max phase peak {unit[1]}",
+                "peak/steady",
+                "errors",
+            )
+        )
+        + "</tr>",
+    ]
     for an in analyses:
         s = an.summary()
         peaks = [r["peak_bytes"] for r in an.phases if r["peak_bytes"] is not None]
         ratios = [r["ratio"] for r in an.swaps if r["ratio"] is not None]
-        out.append("<tr>" + "".join([
-            _td(an.run.label, True), _td(s["backend"], True), _td(_opt(s["plan"]), True), _td(len(s["processes"])),
-            _td(s["records"]), _td(fmt_num(s["wall_seconds"], 2)), _td(fmt_bytes(max(peaks, default=None), unit)),
-            _td(fmt_num(max(ratios, default=None))), _td(count(an.issues)[ERROR])]) + "</tr>")  # fmt: skip
+        out.append(
+            "<tr>"
+            + "".join(
+                [
+                    _td(an.run.label, True),
+                    _td(s["backend"], True),
+                    _td(_opt(s["plan"]), True),
+                    _td(len(s["processes"])),
+                    _td(s["records"]),
+                    _td(fmt_num(s["wall_seconds"], 2)),
+                    _td(fmt_bytes(max(peaks, default=None), unit)),
+                    _td(fmt_num(max(ratios, default=None))),
+                    _td(count(an.issues)[ERROR]),
+                ]
+            )
+            + "</tr>"
+        )
     out.append("</table>")
     swaps = [r for an in analyses for r in an.swaps]
     if swaps:
@@ -283,11 +350,13 @@ def render(
 ) -> str:
     labels = ", ".join(an.run.label for an in analyses)
     title = f"mllm_rl memory report: {labels}"
-    body = [f"<h1>{escape(title)}</h1>",
-            f'<p class="muted small">Generated {time.strftime("%Y-%m-%d %H:%M:%S")} by '
-            "<code>python -m mllm_rl.report</code>; <code>-</code> = not measurable (never 0). "
-            "Timeline: <code>trace.json</code> in ui.perfetto.dev. Hover a bar or point for its value.</p>",
-            issues_html(issues, analyses)]  # fmt: skip
+    body = [
+        f"<h1>{escape(title)}</h1>",
+        f'<p class="muted small">Generated {time.strftime("%Y-%m-%d %H:%M:%S")} by '
+        "<code>python -m mllm_rl.report</code>; <code>-</code> = not measurable (never 0). "
+        "Timeline: <code>trace.json</code> in ui.perfetto.dev. Hover a bar or point for its value.</p>",
+        issues_html(issues, analyses),
+    ]
     if comparison is not None:
         body.append(compare_html(analyses, comparison))
     for an in analyses:

@@ -14,8 +14,19 @@ from typing import Any
 from mllm_rl.report.load import Run
 
 SKIP_KEYS = {"sample_errors", "tp", "process_index", "process_count", "idx"}
-PREFERRED = ("reward_mean", "loss", "reward", "kl", "entropy", "grad_norm", "advantage", "clip", "completion_len",
-             "response_len", "lr")  # fmt: skip
+PREFERRED = (
+    "reward_mean",
+    "loss",
+    "reward",
+    "kl",
+    "entropy",
+    "grad_norm",
+    "advantage",
+    "clip",
+    "completion_len",
+    "response_len",
+    "lr",
+)
 MAX_SERIES = 12
 
 

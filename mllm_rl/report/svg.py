@@ -12,8 +12,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from html import escape
 
-PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#b07aa1", "#edc948", "#9c755f",
-           "#ff9da7", "#bab0ac")  # fmt: skip
+PALETTE = (
+    "#4e79a7",
+    "#f28e2b",
+    "#59a14f",
+    "#e15759",
+    "#76b7b2",
+    "#b07aa1",
+    "#edc948",
+    "#9c755f",
+    "#ff9da7",
+    "#bab0ac",
+)
 AXIS, GRID, TEXT = "#555", "#e3e3e3", "#222"
 FONT = 'font-family="system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif" font-size="11"'
 

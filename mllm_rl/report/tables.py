@@ -8,9 +8,23 @@ from mllm_rl.report.attempts import Attempt
 from mllm_rl.report.memory import device_sum, diff, primary_devices, sources
 
 PHASE_COLUMNS = (
-    "run", "process", "attempt", "step", "phase", "idx", "seconds", "t_offset_s", "before_bytes",
-    "after_bytes", "peak_bytes", "delta_bytes", "host_rss_bytes", "host_rss_peak_bytes", "source", "error",
-)  # fmt: skip
+    "run",
+    "process",
+    "attempt",
+    "step",
+    "phase",
+    "idx",
+    "seconds",
+    "t_offset_s",
+    "before_bytes",
+    "after_bytes",
+    "peak_bytes",
+    "delta_bytes",
+    "host_rss_bytes",
+    "host_rss_peak_bytes",
+    "source",
+    "error",
+)
 
 
 def phase_rows(run_label: str, attempts: dict[int, list[Attempt]], t0: float | None) -> list[dict[str, Any]]:
@@ -36,17 +50,25 @@ def phase_rows(run_label: str, attempts: dict[int, list[Attempt]], t0: float | N
                     for s in sources(devs)[1:]
                 }
                 host = r["memory"]["host"]
-                rows.append({
-                    "run": run_label, "process": a.process, "attempt": a.number if len(atts) > 1 else None,
-                    "step": r["step"], "phase": r["phase"], "idx": r["idx"],
-                    "seconds": r["t_end"] - r["t_start"],
-                    "t_offset_s": None if t0 is None else r["t_start"] - t0,
-                    "before_bytes": before, "after_bytes": after,
-                    "peak_bytes": device_sum(r, "phase_peak_bytes"),
-                    "delta_bytes": diff(after, before),
-                    "host_rss_bytes": host.get("rss_bytes"), "host_rss_peak_bytes": host.get("rss_peak_bytes"),
-                    "source": "+".join(sorted({str(d.get("source")) for d in prim})) or None,
-                    "error": str(r["info"]["error"]) if r["info"].get("error") else None,
-                    "secondary": secondary,
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "run": run_label,
+                        "process": a.process,
+                        "attempt": a.number if len(atts) > 1 else None,
+                        "step": r["step"],
+                        "phase": r["phase"],
+                        "idx": r["idx"],
+                        "seconds": r["t_end"] - r["t_start"],
+                        "t_offset_s": None if t0 is None else r["t_start"] - t0,
+                        "before_bytes": before,
+                        "after_bytes": after,
+                        "peak_bytes": device_sum(r, "phase_peak_bytes"),
+                        "delta_bytes": diff(after, before),
+                        "host_rss_bytes": host.get("rss_bytes"),
+                        "host_rss_peak_bytes": host.get("rss_peak_bytes"),
+                        "source": "+".join(sorted({str(d.get("source")) for d in prim})) or None,
+                        "error": str(r["info"]["error"]) if r["info"].get("error") else None,
+                        "secondary": secondary,
+                    }
+                )
     return rows

@@ -32,8 +32,13 @@ def split_tasks(run: Run) -> list[Run]:
     parts = [_part(run, None, base, run.label)]
     for name, t in tasks.items():
         t = t if isinstance(t, dict) else {}
-        plan = {**base, **{k: t[k] for k in TASK_KEYS if k in t}, "task": name,
-                "task_status": t.get("status"), "task_error": t.get("error")}  # fmt: skip
+        plan = {
+            **base,
+            **{k: t[k] for k in TASK_KEYS if k in t},
+            "task": name,
+            "task_status": t.get("status"),
+            "task_error": t.get("error"),
+        }
         parts.append(_part(run, name, plan, f"{run.label} / {name}"))
     return parts
 
@@ -44,11 +49,20 @@ def task_issues(run: Run, parts: list[Run]) -> list[Issue]:
     for part in parts[1:]:
         plan = part.plan or {}
         if plan.get("task_status") == "failed":
-            out.append(Issue(part.label, "task_failed", f"task {plan['task']} failed: {plan.get('task_error')}"[:500],
-                             ERROR))  # fmt: skip
+            out.append(
+                Issue(
+                    part.label,
+                    "task_failed",
+                    f"task {plan['task']} failed: {plan.get('task_error')}"[:500],
+                    ERROR,
+                )
+            )
     known = {(p.plan or {}).get("task") for p in parts[1:]} | {None}
     seen = {r.get("task") for _, r in run.all_records()}
     for name in sorted(str(t) for t in seen - known):
-        out.append(Issue(run.label, "unknown_task", f"records of task {name!r}, which run.json does not list",
-                         WARNING))  # fmt: skip
+        out.append(
+            Issue(
+                run.label, "unknown_task", f"records of task {name!r}, which run.json does not list", WARNING
+            )
+        )
     return out

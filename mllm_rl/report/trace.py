@@ -65,9 +65,11 @@ def _memory_args(r: Record) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for d in r["memory"]["devices"]:
         out[f"{device_name(d)} ({d.get('source')})"] = {
-            "before": d.get("bytes_in_use_start"), "after": d.get("bytes_in_use"),
-            "peak": d.get("phase_peak_bytes"), "limit": d.get("bytes_limit"),
-        }  # fmt: skip
+            "before": d.get("bytes_in_use_start"),
+            "after": d.get("bytes_in_use"),
+            "peak": d.get("phase_peak_bytes"),
+            "limit": d.get("bytes_limit"),
+        }
     h = r["memory"]["host"]
     out["host rss"] = {
         "before": h.get("rss_start_bytes"),
@@ -93,9 +95,17 @@ def _record_events(r: Record, pid: int, t0: float, attempt: int | None) -> list[
         "memory": _memory_args(r),
     }
     ev: list[dict[str, Any] | None] = [
-        {"ph": "X", "name": r["phase"], "cat": "phase", "pid": pid, "tid": PHASES_TID, "ts": ts,
-         "dur": max(0.0, round(te - ts, 3)), "args": args}
-    ]  # fmt: skip
+        {
+            "ph": "X",
+            "name": r["phase"],
+            "cat": "phase",
+            "pid": pid,
+            "tid": PHASES_TID,
+            "ts": ts,
+            "dur": max(0.0, round(te - ts, 3)),
+            "args": args,
+        }
+    ]
     primary = [id(d) for d in primary_devices(r["memory"]["devices"])]
     for d in r["memory"]["devices"]:
         name = counter_name(d)

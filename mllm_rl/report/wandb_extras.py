@@ -21,8 +21,20 @@ from mllm_rl.report.issues import ERROR, WARNING, count
 from mllm_rl.report.plots import memory_over_time_charts, memory_per_phase_charts, metric_charts
 from mllm_rl.report.tables import PHASE_COLUMNS
 
-EFFICIENCY_COLUMNS = ("run", "process", "attempt", "step", "phase", "kind", "source", "actual_bytes",
-                      "expected_bytes", "ratio", "flagged", "note")  # fmt: skip
+EFFICIENCY_COLUMNS = (
+    "run",
+    "process",
+    "attempt",
+    "step",
+    "phase",
+    "kind",
+    "source",
+    "actual_bytes",
+    "expected_bytes",
+    "ratio",
+    "flagged",
+    "note",
+)
 ISSUE_COLUMNS = ("run", "severity", "kind", "process", "attempt", "step", "phase", "message")
 
 

@@ -53,8 +53,14 @@ class RolloutBatch:
         return int(self.tokens.shape[0])
 
     def rows(self, s: slice) -> RolloutBatch:
-        return RolloutBatch(self.tokens[s], self.attention_mask[s], self.loss_mask[s], self.old_logp[s],
-                            self.advantages[s], self.is_weight[s])  # fmt: skip
+        return RolloutBatch(
+            self.tokens[s],
+            self.attention_mask[s],
+            self.loss_mask[s],
+            self.old_logp[s],
+            self.advantages[s],
+            self.is_weight[s],
+        )
 
 
 def build_batch(

@@ -101,8 +101,10 @@ def check_wandb(
             f"--wandb online: {url} unreachable ({reason}) within {t} s (--wandb-fallback error); "
             "--wandb offline logs locally (upload later with wandb sync)"
         )
-    return "offline", [f"warning: --wandb online: {url} unreachable ({reason}) within {t} s; "
-                       f"logging offline (sync later: wandb sync {offline_glob(run_dir)})"]  # fmt: skip
+    return "offline", [
+        f"warning: --wandb online: {url} unreachable ({reason}) within {t} s; "
+        f"logging offline (sync later: wandb sync {offline_glob(run_dir)})"
+    ]
 
 
 def offline_glob(run_dir: str | os.PathLike[str] | None) -> str:
@@ -272,8 +274,11 @@ def _request(url: str, timeout_s: float) -> None:
     proxy = _proxy_for(url)
     conn: http.client.HTTPConnection
     if proxy is None:
-        conn = (http.client.HTTPSConnection(parts.hostname, port, timeout=timeout_s, context=context)
-                if https else http.client.HTTPConnection(parts.hostname, port, timeout=timeout_s))  # fmt: skip
+        conn = (
+            http.client.HTTPSConnection(parts.hostname, port, timeout=timeout_s, context=context)
+            if https
+            else http.client.HTTPConnection(parts.hostname, port, timeout=timeout_s)
+        )
     else:
         p = urlsplit(proxy)
         if p.scheme == "https":  # TLS to the proxy itself: that the proxy answers is all we check

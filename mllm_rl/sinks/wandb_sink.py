@@ -166,8 +166,11 @@ class WandbSink(Sink):
                 f"--wandb online: {reason}; the offline fallback failed too: {_one_line(e)}"
             ) from e
         where = str(run.dir).rsplit("/files", 1)[0] if getattr(run, "dir", None) else offline_glob(run_dir)
-        print(f"warning: --wandb online: {reason}; logging offline (sync later: wandb sync {where})",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"warning: --wandb online: {reason}; logging offline (sync later: wandb sync {where})",
+            file=sys.stderr,
+            flush=True,
+        )
         return run
 
     @property
