@@ -61,6 +61,18 @@ class Backend(abc.ABC):
         """A rollout engine for ``model`` started with dummy weights (``opts`` unset sizes are
         filled by ``EngineOptions.resolved``)."""
 
+    def check_trainer_args(self, model: ModelDir, cfg: TrainConfig) -> None:
+        """Reject trainer settings (the ones ``create_trainer`` will get) before any engine starts:
+        ``ValueError`` with one line naming the flag. Default: no model options, no trainer tp."""
+        if cfg.model_options:
+            raise ValueError(
+                f"--model-option {cfg.model_options[0][0]}: the {self.name} backend's model takes no options"
+            )
+        if cfg.trainer_tp != 1:
+            raise ValueError(
+                f"--trainer-tp {cfg.trainer_tp}: the {self.name} trainer has no tensor parallelism"
+            )
+
     @abc.abstractmethod
     def create_trainer(self, model: ModelDir, cfg: TrainConfig) -> Trainer:
         """A trainer holding ``model``'s weights on the devices."""

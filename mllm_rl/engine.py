@@ -77,6 +77,7 @@ class EngineOptions:
     weights_cpu_backup: bool = False
     task: str | None = None
     ports: tuple[int, ...] | None = None
+    mem_fraction_static: float | None = None  # the engine's share of device memory (server engines)
 
     def __post_init__(self) -> None:
         if self.task is not None and (not isinstance(self.task, str) or not TASK_NAME.fullmatch(self.task)):

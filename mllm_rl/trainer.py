@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -54,8 +54,14 @@ class TrainConfig:
     # computes in the checkpoint's dtype (the engine gets casts of the masters); pure: params
     # and moments in the checkpoint's dtype (half the state; steps below half an ulp are lost).
     precision: str = "mixed"
+    # The backend's model options by name (JAX: ``ModelOptions`` fields such as remat, scan_layers,
+    # opt_dtype; the run's --model-option, the plan's too) and the trainer's tensor-parallel size.
+    model_options: tuple[tuple[str, Any], ...] = ()
+    trainer_tp: int = 1
 
     def __post_init__(self) -> None:
+        if self.trainer_tp < 1:
+            raise OptionError("trainer_tp", f"must be >= 1, got {self.trainer_tp}")
         if self.precision not in PRECISIONS:
             raise OptionError("precision", f"{self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if not self.temperature > 0:

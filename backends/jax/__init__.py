@@ -87,7 +87,11 @@ class JaxBackend(Backend):
 
         opts.check_backend(self.name, self.engines)
         o = opts.resolved()
-        extra = {} if o.max_running_requests is None else {"max_running_requests": o.max_running_requests}
+        extra: dict[str, Any] = (
+            {} if o.max_running_requests is None else {"max_running_requests": o.max_running_requests}
+        )
+        if o.mem_fraction_static is not None:
+            extra["mem_fraction_static"] = o.mem_fraction_static
         return SglangJaxEngine(
             model,
             tp=o.tp,
@@ -101,10 +105,32 @@ class JaxBackend(Backend):
             **extra,
         )
 
+    def check_trainer_args(self, model: ModelDir, cfg: Any) -> None:
+        """``--model-option`` names ``ModelOptions`` fields; ``--trainer-tp`` divides the devices and
+        the model's heads (the trainer's ``("fsdp", "tp")`` mesh)."""
+        import jax
+
+        self._model_options(cfg)
+        n, c = len(jax.devices()), model.config
+        if n % cfg.trainer_tp:
+            raise ValueError(f"--trainer-tp {cfg.trainer_tp} does not divide the {n} devices")
+        if c.num_attention_heads % cfg.trainer_tp or c.num_key_value_heads % cfg.trainer_tp:
+            raise ValueError(f"--trainer-tp {cfg.trainer_tp}: {c.num_attention_heads} heads / "
+                             f"{c.num_key_value_heads} kv heads are not divisible by it")  # fmt: skip
+
+    def _model_options(self, cfg: Any) -> Any:
+        import jax
+
+        from mllm_rl.backends.jax.options import ModelOptions
+
+        return ModelOptions.for_run(
+            jax.devices()[0].platform, tp=cfg.trainer_tp, options=dict(cfg.model_options)
+        )
+
     def create_trainer(self, model: ModelDir, cfg: Any):
         from mllm_rl.backends.jax.trainer import JaxTrainer
 
-        return JaxTrainer(model, cfg)
+        return JaxTrainer(model, cfg, self._model_options(cfg))
 
     def empty_cache(self) -> None:
         """Nothing to do: XLA returns a deleted array's memory to its allocator at once (on

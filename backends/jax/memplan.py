@@ -158,14 +158,7 @@ def model_options(req: PlanRequest, platform: str) -> Any:
     applied (``ValueError`` naming an unknown option)."""
     from mllm_rl.backends.jax.options import ModelOptions
 
-    base = ModelOptions.for_platform(platform, tp=req.trainer_tp)
-    known = {f.name for f in dataclasses.fields(ModelOptions)}
-    bad = sorted(set(req.options) - known)
-    if bad:
-        raise ValueError(
-            f"--model-option {bad[0]}: unknown; the JAX trainer's options are {', '.join(sorted(known))}"
-        )
-    return dataclasses.replace(base, **req.options)
+    return ModelOptions.for_run(platform, tp=req.trainer_tp, options=req.options)
 
 
 def _cached(key: tuple[Any, ...], make: Any) -> Any:

@@ -87,6 +87,25 @@ class ModelOptions:
             return cls(tp=tp, scan_layers=True, remat="block", attention="splash", logprob_chunk=256)
         return cls(tp=tp)
 
+    @classmethod
+    def for_run(cls, platform: str, tp: int = 1, options: dict[str, Any] | None = None) -> ModelOptions:
+        """The trainer's options of a run or a plan: ``for_platform`` with ``options`` (the
+        ``--model-option`` KEY=VALUE pairs) applied; ``ValueError`` naming an unknown or bad one."""
+        import dataclasses
+
+        base = cls.for_platform(platform, tp=tp)
+        options = dict(options or {})
+        known = {f.name for f in dataclasses.fields(cls)} - {"tp"}
+        bad = sorted(set(options) - known)
+        if bad:
+            raise ValueError(
+                f"--model-option {bad[0]}: unknown; the JAX trainer's options are {', '.join(sorted(known))}"
+            )
+        try:
+            return dataclasses.replace(base, **options)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--model-option: {e}") from None
+
     def compute_jnp_dtype(self) -> Any:
         """``compute_dtype`` as a numpy dtype, or None (compute in the params' dtype): what a
         forward pass's ``model.Run`` reads; the trainer's runs carry the resolved one."""

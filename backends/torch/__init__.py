@@ -97,6 +97,9 @@ class TorchBackend(Backend):
             raise ValueError(
                 f"--tp {tp}: the embedded torch engine runs on one device; tp > 1 needs SGLang on CUDA"
             )
+        if kind == "embedded" and opts.mem_fraction_static is not None:
+            raise ValueError("--mem-fraction-static: the embedded torch engine sizes its KV cache by "
+                             "--max-total-tokens; the fraction is SGLang's")  # fmt: skip
         if kind == "sglang":
             import torch
 
@@ -113,8 +116,12 @@ class TorchBackend(Backend):
         opts.check_backend(self.name, self.engines)
         o = opts.resolved()
         kind = self.resolve_engine(o.engine)
-        extra = {} if o.max_running_requests is None else {"max_running_requests": o.max_running_requests}
+        extra: dict[str, Any] = (
+            {} if o.max_running_requests is None else {"max_running_requests": o.max_running_requests}
+        )
         if kind == "sglang":
+            if o.mem_fraction_static is not None:
+                extra["mem_fraction_static"] = o.mem_fraction_static
             from mllm_rl.backends.torch.sglang_engine import SglangEngine
 
             return SglangEngine(model, tp=o.tp, max_total_tokens=o.max_total_tokens, context_length=o.context_length,

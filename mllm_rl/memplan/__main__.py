@@ -83,21 +83,10 @@ def flag_names(message: str) -> str:
 
 
 def parse_option(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` with VALUE an int, a float, true/false/none, or a string."""
-    if "=" not in text:
-        raise ValueError(f"--model-option {text!r}: expected KEY=VALUE")
-    key, raw = text.split("=", 1)
-    low = raw.lower()
-    if low in ("true", "false"):
-        return key, low == "true"
-    if low == "none":
-        return key, None
-    for cast in (int, float):
-        try:
-            return key, cast(raw)
-        except ValueError:
-            pass
-    return key, raw
+    """``--model-option KEY=VALUE`` (``mllm_rl.options.check.parse_key_value``)."""
+    from mllm_rl.options.check import parse_key_value
+
+    return parse_key_value(text, "--model-option")
 
 
 def load_model(spec: str) -> Any:

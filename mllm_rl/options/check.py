@@ -52,6 +52,24 @@ def check_range(opt: Option, value: Any, name: str) -> None:
         raise ValueError(f"{name} {value!r}: choose one of {', '.join(choices)}")
 
 
+def parse_key_value(text: str, flag: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` with VALUE an int, a float, true/false/none, or a string (``--model-option``)."""
+    if "=" not in text or not text.split("=", 1)[0]:
+        raise ValueError(f"{flag} {text!r}: expected KEY=VALUE")
+    key, raw = text.split("=", 1)
+    low = raw.lower()
+    if low in ("true", "false"):
+        return key, low == "true"
+    if low == "none":
+        return key, None
+    for cast in (int, float):
+        try:
+            return key, cast(raw)
+        except ValueError:
+            pass
+    return key, raw
+
+
 def check_value(opt: Option, value: Any, name: str) -> Any:
     """``check_type`` then ``check_range``; the checked value."""
     value = check_type(opt, value, name)

@@ -190,14 +190,14 @@ OPTIONS: tuple[Option, ...] = (
        metavar="KEY"),
     # -- the memory plan's own -----------------------------------------------------------------------
     _o("seq_len", int, 4096, "tokens per sequence (prompt + completion)", "plan", {"memplan"}, low=1),
-    _o("trainer_tp", int, 1, "tensor-parallel size of the trainer's mesh (divides the devices)", "plan",
-       {"memplan"}, low=1),
+    _o("trainer_tp", int, 1, "tensor-parallel size of the trainer's mesh (divides the devices; JAX)", "rl plan",
+       {"rl", "memplan"}, low=1),
     _o("fsdp", int, 0, "the trainer's fsdp axis; 0: devices / trainer-tp", "plan", {"memplan"}, low=0),
-    _o("mem_fraction_static", float, None, "the engine's mem_fraction_static", "plan", {"memplan"}, low=0,
+    _o("mem_fraction_static", float, None, "the engine's mem_fraction_static (sglang-jax, SGLang)", "rl plan", {"rl", "memplan"}, low=0,
        strict=True, high=1, nullable=True,
        default_text="what --kv-tokens needs, else the adapter's default"),
     _o("model_option", list, None, "a backend model option (JAX: ModelOptions fields, e.g. remat=block); "
-       "repeatable", "plan", {"memplan"}, metavar="KEY=VALUE"),
+       "repeatable", "rl plan", {"rl", "memplan"}, resume="fixed", metavar="KEY=VALUE"),
     _o("margin", float, 0.9, "fraction of device memory a phase may use", "plan", {"memplan"}, low=0,
        strict=True, high=1),
     _o("fit_max", int, None, "upper bound of the --fit search", "plan", {"memplan"}, low=1, nullable=True,

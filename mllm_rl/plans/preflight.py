@@ -151,6 +151,7 @@ def engine_options(args: argparse.Namespace, task: str | None = None) -> Any:
         chunk_bytes=int(args.swap_chunk_mb * 2**20),
         weights_cpu_backup=args.weights_cpu_backup,
         task=task,
+        mem_fraction_static=args.mem_fraction_static,
     )
 
 

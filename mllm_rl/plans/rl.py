@@ -36,6 +36,7 @@ from mllm_rl.faults import fault
 from mllm_rl.lifecycle import SETUP_PHASES as LIFECYCLE_SETUP
 from mllm_rl.lifecycle import STEP_PHASES, LifecycleOptions, colocate, step_phases
 from mllm_rl.option_error import OptionError
+from mllm_rl.options.check import parse_key_value
 from mllm_rl.plans import setup
 from mllm_rl.plans.base import Plan, PlanRun
 from mllm_rl.progress import progress_bar
@@ -288,7 +289,8 @@ class RLPlan(Plan[RLOptions]):
                             mini_batches=args.mini_batches, micro_batch_size=args.micro_batch_size, loss=loss,
                             lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, seed=args.seed,
                             temperature=args.temperature or 1.0,  # 0: RLOptions refuses it, saying why
-                            precision=args.precision)  # fmt: skip
+                            precision=args.precision, trainer_tp=args.trainer_tp,
+                            model_options=tuple(parse_key_value(o, "--model-option") for o in args.model_option or []))  # fmt: skip
         return RLOptions(
             steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
             max_new_tokens=args.max_new_tokens or 8, temperature=args.temperature, top_p=args.top_p,
@@ -345,6 +347,7 @@ class RLPlan(Plan[RLOptions]):
     def check_runtime(self, backend: Backend, model: Any, opts: RLOptions, process_count: int) -> None:
         self.require_release(backend, process_count)
         super().check_runtime(backend, model, opts, process_count)
+        backend.check_trainer_args(model, opts.train)
 
     def phase_names(self) -> set[str]:
         names = {*SETUP_PHASES, *FINAL_PHASES, "check_weights"}

@@ -1,0 +1,48 @@
+"""The plan's knobs are the run's: ``--model-option``, ``--trainer-tp`` and ``--mem-fraction-static``
+reach the trainer and the engine of a real run (JAX CPU), and run.json records them."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.sinks.jsonl import read_jsonl
+from tests.conftest import run_cli
+
+SMALL = ["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4",
+         "--max-running-requests", "4", "--checkpoint-every", "0", "--wandb", "disabled", "--quiet"]  # fmt: skip
+
+
+@pytest.mark.slow  # starts an engine
+def test_model_options_reach_the_trainer(tiny_ckpt, tmp_path):
+    """AdamW moments in bfloat16 (``opt_dtype``) over float32 params: 2 + 2 bytes of optimizer state per
+    parameter, where the default (float32 moments) is 8."""
+    r = run_cli("mllm_rl.run", "--backend", "jax", "--model", str(tiny_ckpt), "--run-dir", str(tmp_path),
+                "--model-option", "opt_dtype=bfloat16", "--model-option", "remat=block", "--trainer-tp", "1",
+                "--mem-fraction-static", "0.5", *SMALL, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    (init,) = [x for x in read_jsonl(tmp_path / "phases.jsonl") if x["phase"] == "trainer_init"]
+    n = sum(math.prod(info.shape) for _, info in ModelDir.open(tiny_ckpt).tensors.values())
+    state = init["info"]["state_bytes"]
+    assert state["params"] / n == pytest.approx(4, rel=0.01) and state["optimizer"] / n == pytest.approx(4, rel=0.01)
+    options = json.loads((tmp_path / "run.json").read_text())["options"]
+    assert options["model_option"] == ["opt_dtype=bfloat16", "remat=block"]
+    assert options["mem_fraction_static"] == 0.5 and options["trainer_tp"] == 1
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model-option", "remat=sometimes"], "--model-option"),
+        (["--model-option", "colour=blue"], "--model-option colour: unknown; the JAX trainer's options are"),
+        (["--trainer-tp", "3"], "--trainer-tp 3 does not divide the 1 devices"),
+    ],
+)
+def test_bad_trainer_settings_are_refused_before_anything_starts(tiny_ckpt, tmp_path, flags, message):
+    r = run_cli("mllm_rl.run", "--backend", "jax", "--model", str(tiny_ckpt), "--run-dir", str(tmp_path / "run"),
+                *flags, *SMALL)  # fmt: skip
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "run").exists()
