@@ -31,7 +31,15 @@ from mllm_rl.lifecycle import (
 from mllm_rl.multitask.schedule import FINAL, ROLLOUT, SETUP, TRAIN, Lease, TaskSteps
 from mllm_rl.multitask.spec import TaskSpec
 from mllm_rl.phases.recorder import PhaseRecorder
-from mllm_rl.plans.rl import PROBE_PROMPT, checkpoint_meta, checkpointer, evaluate, make_rollout, size_engine
+from mllm_rl.plans.rl import (
+    PROBE_PROMPT,
+    check_model_shape,
+    checkpoint_meta,
+    checkpointer,
+    evaluate,
+    make_rollout,
+    size_engine,
+)
 from mllm_rl.tasks import get_task
 
 ENGINE_READY = "engine_ready_dummy"
@@ -80,6 +88,8 @@ class RLTask:
             self.resume_from, self.skipped = find_resumable(
                 self.dir, checkpoint_meta(backend.name, self.opts)
             )
+            if self.resume_from is not None:
+                check_model_shape(self.resume_from, model)
         self.first_step = self.resume_from.step + 1 if self.resume_from else 0
         self.engine: ManagedEngine | None = None
         self.life: Colocated | None = None
@@ -172,7 +182,7 @@ class RLTask:
         )
         self.life.park()
         # in the train lease itself: a task's lease ends with everything it began written
-        save = checkpointer(self.life.trainer, self.dir, self.backend.name, self.opts, background=False)
+        save = checkpointer(self.life.trainer, self.dir, self.backend.name, self.opts, False, self.model)
 
         def save_checked(step: int) -> dict[str, Any]:
             if fault(f"checkpoint_fails:{self.name}:{step}"):  # a full disk, in one task only

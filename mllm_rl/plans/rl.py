@@ -135,13 +135,38 @@ def checkpoint_meta(backend: str, opts: RLOptions) -> dict[str, Any]:
             "precision": opts.train.precision}  # fmt: skip
 
 
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "tie_word_embeddings")  # fmt: skip
+
+
+def model_shape(model: Any) -> dict[str, Any]:
+    """The architecture a checkpoint's state has the shapes of (``meta.json``'s ``model_shape``)."""
+    return {k: getattr(model.config, k) for k in SHAPE_KEYS}
+
+
+def check_model_shape(ckpt: RLCheckpoint, model: Any) -> None:
+    """A resumed checkpoint must have been trained on a model of this shape (``CheckpointError``
+    naming its ``meta.json`` and the first field that differs), checked before any engine starts;
+    a checkpoint written before shapes were recorded passes."""
+    from mllm_rl.checkpoint.model_dir import CheckpointError
+
+    saved = ckpt.meta.get("model_shape")
+    if not isinstance(saved, dict):
+        return
+    for key, now in model_shape(model).items():
+        if key in saved and saved[key] != now:
+            raise CheckpointError(f"{ckpt.path / 'meta.json'}: written for a model with {key} {saved[key]}, "
+                                  f"--model {model.path} has {now}")  # fmt: skip
+
+
 def checkpointer(
-    trainer: Any, run_dir: Path, backend: str, opts: RLOptions, background: bool
+    trainer: Any, run_dir: Path, backend: str, opts: RLOptions, background: bool, model: Any = None
 ) -> Checkpointer:
     """The ``checkpoint`` phase's work: save on the cadence (and the last step), then the manifest
     (sizes and sha256 of every file) in ``meta.json``; keeps the newest ``KEEP_CHECKPOINTS``.
     ``background``: from the trainer's host snapshot on another thread, when it has one."""
-    return Checkpointer(trainer, run_dir, checkpoint_meta(backend, opts), opts.checkpoint_every, opts.steps,
+    meta = checkpoint_meta(backend, opts) | ({} if model is None else {"model_shape": model_shape(model)})
+    return Checkpointer(trainer, run_dir, meta, opts.checkpoint_every, opts.steps,
                         KEEP_CHECKPOINTS, background)  # fmt: skip
 
 
@@ -252,7 +277,7 @@ def run_rl(ctx: PlanRun, opts: RLOptions) -> dict[str, Any]:
     ctx.on_started()
 
     rollout = make_rollout(task, tok, opts, eos)
-    save = checkpointer(life.trainer, ctx.run_dir, backend.name, opts, background=opts.checkpoint_background)
+    save = checkpointer(life.trainer, ctx.run_dir, backend.name, opts, opts.checkpoint_background, model)
     history = []
     try:
         with progress_bar(total=opts.steps, desc="rl", unit="step") as bar:
@@ -305,6 +330,8 @@ class RLPlan(Plan[RLOptions]):
     def with_model(self, opts: RLOptions, model: Any) -> tuple[RLOptions, list[str]]:
         """``--lr`` unset: ``FROM_SCRATCH_LR`` for the ``tiny`` preset (random initialisation),
         ``FINE_TUNE_LR`` for every other model (a pretrained checkpoint is fine-tuned)."""
+        if opts.resume_from is not None:
+            check_model_shape(opts.resume_from, model)
         if not opts.lr_from_model:
             return opts, []
         lr = default_lr(model.config.name)

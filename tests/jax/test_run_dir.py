@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.sinks.jsonl import read_jsonl
 from tests.conftest import ROOT, run_cli
 
@@ -66,3 +67,25 @@ def test_two_runs_on_one_directory_one_is_refused_the_other_is_intact(tiny_ckpt,
         1,
         2,
     ]
+    assert (
+        json.loads((tmp_path / "checkpoints" / "step_000002" / "meta.json").read_text())["model_shape"][
+            "hidden_size"
+        ]
+        == ModelDir.open(tiny_ckpt).config.hidden_size
+    )
+
+    # a checkpoint of a model of another shape: refused before any engine starts, nothing written
+    meta_path = tmp_path / "checkpoints" / "step_000002" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["model_shape"]["num_hidden_layers"] += 1
+    meta_path.write_text(json.dumps(meta))
+    before = (tmp_path / "phases.jsonl").read_bytes()
+    r = run_cli("mllm_rl.run", "--backend", "jax", "--run-dir", str(tmp_path), "--resume", "--steps", "4",
+                "--wandb", "disabled", timeout=600)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert (
+        r.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"error: {meta_path}: written for a model with num_hidden_layers")
+    )
+    assert (tmp_path / "phases.jsonl").read_bytes() == before
