@@ -71,6 +71,7 @@ from mllm_rl.engine import (
 )
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.option_error import OptionError
+from mllm_rl.options.schema import default
 from mllm_rl.phases.recorder import PhaseHandle, PhaseRecorder
 from mllm_rl.rl.old_logp import SOURCES as OLD_LOGP_SOURCES
 from mllm_rl.rl.old_logp import with_trainer_old_logp
@@ -120,16 +121,16 @@ def check_finite(step: int, train: dict[str, Any], info: dict[str, Any]) -> None
 
 @dataclasses.dataclass
 class LifecycleOptions:
-    schedule: str = "multi_stage"
-    check_weights: bool = False
+    schedule: str = default("schedule")
+    check_weights: bool = default("check_weights")
     probe_ids: tuple[int, ...] = ()  # garbage-guard prompt (token ids)
     probe_tokens: int = 8
     drain_timeout_s: float = 120.0
     # The PPO ratio's old log-probs: recomputed by the trainer at the start of ``train_step``
     # (verl's default) or the engine's (``mllm_rl.rl.old_logp``); ``tis_cap`` > 0: truncated
     # importance sampling of the engine/trainer mismatch (needs ``old_logp="trainer"``).
-    old_logp: str = "trainer"
-    tis_cap: float = 0.0
+    old_logp: str = default("old_logp")
+    tis_cap: float = default("tis_cap")
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:

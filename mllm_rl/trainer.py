@@ -26,6 +26,7 @@ import numpy as np
 
 from mllm_rl.engine import Fingerprint, WeightExport
 from mllm_rl.option_error import OptionError
+from mllm_rl.options.schema import default
 from mllm_rl.rl.batch import RolloutBatch  # defined with build_batch; imported from here by the backends
 from mllm_rl.rl.loss_config import LossConfig
 
@@ -37,27 +38,31 @@ PRECISIONS = ("mixed", "pure")
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     lr: float = 1e-3
-    weight_decay: float = 0.0
+    weight_decay: float = default("weight_decay")
     adam_b1: float = 0.9
     adam_b2: float = 0.999
-    grad_clip: float = 1.0  # global-norm clipping; 0 = off
-    mini_batches: int = 1  # optimizer updates per RL step (the batch split in this many parts)
-    micro_batch_size: int = 64  # sequences per forward/backward (gradient accumulation)
+    grad_clip: float = default("grad_clip")  # global-norm clipping; 0 = off
+    mini_batches: int = default(
+        "mini_batches"
+    )  # optimizer updates per RL step (the batch split in this many parts)
+    micro_batch_size: int = default(
+        "micro_batch_size"
+    )  # sequences per forward/backward (gradient accumulation)
     loss: LossConfig = LossConfig()
-    lora_rank: int = 0  # > 0: train LoRA adapters on every linear layer, base frozen
-    lora_alpha: float = 16.0
-    seed: int = 0
+    lora_rank: int = default("lora_rank")  # > 0: train LoRA adapters on every linear layer, base frozen
+    lora_alpha: float = default("lora_alpha")
+    seed: int = default("seed")
     # The rollout's sampling temperature: every log-prob the trainer computes (new, reference,
     # recomputed old) is of softmax(logits / temperature), the distribution the engine sampled.
-    temperature: float = 1.0
+    temperature: float = default("temperature")
     # mixed: a 16-bit checkpoint trains float32 master params with float32 AdamW moments and
     # computes in the checkpoint's dtype (the engine gets casts of the masters); pure: params
     # and moments in the checkpoint's dtype (half the state; steps below half an ulp are lost).
-    precision: str = "mixed"
+    precision: str = default("precision")
     # The backend's model options by name (JAX: ``ModelOptions`` fields such as remat, scan_layers,
     # opt_dtype; the run's --model-option, the plan's too) and the trainer's tensor-parallel size.
     model_options: tuple[tuple[str, Any], ...] = ()
-    trainer_tp: int = 1
+    trainer_tp: int = default("trainer_tp")
 
     def __post_init__(self) -> None:
         if self.trainer_tp < 1:

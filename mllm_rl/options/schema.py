@@ -210,6 +210,12 @@ BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
 ALIASES: dict[str, str] = {a[2:].replace("-", "_"): o.key for o in OPTIONS for a in o.aliases}
 
 
+def default(key: str) -> Any:
+    """The declared default of a setting: what the typed options dataclasses (``RLOptions``,
+    ``TrainConfig``, ``LossConfig``, ``LifecycleOptions``) take as theirs, so a default is written once."""
+    return BY_KEY[key].default
+
+
 def in_scope(scope: str) -> list[Option]:
     """The options of one scope, in declaration order."""
     return [o for o in OPTIONS if scope in o.scope]

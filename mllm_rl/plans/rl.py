@@ -37,6 +37,7 @@ from mllm_rl.lifecycle import SETUP_PHASES as LIFECYCLE_SETUP
 from mllm_rl.lifecycle import STEP_PHASES, LifecycleOptions, colocate, step_phases
 from mllm_rl.option_error import OptionError
 from mllm_rl.options.check import parse_key_value
+from mllm_rl.options.schema import default
 from mllm_rl.plans import setup
 from mllm_rl.plans.base import Plan, PlanRun
 from mllm_rl.progress import progress_bar
@@ -61,24 +62,26 @@ EVAL_STREAM = 2**31 - 1  # the held-out prompts' RNG stream (never a training st
 
 @dataclasses.dataclass
 class RLOptions:
-    steps: int = 20
-    prompts_per_step: int = 16
-    group_size: int = 8
+    steps: int = default("steps")
+    prompts_per_step: int = default("prompts_per_step")
+    group_size: int = default("group_size")
     max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    estimator: str = "grpo"
-    adv_std: str = "unbiased"  # the GRPO group std (``mllm_rl.rl.advantages``)
+    temperature: float = default("temperature")
+    top_p: float = default("top_p")
+    estimator: str = default("estimator")
+    adv_std: str = default("adv_std")  # the GRPO group std (``mllm_rl.rl.advantages``)
     lr_from_model: bool = False  # --lr unset: ``RLPlan.with_model`` sets ``train.lr`` from the model
-    task: str = "pattern"
-    task_data: str | None = None
-    eval_prompts: int = 16
-    checkpoint_every: int = 5  # 0 = never; otherwise every N steps and always the last one
+    task: str = default("task")
+    task_data: str | None = default("task_data")
+    eval_prompts: int = default("eval_prompts")
+    checkpoint_every: int = default(
+        "checkpoint_every"
+    )  # 0 = never; otherwise every N steps and always the last one
     # True: a trainer with a host snapshot (``Trainer.snapshot``) has it written in the background
-    checkpoint_background: bool = False
+    checkpoint_background: bool = default("checkpoint_background")
     resume_from: RLCheckpoint | None = None  # verified by the caller (``find_resumable``)
-    seed: int = 0
-    platform: str = "auto"
+    seed: int = default("seed")
+    platform: str = default("platform")
     engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     lifecycle: LifecycleOptions = dataclasses.field(default_factory=LifecycleOptions)

@@ -35,6 +35,7 @@ import dataclasses
 import math
 
 from mllm_rl.option_error import OptionError
+from mllm_rl.options.schema import default
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo")
 RENAMED = {"seq_mean_token_sum_norm": "dr_grpo"}  # old name -> the name of the same formula
@@ -43,12 +44,12 @@ LOG_RATIO_CLAMP = 20.0  # |logp - old_logp| is clamped before exp (verl's bound)
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    beta: float = 0.0  # KL weight; 0 = no reference policy needed
-    aggregation: str = "token_mean"
+    eps_low: float = default("eps_low")
+    eps_high: float = default("eps_high")
+    beta: float = default("kl_beta")  # KL weight; 0 = no reference policy needed
+    aggregation: str = default("loss_agg")
     max_len: int | None = None  # for dr_grpo
-    clip_ratio_c: float = 3.0  # dual-clip bound for A < 0 (verl's default); 0 = off
+    clip_ratio_c: float = default("clip_ratio_c")  # dual-clip bound for A < 0 (verl's default); 0 = off
 
     def __post_init__(self) -> None:
         if self.aggregation in RENAMED:
