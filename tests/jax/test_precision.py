@@ -123,6 +123,7 @@ def test_abstract_state_a_plan_compiles_follows_the_same_rule():
 # -- mixed precision on a bf16 checkpoint ----------------------------------------------------------
 
 
+@pytest.mark.slow  # compiles and trains the model
 def test_bf16_checkpoint_trains_float32_masters_and_resumes_exactly(bf16_md, tmp_path):
     """Two steps at lr 1e-6: the masters are float32 and >= 90% of their elements move in the
     second step (with bf16 params a few percent do); the engine gets bf16 and the fingerprint
@@ -162,6 +163,7 @@ def test_bf16_checkpoint_trains_float32_masters_and_resumes_exactly(bf16_md, tmp
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow  # compiles and trains the model
 def test_pure_precision_keeps_bf16_params_and_loses_steps_below_half_an_ulp(bf16_md):
     """What ``precision="pure"`` trades for half the state: at lr 1e-6 most bf16 weights do not move."""
     t = JaxTrainer(bf16_md, TrainConfig(lr=1e-6, micro_batch_size=4, precision="pure"), ModelOptions())
@@ -201,6 +203,7 @@ def reference_logp(logits: np.ndarray, tokens: np.ndarray, temperature: float) -
     return out
 
 
+@pytest.mark.slow  # compiles and trains the model
 @pytest.mark.parametrize("chunk", [0, 7])
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
 def test_logprobs_are_of_the_tempered_distribution(tiny_ckpt, temperature, chunk):
@@ -255,6 +258,7 @@ def _lora_step(md: ModelDir, opts: ModelOptions, precision: str) -> JaxTrainer:
     return t
 
 
+@pytest.mark.slow  # compiles and trains the model
 @pytest.mark.parametrize("path", list(LORA_PATHS))
 def test_lora_on_a_bf16_checkpoint_trains_float32_adapters(bf16_md, path):
     t = _lora_step(bf16_md, LORA_PATHS[path], "mixed")
@@ -279,6 +283,7 @@ def test_a_lora_branch_computes_in_the_dtype_of_its_base():
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.slow  # compiles and trains the model
 def test_lora_on_a_bf16_checkpoint_pure_precision(bf16_md):
     t = _lora_step(bf16_md, ModelOptions(scan_layers=True), "pure")
     assert {x.dtype for x in jax.tree.leaves(t.trainable)} == {BF16}
@@ -287,6 +292,7 @@ def test_lora_on_a_bf16_checkpoint_pure_precision(bf16_md):
 # -- the memory plan follows the same default -----------------------------------------------------
 
 
+@pytest.mark.slow  # compiles and trains the model
 @pytest.mark.parametrize("precision,itemsize", [("mixed", 4), ("pure", 2)])
 def test_cpu_plan_of_a_bf16_checkpoint_counts_the_precisions_params(bf16_dir, tmp_path, precision, itemsize):
     """The plan's ``--precision`` is the run's: float32 masters and moments under mixed, bf16 under pure."""
