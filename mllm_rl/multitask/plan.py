@@ -38,6 +38,8 @@ class MultitaskOptions:
     resume: bool
     fail_fast: bool
     models: dict[str, Any] = dataclasses.field(default_factory=dict)  # task -> ModelDir (``resolve_model``)
+    # --resume: every accepted change of a task's setting ({task, key, from, to}), all attempts
+    task_overrides: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 class MultitaskPlan(Plan[MultitaskOptions]):
@@ -62,6 +64,7 @@ class MultitaskPlan(Plan[MultitaskOptions]):
     def preflight(
         self, args: argparse.Namespace, opts: MultitaskOptions, backend: Backend, run_dir: Path
     ) -> tuple[MultitaskOptions, list[str]]:
+        from mllm_rl.options.resume import compare_tasks
         from mllm_rl.tasks import get_task
 
         for s in opts.specs:
@@ -69,7 +72,15 @@ class MultitaskPlan(Plan[MultitaskOptions]):
                 get_task(s.task, s.task_data)
             except (ValueError, OSError) as e:
                 raise ValueError(f"{opts.tasks_file}: task {s.name!r}: {e}") from None
-        return opts, []
+        notes: list[str] = []
+        previous = _run_json(run_dir) if opts.resume else {}
+        if isinstance(previous.get("task_options"), dict):
+            changes = compare_tasks(opts.specs, previous["task_options"], args.override or [], opts.tasks_file,
+                                    run_dir / "run.json")  # fmt: skip
+            opts = dataclasses.replace(opts, task_overrides=[*previous.get("task_overrides", []), *changes])
+            notes += [f"resume: task {c['task']!r}: --override {c['key']}: {c['from']} -> {c['to']} "
+                      f"(recorded in run.json)" for c in changes]  # fmt: skip
+        return opts, notes
 
     def resolve_model(
         self, args: argparse.Namespace, opts: MultitaskOptions
@@ -110,6 +121,8 @@ class MultitaskPlan(Plan[MultitaskOptions]):
         return names
 
     def run_json(self, backend: Backend, opts: MultitaskOptions) -> dict[str, Any]:
+        from mllm_rl.options.resume import task_record
+
         return {
             "model": None,
             "steps": 0,
@@ -117,6 +130,8 @@ class MultitaskPlan(Plan[MultitaskOptions]):
             "expected_step_phases": [],
             "lease_order": "round_robin",
             "tasks_file": opts.tasks_file,
+            "task_options": {s.name: task_record(s) for s in opts.specs},
+            "task_overrides": opts.task_overrides,
         }
 
     def run(self, ctx: PlanRun, opts: MultitaskOptions) -> dict[str, Any]:

@@ -32,7 +32,37 @@ def record(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
 
 def fixed_keys(mode: str) -> list[str]:
-    return [o.key for o in in_scope(mode) if o.resume == "fixed"]
+    """The settings of ``mode`` that define what is trained (``--tasks``: those of its tasks too)."""
+    scopes = (mode, "task") if mode == "tasks" else (mode,)
+    return list(dict.fromkeys(o.key for s in scopes for o in in_scope(s) if o.resume == "fixed"))
+
+
+def task_record(spec: Any) -> dict[str, Any]:
+    """A task's settings as ``run.json``'s ``task_options`` records them (paths absolute)."""
+    return {o.key: _normal(o.key, getattr(spec, o.key)) for o in in_scope("task") if o.resume != "fresh"}
+
+
+def compare_tasks(
+    specs: list[Any], recorded: dict[str, Any], overrides: list[str], where: str, run_json: Path
+) -> list[dict[str, Any]]:
+    """A resumed multi-task run's tasks against the settings ``run.json`` recorded for them: a changed
+    ``fixed`` setting of a task is refused (``ValueError`` naming the tasks file, the task and the key)
+    unless ``--override KEY``; the accepted changes (``[{task, key, from, to}]``). A task new to the
+    file starts from step 0; one the file dropped is not run."""
+    changes = []
+    for spec in specs:
+        before = recorded.get(spec.name)
+        if not isinstance(before, dict):
+            continue
+        for key, now in task_record(spec).items():
+            if BY_KEY[key].resume != "fixed" or key not in before or before[key] == now:
+                continue
+            if key not in overrides:
+                raise ValueError(f"{where}: task {spec.name!r}: {key} {now!r}: {run_json} was run with {before[key]!r}; "
+                                 f"resuming with another value changes what is trained: pass --override {key} "
+                                 f"to accept it")  # fmt: skip
+            changes.append({"task": spec.name, "key": key, "from": before[key], "to": now})
+    return changes
 
 
 def check_overrides(args: argparse.Namespace, mode: str) -> None:

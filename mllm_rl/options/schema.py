@@ -186,7 +186,8 @@ OPTIONS: tuple[Option, ...] = (
     _o("resume_or_start", bool, False, "like --resume, but a run directory without checkpoints (or none at "
        "all) starts from step 0 (swap: runs it again)", "rl plan", {"rl", "swap"}, resume="fresh"),
     _o("override", list, None, "--resume: accept a changed value of a setting that defines the run "
-       "(e.g. --override lr); run.json records it; repeatable", "rl plan", {"rl"}, resume="fresh",
+       "(e.g. --override lr; with --tasks: of any task); run.json records it; repeatable", "rl plan",
+       {"rl", "tasks"}, resume="fresh",
        metavar="KEY"),
     # -- the memory plan's own -----------------------------------------------------------------------
     _o("seq_len", int, 4096, "tokens per sequence (prompt + completion)", "plan", {"memplan"}, low=1),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import socket
 
 import pytest
@@ -178,3 +179,26 @@ def test_per_task_flags_next_to_tasks_are_refused_not_ignored(tmp_path):
     assert r.stderr.strip().splitlines() == [
         f"error: --steps 3: with --tasks it is set per task: put steps in {path}'s [[task]] or [defaults] table"
     ]
+
+
+def test_a_resumed_task_with_a_changed_setting_is_refused_unless_overridden(tmp_path):
+    from mllm_rl.options.resume import compare_tasks, task_record
+
+    path = write(tmp_path, '[[task]]\nname = "a"\nlr = 1e-5\n[[task]]\nname = "b"\n')
+    (a, b) = load_tasks(path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(
+        json.dumps({"run_id": "mt", "task_options": {"a": task_record(a), "b": task_record(b)}})
+    )
+    write(tmp_path, '[[task]]\nname = "a"\nlr = 2e-5\n[[task]]\nname = "b"\n[[task]]\nname = "new"\n')
+    r = run_cli("mllm_rl.run", "--backend", "jax", "--tasks", str(path), "--resume", "--run-dir", str(run))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"error: {path}: task 'a': lr 2e-05: {run / 'run.json'} was run with 1e-05; resuming with another value "
+        f"changes what is trained: pass --override lr to accept it"
+    ]
+    changes = compare_tasks(
+        load_tasks(path), {"a": task_record(a), "b": task_record(b)}, ["lr"], str(path), run
+    )
+    assert changes == [{"task": "a", "key": "lr", "from": 1e-05, "to": 2e-05}]  # "new" starts fresh
