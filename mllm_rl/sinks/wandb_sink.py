@@ -131,8 +131,11 @@ class WandbSink(Sink):
         from mllm_rl.sinks.wandb_check import base_url, find_credentials, offline_glob
 
         settings: dict[str, Any] = dict(console="off", x_disable_stats=True)
-        if "init_timeout" in getattr(wandb.Settings, "model_fields", {"init_timeout": None}):
+        fields = getattr(wandb.Settings, "model_fields", {"init_timeout": None})
+        if "init_timeout" in fields:
             settings["init_timeout"] = float(init_timeout)
+        if "finish_timeout" in fields:  # a network lost mid-run must not hold the run's end forever
+            settings["finish_timeout"] = float(max(60.0, 2 * init_timeout))  # the rest stays on disk for wandb sync
         reason = None
         try:
             url = base_url()
