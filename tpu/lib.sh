@@ -36,18 +36,33 @@ LOCAL_RUNS=${TPU_LOCAL_RUNS:-$REPO_ROOT/runs}
 WORKERS=${TPU_WORKERS:-}
 KEEP=0
 FORCE=0
+ANY_ZONE=${TPU_ANY_ZONE:-0}               # 1: skip the documented-zone check of create (a zone newer than the table)
+# Queued resources: Google fails the request (state FAILED) if it is not fulfilled within this
+# long (gcloud --valid-until-duration); wait gives the queue this long plus --timeout.
+VALID_UNTIL=${TPU_VALID_UNTIL_DURATION:-12h}
+VALID_UNTIL_S=0
+# How the processes of a multi-host run find each other (run): env = MLLM_RL_COORDINATOR /
+# MLLM_RL_NUM_PROCESSES / MLLM_RL_PROCESS_ID set on each worker from the metadata server;
+# auto = nothing set, jax's own Cloud TPU detection (backends/jax/distributed.py).
+JAX_DIST=${TPU_JAX_DIST:-env}
+COORDINATOR_PORT=${TPU_COORDINATOR_PORT:-8482} # jax's own port for a Cloud TPU coordinator
 DRY_RUN=0
 SHOW_HELP=0
 PASSTHRU=()                               # arguments after `--`, passed to python -m mllm_rl.run
 PASSTHRU_SET=0
-# Extra OpenSSH options, one word each (gcloud splits --ssh-flag values on spaces).
-# gcloud already pins host keys per instance in ~/.ssh/google_compute_known_hosts;
-# accept-new makes a first contact non-interactive without ever accepting a changed key.
-read -r -a SSH_OPTS <<<"${TPU_SSH_OPTS:--oStrictHostKeyChecking=accept-new -oConnectTimeout=30 -oServerAliveInterval=30}"
+# Host-key checking goes through gcloud's own --strict-host-key-checking (yes | no | ask):
+# gcloud puts its own -o StrictHostKeyChecking=... before any --ssh-flag, and OpenSSH keeps the
+# first value it is given, so an -oStrictHostKeyChecking ssh flag would have no effect. `no`
+# lets the first contact with a (re)created worker through without a prompt; gcloud keeps the
+# keys per VM in ~/.ssh/google_compute_known_hosts.
+STRICT_HOST_KEYS=${TPU_STRICT_HOST_KEY_CHECKING:-no}
+# Extra OpenSSH options, one word each (gcloud splits --ssh-flag values on spaces); none of them
+# is one gcloud sets itself, so they take effect.
+read -r -a SSH_OPTS <<<"${TPU_SSH_OPTS:--oConnectTimeout=30 -oServerAliveInterval=30}"
 
 GCLOUD=${TPU_GCLOUD:-gcloud}             # the gcloud binary (tests point this at a fake)
-TPU_CMD=(alpha compute tpus tpu-vm)
-QR_CMD=(alpha compute tpus queued-resources)
+TPU_CMD=(compute tpus tpu-vm)            # GA groups: neither needs `gcloud alpha`
+QR_CMD=(compute tpus queued-resources)
 LIBTPU_URL=https://storage.googleapis.com/jax-releases/libtpu_releases.html
 MINICONDA_URL=https://repo.anaconda.com/miniconda/Miniconda3-latest-Linux-x86_64.sh
 DRY_PREFIX="DRY-RUN:"
@@ -115,9 +130,17 @@ gc() {
   "$GCLOUD" "$@"
 }
 
-# The SSH/SCP option words as gcloud flags.
-ssh_flags() { local o; for o in ${SSH_OPTS[@]+"${SSH_OPTS[@]}"}; do printf '%s\n' "--ssh-flag=$o"; done; }
-scp_flags() { local o; for o in ${SSH_OPTS[@]+"${SSH_OPTS[@]}"}; do printf '%s\n' "--scp-flag=$o"; done; }
+# The host-key setting and the SSH/SCP option words as gcloud flags.
+ssh_flags() {
+  local o
+  printf '%s\n' "--strict-host-key-checking=$STRICT_HOST_KEYS"
+  for o in ${SSH_OPTS[@]+"${SSH_OPTS[@]}"}; do printf '%s\n' "--ssh-flag=$o"; done
+}
+scp_flags() {
+  local o
+  printf '%s\n' "--strict-host-key-checking=$STRICT_HOST_KEYS"
+  for o in ${SSH_OPTS[@]+"${SSH_OPTS[@]}"}; do printf '%s\n' "--scp-flag=$o"; done
+}
 
 # ssh_all SCRIPT: SCRIPT on every worker; gcloud's exit status.
 ssh_all() {
@@ -164,18 +187,30 @@ vm_state() {
   rm -f "$err"
 }
 
-# qr_state: sets QR_STATE to the queued resource's state (WAITING_FOR_RESOURCES,
-# PROVISIONING, ACTIVE, FAILED, SUSPENDED, ...) or ERROR.
+# qr_state: sets QR_STATE to the state of the queued resource NAME in ZONE:
+# WAITING_FOR_RESOURCES, PROVISIONING, ACTIVE, FAILED, SUSPENDING, SUSPENDED, ...;
+# NOT_FOUND when there is none, ERROR otherwise (LAST_ERROR says why).
 QR_STATE=""
 qr_state() {
+  local zone=$ZONE
+  LAST_ERROR=""
   if ((DRY_RUN)); then
-    gc "${QR_CMD[@]}" describe "$NAME" "--project=$PROJECT" "--zone=$ZONE" '--format=value(state.state)'
+    gc "${QR_CMD[@]}" describe "$NAME" "--project=$PROJECT" "--zone=$zone" '--format=value(state.state)'
     QR_STATE=ACTIVE
     return 0
   fi
-  local out rc=0
-  out=$("$GCLOUD" "${QR_CMD[@]}" describe "$NAME" "--project=$PROJECT" "--zone=$ZONE" '--format=value(state.state)' 2>/dev/null) || rc=$?
-  if ((rc == 0)); then QR_STATE=${out:-UNKNOWN}; else QR_STATE=ERROR; fi
+  local out err rc=0
+  err=$(mktemp "${TMPDIR:-/tmp}/tpu-qr.XXXXXX")
+  out=$("$GCLOUD" "${QR_CMD[@]}" describe "$NAME" "--project=$PROJECT" "--zone=$zone" '--format=value(state.state)' 2>"$err") || rc=$?
+  if ((rc == 0)); then
+    QR_STATE=${out:-UNKNOWN}
+  elif grep -Eq 'NOT_FOUND|not found' "$err"; then
+    QR_STATE=NOT_FOUND
+  else
+    QR_STATE=ERROR
+    LAST_ERROR=$(grep -v '^[[:space:]]*$' "$err" | tail -n 1 || true)
+  fi
+  rm -f "$err"
 }
 
 # ---------------------------------------------------------------- validation
@@ -215,6 +250,56 @@ check_type() {
   [[ -n $(accel_family "$ACCEL") && ${ACCEL##*-} =~ ^[0-9]+$ ]] ||
     die2 "unsupported accelerator type '$ACCEL' (supported: v4-*, v5litepod-*, v6e-*)"
   [[ -n $VERSION ]] || VERSION=$(default_version "$ACCEL")
+}
+
+# family_zones FAMILY: the zones Google's "TPU regions and zones" page
+# (https://cloud.google.com/tpu/docs/regions-zones) lists for the generation. v4 exists in
+# us-central2-b only (every version of the page says so). The v5e and v6e lists are the page's
+# North America and Europe entries; zones it adds later (and Asia Pacific ones) need --any-zone.
+ZONES_DOC=https://cloud.google.com/tpu/docs/regions-zones
+family_zones() {
+  case $1 in
+    v4) echo "us-central2-b" ;;
+    v5e) echo "us-central1-a us-south1-a us-west1-c us-west4-a europe-west4-b" ;;
+    v6e) echo "us-central1-b us-east1-d us-east5-a us-east5-b europe-west4-a" ;;
+  esac
+}
+
+# check_zones: every zone of ZONES offers the accelerator's generation; exit 2 with one line
+# naming the first one that does not (a create there fails with INVALID_ARGUMENT, which is
+# not a capacity error, so the zone fallback would stop at it). --any-zone skips the check.
+check_zones() {
+  check_type
+  ((ANY_ZONE)) && return 0
+  local fam known z
+  fam=$(accel_family "$ACCEL")
+  known=$(family_zones "$fam")
+  for z in "${ZONE_LIST[@]}"; do
+    case " $known " in
+      *" $z "*) ;;
+      *) die2 "zone $z has no TPU $fam ($ACCEL): $fam is offered in ${known// /, } only ($ZONES_DOC); pass --any-zone if Google lists $z for $fam now" ;;
+    esac
+  done
+}
+
+# duration_s D: seconds of a gcloud-style duration made of <int>s|m|h|d parts (90m, 1h30m, 2d);
+# fails on anything else.
+duration_s() {
+  local rest=$1 total=0 n unit
+  [[ -n $rest ]] || return 1
+  while [[ -n $rest ]]; do
+    [[ $rest =~ ^([0-9]+)([smhd])(.*)$ ]] || return 1
+    n=$((10#${BASH_REMATCH[1]}))
+    unit=${BASH_REMATCH[2]}
+    rest=${BASH_REMATCH[3]}
+    case $unit in
+      s) total=$((total + n)) ;;
+      m) total=$((total + n * 60)) ;;
+      h) total=$((total + n * 3600)) ;;
+      d) total=$((total + n * 86400)) ;;
+    esac
+  done
+  printf '%s' "$total"
 }
 
 # require_target: project, zone(s) and name are set and well-formed (exit 2 otherwise).
@@ -260,6 +345,26 @@ check_ints() {
   [[ -z $WORKERS ]] || { is_uint "$WORKERS" && ((WORKERS > 0)); } || die2 "--workers needs a positive integer, got '$WORKERS'"
   [[ -z $RUN_ID || $RUN_ID =~ ^[A-Za-z0-9._-]+$ ]] || die2 "bad run id '$RUN_ID' (letters, digits, . _ -)"
   [[ $REMOTE_DIR =~ ^[A-Za-z0-9._/-]+$ ]] || die2 "bad --remote-dir '$REMOTE_DIR'"
+  VALID_UNTIL_S=$(duration_s "$VALID_UNTIL") || VALID_UNTIL_S=0
+  ((VALID_UNTIL_S > 0)) || die2 "--valid-until-duration needs a duration like 12h, 90m or 1d, got '$VALID_UNTIL'"
+  case $STRICT_HOST_KEYS in
+    yes | no | ask) ;;
+    *) die2 "TPU_STRICT_HOST_KEY_CHECKING must be yes, no or ask (gcloud's --strict-host-key-checking), got '$STRICT_HOST_KEYS'" ;;
+  esac
+  local o
+  for o in ${SSH_OPTS[@]+"${SSH_OPTS[@]}"}; do
+    case $o in
+      *[Ss]trict[Hh]ost[Kk]ey[Cc]hecking*)
+        die2 "TPU_SSH_OPTS has '$o', which has no effect (gcloud passes its own StrictHostKeyChecking first); set TPU_STRICT_HOST_KEY_CHECKING=yes|no|ask instead" ;;
+    esac
+  done
+  case $JAX_DIST in
+    env | auto) ;;
+    *) die2 "--jax-dist must be env or auto, got '$JAX_DIST'" ;;
+  esac
+  { is_uint "$COORDINATOR_PORT" && ((COORDINATOR_PORT > 0 && COORDINATOR_PORT < 65536)); } ||
+    die2 "TPU_COORDINATOR_PORT must be a port number, got '$COORDINATOR_PORT'"
+  [[ $ANY_ZONE == 0 || $ANY_ZONE == 1 ]] || die2 "TPU_ANY_ZONE must be 0 or 1, got '$ANY_ZONE'"
 }
 
 # ---------------------------------------------------------------- arguments
@@ -278,7 +383,7 @@ parse_args() {
     case $opt in
       --project | --zone | --zones | --name | --type | --accelerator-type | --version | --timeout | --poll | \
         --repo-url | --commit | --remote-dir | --env-file | --run-id | --local-dir | --workers | \
-        --max-recoveries | --run-timeout)
+        --max-recoveries | --run-timeout | --valid-until-duration | --jax-dist)
         if ((!has_val)); then
           (($# >= 2)) || die2 "$opt needs a value"
           val=$2
@@ -301,11 +406,14 @@ parse_args() {
           --workers) WORKERS=$val ;;
           --max-recoveries) MAX_RECOVERIES=$val ;;
           --run-timeout) RUN_TIMEOUT=$val ;;
+          --valid-until-duration) VALID_UNTIL=$val ;;
+          --jax-dist) JAX_DIST=$val ;;
         esac
         ;;
       --spot) PROVISIONING=spot ;;
       --on-demand) PROVISIONING=on-demand ;;
       --queued) QUEUED=1 ;;
+      --any-zone) ANY_ZONE=1 ;;
       --keep) KEEP=1 ;;
       --force) FORCE=1 ;;
       --dry-run) DRY_RUN=1 ;;
@@ -324,10 +432,11 @@ parse_args() {
 }
 
 # ---------------------------------------------------------------- create
-# create_vm: create the node, trying each zone in order. A capacity error moves on to the
-# next zone; a quota/permission error (or any other) stops at once with one line.
+# create_vm: create the node (or queue the request for it), trying each zone in order. A
+# capacity error moves on to the next zone; a quota/permission error (or any other, e.g. the
+# INVALID_ARGUMENT of a zone without the generation) stops at once with one line.
 create_vm() {
-  check_type
+  check_zones
   local z rc errf line
   local -a prov=()
   [[ $PROVISIONING == spot ]] && prov=(--spot)
@@ -336,18 +445,21 @@ create_vm() {
     local -a cmd
     if ((QUEUED)); then
       cmd=("${QR_CMD[@]}" create "$NAME" "--node-id=$NAME" "--project=$PROJECT" "--zone=$z"
-        "--accelerator-type=$ACCEL" "--runtime-version=$VERSION" ${prov[@]+"${prov[@]}"} --quiet)
+        "--accelerator-type=$ACCEL" "--runtime-version=$VERSION" ${prov[@]+"${prov[@]}"}
+        "--valid-until-duration=$VALID_UNTIL" --quiet)
     else
       cmd=("${TPU_CMD[@]}" create "$NAME" "--project=$PROJECT" "--zone=$z"
         "--accelerator-type=$ACCEL" "--version=$VERSION" ${prov[@]+"${prov[@]}"} --quiet)
     fi
     if ((DRY_RUN)); then
+      ((QUEUED)) && log "dry-run: a SUSPENDED or FAILED queued resource named $NAME in $z would be deleted first (it holds the name)"
       gc "${cmd[@]}"
       ((${#ZONE_LIST[@]} > 1)) && log "dry-run: on a capacity error the next zone of $ZONES would be tried"
       CREATED=1
       return 0
     fi
-    log "creating $NAME ($ACCEL, $VERSION, $PROVISIONING$( ((QUEUED)) && echo ', queued')) in $z"
+    ((QUEUED)) && clear_dead_qr
+    log "creating $NAME ($ACCEL, $VERSION, $PROVISIONING$( ((QUEUED)) && echo ", queued, valid for $VALID_UNTIL")) in $z"
     errf=$(mktemp "${TMPDIR:-/tmp}/tpu-create-$NAME-$z.XXXXXX")
     rc=0
     "$GCLOUD" "${cmd[@]}" >/dev/null 2>"$errf" || rc=$?
@@ -379,6 +491,52 @@ create_vm() {
 }
 CREATED=0
 
+# clear_dead_qr: a queued resource named NAME in ZONE that is SUSPENDED (its VM was preempted or
+# deleted) or FAILED (expired after --valid-until-duration, or refused) keeps the name until it
+# is deleted, so a new request under that name fails with ALREADY_EXISTS: delete it (and its
+# node) first. A live one (waiting, provisioning, active) is refused, never deleted.
+clear_dead_qr() {
+  qr_state
+  case $QR_STATE in
+    NOT_FOUND | ERROR) return 0 ;; # ERROR: the create says what is wrong
+    SUSPENDED | SUSPENDING | FAILED)
+      log "queued resource $NAME in $ZONE is $QR_STATE and still holds the name: deleting it (and its node) before queuing again"
+      delete_qr
+      ;;
+    *) die "a queued resource named $NAME already exists in zone $ZONE ($QR_STATE); wait for it, or delete it with: tpu/tpu.sh delete --queued --name $NAME --zone $ZONE --project $PROJECT" ;;
+  esac
+}
+
+# delete_qr: delete the queued resource NAME in ZONE with --force (which deletes its node
+# too), then a node of that name if one is left, and wait (within --timeout) until the name
+# is free. Nothing to delete is fine.
+delete_qr() {
+  local deadline errf rc=0
+  if ((DRY_RUN)); then
+    gc "${QR_CMD[@]}" delete "$NAME" "--project=$PROJECT" "--zone=$ZONE" --force --quiet
+    return 0
+  fi
+  errf=$(mktemp "${TMPDIR:-/tmp}/tpu-qr-delete.XXXXXX")
+  "$GCLOUD" "${QR_CMD[@]}" delete "$NAME" "--project=$PROJECT" "--zone=$ZONE" --force --quiet >/dev/null 2>"$errf" || rc=$?
+  if ((rc != 0)) && ! grep -Eq 'NOT_FOUND|not found' "$errf"; then
+    die "delete of queued resource $NAME in $ZONE failed: $(grep -v '^[[:space:]]*$' "$errf" | tail -n 1 || true) [full output: $errf]"
+  fi
+  rm -f "$errf"
+  deadline=$(($(now) + TIMEOUT))
+  while :; do
+    qr_state
+    [[ $QR_STATE == NOT_FOUND ]] && break
+    (($(now) < deadline)) || die "queued resource $NAME in $ZONE is still $QR_STATE ${TIMEOUT}s after its delete"
+    sleep "$POLL"
+  done
+  vm_state
+  if [[ $STATE != NOT_FOUND ]]; then
+    log "deleting the node $NAME left in $ZONE ($STATE)"
+    gc "${TPU_CMD[@]}" delete "$NAME" "--project=$PROJECT" "--zone=$ZONE" --quiet >/dev/null ||
+      die "delete of node $NAME in $ZONE failed"
+  fi
+}
+
 trim() { local s=$1; s=${s#"${s%%[![:space:]]*}"}; printf '%s' "${s%"${s##*[![:space:]]}"}"; }
 
 # ---------------------------------------------------------------- delete
@@ -399,17 +557,25 @@ wait_vm() {
   local deadline last=""
   deadline=$(($(now) + TIMEOUT))
   if ((QUEUED)); then
+    # The queue gets the request's own lifetime (--valid-until-duration; Google fails it after
+    # that) plus --timeout: giving up earlier would delete (under `up`) a request still in line.
+    local qdeadline
+    qdeadline=$(($(now) + VALID_UNTIL_S + TIMEOUT))
+    log "waiting for queued resource $NAME in $ZONE (up to --valid-until-duration $VALID_UNTIL + ${TIMEOUT}s)"
     while :; do
       qr_state
       case $QR_STATE in
         ACTIVE) break ;;
-        FAILED | SUSPENDED | SUSPENDING) die "queued resource $NAME in zone $ZONE is $QR_STATE" ;;
+        FAILED) die "queued resource $NAME in zone $ZONE is FAILED: not fulfilled within --valid-until-duration $VALID_UNTIL, or refused (gcloud ${QR_CMD[*]} describe $NAME --zone=$ZONE says why)" ;;
+        SUSPENDED | SUSPENDING) die "queued resource $NAME in zone $ZONE is $QR_STATE (its VM was preempted or deleted); 'tpu.sh watch --queued' or 'tpu.sh create --queued' queues it again" ;;
+        NOT_FOUND) die "queued resource $NAME not found in zone $ZONE" ;;
       esac
-      [[ $QR_STATE != "$last" ]] && log "queued resource $NAME: $QR_STATE"
+      [[ $QR_STATE != "$last" ]] && log "queued resource $NAME: $QR_STATE${LAST_ERROR:+ ($LAST_ERROR)}"
       last=$QR_STATE
-      (($(now) < deadline)) || die "timed out after ${TIMEOUT}s waiting for queued resource $NAME to be ACTIVE (last state: $QR_STATE)"
+      (($(now) < qdeadline)) || die "timed out waiting for queued resource $NAME to be ACTIVE (last state: $QR_STATE)"
       sleep "$POLL"
     done
+    deadline=$(($(now) + TIMEOUT))
   fi
   last=""
   while :; do
@@ -553,11 +719,29 @@ setup_script() {
 # /dev/vfio/*), assert JAX sees a TPU, then start the run detached with a log per worker.
 # `pkill -f mllm_rl.run` would also match this very shell (its command line contains the
 # text), so stale runs are found with pgrep and only python processes are killed.
+#
+# A multi-host slice (more than one worker) runs one process per worker, all of them at once
+# (ssh --worker=all). With --jax-dist env (the default) each process gets the environment
+# backends/jax/distributed.py reads, from the same metadata jax's own Cloud TPU detection uses:
+# MLLM_RL_COORDINATOR = worker 0's address (first entry of worker-network-endpoints) on
+# COORDINATOR_PORT (8482, jax's), MLLM_RL_NUM_PROCESSES = the slice's workers,
+# MLLM_RL_PROCESS_ID = this worker's agent-worker-number. They are exported after
+# ~/.mllm_rl.env is sourced, so that file cannot override them.
 run_template() {
   cat <<'EOF'
 set -euo pipefail;
 @WORKER_ID@
-D="$HOME"/@DIR@; R=@RUN_ID@;
+D="$HOME"/@DIR@; R=@RUN_ID@; N=@NPROC@; DIST="";
+if [ "$N" -gt 1 ] && [ @JAX_DIST@ = env ]; then
+  MD=http://metadata.google.internal/computeMetadata/v1/instance/attributes;
+  EP=$(curl -fsS -m 5 -H "Metadata-Flavor: Google" "$MD/worker-network-endpoints" 2>/dev/null || true);
+  WN=$(curl -fsS -m 5 -H "Metadata-Flavor: Google" "$MD/agent-worker-number" 2>/dev/null || true);
+  if [ -z "$EP" ] || [ -z "$WN" ]; then echo "mllm_rl_run_error worker=$W cannot read worker-network-endpoints and agent-worker-number from the metadata server (a multi-host run needs them; --jax-dist auto leaves it to jax)"; exit 3; fi;
+  NE=$(printf '%s\n' "$EP" | tr ',' '\n' | grep -c . || true);
+  if [ "$NE" != "$N" ]; then echo "mllm_rl_run_error worker=$W the metadata server lists $NE workers, tpu.sh expected $N"; exit 3; fi;
+  C0=${EP%%,*}; C0=${C0##*:};
+  DIST="MLLM_RL_COORDINATOR=$C0:@COORD_PORT@ MLLM_RL_NUM_PROCESSES=$N MLLM_RL_PROCESS_ID=$WN";
+fi;
 cd "$D" 2>/dev/null || { echo "mllm_rl_run_error worker=$W no checkout at $D: run 'tpu.sh setup' first"; exit 3; };
 PY="$D/.venv-jax/bin/python";
 [ -x "$PY" ] || { echo "mllm_rl_run_error worker=$W no venv at $PY: run 'tpu.sh setup' first"; exit 3; };
@@ -569,9 +753,10 @@ if ! OUT=$(timeout 600 "$PY" -c 'import jax; d = jax.devices(); assert d[0].plat
 echo "[run] worker $W: JAX sees TPU: $(printf '%s' "$OUT" | tail -n 1)" >&2;
 if [ -f "$HOME/.mllm_rl.env" ]; then set -a; . "$HOME/.mllm_rl.env"; set +a; fi;
 export WANDB_MODE=@WANDB_MODE@; export PYTHONUNBUFFERED=1;
+if [ -n "$DIST" ]; then export $DIST; echo "[run] worker $W: jax.distributed: $DIST" >&2; fi;
 mkdir -p "runs/$R"; LOG="runs/tpu-"@NAME@"-w$W.log";
 export MLLM_RL_EXIT_FILE="runs/$R/.tpu-exit-w$W"; rm -f "$MLLM_RL_EXIT_FILE";
-echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) worker $W run $R commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')" >> "$LOG";
+echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) worker $W run $R commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')${DIST:+ $DIST}" >> "$LOG";
 nohup bash -c '"$@"; echo $? > "$MLLM_RL_EXIT_FILE"' mllm_rl_launch "$PY" -m mllm_rl.run --backend jax --run-id "$R" --run-dir "runs/$R" @ARGS@ >> "$LOG" 2>&1 < /dev/null &
 echo $! > "runs/$R/.tpu-pid-w$W";
 echo "mllm_rl_run_ok worker=$W pid=$! log=$D/$LOG";
@@ -591,24 +776,26 @@ wandb_mode() {
 }
 
 # run_script ARG...: the run script with ARG... passed to python -m mllm_rl.run.
+# (WORKERS must be known: ensure_workers.)
 run_script() {
   render "$(run_template)" WORKER_ID "$WORKER_ID_SNIPPET" DIR "$(q "$REMOTE_DIR")" RUN_ID "$(q "$RUN_ID")" \
-    NAME "$(q "$NAME")" WANDB_MODE "$(wandb_mode "$@")" ARGS "$(qargs "$@")"
+    NAME "$(q "$NAME")" WANDB_MODE "$(wandb_mode "$@")" ARGS "$(qargs "$@")" NPROC "$WORKERS" \
+    JAX_DIST "$JAX_DIST" COORD_PORT "$COORDINATOR_PORT"
 }
 
 status_template() {
   cat <<'EOF'
 @WORKER_ID@
 D="$HOME"/@DIR@; R=@RUN_ID@;
-P="$D/runs/$R/.tpu-pid-w$W"; E="$D/runs/$R/.tpu-exit-w$W";
-if [ -f "$E" ]; then echo "mllm_rl_status worker=$W state=exited code=$(cat "$E")";
+P="$D/runs/$R/.tpu-pid-w$W"; E="$D/runs/$R/.tpu-exit-w$W"; L="$D/runs/tpu-"@NAME@"-w$W.log";
+if [ -f "$E" ]; then echo "mllm_rl_status worker=$W state=exited code=$(cat "$E")"; if [ "$(cat "$E")" != 0 ] && [ -f "$L" ]; then echo "mllm_rl_status_tail worker=$W $(grep -v '^[[:space:]]*$' "$L" | tail -n 1 | head -c 300)"; fi;
 elif [ -f "$P" ] && kill -0 "$(cat "$P")" 2>/dev/null; then echo "mllm_rl_status worker=$W state=running";
 else echo "mllm_rl_status worker=$W state=missing"; fi
 EOF
 }
 
 status_script() {
-  render "$(status_template)" WORKER_ID "$WORKER_ID_SNIPPET" DIR "$(q "$REMOTE_DIR")" RUN_ID "$(q "$RUN_ID")"
+  render "$(status_template)" WORKER_ID "$WORKER_ID_SNIPPET" DIR "$(q "$REMOTE_DIR")" RUN_ID "$(q "$RUN_ID")" NAME "$(q "$NAME")"
 }
 
 # ---------------------------------------------------------------- steps
@@ -722,10 +909,10 @@ run_vm() {
   fi
   [[ -n $RUN_ID ]] || RUN_ID="$NAME-$(date -u +%y%m%d-%H%M%S)"
   save_run_state
-  log "run $RUN_ID on every worker of $NAME: python -m mllm_rl.run --backend jax --run-id $RUN_ID --run-dir runs/$RUN_ID $(qargs ${args[@]+"${args[@]}"})"
+  ensure_workers
+  log "run $RUN_ID on every worker of $NAME ($WORKERS process(es)$( ((WORKERS > 1)) && echo ", jax.distributed from $([[ $JAX_DIST == env ]] && echo "MLLM_RL_* set per worker" || echo "jax's own detection")")): python -m mllm_rl.run --backend jax --run-id $RUN_ID --run-dir runs/$RUN_ID $(qargs ${args[@]+"${args[@]}"})"
   run_capture "$(run_script ${args[@]+"${args[@]}"})" || rc=$?
   ((DRY_RUN)) && return 0
-  ensure_workers
   ok=$(count_lines 'mllm_rl_run_ok ')
   if ((rc != 0 || ok < WORKERS)); then
     die "run did not start on $((WORKERS - ok)) of $WORKERS worker(s) of $NAME$(first_line 'mllm_rl_run_error')"
@@ -738,6 +925,7 @@ run_vm() {
 # STATUS_DETAIL lists the workers.
 RUN_STATE=""
 STATUS_DETAIL=""
+STATUS_TAIL=""                            # the last log line of the first failed worker
 run_status() {
   if ((DRY_RUN)); then
     ssh_all "$(status_script)"
@@ -752,6 +940,7 @@ run_status() {
   ok=$(count_lines 'mllm_rl_status .*state=exited code=0$')
   missing=$(count_lines 'mllm_rl_status .*state=missing')
   STATUS_DETAIL=$(printf '%s\n' "$CAPTURED" | grep -oE 'mllm_rl_status .*' | sed 's/^mllm_rl_status //' | tr '\n' ' ' || true)
+  STATUS_TAIL=$(printf '%s\n' "$CAPTURED" | grep -oE 'mllm_rl_status_tail .*' | head -n 1 | sed 's/^mllm_rl_status_tail //' || true)
   if ((running > 0)); then
     RUN_STATE=RUNNING
   elif ((exited + missing < WORKERS)); then
@@ -793,7 +982,13 @@ err() { printf 'tpu.sh: error: %s\n' "$1" >&2; }
 # recover_vm: the node is gone (PREEMPTED / TERMINATED / deleted): delete it, create it again
 # (same zone list, same fallback), wait, setup, env, and run again with --resume-or-start.
 recover_vm() {
-  [[ $STATE == NOT_FOUND ]] || delete_vm || true
+  if ((QUEUED)); then
+    # A preempted queued VM leaves its request SUSPENDED, holding the name (ALREADY_EXISTS on
+    # a new request): delete the request and what is left of the node, then queue again.
+    delete_qr
+  else
+    [[ $STATE == NOT_FOUND ]] || delete_vm || true
+  fi
   ZONE=""
   create_vm
   wait_vm
@@ -820,7 +1015,7 @@ watch_vm() {
             return 0
             ;;
           FAILED)
-            err "run $RUN_ID failed on $NAME: $STATUS_DETAIL(logs: ~/$REMOTE_DIR/runs/tpu-$NAME-w<i>.log; tpu.sh fetch brings them back)"
+            err "run $RUN_ID failed on $NAME: $STATUS_DETAIL${STATUS_TAIL:+(last log line of $STATUS_TAIL) }(logs: ~/$REMOTE_DIR/runs/tpu-$NAME-w<i>.log; tpu.sh fetch brings them back)"
             return 1
             ;;
         esac

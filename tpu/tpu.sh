@@ -13,7 +13,8 @@ source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/lib.sh"
 COMMON_FLAGS='Target (flags win over the environment; nothing is hard-coded):
   --project P          GCP project          (env TPU_PROJECT, else CLOUDSDK_CORE_PROJECT)
   --zone Z | --zones Z1,Z2
-                       zone, or zones to try in order on create (env TPU_ZONES)
+                       zone, or zones to try in order on create (env TPU_ZONES); each must offer
+                       the generation of --type: v4 exists in us-central2-b only
   --name N             TPU VM name          (env TPU_NAME)
   --dry-run            print the gcloud commands (lines starting with "DRY-RUN: "), run nothing
   -h, --help           this help'
@@ -38,7 +39,7 @@ Subcommands:
 
 $COMMON_FLAGS
 
-Example (v4-8 spot, Qwen3-4B param swap):
+Example (v4-8 spot, Qwen3-4B param swap; v4 exists in us-central2-b only):
   export TPU_PROJECT=my-project TPU_ZONES=us-central2-b TPU_NAME=mllm-rl-v4-8
   tpu/tpu.sh up --type v4-8 -- --plan swap --model Qwen/Qwen3-4B --tp 4
 EOF
@@ -51,19 +52,29 @@ help_for() {
 usage: tpu/tpu.sh create [FLAGS]
 
 Creates the TPU VM:
-  gcloud alpha compute tpus tpu-vm create NAME --project=P --zone=Z --accelerator-type=T --version=V --spot --quiet
+  gcloud compute tpus tpu-vm create NAME --project=P --zone=Z --accelerator-type=T --version=V --spot --quiet
 With --queued:
-  gcloud alpha compute tpus queued-resources create NAME --node-id=NAME ... --runtime-version=V [--spot] --quiet
-Zones are tried in order. A capacity error (no more capacity, RESOURCE_EXHAUSTED, insufficient
-capacity, stockout) moves to the next zone; a quota or permission error (PERMISSION_DENIED,
-quota, 403) or any other error stops at once with one line naming the zone.
+  gcloud compute tpus queued-resources create NAME --node-id=NAME ... --runtime-version=V [--spot]
+    --valid-until-duration=D --quiet
+Every zone must offer the type's generation (Google's TPU regions and zones page): v4 only
+us-central2-b; v5e $(family_zones v5e); v6e $(family_zones v6e).
+Another zone is refused (exit 2) unless --any-zone. Zones are tried in order. A capacity error
+(no more capacity, RESOURCE_EXHAUSTED, insufficient capacity, stockout) moves to the next zone;
+a quota or permission error (PERMISSION_DENIED, quota, 403) or any other error (INVALID_ARGUMENT,
+ALREADY_EXISTS, ...) stops at once with one line naming the zone.
 
   --type T             accelerator type: v4-*, v5litepod-* (v5e), v6e-*   (default v4-8; env TPU_TYPE)
   --version V          runtime image (default: v4 tpu-ubuntu2204-base, v5e v2-alpha-tpuv5-lite,
                        v6e v2-alpha-tpuv6e; env TPU_VERSION)
   --spot               spot VM (default)
   --on-demand          on-demand VM
-  --queued             create through a queued resource (waits in the queue for capacity)
+  --queued             create through a queued resource (waits in the queue for capacity). A
+                       SUSPENDED or FAILED queued resource of the same name (a preempted or
+                       expired one) is deleted first: it holds the name until deleted
+  --valid-until-duration D
+                       --queued: Google fails the request if not fulfilled within D (12h, 90m,
+                       1d; default 12h; env TPU_VALID_UNTIL_DURATION); wait waits D + --timeout
+  --any-zone           skip the zone check (a zone Google added after tpu/lib.sh's table)
 
 $COMMON_FLAGS
 EOF
@@ -74,11 +85,13 @@ usage: tpu/tpu.sh wait [FLAGS]
 
 Polls 'describe --format=value(state)' until READY (a queued resource: ACTIVE first), then
 'ssh --worker=all --command=true' until every worker answers. PREEMPTED or TERMINATED fails
-at once.
+at once; so does a queued resource that is FAILED (expired) or SUSPENDED.
 
-  --timeout S          give up after S seconds in all (default 1800; env TPU_TIMEOUT_S)
+  --timeout S          give up after S seconds (default 1800; env TPU_TIMEOUT_S); a queued
+                       resource gets --valid-until-duration + S to become ACTIVE, then S more
   --poll S             seconds between polls (default 30; env TPU_POLL_S)
   --queued             the VM was created with --queued
+  --valid-until-duration D   the queued request's lifetime (default 12h)
 
 $COMMON_FLAGS
 EOF
@@ -120,15 +133,21 @@ EOF
       cat <<EOF
 usage: tpu/tpu.sh run [FLAGS] -- [ARGS FOR python -m mllm_rl.run]
 
-On every worker: kill stale mllm_rl.run processes and whatever holds /dev/accel* or
-/dev/vfio/*, assert python -c 'import jax; assert jax.devices()[0].platform == "tpu"'
+On every worker at once (--worker=all): kill stale mllm_rl.run processes and whatever holds
+/dev/accel* or /dev/vfio/*, assert python -c 'import jax; assert jax.devices()[0].platform == "tpu"'
 (fails clearly if JAX fell back to CPU), source ~/.mllm_rl.env if present, then start
   nohup python -m mllm_rl.run --backend jax --run-id ID --run-dir runs/ID ARGS...
 in ~/REMOTE_DIR with WANDB_MODE=offline unless ARGS say --wandb MODE (or the env file sets
 WANDB_MODE). Each worker logs to ~/REMOTE_DIR/runs/tpu-NAME-w<worker>.log.
+On a multi-host slice (v4-16, ...) every worker runs one process of the same run; with
+--jax-dist env each gets MLLM_RL_COORDINATOR=<worker 0>:$COORDINATOR_PORT, MLLM_RL_NUM_PROCESSES=<workers>
+and MLLM_RL_PROCESS_ID=<its worker number>, read from the TPU metadata server.
 
   --run-id ID          run id (default NAME-<utc time>); remembered in runs/.tpu/NAME.run_id
   --remote-dir D       checkout on the workers (default mllm_rl)
+  --jax-dist env|auto  multi-host only: set the MLLM_RL_* variables per worker (env, default;
+                       env TPU_JAX_DIST) or leave it to jax's Cloud TPU detection (auto)
+  --workers N          number of workers (default: from the VM, else the accelerator type)
 
 ARGS examples: --plan swap --model Qwen/Qwen3-4B --tp 4 | --plan rl --model qwen3-0.6b --wandb online
 
@@ -148,8 +167,9 @@ times. Without ARGS and --run-id, the ones of the last 'tpu.sh run' from this ma
   --poll S             seconds between polls (default 30)
   --run-timeout S      fail if the run is not done after S seconds (default 0: no limit)
   --run-id ID          the run to follow
-  plus the create flags (--type, --version, --spot/--on-demand, --queued) and setup/env flags used
-  by a recovery
+  plus the create flags (--type, --version, --spot/--on-demand, --queued, --valid-until-duration,
+  --any-zone) and setup/env/run flags used by a recovery. A queued VM's recovery deletes its
+  SUSPENDED queued resource (which holds the name) and queues it again under the same name
 
 $COMMON_FLAGS
 EOF
@@ -173,8 +193,8 @@ EOF
       cat <<EOF
 usage: tpu/tpu.sh delete [FLAGS]
 
-  gcloud alpha compute tpus tpu-vm delete NAME --project=P --zone=Z --quiet
-With --queued: gcloud alpha compute tpus queued-resources delete NAME ... --force --quiet
+  gcloud compute tpus tpu-vm delete NAME --project=P --zone=Z --quiet
+With --queued: gcloud compute tpus queued-resources delete NAME ... --force --quiet
 (which deletes the VM too).
 
 $COMMON_FLAGS
@@ -186,6 +206,8 @@ usage: tpu/tpu.sh up [FLAGS] -- [ARGS FOR python -m mllm_rl.run]
 
 create, wait, setup, env (when the env file exists), run, watch (with recoveries), fetch,
 then delete the VM on exit, success or not, unless --keep. Takes the flags of every step.
+With --queued the request waits up to --valid-until-duration (default 12h) in the queue; only
+then, or on Ctrl-C or an error, is it deleted (--keep keeps it, and your place in the queue).
 
   --keep               keep the VM at the end
   (see: tpu/tpu.sh create|wait|setup|env|run|watch|fetch --help)
@@ -209,7 +231,7 @@ cmd_env() { require_target; resolve_zone; env_vm; }
 cmd_run() { require_target; resolve_zone; run_vm; }
 cmd_delete() { require_target; resolve_zone; delete_vm; }
 cmd_fetch() { require_target; resolve_zone; load_run_state; fetch_vm; }
-cmd_watch() { require_target; resolve_zone; load_run_state; watch_vm; }
+cmd_watch() { require_target; check_zones; resolve_zone; load_run_state; watch_vm; }
 
 # up: the whole life of one VM. The EXIT trap deletes the VM once it was created, whatever
 # happens after (errors, Ctrl-C), unless --keep.
@@ -229,7 +251,7 @@ cleanup_up() {
 
 cmd_up() {
   require_target
-  check_type
+  check_zones
   resolve_repo # fail on a missing --repo-url/--commit before paying for a VM
   [[ -f $ENV_FILE || $ENV_FILE_SET == 0 ]] || die2 "env file $ENV_FILE not found"
   trap cleanup_up EXIT

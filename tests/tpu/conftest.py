@@ -108,7 +108,7 @@ class FakeCloud:
 
     def verbs(self) -> list[str]:
         """The gcloud calls as 'tpu-vm create', 'tpu-vm ssh', ... in order."""
-        return [" ".join(c[3:5]) for c in self.calls()]
+        return [" ".join(c[2:4]) for c in self.calls()]
 
     def remote(self, prog: str | None = None) -> list[dict]:
         p = self.state / "remote.jsonl"

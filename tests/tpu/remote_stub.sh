@@ -4,8 +4,10 @@
 # fake_gcloud.py runs each ssh command with a PATH of links to this file (sudo, git, curl,
 # python3.12, pgrep, pkill, lsof, ps) plus a few real coreutils. Nothing here touches the test
 # machine beyond the worker's sandbox $HOME: sudo never runs its command, pgrep/lsof find
-# nothing, the fake JAX reports $FAKE_PLATFORM. Every call is logged (program, argv, worker, VM
-# generation) to $FAKE_REMOTE_LOG as one JSON line, never with environment values.
+# nothing, the fake JAX reports $FAKE_PLATFORM, the fake metadata server (curl) answers the
+# worker number and the slice's workers. Every call is logged (program, argv, worker, VM
+# generation) to $FAKE_REMOTE_LOG as one JSON line; of the environment only WANDB_MODE, whether a
+# WANDB_API_KEY is set (never its value) and the MLLM_RL_* process variables of the run.
 set -u
 prog=${0##*/}
 
@@ -53,6 +55,12 @@ stub_sudo() {
 stub_curl() {
   case "$*" in
     *agent-worker-number*) echo "${FAKE_WORKER:-0}"; return 0 ;;
+    *worker-network-endpoints*) # the old name:id:ip form; worker i is 10.0.0.<i+2>, as describe says
+      local i out=""
+      for ((i = 0; i < ${FAKE_WORKERS:-1}; i++)); do out+="${out:+,}t1v-n-fake-w-$i:uid$i:10.0.0.$((i + 2))"; done
+      printf '%s' "$out"
+      return 0
+      ;;
   esac
   echo "curl: (6) Could not resolve host (fake worker: no internet)" >&2
   return 6
@@ -110,6 +118,7 @@ stub_python() {
       mkdir -p "$run_dir/wandb/offline-run-fake"
       echo "{\"phase\": \"generate_result\", \"worker\": ${FAKE_WORKER:-0}}" >>"$run_dir/phases.jsonl"
       echo 'phase {"phase": "generate_result"} (fake)'
+      if [ "${FAKE_RUN_EXIT:-0}" != 0 ]; then echo "error: the fake run failed on worker ${FAKE_WORKER:-0} (exit ${FAKE_RUN_EXIT})"; fi
       return "${FAKE_RUN_EXIT:-0}"
       ;;
     *) echo "fake python: unhandled $*" >&2; return 1 ;;
@@ -125,6 +134,10 @@ case $prog in
       [ -n "${WANDB_API_KEY+x}" ] && has=true
       jstr "${WANDB_MODE:-}"
       extra=", \"wandb_mode\": $J, \"has_wandb_key\": $has"
+      # how this process would find the others (backends/jax/distributed.py reads these)
+      for v in MLLM_RL_COORDINATOR MLLM_RL_NUM_PROCESSES MLLM_RL_PROCESS_ID; do
+        if [ -n "${!v+x}" ]; then jstr "${!v}"; extra+=", \"$v\": $J"; fi
+      done
     fi
     ;;
 esac
