@@ -10,9 +10,13 @@ EXIT_CODES = {
     3: "an engine's weights differ from what was sent (fingerprint) or from the trainer's (garbage guard)",
     4: "a lifecycle invariant broke",
     5: "a train step's loss or grad norm is not finite (stopped before its checkpoint and update)",
-    6: "a phase ran past its --phase-timeout (stuck): every thread's stack is in the run directory",
+    6: "a phase ran past its --phase-timeout (stuck: every thread's stack is in the run directory), or "
+    "the run's memory plan does not fit its devices (--memory-plan check; before anything started)",
     143: "SIGTERM (128 + signal), after the phase log and the W&B run were closed",
 }
+
+
+DOES_NOT_FIT = 6  # as python -m mllm_rl.memplan: the plan does not fit (the run's own, before start-up)
 
 
 class TasksFailed(RuntimeError):

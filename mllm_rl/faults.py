@@ -7,6 +7,8 @@ catch that bug really does (a test without it could not fail). Names in use:
 - ``resume_lies``    an engine loses its weights' CPU backup but reports them restored on resume
 - ``train_oom``      the trainer's step fails like a device out-of-memory
 - ``offload_noop``   the trainer's params offload moves nothing
+- ``leak_mb=N``      the JAX trainer keeps N MiB of device memory more after every train step (a leak:
+                     the run's memory plan audit must report the phases that drift from the plan)
 - ``reward_nan``     the first completion of every RL step gets a NaN reward (as a broken reward
                      function would give): its group's advantages, then the loss, are NaN
 - ``hang=PHASE``     the phase named PHASE sleeps until interrupted (the watchdog's test)

@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from mllm_rl.checkpoint.model_dir import CheckpointError
-    from mllm_rl.exit_codes import exit_of, named
+    from mllm_rl.exit_codes import DOES_NOT_FIT, exit_of, named
+    from mllm_rl.memplan.for_run import DoesNotFit, write_plan_files
     from mllm_rl.phases.recorder import PhaseRecorder
     from mllm_rl.phases.watchdog import STUCK_EXIT, PhaseStuck, Watchdog
     from mllm_rl.plans.base import PlanRun
@@ -130,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         runtime = backend.init_runtime(tp=tp, platform=opts.platform)
         runtime["init_s"] = round(time.perf_counter() - t0, 3)
         pre.plan.check_runtime(backend, model, opts, pcount)
+        opts, run_plan, plan_notes = pre.plan.memory_plan(backend, model, opts, runtime)
+    except DoesNotFit as e:  # the run's own plan: refused before anything of it exists
+        print(f"error: {e}", file=sys.stderr)
+        backend.shutdown_distributed()
+        return DOES_NOT_FIT
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -149,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         backend.shutdown_distributed()
         return 2
-    for line in pre.notes:
+    for line in [*pre.notes, *plan_notes]:
         say(line)
+    if run_plan is not None and pidx == 0:
+        write_plan_files(run_dir, run_plan)
     sinks: list[Any] = [
         JsonlSink(phase_file),
         MetricsJsonlSink(run_dir / phase_file.name.replace("phases", "metrics")),
@@ -248,6 +256,13 @@ def main(argv: list[str] | None = None) -> int:
             engine.shutdown()
         backend.shutdown_distributed()  # all processes leave jax.distributed together (else the others abort)
         watchdog.finish()
+    if run_plan is not None and pidx == 0 and not args.quiet:
+        from mllm_rl.memplan.audit import audit, summary
+
+        try:
+            say(summary(audit(rec.records, run_plan.doc)))
+        except (ValueError, KeyError) as e:
+            say(f"memory plan: not compared with the records ({e})")
     if not args.quiet:
         _print_summary(rec.records, result)
         print(f"run_dir {run_dir}", file=sys.stderr)

@@ -49,7 +49,7 @@ from mllm_rl.backends.jax.sharding import batch_sharding, make_mesh, tree_shardi
 from mllm_rl.backends.jax.step_fns import load_state, make_step_fns, model_dir_dtype
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import Fingerprint, WeightExport
-from mllm_rl.faults import fault
+from mllm_rl.faults import fault, fault_value
 from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig, check_state_names, train_metrics
 
 T_BUCKET = 32
@@ -127,6 +127,7 @@ class JaxTrainer:
         if cfg.loss.beta > 0 and not self.lora:
             self.ref_host = _copy(self.trainable, HOST)
         self.step = 0
+        self._leaked: list[jax.Array] = []  # the ``leak_mb`` fault's buffers
         self._logp, self._grad = self.fns.logprob, self.fns.grad
         self._acc, self._apply = self.fns.accumulate, self.fns.apply
 
@@ -219,6 +220,9 @@ class JaxTrainer:
             raise RuntimeError(
                 "RESOURCE_EXHAUSTED: Out of memory while trying to allocate (injected: train_oom)"
             )
+        leak = fault_value("leak_mb")
+        if leak:  # a device buffer kept forever, as a leak would: the memory plan's audit must see it
+            self._leaked.append(jax.device_put(jnp.ones(int(leak) * 2**18, jnp.float32), self.mesh.devices.flat[0]))
         t0 = time.perf_counter()
         ref = None
         if self.cfg.loss.beta > 0:

@@ -19,6 +19,8 @@ def check_type(opt: Option, value: Any, name: str) -> Any:
     """``value`` (as TOML or argparse gives it) of the declared type; ints are accepted for floats."""
     if value is None and (opt.nullable or opt.type is list):
         return None
+    if isinstance(value, str) and value in opt.words:
+        return value
     t = opt.type
     if t is bool:
         ok = isinstance(value, bool)
@@ -38,7 +40,7 @@ def check_type(opt: Option, value: Any, name: str) -> Any:
 
 def check_range(opt: Option, value: Any, name: str) -> None:
     """Finite, within ``low``/``high``, one of ``choices``; ``None`` passes where it is allowed."""
-    if value is None:
+    if value is None or (isinstance(value, str) and value in opt.words):
         return
     if opt.type in (int, float):
         if not math.isfinite(value):

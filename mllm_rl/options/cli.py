@@ -60,13 +60,23 @@ def add_options(
         elif opt.type is list:
             kw["action"] = "append"
         else:
-            kw["type"] = opt.type
+            kw["type"] = _with_words(opt.type, opt.words) if opt.words else opt.type
             choices = opt.choice_list()
             if choices is not None:
                 kw["choices"] = list(choices)
         if opt.required and opt.key not in overrides:
             kw["required"] = True
         where.add_argument(opt.flag, *opt.aliases, **kw)
+
+
+def _with_words(cast: Any, words: tuple[str, ...]) -> Any:
+    """argparse ``type`` of a number that also takes ``words`` (``--kv-tokens auto``)."""
+
+    def convert(text: str) -> Any:
+        return text if text in words else cast(text)
+
+    convert.__name__ = cast.__name__  # argparse names the type in its error: "invalid int value"
+    return convert
 
 
 def parse(

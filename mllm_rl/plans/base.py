@@ -90,6 +90,15 @@ class Plan(abc.ABC, Generic[OptionsT]):
                 f"(the swap plan runs across processes)"
             )
 
+    def memory_plan(
+        self, backend: Backend, model: ModelDir | None, opts: OptionsT, runtime: dict[str, Any]
+    ) -> tuple[OptionsT, Any, list[str]]:
+        """The run's memory plan for the devices the runtime came up on, before the run directory
+        exists (``mllm_rl.memplan.for_run``): the options to run with (a fitted KV pool), the
+        ``RunPlan`` (None: not planned) and lines to tell the user; ``DoesNotFit`` (exit 6) refuses
+        the run. Default: not planned."""
+        return opts, None, []
+
     def check_runtime(
         self, backend: Backend, model: ModelDir | None, opts: OptionsT, process_count: int
     ) -> None:

@@ -14,6 +14,7 @@ from mllm_rl.report.issues import WARNING, Issue
 from mllm_rl.report.load import Run
 from mllm_rl.report.memory import pick_unit
 from mllm_rl.report.metrics import step_metrics
+from mllm_rl.report.plan_audit import plan_audit
 from mllm_rl.report.tables import phase_rows
 
 
@@ -27,6 +28,7 @@ class RunAnalysis:
     efficiency: list[dict[str, Any]]
     swaps: list[dict[str, Any]]
     metrics: list[dict[str, Any]]
+    plan_check: dict[str, Any] | None = None  # the run against its plan.json (``report.plan_audit``)
 
     @property
     def unit(self) -> tuple[int, str]:
@@ -74,17 +76,20 @@ def analyze(run: Run) -> RunAnalysis:
     attempts = {p: split_attempts(p, recs, first) for p, recs in run.records.items()}
     exp = from_plan(run, inferred(run, {p: [a.records for a in atts] for p, atts in attempts.items()}))
     efficiency = efficiency_rows(run.label, attempts)
+    plan_found, plan_check = plan_audit(run)
     return RunAnalysis(
         run=run,
         expected=exp,
         attempts=attempts,
         issues=completeness(run, exp, attempts)
         + health_issues(run.label, attempts)
-        + efficiency_issues(run.label, efficiency),
+        + efficiency_issues(run.label, efficiency)
+        + plan_found,
         phases=phase_rows(run.label, attempts, run.t0),
         efficiency=efficiency,
         swaps=swap_ratios(run.label, attempts),
         metrics=step_metrics(run),
+        plan_check=plan_check,
     )
 
 

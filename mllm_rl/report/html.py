@@ -258,6 +258,30 @@ def swap_html(swaps: list[dict[str, Any]], unit: tuple[int, str], with_run: bool
     )
 
 
+def plan_check_html(an: RunAnalysis) -> str:
+    """Each phase's device bytes at its end: PREDICTED by the run's plan.json, MEASURED by its record."""
+    check = an.plan_check or {}
+    unit = an.unit
+    out = [
+        f'<p class="muted small">PREDICTED: the plan the run made before start-up (target '
+        f"{escape(str(check.get('target')))}); MEASURED: the device's bytes in use at the end of each phase "
+        f"(the last step, and setup). A phase above the prediction by more than {check.get('tolerance', 0):.0%} "
+        "is a finding.</p>",
+        "<table><tr>"
+        + "".join(_th(h, h in ("phase", "resident at end")) for h in
+                  ["phase", "resident at end", f"predicted {unit[1]}", f"measured {unit[1]}", "measured/predicted"])
+        + "</tr>",
+    ]  # fmt: skip
+    for r in check.get("phases", []):
+        ratio = r["measured"] / r["predicted"] if r["predicted"] else None
+        flag = r["measured"] > r["predicted"] * (1 + check["tolerance"]) + 2**20
+        cells = [_td(r["phase"], True), _td(", ".join(r["resident_at_end"]), True),
+                 _td(fmt_bytes(r["predicted"], unit)), _td(fmt_bytes(r["measured"], unit)), _td(fmt_num(ratio))]  # fmt: skip
+        out.append(f'<tr class="{"flag" if flag else ""}">' + "".join(cells) + "</tr>")
+    out.append("</table>")
+    return "\n".join(out)
+
+
 def run_section(an: RunAnalysis, heading: bool) -> str:
     out = [f"<h2>Run {escape(an.run.label)}</h2>" if heading else "<h2>Run</h2>", meta_html(an)]
     out += ["<h3>Memory per phase per device</h3>", memory_per_phase_charts(an)]
@@ -267,6 +291,8 @@ def run_section(an: RunAnalysis, heading: bool) -> str:
         "<h3>Host RSS over time</h3>",
         host_over_time_chart(an),
     ]
+    if an.plan_check:
+        out += ["<h3>Memory plan vs run</h3>", plan_check_html(an)]
     out += ["<h3>Offload efficiency</h3>", efficiency_html(an)]
     if an.swaps:
         out += ["<h3>Weight swap: peak / steady</h3>", swap_html(an.swaps, an.unit)]

@@ -1,0 +1,152 @@
+"""The memory plan of a run, made by the run for its own devices before any engine starts.
+
+``python -m mllm_rl.run`` (``--memory-plan check``, the default) asks the backend's planner the
+same question ``python -m mllm_rl.memplan`` answers, with the run's own settings: its model, its
+engine (context length, KV pool, batch limit, tp, ``mem_fraction_static``), its trainer (micro-batch,
+precision, LoRA, KL, trainer tp, model options) and schedule. A plan that does not fit is refused
+(exit 6) before a run directory, a W&B run or an engine exists; one that fits is written to the run
+directory as ``plan.json`` (and ``plan.txt``) and held against the phase records as the run goes
+(``mllm_rl.memplan.validate``). ``--kv-tokens auto``: the KV pool is the largest that leaves every
+phase within the budget (the plan's ``--fit kv``), and the engine is started with it.
+
+Targets: a run's devices are planned when the backend's planner has a target for them: the JAX
+backend's ``cpu`` target for a run on CPU (the same XLA, the same process). On a TPU or a GPU the
+run says so in one line and starts unplanned: ``python -m mllm_rl.memplan --target ...`` with the
+same flags plans it there (docs/PLAN.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mllm_rl.memplan.request import PlanRequest
+
+AUTO = "auto"  # --kv-tokens auto
+
+
+class DoesNotFit(Exception):
+    """The run's own plan does not fit its devices (exit 6, before anything starts)."""
+
+
+def target_for(backend: str, runtime: dict[str, Any]) -> str | None:
+    """The planner target of the devices the runtime came up on, or None (no target for them)."""
+    if backend == "jax" and runtime.get("platform") == "cpu" and runtime.get("process_count", 1) == 1:
+        return "cpu"
+    return None
+
+
+def request_for(backend: str, target: str, model: Any, opts: Any) -> PlanRequest:
+    """The plan request of an RL run (``RLOptions`` with its engine sized: ``size_engine``)."""
+    train, eng = opts.train, opts.engine
+    rows = opts.prompts_per_step * opts.group_size // max(1, train.mini_batches)
+    kv = None if eng.max_total_tokens in (None, AUTO) else int(eng.max_total_tokens)
+    return PlanRequest(backend=backend, target=target, model=model.config, micro_batch=max(1, min(train.micro_batch_size, rows)),
+                       seq_len=int(eng.context_length), group_size=opts.group_size, prompts=opts.prompts_per_step,
+                       tp=eng.tp, lora_rank=train.lora_rank, kl=train.loss.beta > 0, precision=train.precision,
+                       schedule=opts.lifecycle.schedule, kv_tokens=kv, mem_fraction_static=eng.mem_fraction_static,
+                       param_dtype=model.config.torch_dtype, max_running_requests=eng.max_running_requests or 128,
+                       trainer_tp=train.trainer_tp, options=dict(train.model_options))  # fmt: skip
+
+
+@dataclasses.dataclass
+class RunPlan:
+    """A run's plan: ``doc`` is its ``plan.json``, ``text`` its table; ``kv_tokens`` the pool it
+    planned (the fitted one with ``--kv-tokens auto``), ``mem_fraction_static`` what builds it."""
+
+    doc: dict[str, Any]
+    text: str
+    verdict: str
+    kv_tokens: int | None
+    mem_fraction_static: float | None
+
+
+def plan_run(req: PlanRequest, check_weights: bool, fit_kv: bool) -> RunPlan:
+    """Measure and compose ``req`` (``fit_kv``: the largest KV pool first); ``DoesNotFit`` naming the
+    phase and the component when the run's schedule does not fit, ``ValueError`` for a request the
+    planner refuses."""
+    from mllm_rl.memplan import output
+    from mllm_rl.memplan.fit import kv_room
+    from mllm_rl.memplan.planner import load_planner, plans, with_kv_tokens
+
+    planner = load_planner(req.backend)
+    m = planner.measure(req)
+    extra: dict[str, Any] = {"for_run": True}
+    if fit_kv:
+        tokens, phase = kv_room(plans(m, req, check_weights)[req.schedule], m)
+        if tokens < 1:
+            raise DoesNotFit(f"memory plan: no room for a KV pool in {phase} (--kv-tokens auto)")
+        m = with_kv_tokens(m, tokens)
+        req = dataclasses.replace(req, kv_tokens=tokens)
+        extra["kv_fit"] = {"tokens": tokens, "tightest_phase": phase}
+    result = plans(m, req, check_weights)
+    run_plan = result[req.schedule]
+    summary = [output.verdict(p) for p in result.values()]
+    verdict = output.verdict(run_plan)
+    doc = output.document(result, m, summary, extra)
+    text = output.render(result, m, summary)
+    if not run_plan.fits:
+        raise DoesNotFit(f"memory plan ({req.target}, predicted): {verdict}")
+    return RunPlan(
+        doc, text, verdict, m.info.get("kv_tokens", req.kv_tokens), m.info.get("mem_fraction_static")
+    )
+
+
+def write_plan_files(run_dir: Any, run_plan: RunPlan) -> None:
+    """``plan.json`` and ``plan.txt`` next to the run's ``phases.jsonl``."""
+    import json
+
+    (run_dir / "plan.json").write_text(json.dumps(run_plan.doc, indent=2, default=str) + "\n")
+    (run_dir / "plan.txt").write_text(run_plan.text)
+
+
+def plan_for_rl(
+    backend: Any, model: Any, opts: Any, runtime: dict[str, Any], sized: Any
+) -> tuple[Any, RunPlan | None, list[str]]:
+    """``RLPlan.memory_plan``: ``opts`` (``RLOptions``) with its engine sized (``sized(opts)`` ->
+    ``EngineOptions``: context length and KV pool as the run will start the engine) and, with
+    ``--kv-tokens auto``, the fitted pool; the plan; lines to tell the user."""
+    mode = opts.memory_plan
+    target = target_for(backend.name, runtime) if mode != "off" else None
+    if target is None:
+        if opts.kv_auto:
+            why = (
+                "--memory-plan off"
+                if mode == "off"
+                else f"no plan target for {backend.name} on {runtime.get('platform')}"
+            )
+            raise ValueError(
+                f"--kv-tokens auto: sized by the run's memory plan, and there is none ({why}); pass --kv-tokens N"
+            )
+        if mode == "off":
+            return opts, None, []
+        procs = runtime.get("process_count", 1)
+        return (
+            opts,
+            None,
+            [
+                f"memory plan: not made before start-up for {backend.name} on {runtime.get('platform')}"
+                f"{f' ({procs} processes)' if procs > 1 else ''} (the run plans the JAX backend on CPU itself); "
+                f"python -m mllm_rl.memplan --backend {backend.name} --target ... plans it with the same flags"
+            ],
+        )
+    opts = dataclasses.replace(opts, engine=sized(opts))
+    req = request_for(backend.name, target, model, opts)
+    try:
+        plan = plan_run(req, opts.lifecycle.check_weights, fit_kv=opts.kv_auto)
+    except DoesNotFit as e:
+        if mode == "check":
+            raise DoesNotFit(
+                f"{e} (--memory-plan warn runs anyway; python -m mllm_rl.memplan shows the table)"
+            ) from None
+        return opts, None, [f"warning: {e}; running anyway (--memory-plan warn)"]
+    notes = [f"{plan.verdict} (memory plan, predicted for {target}; plan.json in the run directory)"]
+    if opts.kv_auto:
+        engine = dataclasses.replace(opts.engine, max_total_tokens=plan.kv_tokens)
+        if plan.mem_fraction_static is not None and engine.mem_fraction_static is None:
+            engine = dataclasses.replace(engine, mem_fraction_static=plan.mem_fraction_static)
+        opts = dataclasses.replace(opts, engine=engine)
+        notes.append(
+            f"--kv-tokens auto: a KV pool of {plan.kv_tokens} tokens (the largest the plan leaves room for)"
+        )
+    return opts, plan, notes
