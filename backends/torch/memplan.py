@@ -19,7 +19,11 @@ Every figure is **predicted**, per device (the torch trainer runs on one device)
   peak, not in a component); a LoRA base stays in the checkpoint dtype, its adapters float32.
   Fake CUDA tensors cannot run backward without a CUDA context (pytorch/pytorch#92627), so the
   fake device is the CPU: byte counts are the same, CUDA's 512-byte allocation rounding is not
-  applied.
+  applied. The model attends with ``scaled_dot_product_attention`` (the step's batch is
+  right-padded: causal, no mask), on the fake CPU device torch's CPU flash kernel, which keeps
+  what CUDA's flash kernel keeps for the backward (q, k, v, the output, float32 log-sum-exp
+  [B, N, T]); the LM head runs in ``LOGPROB_CHUNK``-token chunks recomputed in the backward
+  (``backends/torch/model.py``).
 - ``engine_weights``, ``kv_pool``, ``staging`` (method ``layout``): SGLang's own rules
   (``sglang_calls.SGLANG_VERSION``), cited at each function below.
 
@@ -250,20 +254,26 @@ def step_batch(config: ModelConfig, rows: int, seq_len: int) -> RolloutBatch:
 @functools.lru_cache(maxsize=8)  # one plan per schedule of the same request traces the step once
 def trainer_step_memory(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, dtype: str = "bfloat16",
                         lora_rank: int = 0, kl: bool = False, steps: int = STEPS,
-                        precision: str = TrainConfig.precision) -> StepMemory:  # fmt: skip
+                        precision: str = TrainConfig.precision, attention: str = "sdpa",
+                        logprob_chunk: int | None | str = "model") -> StepMemory:  # fmt: skip
     """Run ``TorchTrainer.device_step`` ``steps`` times on fake tensors under MemTracker.
 
     ``rows`` sequences of ``seq_len`` tokens per step, in micro-batches of ``micro_batch``; the
     trainer at ``precision`` (``TrainConfig.precision``; the trainer's default by default).
+    ``attention`` / ``logprob_chunk``: the model's (``backends/torch/model.py``; ``"sdpa"`` /
+    ``"model"``, its ``LOGPROB_CHUNK``, are what the trainer runs; ``"eager"`` / ``None``
+    reproduce the paths they replaced, for ``scripts/bench_torch_attention.py``).
     """
-    out = _trace_step(config, micro_batch, seq_len, rows, dtype, lora_rank, kl, steps, precision)
+    out = _trace_step(config, micro_batch, seq_len, rows, dtype, lora_rank, kl, steps, precision, attention,
+                      logprob_chunk)  # fmt: skip
     gc.collect()  # the fake trainer leaves the CPU probe's holder set (a WeakSet) now
     return out
 
 
 def _trace_step(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, dtype: str = "bfloat16",
                 lora_rank: int = 0, kl: bool = False, steps: int = STEPS,
-                precision: str = TrainConfig.precision) -> StepMemory:  # fmt: skip
+                precision: str = TrainConfig.precision, attention: str = "sdpa",
+                logprob_chunk: int | None | str = "model") -> StepMemory:  # fmt: skip
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.modules.module import register_module_forward_pre_hook
@@ -276,7 +286,9 @@ def _trace_step(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, 
     lora = lora_rank > 0
     cfg = TrainConfig(micro_batch_size=micro_batch, lora_rank=lora_rank, precision=precision,
                       loss=LossConfig(beta=KL_BETA if kl else 0))  # fmt: skip
-    meta = build_qwen3(config, getattr(torch, dtype), "meta")
+    meta = build_qwen3(config, getattr(torch, dtype), "meta", attention)
+    if logprob_chunk != "model":
+        meta.logprob_chunk = logprob_chunk
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         model = meta.to_empty(device="cpu")

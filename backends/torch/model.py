@@ -12,10 +12,24 @@ V vocab, I mlp, L layers.
 
 Two forward paths share every layer:
 
-- ``forward(tokens, attention_mask)``: training / reference, differentiable, no state;
+- ``forward(tokens, attention_mask)``: training / reference, differentiable, no state; with
+  ``targets`` it returns the targets' log-probs [B, T] instead of the logits, the LM head run
+  in chunks of ``LOGPROB_CHUNK`` tokens (``token_logprobs``: the float32 [B, T, V] logits never
+  exist at once, nor are they kept for the backward, which recomputes them a chunk at a time);
 - ``forward_cached(tokens, positions, key_mask, cache, start)``: the engine's incremental
   path; k/v of the new positions are written into an external cache (``KVCache``) at
   ``start`` and attention reads positions ``[0, start + T)`` of it.
+
+Attention (``Qwen3.attention``): ``"sdpa"`` (the default) is
+``torch.nn.functional.scaled_dot_product_attention`` in the compute dtype, GQA through
+``enable_gqa`` (no repeated k/v): without padding (``attention_mask=None``) ``is_causal`` with
+no mask (flash attention on CUDA, the CPU flash kernel on CPU: O(T) saved for the backward, no
+[T, T] scores); with padding an additive bias [B, 1, T, S] in the compute dtype built once per
+forward and shared by every layer (the memory-efficient kernel on CUDA, the CPU flash kernel on
+CPU). A query on a padding slot attends to itself (no row is fully masked, so no NaN); real
+positions see exactly the eager path's keys. ``"eager"`` is the reference kept for the parity
+tests and ``scripts/bench_torch_attention.py``: float32 scores [B, N, T, S] per layer, kept for
+the backward (O(T^2)); padding queries there attend uniformly to everything (all masked).
 """
 
 from __future__ import annotations
@@ -32,6 +46,8 @@ from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.presets import ModelConfig
 
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+ATTENTION = ("sdpa", "eager")
+LOGPROB_CHUNK = 1024  # tokens per LM-head chunk: [LOGPROB_CHUNK, V] float32 logits at a time
 
 
 @dataclasses.dataclass
@@ -50,9 +66,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: [..., dim] -> [..., dim]; normalised in float32."""
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x``: [..., dim], ``weight``: [dim] -> [..., dim] in ``x``'s dtype; computed in float32."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -66,9 +87,25 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """GQA attention. ``q``: [B, T, N, D]; ``k``, ``v``: [B, S, K, D]; ``mask``: [B, T, S] bool
-    (True = attend) -> [B, T, N*D]. Scores and softmax in float32."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """GQA attention. ``q``: [B, T, N, D]; ``k``, ``v``: [B, S, K, D] -> [B, T, N*D].
+
+    ``mask``: ``None`` (causal, S == T: SDPA's ``is_causal``), an additive bias [B, 1, T, S] in
+    ``q``'s dtype (SDPA; ``attention_bias``) or a bool [B, T, S], True = attend (the eager
+    reference, ``attend_eager``)."""
+    if mask is not None and mask.dtype == torch.bool:
+        return attend_eager(q, k, v, mask)
+    b, t, n, d = q.shape
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask, is_causal=mask is None, enable_gqa=True,
+    )  # fmt: skip
+    return out.transpose(1, 2).reshape(b, t, n * d)
+
+
+def attend_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The eager reference: ``mask`` [B, T, S] bool (True = attend) -> [B, T, N*D]; scores and
+    softmax in float32 (a [B, N, T, S] float32 tensor and its bf16 copy kept for the backward)."""
     b, t, n, d = q.shape
     rep = n // k.shape[2]
     k = k.repeat_interleave(rep, dim=2)
@@ -77,6 +114,100 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     scores = scores.masked_fill(~mask[:, None], torch.finfo(torch.float32).min)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.einsum("bnts,bsnd->btnd", probs, v).reshape(b, t, n * d)
+
+
+def attention_bias(key_mask: torch.Tensor, q_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SDPA's additive mask: ``key_mask`` [B, S] bool (True on real keys), ``q_slots`` [T] (the
+    key slot of each query) -> [B, 1, T, S] in ``dtype``: 0 where a query attends (a real key at
+    or before its own slot, and always its own slot), -inf elsewhere."""
+    slot = torch.arange(key_mask.shape[1], device=key_mask.device)
+    own = slot[None, :] == q_slots[:, None]  # [T, S]
+    allowed = (slot[None, :] <= q_slots[:, None])[None] & (key_mask[:, None, :] | own[None])  # [B, T, S]
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=key_mask.device)
+    return bias.masked_fill_(~allowed, float("-inf"))[:, None]
+
+
+def token_logprobs(
+    x: torch.Tensor, targets: torch.Tensor, norm_weight: torch.Tensor, eps: float, head: torch.Tensor,
+    temperature: float = 1.0, chunk: int | None = LOGPROB_CHUNK,
+) -> torch.Tensor:  # fmt: skip
+    """``log_softmax(rms_norm(x) @ head.T / temperature)`` at ``targets``, float32 [B, T].
+
+    ``x``: [B, T, H] (before the final norm), ``targets``: [B, T] int, ``head``: [V, H]. The B*T
+    tokens go through the head ``chunk`` at a time (``ChunkedLogProbs``): the forward keeps only
+    its inputs, the backward recomputes one chunk's [chunk, V] float32 logits at a time. The
+    weights are arguments (not read from modules), so the backward uses the tensors the forward
+    used (the compute-dtype casts a ``functional_call`` swapped in). ``chunk=None``: one pass over
+    every token, its logits kept for the backward (the reference the chunks replaced; benchmarks)."""
+    b, t, h = x.shape
+    xs, ts = x.reshape(b * t, h), targets.reshape(b * t)
+    if chunk is None:
+        return _chunk_logprobs(xs, ts, norm_weight, head, eps, temperature).view(b, t)
+    out = ChunkedLogProbs.apply(xs, ts, norm_weight, head, eps, temperature, chunk)
+    return out.view(b, t)
+
+
+class ChunkedLogProbs(torch.autograd.Function):
+    """``token_logprobs`` over [N, H] rows, ``chunk`` rows at a time, recomputed in the backward.
+
+    The gradients of the weights (shared by every chunk) are summed over the chunks in float32
+    and cast to the weight's dtype once, as one unchunked backward rounds them once (a 16-bit
+    running sum would round at every chunk); the cost, with more than one chunk, is a float32
+    copy of the head [V, H] while the head's backward runs (one chunk: no sum, no copy)."""
+
+    @staticmethod
+    def forward(ctx, x, targets, norm_weight, head, eps, temperature, chunk):  # type: ignore[override]
+        ctx.save_for_backward(x, targets, norm_weight, head)
+        ctx.eps, ctx.temperature, ctx.chunk = eps, temperature, chunk
+        n = x.shape[0]
+        parts = [_chunk_logprobs(x[s : s + chunk], targets[s : s + chunk], norm_weight, head, eps, temperature)
+                 for s in range(0, n, chunk)]  # fmt: skip
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, targets, norm_weight, head = ctx.saved_tensors
+        need_x, _, need_w, need_h = ctx.needs_input_grad[:4]
+        c, n = ctx.chunk, x.shape[0]
+        one = n <= c  # a single chunk: its gradients as they come, no float32 sums
+        gx = torch.empty_like(x) if need_x else None
+        gw: torch.Tensor | None = None
+        gh: torch.Tensor | None = None
+        for s in range(0, n, c):
+            with torch.enable_grad():
+                xc = x[s : s + c].detach().requires_grad_(need_x)
+                w = norm_weight.detach().requires_grad_(need_w)
+                hd = head.detach().requires_grad_(need_h)
+                lp = _chunk_logprobs(xc, targets[s : s + c], w, hd, ctx.eps, ctx.temperature)
+                wanted = [t for t, need in ((xc, need_x), (w, need_w), (hd, need_h)) if need]
+                grads = iter(torch.autograd.grad(lp, wanted, grad[s : s + c]))
+            if gx is not None:
+                gx[s : s + c] = next(grads)
+            if need_w:
+                g = next(grads)
+                gw = (g if one else g.float()) if gw is None else gw.add_(g)
+            if need_h:
+                g = next(grads)
+                gh = (g if one else g.float()) if gh is None else gh.add_(g)
+        return (
+            gx, None, None if gw is None else gw.to(norm_weight.dtype), None if gh is None else gh.to(head.dtype),
+            None, None, None,
+        )  # fmt: skip
+
+
+def _chunk_logprobs(
+    x: torch.Tensor,
+    tgt: torch.Tensor,
+    norm_weight: torch.Tensor,
+    head: torch.Tensor,
+    eps: float,
+    temperature: float,
+) -> torch.Tensor:
+    """[C, H], [C] -> [C] float32: one chunk of ``token_logprobs``."""
+    logits = (rms_norm(x, norm_weight, eps) @ head.T).float()  # [C, V]
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, tgt[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
 class Attention(nn.Module):
@@ -103,8 +234,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim)
         return rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta), v
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``x``: [B, T, H]; ``mask``: [B, T, T] bool -> [B, T, H]."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``x``: [B, T, H]; ``mask``: as ``attend`` takes it (S = T) -> [B, T, H]."""
         q, k, v = self.qkv(x, positions)
         return self.o_proj(attend(q, k, v, mask))
 
@@ -112,7 +243,8 @@ class Attention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
     ) -> torch.Tensor:  # fmt: skip
-        """``x``: [B, T, H]; ``mask``: [B, T, start+T]; caches [B, S_max, K, D] -> [B, T, H].
+        """``x``: [B, T, H]; ``mask``: bias [B, 1, T, start+T] or bool [B, T, start+T] (``attend``);
+        caches [B, S_max, K, D] -> [B, T, H].
         Writes this step's k/v into the caches at ``[start, start+T)``."""
         q, k, v = self.qkv(x, positions)
         end = start + x.shape[1]
@@ -141,7 +273,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.mlp = MLP(c, dtype, device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -163,11 +295,22 @@ class Qwen3Body(nn.Module):
 
 
 class Qwen3(nn.Module):
-    """``Qwen3(config)(tokens [B, T], attention_mask [B, T]) -> logits [B, T, V]`` (float32)."""
+    """``Qwen3(config)(tokens [B, T], attention_mask [B, T]) -> logits [B, T, V]`` (float32);
+    with ``targets`` [B, T]: their log-probs [B, T] (float32, chunked head).
 
-    def __init__(self, c: ModelConfig, dtype: torch.dtype = torch.float32, device=None) -> None:
+    ``attention``: ``"sdpa"`` or ``"eager"`` (module docstring) and ``logprob_chunk`` (tokens per
+    head chunk of ``token_logprobs``; ``None``: the whole [B, T, V] at once) are plain attributes,
+    so a built model can be switched (the parity tests and the attention benchmark do)."""
+
+    def __init__(
+        self, c: ModelConfig, dtype: torch.dtype = torch.float32, device=None, attention: str = "sdpa"
+    ) -> None:
         super().__init__()
+        if attention not in ATTENTION:
+            raise ValueError(f"attention {attention!r}: expected one of {', '.join(ATTENTION)}")
         self.config = c
+        self.attention = attention
+        self.logprob_chunk: int | None = LOGPROB_CHUNK
         self.model = Qwen3Body(c, dtype, device)
         self.lm_head = (
             None if c.tie_word_embeddings
@@ -182,20 +325,39 @@ class Qwen3(nn.Module):
         """Final norm + head: [B, T, H] -> [B, T, V] float32."""
         return (self.model.norm(x) @ self.head().T).float()
 
-    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
         """``tokens``: [B, T] int; ``attention_mask``: [B, T] (True/1 on real tokens; left
-        padding aware: positions = cumsum(mask) - 1) -> logits [B, T, V] float32."""
+        padding aware: positions = cumsum(mask) - 1; ``None``: every token real, causal only,
+        which also serves right padding, whose slots no real query can see) -> logits [B, T, V]
+        float32; with ``targets`` [B, T] int: ``log_softmax(logits / temperature)`` at
+        ``targets``, [B, T] float32 (``token_logprobs``: the head in chunks)."""
         b, t = tokens.shape
-        if attention_mask is None:
-            attention_mask = torch.ones(b, t, dtype=torch.bool, device=tokens.device)
-        attention_mask = attention_mask.bool()
-        positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
-        causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
-        mask = causal[None] & attention_mask[:, None, :]  # [B, T, T]
         x = self.model.embed_tokens(tokens)
+        if attention_mask is None:
+            positions = torch.arange(t, device=tokens.device).expand(b, t)
+            mask = None
+            if self.attention == "eager":
+                mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()[None].expand(b, t, t)
+        else:
+            attention_mask = attention_mask.bool()
+            positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+            if self.attention == "eager":
+                causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
+                mask = causal[None] & attention_mask[:, None, :]  # [B, T, T]
+            else:
+                mask = attention_bias(attention_mask, torch.arange(t, device=tokens.device), x.dtype)
         for layer in self.model.layers:
             x = layer(x, positions, mask)
-        return self.logits(x)
+        if targets is None:
+            return self.logits(x)
+        norm = self.model.norm
+        return token_logprobs(x, targets, norm.weight, norm.eps, self.head(), temperature, self.logprob_chunk)
 
     def forward_cached(
         self,
@@ -214,18 +376,23 @@ class Qwen3(nn.Module):
         """
         t = tokens.shape[1]
         end = start + t
-        slot = torch.arange(end, device=tokens.device)
         q_slot = torch.arange(start, end, device=tokens.device)
-        mask = (slot[None, :] <= q_slot[:, None])[None] & key_mask[:, None, :end]  # [B, T, end]
         x = self.model.embed_tokens(tokens)
+        if self.attention == "eager":
+            slot = torch.arange(end, device=tokens.device)
+            mask = (slot[None, :] <= q_slot[:, None])[None] & key_mask[:, None, :end]  # [B, T, end]
+        else:
+            mask = attention_bias(key_mask[:, :end], q_slot, x.dtype)  # [B, 1, T, end]
         for i, layer in enumerate(self.model.layers):
             x = layer.forward_cached(x, positions, mask, cache.k[i], cache.v[i], start)
         return self.logits(x)
 
 
-def build_qwen3(c: ModelConfig, dtype: torch.dtype, device: str | torch.device = "meta") -> Qwen3:
+def build_qwen3(
+    c: ModelConfig, dtype: torch.dtype, device: str | torch.device = "meta", attention: str = "sdpa"
+) -> Qwen3:
     """A ``Qwen3`` whose parameters live on ``device`` (``meta``: shapes only, no memory)."""
-    return Qwen3(c, dtype, torch.device(device))
+    return Qwen3(c, dtype, torch.device(device), attention)
 
 
 def to_torch(arr: np.ndarray) -> torch.Tensor:

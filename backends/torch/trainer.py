@@ -29,6 +29,8 @@ Precision (``TrainConfig.precision``), for a 16-bit checkpoint (Qwen3's are bf16
 A float32 checkpoint trains in float32 either way. Every log-prob (the loss's, the KL
 reference's, ``logprobs``) is ``log_softmax(logits / cfg.temperature)``, the distribution the
 rollout sampled from, computed in the compute dtype like a 16-bit engine; ``greedy`` is untempered.
+The model attends with SDPA (right-padded micro-batches get no mask: causal only) and computes
+log-probs with its chunked head, never the whole [B, T, V] logits (``backends/torch/model.py``).
 
 Offload (``backends/torch/offload.py``): the bytes of every parameter / optimizer-state
 tensor go to the host (pinned on CUDA, numpy on CPU) and the device storages are resized to
@@ -163,7 +165,10 @@ class TorchTrainer:
 
     # -- training ------------------------------------------------------------------------
     def _micro_batches(self, batch: RolloutBatch) -> Iterator[dict[str, torch.Tensor]]:
-        """Device tensors of at most ``micro_batch_size`` rows, T padded to a multiple of ``T_BUCKET``."""
+        """Device tensors of at most ``micro_batch_size`` rows, T padded to a multiple of ``T_BUCKET``.
+        ``attn`` (the attention mask) only where a row has padding before a real token (left
+        padding, holes): right padding needs none (``right_padded``; the model then attends
+        causally, flash attention on CUDA)."""
         m = self.cfg.micro_batch_size
         t0 = batch.tokens.shape[1]
         t = -(-t0 // T_BUCKET) * T_BUCKET
@@ -175,14 +180,16 @@ class TorchTrainer:
 
         for s in range(0, batch.size, m):
             mb = batch.rows(slice(s, s + m))
-            yield {
+            out = {
                 "tokens": pad(mb.tokens.astype(np.int64), torch.long),
-                "attn": pad(mb.attention_mask, torch.bool),
                 "loss_mask": pad(mb.loss_mask, torch.bool),
                 "old_logp": pad(mb.old_logp.astype(np.float32), torch.float32),
                 "is_weight": pad(mb.is_weight.astype(np.float32), torch.float32),
                 "adv": torch.from_numpy(mb.advantages.astype(np.float32)).to(self.device),
             }
+            if not right_padded(mb.attention_mask):  # decided on the host: the model needs no mask
+                out["attn"] = pad(mb.attention_mask, torch.bool)
+            yield out
 
     def _compute_params(self) -> dict[str, torch.Tensor]:
         """What a forward swaps into the model: mixed-precision full fine-tune, the masters cast to
@@ -202,15 +209,16 @@ class TorchTrainer:
         return functional_call(self.model, params, args) if params else self.model(*args)
 
     def _token_logp(
-        self, tokens: torch.Tensor, attn: torch.Tensor, params: dict[str, torch.Tensor] | None = None
+        self, tokens: torch.Tensor, attn: torch.Tensor | None, params: dict[str, torch.Tensor] | None = None
     ) -> torch.Tensor:
         """[B, T] -> log p(tokens[:, t] | tokens[:, :t]) for t >= 1 under softmax(logits / temperature),
-        [B, T - 1] float32 (under ``params`` instead of ``_compute_params()`` when given)."""
-        logits = self._logits((tokens[:, :-1], attn[:, :-1]), params)  # [B, T-1, V]
-        if self.cfg.temperature != 1.0:
-            logits = logits / self.cfg.temperature
-        tgt = logits.gather(-1, tokens[:, 1:, None])[..., 0]
-        return tgt - torch.logsumexp(logits, dim=-1)
+        [B, T - 1] float32 (under ``params`` instead of ``_compute_params()`` when given). ``attn``:
+        the attention mask, ``None`` for right-padded rows. The model's chunked head
+        (``model.token_logprobs``): the [B, T, V] logits never exist at once."""
+        params = self._compute_params() if params is None else params
+        args = (tokens[:, :-1], None if attn is None else attn[:, :-1])
+        kwargs = {"targets": tokens[:, 1:], "temperature": self.cfg.temperature}
+        return functional_call(self.model, params, args, kwargs) if params else self.model(*args, **kwargs)
 
     @torch.no_grad()
     def _ref_logp(self, mb: dict[str, torch.Tensor], ref: dict[str, torch.Tensor] | None) -> torch.Tensor:
@@ -218,8 +226,8 @@ class TorchTrainer:
         the base model (LoRA: adapters off)."""
         if self.lora:
             with disabled(self.model):
-                return self._token_logp(mb["tokens"], mb["attn"])
-        return self._token_logp(mb["tokens"], mb["attn"], ref)
+                return self._token_logp(mb["tokens"], mb.get("attn"))
+        return self._token_logp(mb["tokens"], mb.get("attn"), ref)
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """``mini_batches`` AdamW updates over ``batch``, each accumulating exact gradients
@@ -261,7 +269,7 @@ class TorchTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             for mb in self._micro_batches(mini):
                 ref_logp = self._ref_logp(mb, ref) if cfg.loss.beta > 0 else None
-                logp = self._token_logp(mb["tokens"], mb["attn"])
+                logp = self._token_logp(mb["tokens"], mb.get("attn"))
                 mask = mb["loss_mask"][:, 1:]
                 loss, m = policy_loss(logp, mb["old_logp"][:, 1:], mb["adv"], mask, cfg.loss, ref_logp=ref_logp,
                                       total_tokens=total_tokens, total_seqs=total_seqs,
@@ -302,7 +310,7 @@ class TorchTrainer:
         """Log-prob of ``tokens[b, t]`` given ``tokens[b, :t]``, [B, T] float32 (0 at t = 0 and on padding)."""
         self._need(PARAMS)
         params = self._compute_params()  # cast once for every micro-batch
-        out = [torch.nn.functional.pad(self._token_logp(mb["tokens"], mb["attn"], params), (1, 0)).cpu()
+        out = [torch.nn.functional.pad(self._token_logp(mb["tokens"], mb.get("attn"), params), (1, 0)).cpu()
                for mb in self._micro_batches(batch)]  # fmt: skip
         logp = torch.cat(out).numpy()[:, : batch.tokens.shape[1]]
         return np.where(batch.attention_mask, logp, 0.0).astype(np.float32)
@@ -489,6 +497,14 @@ class StateSnapshot:
 
     def write(self, path: Path) -> None:
         _write_state(self.state, Path(path))
+
+
+def right_padded(mask: np.ndarray) -> bool:
+    """Whether every row of ``mask`` [B, T] bool is real tokens then padding (no padding before a
+    real token): then causal attention without a mask gives every real position what the mask
+    would (a padding slot comes after every real query)."""
+    m = np.asarray(mask, bool)
+    return bool((m[:, 1:] <= m[:, :-1]).all())
 
 
 def _to_dtype(model: Qwen3, dtype: torch.dtype) -> Qwen3:

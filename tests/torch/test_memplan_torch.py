@@ -165,7 +165,11 @@ def test_activations_grow_linearly_with_batch():
 
 
 def test_over_large_step_reports_phase_and_component():
-    req = request(micro_batch=8, seq_len=16384, prompts=1, group_size=8, kv_tokens=1000)
+    # activations grow linearly with the tokens (SDPA, chunked head): the tiny model made 16 layers
+    # deep with an 8192-wide MLP keeps ~2.2 MiB a token, so 2 x 20480 tokens (~93 GiB) cross the
+    # 71.2 GiB budget (few layers and few head chunks to trace: seconds)
+    big = dataclasses.replace(TINY, num_hidden_layers=16, intermediate_size=8192)
+    req = request(model=big, micro_batch=2, seq_len=20480, prompts=1, group_size=2, kv_tokens=1000)
     p = plan(memplan.measure(req), req)
     assert not p.fits
     assert p.first_overflow() == ("train_step", "temp:grad_step")

@@ -8,6 +8,8 @@ and rounds away. Every log-prob is ``log_softmax(logits / temperature)``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -201,7 +203,14 @@ def test_greedy_is_untempered(fp32_dir):
 @pytest.mark.parametrize("precision", ["mixed", "pure"])
 def test_bf16_engine_sampling_at_temperature_is_on_policy(bf16_dir, precision):
     """A bf16 engine samples at T = 0.7 from the trainer's exported weights after a step: the
-    trainer's log-probs are the engine's, and the next step's ratio is 1."""
+    trainer's log-probs are the engine's to bf16 rounding, and the next step's ratio is 1 to it.
+
+    bf16 tolerance: the engine attends with SDPA over a left-padded prefill and one-token decodes
+    on its KV cache, the trainer in one causal pass; torch's CPU flash kernel rounds a bf16 row
+    differently for another key count (up to ~2% of an attention output, 0.02 nats of log-prob
+    seen). The eager path (float32 scores) agreed to 1e-6; the float32 alignment stays tight
+    (``test_trainer.py::test_logprobs_are_the_engines_sampling_logprobs``), and the run's default
+    recomputes ``old_logp`` with the trainer (``LifecycleOptions.old_logp``)."""
     t = TorchTrainer(bf16_dir, TrainConfig(lr=1e-3, temperature=0.7, precision=precision))
     t.train_step(make_batch())
     engine = ManagedEngine(EmbeddedEngine(bf16_dir, device="cpu"))
@@ -210,7 +219,11 @@ def test_bf16_engine_sampling_at_temperature_is_on_policy(bf16_dir, precision):
     prompts = [PROMPT, PROMPT[:3], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.7, seed=0))
     batch = build_batch(prompts, outs, np.ones(len(prompts), np.float32))
-    lp = t.logprobs(batch)
-    np.testing.assert_allclose(lp[batch.loss_mask], batch.old_logp[batch.loss_mask], atol=1e-5)
+    mask = batch.loss_mask
+    diff = np.abs(t.logprobs(batch)[mask] - batch.old_logp[mask])
+    assert diff.max() < 0.05 and diff.mean() < 0.02, diff
+    t.cfg = dataclasses.replace(t.cfg, temperature=1.0)  # the tolerance still tells the temperatures apart
+    assert np.abs(t.logprobs(batch)[mask] - batch.old_logp[mask]).max() > 0.2
+    t.cfg = dataclasses.replace(t.cfg, temperature=0.7)
     m = t.train_step(batch)
-    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and m["clip_frac"] == 0
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=0.02) and m["clip_frac"] == 0
