@@ -45,6 +45,7 @@ class Option:
     aliases: tuple[str, ...] = ()  # other flags (``--save-every``); their keys are tasks-file aliases
     metavar: str | None = None
     required: bool = False
+    words: tuple[str, ...] = ()  # strings a number setting also takes (--kv-tokens auto)
 
     @property
     def flag(self) -> str:
@@ -85,8 +86,9 @@ OPTIONS: tuple[Option, ...] = (
        "embedded, sglang; jax: auto only (sglang-jax)", "run", RUN, choices=("auto", "embedded", "sglang")),
     _o("max_new_tokens", int, None, "tokens per completion", "run", {"rl", "swap", "task"}, resume="fixed",
        low=1, nullable=True, default_text="8 for rl, 16 for swap"),
-    _o("max_total_tokens", int, None, "engine KV cache size in tokens", "run",
-       {"rl", "swap", "task", "memplan"}, low=1, nullable=True, aliases=("--kv-tokens",),
+    _o("max_total_tokens", int, None, "engine KV cache size in tokens; auto (rl, JAX on CPU): the largest pool "
+       "the run's memory plan leaves room for", "run",
+       {"rl", "swap", "task", "memplan"}, low=1, nullable=True, aliases=("--kv-tokens",), words=("auto",),
        default_text="swap 4096; rl max-running-requests x context; memplan: the engine's rule"),
     _o("context_length", int, None, "engine context length", "run", {"rl", "swap", "task"}, low=1,
        nullable=True, default_text="swap 512; rl: fits the task's prompts + completions"),
@@ -124,15 +126,37 @@ OPTIONS: tuple[Option, ...] = (
        default_text="two built-in prompts"),
     # -- the rl plan ---------------------------------------------------------------------------------
     _o("steps", int, 20, "RL steps", "rl plan", RL, low=1),
-    _o("task", str, "pattern", "pattern: shipped periodic-string completion (learnable from scratch); "
-       "boxed: GSM8K-style \\boxed{} answers from --task-data", "rl plan", RL, resume="fixed",
-       choices="mllm_rl.tasks.base:TASKS"),
-    _o("task_data", str, None, "JSONL of {question, answer} for --task boxed", "rl plan", RL, resume="fixed",
-       nullable=True, default_text="a shipped sample"),
+    _o("task", str, None, "pattern: shipped periodic-string completion (learnable from scratch); "
+       "boxed: GSM8K-style \\boxed{} math answers (math-verify) from --data; data: --data scored by "
+       "--reward (docs/TASKS.md)", "rl plan", RL, resume="fixed", choices="mllm_rl.tasks.base:TASKS",
+       nullable=True, default_text="data with --data, else pattern"),
+    _o("task_data", str, None, "the dataset: JSONL, JSON, parquet, CSV/TSV, or a directory saved with "
+       "datasets' save_to_disk (docs/TASKS.md)", "rl plan", RL, resume="fixed", nullable=True,
+       aliases=("--data",), metavar="PATH", default_text="boxed: a shipped sample"),
+    _o("prompt_key", str, None, "the dataset's prompt column (text, or a list of {role, content} messages)",
+       "rl plan", RL, resume="fixed", nullable=True, metavar="KEY", default_text="prompt; boxed: question"),
+    _o("answer_key", str, None, "the dataset's answer column ('' for none)", "rl plan", RL, resume="fixed",
+       nullable=True, metavar="KEY", default_text="answer"),
+    _o("chat_template", str, "auto", "auto: a dataset's prompts go through the checkpoint's chat template "
+       "when it has one (pattern prompts never do); off: as they are", "rl plan", RL, resume="fixed",
+       choices=("auto", "off")),
+    _o("reward", str, None, "reward function (prompt, completion, row) -> float, by import path, run in a "
+       "worker process (docs/TASKS.md)", "rl plan", RL, resume="fixed", nullable=True,
+       metavar="MODULE:FUNCTION|FILE.py:FUNCTION", default_text="the task's: pattern and boxed ship one"),
+    _o("reward_timeout", float, 30.0, "seconds a reward call may take (per sample; per batch for a batched "
+       "function) before the run stops with an error naming it", "rl plan", RL, low=0, strict=True,
+       metavar="SECONDS"),
+    _o("eval_data", str, None, "held-out dataset for evaluation (same format and keys as --data)", "rl plan",
+       RL, nullable=True, metavar="PATH", default_text="a test/validation split of a saved dataset, "
+       "else --eval-prompts rows split off --data"),
+    _o("eval_every", int, 0, "greedy evaluation of the held-out prompts (phase evaluate) after every N "
+       "steps and the last; its score in metrics.jsonl (eval_reward_mean); 0 = only the final "
+       "generate_result", "rl plan", RL, low=0),
     _o("prompts_per_step", int, 16, "prompts per RL step", "rl plan", {*RL, "memplan"}, resume="fixed", low=1),
     _o("group_size", int, 8, "completions per prompt (GRPO group, >= 2)", "rl plan", {*RL, "memplan"},
        resume="fixed", low=1),
-    _o("eval_prompts", int, 16, "held-out prompts of the final greedy evaluation (generate_result)",
+    _o("eval_prompts", int, 16, "held-out prompts of the greedy evaluations (evaluate, generate_result): "
+       "the first N of --eval-data, or N rows held out of --data (never trained on; at most a quarter)",
        "rl plan", RL, low=1),
     _o("temperature", float, 1.0, "sampling temperature of the rollout (> 0); the trainer's log-probs use "
        "the same (logits / T)", "rl plan", RL, resume="fixed", low=0),
@@ -175,6 +199,9 @@ OPTIONS: tuple[Option, ...] = (
        "naive: baseline", "rl plan", {"rl", "memplan"}, choices="mllm_rl.lifecycle:SCHEDULES"),
     _o("check_weights", bool, False, "garbage guard: engine greedy probe after each update must match the "
        "trainer's", "rl plan", {*RL, "memplan"}),
+    _o("memory_plan", str, "check", "plan the run's memory on its own devices before any engine starts "
+       "(docs/PLAN.md): check: a plan that does not fit exits 6; warn: say so and run; off", "rl plan", {"rl"},
+       resume="fresh", choices=("check", "warn", "off")),
     _o("checkpoint_every", int, 5, "checkpoint every N steps, and always the last step; 0 = never",
        "rl plan", RL, low=0, aliases=("--save-every",)),
     _o("checkpoint_background", bool, False, "torch: copy the state to host memory in the checkpoint phase "

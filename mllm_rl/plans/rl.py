@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,10 @@ from mllm_rl.progress import progress_bar
 from mllm_rl.rl.advantages import ESTIMATORS, STDS, group_advantages
 from mllm_rl.rl.batch import build_batch
 from mllm_rl.rl.loss_config import LossConfig
-from mllm_rl.tasks import Task, get_task
+from mllm_rl.tasks import Example, Task, TaskConfig, build_task
+from mllm_rl.tasks.registry import check_config, default_reward, task_name
+from mllm_rl.tasks.render import CHAT_TEMPLATE, check_lengths, render_all, token_ids, uses_template
+from mllm_rl.tasks.reward import check_reward
 from mllm_rl.trainer import TrainConfig
 
 SETUP_PHASES = ["wandb_init", "{ready}", "engine_ready_dummy", *LIFECYCLE_SETUP]
@@ -57,7 +61,10 @@ FROM_SCRATCH_LR = 3e-3
 FINE_TUNE_LR = 1e-6
 FROM_SCRATCH_PRESETS = ("tiny",)
 DEFAULT_RUNNING = 128  # requests per batch when sizing the KV cache of an unset --max-running-requests
-EVAL_STREAM = 2**31 - 1  # the held-out prompts' RNG stream (never a training step)
+REWARDS_FILE = "rewards{p}.jsonl"  # every sample's reward (``RewardsFile``)
+EVAL_PHASE = "evaluate"  # --eval-every: after every step (scoring on the steps it names: ``evaluate_phase``)
+# Settings a task of a --tasks file cannot take yet (mllm_rl.multitask builds a task from task and task_data)
+TASKS_FILE_LACKS = ("prompt_key", "answer_key", "eval_data", "reward", "reward_timeout", "eval_every")
 
 
 @dataclasses.dataclass
@@ -71,8 +78,15 @@ class RLOptions:
     estimator: str = default("estimator")
     adv_std: str = default("adv_std")  # the GRPO group std (``mllm_rl.rl.advantages``)
     lr_from_model: bool = False  # --lr unset: ``RLPlan.with_model`` sets ``train.lr`` from the model
-    task: str = default("task")
+    task: str | None = default("task")  # None: ``data`` with ``task_data``, else ``pattern``
     task_data: str | None = default("task_data")
+    prompt_key: str | None = default("prompt_key")
+    answer_key: str | None = default("answer_key")
+    chat_template: str = default("chat_template")
+    reward: str | None = default("reward")  # None: the task's own (``mllm_rl.tasks``)
+    reward_timeout: float = default("reward_timeout")
+    eval_data: str | None = default("eval_data")
+    eval_every: int = default("eval_every")  # 0 = no ``evaluate`` phase (only ``generate_result``)
     eval_prompts: int = default("eval_prompts")
     checkpoint_every: int = default(
         "checkpoint_every"
@@ -89,6 +103,17 @@ class RLOptions:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise OptionError("steps", f"must be >= 1, got {self.steps}")
+        self.task = task_name(self.task, self.task_data)
+        if self.eval_every < 0:
+            raise OptionError("eval_every", f"must be >= 0, got {self.eval_every}")
+        if self.eval_prompts < 1:
+            raise OptionError("eval_prompts", f"must be >= 1, got {self.eval_prompts}")
+        if self.chat_template not in CHAT_TEMPLATE:
+            raise OptionError(
+                "chat_template", f"{self.chat_template!r}: choose one of {', '.join(CHAT_TEMPLATE)}"
+            )
+        if not self.reward_timeout > 0:
+            raise OptionError("reward_timeout", f"must be > 0, got {self.reward_timeout}")
         if self.prompts_per_step < 1:
             raise OptionError("prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
         if self.group_size < 2:
@@ -123,6 +148,18 @@ class RLOptions:
     @property
     def first_step(self) -> int:
         return 0 if self.resume_from is None else self.resume_from.step + 1
+
+    @property
+    def task_config(self) -> TaskConfig:
+        """What ``mllm_rl.tasks.build_task`` builds the task from."""
+        return TaskConfig(task=self.task, data=self.task_data, prompt_key=self.prompt_key,
+                          answer_key=self.answer_key, eval_data=self.eval_data, eval_prompts=self.eval_prompts,
+                          reward=self.reward, reward_timeout=self.reward_timeout)  # fmt: skip
+
+    def evaluates_after(self, step: int) -> bool:
+        """``--eval-every``: the ``evaluate`` phase of ``step`` scores the held-out prompts (every
+        N steps and the last; the phase is recorded every step, so every step has one sequence)."""
+        return self.eval_every > 0 and ((step + 1) % self.eval_every == 0 or step == self.steps - 1)
 
 
 def default_lr(model_name: str) -> float:
@@ -178,22 +215,39 @@ def _rng(seed: int, step: int, stream: int) -> np.random.Generator:
     return np.random.default_rng([seed, step, stream])
 
 
-def make_rollout(task: Task, tok: Any, opts: RLOptions, eos: int):
+RewardLog = Callable[[str, int, list[Example], np.ndarray], None]  # (phase, step, examples, rewards)
+
+
+def prompts_of(
+    task: Task, tok: Any, opts: RLOptions, examples: list[Example]
+) -> tuple[list[str], list[list[int]]]:
+    """The prompts as the model sees them (``--chat-template``) and their token ids."""
+    texts = render_all(tok, examples, task.templated, opts.chat_template)
+    return texts, token_ids(tok, texts)
+
+
+def make_rollout(task: Task, tok: Any, opts: RLOptions, eos: int, on_rewards: RewardLog | None = None):
     """The ``rollout`` phase's work: prompts of this step, ``group_size`` samples each,
-    rewards, group-relative advantages, the training batch and its metrics."""
+    rewards (the task's reward function, in its worker process), group-relative advantages, the
+    training batch and its metrics. ``on_rewards`` gets every sample's reward (``rewards.jsonl``)."""
 
     def rollout(engine: ManagedEngine, step: int):
-        examples = task.sample(_rng(opts.seed, step, 0), opts.prompts_per_step)
-        prompt_ids = [tok(e.prompt, add_special_tokens=False).input_ids for e in examples]
+        examples = task.batch(opts.seed, step, opts.prompts_per_step)
+        texts, prompt_ids = prompts_of(task, tok, opts, examples)
         g = opts.group_size
         ids = [p for p in prompt_ids for _ in range(g)]
         sampling = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
                                   top_p=opts.top_p, stop_token_ids=(eos,),
                                   seed=int(_rng(opts.seed, step, 1).integers(2**31)))  # fmt: skip
         outs = engine.generate(ids, sampling)
-        texts = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
-        rewards = np.array([task.reward(t, examples[i // g]) for i, t in enumerate(texts)], np.float64)
-        if fault("reward_nan"):
+        completions = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+        samples = [examples[i // g] for i in range(len(outs))]
+        rewards = task.rewards(
+            [texts[i // g] for i in range(len(outs))], completions, samples, f"step {step}"
+        )
+        if on_rewards is not None:
+            on_rewards("rollout", step, samples, rewards)
+        if fault("reward_nan"):  # behind the reward's own check: the non-finite loss guard (exit 5)
             rewards[0] = np.nan
         adv = group_advantages(rewards, g, opts.estimator, std=opts.adv_std)
         batch = build_batch(ids, outs, adv)
@@ -207,7 +261,7 @@ def make_rollout(task: Task, tok: Any, opts: RLOptions, eos: int):
             "completion_len_mean": float(lens.mean()),
             "rollout_tokens": int(lens.sum()),
             "aborted": int(sum(o.finish_reason == ABORT for o in outs)),
-            "sample": {"prompt": examples[0].prompt, "answer": examples[0].answer, "completion": texts[0]},
+            "sample": {"prompt": texts[0], "answer": examples[0].answer, "completion": completions[0]},
         }
         return batch, metrics
 
@@ -217,37 +271,96 @@ def make_rollout(task: Task, tok: Any, opts: RLOptions, eos: int):
 def size_engine(task: Task, tok: Any, opts: RLOptions) -> EngineOptions:
     """``opts.engine`` with ``context_length`` / ``max_total_tokens`` filled in where unset.
 
-    The context is the longest prompt seen in a sample of the task (every prompt of a
-    file-backed task) plus ``max_new_tokens``, rounded up to a power of two (>= 64): the
-    native CPU attention of sglang-jax costs O(batch x context) per decoded token, so a
+    The context is the longest prompt of the task (every row of a dataset, held-out ones
+    included; a sample of a generated task) plus ``max_new_tokens``, rounded up to a power of two
+    (>= 64): the native CPU attention of sglang-jax costs O(batch x context) per decoded token, so a
     context sized to the task makes a tiny-model rollout ~10x faster than a generic 512.
     """
     eng = opts.engine
     ctx = eng.context_length
     if ctx is None:
-        sample = getattr(task, "examples", None) or task.sample(_rng(opts.seed, EVAL_STREAM, 3), 512)
-        longest = max(len(tok(e.prompt, add_special_tokens=False).input_ids) for e in sample)
-        need = longest + opts.max_new_tokens + 1
+        _, ids = prompts_of(task, tok, opts, task.sizing(opts.seed))
+        need = max(len(p) for p in ids) + opts.max_new_tokens + 1
         ctx = max(64, 1 << (need - 1).bit_length())
     total = eng.max_total_tokens or (eng.max_running_requests or DEFAULT_RUNNING) * ctx
     return dataclasses.replace(eng, context_length=ctx, max_total_tokens=total)
 
 
-def evaluate(engine: ManagedEngine, task: Task, tok: Any, opts: RLOptions, eos: int) -> dict[str, Any]:
-    """Greedy completions of ``eval_prompts`` held-out prompts (their own RNG stream)."""
-    examples = task.sample(_rng(opts.seed, EVAL_STREAM, 2), opts.eval_prompts)
-    ids = [tok(e.prompt, add_special_tokens=False).input_ids for e in examples]
+def evaluate(
+    engine: ManagedEngine,
+    task: Task,
+    tok: Any,
+    opts: RLOptions,
+    eos: int,
+    on_rewards: RewardLog | None = None,
+    phase: str = "generate_result",
+    step: int | None = None,
+) -> dict[str, Any]:
+    """Greedy completions of ``eval_prompts`` held-out prompts (``Task.heldout``) and their rewards."""
+    examples = task.heldout(opts.seed, opts.eval_prompts)
+    texts, ids = prompts_of(task, tok, opts, examples)
     sampling = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=0.0, stop_token_ids=(eos,))
     outs = engine.generate(ids, sampling)
-    texts = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
-    rewards = [task.reward(t, e) for t, e in zip(texts, examples, strict=True)]
+    completions = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+    what = phase if step is None else f"{phase} after step {step}"
+    rewards = task.rewards(texts, completions, examples, what)
+    if on_rewards is not None:
+        on_rewards(phase, -1 if step is None else step, examples, rewards)
     return {
-        "prompts": [e.prompt for e in examples],
+        "prompts": texts,
         "answers": [e.answer for e in examples],
-        "text": texts,
+        "text": completions,
         "token_ids": [o.token_ids for o in outs],
         "greedy_reward_mean": float(np.mean(rewards)),
     }
+
+
+def evaluate_phase(engine: ManagedEngine, task: Task, tok: Any, opts: RLOptions, eos: int, step: int,
+                   on_rewards: RewardLog | None = None) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """The ``evaluate`` phase of ``step`` (``--eval-every``): its record's info and the metrics it
+    adds to the step's line of ``metrics.jsonl`` (``eval_reward_mean``); both empty-handed on a
+    step that does not evaluate."""
+    if not opts.evaluates_after(step):
+        nxt = min(s for s in range(step + 1, opts.steps) if opts.evaluates_after(s))
+        return {"evaluated": False, "next": nxt}, {}
+    out = evaluate(engine, task, tok, opts, eos, on_rewards, "evaluate", step)
+    lens = [len(t) for t in out["token_ids"]]
+    info = {
+        "evaluated": True,
+        "reward_mean": out["greedy_reward_mean"],
+        "prompts": len(lens),
+        "completion_len_mean": float(np.mean(lens)),
+        "sample": {"prompt": out["prompts"][0], "answer": out["answers"][0], "completion": out["text"][0]},
+    }
+    return info, {
+        "eval_reward_mean": out["greedy_reward_mean"],
+        "eval_completion_len_mean": float(np.mean(lens)),
+    }
+
+
+class RewardsFile:
+    """``rewards.jsonl`` (``rewards.p<i>.jsonl`` for process i > 0): one line per sample, ``{step,
+    phase, sample, row, reward}`` (``row``: the dataset row's index, null for a generated prompt;
+    ``step`` -1 for ``generate_result``), flushed per batch; a resumed run appends."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._f: Any = None
+
+    def __call__(self, phase: str, step: int, examples: list[Example], rewards: np.ndarray) -> None:
+        import json
+
+        if self._f is None:
+            self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 -- closed by close()
+        for i, (e, r) in enumerate(zip(examples, rewards, strict=True)):
+            line = {"step": step, "phase": phase, "sample": i, "row": e.index, "reward": float(r)}
+            self._f.write(json.dumps(line, allow_nan=False) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
 
 
 # -- the plan ----------------------------------------------------------------------------
@@ -256,9 +369,18 @@ def run_rl(ctx: PlanRun, opts: RLOptions) -> dict[str, Any]:
     runs once the setup is done (engine up, trainer built or restored, weights synced)."""
     from transformers import AutoTokenizer
 
+    task = build_task(opts.task_config)
+    suffix = f".p{ctx.process_index}" if ctx.process_index else ""
+    rewards_file = RewardsFile(ctx.run_dir / REWARDS_FILE.format(p=suffix))
+    try:
+        return _run_rl(ctx, opts, task, AutoTokenizer.from_pretrained(str(ctx.model.path)), rewards_file)
+    finally:
+        task.close()  # the reward worker
+        rewards_file.close()
+
+
+def _run_rl(ctx: PlanRun, opts: RLOptions, task: Task, tok: Any, on_rewards: RewardLog) -> dict[str, Any]:
     backend, rec, model = ctx.backend, ctx.rec, ctx.model
-    task = get_task(opts.task, opts.task_data)
-    tok = AutoTokenizer.from_pretrained(str(model.path))
     eos = model.config.eos_token_id
     resume_from, first_step = opts.resume_from, opts.first_step
     lifecycle = dataclasses.replace(opts.lifecycle)
@@ -279,7 +401,7 @@ def run_rl(ctx: PlanRun, opts: RLOptions) -> dict[str, Any]:
     life.first_sync()
     ctx.on_started()
 
-    rollout = make_rollout(task, tok, opts, eos)
+    rollout = make_rollout(task, tok, opts, eos, on_rewards)
     save = checkpointer(life.trainer, ctx.run_dir, backend.name, opts, opts.checkpoint_background, model)
     history = []
     try:
@@ -287,6 +409,11 @@ def run_rl(ctx: PlanRun, opts: RLOptions) -> dict[str, Any]:
             bar.update(first_step)
             for step in range(first_step, opts.steps):
                 metrics = life.step(step, rollout, save)
+                if opts.eval_every:
+                    with rec.phase("evaluate", step=step) as ph:
+                        info, scores = evaluate_phase(engine, task, tok, opts, eos, step, on_rewards)
+                        ph.info.update(info)
+                    metrics.update(scores)
                 rec.log_metrics(step, {k: v for k, v in metrics.items() if k != "sample"})
                 history.append({"step": step, **metrics})
                 bar.update(1)
@@ -297,8 +424,29 @@ def run_rl(ctx: PlanRun, opts: RLOptions) -> dict[str, Any]:
         save.abandon()  # a checkpoint begun before the failure is still completed (and resumable)
         raise
     with rec.phase("generate_result") as ph:
-        ph.info.update(evaluate(engine, task, tok, opts, eos))
+        ph.info.update(evaluate(engine, task, tok, opts, eos, on_rewards))
     return {"first_step": first_step, "history": history, "eval": ph.info}
+
+
+def check_prompts(opts: RLOptions, model: Any) -> list[str]:
+    """A dataset's every prompt (held-out ones included), as the model will see it, fits the
+    context the run allows (``--context-length``, else the model's ``max_position_embeddings``)
+    with ``--max-new-tokens`` after it (``ValueError`` naming the file and the row); lines to tell
+    the user. Generated prompts (``pattern``) fit by construction."""
+    if opts.task == "pattern":
+        return []
+    from transformers import AutoTokenizer
+
+    task = build_task(opts.task_config)  # the rows read by ``preflight`` (cached)
+    tok = AutoTokenizer.from_pretrained(str(model.path))
+    ctx = opts.engine.context_length
+    allowed, why = (ctx, "--context-length") if ctx else (
+        model.config.max_position_embeddings, f"{model.path}'s max_position_embeddings")  # fmt: skip
+    check_lengths(tok, task.sizing(opts.seed), task.templated, opts.chat_template, opts.max_new_tokens,
+                  allowed, why)  # fmt: skip
+    if uses_template(tok, task.templated, opts.chat_template):
+        return ["note: prompts go through the checkpoint's chat template (--chat-template off: as they are)"]
+    return []
 
 
 class RLPlan(Plan[RLOptions]):
@@ -309,6 +457,16 @@ class RLPlan(Plan[RLOptions]):
     summary = "colocated GRPO with every memory phase recorded"
 
     def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> RLOptions:
+        if engine.task is not None:  # a task of a --tasks file (its engine carries the task's name)
+            for key in TASKS_FILE_LACKS:
+                if getattr(args, key, None) != default(key):
+                    raise OptionError(key, "is not taken in a --tasks file yet (a task there is built from "
+                                      "task and task_data alone: mllm_rl.multitask.runtime); run it with --plan rl")  # fmt: skip
+            if task_name(args.task, args.task_data) == "data":
+                raise OptionError("task", "'data' (a dataset scored by --reward) is not taken in a --tasks "
+                                  "file yet; task = \"boxed\" reads task_data as math questions")  # fmt: skip
+        check_config(TaskConfig(task=args.task, data=args.task_data, prompt_key=args.prompt_key,
+                                answer_key=args.answer_key, eval_data=args.eval_data, reward=args.reward))  # fmt: skip
         loss = LossConfig(eps_low=args.eps_low, eps_high=args.eps_high, beta=args.kl_beta,
                           aggregation=args.loss_agg, max_len=args.max_new_tokens or 8,
                           clip_ratio_c=args.clip_ratio_c)  # fmt: skip
@@ -323,7 +481,10 @@ class RLPlan(Plan[RLOptions]):
             steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
             max_new_tokens=args.max_new_tokens or 8, temperature=args.temperature, top_p=args.top_p,
             estimator=args.estimator, adv_std=args.adv_std, lr_from_model=args.lr is None, task=args.task,
-            task_data=args.task_data, eval_prompts=args.eval_prompts, checkpoint_every=args.checkpoint_every,
+            task_data=args.task_data, prompt_key=args.prompt_key, answer_key=args.answer_key,
+            chat_template=args.chat_template, reward=args.reward, reward_timeout=args.reward_timeout,
+            eval_data=args.eval_data, eval_every=args.eval_every,
+            eval_prompts=args.eval_prompts, checkpoint_every=args.checkpoint_every,
             checkpoint_background=args.checkpoint_background, seed=args.seed, platform=platform, engine=engine,
             train=train,
             lifecycle=LifecycleOptions(schedule=args.schedule, check_weights=args.check_weights,
@@ -332,20 +493,23 @@ class RLPlan(Plan[RLOptions]):
 
     def with_model(self, opts: RLOptions, model: Any) -> tuple[RLOptions, list[str]]:
         """``--lr`` unset: ``FROM_SCRATCH_LR`` for the ``tiny`` preset (random initialisation),
-        ``FINE_TUNE_LR`` for every other model (a pretrained checkpoint is fine-tuned)."""
+        ``FINE_TUNE_LR`` for every other model (a pretrained checkpoint is fine-tuned). A dataset's
+        prompts, through the model's tokenizer and chat template, must fit the context the run
+        allows (``check_prompts``)."""
         if opts.resume_from is not None:
             check_model_shape(opts.resume_from, model)
+        notes = check_prompts(opts, model)
         if not opts.lr_from_model:
-            return opts, []
+            return opts, notes
         lr = default_lr(model.config.name)
         train = dataclasses.replace(opts.train, lr=lr)
-        return dataclasses.replace(opts, train=train, lr_from_model=False), []
+        return dataclasses.replace(opts, train=train, lr_from_model=False), notes
 
     def preflight(
         self, args: argparse.Namespace, opts: RLOptions, backend: Backend, run_dir: Path
     ) -> tuple[RLOptions, list[str]]:
-        """The checkpoint ``--resume`` continues from (every newer one it skips, said), and the
-        task's data file."""
+        """The checkpoint ``--resume`` continues from (every newer one it skips, said), the task's
+        data (every row checked: ``mllm_rl.tasks.data``) and ``--reward`` (loaded in a worker)."""
         from mllm_rl.plans.preflight import resolve_resume
 
         notes: list[str] = []
@@ -361,12 +525,13 @@ class RLPlan(Plan[RLOptions]):
                     f"resume: nothing to resume in {run_dir}: starting at step 0 (--resume-or-start)"
                 )
         try:
-            get_task(args.task, args.task_data)
-        except (ValueError, OSError) as e:
-            msg = str(e)
-            named = not args.task_data or args.task_data in msg or "--task-data" in msg
-            raise ValueError(msg if named else f"--task-data {args.task_data}: {msg}") from None
-        if args.task == "boxed" and args.task_data is None:
+            task = build_task(opts.task_config)  # every row read and checked (one line naming file and row)
+        except OSError as e:
+            raise ValueError(f"--task-data {opts.task_data}: {e.strerror or e}") from None
+        notes += getattr(task, "notes", [])
+        if opts.reward is not None:  # imported and its signature checked in a worker, which then stops
+            check_reward(opts.reward, opts.reward_timeout)
+        if opts.task == "boxed" and opts.task_data is None:
             from mllm_rl.tasks.boxed import SAMPLE_DATA
 
             notes.append(
@@ -380,7 +545,7 @@ class RLPlan(Plan[RLOptions]):
         backend.check_trainer_args(model, opts.train)
 
     def phase_names(self) -> set[str]:
-        names = {*SETUP_PHASES, *FINAL_PHASES, "check_weights"}
+        names = {*SETUP_PHASES, *FINAL_PHASES, "check_weights", EVAL_PHASE}
         return names | {p for phases in STEP_PHASES.values() for p in phases}
 
     def run_json(self, backend: Backend, opts: RLOptions) -> dict[str, Any]:
@@ -389,9 +554,11 @@ class RLPlan(Plan[RLOptions]):
             "steps": opts.steps,
             "first_step": 0,
             "expected_phases": [p.format(ready=backend.ready_phase) for p in SETUP_PHASES] + FINAL_PHASES,
-            "expected_step_phases": step_phases(opts.lifecycle),
+            "expected_step_phases": step_phases(opts.lifecycle) + ([EVAL_PHASE] if opts.eval_every else []),
             "schedule": opts.lifecycle.schedule,
             "task": opts.task,
+            "reward": opts.reward or default_reward(opts.task),
+            "eval_every": opts.eval_every,
             "group_size": opts.group_size,
             "prompts_per_step": opts.prompts_per_step,
             "train": dataclasses.asdict(opts.train),

@@ -1,29 +1,58 @@
-"""The task contract (``Task``, ``Example``) and the task names ``--task`` accepts (``TASKS``)."""
+"""The task contract (``Task``, ``Example``) and the task names ``--task`` accepts (``TASKS``).
+
+A task is prompts (a pure function of ``(seed, step)``: a resumed run sees the prompts it would
+have seen), a held-out set for evaluation, and a reward function by import path
+(``reward_spec``, ``module:function`` or ``path/to/file.py:function``) that
+``mllm_rl.tasks.reward`` runs in a worker process. docs/TASKS.md describes the data formats and
+the reward signature.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
-import numpy as np
+# pattern: generated periodic strings (learnable from scratch); boxed: math answers in \boxed{}
+# from a dataset (default: a shipped sample); data: any dataset with a reward of your own.
+TASKS = ("pattern", "boxed", "data")  # each is built by mllm_rl.tasks.registry.get_task
 
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    prompt: str
+    """One prompt: ``prompt`` (text, or a list of ``{role, content}`` messages for the chat
+    template), ``answer`` (text; ``""`` without an answer column), ``row`` (the dataset row as
+    loaded, every column: what the reward function gets) and ``where`` (``file:line`` or
+    ``file: row i``; empty for a generated prompt)."""
+
+    prompt: Any
     answer: str
+    row: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+    where: str = ""
+    index: int | None = None  # the row's index in its file (None: generated)
 
 
 class Task(Protocol):
     name: str
+    reward_spec: str  # the reward function's import path (``mllm_rl.tasks.reward``)
+    templated: bool  # the chat template applies to its prompts (--chat-template auto)
 
-    def sample(self, rng: np.random.Generator, n: int) -> list[Example]:
-        """``n`` training prompts drawn with ``rng`` (deterministic given its seed)."""
+    def batch(self, seed: int, step: int, n: int) -> list[Example]:
+        """The ``n`` training prompts of ``step`` (a pure function of its arguments)."""
         ...
 
-    def reward(self, completion: str, example: Example) -> float:
-        """Reward in [0, 1] of one completion (text after the prompt)."""
+    def heldout(self, seed: int, n: int) -> list[Example]:
+        """Up to ``n`` held-out prompts (never trained on, where the task can say so)."""
         ...
 
+    def sizing(self, seed: int) -> list[Example]:
+        """The prompts whose longest sizes the engine's context (every row of a dataset)."""
+        ...
 
-TASKS = ("pattern", "boxed")  # each is built by mllm_rl.tasks.registry.get_task
+    def rewards(self, prompts: list[str], completions: list[str], examples: list[Example], what: str) -> Any:
+        """One finite float per completion (a numpy array), from the reward worker;
+        ``RewardError`` naming the function and the sample (``what``: e.g. ``step 3``)."""
+        ...
+
+    def close(self) -> None:
+        """Stop the reward worker (a later ``rewards`` starts a new one)."""
+        ...

@@ -1,23 +1,27 @@
-"""GSM8K-style math with a ``\\boxed{}`` answer, from a local JSONL file.
+"""GSM8K-style math with a ``\\boxed{}`` answer: a dataset (default: a shipped sample) and a reward.
 
-Each line: ``{"question": str, "answer": str}``; the answer may be GSM8K's full solution
-ending in ``#### 72`` (the number after ``####`` is the target) or just ``72``. The reward
-is 1.0 when the last ``\\boxed{...}`` of the completion equals the target after
-normalisation (spaces, ``$``, thousands commas and a trailing ``.0`` removed), else 0.0.
+Rows: ``{"question": str, "answer": str}`` (other columns with ``--prompt-key`` / ``--answer-key``),
+in any format ``mllm_rl.tasks.data`` reads; the answer may be GSM8K's full solution ending in
+``#### 72`` (the number after ``####`` is the target) or just ``72``. The prompt is the question
+and ``INSTRUCTION`` (through the chat template when the checkpoint has one).
+
+The reward (``reward``, the documented reward signature, run in the reward worker) is 1.0 when
+the last ``\\boxed{...}`` of the completion equals the target, else 0.0: equal after
+normalisation (spaces, ``$``, thousands commas and a trailing ``.0`` removed), or equal as math
+by ``math-verify`` (``72.0`` and ``\\frac{144}{2}`` are 72; ``0.5`` is ``\\frac{1}{2}``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
+import os
+import threading
 from pathlib import Path
-
-import numpy as np
-
-from mllm_rl.tasks.base import Example
+from typing import Any
 
 INSTRUCTION = "Please put the final answer within \\boxed{}."
 SAMPLE_DATA = Path(__file__).resolve().parent / "data" / "boxed_sample.jsonl"
+REWARD = "mllm_rl.tasks.boxed:reward"
+ANSWER_KEY_ENV = "MLLM_RL_ANSWER_KEY"  # set in the reward worker: the column --answer-key names
 
 
 def normalize(ans: str) -> str:
@@ -48,43 +52,67 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def math_equal(got: str, target: str) -> bool:
+    """``got`` equals ``target``: as normalised text, or as math (``math-verify``)."""
+    if normalize(got) == normalize(target):
+        return True
+    if not normalize(got):
+        return False
+    from math_verify import parse, verify
+
+    # math-verify bounds parse/verify with SIGALRM, which only the main thread may set
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(f"${target}$", parsing_timeout=limit)  # type: ignore[arg-type]
+    pred = parse(f"${got}$", parsing_timeout=limit)  # type: ignore[arg-type]
+    if not gold or not pred:
+        return False
+    return bool(verify(gold, pred, timeout_seconds=limit))
+
+
 def boxed_reward(completion: str, answer: str) -> float:
     got = last_boxed(completion)
-    return float(got is not None and normalize(got) == target_of(answer))
+    return float(got is not None and math_equal(got, target_of(answer)))
 
 
-@dataclasses.dataclass(frozen=True)
+def reward(prompt: str, completion: str, row: dict[str, Any]) -> float:
+    """The boxed task's reward: ``boxed_reward`` against the row's answer column."""
+    return boxed_reward(completion, str(row[os.environ.get(ANSWER_KEY_ENV) or "answer"]))
+
+
+def prompt_text(question: Any) -> Any:
+    """The prompt of a question: the question and ``INSTRUCTION`` (chat messages unchanged)."""
+    return f"{question}\n{INSTRUCTION}\n" if isinstance(question, str) else question
+
+
+def boxed_task(
+    data: str | None = None,
+    prompt_key: str | None = None,
+    answer_key: str | None = None,
+    eval_data: str | None = None,
+    eval_prompts: int = 16,
+    reward: str | None = None,
+    reward_timeout: float = 30.0,
+) -> Any:
+    """The boxed task (a ``DatasetTask``) over ``data`` (default: the shipped sample)."""
+    from mllm_rl.tasks.dataset import dataset_task
+
+    pkey = "question" if prompt_key is None else prompt_key
+    akey = "answer" if answer_key is None else answer_key
+    if not akey:
+        raise ValueError("--answer-key '': the boxed task scores against an answer column")
+
+    def check(answer: str, where: str) -> None:
+        if not target_of(answer):
+            raise ValueError(f"{where}: the answer ({akey!r}) has no target (GSM8K's '#### 72', or '72')")
+
+    path = str(SAMPLE_DATA) if data is None else data
+    return dataset_task("boxed", path, pkey, akey, eval_data, eval_prompts, reward or REWARD, reward_timeout,
+                        prompt_text, check)  # fmt: skip
+
+
 class BoxedMathTask:
-    examples: tuple[Example, ...]
-    name: str = "boxed"
+    """The boxed task from a JSONL file (``boxed_task``)."""
 
-    @classmethod
-    def from_jsonl(cls, path: str | Path | None) -> BoxedMathTask:
-        """Load ``path`` (default: the shipped sample); one-line errors name file and line."""
-        path = Path(path) if path else SAMPLE_DATA
-        if not path.is_file():
-            raise ValueError(f"--task-data {path}: not a file")
-        examples = []
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                q, a = row["question"], row["answer"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(
-                    f"{path}:{i}: expected a JSON object with question and answer ({e})"
-                ) from None
-            if not isinstance(q, str) or not isinstance(a, str) or not target_of(a):
-                raise ValueError(f"{path}:{i}: question and answer must be non-empty strings")
-            examples.append(Example(prompt=f"{q}\n{INSTRUCTION}\n", answer=a))
-        if not examples:
-            raise ValueError(f"{path}: no examples")
-        return cls(tuple(examples))
-
-    def sample(self, rng: np.random.Generator, n: int) -> list[Example]:
-        idx = rng.choice(len(self.examples), size=n, replace=n > len(self.examples))
-        return [self.examples[int(i)] for i in idx]
-
-    def reward(self, completion: str, example: Example) -> float:
-        return boxed_reward(completion, example.answer)
+    @staticmethod
+    def from_jsonl(path: str | Path | None) -> Any:
+        return boxed_task(None if path is None else str(path))

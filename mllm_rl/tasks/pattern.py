@@ -3,18 +3,34 @@ random init within a few CPU minutes, which makes RL progress visible on the emb
 
 A prompt is a short unit of letters from ``alphabet`` repeated to a random length, e.g.
 ``"cabcabca"`` (unit ``"cab"``); the answer is the next ``answer_len`` characters
-(``"bcab"``). The reward is the fraction of answer positions the completion's first
-characters match exactly (partial credit keeps the signal dense: a random policy over the
-model's 384-token vocabulary scores ~0.003).
+(``"bcab"``). The reward (``reward``, the documented reward signature, run in the reward worker
+like any ``--reward``) is the fraction of answer positions the completion's first characters
+match exactly (partial credit keeps the signal dense: a random policy over the model's
+384-token vocabulary scores ~0.003).
+
+The prompts are generated, not read: a step's are drawn from ``default_rng([seed, step, 0])``,
+the held-out ones from their own stream; the chat template never applies (a raw continuation).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
 from mllm_rl.tasks.base import Example
+from mllm_rl.tasks.reward import DEFAULT_TIMEOUT_S, Scorer
+
+REWARD = "mllm_rl.tasks.pattern:reward"
+EVAL_STREAM = 2**31 - 1  # the held-out prompts' RNG stream (never a training step)
+
+
+def reward(prompt: str, completion: str, row: dict[str, Any]) -> float:
+    """Fraction of ``row["answer"]``'s characters the completion's first characters match."""
+    answer = row["answer"]
+    hits = sum(a == b for a, b in zip(completion, answer, strict=False))
+    return hits / len(answer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,17 +40,41 @@ class PatternTask:
     prompt_len: tuple[int, int] = (6, 10)  # [min, max)
     answer_len: int = 4
     name: str = "pattern"
+    reward_spec: str = REWARD
+    reward_timeout: float = DEFAULT_TIMEOUT_S
+    templated: bool = False
+    scorer: Scorer = dataclasses.field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.scorer is None:
+            object.__setattr__(self, "scorer", Scorer(self.reward_spec, self.reward_timeout))
 
     def example(self, rng: np.random.Generator) -> Example:
         period = int(rng.choice(self.periods))
         unit = "".join(rng.choice(list(self.alphabet), size=period))
         n = int(rng.integers(*self.prompt_len))
         text = unit * (-(-(n + self.answer_len) // period))
-        return Example(prompt=text[:n], answer=text[n : n + self.answer_len])
+        prompt, answer = text[:n], text[n : n + self.answer_len]
+        return Example(prompt=prompt, answer=answer, row={"prompt": prompt, "answer": answer})
 
     def sample(self, rng: np.random.Generator, n: int) -> list[Example]:
         return [self.example(rng) for _ in range(n)]
 
     def reward(self, completion: str, example: Example) -> float:
-        hits = sum(a == b for a, b in zip(completion, example.answer, strict=False))
-        return hits / len(example.answer)
+        return reward(example.prompt, completion, {"answer": example.answer})
+
+    # -- the Task contract ---------------------------------------------------------------------
+    def batch(self, seed: int, step: int, n: int) -> list[Example]:
+        return self.sample(np.random.default_rng([seed, step, 0]), n)
+
+    def heldout(self, seed: int, n: int) -> list[Example]:
+        return self.sample(np.random.default_rng([seed, EVAL_STREAM, 2]), n)
+
+    def sizing(self, seed: int) -> list[Example]:
+        return self.sample(np.random.default_rng([seed, EVAL_STREAM, 3]), 512)
+
+    def rewards(self, prompts: list[str], completions: list[str], examples: list[Example], what: str) -> Any:
+        return self.scorer.rewards(prompts, completions, examples, what)
+
+    def close(self) -> None:
+        self.scorer.close()

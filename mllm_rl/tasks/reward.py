@@ -1,0 +1,255 @@
+"""Reward functions by import path, called in a worker process with a timeout.
+
+``--reward module:function`` or ``--reward path/to/file.py:function`` names a function
+``(prompt: str, completion: str, row: dict) -> float`` (or, with ``function.batched = True``,
+``(prompts, completions, rows) -> list[float]``); docs/TASKS.md. ``RewardRunner`` runs it in a
+Python subprocess (``mllm_rl.tasks.reward_worker``) started once per run:
+
+- a call that raises, returns something that is not a finite number (NaN included) or does not
+  return within ``timeout`` seconds (per sample; per batch for a batched function), and a worker
+  that dies (a segfault, ``os._exit``), end the run with ``RewardError`` (exit 1), one line naming
+  the function and the sample; a hanging worker is killed first;
+- ``check_reward`` loads the function in a short-lived worker before the run starts (exit 2 with
+  one line when it cannot be imported or called as documented).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from mllm_rl.tasks.reward_worker import LoadError, is_file_spec, split_spec
+
+# ``-c``, not ``-m``: the package imports this module (runpy would warn about a second copy)
+WORKER_MAIN = "import sys; from mllm_rl.tasks.reward_worker import main; sys.exit(main(sys.argv[1:]))"
+LOAD_TIMEOUT_S = 120.0  # importing the reward's module (it may import a large library)
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class RewardError(RuntimeError):
+    """A reward call that raised, hung, returned a non-number or NaN, or whose worker died:
+    a runtime error of the run (exit 1)."""
+
+
+def check_spec(spec: str) -> None:
+    """The shape of ``spec`` and, for a file, that it exists (``ValueError`` naming ``--reward``)."""
+    try:
+        target, _ = split_spec(spec)
+    except LoadError as e:
+        raise ValueError(f"--reward {e}") from None
+    if is_file_spec(target) and not os.path.isfile(os.path.expanduser(target)):
+        raise ValueError(f"--reward {spec}: {target}: no such file")
+
+
+def check_reward(spec: str, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Load ``spec`` in a worker and stop it: whether it is batched; ``ValueError`` (one line,
+    naming ``--reward``) when it cannot be imported or called as documented."""
+    check_spec(spec)
+    runner = RewardRunner(spec, timeout)
+    try:
+        runner.start()
+    except RewardError as e:
+        raise ValueError(f"--reward {spec}: {e}") from None
+    finally:
+        runner.close()
+    return runner.batched
+
+
+class RewardRunner:
+    """One worker process running one reward function (see the module doc)."""
+
+    def __init__(
+        self, spec: str, timeout: float = DEFAULT_TIMEOUT_S, env: dict[str, str] | None = None
+    ) -> None:
+        self.spec, self.timeout, self.env = spec, float(timeout), dict(env or {})
+        self.batched = False
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._send: Any = None
+        self._recv: Any = None
+
+    # -- process ---------------------------------------------------------------------------
+    def start(self) -> None:
+        from multiprocessing.connection import Connection
+
+        if self.proc is not None:
+            return
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", WORKER_MAIN, str(to_child_r), str(from_child_w)],
+                stdin=subprocess.DEVNULL,
+                pass_fds=(to_child_r, from_child_w),
+                close_fds=True,
+                env={**os.environ, **self.env},
+            )
+        finally:
+            os.close(to_child_r)
+            os.close(from_child_w)
+        self._send = Connection(to_child_w, readable=False)
+        self._recv = Connection(from_child_r, writable=False)
+        self._post(("load", self.spec, [os.getcwd(), *sys.path]), "loading it")
+        msg = self._wait(max(self.timeout, LOAD_TIMEOUT_S), "loading it")
+        if msg[0] == "failed":
+            self.close()
+            raise RewardError(msg[1])
+        self.batched = bool(msg[1])
+
+    def close(self) -> None:
+        """Stop the worker (its pipes closed, the process killed if it does not leave)."""
+        for conn in (self._send, self._recv):
+            if conn is not None:
+                try:
+                    conn.close()
+                except OSError:
+                    pass
+        self._send = self._recv = None
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        self.close()
+
+    def _post(self, msg: tuple[Any, ...], what: str) -> None:
+        """Send ``msg``; a worker that is gone is ``RewardError`` with its exit status."""
+        assert self._send is not None and self.proc is not None
+        try:
+            self._send.send(msg)
+        except OSError:  # the pipe's reader is gone: the worker died since the last call
+            self._died(what)
+
+    def _died(self, what: str) -> None:
+        assert self.proc is not None
+        code = self.proc.wait(timeout=10)
+        self.close()
+        how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+        raise RewardError(f"the reward worker died ({how}) {what}")
+
+    def _wait(self, timeout: float, what: str) -> tuple[Any, ...]:
+        """The worker's next message, or ``RewardError`` (timeout: the worker is killed; a dead
+        worker: its exit status)."""
+        assert self._recv is not None and self.proc is not None
+        if not self._recv.poll(timeout):
+            self._kill()
+            raise RewardError(f"no result within {timeout:g} s (--reward-timeout) {what}; worker stopped")
+        try:
+            return self._recv.recv()
+        except (EOFError, OSError):
+            self._died(what)
+            raise  # (not reached: _died raises)
+
+    # -- scoring -------------------------------------------------------------------------------
+    def score(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        rows: list[dict[str, Any]],
+        sample: Callable[[int], str],
+    ) -> np.ndarray:
+        """One finite float per completion; ``sample(i)`` names sample ``i`` in an error."""
+        n = len(completions)
+        if not (len(prompts) == len(rows) == n):
+            raise ValueError(f"{len(prompts)} prompts, {n} completions, {len(rows)} rows")
+        if n == 0:
+            return np.zeros(0, np.float64)
+        try:
+            self.start()
+        except RewardError as e:
+            raise RewardError(f"reward {self.spec}: {e}") from None
+        out = np.full(n, np.nan, np.float64)
+        name = f"reward {self.spec}"
+        try:
+            self._post(("score", list(prompts), list(completions), list(rows)), f"before {sample(0)}")
+        except RewardError as e:
+            raise RewardError(f"{name}: {e}") from None
+        if self.batched:
+            what = f"for the batch of {n} samples ({sample(0)} ...)"
+            msg = self._checked(self._wait_named(name, self.timeout, what), name, sample, what)
+            got = 0
+            while msg[0] != "done":
+                out[msg[1]] = msg[2]
+                got += 1
+                msg = self._checked(self._wait_named(name, 10.0, what), name, sample, what)
+            return out
+        for i in range(n):
+            msg = self._checked(self._wait_named(name, self.timeout, f"on {sample(i)}"), name, sample, "")
+            out[i] = msg[2]
+        done = self._wait_named(name, 10.0, "at the end of the batch")
+        if done[0] != "done":
+            raise RewardError(f"{name}: unexpected message {done[0]!r} from the worker")
+        return out
+
+    def _wait_named(self, name: str, timeout: float, what: str) -> tuple[Any, ...]:
+        try:
+            return self._wait(timeout, what)
+        except RewardError as e:
+            raise RewardError(f"{name}: {e}") from None
+
+    def _checked(
+        self, msg: tuple[Any, ...], name: str, sample: Callable[[int], str], batch: str
+    ) -> tuple[Any, ...]:
+        kind = msg[0]
+        if kind in ("value", "done"):
+            return msg
+        where = batch if msg[1] < 0 else f"on {sample(msg[1])}"
+        self._drain()
+        if kind == "raised":
+            raise RewardError(f"{name} raised {msg[2]} {where}")
+        if kind == "bad":
+            raise RewardError(f"{name} {msg[2]} {where}: rewards must be finite numbers")
+        raise RewardError(f"{name}: unexpected message {kind!r} from the worker")
+
+    def _drain(self) -> None:
+        """After an error the worker sends ``done``; read it so the pipe stays in step."""
+        try:
+            if self._recv is not None and self._recv.poll(5):
+                self._recv.recv()
+        except (EOFError, OSError):
+            self.close()
+
+
+def sample_name(i: int, example: Any, prompt: str, what: str) -> str:
+    """``sample 3 of step 0 (data.jsonl:7, prompt 'What is ...')``: which call failed (the prompt as
+    the data has it, before the chat template)."""
+    raw = getattr(example, "prompt", None)
+    prompt = raw if isinstance(raw, str) else prompt
+    shown = prompt if len(prompt) <= 40 else prompt[:37] + "..."
+    where = f"{example.where}, " if getattr(example, "where", "") else ""
+    return f"sample {i} of {what} ({where}prompt {shown!r})"
+
+
+class Scorer:
+    """A task's reward: ``spec`` run by a ``RewardRunner`` started on first use."""
+
+    def __init__(
+        self, spec: str, timeout: float = DEFAULT_TIMEOUT_S, env: dict[str, str] | None = None
+    ) -> None:
+        self.spec, self.timeout, self.env = spec, timeout, dict(env or {})
+        self.runner: RewardRunner | None = None
+
+    def rewards(
+        self, prompts: list[str], completions: list[str], examples: list[Any], what: str
+    ) -> np.ndarray:
+        if self.runner is None:
+            self.runner = RewardRunner(self.spec, self.timeout, self.env)
+        rows = [e.row for e in examples]
+        return self.runner.score(
+            prompts, completions, rows, lambda i: sample_name(i, examples[i], prompts[i], what)
+        )
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None

@@ -1,0 +1,20 @@
+"""Bring your own task on JAX CPU (sglang-jax engine, flax trainer): a user's JSONL file and a reward
+passed by file path learn like the shipped task; a reward that raises, hangs or returns NaN ends the
+run with one clear line (``tests/byo_task.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.byo_task import FAILURES, bad_reward_is_a_clear_exit, run_learns_from_a_jsonl_and_a_reward_file
+
+pytestmark = pytest.mark.slow  # every test here starts an engine
+
+
+def test_reward_rises_on_a_user_jsonl_with_a_reward_file(tmp_path):
+    run_learns_from_a_jsonl_and_a_reward_file("jax", tmp_path)
+
+
+@pytest.mark.parametrize("name", list(FAILURES))
+def test_a_bad_reward_is_a_clear_exit_1(tmp_path, name):
+    bad_reward_is_a_clear_exit("jax", tmp_path, name)

@@ -1,0 +1,19 @@
+"""Bring your own task on the torch backend (embedded engine, torch trainer, CPU): the same checks as
+on JAX (``tests/byo_task.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.byo_task import FAILURES, bad_reward_is_a_clear_exit, run_learns_from_a_jsonl_and_a_reward_file
+
+pytestmark = pytest.mark.slow  # every test here starts an engine
+
+
+def test_reward_rises_on_a_user_jsonl_with_a_reward_file(tmp_path):
+    run_learns_from_a_jsonl_and_a_reward_file("torch", tmp_path)
+
+
+@pytest.mark.parametrize("name", list(FAILURES))
+def test_a_bad_reward_is_a_clear_exit_1(tmp_path, name):
+    bad_reward_is_a_clear_exit("torch", tmp_path, name)
