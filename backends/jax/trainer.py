@@ -222,7 +222,9 @@ class JaxTrainer:
             )
         leak = fault_value("leak_mb")
         if leak:  # a device buffer kept forever, as a leak would: the memory plan's audit must see it
-            self._leaked.append(jax.device_put(jnp.ones(int(leak) * 2**18, jnp.float32), self.mesh.devices.flat[0]))
+            self._leaked.append(
+                jax.device_put(jnp.ones(int(leak) * 2**18, jnp.float32), self.mesh.devices.flat[0])
+            )
         t0 = time.perf_counter()
         ref = None
         if self.cfg.loss.beta > 0:

@@ -135,7 +135,9 @@ class WandbSink(Sink):
         if "init_timeout" in fields:
             settings["init_timeout"] = float(init_timeout)
         if "finish_timeout" in fields:  # a network lost mid-run must not hold the run's end forever
-            settings["finish_timeout"] = float(max(60.0, 2 * init_timeout))  # the rest stays on disk for wandb sync
+            settings["finish_timeout"] = float(
+                max(60.0, 2 * init_timeout)
+            )  # the rest stays on disk for wandb sync
         reason = None
         try:
             url = base_url()

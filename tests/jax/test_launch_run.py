@@ -40,5 +40,7 @@ def test_an_rl_run_across_processes_is_refused_before_it_starts(tiny_ckpt, tmp_p
                        cwd=ROOT, timeout=600)  # fmt: skip
     assert r.returncode == 2, r.stderr[-3000:]
     errors = [x for x in r.stderr.splitlines() if "error:" in x]
-    assert errors and all("2 processes: the jax backend's engine cannot pause and release" in x for x in errors)
+    assert errors and all(
+        "2 processes: the jax backend's engine cannot pause and release" in x for x in errors
+    )
     assert not (tmp_path / "run").exists()

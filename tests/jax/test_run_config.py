@@ -27,7 +27,9 @@ def test_model_options_reach_the_trainer(tiny_ckpt, tmp_path):
     (init,) = [x for x in read_jsonl(tmp_path / "phases.jsonl") if x["phase"] == "trainer_init"]
     n = sum(math.prod(info.shape) for _, info in ModelDir.open(tiny_ckpt).tensors.values())
     state = init["info"]["state_bytes"]
-    assert state["params"] / n == pytest.approx(4, rel=0.01) and state["optimizer"] / n == pytest.approx(4, rel=0.01)
+    assert state["params"] / n == pytest.approx(4, rel=0.01) and state["optimizer"] / n == pytest.approx(
+        4, rel=0.01
+    )
     options = json.loads((tmp_path / "run.json").read_text())["options"]
     assert options["model_option"] == ["opt_dtype=bfloat16", "remat=block"]
     assert options["mem_fraction_static"] == 0.5 and options["trainer_tp"] == 1
