@@ -130,8 +130,11 @@ def plan_for_rl(
                 f"python -m mllm_rl.memplan --backend {backend.name} --target ... plans it with the same flags"
             ],
         )
-    opts = dataclasses.replace(opts, engine=sized(opts))
-    req = request_for(backend.name, target, model, opts)
+    engine = sized(opts)
+    if opts.kv_auto:  # the plan sizes the pool, not the run's max-running-requests x context rule
+        engine = dataclasses.replace(engine, max_total_tokens=None)
+    opts = dataclasses.replace(opts, engine=engine)
+    req = dataclasses.replace(request_for(backend.name, target, model, opts), margin=opts.plan_margin)
     try:
         plan = plan_run(req, opts.lifecycle.check_weights, fit_kv=opts.kv_auto)
     except DoesNotFit as e:

@@ -226,7 +226,8 @@ OPTIONS: tuple[Option, ...] = (
        default_text="what --kv-tokens needs, else the adapter's default"),
     _o("model_option", list, None, "a backend model option (JAX: ModelOptions fields, e.g. remat=block); "
        "repeatable", "rl plan", {"rl", "memplan"}, resume="fixed", metavar="KEY=VALUE"),
-    _o("margin", float, 0.9, "fraction of device memory a phase may use", "plan", {"memplan"}, low=0,
+    _o("margin", float, 0.9, "fraction of device memory a phase may use (the plan's budget; rl: the run's own "
+       "memory plan)", "plan", {"rl", "memplan"}, low=0,
        strict=True, high=1),
     _o("fit_max", int, None, "upper bound of the --fit search", "plan", {"memplan"}, low=1, nullable=True,
        default_text="256 (micro_batch_size), 131072 (seq_len)"),

@@ -144,7 +144,7 @@ def engine_options(args: argparse.Namespace, task: str | None = None) -> Any:
     return EngineOptions(
         tp=args.tp,
         engine=args.engine,
-        max_total_tokens=args.max_total_tokens,
+        max_total_tokens=None if args.max_total_tokens == "auto" else args.max_total_tokens,
         context_length=args.context_length,
         max_running_requests=args.max_running_requests,
         seed=args.seed,

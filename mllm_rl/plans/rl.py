@@ -65,6 +65,7 @@ REWARDS_FILE = "rewards{p}.jsonl"  # every sample's reward (``RewardsFile``)
 EVAL_PHASE = "evaluate"  # --eval-every: after every step (scoring on the steps it names: ``evaluate_phase``)
 # Settings a task of a --tasks file cannot take yet (mllm_rl.multitask builds a task from task and task_data)
 TASKS_FILE_LACKS = ("prompt_key", "answer_key", "eval_data", "reward", "reward_timeout", "eval_every")
+AUTO = "auto"  # --kv-tokens auto
 
 
 @dataclasses.dataclass
@@ -99,6 +100,11 @@ class RLOptions:
     engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     lifecycle: LifecycleOptions = dataclasses.field(default_factory=LifecycleOptions)
+    # The run's own memory plan before start-up (``mllm_rl.memplan.for_run``): check | warn | off, the
+    # budget (fraction of device memory) and --kv-tokens auto (the engine's pool sized by the plan).
+    memory_plan: str = default("memory_plan")
+    plan_margin: float = default("margin")
+    kv_auto: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -458,6 +464,9 @@ class RLPlan(Plan[RLOptions]):
 
     def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> RLOptions:
         if engine.task is not None:  # a task of a --tasks file (its engine carries the task's name)
+            if args.max_total_tokens == AUTO:
+                raise OptionError("max_total_tokens", "auto: a task of a --tasks file is not memory-planned "
+                                  "before start-up; give it a number of tokens")  # fmt: skip
             for key in TASKS_FILE_LACKS:
                 if getattr(args, key, None) != default(key):
                     raise OptionError(key, "is not taken in a --tasks file yet (a task there is built from "
@@ -489,6 +498,7 @@ class RLPlan(Plan[RLOptions]):
             train=train,
             lifecycle=LifecycleOptions(schedule=args.schedule, check_weights=args.check_weights,
                                        old_logp=args.old_logp, tis_cap=args.tis_cap),
+            memory_plan=args.memory_plan, plan_margin=args.margin, kv_auto=args.max_total_tokens == AUTO,
         )  # fmt: skip
 
     def with_model(self, opts: RLOptions, model: Any) -> tuple[RLOptions, list[str]]:
@@ -504,6 +514,24 @@ class RLPlan(Plan[RLOptions]):
         lr = default_lr(model.config.name)
         train = dataclasses.replace(opts.train, lr=lr)
         return dataclasses.replace(opts, train=train, lr_from_model=False), notes
+
+    def memory_plan(
+        self, backend: Backend, model: Any, opts: RLOptions, runtime: dict[str, Any]
+    ) -> tuple[RLOptions, Any, list[str]]:
+        """The run's own memory plan (``mllm_rl.memplan.for_run``) with the engine sized as the run
+        will start it (``size_engine``)."""
+        from mllm_rl.memplan.for_run import plan_for_rl
+
+        def sized(o: RLOptions) -> EngineOptions:
+            from transformers import AutoTokenizer
+
+            task = build_task(o.task_config)
+            try:
+                return size_engine(task, AutoTokenizer.from_pretrained(str(model.path)), o)
+            finally:
+                task.close()
+
+        return plan_for_rl(backend, model, opts, runtime, sized)
 
     def preflight(
         self, args: argparse.Namespace, opts: RLOptions, backend: Backend, run_dir: Path
