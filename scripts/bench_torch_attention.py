@@ -144,9 +144,27 @@ def times_all(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def child_cmd(args: argparse.Namespace, *extra: str) -> list[str]:
-    return [sys.executable, __file__, *extra, "--preset", args.preset, "--layers", str(args.layers),
-            "--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype, "--steps", str(args.steps),
-            "--threads", str(args.threads), "--paths", ",".join(args.paths)]  # fmt: skip
+    return [
+        sys.executable,
+        __file__,
+        *extra,
+        "--preset",
+        args.preset,
+        "--layers",
+        str(args.layers),
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--dtype",
+        args.dtype,
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+        "--paths",
+        ",".join(args.paths),
+    ]
 
 
 def run_path(args: argparse.Namespace, path: str) -> dict[str, Any]:
@@ -170,8 +188,16 @@ def plan_one(args: argparse.Namespace, path: str) -> dict[str, Any]:
     from mllm_rl.backends.torch import memplan
 
     attention, chunk = path_settings(path)
-    s = memplan.trainer_step_memory(config_of(args), args.batch, args.seq, rows=args.batch, dtype=args.dtype,
-                                    steps=1, attention=attention, logprob_chunk=chunk)  # fmt: skip
+    s = memplan.trainer_step_memory(
+        config_of(args),
+        args.batch,
+        args.seq,
+        rows=args.batch,
+        dtype=args.dtype,
+        steps=1,
+        attention=attention,
+        logprob_chunk=chunk,
+    )
     return {"activations_bytes": s.activations, "peak_bytes": s.peak_total, "trace_s": round(s.seconds, 1)}
 
 
@@ -224,26 +250,38 @@ def report(out: dict[str, Any]) -> str:
     rows = []
     for p, r in out["paths"].items():
         q = ratios.get(p, {})
-        rows.append({
-            "path": p,
-            "step_s": r["step_s"],
-            "step_x": q.get("step_s"),
-            "rise": r["rss_peak_rise_bytes"] / MiB,
-            "rise_x": q.get("rss_peak_rise"),
-            "planned": r["planned"]["activations_bytes"] / MiB,
-            "planned_x": q.get("planned_activations"),
-        })  # fmt: skip
-    cols = [("path", "path", ""), ("step_s", "step s", ".3f"), ("step_x", "x eager", ".3f"),
-            ("rise", "RSS rise MiB", ".1f"), ("rise_x", "x eager", ".3f"),
-            ("planned", "planned act. MiB", ".1f"), ("planned_x", "x eager", ".3f")]  # fmt: skip
+        rows.append(
+            {
+                "path": p,
+                "step_s": r["step_s"],
+                "step_x": q.get("step_s"),
+                "rise": r["rss_peak_rise_bytes"] / MiB,
+                "rise_x": q.get("rss_peak_rise"),
+                "planned": r["planned"]["activations_bytes"] / MiB,
+                "planned_x": q.get("planned_activations"),
+            }
+        )
+    cols = [
+        ("path", "path", ""),
+        ("step_s", "step s", ".3f"),
+        ("step_x", "x eager", ".3f"),
+        ("rise", "RSS rise MiB", ".1f"),
+        ("rise_x", "x eager", ".3f"),
+        ("planned", "planned act. MiB", ".1f"),
+        ("planned_x", "x eager", ".3f"),
+    ]
     first = next(iter(out["paths"].values()))
-    head = (f"CPU figure: {out['preset']} ({out['layers']} layers, {first['params']:,} params, {out['dtype']}), "
-            f"{out['batch']} x {out['seq']} tokens, forward + backward, median of {out['steps']} steps; "
-            f"{first['threads']} thread(s), load {out['machine'].get('load_avg_1m')}")  # fmt: skip
+    head = (
+        f"CPU figure: {out['preset']} ({out['layers']} layers, {first['params']:,} params, {out['dtype']}), "
+        f"{out['batch']} x {out['seq']} tokens, forward + backward, median of {out['steps']} steps; "
+        f"{first['threads']} thread(s), load {out['machine'].get('load_avg_1m')}"
+    )
     lines = [head, table(rows, cols)]
-    lines.append("step s: measured here, the paths interleaved in one process; RSS rise: measured here, a fresh "
-                 "process per path; planned act.: the torch planner's activations + temporaries of one trainer "
-                 "step of the same shape (fake tensors, predicted)")  # fmt: skip
+    lines.append(
+        "step s: measured here, the paths interleaved in one process; RSS rise: measured here, a fresh "
+        "process per path; planned act.: the torch planner's activations + temporaries of one trainer "
+        "step of the same shape (fake tensors, predicted)"
+    )
     if any(r["rise_is_lower_bound"] for r in out["paths"].values()):
         lines.append("(a RSS rise marked as a lower bound: the steps stayed under the set-up's peak)")
     return "\n".join(lines)

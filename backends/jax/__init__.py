@@ -115,8 +115,10 @@ class JaxBackend(Backend):
         if n % cfg.trainer_tp:
             raise ValueError(f"--trainer-tp {cfg.trainer_tp} does not divide the {n} devices")
         if c.num_attention_heads % cfg.trainer_tp or c.num_key_value_heads % cfg.trainer_tp:
-            raise ValueError(f"--trainer-tp {cfg.trainer_tp}: {c.num_attention_heads} heads / "
-                             f"{c.num_key_value_heads} kv heads are not divisible by it")  # fmt: skip
+            raise ValueError(
+                f"--trainer-tp {cfg.trainer_tp}: {c.num_attention_heads} heads / "
+                f"{c.num_key_value_heads} kv heads are not divisible by it"
+            )
 
     def _model_options(self, cfg: Any) -> Any:
         import jax

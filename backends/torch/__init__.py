@@ -54,8 +54,9 @@ class TorchBackend(Backend):
         self.device = torch.device("cuda" if cuda and platform != "cpu" else "cpu")
         devices = (
             [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            if self.device.type == "cuda" else ["cpu"]
-        )  # fmt: skip
+            if self.device.type == "cuda"
+            else ["cpu"]
+        )
         return {
             "platform": self.device.type,
             "torch_version": torch.__version__,
@@ -98,8 +99,10 @@ class TorchBackend(Backend):
                 f"--tp {tp}: the embedded torch engine runs on one device; tp > 1 needs SGLang on CUDA"
             )
         if kind == "embedded" and opts.mem_fraction_static is not None:
-            raise ValueError("--mem-fraction-static: the embedded torch engine sizes its KV cache by "
-                             "--max-total-tokens; the fraction is SGLang's")  # fmt: skip
+            raise ValueError(
+                "--mem-fraction-static: the embedded torch engine sizes its KV cache by "
+                "--max-total-tokens; the fraction is SGLang's"
+            )
         if kind == "sglang":
             import torch
 
@@ -124,14 +127,32 @@ class TorchBackend(Backend):
                 extra["mem_fraction_static"] = o.mem_fraction_static
             from mllm_rl.backends.torch.sglang_engine import SglangEngine
 
-            return SglangEngine(model, tp=o.tp, max_total_tokens=o.max_total_tokens, context_length=o.context_length,
-                                seed=o.seed, chunk_bytes=o.chunk_bytes, weights_cpu_backup=o.weights_cpu_backup,
-                                task=o.task, ports=list(o.ports) if o.ports else None, **extra)  # fmt: skip
+            return SglangEngine(
+                model,
+                tp=o.tp,
+                max_total_tokens=o.max_total_tokens,
+                context_length=o.context_length,
+                seed=o.seed,
+                chunk_bytes=o.chunk_bytes,
+                weights_cpu_backup=o.weights_cpu_backup,
+                task=o.task,
+                ports=list(o.ports) if o.ports else None,
+                **extra,
+            )
         from mllm_rl.backends.torch.engine import EmbeddedEngine
 
-        return EmbeddedEngine(model, tp=o.tp, max_total_tokens=o.max_total_tokens, context_length=o.context_length,
-                              seed=o.seed, chunk_bytes=o.chunk_bytes, weights_cpu_backup=o.weights_cpu_backup,
-                              device=self._device(), task=o.task, **extra)  # fmt: skip
+        return EmbeddedEngine(
+            model,
+            tp=o.tp,
+            max_total_tokens=o.max_total_tokens,
+            context_length=o.context_length,
+            seed=o.seed,
+            chunk_bytes=o.chunk_bytes,
+            weights_cpu_backup=o.weights_cpu_backup,
+            device=self._device(),
+            task=o.task,
+            **extra,
+        )
 
     def create_trainer(self, model: ModelDir, cfg: Any):
         """``TorchTrainer`` (``backends/torch/trainer.py``) on the runtime's device."""

@@ -171,8 +171,10 @@ class EmbeddedEngine:
                     src = value.value
                     check_shape(name, src, dst.shape)
                     if src.device != dst.device or src.dtype != dst.dtype:
-                        raise ValueError(f"{name}: placed {src.dtype} on {src.device}, engine holds {dst.dtype} "
-                                         f"on {dst.device}")  # fmt: skip
+                        raise ValueError(
+                            f"{name}: placed {src.dtype} on {src.device}, engine holds {dst.dtype} "
+                            f"on {dst.device}"
+                        )
                     sums[name] = tensor_sums(src)
                     if on_tensor is not None:
                         on_tensor(name, src.numel() * src.element_size())
@@ -276,8 +278,9 @@ class EmbeddedEngine:
         pool = self.kv[:, :, : b * cap].view(
             c.num_hidden_layers, 2, b, cap, c.num_key_value_heads, c.head_dim
         )
-        cache = KVCache([pool[i, 0] for i in range(c.num_hidden_layers)],
-                        [pool[i, 1] for i in range(c.num_hidden_layers)])  # fmt: skip
+        cache = KVCache(
+            [pool[i, 0] for i in range(c.num_hidden_layers)], [pool[i, 1] for i in range(c.num_hidden_layers)]
+        )
         out_tok: list[list[int]] = [[] for _ in prompts]
         out_lp: list[list[float]] = [[] for _ in prompts]
         reason: list[str | None] = [None] * b

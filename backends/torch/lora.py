@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
-               ("mlp", ("gate_proj", "up_proj", "down_proj")))  # fmt: skip
+PROJECTIONS = (
+    ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    ("mlp", ("gate_proj", "up_proj", "down_proj")),
+)
 
 
 class LoRALinear(nn.Linear):

@@ -101,9 +101,11 @@ def parse_target(name: str) -> Target:
         raise ValueError(f"PlanRequest.target {name!r}: the torch planner knows {', '.join(targets())}")
     cards = int(m.group(2) or 1)
     if cards != 1:
-        raise ValueError(f"PlanRequest.target {name!r}: the torch backend trains on one device (TorchTrainer "
-                         f"has no data or tensor parallelism), so {cards} cards plan like one; use "
-                         f"{m.group(1)!r}")  # fmt: skip
+        raise ValueError(
+            f"PlanRequest.target {name!r}: the torch backend trains on one device (TorchTrainer "
+            f"has no data or tensor parallelism), so {cards} cards plan like one; use "
+            f"{m.group(1)!r}"
+        )
     kind, config = GPUS[m.group(1)]
     source = f"XLA GPU target config {config} (device_memory_size; openxla/xla's spec of the card)"
     return Target(name, "gpu", 1, 1, card_memory(config), kind, source)
@@ -114,8 +116,10 @@ def check_request(req: PlanRequest) -> Target:
     if req.backend != "torch":
         raise ValueError(f"PlanRequest.backend {req.backend!r}: this is the torch planner")
     if req.tp != 1:
-        raise ValueError(f"PlanRequest.tp {req.tp}: the torch trainer runs on one device (no tensor "
-                         "parallelism); plan with tp=1")  # fmt: skip
+        raise ValueError(
+            f"PlanRequest.tp {req.tp}: the torch trainer runs on one device (no tensor "
+            "parallelism); plan with tp=1"
+        )
     if req.fsdp > 1:
         raise ValueError(f"PlanRequest.fsdp {req.fsdp}: the torch trainer does not shard (use 0 or 1)")
     if req.param_dtype not in DTYPES:
@@ -213,8 +217,11 @@ def _tracker_class() -> type:
 
         def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
             hooks = self._param_to_grad_hook_handles
-            frozen = [p for p in module.parameters()
-                      if (not p.requires_grad or p.grad_fn is not None) and p not in hooks]  # fmt: skip
+            frozen = [
+                p
+                for p in module.parameters()
+                if (not p.requires_grad or p.grad_fn is not None) and p not in hooks
+            ]
             for p in frozen:  # MemTracker skips parameters that already have hook handles
                 hooks[p] = ()
             try:
@@ -252,10 +259,19 @@ def step_batch(config: ModelConfig, rows: int, seq_len: int) -> RolloutBatch:
 
 
 @functools.lru_cache(maxsize=8)  # one plan per schedule of the same request traces the step once
-def trainer_step_memory(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, dtype: str = "bfloat16",
-                        lora_rank: int = 0, kl: bool = False, steps: int = STEPS,
-                        precision: str = TrainConfig.precision, attention: str = "sdpa",
-                        logprob_chunk: int | None | str = "model") -> StepMemory:  # fmt: skip
+def trainer_step_memory(
+    config: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    rows: int,
+    dtype: str = "bfloat16",
+    lora_rank: int = 0,
+    kl: bool = False,
+    steps: int = STEPS,
+    precision: str = TrainConfig.precision,
+    attention: str = "sdpa",
+    logprob_chunk: int | None | str = "model",
+) -> StepMemory:
     """Run ``TorchTrainer.device_step`` ``steps`` times on fake tensors under MemTracker.
 
     ``rows`` sequences of ``seq_len`` tokens per step, in micro-batches of ``micro_batch``; the
@@ -264,16 +280,26 @@ def trainer_step_memory(config: ModelConfig, micro_batch: int, seq_len: int, row
     ``"model"``, its ``LOGPROB_CHUNK``, are what the trainer runs; ``"eager"`` / ``None``
     reproduce the paths they replaced, for ``scripts/bench_torch_attention.py``).
     """
-    out = _trace_step(config, micro_batch, seq_len, rows, dtype, lora_rank, kl, steps, precision, attention,
-                      logprob_chunk)  # fmt: skip
+    out = _trace_step(
+        config, micro_batch, seq_len, rows, dtype, lora_rank, kl, steps, precision, attention, logprob_chunk
+    )
     gc.collect()  # the fake trainer leaves the CPU probe's holder set (a WeakSet) now
     return out
 
 
-def _trace_step(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, dtype: str = "bfloat16",
-                lora_rank: int = 0, kl: bool = False, steps: int = STEPS,
-                precision: str = TrainConfig.precision, attention: str = "sdpa",
-                logprob_chunk: int | None | str = "model") -> StepMemory:  # fmt: skip
+def _trace_step(
+    config: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    rows: int,
+    dtype: str = "bfloat16",
+    lora_rank: int = 0,
+    kl: bool = False,
+    steps: int = STEPS,
+    precision: str = TrainConfig.precision,
+    attention: str = "sdpa",
+    logprob_chunk: int | None | str = "model",
+) -> StepMemory:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.modules.module import register_module_forward_pre_hook
@@ -284,8 +310,12 @@ def _trace_step(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, 
 
     t0 = time.perf_counter()
     lora = lora_rank > 0
-    cfg = TrainConfig(micro_batch_size=micro_batch, lora_rank=lora_rank, precision=precision,
-                      loss=LossConfig(beta=KL_BETA if kl else 0))  # fmt: skip
+    cfg = TrainConfig(
+        micro_batch_size=micro_batch,
+        lora_rank=lora_rank,
+        precision=precision,
+        loss=LossConfig(beta=KL_BETA if kl else 0),
+    )
     meta = build_qwen3(config, getattr(torch, dtype), "meta", attention)
     if logprob_chunk != "model":
         meta.logprob_chunk = logprob_chunk
@@ -299,13 +329,19 @@ def _trace_step(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, 
         trainer = TorchTrainer(layout_dir(config, dtype), init_cfg, device="cpu", model=model)
         if kl and not lora:
             trainer.cfg = cfg
-            trainer.ref_host = {n: torch.empty_like(p, device="meta", dtype=trainer.compute_dtype)
-                                for n, p in trainer.trainable.items()}  # fmt: skip
+            trainer.ref_host = {
+                n: torch.empty_like(p, device="meta", dtype=trainer.compute_dtype)
+                for n, p in trainer.trainable.items()
+            }
         for group in trainer.optimizer.param_groups:
             group["foreach"] = True  # torch's choice for CUDA tensors
     ref_params = sum(h.numel() * h.element_size() for h in (trainer.ref_host or {}).values())
-    host_scalars = sum(t.numel() * t.element_size() for st in trainer.optimizer.state.values()
-                       for k, t in st.items() if k == "step" and isinstance(t, torch.Tensor))  # fmt: skip
+    host_scalars = sum(
+        t.numel() * t.element_size()
+        for st in trainer.optimizer.state.values()
+        for k, t in st.items()
+        if k == "step" and isinstance(t, torch.Tensor)
+    )
     batch = step_batch(config, rows, seq_len)
     tracker = _tracker_class()()
     tracker.track_external(trainer.model, trainer.optimizer)
@@ -335,13 +371,21 @@ def _trace_step(config: ModelConfig, micro_batch: int, seq_len: int, rows: int, 
     pre = before_step[-1]
     out = StepMemory(
         # functional_call swaps the KL reference tensors in as module params: MemTracker files them as such
-        params=pre.get("Parameter", 0) - ref_params, grads=pre.get("Gradient", 0),
-        optimizer=pre.get("Optstate", 0) - host_scalars, ref_params=ref_params, peak=peak,
-        peak_total=peak.get("Total", sum(peak.values())) - host_scalars, host_scalars=host_scalars, rows=rows,
-        micro_batch=micro_batch, micro_batches=-(-rows // micro_batch), seq_len=seq_len,
-        seconds=time.perf_counter() - t0, master_dtype=str(trainer.master_dtype).removeprefix("torch."),
+        params=pre.get("Parameter", 0) - ref_params,
+        grads=pre.get("Gradient", 0),
+        optimizer=pre.get("Optstate", 0) - host_scalars,
+        ref_params=ref_params,
+        peak=peak,
+        peak_total=peak.get("Total", sum(peak.values())) - host_scalars,
+        host_scalars=host_scalars,
+        rows=rows,
+        micro_batch=micro_batch,
+        micro_batches=-(-rows // micro_batch),
+        seq_len=seq_len,
+        seconds=time.perf_counter() - t0,
+        master_dtype=str(trainer.master_dtype).removeprefix("torch."),
         compute_dtype=str(trainer.compute_dtype).removeprefix("torch."),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -359,8 +403,10 @@ def sglang_weight_bytes(config: ModelConfig, itemsize: int) -> tuple[int, str]:
     tables = 1 if config.tie_word_embeddings else 2
     weights = (config.num_params() + pad * config.hidden_size * tables) * itemsize
     rope = config.max_position_embeddings * config.head_dim * ROPE_CACHE_BYTES
-    detail = (f"{config.num_params():,} params x {itemsize} B, vocab padding {pad} rows, RoPE cache "
-              f"{rope / MIB:.1f} MiB fp32")  # fmt: skip
+    detail = (
+        f"{config.num_params():,} params x {itemsize} B, vocab padding {pad} rows, RoPE cache "
+        f"{rope / MIB:.1f} MiB fp32"
+    )
     return weights + rope, detail
 
 
@@ -389,8 +435,9 @@ def sglang_pool_bytes(tokens: int, cell: int, context_len: int, max_running_requ
     return (tokens + PAGE_SIZE) * cell + (reqs + 1) * (context_len + 4) * 4
 
 
-def staging_bytes(config: ModelConfig, itemsize: int, chunk: int = sc.CHUNK_BYTES, lora: bool = False,
-                  cast: bool = False) -> int:  # fmt: skip
+def staging_bytes(
+    config: ModelConfig, itemsize: int, chunk: int = sc.CHUNK_BYTES, lora: bool = False, cast: bool = False
+) -> int:
     """The largest bucket ``SglangEngine.update_weights`` stages at once (``sc.update_buckets``
     over the checkpoint's tensors in export order), plus the one tensor ``export_weights`` makes
     while the engine places it: with LoRA a merged weight, with ``cast`` (float32 masters) the
@@ -423,13 +470,15 @@ def _trainer_figures(req: PlanRequest, step: StepMemory) -> tuple[dict[str, Comp
         comps["ref_params"] = Component("ref_params", step.ref_params, "layout", why)
     cats = ", ".join(f"{k} {v / MIB:.1f}" for k, v in step.peak.items() if k != "Total" and v)
     fn = FunctionMemory(
-        "grad_step", peak_bytes=step.peak_total,
+        "grad_step",
+        peak_bytes=step.peak_total,
         argument_bytes=step.params + step.optimizer + step.grads + step.ref_params,
-        temp_bytes=step.activations, method="fake_tensor",
+        temp_bytes=step.activations,
+        method="fake_tensor",
         detail=f"TorchTrainer.device_step x{STEPS}, {step.shape} (forward, backward, clipping, AdamW foreach; "
-               f"KL reference forward when on{'; casts of the masters to ' + dt if mixed else ''}); "
-               f"MiB at the peak: {cats}",
-    )  # fmt: skip
+        f"KL reference forward when on{'; casts of the masters to ' + dt if mixed else ''}); "
+        f"MiB at the peak: {cats}",
+    )
     return comps, fn
 
 
@@ -465,21 +514,29 @@ def sglang_pool(req: PlanRequest, weight_bytes: int, free: int, itemsize: int) -
         if req.mem_fraction_static is not None:
             cap = sglang_pool_tokens(free, weight_bytes, cell, req.mem_fraction_static)
             if cap < tokens:
-                notes.append(f"kv_tokens {tokens} asked; SGLang's rule at mem_fraction_static "
-                             f"{req.mem_fraction_static} caps the pool at {cap} tokens (it warns, and uses {cap})")  # fmt: skip
+                notes.append(
+                    f"kv_tokens {tokens} asked; SGLang's rule at mem_fraction_static "
+                    f"{req.mem_fraction_static} caps the pool at {cap} tokens (it warns, and uses {cap})"
+                )
                 tokens = cap
             mfs = req.mem_fraction_static
         else:
-            notes.append(f"SGLang builds this pool with mem_fraction_static >= {mfs} ({free} B free at engine "
-                         f"start; the adapter's default is {sc.MEM_FRACTION_STATIC})")  # fmt: skip
+            notes.append(
+                f"SGLang builds this pool with mem_fraction_static >= {mfs} ({free} B free at engine "
+                f"start; the adapter's default is {sc.MEM_FRACTION_STATIC})"
+            )
     if tokens < 1:
-        raise ValueError(f"{c.name} on {req.target}: SGLang leaves no room for a KV pool next to "
-                         f"{weight_bytes / GIB:.2f} GiB of weights at mem_fraction_static {mfs} (it refuses to start: "
-                         "'Loaded weights leave no GPU memory for the KV cache')")  # fmt: skip
+        raise ValueError(
+            f"{c.name} on {req.target}: SGLang leaves no room for a KV pool next to "
+            f"{weight_bytes / GIB:.2f} GiB of weights at mem_fraction_static {mfs} (it refuses to start: "
+            "'Loaded weights leave no GPU memory for the KV cache')"
+        )
     demand = req.prompts * req.group_size * req.seq_len
     if tokens < demand:
-        notes.append(f"the rollout batch holds up to {demand} tokens at once ({req.prompts} x "
-                     f"{req.group_size} x {req.seq_len}); a pool of {tokens} runs it in waves")  # fmt: skip
+        notes.append(
+            f"the rollout batch holds up to {demand} tokens at once ({req.prompts} x "
+            f"{req.group_size} x {req.seq_len}); a pool of {tokens} runs it in waves"
+        )
     size = sglang_pool_bytes(tokens, cell, req.seq_len, req.max_running_requests)
     return Pool(tokens, cell, size, mfs, free, tuple(notes))
 
@@ -514,13 +571,18 @@ def measure(req: PlanRequest) -> Measured:
         "known only after capture on the GPU",
     ]
     if req.optimizer_dtype != step.master_dtype:
-        notes.append(f"optimizer_dtype {req.optimizer_dtype} does not apply: torch.optim.AdamW keeps its state "
-                     f"in the trainable params' dtype ({step.master_dtype}; TrainConfig.precision "
-                     f"{req.precision!r})")  # fmt: skip
+        notes.append(
+            f"optimizer_dtype {req.optimizer_dtype} does not apply: torch.optim.AdamW keeps its state "
+            f"in the trainable params' dtype ({step.master_dtype}; TrainConfig.precision "
+            f"{req.precision!r})"
+        )
     info = {
-        "kv_tokens": pool.tokens, "kv_cell_bytes": pool.cell, "kv_pad_tokens": PAGE_SIZE,
-        "mem_fraction_static": pool.mem_fraction_static, "engine_free_bytes": pool.free,
+        "kv_tokens": pool.tokens,
+        "kv_cell_bytes": pool.cell,
+        "kv_pad_tokens": PAGE_SIZE,
+        "mem_fraction_static": pool.mem_fraction_static,
+        "engine_free_bytes": pool.free,
         "compile_seconds": {"grad_step (fake-tensor trace)": round(step.seconds, 2)},
         "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    }  # fmt: skip
+    }
     return Measured(target, comps, {"grad_step": grad_step}, notes, info)

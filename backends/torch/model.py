@@ -97,9 +97,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         return attend_eager(q, k, v, mask)
     b, t, n, d = q.shape
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask, is_causal=mask is None, enable_gqa=True,
-    )  # fmt: skip
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=mask is None,
+        enable_gqa=True,
+    )
     return out.transpose(1, 2).reshape(b, t, n * d)
 
 
@@ -128,9 +132,14 @@ def attention_bias(key_mask: torch.Tensor, q_slots: torch.Tensor, dtype: torch.d
 
 
 def token_logprobs(
-    x: torch.Tensor, targets: torch.Tensor, norm_weight: torch.Tensor, eps: float, head: torch.Tensor,
-    temperature: float = 1.0, chunk: int | None = LOGPROB_CHUNK,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    targets: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    head: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int | None = LOGPROB_CHUNK,
+) -> torch.Tensor:
     """``log_softmax(rms_norm(x) @ head.T / temperature)`` at ``targets``, float32 [B, T].
 
     ``x``: [B, T, H] (before the final norm), ``targets``: [B, T] int, ``head``: [V, H]. The B*T
@@ -160,8 +169,10 @@ class ChunkedLogProbs(torch.autograd.Function):
         ctx.save_for_backward(x, targets, norm_weight, head)
         ctx.eps, ctx.temperature, ctx.chunk = eps, temperature, chunk
         n = x.shape[0]
-        parts = [_chunk_logprobs(x[s : s + chunk], targets[s : s + chunk], norm_weight, head, eps, temperature)
-                 for s in range(0, n, chunk)]  # fmt: skip
+        parts = [
+            _chunk_logprobs(x[s : s + chunk], targets[s : s + chunk], norm_weight, head, eps, temperature)
+            for s in range(0, n, chunk)
+        ]
         return torch.cat(parts)
 
     @staticmethod
@@ -190,9 +201,14 @@ class ChunkedLogProbs(torch.autograd.Function):
                 g = next(grads)
                 gh = (g if one else g.float()) if gh is None else gh.add_(g)
         return (
-            gx, None, None if gw is None else gw.to(norm_weight.dtype), None if gh is None else gh.to(head.dtype),
-            None, None, None,
-        )  # fmt: skip
+            gx,
+            None,
+            None if gw is None else gw.to(norm_weight.dtype),
+            None if gh is None else gh.to(head.dtype),
+            None,
+            None,
+            None,
+        )
 
 
 def _chunk_logprobs(
@@ -240,9 +256,14 @@ class Attention(nn.Module):
         return self.o_proj(attend(q, k, v, mask))
 
     def forward_cached(
-        self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        start: int,
+    ) -> torch.Tensor:
         """``x``: [B, T, H]; ``mask``: bias [B, 1, T, start+T] or bool [B, T, start+T] (``attend``);
         caches [B, S_max, K, D] -> [B, T, H].
         Writes this step's k/v into the caches at ``[start, start+T)``."""
@@ -313,9 +334,10 @@ class Qwen3(nn.Module):
         self.logprob_chunk: int | None = LOGPROB_CHUNK
         self.model = Qwen3Body(c, dtype, device)
         self.lm_head = (
-            None if c.tie_word_embeddings
+            None
+            if c.tie_word_embeddings
             else nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype, device=device)
-        )  # fmt: skip
+        )
 
     def head(self) -> torch.Tensor:
         """The output projection [V, H] (the embedding matrix when tied)."""

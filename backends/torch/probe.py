@@ -73,9 +73,14 @@ class CudaMemoryProbe:
     """Every visible CUDA device: driver truth and torch allocator (see the module docstring)."""
 
     RAW_KEYS = (
-        "reserved_bytes.all.current", "reserved_bytes.all.peak", "active_bytes.all.current",
-        "inactive_split_bytes.all.current", "allocated_bytes.all.current", "num_alloc_retries", "num_ooms",
-    )  # fmt: skip
+        "reserved_bytes.all.current",
+        "reserved_bytes.all.peak",
+        "active_bytes.all.current",
+        "inactive_split_bytes.all.current",
+        "allocated_bytes.all.current",
+        "num_alloc_retries",
+        "num_ooms",
+    )
 
     def __init__(self) -> None:
         self.devices = list(range(torch.cuda.device_count()))
@@ -134,7 +139,7 @@ class CudaMemoryProbe:
                     alloc_raw,
                 )
             )
-        return out  # fmt: skip
+        return out
 
 
 def make_probe(device: torch.device) -> CpuTensorProbe | CudaMemoryProbe:

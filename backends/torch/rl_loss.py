@@ -65,9 +65,12 @@ def policy_loss(
 
 
 def _aggregate(
-    per_token: torch.Tensor, mask: torch.Tensor, cfg: LossConfig, total_tokens: Scalar | None,
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossConfig,
+    total_tokens: Scalar | None,
     total_seqs: Scalar | None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """``per_token``, ``mask``: [B, T] -> scalar (see ``mllm_rl.rl.loss_config``)."""
     if cfg.aggregation == "token_mean":
         denom = mask.sum() if total_tokens is None else torch.as_tensor(total_tokens, dtype=torch.float32)

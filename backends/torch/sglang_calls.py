@@ -25,8 +25,19 @@ MEM_FRACTION_STATIC = 0.6  # SGLang's static share (weights + KV pool) of the fr
 MAX_RUNNING_REQUESTS = 128
 CHUNK_BYTES = 64 * 2**20  # one ``update_weights_from_tensor`` call carries at least this much (last: less)
 
-KINDS = ("kwargs", "fields", "method", "coroutine", "agen", "attribute", "constant", "keys", "key_values",
-         "tuple_first", "absent")  # fmt: skip
+KINDS = (
+    "kwargs",
+    "fields",
+    "method",
+    "coroutine",
+    "agen",
+    "attribute",
+    "constant",
+    "keys",
+    "key_values",
+    "tuple_first",
+    "absent",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,77 +79,170 @@ _ENGINE = "sglang.srt.entrypoints.engine"
 _TM = "sglang.srt.managers.tokenizer_manager"
 _IO = "sglang.srt.managers.io_struct"
 
-ENGINE_KWARGS = ("model_path", "tokenizer_path", "load_format", "enable_memory_saver", "enable_weights_cpu_backup",
-                 "mem_fraction_static", "tp_size", "max_total_tokens", "context_length", "max_running_requests",
-                 "random_seed", "log_level", "dtype", "json_model_override_args", "sleep_on_idle")  # fmt: skip
+ENGINE_KWARGS = (
+    "model_path",
+    "tokenizer_path",
+    "load_format",
+    "enable_memory_saver",
+    "enable_weights_cpu_backup",
+    "mem_fraction_static",
+    "tp_size",
+    "max_total_tokens",
+    "context_length",
+    "max_running_requests",
+    "random_seed",
+    "log_level",
+    "dtype",
+    "json_model_override_args",
+    "sleep_on_idle",
+)
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "stop_token_ids", "sampling_seed")
 
 CALLS: dict[str, Call] = {
     # -- the engine object (this process) -------------------------------------------------------
-    "Engine": Call(_ENGINE, "", "Engine", "kwargs", kwargs=ENGINE_KWARGS,
-                   values=(("load_format", ("dummy",)), ("dtype", ("float32", "bfloat16", "float16"))),
-                   why="started with dummy weights; every other argument a ServerArgs field"),
+    "Engine": Call(
+        _ENGINE,
+        "",
+        "Engine",
+        "kwargs",
+        kwargs=ENGINE_KWARGS,
+        values=(("load_format", ("dummy",)), ("dtype", ("float32", "bfloat16", "float16"))),
+        why="started with dummy weights; every other argument a ServerArgs field",
+    ),
     "Engine.tokenizer_manager": Call(_ENGINE, "Engine", "tokenizer_manager", "attribute"),
     "Engine.loop": Call(_ENGINE, "Engine", "loop", "attribute", why="run forever in our own thread"),
     "Engine._scheduler_init_result": Call(_ENGINE, "Engine", "_scheduler_init_result", "attribute"),
     "SchedulerInitResult": Call(_ENGINE, "SchedulerInitResult", "", "fields", kwargs=("scheduler_infos",)),
-    "scheduler_info": Call("sglang.srt.managers.scheduler", "Scheduler", "get_init_info", "keys",
-                           kwargs=("max_total_num_tokens",), why="the KV pool's token count (tag_bytes)"),
-    "Engine._serialize_tensors_per_rank": Call(_ENGINE, "Engine", "_serialize_tensors_per_rank", "method",
-                                               args=("tensors", "load_format")),
+    "scheduler_info": Call(
+        "sglang.srt.managers.scheduler",
+        "Scheduler",
+        "get_init_info",
+        "keys",
+        kwargs=("max_total_num_tokens",),
+        why="the KV pool's token count (tag_bytes)",
+    ),
+    "Engine._serialize_tensors_per_rank": Call(
+        _ENGINE, "Engine", "_serialize_tensors_per_rank", "method", args=("tensors", "load_format")
+    ),
     "Engine.shutdown": Call(_ENGINE, "Engine", "shutdown", "method"),
     # -- tokenizer manager coroutines (submitted to Engine.loop) --------------------------------
     "generate_request": Call(_TM, "TokenizerManager", "generate_request", "agen", args=("obj", "request")),
     "pause_generation": Call(_TM, "TokenizerManager", "pause_generation", "coroutine", args=("obj",)),
     "continue_generation": Call(_TM, "TokenizerManager", "continue_generation", "coroutine", args=("obj",)),
     "flush_cache": Call(_TM, "TokenizerManager", "flush_cache", "coroutine"),
-    "update_weights_from_tensor": Call(_TM, "TokenizerManager", "update_weights_from_tensor", "coroutine",
-                                       args=("obj", "request"), why="returns (success, message)"),
-    "get_weights_by_name": Call(_TM, "TokenizerManager", "get_weights_by_name", "coroutine",
-                                args=("obj", "request")),
-    "release_memory_occupation": Call(_TM, "TokenizerManager", "release_memory_occupation", "coroutine",
-                                      args=("obj", "request")),
-    "resume_memory_occupation": Call(_TM, "TokenizerManager", "resume_memory_occupation", "coroutine",
-                                     args=("obj", "request")),
+    "update_weights_from_tensor": Call(
+        _TM,
+        "TokenizerManager",
+        "update_weights_from_tensor",
+        "coroutine",
+        args=("obj", "request"),
+        why="returns (success, message)",
+    ),
+    "get_weights_by_name": Call(
+        _TM, "TokenizerManager", "get_weights_by_name", "coroutine", args=("obj", "request")
+    ),
+    "release_memory_occupation": Call(
+        _TM, "TokenizerManager", "release_memory_occupation", "coroutine", args=("obj", "request")
+    ),
+    "resume_memory_occupation": Call(
+        _TM, "TokenizerManager", "resume_memory_occupation", "coroutine", args=("obj", "request")
+    ),
     # -- request objects ------------------------------------------------------------------------
-    "GenerateReqInput": Call(_IO, "", "GenerateReqInput", "kwargs",
-                             kwargs=("input_ids", "sampling_params", "return_logprob")),
-    "SamplingParams": Call("sglang.srt.sampling.sampling_params", "", "SamplingParams", "kwargs",
-                           kwargs=SAMPLING_KEYS, why="the keys of GenerateReqInput.sampling_params"),
-    "PauseGenerationReqInput": Call(_IO, "", "PauseGenerationReqInput", "kwargs", kwargs=("mode",),
-                                    values=(("mode", ("abort",)),),
-                                    why="abort: requests in flight return; retract would keep them queued"),
+    "GenerateReqInput": Call(
+        _IO, "", "GenerateReqInput", "kwargs", kwargs=("input_ids", "sampling_params", "return_logprob")
+    ),
+    "SamplingParams": Call(
+        "sglang.srt.sampling.sampling_params",
+        "",
+        "SamplingParams",
+        "kwargs",
+        kwargs=SAMPLING_KEYS,
+        why="the keys of GenerateReqInput.sampling_params",
+    ),
+    "PauseGenerationReqInput": Call(
+        _IO,
+        "",
+        "PauseGenerationReqInput",
+        "kwargs",
+        kwargs=("mode",),
+        values=(("mode", ("abort",)),),
+        why="abort: requests in flight return; retract would keep them queued",
+    ),
     "ContinueGenerationReqInput": Call(_IO, "", "ContinueGenerationReqInput", "kwargs"),
-    "UpdateWeightsFromTensorReqInput": Call(_IO, "", "UpdateWeightsFromTensorReqInput", "kwargs",
-                                            kwargs=("serialized_named_tensors", "load_format", "flush_cache")),
-    "GetWeightsByNameReqInput": Call(_IO, "", "GetWeightsByNameReqInput", "kwargs",
-                                     kwargs=("name", "truncate_size")),
-    "ReleaseMemoryOccupationReqInput": Call(_IO, "", "ReleaseMemoryOccupationReqInput", "kwargs",
-                                            kwargs=("tags",)),
-    "ResumeMemoryOccupationReqInput": Call(_IO, "", "ResumeMemoryOccupationReqInput", "kwargs",
-                                           kwargs=("tags",)),
-    "FlushCacheReqOutput": Call(_IO, "FlushCacheReqOutput", "", "fields", kwargs=("success", "message"),
-                                why="what flush_cache returns; success=False means nothing was flushed"),
+    "UpdateWeightsFromTensorReqInput": Call(
+        _IO,
+        "",
+        "UpdateWeightsFromTensorReqInput",
+        "kwargs",
+        kwargs=("serialized_named_tensors", "load_format", "flush_cache"),
+    ),
+    "GetWeightsByNameReqInput": Call(
+        _IO, "", "GetWeightsByNameReqInput", "kwargs", kwargs=("name", "truncate_size")
+    ),
+    "ReleaseMemoryOccupationReqInput": Call(
+        _IO, "", "ReleaseMemoryOccupationReqInput", "kwargs", kwargs=("tags",)
+    ),
+    "ResumeMemoryOccupationReqInput": Call(
+        _IO, "", "ResumeMemoryOccupationReqInput", "kwargs", kwargs=("tags",)
+    ),
+    "FlushCacheReqOutput": Call(
+        _IO,
+        "FlushCacheReqOutput",
+        "",
+        "fields",
+        kwargs=("success", "message"),
+        why="what flush_cache returns; success=False means nothing was flushed",
+    ),
     # -- what generate_request yields -----------------------------------------------------------
-    "generate_output": Call(_TM, "TokenizerManager", "_handle_batch_output", "keys",
-                            kwargs=("text", "output_ids", "meta_info", "finish_reason")),
-    "output_token_logprobs": Call(_TM, "TokenizerManager", "add_logprob_to_meta_info", "keys",
-                                  kwargs=("output_token_logprobs",)),
-    "logprob_entry": Call(_TM, "TokenizerManager", "detokenize_logprob_tokens", "tuple_first",
-                          kwargs=("token_logprobs_val",), why="entry[0] is the log-prob"),
-    "finish_reason": Call("sglang.srt.managers.schedule_batch", "", "to_json", "key_values", kwargs=("type",),
-                          values=(("type", ("stop", "length", "abort")),)),
+    "generate_output": Call(
+        _TM,
+        "TokenizerManager",
+        "_handle_batch_output",
+        "keys",
+        kwargs=("text", "output_ids", "meta_info", "finish_reason"),
+    ),
+    "output_token_logprobs": Call(
+        _TM, "TokenizerManager", "add_logprob_to_meta_info", "keys", kwargs=("output_token_logprobs",)
+    ),
+    "logprob_entry": Call(
+        _TM,
+        "TokenizerManager",
+        "detokenize_logprob_tokens",
+        "tuple_first",
+        kwargs=("token_logprobs_val",),
+        why="entry[0] is the log-prob",
+    ),
+    "finish_reason": Call(
+        "sglang.srt.managers.schedule_batch",
+        "",
+        "to_json",
+        "key_values",
+        kwargs=("type",),
+        values=(("type", ("stop", "length", "abort")),),
+    ),
     # -- memory tags (torch_memory_saver regions inside the scheduler) --------------------------
-    "TAG_WEIGHTS": Call("sglang.srt.constants", "", "GPU_MEMORY_TYPE_WEIGHTS", "constant",
-                        values=(("value", ("weights",)),)),
-    "TAG_KV": Call("sglang.srt.constants", "", "GPU_MEMORY_TYPE_KV_CACHE", "constant",
-                   values=(("value", ("kv_cache",)),)),
-    "TAG_CUDA_GRAPH": Call("sglang.srt.constants", "", "GPU_MEMORY_TYPE_CUDA_GRAPH", "constant",
-                           values=(("value", ("cuda_graph",)),)),
+    "TAG_WEIGHTS": Call(
+        "sglang.srt.constants", "", "GPU_MEMORY_TYPE_WEIGHTS", "constant", values=(("value", ("weights",)),)
+    ),
+    "TAG_KV": Call(
+        "sglang.srt.constants", "", "GPU_MEMORY_TYPE_KV_CACHE", "constant", values=(("value", ("kv_cache",)),)
+    ),
+    "TAG_CUDA_GRAPH": Call(
+        "sglang.srt.constants",
+        "",
+        "GPU_MEMORY_TYPE_CUDA_GRAPH",
+        "constant",
+        values=(("value", ("cuda_graph",)),),
+    ),
     # -- known gap: a Qwen3 engine cannot read its weights back ---------------------------------
-    "qwen3_no_readback": Call("sglang.srt.models.qwen3", "Qwen3ForCausalLM", "get_weights_by_name", "absent",
-                              why="get_weights_by_name returns None for Qwen3; weights_fingerprint raises"),
-}  # fmt: skip
+    "qwen3_no_readback": Call(
+        "sglang.srt.models.qwen3",
+        "Qwen3ForCausalLM",
+        "get_weights_by_name",
+        "absent",
+        why="get_weights_by_name returns None for Qwen3; weights_fingerprint raises",
+    ),
+}
 
 # torch_memory_saver as backends/torch/memory.py uses it (the ``torch_memory_saver`` singleton).
 _TMS = "torch_memory_saver.entrypoint"

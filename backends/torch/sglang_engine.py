@@ -92,11 +92,15 @@ def _probe_version() -> str:
         owner = getattr(mod, c.owner, None) if c.owner else mod
         if owner is None or not hasattr(owner, c.name):
             where = f"{c.module}.{c.owner + '.' if c.owner else ''}{c.name}"
-            raise RuntimeError(f"sglang {version}: {where} missing (sglang_calls.CALLS[{k!r}]); adapter written "
-                               f"for {READ_VERSIONS}")  # fmt: skip
+            raise RuntimeError(
+                f"sglang {version}: {where} missing (sglang_calls.CALLS[{k!r}]); adapter written "
+                f"for {READ_VERSIONS}"
+            )
         if c.kind == "constant" and getattr(owner, c.name) != dict(c.values)["value"][0]:
-            raise RuntimeError(f"sglang {version}: {c.module}.{c.name} = {getattr(owner, c.name)!r}, "
-                               f"expected {dict(c.values)['value'][0]!r}")  # fmt: skip
+            raise RuntimeError(
+                f"sglang {version}: {c.module}.{c.name} = {getattr(owner, c.name)!r}, "
+                f"expected {dict(c.values)['value'][0]!r}"
+            )
     if version not in READ_VERSIONS:
         warnings.warn(f"sglang {version}: adapter written against {READ_VERSIONS}", stacklevel=2)
     return version
@@ -138,18 +142,30 @@ class SglangEngine:
         self.bucket_bytes = max(chunk_bytes, 1)
         self.weights_cpu_backup = weights_cpu_backup
         self.engine = sc.construct(
-            engine_mod, "Engine", model_path=str(model.path), tokenizer_path=str(model.path), load_format="dummy",
-            enable_memory_saver=True, enable_weights_cpu_backup=weights_cpu_backup,
-            mem_fraction_static=mem_fraction_static, tp_size=tp, max_total_tokens=max_total_tokens,
-            context_length=context_length, max_running_requests=max_running_requests, random_seed=seed,
-            log_level="error", **own_ports,
+            engine_mod,
+            "Engine",
+            model_path=str(model.path),
+            tokenizer_path=str(model.path),
+            load_format="dummy",
+            enable_memory_saver=True,
+            enable_weights_cpu_backup=weights_cpu_backup,
+            mem_fraction_static=mem_fraction_static,
+            tp_size=tp,
+            max_total_tokens=max_total_tokens,
+            context_length=context_length,
+            max_running_requests=max_running_requests,
+            random_seed=seed,
+            log_level="error",
+            **own_ports,
             # An idle scheduler otherwise polls its sockets in a loop: a host core per TP rank
             # busy for as long as the engine waits on the trainer (ServerArgs.sleep_on_idle)
             sleep_on_idle=True,
             # SGLang reads config.json with its own transformers: hand it the config the trainer uses
             json_model_override_args=json.dumps(model.config.hf_architecture()),
-            dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.dtype],
-        )  # fmt: skip
+            dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
+                self.dtype
+            ],
+        )
         self.tm = sc.attr(self.engine, "Engine.tokenizer_manager")
         self.loop = sc.attr(self.engine, "Engine.loop")
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="sglang-loop", daemon=True)
@@ -206,8 +222,13 @@ class SglangEngine:
             if noop:
                 return
             payload = sc.invoke(self.engine, "Engine._serialize_tensors_per_rank", items, None)
-            req = sc.construct(self._io(), "UpdateWeightsFromTensorReqInput", serialized_named_tensors=payload,
-                               load_format=None, flush_cache=flush)  # fmt: skip
+            req = sc.construct(
+                self._io(),
+                "UpdateWeightsFromTensorReqInput",
+                serialized_named_tensors=payload,
+                load_format=None,
+                flush_cache=flush,
+            )
             ok, msg = self._call(sc.invoke(self.tm, "update_weights_from_tensor", req, None))
             if not ok:
                 raise RuntimeError(f"sglang update_weights_from_tensor failed: {msg}")
@@ -229,8 +250,10 @@ class SglangEngine:
             req = sc.construct(self._io(), "GetWeightsByNameReqInput", name=name, truncate_size=int(shape[0]))
             values = self._call(sc.invoke(self.tm, "get_weights_by_name", req, None))
             if values is None:
-                raise RuntimeError(f"sglang {VERSION}: get_weights_by_name({name!r}) returned None (this model "
-                                   "has no read-back); the update cannot be verified")  # fmt: skip
+                raise RuntimeError(
+                    f"sglang {VERSION}: get_weights_by_name({name!r}) returned None (this model "
+                    "has no read-back); the update cannot be verified"
+                )
             t = torch.tensor(values, dtype=torch.float32)
             s = tensor_sums(t)
             out[name] = (float(s[0]), float(s[1]))
@@ -240,8 +263,11 @@ class SglangEngine:
     def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
         """One request per prompt, submitted together; a request that SGLang ends with an error
         while generation is paused comes back as ``abort`` with no tokens; any other error is raised."""
-        params: dict[str, Any] = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-                                  "top_p": sampling.top_p}  # fmt: skip
+        params: dict[str, Any] = {
+            "max_new_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+        }
         if sampling.stop_token_ids:
             params["stop_token_ids"] = list(sampling.stop_token_ids)
         # a seed per request (the batch seed on all would make a GRPO group one sample); none: random
@@ -274,9 +300,14 @@ class SglangEngine:
             meta = o[k("generate_output", "meta_info")]
             reason = (meta.get(k("generate_output", "finish_reason")) or {}).get("type") or ABORT
             lps = meta.get(k("output_token_logprobs", "output_token_logprobs")) or []
-            outs.append(GenerateOutput([int(t) for t in o[k("generate_output", "output_ids")]],
-                                       [float(x[0]) for x in lps],  # entry: (logprob, token_id, text)
-                                       o.get(k("generate_output", "text")) or "", reason))  # fmt: skip
+            outs.append(
+                GenerateOutput(
+                    [int(t) for t in o[k("generate_output", "output_ids")]],
+                    [float(x[0]) for x in lps],  # entry: (logprob, token_id, text)
+                    o.get(k("generate_output", "text")) or "",
+                    reason,
+                )
+            )
         return outs
 
     def pause_generation(self) -> None:

@@ -104,15 +104,20 @@ class TorchTrainer:
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self.trainable = {n: p for n, p in self.params.items() if p.requires_grad}
         self.optimizer = torch.optim.AdamW(
-            list(self.trainable.values()), lr=cfg.lr, betas=(cfg.adam_b1, cfg.adam_b2), eps=1e-8,
+            list(self.trainable.values()),
+            lr=cfg.lr,
+            betas=(cfg.adam_b1, cfg.adam_b2),
+            eps=1e-8,
             weight_decay=cfg.weight_decay,
-        )  # fmt: skip
+        )
         _init_optimizer_state(self.optimizer)
         # full fine-tune + KL: the initial params in the compute dtype (exact: the checkpoint's), on the host
         self.ref_host: dict[str, Any] | None = None
         if cfg.loss.beta > 0 and not self.lora:
-            self.ref_host = {n: host_copy(p.detach().to(self.compute_dtype), self.device)
-                             for n, p in self.trainable.items()}  # fmt: skip
+            self.ref_host = {
+                n: host_copy(p.detach().to(self.compute_dtype), self.device)
+                for n, p in self.trainable.items()
+            }
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         self._groups = {
@@ -271,9 +276,17 @@ class TorchTrainer:
                 ref_logp = self._ref_logp(mb, ref) if cfg.loss.beta > 0 else None
                 logp = self._token_logp(mb["tokens"], mb.get("attn"))
                 mask = mb["loss_mask"][:, 1:]
-                loss, m = policy_loss(logp, mb["old_logp"][:, 1:], mb["adv"], mask, cfg.loss, ref_logp=ref_logp,
-                                      total_tokens=total_tokens, total_seqs=total_seqs,
-                                      is_weight=mb["is_weight"][:, 1:])  # fmt: skip
+                loss, m = policy_loss(
+                    logp,
+                    mb["old_logp"][:, 1:],
+                    mb["adv"],
+                    mask,
+                    cfg.loss,
+                    ref_logp=ref_logp,
+                    total_tokens=total_tokens,
+                    total_seqs=total_seqs,
+                    is_weight=mb["is_weight"][:, 1:],
+                )
                 loss.backward()
                 n = mask.sum().double()
                 sums = {k: v.double() * n for k, v in m.items()}  # token-weighted, summed over micro-batches
@@ -310,8 +323,10 @@ class TorchTrainer:
         """Log-prob of ``tokens[b, t]`` given ``tokens[b, :t]``, [B, T] float32 (0 at t = 0 and on padding)."""
         self._need(PARAMS)
         params = self._compute_params()  # cast once for every micro-batch
-        out = [torch.nn.functional.pad(self._token_logp(mb["tokens"], mb.get("attn"), params), (1, 0)).cpu()
-               for mb in self._micro_batches(batch)]  # fmt: skip
+        out = [
+            torch.nn.functional.pad(self._token_logp(mb["tokens"], mb.get("attn"), params), (1, 0)).cpu()
+            for mb in self._micro_batches(batch)
+        ]
         logp = torch.cat(out).numpy()[:, : batch.tokens.shape[1]]
         return np.where(batch.attention_mask, logp, 0.0).astype(np.float32)
 
@@ -413,17 +428,23 @@ class TorchTrainer:
         state = torch.load(target, map_location=self.device, weights_only=True)
         saved = state["trainable"]
         if set(saved) != set(self.trainable):
-            raise ValueError(f"{target}: written with lora_rank {state.get('lora_rank')}, this trainer has "
-                             f"lora_rank {self.cfg.lora_rank} (trainable parameters differ)")  # fmt: skip
+            raise ValueError(
+                f"{target}: written with lora_rank {state.get('lora_rank')}, this trainer has "
+                f"lora_rank {self.cfg.lora_rank} (trainable parameters differ)"
+            )
         for n, p in self.trainable.items():
             if saved[n].dtype != p.dtype:
-                raise ValueError(f"{target}: trainable params saved in {saved[n].dtype} (precision "
-                                 f"{state.get('precision', 'unknown')!r}), this trainer's are {p.dtype} (precision "
-                                 f"{self.cfg.precision!r} on a {self.param_dtype} checkpoint); resume with the "
-                                 "precision it was written with")  # fmt: skip
+                raise ValueError(
+                    f"{target}: trainable params saved in {saved[n].dtype} (precision "
+                    f"{state.get('precision', 'unknown')!r}), this trainer's are {p.dtype} (precision "
+                    f"{self.cfg.precision!r} on a {self.param_dtype} checkpoint); resume with the "
+                    "precision it was written with"
+                )
             if saved[n].shape != p.shape:
-                raise ValueError(f"{target}: {n} is {saved[n].dtype}{tuple(saved[n].shape)}, "
-                                 f"the model's is {p.dtype}{tuple(p.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"{target}: {n} is {saved[n].dtype}{tuple(saved[n].shape)}, "
+                    f"the model's is {p.dtype}{tuple(p.shape)}"
+                )
         with torch.no_grad():
             for n, p in self.trainable.items():
                 p.copy_(saved[n])
@@ -491,8 +512,15 @@ class StateSnapshot:
 
     def __init__(self, state: dict[str, Any]) -> None:
         self.state = state
-        tensors = [*state["trainable"].values(),
-                   *(v for st in state["optimizer"]["state"].values() for v in st.values() if isinstance(v, torch.Tensor))]  # fmt: skip
+        tensors = [
+            *state["trainable"].values(),
+            *(
+                v
+                for st in state["optimizer"]["state"].values()
+                for v in st.values()
+                if isinstance(v, torch.Tensor)
+            ),
+        ]
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
     def write(self, path: Path) -> None:

@@ -41,12 +41,26 @@ def request_for(backend: str, target: str, model: Any, opts: Any) -> PlanRequest
     train, eng = opts.train, opts.engine
     rows = opts.prompts_per_step * opts.group_size // max(1, train.mini_batches)
     kv = None if eng.max_total_tokens in (None, AUTO) else int(eng.max_total_tokens)
-    return PlanRequest(backend=backend, target=target, model=model.config, micro_batch=max(1, min(train.micro_batch_size, rows)),
-                       seq_len=int(eng.context_length), group_size=opts.group_size, prompts=opts.prompts_per_step,
-                       tp=eng.tp, lora_rank=train.lora_rank, kl=train.loss.beta > 0, precision=train.precision,
-                       schedule=opts.lifecycle.schedule, kv_tokens=kv, mem_fraction_static=eng.mem_fraction_static,
-                       param_dtype=model.config.torch_dtype, max_running_requests=eng.max_running_requests or 128,
-                       trainer_tp=train.trainer_tp, options=dict(train.model_options))  # fmt: skip
+    return PlanRequest(
+        backend=backend,
+        target=target,
+        model=model.config,
+        micro_batch=max(1, min(train.micro_batch_size, rows)),
+        seq_len=int(eng.context_length),
+        group_size=opts.group_size,
+        prompts=opts.prompts_per_step,
+        tp=eng.tp,
+        lora_rank=train.lora_rank,
+        kl=train.loss.beta > 0,
+        precision=train.precision,
+        schedule=opts.lifecycle.schedule,
+        kv_tokens=kv,
+        mem_fraction_static=eng.mem_fraction_static,
+        param_dtype=model.config.torch_dtype,
+        max_running_requests=eng.max_running_requests or 128,
+        trainer_tp=train.trainer_tp,
+        options=dict(train.model_options),
+    )
 
 
 @dataclasses.dataclass

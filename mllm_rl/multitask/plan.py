@@ -75,11 +75,19 @@ class MultitaskPlan(Plan[MultitaskOptions]):
         notes: list[str] = []
         previous = _run_json(run_dir) if opts.resume else {}
         if isinstance(previous.get("task_options"), dict):
-            changes = compare_tasks(opts.specs, previous["task_options"], args.override or [], opts.tasks_file,
-                                    run_dir / "run.json")  # fmt: skip
+            changes = compare_tasks(
+                opts.specs,
+                previous["task_options"],
+                args.override or [],
+                opts.tasks_file,
+                run_dir / "run.json",
+            )
             opts = dataclasses.replace(opts, task_overrides=[*previous.get("task_overrides", []), *changes])
-            notes += [f"resume: task {c['task']!r}: --override {c['key']}: {c['from']} -> {c['to']} "
-                      f"(recorded in run.json)" for c in changes]  # fmt: skip
+            notes += [
+                f"resume: task {c['task']!r}: --override {c['key']}: {c['from']} -> {c['to']} "
+                f"(recorded in run.json)"
+                for c in changes
+            ]
         return opts, notes
 
     def resolve_model(

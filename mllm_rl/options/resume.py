@@ -58,9 +58,11 @@ def compare_tasks(
             if BY_KEY[key].resume != "fixed" or key not in before or before[key] == now:
                 continue
             if key not in overrides:
-                raise ValueError(f"{where}: task {spec.name!r}: {key} {now!r}: {run_json} was run with {before[key]!r}; "
-                                 f"resuming with another value changes what is trained: pass --override {key} "
-                                 f"to accept it")  # fmt: skip
+                raise ValueError(
+                    f"{where}: task {spec.name!r}: {key} {now!r}: {run_json} was run with {before[key]!r}; "
+                    f"resuming with another value changes what is trained: pass --override {key} "
+                    f"to accept it"
+                )
             changes.append({"task": spec.name, "key": key, "from": before[key], "to": now})
     return changes
 

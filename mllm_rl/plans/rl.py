@@ -139,8 +139,11 @@ class RLOptions:
                 f"completion of a prompt the same, advantage 0, nothing trains)",
             )
         if self.train.temperature != self.temperature:
-            raise OptionError("temperature", f"the trainer's log-prob temperature {self.train.temperature} "
-                              f"differs from the rollout's {self.temperature}")  # fmt: skip
+            raise OptionError(
+                "temperature",
+                f"the trainer's log-prob temperature {self.train.temperature} "
+                f"differs from the rollout's {self.temperature}",
+            )
         if self.checkpoint_every < 0:
             raise OptionError("checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
         if self.resume_from is not None and self.resume_from.step + 1 >= self.steps:
@@ -158,9 +161,16 @@ class RLOptions:
     @property
     def task_config(self) -> TaskConfig:
         """What ``mllm_rl.tasks.build_task`` builds the task from."""
-        return TaskConfig(task=self.task, data=self.task_data, prompt_key=self.prompt_key,
-                          answer_key=self.answer_key, eval_data=self.eval_data, eval_prompts=self.eval_prompts,
-                          reward=self.reward, reward_timeout=self.reward_timeout)  # fmt: skip
+        return TaskConfig(
+            task=self.task,
+            data=self.task_data,
+            prompt_key=self.prompt_key,
+            answer_key=self.answer_key,
+            eval_data=self.eval_data,
+            eval_prompts=self.eval_prompts,
+            reward=self.reward,
+            reward_timeout=self.reward_timeout,
+        )
 
     def evaluates_after(self, step: int) -> bool:
         """``--eval-every``: the ``evaluate`` phase of ``step`` scores the held-out prompts (every
@@ -177,12 +187,24 @@ def default_lr(model_name: str) -> float:
 def checkpoint_meta(backend: str, opts: RLOptions) -> dict[str, Any]:
     """What a checkpoint's ``meta.json`` records besides its step and files, and what ``--resume``
     requires of it (``verify_rl_checkpoint(expect=...)``)."""
-    return {"seed": opts.seed, "backend": backend, "lora_rank": opts.train.lora_rank,
-            "precision": opts.train.precision}  # fmt: skip
+    return {
+        "seed": opts.seed,
+        "backend": backend,
+        "lora_rank": opts.train.lora_rank,
+        "precision": opts.train.precision,
+    }
 
 
-SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "tie_word_embeddings")  # fmt: skip
+SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
 
 
 def model_shape(model: Any) -> dict[str, Any]:
@@ -201,8 +223,10 @@ def check_model_shape(ckpt: RLCheckpoint, model: Any) -> None:
         return
     for key, now in model_shape(model).items():
         if key in saved and saved[key] != now:
-            raise CheckpointError(f"{ckpt.path / 'meta.json'}: written for a model with {key} {saved[key]}, "
-                                  f"--model {model.path} has {now}")  # fmt: skip
+            raise CheckpointError(
+                f"{ckpt.path / 'meta.json'}: written for a model with {key} {saved[key]}, "
+                f"--model {model.path} has {now}"
+            )
 
 
 def checkpointer(
@@ -212,8 +236,9 @@ def checkpointer(
     (sizes and sha256 of every file) in ``meta.json``; keeps the newest ``KEEP_CHECKPOINTS``.
     ``background``: from the trainer's host snapshot on another thread, when it has one."""
     meta = checkpoint_meta(backend, opts) | ({} if model is None else {"model_shape": model_shape(model)})
-    return Checkpointer(trainer, run_dir, meta, opts.checkpoint_every, opts.steps,
-                        KEEP_CHECKPOINTS, background)  # fmt: skip
+    return Checkpointer(
+        trainer, run_dir, meta, opts.checkpoint_every, opts.steps, KEEP_CHECKPOINTS, background
+    )
 
 
 # -- rollout -----------------------------------------------------------------------------
@@ -242,9 +267,13 @@ def make_rollout(task: Task, tok: Any, opts: RLOptions, eos: int, on_rewards: Re
         texts, prompt_ids = prompts_of(task, tok, opts, examples)
         g = opts.group_size
         ids = [p for p in prompt_ids for _ in range(g)]
-        sampling = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
-                                  top_p=opts.top_p, stop_token_ids=(eos,),
-                                  seed=int(_rng(opts.seed, step, 1).integers(2**31)))  # fmt: skip
+        sampling = SamplingParams(
+            max_new_tokens=opts.max_new_tokens,
+            temperature=opts.temperature,
+            top_p=opts.top_p,
+            stop_token_ids=(eos,),
+            seed=int(_rng(opts.seed, step, 1).integers(2**31)),
+        )
         outs = engine.generate(ids, sampling)
         completions = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
         samples = [examples[i // g] for i in range(len(outs))]
@@ -321,8 +350,15 @@ def evaluate(
     }
 
 
-def evaluate_phase(engine: ManagedEngine, task: Task, tok: Any, opts: RLOptions, eos: int, step: int,
-                   on_rewards: RewardLog | None = None) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+def evaluate_phase(
+    engine: ManagedEngine,
+    task: Task,
+    tok: Any,
+    opts: RLOptions,
+    eos: int,
+    step: int,
+    on_rewards: RewardLog | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ``evaluate`` phase of ``step`` (``--eval-every``): its record's info and the metrics it
     adds to the step's line of ``metrics.jsonl`` (``eval_reward_mean``); both empty-handed on a
     step that does not evaluate."""
@@ -393,8 +429,16 @@ def _run_rl(ctx: PlanRun, opts: RLOptions, task: Task, tok: Any, on_rewards: Rew
     if lifecycle.check_weights and not lifecycle.probe_ids:
         lifecycle.probe_ids = tuple(tok(PROBE_PROMPT, add_special_tokens=False).input_ids)
 
-    engine = setup.start(backend, rec, model, ctx.make_wandb, ctx.runtime, size_engine(task, tok, opts),
-                         ctx.on_engine, attempt_first_step=first_step)  # fmt: skip
+    engine = setup.start(
+        backend,
+        rec,
+        model,
+        ctx.make_wandb,
+        ctx.runtime,
+        size_engine(task, tok, opts),
+        ctx.on_engine,
+        attempt_first_step=first_step,
+    )
 
     def make_trainer():
         trainer = backend.create_trainer(model, opts.train)
@@ -446,10 +490,14 @@ def check_prompts(opts: RLOptions, model: Any) -> list[str]:
     task = build_task(opts.task_config)  # the rows read by ``preflight`` (cached)
     tok = AutoTokenizer.from_pretrained(str(model.path))
     ctx = opts.engine.context_length
-    allowed, why = (ctx, "--context-length") if ctx else (
-        model.config.max_position_embeddings, f"{model.path}'s max_position_embeddings")  # fmt: skip
-    check_lengths(tok, task.sizing(opts.seed), task.templated, opts.chat_template, opts.max_new_tokens,
-                  allowed, why)  # fmt: skip
+    allowed, why = (
+        (ctx, "--context-length")
+        if ctx
+        else (model.config.max_position_embeddings, f"{model.path}'s max_position_embeddings")
+    )
+    check_lengths(
+        tok, task.sizing(opts.seed), task.templated, opts.chat_template, opts.max_new_tokens, allowed, why
+    )
     if uses_template(tok, task.templated, opts.chat_template):
         return ["note: prompts go through the checkpoint's chat template (--chat-template off: as they are)"]
     return []
@@ -465,41 +513,94 @@ class RLPlan(Plan[RLOptions]):
     def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> RLOptions:
         if engine.task is not None:  # a task of a --tasks file (its engine carries the task's name)
             if args.max_total_tokens == AUTO:
-                raise OptionError("max_total_tokens", "auto: a task of a --tasks file is not memory-planned "
-                                  "before start-up; give it a number of tokens")  # fmt: skip
+                raise OptionError(
+                    "max_total_tokens",
+                    "auto: a task of a --tasks file is not memory-planned "
+                    "before start-up; give it a number of tokens",
+                )
             for key in TASKS_FILE_LACKS:
                 if getattr(args, key, None) != default(key):
-                    raise OptionError(key, "is not taken in a --tasks file yet (a task there is built from "
-                                      "task and task_data alone: mllm_rl.multitask.runtime); run it with --plan rl")  # fmt: skip
+                    raise OptionError(
+                        key,
+                        "is not taken in a --tasks file yet (a task there is built from "
+                        "task and task_data alone: mllm_rl.multitask.runtime); run it with --plan rl",
+                    )
             if task_name(args.task, args.task_data) == "data":
-                raise OptionError("task", "'data' (a dataset scored by --reward) is not taken in a --tasks "
-                                  "file yet; task = \"boxed\" reads task_data as math questions")  # fmt: skip
-        check_config(TaskConfig(task=args.task, data=args.task_data, prompt_key=args.prompt_key,
-                                answer_key=args.answer_key, eval_data=args.eval_data, reward=args.reward))  # fmt: skip
-        loss = LossConfig(eps_low=args.eps_low, eps_high=args.eps_high, beta=args.kl_beta,
-                          aggregation=args.loss_agg, max_len=args.max_new_tokens or 8,
-                          clip_ratio_c=args.clip_ratio_c)  # fmt: skip
+                raise OptionError(
+                    "task",
+                    "'data' (a dataset scored by --reward) is not taken in a --tasks "
+                    'file yet; task = "boxed" reads task_data as math questions',
+                )
+        check_config(
+            TaskConfig(
+                task=args.task,
+                data=args.task_data,
+                prompt_key=args.prompt_key,
+                answer_key=args.answer_key,
+                eval_data=args.eval_data,
+                reward=args.reward,
+            )
+        )
+        loss = LossConfig(
+            eps_low=args.eps_low,
+            eps_high=args.eps_high,
+            beta=args.kl_beta,
+            aggregation=args.loss_agg,
+            max_len=args.max_new_tokens or 8,
+            clip_ratio_c=args.clip_ratio_c,
+        )
         lr = FROM_SCRATCH_LR if args.lr is None else args.lr  # the model's default: ``with_model``
-        train = TrainConfig(lr=lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                            mini_batches=args.mini_batches, micro_batch_size=args.micro_batch_size, loss=loss,
-                            lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, seed=args.seed,
-                            temperature=args.temperature or 1.0,  # 0: RLOptions refuses it, saying why
-                            precision=args.precision, trainer_tp=args.trainer_tp,
-                            model_options=tuple(parse_key_value(o, "--model-option") for o in args.model_option or []))  # fmt: skip
+        train = TrainConfig(
+            lr=lr,
+            weight_decay=args.weight_decay,
+            grad_clip=args.grad_clip,
+            mini_batches=args.mini_batches,
+            micro_batch_size=args.micro_batch_size,
+            loss=loss,
+            lora_rank=args.lora_rank,
+            lora_alpha=args.lora_alpha,
+            seed=args.seed,
+            temperature=args.temperature or 1.0,  # 0: RLOptions refuses it, saying why
+            precision=args.precision,
+            trainer_tp=args.trainer_tp,
+            model_options=tuple(parse_key_value(o, "--model-option") for o in args.model_option or []),
+        )
         return RLOptions(
-            steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
-            max_new_tokens=args.max_new_tokens or 8, temperature=args.temperature, top_p=args.top_p,
-            estimator=args.estimator, adv_std=args.adv_std, lr_from_model=args.lr is None, task=args.task,
-            task_data=args.task_data, prompt_key=args.prompt_key, answer_key=args.answer_key,
-            chat_template=args.chat_template, reward=args.reward, reward_timeout=args.reward_timeout,
-            eval_data=args.eval_data, eval_every=args.eval_every,
-            eval_prompts=args.eval_prompts, checkpoint_every=args.checkpoint_every,
-            checkpoint_background=args.checkpoint_background, seed=args.seed, platform=platform, engine=engine,
+            steps=args.steps,
+            prompts_per_step=args.prompts_per_step,
+            group_size=args.group_size,
+            max_new_tokens=args.max_new_tokens or 8,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            estimator=args.estimator,
+            adv_std=args.adv_std,
+            lr_from_model=args.lr is None,
+            task=args.task,
+            task_data=args.task_data,
+            prompt_key=args.prompt_key,
+            answer_key=args.answer_key,
+            chat_template=args.chat_template,
+            reward=args.reward,
+            reward_timeout=args.reward_timeout,
+            eval_data=args.eval_data,
+            eval_every=args.eval_every,
+            eval_prompts=args.eval_prompts,
+            checkpoint_every=args.checkpoint_every,
+            checkpoint_background=args.checkpoint_background,
+            seed=args.seed,
+            platform=platform,
+            engine=engine,
             train=train,
-            lifecycle=LifecycleOptions(schedule=args.schedule, check_weights=args.check_weights,
-                                       old_logp=args.old_logp, tis_cap=args.tis_cap),
-            memory_plan=args.memory_plan, plan_margin=args.margin, kv_auto=args.max_total_tokens == AUTO,
-        )  # fmt: skip
+            lifecycle=LifecycleOptions(
+                schedule=args.schedule,
+                check_weights=args.check_weights,
+                old_logp=args.old_logp,
+                tis_cap=args.tis_cap,
+            ),
+            memory_plan=args.memory_plan,
+            plan_margin=args.margin,
+            kv_auto=args.max_total_tokens == AUTO,
+        )
 
     def with_model(self, opts: RLOptions, model: Any) -> tuple[RLOptions, list[str]]:
         """``--lr`` unset: ``FROM_SCRATCH_LR`` for the ``tiny`` preset (random initialisation),

@@ -268,15 +268,28 @@ def plan_check_html(an: RunAnalysis) -> str:
         f"(the last step, and setup). A phase above the prediction by more than {check.get('tolerance', 0):.0%} "
         "is a finding.</p>",
         "<table><tr>"
-        + "".join(_th(h, h in ("phase", "resident at end")) for h in
-                  ["phase", "resident at end", f"predicted {unit[1]}", f"measured {unit[1]}", "measured/predicted"])
+        + "".join(
+            _th(h, h in ("phase", "resident at end"))
+            for h in [
+                "phase",
+                "resident at end",
+                f"predicted {unit[1]}",
+                f"measured {unit[1]}",
+                "measured/predicted",
+            ]
+        )
         + "</tr>",
-    ]  # fmt: skip
+    ]
     for r in check.get("phases", []):
         ratio = r["measured"] / r["predicted"] if r["predicted"] else None
         flag = r["measured"] > r["predicted"] * (1 + check["tolerance"]) + 2**20
-        cells = [_td(r["phase"], True), _td(", ".join(r["resident_at_end"]), True),
-                 _td(fmt_bytes(r["predicted"], unit)), _td(fmt_bytes(r["measured"], unit)), _td(fmt_num(ratio))]  # fmt: skip
+        cells = [
+            _td(r["phase"], True),
+            _td(", ".join(r["resident_at_end"]), True),
+            _td(fmt_bytes(r["predicted"], unit)),
+            _td(fmt_bytes(r["measured"], unit)),
+            _td(fmt_num(ratio)),
+        ]
         out.append(f'<tr class="{"flag" if flag else ""}">' + "".join(cells) + "</tr>")
     out.append("</table>")
     return "\n".join(out)

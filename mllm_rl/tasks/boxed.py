@@ -106,8 +106,18 @@ def boxed_task(
             raise ValueError(f"{where}: the answer ({akey!r}) has no target (GSM8K's '#### 72', or '72')")
 
     path = str(SAMPLE_DATA) if data is None else data
-    return dataset_task("boxed", path, pkey, akey, eval_data, eval_prompts, reward or REWARD, reward_timeout,
-                        prompt_text, check)  # fmt: skip
+    return dataset_task(
+        "boxed",
+        path,
+        pkey,
+        akey,
+        eval_data,
+        eval_prompts,
+        reward or REWARD,
+        reward_timeout,
+        prompt_text,
+        check,
+    )
 
 
 class BoxedMathTask:

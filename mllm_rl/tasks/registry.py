@@ -52,8 +52,11 @@ def check_config(cfg: TaskConfig) -> None:
     if name == "pattern":
         if cfg.data is not None:
             raise ValueError("--task-data: the pattern task generates its own prompts")
-        for flag, value in (("--prompt-key", cfg.prompt_key), ("--answer-key", cfg.answer_key),
-                            ("--eval-data", cfg.eval_data)):  # fmt: skip
+        for flag, value in (
+            ("--prompt-key", cfg.prompt_key),
+            ("--answer-key", cfg.answer_key),
+            ("--eval-data", cfg.eval_data),
+        ):
             if value is not None:
                 raise ValueError(f"{flag}: the pattern task generates its own prompts (it takes no data)")
     if name == "data" and cfg.reward is None:
@@ -87,8 +90,15 @@ def build_task(cfg: TaskConfig) -> Task:
     if name == "pattern":
         return PatternTask(reward_spec=cfg.reward or PATTERN_REWARD, reward_timeout=cfg.reward_timeout)
     if name == "boxed":
-        return boxed_task(cfg.data, cfg.prompt_key, cfg.answer_key, cfg.eval_data, cfg.eval_prompts, cfg.reward,
-                          cfg.reward_timeout)  # fmt: skip
+        return boxed_task(
+            cfg.data,
+            cfg.prompt_key,
+            cfg.answer_key,
+            cfg.eval_data,
+            cfg.eval_prompts,
+            cfg.reward,
+            cfg.reward_timeout,
+        )
     assert cfg.data is not None and cfg.reward is not None  # check_config: a data task has both
     pkey = "prompt" if cfg.prompt_key is None else cfg.prompt_key
     akey = "answer" if cfg.answer_key is None else cfg.answer_key
