@@ -105,7 +105,8 @@ def run_learns_from_a_jsonl_and_a_reward_file(backend: str, tmp: Path) -> dict:
         assert abs(float(np.mean(got)) - rewards_by_step[s]) < 1e-9
 
     summary = json.loads((run_dir / "report" / "summary.json").read_text())
-    assert [i for i in summary["issues"] if i["severity"] in ("error", "warning")] == []
+    bad = [i for i in summary["issues"] if i["severity"] in ("error", "warning")]
+    assert bad == [], bad
     return {"seconds": round(took, 1), "reward_mean": rewards_by_step,
             "eval_reward_mean": [by_step[3]["eval_reward_mean"], by_step[7]["eval_reward_mean"]]}  # fmt: skip
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mllm_rl.memplan.compose import SETUP_PREFIX
 from mllm_rl.memplan.validate import NOISE_BYTES, compare
 
 TOLERANCE = 0.05
@@ -19,14 +20,34 @@ TOLERANCE = 0.05
 
 def audit(records: list[dict[str, Any]], doc: dict[str, Any]) -> dict[str, Any]:
     """``validate.compare`` of the records against ``doc`` (``ValueError`` when they cannot be
-    compared, e.g. a run over several devices)."""
-    return compare(records, doc, TOLERANCE)
+    compared, e.g. a run over several devices): the last step's phases, and in ``previous`` the step
+    before's (a step's phase must be above the plan in both to drift: an array released late at one
+    phase's end is not memory the plan misses)."""
+    check = compare(records, doc, TOLERANCE)
+    steps = sorted({r["step"] for r in records if r.get("step") is not None})
+    if len(steps) > 1:
+        before = [r for r in records if r.get("step") is None or r["step"] < steps[-1]]
+        check["previous"] = [
+            r for r in compare(before, doc, TOLERANCE)["phases"] if not r["phase"].startswith(SETUP_PREFIX)
+        ]
+    return check
+
+
+def _above(r: dict[str, Any], tolerance: float) -> bool:
+    return r["measured"] > r["predicted"] * (1 + tolerance) + NOISE_BYTES
 
 
 def drifts(check: dict[str, Any]) -> list[dict[str, Any]]:
-    """The phases whose end-of-phase bytes exceed the prediction by more than the tolerance."""
+    """The phases whose end-of-phase bytes exceed the prediction by more than the tolerance (a step's
+    phase: in each of the last two steps, when the run had two)."""
+    tol = check["tolerance"]
+    if "previous" not in check:
+        return [r for r in check["phases"] if _above(r, tol)]
+    earlier = {r["phase"] for r in check["previous"] if _above(r, tol)}
     return [
-        r for r in check["phases"] if r["measured"] > r["predicted"] * (1 + check["tolerance"]) + NOISE_BYTES
+        r
+        for r in check["phases"]
+        if _above(r, tol) and (r["phase"].startswith(SETUP_PREFIX) or r["phase"] in earlier)
     ]
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from mllm_rl.backend import Backend
+from mllm_rl.checkpoint.hf_config import REQUIRED as REQUIRED_SHAPE
 from mllm_rl.checkpoint.resolve import RLCheckpoint
 from mllm_rl.checkpoint.writer import Checkpointer
 from mllm_rl.engine import ABORT, EngineOptions, SamplingParams
@@ -196,15 +197,10 @@ def checkpoint_meta(backend: str, opts: RLOptions) -> dict[str, Any]:
 
 
 SHAPE_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
+    *REQUIRED_SHAPE,
     "head_dim",
     "tie_word_embeddings",
-)
+)  # what a checkpoint's state has the shapes of
 
 
 def model_shape(model: Any) -> dict[str, Any]:
