@@ -113,6 +113,19 @@ class EngineOptions:
                 f"--engine {self.engine}: not an engine of the {backend} backend; choices: {have}"
             )
 
+    def start_kwargs(self) -> dict[str, Any]:
+        """What every engine adapter's constructor takes from these options (``resolved`` sizes;
+        ``max_running_requests`` / ``mem_fraction_static`` only when chosen: the engine's default
+        otherwise). ``ports`` and the device are each adapter's own."""
+        o = self.resolved()
+        out: dict[str, Any] = dict(tp=o.tp, max_total_tokens=o.max_total_tokens, context_length=o.context_length,
+                                   seed=o.seed, chunk_bytes=o.chunk_bytes, weights_cpu_backup=o.weights_cpu_backup,
+                                   task=o.task)  # fmt: skip
+        for key in ("max_running_requests", "mem_fraction_static"):
+            if getattr(o, key) is not None:
+                out[key] = getattr(o, key)
+        return out
+
     def resolved(self) -> EngineOptions:
         """A copy with ``context_length`` / ``max_total_tokens`` defaulted where unset."""
         return dataclasses.replace(

@@ -86,24 +86,7 @@ class JaxBackend(Backend):
         from mllm_rl.backends.jax.sglang_engine import SglangJaxEngine
 
         opts.check_backend(self.name, self.engines)
-        o = opts.resolved()
-        extra: dict[str, Any] = (
-            {} if o.max_running_requests is None else {"max_running_requests": o.max_running_requests}
-        )
-        if o.mem_fraction_static is not None:
-            extra["mem_fraction_static"] = o.mem_fraction_static
-        return SglangJaxEngine(
-            model,
-            tp=o.tp,
-            max_total_tokens=o.max_total_tokens,
-            context_length=o.context_length,
-            seed=o.seed,
-            chunk_bytes=o.chunk_bytes,
-            weights_cpu_backup=o.weights_cpu_backup,
-            task=o.task,
-            ports=o.ports,
-            **extra,
-        )
+        return SglangJaxEngine(model, ports=opts.ports, **opts.start_kwargs())
 
     def check_trainer_args(self, model: ModelDir, cfg: Any) -> None:
         """``--model-option`` names ``ModelOptions`` fields; ``--trainer-tp`` divides the devices and

@@ -117,42 +117,16 @@ class TorchBackend(Backend):
         ``<task>/...``; a server engine (SGLang) binds ``ports`` (from the run's one allocator)
         instead of picking."""
         opts.check_backend(self.name, self.engines)
-        o = opts.resolved()
-        kind = self.resolve_engine(o.engine)
-        extra: dict[str, Any] = (
-            {} if o.max_running_requests is None else {"max_running_requests": o.max_running_requests}
-        )
+        kind = self.resolve_engine(opts.engine)
+        kwargs = opts.start_kwargs()
         if kind == "sglang":
-            if o.mem_fraction_static is not None:
-                extra["mem_fraction_static"] = o.mem_fraction_static
             from mllm_rl.backends.torch.sglang_engine import SglangEngine
 
-            return SglangEngine(
-                model,
-                tp=o.tp,
-                max_total_tokens=o.max_total_tokens,
-                context_length=o.context_length,
-                seed=o.seed,
-                chunk_bytes=o.chunk_bytes,
-                weights_cpu_backup=o.weights_cpu_backup,
-                task=o.task,
-                ports=list(o.ports) if o.ports else None,
-                **extra,
-            )
+            return SglangEngine(model, ports=list(opts.ports) if opts.ports else None, **kwargs)
         from mllm_rl.backends.torch.engine import EmbeddedEngine
 
-        return EmbeddedEngine(
-            model,
-            tp=o.tp,
-            max_total_tokens=o.max_total_tokens,
-            context_length=o.context_length,
-            seed=o.seed,
-            chunk_bytes=o.chunk_bytes,
-            weights_cpu_backup=o.weights_cpu_backup,
-            device=self._device(),
-            task=o.task,
-            **extra,
-        )
+        kwargs.pop("mem_fraction_static", None)  # refused by check_engine_args: the pool is max_total_tokens
+        return EmbeddedEngine(model, device=self._device(), **kwargs)
 
     def create_trainer(self, model: ModelDir, cfg: Any):
         """``TorchTrainer`` (``backends/torch/trainer.py``) on the runtime's device."""

@@ -22,8 +22,6 @@ from typing import Any
 
 from mllm_rl.memplan.request import PlanRequest
 
-AUTO = "auto"  # --kv-tokens auto
-
 
 class DoesNotFit(Exception):
     """The run's own plan does not fit its devices (exit 6, before anything starts)."""
@@ -40,7 +38,6 @@ def request_for(backend: str, target: str, model: Any, opts: Any) -> PlanRequest
     """The plan request of an RL run (``RLOptions`` with its engine sized: ``size_engine``)."""
     train, eng = opts.train, opts.engine
     rows = opts.prompts_per_step * opts.group_size // max(1, train.mini_batches)
-    kv = None if eng.max_total_tokens in (None, AUTO) else int(eng.max_total_tokens)
     return PlanRequest(
         backend=backend,
         target=target,
@@ -54,7 +51,7 @@ def request_for(backend: str, target: str, model: Any, opts: Any) -> PlanRequest
         kl=train.loss.beta > 0,
         precision=train.precision,
         schedule=opts.lifecycle.schedule,
-        kv_tokens=kv,
+        kv_tokens=eng.max_total_tokens,
         mem_fraction_static=eng.mem_fraction_static,
         param_dtype=model.config.torch_dtype,
         max_running_requests=eng.max_running_requests or 128,

@@ -23,6 +23,7 @@ import importlib
 from collections.abc import Iterable
 from typing import Any
 
+KV_AUTO = "auto"  # --kv-tokens auto: the KV pool the run's memory plan leaves room for
 RUN = frozenset({"rl", "swap", "tasks"})  # every mode of ``python -m mllm_rl.run``
 RL = frozenset({"rl", "task"})  # an RL setting: the rl plan's flag and a task key
 
@@ -88,7 +89,7 @@ OPTIONS: tuple[Option, ...] = (
        low=1, nullable=True, default_text="8 for rl, 16 for swap"),
     _o("max_total_tokens", int, None, "engine KV cache size in tokens; auto (rl, JAX on CPU): the largest pool "
        "the run's memory plan leaves room for", "run",
-       {"rl", "swap", "task", "memplan"}, low=1, nullable=True, aliases=("--kv-tokens",), words=("auto",),
+       {"rl", "swap", "task", "memplan"}, low=1, nullable=True, aliases=("--kv-tokens",), words=(KV_AUTO,),
        default_text="swap 4096; rl max-running-requests x context; memplan: the engine's rule"),
     _o("context_length", int, None, "engine context length", "run", {"rl", "swap", "task"}, low=1,
        nullable=True, default_text="swap 512; rl: fits the task's prompts + completions"),

@@ -26,6 +26,7 @@ from mllm_rl.backend import Backend
 from mllm_rl.checkpoint.model_dir import CheckpointError, ModelDir
 from mllm_rl.checkpoint.resolve import CKPT_DIR, RLCheckpoint, find_resumable
 from mllm_rl.option_error import OptionError, cli_flag
+from mllm_rl.options.schema import KV_AUTO
 from mllm_rl.phases.watchdog import PhaseLimits
 from mllm_rl.plans.base import Plan
 
@@ -144,7 +145,7 @@ def engine_options(args: argparse.Namespace, task: str | None = None) -> Any:
     return EngineOptions(
         tp=args.tp,
         engine=args.engine,
-        max_total_tokens=None if args.max_total_tokens == "auto" else args.max_total_tokens,
+        max_total_tokens=None if args.max_total_tokens == KV_AUTO else args.max_total_tokens,
         context_length=args.context_length,
         max_running_requests=args.max_running_requests,
         seed=args.seed,

@@ -39,7 +39,7 @@ from mllm_rl.lifecycle import SETUP_PHASES as LIFECYCLE_SETUP
 from mllm_rl.lifecycle import STEP_PHASES, LifecycleOptions, colocate, step_phases
 from mllm_rl.option_error import OptionError
 from mllm_rl.options.check import parse_key_value
-from mllm_rl.options.schema import default
+from mllm_rl.options.schema import KV_AUTO, default
 from mllm_rl.plans import setup
 from mllm_rl.plans.base import Plan, PlanRun
 from mllm_rl.progress import progress_bar
@@ -66,7 +66,6 @@ REWARDS_FILE = "rewards{p}.jsonl"  # every sample's reward (``RewardsFile``)
 EVAL_PHASE = "evaluate"  # --eval-every: after every step (scoring on the steps it names: ``evaluate_phase``)
 # Settings a task of a --tasks file cannot take yet (mllm_rl.multitask builds a task from task and task_data)
 TASKS_FILE_LACKS = ("prompt_key", "answer_key", "eval_data", "reward", "reward_timeout", "eval_every")
-AUTO = "auto"  # --kv-tokens auto
 
 
 @dataclasses.dataclass
@@ -508,7 +507,7 @@ class RLPlan(Plan[RLOptions]):
 
     def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> RLOptions:
         if engine.task is not None:  # a task of a --tasks file (its engine carries the task's name)
-            if args.max_total_tokens == AUTO:
+            if args.max_total_tokens == KV_AUTO:
                 raise OptionError(
                     "max_total_tokens",
                     "auto: a task of a --tasks file is not memory-planned "
@@ -595,7 +594,7 @@ class RLPlan(Plan[RLOptions]):
             ),
             memory_plan=args.memory_plan,
             plan_margin=args.margin,
-            kv_auto=args.max_total_tokens == AUTO,
+            kv_auto=args.max_total_tokens == KV_AUTO,
         )
 
     def with_model(self, opts: RLOptions, model: Any) -> tuple[RLOptions, list[str]]:

@@ -280,9 +280,12 @@ def plan_check_html(an: RunAnalysis) -> str:
         )
         + "</tr>",
     ]
+    from mllm_rl.memplan.audit import drifts
+
+    drifted = {r["phase"] for r in drifts(check)}
     for r in check.get("phases", []):
         ratio = r["measured"] / r["predicted"] if r["predicted"] else None
-        flag = r["measured"] > r["predicted"] * (1 + check["tolerance"]) + 2**20
+        flag = r["phase"] in drifted
         cells = [
             _td(r["phase"], True),
             _td(", ".join(r["resident_at_end"]), True),
