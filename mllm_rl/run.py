@@ -136,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         backend.shutdown_distributed()
         return DOES_NOT_FIT
-    except (CheckpointError, ValueError) as e:
+    except (CheckpointError, ValueError) as e:  # the same refusal in every process: leave together
         print(f"error: {e}", file=sys.stderr)
+        backend.shutdown_distributed()
         return 2
     except ImportError as e:  # the backend's framework is not in this environment
         print(f"error: --backend {args.backend}: {e} (install the '{args.backend}' extra)", file=sys.stderr)

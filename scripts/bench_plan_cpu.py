@@ -150,7 +150,13 @@ def report(out: dict[str, Any]) -> str:
     mib = lambda b: None if b is None else b / MiB  # noqa: E731
     comps = [dict(r, predicted=mib(r["predicted"]), measured=mib(r["measured"])) for r in out["components"]]
     phases = [
-        dict(r, predicted=mib(r["predicted"]), measured=mib(r["measured"]), during=mib(r["predicted_during"]))
+        dict(
+            r,
+            predicted=mib(r["predicted"]),
+            measured=mib(r["measured"]),
+            before=mib(r["measured_before"]),
+            during=mib(r["predicted_during"]),
+        )
         for r in out["phases"]
     ]
     g = out["grad_step"]
@@ -168,11 +174,13 @@ def report(out: dict[str, Any]) -> str:
             "Components (PREDICTED by the plan for the cpu target vs MEASURED by the run's own byte counts):",
             table(comps, [("component", "component", "")] + cols),
             "",
-            "Bytes in use at the end of each phase (setup, then the last step; PREDICTED vs MEASURED live arrays):",
+            "Bytes in use at the end of each phase (setup, then the last step; PREDICTED vs MEASURED live arrays;"
+            " a step's phase holds when the last step or the one before is within):",
             table(
                 phases,
                 [("phase", "phase", "")]
-                + cols
+                + cols[:3]
+                + [("before", "measured MiB (step before)", ".2f"), cols[3]]
                 + [
                     ("during", "plan's peak during the phase MiB", ".2f"),
                     ("below_during", "measured <= it", ""),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from mllm_rl.memplan.compose import SETUP_PREFIX
 from mllm_rl.memplan.validate import NOISE_BYTES, compare
 
 TOLERANCE = 0.05
@@ -20,34 +19,25 @@ TOLERANCE = 0.05
 
 def audit(records: list[dict[str, Any]], doc: dict[str, Any]) -> dict[str, Any]:
     """``validate.compare`` of the records against ``doc`` (``ValueError`` when they cannot be
-    compared, e.g. a run over several devices): the last step's phases, and in ``previous`` the step
-    before's (a step's phase must be above the plan in both to drift: an array released late at one
-    phase's end is not memory the plan misses)."""
-    check = compare(records, doc, TOLERANCE)
-    steps = sorted({r["step"] for r in records if r.get("step") is not None})
-    if len(steps) > 1:
-        before = [r for r in records if r.get("step") is None or r["step"] < steps[-1]]
-        check["previous"] = [
-            r for r in compare(before, doc, TOLERANCE)["phases"] if not r["phase"].startswith(SETUP_PREFIX)
-        ]
-    return check
+    compared, e.g. a run over several devices): setup's and the last step's phases, each step phase
+    with the step before's bytes (``measured_before``)."""
+    return compare(records, doc, TOLERANCE)
 
 
-def _above(r: dict[str, Any], tolerance: float) -> bool:
-    return r["measured"] > r["predicted"] * (1 + tolerance) + NOISE_BYTES
+def _above(measured: int | None, predicted: int, tolerance: float) -> bool:
+    return measured is not None and measured > predicted * (1 + tolerance) + NOISE_BYTES
 
 
 def drifts(check: dict[str, Any]) -> list[dict[str, Any]]:
     """The phases whose end-of-phase bytes exceed the prediction by more than the tolerance (a step's
-    phase: in each of the last two steps, when the run had two)."""
+    phase: in each of the last two steps when the run had two; an array released late at one
+    phase's end is not memory the plan misses)."""
     tol = check["tolerance"]
-    if "previous" not in check:
-        return [r for r in check["phases"] if _above(r, tol)]
-    earlier = {r["phase"] for r in check["previous"] if _above(r, tol)}
     return [
         r
         for r in check["phases"]
-        if _above(r, tol) and (r["phase"].startswith(SETUP_PREFIX) or r["phase"] in earlier)
+        if _above(r["measured"], r["predicted"], tol)
+        and (r.get("measured_before") is None or _above(r["measured_before"], r["predicted"], tol))
     ]
 
 

@@ -164,3 +164,29 @@ def test_compare_with_phase_records():
     assert not rows["train_step"]["within"]  # 3.3 GiB measured vs 3 GiB predicted at its end
     assert not out["within"]
     json.dumps(out)
+
+
+def test_a_late_release_in_one_step_holds_and_in_two_steps_drifts():
+    """A step's phase above the plan in one of the last two steps (an array released late) holds;
+    above in both it is off (``validate.compare``) and a drift (``audit.drifts``)."""
+    from mllm_rl.memplan.audit import drifts
+
+    m = measured(kv_tokens=100, engine_logits=0.0)
+    doc = {"schedule": "multi_stage", "plans": {s: p.to_json() for s, p in plans(m, request()).items()}}
+    comps = {k: v.bytes_per_device for k, v in m.components.items()}
+    at_end = comps["trainer_params"] + comps["optimizer"]
+
+    def rec(phase, step, used, **info):
+        return {"phase": phase, "step": step, "memory": {"devices": [{"id": 0, "bytes_in_use": used}], "host": {}},
+                "info": info}  # fmt: skip
+
+    setup = [rec("release_rollout", None, 0, held={"weights": comps["engine_weights"], "kv_cache": comps["kv_pool"]}),
+             rec("trainer_init", None, at_end, state_bytes={"params": comps["trainer_params"],
+                                                            "optimizer": comps["optimizer"]})]  # fmt: skip
+    late = at_end + 512 * MIB
+    one = compare([*setup, rec("train_step", 0, at_end), rec("train_step", 1, late)], doc, 0.05)
+    row = next(r for r in one["phases"] if r["phase"] == "train_step")
+    assert row["within"] and not row["within_last"] and row["measured_before"] == at_end
+    assert drifts(one) == []
+    two = compare([*setup, rec("train_step", 0, late), rec("train_step", 1, late)], doc, 0.05)
+    assert not two["within"] and [r["phase"] for r in drifts(two)] == ["train_step"]

@@ -130,9 +130,9 @@ def test_cpu_plan_holds_against_a_tiny_run(tmp_path):
     out = tmp_path / "cmp.json"
     r = run_cli_script("bench_plan_cpu.py", "--model", "tiny", "--steps", "2", "--run-dir", str(tmp_path / "run"),
                        "--json", str(out))  # fmt: skip
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
-    res = json.loads(out.read_text())
-    assert res["within"], r.stdout[-4000:]  # the table says which phase or component is off
+    res = json.loads(out.read_text()) if out.exists() else {}
+    off = [x for x in res.get("components", []) + res.get("phases", []) if not x["within"]]
+    assert r.returncode == 0 and res["within"], off or r.stderr[-3000:]  # which phase or component is off
     comps = {c["component"]: c for c in res["components"]}
     assert set(comps) == {"engine_weights", "kv_pool", "trainer_params", "optimizer"}
     assert all(abs(c["ratio"] - 1) <= 0.05 for c in comps.values())
