@@ -144,3 +144,32 @@ def bad_reward_is_a_clear_exit(backend: str, tmp: Path, name: str) -> None:
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(pid)
+
+
+def tasks_file_takes_a_dataset_and_a_reward_file(backend: str, tmp: Path) -> None:
+    """A task of a --tasks file with the user's data, prompt column and reward file, all named
+    relative to the TOML file (the run starts elsewhere): it runs to the end, every sample's reward
+    is in its own ``tasks/<name>/rewards.jsonl`` and the step means are the metrics'."""
+    d = tmp / "task"
+    d.mkdir()
+    data, _ = write_task(d, rows=40)
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    (d / "q.jsonl").write_text("".join(json.dumps({"question": r["prompt"], "answer": r["answer"]}) + "\n"
+                                       for r in rows))  # fmt: skip
+    toml = d / "tasks.toml"
+    toml.write_text('[[task]]\nname = "mine"\ntask_data = "q.jsonl"\nprompt_key = "question"\n'
+                    'reward = "rewards.py:score"\nchat_template = "off"\nsteps = 2\nprompts_per_step = 4\n'
+                    "group_size = 4\nmax_new_tokens = 4\neval_prompts = 4\ncheckpoint_every = 0\n")  # fmt: skip
+    run_dir = tmp / "run"
+    r = run_cli("mllm_rl.run", "--backend", backend, "--tasks", str(toml), "--run-dir", str(run_dir),
+                "--console", "off", "--wandb", "disabled", timeout=900)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = read_jsonl(run_dir / "tasks" / "mine" / "rewards.jsonl")
+    rollout = [x for x in lines if x["phase"] == "rollout"]
+    assert len(rollout) == 2 * 4 * 4 and len([x for x in lines if x["phase"] == "generate_result"]) == 4
+    metrics = {m["step"]: m for m in read_jsonl(run_dir / "metrics.jsonl") if m.get("task") == "mine"}
+    for s in (0, 1):
+        got = [x["reward"] for x in rollout if x["step"] == s]
+        assert abs(float(np.mean(got)) - metrics[s]["reward_mean"]) < 1e-9
+    recorded = json.loads((run_dir / "run.json").read_text())["task_options"]["mine"]
+    assert recorded["reward"] == f"{d / 'rewards.py'}:score" and recorded["prompt_key"] == "question"

@@ -65,14 +65,20 @@ class MultitaskPlan(Plan[MultitaskOptions]):
         self, args: argparse.Namespace, opts: MultitaskOptions, backend: Backend, run_dir: Path
     ) -> tuple[MultitaskOptions, list[str]]:
         from mllm_rl.options.resume import compare_tasks
-        from mllm_rl.tasks import get_task
+        from mllm_rl.tasks import build_task
+        from mllm_rl.tasks.reward import check_reward
 
-        for s in opts.specs:
+        notes: list[str] = []
+        for s in opts.specs:  # every task's data read and checked, its reward loaded in a worker
+            o = s.rl_options(tp=opts.engine.tp, platform=opts.platform, engine=opts.engine.engine)
             try:
-                get_task(s.task, s.task_data)
+                task = build_task(o.task_config)
+                task.close()
+                if o.reward is not None:
+                    check_reward(o.reward, o.reward_timeout)
             except (ValueError, OSError) as e:
                 raise ValueError(f"{opts.tasks_file}: task {s.name!r}: {e}") from None
-        notes: list[str] = []
+            notes += [f"task {s.name!r}: {n}" for n in getattr(task, "notes", [])]
         previous = _run_json(run_dir) if opts.resume else {}
         if isinstance(previous.get("task_options"), dict):
             changes = compare_tasks(
@@ -94,15 +100,18 @@ class MultitaskPlan(Plan[MultitaskOptions]):
         self, args: argparse.Namespace, opts: MultitaskOptions
     ) -> tuple[MultitaskOptions, None, list[str]]:
         from mllm_rl.checkpoint.resolve import resolve_model
+        from mllm_rl.plans.rl import check_prompts
 
-        models = {}
+        models, notes = {}, []
         for s in opts.specs:
             try:
-                models[s.name] = resolve_model(s.model, seed=s.seed)
-                models[s.name].check_tp(opts.engine.tp)
+                models[s.name] = m = resolve_model(s.model, seed=s.seed)
+                m.check_tp(opts.engine.tp)
+                o = s.rl_options(tp=opts.engine.tp, platform=opts.platform, engine=opts.engine.engine)
+                notes += [f"task {s.name!r}: {n}" for n in check_prompts(o, m)]  # prompts fit the context
             except ValueError as e:
                 raise ValueError(f"{opts.tasks_file}: task {s.name!r}: {e}") from None
-        return dataclasses.replace(opts, models=models), None, []
+        return dataclasses.replace(opts, models=models), None, notes
 
     def check_runtime(self, backend: Backend, model: Any, opts: MultitaskOptions, process_count: int) -> None:
         # The lease protocol spans processes (tests/jax/test_multitask_multihost.py), but the engine must
@@ -225,19 +234,23 @@ def run_tasks(ctx: PlanRun, opts: MultitaskOptions) -> dict[str, Any]:
             bar.set_postfix_str(f"{entry['task']} {entry['kind']} {step}")
 
         setup.run_level(backend, rec, ctx.make_wandb, ctx.runtime)
-        for rt in runtimes.values():
-            rt.prepare()
-        ctx.on_started()
-        driver = Driver(
-            schedule,
-            runtimes,
-            coord,
-            fail_fast=opts.fail_fast,
-            on_lease=on_lease,
-            on_status=on_status,
-            device_bytes=lambda: _device_bytes(rec),
-        )
-        statuses = driver.run()
+        try:
+            for rt in runtimes.values():
+                rt.prepare()
+            ctx.on_started()
+            driver = Driver(
+                schedule,
+                runtimes,
+                coord,
+                fail_fast=opts.fail_fast,
+                on_lease=on_lease,
+                on_status=on_status,
+                device_bytes=lambda: _device_bytes(rec),
+            )
+            statuses = driver.run()
+        finally:
+            for rt in runtimes.values():
+                rt.close()  # reward workers, rewards files
     lines = []
     for name, rt in runtimes.items():
         for h in rt.history:

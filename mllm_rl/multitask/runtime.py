@@ -33,6 +33,8 @@ from mllm_rl.multitask.spec import TaskSpec
 from mllm_rl.phases.recorder import PhaseRecorder
 from mllm_rl.plans.rl import (
     PROBE_PROMPT,
+    REWARDS_FILE,
+    RewardsFile,
     check_model_shape,
     checkpoint_meta,
     checkpointer,
@@ -40,7 +42,7 @@ from mllm_rl.plans.rl import (
     make_rollout,
     size_engine,
 )
-from mllm_rl.tasks import get_task
+from mllm_rl.tasks import build_task
 
 ENGINE_READY = "engine_ready_dummy"
 
@@ -107,7 +109,9 @@ class RLTask:
         the task's data, tokenizer, engine size and engine arguments."""
         from transformers import AutoTokenizer
 
-        self.task = get_task(self.opts.task, self.opts.task_data)
+        self.task = build_task(self.opts.task_config)
+        p = self.rec.process_index  # every sample's reward, as --plan rl writes them
+        self.rewards = RewardsFile(self.dir / REWARDS_FILE.format(p=f".p{p}" if p else ""))
         self.tok = AutoTokenizer.from_pretrained(str(self.model.path))
         self.eos = self.model.config.eos_token_id
         self.lifecycle = dataclasses.replace(self.opts.lifecycle)
@@ -132,11 +136,20 @@ class RLTask:
                 self._train(lease.step)
             elif lease.kind == FINAL:
                 self.eval = self._life().final_lease(
-                    lambda engine: evaluate(engine, self.task, self.tok, self.opts, self.eos)
+                    lambda engine: evaluate(engine, self.task, self.tok, self.opts, self.eos, self.rewards)
                 )
             else:
                 raise ValueError(f"unknown lease kind {lease.kind!r}")
             self._life().check_asleep()
+
+    def close(self) -> None:
+        """Stop the task's reward worker and close its rewards file (idempotent; the engine and
+        trainer are the run's to tear down)."""
+        task, rewards = getattr(self, "task", None), getattr(self, "rewards", None)
+        if task is not None:
+            task.close()
+        if rewards is not None:
+            rewards.close()
 
     def fail(self, lease: Lease, error: BaseException) -> None:
         if self.engine is None:  # failed before its engine existed: nothing of it is on the devices
@@ -190,7 +203,7 @@ class RLTask:
             return save(step)
 
         self.save = save_checked
-        self.rollout = make_rollout(self.task, self.tok, self.opts, self.eos)
+        self.rollout = make_rollout(self.task, self.tok, self.opts, self.eos, self.rewards)
 
     def _train(self, step: int | None) -> None:
         if self._pending is None or step is None:

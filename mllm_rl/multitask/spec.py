@@ -18,6 +18,12 @@ name = "other"
 model = "qwen3-0.6b"
 task = "boxed"
 task_data = "gsm8k.jsonl"  # relative to the TOML file
+
+[[task]]
+name = "mine"
+task_data = "my_data.parquet"       # a dataset of your own (relative to the TOML file) ...
+prompt_key = "question"
+reward = "my_reward.py:score"       # ... scored by your reward (the file relative to the TOML file)
 ```
 
 Every key of a task is one of ``FIELDS``: ``name`` and the options of scope ``task`` of
@@ -107,9 +113,14 @@ def _task(raw: Any, defaults: dict[str, Any], where: str, base: Path) -> TaskSpe
             raise ValueError(f"{where}: unknown field {key!r} (known: {', '.join(FIELDS)})")
     if not NAME.match(values["name"]):
         raise ValueError(f"{where}.name: {values['name']!r} must match {NAME.pattern}")
-    data = values.get("task_data")  # relative paths are relative to the TOML file
-    if isinstance(data, str) and not Path(data).expanduser().is_absolute():
-        values["task_data"] = str((base / data).resolve())
+    for key in ("task_data", "eval_data"):  # relative paths are relative to the TOML file
+        data = values.get(key)
+        if isinstance(data, str) and not Path(data).expanduser().is_absolute():
+            values[key] = str((base / data).resolve())
+    if isinstance(values.get("reward"), str):  # a reward file too (path/to/file.py:function)
+        from mllm_rl.tasks.reward_worker import absolute_spec
+
+        values["reward"] = absolute_spec(values["reward"], base)
     model = values.get("model", "tiny")
     if not Path(model).expanduser().is_absolute() and (base / model).is_dir():
         values["model"] = str((base / model).resolve())

@@ -17,12 +17,17 @@ from typing import Any
 from mllm_rl.options.cli import said
 from mllm_rl.options.schema import BY_KEY, in_scope
 
-PATH_KEYS = ("model", "task_data")  # a path here is recorded absolute (presets and hub ids as they are)
+# a path here is recorded absolute (presets and hub ids as they are); --reward: its file's path
+PATH_KEYS = ("model", "task_data", "eval_data")
 
 
 def _normal(key: str, value: Any) -> Any:
     if key in PATH_KEYS and isinstance(value, str) and Path(value).expanduser().exists():
         return str(Path(value).expanduser().resolve())
+    if key == "reward" and isinstance(value, str):
+        from mllm_rl.tasks.reward_worker import absolute_spec
+
+        return absolute_spec(value)
     return value
 
 

@@ -64,8 +64,8 @@ FROM_SCRATCH_PRESETS = ("tiny",)
 DEFAULT_RUNNING = 128  # requests per batch when sizing the KV cache of an unset --max-running-requests
 REWARDS_FILE = "rewards{p}.jsonl"  # every sample's reward (``RewardsFile``)
 EVAL_PHASE = "evaluate"  # --eval-every: after every step (scoring on the steps it names: ``evaluate_phase``)
-# Settings a task of a --tasks file cannot take yet (mllm_rl.multitask builds a task from task and task_data)
-TASKS_FILE_LACKS = ("prompt_key", "answer_key", "eval_data", "reward", "reward_timeout", "eval_every")
+# Settings a task of a --tasks file cannot take yet (a task's leases have no evaluate phase)
+TASKS_FILE_LACKS = ("eval_every",)
 
 
 @dataclasses.dataclass
@@ -388,6 +388,7 @@ class RewardsFile:
         import json
 
         if self._f is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 -- closed by close()
         for i, (e, r) in enumerate(zip(examples, rewards, strict=True)):
             line = {"step": step, "phase": phase, "sample": i, "row": e.index, "reward": float(r)}
@@ -517,15 +518,10 @@ class RLPlan(Plan[RLOptions]):
                 if getattr(args, key, None) != default(key):
                     raise OptionError(
                         key,
-                        "is not taken in a --tasks file yet (a task there is built from "
-                        "task and task_data alone: mllm_rl.multitask.runtime); run it with --plan rl",
+                        "is not taken in a --tasks file yet (a task's leases have no evaluate "
+                        "phase; its held-out prompts are scored once, in generate_result); run it "
+                        "with --plan rl",
                     )
-            if task_name(args.task, args.task_data) == "data":
-                raise OptionError(
-                    "task",
-                    "'data' (a dataset scored by --reward) is not taken in a --tasks "
-                    'file yet; task = "boxed" reads task_data as math questions',
-                )
         check_config(
             TaskConfig(
                 task=args.task,
@@ -534,6 +530,7 @@ class RLPlan(Plan[RLOptions]):
                 answer_key=args.answer_key,
                 eval_data=args.eval_data,
                 reward=args.reward,
+                reward_timeout=args.reward_timeout,
             )
         )
         loss = LossConfig(

@@ -50,6 +50,22 @@ def is_file_spec(target: str) -> bool:
     return target.endswith(".py") or "/" in target or os.sep in target
 
 
+def absolute_spec(spec: str, base: Path | None = None) -> str:
+    """``spec`` with a file's path made absolute (relative to ``base``, else the working directory):
+    what ``run.json`` records, so a resume from elsewhere loads the same file; a module spec, or a
+    spec that does not parse, as it is."""
+    try:
+        target, name = split_spec(spec)
+    except LoadError:
+        return spec
+    if not is_file_spec(target):
+        return spec
+    path = Path(target).expanduser()
+    if not path.is_absolute() and base is not None:
+        path = base / path
+    return f"{path.resolve()}:{name}"
+
+
 def load(spec: str) -> Any:
     """The function ``spec`` names (``LoadError`` saying why not)."""
     target, name = split_spec(spec)

@@ -51,6 +51,24 @@ def test_good_file_defaults_and_relative_paths(tmp_path):
     assert opts.train.lr == 1.0 and opts.train.seed == 1 and opts.group_size == 4 and opts.seed == 1
 
 
+def test_a_tasks_files_dataset_eval_data_and_reward_file_are_relative_to_it(tmp_path):
+    """A task's own data, held-out data and reward file resolve against the TOML file's folder (the
+    run may start anywhere); a reward given as a module stays as it is."""
+    text = ('[[task]]\nname = "mine"\ntask_data = "d/train.jsonl"\neval_data = "d/test.jsonl"\n'
+            'prompt_key = "question"\nreward = "r/score.py:score"\nreward_timeout = 5.0\n'
+            '[[task]]\nname = "mod"\ntask_data = "/abs/x.jsonl"\nreward = "my.module:fn"\n')  # fmt: skip
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "score.py").write_text("def score(prompt, completion, row):\n    return 0.0\n")
+    mine, mod = load_tasks(write(tmp_path, text))
+    assert mine.task_data == str(tmp_path / "d" / "train.jsonl")
+    assert mine.eval_data == str(tmp_path / "d" / "test.jsonl")
+    assert mine.reward == f"{tmp_path / 'r' / 'score.py'}:score" and mine.prompt_key == "question"
+    assert (mod.task_data, mod.reward) == ("/abs/x.jsonl", "my.module:fn")
+    cfg = mine.rl_options().task_config
+    assert (cfg.name, cfg.prompt_key, cfg.reward_timeout, cfg.eval_data) == ("data", "question", 5.0,
+                                                                             mine.eval_data)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "text, match",
     [
@@ -202,3 +220,22 @@ def test_a_resumed_task_with_a_changed_setting_is_refused_unless_overridden(tmp_
         load_tasks(path), {"a": task_record(a), "b": task_record(b)}, ["lr"], str(path), run
     )
     assert changes == [{"task": "a", "key": "lr", "from": 1e-05, "to": 2e-05}]  # "new" starts fresh
+
+
+def test_run_json_records_the_data_eval_data_and_reward_file_absolute(tmp_path, monkeypatch):
+    """``--data``, ``--eval-data`` and a reward file given relative to the working directory are
+    recorded absolute, so a --resume started elsewhere reads the same files; modules as given."""
+    from mllm_rl.options.resume import record
+
+    for f in ("train.jsonl", "test.jsonl", "score.py"):
+        (tmp_path / f).write_text("")
+    monkeypatch.chdir(tmp_path)
+    args = parse_args(["--backend", "jax", "--data", "train.jsonl", "--eval-data", "test.jsonl",
+                       "--reward", "score.py:score"])[0]  # fmt: skip
+    rec = record(args, "rl")
+    assert rec["task_data"] == str(tmp_path / "train.jsonl") and rec["eval_data"] == str(
+        tmp_path / "test.jsonl"
+    )
+    assert rec["reward"] == f"{tmp_path / 'score.py'}:score"
+    args = parse_args(["--backend", "jax", "--data", "train.jsonl", "--reward", "pkg.mod:fn"])[0]
+    assert record(args, "rl")["reward"] == "pkg.mod:fn"

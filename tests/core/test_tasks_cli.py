@@ -78,9 +78,11 @@ def test_bad_data_is_refused_before_anything_starts(tmp_path, rows, extra, messa
 @pytest.mark.parametrize(
     "table,message",
     [
-        ('reward = "mllm_rl.tasks.pattern:reward"', "task 'a': reward is not taken in a --tasks file yet"),
         ("eval_every = 2", "task 'a': eval_every is not taken in a --tasks file yet"),
-        ('task_data = "d.jsonl"', "task 'a': task 'data' (a dataset scored by --reward) is not taken in a --tasks file yet"),
+        ('task_data = "d.jsonl"', "task 'a': --task-data "),  # a dataset needs a reward
+        ('task_data = "d.jsonl"\nreward = "nowhere.py:score"', "task 'a': --reward "),
+        ('task_data = "d.jsonl"\nprompt_key = "question"\nreward = "mllm_rl.tasks.pattern:reward"',
+         "task 'a': "),  # the data has no column 'question'
     ],
 )  # fmt: skip
 def test_a_tasks_file_refuses_what_its_tasks_cannot_take_yet(tmp_path, table, message):
