@@ -10,7 +10,8 @@ default that is right for a backend without them, so the core never asks ``hasat
 
 - ``init_distributed`` / ``shutdown_distributed``: one process (JAX: ``jax.distributed``);
 - ``coordinator``: ``None``, no multi-process lease handoffs (JAX: the coordination service);
-- ``empty_cache``: nothing to return (torch on CUDA: ``torch.cuda.empty_cache``).
+- ``empty_cache``: nothing to return (torch on CUDA: ``torch.cuda.empty_cache``);
+- ``profiler``: ``None``, no ``--profile`` (JAX: ``jax.profiler``; torch: ``torch.profiler``).
 
 Subclasses import their framework inside the methods, never at module level: loading the entry
 point must not import jax or torch (``--backend jax`` never imports torch, and the reverse).
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from mllm_rl.coordination import Coordinator
     from mllm_rl.engine import EngineOptions, EnginePrimitives
     from mllm_rl.phases.probe import MemoryProbe
+    from mllm_rl.profiling import StepProfiler
     from mllm_rl.trainer import TrainConfig, Trainer
 
 SINGLE_PROCESS = {"process_index": 0, "process_count": 1}
@@ -94,4 +96,9 @@ class Backend(abc.ABC):
 
     def empty_cache(self) -> None:
         """Return cached-but-free device memory to the device (nothing to do by default)."""
+        return None
+
+    def profiler(self) -> StepProfiler | None:
+        """The framework's profiler for ``--profile`` (``mllm_rl.profiling``); ``None``: this
+        backend has none (``--profile`` is refused before start-up)."""
         return None

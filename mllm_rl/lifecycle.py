@@ -73,6 +73,7 @@ from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.option_error import OptionError
 from mllm_rl.options.schema import default
 from mllm_rl.phases.recorder import PhaseHandle, PhaseRecorder
+from mllm_rl.progress import waiting
 from mllm_rl.rl.old_logp import SOURCES as OLD_LOGP_SOURCES
 from mllm_rl.rl.old_logp import with_trainer_old_logp
 from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, Trainer
@@ -180,7 +181,8 @@ def colocate(
     _require_probe(opts)
     _release_rollout(rec, engine, None, None, drain_timeout_s=opts.drain_timeout_s)
     with _CheckedPhase(rec, engine, None, "trainer_init", None, trainer_info) as ph:
-        trainer, built = make_trainer()
+        with waiting("trainer build"):
+            trainer, built = make_trainer()
         ph.info.update(built, state_bytes=trainer.state_bytes())
     return Colocated(backend, engine, trainer, rec, opts)
 

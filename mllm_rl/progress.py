@@ -36,3 +36,31 @@ def progress_bar(total: int | None, desc: str, unit: str = "it", enabled: bool =
         total=total, desc=desc, unit=unit, unit_scale=unit == "B", unit_divisor=1024, leave=False
     ) as bar:
         yield bar
+
+
+@contextmanager
+def waiting(desc: str, enabled: bool = True, every_s: float = 0.5) -> Iterator[None]:
+    """A line with the time spent so far on work that has no count (an engine start, a trainer's
+    build and first compile, a dataset read), refreshed every ``every_s`` by a thread and cleared
+    when done; nothing when progress is off (``progress_enabled``)."""
+    if not (enabled and progress_enabled()):
+        yield
+        return
+    import threading
+
+    from tqdm import tqdm
+
+    done = threading.Event()
+    with tqdm(total=None, desc=desc, bar_format="{desc}: {elapsed}", leave=False) as bar:
+
+        def tick() -> None:
+            while not done.wait(every_s):
+                bar.refresh()
+
+        t = threading.Thread(target=tick, name=f"waiting:{desc}", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            done.set()
+            t.join()

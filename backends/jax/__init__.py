@@ -120,3 +120,9 @@ class JaxBackend(Backend):
     def empty_cache(self) -> None:
         """Nothing to do: XLA returns a deleted array's memory to its allocator at once (on
         TPU/GPU the BFC allocator keeps it for reuse; there is no cache to trim)."""
+
+    def profiler(self):
+        """``jax.profiler`` traces for ``--profile`` (``backends/jax/profiler.py``)."""
+        from mllm_rl.backends.jax.profiler import JaxProfiler
+
+        return JaxProfiler()

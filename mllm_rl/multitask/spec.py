@@ -115,7 +115,7 @@ def _task(raw: Any, defaults: dict[str, Any], where: str, base: Path) -> TaskSpe
         raise ValueError(f"{where}.name: {values['name']!r} must match {NAME.pattern}")
     for key in ("task_data", "eval_data"):  # relative paths are relative to the TOML file
         data = values.get(key)
-        if isinstance(data, str) and not Path(data).expanduser().is_absolute():
+        if isinstance(data, str) and not Path(data).expanduser().is_absolute() and not _hub_id(data, base):
             values[key] = str((base / data).resolve())
     if isinstance(values.get("reward"), str):  # a reward file too (path/to/file.py:function)
         from mllm_rl.tasks.reward_worker import absolute_spec
@@ -125,6 +125,15 @@ def _task(raw: Any, defaults: dict[str, Any], where: str, base: Path) -> TaskSpe
     if not Path(model).expanduser().is_absolute() and (base / model).is_dir():
         values["model"] = str((base / model).resolve())
     return TaskSpec(**values)
+
+
+def _hub_id(data: str, base: Path) -> bool:
+    """A Hugging Face Hub dataset id (``org/name[:config]``) that is no path next to the TOML file."""
+    from mllm_rl.tasks.data import HUB_ID, LOCAL_SUFFIXES
+
+    return (
+        bool(HUB_ID.match(data)) and not (base / data).exists() and not data.lower().endswith(LOCAL_SUFFIXES)
+    )
 
 
 def load_tasks(path: str | Path) -> list[TaskSpec]:

@@ -203,6 +203,10 @@ OPTIONS: tuple[Option, ...] = (
     _o("memory_plan", str, "check", "plan the run's memory on its own devices before any engine starts "
        "(docs/PLAN.md): check: a plan that does not fit exits 6; warn: say so and run; off", "rl plan", {"rl"},
        resume="fresh", choices=("check", "warn", "off")),
+    _o("profile", str, None, "trace these steps with the framework's profiler (jax.profiler: XProf / "
+       "TensorBoard; torch.profiler: Chrome / Perfetto JSON) into RUN_DIR/profile, every phase a named "
+       "range; 0-based step numbers: 2, 1,3 or 2-4", "rl plan", {"rl"}, resume="fresh", nullable=True,
+       metavar="STEPS", default_text="no trace"),
     _o("checkpoint_every", int, 5, "checkpoint every N steps, and always the last step; 0 = never",
        "rl plan", RL, low=0, aliases=("--save-every",)),
     _o("checkpoint_background", bool, False, "torch: copy the state to host memory in the checkpoint phase "

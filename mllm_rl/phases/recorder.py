@@ -22,7 +22,7 @@ import abc
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +104,8 @@ class PhaseRecorder:
         self._thread: threading.Thread | None = None
         self.sample_errors = 0
         self.watchdog: Watchdog | None = None  # armed for every phase when set (``phases/watchdog.py``)
+        # --profile: while a step is traced, every phase is a named range of the trace (mllm_rl.profiling)
+        self.annotate: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None
         self._open: tuple[PhaseHandle, float, list[DeviceMemory], int] | None = None
 
     # -- sampling -------------------------------------------------------------
@@ -197,7 +199,8 @@ class PhaseRecorder:
             self.watchdog.enter(name, step)
         try:
             injected_hang(name)
-            yield handle
+            with self.annotate(name) if self.annotate is not None else contextlib.nullcontext():
+                yield handle
         except BaseException as e:
             handle.info["error"] = f"{type(e).__name__}: {e}"[:2000]
             if isinstance(e, PhaseStuck):

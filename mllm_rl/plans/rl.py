@@ -42,6 +42,7 @@ from mllm_rl.options.check import parse_key_value
 from mllm_rl.options.schema import KV_AUTO, default
 from mllm_rl.plans import setup
 from mllm_rl.plans.base import Plan, PlanRun
+from mllm_rl.profiling import Profiled, parse_steps
 from mllm_rl.progress import progress_bar
 from mllm_rl.rl.advantages import ESTIMATORS, STDS, group_advantages
 from mllm_rl.rl.batch import build_batch
@@ -105,6 +106,7 @@ class RLOptions:
     memory_plan: str = default("memory_plan")
     plan_margin: float = default("margin")
     kv_auto: bool = False
+    profile_steps: frozenset[int] = frozenset()  # --profile (``mllm_rl.profiling``)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -449,17 +451,19 @@ def _run_rl(ctx: PlanRun, opts: RLOptions, task: Task, tok: Any, on_rewards: Rew
 
     rollout = make_rollout(task, tok, opts, eos, on_rewards)
     save = checkpointer(life.trainer, ctx.run_dir, backend.name, opts, opts.checkpoint_background, model)
+    profiled = profiled_steps(backend, opts, ctx)
     history = []
     try:
         with progress_bar(total=opts.steps, desc="rl", unit="step") as bar:
             bar.update(first_step)
             for step in range(first_step, opts.steps):
-                metrics = life.step(step, rollout, save)
-                if opts.eval_every:
-                    with rec.phase("evaluate", step=step) as ph:
-                        info, scores = evaluate_phase(engine, task, tok, opts, eos, step, on_rewards)
-                        ph.info.update(info)
-                    metrics.update(scores)
+                with profiled.step(rec, step):
+                    metrics = life.step(step, rollout, save)
+                    if opts.eval_every:
+                        with rec.phase("evaluate", step=step) as ph:
+                            info, scores = evaluate_phase(engine, task, tok, opts, eos, step, on_rewards)
+                            ph.info.update(info)
+                        metrics.update(scores)
                 rec.log_metrics(step, {k: v for k, v in metrics.items() if k != "sample"})
                 history.append({"step": step, **metrics})
                 bar.update(1)
@@ -471,7 +475,13 @@ def _run_rl(ctx: PlanRun, opts: RLOptions, task: Task, tok: Any, on_rewards: Rew
         raise
     with rec.phase("generate_result") as ph:
         ph.info.update(evaluate(engine, task, tok, opts, eos, on_rewards))
-    return {"first_step": first_step, "history": history, "eval": ph.info}
+    return {"first_step": first_step, "history": history, "eval": ph.info, "lines": profiled.lines()}
+
+
+def profiled_steps(backend: Backend, opts: RLOptions, ctx: PlanRun) -> Profiled:
+    """``--profile``: the steps traced by the backend's profiler (none without the flag)."""
+    profiler = backend.profiler() if opts.profile_steps else None
+    return Profiled(profiler, opts.profile_steps, ctx.run_dir, backend.name, ctx.process_index)
 
 
 def check_prompts(opts: RLOptions, model: Any) -> list[str]:
@@ -592,6 +602,9 @@ class RLPlan(Plan[RLOptions]):
             memory_plan=args.memory_plan,
             plan_margin=args.margin,
             kv_auto=args.max_total_tokens == KV_AUTO,
+            profile_steps=parse_steps(args.profile, args.steps)
+            if getattr(args, "profile", None)
+            else frozenset(),
         )
 
     def with_model(self, opts: RLOptions, model: Any) -> tuple[RLOptions, list[str]]:
@@ -662,6 +675,8 @@ class RLPlan(Plan[RLOptions]):
 
     def check_runtime(self, backend: Backend, model: Any, opts: RLOptions, process_count: int) -> None:
         self.require_release(backend, process_count)
+        if opts.profile_steps and backend.profiler() is None:
+            raise ValueError(f"--profile: the {backend.name} backend has no profiler")
         super().check_runtime(backend, model, opts, process_count)
         backend.check_trainer_args(model, opts.train)
 

@@ -11,6 +11,7 @@ from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import EngineOptions
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.phases.recorder import PhaseRecorder, Sink
+from mllm_rl.progress import waiting
 
 
 def run_level(
@@ -56,7 +57,8 @@ def start(
     """
     run_level(backend, rec, make_wandb, runtime, **wandb_info)
     with rec.phase("engine_ready_dummy", model=str(model.path), tp=engine_opts.tp) as ph:
-        engine = ManagedEngine(backend.create_engine(model, engine_opts))
+        with waiting("engine start"):
+            engine = ManagedEngine(backend.create_engine(model, engine_opts))
         on_engine(engine)
         ph.info.update(
             engine_weight_bytes=engine.weight_bytes(),

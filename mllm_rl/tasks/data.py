@@ -9,7 +9,9 @@ Formats (docs/TASKS.md), by the path:
   ``from_csv``, cached in a temporary directory that is removed);
 - anything else (``*.jsonl``, ``*.json``, no suffix): JSON lines, one object per line, read
   line by line so that an error names the line (a ``*.json`` file holding one JSON array of
-  objects is read as that array).
+  objects is read as that array);
+- ``org/name`` or ``org/name:config`` that is no local path: the Hugging Face Hub dataset
+  (``datasets.load_dataset``; its splits as a saved ``DatasetDict``'s).
 
 Every error is a ``ValueError`` with one line naming the file and the row (``file:LINE:`` for
 JSON lines, ``file: row I:`` otherwise): nothing of a run exists yet when it is raised.
@@ -17,11 +19,15 @@ JSON lines, ``file: row I:`` otherwise): nothing of a run exists yet when it is 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
+
+from mllm_rl.progress import waiting
 
 HELDOUT_SPLITS = ("test", "validation")
 
@@ -45,8 +51,26 @@ class Table:
 _CACHE: dict[tuple[str, str, int, int], Table] = {}
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")  # org/name[:config]
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".pq", ".csv", ".tsv")
+
+
+def is_hub_id(path: str | Path) -> bool:
+    """``org/name`` or ``org/name:config`` that is no local path and has no data file's suffix."""
+    s = str(path)
+    return (
+        bool(HUB_ID.match(s)) and not Path(s).expanduser().exists() and not s.lower().endswith(LOCAL_SUFFIXES)
+    )
+
+
 def read_table(path: str | Path, flag: str = "--task-data") -> Table:
     """The rows of ``path`` (see the module doc); read once per process and file version."""
+    if is_hub_id(path):
+        key = (str(path), flag, 0, 0)
+        if key not in _CACHE:
+            with waiting(f"loading {path} from the Hugging Face Hub"):
+                _CACHE[key] = _hub(str(path), flag)
+        return _CACHE[key]
     p = Path(path).expanduser()
     if not p.exists():
         raise ValueError(f"{flag} {path}: not a file")
@@ -56,7 +80,8 @@ def read_table(path: str | Path, flag: str = "--task-data") -> Table:
     if key not in _CACHE:
         if len(_CACHE) >= 4:  # a run reads --data and --eval-data (before it starts, then in it)
             _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = _read(p, flag)
+        with waiting(f"reading {p.name}"):
+            _CACHE[key] = _read(p, flag)
     return _CACHE[key]
 
 
@@ -148,20 +173,46 @@ def _saved(p: Path, flag: str) -> Table:
             obj = datasets.load_from_disk(str(p), keep_in_memory=True)
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"{flag} {p}: not readable as a saved dataset: {_first_line(e)}") from None
-        if isinstance(obj, datasets.DatasetDict):
-            names = list(obj)
-            train = "train" if "train" in obj else (names[0] if len(names) == 1 else None)
-            if train is None:
-                raise ValueError(
-                    f"{flag} {p}: a DatasetDict with splits {', '.join(names)} and none named train"
-                )
-            held = next((s for s in HELDOUT_SPLITS if s in obj and s != train), None)
-            heldout = None
-            if held is not None:
-                h = obj[held]
-                heldout = Table(p, tuple(h.to_list()), None, tuple(h.column_names), split=held)
-            t = obj[train]
-            return Table(p, tuple(t.to_list()), None, tuple(t.column_names), heldout, split=train)
+        return _from_dataset(obj, p, flag)
+
+
+def _hub(spec: str, flag: str) -> Table:
+    """``org/name[:config]`` through ``datasets.load_dataset`` (its own download bars on a terminal;
+    ``HF_DATASETS_OFFLINE=1`` reads its cache only)."""
+    import datasets
+
+    from mllm_rl.progress import progress_enabled
+
+    name, _, config = spec.partition(":")
+    quiet = _Quiet() if not progress_enabled() else contextlib.nullcontext(datasets)
+    with quiet:
+        try:
+            obj = datasets.load_dataset(name, config or None)
+        except Exception as e:  # noqa: BLE001 -- offline, unknown id, gated, a bad config: one line each
+            raise ValueError(
+                f"{flag} {spec}: no such local file or directory, and the Hugging Face Hub did not give "
+                f"the dataset: {_first_line(e)}"
+            ) from None
+        return _from_dataset(obj, Path(spec), flag)
+
+
+def _from_dataset(obj: Any, p: Path, flag: str) -> Table:
+    """A ``Dataset``'s rows, or a ``DatasetDict``'s ``train`` split (or its only one) with its
+    ``test``/``validation`` split as the held-out set."""
+    import datasets
+
+    if isinstance(obj, datasets.DatasetDict):
+        names = list(obj)
+        train = "train" if "train" in obj else (names[0] if len(names) == 1 else None)
+        if train is None:
+            raise ValueError(f"{flag} {p}: a DatasetDict with splits {', '.join(names)} and none named train")
+        held = next((s for s in HELDOUT_SPLITS if s in obj and s != train), None)
+        heldout = None
+        if held is not None:
+            h = obj[held]
+            heldout = Table(p, tuple(h.to_list()), None, tuple(h.column_names), split=held)
+        t = obj[train]
+        return Table(p, tuple(t.to_list()), None, tuple(t.column_names), heldout, split=train)
     return Table(p, tuple(obj.to_list()), None, tuple(obj.column_names))
 
 

@@ -288,3 +288,42 @@ def test_build_task_takes_the_run_settings():
     t = build_task(TaskConfig(task="boxed", eval_prompts=4, reward="mllm_rl.tasks.pattern:reward"))
     assert t.reward_spec == "mllm_rl.tasks.pattern:reward" and len(t.heldout(0, 100)) == 4
     assert isinstance(t.examples[0], Example)
+
+
+def test_a_hub_id_the_hub_cannot_give_is_one_line_naming_it(monkeypatch):
+    """No network here: with the Hub offline, ``org/name`` is refused in one line naming the flag."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError) as e:
+        read_table("nobody-here/no-such-dataset:main", "--data")
+    msg = str(e.value)
+    assert msg.startswith("--data nobody-here/no-such-dataset:main: no such local file or directory, and the "
+                          "Hugging Face Hub did not give the dataset: ") and "\n" not in msg  # fmt: skip
+
+
+def test_a_hub_dataset_trains_on_train_and_holds_out_test(monkeypatch):
+    """``org/name:config`` goes to ``datasets.load_dataset(name, config)`` and its splits are used as a
+    saved DatasetDict's (a fake stands in for the Hub, which this machine cannot reach)."""
+    import datasets
+
+    asked = []
+
+    def fake_load_dataset(name, config=None, **kw):
+        asked.append((name, config))
+        return datasets.DatasetDict({"train": datasets.Dataset.from_list([{"question": "1+1", "answer": "2"}] * 8),
+                                     "test": datasets.Dataset.from_list([{"question": "2+2", "answer": "4"}] * 2)})  # fmt: skip
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    t = read_table("someone/math-set:main", "--data")
+    assert asked == [("someone/math-set", "main")]
+    assert len(t.rows) == 8 and t.split == "train" and t.heldout is not None and len(t.heldout.rows) == 2
+    assert t.where(0) == "someone/math-set:main [train]: row 0"
+
+
+def test_a_local_path_that_looks_like_a_hub_id_is_read_locally(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "rows").write_text('{"prompt": "p", "answer": "a"}\n')
+    assert read_table("org/rows").rows == ({"prompt": "p", "answer": "a"},)
+    with pytest.raises(ValueError, match="--task-data org/missing.jsonl: not a file"):
+        read_table("org/missing.jsonl")
