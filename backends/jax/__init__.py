@@ -18,6 +18,7 @@ from mllm_rl.engine import EngineOptions
 
 class JaxBackend(Backend):
     name = "jax"
+    releases_across_processes = True  # sglang-jax: node 0 pauses and flushes, every process releases its shards
     ready_phase = "jax_ready"
     engines = {"auto": "sglang-jax"}  # --engine choices (EngineOptions.check_backend)
 

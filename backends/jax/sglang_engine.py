@@ -249,7 +249,7 @@ class SglangJaxEngine:
         self._index_leaves()
         self.weights_cpu_backup = weights_cpu_backup
         self._kv_specs: list[tuple[tuple[int, ...], Any, Any]] = []
-        self._weight_backup: dict[int, np.ndarray] = {}
+        self._weight_backup: dict[int, list[tuple[Any, np.ndarray]]] = {}  # leaf -> (device, shard)
         self._seeds = np.random.default_rng(seed)  # request seeds when a batch brings none
 
     def _ckpt_dtype(self) -> str:
@@ -401,7 +401,6 @@ class SglangJaxEngine:
     def release_memory(self, tag: str) -> None:
         """Delete the arrays of ``tag`` (JAX has no address-preserving pause); weights are
         copied to host first when ``weights_cpu_backup``."""
-        self._single_process_only("release")
         if tag == TAG_KV:
             kv = self._kv_list()
             self._kv_specs = [(a.shape, a.dtype, a.sharding) for a in kv]
@@ -411,13 +410,13 @@ class SglangJaxEngine:
         leaves = self.runner.model_state_leaves
         for i, _ in self.mappings.values():
             if self.weights_cpu_backup and not fault("resume_lies"):  # the fault: backup lost
-                self._weight_backup[i] = np.asarray(jax.device_get(leaves[i]))
+                # this process's shards (an engine over several processes holds only those)
+                self._weight_backup[i] = [(sh.device, np.asarray(sh.data)) for sh in leaves[i].addressable_shards]
             leaves[i].delete()
 
     def resume_memory(self, tag: str) -> bool:
         """Reallocate ``tag`` with the same shapes/dtypes/shardings (no recompile). Weights
         come back from the CPU backup (True) or as zeros (False: contents undefined)."""
-        self._single_process_only("resume")
         if tag == TAG_KV:
             kv = self._kv_list()
             for j, (shape, dtype, sharding) in enumerate(self._kv_specs):
@@ -428,7 +427,8 @@ class SglangJaxEngine:
         for i, _ in self.mappings.values():
             old = leaves[i]
             if i in self._weight_backup:
-                leaves[i] = jax.device_put(self._weight_backup.pop(i), old.sharding)
+                shards = [jax.device_put(a, d) for d, a in self._weight_backup.pop(i)]
+                leaves[i] = jax.make_array_from_single_device_arrays(old.shape, old.sharding, shards)
             else:
                 leaves[i] = zeros(old.shape, old.dtype, old.sharding)
                 restored = False
@@ -454,7 +454,9 @@ class SglangJaxEngine:
         resume replaces with zeros: the next request reusing that prefix decodes garbage
         (seen here in about 1 of 6 release/resume cycles). So: retry until it succeeds.
         """
-        self._single_process_only("flush_cache")
+        self._on_node_0("flush_cache", lambda: self._flush_here(timeout_s))
+
+    def _flush_here(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             out = self._call(self.engine.async_flush_cache())
@@ -478,7 +480,9 @@ class SglangJaxEngine:
         entry in the same step that marks it finished, so an entry already finished is such a
         leftover: ``_pause_reaping`` removes those while the pause runs. Still not returned
         after ``timeout_s``: ``RuntimeError`` naming the requests it waits on."""
-        self._single_process_only("pause_generation")
+        self._on_node_0("pause_generation", lambda: self._pause_here(timeout_s))
+
+    def _pause_here(self, timeout_s: float) -> None:
         tm = self.engine.tokenizer_manager
         try:
             self._call(_pause_reaping(tm, self.engine.async_pause_generation(mode="abort")), timeout_s)
@@ -490,18 +494,22 @@ class SglangJaxEngine:
             ) from None
 
     def continue_generation(self) -> None:
-        self._single_process_only("continue_generation")
-        self._call(self.engine.async_continue_generation())
+        self._on_node_0("continue_generation", lambda: self._call(self.engine.async_continue_generation()))
 
-    def _single_process_only(self, what: str) -> None:
-        """sglang-jax would broadcast node 0's pause/flush to every node's scheduler, but
-        nothing orders that against the other processes' own release/resume of engine arrays
-        yet: refuse rather than race (the param-swap plan needs none of these)."""
-        if self.procs.count > 1:
-            raise RuntimeError(
-                f"{what}: not supported yet for an engine spanning {self.procs.count} processes "
-                "(only the param-swap plan is; docs/TPU.md)"
-            )
+    def _on_node_0(self, what: str, send: Any) -> None:
+        """``send`` ``what`` (pause, flush, continue) from node 0 only, the one process with the
+        tokenizer manager; its scheduler broadcasts the request to every other node's scheduler
+        ahead of any later batch. Every process then meets at a barrier once node 0 is done, so
+        no process releases or resumes its shards of the engine's arrays while node 0 still
+        generates (the schedulers' forwards are collective: with node 0 idle, none runs one)."""
+        if self.procs.count == 1:
+            send()
+            return
+        try:
+            if self.procs.index == 0:
+                send()
+        finally:
+            dist.barrier(f"engine/{what}")
 
     def shutdown(self) -> None:
         """Multi-process: also leaves ``jax.distributed``. The engine is one SPMD program over

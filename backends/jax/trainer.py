@@ -63,10 +63,21 @@ class TrainerStateError(RuntimeError):
 def device_bytes(tree: Any) -> int:
     """Bytes ``tree``'s arrays occupy, summed over every addressable shard (replicas count)."""
     total = 0
-    for x in jax.tree.leaves(tree):
-        for s in x.addressable_shards:
-            total += s.data.nbytes
+    for x in jax.tree.leaves(tree):  # from the sharding: a multi-process array's shards need not be read
+        shard = int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * x.dtype.itemsize
+        total += shard * len(x.sharding.addressable_devices)
     return total
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """``x``'s global value on the host. An array sharded over several processes' devices (a
+    batch split over ``fsdp`` in a multi-process run) is gathered: a collective, so every process
+    calls it in the same order, as every jitted call."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _copy(tree: Any, kind: str) -> Any:
@@ -267,7 +278,7 @@ class JaxTrainer:
         self._need(PARAMS)
         out = []
         for mb in self._micro_batches(batch):
-            out.append(np.asarray(self._ref_logp(mb, self.trainable)))
+            out.append(to_host(self._ref_logp(mb, self.trainable)))
         logp = np.concatenate(out)[: batch.size, : batch.tokens.shape[1]]
         return np.where(batch.attention_mask, logp, 0.0).astype(np.float32)
 
@@ -286,7 +297,7 @@ class JaxTrainer:
             logits = self.fns.next_logits(
                 self.trainable, self.frozen, jnp.asarray(toks), attn, jnp.int32(i - 1)
             )
-            row = np.asarray(logits)[0]
+            row = to_host(logits)[0]
             top2 = np.sort(row)[-2:]
             tok = int(row.argmax())
             out.append(tok)

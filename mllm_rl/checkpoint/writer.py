@@ -29,6 +29,12 @@ The older checkpoints are untouched (the newest ``keep`` are pruned only after a
 succeeded), so ``--resume`` continues from the newest of them. In the background, the error is
 raised on the main thread where the write is collected (the next due checkpoint, or the
 ``checkpoint_flush`` phase).
+
+Several processes (a multi-process JAX run: every process writes its shards through orbax): process
+0 makes the checkpoint directory, every process writes, and process 0 writes the manifest and
+prunes once all have written (``Coordinator`` barriers between), so no process removes or lists
+what another is still writing. They share the run directory (one host, or a shared filesystem).
+Background writes are single-process.
 """
 
 from __future__ import annotations
@@ -43,6 +49,27 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.checkpoint.resolve import CKPT_DIR, rl_checkpoint_dirs, write_meta
+from mllm_rl.coordination import Coordinator, LocalCoordinator
+
+
+def check_shared_dir(coord: Coordinator, run_dir: Path) -> None:
+    """Several processes checkpoint into one directory only if each sees the others' files (one
+    host, or a filesystem every host mounts): process 0 writes a file there, every process looks
+    for it; ``RuntimeError`` naming the processes that do not see it (on every process)."""
+    if coord.count == 1:
+        return
+    probe = Path(run_dir) / ".shared-by-processes"
+    if coord.index == 0:
+        probe.write_text("written by process 0\n")
+    coord.gather("checkpoint/shared-dir/written", "")
+    seen = coord.gather("checkpoint/shared-dir/seen", "yes" if probe.exists() else "no")
+    blind = [i for i, x in enumerate(seen) if x != "yes"]
+    if blind:
+        raise RuntimeError(
+            f"checkpoints across {coord.count} processes need a run directory every process sees "
+            f"(one host, or a filesystem all hosts mount): process(es) {blind} do not see {probe}; "
+            f"put --run-dir there, or --checkpoint-every 0"
+        )
 
 
 class CheckpointWriteError(RuntimeError, OSError):
@@ -100,10 +127,31 @@ class Checkpointer:
         steps: int,
         keep: int,
         background: bool,
+        coord: Coordinator | None = None,
     ) -> None:
         self.trainer, self.run_dir, self.meta = trainer, Path(run_dir), dict(meta)
         self.every, self.steps, self.keep, self.background = every, steps, keep, background
+        self.coord: Coordinator = coord or LocalCoordinator()
+        if self.coord.count > 1 and background:
+            raise ValueError("--checkpoint-background: one process only (every process writes its shards)")
         self._pending: _Write | None = None
+
+    def _told_failed(self, name: str) -> None:
+        """This process failed at ``name``: tell the others (they raise there), keep its own error."""
+        try:
+            self._sync(name, failed=True)
+        except RuntimeError:
+            pass
+
+    def _sync(self, name: str, failed: bool = False) -> None:
+        """Every process at the same point of the same checkpoint (no-op for one process); a
+        process that failed there says so, and every process raises."""
+        if self.coord.count == 1:
+            return
+        said = self.coord.gather(f"checkpoint/{name}", "failed" if failed else "ok")
+        if "failed" in said:
+            bad = [i for i, x in enumerate(said) if x == "failed"]
+            raise RuntimeError(f"checkpoint {name}: process(es) {bad} failed")
 
     def due(self, step: int) -> bool:
         """Is a checkpoint saved at ``step`` (every ``every`` steps, and the last step)?"""
@@ -121,12 +169,16 @@ class Checkpointer:
         if not due:
             return {"saved": False, "path": None, **info}
         path = self.run_dir / CKPT_DIR / f"step_{step:06d}"
+        leader = self.coord.index == 0
         try:
-            if path.exists():
-                shutil.rmtree(path)
-            path.mkdir(parents=True)
+            if leader:
+                if path.exists():
+                    shutil.rmtree(path)
+                path.mkdir(parents=True)
         except OSError as e:
+            self._told_failed(f"{path.name}/dir")
             raise write_error(path, e) from None
+        self._sync(f"{path.name}/dir")
         try:
             snap = self.trainer.snapshot() if self.background else None
         except BaseException:
@@ -178,16 +230,31 @@ class Checkpointer:
     def _written(self, step: int, path: Path, write: Any) -> None:
         """``write(path)``, then the manifest; on any failure the unfinished ``path`` is removed,
         and an ``OSError`` becomes a one-line ``CheckpointWriteError``."""
+        leader = self.coord.index == 0
         try:
-            write(path)
-            # the checkpoint counts from here on (meta.json with the manifest, written last)
-            write_meta(path, {"step": step, **self.meta})
+            try:
+                write(path)
+            except BaseException:
+                self._told_failed(f"{path.name}/written")
+                raise
+            self._sync(f"{path.name}/written")
+            if leader:  # the checkpoint counts from here on (meta.json with the manifest, written last)
+                try:
+                    write_meta(path, {"step": step, **self.meta})
+                except BaseException:
+                    self._told_failed(f"{path.name}/meta")
+                    raise
         except OSError as e:
-            discard(path)
+            if leader:
+                discard(path)
             raise write_error(path, e) from None
         except BaseException:
-            discard(path)
+            if leader:
+                discard(path)
             raise
+        self._sync(f"{path.name}/meta")
+        if not leader:
+            return
         try:  # the oldest pruned only once this one is complete; best effort
             for old in rl_checkpoint_dirs(self.run_dir)[self.keep :]:
                 shutil.rmtree(old, ignore_errors=True)

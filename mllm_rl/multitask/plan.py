@@ -114,9 +114,15 @@ class MultitaskPlan(Plan[MultitaskOptions]):
         return dataclasses.replace(opts, models=models), None, notes
 
     def check_runtime(self, backend: Backend, model: Any, opts: MultitaskOptions, process_count: int) -> None:
-        # The lease protocol spans processes (tests/jax/test_multitask_multihost.py), but the engine must
-        # release across them too (sglang-jax cannot yet: backends/jax/sglang_engine.py).
+        # The lease protocol spans processes (tests/jax/test_multitask_multihost.py, over fakes) and a
+        # single task's RL does (tests/jax/test_launch_run.py), but several tasks' real engines across
+        # processes have not been run: refused until they have.
         self.require_release(backend, process_count)
+        if process_count > 1:
+            raise ValueError(
+                f"{process_count} processes: --tasks runs as one process for now (a single task's "
+                f"--plan rl runs across processes)"
+            )
         for name, m in opts.models.items():
             try:
                 backend.check_engine_args(m, opts.engine)

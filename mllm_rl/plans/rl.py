@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,8 @@ import numpy as np
 from mllm_rl.backend import Backend
 from mllm_rl.checkpoint.hf_config import REQUIRED as REQUIRED_SHAPE
 from mllm_rl.checkpoint.resolve import RLCheckpoint
-from mllm_rl.checkpoint.writer import Checkpointer
+from mllm_rl.checkpoint.writer import Checkpointer, check_shared_dir
+from mllm_rl.coordination import Coordinator, LocalCoordinator, coordinator_for
 from mllm_rl.engine import ABORT, EngineOptions, SamplingParams
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.faults import fault
@@ -227,14 +229,21 @@ def check_model_shape(ckpt: RLCheckpoint, model: Any) -> None:
 
 
 def checkpointer(
-    trainer: Any, run_dir: Path, backend: str, opts: RLOptions, background: bool, model: Any = None
+    trainer: Any,
+    run_dir: Path,
+    backend: str,
+    opts: RLOptions,
+    background: bool,
+    model: Any = None,
+    coord: Coordinator | None = None,
 ) -> Checkpointer:
     """The ``checkpoint`` phase's work: save on the cadence (and the last step), then the manifest
     (sizes and sha256 of every file) in ``meta.json``; keeps the newest ``KEEP_CHECKPOINTS``.
-    ``background``: from the trainer's host snapshot on another thread, when it has one."""
+    ``background``: from the trainer's host snapshot on another thread, when it has one. ``coord``:
+    the run's processes (each writes its shards; process 0 the directory and the manifest)."""
     meta = checkpoint_meta(backend, opts) | ({} if model is None else {"model_shape": model_shape(model)})
     return Checkpointer(
-        trainer, run_dir, meta, opts.checkpoint_every, opts.steps, KEEP_CHECKPOINTS, background
+        trainer, run_dir, meta, opts.checkpoint_every, opts.steps, KEEP_CHECKPOINTS, background, coord
     )
 
 
@@ -254,10 +263,29 @@ def prompts_of(
     return texts, token_ids(tok, texts)
 
 
-def make_rollout(task: Task, tok: Any, opts: RLOptions, eos: int, on_rewards: RewardLog | None = None):
+def process_0_rewards(coord: Coordinator, name: str, rewards: np.ndarray) -> np.ndarray:
+    """Process 0's rewards on every process of a multi-process run (``rewards`` itself for one): each
+    process scores every sample, and a reward that is not deterministic (sampling, a remote call)
+    would otherwise give the processes different batches for one SPMD train step."""
+    if coord.count == 1:
+        return rewards
+    got = coord.gather(f"rewards/{name}", json.dumps([float(x) for x in rewards]))
+    return np.asarray(json.loads(got[0]), dtype=rewards.dtype)
+
+
+def make_rollout(
+    task: Task,
+    tok: Any,
+    opts: RLOptions,
+    eos: int,
+    on_rewards: RewardLog | None = None,
+    coord: Coordinator | None = None,
+):
     """The ``rollout`` phase's work: prompts of this step, ``group_size`` samples each,
-    rewards (the task's reward function, in its worker process), group-relative advantages, the
-    training batch and its metrics. ``on_rewards`` gets every sample's reward (``rewards.jsonl``)."""
+    rewards (the task's reward function, in its worker process; process 0's on every process),
+    group-relative advantages, the training batch and its metrics. ``on_rewards`` gets every
+    sample's reward (``rewards.jsonl``)."""
+    coord = coord or LocalCoordinator()
 
     def rollout(engine: ManagedEngine, step: int):
         examples = task.batch(opts.seed, step, opts.prompts_per_step)
@@ -277,6 +305,7 @@ def make_rollout(task: Task, tok: Any, opts: RLOptions, eos: int, on_rewards: Re
         rewards = task.rewards(
             [texts[i // g] for i in range(len(outs))], completions, samples, f"step {step}"
         )
+        rewards = process_0_rewards(coord, f"step {step}", rewards)
         if on_rewards is not None:
             on_rewards("rollout", step, samples, rewards)
         if fault("reward_nan"):  # behind the reward's own check: the non-finite loss guard (exit 5)
@@ -387,8 +416,6 @@ class RewardsFile:
         self._f: Any = None
 
     def __call__(self, phase: str, step: int, examples: list[Example], rewards: np.ndarray) -> None:
-        import json
-
         if self._f is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 -- closed by close()
@@ -427,6 +454,9 @@ def _run_rl(ctx: PlanRun, opts: RLOptions, task: Task, tok: Any, on_rewards: Rew
     if lifecycle.check_weights and not lifecycle.probe_ids:
         lifecycle.probe_ids = tuple(tok(PROBE_PROMPT, add_special_tokens=False).input_ids)
 
+    coord = coordinator_for(backend)
+    if opts.checkpoint_every:  # several processes write one checkpoint: they must share the directory
+        check_shared_dir(coord, ctx.run_dir)
     engine = setup.start(
         backend,
         rec,
@@ -449,8 +479,10 @@ def _run_rl(ctx: PlanRun, opts: RLOptions, task: Task, tok: Any, on_rewards: Rew
     life.first_sync()
     ctx.on_started()
 
-    rollout = make_rollout(task, tok, opts, eos, on_rewards)
-    save = checkpointer(life.trainer, ctx.run_dir, backend.name, opts, opts.checkpoint_background, model)
+    rollout = make_rollout(task, tok, opts, eos, on_rewards, coord)
+    save = checkpointer(
+        life.trainer, ctx.run_dir, backend.name, opts, opts.checkpoint_background, model, coord
+    )
     profiled = profiled_steps(backend, opts, ctx)
     history = []
     try:
@@ -675,6 +707,11 @@ class RLPlan(Plan[RLOptions]):
 
     def check_runtime(self, backend: Backend, model: Any, opts: RLOptions, process_count: int) -> None:
         self.require_release(backend, process_count)
+        if process_count > 1 and opts.checkpoint_background:
+            raise ValueError(
+                f"--checkpoint-background: one process only ({process_count} processes each write "
+                f"their shards in the checkpoint phase)"
+            )
         if opts.profile_steps and backend.profiler() is None:
             raise ValueError(f"--profile: the {backend.name} backend has no profiler")
         super().check_runtime(backend, model, opts, process_count)
