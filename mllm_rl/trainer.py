@@ -60,7 +60,8 @@ class TrainConfig:
     # and moments in the checkpoint's dtype (half the state; steps below half an ulp are lost).
     precision: str = default("precision")
     # The backend's model options by name (JAX: ``ModelOptions`` fields such as remat, scan_layers,
-    # opt_dtype; the run's --model-option, the plan's too) and the trainer's tensor-parallel size.
+    # opt_dtype; torch: ``TorchModelOptions``, remat; the run's --model-option, the plan's too) and
+    # the trainer's tensor-parallel size.
     model_options: tuple[tuple[str, Any], ...] = ()
     trainer_tp: int = default("trainer_tp")
 

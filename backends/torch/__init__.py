@@ -128,8 +128,20 @@ class TorchBackend(Backend):
         kwargs.pop("mem_fraction_static", None)  # refused by check_engine_args: the pool is max_total_tokens
         return EmbeddedEngine(model, device=self._device(), **kwargs)
 
+    def check_trainer_args(self, model: ModelDir, cfg: Any) -> None:
+        """``--model-option`` names ``TorchModelOptions`` fields (``backends/torch/options.py``:
+        ``remat``); no ``--trainer-tp`` (the trainer runs on one device)."""
+        from mllm_rl.backends.torch.options import TorchModelOptions
+
+        TorchModelOptions.from_pairs(cfg.model_options)
+        if cfg.trainer_tp != 1:
+            raise ValueError(
+                f"--trainer-tp {cfg.trainer_tp}: the {self.name} trainer has no tensor parallelism"
+            )
+
     def create_trainer(self, model: ModelDir, cfg: Any):
-        """``TorchTrainer`` (``backends/torch/trainer.py``) on the runtime's device."""
+        """``TorchTrainer`` (``backends/torch/trainer.py``) on the runtime's device; it applies
+        ``cfg.model_options`` (``TorchModelOptions``) itself."""
         from mllm_rl.backends.torch.trainer import TorchTrainer
 
         return TorchTrainer(model, cfg, device=self._device())
@@ -140,3 +152,9 @@ class TorchBackend(Backend):
             import torch
 
             torch.cuda.empty_cache()
+
+    def profiler(self):
+        """``torch.profiler`` traces for ``--profile`` (``backends/torch/profiler.py``)."""
+        from mllm_rl.backends.torch.profiler import TorchProfiler
+
+        return TorchProfiler()

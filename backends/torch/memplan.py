@@ -23,7 +23,11 @@ Every figure is **predicted**, per device (the torch trainer runs on one device)
   right-padded: causal, no mask), on the fake CPU device torch's CPU flash kernel, which keeps
   what CUDA's flash kernel keeps for the backward (q, k, v, the output, float32 log-sum-exp
   [B, N, T]); the LM head runs in ``LOGPROB_CHUNK``-token chunks recomputed in the backward
-  (``backends/torch/model.py``).
+  (``backends/torch/model.py``). The request's ``options`` are the run's ``--model-option``
+  pairs (``backends/torch/options.py``: ``remat``), given to the trainer as
+  ``TrainConfig.model_options`` as a run gives them: with ``remat=true`` every decoder layer
+  runs under ``torch.utils.checkpoint``, which MemTracker follows (the rerun of a layer in the
+  backward, and its activations, counted at the moment they live).
 - ``engine_weights``, ``kv_pool``, ``staging`` (method ``layout``): SGLang's own rules
   (``sglang_calls.SGLANG_VERSION``), cited at each function below.
 
@@ -50,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from mllm_rl.backends.torch import sglang_calls as sc
+from mllm_rl.backends.torch.options import TorchModelOptions
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.checkpoint.safetensors_io import TensorInfo
 from mllm_rl.memplan.compose import GIB, Component, FunctionMemory, Target
@@ -128,8 +133,10 @@ def check_request(req: PlanRequest) -> Target:
         raise ValueError(
             f"PlanRequest.trainer_tp {req.trainer_tp}: the torch trainer has no tensor parallelism"
         )
-    if req.options:
-        raise ValueError(f"PlanRequest.options {sorted(req.options)}: the torch model takes no options")
+    try:
+        TorchModelOptions.from_pairs(req.options)
+    except ValueError as e:
+        raise ValueError(f"PlanRequest.options: {e}") from None
     if req.schedule not in ("multi_stage", "naive"):
         raise ValueError(f"PlanRequest.schedule {req.schedule!r}: expected multi_stage or naive")
     if req.mem_fraction_static is not None and not 0 < req.mem_fraction_static < 1:
@@ -148,7 +155,10 @@ class StepMemory:
     Activation, Temp, ...; ``Optstate`` there still includes ``host_scalars``; ``Parameter``
     also the compute-dtype casts of float32 masters alive at the peak), ``peak_total`` their
     sum without ``host_scalars``. ``master_dtype``: the trainable params' (and gradients', AdamW
-    moments') dtype; ``compute_dtype``: what forwards compute in (the checkpoint's).
+    moments') dtype; ``compute_dtype``: what forwards compute in (the checkpoint's). ``options``:
+    the model options the trainer ran with (``TrainConfig.model_options``). ``fwd_bwd_peak``: the
+    tracker's per-category bytes at its peak up to the first optimizer step (the forward and
+    backward of the first mini-batch; ``peak`` may lie in an optimizer step, as with ``remat``).
     """
 
     params: int
@@ -165,6 +175,8 @@ class StepMemory:
     seconds: float
     master_dtype: str
     compute_dtype: str
+    options: tuple[tuple[str, Any], ...] = ()
+    fwd_bwd_peak: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def shape(self) -> str:
@@ -177,8 +189,20 @@ class StepMemory:
         """Bytes at the peak beyond params (a KL reference included), gradients and optimizer state:
         activations and temporaries (the optimizer's own, when the peak is in its step; the
         compute-dtype casts of float32 masters under mixed precision)."""
-        held = self.params + self.ref_params + self.peak.get("Gradient", 0) + self.optimizer
-        return self.peak_total - held
+        return self._beyond_state(self.peak)
+
+    @property
+    def fwd_bwd_activations(self) -> int:
+        """``activations`` at the forward/backward peak (``fwd_bwd_peak``): what activation
+        checkpointing changes, even when the step's peak lies in an optimizer step."""
+        return self._beyond_state(self.fwd_bwd_peak)
+
+    def _beyond_state(self, peak: dict[str, int]) -> int:
+        """Bytes of a MemTracker peak snapshot beyond params (a KL reference included), its
+        gradients and the optimizer state (``host_scalars`` left out)."""
+        total = peak.get("Total", sum(peak.values())) - self.host_scalars
+        held = self.params + self.ref_params + peak.get("Gradient", 0) + self.optimizer
+        return total - held
 
 
 def layout_dir(config: ModelConfig, dtype: str) -> ModelDir:
@@ -271,6 +295,7 @@ def trainer_step_memory(
     precision: str = TrainConfig.precision,
     attention: str = "sdpa",
     logprob_chunk: int | None | str = "model",
+    options: tuple[tuple[str, Any], ...] = (),
 ) -> StepMemory:
     """Run ``TorchTrainer.device_step`` ``steps`` times on fake tensors under MemTracker.
 
@@ -278,10 +303,23 @@ def trainer_step_memory(
     trainer at ``precision`` (``TrainConfig.precision``; the trainer's default by default).
     ``attention`` / ``logprob_chunk``: the model's (``backends/torch/model.py``; ``"sdpa"`` /
     ``"model"``, its ``LOGPROB_CHUNK``, are what the trainer runs; ``"eager"`` / ``None``
-    reproduce the paths they replaced, for ``scripts/bench_torch_attention.py``).
+    reproduce the paths they replaced, for ``scripts/bench_torch_attention.py``). ``options``: the
+    trainer's model options as (key, value) pairs (``TrainConfig.model_options``, e.g.
+    ``(("remat", True),)``; a tuple, so the result caches).
     """
     out = _trace_step(
-        config, micro_batch, seq_len, rows, dtype, lora_rank, kl, steps, precision, attention, logprob_chunk
+        config,
+        micro_batch,
+        seq_len,
+        rows,
+        dtype,
+        lora_rank,
+        kl,
+        steps,
+        precision,
+        attention,
+        logprob_chunk,
+        options,
     )
     gc.collect()  # the fake trainer leaves the CPU probe's holder set (a WeakSet) now
     return out
@@ -299,6 +337,7 @@ def _trace_step(
     precision: str = TrainConfig.precision,
     attention: str = "sdpa",
     logprob_chunk: int | None | str = "model",
+    options: tuple[tuple[str, Any], ...] = (),
 ) -> StepMemory:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -315,6 +354,7 @@ def _trace_step(
         lora_rank=lora_rank,
         precision=precision,
         loss=LossConfig(beta=KL_BETA if kl else 0),
+        model_options=tuple(options),
     )
     meta = build_qwen3(config, getattr(torch, dtype), "meta", attention)
     if logprob_chunk != "model":
@@ -346,10 +386,14 @@ def _trace_step(
     tracker = _tracker_class()()
     tracker.track_external(trainer.model, trainer.optimizer)
     before_step: list[dict[str, int]] = []
+    peak_before_step: list[dict[str, int]] = []
+
+    def at_step(*_: Any) -> None:
+        before_step.append(_bytes(tracker.get_tracker_snapshot("current")))
+        peak_before_step.append(_bytes(tracker.get_tracker_snapshot("peak")))
+
     hooks = [
-        trainer.optimizer.register_step_pre_hook(
-            lambda *_: before_step.append(_bytes(tracker.get_tracker_snapshot("current")))
-        ),
+        trainer.optimizer.register_step_pre_hook(at_step),
         # MemTracker refuses a second call of the root module in one session; the step calls it
         # once per micro-batch (twice with a KL reference): forget the module-wise stats first
         register_module_forward_pre_hook(
@@ -385,8 +429,22 @@ def _trace_step(
         seconds=time.perf_counter() - t0,
         master_dtype=str(trainer.master_dtype).removeprefix("torch."),
         compute_dtype=str(trainer.compute_dtype).removeprefix("torch."),
+        options=tuple(options),
+        fwd_bwd_peak=peak_before_step[0],
     )
     return out
+
+
+def options_key(options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A request's model options as sorted (key, value) pairs, normalised (``TorchModelOptions``:
+    ``remat=block`` and ``remat=true`` are one plan, and one cache entry) with defaults left out."""
+    opts = TorchModelOptions.from_pairs(options)
+    default = TorchModelOptions()
+    return tuple(
+        (f.name, getattr(opts, f.name))
+        for f in dataclasses.fields(opts)
+        if getattr(opts, f.name) != getattr(default, f.name)
+    )
 
 
 # -- SGLang's layout -------------------------------------------------------------------------------
@@ -469,6 +527,7 @@ def _trainer_figures(req: PlanRequest, step: StepMemory) -> tuple[dict[str, Comp
         why = f"KL reference: the initial trainable params ({dt}), copied to the device each step"
         comps["ref_params"] = Component("ref_params", step.ref_params, "layout", why)
     cats = ", ".join(f"{k} {v / MIB:.1f}" for k, v in step.peak.items() if k != "Total" and v)
+    fwd_bwd = step.fwd_bwd_peak.get("Total", 0) - step.host_scalars
     fn = FunctionMemory(
         "grad_step",
         peak_bytes=step.peak_total,
@@ -476,10 +535,18 @@ def _trainer_figures(req: PlanRequest, step: StepMemory) -> tuple[dict[str, Comp
         temp_bytes=step.activations,
         method="fake_tensor",
         detail=f"TorchTrainer.device_step x{STEPS}, {step.shape} (forward, backward, clipping, AdamW foreach; "
-        f"KL reference forward when on{'; casts of the masters to ' + dt if mixed else ''}); "
-        f"MiB at the peak: {cats}",
+        f"KL reference forward when on{'; casts of the masters to ' + dt if mixed else ''}{options_text(step)}); "
+        f"MiB at the peak: {cats}; forward/backward peak {fwd_bwd / MIB:.1f} MiB, activations and "
+        f"temporaries there {step.fwd_bwd_activations / MIB:.1f} MiB",
     )
     return comps, fn
+
+
+def options_text(step: StepMemory) -> str:
+    """``"; model options remat=True"`` for the ``grad_step`` detail (empty without options)."""
+    if not step.options:
+        return ""
+    return "; model options " + ", ".join(f"{k}={v}" for k, v in step.options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -551,7 +618,15 @@ def measure(req: PlanRequest) -> Measured:
     pool = sglang_pool(req, weights, target.hbm_bytes, itemsize)  # refuses before any tracing
     rows = min(req.prompts * req.group_size, 2 * req.micro_batch)
     step = trainer_step_memory(
-        c, req.micro_batch, req.seq_len, rows, req.param_dtype, req.lora_rank, req.kl, precision=req.precision
+        c,
+        req.micro_batch,
+        req.seq_len,
+        rows,
+        req.param_dtype,
+        req.lora_rank,
+        req.kl,
+        precision=req.precision,
+        options=options_key(req.options),
     )
     comps, grad_step = _trainer_figures(req, step)
     comps["engine_weights"] = Component("engine_weights", weights, "layout", f"SGLang Qwen3: {wdetail}")

@@ -30,6 +30,12 @@ CPU). A query on a padding slot attends to itself (no row is fully masked, so no
 positions see exactly the eager path's keys. ``"eager"`` is the reference kept for the parity
 tests and ``scripts/bench_torch_attention.py``: float32 scores [B, N, T, S] per layer, kept for
 the backward (O(T^2)); padding queries there attend uniformly to everything (all masked).
+
+Activation checkpointing (``Qwen3.remat``, the torch trainer's ``--model-option remat=true``,
+``backends/torch/options.py``): with grad enabled each decoder layer of ``forward`` runs under
+``torch.utils.checkpoint`` (non-reentrant, ``run_block``): the backward keeps each layer's input
+[B, T, H] instead of its activations and recomputes one layer at a time. Same numbers (the
+recompute is the same ops on the same tensors); without grad nothing changes.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.presets import ModelConfig
@@ -305,6 +313,50 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def run_block(
+    layer: Block, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, remat: bool
+) -> torch.Tensor:
+    """One decoder layer of ``Qwen3.forward``: ``x`` [B, T, H], ``positions`` [B, T], ``mask`` as
+    ``attend`` takes it -> [B, T, H].
+
+    ``remat`` with grad enabled: under ``torch.utils.checkpoint`` (non-reentrant): autograd keeps
+    the layer's inputs (and the weights it ran with) instead of its activations and reruns the
+    layer in the backward. The weights are captured now (``block_weights``) and swapped in again
+    for the rerun, so it computes on the tensors the forward used even after a ``functional_call``
+    that swapped them in (the trainer's compute-dtype casts of float32 masters) has been undone.
+    Otherwise (no ``remat``, or no grad: log-probs, the KL reference) a plain call."""
+    if not (remat and torch.is_grad_enabled()):
+        return layer(x, positions, mask)
+    return checkpoint(
+        _call_block,
+        layer,
+        block_weights(layer),
+        x,
+        positions,
+        mask,
+        use_reentrant=False,
+        preserve_rng_state=False,  # the model draws no random numbers
+    )
+
+
+def block_weights(layer: Block) -> dict[str, torch.Tensor]:
+    """The tensors ``layer`` holds as parameters now, by name (under a ``functional_call``: the
+    swapped-in ones)."""
+    return dict(layer.named_parameters())
+
+
+def _call_block(
+    layer: Block,
+    weights: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """``layer(x, positions, mask)`` [B, T, H] with ``weights`` swapped in (``run_block``'s
+    checkpointed function: the forward and its rerun in the backward)."""
+    return functional_call(layer, weights, (x, positions, mask), tie_weights=False)
+
+
 class Qwen3Body(nn.Module):
     """``model.*`` of the HF layout: embeddings, decoder layers, final norm."""
 
@@ -319,12 +371,18 @@ class Qwen3(nn.Module):
     """``Qwen3(config)(tokens [B, T], attention_mask [B, T]) -> logits [B, T, V]`` (float32);
     with ``targets`` [B, T]: their log-probs [B, T] (float32, chunked head).
 
-    ``attention``: ``"sdpa"`` or ``"eager"`` (module docstring) and ``logprob_chunk`` (tokens per
-    head chunk of ``token_logprobs``; ``None``: the whole [B, T, V] at once) are plain attributes,
-    so a built model can be switched (the parity tests and the attention benchmark do)."""
+    ``attention``: ``"sdpa"`` or ``"eager"`` (module docstring), ``logprob_chunk`` (tokens per
+    head chunk of ``token_logprobs``; ``None``: the whole [B, T, V] at once) and ``remat``
+    (per-layer activation checkpointing when grad is enabled: ``run_block``) are plain attributes,
+    so a built model can be switched (the parity tests, the benchmarks and the trainer do)."""
 
     def __init__(
-        self, c: ModelConfig, dtype: torch.dtype = torch.float32, device=None, attention: str = "sdpa"
+        self,
+        c: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        attention: str = "sdpa",
+        remat: bool = False,
     ) -> None:
         super().__init__()
         if attention not in ATTENTION:
@@ -332,6 +390,7 @@ class Qwen3(nn.Module):
         self.config = c
         self.attention = attention
         self.logprob_chunk: int | None = LOGPROB_CHUNK
+        self.remat = remat
         self.model = Qwen3Body(c, dtype, device)
         self.lm_head = (
             None
@@ -375,7 +434,7 @@ class Qwen3(nn.Module):
             else:
                 mask = attention_bias(attention_mask, torch.arange(t, device=tokens.device), x.dtype)
         for layer in self.model.layers:
-            x = layer(x, positions, mask)
+            x = run_block(layer, x, positions, mask, self.remat)
         if targets is None:
             return self.logits(x)
         norm = self.model.norm
@@ -411,10 +470,14 @@ class Qwen3(nn.Module):
 
 
 def build_qwen3(
-    c: ModelConfig, dtype: torch.dtype, device: str | torch.device = "meta", attention: str = "sdpa"
+    c: ModelConfig,
+    dtype: torch.dtype,
+    device: str | torch.device = "meta",
+    attention: str = "sdpa",
+    remat: bool = False,
 ) -> Qwen3:
     """A ``Qwen3`` whose parameters live on ``device`` (``meta``: shapes only, no memory)."""
-    return Qwen3(c, dtype, torch.device(device), attention)
+    return Qwen3(c, dtype, torch.device(device), attention, remat)
 
 
 def to_torch(arr: np.ndarray) -> torch.Tensor:

@@ -32,6 +32,11 @@ rollout sampled from, computed in the compute dtype like a 16-bit engine; ``gree
 The model attends with SDPA (right-padded micro-batches get no mask: causal only) and computes
 log-probs with its chunked head, never the whole [B, T, V] logits (``backends/torch/model.py``).
 
+Model options (``TrainConfig.model_options``, the run's ``--model-option KEY=VALUE``;
+``backends/torch/options.py``): ``remat=true`` checkpoints every decoder layer of the training
+forward (``Qwen3.remat``: each layer's input kept, the layer recomputed in the backward; same
+loss and gradients, the mixed-precision casts included); log-prob passes without grad are unchanged.
+
 Offload (``backends/torch/offload.py``): the bytes of every parameter / optimizer-state
 tensor go to the host (pinned on CUDA, numpy on CPU) and the device storages are resized to
 0; the tensor objects stay, so ``torch.optim`` and the model keep their references.
@@ -53,6 +58,7 @@ from mllm_rl.backends.torch.engine import tensor_sums
 from mllm_rl.backends.torch.lora import LoRALinear, add_lora, disabled, linear_layers
 from mllm_rl.backends.torch.model import Qwen3, checkpoint_dtype, load_qwen3
 from mllm_rl.backends.torch.offload import OffloadGroup, device_tensor, host_copy, storage_bytes
+from mllm_rl.backends.torch.options import TorchModelOptions
 from mllm_rl.backends.torch.probe import track
 from mllm_rl.backends.torch.rl_loss import policy_loss
 from mllm_rl.checkpoint.model_dir import ModelDir
@@ -79,8 +85,10 @@ class TorchTrainer:
     ) -> None:
         """``model``: a ``Qwen3`` already in ``model_dir``'s layout and dtype on ``device`` (the
         memory planner builds one on fake tensors; its params are converted to the master dtype
-        here); by default it is loaded from ``model_dir``."""
+        here); by default it is loaded from ``model_dir``. ``cfg.model_options``: ``TorchModelOptions``
+        (``ValueError`` naming an unknown or bad one), applied to the model."""
         self.cfg = cfg
+        self.options = TorchModelOptions.from_pairs(cfg.model_options)
         self.config = model_dir.config
         self.device = torch.device(device)
         self.names = list(model_dir.tensors)  # HF names, checkpoint order
@@ -93,6 +101,7 @@ class TorchTrainer:
         if model is None:
             model = load_qwen3(model_dir, dtype=base_dtype, device=str(self.device))
         self.model = _to_dtype(model, base_dtype)
+        self.model.remat = self.options.remat
         if self.lora:
             self.adapters: dict[str, LoRALinear] = add_lora(
                 self.model, cfg.lora_rank, cfg.lora_alpha, cfg.seed, dtype=self.master_dtype

@@ -229,8 +229,8 @@ OPTIONS: tuple[Option, ...] = (
     _o("mem_fraction_static", float, None, "the engine's mem_fraction_static (sglang-jax, SGLang)", "rl plan", {"rl", "memplan"}, low=0,
        strict=True, high=1, nullable=True,
        default_text="what --kv-tokens needs, else the adapter's default"),
-    _o("model_option", list, None, "a backend model option (JAX: ModelOptions fields, e.g. remat=block); "
-       "repeatable", "rl plan", {"rl", "memplan"}, resume="fixed", metavar="KEY=VALUE"),
+    _o("model_option", list, None, "a backend model option (JAX: ModelOptions fields, e.g. remat=block; "
+       "torch: remat=true, per-layer activation checkpointing); repeatable", "rl plan", {"rl", "memplan"}, resume="fixed", metavar="KEY=VALUE"),
     _o("margin", float, 0.9, "fraction of device memory a phase may use (the plan's budget; rl: the run's own "
        "memory plan)", "plan", {"rl", "memplan"}, low=0,
        strict=True, high=1),

@@ -231,11 +231,28 @@ def test_cli_plans_with_the_torch_backend(tmp_path):
     [({"tp": 2}, "PlanRequest.tp"), ({"target": "h100x8"}, "PlanRequest.target"),
      ({"target": "v4-8"}, "PlanRequest.target"), ({"backend": "jax"}, "PlanRequest.backend"),
      ({"param_dtype": "int8"}, "PlanRequest.param_dtype"), ({"fsdp": 2}, "PlanRequest.fsdp"),
-     ({"trainer_tp": 2}, "PlanRequest.trainer_tp"), ({"options": {"remat": "block"}}, "PlanRequest.options")],
+     ({"trainer_tp": 2}, "PlanRequest.trainer_tp"), ({"options": {"scan_layers": True}}, "PlanRequest.options"),
+     ({"options": {"remat": "dots"}}, "PlanRequest.options")],
 )  # fmt: skip
 def test_refusals_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         memplan.check_request(request(**kw))
+
+
+def test_remat_option_plans_the_checkpointed_step(tiny_fp32):
+    """``--model-option remat=true`` (JAX's ``remat=block`` too) reaches the traced trainer: the
+    same state, a lower ``grad_step`` peak, the option named in its detail."""
+    m = memplan.measure(request(kv_tokens=1000, seq_len=512, options={"remat": "block"}))
+    base = memplan.measure(request(kv_tokens=1000, seq_len=512))
+    for k in ("trainer_params", "grads", "optimizer"):
+        assert m.components[k].bytes_per_device == tiny_fp32.components[k].bytes_per_device, k
+    f, f0 = m.functions["grad_step"], base.functions["grad_step"]
+    assert f.peak_bytes < f0.peak_bytes and "model options remat=True" in f.detail
+    assert "model options" not in f0.detail
+    assert (
+        memplan.options_key({"remat": "block"}) == memplan.options_key({"remat": True}) == (("remat", True),)
+    )
+    assert memplan.options_key({"remat": False}) == ()
 
 
 def test_targets_from_the_card_spec():

@@ -1,0 +1,329 @@
+"""Per-block activation checkpointing of the torch Qwen3 (``--model-option remat=true``) vs none,
+side by side on CPU.
+
+    python scripts/bench_torch_remat.py                              # tiny, 1 x 2048
+    python scripts/bench_torch_remat.py --preset qwen3-0.6b --layers 4 --seq 1024 --dtype bfloat16
+
+**A CPU figure.** Paths (``backends/torch/model.py``): ``plain`` = every decoder layer's
+activations kept for the backward (the default); ``remat`` = each layer's training forward under
+``torch.utils.checkpoint`` (``Qwen3.remat``: its input kept, the layer rerun in the backward).
+Both attend with SDPA and compute log-probs with the chunked head (what the trainer runs).
+
+**Measured** on this machine, on ``--threads`` threads: a model of ``--preset`` (``--layers``
+overrides its depth) with seeded random weights in ``--dtype``; a step is a forward (the
+log-probs of the next tokens at temperature 0.7, one row right-padded as the trainer feeds them)
+and the backward of their mean. Step time: both paths' models in one process, their steps
+interleaved (plain, remat, plain, remat, ...: a busy machine slows each alike), the median of
+``--steps`` after one warm-up each. Peak memory: each path alone in a fresh process, the peak RSS
+rise of two steps over the RSS before them. Per path, **predicted**: the torch planner's
+activations + temporaries at the forward/backward peak of one ``TorchTrainer`` step of the same
+shape on fake tensors (``backends/torch/memplan.py: trainer_step_memory``, the CUDA-relevant
+figure; mixed precision for a 16-bit ``--dtype``). Then ``remat`` over ``plain``, all from this
+one run. The last stdout line is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mllm_rl.bench import MiB
+from mllm_rl.bench.child import BenchError, last_json_line, run_cmd
+from mllm_rl.bench.cli import csv_choice, positive, run_bench
+from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.tables import table
+
+PATHS = ("plain", "remat")
+DTYPES = ("bfloat16", "float32")
+
+
+def config_of(args: argparse.Namespace) -> Any:
+    """The preset, ``--layers`` deep when given."""
+    from mllm_rl.presets import get_preset
+
+    c = get_preset(args.preset)
+    return dataclasses.replace(c, num_hidden_layers=args.layers) if args.layers else c
+
+
+def model_options(path: str) -> tuple[tuple[str, Any], ...]:
+    """The trainer's ``--model-option`` pairs of ``path``."""
+    return (("remat", True),) if path == "remat" else ()
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (``/proc/self/statm``)."""
+    import os
+
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def build(args: argparse.Namespace, path: str) -> tuple[Any, Any]:
+    """The model of ``path`` with seeded random weights, and its ``step()`` (seconds): log-probs of
+    [B, T-1] next tokens, the backward of their masked mean."""
+    import torch
+
+    from mllm_rl.backends.torch.model import build_qwen3
+
+    torch.manual_seed(0)
+    c = config_of(args)
+    model = build_qwen3(c, getattr(torch, args.dtype), "meta", remat=path == "remat").to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, c.vocab_size, (args.batch, args.seq), generator=g)
+    mask = torch.ones(args.batch, args.seq, dtype=torch.bool)
+    mask[-1, args.seq * 3 // 4 :] = False  # one right-padded row: no attention mask needed
+    weight = mask[:, 1:].float()
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        lp = model(tokens[:, :-1], None, targets=tokens[:, 1:], temperature=0.7)
+        loss = -(lp * weight).sum() / weight.sum()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    return model, step
+
+
+def set_threads(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return torch.get_num_threads()
+
+
+def rss_one(args: argparse.Namespace) -> dict[str, Any]:
+    """In a child, one path alone: the RSS rise of a warm-up step and one more."""
+    threads = set_threads(args)
+    model, step = build(args, args.child)
+    rss0 = rss_bytes()
+    peak0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    step()
+    step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "path": args.child,
+        "params": sum(p.numel() for p in model.parameters()),
+        "rss_before_bytes": rss0,
+        "rss_peak_rise_bytes": peak - rss0,
+        "rise_is_lower_bound": peak <= peak0,  # the steps never passed the set-up's peak
+        "threads": threads,
+    }
+
+
+def times_all(args: argparse.Namespace) -> dict[str, Any]:
+    """In a child, both paths' models at once, their steps interleaved: per path the warm-up and
+    the timed steps (seconds)."""
+    threads = set_threads(args)
+    steps = {p: build(args, p)[1] for p in args.paths}
+    warm = {p: round(f(), 3) for p, f in steps.items()}
+    times: dict[str, list[float]] = {p: [] for p in steps}
+    for _ in range(args.steps):
+        for p, f in steps.items():
+            times[p].append(round(f(), 3))
+    return {"threads": threads, "warmup_s": warm, "step_s_all": times}
+
+
+def child_cmd(args: argparse.Namespace, *extra: str) -> list[str]:
+    """This script with ``args`` and ``extra`` (``--child PATH`` / ``--child-times``)."""
+    flags = {
+        "--preset": args.preset,
+        "--layers": args.layers,
+        "--batch": args.batch,
+        "--seq": args.seq,
+        "--dtype": args.dtype,
+        "--steps": args.steps,
+        "--threads": args.threads,
+        "--paths": ",".join(args.paths),
+    }
+    return [sys.executable, __file__, *extra, *(x for k, v in flags.items() for x in (k, str(v)))]
+
+
+def run_path(args: argparse.Namespace, path: str) -> dict[str, Any]:
+    print(f"measuring the RSS of {path} ...", file=sys.stderr, flush=True)
+    r = run_cmd(child_cmd(args, "--child", path), f"path {path}", timeout=args.timeout)
+    return last_json_line(r.stdout, f"path {path}")
+
+
+def run_times(args: argparse.Namespace) -> dict[str, Any]:
+    print(
+        f"timing {', '.join(args.paths)} interleaved, {args.steps} steps each ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    r = run_cmd(child_cmd(args, "--child-times"), "timing", timeout=args.timeout)
+    return last_json_line(r.stdout, "timing")
+
+
+def plan_one(args: argparse.Namespace, path: str) -> dict[str, Any]:
+    """The planner's figures for one trainer step of this shape (fake tensors, in this process)."""
+    from mllm_rl.backends.torch import memplan
+
+    s = memplan.trainer_step_memory(
+        config_of(args),
+        args.batch,
+        args.seq,
+        rows=args.batch,
+        dtype=args.dtype,
+        steps=1,
+        options=model_options(path),
+    )
+    return {
+        "activations_bytes": s.fwd_bwd_activations,
+        "peak_bytes": s.peak_total,
+        "trace_s": round(s.seconds, 1),
+    }
+
+
+def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float] | None:
+    """``remat`` over ``plain``: step time, RSS rise, planned activations (None without both)."""
+    if not {"plain", "remat"} <= set(results):
+        return None
+    a, b = results["plain"], results["remat"]
+    return {
+        "step_s": round(b["step_s"] / a["step_s"], 3),
+        "rss_peak_rise": round(b["rss_peak_rise_bytes"] / max(a["rss_peak_rise_bytes"], 1), 3),
+        "planned_activations": round(
+            b["planned"]["activations_bytes"] / max(a["planned"]["activations_bytes"], 1), 3
+        ),
+    }
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    c = config_of(args)  # ValueError (exit 2) for an unknown preset, before anything runs
+    results: dict[str, dict[str, Any]] = {}
+    for p in args.paths:
+        results[p] = run_path(args, p)
+        results[p]["planned"] = plan_one(args, p)
+    timing = run_times(args)
+    for p, r in results.items():
+        r["warmup_s"] = timing["warmup_s"][p]
+        r["step_s_all"] = timing["step_s_all"][p]
+        r["step_s"] = round(statistics.median(r["step_s_all"]), 3)
+    if not results:
+        raise BenchError("no path ran")
+    return {
+        "bench": "torch_remat",
+        "figure": "CPU",
+        "command": command_line(),
+        "machine": machine_info(),
+        "preset": args.preset,
+        "layers": c.num_hidden_layers,
+        "batch": args.batch,
+        "seq": args.seq,
+        "dtype": args.dtype,
+        "steps": args.steps,
+        "method": "step_s (paths interleaved in one process) and rss_peak_rise (a fresh process per path) "
+        "measured on this CPU, model forward + backward; planned = torch planner, fake tensors (a TorchTrainer "
+        "step's activations + temporaries at its forward/backward peak; predicted)",
+        "paths": results,
+        "remat_over_plain": ratios(results),
+    }
+
+
+def report(out: dict[str, Any]) -> str:
+    rows = [
+        {
+            "path": p,
+            "step_s": r["step_s"],
+            "rise": r["rss_peak_rise_bytes"] / MiB,
+            "planned": r["planned"]["activations_bytes"] / MiB,
+        }
+        for p, r in out["paths"].items()
+    ]
+    cols = [
+        ("path", "path", ""),
+        ("step_s", "step s", ".3f"),
+        ("rise", "RSS rise MiB", ".1f"),
+        ("planned", "planned act. MiB", ".1f"),
+    ]
+    first = next(iter(out["paths"].values()))
+    head = (
+        f"CPU figure: {out['preset']} ({out['layers']} layers, {first['params']:,} params, {out['dtype']}), "
+        f"{out['batch']} x {out['seq']} tokens, forward + backward, median of {out['steps']} steps; "
+        f"{first['threads']} thread(s), load {out['machine'].get('load_avg_1m')}"
+    )
+    lines = [head, table(rows, cols)]
+    q = out.get("remat_over_plain")
+    if q:
+        lines.append(
+            f"remat / plain: step time x{q['step_s']:.3f}, RSS rise x{q['rss_peak_rise']:.3f}, "
+            f"planned activations x{q['planned_activations']:.3f}"
+        )
+    lines.append(
+        "step s: measured here, the paths interleaved in one process; RSS rise: measured here, a fresh "
+        "process per path; planned act.: the torch planner's activations + temporaries at the forward/"
+        "backward peak of one trainer step of the same shape (fake tensors, predicted)"
+    )
+    if any(r["rise_is_lower_bound"] for r in out["paths"].values()):
+        lines.append("(a RSS rise marked as a lower bound: the steps stayed under the set-up's peak)")
+    return "\n".join(lines)
+
+
+def summary(out: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "bench": "torch_remat",
+        "figure": "CPU",
+        "preset": out["preset"],
+        "shape": [out["batch"], out["seq"]],
+        **{f"{p}_step_s": r["step_s"] for p, r in out["paths"].items()},
+        "remat_over_plain": out.get("remat_over_plain"),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    ap.add_argument("--preset", default="tiny", help="a preset of mllm_rl.presets (default tiny)")
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers (default 0: the preset's)")
+    ap.add_argument("--batch", type=positive(), default=1, help="rows (default 1)")
+    ap.add_argument("--seq", type=positive(), default=2048, help="tokens per row (default 2048)")
+    ap.add_argument("--dtype", default="float32", choices=DTYPES, help="params and compute (default float32)")
+    ap.add_argument("--steps", type=positive(), default=5, help="timed steps after one warm-up (default 5)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: steadiest on a shared machine; 0: torch's default)",
+    )
+    ap.add_argument(
+        "--paths", type=csv_choice(PATHS), default=list(PATHS), help=f"{','.join(PATHS)} (default both)"
+    )
+    ap.add_argument("--timeout", type=positive(float), default=1800.0, help="seconds per path (default 1800)")
+    ap.add_argument("--json", type=Path, help="write the full results here")
+    ap.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
+    ap.add_argument("--child-times", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.layers < 0 or args.threads < 0:
+        ap.error(f"--layers and --threads must be >= 0, got {args.layers}, {args.threads}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child or args.child_times:
+        print(json.dumps(rss_one(args) if args.child else times_all(args)), flush=True)
+        return 0
+    code, _ = run_bench(bench, args, report, summary)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
