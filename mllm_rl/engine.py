@@ -36,6 +36,10 @@ class SamplingParams:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # the index of this call's first request in the run's whole batch: request i is seeded by
+    # index request_offset + i (``request_seeds``), so a request samples the same whichever process
+    # or sub-batch generates it
+    request_offset: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -44,6 +48,8 @@ class SamplingParams:
             raise OptionError("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise OptionError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.request_offset < 0:
+            raise ValueError(f"request_offset must be >= 0, got {self.request_offset}")
 
 
 ENGINE_CHOICES = ("auto", "embedded", "sglang")  # every backend's choices, for --engine
@@ -135,13 +141,16 @@ class EngineOptions:
         )
 
 
-def request_seeds(base: int, n: int) -> list[int]:
-    """One sampling seed per request of a batch of ``n``, derived from the batch seed ``base``.
+def request_seeds(base: int, n: int, offset: int = 0) -> list[int]:
+    """One sampling seed per request of a batch of ``n``, derived from the batch seed ``base`` and
+    each request's index in the run's whole batch (``offset + i``: ``SamplingParams.request_offset``).
 
-    For engines that seed each request (sglang-jax, SGLang): the batch seed on every request would
-    make every completion of a GRPO group the same sample.
+    Every engine seeds each request (sglang-jax and SGLang per request, the embedded engine with a
+    generator per request): the batch seed on every request would make every completion of a GRPO
+    group the same sample, and a seed by position in a sub-batch would make a sample depend on
+    which process generated it.
     """
-    return [(base * 1_000_003 + i) % 2**31 for i in range(n)]
+    return [(base * 1_000_003 + offset + i) % 2**31 for i in range(n)]
 
 
 @dataclasses.dataclass

@@ -353,7 +353,9 @@ class SglangJaxEngine:
             params["stop_token_ids"] = list(sampling.stop_token_ids)
         ids = [list(map(int, x)) for x in input_ids]
         base = sampling.seed if sampling.seed is not None else int(self._seeds.integers(2**31))
-        per_req = [{**params, "sampling_seed": s} for s in request_seeds(base, len(ids))]
+        per_req = [
+            {**params, "sampling_seed": s} for s in request_seeds(base, len(ids), sampling.request_offset)
+        ]
         out = self._call(
             self.engine.async_generate(input_ids=ids, sampling_params=per_req, return_logprob=True)
         )
@@ -411,7 +413,9 @@ class SglangJaxEngine:
         for i, _ in self.mappings.values():
             if self.weights_cpu_backup and not fault("resume_lies"):  # the fault: backup lost
                 # this process's shards (an engine over several processes holds only those)
-                self._weight_backup[i] = [(sh.device, np.asarray(sh.data)) for sh in leaves[i].addressable_shards]
+                self._weight_backup[i] = [
+                    (sh.device, np.asarray(sh.data)) for sh in leaves[i].addressable_shards
+                ]
             leaves[i].delete()
 
     def resume_memory(self, tag: str) -> bool:

@@ -31,6 +31,8 @@ class TorchBackend(Backend):
     name = "torch"
     ready_phase = "torch_ready"
     engines = ENGINES  # --engine choices (EngineOptions.check_backend)
+    # several processes: each its own embedded engine (data parallel), released and resumed locally
+    releases_across_processes = True
 
     def __init__(self) -> None:
         self.device: Any = None  # torch.device, set by init_runtime
@@ -51,7 +53,14 @@ class TorchBackend(Backend):
                 f"--platform {platform}: torch {torch.__version__} sees no CUDA device "
                 f"(torch.version.cuda={torch.version.cuda})"
             )
-        self.device = torch.device("cuda" if cuda and platform != "cpu" else "cpu")
+        from mllm_rl.backends.torch import distributed
+
+        procs = distributed.procs()
+        if cuda and platform != "cpu" and procs.count > 1:  # one device per process
+            self.device = torch.device("cuda", procs.local_index)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cuda" if cuda and platform != "cpu" else "cpu")
         devices = (
             [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
             if self.device.type == "cuda"
@@ -67,6 +76,25 @@ class TorchBackend(Backend):
             "sglang_importable": importlib.util.find_spec("sglang") is not None,
             "torch_memory_saver_importable": importlib.util.find_spec("torch_memory_saver") is not None,
         }
+
+    def init_distributed(self, tp: int = 1) -> dict[str, int]:
+        """Join a multi-process run described by torchrun's variables (``backends/torch/distributed.py``:
+        data-parallel RL, one process per device)."""
+        from mllm_rl.backends.torch import distributed
+
+        procs = distributed.init_distributed()
+        return {"process_index": procs.index, "process_count": procs.count}
+
+    def shutdown_distributed(self) -> None:
+        from mllm_rl.backends.torch import distributed
+
+        distributed.shutdown()
+
+    def coordinator(self):
+        """Object all-gathers over ``torch.distributed`` (rewards, checkpoints, leases)."""
+        from mllm_rl.backends.torch import distributed
+
+        return distributed.Coordination()
 
     def _device(self) -> Any:
         if self.device is None:
@@ -106,6 +134,13 @@ class TorchBackend(Backend):
         if kind == "sglang":
             import torch
 
+            from mllm_rl.backends.torch import distributed
+
+            if distributed.procs().count > 1:
+                raise ValueError(
+                    f"--engine {opts.engine}: SGLang across {distributed.procs().count} processes is not "
+                    f"supported yet; --engine embedded runs one engine per process"
+                )
             if tp > torch.cuda.device_count():
                 raise ValueError(f"--tp {tp}: {torch.cuda.device_count()} CUDA device(s) visible")
             model.check_tp(tp)

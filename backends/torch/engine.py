@@ -5,9 +5,12 @@
   batch of B prompts uses the first B*C slots as B rows of C = longest prompt + max new tokens
   (prompts left-padded); batches that do not fit, or exceed ``max_running_requests``, are
   served in consecutive sub-batches.
-- Greedy (``temperature == 0``) or temperature / top-p sampling with a ``torch.Generator``:
-  seeded by ``SamplingParams.seed`` per call (reproducible for the same prompts), else by the
-  engine seed (reproducible for the same sequence of calls). ``log_softmax`` runs on the
+- Greedy (``temperature == 0``) or temperature / top-p sampling, each request with a
+  ``torch.Generator`` of its own seeded by ``request_seeds(SamplingParams.seed, ...)`` at its
+  index in the whole batch (``request_offset`` + i; a call without a seed takes one from the
+  engine seed's stream): a completion is the same whichever sub-batch or process generates it.
+  Several processes (``backends/torch/distributed.py``): each generates a contiguous slice of the
+  requests and every process gets every output. ``log_softmax`` runs on the
   engine's device; greedy takes the argmax there too and only [B] tokens and logprobs go to
   the host per step; temperature sampling draws on the host (the generator is a CPU one).
 - Logprobs: ``log_softmax(logits / temperature)`` at the chosen token (``logits`` when
@@ -32,6 +35,7 @@ double pause.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import weakref
@@ -41,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mllm_rl.backends.torch import distributed as dist
 from mllm_rl.backends.torch.memory import make_memory
 from mllm_rl.backends.torch.model import KVCache, build_qwen3, checkpoint_dtype, to_torch
 from mllm_rl.backends.torch.probe import track
@@ -54,6 +59,7 @@ from mllm_rl.engine import (
     Placed,
     SamplingParams,
     UpdateStats,
+    request_seeds,
 )
 from mllm_rl.faults import fault
 
@@ -237,11 +243,31 @@ class EmbeddedEngine:
                 raise ValueError(f"prompt {i}: {len(p)} tokens >= --context-length {self.context_length}")
             if min(p) < 0 or max(p) >= self.config.vocab_size:
                 raise ValueError(f"prompt {i}: token id outside [0, {self.config.vocab_size})")
-        gen = self._gen if sampling.seed is None else torch.Generator(device="cpu").manual_seed(sampling.seed)
+        if sampling.seed is None and sampling.temperature > 0:  # the engine's own stream gives the batch seed
+            sampling = dataclasses.replace(
+                sampling, seed=int(torch.randint(2**31, (1,), generator=self._gen))
+            )
+        dp = dist.procs()
+        if dp.count > 1:  # data parallel: this process generates its slice, every process gets all
+            per = -(-len(prompts) // dp.count)
+            lo, hi = min(dp.index * per, len(prompts)), min((dp.index + 1) * per, len(prompts))
+            mine = self._generate_here(prompts[lo:hi], dataclasses.replace(
+                sampling, request_offset=sampling.request_offset + lo))  # fmt: skip
+            return [o for part in dist.gather_objects(mine) for o in part]
+        return self._generate_here(prompts, sampling)
+
+    def _generate_here(self, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerateOutput]:
+        """``prompts`` in sub-batches; request i samples from its own generator, seeded by its index
+        in the whole batch (``request_seeds``): a completion does not depend on its sub-batch."""
+        seeds = request_seeds(sampling.seed or 0, len(prompts), sampling.request_offset)  # greedy: unused
         outs: list[GenerateOutput] = []
         with torch.no_grad(), self._lock:
             for batch in self._sub_batches(prompts, sampling.max_new_tokens):
-                outs += self._generate_batch(batch, sampling, gen)
+                gens = [
+                    torch.Generator(device="cpu").manual_seed(x)
+                    for x in seeds[len(outs) : len(outs) + len(batch)]
+                ]
+                outs += self._generate_batch(batch, sampling, gens)
         return outs
 
     def _sub_batches(self, prompts: list[list[int]], max_new: int) -> list[list[list[int]]]:
@@ -261,7 +287,9 @@ class EmbeddedEngine:
     def _row_len(self, prompts: list[list[int]], max_new: int) -> int:
         return max(len(p) for p in prompts) + min(max_new, self.context_length - min(len(p) for p in prompts))
 
-    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, gen: torch.Generator):
+    def _generate_batch(
+        self, prompts: list[list[int]], sampling: SamplingParams, gens: list[torch.Generator]
+    ) -> list[GenerateOutput]:
         c, dev = self.config, self.device
         b = len(prompts)
         lens = [len(p) for p in prompts]
@@ -292,7 +320,7 @@ class EmbeddedEngine:
         for step in range(max(budget)):
             if self._abort.is_set():
                 break
-            tok, lp = sample(logits, sampling, gen)
+            tok, lp = sample(logits, sampling, gens)
             toks, lps = tok.tolist(), lp.tolist()
             for i in range(b):
                 if reason[i] is not None:
@@ -365,15 +393,16 @@ class EmbeddedEngine:
 
 
 def sample(
-    logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator
+    logits: torch.Tensor, sampling: SamplingParams, gens: Sequence[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of ``logits`` [B, V] (any device and float dtype; computed in
     float32). Returns (tokens [B], logprobs [B]) on the host; logprobs are
     ``log_softmax(logits / T)`` at the token (before top-p).
 
     ``log_softmax`` runs on ``logits``' device. Greedy: the argmax and its logprob too, so only
-    [B] values cross to the host. Temperature: the [B, V] logprobs go to the host, where
-    ``gen`` (a CPU generator) draws: the random stream does not depend on the device."""
+    [B] values cross to the host. Temperature: the [B, V] logprobs go to the host, where row i
+    draws from ``gens[i]`` (its request's CPU generator): the random stream depends neither on the
+    device nor on the other rows of the batch."""
     logits = logits.float()
     if sampling.temperature == 0:
         lp = torch.log_softmax(logits, dim=-1)
@@ -387,7 +416,7 @@ def sample(
         drop = (sorted_p.cumsum(-1) - sorted_p) >= sampling.top_p  # the top token is always kept
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
-    tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    tok = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(gens)])
     return tok, lp.gather(1, tok[:, None])[:, 0]
 
 

@@ -10,9 +10,12 @@ Every figure is **predicted**, per device (the torch trainer runs on one device)
   the rollout batch is a single micro-batch), tracked by ``torch.distributed._tools.mem_tracker
   .MemTracker``. The components are read just before an optimizer step (every gradient
   allocated); ``grad_step`` is the tracker's peak (activations, temporaries and what the
-  components hold at that moment). AdamW runs its ``foreach`` implementation, the one torch
-  picks for CUDA tensors (``torch/optim/optimizer.py: _default_to_fused_or_foreach``); its
-  ``step`` counters live on the host on CUDA (``torch/optim/adam.py``) and are left out.
+  components hold at that moment). AdamW runs the implementation of the ``adamw`` option:
+  ``auto`` (the default) and ``foreach`` trace ``foreach``, the one torch picks for CUDA tensors
+  (``torch/optim/optimizer.py: _default_to_fused_or_foreach``), its ``step`` counters on the host
+  on CUDA (``torch/optim/adam.py``) and left out; ``fused`` traces ``fused=True`` (the
+  ``_fused_adamw_`` kernel's fake/meta implementation: in place, no temporaries), its ``step``
+  counters float32 scalars on the device, counted in ``optimizer``.
   The trainer runs at its default precision (``TrainConfig.precision`` ``mixed``): a 16-bit
   checkpoint trains float32 masters with float32 gradients and AdamW moments, and each
   forward/backward computes on casts of the masters in the checkpoint dtype (in ``grad_step``'s
@@ -24,7 +27,7 @@ Every figure is **predicted**, per device (the torch trainer runs on one device)
   what CUDA's flash kernel keeps for the backward (q, k, v, the output, float32 log-sum-exp
   [B, N, T]); the LM head runs in ``LOGPROB_CHUNK``-token chunks recomputed in the backward
   (``backends/torch/model.py``). The request's ``options`` are the run's ``--model-option``
-  pairs (``backends/torch/options.py``: ``remat``), given to the trainer as
+  pairs (``backends/torch/options.py``: ``remat``, ``adamw``), given to the trainer as
   ``TrainConfig.model_options`` as a run gives them: with ``remat=true`` every decoder layer
   runs under ``torch.utils.checkpoint``, which MemTracker follows (the rerun of a layer in the
   backward, and its activations, counted at the moment they live).
@@ -150,7 +153,9 @@ class StepMemory:
     """What MemTracker saw of ``TorchTrainer.device_step`` (bytes on the fake device).
 
     ``params``/``grads``/``optimizer``: just before an optimizer step (every gradient allocated;
-    AdamW's host-side ``step`` counters, ``host_scalars``, excluded). ``peak``: the tracker's
+    AdamW's host-side ``step`` counters, ``host_scalars``, excluded: none with ``adamw=fused``,
+    whose counters live on the device). ``adamw``: the AdamW implementation traced (``foreach``
+    or ``fused``). ``peak``: the tracker's
     per-category bytes at its peak (MemTracker names: Parameter, Gradient, Optstate,
     Activation, Temp, ...; ``Optstate`` there still includes ``host_scalars``; ``Parameter``
     also the compute-dtype casts of float32 masters alive at the peak), ``peak_total`` their
@@ -177,6 +182,7 @@ class StepMemory:
     compute_dtype: str
     options: tuple[tuple[str, Any], ...] = ()
     fwd_bwd_peak: dict[str, int] = dataclasses.field(default_factory=dict)
+    adamw: str = "foreach"
 
     @property
     def shape(self) -> str:
@@ -373,15 +379,16 @@ def _trace_step(
                 n: torch.empty_like(p, device="meta", dtype=trainer.compute_dtype)
                 for n, p in trainer.trainable.items()
             }
-        for group in trainer.optimizer.param_groups:
-            group["foreach"] = True  # torch's choice for CUDA tensors
+        fused = trainer.options.adamw == "fused"
+        if not fused:  # auto: torch's choice for CUDA tensors (on the fake CPU device it would loop)
+            for group in trainer.optimizer.param_groups:
+                group["foreach"] = True
     ref_params = sum(h.numel() * h.element_size() for h in (trainer.ref_host or {}).values())
-    host_scalars = sum(
-        t.numel() * t.element_size()
-        for st in trainer.optimizer.state.values()
-        for k, t in st.items()
-        if k == "step" and isinstance(t, torch.Tensor)
-    )
+    host_scalars = 0  # on CUDA the step counters of a non-fused AdamW are host tensors
+    for group in trainer.optimizer.param_groups:
+        steps_of = (trainer.optimizer.state.get(p, {}).get("step") for p in group["params"])
+        if not group["fused"]:
+            host_scalars += sum(t.numel() * t.element_size() for t in steps_of if isinstance(t, torch.Tensor))
     batch = step_batch(config, rows, seq_len)
     tracker = _tracker_class()()
     tracker.track_external(trainer.model, trainer.optimizer)
@@ -431,6 +438,7 @@ def _trace_step(
         compute_dtype=str(trainer.compute_dtype).removeprefix("torch."),
         options=tuple(options),
         fwd_bwd_peak=peak_before_step[0],
+        adamw="fused" if fused else "foreach",
     )
     return out
 
@@ -515,7 +523,10 @@ def _trainer_figures(req: PlanRequest, step: StepMemory) -> tuple[dict[str, Comp
         what = f"LoRA base ({dt}) + adapters ({mt}{' masters' if mixed else ''})"
     else:
         what = f"{mt} masters (computing in {dt})" if mixed else dt
-    opt = f"AdamW exp_avg + exp_avg_sq ({mt}); {step.host_scalars} B of step counters on host"
+    if step.adamw == "fused":
+        opt = f"AdamW (fused) exp_avg + exp_avg_sq ({mt}) and float32 step counters on the device"
+    else:
+        opt = f"AdamW exp_avg + exp_avg_sq ({mt}); {step.host_scalars} B of step counters on host"
     comps = {
         "trainer_params": Component(
             "trainer_params", step.params, "fake_tensor", f"TorchTrainer params: {what}"
@@ -534,7 +545,7 @@ def _trainer_figures(req: PlanRequest, step: StepMemory) -> tuple[dict[str, Comp
         argument_bytes=step.params + step.optimizer + step.grads + step.ref_params,
         temp_bytes=step.activations,
         method="fake_tensor",
-        detail=f"TorchTrainer.device_step x{STEPS}, {step.shape} (forward, backward, clipping, AdamW foreach; "
+        detail=f"TorchTrainer.device_step x{STEPS}, {step.shape} (forward, backward, clipping, AdamW {step.adamw}; "
         f"KL reference forward when on{'; casts of the masters to ' + dt if mixed else ''}{options_text(step)}); "
         f"MiB at the peak: {cats}; forward/backward peak {fwd_bwd / MIB:.1f} MiB, activations and "
         f"temporaries there {step.fwd_bwd_activations / MIB:.1f} MiB",

@@ -11,7 +11,8 @@ so the model and ``torch.optim`` keep using the same objects; only the bytes mov
 
 Round trips are bit-exact (raw bytes are copied). Tensors must own their whole storage
 (no views, no shared storages); CPU tensors of a CUDA group (torch's AdamW ``step``
-scalars) are host memory already and stay where they are.
+scalars) are host memory already and stay where they are. A fused AdamW's (``adamw=fused``)
+``step`` scalars live on the device: 0-dim tensors owning their 4-byte storages, moved like the rest.
 """
 
 from __future__ import annotations

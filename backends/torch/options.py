@@ -9,6 +9,15 @@ backend's ``--model-option KEY=VALUE`` (``TrainConfig.model_options`` of a run,
   a forward without grad (log-probs, the KL reference, the engine) is unchanged. JAX's spellings
   are accepted too: ``block`` (= ``true``, what JAX's ``remat=block`` does) and ``none`` (=
   ``false``); JAX's ``dots`` (keep the matmul outputs) has no torch counterpart and is refused.
+- ``adamw``: which ``torch.optim.AdamW`` implementation steps. ``auto`` (the default) builds it
+  without ``foreach``/``fused`` arguments: torch picks (``torch/optim/optimizer.py:
+  _default_to_fused_or_foreach``: ``foreach`` on CUDA, its per-tensor loop on CPU); its ``step``
+  counters are float32 CPU scalars. ``foreach`` asks for the multi-tensor implementation (``_foreach_*``
+  ops over the whole parameter list: full-size temporaries while it runs). ``fused`` asks for
+  ``fused=True`` (one ``_fused_adamw_`` kernel per device and dtype, updating params and moments
+  in place: no full-size temporaries; CUDA and, since torch 2.4, CPU); its ``step`` counters are
+  float32 scalars on the params' device. The same update up to float32 rounding (with
+  ``precision=pure`` bf16 roundings: foreach rounds every op to bf16, fused once). ``none`` = ``auto``.
 
 Imports nothing heavy (no torch): the backend's argument check and the planner's request check
 use it before torch starts.
@@ -21,11 +30,13 @@ from collections.abc import Iterable
 from typing import Any
 
 REMAT_NAMES = {"true": True, "block": True, "false": False, "none": False}  # remat's string spellings
+ADAMW_NAMES = ("auto", "foreach", "fused")  # adamw's values
 
 
 @dataclasses.dataclass(frozen=True)
 class TorchModelOptions:
     remat: bool = False
+    adamw: str = "auto"
 
     @classmethod
     def from_pairs(cls, pairs: Iterable[tuple[str, Any]] | dict[str, Any]) -> TorchModelOptions:
@@ -41,7 +52,14 @@ class TorchModelOptions:
             )
         if "remat" in options:
             options["remat"] = remat_flag(options["remat"])
+        if "adamw" in options:
+            options["adamw"] = adamw_name(options["adamw"])
         return cls(**options)
+
+    def adamw_kwargs(self) -> dict[str, bool]:
+        """The ``torch.optim.AdamW`` arguments of ``adamw``: none (``auto``: torch's choice),
+        ``foreach=True`` or ``fused=True``."""
+        return {"auto": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[self.adamw]
 
 
 def remat_flag(value: Any) -> bool:
@@ -57,3 +75,13 @@ def remat_flag(value: Any) -> bool:
         f"--model-option remat={value!r}: expected true or false (JAX's block / none also accepted; "
         "JAX's dots has no torch counterpart)"
     )
+
+
+def adamw_name(value: Any) -> str:
+    """``adamw``'s value: one of ``ADAMW_NAMES`` (case-insensitive), ``None`` meaning ``auto``;
+    ``ValueError`` naming ``--model-option adamw`` otherwise."""
+    if value is None:
+        return "auto"
+    if isinstance(value, str) and value.lower() in ADAMW_NAMES:
+        return value.lower()
+    raise ValueError(f"--model-option adamw={value!r}: expected one of {', '.join(ADAMW_NAMES)}")

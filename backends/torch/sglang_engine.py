@@ -271,7 +271,11 @@ class SglangEngine:
         if sampling.stop_token_ids:
             params["stop_token_ids"] = list(sampling.stop_token_ids)
         # a seed per request (the batch seed on all would make a GRPO group one sample); none: random
-        seeds = request_seeds(sampling.seed, len(input_ids)) if sampling.seed is not None else None
+        seeds = (
+            request_seeds(sampling.seed, len(input_ids), sampling.request_offset)
+            if sampling.seed is not None
+            else None
+        )
         undeclared = (set(params) | {"sampling_seed"}) - set(sc.CALLS["SamplingParams"].kwargs)
         if undeclared:
             raise sc.UndeclaredCall(f"sampling_params key(s) {sorted(undeclared)} not declared")

@@ -36,6 +36,10 @@ Model options (``TrainConfig.model_options``, the run's ``--model-option KEY=VAL
 ``backends/torch/options.py``): ``remat=true`` checkpoints every decoder layer of the training
 forward (``Qwen3.remat``: each layer's input kept, the layer recomputed in the backward; same
 loss and gradients, the mixed-precision casts included); log-prob passes without grad are unchanged.
+``adamw=auto|foreach|fused`` picks the ``torch.optim.AdamW`` implementation (``auto``, the default:
+torch's choice, ``foreach`` on CUDA); ``fused`` updates params and moments in one kernel without
+``foreach``'s full-size temporaries, its ``step`` counters float32 scalars on the params' device
+(offloaded with the rest of the optimizer state), where ``auto``/``foreach`` keep them on the host.
 
 Offload (``backends/torch/offload.py``): the bytes of every parameter / optimizer-state
 tensor go to the host (pinned on CUDA, numpy on CPU) and the device storages are resized to
@@ -54,6 +58,7 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
+from mllm_rl.backends.torch import distributed as dist
 from mllm_rl.backends.torch.engine import tensor_sums
 from mllm_rl.backends.torch.lora import LoRALinear, add_lora, disabled, linear_layers
 from mllm_rl.backends.torch.model import Qwen3, checkpoint_dtype, load_qwen3
@@ -69,6 +74,8 @@ from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig, check_
 T_BUCKET = 32
 STATE_FILE = "state.pt"
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit checkpoints: float32 masters under mixed precision
+# the optimizer's implementation choice in a param group: this trainer's (``adamw``), never a checkpoint's
+IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
 
 class TrainerStateError(RuntimeError):
@@ -88,6 +95,7 @@ class TorchTrainer:
         here); by default it is loaded from ``model_dir``. ``cfg.model_options``: ``TorchModelOptions``
         (``ValueError`` naming an unknown or bad one), applied to the model."""
         self.cfg = cfg
+        self.dp = dist.procs()  # several processes: data parallel (backends/torch/distributed.py)
         self.options = TorchModelOptions.from_pairs(cfg.model_options)
         self.config = model_dir.config
         self.device = torch.device(device)
@@ -118,6 +126,7 @@ class TorchTrainer:
             betas=(cfg.adam_b1, cfg.adam_b2),
             eps=1e-8,
             weight_decay=cfg.weight_decay,
+            **self.options.adamw_kwargs(),
         )
         _init_optimizer_state(self.optimizer)
         # full fine-tune + KL: the initial params in the compute dtype (exact: the checkpoint's), on the host
@@ -281,7 +290,9 @@ class TorchTrainer:
             total_tokens = float(max(int(mini.loss_mask[:, 1:].sum()), 1))
             total_seqs = float(mini.size)
             self.optimizer.zero_grad(set_to_none=True)
-            for mb in self._micro_batches(mini):
+            for k, mb in enumerate(self._micro_batches(mini)):
+                if k % self.dp.count != self.dp.index:  # data parallel: micro-batches dealt round-robin
+                    continue
                 ref_logp = self._ref_logp(mb, ref) if cfg.loss.beta > 0 else None
                 logp = self._token_logp(mb["tokens"], mb.get("attn"))
                 mask = mb["loss_mask"][:, 1:]
@@ -310,6 +321,11 @@ class TorchTrainer:
         del ref
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        if self.dp.count > 1:  # every process's share of the loss and the metric sums
+            names = sorted({k for keys in dist.gather_objects(sorted(totals)) for k in keys})
+            for k in names:  # a process without a micro-batch has none of the metrics
+                totals.setdefault(k, zero.clone())
+            dist.all_reduce_sum([loss_sum, *(totals[k] for k in names)])
         return loss_sum, len(parts), gnorms, totals
 
     def _apply(self) -> torch.Tensor:
@@ -320,6 +336,7 @@ class TorchTrainer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
+        dist.all_reduce_sum(grads)  # data parallel: the gradient of the whole mini-batch on every process
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
         if self.cfg.grad_clip > 0:
             coef = torch.where(norm < self.cfg.grad_clip, torch.ones_like(norm), self.cfg.grad_clip / norm)
@@ -416,9 +433,11 @@ class TorchTrainer:
 
     def save(self, path: Path) -> None:
         """``<path>/state.pt``: the trainable params and the optimizer state (written to a
-        temporary name, then renamed). The LoRA base is not saved: it is the run's ``--model``."""
+        temporary name, then renamed). The LoRA base is not saved: it is the run's ``--model``.
+        Data parallel: process 0 writes (every process holds the same state)."""
         self._need(PARAMS, OPTIMIZER)
-        _write_state(self._state(lambda t: t), Path(path))
+        if self.dp.index == 0:
+            _write_state(self._state(lambda t: t), Path(path))
 
     @torch.no_grad()
     def snapshot(self) -> StateSnapshot:
@@ -429,7 +448,10 @@ class TorchTrainer:
         return StateSnapshot(state)
 
     def restore(self, path: Path) -> None:
-        """Load what ``save`` wrote (params and optimizer must be resident)."""
+        """Load what ``save`` wrote (params and optimizer must be resident). The optimizer
+        keeps this trainer's AdamW implementation (``adamw``: ``load_state_dict`` would take the
+        saved groups' ``foreach``/``fused``), its ``step`` counters where that implementation keeps
+        them (``_step_device``), whichever implementation wrote the file."""
         self._need(PARAMS, OPTIMIZER)
         target = Path(path) / STATE_FILE
         if not target.exists():
@@ -457,13 +479,18 @@ class TorchTrainer:
         with torch.no_grad():
             for n, p in self.trainable.items():
                 p.copy_(saved[n])
+        impl = [{k: g[k] for k in IMPL_KEYS} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
-        for (
-            st
-        ) in self.optimizer.state.values():  # own, resizable storages (offload resizes them), not the file's
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    st[k] = v.clone()
+        for g, own in zip(self.optimizer.param_groups, impl, strict=True):
+            g.update(own)
+            for p in g["params"]:
+                st = self.optimizer.state.get(p, {})
+                # own, resizable storages (offload resizes them), not the file's
+                for k, v in st.items():
+                    if k == "step" and isinstance(v, torch.Tensor):
+                        st[k] = v.to(device=_step_device(g, p), dtype=torch.float32, copy=True)
+                    elif isinstance(v, torch.Tensor):
+                        st[k] = v.clone()
         self.step = int(state.get("step", 0))
 
 
@@ -554,10 +581,17 @@ def _to_dtype(model: Qwen3, dtype: torch.dtype) -> Qwen3:
     return model
 
 
+def _step_device(group: dict[str, Any], p: torch.Tensor) -> torch.device:
+    """Where ``torch.optim.AdamW`` keeps ``p``'s ``step`` counter (float32, 0-dim;
+    ``torch/optim/adam.py: _init_group``): on ``p``'s device for ``fused`` (or ``capturable``),
+    on the host otherwise."""
+    return p.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+
+
 def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     """Create AdamW's state now (torch creates it lazily at the first step): one step with
     zero gradients and ``lr = 0`` (params unchanged bit for bit: the update is 0 * 0 / eps
-    and the decay factor 1 - 0 * wd), then the step counters back to 0."""
+    and the decay factor 1 - 0 * wd; the same for ``fused``), then the step counters back to 0."""
     lrs = [g["lr"] for g in opt.param_groups]
     for g in opt.param_groups:
         g["lr"] = 0.0

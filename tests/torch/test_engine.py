@@ -113,15 +113,15 @@ def test_fingerprint_sums():
 
 def test_sampling_top_p_keeps_the_nucleus_and_reports_tempered_logprobs():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
-    g = torch.Generator().manual_seed(0)
+    g = [torch.Generator().manual_seed(i) for i in range(2000)]  # one per request (row)
     tok, lp = sample(logits, SamplingParams(temperature=1.0, top_p=0.7), g)
     assert set(tok.tolist()) == {0, 1}  # 0.5 + 0.3 >= 0.7: token 2 and 3 are cut
     frac0 = (tok == 0).float().mean().item()
     assert abs(frac0 - 0.5 / 0.8) < 0.05  # renormalised over the nucleus
     assert torch.allclose(lp, torch.log(torch.tensor([0.5, 0.3]))[tok], atol=1e-6)  # before truncation
-    tok, lp = sample(logits[:1], SamplingParams(temperature=0.5), g)
+    tok, lp = sample(logits[:1], SamplingParams(temperature=0.5), g[:1])
     assert torch.allclose(lp, torch.log_softmax(logits[:1] / 0.5, -1)[0, tok])
-    tok, _ = sample(logits[:5], SamplingParams(temperature=1.0, top_p=0.01), g)
+    tok, _ = sample(logits[:5], SamplingParams(temperature=1.0, top_p=0.01), g[:5])
     assert tok.tolist() == [0] * 5  # the top token is always kept
 
 
@@ -185,3 +185,21 @@ def test_tied_and_bf16_checkpoints_swap_and_generate(tmp_path):
         ref = load_qwen3(ModelDir.open(ckpt))
         toks, _ = greedy_decode(ref, PROMPTS[0], 4)
         assert eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4))[0].token_ids == toks
+
+
+@pytest.mark.slow
+def test_a_request_samples_the_same_in_any_sub_batch(tiny_ckpt):
+    """Each request draws from its own generator seeded by its index in the whole batch: the same
+    requests generated at once, one at a time (each with its ``request_offset``) or in sub-batches
+    of another ``max_running_requests`` give the same completions; another batch seed does not."""
+    eng = EmbeddedEngine(ModelDir.open(tiny_ckpt), device="cpu", max_total_tokens=2048, context_length=64)
+    prompts = [[3 + i, 5, 7] for i in range(6)]
+    s = SamplingParams(max_new_tokens=8, temperature=1.0, seed=11)
+    whole = [o.token_ids for o in eng.generate(prompts, s)]
+    one_by_one = [eng.generate([p], dataclasses.replace(s, request_offset=i))[0].token_ids
+                  for i, p in enumerate(prompts)]  # fmt: skip
+    assert one_by_one == whole
+    small = EmbeddedEngine(ModelDir.open(tiny_ckpt), device="cpu", max_total_tokens=2048, context_length=64,
+                           max_running_requests=2)  # fmt: skip
+    assert [o.token_ids for o in small.generate(prompts, s)] == whole
+    assert [o.token_ids for o in eng.generate(prompts, dataclasses.replace(s, seed=12))] != whole
