@@ -18,7 +18,8 @@ from mllm_rl.engine import EngineOptions
 
 class JaxBackend(Backend):
     name = "jax"
-    releases_across_processes = True  # sglang-jax: node 0 pauses and flushes, every process releases its shards
+    # sglang-jax: node 0 pauses and flushes, every process releases its own shards
+    releases_across_processes = True
     ready_phase = "jax_ready"
     engines = {"auto": "sglang-jax"}  # --engine choices (EngineOptions.check_backend)
 
