@@ -16,4 +16,4 @@ def test_step0_trainer_logprobs_match_the_engines_at_temperature(temperature, ti
 
 @pytest.mark.slow
 def test_bf16_checkpoint_learns_at_a_fine_tuning_lr_with_mixed_precision(tmp_path):
-    check_bf16_checkpoint_learns_at_fine_tuning_lr("torch", tmp_path / "precision.json")
+    check_bf16_checkpoint_learns_at_fine_tuning_lr("torch", tmp_path / "precision.json", seed=1)
