@@ -15,6 +15,19 @@ from mllm_rl.backends.jax import distributed
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import EngineOptions
 
+PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
+
+
+def gpu_allocates_on_demand(env: dict[str, str] | None = None) -> None:
+    """On a GPU, JAX reserves 75% of the card when its client starts (``XLA_PYTHON_CLIENT_PREALLOCATE``,
+    default true): in a colocated run the engine, which sizes its KV pool from the memory it finds
+    free, and the trainer would share what that pool leaves, and no phase's bytes would be what the
+    memory plan predicts. Unless the user set it, the run allocates on demand (``false``), as the
+    plan assumes (it counts what each phase holds against the whole card). Read by JAX when its GPU
+    client starts, so this runs before anything touches a JAX backend; TPU and CPU ignore it."""
+    env = os.environ if env is None else env
+    env.setdefault(PREALLOCATE, "false")
+
 
 class JaxBackend(Backend):
     name = "jax"
@@ -26,6 +39,7 @@ class JaxBackend(Backend):
     def init_distributed(self, tp: int = 1) -> dict[str, int]:
         """Join a multi-process run (``jax.distributed``) when the environment describes one;
         see ``backends/jax/distributed.py``. Runs before ``init_runtime``."""
+        gpu_allocates_on_demand()
         return distributed.init_distributed(tp=tp)
 
     def coordinator(self) -> distributed.Coordination:
@@ -46,6 +60,7 @@ class JaxBackend(Backend):
         procs = distributed.procs()
         if tp > 1 and procs.count == 1:  # multi-process: init_distributed asked for tp // count each
             distributed.force_cpu_devices(tp)
+        gpu_allocates_on_demand()
         if platform == "cpu":
             os.environ.setdefault("JAX_PLATFORMS", "cpu")
         import jax
@@ -64,6 +79,7 @@ class JaxBackend(Backend):
             "process_index": jax.process_index(),
             "process_count": jax.process_count(),
             "global_device_count": jax.device_count(),
+            "xla_python_client_preallocate": os.environ.get(PREALLOCATE),
         }
 
     def memory_probe(self):

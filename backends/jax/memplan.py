@@ -147,7 +147,8 @@ def measure(req: PlanRequest) -> Measured:
     if target.platform == "gpu":
         notes.append(
             "GPU: XLA's compiler does not reject a program that does not fit (the plan compares); "
-            "JAX preallocates 75% of GPU memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise"
+            "a run sets XLA_PYTHON_CLIENT_PREALLOCATE=false (JAX would otherwise reserve 75% of the card "
+            "at start), so phases allocate what they hold, as this plan counts"
         )
     info["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return Measured(target, comps, fns, notes, info)
@@ -208,7 +209,7 @@ def _trainer(
     """Compile the trainer's functions; their FunctionMemory and the trainer's components."""
     import jax
 
-    from mllm_rl.backends.jax.sharding import make_mesh
+    from mllm_rl.backends.jax.sharding import data_rows, make_mesh
     from mllm_rl.backends.jax.step_fns import (
         SCALAR,
         abstract_state,
@@ -235,7 +236,13 @@ def _trainer(
         ("state",) + key, lambda: abstract_state(req.model, cfg, opts, mesh)
     )
     seq = -(-req.seq_len // T_BUCKET) * T_BUCKET
-    mb = batch_specs(req.micro_batch, seq, mesh, kl=req.kl)
+    rows = data_rows(mesh, req.micro_batch)  # as the trainer pads it
+    if rows != req.micro_batch:
+        notes.append(
+            f"micro-batch {req.micro_batch} is padded to {rows} rows, a multiple of the trainer's data "
+            f"axis (fsdp {mesh.shape['fsdp']}), as the run pads it: split over the devices, not repeated"
+        )
+    mb = batch_specs(rows, seq, mesh, kl=req.kl)
     scalar = jax.ShapeDtypeStruct(
         (), SCALAR.dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     )
@@ -270,7 +277,8 @@ def _trainer(
         (trainable, frozen, mb, scalar, scalar),
         target,
         info,
-        f"micro-batch {req.micro_batch} x {seq} tokens",
+        f"micro-batch {rows} x {seq} tokens"
+        + (f" ({req.micro_batch} padded)" if rows != req.micro_batch else ""),
     )
     out["grad_step"] = grad.memory
     if grad.compiled is not None:

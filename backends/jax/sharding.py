@@ -89,6 +89,14 @@ def tree_shardings(tree: Any, mesh: Mesh) -> Any:
     )
 
 
+def data_rows(mesh: Mesh, rows: int) -> int:
+    """The rows a micro-batch of ``rows`` is padded to: a multiple of the data axis (``fsdp``), so
+    that it is split over the devices instead of repeated on every one (padding rows have no
+    loss tokens: they change no loss and no gradient)."""
+    n = mesh.shape["fsdp"]
+    return -(-rows // n) * n
+
+
 def batch_sharding(mesh: Mesh, rows: int) -> NamedSharding:
     """Rows of a micro-batch split over ``fsdp`` when they divide, else replicated."""
     n = mesh.shape["fsdp"]

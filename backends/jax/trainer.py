@@ -8,7 +8,8 @@ State is functional: ``nnx.split`` gives a graph definition plus two ``nnx.State
 ``trainable`` (every ``Param``; in LoRA mode only the ``LoRAParam`` adapters) and
 ``frozen`` (the LoRA base; empty otherwise), and ``opt_state`` over ``trainable``. Params
 are sharded over a ``("fsdp", "tp")`` mesh of every device by the name rules of
-``sharding.py``, micro-batches along their batch axis over ``fsdp`` when it divides. The
+``sharding.py``, micro-batches along their batch axis over ``fsdp`` (padded to a multiple of it:
+``data_rows``). The
 jitted functions are those of ``step_fns.make_step_fns`` (the ones a memory plan compiles);
 ``ModelOptions`` (``options.py``) chooses their layout and memory/speed trade-offs.
 
@@ -45,7 +46,7 @@ from mllm_rl.backends.jax.fingerprint import read_sums, tensor_sums
 from mllm_rl.backends.jax.model import Qwen3, get_weight, linear_layers
 from mllm_rl.backends.jax.options import ModelOptions
 from mllm_rl.backends.jax.orbax_io import save_pytree
-from mllm_rl.backends.jax.sharding import batch_sharding, make_mesh, tree_shardings
+from mllm_rl.backends.jax.sharding import batch_sharding, data_rows, make_mesh, tree_shardings
 from mllm_rl.backends.jax.step_fns import load_state, make_step_fns, model_dir_dtype
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import Fingerprint, WeightExport
@@ -216,8 +217,9 @@ class JaxTrainer:
     def _micro_batches(self, batch: RolloutBatch) -> Iterator[dict[str, jax.Array]]:
         m = self.cfg.micro_batch_size
         t = -(-batch.tokens.shape[1] // T_BUCKET) * T_BUCKET
+        rows = data_rows(self.mesh, m)  # split over the data axis, never repeated on every device
         for s in range(0, batch.size, m):
-            yield self._put(self._pad(batch.rows(slice(s, s + m)), m, t))
+            yield self._put(self._pad(batch.rows(slice(s, s + m)), rows, t))
 
     def _ref_logp(self, mb: dict[str, jax.Array], ref: Any) -> jax.Array:
         logp = self._logp(ref, self.frozen, mb["tokens"], mb["attn"])
@@ -276,10 +278,10 @@ class JaxTrainer:
 
     def logprobs(self, batch: RolloutBatch) -> np.ndarray:
         self._need(PARAMS)
-        out = []
-        for mb in self._micro_batches(batch):
-            out.append(to_host(self._ref_logp(mb, self.trainable)))
-        logp = np.concatenate(out)[: batch.size, : batch.tokens.shape[1]]
+        out, m = [], self.cfg.micro_batch_size
+        for k, mb in enumerate(self._micro_batches(batch)):  # each padded: its real rows come first
+            out.append(to_host(self._ref_logp(mb, self.trainable))[: min(m, batch.size - k * m)])
+        logp = np.concatenate(out)[:, : batch.tokens.shape[1]]
         return np.where(batch.attention_mask, logp, 0.0).astype(np.float32)
 
     def greedy(self, prompt: Sequence[int], n: int) -> tuple[list[int], list[float]]:

@@ -90,3 +90,17 @@ def test_the_core_never_probes_a_backend_for_a_capability(tmp_path):
     probe = tmp_path / "probe.py"  # the scan finds one
     probe.write_text("def f(backend):\n    return getattr(backend, 'coordinator', None)\n")
     assert _probes(probe, tmp_path) == ["probe.py:2"]
+
+
+def test_jax_on_a_gpu_allocates_on_demand_unless_the_user_said_otherwise():
+    """JAX reserves 75% of a GPU at start by default; a colocated run must not (the engine sizes
+    its pool from free memory and the plan counts what each phase holds): the run sets
+    ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, a value the user set stays."""
+    from mllm_rl.backends.jax import PREALLOCATE, gpu_allocates_on_demand
+
+    env: dict[str, str] = {}
+    gpu_allocates_on_demand(env)
+    assert env == {PREALLOCATE: "false"}
+    env = {PREALLOCATE: "true"}
+    gpu_allocates_on_demand(env)
+    assert env == {PREALLOCATE: "true"}

@@ -177,3 +177,27 @@ def test_a_function_libtpu_rejects_is_shown_rejected_and_exits_6(tmp_path):
     assert "RESOURCE_EXHAUSTED" in grad["rejected"] and grad["peak_bytes"] > 30.75 * 2**30
     assert doc["plans"]["multi_stage"]["first_overflow"] == ["train_step", "temp:grad_step"]
     assert "REJECTED: RESOURCE_EXHAUSTED" in r.stdout
+
+
+@pytest.mark.slow  # compiled by libtpu
+def test_a_micro_batch_smaller_than_the_data_axis_is_planned_padded(tmp_path):
+    """Micro-batch 3 on a v4-8 (data axis 4): the trainer pads it to 4 rows so that each device
+    computes one, and the plan compiles those 4 rows and says so."""
+    needs_libtpu()
+    r, doc = plan(tmp_path, "--target", "v4-8", "--tp", "2", "--kv-tokens", "1024", "--micro-batch-size", "3",
+                  "--seq-len", "64")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "micro-batch 3 is padded to 4 rows, a multiple of the trainer's data axis (fsdp 4)" in r.stdout
+    assert doc["plans"]["multi_stage"]["functions"]["grad_step"]["detail"].startswith(
+        "micro-batch 4 x 64 tokens (3 padded)"
+    )
+
+
+def test_data_rows_are_a_multiple_of_the_data_axis():
+    from jax.sharding import AbstractMesh
+
+    from mllm_rl.backends.jax.sharding import data_rows
+
+    mesh = AbstractMesh((4, 2), ("fsdp", "tp"))
+    assert [data_rows(mesh, r) for r in (1, 3, 4, 5, 64)] == [4, 4, 4, 8, 64]
+    assert data_rows(AbstractMesh((1, 8), ("fsdp", "tp")), 3) == 3

@@ -48,3 +48,23 @@ def test_bad_trainer_settings_are_refused_before_anything_starts(tiny_ckpt, tmp_
                 *flags, *SMALL)  # fmt: skip
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # two runs
+def test_a_micro_batch_padded_to_the_data_axis_trains_as_on_one_device(tiny_ckpt, tmp_path):
+    """Micro-batch 3 on two devices (data axis 2) is padded to 4 rows, split over both: the recomputed
+    old log-probs, the loss and the gradient are those of the same run on one device."""
+    flags = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4",
+             "--micro-batch-size", "3", "--checkpoint-every", "0", "--wandb", "disabled", "--quiet"]  # fmt: skip
+    got = {}
+    for tp in (1, 2):
+        r = run_cli("mllm_rl.run", "--backend", "jax", "--model", str(tiny_ckpt), "--tp", str(tp), "--run-dir",
+                    str(tmp_path / f"tp{tp}"), *flags, timeout=600)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        got[tp] = read_jsonl(tmp_path / f"tp{tp}" / "metrics.jsonl")
+    assert any(m["reward_mean"] > 0 for m in got[1])
+    for one, two in zip(got[1], got[2], strict=True):
+        assert two["reward_mean"] == one["reward_mean"]
+        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+        assert abs(two["loss"] - one["loss"]) < 1e-5
+        assert abs(two["logp_mismatch_mean"] - one["logp_mismatch_mean"]) < 1e-5
