@@ -52,3 +52,28 @@ def summary(check: dict[str, Any]) -> str:
         f"{check['tolerance']:.0%}; worst {worst['phase']}: {worst['measured'] / 2**20:.1f} MiB in use, "
         f"{worst['predicted'] / 2**20:.1f} MiB predicted"
     )
+
+
+def table(check: dict[str, Any]) -> str:
+    """Predicted vs measured bytes at the end of every phase (setup's, then the last step's), in one
+    unit, the step before's measured bytes and whether the phase drifts (``drifts``)."""
+    from mllm_rl.memplan.compose import unit_for
+
+    rows = check["phases"]
+    unit, scale = unit_for(max([1, *(max(r["predicted"], r["measured"] or 0) for r in rows)]))
+    drifting = {id(r) for r in drifts(check)}
+    head = (
+        f"{'phase':<30} {'predicted ' + unit:>14} {'measured ' + unit:>13} {'step before':>12} {'ratio':>6}  "
+        f"{'within ' + format(check['tolerance'], '.0%'):<10}"
+    )
+    lines = ["Memory plan vs run (bytes in use at each phase's end; PREDICTED by the plan, MEASURED by the run):",
+             head, "-" * len(head)]  # fmt: skip
+    for r in rows:
+        before = "-" if r.get("measured_before") is None else f"{r['measured_before'] / scale:.2f}"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        verdict = "DRIFT" if id(r) in drifting else ("yes" if r["within"] else "below")
+        lines.append(
+            f"{r['phase']:<30} {r['predicted'] / scale:>14.2f} {(r['measured'] or 0) / scale:>13.2f} "
+            f"{before:>12} {ratio:>6}  {verdict:<10}"
+        )
+    return "\n".join(lines)

@@ -3,10 +3,11 @@
     result = build_report([run_dir])
     log_report(wandb_sink.run, result)      # before wandb_sink.close() finishes the run
 
-Keys: ``report/phases``, ``report/efficiency``, ``report/issues`` (``wandb.Table``),
+Keys: ``report/phases``, ``report/efficiency``, ``report/issues``, ``report/memory_plan`` (a run
+with ``plan.json``: predicted vs measured bytes per phase) (``wandb.Table``),
 ``report/memory_per_phase``, ``report/memory_over_time``, ``report/step_metrics``
 (``wandb.Html``: the report's SVG charts), and summary values ``report/errors``,
-``report/warnings``, ``report/swap_peak_over_steady``. Unknown values stay ``None`` (empty
+``report/warnings``, ``report/swap_peak_over_steady``, ``report/plan_phases``, ``report/plan_drifts``. Unknown values stay ``None`` (empty
 cells), never 0. ``wandb`` is imported only when this is called.
 """
 
@@ -36,6 +37,47 @@ EFFICIENCY_COLUMNS = (
     "note",
 )
 ISSUE_COLUMNS = ("run", "severity", "kind", "process", "attempt", "step", "phase", "message")
+PLAN_COLUMNS = (
+    "run",
+    "target",
+    "phase",
+    "predicted_bytes",
+    "measured_bytes",
+    "measured_before_bytes",
+    "ratio",
+    "within",
+    "drift",
+    "predicted_peak_bytes",
+)
+
+
+def plan_rows(result: ReportResult) -> list[dict[str, Any]]:
+    """One row per phase of every run that has a plan (``plan.json``): the bytes the plan
+    predicts at the phase's end against the ones measured (``RunAnalysis.plan_check``)."""
+    from mllm_rl.memplan.audit import drifts
+
+    out = []
+    for an in result.analyses:
+        check = an.plan_check
+        if not check:
+            continue
+        drifting = {r["phase"] for r in drifts(check)}
+        for r in check["phases"]:
+            out.append(
+                {
+                    "run": an.run.label,
+                    "target": check.get("target"),
+                    "phase": r["phase"],
+                    "predicted_bytes": r["predicted"],
+                    "measured_bytes": r["measured"],
+                    "measured_before_bytes": r.get("measured_before"),
+                    "ratio": r["ratio"],
+                    "within": r["within"],
+                    "drift": r["phase"] in drifting,
+                    "predicted_peak_bytes": r["predicted_during"],
+                }
+            )
+    return out
 
 
 def _page(body: str) -> str:
@@ -64,6 +106,9 @@ def report_payload(result: ReportResult) -> dict[str, Any]:
         "report/memory_per_phase": html("".join(memory_per_phase_charts(an) for an in result.analyses)),
         "report/memory_over_time": html("".join(memory_over_time_charts(an) for an in result.analyses)),
     }
+    plan = plan_rows(result)
+    if plan:
+        payload["report/memory_plan"] = table(PLAN_COLUMNS, plan)
     if any(an.metrics for an in result.analyses):
         payload["report/step_metrics"] = html(
             "".join(metric_charts(an) for an in result.analyses if an.metrics)
@@ -86,6 +131,10 @@ def log_report(wandb_run: Any, result: ReportResult, strict: bool = False) -> li
         wandb_run.summary["report/warnings"] = counts[WARNING]
         if ratios:
             wandb_run.summary["report/swap_peak_over_steady"] = max(ratios)
+        plan = plan_rows(result)
+        if plan:  # how many phases held to the run's own memory plan
+            wandb_run.summary["report/plan_phases"] = len(plan)
+            wandb_run.summary["report/plan_drifts"] = sum(r["drift"] for r in plan)
         return list(payload)
     except Exception as e:
         if strict:

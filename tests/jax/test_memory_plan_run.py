@@ -46,13 +46,21 @@ def test_a_clean_run_holds_to_its_plan_and_a_leak_does_not(tiny_ckpt, tmp_path):
     said = [x for x in r.stderr.splitlines() if x.startswith("memory plan:")]
     assert said and "ended within 5% of the prediction or below it" in said[0], said
     assert drift(clean) == []
+    assert "Memory plan vs run" in r.stderr and " DRIFT" not in r.stderr  # the console table
 
-    leaky = tmp_path / "leaky"
-    r = run(tiny_ckpt, leaky, env={"MLLM_RL_FAULTS": "leak_mb=64"})
+    leaky = tmp_path / "leaky"  # with W&B offline: the plan table and the drift count land there too
+    r = run(tiny_ckpt, leaky, "--wandb", "offline", env={"MLLM_RL_FAULTS": "leak_mb=64"})
     assert r.returncode == 0, r.stderr[-3000:]
     found = drift(leaky)
     assert found and all(i["severity"] == "warning" for i in found)
     assert any("train_step" in i["message"] or "checkpoint" in i["message"] for i in found)
+    table = [x for x in r.stderr.splitlines() if x.startswith("train_step ")]
+    assert table and table[0].rstrip().endswith("DRIFT"), table  # the plan table comes first
+    from tests.core.test_report_wandb import _summary_items
+
+    (run_file,) = leaky.glob("wandb/offline-run-*/run-*.wandb")
+    summary = _summary_items(run_file)
+    assert summary["report/plan_drifts"] == len(found) and summary["report/plan_phases"] >= 20
 
 
 @pytest.mark.slow  # starts an engine
