@@ -30,7 +30,9 @@ Every figure is **predicted**, per device (the torch trainer runs on one device)
   pairs (``backends/torch/options.py``: ``remat``, ``adamw``), given to the trainer as
   ``TrainConfig.model_options`` as a run gives them: with ``remat=true`` every decoder layer
   runs under ``torch.utils.checkpoint``, which MemTracker follows (the rerun of a layer in the
-  backward, and its activations, counted at the moment they live).
+  backward, and its activations, counted at the moment they live); with float32 masters each
+  layer casts its own masters inside its checkpoint (``Qwen3.layer_dtype``), so only the casts of
+  the embeddings, final norm and head, and of the one layer running, are in a peak.
 - ``engine_weights``, ``kv_pool``, ``staging`` (method ``layout``): SGLang's own rules
   (``sglang_calls.SGLANG_VERSION``), cited at each function below.
 

@@ -36,6 +36,17 @@ Activation checkpointing (``Qwen3.remat``, the torch trainer's ``--model-option 
 ``torch.utils.checkpoint`` (non-reentrant, ``run_block``): the backward keeps each layer's input
 [B, T, H] instead of its activations and recomputes one layer at a time. Same numbers (the
 recompute is the same ops on the same tensors); without grad nothing changes.
+
+Per-layer casts (``Qwen3.layer_dtype``, set by the torch trainer for a mixed-precision full
+fine-tune with ``remat``): a decoder layer whose weights are in another dtype (float32 masters)
+computes on casts of them to ``layer_dtype``, made inside the layer's function (``_call_block``),
+so under ``torch.utils.checkpoint`` a layer's casts live only while it runs in the forward and
+while it is recomputed in the backward (the casts of every weight made up front would all live
+through the forward and backward); autograd returns their gradients to the weights in the
+weights' dtype, each layer's as soon as its backward is done (a cast made before the forward hands
+its gradient on only at the end of the backward: autograd runs the earliest-made nodes last). The
+same casts, so the same numbers. Weights already in ``layer_dtype`` (the KL reference's, casts
+swapped in by a ``functional_call``) are used as they are.
 """
 
 from __future__ import annotations
@@ -314,7 +325,12 @@ class Block(nn.Module):
 
 
 def run_block(
-    layer: Block, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, remat: bool
+    layer: Block,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor | None,
+    remat: bool,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """One decoder layer of ``Qwen3.forward``: ``x`` [B, T, H], ``positions`` [B, T], ``mask`` as
     ``attend`` takes it -> [B, T, H].
@@ -324,13 +340,20 @@ def run_block(
     layer in the backward. The weights are captured now (``block_weights``) and swapped in again
     for the rerun, so it computes on the tensors the forward used even after a ``functional_call``
     that swapped them in (the trainer's compute-dtype casts of float32 masters) has been undone.
-    Otherwise (no ``remat``, or no grad: log-probs, the KL reference) a plain call."""
+    ``dtype`` (``Qwen3.layer_dtype``): the captured weights are cast to it inside the checkpointed
+    function (``_call_block``), in the forward and again in the rerun, so the casts are not kept
+    between the two (autograd keeps only the inputs: the weights themselves, held anyway).
+    Otherwise (no ``remat``, or no grad: log-probs, the KL reference) a plain call, on casts to
+    ``dtype`` made just before it when a weight is in another dtype."""
     if not (remat and torch.is_grad_enabled()):
-        return layer(x, positions, mask)
+        if dtype is None or all(w.dtype == dtype for w in layer.parameters()):
+            return layer(x, positions, mask)
+        return _call_block(layer, block_weights(layer), dtype, x, positions, mask)
     return checkpoint(
         _call_block,
         layer,
         block_weights(layer),
+        dtype,
         x,
         positions,
         mask,
@@ -348,12 +371,16 @@ def block_weights(layer: Block) -> dict[str, torch.Tensor]:
 def _call_block(
     layer: Block,
     weights: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
     x: torch.Tensor,
     positions: torch.Tensor,
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``layer(x, positions, mask)`` [B, T, H] with ``weights`` swapped in (``run_block``'s
-    checkpointed function: the forward and its rerun in the backward)."""
+    """``layer(x, positions, mask)`` [B, T, H] with ``weights`` swapped in, each cast to ``dtype``
+    first (``None``, or a weight already in it: as it is) (``run_block``'s checkpointed function:
+    the forward and its rerun in the backward)."""
+    if dtype is not None:
+        weights = {n: w.to(dtype) for n, w in weights.items()}
     return functional_call(layer, weights, (x, positions, mask), tie_weights=False)
 
 
@@ -372,9 +399,12 @@ class Qwen3(nn.Module):
     with ``targets`` [B, T]: their log-probs [B, T] (float32, chunked head).
 
     ``attention``: ``"sdpa"`` or ``"eager"`` (module docstring), ``logprob_chunk`` (tokens per
-    head chunk of ``token_logprobs``; ``None``: the whole [B, T, V] at once) and ``remat``
-    (per-layer activation checkpointing when grad is enabled: ``run_block``) are plain attributes,
-    so a built model can be switched (the parity tests, the benchmarks and the trainer do)."""
+    head chunk of ``token_logprobs``; ``None``: the whole [B, T, V] at once), ``remat``
+    (per-layer activation checkpointing when grad is enabled: ``run_block``) and ``layer_dtype``
+    (``None``, the default, or the dtype each decoder layer casts weights in another dtype to,
+    inside the layer's checkpointed function: module docstring, ``run_block``; the embeddings,
+    final norm and head are not cast by the model) are plain attributes, so a built model can be switched (the
+    parity tests, the benchmarks and the trainer do)."""
 
     def __init__(
         self,
@@ -391,6 +421,7 @@ class Qwen3(nn.Module):
         self.attention = attention
         self.logprob_chunk: int | None = LOGPROB_CHUNK
         self.remat = remat
+        self.layer_dtype: torch.dtype | None = None
         self.model = Qwen3Body(c, dtype, device)
         self.lm_head = (
             None
@@ -434,7 +465,7 @@ class Qwen3(nn.Module):
             else:
                 mask = attention_bias(attention_mask, torch.arange(t, device=tokens.device), x.dtype)
         for layer in self.model.layers:
-            x = run_block(layer, x, positions, mask, self.remat)
+            x = run_block(layer, x, positions, mask, self.remat, self.layer_dtype)
         if targets is None:
             return self.logits(x)
         norm = self.model.norm

@@ -36,6 +36,12 @@ Model options (``TrainConfig.model_options``, the run's ``--model-option KEY=VAL
 ``backends/torch/options.py``): ``remat=true`` checkpoints every decoder layer of the training
 forward (``Qwen3.remat``: each layer's input kept, the layer recomputed in the backward; same
 loss and gradients, the mixed-precision casts included); log-prob passes without grad are unchanged.
+With mixed precision (full fine-tune) the training forward casts only the embeddings, the final
+norm and the head up front: each decoder layer casts its own float32 masters to the compute dtype
+inside its checkpointed function (``Qwen3.layer_dtype``, ``_compute_params(layers=False)``), so
+one layer's casts live at a time (while it runs, and while it is recomputed in the backward)
+instead of a cast of every weight through the whole forward and backward; the same casts, so
+the same numbers.
 ``adamw=auto|foreach|fused`` picks the ``torch.optim.AdamW`` implementation (``auto``, the default:
 torch's choice, ``foreach`` on CUDA); ``fused`` updates params and moments in one kernel without
 ``foreach``'s full-size temporaries, its ``step`` counters float32 scalars on the params' device
@@ -76,6 +82,7 @@ STATE_FILE = "state.pt"
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit checkpoints: float32 masters under mixed precision
 # the optimizer's implementation choice in a param group: this trainer's (``adamw``), never a checkpoint's
 IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
+LAYER_PREFIX = "model.layers."  # the decoder layers' parameter names (HF layout)
 
 
 class TrainerStateError(RuntimeError):
@@ -110,6 +117,9 @@ class TorchTrainer:
             model = load_qwen3(model_dir, dtype=base_dtype, device=str(self.device))
         self.model = _to_dtype(model, base_dtype)
         self.model.remat = self.options.remat
+        # mixed-precision full fine-tune with remat: each decoder layer casts its masters inside its checkpoint
+        self.layer_casts = self.mixed and not self.lora and self.options.remat
+        self.model.layer_dtype = self.compute_dtype if self.layer_casts else None
         if self.lora:
             self.adapters: dict[str, LoRALinear] = add_lora(
                 self.model, cfg.lora_rank, cfg.lora_alpha, cfg.seed, dtype=self.master_dtype
@@ -214,14 +224,20 @@ class TorchTrainer:
                 out["attn"] = pad(mb.attention_mask, torch.bool)
             yield out
 
-    def _compute_params(self) -> dict[str, torch.Tensor]:
+    def _compute_params(self, layers: bool = True) -> dict[str, torch.Tensor]:
         """What a forward swaps into the model: mixed-precision full fine-tune, the masters cast to
         the compute dtype (differentiable: autograd casts their gradients back to float32);
         otherwise nothing (the params are in the compute dtype already; LoRA adapters cast
-        themselves)."""
+        themselves). ``layers=False``: the decoder layers' masters (``model.layers.*``) left out,
+        for a model whose layers cast them themselves (``Qwen3.layer_dtype``, ``layer_casts``: one
+        layer at a time, inside its checkpoint)."""
         if not self.mixed or self.lora:
             return {}
-        return {n: p.to(self.compute_dtype) for n, p in self.trainable.items()}
+        return {
+            n: p.to(self.compute_dtype)
+            for n, p in self.trainable.items()
+            if layers or not n.startswith(LAYER_PREFIX)
+        }
 
     def _logits(
         self, args: tuple[torch.Tensor, ...], params: dict[str, torch.Tensor] | None = None
@@ -294,7 +310,10 @@ class TorchTrainer:
                 if k % self.dp.count != self.dp.index:  # data parallel: micro-batches dealt round-robin
                     continue
                 ref_logp = self._ref_logp(mb, ref) if cfg.loss.beta > 0 else None
-                logp = self._token_logp(mb["tokens"], mb.get("attn"))
+                # layer casts: the embeddings, final norm and head cast here, each layer's in its checkpoint
+                logp = self._token_logp(
+                    mb["tokens"], mb.get("attn"), self._compute_params(not self.layer_casts)
+                )
                 mask = mb["loss_mask"][:, 1:]
                 loss, m = policy_loss(
                     logp,
