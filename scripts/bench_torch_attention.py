@@ -1,14 +1,19 @@
-"""Eager vs SDPA attention (and the chunked log-prob head) of the torch Qwen3, side by side on CPU.
+"""The torch Qwen3's training-step paths side by side on CPU: eager vs SDPA attention, the chunked
+log-prob head, per-block activation checkpointing.
 
     python scripts/bench_torch_attention.py                      # qwen3-0.6b cut to 4 layers, 1 x 1024
     python scripts/bench_torch_attention.py --preset tiny --seq 4096 --batch 2
     python scripts/bench_torch_attention.py --paths eager,sdpa --json out.json
+    python scripts/bench_torch_attention.py --preset tiny --layers 0 --seq 2048 --dtype float32 \
+        --paths sdpa+chunked,sdpa+chunked+remat --baseline sdpa+chunked   # remat vs none
 
 **A CPU figure.** Paths (``backends/torch/model.py``): ``eager`` = the attention and head this
 backend had before (float32 [B, N, T, T] scores per layer and the whole float32 [B, T, V]
 logits, both kept for the backward); ``sdpa`` = ``scaled_dot_product_attention`` (on CPU its
 flash kernel), the whole head; ``sdpa+chunked`` = SDPA and the head in ``LOGPROB_CHUNK``-token
-chunks recomputed in the backward: what the trainer runs.
+chunks recomputed in the backward: what the trainer runs; ``sdpa+chunked+remat`` = that with
+every decoder layer's training forward under ``torch.utils.checkpoint`` (``--model-option
+remat=true``: the layer's input kept, the layer rerun in the backward).
 
 **Measured** on this machine, on ``--threads`` threads: a model of ``--preset`` (``--layers``
 overrides its depth) with seeded random weights in ``--dtype``; a step is a forward (the
@@ -18,10 +23,10 @@ interleaved (A, B, C, A, B, C, ...: a busy machine slows each alike), the median
 after one warm-up each. Peak memory: each path alone in a fresh process, the peak RSS rise of
 two steps over the RSS before them (the CPU allocator returns large blocks to the OS, so the
 rise follows the live tensors). Per path, **predicted**: the torch planner's
-activations + temporaries of one ``TorchTrainer`` step of the same shape on fake tensors
-(``backends/torch/memplan.py: trainer_step_memory``, the CUDA-relevant figure; mixed precision
-for a 16-bit ``--dtype``). Then each path over ``eager``, all from this one run. The last stdout
-line is a JSON summary.
+activations + temporaries at the forward/backward peak of one ``TorchTrainer`` step of the same
+shape on fake tensors (``backends/torch/memplan.py: trainer_step_memory``, the CUDA-relevant
+figure; mixed precision for a 16-bit ``--dtype``). Then each path over ``--baseline`` (default
+``eager``), all from this one run. The last stdout line is a JSON summary.
 """
 
 from __future__ import annotations
@@ -42,13 +47,16 @@ from mllm_rl.bench.cli import csv_choice, positive, run_bench
 from mllm_rl.bench.machine import command_line, machine_info
 from mllm_rl.bench.tables import table
 
-PATHS = ("eager", "sdpa", "sdpa+chunked")
+PATHS = ("eager", "sdpa", "sdpa+chunked", "sdpa+chunked+remat")
+DEFAULT_PATHS = PATHS[:3]  # the attention comparison; the remat path on request
 DTYPES = ("bfloat16", "float32")
 
 
-def path_settings(path: str) -> tuple[str, str | None]:
-    """(model attention, logprob chunk: ``"model"`` = the model's default, None = the whole head)."""
-    return ("eager" if path == "eager" else "sdpa"), ("model" if path == "sdpa+chunked" else None)
+def path_settings(path: str) -> tuple[str, str | None, bool]:
+    """(model attention, logprob chunk: ``"model"`` = the model's default, None = the whole head,
+    per-block activation checkpointing)."""
+    chunked = path.startswith("sdpa+chunked")
+    return ("eager" if path == "eager" else "sdpa"), ("model" if chunked else None), path.endswith("+remat")
 
 
 def config_of(args: argparse.Namespace) -> Any:
@@ -74,8 +82,8 @@ def build(args: argparse.Namespace, path: str) -> tuple[Any, Any]:
 
     torch.manual_seed(0)
     c = config_of(args)
-    attention, chunk = path_settings(path)
-    model = build_qwen3(c, getattr(torch, args.dtype), "meta", attention).to_empty(
+    attention, chunk, remat = path_settings(path)
+    model = build_qwen3(c, getattr(torch, args.dtype), "meta", attention, remat).to_empty(
         device="cpu"
     )  # no init temps
     if chunk is None:
@@ -164,6 +172,8 @@ def child_cmd(args: argparse.Namespace, *extra: str) -> list[str]:
         str(args.threads),
         "--paths",
         ",".join(args.paths),
+        "--baseline",
+        args.baseline,
     ]
 
 
@@ -187,7 +197,7 @@ def plan_one(args: argparse.Namespace, path: str) -> dict[str, Any]:
     """The planner's figures for one trainer step of this shape (fake tensors, in this process)."""
     from mllm_rl.backends.torch import memplan
 
-    attention, chunk = path_settings(path)
+    attention, chunk, remat = path_settings(path)
     s = memplan.trainer_step_memory(
         config_of(args),
         args.batch,
@@ -197,8 +207,14 @@ def plan_one(args: argparse.Namespace, path: str) -> dict[str, Any]:
         steps=1,
         attention=attention,
         logprob_chunk=chunk,
+        options=(("remat", True),) if remat else (),
     )
-    return {"activations_bytes": s.activations, "peak_bytes": s.peak_total, "trace_s": round(s.seconds, 1)}
+    # at the forward/backward peak: with remat the step's peak may lie in the optimizer step
+    return {
+        "activations_bytes": s.fwd_bwd_activations,
+        "peak_bytes": s.peak_total,
+        "trace_s": round(s.seconds, 1),
+    }
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -228,9 +244,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "step; predicted)",
         "paths": results,
     }
-    base = results.get("eager")
+    base = results.get(args.baseline)
+    out["baseline"] = args.baseline
     if base:
-        out["ratios_over_eager"] = {
+        out[f"ratios_over_{args.baseline}"] = {
             p: {
                 "step_s": round(r["step_s"] / base["step_s"], 3),
                 "rss_peak_rise": round(r["rss_peak_rise_bytes"] / max(base["rss_peak_rise_bytes"], 1), 3),
@@ -246,7 +263,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(out: dict[str, Any]) -> str:
-    ratios = out.get("ratios_over_eager", {})
+    base = out["baseline"]
+    ratios = out.get(f"ratios_over_{base}", {})
     rows = []
     for p, r in out["paths"].items():
         q = ratios.get(p, {})
@@ -264,11 +282,11 @@ def report(out: dict[str, Any]) -> str:
     cols = [
         ("path", "path", ""),
         ("step_s", "step s", ".3f"),
-        ("step_x", "x eager", ".3f"),
+        ("step_x", f"x {base}", ".3f"),
         ("rise", "RSS rise MiB", ".1f"),
-        ("rise_x", "x eager", ".3f"),
+        ("rise_x", f"x {base}", ".3f"),
         ("planned", "planned act. MiB", ".1f"),
-        ("planned_x", "x eager", ".3f"),
+        ("planned_x", f"x {base}", ".3f"),
     ]
     first = next(iter(out["paths"].values()))
     head = (
@@ -279,8 +297,8 @@ def report(out: dict[str, Any]) -> str:
     lines = [head, table(rows, cols)]
     lines.append(
         "step s: measured here, the paths interleaved in one process; RSS rise: measured here, a fresh "
-        "process per path; planned act.: the torch planner's activations + temporaries of one trainer "
-        "step of the same shape (fake tensors, predicted)"
+        "process per path; planned act.: the torch planner's activations + temporaries at the forward/"
+        "backward peak of one trainer step of the same shape (fake tensors, predicted)"
     )
     if any(r["rise_is_lower_bound"] for r in out["paths"].values()):
         lines.append("(a RSS rise marked as a lower bound: the steps stayed under the set-up's peak)")
@@ -294,7 +312,7 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
         "preset": out["preset"],
         "shape": [out["batch"], out["seq"]],
         **{f"{p}_step_s": r["step_s"] for p, r in out["paths"].items()},
-        "ratios_over_eager": out.get("ratios_over_eager"),
+        f"ratios_over_{out['baseline']}": out.get(f"ratios_over_{out['baseline']}"),
     }
 
 
@@ -319,7 +337,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch intra-op threads (default 1: steadiest on a shared machine; 0: torch's default)",
     )
     ap.add_argument(
-        "--paths", type=csv_choice(PATHS), default=list(PATHS), help=f"{','.join(PATHS)} (default all)"
+        "--paths",
+        type=csv_choice(PATHS),
+        default=list(DEFAULT_PATHS),
+        help=f"{','.join(PATHS)} (default {','.join(DEFAULT_PATHS)})",
+    )
+    ap.add_argument(
+        "--baseline", default="eager", choices=PATHS, help="the path the ratios divide by (default eager)"
     )
     ap.add_argument("--timeout", type=positive(float), default=1800.0, help="seconds per path (default 1800)")
     ap.add_argument("--json", type=Path, help="write the full results here")
@@ -328,6 +352,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.layers < 0 or args.threads < 0:
         ap.error(f"--layers and --threads must be >= 0, got {args.layers}, {args.threads}")
+    if args.baseline not in args.paths:
+        ap.error(f"--baseline {args.baseline}: not one of --paths {','.join(args.paths)}")
     return args
 
 

@@ -27,6 +27,7 @@ from mllm_rl.backends.torch.trainer import LAYER_PREFIX, TorchTrainer
 from mllm_rl.presets import get_preset
 from mllm_rl.rl.loss_config import LossConfig
 from mllm_rl.trainer import RolloutBatch, TrainConfig
+from tests.torch.test_trainer import capture_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -252,14 +253,7 @@ def one_step(
     assert t.model.layer_dtype == (torch.bfloat16 if casting else None)
     if not layer_casts:
         t.layer_casts, t.model.layer_dtype = False, None
-    seen: list[list[torch.Tensor]] = []
-    step = t.optimizer.step
-
-    def capturing_step() -> None:
-        seen.append([p.grad.clone() for p in t.trainable.values()])
-        step()
-
-    t.optimizer.step = capturing_step  # type: ignore[method-assign]
+    seen = capture_grads(t)
     metrics = t.train_step(batch())
     after = {n: p.detach().clone() for n, p in t.trainable.items()}
     return metrics, seen[0], after
@@ -474,9 +468,10 @@ def test_bad_options_are_refused_by_the_trainer_and_the_backend(pairs, match):
 
 
 # -- the benchmark --------------------------------------------------------------------------------
-def test_bench_torch_remat_runs_on_tiny(tmp_path):
-    """``scripts/bench_torch_remat.py`` end to end on tiny at 1 x 256: both paths measured, the
-    ratios remat / plain, the JSON summary last; the planner predicts fewer activations for remat."""
+def test_bench_remat_path_runs_on_tiny(tmp_path):
+    """``scripts/bench_torch_attention.py`` with the remat path against the trainer's path, end to
+    end on tiny at 1 x 256: both paths measured, the ratios remat / none, the JSON summary last;
+    the planner predicts fewer activations for remat."""
     import json
     import subprocess
     import sys
@@ -484,12 +479,15 @@ def test_bench_torch_remat_runs_on_tiny(tmp_path):
     from tests.conftest import ROOT
 
     saved = tmp_path / "out.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/bench_torch_remat.py"), "--seq", "256", "--steps", "1",
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/bench_torch_attention.py"), "--preset", "tiny",
+                        "--layers", "0", "--dtype", "float32", "--seq", "256", "--steps", "1",
+                        "--paths", "sdpa+chunked,sdpa+chunked+remat", "--baseline", "sdpa+chunked",
                         "--json", str(saved)], capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["bench"] == "torch_remat" and out["figure"] == "CPU"
-    assert set(out["remat_over_plain"]) == {"step_s", "rss_peak_rise", "planned_activations"}
-    assert out["remat_over_plain"]["planned_activations"] < 1
+    assert out["figure"] == "CPU" and "x sdpa+chunked" in r.stdout
+    ratios = out["ratios_over_sdpa+chunked"]["sdpa+chunked+remat"]
+    assert set(ratios) == {"step_s", "rss_peak_rise", "planned_activations"}
+    assert ratios["planned_activations"] < 1
     full = json.loads(saved.read_text())
-    assert set(full["paths"]) == {"plain", "remat"}
+    assert set(full["paths"]) == {"sdpa+chunked", "sdpa+chunked+remat"}
