@@ -10,7 +10,8 @@ service key-value store and barriers); a single process uses ``LocalCoordinator`
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 
 class Coordinator(Protocol):
@@ -29,6 +30,25 @@ class LocalCoordinator:
 
     def gather(self, name: str, value: str) -> list[str]:
         return [value]
+
+
+class ProcessCoordinator:
+    """A ``Coordinator`` over a backend's process group: ``procs()`` gives this process now (an
+    object with ``index`` and ``count``), ``gather(name, value)`` the backend's all-gather."""
+
+    def __init__(self, procs: Callable[[], Any], gather: Callable[[str, str], list[str]]) -> None:
+        self._procs, self._gather = procs, gather
+
+    @property
+    def index(self) -> int:
+        return int(self._procs().index)
+
+    @property
+    def count(self) -> int:
+        return int(self._procs().count)
+
+    def gather(self, name: str, value: str) -> list[str]:
+        return self._gather(name, value)
 
 
 class ScheduleMismatch(RuntimeError):

@@ -42,9 +42,9 @@ class JaxBackend(Backend):
         gpu_allocates_on_demand()
         return distributed.init_distributed(tp=tp)
 
-    def coordinator(self) -> distributed.Coordination:
-        """Lease handoffs of multi-task runs (``mllm_rl.coordination``)."""
-        return distributed.Coordination()
+    def coordinator(self) -> Any:
+        """The processes agreeing: lease handoffs, rewards, checkpoints (``mllm_rl.coordination``)."""
+        return distributed.coordination()
 
     def shutdown_distributed(self) -> None:
         """Leave the multi-process run (every process, before exiting; idempotent)."""

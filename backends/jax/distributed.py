@@ -31,6 +31,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from mllm_rl.coordination import ProcessCoordinator
+
 ENV_COORDINATOR = "MLLM_RL_COORDINATOR"
 ENV_NUM_PROCESSES = "MLLM_RL_NUM_PROCESSES"
 ENV_PROCESS_ID = "MLLM_RL_PROCESS_ID"
@@ -292,19 +294,10 @@ def gather(name: str, value: str, timeout_s: float | None = None) -> list[str]:
         raise RuntimeError(f"{key}: not every process arrived within {timeout}s ({e})") from None
 
 
-class Coordination:
-    """``mllm_rl.coordination.Coordinator`` over ``jax.distributed`` (multi-task lease handoffs)."""
-
-    @property
-    def index(self) -> int:
-        return _procs.index
-
-    @property
-    def count(self) -> int:
-        return _procs.count
-
-    def gather(self, name: str, value: str) -> list[str]:
-        return gather(name, value)
+def coordination() -> ProcessCoordinator:
+    """``mllm_rl.coordination.Coordinator`` over ``jax.distributed``'s key-value store (lease
+    handoffs, rewards, checkpoints)."""
+    return ProcessCoordinator(procs, gather)
 
 
 def agree_on_platform(platform: str) -> None:

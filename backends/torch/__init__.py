@@ -94,7 +94,7 @@ class TorchBackend(Backend):
         """Object all-gathers over ``torch.distributed`` (rewards, checkpoints, leases)."""
         from mllm_rl.backends.torch import distributed
 
-        return distributed.Coordination()
+        return distributed.coordination()
 
     def _device(self) -> Any:
         if self.device is None:

@@ -22,6 +22,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mllm_rl.coordination import ProcessCoordinator
+
 ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT_ENV = "MLLM_RL_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600
@@ -135,20 +137,16 @@ def all_reduce_sum(tensors: Sequence[Any]) -> None:
                 t.copy_(r)
 
 
-class Coordination:
-    """``mllm_rl.coordination.Coordinator`` over ``torch.distributed`` (object all-gather)."""
+def gather_named(name: str, value: str) -> list[str]:
+    """Every process's ``value`` for ``name`` (``RuntimeError`` when the processes are at different
+    gathers: an object all-gather carries no name of its own)."""
+    got = gather_objects((name, value))
+    names = {n for n, _ in got}
+    if names != {name}:
+        raise RuntimeError(f"processes gathered different things at once: {sorted(names)}")
+    return [v for _, v in got]
 
-    @property
-    def index(self) -> int:
-        return _procs.index
 
-    @property
-    def count(self) -> int:
-        return _procs.count
-
-    def gather(self, name: str, value: str) -> list[str]:
-        got = gather_objects((name, value))
-        names = {n for n, _ in got}
-        if names != {name}:  # every process must be at the same gather
-            raise RuntimeError(f"processes gathered different things at once: {sorted(names)}")
-        return [v for _, v in got]
+def coordination() -> ProcessCoordinator:
+    """``mllm_rl.coordination.Coordinator`` over ``torch.distributed`` (rewards, checkpoints)."""
+    return ProcessCoordinator(procs, gather_named)

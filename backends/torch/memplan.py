@@ -290,7 +290,22 @@ def step_batch(config: ModelConfig, rows: int, seq_len: int) -> RolloutBatch:
     return RolloutBatch(tokens, np.ones((rows, seq_len), bool), loss, zeros, np.ones(rows, np.float32))
 
 
+def _collected(fn: Any) -> Any:
+    """``fn``, then ``gc.collect()``: the fake trainer leaves the CPU probe's holder set (a WeakSet)
+    only when it is collected."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.collect()
+
+    return run
+
+
 @functools.lru_cache(maxsize=8)  # one plan per schedule of the same request traces the step once
+@_collected
 def trainer_step_memory(
     config: ModelConfig,
     micro_batch: int,
@@ -315,38 +330,6 @@ def trainer_step_memory(
     trainer's model options as (key, value) pairs (``TrainConfig.model_options``, e.g.
     ``(("remat", True),)``; a tuple, so the result caches).
     """
-    out = _trace_step(
-        config,
-        micro_batch,
-        seq_len,
-        rows,
-        dtype,
-        lora_rank,
-        kl,
-        steps,
-        precision,
-        attention,
-        logprob_chunk,
-        options,
-    )
-    gc.collect()  # the fake trainer leaves the CPU probe's holder set (a WeakSet) now
-    return out
-
-
-def _trace_step(
-    config: ModelConfig,
-    micro_batch: int,
-    seq_len: int,
-    rows: int,
-    dtype: str = "bfloat16",
-    lora_rank: int = 0,
-    kl: bool = False,
-    steps: int = STEPS,
-    precision: str = TrainConfig.precision,
-    attention: str = "sdpa",
-    logprob_chunk: int | None | str = "model",
-    options: tuple[tuple[str, Any], ...] = (),
-) -> StepMemory:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.modules.module import register_module_forward_pre_hook

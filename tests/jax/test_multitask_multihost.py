@@ -1,6 +1,6 @@
 """The lease handoffs across 2 real processes joined by ``jax.distributed`` (CPU): every handoff is a
 ``gather`` on the coordination service. 3 tasks over the fakes (``tests/core/multitask_fakes.py``:
-sglang-jax cannot release an engine that spans processes yet), random delays in every phase that
+the protocol alone; real multi-task runs across processes are refused until run), random delays in every phase that
 differ per process, 20 repetitions in the same pair of processes, one repetition where a task
 fails on process 1 only. Same lease order on both processes, every time, in bounded time."""
 
