@@ -50,6 +50,17 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     return make_checkpoint(get_preset("tiny"), out, shard_bytes=600_000, show_progress=False)
 
 
+@pytest.fixture(scope="session")
+def tiny_bf16_ckpt(tmp_path_factory) -> Path:
+    """The ``tiny`` preset written in bfloat16, as a pretrained checkpoint ships (mixed precision:
+    float32 masters in the trainer, bf16 in the engine)."""
+    from mllm_rl.checkpoint import make_checkpoint
+    from mllm_rl.presets import get_preset
+
+    out = tmp_path_factory.mktemp("ckpt-bf16") / "tiny-bf16"
+    return make_checkpoint(get_preset("tiny"), out, dtype="bfloat16", show_progress=False)
+
+
 def run_cli(
     module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess:

@@ -34,6 +34,9 @@ def test_two_processes_of_one_swap_run(tiny_ckpt, tmp_path):
 
 RL = ["--backend", "jax", "--tp", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4",
       "--checkpoint-every", "1", "--wandb", "disabled", "--console", "off"]  # fmt: skip
+# what a user of a pretrained model runs: a bf16 checkpoint (mixed precision), LoRA, a fine-tuning
+# learning rate, temperature below 1
+REAL = ["--lora-rank", "4", "--lr", "1e-6", "--temperature", "0.7"]
 
 
 def launch(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
@@ -48,17 +51,19 @@ def by_step(run_dir, name="metrics.jsonl") -> dict[int, dict]:
 
 
 @pytest.mark.slow  # engines across two processes, three runs
-def test_rl_across_two_processes_is_the_one_process_run(tiny_ckpt, tmp_path):
+def test_rl_across_two_processes_is_the_one_process_run(tiny_bf16_ckpt, tmp_path):
     """``--plan rl`` as two processes (one sglang-jax engine and one (fsdp, tp) trainer mesh over
-    both processes' devices, weights-cpu-backup on) gives the metrics of the same run as one process
+    both processes' devices, weights-cpu-backup on), at the settings of a pretrained model (bf16
+    checkpoint, LoRA, lr 1e-6, temperature 0.7), gives the metrics of the same run as one process
     with as many devices: rewards exactly, loss and grad norm to float32 reduction noise; then
     ``--resume`` continues both processes from their orbax checkpoint, again as one process does."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    r = launch(*RL, "--model", str(tiny_ckpt), "--steps", "3", "--run-dir", str(one), nproc=1)
+    one, two, model = tmp_path / "one", tmp_path / "two", str(tiny_bf16_ckpt)
+    r = launch(*RL, *REAL, "--model", model, "--steps", "3", "--run-dir", str(one), nproc=1)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = launch(*RL, "--model", str(tiny_ckpt), "--steps", "2", "--weights-cpu-backup", "--run-dir", str(two))
+    r = launch(*RL, *REAL, "--model", model, "--steps", "2", "--weights-cpu-backup", "--run-dir", str(two))
     assert r.returncode == 0, r.stderr[-3000:]
-    r = launch(*RL, "--model", str(tiny_ckpt), "--steps", "3", "--weights-cpu-backup", "--run-dir", str(two),
+    # the resume takes the settings run.json recorded
+    r = launch(*RL, "--model", model, "--steps", "3", "--weights-cpu-backup", "--run-dir", str(two),
                "--resume")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "[p1] resume: from " in r.stderr and "[p0] resume: from " in r.stderr

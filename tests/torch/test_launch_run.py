@@ -15,8 +15,10 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow  # engines in two processes, three runs
 
+# with a bf16 checkpoint, the settings of a pretrained model: mixed precision, LoRA, lr 1e-6, T 0.7
 RL = ["--backend", "torch", "--prompts-per-step", "8", "--group-size", "8", "--max-new-tokens", "8",
-      "--micro-batch-size", "16", "--checkpoint-every", "1", "--wandb", "disabled", "--console", "off"]  # fmt: skip
+      "--micro-batch-size", "16", "--checkpoint-every", "1", "--wandb", "disabled", "--console", "off",
+      "--lora-rank", "4", "--lr", "1e-6", "--temperature", "0.7"]  # fmt: skip
 
 
 def launch(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
@@ -25,18 +27,18 @@ def launch(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
 
 
-def test_rl_as_two_data_parallel_processes_is_the_one_process_run(tiny_ckpt, tmp_path):
+def test_rl_as_two_data_parallel_processes_is_the_one_process_run(tiny_bf16_ckpt, tmp_path):
     """Each request sampled from its own seed by its index in the whole batch (which process
     generates it does not matter), every process with the whole batch, half of the micro-batches
     each and the gradient summed over both: rewards, loss and grad norm of every step equal the
     one-process run's (to float32 reduction noise), a resume included; one checkpoint file per step
     (process 0 writes it)."""
     one, two = tmp_path / "one", tmp_path / "two"
-    r = launch(*RL, "--model", str(tiny_ckpt), "--steps", "3", "--run-dir", str(one), nproc=1)
+    r = launch(*RL, "--model", str(tiny_bf16_ckpt), "--steps", "3", "--run-dir", str(one), nproc=1)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = launch(*RL, "--model", str(tiny_ckpt), "--steps", "2", "--run-dir", str(two))
+    r = launch(*RL, "--model", str(tiny_bf16_ckpt), "--steps", "2", "--run-dir", str(two))
     assert r.returncode == 0, r.stderr[-3000:]
-    r = launch(*RL, "--model", str(tiny_ckpt), "--steps", "3", "--run-dir", str(two), "--resume")
+    r = launch(*RL, "--model", str(tiny_bf16_ckpt), "--steps", "3", "--run-dir", str(two), "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     ref = {m["step"]: m for m in read_jsonl(one / "metrics.jsonl")}
     assert any(m["reward_mean"] > 0 for m in ref.values())  # a signal to compare, not all zeros
