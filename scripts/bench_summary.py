@@ -83,6 +83,17 @@ def figures(d: dict[str, Any]) -> str:
             )
             for r in d["rows"]
         )
+    if b == "plan_vs_cuda":
+        c, m = d["predicted"]["case"], d.get("measured") or {}
+        opts = " ".join(f"{k}={v}" for k, v in c["options"]) or "defaults"
+        what = f"{c['rows']} x {c['seq_len']} {c['precision']}, lora {c['lora_rank']}, {opts}: "
+        if not m:
+            return what + f"predicted peak {_r(d['predicted']['peak_bytes'] / 2**30, 2)} GiB (not measured)"
+        return what + (
+            f"peak {_r(m['peak_bytes'] / 2**30, 2)} GiB measured / {_r(d['predicted']['peak_bytes'] / 2**30, 2)} "
+            f"predicted = {_r(d['peak_over_plan'], 4)}"
+            + (", OUT OF MEMORY" if m.get("oom") else f", {_r(m.get('tokens_per_s'), 0)} tokens/s")
+        )
     return "(unknown bench)"
 
 

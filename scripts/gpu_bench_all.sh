@@ -14,6 +14,8 @@
 #                                          cache by OOM bisection (--bisect)
 #   soak-*     scripts/soak.py             100 release/resume/update cycles (qwen3-0.6b; torch also with trainer)
 #   engine-*   scripts/bench_engine.py     decode tokens/s: embedded torch engine / sglang-jax vs HF generate
+#   plan-*     scripts/bench_plan_vs_cuda.py  the torch planner's train step vs the same step on the GPU
+#                                          (qwen3-4b 4 x 4096 with remat, qwen3-0.6b 4 x 4096); GPU mode only
 # Each step writes DIR/<step>.json and DIR/<step>.log and one line "step<TAB>exit<TAB>seconds" to DIR/status.tsv;
 # a failing step is recorded and the next one runs. At the end scripts/bench_summary.py prints the table
 # (also DIR/summary.md). Exit status: 0 when every step exited 0, else 1.
@@ -126,6 +128,8 @@ else
     "soak-jax-qwen3-0.6b|PY_JAX|scripts/soak.py --backend jax --preset qwen3-0.6b --platform gpu --cycles 100"
     "engine-torch-qwen3-0.6b|PY_TORCH|scripts/bench_engine.py --engines embedded,hf --preset qwen3-0.6b --platform cuda --batch 1,32,128 --new-tokens 128"
     "engine-jax-qwen3-0.6b|PY_JAX|scripts/bench_engine.py --backend jax --preset qwen3-0.6b --platform gpu --batch 1,32,128 --new-tokens 128 --keep-going"
+    "plan-torch-qwen3-4b|PY_TORCH|scripts/bench_plan_vs_cuda.py --preset qwen3-4b --micro-batch 4 --seq-len 4096 --option remat=true"
+    "plan-torch-qwen3-0.6b|PY_TORCH|scripts/bench_plan_vs_cuda.py --preset qwen3-0.6b --micro-batch 4 --seq-len 4096"
   )
 fi
 

@@ -43,7 +43,7 @@ one layer's casts live at a time (while it runs, and while it is recomputed in t
 instead of a cast of every weight through the whole forward and backward; the same casts, so
 the same numbers.
 ``adamw=auto|foreach|fused`` picks the ``torch.optim.AdamW`` implementation (``auto``, the default:
-torch's choice, ``foreach`` on CUDA); ``fused`` updates params and moments in one kernel without
+``fused`` on CUDA, torch's choice elsewhere); ``fused`` updates params and moments in one kernel without
 ``foreach``'s full-size temporaries, its ``step`` counters float32 scalars on the params' device
 (offloaded with the rest of the optimizer state), where ``auto``/``foreach`` keep them on the host.
 
@@ -74,7 +74,7 @@ from mllm_rl.backends.torch.probe import track
 from mllm_rl.backends.torch.rl_loss import policy_loss
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import Fingerprint, WeightExport
-from mllm_rl.faults import fault
+from mllm_rl.faults import fault, fault_value
 from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig, check_state_names, train_metrics
 
 T_BUCKET = 32
@@ -136,7 +136,7 @@ class TorchTrainer:
             betas=(cfg.adam_b1, cfg.adam_b2),
             eps=1e-8,
             weight_decay=cfg.weight_decay,
-            **self.options.adamw_kwargs(),
+            **self.options.adamw_kwargs(self.device.type),
         )
         _init_optimizer_state(self.optimizer)
         # full fine-tune + KL: the initial params in the compute dtype (exact: the checkpoint's), on the host
@@ -153,11 +153,13 @@ class TorchTrainer:
             OPTIMIZER: OffloadGroup(OPTIMIZER, self.device),
         }
         self.step = 0
+        self._leaked: list[torch.Tensor] = []  # the ``leak_mb`` fault's buffers
         track(self)  # the CPU memory probe counts held_tensors()
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """Params and optimizer state (offloaded ones have empty storages: counted as 0)."""
-        return self._tensors(PARAMS) + self._tensors(OPTIMIZER)
+        """Params and optimizer state (offloaded ones have empty storages: counted as 0), and
+        what the ``leak_mb`` fault keeps."""
+        return self._tensors(PARAMS) + self._tensors(OPTIMIZER) + self._leaked
 
     # -- residency -----------------------------------------------------------------------
     def _tensors(self, what: str) -> list[torch.Tensor]:
@@ -272,6 +274,9 @@ class TorchTrainer:
         """``mini_batches`` AdamW updates over ``batch``, each accumulating exact gradients
         over micro-batches of ``micro_batch_size`` rows; the metrics read back once at the end."""
         t0 = time.perf_counter()
+        leak = fault_value("leak_mb")
+        if leak:  # a device buffer kept forever, as a leak would: the memory plan's audit must see it
+            self._leaked.append(torch.ones(int(leak) * 2**18, dtype=torch.float32, device=self.device))
         loss_sum, parts, gnorms, totals = self.device_step(batch)
         host = {k: float(v) for k, v in totals.items()}
         grad_norms = [float(g) for g in gnorms]

@@ -21,7 +21,8 @@ from tests.conftest import ROOT, load_script
 
 SCRIPTS = ROOT / "scripts"
 PY_SCRIPTS = ["bench_swap.py", "bench_release.py", "bench_rl_memory.py", "bench_engine.py", "soak.py",
-              "bench_summary.py", "bench_step_cost.py", "bench_precision.py", "repro_sglang_jax_tp_batch.py"]  # fmt: skip
+              "bench_summary.py", "bench_step_cost.py", "bench_precision.py", "repro_sglang_jax_tp_batch.py",
+              "bench_plan_vs_cuda.py"]  # fmt: skip
 # Every script imports the shared helpers from the package (never through sys.path).
 PACKAGE_USERS = sorted(p.name for p in SCRIPTS.glob("*.py"))
 BENCH_MODULES = ["mllm_rl.bench", "mllm_rl.bench.machine", "mllm_rl.bench.child", "mllm_rl.bench.records",
@@ -161,8 +162,18 @@ def test_summary_table(tmp_path):
         "bench": "soak", "backend": "torch", "preset": "tiny", "platform": "cpu", "cycles": 3, "engine": "E",
         "trainer": False, "weights_cpu_backup": False, "device_max_abs_dev_bytes": [0], "rss_max_abs_dev_bytes": 0,
         "token_mismatch_cycles": [], "targets": {"t": {"pass": True}, "u": {"pass": None}}}))  # fmt: skip
+    case = {"rows": 4, "seq_len": 4096, "precision": "mixed", "lora_rank": 0, "options": [["remat", True]]}
+    (tmp_path / "plan-z.json").write_text(json.dumps({
+        "bench": "plan_vs_cuda", "backend": "torch", "preset": "qwen3-4b", "platform": "cuda",
+        "predicted": {"case": case, "peak_bytes": 2**31}, "peak_over_plan": 1.005, "targets": {},
+        "measured": {"peak_bytes": int(2**31 * 1.005), "oom": False, "tokens_per_s": 9000.0}}))  # fmt: skip
     (tmp_path / "status.tsv").write_text("soak-x\t0\t5\nswap-y\t1\t9\n")
     text = bench_summary.summarize(Path(tmp_path))
+    assert "| plan-z | plan_vs_cuda | torch | qwen3-4b | cuda |" in text
+    assert (
+        "4 x 4096 mixed, lora 0, remat=True: peak 2.01 GiB measured / 2.00 predicted = 1.0050, 9000 tokens/s"
+        in text
+    ), text
     assert "| soak-x | soak | torch | tiny | cpu |" in text and "t pass, u n/a" in text
     assert "swap-y" in text and "FAIL" in text
 

@@ -30,7 +30,9 @@ F32 = {"rtol": 1e-6, "atol": 1e-7}
 STEPS = 3
 
 
-def make(dtype: str = "float32", options=(), lora_rank: int = 0, precision: str = "mixed") -> TorchTrainer:
+def make(
+    dtype: str = "float32", options=(), lora_rank: int = 0, precision: str = "mixed", device: str = "cpu"
+) -> TorchTrainer:
     """A trainer over ``random_model`` (seed 0) with a checkpoint dtype ``dtype`` (bf16 + ``mixed``:
     float32 masters computing in bf16), KL on, lr 1e-2 (steps that move every weight)."""
     cfg = TrainConfig(
@@ -41,7 +43,8 @@ def make(dtype: str = "float32", options=(), lora_rank: int = 0, precision: str 
         loss=LossConfig(beta=0.05),
         model_options=options,
     )
-    return TorchTrainer(memplan.layout_dir(CFG, dtype), cfg, model=random_model().to(getattr(torch, dtype)))
+    model = random_model().to(getattr(torch, dtype)).to(device)
+    return TorchTrainer(memplan.layout_dir(CFG, dtype), cfg, device=device, model=model)
 
 
 def weights(t: TorchTrainer) -> dict[str, torch.Tensor]:
@@ -134,9 +137,9 @@ def test_fused_steps_equal_foreach(dtype, lora_rank, spy):
         assert st["step"].dtype == torch.float32 and float(st["step"]) == STEPS
 
 
-def test_auto_is_torchs_default_choice(spy):
-    """``auto`` (the default) passes neither argument: on CPU torch loops over the tensors
-    (``_single_tensor_adam``; on CUDA it picks foreach), bit-identical to foreach here."""
+def test_auto_is_torchs_default_choice_off_cuda(spy):
+    """``auto`` (the default) off CUDA passes neither argument: on CPU torch loops over the tensors
+    (``_single_tensor_adam``), bit-identical to foreach here."""
     t = make()
     assert TorchModelOptions().adamw == "auto" and t.options.adamw == "auto"
     assert [(g["foreach"], g["fused"]) for g in t.optimizer.param_groups] == [(None, None)]
@@ -144,6 +147,28 @@ def test_auto_is_torchs_default_choice(spy):
     assert spy == {"fused": 0, "foreach": 0, "single": 2}
     _, w_foreach = run(make(options=FOREACH), steps=1)
     assert max_diff(w[0], w_foreach[0]) == 0
+
+
+def test_auto_is_fused_on_cuda():
+    """``auto`` means ``fused`` for parameters on a CUDA device (faster and without foreach's
+    full-size step temporaries on an H100); the explicit choices stay what they say."""
+    assert TorchModelOptions().adamw_on("cuda") == "fused"
+    assert TorchModelOptions().adamw_kwargs("cuda") == {"fused": True}
+    assert TorchModelOptions().adamw_kwargs("cpu") == {}
+    for name in ("foreach", "fused"):
+        assert (
+            TorchModelOptions(adamw=name).adamw_on("cuda")
+            == TorchModelOptions(adamw=name).adamw_on("cpu")
+            == name
+        )
+
+
+def test_auto_trainer_on_cuda_steps_fused():
+    from tests.torch.conftest import needs_cuda
+
+    needs_cuda()
+    t = make(device="cuda")
+    assert [(g["foreach"], g["fused"]) for g in t.optimizer.param_groups] == [(None, True)]
 
 
 def test_pure_bf16_fused_is_within_one_bf16_rounding():
@@ -259,8 +284,10 @@ def test_planner_traces_the_fused_kernel_without_temporaries(dtype):
     forward/backward, activations + temporaries at the peak drop by more than 5x (seen 14.8x
     float32, 10.7x bf16 mixed), the peak by most of the params' bytes."""
     n_tensors = len(TINY.param_shapes())
-    foreach = memplan.trainer_step_memory(TINY, 1, 32, rows=1, dtype=dtype)
+    foreach = memplan.trainer_step_memory(TINY, 1, 32, rows=1, dtype=dtype, options=FOREACH)
     fused = memplan.trainer_step_memory(TINY, 1, 32, rows=1, dtype=dtype, options=FUSED)
+    auto = memplan.trainer_step_memory(TINY, 1, 32, rows=1, dtype=dtype)  # the default plans CUDA's fused
+    assert (auto.adamw, auto.peak, auto.optimizer) == ("fused", fused.peak, fused.optimizer)
     assert (foreach.adamw, fused.adamw) == ("foreach", "fused")
     assert (fused.params, fused.grads, fused.fwd_bwd_peak) == (
         foreach.params,
