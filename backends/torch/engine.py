@@ -399,25 +399,32 @@ def sample(
     float32). Returns (tokens [B], logprobs [B]) on the host; logprobs are
     ``log_softmax(logits / T)`` at the token (before top-p).
 
-    ``log_softmax`` runs on ``logits``' device. Greedy: the argmax and its logprob too, so only
-    [B] values cross to the host. Temperature: the [B, V] logprobs go to the host, where row i
-    draws from ``gens[i]`` (its request's CPU generator): the random stream depends neither on the
-    device nor on the other rows of the batch."""
+    Everything runs on ``logits``' device; only [B] values cross to the host. Greedy: the argmax.
+    Temperature: inverse-CDF sampling, row i's token the first whose cumulative probability
+    (float64, top-p applied) exceeds ``u_i`` times the row's total, with ``u_i`` one uniform draw
+    from ``gens[i]`` (its request's CPU generator): the random stream depends neither on the
+    device nor on the other rows of the batch. (Not ``torch.multinomial`` row by row on the host:
+    for a 151,936-token vocabulary that cost about 9 ms a row, 0.28 s a decode step at 32 rows.)"""
     logits = logits.float()
     if sampling.temperature == 0:
         lp = torch.log_softmax(logits, dim=-1)
         tok = lp.argmax(dim=-1)
         chosen = lp.gather(1, tok[:, None])[:, 0]
         return tok.cpu(), chosen.cpu()
-    lp = torch.log_softmax(logits / sampling.temperature, dim=-1).cpu()
+    lp = torch.log_softmax(logits / sampling.temperature, dim=-1)
     probs = lp.exp()
     if sampling.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= sampling.top_p  # the top token is always kept
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
-    tok = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(gens)])
-    return tok, lp.gather(1, tok[:, None])[:, 0]
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in gens]).to(probs.device)
+    cdf = probs.double().cumsum(dim=-1)
+    # the first index whose cdf exceeds u * total: a zero-probability token repeats its left
+    # neighbour's cdf, so it is never the first to exceed
+    tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+    chosen = lp.gather(1, tok[:, None])[:, 0]
+    return tok.cpu(), chosen.cpu()
 
 
 def check_shape(name: str, src: torch.Tensor | np.ndarray, shape: Sequence[int]) -> None:

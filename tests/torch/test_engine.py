@@ -125,6 +125,35 @@ def test_sampling_top_p_keeps_the_nucleus_and_reports_tempered_logprobs():
     assert tok.tolist() == [0] * 5  # the top token is always kept
 
 
+def test_sampling_at_temperature_follows_the_tempered_distribution_row_by_row():
+    """Temperature 0.7 over 6 tokens, two of them impossible (-inf): 20,000 requests' draws
+    follow softmax(logits / 0.7) (each frequency within 4 standard errors), an impossible token is
+    never drawn, and a request's token depends only on its own generator (the same draw alone, in
+    a batch, or with its rows permuted)."""
+    n = 20_000
+    row = torch.tensor([2.0, 1.0, float("-inf"), 0.0, -1.0, float("-inf")])
+    want = torch.softmax(row / 0.7, -1)
+    logits = row.repeat(n, 1)
+    seeds = list(range(n))
+    tok, lp = sample(
+        logits, SamplingParams(temperature=0.7), [torch.Generator().manual_seed(x) for x in seeds]
+    )
+    counts = torch.bincount(tok, minlength=6).double() / n
+    assert counts[2] == counts[5] == 0
+    se = (want * (1 - want) / n).sqrt()
+    assert ((counts - want).abs() <= 4 * se + 1e-12).all(), (counts, want)
+    assert torch.allclose(lp, torch.log(want)[tok], atol=1e-6)
+    # row independence: request 7 alone, and the first 50 requests reversed
+    alone, _ = sample(logits[:1], SamplingParams(temperature=0.7), [torch.Generator().manual_seed(7)])
+    assert alone.item() == tok[7].item()
+    rev, _ = sample(
+        logits[:50],
+        SamplingParams(temperature=0.7),
+        [torch.Generator().manual_seed(x) for x in seeds[:50][::-1]],
+    )
+    assert rev.flip(0).tolist() == tok[:50].tolist()
+
+
 @pytest.mark.slow
 def test_unseeded_sampling_follows_the_engine_seed(tiny_ckpt):
     s = SamplingParams(max_new_tokens=16, temperature=1.0)
