@@ -98,6 +98,11 @@ class Backend(abc.ABC):
         """Return cached-but-free device memory to the device (nothing to do by default)."""
         return None
 
+    def rollout_engine(self, engine: str) -> str:
+        """The rollout engine a run given ``--engine engine`` starts (what its memory plan lays out:
+        ``PlanRequest.engine``); by default ``engine`` itself (``auto``: the backend's one engine)."""
+        return engine
+
     def profiler(self) -> StepProfiler | None:
         """The framework's profiler for ``--profile`` (``mllm_rl.profiling``); ``None``: this
         backend has none (``--profile`` is refused before start-up)."""

@@ -7,7 +7,7 @@ catch that bug really does (a test without it could not fail). Names in use:
 - ``resume_lies``    an engine loses its weights' CPU backup but reports them restored on resume
 - ``train_oom``      the trainer's step fails like a device out-of-memory
 - ``offload_noop``   the trainer's params offload moves nothing
-- ``leak_mb=N``      the JAX trainer keeps N MiB of device memory more after every train step (a leak:
+- ``leak_mb=N``      the trainer (JAX, torch) keeps N MiB of device memory more after every train step (a leak:
                      the run's memory plan audit must report the phases that drift from the plan)
 - ``reward_nan``     the first completion of every RL step gets a NaN reward (as a broken reward
                      function would give): its group's advantages, then the loss, are NaN
@@ -19,12 +19,31 @@ catch that bug really does (a test without it could not fail). Names in use:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
+from collections.abc import Iterator
+
+_off = threading.local()  # suspended() on this thread
 
 
 def _faults() -> list[str]:
+    if getattr(_off, "depth", 0):
+        return []
     return os.environ.get("MLLM_RL_FAULTS", "").split(",")
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """No fault fires on this thread inside: the memory planner traces the run's real trainer step
+    on fake tensors before start-up, and a fault meant for the run (``train_oom``, ``leak_mb``)
+    must not fire in that trace."""
+    _off.depth = getattr(_off, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _off.depth -= 1
 
 
 def fault(name: str) -> bool:

@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         runtime = backend.init_runtime(tp=tp, platform=opts.platform)
         runtime["init_s"] = round(time.perf_counter() - t0, 3)
+        runtime.setdefault("process_count", pcount)  # what the memory plan's target depends on
         pre.plan.check_runtime(backend, model, opts, pcount)
         opts, run_plan, plan_notes = pre.plan.memory_plan(backend, model, opts, runtime)
     except DoesNotFit as e:  # the run's own plan: refused before anything of it exists

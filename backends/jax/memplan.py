@@ -66,6 +66,10 @@ def measure(req: PlanRequest) -> Measured:
     ``ValueError`` (one line) for a request the run would refuse: unknown target, a tp that
     does not divide the heads or the devices, a pool the engine could not start with.
     """
+    if req.engine == "embedded":
+        raise ValueError(
+            "PlanRequest.engine 'embedded': the JAX backend's engine is sglang-jax (auto or sglang)"
+        )
     spec = topologies.spec(req.target)
     topologies.prepare(spec, cpu_devices=max(req.tp, req.trainer_tp))
     devices, target = _topology(spec)

@@ -117,6 +117,9 @@ class TorchBackend(Backend):
             raise ValueError("engine 'sglang' needs the sglang package and a CUDA device")
         return engine
 
+    def rollout_engine(self, engine: str) -> str:
+        return self.resolve_engine(engine)
+
     def check_engine_args(self, model: ModelDir, opts: EngineOptions) -> None:
         """Validate before any engine starts: the embedded engine runs on one device."""
         opts.check_backend(self.name, self.engines)

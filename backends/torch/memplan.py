@@ -10,12 +10,11 @@ Every figure is **predicted**, per device (the torch trainer runs on one device)
   the rollout batch is a single micro-batch), tracked by ``torch.distributed._tools.mem_tracker
   .MemTracker``. The components are read just before an optimizer step (every gradient
   allocated); ``grad_step`` is the tracker's peak (activations, temporaries and what the
-  components hold at that moment). AdamW runs the implementation of the ``adamw`` option:
-  ``auto`` (the default) and ``foreach`` trace ``foreach``, the one torch picks for CUDA tensors
-  (``torch/optim/optimizer.py: _default_to_fused_or_foreach``), its ``step`` counters on the host
-  on CUDA (``torch/optim/adam.py``) and left out; ``fused`` traces ``fused=True`` (the
-  ``_fused_adamw_`` kernel's fake/meta implementation: in place, no temporaries), its ``step``
-  counters float32 scalars on the device, counted in ``optimizer``.
+  components hold at that moment). AdamW runs the implementation of the ``adamw`` option on a
+  CUDA device: ``auto`` (the default) and ``fused`` trace ``fused=True`` (the ``_fused_adamw_``
+  kernel's fake/meta implementation: in place, no temporaries), its ``step`` counters float32
+  scalars on the device, counted in ``optimizer``; ``foreach`` traces ``foreach``, its ``step``
+  counters on the host on CUDA (``torch/optim/adam.py``) and left out.
   The trainer runs at its default precision (``TrainConfig.precision`` ``mixed``): a 16-bit
   checkpoint trains float32 masters with float32 gradients and AdamW moments, and each
   forward/backward computes on casts of the masters in the checkpoint dtype (in ``grad_step``'s
@@ -58,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from mllm_rl import faults
 from mllm_rl.backends.torch import sglang_calls as sc
 from mllm_rl.backends.torch.options import TorchModelOptions
 from mllm_rl.checkpoint.model_dir import ModelDir
@@ -84,14 +84,20 @@ PAGE_SIZE = 1  # SGLang's default page size for the CUDA attention backends of a
 ROPE_CACHE_BYTES = 4  # SGLang keeps the RoPE cos/sin cache in float32 on CUDA
 
 
+LOCAL_TARGETS = {
+    "cpu": "this machine's CPU: the host's RAM (psutil); what a run on CPU plans itself against",
+    "cuda": "this process's CUDA device: its memory (torch.cuda.mem_get_info); what a run on CUDA plans itself against",
+}
+
+
 def targets() -> dict[str, str]:
-    """What ``--target`` accepts with ``--backend torch`` (one card: the trainer uses one device)."""
+    """What ``--target`` accepts with ``--backend torch`` (one device: the trainer uses one)."""
     out = {}
     for name, (kind, config) in GPUS.items():
         desc = f"1 x {kind}, {card_memory(config) / GIB:.2f} GiB (XLA GPU target config {config})"
         out[name] = desc
         out[f"{name}x1"] = desc
-    return out
+    return {**out, **LOCAL_TARGETS}
 
 
 def card_memory(config: str) -> int:
@@ -105,7 +111,22 @@ def card_memory(config: str) -> int:
 
 
 def parse_target(name: str) -> Target:
-    """``h100`` / ``h200`` (``hNNNx1`` too); more cards refused: the torch trainer uses one device."""
+    """``h100`` / ``h200`` (``hNNNx1`` too; more cards refused: the torch trainer uses one device),
+    or this machine's ``cpu`` / ``cuda`` device (``LOCAL_TARGETS``)."""
+    if name == "cpu":
+        import psutil
+
+        total = psutil.virtual_memory().total
+        return Target("cpu", "cpu", 1, 1, total, "CPU", "host RAM (psutil)")
+    if name == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("PlanRequest.target 'cuda': torch sees no CUDA device here (plan h100 or h200)")
+        total = torch.cuda.mem_get_info()[1]
+        return Target(
+            "cuda", "gpu", 1, 1, total, torch.cuda.get_device_name(), "torch.cuda.mem_get_info (this device)"
+        )
     m = _TARGET.match(name)
     if m is None:
         raise ValueError(f"PlanRequest.target {name!r}: the torch planner knows {', '.join(targets())}")
@@ -146,7 +167,25 @@ def check_request(req: PlanRequest) -> Target:
         raise ValueError(f"PlanRequest.schedule {req.schedule!r}: expected multi_stage or naive")
     if req.mem_fraction_static is not None and not 0 < req.mem_fraction_static < 1:
         raise ValueError(f"PlanRequest.mem_fraction_static {req.mem_fraction_static}: expected 0 < x < 1")
-    return parse_target(req.target)
+    target = parse_target(req.target)
+    engine = engine_of(req, target)
+    if engine == "sglang" and target.platform == "cpu":
+        raise ValueError(
+            "PlanRequest.engine 'sglang': SGLang runs on CUDA; a run on cpu uses the embedded engine"
+        )
+    if engine == "embedded" and req.mem_fraction_static is not None:
+        raise ValueError(
+            "PlanRequest.mem_fraction_static: the embedded engine has none (its KV pool is kv_tokens)"
+        )
+    return target
+
+
+def engine_of(req: PlanRequest, target: Target) -> str:
+    """The engine planned: ``req.engine``, ``auto`` being what a run on the target starts when
+    SGLang is installed (SGLang on a GPU; the embedded engine on cpu)."""
+    if req.engine != "auto":
+        return req.engine
+    return "embedded" if target.platform == "cpu" else "sglang"
 
 
 # -- the trainer step on fake tensors ------------------------------------------------------------
@@ -156,8 +195,9 @@ class StepMemory:
 
     ``params``/``grads``/``optimizer``: just before an optimizer step (every gradient allocated;
     AdamW's host-side ``step`` counters, ``host_scalars``, excluded: none with ``adamw=fused``,
-    whose counters live on the device). ``adamw``: the AdamW implementation traced (``foreach``
-    or ``fused``). ``peak``: the tracker's
+    whose counters live on the device, and none on a ``cpu`` plan). ``adamw``: the AdamW
+    implementation traced (``foreach``, ``fused``, or ``auto``: torch's own choice on a CPU, a
+    loop over the tensors). ``peak``: the tracker's
     per-category bytes at its peak (MemTracker names: Parameter, Gradient, Optstate,
     Activation, Temp, ...; ``Optstate`` there still includes ``host_scalars``; ``Parameter``
     also the compute-dtype casts of float32 masters alive at the peak), ``peak_total`` their
@@ -184,7 +224,7 @@ class StepMemory:
     compute_dtype: str
     options: tuple[tuple[str, Any], ...] = ()
     fwd_bwd_peak: dict[str, int] = dataclasses.field(default_factory=dict)
-    adamw: str = "foreach"
+    adamw: str = "fused"
 
     @property
     def shape(self) -> str:
@@ -319,6 +359,7 @@ def trainer_step_memory(
     attention: str = "sdpa",
     logprob_chunk: int | None | str = "model",
     options: tuple[tuple[str, Any], ...] = (),
+    device: str = "cuda",
 ) -> StepMemory:
     """Run ``TorchTrainer.device_step`` ``steps`` times on fake tensors under MemTracker.
 
@@ -328,24 +369,31 @@ def trainer_step_memory(
     ``"model"``, its ``LOGPROB_CHUNK``, are what the trainer runs; ``"eager"`` / ``None``
     reproduce the paths they replaced, for ``scripts/bench_torch_attention.py``). ``options``: the
     trainer's model options as (key, value) pairs (``TrainConfig.model_options``, e.g.
-    ``(("remat", True),)``; a tuple, so the result caches).
+    ``(("remat", True),)``; a tuple, so the result caches). ``device``: the device type the plan is
+    for (``cuda``, or ``cpu`` for this machine's CPU): the AdamW implementation ``adamw`` means there
+    (``TorchModelOptions.adamw_on``) and where its step counters live (host scalars on CUDA unless
+    fused; on ``cpu`` everything is the device's).
     """
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.modules.module import register_module_forward_pre_hook
 
     from mllm_rl.backends.torch.model import build_qwen3
+    from mllm_rl.backends.torch.options import TorchModelOptions
     from mllm_rl.backends.torch.trainer import TorchTrainer
     from mllm_rl.rl.loss_config import LossConfig
 
     t0 = time.perf_counter()
     lora = lora_rank > 0
+    # the implementation ``adamw`` means on the planned device, not on the fake CPU one
+    adamw = TorchModelOptions.from_pairs(options).adamw_on(device)
+    on_device = {**dict(options), "adamw": adamw}
     cfg = TrainConfig(
         micro_batch_size=micro_batch,
         lora_rank=lora_rank,
         precision=precision,
         loss=LossConfig(beta=KL_BETA if kl else 0),
-        model_options=tuple(options),
+        model_options=tuple(on_device.items()),
     )
     meta = build_qwen3(config, getattr(torch, dtype), "meta", attention)
     if logprob_chunk != "model":
@@ -364,13 +412,9 @@ def trainer_step_memory(
                 n: torch.empty_like(p, device="meta", dtype=trainer.compute_dtype)
                 for n, p in trainer.trainable.items()
             }
-        fused = trainer.options.adamw == "fused"
-        if not fused:  # auto: torch's choice for CUDA tensors (on the fake CPU device it would loop)
-            for group in trainer.optimizer.param_groups:
-                group["foreach"] = True
     ref_params = sum(h.numel() * h.element_size() for h in (trainer.ref_host or {}).values())
     host_scalars = 0  # on CUDA the step counters of a non-fused AdamW are host tensors
-    for group in trainer.optimizer.param_groups:
+    for group in trainer.optimizer.param_groups if device == "cuda" else ():
         steps_of = (trainer.optimizer.state.get(p, {}).get("step") for p in group["params"])
         if not group["fused"]:
             host_scalars += sum(t.numel() * t.element_size() for t in steps_of if isinstance(t, torch.Tensor))
@@ -393,7 +437,12 @@ def trainer_step_memory(
         ),
     ]
     try:
-        with fake, tracker, progress_bar(steps, "fake-tensor train step", unit="step") as bar:
+        with (
+            fake,
+            tracker,
+            faults.suspended(),
+            progress_bar(steps, "fake-tensor train step", unit="step") as bar,
+        ):
             # gradient hooks on the trainable params now: a mixed-precision forward swaps casts of the
             # float32 masters into the modules, so the tracker's pre-forward hook never sees the masters
             tracker._track_module_params_and_buffers(trainer.model)
@@ -423,7 +472,7 @@ def trainer_step_memory(
         compute_dtype=str(trainer.compute_dtype).removeprefix("torch."),
         options=tuple(options),
         fwd_bwd_peak=peak_before_step[0],
-        adamw="fused" if fused else "foreach",
+        adamw=adamw,
     )
     return out
 
@@ -497,6 +546,30 @@ def staging_bytes(
     biggest = max(sum(nbytes for _, nbytes in bucket) for bucket, _ in sc.update_buckets(items, chunk))
     in_flight = max(nbytes for _, _, nbytes in items) if lora or cast else 0
     return biggest + in_flight
+
+
+# -- the embedded engine's layout (backends/torch/engine.py) --------------------------------------
+def embedded_weight_bytes(config: ModelConfig, itemsize: int) -> tuple[int, str]:
+    """Bytes of ``EmbeddedEngine``'s weights: our Qwen3's parameters in the checkpoint dtype, one
+    per checkpoint tensor (a tied ``lm_head`` is the embedding), nothing padded, no RoPE cache
+    kept (computed per forward)."""
+    n = sum(math.prod(s) for s in config.param_shapes().values())
+    return n * itemsize, f"{n:,} params x {itemsize} B"
+
+
+def embedded_pool(req: PlanRequest, itemsize: int) -> Pool:
+    """``EmbeddedEngine``'s KV cache: one [layers, 2, tokens, kv_heads, head_dim] tensor of
+    ``req.kv_tokens`` tokens (None: the run's rule, max_running_requests x context length)."""
+    c = req.model
+    cell = kv_cell_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, itemsize)
+    notes: tuple[str, ...] = ()
+    tokens = req.kv_tokens
+    if tokens is None:
+        tokens = req.max_running_requests * req.seq_len
+        notes = (
+            f"KV pool: max_running_requests x seq_len = {tokens} tokens (the run's rule; --kv-tokens sets it)",
+        )
+    return Pool(tokens, cell, tokens * cell, 0.0, 0, notes)
 
 
 # -- the planner ---------------------------------------------------------------------------------
@@ -610,8 +683,13 @@ def measure(req: PlanRequest) -> Measured:
     target = check_request(req)
     c = req.model
     itemsize = DTYPES[req.param_dtype][0]
-    weights, wdetail = sglang_weight_bytes(c, itemsize)
-    pool = sglang_pool(req, weights, target.hbm_bytes, itemsize)  # refuses before any tracing
+    embedded = engine_of(req, target) == "embedded"
+    if embedded:
+        weights, wdetail = embedded_weight_bytes(c, itemsize)
+        pool = embedded_pool(req, itemsize)
+    else:
+        weights, wdetail = sglang_weight_bytes(c, itemsize)
+        pool = sglang_pool(req, weights, target.hbm_bytes, itemsize)  # refuses before any tracing
     rows = min(req.prompts * req.group_size, 2 * req.micro_batch)
     step = trainer_step_memory(
         c,
@@ -623,10 +701,17 @@ def measure(req: PlanRequest) -> Measured:
         req.kl,
         precision=req.precision,
         options=options_key(req.options),
+        device="cpu" if target.platform == "cpu" else "cuda",
     )
     comps, grad_step = _trainer_figures(req, step)
-    comps["engine_weights"] = Component("engine_weights", weights, "layout", f"SGLang Qwen3: {wdetail}")
-    detail = f"SGLang MHA pool: ({pool.tokens} + {PAGE_SIZE}) tokens x {pool.cell} B/token + req_to_token"
+    if embedded:
+        comps["engine_weights"] = Component(
+            "engine_weights", weights, "layout", f"embedded engine: {wdetail}"
+        )
+        detail = f"embedded engine: {pool.tokens} tokens x {pool.cell} B/token"
+    else:
+        comps["engine_weights"] = Component("engine_weights", weights, "layout", f"SGLang Qwen3: {wdetail}")
+        detail = f"SGLang MHA pool: ({pool.tokens} + {PAGE_SIZE}) tokens x {pool.cell} B/token + req_to_token"
     comps["kv_pool"] = Component("kv_pool", pool.bytes, "layout", detail)
     stage = staging_bytes(c, itemsize, lora=req.lora_rank > 0, cast=step.master_dtype != req.param_dtype)
     bucket = f"largest update bucket (>= {sc.CHUNK_BYTES // MIB} MiB each)"
@@ -634,13 +719,25 @@ def measure(req: PlanRequest) -> Measured:
     notes = [
         f"trainer step: {step.shape}, rows = min(prompts x group_size, 2 x micro_batch) = {rows}; "
         f"{step.seconds:.0f} s of fake-tensor tracing",
-        "not in any figure: CUDA kernel workspaces (attention, cuBLAS), CUDA contexts, allocator "
-        "fragmentation, SGLang's decode activations and CUDA graphs (engine_step; SGLang keeps "
-        "1 - mem_fraction_static for them)",
         *pool.notes,
-        "torch_memory_saver regions: weights = engine_weights, kv_cache = kv_pool, cuda_graph: its size is "
-        "known only after capture on the GPU",
     ]
+    if embedded:
+        notes.append(
+            "not in any figure: the embedded engine's decode activations (engine_step), "
+            + (
+                "CUDA kernel workspaces, CUDA contexts, allocator fragmentation"
+                if target.platform != "cpu"
+                else "the Python and library memory of the process"
+            )
+        )
+    else:
+        notes += [
+            "not in any figure: CUDA kernel workspaces (attention, cuBLAS), CUDA contexts, allocator "
+            "fragmentation, SGLang's decode activations and CUDA graphs (engine_step; SGLang keeps "
+            "1 - mem_fraction_static for them)",
+            "torch_memory_saver regions: weights = engine_weights, kv_cache = kv_pool, cuda_graph: its size is "
+            "known only after capture on the GPU",
+        ]
     if req.optimizer_dtype != step.master_dtype:
         notes.append(
             f"optimizer_dtype {req.optimizer_dtype} does not apply: torch.optim.AdamW keeps its state "
@@ -650,9 +747,13 @@ def measure(req: PlanRequest) -> Measured:
     info = {
         "kv_tokens": pool.tokens,
         "kv_cell_bytes": pool.cell,
-        "kv_pad_tokens": PAGE_SIZE,
-        "mem_fraction_static": pool.mem_fraction_static,
-        "engine_free_bytes": pool.free,
+        "kv_pad_tokens": 0 if embedded else PAGE_SIZE,
+        "engine": "embedded" if embedded else "sglang",
+        **(
+            {}
+            if embedded
+            else {"mem_fraction_static": pool.mem_fraction_static, "engine_free_bytes": pool.free}
+        ),
         "compile_seconds": {"grad_step (fake-tensor trace)": round(step.seconds, 2)},
         "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }

@@ -127,6 +127,7 @@ def make_request(args: argparse.Namespace) -> Any:
         param_dtype=model.torch_dtype,
         trainer_tp=args.trainer_tp,
         options=options,
+        engine=args.engine,
     )
 
 

@@ -10,9 +10,11 @@ directory as ``plan.json`` (and ``plan.txt``) and held against the phase records
 phase within the budget (the plan's ``--fit kv``), and the engine is started with it.
 
 Targets: a run's devices are planned when the backend's planner has a target for them: the JAX
-backend's ``cpu`` target for a run on CPU (the same XLA, the same process). On a TPU or a GPU the
-run says so in one line and starts unplanned: ``python -m mllm_rl.memplan --target ...`` with the
-same flags plans it there (docs/PLAN.md).
+backend's ``cpu`` target for a run on CPU (the same XLA, the same process); the torch backend's
+``cpu`` and ``cuda`` targets (this machine's CPU or CUDA device; the trainer step on fake tensors,
+the engine the run starts by its layout). On a TPU, a JAX GPU or across processes the run says so
+in one line and starts unplanned: ``python -m mllm_rl.memplan --target ...`` with the same flags
+plans it there (docs/PLAN.md).
 """
 
 from __future__ import annotations
@@ -29,13 +31,19 @@ class DoesNotFit(Exception):
 
 def target_for(backend: str, runtime: dict[str, Any]) -> str | None:
     """The planner target of the devices the runtime came up on, or None (no target for them)."""
-    if backend == "jax" and runtime.get("platform") == "cpu" and runtime.get("process_count", 1) == 1:
+    if runtime.get("process_count", 1) != 1:
+        return None
+    platform = runtime.get("platform")
+    if platform == "cpu" and backend in ("jax", "torch"):
         return "cpu"
+    if platform == "cuda" and backend == "torch":
+        return "cuda"
     return None
 
 
-def request_for(backend: str, target: str, model: Any, opts: Any) -> PlanRequest:
-    """The plan request of an RL run (``RLOptions`` with its engine sized: ``size_engine``)."""
+def request_for(backend: str, target: str, model: Any, opts: Any, engine: str = "auto") -> PlanRequest:
+    """The plan request of an RL run (``RLOptions`` with its engine sized: ``size_engine``);
+    ``engine``: the rollout engine the run starts (``Backend.resolve_engine``, where it has one)."""
     train, eng = opts.train, opts.engine
     rows = opts.prompts_per_step * opts.group_size // max(1, train.mini_batches)
     return PlanRequest(
@@ -57,6 +65,7 @@ def request_for(backend: str, target: str, model: Any, opts: Any) -> PlanRequest
         max_running_requests=eng.max_running_requests or 128,
         trainer_tp=train.trainer_tp,
         options=dict(train.model_options),
+        engine=engine,
     )
 
 
@@ -137,7 +146,8 @@ def plan_for_rl(
             None,
             [
                 f"memory plan: not made before start-up for {backend.name} on {runtime.get('platform')}"
-                f"{f' ({procs} processes)' if procs > 1 else ''} (the run plans the JAX backend on CPU itself); "
+                f"{f' ({procs} processes)' if procs > 1 else ''} (a run plans itself on one process: JAX on CPU, "
+                "torch on CPU or CUDA); "
                 f"python -m mllm_rl.memplan --backend {backend.name} --target ... plans it with the same flags"
             ],
         )
@@ -145,7 +155,8 @@ def plan_for_rl(
     if opts.kv_auto:  # the plan sizes the pool, not the run's max-running-requests x context rule
         engine = dataclasses.replace(engine, max_total_tokens=None)
     opts = dataclasses.replace(opts, engine=engine)
-    req = dataclasses.replace(request_for(backend.name, target, model, opts), margin=opts.plan_margin)
+    req = request_for(backend.name, target, model, opts, backend.rollout_engine(opts.engine.engine))
+    req = dataclasses.replace(req, margin=opts.plan_margin)
     try:
         plan = plan_run(req, opts.lifecycle.check_weights, fit_kv=opts.kv_auto)
     except DoesNotFit as e:

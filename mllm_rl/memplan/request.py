@@ -15,6 +15,8 @@ from typing import Any
 from mllm_rl.memplan.compose import Component, FunctionMemory, Target
 from mllm_rl.presets import ModelConfig
 
+ENGINES = ("auto", "sglang", "embedded")
+
 
 @dataclasses.dataclass(frozen=True)
 class PlanRequest:
@@ -42,6 +44,8 @@ class PlanRequest:
     max_running_requests: int = 128  # the engine's batch limit (the run's --max-running-requests)
     trainer_tp: int = 1  # tensor parallel of the trainer's mesh (fsdp x trainer_tp = devices)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # backend model options (by name)
+    # the rollout engine planned: "auto" (the backend's choice for the target), "sglang", "embedded"
+    engine: str = "auto"
 
     def __post_init__(self) -> None:
         for name in (
@@ -65,6 +69,8 @@ class PlanRequest:
             )
         if self.kv_tokens is not None and self.kv_tokens < 1:
             raise ValueError(f"PlanRequest.kv_tokens must be >= 1, got {self.kv_tokens}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"PlanRequest.engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
         if not 0 < self.margin <= 1:
             raise ValueError(f"PlanRequest.margin must be in (0, 1], got {self.margin}")
 

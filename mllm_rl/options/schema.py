@@ -84,10 +84,11 @@ OPTIONS: tuple[Option, ...] = (
     _o("platform", str, "auto", "assert the accelerator platform (auto: accept what the runtime finds)", "run",
        RUN, resume="fresh", choices=("auto", "cpu", "gpu", "tpu", "cuda")),
     _o("engine", str, "auto", "rollout engine; torch: auto (SGLang when importable on CUDA, else embedded), "
-       "embedded, sglang; jax: auto only (sglang-jax)", "run", RUN, choices=("auto", "embedded", "sglang")),
+       "embedded, sglang; jax: auto only (sglang-jax); memplan: auto plans SGLang on a GPU, embedded on cpu",
+       "run", {*RUN, "memplan"}, choices=("auto", "embedded", "sglang")),
     _o("max_new_tokens", int, None, "tokens per completion", "run", {"rl", "swap", "task"}, resume="fixed",
        low=1, nullable=True, default_text="8 for rl, 16 for swap"),
-    _o("max_total_tokens", int, None, "engine KV cache size in tokens; auto (rl, JAX on CPU): the largest pool "
+    _o("max_total_tokens", int, None, "engine KV cache size in tokens; auto (rl, a run that plans itself: JAX on CPU, torch): the largest pool "
        "the run's memory plan leaves room for", "run",
        {"rl", "swap", "task", "memplan"}, low=1, nullable=True, aliases=("--kv-tokens",), words=(KV_AUTO,),
        default_text="swap 4096; rl max-running-requests x context; memplan: the engine's rule"),

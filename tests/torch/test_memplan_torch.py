@@ -25,6 +25,10 @@ from tests.conftest import ROOT, run_cli
 
 TINY = get_preset("tiny")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# AdamW fused (what adamw=auto, the default, runs on CUDA) keeps one float32 step counter per
+# trainable tensor on the device: in ``optimizer``
+COUNTERS = 4 * len(TINY.param_shapes())
+LORA_COUNTERS = 4 * 2 * sum(name.split(".")[-2] in LINEARS for name in TINY.param_shapes())  # lora_a, lora_b
 
 
 def nbytes(shapes, itemsize: int) -> int:
@@ -52,10 +56,10 @@ def test_trainer_components_equal_the_hand_count(tiny_fp32):
     c = tiny_fp32.components
     assert c["trainer_params"].bytes_per_device == params
     assert c["grads"].bytes_per_device == params  # full fine-tune: every param trains
-    assert c["optimizer"].bytes_per_device == 2 * params  # exp_avg + exp_avg_sq, param dtype
+    assert c["optimizer"].bytes_per_device == 2 * params + COUNTERS  # exp_avg, exp_avg_sq (param dtype)
     assert {c[k].method for k in ("trainer_params", "grads", "optimizer")} == {"fake_tensor"}
     f = tiny_fp32.functions["grad_step"]
-    assert f.method == "fake_tensor" and f.argument_bytes == 4 * params
+    assert f.method == "fake_tensor" and f.argument_bytes == 4 * params + COUNTERS
     assert f.extra_bytes > 0 and f.peak_bytes == f.argument_bytes + f.extra_bytes
 
 
@@ -69,7 +73,7 @@ def test_bf16_trains_float32_masters_by_default(tiny_fp32):
     c = m.components
     assert c["trainer_params"].bytes_per_device == 4 * n
     assert c["grads"].bytes_per_device == 4 * n
-    assert c["optimizer"].bytes_per_device == 2 * 4 * n
+    assert c["optimizer"].bytes_per_device == 2 * 4 * n + COUNTERS
     for k in ("trainer_params", "grads", "optimizer"):
         assert c[k].bytes_per_device == tiny_fp32.components[k].bytes_per_device, k
     rope = TINY.max_position_embeddings * TINY.head_dim * 4
@@ -83,7 +87,7 @@ def test_bf16_trains_float32_masters_by_default(tiny_fp32):
 def test_bf16_kl_reference_is_held_in_the_compute_dtype():
     n = nbytes(TINY.param_shapes().values(), 1)
     s = memplan.trainer_step_memory(TINY, 2, 32, rows=4, dtype="bfloat16", kl=True)
-    assert (s.params, s.ref_params, s.grads, s.optimizer) == (4 * n, 2 * n, 4 * n, 2 * 4 * n)
+    assert (s.params, s.ref_params, s.grads, s.optimizer) == (4 * n, 2 * n, 4 * n, 2 * 4 * n + COUNTERS)
     assert (s.master_dtype, s.compute_dtype) == ("float32", "bfloat16")
 
 
@@ -93,14 +97,18 @@ def test_bf16_lora_base_stays_bf16_and_adapters_are_float32():
     adapters = sum(r * (shape[0] + shape[1]) for name, shape in TINY.param_shapes().items()
                    if name.split(".")[-2] in LINEARS)  # fmt: skip
     s = memplan.trainer_step_memory(TINY, 2, 32, rows=4, dtype="bfloat16", lora_rank=r)
-    assert (s.params, s.grads, s.optimizer) == (2 * n + 4 * adapters, 4 * adapters, 2 * 4 * adapters)
+    assert (s.params, s.grads, s.optimizer) == (
+        2 * n + 4 * adapters,
+        4 * adapters,
+        2 * 4 * adapters + LORA_COUNTERS,
+    )
 
 
 def test_bf16_pure_precision_halves_the_state():
     """``precision="pure"``: params, gradients and AdamW moments in bf16, N x (2 + 2 + 2 x 2) B."""
     n = nbytes(TINY.param_shapes().values(), 1)
     s = memplan.trainer_step_memory(TINY, 2, 32, rows=4, dtype="bfloat16", precision="pure")
-    assert (s.params, s.grads, s.optimizer) == (2 * n, 2 * n, 2 * 2 * n)
+    assert (s.params, s.grads, s.optimizer) == (2 * n, 2 * n, 2 * 2 * n + COUNTERS)
     assert (s.master_dtype, s.compute_dtype) == ("bfloat16", "bfloat16")
 
 
@@ -140,7 +148,7 @@ def test_lora_trains_only_the_adapters():
                    if name.split(".")[-2] in LINEARS) * 4  # fmt: skip
     c = m.components
     assert c["grads"].bytes_per_device == adapters
-    assert c["optimizer"].bytes_per_device == 2 * adapters
+    assert c["optimizer"].bytes_per_device == 2 * adapters + LORA_COUNTERS
     assert c["trainer_params"].bytes_per_device == base + adapters
 
 
@@ -149,7 +157,7 @@ def test_kl_full_finetune_holds_reference_params(tiny_fp32):
     params = nbytes(TINY.param_shapes().values(), 4)
     assert m.components["ref_params"].bytes_per_device == params
     assert m.components["trainer_params"].bytes_per_device == params
-    assert m.functions["grad_step"].argument_bytes == 5 * params
+    assert m.functions["grad_step"].argument_bytes == 5 * params + COUNTERS
     # the reference forward adds to the step's peak: it cannot be lower than without KL
     assert m.functions["grad_step"].peak_bytes >= tiny_fp32.functions["grad_step"].peak_bytes + params
 
@@ -260,7 +268,14 @@ def test_targets_from_the_card_spec():
     h100, h200 = memplan.parse_target("h100"), memplan.parse_target("h200x1")
     assert h100.hbm_bytes == 84942979072 and h200.hbm_bytes == memplan.card_memory("h200.txtpb")
     assert "h100_sxm.txtpb" in h100.source and h100.num_devices == 1
-    assert set(memplan.targets()) == {"h100", "h100x1", "h200", "h200x1"}
+    assert set(memplan.targets()) == {
+        "h100",
+        "h100x1",
+        "h200",
+        "h200x1",
+        "cpu",
+        "cuda",
+    }  # cpu, cuda: this machine
 
 
 @pytest.mark.slow
@@ -286,12 +301,12 @@ def test_qwen3_plan_allocates_nothing():
 
 
 def test_step_memory_categories_add_up():
-    s = memplan.trainer_step_memory(TINY, 2, 32, rows=4, dtype="float32")
+    s = memplan.trainer_step_memory(TINY, 2, 32, rows=4, dtype="float32", options=(("adamw", "foreach"),))
     assert s.micro_batches == 2
     peak = dataclasses.asdict(s)["peak"]
     assert s.peak_total == peak["Total"] - s.host_scalars
     assert s.peak_total == sum(v for k, v in peak.items() if k != "Total") - s.host_scalars
-    assert s.host_scalars == 4 * len(TINY.param_shapes())  # one float32 step counter per tensor
+    assert s.host_scalars == COUNTERS  # foreach on CUDA: one float32 step counter per tensor, on the host
 
 
 def test_bench_plan_only_prints_both_schedules(tmp_path):
@@ -307,6 +322,37 @@ def test_bench_plan_only_prints_both_schedules(tmp_path):
     bad = subprocess.run([sys.executable, "scripts/bench_plan_vs_live.py", "--plan-only", "--preset", "tiny",
                           "--target", "h100x8"], capture_output=True, text=True, cwd=ROOT, timeout=600)  # fmt: skip
     assert bad.returncode == 2 and "PlanRequest.target" in bad.stderr
+
+
+def test_bench_plan_vs_cuda_plans_reuses_and_refuses(tmp_path):
+    """``scripts/bench_plan_vs_cuda.py``: ``--plan-only`` writes the planner's step (the figures of
+    ``trainer_step_memory`` for the same case); ``--plan-json`` of another case is refused (exit 2)
+    before anything runs; without CUDA the measured side is one line, exit 1 (with CUDA it runs:
+    the figures in docs/PLAN.md)."""
+    script = [sys.executable, "scripts/bench_plan_vs_cuda.py", "--preset", "tiny", "--micro-batch", "2",
+              "--seq-len", "64", "--option", "remat=true"]  # fmt: skip
+    plan = tmp_path / "plan.json"
+    r = subprocess.run([*script, "--plan-only", "--json", str(plan)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(plan.read_text())["predicted"]
+    want = memplan.trainer_step_memory(TINY, 2, 64, rows=2, dtype="bfloat16", options=(("remat", True),))
+    assert (got["peak_bytes"], got["state_bytes"], got["adamw"]) == (
+        want.peak_total,
+        want.params + want.optimizer,
+        "fused",
+    )
+    other = subprocess.run([*script[:-2], "--plan-json", str(plan)], capture_output=True, text=True, cwd=ROOT,
+                           timeout=600)  # fmt: skip
+    assert other.returncode == 2 and "--plan-json" in other.stderr and "planned for" in other.stderr
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    r = subprocess.run(
+        [*script, "--plan-json", str(plan)], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
+    assert r.returncode == 1 and "no CUDA device" in r.stderr
 
 
 @pytest.mark.slow
