@@ -171,7 +171,7 @@ def devices(s: TargetSpec) -> tuple[list[Any], Target]:
         devs = jax.devices("cpu")
         total = psutil.virtual_memory().total
         return devs, Target(
-            "cpu", "cpu", len(devs), 1, total, "CPU", "host RAM (psutil), shared by the CPU devices"
+            "cpu", "cpu", len(devs), 1, total, "CPU", "host RAM (psutil), shared by the CPU devices", total
         )
     devs = topology_devices(s)
     if s.platform == "tpu":

@@ -117,15 +117,18 @@ def parse_target(name: str) -> Target:
         import psutil
 
         total = psutil.virtual_memory().total
-        return Target("cpu", "cpu", 1, 1, total, "CPU", "host RAM (psutil)")
+        return Target("cpu", "cpu", 1, 1, total, "CPU", "host RAM (psutil)", total)
     if name == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise ValueError("PlanRequest.target 'cuda': torch sees no CUDA device here (plan h100 or h200)")
+        import psutil
+
         total = torch.cuda.mem_get_info()[1]
+        source = "torch.cuda.mem_get_info (this device)"
         return Target(
-            "cuda", "gpu", 1, 1, total, torch.cuda.get_device_name(), "torch.cuda.mem_get_info (this device)"
+            "cuda", "gpu", 1, 1, total, torch.cuda.get_device_name(), source, psutil.virtual_memory().total
         )
     m = _TARGET.match(name)
     if m is None:

@@ -128,6 +128,7 @@ def make_request(args: argparse.Namespace) -> Any:
         trainer_tp=args.trainer_tp,
         options=options,
         engine=args.engine,
+        weights_cpu_backup=args.weights_cpu_backup,
     )
 
 

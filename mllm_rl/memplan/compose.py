@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mllm_rl.memplan.residency import COMPONENTS, phase_rows
+from mllm_rl.memplan.residency import COMPONENTS, host_rows, phase_rows
 
 GIB = 1024**3
 SCHEMA = "mllm_rl.memplan/1"
@@ -40,6 +40,11 @@ class Target:
     hbm_bytes: int
     device_kind: str
     source: str
+    host_ram_bytes: int | None = None  # one host's RAM, where known (this machine's: psutil)
+
+    @property
+    def devices_per_host(self) -> int:
+        return max(1, self.num_devices // max(1, self.num_hosts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +92,13 @@ class PhasePlan:
     function: str | None  # the function whose extra bytes set this phase's peak
     function_extra: int
     total: int
+    # the lifecycle's host copies (residency.host_rows), bytes per host: during the phase / at its end
+    host: dict[str, int] = dataclasses.field(default_factory=dict)
+    host_end: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
 
     def overflow(self, budget: int) -> str | None:
         """The component that crosses ``budget`` first in this phase's sum (None: it fits)."""
@@ -123,6 +135,24 @@ class Plan:
     def fits(self) -> bool:
         return all(p.total <= self.budget for p in self.phases)
 
+    def host_ram_used(self, p: PhasePlan) -> int:
+        """One host's RAM that phase ``p`` takes: its host copies, and on a CPU target (the devices
+        are the host's RAM) the devices' bytes too."""
+        devices = p.total * self.target.devices_per_host if self.target.platform == "cpu" else 0
+        return p.host_total + devices
+
+    @property
+    def host_peak(self) -> PhasePlan:
+        return max(self.phases, key=self.host_ram_used)
+
+    @property
+    def host_fits(self) -> bool | None:
+        """Every phase within ``margin`` of the host's RAM; None where the target's RAM is unknown."""
+        ram = self.target.host_ram_bytes
+        if not ram:
+            return None
+        return all(self.host_ram_used(p) <= ram * self.margin for p in self.phases)
+
     def first_overflow(self) -> tuple[str, str] | None:
         """``(phase, component)`` of the first phase over budget, in schedule order."""
         for p in self.phases:
@@ -148,6 +178,12 @@ class Plan:
                 k: dict(dataclasses.asdict(v), extra_bytes=v.extra_bytes) for k, v in self.functions.items()
             },
             "phases": [dataclasses.asdict(p) for p in self.phases],
+            "host": {
+                "ram_bytes": self.target.host_ram_bytes,
+                "peak_phase": self.host_peak.phase,
+                "peak_bytes": self.host_ram_used(self.host_peak),
+                "fits": self.host_fits,
+            },
             "inputs": self.inputs,
             "notes": self.notes,
         }
@@ -166,27 +202,45 @@ def compose(
     inputs: dict[str, Any] | None = None,
     notes: list[str] | None = None,
     setup: list[str] | None = None,
+    backup: bool = False,
 ) -> Plan:
     """Lay ``components`` and ``functions`` over ``phases`` of ``schedule``.
 
     A component absent from ``components`` is 0 bytes (e.g. no ``ref_params`` without KL); a
     function absent from ``functions`` adds nothing (say so in ``notes``). ``setup``: the
     once-per-run phases before the first step (``lifecycle.SETUP_PHASES``, the same for every
-    schedule), listed first as ``setup:<phase>``.
+    schedule), listed first as ``setup:<phase>``. Each phase also gets its host copies
+    (``residency.host_rows``; ``backup``: the engine keeps a CPU copy of its released weights), per
+    host: a component's bytes per device times the devices of one host.
     """
     if not 0 < margin <= 1:
         raise ValueError(f"margin {margin}: expected 0 < margin <= 1")
     rows = []
-    tables = [(SETUP_PREFIX, phase_rows(setup, "multi_stage", step=False))] if setup else []
-    tables.append(("", phase_rows(phases, schedule)))
-    for prefix, table in tables:
-        for name, resident, fns in table:
+    ref = components.get("ref_params") is not None and components["ref_params"].bytes_per_device > 0
+    per_host = target.devices_per_host
+    tables = []
+    if setup:
+        tables.append(
+            (
+                SETUP_PREFIX,
+                phase_rows(setup, "multi_stage", step=False),
+                host_rows(setup, "multi_stage", False, backup, ref),
+            )
+        )
+    tables.append(("", phase_rows(phases, schedule), host_rows(phases, schedule, True, backup, ref)))
+
+    def on_host(names: tuple[str, ...]) -> dict[str, int]:
+        return {c: components[c].bytes_per_device * per_host for c in names if c in components}
+
+    for prefix, table, hosts in tables:
+        for (name, resident, fns), (_, during, at_end) in zip(table, hosts, strict=True):
             res = {c: components[c].bytes_per_device for c in resident if c in components}
             best, extra = None, 0
             for f in fns:
                 if f in functions and functions[f].extra_bytes >= extra:
                     best, extra = f, functions[f].extra_bytes
-            rows.append(PhasePlan(prefix + name, res, best, extra, sum(res.values()) + extra))
+            total = sum(res.values()) + extra
+            rows.append(PhasePlan(prefix + name, res, best, extra, total, on_host(during), on_host(at_end)))
     return Plan(
         target,
         schedule,
@@ -210,16 +264,17 @@ def fmt(b: int, scale: int) -> str:
 
 def format_table(plan: Plan) -> str:
     """The plan as a text table: phase x component, per device (GiB, or MiB for a small plan),
-    against the budget."""
+    against the budget; the last column the host copies of the phase (per host, the same unit)."""
     unit, scale = unit_for(plan.peak.total)
     used = [c for c in COMPONENTS if any(c in p.resident for p in plan.phases)]
-    head = ["phase"] + used + ["temp", "total", "of HBM"]
+    head = ["phase"] + used + ["temp", "total", "of HBM", "host"]
     rows = [head]
     for p in plan.phases:
         cells = [p.phase] + [fmt(p.resident[c], scale) if c in p.resident else "-" for c in used]
         temp = f"{fmt(p.function_extra, scale)} ({p.function})" if p.function else "-"
         mark = "" if p.total <= plan.budget else "  OVER"
-        rows.append(cells + [temp, fmt(p.total, scale), f"{p.total / plan.target.hbm_bytes:.0%}{mark}"])
+        host = fmt(p.host_total, scale) if p.host_total else "-"
+        rows.append(cells + [temp, fmt(p.total, scale), f"{p.total / plan.target.hbm_bytes:.0%}{mark}", host])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [
         "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
@@ -236,4 +291,18 @@ def format_table(plan: Plan) -> str:
         if plan.fits
         else "DOES NOT FIT: {} overflows in {}".format(*reversed(plan.first_overflow() or ("?", "?")))
     )
-    return "\n".join([title, *lines, verdict])
+    return "\n".join([title, *lines, verdict, host_line(plan)])
+
+
+def host_line(plan: Plan) -> str:
+    """The host-memory verdict: the largest phase's RAM per host against the host's RAM."""
+    peak = plan.host_peak
+    used = plan.host_ram_used(peak)
+    unit, scale = unit_for(used)
+    what = "host copies" + (" and the CPU devices' bytes" if plan.target.platform == "cpu" else "")
+    head = f"host ({what}, per host): peak {fmt(used, scale)} {unit} in {peak.phase}"
+    ram = plan.target.host_ram_bytes
+    if not ram:
+        return head + "; the target's host RAM is not known here"
+    verdict = "fits" if plan.host_fits else "OVER"
+    return f"{head} of {fmt(ram, GIB)} GiB RAM ({used / ram:.0%}): {verdict} (budget {plan.margin:.0%})"

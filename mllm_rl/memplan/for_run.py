@@ -66,6 +66,7 @@ def request_for(backend: str, target: str, model: Any, opts: Any, engine: str = 
         trainer_tp=train.trainer_tp,
         options=dict(train.model_options),
         engine=engine,
+        weights_cpu_backup=eng.weights_cpu_backup,
     )
 
 
@@ -79,6 +80,7 @@ class RunPlan:
     verdict: str
     kv_tokens: int | None
     mem_fraction_static: float | None
+    host: str = ""  # the host-memory line (compose.host_line)
 
 
 def plan_run(req: PlanRequest, check_weights: bool, fit_kv: bool) -> RunPlan:
@@ -107,8 +109,15 @@ def plan_run(req: PlanRequest, check_weights: bool, fit_kv: bool) -> RunPlan:
     text = output.render(result, m, summary)
     if not run_plan.fits:
         raise DoesNotFit(f"memory plan ({req.target}, predicted): {verdict}")
+    from mllm_rl.memplan.compose import host_line
+
     return RunPlan(
-        doc, text, verdict, m.info.get("kv_tokens", req.kv_tokens), m.info.get("mem_fraction_static")
+        doc,
+        text,
+        verdict,
+        m.info.get("kv_tokens", req.kv_tokens),
+        m.info.get("mem_fraction_static"),
+        host_line(run_plan),
     )
 
 
@@ -165,7 +174,10 @@ def plan_for_rl(
                 f"{e} (--memory-plan warn runs anyway; python -m mllm_rl.memplan shows the table)"
             ) from None
         return opts, None, [f"warning: {e}; running anyway (--memory-plan warn)"]
-    notes = [f"{plan.verdict} (memory plan, predicted for {target}; plan.json in the run directory)"]
+    notes = [
+        f"{plan.verdict} (memory plan, predicted for {target}; plan.json in the run directory)",
+        plan.host,
+    ]
     if opts.kv_auto:
         engine = dataclasses.replace(opts.engine, max_total_tokens=plan.kv_tokens)
         if plan.mem_fraction_static is not None and engine.mem_fraction_static is None:

@@ -63,6 +63,7 @@ def plans(m: Measured, req: PlanRequest, check_weights: bool = False) -> dict[st
             inputs,
             list(m.notes),
             setup=SETUP_PHASES,
+            backup=req.weights_cpu_backup,
         )
         for s in order
     }

@@ -46,6 +46,7 @@ class PlanRequest:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # backend model options (by name)
     # the rollout engine planned: "auto" (the backend's choice for the target), "sglang", "embedded"
     engine: str = "auto"
+    weights_cpu_backup: bool = False  # the engine keeps a host copy of released weights (host memory)
 
     def __post_init__(self) -> None:
         for name in (

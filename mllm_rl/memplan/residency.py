@@ -21,7 +21,20 @@ from mllm_rl.phase_table import (
     STEP_ALWAYS,
 )
 
-__all__ = ["COMPONENTS", "FUNCTIONS", "STEP_ALWAYS", "end_state", "phase_rows"]
+__all__ = [
+    "COMPONENTS",
+    "FUNCTIONS",
+    "HOST_COMPONENTS",
+    "STEP_ALWAYS",
+    "end_state",
+    "host_rows",
+    "phase_rows",
+]
+
+# What the lifecycle keeps in host memory while its device copy is gone (a run's own host RAM, beside
+# the process's baseline): offloaded trainer state, the engine's weight backup, a KL reference.
+HOST_COMPONENTS = ("trainer_params", "optimizer", "engine_weights", "ref_params")
+_MOVED = ("trainer_params", "optimizer", "engine_weights")
 
 
 def phase_rows(
@@ -66,3 +79,48 @@ def end_state(phase: str, resident: tuple[str, ...]) -> tuple[str, ...]:
     p = PHASES.get(phase)
     drop = p.drops if p is not None else ()
     return tuple(c for c in resident if c not in drop)
+
+
+def host_rows(
+    phases: list[str], schedule: str, step: bool = True, backup: bool = False, ref: bool = False
+) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
+    """``[(phase, host components during it, host components at its end)]`` for a phase list of
+    ``schedule``: the copies the lifecycle keeps in host memory while the device copy is gone.
+
+    - ``trainer_params`` / ``optimizer``: offloaded (``offload_*``) until onloaded. During an
+      offload the host copy is made while the device copy still exists; during an onload the host
+      copy goes only at the phase's end: both count in those phases.
+    - ``engine_weights``, with ``backup`` (``--weights-cpu-backup``): the engine's CPU backup, made
+      when the engine releases its weights, freed as they are restored (both engines: the embedded
+      engine's ``memory.release/resume``, sglang-jax's ``_weight_backup``).
+    - ``ref_params``, with ``ref`` (a full fine-tune with a KL term): the reference weights' host
+      copy, kept from the trainer's start for the whole run.
+
+    ``step``: one step's phases (the trainer exists; the phase before the first is the step's own
+    last); else the setup (the engine has started; the trainer exists from ``trainer_init`` on).
+    """
+    dev = phase_rows(phases, schedule, step=False)
+    moved = [c for c in _MOVED if c != "engine_weights" or backup]
+    if step:
+        prev_end = end_state(dev[-1][0], dev[-1][1])
+        exists = set(_MOVED)
+    else:
+        prev_end = ("engine_weights", "kv_pool")
+        exists = {"engine_weights"}
+    rows = []
+    for name, resident, _ in dev:
+        drops = PHASES[name].drops
+        during = {c for c in moved if c in exists and (c not in prev_end or (c in resident and c in drops))}
+        exists |= set(resident)
+        end = end_state(name, resident)
+        at_end = {c for c in moved if c in exists and c not in end}
+        if ref and "trainer_params" in exists:
+            during.add("ref_params")
+            at_end.add("ref_params")
+        rows.append((name, _ordered(during), _ordered(at_end)))
+        prev_end = end
+    return rows
+
+
+def _ordered(names: set[str]) -> tuple[str, ...]:
+    return tuple(c for c in HOST_COMPONENTS if c in names)

@@ -108,8 +108,25 @@ def _phase_ends(
             "within": _within(pred, got, tolerance),
             "predicted_during": int(p["total"]),
             "below_during": got <= p["total"] * (1 + tolerance),
+            # the trainer's offloaded state on the host at the phase's end (residency.host_rows), and
+            # what the probe saw there where it can (JAX: arrays of the pinned_host memory kind)
+            "host_trainer_predicted": sum(v for c, v in p.get("host_end", {}).items() if c in TRAINER_STATE),
+            "host_trainer_measured": _pinned_host_bytes(recs[i]),
         }
     return rows
+
+
+TRAINER_STATE = ("trainer_params", "optimizer")
+
+
+def _pinned_host_bytes(rec: dict[str, Any]) -> int | None:
+    """Bytes of ``pinned_host`` arrays the JAX probe saw (None: a probe that does not count them)."""
+    seen: dict[Any, int] = {}
+    for d in rec.get("memory", {}).get("devices") or []:
+        b = (d.get("raw") or {}).get("pinned_host_bytes")
+        if b is not None and d["id"] not in seen:
+            seen[d["id"]] = int(b)
+    return sum(seen.values()) if seen else None
 
 
 def compare(

@@ -97,7 +97,7 @@ OPTIONS: tuple[Option, ...] = (
     _o("max_running_requests", int, 128, "engine batch limit (requests)", "run",
        {"rl", "swap", "task", "memplan"}, low=1),
     _o("weights_cpu_backup", bool, False, "engine keeps a host copy of its weights across release/resume "
-       "(else: full re-sync)", "run", {"rl", "swap", "task"}),
+       "(else: full re-sync; memplan: that copy in the host column)", "run", {"rl", "swap", "task", "memplan"}),
     _o("phase_timeout", list, None, "watchdog: a phase still running after its limit is recorded as stuck, "
        "every thread's stack goes to the run dir, and the run exits 6. SECONDS sets the limit of the phases "
        "that compute or move a model (rollout, train_step, engine start, ...; the others get a multiple of "

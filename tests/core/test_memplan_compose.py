@@ -72,3 +72,53 @@ def test_kv_cell_sglang_jax_rule():
     # tp beyond the kv heads replicates one head per shard
     assert kv_cell_bytes(2, 2, 128, 2, tp=8) == kv_cell_bytes(2, 1, 128, 2)
     assert kv_tokens(10_000, 100) == 100 and kv_tokens(1, 0) == 0
+
+
+# -- host memory ------------------------------------------------------------------------------------
+def _host(schedule, step=True, **kw):
+    from mllm_rl.memplan.residency import host_rows
+    from mllm_rl.phase_table import SETUP, step_sequence
+
+    phases = list(step_sequence(schedule)) if step else list(SETUP)
+    return {name: (set(during), set(end)) for name, during, end in host_rows(phases, schedule, step, **kw)}
+
+
+def test_host_rows_follow_the_offloads_and_the_engine_backup():
+    """The trainer's state is on the host while offloaded (both copies during an offload or an onload);
+    the engine's weight backup from its release to its resume, with --weights-cpu-backup only."""
+    t, o, e = "trainer_params", "optimizer", "engine_weights"
+    h = _host("multi_stage", backup=True)
+    assert h["rollout"] == ({t, o}, {t, o})
+    assert h["release_rollout"] == ({t, o, e}, {t, o, e})
+    assert h["onload_trainer"] == ({t, o, e}, {e})  # the host copies go when the onload ends
+    assert h["train_step"] == ({e}, {e})
+    assert h["offload_optimizer"] == ({o, e}, {o, e})
+    assert h["resume_weights"] == ({o, e}, {o})  # the backup is restored and freed
+    assert h["update_weights"] == ({o}, {o})
+    assert h["offload_trainer_params"] == ({t, o}, {t, o})
+    assert all(e not in during for during, _ in _host("multi_stage").values())  # no backup asked
+    naive = _host("naive", backup=True)
+    assert naive["resume_rollout"] == ({o, e}, {o})
+    setup = _host("multi_stage", step=False, ref=True)
+    assert setup["release_rollout"] == (set(), set())  # no trainer yet, no backup asked
+    assert setup["trainer_init"] == ({"ref_params"}, {"ref_params"})
+    assert setup["offload_trainer_params"] == ({t, o, "ref_params"}, {t, o, "ref_params"})
+
+
+def test_host_bytes_are_per_host_and_checked_against_its_ram():
+    """Per-device bytes times the devices of a host; on a CPU target the devices' bytes are the
+    host's RAM too; a target without a known RAM has no host verdict."""
+    c = comps(engine_weights=2, kv_pool=4, trainer_params=2, optimizer=4, grads=2, staging=0.1)
+    two_hosts = Target("t2", "tpu", 8, 2, 10 * GIB, "fake device", "test")  # 4 devices per host
+    p = compose(two_hosts, "multi_stage", STEP_PHASES["multi_stage"], c, {})
+    by = {x.phase: x for x in p.phases}
+    assert by["rollout"].host == {"trainer_params": int(2 * GIB) * 4, "optimizer": int(4 * GIB) * 4}
+    assert p.host_fits is None and "not known" in format_table(p)
+    assert p.to_json()["host"]["peak_bytes"] == 24 * GIB
+    cpu = Target("c", "cpu", 1, 1, 100 * GIB, "CPU", "test", host_ram_bytes=100 * GIB)
+    q = compose(cpu, "multi_stage", STEP_PHASES["multi_stage"], c, {})
+    rollout = {x.phase: x for x in q.phases}["rollout"]
+    assert q.host_ram_used(rollout) == rollout.host_total + rollout.total  # the CPU devices are the RAM
+    assert q.host_fits is True
+    small = Target("c", "cpu", 1, 1, 100 * GIB, "CPU", "test", host_ram_bytes=12 * GIB)
+    assert compose(small, "multi_stage", STEP_PHASES["multi_stage"], c, {}).host_fits is False

@@ -8,32 +8,17 @@ import json
 
 import pytest
 
-from mllm_rl.sinks.jsonl import read_jsonl
-from tests.conftest import run_cli
-
-SMALL = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4",
-         "--max-running-requests", "4", "--checkpoint-every", "0", "--wandb", "disabled", "--console", "off"]  # fmt: skip
+from tests import plan_run
+from tests.plan_run import drift
 
 
 def run(tiny_ckpt, run_dir, *extra, env=None):
-    return run_cli("mllm_rl.run", "--backend", "jax", "--model", str(tiny_ckpt), "--run-dir", str(run_dir),
-                   *SMALL, *extra, env=env, timeout=900)  # fmt: skip
-
-
-def drift(run_dir) -> list[dict]:
-    summary = json.loads((run_dir / "report" / "summary.json").read_text())
-    return [i for i in summary["issues"] if i["kind"] == "plan_drift"]
+    return plan_run.run("jax", tiny_ckpt, run_dir, *extra, env=env)
 
 
 @pytest.mark.slow  # compiles the trainer's step for the plan
 def test_a_pool_that_cannot_fit_exits_6_before_anything_exists(tiny_ckpt, tmp_path):
-    r = run(tiny_ckpt, tmp_path / "run", "--kv-tokens", "1000000000")
-    assert r.returncode == 6, r.stderr[-3000:]
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith(
-        "error: memory plan (cpu, predicted): multi_stage: DOES NOT FIT: kv_pool overflows in"
-    )
-    assert not (tmp_path / "run").exists()
+    plan_run.check_a_pool_that_cannot_fit_exits_6_before_anything_exists("jax", tiny_ckpt, tmp_path)
 
 
 @pytest.mark.slow  # starts an engine
@@ -47,6 +32,15 @@ def test_a_clean_run_holds_to_its_plan_and_a_leak_does_not(tiny_ckpt, tmp_path):
     assert said and "ended within 5% of the prediction or below it" in said[0], said
     assert drift(clean) == []
     assert "Memory plan vs run" in r.stderr and " DRIFT" not in r.stderr  # the console table
+    # host memory: the trainer's offloaded params and AdamW state in pinned_host at every phase end
+    # of the last step and the setup are the plan's host copies, byte for byte
+    from mllm_rl.memplan import validate
+
+    rows = validate.compare(validate.load_records(clean), plan)["phases"]
+    host = [(row["phase"], row["host_trainer_predicted"], row["host_trainer_measured"]) for row in rows]
+    assert len(host) >= 20 and all(pred == got for _, pred, got in host), host
+    assert {pred for _, pred, _ in host} > {0}  # offloaded in some phases, on the device in others
+    assert "host (host copies and the CPU devices' bytes, per host): peak" in r.stderr
 
     leaky = tmp_path / "leaky"  # with W&B offline: the plan table and the drift count land there too
     r = run(tiny_ckpt, leaky, "--wandb", "offline", env={"MLLM_RL_FAULTS": "leak_mb=64"})
@@ -65,11 +59,4 @@ def test_a_clean_run_holds_to_its_plan_and_a_leak_does_not(tiny_ckpt, tmp_path):
 
 @pytest.mark.slow  # starts an engine
 def test_kv_tokens_auto_starts_the_engine_with_the_plans_pool(tiny_ckpt, tmp_path):
-    # a budget of 3% of the host's RAM: the CPU engine allocates (and zeroes) the pool it is given
-    r = run(tiny_ckpt, tmp_path, "--kv-tokens", "auto", "--margin", "0.03", "--steps", "1")
-    assert r.returncode == 0, r.stderr[-3000:]
-    plan = json.loads((tmp_path / "plan.json").read_text())
-    tokens = plan["kv_fit"]["tokens"]
-    (ready,) = [x for x in read_jsonl(tmp_path / "phases.jsonl") if x["phase"] == "engine_ready_dummy"]
-    assert ready["info"]["max_total_tokens"] == tokens > 0
-    assert f"--kv-tokens auto: a KV pool of {tokens} tokens" in r.stderr
+    plan_run.check_kv_tokens_auto_starts_the_engine_with_the_plans_pool("jax", tiny_ckpt, tmp_path)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 
@@ -15,21 +14,12 @@ from mllm_rl.backends.torch import memplan
 from mllm_rl.checkpoint import ModelDir
 from mllm_rl.memplan import validate
 from mllm_rl.memplan.request import PlanRequest
-from mllm_rl.sinks.jsonl import read_jsonl
-from tests.conftest import run_cli
-
-SMALL = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4",
-         "--max-running-requests", "4", "--checkpoint-every", "0", "--wandb", "disabled", "--console", "off"]  # fmt: skip
+from tests import plan_run
+from tests.plan_run import drift
 
 
 def run(ckpt, run_dir, *extra, env=None):
-    return run_cli("mllm_rl.run", "--backend", "torch", "--model", str(ckpt), "--run-dir", str(run_dir),
-                   *SMALL, *extra, env=env, timeout=900)  # fmt: skip
-
-
-def drift(run_dir: Path) -> list[dict]:
-    summary = json.loads((run_dir / "report" / "summary.json").read_text())
-    return [i for i in summary["issues"] if i["kind"] == "plan_drift"]
+    return plan_run.run("torch", ckpt, run_dir, *extra, env=env)
 
 
 def test_the_cpu_plan_is_the_embedded_engine_the_run_starts(tiny_ckpt):
@@ -59,13 +49,7 @@ def test_the_cpu_plan_is_the_embedded_engine_the_run_starts(tiny_ckpt):
 
 @pytest.mark.slow  # plans before start-up (fake-tensor trace), nothing starts
 def test_a_pool_that_cannot_fit_exits_6_before_anything_exists(tiny_ckpt, tmp_path):
-    r = run(tiny_ckpt, tmp_path / "run", "--kv-tokens", "1000000000")
-    assert r.returncode == 6, r.stderr[-3000:]
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith(
-        "error: memory plan (cpu, predicted): multi_stage: DOES NOT FIT: kv_pool overflows in"
-    )
-    assert not (tmp_path / "run").exists()
+    plan_run.check_a_pool_that_cannot_fit_exits_6_before_anything_exists("torch", tiny_ckpt, tmp_path)
 
 
 @pytest.mark.slow  # starts an engine
@@ -100,14 +84,7 @@ def test_a_run_at_real_settings_holds_to_its_plan_and_a_leak_does_not(tiny_bf16_
 
 @pytest.mark.slow  # starts an engine
 def test_kv_tokens_auto_starts_the_engine_with_the_plans_pool(tiny_ckpt, tmp_path):
-    # a budget of 3% of the host's RAM: the embedded engine allocates (and zeroes) the pool it is given
-    r = run(tiny_ckpt, tmp_path, "--kv-tokens", "auto", "--margin", "0.03", "--steps", "1")
-    assert r.returncode == 0, r.stderr[-3000:]
-    plan = json.loads((tmp_path / "plan.json").read_text())
-    tokens = plan["kv_fit"]["tokens"]
-    (ready,) = [x for x in read_jsonl(tmp_path / "phases.jsonl") if x["phase"] == "engine_ready_dummy"]
-    assert ready["info"]["max_total_tokens"] == tokens > 0
-    assert f"--kv-tokens auto: a KV pool of {tokens} tokens" in r.stderr
+    plan_run.check_kv_tokens_auto_starts_the_engine_with_the_plans_pool("torch", tiny_ckpt, tmp_path)
 
 
 def test_which_runs_plan_themselves():
