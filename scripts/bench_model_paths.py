@@ -33,7 +33,7 @@ from typing import Any
 
 from mllm_rl.bench import GiB
 from mllm_rl.bench.child import BenchError
-from mllm_rl.bench.cli import csv_choice, positive, run_bench
+from mllm_rl.bench.cli import csv_choice, doc_parser, main_with_child, positive
 from mllm_rl.bench.machine import ROOT, command_line, machine_info
 from mllm_rl.bench.tables import table
 
@@ -230,11 +230,7 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
-    )
+    ap = doc_parser(__doc__)
     ap.add_argument("--model", default="qwen3-0.6b", help="a preset of mllm_rl.presets (default qwen3-0.6b)")
     ap.add_argument("--target", default="v4-8", choices=TARGETS, help="TPU slice to compile for")
     ap.add_argument("--batch", type=positive(), default=4, help="micro-batch rows (default 4)")
@@ -257,12 +253,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.child:
-        print(json.dumps(compile_one(args)), flush=True)
-        return 0
-    code, _ = run_bench(bench, args, report, summary)
-    return code
+    return main_with_child(parse_args(argv), compile_one, bench, report, summary)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from typing import Any
 
 from mllm_rl.bench import GiB
 from mllm_rl.bench.child import BenchError, last_json_line, run_cmd
-from mllm_rl.bench.cli import positive, run_bench, target
+from mllm_rl.bench.cli import doc_parser, main_with_child, positive, target
 from mllm_rl.bench.machine import command_line, machine_info
 from mllm_rl.bench.tables import table
 
@@ -245,11 +245,7 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
-    )
+    ap = doc_parser(__doc__)
     ap.add_argument("--preset", default="qwen3-0.6b", help="a preset of mllm_rl.presets (default qwen3-0.6b)")
     ap.add_argument(
         "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="weights' dtype"
@@ -276,12 +272,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.child:
-        print(json.dumps(measure_child(args)), flush=True)
-        return 0
-    code, _ = run_bench(bench, args, report, summary)
-    return code
+    return main_with_child(parse_args(argv), measure_child, bench, report, summary)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from typing import Any
 
 from mllm_rl.bench import MiB
 from mllm_rl.bench.child import BenchError, last_json_line, run_cmd
-from mllm_rl.bench.cli import csv_choice, positive, run_bench
+from mllm_rl.bench.cli import csv_choice, doc_parser, positive, run_bench
 from mllm_rl.bench.machine import command_line, machine_info
 from mllm_rl.bench.tables import table
 
@@ -317,11 +317,7 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
-    )
+    ap = doc_parser(__doc__)
     ap.add_argument("--preset", default="qwen3-0.6b", help="a preset of mllm_rl.presets (default qwen3-0.6b)")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers (default 4; 0: the preset's)")
     ap.add_argument("--batch", type=positive(), default=1, help="rows (default 1)")

@@ -14,6 +14,14 @@ from typing import Any
 from mllm_rl.bench.child import BenchError
 
 
+def doc_parser(doc: str) -> argparse.ArgumentParser:
+    """A script's parser from its module docstring: the first paragraph as the description, the
+    whole docstring after the options (``--help``)."""
+    return argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc
+    )
+
+
 def write_json(path: Path | None, obj: dict[str, Any]) -> None:
     """Write ``obj`` to ``path`` atomically (nothing when ``path`` is None)."""
     if path is None:
@@ -52,6 +60,22 @@ def run_bench(
     write_json(getattr(args, "json", None), out)
     print(json.dumps(summary(out), default=str), flush=True)
     return 0, out
+
+
+def main_with_child(
+    args: Any,
+    child: Callable[[Any], dict[str, Any]],
+    bench: Callable[[Any], dict[str, Any]],
+    report: Callable[[dict[str, Any]], str],
+    summary: Callable[[dict[str, Any]], dict[str, Any]],
+) -> int:
+    """The ``main`` of a script that measures in a fresh copy of itself: with ``--child`` print
+    ``child(args)`` as one JSON line (what ``child.last_json_line`` reads), else ``run_bench``."""
+    if args.child:
+        print(json.dumps(child(args)), flush=True)
+        return 0
+    code, _ = run_bench(bench, args, report, summary)
+    return code
 
 
 def failed_targets(out: dict[str, Any]) -> bool:
