@@ -560,21 +560,6 @@ def embedded_weight_bytes(config: ModelConfig, itemsize: int) -> tuple[int, str]
     return n * itemsize, f"{n:,} params x {itemsize} B"
 
 
-def embedded_pool(req: PlanRequest, itemsize: int) -> Pool:
-    """``EmbeddedEngine``'s KV cache: one [layers, 2, tokens, kv_heads, head_dim] tensor of
-    ``req.kv_tokens`` tokens (None: the run's rule, max_running_requests x context length)."""
-    c = req.model
-    cell = kv_cell_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, itemsize)
-    notes: tuple[str, ...] = ()
-    tokens = req.kv_tokens
-    if tokens is None:
-        tokens = req.max_running_requests * req.seq_len
-        notes = (
-            f"KV pool: max_running_requests x seq_len = {tokens} tokens (the run's rule; --kv-tokens sets it)",
-        )
-    return Pool(tokens, cell, tokens * cell, 0.0, 0, notes)
-
-
 # -- the planner ---------------------------------------------------------------------------------
 def _trainer_figures(req: PlanRequest, step: StepMemory) -> tuple[dict[str, Component], FunctionMemory]:
     """The trainer's components and its ``grad_step`` function from the traced step."""
@@ -680,19 +665,80 @@ def sglang_pool(req: PlanRequest, weight_bytes: int, free: int, itemsize: int) -
     return Pool(tokens, cell, size, mfs, free, tuple(notes))
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineFigures:
+    """The rollout engine's side of a plan: its two components, notes and ``Measured.info`` facts."""
+
+    weights: Component
+    kv_pool: Component
+    notes: list[str]
+    info: dict[str, Any]
+
+
+def embedded_engine(req: PlanRequest, target: Target, itemsize: int) -> EngineFigures:
+    """``EmbeddedEngine`` (``backends/torch/engine.py``): its weights, and its KV cache, one
+    [layers, 2, tokens, kv_heads, head_dim] tensor of ``req.kv_tokens`` tokens (None: the run's
+    rule, max_running_requests x context length)."""
+    c = req.model
+    weights, detail = embedded_weight_bytes(c, itemsize)
+    cell = kv_cell_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, itemsize)
+    notes = []
+    tokens = req.kv_tokens
+    if tokens is None:
+        tokens = req.max_running_requests * req.seq_len
+        notes.append(
+            f"KV pool: max_running_requests x seq_len = {tokens} tokens (the run's rule; --kv-tokens sets it)"
+        )
+    rest = "CUDA kernel workspaces, CUDA contexts, allocator fragmentation"
+    if target.platform == "cpu":
+        rest = "the Python and library memory of the process"
+    notes.append(f"not in any figure: the embedded engine's decode activations (engine_step), {rest}")
+    return EngineFigures(
+        Component("engine_weights", weights, "layout", f"embedded engine: {detail}"),
+        Component("kv_pool", tokens * cell, "layout", f"embedded engine: {tokens} tokens x {cell} B/token"),
+        notes,
+        {"kv_tokens": tokens, "kv_cell_bytes": cell, "kv_pad_tokens": 0, "engine": "embedded"},
+    )
+
+
+def sglang_engine(req: PlanRequest, target: Target, itemsize: int) -> EngineFigures:
+    """SGLang's weights and KV pool by its own rules (``ValueError`` when it would not start)."""
+    weights, detail = sglang_weight_bytes(req.model, itemsize)
+    pool = sglang_pool(req, weights, target.hbm_bytes, itemsize)
+    kv = f"SGLang MHA pool: ({pool.tokens} + {PAGE_SIZE}) tokens x {pool.cell} B/token + req_to_token"
+    notes = [
+        *pool.notes,
+        "not in any figure: CUDA kernel workspaces (attention, cuBLAS), CUDA contexts, allocator "
+        "fragmentation, SGLang's decode activations and CUDA graphs (engine_step; SGLang keeps "
+        "1 - mem_fraction_static for them)",
+        "torch_memory_saver regions: weights = engine_weights, kv_cache = kv_pool, cuda_graph: its size is "
+        "known only after capture on the GPU",
+    ]
+    info = {
+        "kv_tokens": pool.tokens,
+        "kv_cell_bytes": pool.cell,
+        "kv_pad_tokens": PAGE_SIZE,
+        "engine": "sglang",
+        "mem_fraction_static": pool.mem_fraction_static,
+        "engine_free_bytes": pool.free,
+    }
+    return EngineFigures(
+        Component("engine_weights", weights, "layout", f"SGLang Qwen3: {detail}"),
+        Component("kv_pool", pool.bytes, "layout", kv),
+        notes,
+        info,
+    )
+
+
 def measure(req: PlanRequest) -> Measured:
-    """Predicted per-device components and functions of ``req`` on a CUDA target (see module
-    docstring); ``ValueError`` (one line, nothing traced) for a request the torch backend refuses."""
+    """Predicted per-device components and functions of ``req`` on its target (a card, or this
+    machine's ``cpu`` / ``cuda``; see module docstring); ``ValueError`` (one line, nothing traced)
+    for a request the torch backend refuses."""
     target = check_request(req)
     c = req.model
     itemsize = DTYPES[req.param_dtype][0]
-    embedded = engine_of(req, target) == "embedded"
-    if embedded:
-        weights, wdetail = embedded_weight_bytes(c, itemsize)
-        pool = embedded_pool(req, itemsize)
-    else:
-        weights, wdetail = sglang_weight_bytes(c, itemsize)
-        pool = sglang_pool(req, weights, target.hbm_bytes, itemsize)  # refuses before any tracing
+    figures = embedded_engine if engine_of(req, target) == "embedded" else sglang_engine
+    engine = figures(req, target, itemsize)  # refuses before any tracing
     rows = min(req.prompts * req.group_size, 2 * req.micro_batch)
     step = trainer_step_memory(
         c,
@@ -707,40 +753,15 @@ def measure(req: PlanRequest) -> Measured:
         device="cpu" if target.platform == "cpu" else "cuda",
     )
     comps, grad_step = _trainer_figures(req, step)
-    if embedded:
-        comps["engine_weights"] = Component(
-            "engine_weights", weights, "layout", f"embedded engine: {wdetail}"
-        )
-        detail = f"embedded engine: {pool.tokens} tokens x {pool.cell} B/token"
-    else:
-        comps["engine_weights"] = Component("engine_weights", weights, "layout", f"SGLang Qwen3: {wdetail}")
-        detail = f"SGLang MHA pool: ({pool.tokens} + {PAGE_SIZE}) tokens x {pool.cell} B/token + req_to_token"
-    comps["kv_pool"] = Component("kv_pool", pool.bytes, "layout", detail)
+    comps["engine_weights"], comps["kv_pool"] = engine.weights, engine.kv_pool
     stage = staging_bytes(c, itemsize, lora=req.lora_rank > 0, cast=step.master_dtype != req.param_dtype)
     bucket = f"largest update bucket (>= {sc.CHUNK_BYTES // MIB} MiB each)"
     comps["staging"] = Component("staging", stage, "layout", bucket)
     notes = [
         f"trainer step: {step.shape}, rows = min(prompts x group_size, 2 x micro_batch) = {rows}; "
         f"{step.seconds:.0f} s of fake-tensor tracing",
-        *pool.notes,
+        *engine.notes,
     ]
-    if embedded:
-        notes.append(
-            "not in any figure: the embedded engine's decode activations (engine_step), "
-            + (
-                "CUDA kernel workspaces, CUDA contexts, allocator fragmentation"
-                if target.platform != "cpu"
-                else "the Python and library memory of the process"
-            )
-        )
-    else:
-        notes += [
-            "not in any figure: CUDA kernel workspaces (attention, cuBLAS), CUDA contexts, allocator "
-            "fragmentation, SGLang's decode activations and CUDA graphs (engine_step; SGLang keeps "
-            "1 - mem_fraction_static for them)",
-            "torch_memory_saver regions: weights = engine_weights, kv_cache = kv_pool, cuda_graph: its size is "
-            "known only after capture on the GPU",
-        ]
     if req.optimizer_dtype != step.master_dtype:
         notes.append(
             f"optimizer_dtype {req.optimizer_dtype} does not apply: torch.optim.AdamW keeps its state "
@@ -748,15 +769,7 @@ def measure(req: PlanRequest) -> Measured:
             f"{req.precision!r})"
         )
     info = {
-        "kv_tokens": pool.tokens,
-        "kv_cell_bytes": pool.cell,
-        "kv_pad_tokens": 0 if embedded else PAGE_SIZE,
-        "engine": "embedded" if embedded else "sglang",
-        **(
-            {}
-            if embedded
-            else {"mem_fraction_static": pool.mem_fraction_static, "engine_free_bytes": pool.free}
-        ),
+        **engine.info,
         "compile_seconds": {"grad_step (fake-tensor trace)": round(step.seconds, 2)},
         "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }

@@ -23,6 +23,8 @@ backend's ``--model-option KEY=VALUE`` (``TrainConfig.model_options`` of a run,
   x 4096 tokens, fused steps in 0.571 s at a 61.14 GiB peak, foreach in 0.609 s at 75.44 GiB
   (``scripts/bench_plan_vs_cuda.py``; docs/PLAN.md, "One H100, torch backend").
 
+Imports nothing heavy (no torch): the backend's argument check and the planner's request check
+use it before torch starts.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from mllm_rl.memplan.compose import host_line
 from mllm_rl.memplan.request import PlanRequest
 
 
@@ -43,7 +44,7 @@ def target_for(backend: str, runtime: dict[str, Any]) -> str | None:
 
 def request_for(backend: str, target: str, model: Any, opts: Any, engine: str = "auto") -> PlanRequest:
     """The plan request of an RL run (``RLOptions`` with its engine sized: ``size_engine``);
-    ``engine``: the rollout engine the run starts (``Backend.resolve_engine``, where it has one)."""
+    ``engine``: the rollout engine the run starts (``Backend.rollout_engine``)."""
     train, eng = opts.train, opts.engine
     rows = opts.prompts_per_step * opts.group_size // max(1, train.mini_batches)
     return PlanRequest(
@@ -109,8 +110,6 @@ def plan_run(req: PlanRequest, check_weights: bool, fit_kv: bool) -> RunPlan:
     text = output.render(result, m, summary)
     if not run_plan.fits:
         raise DoesNotFit(f"memory plan ({req.target}, predicted): {verdict}")
-    from mllm_rl.memplan.compose import host_line
-
     return RunPlan(
         doc,
         text,

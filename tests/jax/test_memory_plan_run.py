@@ -22,9 +22,11 @@ def test_a_pool_that_cannot_fit_exits_6_before_anything_exists(tiny_ckpt, tmp_pa
 
 
 @pytest.mark.slow  # starts an engine
-def test_a_clean_run_holds_to_its_plan_and_a_leak_does_not(tiny_ckpt, tmp_path):
+def test_a_clean_run_holds_to_its_plan_and_a_leak_does_not(tiny_ckpt, tiny_bf16_ckpt, tmp_path):
+    """The clean run at a pretrained model's settings: a bf16 checkpoint (float32 masters), LoRA
+    rank 4, lr 1e-6, temperature 0.7."""
     clean = tmp_path / "clean"
-    r = run(tiny_ckpt, clean)
+    r = run(tiny_bf16_ckpt, clean, "--lora-rank", "4", "--lr", "1e-6", "--temperature", "0.7")
     assert r.returncode == 0, r.stderr[-3000:]
     plan = json.loads((clean / "plan.json").read_text())
     assert plan["kind"] == "predicted" and plan["for_run"] is True

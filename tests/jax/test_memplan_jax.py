@@ -93,6 +93,10 @@ def test_a_phase_that_does_not_fit_exits_6_naming_phase_and_component(tmp_path):
         (["--target", "v4-16", "--tp", "2"], "on 2 hosts the engine's mesh spans every device; pass --tp 8"),
         (["--target", "v4-8", "--trainer-tp", "3"], "--trainer-tp 3 does not divide the 4 devices"),
         (["--target", "cpu", "--model-option", "warp_speed=9"], "--model-option warp_speed: unknown"),
+        (
+            ["--target", "cpu", "--engine", "embedded"],
+            "--engine 'embedded': the JAX backend's engine is sglang-jax",
+        ),
     ],
 )
 def test_a_mesh_the_run_would_refuse_is_one_line_exit_2(tmp_path, args, msg):
