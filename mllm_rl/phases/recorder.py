@@ -32,6 +32,7 @@ from mllm_rl.phases.schema import SCHEMA, SCHEMA_V2
 from mllm_rl.phases.watchdog import PhaseStuck, Watchdog
 
 SAMPLER_THREAD = "mllm_rl-mem-sampler"  # probes may rate-limit calls from this thread
+PROBE_WAIT_S = 10.0  # the longest a phase-end snapshot waits for a sample in flight
 
 
 class Sink(abc.ABC):
@@ -95,6 +96,10 @@ class PhaseRecorder:
         self.start_idx = start_idx  # a resumed run continues the idx of its phase file
         self._interval = sample_interval_s
         self._lock = threading.Lock()
+        # Held around every probe call: a sample in flight in the sampler thread holds what it
+        # scans (on JAX CPU ``jax.live_arrays()``: a reference to every array), so a snapshot taken
+        # meanwhile would count arrays the code already dropped (``_probe``).
+        self._probing = threading.Lock()
         self._active = False
         self._dev_peak: list[int | None] = []
         self._host_peak = 0
@@ -118,8 +123,11 @@ class PhaseRecorder:
         if not self._active:
             return
         try:
-            used = self.probe.in_use()
-            rss = host_rss()
+            with self._probe():
+                if not self._active:
+                    return
+                used = self.probe.in_use()
+                rss = host_rss()
         except Exception:  # a sampler must never kill the run; counted, reported in info
             self.sample_errors += 1
             return
@@ -143,6 +151,19 @@ class PhaseRecorder:
             return
         self._high_point = nbytes
         self.sample()
+
+    @contextlib.contextmanager
+    def _probe(self) -> Iterator[None]:
+        """Probe calls one at a time: a snapshot never runs while a sample in another thread
+        still holds references to the arrays it scanned (which would keep dropped arrays
+        alive and counted). Waits at most ``PROBE_WAIT_S`` (a probe stuck on a hung device
+        must not stop the watchdog's last record)."""
+        got = self._probing.acquire(timeout=PROBE_WAIT_S)
+        try:
+            yield
+        finally:
+            if got:
+                self._probing.release()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -182,7 +203,8 @@ class PhaseRecorder:
         reset = getattr(self.probe, "reset_peak", None)
         if reset is not None:
             reset()
-        before = self.probe.snapshot()
+        with self._probe():
+            before = self.probe.snapshot()
         rss0 = host_rss()
         with self._lock:
             self._dev_peak = [d.bytes_in_use for d in before]
@@ -222,7 +244,8 @@ class PhaseRecorder:
         with self._lock:
             self._active = False
             dev_peak, host_peak = list(self._dev_peak), self._host_peak
-        after = self.probe.snapshot()
+        with self._probe():
+            after = self.probe.snapshot()
         rss1 = host_rss()
         if self.sample_errors > errors0:
             handle.info["sample_errors"] = self.sample_errors - errors0
