@@ -10,6 +10,11 @@ their logs and exit 143), then SIGKILL after ``--grace-s``; the launcher exits w
 failure's code (0 when every process exits 0). SIGTERM or SIGINT to the launcher goes to every
 process the same way. On a multi-host TPU slice use ``tpu/tpu.sh`` (one process per worker); on a
 GPU node ``torchrun --nproc-per-node N -m mllm_rl.run ...`` sets the same torch variables.
+
+CPU threads: N processes on one machine share its cores. Unless ``OMP_NUM_THREADS`` is set, each
+process gets ``OMP_NUM_THREADS`` = cores // N (at least 1; ``threads_per_process``), as torchrun
+sets 1: N processes each running as many OpenMP threads as there are cores oversubscribe them,
+and OpenMP's spinning barriers then stall a step many times over (torch on CPU).
 """
 
 from __future__ import annotations
@@ -73,6 +78,13 @@ def process_env(rank: int, nproc: int, coord_port: int, torch_port: int) -> dict
     }
 
 
+def threads_per_process(nproc: int, env: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
+    """``{"OMP_NUM_THREADS": cores // nproc}`` (at least 1) unless ``env`` sets it (then nothing)."""
+    if env.get("OMP_NUM_THREADS"):
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+
+
 def _pump(stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock) -> None:
     for line in stream:
         with lock:
@@ -121,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[subprocess.Popen[str]] = []
     pumps: list[threading.Thread] = []
     for rank in range(args.nproc):
-        env = {**os.environ, **process_env(rank, args.nproc, coord, torch_port), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **threads_per_process(args.nproc), **process_env(rank, args.nproc, coord, torch_port),
+               "PYTHONUNBUFFERED": "1"}  # fmt: skip
         p = subprocess.Popen(
             [sys.executable, "-m", args.module, *rest],
             env=env,

@@ -64,10 +64,15 @@ class TrainConfig:
     # the trainer's tensor-parallel size.
     model_options: tuple[tuple[str, Any], ...] = ()
     trainer_tp: int = default("trainer_tp")
+    # How the trainer's state is sharded (JAX: the mesh's fsdp axis; torch: FSDP2 over the
+    # processes); 0: over everything there is.
+    fsdp: int = default("fsdp")
 
     def __post_init__(self) -> None:
         if self.trainer_tp < 1:
             raise OptionError("trainer_tp", f"must be >= 1, got {self.trainer_tp}")
+        if self.fsdp < 0:
+            raise OptionError("fsdp", f"must be >= 0, got {self.fsdp}")
         if self.precision not in PRECISIONS:
             raise OptionError("precision", f"{self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if not self.temperature > 0:

@@ -115,6 +115,11 @@ class JaxBackend(Backend):
         n, c = len(jax.devices()), model.config
         if n % cfg.trainer_tp:
             raise ValueError(f"--trainer-tp {cfg.trainer_tp} does not divide the {n} devices")
+        if cfg.fsdp not in (0, n // cfg.trainer_tp):
+            raise ValueError(
+                f"--fsdp {cfg.fsdp}: the trainer's mesh is fsdp x tp = every device; with --trainer-tp "
+                f"{cfg.trainer_tp} on {n} devices fsdp is {n // cfg.trainer_tp} (0 says so)"
+            )
         if c.num_attention_heads % cfg.trainer_tp or c.num_key_value_heads % cfg.trainer_tp:
             raise ValueError(
                 f"--trainer-tp {cfg.trainer_tp}: {c.num_attention_heads} heads / "

@@ -168,10 +168,13 @@ class TorchBackend(Backend):
 
     def check_trainer_args(self, model: ModelDir, cfg: Any) -> None:
         """``--model-option`` names ``TorchModelOptions`` fields (``backends/torch/options.py``:
-        ``remat``); no ``--trainer-tp`` (the trainer runs on one device)."""
+        ``remat``); ``--fsdp`` 0, 1 or the process count (``backends/torch/fsdp.py``); no
+        ``--trainer-tp`` (no tensor parallelism)."""
+        from mllm_rl.backends.torch import distributed, fsdp
         from mllm_rl.backends.torch.options import TorchModelOptions
 
         TorchModelOptions.from_pairs(cfg.model_options)
+        fsdp.check_kl(fsdp.resolve(cfg.fsdp, distributed.procs().count), cfg.loss.beta, cfg.lora_rank > 0)
         if cfg.trainer_tp != 1:
             raise ValueError(
                 f"--trainer-tp {cfg.trainer_tp}: the {self.name} trainer has no tensor parallelism"

@@ -71,8 +71,14 @@ class LoRALinear(nn.Linear):
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
         """``weight + lora_b @ lora_a * scale`` computed in float32, [out, in] in the weight's dtype."""
-        delta = (self.lora_b.float() @ self.lora_a.float()) * self.scale
-        return (self.weight.float() + delta).to(self.weight.dtype)
+        return merge(self.weight, self.lora_a, self.lora_b, self.scale)
+
+
+@torch.no_grad()
+def merge(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``weight`` [out, in] + ``lora_b`` [out, R] @ ``lora_a`` [R, in] * ``scale``, in float32, returned
+    in ``weight``'s dtype (what an engine without adapters holds)."""
+    return (weight.float() + (lora_b.float() @ lora_a.float()) * scale).to(weight.dtype)
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:

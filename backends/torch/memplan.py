@@ -91,7 +91,7 @@ LOCAL_TARGETS = {
 
 
 def targets() -> dict[str, str]:
-    """What ``--target`` accepts with ``--backend torch`` (one device: the trainer uses one)."""
+    """What ``--target`` accepts with ``--backend torch`` (one device: one process's)."""
     out = {}
     for name, (kind, config) in GPUS.items():
         desc = f"1 x {kind}, {card_memory(config) / GIB:.2f} GiB (XLA GPU target config {config})"
@@ -136,9 +136,9 @@ def parse_target(name: str) -> Target:
     cards = int(m.group(2) or 1)
     if cards != 1:
         raise ValueError(
-            f"PlanRequest.target {name!r}: the torch backend trains on one device (TorchTrainer "
-            f"has no data or tensor parallelism), so {cards} cards plan like one; use "
-            f"{m.group(1)!r}"
+            f"PlanRequest.target {name!r}: the torch planner plans one process's device; a trainer "
+            f"sharded over {cards} cards (FSDP2, --fsdp 0) is not planned yet; use {m.group(1)!r} "
+            "(the unsharded trainer on one card)"
         )
     kind, config = GPUS[m.group(1)]
     source = f"XLA GPU target config {config} (device_memory_size; openxla/xla's spec of the card)"
@@ -155,7 +155,10 @@ def check_request(req: PlanRequest) -> Target:
             "parallelism); plan with tp=1"
         )
     if req.fsdp > 1:
-        raise ValueError(f"PlanRequest.fsdp {req.fsdp}: the torch trainer does not shard (use 0 or 1)")
+        raise ValueError(
+            f"PlanRequest.fsdp {req.fsdp}: the torch planner plans the unsharded trainer of one process "
+            "(use 0 or 1); FSDP2 over several processes is not planned yet"
+        )
     if req.param_dtype not in DTYPES:
         raise ValueError(f"PlanRequest.param_dtype {req.param_dtype!r}: expected one of {', '.join(DTYPES)}")
     if req.trainer_tp != 1:

@@ -331,6 +331,7 @@ def run_block(
     mask: torch.Tensor | None,
     remat: bool,
     dtype: torch.dtype | None = None,
+    sharded: bool = False,
 ) -> torch.Tensor:
     """One decoder layer of ``Qwen3.forward``: ``x`` [B, T, H], ``positions`` [B, T], ``mask`` as
     ``attend`` takes it -> [B, T, H].
@@ -344,7 +345,15 @@ def run_block(
     function (``_call_block``), in the forward and again in the rerun, so the casts are not kept
     between the two (autograd keeps only the inputs: the weights themselves, held anyway).
     Otherwise (no ``remat``, or no grad: log-probs, the KL reference) a plain call, on casts to
-    ``dtype`` made just before it when a weight is in another dtype."""
+    ``dtype`` made just before it when a weight is in another dtype.
+
+    ``sharded`` (``Qwen3.sharded``: an FSDP2 model, whose layers gather their own weights in their
+    forward hooks and cast them by the mixed-precision policy): ``remat`` checkpoints the layer's
+    own call, so its hooks gather the weights again for the rerun; ``dtype`` must be ``None``."""
+    if sharded:
+        if not (remat and torch.is_grad_enabled()):
+            return layer(x, positions, mask)
+        return checkpoint(layer, x, positions, mask, use_reentrant=False, preserve_rng_state=False)
     if not (remat and torch.is_grad_enabled()):
         if dtype is None or all(w.dtype == dtype for w in layer.parameters()):
             return layer(x, positions, mask)
@@ -422,6 +431,7 @@ class Qwen3(nn.Module):
         self.logprob_chunk: int | None = LOGPROB_CHUNK
         self.remat = remat
         self.layer_dtype: torch.dtype | None = None
+        self.sharded = False  # FSDP2 (``run_block``): set by the trainer that shards it
         self.model = Qwen3Body(c, dtype, device)
         self.lm_head = (
             None
@@ -465,7 +475,7 @@ class Qwen3(nn.Module):
             else:
                 mask = attention_bias(attention_mask, torch.arange(t, device=tokens.device), x.dtype)
         for layer in self.model.layers:
-            x = run_block(layer, x, positions, mask, self.remat, self.layer_dtype)
+            x = run_block(layer, x, positions, mask, self.remat, self.layer_dtype, self.sharded)
         if targets is None:
             return self.logits(x)
         norm = self.model.norm

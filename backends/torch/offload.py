@@ -9,8 +9,9 @@ so the model and ``torch.optim`` keep using the same objects; only the bytes mov
   ``empty_cache`` returns it to the driver; CPU: freed).
 - ``onload``: resize each storage back and copy the host bytes in; the host copies go.
 
-Round trips are bit-exact (raw bytes are copied). Tensors must own their whole storage
-(no views, no shared storages); CPU tensors of a CUDA group (torch's AdamW ``step``
+Round trips are bit-exact (raw bytes are copied). What moves is storages, each distinct one
+once and whole (a view, e.g. an FSDP2 shard of a padded storage, moves its whole storage; tensors
+sharing one move it once); CPU tensors of a CUDA group (torch's AdamW ``step``
 scalars) are host memory already and stay where they are. A fused AdamW's (``adamw=fused``)
 ``step`` scalars live on the device: 0-dim tensors owning their 4-byte storages, moved like the rest.
 """
@@ -73,50 +74,55 @@ def _restore(t: torch.Tensor, host: Any) -> None:
         from_host_bytes(t, host)
 
 
+def storage_bytes_view(st: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor [nbytes] over the whole storage ``st`` (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+
+
 class OffloadGroup:
     """One group of tensors (``params`` or ``optimizer``) that is resident or on the host."""
 
     def __init__(self, name: str, device: torch.device) -> None:
         self.name = name
         self.device = device
-        self._held: list[tuple[torch.Tensor, Any]] | None = None  # (tensor, host copy) while offloaded
+        # (storage, nbytes, host copy) while offloaded
+        self._held: list[tuple[torch.UntypedStorage, int, Any]] | None = None
 
     @property
     def resident(self) -> bool:
         return self._held is None
 
     def offload(self, tensors: Iterable[torch.Tensor]) -> int:
-        """Move ``tensors``' bytes to the host and free their device storage; returns the
+        """Move the bytes of ``tensors``' storages to the host and free them on the device (each
+        distinct storage once, whole: an FSDP2 shard is a view of a padded storage); returns the
         device bytes freed (0 when the group is offloaded already)."""
         if self._held is not None:
             return 0
-        mine = [t for t in tensors if t.device.type == self.device.type]
-        for t in mine:
-            st = t.untyped_storage()
-            if t.storage_offset() or st.nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
-                raise ValueError(
-                    f"offload({self.name}): a tensor {tuple(t.shape)} does not own its whole storage"
-                )
-        if len({t.untyped_storage().data_ptr() for t in mine}) != len(mine):
-            raise ValueError(f"offload({self.name}): tensors share a storage")
-        freed = storage_bytes(mine, self.device)
+        storages: dict[int, torch.UntypedStorage] = {}
+        for t in tensors:
+            if t.device.type == self.device.type:
+                st = t.untyped_storage()
+                if st.nbytes():
+                    storages.setdefault(st.data_ptr(), st)
         with torch.no_grad():
-            held = [(t, host_copy(t, self.device)) for t in mine]
+            held = [
+                (st, st.nbytes(), host_copy(storage_bytes_view(st), self.device)) for st in storages.values()
+            ]
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            for t in mine:
-                t.untyped_storage().resize_(0)
+            for st, _, _ in held:
+                st.resize_(0)
         self._held = held
-        return freed
+        return sum(n for _, n, _ in held)
 
     def onload(self) -> None:
         """Re-allocate the device storages and copy the host bytes back (no-op when resident)."""
         if self._held is None:
             return
         with torch.no_grad():
-            for t, host in self._held:
-                t.untyped_storage().resize_(t.numel() * t.element_size())
-                _restore(t, host)
+            for st, nbytes, host in self._held:
+                st.resize_(nbytes)
+                _restore(storage_bytes_view(st), host)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         self._held = None

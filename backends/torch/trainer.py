@@ -50,6 +50,16 @@ the same numbers.
 Offload (``backends/torch/offload.py``): the bytes of every parameter / optimizer-state
 tensor go to the host (pinned on CUDA, numpy on CPU) and the device storages are resized to
 0; the tensor objects stay, so ``torch.optim`` and the model keep their references.
+
+Several processes (``backends/torch/distributed.py``): by default (``cfg.fsdp`` 0) the model is
+sharded with FSDP2 (``backends/torch/fsdp.py``): params, gradients and AdamW state are ``DTensor``
+shards, mixed precision is FSDP2's policy (the same casts as ``_compute_params``, made on what a
+layer gathers), remat checkpoints each layer's own call (``Qwen3.sharded``), each process runs its
+round-robin share of the micro-batches (padded with weight-0 repeats so every process runs as many:
+``_my_micro_batches``), the weight export gathers one tensor at a time, and checkpoints are
+``torch.distributed.checkpoint`` shards (``save``/``restore``; a load reshards). ``cfg.fsdp`` 1:
+every process holds the whole trainer and the gradients are summed with ``all_reduce``.
+Offload moves each process's own shards.
 """
 
 from __future__ import annotations
@@ -65,8 +75,9 @@ import torch
 from torch.func import functional_call
 
 from mllm_rl.backends.torch import distributed as dist
+from mllm_rl.backends.torch import fsdp
 from mllm_rl.backends.torch.engine import tensor_sums
-from mllm_rl.backends.torch.lora import LoRALinear, add_lora, disabled, linear_layers
+from mllm_rl.backends.torch.lora import LoRALinear, add_lora, disabled, linear_layers, merge
 from mllm_rl.backends.torch.model import Qwen3, checkpoint_dtype, load_qwen3
 from mllm_rl.backends.torch.offload import OffloadGroup, device_tensor, host_copy, storage_bytes
 from mllm_rl.backends.torch.options import TorchModelOptions
@@ -102,7 +113,9 @@ class TorchTrainer:
         here); by default it is loaded from ``model_dir``. ``cfg.model_options``: ``TorchModelOptions``
         (``ValueError`` naming an unknown or bad one), applied to the model."""
         self.cfg = cfg
-        self.dp = dist.procs()  # several processes: data parallel (backends/torch/distributed.py)
+        self.dp = dist.procs()  # several processes (backends/torch/distributed.py)
+        # FSDP2 over the processes (backends/torch/fsdp.py), else each holds the whole trainer (data parallel)
+        self.sharded = fsdp.resolve(cfg.fsdp, self.dp.count)
         self.options = TorchModelOptions.from_pairs(cfg.model_options)
         self.config = model_dir.config
         self.device = torch.device(device)
@@ -118,7 +131,8 @@ class TorchTrainer:
         self.model = _to_dtype(model, base_dtype)
         self.model.remat = self.options.remat
         # mixed-precision full fine-tune with remat: each decoder layer casts its masters inside its checkpoint
-        self.layer_casts = self.mixed and not self.lora and self.options.remat
+        # (sharded: FSDP2's mixed-precision policy casts what a layer gathers)
+        self.layer_casts = self.mixed and not self.lora and self.options.remat and not self.sharded
         self.model.layer_dtype = self.compute_dtype if self.layer_casts else None
         if self.lora:
             self.adapters: dict[str, LoRALinear] = add_lora(
@@ -128,6 +142,14 @@ class TorchTrainer:
             self.adapters = {}
             self.model.requires_grad_(True)
         self.linear_names = [n for n in linear_layers(self.model) if n in set(self.names)]
+        if self.sharded:
+            fsdp.check_kl(True, cfg.loss.beta, self.lora)
+            # every param becomes a DTensor shard (the names stay); mixed: gathered in the compute dtype
+            fsdp.shard(
+                self.model,
+                fsdp.make_mesh(self.dp.count, self.device),
+                self.compute_dtype if self.mixed else None,
+            )
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self.trainable = {n: p for n, p in self.params.items() if p.requires_grad}
         self.optimizer = torch.optim.AdamW(
@@ -157,15 +179,21 @@ class TorchTrainer:
         track(self)  # the CPU memory probe counts held_tensors()
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """Params and optimizer state (offloaded ones have empty storages: counted as 0), and
-        what the ``leak_mb`` fault keeps."""
+        """Params and optimizer state (offloaded ones have empty storages: counted as 0; sharded:
+        this process's shards), and what the ``leak_mb`` fault keeps."""
         return self._tensors(PARAMS) + self._tensors(OPTIMIZER) + self._leaked
 
     # -- residency -----------------------------------------------------------------------
     def _tensors(self, what: str) -> list[torch.Tensor]:
+        """The tensors of ``what`` this process holds (sharded: its shards, views of FSDP2's padded storages)."""
         if what == PARAMS:
-            return list(self.params.values())
-        return [t for st in self.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+            return [fsdp.local(p) for p in self.params.values()]
+        return [
+            fsdp.local(t)
+            for st in self.optimizer.state.values()
+            for t in st.values()
+            if isinstance(t, torch.Tensor)
+        ]
 
     def resident(self) -> dict[str, bool]:
         return {w: g.resident for w, g in self._groups.items()}
@@ -233,7 +261,7 @@ class TorchTrainer:
         themselves). ``layers=False``: the decoder layers' masters (``model.layers.*``) left out,
         for a model whose layers cast them themselves (``Qwen3.layer_dtype``, ``layer_casts``: one
         layer at a time, inside its checkpoint)."""
-        if not self.mixed or self.lora:
+        if not self.mixed or self.lora or self.sharded:
             return {}
         return {
             n: p.to(self.compute_dtype)
@@ -311,9 +339,7 @@ class TorchTrainer:
             total_tokens = float(max(int(mini.loss_mask[:, 1:].sum()), 1))
             total_seqs = float(mini.size)
             self.optimizer.zero_grad(set_to_none=True)
-            for k, mb in enumerate(self._micro_batches(mini)):
-                if k % self.dp.count != self.dp.index:  # data parallel: micro-batches dealt round-robin
-                    continue
+            for mb, weight in self._my_micro_batches(mini):
                 ref_logp = self._ref_logp(mb, ref) if cfg.loss.beta > 0 else None
                 # layer casts: the embeddings, final norm and head cast here, each layer's in its checkpoint
                 logp = self._token_logp(
@@ -331,6 +357,9 @@ class TorchTrainer:
                     total_seqs=total_seqs,
                     is_weight=mb["is_weight"][:, 1:],
                 )
+                if not weight:  # a sharded process without a micro-batch of its own: zero gradients
+                    (loss * 0.0).backward()
+                    continue
                 loss.backward()
                 n = mask.sum().double()
                 sums = {k: v.double() * n for k, v in m.items()}  # token-weighted, summed over micro-batches
@@ -352,6 +381,24 @@ class TorchTrainer:
             dist.all_reduce_sum([loss_sum, *(totals[k] for k in names)])
         return loss_sum, len(parts), gnorms, totals
 
+    def _my_micro_batches(self, mini: RolloutBatch) -> Iterator[tuple[dict[str, torch.Tensor], float]]:
+        """This process's micro-batches of ``mini`` with their weights: dealt round-robin over the
+        processes (one process: all, weight 1). Sharded, every process runs as many forwards and
+        backwards as the one with the most (FSDP2's gathers and reductions are collectives): one
+        short repeats a micro-batch with weight 0 (its gradient is zero, its metrics are dropped)."""
+        count, index = self.dp.count, self.dp.index
+        n = -(-mini.size // self.cfg.micro_batch_size)
+        first: dict[str, torch.Tensor] | None = None
+        mine = 0
+        for k, mb in enumerate(self._micro_batches(mini)):
+            first = mb if first is None else first
+            if k % count == index:
+                mine += 1
+                yield mb, 1.0
+        if self.sharded and first is not None:
+            for _ in range(-(-n // count) - mine):
+                yield first, 0.0
+
     def _apply(self) -> torch.Tensor:
         """Global-norm clipping (optax ``clip_by_global_norm``: g * clip / norm when norm >= clip)
         and one AdamW step; returns the pre-clip global norm (a device scalar)."""
@@ -359,9 +406,13 @@ class TorchTrainer:
         for p in params:  # an unused parameter gets a zero gradient (optax updates every leaf)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        dist.all_reduce_sum(grads)  # data parallel: the gradient of the whole mini-batch on every process
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        if self.sharded:  # FSDP2 reduce-scattered (summed) every backward into these shards
+            grads = [fsdp.local(p.grad) for p in params]
+            norm = fsdp.grad_norm(grads)
+        else:
+            grads = [p.grad for p in params]
+            dist.all_reduce_sum(grads)  # data parallel: the gradient of the whole mini-batch on every process
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
         if self.cfg.grad_clip > 0:
             coef = torch.where(norm < self.cfg.grad_clip, torch.ones_like(norm), self.cfg.grad_clip / norm)
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
@@ -405,10 +456,22 @@ class TorchTrainer:
     # -- weights for the engine ----------------------------------------------------------
     def _engine_tensor(self, name: str) -> torch.Tensor:
         """The weight ``name`` as the engine holds it (HF layout, the checkpoint dtype: a cast of a
-        float32 master under mixed precision; LoRA merged into linear layers)."""
+        float32 master under mixed precision; LoRA merged into linear layers). Sharded: gathered
+        here, one tensor at a time (cast first, so the gather moves checkpoint-dtype bytes; a
+        collective: every process asks for the same names in the same order)."""
         if name in self.adapters:
-            return self.adapters[name].merged_weight()
-        return self.params[name].detach().to(self.param_dtype)
+            a = self.adapters[name]
+            if not self.sharded:
+                return a.merged_weight()
+            with torch.no_grad():
+                return merge(
+                    fsdp.full(a.weight.detach()),
+                    fsdp.full(a.lora_a.detach()),
+                    fsdp.full(a.lora_b.detach()),
+                    a.scale,
+                )
+        with torch.no_grad():
+            return fsdp.full(self.params[name].detach().to(self.param_dtype))
 
     def export_names(self, full: bool = True) -> list[str]:
         """Full: every weight. Partial (LoRA only): the linear layers the adapters change."""
@@ -458,16 +521,34 @@ class TorchTrainer:
     def save(self, path: Path) -> None:
         """``<path>/state.pt``: the trainable params and the optimizer state (written to a
         temporary name, then renamed). The LoRA base is not saved: it is the run's ``--model``.
-        Data parallel: process 0 writes (every process holds the same state)."""
+        Data parallel: process 0 writes (every process holds the same state). Sharded:
+        ``<path>/dcp``, every process its shards (``torch.distributed.checkpoint``)."""
         self._need(PARAMS, OPTIMIZER)
-        if self.dp.index == 0:
+        if self.sharded:
+            fsdp.save(self._dcp_state(), Path(path))
+        elif self.dp.index == 0:
             _write_state(self._state(lambda t: t), Path(path))
+
+    def _dcp_state(self) -> dict[str, Any]:
+        """The state ``torch.distributed.checkpoint`` writes and loads in place: the trainable
+        params and each one's AdamW state by parameter name (the tensors themselves: a load fills
+        them), the LoRA rank, the precision and the step."""
+        by_param = {p: n for n, p in self.trainable.items()}
+        return {
+            "trainable": dict(self.trainable),
+            "optimizer": {by_param[p]: st for p, st in self.optimizer.state.items()},
+            "meta": {"lora_rank": self.cfg.lora_rank, "precision": self.cfg.precision, "step": self.step},
+        }
 
     @torch.no_grad()
     def snapshot(self) -> StateSnapshot:
         """``save``'s state copied into (CPU) host memory: a background thread may write it while
         the next steps train, offload and onload (``mllm_rl.checkpoint.writer``)."""
         self._need(PARAMS, OPTIMIZER)
+        if self.sharded:
+            raise ValueError(
+                "--checkpoint-background: not with a sharded trainer (every process writes its shards)"
+            )
         state = self._state(lambda t: t.detach().to("cpu", copy=True))
         return StateSnapshot(state)
 
@@ -478,8 +559,16 @@ class TorchTrainer:
         them (``_step_device``), whichever implementation wrote the file."""
         self._need(PARAMS, OPTIMIZER)
         target = Path(path) / STATE_FILE
+        if fsdp.has_checkpoint(path):
+            self._restore_dcp(Path(path))
+            return
         if not target.exists():
             raise ValueError(f"{target}: no trainer state here")
+        if self.sharded:
+            raise ValueError(
+                f"{target}: written by an unsharded trainer; resume it with --fsdp 1 (this run shards over "
+                f"{self.dp.count} processes)"
+            )
         state = torch.load(target, map_location=self.device, weights_only=True)
         saved = state["trainable"]
         if set(saved) != set(self.trainable):
@@ -516,6 +605,38 @@ class TorchTrainer:
                     elif isinstance(v, torch.Tensor):
                         st[k] = v.clone()
         self.step = int(state.get("step", 0))
+
+    def _restore_dcp(self, path: Path) -> None:
+        """Load ``<path>/dcp`` into this trainer's own tensors, resharded to its placements (any
+        process count wrote it; one process loads the whole tensors). The saved LoRA rank and
+        precision must be this trainer's (checked before anything is loaded)."""
+        import torch.distributed.checkpoint as dcp
+
+        where = path / fsdp.DCP_DIR
+        saved = dcp.FileSystemReader(str(where)).read_metadata().state_dict_metadata
+        mine = {f"trainable.{n}" for n in self.trainable}
+        theirs = {k for k in saved if k.startswith("trainable.")}
+        if mine != theirs:
+            raise ValueError(
+                f"{where}: its trainable parameters differ from this trainer's (lora_rank {self.cfg.lora_rank}): "
+                f"e.g. {sorted(mine ^ theirs)[0]}"
+            )
+        for n, p in self.trainable.items():
+            meta = saved[f"trainable.{n}"]
+            dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+            if dtype is not None and dtype != p.dtype:
+                raise ValueError(
+                    f"{where}: trainable params saved in {dtype}, this trainer's are {p.dtype} (precision "
+                    f"{self.cfg.precision!r} on a {self.param_dtype} checkpoint); resume with the precision it "
+                    "was written with"
+                )
+        state = self._dcp_state()
+        fsdp.load(state, path)
+        for g in self.optimizer.param_groups:  # the counters where this trainer's AdamW keeps them
+            for p in g["params"]:
+                st = self.optimizer.state[p]
+                st["step"] = st["step"].to(device=_step_device(g, p), dtype=torch.float32)
+        self.step = int(state["meta"]["step"])
 
 
 def _write_state(state: dict[str, Any], path: Path) -> None:

@@ -65,6 +65,7 @@ def request_for(backend: str, target: str, model: Any, opts: Any, engine: str = 
         param_dtype=model.config.torch_dtype,
         max_running_requests=eng.max_running_requests or 128,
         trainer_tp=train.trainer_tp,
+        fsdp=train.fsdp,
         options=dict(train.model_options),
         engine=engine,
         weights_cpu_backup=eng.weights_cpu_backup,

@@ -226,7 +226,9 @@ OPTIONS: tuple[Option, ...] = (
     _o("seq_len", int, 4096, "tokens per sequence (prompt + completion)", "plan", {"memplan"}, low=1),
     _o("trainer_tp", int, 1, "tensor-parallel size of the trainer's mesh (divides the devices; JAX)", "rl plan",
        {"rl", "memplan"}, low=1),
-    _o("fsdp", int, 0, "the trainer's fsdp axis; 0: devices / trainer-tp", "plan", {"memplan"}, low=0),
+    _o("fsdp", int, 0, "how the trainer's state is sharded: JAX, the fsdp axis of its mesh (0: devices / "
+       "trainer-tp, the only value a run takes); torch, FSDP2 over the processes (0: every process; 1: none, "
+       "every process holds the whole trainer)", "rl plan", {"rl", "memplan"}, low=0),
     _o("mem_fraction_static", float, None, "the engine's mem_fraction_static (sglang-jax, SGLang)", "rl plan", {"rl", "memplan"}, low=0,
        strict=True, high=1, nullable=True,
        default_text="what --kv-tokens needs, else the adapter's default"),

@@ -597,6 +597,7 @@ class RLPlan(Plan[RLOptions]):
             temperature=args.temperature or 1.0,  # 0: RLOptions refuses it, saying why
             precision=args.precision,
             trainer_tp=args.trainer_tp,
+            fsdp=args.fsdp,
             model_options=tuple(parse_key_value(o, "--model-option") for o in args.model_option or []),
         )
         return RLOptions(

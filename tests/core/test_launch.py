@@ -51,3 +51,15 @@ def test_bad_input_is_one_line_and_exit_2():
     ):
         r = run_cli("mllm_rl.launch", *args)
         assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_each_process_gets_its_share_of_the_cores_unless_omp_num_threads_is_set():
+    """N processes on one machine, each as many OpenMP threads as there are cores, oversubscribe
+    it (torch on CPU stalls in OpenMP's spinning barriers): the launcher gives each cores // N."""
+    from mllm_rl.launch import threads_per_process
+
+    cores = os.cpu_count() or 1
+    assert threads_per_process(1, {}) == {"OMP_NUM_THREADS": str(cores)}
+    assert threads_per_process(2, {}) == {"OMP_NUM_THREADS": str(max(1, cores // 2))}
+    assert threads_per_process(4 * cores, {}) == {"OMP_NUM_THREADS": "1"}
+    assert threads_per_process(2, {"OMP_NUM_THREADS": "3"}) == {}  # the user's setting stands

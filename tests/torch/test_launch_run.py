@@ -1,6 +1,8 @@
-"""``python -m mllm_rl.launch --nproc 2`` runs one torch RL run as two data-parallel processes
+"""``python -m mllm_rl.launch --nproc 2`` runs one torch RL run as two processes
 (``backends/torch/distributed.py``: gloo on CPU, an embedded engine per process, the requests and
-the micro-batches split between them, gradients summed): the same metrics as one process."""
+the micro-batches split between them; the trainer sharded with FSDP2 by default,
+``backends/torch/fsdp.py``, or replicated with ``--fsdp 1``, gradients summed): the metrics of one
+process."""
 
 from __future__ import annotations
 
@@ -29,13 +31,14 @@ def launch(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
 
 def test_rl_as_two_data_parallel_processes_is_the_one_process_run(tiny_bf16_ckpt, tmp_path):
     """Each request sampled from its own seed by its index in the whole batch (which process
-    generates it does not matter), every process with the whole batch, half of the micro-batches
-    each and the gradient summed over both: step 0's rewards equal the one-process run's exactly,
-    its loss and grad norm to float32 reduction noise. Later steps (a resume included) may differ
-    by a sample or two: the embedded engine's bf16 logits depend on its sub-batch's shape (32 rows
-    per process here, 64 in one), so a draw that lands within that noise of a token boundary can
-    pick the neighbour token (seen: one of 64 samples at step 2, with the trainer's state after
-    step 1 bit-identical in both runs). One checkpoint file per step (process 0 writes it)."""
+        generates it does not matter), every process with the whole batch, half of the micro-batches
+        each and the gradient summed over both: step 0's rewards equal the one-process run's exactly,
+        its loss and grad norm to float32 reduction noise. Later steps (a resume included) may differ
+        by a sample or two: the embedded engine's bf16 logits depend on its sub-batch's shape (32 rows
+        per process here, 64 in one), so a draw that lands within that noise of a token boundary can
+        pick the neighbour token (seen: one of 64 samples at step 2, with the trainer's state after
+        step 1 bit-identical in both runs). The trainer is sharded (FSDP2, the default over several
+    processes): each process writes its shards of each checkpoint."""
     one, two = tmp_path / "one", tmp_path / "two"
     r = launch(*RL, "--model", str(tiny_bf16_ckpt), "--steps", "3", "--run-dir", str(one), nproc=1)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -55,7 +58,70 @@ def test_rl_as_two_data_parallel_processes_is_the_one_process_run(tiny_bf16_ckpt
             assert abs(got[s]["reward_mean"] - ref[s]["reward_mean"]) <= 2 / 64, (name, s)
     p0, p1 = read_jsonl(two / "phases.jsonl"), read_jsonl(two / "phases.p1.jsonl")
     assert [x["phase"] for x in p0] == [x["phase"] for x in p1] and "train_step" in [x["phase"] for x in p0]
-    assert [p.name for p in sorted((two / "checkpoints" / "step_000002").iterdir())] == [
-        "meta.json",
-        "state.pt",
-    ]
+    step2 = two / "checkpoints" / "step_000002"  # FSDP (--fsdp 0, the default): each process its shards
+    assert sorted(p.name for p in step2.iterdir()) == ["dcp", "meta.json"]
+    assert sorted(p.name for p in (step2 / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+def _train_step_bytes(run_dir, name: str = "phases.jsonl") -> int:
+    """Device bytes in use at the end of the last ``train_step`` (params + AdamW state here)."""
+    rec = [x for x in read_jsonl(run_dir / name) if x["phase"] == "train_step"][-1]
+    return rec["memory"]["devices"][0]["bytes_in_use"]
+
+
+def test_fsdp_full_fine_tune_shards_the_state_and_its_checkpoint_resumes_in_one_process(
+    tiny_bf16_ckpt, tmp_path
+):
+    """A full fine-tune at a pretrained model's settings (bf16 checkpoint: float32 masters, bf16
+    compute through FSDP2's mixed-precision policy; remat; lr 1e-6; T 0.7) on two processes, FSDP2
+    (the default) against the same run on one process and on two unsharded (--fsdp 1): step 0's
+    rewards equal, its loss and grad norm to float32 reduction noise; each FSDP process holds half
+    the params and AdamW state (the shards of two processes are the whole, but for FSDP2's padding of
+    a last shard); 64 rows in micro-batches of 24 make 3 micro-batches, so one process runs a
+    weight-0 repeat to keep the collectives paired. The two-process checkpoint (one shard file per
+    process) resumes in ONE process and its step 1 is the one-process run's step 1 exactly:
+    torch.distributed.checkpoint reshards, and the restored masters and moments are bit for bit
+    the one-process run's."""
+    full = ["--lora-rank", "0", "--micro-batch-size", "24", "--model-option", "remat=true",
+            "--model", str(tiny_bf16_ckpt)]  # fmt: skip
+    one, two, dp = tmp_path / "one", tmp_path / "two", tmp_path / "dp"
+    for run_dir, n, extra in ((one, 1, []), (two, 2, ["--steps", "1"]), (dp, 2, ["--fsdp", "1"])):
+        r = launch(*RL, *full, "--steps", "2", *extra, "--run-dir", str(run_dir), nproc=n)
+        assert r.returncode == 0, r.stderr[-3000:]
+    ref = {m["step"]: m for m in read_jsonl(one / "metrics.jsonl")}
+    for run_dir in (two, dp):
+        for name in ("metrics.jsonl", "metrics.p1.jsonl"):
+            got = read_jsonl(run_dir / name)[0]
+            assert got["reward_mean"] == ref[0]["reward_mean"], (run_dir.name, name)
+            assert got["loss"] == pytest.approx(ref[0]["loss"], rel=1e-4, abs=1e-6), (run_dir.name, name)
+            assert got["grad_norm"] == pytest.approx(ref[0]["grad_norm"], rel=1e-4), (run_dir.name, name)
+    whole = _train_step_bytes(one)
+    assert _train_step_bytes(dp) == _train_step_bytes(dp, "phases.p1.jsonl") == whole
+    halves = [_train_step_bytes(two), _train_step_bytes(two, "phases.p1.jsonl")]
+    assert whole <= sum(halves) <= whole * 1.02 and max(halves) <= whole * 0.52, (whole, halves)
+    assert sorted(p.name for p in (two / "checkpoints" / "step_000000" / "dcp").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]  # fmt: skip
+
+    r = launch(*RL, *full, "--steps", "2", "--run-dir", str(two), "--resume", nproc=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = {m["step"]: m for m in read_jsonl(two / "metrics.jsonl")}
+    for k in ("reward_mean", "loss", "grad_norm"):
+        assert got[1][k] == ref[1][k], k
+
+
+def test_bench_processes_prints_the_three_runs_side_by_side(tmp_path):
+    """``scripts/bench_processes.py``: one run as 1 process, 2 sharded, 2 replicated; the same step
+    0 in all three, half the trainer bytes per sharded process, exit 0, its JSON."""
+    out = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_processes.py"), "--steps", "2",
+                        "--max-new-tokens", "8", "--json", str(out)], capture_output=True, text=True,
+                       cwd=ROOT, timeout=900)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "MEASURED" in r.stdout and "not a scaling figure" in r.stdout
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert [x["processes"] for x in rows] == [1, 2, 2]
+    assert rows[1]["x_trainer_mib"] == pytest.approx(0.5, abs=0.01) and rows[2]["x_trainer_mib"] == 1.0
+    assert rows[0]["reward0"] == rows[1]["reward0"] == rows[2]["reward0"]
+    assert rows[1]["grad_norm0"] == pytest.approx(rows[0]["grad_norm0"], rel=1e-4)

@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+"""One torch RL run as 1 process and as 2 (FSDP2-sharded, and replicated with --fsdp 1), side by side.
+
+    python scripts/bench_processes.py [--model tiny] [--steps 3] [--json OUT]
+
+Each case is ``python -m mllm_rl.launch --nproc N -- --backend torch ...`` on this machine (CPU:
+gloo; one device per process on a CUDA node), the same run flags for all. From each run's phase
+records: the median ``train_step`` and whole-step seconds over the steps after the first (process
+0's), the trainer's bytes at the end of ``train_step`` per process (params + AdamW state:
+``bytes_in_use``), and step 0's ``reward_mean`` / ``loss`` / ``grad_norm`` (equal across the
+cases up to float32 reduction noise, the check that all three ran the same run). Ratios are
+against the one-process run. On a CPU with few cores the processes share the cores: the time
+ratios say what the collectives and the duplicated work cost there, not how a GPU node scales.
+
+Exit 0 when every run succeeded and the sharded run's per-process trainer bytes are at most
+0.55 x the one-process run's; 1 otherwise; 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mllm_rl.bench.cli import doc_parser, positive, run_bench, target
+from mllm_rl.bench.machine import ROOT, command_line, machine_info
+from mllm_rl.bench.tables import table
+from mllm_rl.sinks.jsonl import read_jsonl
+
+CASES = (("1 process", 1, []), ("2 processes, FSDP2", 2, []), ("2 processes, --fsdp 1", 2, ["--fsdp", "1"]))
+SHARD_BOUND = 0.55  # a sharded process holds half the state, and FSDP2's padding of a last shard
+
+
+def parse_args(argv: list[str] | None = None) -> Any:
+    ap = doc_parser(__doc__)
+    ap.add_argument("--model", default="tiny", help="preset or checkpoint dir")
+    ap.add_argument("--steps", type=positive(), default=3)
+    ap.add_argument("--prompts-per-step", type=positive(), default=8)
+    ap.add_argument("--group-size", type=positive(), default=8)
+    ap.add_argument("--max-new-tokens", type=positive(), default=16)
+    ap.add_argument("--micro-batch-size", type=positive(), default=16)
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    return ap.parse_args(argv)
+
+
+def _run(args: Any, nproc: int, extra: list[str], run_dir: Path) -> None:
+    flags = ["--backend", "torch", "--model", args.model, "--steps", str(args.steps),
+             "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
+             "--max-new-tokens", str(args.max_new_tokens), "--micro-batch-size", str(args.micro_batch_size),
+             "--checkpoint-every", "0", "--wandb", "disabled", "--console", "off", "--run-dir", str(run_dir),
+             *extra]  # fmt: skip
+    cmd = [sys.executable, "-m", "mllm_rl.launch", "--nproc", str(nproc), "--", *flags]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600, env=dict(os.environ))
+    if r.returncode != 0:
+        raise ValueError(f"{' '.join(cmd)}: exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}")
+
+
+def _row(name: str, nproc: int, run_dir: Path) -> dict[str, Any]:
+    recs = read_jsonl(run_dir / "phases.jsonl")
+    later = [x for x in recs if x.get("step") not in (None, 0)]
+    train = [x["t_end"] - x["t_start"] for x in later if x["phase"] == "train_step"]
+    steps: dict[int, float] = {}
+    for x in later:
+        steps[x["step"]] = steps.get(x["step"], 0.0) + x["t_end"] - x["t_start"]
+    per_proc = []
+    for i in range(nproc):
+        p = read_jsonl(run_dir / ("phases.jsonl" if i == 0 else f"phases.p{i}.jsonl"))
+        last = [x for x in p if x["phase"] == "train_step"][-1]
+        per_proc.append(last["memory"]["devices"][0]["bytes_in_use"])
+    m0 = read_jsonl(run_dir / "metrics.jsonl")[0]
+    return {
+        "case": name,
+        "processes": nproc,
+        "train_step_s": statistics.median(train) if train else None,
+        "step_s": statistics.median(steps.values()) if steps else None,
+        "trainer_mib": max(per_proc) / 2**20,
+        "reward0": m0["reward_mean"],
+        "loss0": m0["loss"],
+        "grad_norm0": m0["grad_norm"],
+    }
+
+
+def bench(args: Any) -> dict[str, Any]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-processes-") as tmp:
+        for name, nproc, extra in CASES:
+            run_dir = Path(tmp) / name.replace(" ", "_").replace(",", "")
+            _run(args, nproc, extra, run_dir)
+            rows.append(_row(name, nproc, run_dir))
+    base = rows[0]
+    for r in rows:
+        for k in ("train_step_s", "step_s", "trainer_mib"):
+            r[f"x_{k}"] = r[k] / base[k] if r[k] and base[k] else None
+    sharded = rows[1]["x_trainer_mib"]
+    return {
+        "bench": "processes",
+        "command": command_line(),
+        "machine": machine_info(),
+        "rows": rows,
+        "targets": {"sharded_trainer_bytes": target(sharded, "<=", SHARD_BOUND)},
+    }
+
+
+def report(out: dict[str, Any]) -> str:
+    cols = [
+        ("case", "case", ""),
+        ("train_step_s", "train_step s", ".3f"),
+        ("x_train_step_s", "x 1 proc", ".2f"),
+        ("step_s", "step s", ".3f"),
+        ("x_step_s", "x 1 proc", ".2f"),
+        ("trainer_mib", "trainer MiB/process", ".2f"),
+        ("x_trainer_mib", "x 1 proc", ".3f"),
+        ("reward0", "step 0 reward", ".4f"),
+        ("loss0", "step 0 loss", ".3e"),
+        ("grad_norm0", "step 0 grad norm", ".6f"),
+    ]
+    where = out["machine"].get("cpu") or f"{os.cpu_count()} CPUs"
+    t = out["targets"]["sharded_trainer_bytes"]
+    return "\n".join([
+        f"MEASURED ({where}); medians over the steps after the first, process 0's phases; the processes share "
+        "this machine's cores (not a scaling figure)",
+        table(out["rows"], cols),
+        f"sharded trainer bytes per process {t['value']:.3f} x the one-process run's (target <= {SHARD_BOUND}): "
+        + ("met" if t["pass"] else "NOT MET"),
+    ])  # fmt: skip
+
+
+def summary(out: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "bench": "processes",
+        **{
+            r["case"]: {"train_step_s": r["train_step_s"], "trainer_mib": round(r["trainer_mib"], 3)}
+            for r in out["rows"]
+        },
+        "sharded_trainer_bytes_met": out["targets"]["sharded_trainer_bytes"]["pass"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    code, out = run_bench(bench, parse_args(argv), report, summary)
+    if out is not None and not out["targets"]["sharded_trainer_bytes"]["pass"]:
+        return 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
