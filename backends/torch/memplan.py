@@ -1,6 +1,10 @@
 """Torch memory planner for CUDA targets: ``measure(req) -> Measured`` (``mllm_rl/memplan/request.py``).
 
-Every figure is **predicted**, per device (the torch trainer runs on one device), and says how:
+Every figure is **predicted**, per device, and says how. A node target (``h100x8``: one process per
+card) plans one card with the trainer sharded by FSDP2 over all of them (``fsdp`` 0; 1: every card
+holds the whole trainer): the same trace below, of a ``TorchTrainer`` sharded over a device mesh
+of torch's fake process group (``fake_process_group``; rank 0's shards, its share of the
+micro-batches, every layer's gather and reduce-scatter buffers), and an embedded engine per card.
 
 - ``trainer_params``, ``grads``, ``optimizer`` and the ``grad_step`` function (method
   ``fake_tensor``): the real ``TorchTrainer`` (``backends/torch/trainer.py``: our Qwen3, AdamW,
@@ -43,6 +47,7 @@ activations and CUDA graphs while it decodes (``engine_step``: SGLang keeps
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -51,6 +56,7 @@ import re
 import resource
 import time
 import warnings
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -70,6 +76,8 @@ from mllm_rl.progress import progress_bar
 from mllm_rl.trainer import RolloutBatch, TrainConfig
 
 MIB = 2**20
+MAX_CARDS = 8  # a node's cards (hNNNxK)
+NODE_CARDS = (2, 4, 8)  # the node targets listed
 # name -> (device kind, XLA GPU target config whose device_memory_size is the card's memory: the
 # same figure the JAX planner plans against)
 GPUS: dict[str, tuple[str, str]] = {
@@ -91,12 +99,15 @@ LOCAL_TARGETS = {
 
 
 def targets() -> dict[str, str]:
-    """What ``--target`` accepts with ``--backend torch`` (one device: one process's)."""
+    """What ``--target`` accepts with ``--backend torch``: one card, a node of N (one process per
+    card, the trainer sharded with FSDP2 unless ``fsdp`` is 1), or this machine's device."""
     out = {}
     for name, (kind, config) in GPUS.items():
         desc = f"1 x {kind}, {card_memory(config) / GIB:.2f} GiB (XLA GPU target config {config})"
         out[name] = desc
         out[f"{name}x1"] = desc
+        for k in NODE_CARDS:
+            out[f"{name}x{k}"] = f"{k} x {kind} on one node (one process per card; FSDP2 unless fsdp 1)"
     return {**out, **LOCAL_TARGETS}
 
 
@@ -134,15 +145,11 @@ def parse_target(name: str) -> Target:
     if m is None:
         raise ValueError(f"PlanRequest.target {name!r}: the torch planner knows {', '.join(targets())}")
     cards = int(m.group(2) or 1)
-    if cards != 1:
-        raise ValueError(
-            f"PlanRequest.target {name!r}: the torch planner plans one process's device; a trainer "
-            f"sharded over {cards} cards (FSDP2, --fsdp 0) is not planned yet; use {m.group(1)!r} "
-            "(the unsharded trainer on one card)"
-        )
+    if not 1 <= cards <= MAX_CARDS:
+        raise ValueError(f"PlanRequest.target {name!r}: 1 to {MAX_CARDS} cards on one node")
     kind, config = GPUS[m.group(1)]
     source = f"XLA GPU target config {config} (device_memory_size; openxla/xla's spec of the card)"
-    return Target(name, "gpu", 1, 1, card_memory(config), kind, source)
+    return Target(name, "gpu", cards, 1, card_memory(config), kind, source)
 
 
 def check_request(req: PlanRequest) -> Target:
@@ -153,11 +160,6 @@ def check_request(req: PlanRequest) -> Target:
         raise ValueError(
             f"PlanRequest.tp {req.tp}: the torch trainer runs on one device (no tensor "
             "parallelism); plan with tp=1"
-        )
-    if req.fsdp > 1:
-        raise ValueError(
-            f"PlanRequest.fsdp {req.fsdp}: the torch planner plans the unsharded trainer of one process "
-            "(use 0 or 1); FSDP2 over several processes is not planned yet"
         )
     if req.param_dtype not in DTYPES:
         raise ValueError(f"PlanRequest.param_dtype {req.param_dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -174,7 +176,16 @@ def check_request(req: PlanRequest) -> Target:
     if req.mem_fraction_static is not None and not 0 < req.mem_fraction_static < 1:
         raise ValueError(f"PlanRequest.mem_fraction_static {req.mem_fraction_static}: expected 0 < x < 1")
     target = parse_target(req.target)
+    from mllm_rl.backends.torch import fsdp
+
+    fsdp.resolve(req.fsdp, target.num_devices)  # ValueError naming --fsdp
+    fsdp.check_kl(fsdp.resolve(req.fsdp, target.num_devices), 1.0 if req.kl else 0.0, req.lora_rank > 0)
     engine = engine_of(req, target)
+    if engine == "sglang" and target.num_devices > 1:
+        raise ValueError(
+            f"PlanRequest.engine 'sglang' on {target.name}: SGLang across processes is not supported yet; "
+            "a run of one process per card starts the embedded engine on each (engine embedded)"
+        )
     if engine == "sglang" and target.platform == "cpu":
         raise ValueError(
             "PlanRequest.engine 'sglang': SGLang runs on CUDA; a run on cpu uses the embedded engine"
@@ -188,10 +199,11 @@ def check_request(req: PlanRequest) -> Target:
 
 def engine_of(req: PlanRequest, target: Target) -> str:
     """The engine planned: ``req.engine``, ``auto`` being what a run on the target starts when
-    SGLang is installed (SGLang on a GPU; the embedded engine on cpu)."""
+    SGLang is installed (SGLang on one GPU; the embedded engine on cpu and on every card of a node:
+    SGLang across processes is not supported yet)."""
     if req.engine != "auto":
         return req.engine
-    return "embedded" if target.platform == "cpu" else "sglang"
+    return "embedded" if target.platform == "cpu" or target.num_devices > 1 else "sglang"
 
 
 # -- the trainer step on fake tensors ------------------------------------------------------------
@@ -231,12 +243,14 @@ class StepMemory:
     options: tuple[tuple[str, Any], ...] = ()
     fwd_bwd_peak: dict[str, int] = dataclasses.field(default_factory=dict)
     adamw: str = "fused"
+    world: int = 1  # > 1: FSDP2 over this many devices, the figures one device's
 
     @property
     def shape(self) -> str:
         """``"2 micro-batch(es) of 4 x 4096 tokens"``."""
         first = min(self.rows, self.micro_batch)
-        return f"{self.micro_batches} micro-batch(es) of {first} x {self.seq_len} tokens"
+        where = f" on each of {self.world} devices" if self.world > 1 else ""
+        return f"{self.micro_batches} micro-batch(es) of {first} x {self.seq_len} tokens{where}"
 
     @property
     def activations(self) -> int:
@@ -366,6 +380,7 @@ def trainer_step_memory(
     logprob_chunk: int | None | str = "model",
     options: tuple[tuple[str, Any], ...] = (),
     device: str = "cuda",
+    world: int = 1,
 ) -> StepMemory:
     """Run ``TorchTrainer.device_step`` ``steps`` times on fake tensors under MemTracker.
 
@@ -378,15 +393,15 @@ def trainer_step_memory(
     ``(("remat", True),)``; a tuple, so the result caches). ``device``: the device type the plan is
     for (``cuda``, or ``cpu`` for this machine's CPU): the AdamW implementation ``adamw`` means there
     (``TorchModelOptions.adamw_on``) and where its step counters live (host scalars on CUDA unless
-    fused; on ``cpu`` everything is the device's).
+    fused; on ``cpu`` everything is the device's). ``world`` > 1: the trainer sharded with FSDP2
+    over ``world`` devices (``backends/torch/fsdp.py``), traced as the first of them on torch's fake
+    process group (``fake_process_group``): its shards, its round-robin share of the micro-batches
+    (``rows`` are the whole batch), every layer's gather and reduce-scatter buffers.
     """
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.nn.modules.module import register_module_forward_pre_hook
 
     from mllm_rl.backends.torch.model import build_qwen3
     from mllm_rl.backends.torch.options import TorchModelOptions
-    from mllm_rl.backends.torch.trainer import TorchTrainer
     from mllm_rl.rl.loss_config import LossConfig
 
     t0 = time.perf_counter()
@@ -404,6 +419,64 @@ def trainer_step_memory(
     meta = build_qwen3(config, getattr(torch, dtype), "meta", attention)
     if logprob_chunk != "model":
         meta.logprob_chunk = logprob_chunk
+    with fake_process_group(world) as shard_over:
+        return _trace_step(
+            config, meta, cfg, dtype, rows, seq_len, steps, options, device, adamw, kl, lora, shard_over, t0
+        )
+
+
+@contextlib.contextmanager
+def fake_process_group(world: int) -> Iterator[tuple[Any, Any] | None]:
+    """``world`` > 1: torch's fake process group of ``world`` ranks (this process rank 0; every
+    collective returns at once, shapes right, values not) and a CPU device mesh over it, as the
+    trainer's ``shard_over``; taken down again after. ``None`` for one device."""
+    if world == 1:
+        yield None
+        return
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from mllm_rl.backends.torch import fsdp
+    from mllm_rl.backends.torch.distributed import Procs
+
+    if dist.is_initialized():
+        raise ValueError(
+            f"a plan of {world} devices runs torch's fake process group; this process has joined a real one "
+            "(plan it with python -m mllm_rl.memplan)"
+        )
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        import torch
+
+        yield fsdp.make_mesh(world, torch.device("cpu")), Procs(0, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _trace_step(
+    config: ModelConfig,
+    meta: Any,
+    cfg: TrainConfig,
+    dtype: str,
+    rows: int,
+    seq_len: int,
+    steps: int,
+    options: tuple[tuple[str, Any], ...],
+    device: str,
+    adamw: str,
+    kl: bool,
+    lora: bool,
+    shard_over: Any,
+    t0: float,
+) -> StepMemory:
+    """``trainer_step_memory``'s trace (``shard_over``: the fake process group's mesh, or None)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    from mllm_rl.backends.torch.trainer import TorchTrainer
+    from mllm_rl.rl.loss_config import LossConfig
+
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         model = meta.to_empty(device="cpu")
@@ -411,7 +484,9 @@ def trainer_step_memory(
         # buffers on CPU), then given what the CUDA path holds: host tensors of the initial
         # params that each step copies to the device (offload.host_copy / device_tensor)
         init_cfg = dataclasses.replace(cfg, loss=LossConfig(beta=0.0)) if kl and not lora else cfg
-        trainer = TorchTrainer(layout_dir(config, dtype), init_cfg, device="cpu", model=model)
+        trainer = TorchTrainer(
+            layout_dir(config, dtype), init_cfg, device="cpu", model=model, shard_over=shard_over
+        )
         if kl and not lora:
             trainer.cfg = cfg
             trainer.ref_host = {
@@ -470,8 +545,9 @@ def trainer_step_memory(
         peak_total=peak.get("Total", sum(peak.values())) - host_scalars,
         host_scalars=host_scalars,
         rows=rows,
-        micro_batch=micro_batch,
-        micro_batches=-(-rows // micro_batch),
+        micro_batch=cfg.micro_batch_size,
+        micro_batches=-(-math.ceil(rows / cfg.micro_batch_size) // trainer.dp.count),  # this device's share
+        world=trainer.dp.count,
         seq_len=seq_len,
         seconds=time.perf_counter() - t0,
         master_dtype=str(trainer.master_dtype).removeprefix("torch."),
@@ -742,7 +818,10 @@ def measure(req: PlanRequest) -> Measured:
     itemsize = DTYPES[req.param_dtype][0]
     figures = embedded_engine if engine_of(req, target) == "embedded" else sglang_engine
     engine = figures(req, target, itemsize)  # refuses before any tracing
-    rows = min(req.prompts * req.group_size, 2 * req.micro_batch)
+    from mllm_rl.backends.torch import fsdp
+
+    world = target.num_devices if fsdp.resolve(req.fsdp, target.num_devices) else 1
+    rows = min(req.prompts * req.group_size, 2 * req.micro_batch * world)  # up to 2 micro-batches a device
     step = trainer_step_memory(
         c,
         req.micro_batch,
@@ -754,6 +833,7 @@ def measure(req: PlanRequest) -> Measured:
         precision=req.precision,
         options=options_key(req.options),
         device="cpu" if target.platform == "cpu" else "cuda",
+        world=world,
     )
     comps, grad_step = _trainer_figures(req, step)
     comps["engine_weights"], comps["kv_pool"] = engine.weights, engine.kv_pool
@@ -761,8 +841,22 @@ def measure(req: PlanRequest) -> Measured:
     bucket = f"largest update bucket (>= {sc.CHUNK_BYTES // MIB} MiB each)"
     comps["staging"] = Component("staging", stage, "layout", bucket)
     notes = [
-        f"trainer step: {step.shape}, rows = min(prompts x group_size, 2 x micro_batch) = {rows}; "
-        f"{step.seconds:.0f} s of fake-tensor tracing",
+        f"trainer step: {step.shape}, rows = min(prompts x group_size, 2 x micro_batch"
+        f"{' x devices' if world > 1 else ''}) = {rows}; {step.seconds:.0f} s of fake-tensor tracing",
+        *(
+            [
+                f"FSDP2 over {world} devices (one process each): params, gradients and AdamW state are one "
+                f"device's shards; each device runs its round-robin share of the micro-batches; traced as "
+                f"rank 0 of torch's fake process group (every layer's all-gather and reduce-scatter buffers "
+                f"counted; NCCL's own buffers are not)"
+            ]
+            if world > 1
+            else (
+                [f"fsdp 1 on {target.num_devices} devices: every process holds the whole trainer"]
+                if target.num_devices > 1
+                else []
+            )
+        ),
         *engine.notes,
     ]
     if req.optimizer_dtype != step.master_dtype:

@@ -479,7 +479,10 @@ class Qwen3(nn.Module):
         if targets is None:
             return self.logits(x)
         norm = self.model.norm
-        return token_logprobs(x, targets, norm.weight, norm.eps, self.head(), temperature, self.logprob_chunk)
+        logp = token_logprobs(x, targets, norm.weight, norm.eps, self.head(), temperature, self.logprob_chunk)
+        # FSDP2 hooks the root's output for its backward: a view there could lose the hook to an
+        # in-place op (torch warns); a copy of the [B, T] float32 log-probs is not one
+        return logp.clone() if self.sharded else logp
 
     def forward_cached(
         self,

@@ -107,15 +107,20 @@ class TorchTrainer:
         cfg: TrainConfig,
         device: str | torch.device = "cpu",
         model: Qwen3 | None = None,
+        shard_over: tuple[Any, dist.Procs] | None = None,
     ) -> None:
         """``model``: a ``Qwen3`` already in ``model_dir``'s layout and dtype on ``device`` (the
         memory planner builds one on fake tensors; its params are converted to the master dtype
-        here); by default it is loaded from ``model_dir``. ``cfg.model_options``: ``TorchModelOptions``
+        here); by default it is loaded from ``model_dir``. ``shard_over``: (a device mesh,
+        ``fsdp.make_mesh``; this process's place among its processes) to shard over instead of the
+        run's processes: the memory planner's fake process group, where this process plays one device
+        of several. ``cfg.model_options``: ``TorchModelOptions``
         (``ValueError`` naming an unknown or bad one), applied to the model."""
         self.cfg = cfg
-        self.dp = dist.procs()  # several processes (backends/torch/distributed.py)
+        mesh, procs = shard_over if shard_over is not None else (None, dist.procs())
+        self.dp = procs  # several processes (backends/torch/distributed.py)
         # FSDP2 over the processes (backends/torch/fsdp.py), else each holds the whole trainer (data parallel)
-        self.sharded = fsdp.resolve(cfg.fsdp, self.dp.count)
+        self.sharded = mesh is not None or fsdp.resolve(cfg.fsdp, self.dp.count)
         self.options = TorchModelOptions.from_pairs(cfg.model_options)
         self.config = model_dir.config
         self.device = torch.device(device)
@@ -145,11 +150,8 @@ class TorchTrainer:
         if self.sharded:
             fsdp.check_kl(True, cfg.loss.beta, self.lora)
             # every param becomes a DTensor shard (the names stay); mixed: gathered in the compute dtype
-            fsdp.shard(
-                self.model,
-                fsdp.make_mesh(self.dp.count, self.device),
-                self.compute_dtype if self.mixed else None,
-            )
+            mesh = fsdp.make_mesh(self.dp.count, self.device) if mesh is None else mesh
+            fsdp.shard(self.model, mesh, self.compute_dtype if self.mixed else None)
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self.trainable = {n: p for n, p in self.params.items() if p.requires_grad}
         self.optimizer = torch.optim.AdamW(

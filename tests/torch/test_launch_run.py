@@ -77,7 +77,8 @@ def test_fsdp_full_fine_tune_shards_the_state_and_its_checkpoint_resumes_in_one_
     (the default) against the same run on one process and on two unsharded (--fsdp 1): step 0's
     rewards equal, its loss and grad norm to float32 reduction noise; each FSDP process holds half
     the params and AdamW state (the shards of two processes are the whole, but for FSDP2's padding of
-    a last shard); 64 rows in micro-batches of 24 make 3 micro-batches, so one process runs a
+    a last shard), each to the byte what the torch planner traces for one rank of a fake process
+    group; 64 rows in micro-batches of 24 make 3 micro-batches, so one process runs a
     weight-0 repeat to keep the collectives paired. The two-process checkpoint (one shard file per
     process) resumes in ONE process and its step 1 is the one-process run's step 1 exactly:
     torch.distributed.checkpoint reshards, and the restored masters and moments are bit for bit
@@ -99,6 +100,15 @@ def test_fsdp_full_fine_tune_shards_the_state_and_its_checkpoint_resumes_in_one_
     assert _train_step_bytes(dp) == _train_step_bytes(dp, "phases.p1.jsonl") == whole
     halves = [_train_step_bytes(two), _train_step_bytes(two, "phases.p1.jsonl")]
     assert whole <= sum(halves) <= whole * 1.02 and max(halves) <= whole * 0.52, (whole, halves)
+    # the torch planner's trace of the same trainer, sharded over 2 ranks of torch's fake process
+    # group (python -m mllm_rl.memplan --target h100x2 traces this): each process's state to the byte
+    from mllm_rl.backends.torch import memplan
+    from mllm_rl.presets import get_preset
+
+    for world, measured in ((1, [whole]), (2, halves)):
+        step = memplan.trainer_step_memory(get_preset("tiny"), 24, 64, 48, "bfloat16",
+                                           options=(("remat", True),), device="cpu", world=world)  # fmt: skip
+        assert all(step.params + step.optimizer == m for m in measured), (world, step, measured)
     assert sorted(p.name for p in (two / "checkpoints" / "step_000000" / "dcp").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"]  # fmt: skip
 

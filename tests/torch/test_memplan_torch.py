@@ -236,9 +236,11 @@ def test_cli_plans_with_the_torch_backend(tmp_path):
 
 @pytest.mark.parametrize(
     "kw, field",
-    [({"tp": 2}, "PlanRequest.tp"), ({"target": "h100x8"}, "PlanRequest.target"),
+    [({"tp": 2}, "PlanRequest.tp"), ({"target": "h100x16"}, "PlanRequest.target"),
      ({"target": "v4-8"}, "PlanRequest.target"), ({"backend": "jax"}, "PlanRequest.backend"),
-     ({"param_dtype": "int8"}, "PlanRequest.param_dtype"), ({"fsdp": 2}, "PlanRequest.fsdp"),
+     ({"param_dtype": "int8"}, "PlanRequest.param_dtype"), ({"fsdp": 2}, "--fsdp 2"),
+     ({"target": "h100x4", "fsdp": 3}, "--fsdp 3"), ({"target": "h100x4", "engine": "sglang"}, "PlanRequest.engine"),
+     ({"target": "h100x2", "kl": True}, "--kl-beta"),
      ({"trainer_tp": 2}, "PlanRequest.trainer_tp"), ({"options": {"scan_layers": True}}, "PlanRequest.options"),
      ({"options": {"remat": "dots"}}, "PlanRequest.options")],
 )  # fmt: skip
@@ -269,13 +271,31 @@ def test_targets_from_the_card_spec():
     assert h100.hbm_bytes == 84942979072 and h200.hbm_bytes == memplan.card_memory("h200.txtpb")
     assert "h100_sxm.txtpb" in h100.source and h100.num_devices == 1
     assert set(memplan.targets()) == {
-        "h100",
-        "h100x1",
-        "h200",
-        "h200x1",
+        *(f"{card}{n}" for card in ("h100", "h200") for n in ("", "x1", "x2", "x4", "x8")),
         "cpu",
         "cuda",
     }  # cpu, cuda: this machine
+    node = memplan.parse_target("h100x8")
+    assert node.num_devices == 8 and node.num_hosts == 1 and node.hbm_bytes == h100.hbm_bytes
+
+
+def test_a_node_plans_one_device_of_the_fsdp2_sharded_trainer(tiny_fp32):
+    """``h100x4``: the trainer sharded with FSDP2 over 4 cards, traced as rank 0 of torch's fake
+    process group: params, gradients and AdamW moments are a quarter of one card's (each tensor's
+    dim 0 split in 4: tiny's dims all divide), the step counters whole (one per tensor on every
+    rank), the step's peak lower; an embedded engine per card (auto: SGLang across processes is not
+    supported), the same as one card's. ``fsdp=1``: every card holds the whole trainer."""
+    m = memplan.measure(request(kv_tokens=1000, target="h100x4", prompts=8))
+    whole = {k: tiny_fp32.components[k].bytes_per_device for k in ("trainer_params", "grads", "optimizer")}
+    c = {k: m.components[k].bytes_per_device for k in whole}
+    assert c["trainer_params"] * 4 == whole["trainer_params"] and c["grads"] * 4 == whole["grads"]
+    assert (c["optimizer"] - COUNTERS) * 4 == whole["optimizer"] - COUNTERS
+    assert m.functions["grad_step"].peak_bytes < tiny_fp32.functions["grad_step"].peak_bytes
+    assert "on each of 4 devices" in m.functions["grad_step"].detail
+    assert any("FSDP2 over 4 devices" in n for n in m.notes)
+    assert m.components["engine_weights"].detail.startswith("embedded engine")
+    r = memplan.measure(request(kv_tokens=1000, target="h100x4", fsdp=1))
+    assert {k: r.components[k].bytes_per_device for k in whole} == whole
 
 
 @pytest.mark.slow
@@ -320,7 +340,7 @@ def test_bench_plan_only_prints_both_schedules(tmp_path):
     assert [p["schedule"] for p in data["plans"]] == ["multi_stage", "naive"]
     assert all(p["fits"] for p in data["plans"]) and data["kind"] == "predicted"
     bad = subprocess.run([sys.executable, "scripts/bench_plan_vs_live.py", "--plan-only", "--preset", "tiny",
-                          "--target", "h100x8"], capture_output=True, text=True, cwd=ROOT, timeout=600)  # fmt: skip
+                          "--target", "h100x16"], capture_output=True, text=True, cwd=ROOT, timeout=600)  # fmt: skip
     assert bad.returncode == 2 and "PlanRequest.target" in bad.stderr
 
 
