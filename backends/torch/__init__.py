@@ -174,7 +174,7 @@ class TorchBackend(Backend):
         from mllm_rl.backends.torch.options import TorchModelOptions
 
         TorchModelOptions.from_pairs(cfg.model_options)
-        fsdp.check_kl(fsdp.resolve(cfg.fsdp, distributed.procs().count), cfg.loss.beta, cfg.lora_rank > 0)
+        fsdp.resolve(cfg.fsdp, distributed.procs().count)
         if cfg.trainer_tp != 1:
             raise ValueError(
                 f"--trainer-tp {cfg.trainer_tp}: the {self.name} trainer has no tensor parallelism"

@@ -126,12 +126,3 @@ def resolve(fsdp: int, world: int) -> bool:
             "over none (1: data parallel, every process holds the whole trainer)"
         )
     return world > 1 and size == world
-
-
-def check_kl(sharded: bool, kl_beta: float, lora: bool) -> None:
-    """A sharded full fine-tune takes no KL term (its reference forward is not sharded yet)."""
-    if sharded and kl_beta > 0 and not lora:
-        raise ValueError(
-            "--kl-beta with a full fine-tune under FSDP (several processes, --fsdp 0): the KL reference's "
-            "forward is not sharded yet; use LoRA (the reference is the base model) or --fsdp 1"
-        )

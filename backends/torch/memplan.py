@@ -179,7 +179,6 @@ def check_request(req: PlanRequest) -> Target:
     from mllm_rl.backends.torch import fsdp
 
     fsdp.resolve(req.fsdp, target.num_devices)  # ValueError naming --fsdp
-    fsdp.check_kl(fsdp.resolve(req.fsdp, target.num_devices), 1.0 if req.kl else 0.0, req.lora_rank > 0)
     engine = engine_of(req, target)
     if engine == "sglang" and target.num_devices > 1:
         raise ValueError(
@@ -474,6 +473,7 @@ def _trace_step(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.modules.module import register_module_forward_pre_hook
 
+    from mllm_rl.backends.torch import fsdp
     from mllm_rl.backends.torch.trainer import TorchTrainer
     from mllm_rl.rl.loss_config import LossConfig
 
@@ -489,8 +489,8 @@ def _trace_step(
         )
         if kl and not lora:
             trainer.cfg = cfg
-            trainer.ref_host = {
-                n: torch.empty_like(p, device="meta", dtype=trainer.compute_dtype)
+            trainer.ref_host = {  # sharded: this device's shards
+                n: torch.empty_like(fsdp.local(p), device="meta", dtype=trainer.compute_dtype)
                 for n, p in trainer.trainable.items()
             }
     ref_params = sum(h.numel() * h.element_size() for h in (trainer.ref_host or {}).values())
@@ -537,7 +537,8 @@ def _trace_step(
     pre = before_step[-1]
     out = StepMemory(
         # functional_call swaps the KL reference tensors in as module params: MemTracker files them as such
-        params=pre.get("Parameter", 0) - ref_params,
+        # (sharded, they are copied into the params' shards instead: not params)
+        params=pre.get("Parameter", 0) - (0 if trainer.sharded else ref_params),
         grads=pre.get("Gradient", 0),
         optimizer=pre.get("Optstate", 0) - host_scalars,
         ref_params=ref_params,

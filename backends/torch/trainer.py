@@ -57,13 +57,16 @@ shards, mixed precision is FSDP2's policy (the same casts as ``_compute_params``
 layer gathers), remat checkpoints each layer's own call (``Qwen3.sharded``), each process runs its
 round-robin share of the micro-batches (padded with weight-0 repeats so every process runs as many:
 ``_my_micro_batches``), the weight export gathers one tensor at a time, and checkpoints are
-``torch.distributed.checkpoint`` shards (``save``/``restore``; a load reshards). ``cfg.fsdp`` 1:
+``torch.distributed.checkpoint`` shards (``save``/``restore``; a load reshards); a full fine-tune's
+KL reference is this process's shards of the initial params, copied into the params' shards for
+the reference forward and back (``_shards_replaced``). ``cfg.fsdp`` 1:
 every process holds the whole trainer and the gradients are summed with ``all_reduce``.
 Offload moves each process's own shards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -148,7 +151,6 @@ class TorchTrainer:
             self.model.requires_grad_(True)
         self.linear_names = [n for n in linear_layers(self.model) if n in set(self.names)]
         if self.sharded:
-            fsdp.check_kl(True, cfg.loss.beta, self.lora)
             # every param becomes a DTensor shard (the names stay); mixed: gathered in the compute dtype
             mesh = fsdp.make_mesh(self.dp.count, self.device) if mesh is None else mesh
             fsdp.shard(self.model, mesh, self.compute_dtype if self.mixed else None)
@@ -165,9 +167,9 @@ class TorchTrainer:
         _init_optimizer_state(self.optimizer)
         # full fine-tune + KL: the initial params in the compute dtype (exact: the checkpoint's), on the host
         self.ref_host: dict[str, Any] | None = None
-        if cfg.loss.beta > 0 and not self.lora:
+        if cfg.loss.beta > 0 and not self.lora:  # sharded: this process's shards
             self.ref_host = {
-                n: host_copy(p.detach().to(self.compute_dtype), self.device)
+                n: host_copy(fsdp.local(p).detach().to(self.compute_dtype), self.device)
                 for n, p in self.trainable.items()
             }
             if self.device.type == "cuda":
@@ -298,7 +300,28 @@ class TorchTrainer:
         if self.lora:
             with disabled(self.model):
                 return self._token_logp(mb["tokens"], mb.get("attn"))
+        if self.sharded:
+            assert ref is not None
+            with self._shards_replaced(ref):
+                return self._token_logp(mb["tokens"], mb.get("attn"))
         return self._token_logp(mb["tokens"], mb.get("attn"), ref)
+
+    @contextlib.contextmanager
+    def _shards_replaced(self, values: dict[str, torch.Tensor]) -> Iterator[None]:
+        """The trainable params' local shards hold ``values`` (the KL reference's shards, in the
+        compute dtype: cast up to the masters' dtype exactly, and cast back by FSDP2's policy when
+        gathered, so a forward computes on the reference itself) inside the block, their own bytes
+        again after it (kept meanwhile in a copy of the shards)."""
+        with torch.no_grad():
+            shards = {n: fsdp.local(self.trainable[n]) for n in values}
+            saved = {n: t.clone() for n, t in shards.items()}
+            try:
+                for n, t in shards.items():
+                    t.copy_(values[n])
+                yield
+            finally:
+                for n, t in shards.items():
+                    t.copy_(saved[n])
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """``mini_batches`` AdamW updates over ``batch``, each accumulating exact gradients
@@ -328,7 +351,8 @@ class TorchTrainer:
         if cfg.loss.beta > 0 and not self.lora:
             assert self.ref_host is not None
             ref = {
-                n: device_tensor(h, self.trainable[n], self.compute_dtype) for n, h in self.ref_host.items()
+                n: device_tensor(h, fsdp.local(self.trainable[n]), self.compute_dtype)
+                for n, h in self.ref_host.items()
             }
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         totals: dict[str, torch.Tensor] = {}

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -83,69 +80,19 @@ def test_rl_across_two_processes_is_the_one_process_run(tiny_bf16_ckpt, tmp_path
     assert bad == [], bad
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        kids = _children(todo.pop())
-        found += kids
-        todo += kids
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.slow  # engines across two processes, two runs
 def test_a_process_killed_mid_step_stops_the_run_and_resume_continues(tiny_ckpt, tmp_path):
     """Process 1 is SIGKILLed during step 1: the launcher stops process 0 (SIGTERM, its run closes its
     logs) and exits 137 (128 + SIGKILL, the first failure) within the grace period; no process of the
     run is left; ``--resume`` continues both processes from step 0's checkpoint to the end."""
+    from tests.launch_kill import kill_process_1_in_step_1
+
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", MLLM_RL_DIST_TIMEOUT_S="120", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "mllm_rl.launch", "--nproc", "2", "--grace-s", "20", "--", *RL, "--model",
            str(tiny_ckpt), "--steps", "3", "--run-dir", str(run_dir)]  # fmt: skip
-    launcher = subprocess.Popen(
-        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        deadline = time.monotonic() + 600
-        p1_phases = run_dir / "phases.p1.jsonl"
-        while time.monotonic() < deadline and launcher.poll() is None:
-            if p1_phases.exists() and any(x["step"] == 1 for x in read_jsonl(p1_phases)):
-                break
-            time.sleep(0.2)
-        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
-        tree = _descendants(launcher.pid)
-        p1 = next(p for p in _children(launcher.pid)
-                  if b"MLLM_RL_PROCESS_ID=1\0" in Path(f"/proc/{p}/environ").read_bytes())  # fmt: skip
-        os.kill(p1, signal.SIGKILL)
-        t0 = time.monotonic()
-        _, err = launcher.communicate(timeout=120)
-        assert launcher.returncode == 137, err[-3000:]
-        assert time.monotonic() - t0 < 60  # process 0 stopped on SIGTERM, well within the grace period
-        assert "launch: process 1 exited 137; stopping the others" in err
-        assert not [p for p in tree if _alive(p)]  # no orphan: every process of the run is gone
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
+    kill_process_1_in_step_1(cmd, env, run_dir)
     r = launch(*RL, "--model", str(tiny_ckpt), "--steps", "3", "--run-dir", str(run_dir), "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     for name in ("metrics.jsonl", "metrics.p1.jsonl"):

@@ -1,5 +1,5 @@
 """The pieces of the sharded torch trainer that run without a process group: ``--fsdp`` resolved
-against the process count, the KL refusal, and offload/onload of an FSDP2-style shard (a view of
+against the process count, and offload/onload of an FSDP2-style shard (a view of
 a padded storage) moving its whole storage, bit for bit."""
 
 from __future__ import annotations
@@ -23,14 +23,6 @@ def test_a_partial_fsdp_is_refused_naming_the_flag(value, world):
         ValueError, match=rf"^--fsdp {value}: the torch trainer shards over every process \({world};"
     ):
         fsdp.resolve(value, world)
-
-
-def test_a_sharded_full_fine_tune_refuses_a_kl_term_but_lora_takes_it():
-    with pytest.raises(ValueError, match="^--kl-beta with a full fine-tune under FSDP"):
-        fsdp.check_kl(True, 0.1, lora=False)
-    fsdp.check_kl(True, 0.1, lora=True)
-    fsdp.check_kl(False, 0.1, lora=False)
-    fsdp.check_kl(True, 0.0, lora=False)
 
 
 def test_offload_moves_the_whole_padded_storage_of_a_shard_and_back_bit_for_bit():

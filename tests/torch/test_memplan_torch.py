@@ -240,7 +240,7 @@ def test_cli_plans_with_the_torch_backend(tmp_path):
      ({"target": "v4-8"}, "PlanRequest.target"), ({"backend": "jax"}, "PlanRequest.backend"),
      ({"param_dtype": "int8"}, "PlanRequest.param_dtype"), ({"fsdp": 2}, "--fsdp 2"),
      ({"target": "h100x4", "fsdp": 3}, "--fsdp 3"), ({"target": "h100x4", "engine": "sglang"}, "PlanRequest.engine"),
-     ({"target": "h100x2", "kl": True}, "--kl-beta"),
+
      ({"trainer_tp": 2}, "PlanRequest.trainer_tp"), ({"options": {"scan_layers": True}}, "PlanRequest.options"),
      ({"options": {"remat": "dots"}}, "PlanRequest.options")],
 )  # fmt: skip
@@ -284,7 +284,8 @@ def test_a_node_plans_one_device_of_the_fsdp2_sharded_trainer(tiny_fp32):
     process group: params, gradients and AdamW moments are a quarter of one card's (each tensor's
     dim 0 split in 4: tiny's dims all divide), the step counters whole (one per tensor on every
     rank), the step's peak lower; an embedded engine per card (auto: SGLang across processes is not
-    supported), the same as one card's. ``fsdp=1``: every card holds the whole trainer."""
+    supported), the same as one card's. ``fsdp=1``: every card holds the whole trainer. With a KL
+    term the reference is held as shards too."""
     m = memplan.measure(request(kv_tokens=1000, target="h100x4", prompts=8))
     whole = {k: tiny_fp32.components[k].bytes_per_device for k in ("trainer_params", "grads", "optimizer")}
     c = {k: m.components[k].bytes_per_device for k in whole}
@@ -296,6 +297,11 @@ def test_a_node_plans_one_device_of_the_fsdp2_sharded_trainer(tiny_fp32):
     assert m.components["engine_weights"].detail.startswith("embedded engine")
     r = memplan.measure(request(kv_tokens=1000, target="h100x4", fsdp=1))
     assert {k: r.components[k].bytes_per_device for k in whole} == whole
+    # a full fine-tune's KL reference: this card's shards of the initial params (here float32, the
+    # checkpoint's dtype), copied into the params' shards for its forward: the params stay params
+    k = memplan.measure(request(kv_tokens=1000, target="h100x4", prompts=8, kl=True))
+    assert k.components["ref_params"].bytes_per_device == c["trainer_params"]
+    assert k.components["trainer_params"].bytes_per_device == c["trainer_params"]
 
 
 @pytest.mark.slow

@@ -1,0 +1,47 @@
+"""One torch trainer under ``python -m mllm_rl.launch --nproc N --module tests.fsdp_trainer_child --
+CKPT OUT [TrainConfig JSON]``: every process joins the run, builds a ``TorchTrainer`` of CKPT (sharded
+with FSDP2 over the processes unless the config says ``fsdp: 1``), takes three ``train_step``s on
+one fixed batch (every process the same), offloads and onloads its state between them, and
+process 0 writes each step's metrics and the engine export's fingerprint after the first to OUT
+(JSON). The test compares N = 2 with N = 1."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from mllm_rl.backends.torch import distributed
+from mllm_rl.backends.torch.trainer import TorchTrainer
+from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.rl.loss_config import LossConfig
+from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig
+
+ckpt, out = Path(sys.argv[1]), Path(sys.argv[2])
+kw = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+loss = LossConfig(**kw.pop("loss", {}))
+procs = distributed.init_distributed()
+model = ModelDir.open(ckpt)
+trainer = TorchTrainer(model, TrainConfig(loss=loss, **kw))
+
+rng = np.random.default_rng(7)
+rows, t = 24, 40
+tokens = rng.integers(0, model.config.vocab_size, (rows, t)).astype(np.int32)
+lengths = rng.integers(t // 2, t + 1, rows)
+attn = np.arange(t)[None] < lengths[:, None]
+loss_mask = attn & (np.arange(t)[None] >= 12)
+tokens = np.where(attn, tokens, 0)
+old = np.where(loss_mask, -rng.uniform(1, 6, (rows, t)), 0).astype(np.float32)
+batch = RolloutBatch(tokens, attn, loss_mask, old, rng.normal(size=rows).astype(np.float32))
+
+steps, fingerprint = [], None
+for _ in range(3):
+    steps.append(trainer.train_step(batch))
+    trainer.offload([PARAMS, OPTIMIZER])
+    trainer.onload([PARAMS, OPTIMIZER])
+    fingerprint = fingerprint or trainer.weights_fingerprint()  # after the first step
+if procs.index == 0:
+    out.write_text(json.dumps({"steps": steps, "fingerprint": fingerprint, "sharded": trainer.sharded}))
+distributed.shutdown()
