@@ -2,8 +2,8 @@
 CKPT OUT [TrainConfig JSON]``: every process joins the run, builds a ``TorchTrainer`` of CKPT (sharded
 with FSDP2 over the processes unless the config says ``fsdp: 1``), takes three ``train_step``s on
 one fixed batch (every process the same), offloads and onloads its state between them, and
-process 0 writes each step's metrics and the engine export's fingerprint after the first to OUT
-(JSON). The test compares N = 2 with N = 1."""
+process 0 writes the batch's log-probs before the first step, each step's metrics and the engine
+export's fingerprint after the first to OUT (JSON). The test compares N = 2 with N = 1."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ tokens = np.where(attn, tokens, 0)
 old = np.where(loss_mask, -rng.uniform(1, 6, (rows, t)), 0).astype(np.float32)
 batch = RolloutBatch(tokens, attn, loss_mask, old, rng.normal(size=rows).astype(np.float32))
 
+logp = trainer.logprobs(batch)  # each process its share of the micro-batches, all of them gathered
 steps, fingerprint = [], None
 for _ in range(3):
     steps.append(trainer.train_step(batch))
@@ -43,5 +44,6 @@ for _ in range(3):
     trainer.onload([PARAMS, OPTIMIZER])
     fingerprint = fingerprint or trainer.weights_fingerprint()  # after the first step
 if procs.index == 0:
-    out.write_text(json.dumps({"steps": steps, "fingerprint": fingerprint, "sharded": trainer.sharded}))
+    doc = {"steps": steps, "fingerprint": fingerprint, "sharded": trainer.sharded, "logprobs": logp.tolist()}
+    out.write_text(json.dumps(doc))
 distributed.shutdown()

@@ -365,7 +365,7 @@ class TorchTrainer:
             total_tokens = float(max(int(mini.loss_mask[:, 1:].sum()), 1))
             total_seqs = float(mini.size)
             self.optimizer.zero_grad(set_to_none=True)
-            for mb, weight in self._my_micro_batches(mini):
+            for _, mb, weight in self._my_micro_batches(mini):
                 ref_logp = self._ref_logp(mb, ref) if cfg.loss.beta > 0 else None
                 # layer casts: the embeddings, final norm and head cast here, each layer's in its checkpoint
                 logp = self._token_logp(
@@ -407,11 +407,12 @@ class TorchTrainer:
             dist.all_reduce_sum([loss_sum, *(totals[k] for k in names)])
         return loss_sum, len(parts), gnorms, totals
 
-    def _my_micro_batches(self, mini: RolloutBatch) -> Iterator[tuple[dict[str, torch.Tensor], float]]:
-        """This process's micro-batches of ``mini`` with their weights: dealt round-robin over the
-        processes (one process: all, weight 1). Sharded, every process runs as many forwards and
-        backwards as the one with the most (FSDP2's gathers and reductions are collectives): one
-        short repeats a micro-batch with weight 0 (its gradient is zero, its metrics are dropped)."""
+    def _my_micro_batches(self, mini: RolloutBatch) -> Iterator[tuple[int, dict[str, torch.Tensor], float]]:
+        """This process's micro-batches of ``mini`` (index in ``mini``, tensors, weight): dealt
+        round-robin over the processes (one process: all, weight 1). Sharded, every process runs as
+        many forwards (and backwards) as the one with the most (FSDP2's gathers and reductions are
+        collectives): one short repeats a micro-batch with weight 0 (its gradient is zero, its
+        metrics and log-probs are dropped)."""
         count, index = self.dp.count, self.dp.index
         n = -(-mini.size // self.cfg.micro_batch_size)
         first: dict[str, torch.Tensor] | None = None
@@ -420,10 +421,10 @@ class TorchTrainer:
             first = mb if first is None else first
             if k % count == index:
                 mine += 1
-                yield mb, 1.0
+                yield k, mb, 1.0
         if self.sharded and first is not None:
             for _ in range(-(-n // count) - mine):
-                yield first, 0.0
+                yield 0, first, 0.0
 
     def _apply(self) -> torch.Tensor:
         """Global-norm clipping (optax ``clip_by_global_norm``: g * clip / norm when norm >= clip)
@@ -447,14 +448,19 @@ class TorchTrainer:
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch) -> np.ndarray:
-        """Log-prob of ``tokens[b, t]`` given ``tokens[b, :t]``, [B, T] float32 (0 at t = 0 and on padding)."""
+        """Log-prob of ``tokens[b, t]`` given ``tokens[b, :t]``, [B, T] float32 (0 at t = 0 and on padding).
+        Several processes: each computes its round-robin share of the micro-batches
+        (``_my_micro_batches``) and every process gets all of them (an object all-gather of [M, T]
+        float32 arrays); a micro-batch's log-probs do not depend on which process computes it."""
         self._need(PARAMS)
         params = self._compute_params()  # cast once for every micro-batch
-        out = [
-            torch.nn.functional.pad(self._token_logp(mb["tokens"], mb.get("attn"), params), (1, 0)).cpu()
-            for mb in self._micro_batches(batch)
-        ]
-        logp = torch.cat(out).numpy()[:, : batch.tokens.shape[1]]
+        mine: dict[int, np.ndarray] = {}
+        for k, mb, weight in self._my_micro_batches(batch):
+            lp = torch.nn.functional.pad(self._token_logp(mb["tokens"], mb.get("attn"), params), (1, 0))
+            if weight:
+                mine[k] = lp.cpu().numpy()
+        parts = {k: v for got in dist.gather_objects(mine) for k, v in got.items()}
+        logp = np.concatenate([parts[k] for k in sorted(parts)])[:, : batch.tokens.shape[1]]
         return np.where(batch.attention_mask, logp, 0.0).astype(np.float32)
 
     @torch.no_grad()

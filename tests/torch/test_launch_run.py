@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from mllm_rl.sinks.jsonl import read_jsonl
@@ -171,7 +172,9 @@ def test_the_sharded_trainer_takes_the_steps_of_the_unsharded_one(tiny_bf16_ckpt
     (the KL after the first step is not 0: the reference forward of the sharded trainer runs on the
     reference's shards, swapped into the params' own), and the engine export after the first step
     (gathered one tensor at a time) has the fingerprint of the one-process trainer's.
-    24 rows in micro-batches of 5 are 5 micro-batches: process 1 runs a weight-0 repeat."""
+    24 rows in micro-batches of 5 are 5 micro-batches: process 1 runs a weight-0 repeat. The
+    log-probs of the batch (each process computes its share of the micro-batches, all gathered)
+    are the one process's."""
     import json
 
     got = {}
@@ -184,6 +187,9 @@ def test_the_sharded_trainer_takes_the_steps_of_the_unsharded_one(tiny_bf16_ckpt
         assert r.returncode == 0, r.stderr[-3000:]
         got[n] = json.loads(out.read_text())
     assert got[2]["sharded"] and not got[1]["sharded"]
+    one_lp, two_lp = np.array(got[1]["logprobs"]), np.array(got[2]["logprobs"])
+    assert one_lp.shape == two_lp.shape == (24, 40) and (one_lp < 0).sum() > 400
+    np.testing.assert_allclose(two_lp, one_lp, rtol=0, atol=1e-5)  # the processes' shares, gathered
     assert got[1]["steps"][1]["kl"] > 0
     for i, (one, two) in enumerate(zip(got[1]["steps"], got[2]["steps"], strict=True)):
         # by the third step two AdamW updates (each a gradient over a tiny second moment) have
