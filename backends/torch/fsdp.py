@@ -1,8 +1,8 @@
 """FSDP2 for the torch trainer: parameters, gradients and AdamW state sharded over the processes.
 
-``shard(model, compute_dtype)`` applies ``torch.distributed.fsdp.fully_shard`` to every decoder
-layer and then to the whole model over a 1-D device mesh of every process (NCCL on CUDA, gloo on
-CPU). Each parameter becomes a ``DTensor`` sharded on dim 0 (``Shard(0)``; the last shard padded);
+``shard(model, mesh, compute_dtype)`` applies ``torch.distributed.fsdp.fully_shard`` to every
+decoder layer and then to the whole model over a 1-D device mesh (``make_mesh``: every process,
+NCCL on CUDA, gloo on CPU; the memory planner's: a fake process group). Each parameter becomes a ``DTensor`` sharded on dim 0 (``Shard(0)``; the last shard padded);
 AdamW's moments follow (``zeros_like`` of a ``DTensor``). A layer gathers its weights in its
 forward hook and frees them after its forward (``reshard_after_forward=True``, the root too, so a
 no-grad forward — log-probs, the garbage guard's greedy — leaves nothing gathered) and again in
@@ -28,6 +28,7 @@ into one directory; a load reshards, so a checkpoint resumes on another process 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -49,12 +50,6 @@ def full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def is_sharded(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def make_mesh(world: int, device: torch.device) -> Any:
@@ -109,7 +104,11 @@ def load(state: dict[str, Any], path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     one = not (dist.is_available() and dist.is_initialized())
-    dcp.load(state, checkpoint_id=str(Path(path) / DCP_DIR), no_dist=one)
+    with warnings.catch_warnings():  # one process on purpose (a sharded checkpoint resumed unsharded)
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
+        dcp.load(state, checkpoint_id=str(Path(path) / DCP_DIR), no_dist=one)
 
 
 def has_checkpoint(path: Path) -> bool:

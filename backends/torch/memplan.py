@@ -398,9 +398,13 @@ def trainer_step_memory(
     (``rows`` are the whole batch), every layer's gather and reduce-scatter buffers.
     """
     import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.modules.module import register_module_forward_pre_hook
 
+    from mllm_rl.backends.torch import fsdp
     from mllm_rl.backends.torch.model import build_qwen3
     from mllm_rl.backends.torch.options import TorchModelOptions
+    from mllm_rl.backends.torch.trainer import TorchTrainer
     from mllm_rl.rl.loss_config import LossConfig
 
     t0 = time.perf_counter()
@@ -418,10 +422,90 @@ def trainer_step_memory(
     meta = build_qwen3(config, getattr(torch, dtype), "meta", attention)
     if logprob_chunk != "model":
         meta.logprob_chunk = logprob_chunk
-    with fake_process_group(world) as shard_over:
-        return _trace_step(
-            config, meta, cfg, dtype, rows, seq_len, steps, options, device, adamw, kl, lora, shard_over, t0
+    with fake_process_group(world) as shard_over:  # None for one device
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake:
+            model = meta.to_empty(device="cpu")
+            # full fine-tune + KL: built without it (its host copies of the params would be numpy
+            # buffers on CPU), then given what the CUDA path holds: host tensors of the initial
+            # params that each step copies to the device (offload.host_copy / device_tensor)
+            init_cfg = dataclasses.replace(cfg, loss=LossConfig(beta=0.0)) if kl and not lora else cfg
+            trainer = TorchTrainer(
+                layout_dir(config, dtype), init_cfg, device="cpu", model=model, shard_over=shard_over
+            )
+            if kl and not lora:
+                trainer.cfg = cfg
+                trainer.ref_host = {  # sharded: this device's shards
+                    n: torch.empty_like(fsdp.local(p), device="meta", dtype=trainer.compute_dtype)
+                    for n, p in trainer.trainable.items()
+                }
+        ref_params = sum(h.numel() * h.element_size() for h in (trainer.ref_host or {}).values())
+        host_scalars = 0  # on CUDA the step counters of a non-fused AdamW are host tensors
+        for group in trainer.optimizer.param_groups if device == "cuda" else ():
+            steps_of = (trainer.optimizer.state.get(p, {}).get("step") for p in group["params"])
+            if not group["fused"]:
+                host_scalars += sum(
+                    t.numel() * t.element_size() for t in steps_of if isinstance(t, torch.Tensor)
+                )
+        batch = step_batch(config, rows, seq_len)
+        tracker = _tracker_class()()
+        tracker.track_external(trainer.model, trainer.optimizer)
+        before_step: list[dict[str, int]] = []
+        peak_before_step: list[dict[str, int]] = []
+
+        def at_step(*_: Any) -> None:
+            before_step.append(_bytes(tracker.get_tracker_snapshot("current")))
+            peak_before_step.append(_bytes(tracker.get_tracker_snapshot("peak")))
+
+        hooks = [
+            trainer.optimizer.register_step_pre_hook(at_step),
+            # MemTracker refuses a second call of the root module in one session; the step calls it
+            # once per micro-batch (twice with a KL reference): forget the module-wise stats first
+            register_module_forward_pre_hook(
+                lambda m, _: tracker.reset_mod_stats() if m is trainer.model else None
+            ),
+        ]
+        try:
+            with (
+                fake,
+                tracker,
+                faults.suspended(),
+                progress_bar(steps, "fake-tensor train step", unit="step") as bar,
+            ):
+                # gradient hooks on the trainable params now: a mixed-precision forward swaps casts of the
+                # float32 masters into the modules, so the tracker's pre-forward hook never sees the masters
+                tracker._track_module_params_and_buffers(trainer.model)
+                for _ in range(steps):
+                    trainer.device_step(batch)
+                    bar.update()
+        finally:
+            for h in hooks:
+                h.remove()
+        peak = _bytes(tracker.get_tracker_snapshot("peak"))
+        pre = before_step[-1]
+        out = StepMemory(
+            # functional_call swaps the KL reference tensors in as module params: MemTracker files them as such
+            # (sharded, they are copied into the params' shards instead: not params)
+            params=pre.get("Parameter", 0) - (0 if trainer.sharded else ref_params),
+            grads=pre.get("Gradient", 0),
+            optimizer=pre.get("Optstate", 0) - host_scalars,
+            ref_params=ref_params,
+            peak=peak,
+            peak_total=peak.get("Total", sum(peak.values())) - host_scalars,
+            host_scalars=host_scalars,
+            rows=rows,
+            micro_batch=micro_batch,
+            micro_batches=-(-math.ceil(rows / micro_batch) // world),  # this device's share
+            world=world,
+            seq_len=seq_len,
+            seconds=time.perf_counter() - t0,
+            master_dtype=str(trainer.master_dtype).removeprefix("torch."),
+            compute_dtype=str(trainer.compute_dtype).removeprefix("torch."),
+            options=tuple(options),
+            fwd_bwd_peak=peak_before_step[0],
+            adamw=adamw,
         )
+        return out
 
 
 @contextlib.contextmanager
@@ -450,114 +534,6 @@ def fake_process_group(world: int) -> Iterator[tuple[Any, Any] | None]:
         yield fsdp.make_mesh(world, torch.device("cpu")), Procs(0, world)
     finally:
         dist.destroy_process_group()
-
-
-def _trace_step(
-    config: ModelConfig,
-    meta: Any,
-    cfg: TrainConfig,
-    dtype: str,
-    rows: int,
-    seq_len: int,
-    steps: int,
-    options: tuple[tuple[str, Any], ...],
-    device: str,
-    adamw: str,
-    kl: bool,
-    lora: bool,
-    shard_over: Any,
-    t0: float,
-) -> StepMemory:
-    """``trainer_step_memory``'s trace (``shard_over``: the fake process group's mesh, or None)."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.nn.modules.module import register_module_forward_pre_hook
-
-    from mllm_rl.backends.torch import fsdp
-    from mllm_rl.backends.torch.trainer import TorchTrainer
-    from mllm_rl.rl.loss_config import LossConfig
-
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake:
-        model = meta.to_empty(device="cpu")
-        # full fine-tune + KL: built without it (its host copies of the params would be numpy
-        # buffers on CPU), then given what the CUDA path holds: host tensors of the initial
-        # params that each step copies to the device (offload.host_copy / device_tensor)
-        init_cfg = dataclasses.replace(cfg, loss=LossConfig(beta=0.0)) if kl and not lora else cfg
-        trainer = TorchTrainer(
-            layout_dir(config, dtype), init_cfg, device="cpu", model=model, shard_over=shard_over
-        )
-        if kl and not lora:
-            trainer.cfg = cfg
-            trainer.ref_host = {  # sharded: this device's shards
-                n: torch.empty_like(fsdp.local(p), device="meta", dtype=trainer.compute_dtype)
-                for n, p in trainer.trainable.items()
-            }
-    ref_params = sum(h.numel() * h.element_size() for h in (trainer.ref_host or {}).values())
-    host_scalars = 0  # on CUDA the step counters of a non-fused AdamW are host tensors
-    for group in trainer.optimizer.param_groups if device == "cuda" else ():
-        steps_of = (trainer.optimizer.state.get(p, {}).get("step") for p in group["params"])
-        if not group["fused"]:
-            host_scalars += sum(t.numel() * t.element_size() for t in steps_of if isinstance(t, torch.Tensor))
-    batch = step_batch(config, rows, seq_len)
-    tracker = _tracker_class()()
-    tracker.track_external(trainer.model, trainer.optimizer)
-    before_step: list[dict[str, int]] = []
-    peak_before_step: list[dict[str, int]] = []
-
-    def at_step(*_: Any) -> None:
-        before_step.append(_bytes(tracker.get_tracker_snapshot("current")))
-        peak_before_step.append(_bytes(tracker.get_tracker_snapshot("peak")))
-
-    hooks = [
-        trainer.optimizer.register_step_pre_hook(at_step),
-        # MemTracker refuses a second call of the root module in one session; the step calls it
-        # once per micro-batch (twice with a KL reference): forget the module-wise stats first
-        register_module_forward_pre_hook(
-            lambda m, _: tracker.reset_mod_stats() if m is trainer.model else None
-        ),
-    ]
-    try:
-        with (
-            fake,
-            tracker,
-            faults.suspended(),
-            progress_bar(steps, "fake-tensor train step", unit="step") as bar,
-        ):
-            # gradient hooks on the trainable params now: a mixed-precision forward swaps casts of the
-            # float32 masters into the modules, so the tracker's pre-forward hook never sees the masters
-            tracker._track_module_params_and_buffers(trainer.model)
-            for _ in range(steps):
-                trainer.device_step(batch)
-                bar.update()
-    finally:
-        for h in hooks:
-            h.remove()
-    peak = _bytes(tracker.get_tracker_snapshot("peak"))
-    pre = before_step[-1]
-    out = StepMemory(
-        # functional_call swaps the KL reference tensors in as module params: MemTracker files them as such
-        # (sharded, they are copied into the params' shards instead: not params)
-        params=pre.get("Parameter", 0) - (0 if trainer.sharded else ref_params),
-        grads=pre.get("Gradient", 0),
-        optimizer=pre.get("Optstate", 0) - host_scalars,
-        ref_params=ref_params,
-        peak=peak,
-        peak_total=peak.get("Total", sum(peak.values())) - host_scalars,
-        host_scalars=host_scalars,
-        rows=rows,
-        micro_batch=cfg.micro_batch_size,
-        micro_batches=-(-math.ceil(rows / cfg.micro_batch_size) // trainer.dp.count),  # this device's share
-        world=trainer.dp.count,
-        seq_len=seq_len,
-        seconds=time.perf_counter() - t0,
-        master_dtype=str(trainer.master_dtype).removeprefix("torch."),
-        compute_dtype=str(trainer.compute_dtype).removeprefix("torch."),
-        options=tuple(options),
-        fwd_bwd_peak=peak_before_step[0],
-        adamw=adamw,
-    )
-    return out
 
 
 def options_key(options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -843,23 +819,18 @@ def measure(req: PlanRequest) -> Measured:
     comps["staging"] = Component("staging", stage, "layout", bucket)
     notes = [
         f"trainer step: {step.shape}, rows = min(prompts x group_size, 2 x micro_batch"
-        f"{' x devices' if world > 1 else ''}) = {rows}; {step.seconds:.0f} s of fake-tensor tracing",
-        *(
-            [
-                f"FSDP2 over {world} devices (one process each): params, gradients and AdamW state are one "
-                f"device's shards; each device runs its round-robin share of the micro-batches; traced as "
-                f"rank 0 of torch's fake process group (every layer's all-gather and reduce-scatter buffers "
-                f"counted; NCCL's own buffers are not)"
-            ]
-            if world > 1
-            else (
-                [f"fsdp 1 on {target.num_devices} devices: every process holds the whole trainer"]
-                if target.num_devices > 1
-                else []
-            )
-        ),
-        *engine.notes,
+        f"{' x devices' if world > 1 else ''}) = {rows}; {step.seconds:.0f} s of fake-tensor tracing"
     ]
+    if world > 1:
+        notes.append(
+            f"FSDP2 over {world} devices (one process each): params, gradients and AdamW state are one "
+            "device's shards; each device runs its round-robin share of the micro-batches; traced as rank 0 "
+            "of torch's fake process group (every layer's all-gather and reduce-scatter buffers counted; "
+            "NCCL's own buffers are not)"
+        )
+    elif target.num_devices > 1:
+        notes.append(f"fsdp 1 on {target.num_devices} devices: every process holds the whole trainer")
+    notes += engine.notes
     if req.optimizer_dtype != step.master_dtype:
         notes.append(
             f"optimizer_dtype {req.optimizer_dtype} does not apply: torch.optim.AdamW keeps its state "

@@ -610,12 +610,7 @@ class TorchTrainer:
             )
         for n, p in self.trainable.items():
             if saved[n].dtype != p.dtype:
-                raise ValueError(
-                    f"{target}: trainable params saved in {saved[n].dtype} (precision "
-                    f"{state.get('precision', 'unknown')!r}), this trainer's are {p.dtype} (precision "
-                    f"{self.cfg.precision!r} on a {self.param_dtype} checkpoint); resume with the "
-                    "precision it was written with"
-                )
+                self._precision_refused(target, saved[n].dtype, state.get("precision", "unknown"))
             if saved[n].shape != p.shape:
                 raise ValueError(
                     f"{target}: {n} is {saved[n].dtype}{tuple(saved[n].shape)}, "
@@ -638,6 +633,15 @@ class TorchTrainer:
                         st[k] = v.clone()
         self.step = int(state.get("step", 0))
 
+    def _precision_refused(self, where: Path, saved: torch.dtype, precision: str) -> None:
+        """``ValueError``: ``where`` holds trainable params in ``saved``, not this trainer's dtype."""
+        own = next(iter(self.trainable.values())).dtype
+        raise ValueError(
+            f"{where}: trainable params saved in {saved} (precision {precision!r}), this trainer's are {own} "
+            f"(precision {self.cfg.precision!r} on a {self.param_dtype} checkpoint); resume with the precision "
+            "it was written with"
+        )
+
     def _restore_dcp(self, path: Path) -> None:
         """Load ``<path>/dcp`` into this trainer's own tensors, resharded to its placements (any
         process count wrote it; one process loads the whole tensors). The saved LoRA rank and
@@ -654,14 +658,9 @@ class TorchTrainer:
                 f"e.g. {sorted(mine ^ theirs)[0]}"
             )
         for n, p in self.trainable.items():
-            meta = saved[f"trainable.{n}"]
-            dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+            dtype = getattr(getattr(saved[f"trainable.{n}"], "properties", None), "dtype", None)
             if dtype is not None and dtype != p.dtype:
-                raise ValueError(
-                    f"{where}: trainable params saved in {dtype}, this trainer's are {p.dtype} (precision "
-                    f"{self.cfg.precision!r} on a {self.param_dtype} checkpoint); resume with the precision it "
-                    "was written with"
-                )
+                self._precision_refused(where, dtype, "unknown")
         state = self._dcp_state()
         fsdp.load(state, path)
         for g in self.optimizer.param_groups:  # the counters where this trainer's AdamW keeps them
