@@ -69,6 +69,12 @@ CASES: dict[str, tuple[list[str], str]] = {
     # MLLM-JAX's v4-8 run of sglang-jax with Qwen3-4B (tp 4, bf16, max_total_tokens 4096,
     # max_running_requests 16): engine weights + KV pool after the weight swap, before any generate
     "4b-v4-8-engine": _case("qwen3-4b", "v4-8", 4, *MLLM_JAX_ENGINE, expect="fits"),
+    # Qwen3-8B full fine-tune at the mixed-precision default on one v4-8: float32 masters and AdamW
+    # moments; the moments on the device do not fit, in host memory (streamed by the update) they do
+    "8b-v4-8": _case("qwen3-8b", "v4-8", 4, *BATCH, *KV128K),
+    "8b-v4-8-host-opt": _case(
+        "qwen3-8b", "v4-8", 4, *BATCH, *KV128K, "--model-option", "optimizer_memory=host", expect="fits"
+    ),
     "8b-v4-16": _case("qwen3-8b", "v4-16", 8, *BATCH, *KV128K),
     "8b-v5p-8": _case("qwen3-8b", "v5p-8", 4, *BATCH, *KV128K),
     "4b-v5e-8": _case("qwen3-4b", "v5e-8", 8, *BATCH, *KV128K),

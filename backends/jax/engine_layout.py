@@ -133,6 +133,11 @@ def batch_bucket(n: int, max_running_requests: int) -> int:
     return next(b for b in buckets if b >= n)
 
 
+# sglang-jax's default prefill chunk (ServerArgs.chunked_prefill_size None -> 4096, below
+# max_prefill_tokens 16384: sgl_jax/srt/server_args.py); the adapter leaves it at the default.
+CHUNKED_PREFILL_TOKENS = 4096
+
+
 def logits_bytes(model: ModelConfig, max_running_requests: int, batch: int) -> tuple[int, int]:
     """``(bytes, rows)`` of what sglang-jax keeps alive between generate calls: float32
     ``[rows, vocab]`` logits, one ``[max_running_requests, V]`` array and two ``[bucket, V]`` arrays

@@ -20,16 +20,21 @@ kv_pool            layout      sglang-jax's pool formula and sizing rule (``engi
 engine_logits      layout      float32 [rows, vocab] logits the engine keeps between generates
 trainer_params     layout      ``abstract_state`` shards on device 0 (trainable + frozen;
                                float32 masters of a bf16 checkpoint by default)
-optimizer          layout      the AdamW state's shards on device 0 (moments in ``dtypes.opt``)
-grads              compiler    ``grad``'s output buffers (the compiler picks their sharding)
+optimizer          layout      the AdamW state's shards on device 0 (moments in ``dtypes.opt``);
+                               in host memory for the whole run with ``optimizer_memory=host``
+                               (``optimizer_apply`` is then one leaf's update, its moments
+                               streamed in: ``_leaf_update``)
+grads              compiler    the accumulator: ``grad``'s output sharding (the compiler picks
+                               it) in the trainable dtype (``grad`` returns the compute dtype)
 ref_params         layout      full fine-tune with KL: the trainable params again
 staging            layout      estimate: the largest tensor in flight during the update, on
                                the trainer side (HF layout, then cast/transposed) and placed
 =================  ==========  ==============================================================
 
 The engine's own forward/decode step is not compiled: sglang-jax builds its batch metadata on
-the host inside its scheduler, with no entry point that lowers a step from shapes alone; its
-temporaries are left out of the rollout phases (the plan says so in its notes).
+the host inside its scheduler, with no entry point that lowers a step from shapes alone; the
+rollout phases add an estimate from the shapes instead (``engine_step``, method ``estimate``:
+``mllm_rl.memplan.engine_step``), and the plan says so in its notes.
 
 Peak of a compiled function: ``peak_memory_in_bytes`` on TPU and GPU; on CPU, where XLA
 reports no buffer reuse, ``arguments + outputs - aliased + temporaries`` (an upper bound).
@@ -44,6 +49,7 @@ from typing import Any
 
 from mllm_rl.backends.jax import engine_layout, topologies
 from mllm_rl.memplan.compose import Component, FunctionMemory
+from mllm_rl.memplan.engine_step import forward_bytes
 from mllm_rl.memplan.request import Measured, PlanRequest
 from mllm_rl.rl.loss_config import LossConfig
 from mllm_rl.trainer import TrainConfig
@@ -144,9 +150,10 @@ def measure(req: PlanRequest) -> Measured:
     fns, trainer_comps = _trainer(req, devices, target, opts, info, notes)
     comps.update(trainer_comps)
     comps["staging"] = _staging(eng)
+    fns["engine_step"] = _engine_step(req)
     notes.append(
-        "engine forward/decode step not compiled (sglang-jax has no shape-only entry point): "
-        "rollout phases hold engine weights + KV pool without its activations"
+        "engine forward/decode step not compiled (sglang-jax has no shape-only entry point): the "
+        "rollout phases add an estimate from the shapes instead (engine_step, method estimate)"
     )
     if target.platform == "gpu":
         notes.append(
@@ -156,6 +163,18 @@ def measure(req: PlanRequest) -> Measured:
         )
     info["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return Measured(target, comps, fns, notes, info)
+
+
+def _engine_step(req: PlanRequest) -> FunctionMemory:
+    """sglang-jax's forward step while it generates, estimated from the shapes
+    (``mllm_rl.memplan.engine_step``): a prefill chunk (at most sglang-jax's chunk, at most the
+    rollout's sequences x ``seq_len``) or a decode batch, whichever is larger; the sampler's rows
+    are the sequences decoded at once (at most ``max_running_requests``)."""
+    rows = min(req.max_running_requests, req.prompts * req.group_size)
+    tokens = max(min(engine_layout.CHUNKED_PREFILL_TOKENS, rows * req.seq_len), rows)
+    itemsize = 4 if engine_layout.engine_dtype(req.model) == "float32" else 2
+    b, detail = forward_bytes(req.model, req.tp, tokens, rows, itemsize)
+    return FunctionMemory("engine_step", b, 0, method="estimate", detail=detail)
 
 
 def model_options(req: PlanRequest, platform: str) -> Any:
@@ -266,6 +285,14 @@ def _trainer(
             "optimizer", _shard_bytes(opt_state), "layout", "AdamW state shards on device 0"
         ),
     }
+    host_opt = opts.optimizer_memory == "host"
+    if host_opt:
+        comps["optimizer"] = dataclasses.replace(
+            comps["optimizer"],
+            memory="host",
+            detail="AdamW state shards of device 0, in host memory for the whole run "
+            "(optimizer_memory=host); the update streams them through the device a leaf at a time",
+        )
     if req.kl:  # the trainer puts the reference on the device for train_step: the initial params
         # (full fine-tune) or zero adapters (LoRA), shaped like the trainable params either way
         comps["ref_params"] = Component(
@@ -286,16 +313,18 @@ def _trainer(
     )
     out["grad_step"] = grad.memory
     if grad.compiled is not None:
-        grads_bytes = grad.memory.output_bytes
+        # the accumulator: grad_step's output layout, in the trainable params' dtype (the step's
+        # own output is in the compute dtype, counted in its extra bytes)
         grads_spec = grad.compiled.output_shardings[1]
         grads_tree = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), trainable, grads_spec
         )
         comps["grads"] = Component(
             "grads",
-            grads_bytes,
+            _shard_bytes(grads_tree),
             "compiler",
-            "grad_step's output buffers on one device (the accumulator has the same layout)",
+            "the gradient accumulator on one device: grad_step's output sharding, in the trainable "
+            f"params' dtype ({dts.trainable}; grad_step returns {dts.compute})",
         )
     else:
         grads_tree = trainable
@@ -307,14 +336,17 @@ def _trainer(
         )
     apply_key = ("apply",) + key
     if apply_key not in _cache:
-        _cache[apply_key] = _compile(
-            "optimizer_apply",
-            fns.apply,
-            (trainable, opt_state, grads_tree),
-            target,
-            info,
-            "AdamW update, params and state donated",
-        ).memory
+        if host_opt:
+            _cache[apply_key] = _leaf_update(fns, trainable, opt_state, grads_tree, target, info)
+        else:
+            _cache[apply_key] = _compile(
+                "optimizer_apply",
+                fns.apply,
+                (trainable, opt_state, grads_tree),
+                target,
+                info,
+                "AdamW update, params and state donated",
+            ).memory
     out["optimizer_apply"] = _cache[apply_key]
     if req.kl:
         # the reference: the initial params (full fine-tune) or zero adapters (LoRA), same shapes
@@ -327,6 +359,44 @@ def _trainer(
             f"reference log-probs, {req.micro_batch} x {seq}",
         ).memory
     return out, comps
+
+
+def _leaf_update(
+    fns: Any, trainable: Any, opt_state: Any, grads: Any, target: Any, info: dict[str, Any]
+) -> FunctionMemory:
+    """``optimizer_memory=host``: the update streams the AdamW state through the device one
+    trainable leaf at a time (``host_optimizer.apply``); ``leaf_update`` compiled for the leaf
+    whose param, gradient and moments take the most device bytes. Its params and gradient are
+    resident components already; its moments are not (they live on the host), so its
+    ``argument_bytes`` are the param's and the gradient's only and the streamed moments count in
+    its extra bytes."""
+    import jax
+
+    from mllm_rl.backends.jax.host_optimizer import adam_state
+
+    adam = adam_state(opt_state)
+    leaves = list(
+        zip(
+            jax.tree.leaves(trainable),
+            jax.tree.leaves(grads),
+            jax.tree.leaves(adam.mu),
+            jax.tree.leaves(adam.nu),
+            strict=True,
+        )
+    )
+    p, g, m, v = max(leaves, key=_shard_bytes)
+    scalar = jax.ShapeDtypeStruct((), adam.count.dtype, sharding=adam.count.sharding)
+    norm = jax.ShapeDtypeStruct((), m.dtype, sharding=adam.count.sharding)
+    mem = _compile(
+        "optimizer_apply",
+        fns.leaf_update,
+        (p, g, m, v, scalar, norm),
+        target,
+        info,
+        f"AdamW update of one leaf {tuple(p.shape)} streamed from the host (optimizer_memory=host): "
+        f"its moments, {_shard_bytes((m, v))} B per device, counted in its extra bytes",
+    ).memory
+    return dataclasses.replace(mem, argument_bytes=_shard_bytes((p, g)))
 
 
 @dataclasses.dataclass

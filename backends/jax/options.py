@@ -36,6 +36,12 @@ heavy, so a CLI can build one before jax starts.
   dtype overrides: ``param_dtype`` sets every stored param (LoRA base and adapters),
   ``compute_dtype`` defaults to ``param_dtype`` when that is set, ``opt_dtype`` to the
   trainable params' dtype.
+- ``optimizer_memory``: where the AdamW state lives. ``device`` (the default): on the devices
+  while training, offloaded to host memory between steps by the lifecycle. ``host``: in host
+  memory (``pinned_host``) for the whole run; each update streams it through the device one
+  trainable leaf at a time (``host_optimizer.py``), so the device never holds more than one
+  leaf's moments: what lets a full fine-tune whose float32 state does not fit the device train
+  there. The numbers are those of ``device`` (the same optax update, leaf by leaf).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from mllm_rl.trainer import PRECISIONS
 REMAT = ("none", "block", "dots")
 ATTENTION = ("dense", "xla", "chunked", "splash")
 DTYPES = ("float32", "bfloat16")
+OPTIMIZER_MEMORY = ("device", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +68,7 @@ class ModelOptions:
     param_dtype: str | None = None
     compute_dtype: str | None = None
     opt_dtype: str | None = None
+    optimizer_memory: str = "device"
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -70,6 +78,11 @@ class ModelOptions:
         if self.attention not in ATTENTION:
             raise ValueError(
                 f"ModelOptions.attention: {self.attention!r} is not one of {', '.join(ATTENTION)}"
+            )
+        if self.optimizer_memory not in OPTIMIZER_MEMORY:
+            raise ValueError(
+                f"ModelOptions.optimizer_memory: {self.optimizer_memory!r} is not one of "
+                f"{', '.join(OPTIMIZER_MEMORY)}"
             )
         if self.attention_chunk < 1 or self.logprob_chunk < 0:
             raise ValueError("ModelOptions.attention_chunk must be >= 1 and logprob_chunk >= 0")

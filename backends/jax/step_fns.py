@@ -43,12 +43,21 @@ the jitted function, so gradients arrive in float32 on the masters.
 - ``next_logits(trainable, frozen, tokens [B, T], attn [B, T], pos []) -> [B, V]`` float32:
   the untempered logits after position ``pos`` (the greedy probe);
 - ``grad(trainable, frozen, mb, total_tokens [], total_seqs []) -> ((loss [], sums), grads)``:
-  the policy loss of one micro-batch and its gradient w.r.t. ``trainable`` (sharded like it);
+  the policy loss of one micro-batch and its gradient w.r.t. ``trainable`` (sharded like it),
+  in the compute dtype (the gradient w.r.t. the params' casts; a float32 master's is the same
+  converted, which ``start_acc`` / ``accumulate`` do);
   ``total_tokens`` / ``total_seqs`` normalise over the whole mini-batch; ``sums`` holds
   token-summed metrics (``clip_frac``, ``kl``, ``ratio_mean``, ``tokens``, ``entropy_proxy``);
-- ``accumulate(acc, grads) -> acc + grads`` (donates ``acc``);
+- ``start_acc(grads, trainable) -> acc``: a mini-batch's first gradient in the trainable
+  params' dtype; ``accumulate(acc, grads) -> acc + grads`` (donates ``acc``);
 - ``apply(trainable, opt_state, grads) -> (trainable, opt_state, grad_norm [])`` (donates
   ``trainable`` and ``opt_state``): one AdamW update.
+- ``grad_norm(grads) -> []``: the global norm of the gradients in the ``opt`` dtype (what
+  ``apply`` returns and clips with);
+- ``leaf_update(param, grad, mu, nu, count [], grad_norm []) -> (param, mu, nu, count)``
+  (donates ``param``, ``mu``, ``nu``): ``apply``'s update of one trainable leaf, with its two
+  AdamW moments and the global norm given (``host_optimizer.py`` streams the state through it
+  a leaf at a time; ``count`` is Adam's step count before the update, the new one is returned).
 """
 
 from __future__ import annotations
@@ -83,8 +92,15 @@ class StepFns:
     logprob: Callable[..., Any]
     next_logits: Callable[..., Any]
     grad: Callable[..., Any]
+    start_acc: Callable[..., Any]
     accumulate: Callable[..., Any]
     apply: Callable[..., Any]
+    grad_norm: Callable[..., Any]
+    leaf_update: Callable[..., Any]
+
+
+def _adamw(cfg: TrainConfig) -> optax.GradientTransformation:
+    return optax.adamw(cfg.lr, b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay)
 
 
 def make_tx(cfg: TrainConfig, opt_dtype: str | None = None) -> optax.GradientTransformation:
@@ -94,7 +110,7 @@ def make_tx(cfg: TrainConfig, opt_dtype: str | None = None) -> optax.GradientTra
     casts the sum back to the params' dtype)."""
     base = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
-        optax.adamw(cfg.lr, b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay),
+        _adamw(cfg),
     )
     if opt_dtype is None:
         return base
@@ -244,19 +260,21 @@ def make_step_fns(
 
     def merged(trainable: Any, frozen: Any) -> Qwen3:
         """The model with every param cast to the compute dtype, once, inside the jitted function
-        (float32 masters: their gradients come back through the cast in float32; a LoRA base
-        stored in the compute dtype is not copied). One cast of the whole tree compiles to less
-        memory than casting each layer inside the scan (libtpu, Qwen3-4B on a v4-8)."""
+        (a LoRA base stored in the compute dtype is not copied). One cast of the whole tree
+        compiles to less memory than casting each layer inside the scan (libtpu, Qwen3-4B on a
+        v4-8)."""
         return nnx.merge(graphdef, cast_floats(trainable, cdt), cast_floats(frozen, cdt))
 
-    def token_logp(trainable: Any, frozen: Any, tokens: jax.Array, attn: jax.Array) -> jax.Array:
-        """[B, T] -> log softmax(logits / temperature)[tokens[:, t]] given tokens[:, :t], for
-        t >= 1, [B, T - 1]."""
-        model = merged(trainable, frozen)
+    def token_logp_of(model: Qwen3, tokens: jax.Array, attn: jax.Array) -> jax.Array:
         x = model.hidden(tokens, attn, run)  # [B, T, H]; the last position predicts nothing
         targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
         head = model.head().astype(cdt)
         return token_logprobs(x, head, targets, opts.logprob_chunk, temperature)[:, :-1]
+
+    def token_logp(trainable: Any, frozen: Any, tokens: jax.Array, attn: jax.Array) -> jax.Array:
+        """[B, T] -> log softmax(logits / temperature)[tokens[:, t]] given tokens[:, :t], for
+        t >= 1, [B, T - 1]."""
+        return token_logp_of(merged(trainable, frozen), tokens, attn)
 
     def next_logits(
         trainable: Any, frozen: Any, tokens: jax.Array, attn: jax.Array, pos: jax.Array
@@ -266,8 +284,10 @@ def make_step_fns(
         x = jax.lax.dynamic_index_in_dim(model.hidden(tokens, attn, run), pos, axis=1, keepdims=False)
         return head_logits(x, model.head().astype(cdt))
 
-    def loss_fn(trainable, frozen, mb, total_tokens, total_seqs):
-        logp = token_logp(trainable, frozen, mb["tokens"], mb["attn"])
+    def loss_fn(cast_trainable, cast_frozen, mb, total_tokens, total_seqs):
+        """The loss of the params already in the compute dtype (``grad`` differentiates w.r.t.
+        those casts: see ``grad``)."""
+        logp = token_logp_of(nnx.merge(graphdef, cast_trainable, cast_frozen), mb["tokens"], mb["attn"])
         mask = mb["loss_mask"][:, 1:]
         ref = mb["ref_logp"][:, 1:] if loss_cfg.beta > 0 else None
         loss, m = policy_loss(
@@ -292,13 +312,42 @@ def make_step_fns(
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
     def grad(trainable, frozen, mb, total_tokens, total_seqs):
-        out, grads = value_and_grad(trainable, frozen, mb, total_tokens, total_seqs)
+        """The gradient w.r.t. the compute-dtype casts of the params, in that dtype: a float32
+        master's own gradient is this one converted (the transpose of the cast), which the
+        accumulator does, so a micro-batch's gradient takes bf16 bytes, not float32's."""
+        cast_t, cast_f = cast_floats(trainable, cdt), cast_floats(frozen, cdt)
+        out, grads = value_and_grad(cast_t, cast_f, mb, total_tokens, total_seqs)
         return out, pin(grads, t_sh)
 
+    def start_acc(grads, trainable):
+        """The accumulator of a mini-batch: its first gradient in the trainable params' dtype."""
+        return pin(jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable), t_sh)
+
+    def accumulate(acc, grads):
+        return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+
+    def grad_norm(grads):
+        return optax.global_norm(jax.tree.map(lambda g: g.astype(odt), grads))
+
     def apply(trainable, opt_state, grads):
-        gnorm = optax.global_norm(jax.tree.map(lambda g: g.astype(odt), grads))
+        gnorm = grad_norm(grads)
         updates, opt_state = tx.update(grads, opt_state, trainable)
         return pin(optax.apply_updates(trainable, updates), t_sh), pin(opt_state, o_sh), gnorm
+
+    adamw = _adamw(train_cfg)
+
+    def leaf_update(param, grad, mu, nu, count, gnorm):
+        """``apply`` for one leaf: ``make_tx``'s cast, optax's clip formula
+        (``clip_by_global_norm`` with the global norm given), the same AdamW chain on a
+        one-leaf state, ``optax.apply_updates``."""
+        g = grad.astype(odt)
+        if train_cfg.grad_clip > 0:  # optax.clip_by_global_norm's update, its norm precomputed
+            g = jax.lax.select(gnorm < train_cfg.grad_clip, g, (g / gnorm.astype(odt)) * train_cfg.grad_clip)
+        p = param.astype(odt)
+        state = jax.tree.unflatten(jax.tree.structure(adamw.init(p)), [count, mu, nu])
+        update, state = adamw.update(g, state, p)
+        count, mu, nu = jax.tree.leaves(state)
+        return optax.apply_updates(param, update), mu, nu, count
 
     return StepFns(
         graphdef=graphdef,
@@ -307,6 +356,9 @@ def make_step_fns(
         logprob=jax.jit(token_logp),
         next_logits=jax.jit(next_logits),
         grad=jax.jit(grad),
-        accumulate=jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0),
+        start_acc=jax.jit(start_acc),
+        accumulate=jax.jit(accumulate, donate_argnums=0),
         apply=jax.jit(apply, donate_argnums=(0, 1)),
+        grad_norm=jax.jit(grad_norm),
+        leaf_update=jax.jit(leaf_update, donate_argnums=(0, 2, 3)),
     )

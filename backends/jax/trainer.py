@@ -23,7 +23,10 @@ the masters as stored, so a resume continues exactly. Every log-prob the trainer
 ``softmax(logits / TrainConfig.temperature)``.
 
 Offload moves leaves to the ``pinned_host`` memory kind with the same sharding (the arrays
-on ``device`` are deleted), onload moves them back.
+on ``device`` are deleted), onload moves them back. With ``ModelOptions.optimizer_memory="host"``
+the optimizer state stays on ``pinned_host`` for the whole run (never resident on the device;
+offloading or onloading it moves nothing) and each update streams it through the device a leaf
+at a time (``host_optimizer.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from mllm_rl.backends.jax import host_optimizer
 from mllm_rl.backends.jax.export_layout import KernelInOut
 from mllm_rl.backends.jax.fingerprint import read_sums, tensor_sums
 from mllm_rl.backends.jax.model import Qwen3, get_weight, linear_layers
@@ -135,6 +139,9 @@ class JaxTrainer:
         # replicated): a jit over leaves on different device sets is refused.
         opt_state = jax.jit(self.tx.init)(self.trainable)
         self.opt_state = jax.tree.map(jax.device_put, opt_state, tree_shardings(opt_state, self.mesh))
+        self.host_optimizer = self.opts.optimizer_memory == "host"
+        if self.host_optimizer:  # in host memory for the whole run (host_optimizer.py)
+            self.opt_state = _move(self.opt_state, HOST)
         self.ref_host: Any = None  # full fine-tune + KL: the initial params, on the host
         if cfg.loss.beta > 0 and not self.lora:
             self.ref_host = _copy(self.trainable, HOST)
@@ -153,7 +160,11 @@ class JaxTrainer:
         return {PARAMS: kind((self.trainable, self.frozen)), OPTIMIZER: kind(self.opt_state)}
 
     def state_bytes(self) -> dict[str, int]:
-        return {PARAMS: device_bytes((self.trainable, self.frozen)), OPTIMIZER: device_bytes(self.opt_state)}
+        """Device bytes of the params and of the optimizer state (0 for state in host memory)."""
+        return {
+            PARAMS: self._bytes_on(DEVICE, (self.trainable, self.frozen)),
+            OPTIMIZER: self._bytes_on(DEVICE, self.opt_state),
+        }
 
     def offload(self, what: Sequence[str]) -> int:
         """Move ``params``/``optimizer`` to ``pinned_host``; returns the device bytes they held."""
@@ -164,7 +175,7 @@ class JaxTrainer:
                 if fault("offload_noop"):
                     continue
                 self.trainable, self.frozen = _move(self.trainable, HOST), _move(self.frozen, HOST)
-            else:
+            elif not self.host_optimizer:
                 moved += self._bytes_on(DEVICE, self.opt_state)
                 self.opt_state = _move(self.opt_state, HOST)
         return moved
@@ -176,7 +187,7 @@ class JaxTrainer:
             if w == PARAMS:
                 self.trainable, self.frozen = _move(self.trainable, DEVICE), _move(self.frozen, DEVICE)
                 moved += device_bytes((self.trainable, self.frozen))
-            else:
+            elif not self.host_optimizer:  # host-resident state is streamed by the update instead
                 self.opt_state = _move(self.opt_state, DEVICE)
                 moved += device_bytes(self.opt_state)
         return moved
@@ -186,6 +197,8 @@ class JaxTrainer:
         return device_bytes([x for x in jax.tree.leaves(tree) if (x.sharding.memory_kind or DEVICE) == kind])
 
     def _need(self, *what: str) -> None:
+        if self.host_optimizer:  # its state is used from the host
+            what = tuple(w for w in what if w != OPTIMIZER)
         res = self.resident()
         missing = [w for w in what if not res[w]]
         if missing:
@@ -225,6 +238,16 @@ class JaxTrainer:
         logp = self._logp(ref, self.frozen, mb["tokens"], mb["attn"])
         return jnp.pad(logp, ((0, 0), (1, 0)))
 
+    def _accumulate(self, acc: Any, grads: Any) -> Any:
+        """``acc + grads`` in the trainable params' dtype (``grads`` come in the compute dtype:
+        a float32 master's gradient is theirs converted); the first gradient starts it."""
+        if acc is not None:
+            return self._acc(acc, grads)
+        pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(self.trainable), strict=True)
+        return (
+            grads if all(g.dtype == p.dtype for g, p in pairs) else self.fns.start_acc(grads, self.trainable)
+        )
+
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """``mini_batches`` AdamW updates over ``batch``, each accumulating exact gradients
         over micro-batches of ``micro_batch_size`` rows."""
@@ -258,10 +281,16 @@ class JaxTrainer:
                 if ref is not None:
                     mb["ref_logp"] = self._ref_logp(mb, ref)
                 (loss, sums), grads = self._grad(self.trainable, self.frozen, mb, total_tokens, total_seqs)
-                acc = grads if acc is None else self._acc(acc, grads)
+                acc = self._accumulate(acc, grads)
+                del grads  # a micro-batch's own gradient is gone before the next one or the update
                 losses.append(loss)
                 metric_sums.append(sums)
-            self.trainable, self.opt_state, gnorm = self._apply(self.trainable, self.opt_state, acc)
+            if self.host_optimizer:
+                self.trainable, self.opt_state, gnorm = host_optimizer.apply(
+                    self.fns, self.trainable, self.opt_state, acc
+                )
+            else:
+                self.trainable, self.opt_state, gnorm = self._apply(self.trainable, self.opt_state, acc)
             gnorms_dev.append(gnorm)
         host_losses, host_sums, host_gnorms = jax.device_get((losses, metric_sums, gnorms_dev))
         totals: dict[str, float] = {}

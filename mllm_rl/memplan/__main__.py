@@ -129,6 +129,7 @@ def make_request(args: argparse.Namespace) -> Any:
         options=options,
         engine=args.engine,
         weights_cpu_backup=args.weights_cpu_backup,
+        host_ram_gib=args.host_ram_gib,
     )
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mllm_rl.memplan.residency import COMPONENTS, host_rows, phase_rows
+from mllm_rl.memplan.residency import COMPONENTS, end_state, host_rows, phase_rows
 
 GIB = 1024**3
 SCHEMA = "mllm_rl.memplan/1"
@@ -53,12 +53,18 @@ class Component:
     bytes_per_device: int
     method: str  # "layout" | "compiler" | "fake_tensor"
     detail: str = ""
+    # "device": resident on the device in the phases of its row, in host memory while offloaded;
+    # "host": in host memory whenever it exists (never in a device row; e.g. an optimizer state
+    # kept on the host and streamed through the device by the update, whose function counts it)
+    memory: str = "device"
 
     def __post_init__(self) -> None:
         if self.name not in COMPONENTS:
             raise ValueError(f"Component.name {self.name!r}: expected one of {', '.join(COMPONENTS)}")
         if self.bytes_per_device < 0:
             raise ValueError(f"Component {self.name}: bytes_per_device must be >= 0")
+        if self.memory not in ("device", "host"):
+            raise ValueError(f"Component {self.name}: memory {self.memory!r}: expected device or host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +217,9 @@ def compose(
     once-per-run phases before the first step (``lifecycle.SETUP_PHASES``, the same for every
     schedule), listed first as ``setup:<phase>``. Each phase also gets its host copies
     (``residency.host_rows``; ``backup``: the engine keeps a CPU copy of its released weights), per
-    host: a component's bytes per device times the devices of one host.
+    host: a component's bytes per device times the devices of one host. A host-resident component
+    (``Component.memory == "host"``) is in no device row and in the host copies of every phase in
+    which it exists (its device row or its host row has it).
     """
     if not 0 < margin <= 1:
         raise ValueError(f"margin {margin}: expected 0 < margin <= 1")
@@ -229,18 +237,23 @@ def compose(
         )
     tables.append(("", phase_rows(phases, schedule), host_rows(phases, schedule, True, backup, ref)))
 
-    def on_host(names: tuple[str, ...]) -> dict[str, int]:
+    pinned = tuple(c for c, comp in components.items() if comp.memory == "host")
+
+    def on_host(names: tuple[str, ...], resident: tuple[str, ...]) -> dict[str, int]:
+        names = names + tuple(c for c in pinned if c in resident and c not in names)
         return {c: components[c].bytes_per_device * per_host for c in names if c in components}
 
     for prefix, table, hosts in tables:
         for (name, resident, fns), (_, during, at_end) in zip(table, hosts, strict=True):
-            res = {c: components[c].bytes_per_device for c in resident if c in components}
+            ends = end_state(name, resident)
+            host, host_end = on_host(during, resident), on_host(at_end, ends)
+            res = {c: components[c].bytes_per_device for c in resident if c in components and c not in pinned}
             best, extra = None, 0
             for f in fns:
                 if f in functions and functions[f].extra_bytes >= extra:
                     best, extra = f, functions[f].extra_bytes
             total = sum(res.values()) + extra
-            rows.append(PhasePlan(prefix + name, res, best, extra, total, on_host(during), on_host(at_end)))
+            rows.append(PhasePlan(prefix + name, res, best, extra, total, host, host_end))
     return Plan(
         target,
         schedule,

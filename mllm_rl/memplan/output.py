@@ -36,12 +36,14 @@ def format_components(m: Measured) -> str:
 
 def format_functions(m: Measured) -> str:
     unit, scale = unit_for(max((f.peak_bytes for f in m.functions.values()), default=0))
-    rows = [["function", "peak", "args", "outputs", "temp", "aliased", "extra", "compile s", "note"]]
+    rows = [
+        ["function", "method", "peak", "args", "outputs", "temp", "aliased", "extra", "compile s", "note"]
+    ]
     for f in m.functions.values():
         secs = f"{f.compile_seconds:.1f}" if f.compile_seconds is not None else "-"
         note = f"REJECTED: {f.rejected}" if f.rejected else f.detail
         rows.append(
-            [f.name]
+            [f.name, f.method]
             + [
                 fmt(b, scale)
                 for b in (
@@ -57,7 +59,8 @@ def format_functions(m: Measured) -> str:
         )
     return "\n".join(
         [
-            f"Compiled functions ({m.target.platform} compiler, {unit} per device; extra = peak - args):",
+            f"Functions ({m.target.platform} compiler unless the method says otherwise, {unit} per device; "
+            "extra = peak - args):",
             *_table(rows),
         ]
     )

@@ -52,9 +52,12 @@ def plans(m: Measured, req: PlanRequest, check_weights: bool = False) -> dict[st
     inputs = inputs_of(req)
     inputs.update({k: m.info[k] for k in ("kv_tokens", "mem_fraction_static") if k in m.info})
     phases = step_phases(check_weights)
+    target = m.target
+    if req.host_ram_gib is not None:  # the user's figure for the target's host
+        target = dataclasses.replace(target, host_ram_bytes=int(req.host_ram_gib * 2**30))
     return {
         s: compose(
-            m.target,
+            target,
             s,
             phases[s],
             m.components,

@@ -47,6 +47,7 @@ class PlanRequest:
     # the rollout engine planned: "auto" (the backend's choice for the target), "sglang", "embedded"
     engine: str = "auto"
     weights_cpu_backup: bool = False  # the engine keeps a host copy of released weights (host memory)
+    host_ram_gib: float | None = None  # one host's RAM of the target (None: the backend's, where known)
 
     def __post_init__(self) -> None:
         for name in (

@@ -134,7 +134,10 @@ def compare(
 ) -> dict[str, Any]:
     """Components and per-phase end-of-phase bytes, predicted vs measured, with ``within`` flags."""
     plan = plan_doc["plans"][plan_doc["schedule"]]
-    comps = {k: int(v["bytes_per_device"]) for k, v in plan["components"].items()}
+    comps = {  # on the devices: a host-resident component (Component.memory) holds none there
+        k: int(v["bytes_per_device"]) if v.get("memory", "device") == "device" else 0
+        for k, v in plan["components"].items()
+    }
     meas = measured_components(records)
     comp_rows = []
     for c in COMPARED:

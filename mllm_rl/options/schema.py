@@ -237,6 +237,9 @@ OPTIONS: tuple[Option, ...] = (
     _o("margin", float, 0.9, "fraction of device memory a phase may use (the plan's budget; rl: the run's own "
        "memory plan)", "plan", {"rl", "memplan"}, low=0,
        strict=True, high=1),
+    _o("host_ram_gib", float, None, "one host's RAM of the target in GiB, for its host-memory verdict (a "
+       "TPU VM's or GPU node's: `free -g` there)", "plan", {"memplan"}, low=0, strict=True, nullable=True,
+       default_text="this machine's for cpu/cuda, else not known"),
     _o("fit_max", int, None, "upper bound of the --fit search", "plan", {"memplan"}, low=1, nullable=True,
        default_text="256 (micro_batch_size), 131072 (seq_len)"),
     _o("fit_step", int, None, "granularity of the --fit search", "plan", {"memplan"}, low=1, nullable=True,

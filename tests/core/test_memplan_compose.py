@@ -122,3 +122,24 @@ def test_host_bytes_are_per_host_and_checked_against_its_ram():
     assert q.host_fits is True
     small = Target("c", "cpu", 1, 1, 100 * GIB, "CPU", "test", host_ram_bytes=12 * GIB)
     assert compose(small, "multi_stage", STEP_PHASES["multi_stage"], c, {}).host_fits is False
+
+
+def test_a_host_resident_component_is_in_every_host_row_and_no_device_row():
+    """``Component(memory="host")`` (an optimizer kept on the host and streamed by its update): no
+    device row holds it; from the phase the trainer starts in, every phase's host copies do, during
+    and at its end; the device totals are those of the same plan without it."""
+    c = comps(engine_weights=1, kv_pool=1, trainer_params=1, optimizer=2)
+    dev = compose(TARGET, "multi_stage", STEP_PHASES["multi_stage"], c, {}, setup=SETUP_PHASES)
+    c["optimizer"] = Component("optimizer", 2 * GIB, "layout", memory="host")
+    host = compose(TARGET, "multi_stage", STEP_PHASES["multi_stage"], c, {}, setup=SETUP_PHASES)
+    per_host = 2 * GIB * TARGET.devices_per_host
+    started = False
+    for d, h in zip(dev.phases, host.phases, strict=True):
+        started = started or h.phase == "setup:trainer_init"
+        assert "optimizer" not in h.resident
+        assert h.total == d.total - d.resident.get("optimizer", 0), h.phase
+        assert (h.host.get("optimizer") == per_host) == started, h.phase
+        assert (h.host_end.get("optimizer") == per_host) == started, h.phase
+    assert any("optimizer" in d.resident for d in dev.phases)
+    with pytest.raises(ValueError, match="memory 'disk'"):
+        Component("optimizer", 1, "layout", memory="disk")

@@ -62,3 +62,35 @@ def test_a_clean_run_holds_to_its_plan_and_a_leak_does_not(tiny_ckpt, tiny_bf16_
 @pytest.mark.slow  # starts an engine
 def test_kv_tokens_auto_starts_the_engine_with_the_plans_pool(tiny_ckpt, tmp_path):
     plan_run.check_kv_tokens_auto_starts_the_engine_with_the_plans_pool("jax", tiny_ckpt, tmp_path)
+
+
+@pytest.mark.slow  # starts an engine
+def test_a_run_with_the_optimizer_in_host_memory_holds_to_its_plan(tiny_bf16_ckpt, tmp_path):
+    """``--model-option optimizer_memory=host`` on the TPU model path (stacked layers, remat), a
+    bf16 checkpoint's full fine-tune at lr 1e-6, temperature 0.7: the plan keeps the AdamW state on
+    the host in every phase from the trainer's start on and no device row holds it, the run's
+    phases end at the plan, and the pinned_host arrays at every phase end are the plan's host
+    copies byte for byte (the state included, never on the device)."""
+    out = tmp_path / "host-opt"
+    r = run(
+        tiny_bf16_ckpt,
+        out,
+        *("--lr", "1e-6", "--temperature", "0.7"),
+        *("--model-option", "optimizer_memory=host", "--model-option", "scan_layers=true"),
+        *("--model-option", "remat=block"),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = json.loads((out / "plan.json").read_text())
+    main = plan["plans"][plan["schedule"]]
+    assert main["components"]["optimizer"]["memory"] == "host"
+    opt = main["components"]["optimizer"]["bytes_per_device"]
+    assert opt > 0 and all("optimizer" not in p["resident"] for p in main["phases"])
+    trainer_phases = [p for p in main["phases"] if p["phase"] not in ("setup:release_rollout",)]
+    assert all(p["host"].get("optimizer") == opt for p in trainer_phases), trainer_phases
+    assert drift(out) == []
+    from mllm_rl.memplan import validate
+
+    rows = validate.compare(validate.load_records(out), plan)["phases"]
+    host = [(row["phase"], row["host_trainer_predicted"], row["host_trainer_measured"]) for row in rows]
+    assert len(host) >= 20 and all(pred == got for _, pred, got in host), host
+    assert all(pred >= opt for phase, pred, _ in host if phase != "setup:release_rollout"), host

@@ -56,7 +56,16 @@ def test_tiny_plan_for_a_v4_8_compiles_with_libtpu(tmp_path):
     # AdamW keeps two moments per trainable param: about twice the params, sharded alike
     assert 1.9 < comps["optimizer"]["bytes_per_device"] / comps["trainer_params"]["bytes_per_device"] < 2.2
     fns = p["functions"]
-    assert set(fns) == {"grad_step", "optimizer_apply"}
+    assert set(fns) == {"grad_step", "optimizer_apply", "engine_step"}
+    # the engine's step, estimated from the shapes: one layer's float32 activations for a 4096-token
+    # prefill chunk (64 sequences x 64 tokens; heads and MLP split over tp 2) + 3 float32 [64, V]
+    # sampler arrays (the 8 x 8 sequences decode at once)
+    c = TINY
+    per_token = 4 * c.hidden_size + (2 * c.num_attention_heads + 2 * c.num_key_value_heads) // 2 * c.head_dim
+    per_token += 3 * c.intermediate_size // 2
+    step = fns["engine_step"]
+    assert step["method"] == "estimate" and step["argument_bytes"] == 0
+    assert step["peak_bytes"] == 4096 * per_token * 4 + 3 * 64 * c.vocab_size * 4
     grad = fns["grad_step"]
     assert (
         grad["peak_bytes"] > grad["argument_bytes"] > 0
@@ -64,6 +73,8 @@ def test_tiny_plan_for_a_v4_8_compiles_with_libtpu(tmp_path):
         and not grad["rejected"]
     )
     phases = {ph["phase"]: ph for ph in p["phases"]}
+    assert phases["rollout"]["function"] == "engine_step"
+    assert phases["rollout"]["total"] == sum(phases["rollout"]["resident"].values()) + step["peak_bytes"]
     assert phases["train_step"]["function"] == "grad_step"
     assert (
         phases["train_step"]["total"] == sum(phases["train_step"]["resident"].values()) + grad["extra_bytes"]
@@ -73,6 +84,36 @@ def test_tiny_plan_for_a_v4_8_compiles_with_libtpu(tmp_path):
     assert p["fits"] and "multi_stage: fits" in r.stdout and "host peak RSS" in r.stdout
     assert (tmp_path / "plan" / "plan.txt").read_text() == r.stdout
     assert "<table>" in (tmp_path / "plan" / "plan.html").read_text()
+
+
+@pytest.mark.slow  # a whole plan, compiled by libtpu
+def test_the_optimizer_in_host_memory_is_planned_on_the_host_and_streamed(tmp_path):
+    """``--model-option optimizer_memory=host`` on a v4-8 (the TPU model path, a bf16 checkpoint's
+    float32 masters and moments): the AdamW state is in every phase's host copies from the
+    trainer's start on and in no device row; the update is one leaf's, its moments counted in its
+    extra bytes; the host-memory verdict uses ``--host-ram-gib``."""
+    needs_libtpu()
+    r, doc = plan(tmp_path, "--model", "qwen3-0.6b", "--target", "v4-8", "--tp", "2", "--kv-tokens", "4096",
+                  "--micro-batch-size", "4", "--seq-len", "64", "--model-option", "optimizer_memory=host",
+                  "--host-ram-gib", "2")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    p = doc["plans"]["multi_stage"]
+    opt = p["components"]["optimizer"]
+    assert opt["memory"] == "host" and opt["bytes_per_device"] > 0
+    assert all("optimizer" not in ph["resident"] for ph in p["phases"])
+    started = False
+    for ph in p["phases"]:
+        started = started or ph["phase"] == "setup:trainer_init"
+        assert (ph["host"].get("optimizer") == 4 * opt["bytes_per_device"]) == started, ph["phase"]
+    apply = p["functions"]["optimizer_apply"]
+    assert "streamed from the host" in apply["detail"]
+    assert (
+        apply["extra_bytes"] >= apply["argument_bytes"] > 0
+    )  # mu and nu: the size of the param and its gradient
+    assert apply["peak_bytes"] < opt["bytes_per_device"]  # never the whole state on the device
+    host = p["host"]
+    assert host["ram_bytes"] == 2 * 2**30 and host["fits"] is False  # 0.6B's offloaded state > 2 GiB
+    assert "host (host copies, per host): peak" in r.stdout and "OVER" in r.stdout.split("host (")[1]
 
 
 @pytest.mark.slow  # a whole plan, compiled by libtpu

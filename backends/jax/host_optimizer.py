@@ -1,0 +1,95 @@
+"""AdamW whose state lives in host memory, streamed through the device one leaf at a time
+(``ModelOptions.optimizer_memory="host"``).
+
+The optimizer state is optax's own tree (the same tree as the device path's, so a checkpoint
+is the same), every leaf on the ``pinned_host`` memory kind for the whole run. One update
+(``apply``):
+
+1. ``StepFns.grad_norm(grads)`` on the device: the global norm, in the ``opt`` dtype, that
+   clipping uses and the metrics report;
+2. for each trainable leaf (a stacked ``[L, ...]`` weight under ``scan_layers``, else one
+   layer's weight), in order: its two AdamW moments are copied to the device,
+   ``StepFns.leaf_update`` (donating the param and both moments) applies the clip and the AdamW
+   chain exactly as ``apply`` does for the whole tree, the new moments go back to the host, and
+   the device copies, the old host copies and the leaf's gradient are deleted.
+
+So beyond the params and the gradients, the device holds one leaf's moments and the update's
+temporaries (the memory plan compiles ``leaf_update`` for the largest leaf), and the host holds
+the whole state plus one leaf's new moments. The transfers are synchronous: an update moves the
+whole state to the device and back once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+DEVICE, HOST = "device", "pinned_host"
+
+
+def put(x: jax.Array, kind: str) -> jax.Array:
+    """A copy of ``x`` in memory kind ``kind``, same sharding (``x`` is kept)."""
+    return jax.block_until_ready(jax.device_put(x, x.sharding.with_memory_kind(kind)))
+
+
+def adam_state(opt_state: Any) -> optax.ScaleByAdamState:
+    """The ``ScaleByAdamState`` (count, mu, nu) inside ``make_tx``'s chain state."""
+    if isinstance(opt_state, optax.ScaleByAdamState):
+        return opt_state
+    if isinstance(opt_state, tuple):
+        for part in opt_state:
+            found = _find(part)
+            if found is not None:
+                return found
+    raise ValueError("optimizer state has no ScaleByAdamState (AdamW)")
+
+
+def _find(tree: Any) -> optax.ScaleByAdamState | None:
+    try:
+        return adam_state(tree)
+    except ValueError:
+        return None
+
+
+def _replace_adam(opt_state: Any, new: optax.ScaleByAdamState) -> Any:
+    if isinstance(opt_state, optax.ScaleByAdamState):
+        return new
+    if isinstance(opt_state, tuple):
+        parts = [_replace_adam(p, new) if _find(p) is not None else p for p in opt_state]
+        return type(opt_state)(*parts) if hasattr(opt_state, "_fields") else tuple(parts)
+    return opt_state
+
+
+def apply(fns: Any, trainable: Any, opt_state: Any, grads: Any) -> tuple[Any, Any, jax.Array]:
+    """One AdamW update with ``opt_state`` on the host: ``(trainable, opt_state, grad_norm)`` as
+    ``StepFns.apply`` returns them. ``trainable``'s leaves are donated (updated in place),
+    ``grads`` is consumed (its leaves deleted as they are used), ``opt_state``'s old host leaves
+    are deleted once their successors are on the host."""
+    gnorm = fns.grad_norm(grads)
+    adam = adam_state(opt_state)
+    params, p_def = jax.tree.flatten(trainable)
+    g_leaves = jax.tree.leaves(grads)
+    mu, mu_def = jax.tree.flatten(adam.mu)
+    nu, nu_def = jax.tree.flatten(adam.nu)
+    if not len(params) == len(g_leaves) == len(mu) == len(nu):
+        raise ValueError("optimizer state does not match the trainable params")
+    count = put(adam.count, DEVICE)
+    new_count = count
+    for j in range(len(params)):
+        m_dev, v_dev = put(mu[j], DEVICE), put(nu[j], DEVICE)
+        params[j], m_dev, v_dev, new_count = fns.leaf_update(
+            params[j], g_leaves[j], m_dev, v_dev, count, gnorm
+        )
+        m_host, v_host = put(m_dev, HOST), put(v_dev, HOST)
+        for x in (m_dev, v_dev, g_leaves[j], mu[j], nu[j]):
+            x.delete()
+        mu[j], nu[j] = m_host, v_host
+    host_count = put(new_count, HOST)
+    count.delete()
+    adam.count.delete()
+    new = adam._replace(
+        count=host_count, mu=jax.tree.unflatten(mu_def, mu), nu=jax.tree.unflatten(nu_def, nu)
+    )
+    return jax.tree.unflatten(p_def, params), _replace_adam(opt_state, new), gnorm
