@@ -79,6 +79,7 @@ class JaxBackend(Backend):
             "process_index": jax.process_index(),
             "process_count": jax.process_count(),
             "global_device_count": jax.device_count(),
+            "device_kind": jax.devices()[0].device_kind,
             "xla_python_client_preallocate": os.environ.get(PREALLOCATE),
         }
 

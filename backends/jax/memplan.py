@@ -66,6 +66,26 @@ def targets() -> dict[str, str]:
     return topologies.describe()
 
 
+def target_for_runtime(runtime: dict[str, Any]) -> str | None:
+    """The target of the devices a run came up on (``mllm_rl.memplan.for_run``): ``cpu`` for one
+    process on CPU; on TPU or GPU the slice or node whose device kind, device count and hosts are
+    the run's (``topologies.match_runtime``: a v4-8 run is planned for ``v4-8``); None otherwise."""
+    platform, procs = runtime.get("platform"), runtime.get("process_count", 1)
+    if platform == "cpu":
+        return "cpu" if procs == 1 else None
+    kind, n = runtime.get("device_kind"), runtime.get("global_device_count")
+    if platform not in ("tpu", "gpu") or not kind or not n:
+        return None
+    return topologies.match_runtime(platform, kind, int(n), int(procs))
+
+
+def plans_in_process(target: str) -> bool:
+    """Whether a run's own process can plan ``target``: only ``cpu`` (a TPU or GPU target loads its
+    compiler into a JAX on its CPU platform, which a run on that TPU or GPU is not; the run plans
+    it in a fresh process, ``mllm_rl.memplan.child``)."""
+    return target == "cpu"
+
+
 def measure(req: PlanRequest) -> Measured:
     """Components and compiled functions of one colocated RL step for ``req`` (per device).
 
@@ -98,7 +118,7 @@ def measure(req: PlanRequest) -> Measured:
     )
     layer = _cached(
         ("kvlayer", req.target, req.model, req.tp, kv.tokens),
-        lambda: engine_layout.compile_layer(req.model, devices, req.tp, kv.tokens),
+        lambda: _compile_layer(req, devices, kv.tokens),
     )
     formula_layer = kv.bytes_per_device // req.model.num_hidden_layers
     default_frac = engine_layout.DEFAULT_MEM_FRACTION[target.platform]
@@ -125,8 +145,8 @@ def measure(req: PlanRequest) -> Measured:
             kv.bytes_per_device,
             "layout",
             f"sglang-jax MHATokenToKVPool: ({kv.tokens} + {kv.pad_tokens}) tokens x "
-            f"{kv.cell_bytes} B/token ({kv.rule}); one layer compiled: {layer} B "
-            f"(formula {formula_layer} B)",
+            f"{kv.cell_bytes} B/token ({kv.rule}); one layer compiled: "
+            + (f"{layer} B (formula {formula_layer} B)" if isinstance(layer, int) else f"REJECTED ({layer})"),
         ),
         "engine_logits": Component(
             "engine_logits",
@@ -137,7 +157,7 @@ def measure(req: PlanRequest) -> Measured:
             f"{req.prompts * req.group_size})",
         ),
     }
-    if layer != formula_layer:
+    if isinstance(layer, int) and layer != formula_layer:
         notes.append(
             f"KV pool: the compiler lays one layer out in {layer} B, the formula says {formula_layer} B"
         )
@@ -175,6 +195,18 @@ def _engine_step(req: PlanRequest) -> FunctionMemory:
     itemsize = 4 if engine_layout.engine_dtype(req.model) == "float32" else 2
     b, detail = forward_bytes(req.model, req.tp, tokens, rows, itemsize)
     return FunctionMemory("engine_step", b, 0, method="estimate", detail=detail)
+
+
+def _compile_layer(req: PlanRequest, devices: list[Any], tokens: int) -> int | str:
+    """One layer of the KV pool compiled for the target (its bytes), or the compiler's refusal when
+    one layer alone does not fit a device (the pool then overflows in the plan, naming kv_pool)."""
+    try:
+        return engine_layout.compile_layer(req.model, devices, req.tp, tokens)
+    except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory refusal is expected
+        rej = topologies.rejection(e)
+        if rej is None:
+            raise
+        return rej[0]
 
 
 def model_options(req: PlanRequest, platform: str) -> Any:

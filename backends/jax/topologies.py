@@ -157,6 +157,47 @@ def _plugin_importable(s: TargetSpec) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+# What a device of each generation reports as ``jax.Device.device_kind`` (libtpu 0.0.42 and the
+# XLA GPU target configs report these for the compile-only devices of our targets;
+# ``tests/jax/test_run_plan_target.py`` holds the table against them). A GPU kind is a prefix:
+# a card's name from its driver may carry more (memory, form factor).
+DEVICE_KINDS = {
+    "v4": "TPU v4",
+    "v5e": "TPU v5 lite",
+    "v5p": "TPU v5",
+    "v6e": "TPU v6 lite",
+    "h100": "NVIDIA H100 80GB HBM3",
+    "h200": "NVIDIA H200",
+}
+
+
+def shape(s: TargetSpec) -> tuple[str, int, int]:
+    """``(device kind, devices, hosts)`` of a TPU or GPU target, from its spec (nothing loaded):
+    TPU topology ``v4:2x2x2`` is 8 chips, one device each (megacore on v4/v5p; one TensorCore
+    on v5e/v6e), over chips / chips-per-host hosts; GPU ``1x2x8`` is 2 hosts of 8."""
+    import math
+
+    dims = [int(x) for x in s.topology.split(":")[-1].split("x")]
+    if s.platform == "tpu":
+        chips = math.prod(dims)
+        per_host = math.prod(s.chips_per_host_bounds or (1,))
+        return DEVICE_KINDS[s.topology.split(":")[0]], chips, max(1, chips // per_host)
+    return DEVICE_KINDS[s.name.split("x")[0]], dims[1] * dims[2], dims[1]
+
+
+def match_runtime(platform: str, device_kind: str, num_devices: int, processes: int) -> str | None:
+    """The target whose devices are a run's: ``platform`` (``tpu`` | ``gpu``), the kind of its
+    devices, how many over all processes, and its process count (one per host). None: no target."""
+    for name, s in TARGETS.items():
+        if s.platform != platform:
+            continue
+        kind, n, hosts = shape(s)
+        same_kind = device_kind == kind if platform == "tpu" else device_kind.startswith(kind)
+        if same_kind and (n, hosts) == (num_devices, processes):
+            return name
+    return None
+
+
 def gpu_config_text(s: TargetSpec) -> str:
     return resources.files("mllm_rl").joinpath("assets", "gpu_targets", s.gpu_config).read_text()
 

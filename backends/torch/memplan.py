@@ -111,6 +111,14 @@ def targets() -> dict[str, str]:
     return {**out, **LOCAL_TARGETS}
 
 
+def target_for_runtime(runtime: dict[str, Any]) -> str | None:
+    """The target a run plans itself against (``mllm_rl.memplan.for_run``): this machine's
+    ``cpu`` or ``cuda`` device, one process (several processes are not planned in the run)."""
+    if runtime.get("process_count", 1) != 1:
+        return None
+    return {"cpu": "cpu", "cuda": "cuda"}.get(str(runtime.get("platform")))
+
+
 def card_memory(config: str) -> int:
     """``device_memory_size`` of an XLA GPU target config shipped in ``mllm_rl/assets/gpu_targets``
     (openxla/xla's spec of the card; see the README there)."""

@@ -4,8 +4,8 @@ A run planned before start-up (``mllm_rl.memplan.for_run``) has ``plan.json`` in
 ``audit(records, doc)`` compares (``mllm_rl.memplan.validate.compare``) and ``drifts`` names the
 phases that ended with more bytes in use than the plan says stay resident, by more than
 ``TOLERANCE`` (and a MiB): memory the plan does not know of, a leak when it grows step by step.
-Fewer bytes than predicted is not a finding (the plan bounds). Single-device runs: the plan is made
-for one device's share.
+Fewer bytes than predicted is not a finding (the plan bounds). The plan is one device's share; a run
+over several devices is held by its fullest device.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ TOLERANCE = 0.05
 
 def audit(records: list[dict[str, Any]], doc: dict[str, Any]) -> dict[str, Any]:
     """``validate.compare`` of the records against ``doc`` (``ValueError`` when they cannot be
-    compared, e.g. a run over several devices): setup's and the last step's phases, each step phase
-    with the step before's bytes (``measured_before``)."""
+    compared): setup's and the last step's phases, each step phase with the step before's bytes
+    (``measured_before``)."""
     return compare(records, doc, TOLERANCE)
 
 

@@ -9,12 +9,17 @@ directory as ``plan.json`` (and ``plan.txt``) and held against the phase records
 (``mllm_rl.memplan.validate``). ``--kv-tokens auto``: the KV pool is the largest that leaves every
 phase within the budget (the plan's ``--fit kv``), and the engine is started with it.
 
-Targets: a run's devices are planned when the backend's planner has a target for them: the JAX
-backend's ``cpu`` target for a run on CPU (the same XLA, the same process); the torch backend's
-``cpu`` and ``cuda`` targets (this machine's CPU or CUDA device; the trainer step on fake tensors,
-the engine the run starts by its layout). On a TPU, a JAX GPU or across processes the run says so
-in one line and starts unplanned: ``python -m mllm_rl.memplan --target ...`` with the same flags
-plans it there (docs/PLAN.md).
+Targets: a run's devices are planned when the backend's planner has a target for them (its
+``target_for_runtime(runtime)``): the JAX backend's ``cpu`` target for a run on CPU (the same XLA,
+the same process), and on a TPU slice or an NVIDIA node the target whose device kind, device
+count and hosts are the run's (a v4-8 run is planned for ``v4-8``, each host of a v4-16 for
+``v4-16``), compiled by the target's compiler in a fresh process (``mllm_rl.memplan.child``: the
+run's JAX is on the TPU, the planner's on its CPU); the torch backend's ``cpu`` and ``cuda``
+targets (this machine's CPU or CUDA device; the trainer step on fake tensors, the engine the run
+starts by its layout). Devices without a target (another TPU or GPU, torch across processes, JAX
+over several CPU processes) are said in one line and the run starts unplanned:
+``python -m mllm_rl.memplan --target ...`` with the same flags plans a target there (docs/PLAN.md).
+A TPU or GPU target's host is the run's own: its RAM (``psutil``) gives the host verdict.
 """
 
 from __future__ import annotations
@@ -31,15 +36,16 @@ class DoesNotFit(Exception):
 
 
 def target_for(backend: str, runtime: dict[str, Any]) -> str | None:
-    """The planner target of the devices the runtime came up on, or None (no target for them)."""
-    if runtime.get("process_count", 1) != 1:
+    """The planner target of the devices the runtime came up on (the backend planner's
+    ``target_for_runtime``), or None (no planner, or no target for them)."""
+    from mllm_rl.memplan.planner import load_planner
+
+    try:
+        planner = load_planner(backend)
+    except ValueError:
         return None
-    platform = runtime.get("platform")
-    if platform == "cpu" and backend in ("jax", "torch"):
-        return "cpu"
-    if platform == "cuda" and backend == "torch":
-        return "cuda"
-    return None
+    fn = getattr(planner, "target_for_runtime", None)
+    return fn(runtime) if fn is not None else None
 
 
 def request_for(backend: str, target: str, model: Any, opts: Any, engine: str = "auto") -> PlanRequest:
@@ -72,6 +78,16 @@ def request_for(backend: str, target: str, model: Any, opts: Any, engine: str = 
     )
 
 
+def _host_ram_gib(runtime: dict[str, Any]) -> float | None:
+    """This host's RAM for a TPU or GPU target's host verdict (the run is on that host); None on CPU
+    and CUDA, whose targets know it already."""
+    if runtime.get("platform") not in ("tpu", "gpu"):
+        return None
+    import psutil
+
+    return psutil.virtual_memory().total / 2**30
+
+
 @dataclasses.dataclass
 class RunPlan:
     """A run's plan: ``doc`` is its ``plan.json``, ``text`` its table; ``kv_tokens`` the pool it
@@ -85,15 +101,26 @@ class RunPlan:
     host: str = ""  # the host-memory line (compose.host_line)
 
 
-def plan_run(req: PlanRequest, check_weights: bool, fit_kv: bool) -> RunPlan:
+def plan_run(req: PlanRequest, check_weights: bool, fit_kv: bool, in_process: bool = False) -> RunPlan:
     """Measure and compose ``req`` (``fit_kv``: the largest KV pool first); ``DoesNotFit`` naming the
     phase and the component when the run's schedule does not fit, ``ValueError`` for a request the
-    planner refuses."""
+    planner refuses. A target the backend's planner cannot compile in this process (its
+    ``plans_in_process``) is planned by ``mllm_rl.memplan.child`` unless ``in_process``."""
     from mllm_rl.memplan import output
     from mllm_rl.memplan.fit import kv_room
     from mllm_rl.memplan.planner import load_planner, plans, with_kv_tokens
 
     planner = load_planner(req.backend)
+    here = getattr(planner, "plans_in_process", None)
+    if not in_process and here is not None and not here(req.target):
+        from mllm_rl.memplan.child import run_child
+
+        answer = run_child(req, check_weights, fit_kv)
+        if "does_not_fit" in answer:
+            raise DoesNotFit(answer["does_not_fit"])
+        if "error" in answer:
+            raise ValueError(answer["error"])
+        return RunPlan(**answer["plan"])
     m = planner.measure(req)
     extra: dict[str, Any] = {"for_run": True}
     if fit_kv:
@@ -150,13 +177,19 @@ def plan_for_rl(
         if mode == "off":
             return opts, None, []
         procs = runtime.get("process_count", 1)
+        kind = (
+            f" ({runtime['device_kind']} x {runtime.get('global_device_count')})"
+            if runtime.get("device_kind")
+            else ""
+        )
         return (
             opts,
             None,
             [
                 f"memory plan: not made before start-up for {backend.name} on {runtime.get('platform')}"
-                f"{f' ({procs} processes)' if procs > 1 else ''} (a run plans itself on one process: JAX on CPU, "
-                "torch on CPU or CUDA); "
+                f"{f' ({procs} processes)' if procs > 1 else ''}{kind} (no plan target for these devices: "
+                "a run plans itself for JAX on one CPU process, a TPU slice or an NVIDIA H100/H200 node, "
+                "torch on one CPU or CUDA process); "
                 f"python -m mllm_rl.memplan --backend {backend.name} --target ... plans it with the same flags"
             ],
         )
@@ -165,7 +198,7 @@ def plan_for_rl(
         engine = dataclasses.replace(engine, max_total_tokens=None)
     opts = dataclasses.replace(opts, engine=engine)
     req = request_for(backend.name, target, model, opts, backend.rollout_engine(opts.engine.engine))
-    req = dataclasses.replace(req, margin=opts.plan_margin)
+    req = dataclasses.replace(req, margin=opts.plan_margin, host_ram_gib=_host_ram_gib(runtime))
     try:
         plan = plan_run(req, opts.lifecycle.check_weights, fit_kv=opts.kv_auto)
     except DoesNotFit as e:

@@ -9,8 +9,9 @@ of their arrays): ``engine_weights`` and ``kv_pool`` = ``held`` of the first ``r
 truth's ``bytes_in_use`` at the end of each phase of the last step (and of setup), against the
 plan's components still resident when the phase ends (``residency.end_state``), and under the
 plan's total during the phase (``predicted_during``, its peak with the compiled temporaries).
-A step's phase holds when it held in the last step or the one before (``measured_before``). Single-device
-runs only (the CPU run without ``--tp``): one device's bytes are the run's bytes.
+A step's phase holds when it held in the last step or the one before (``measured_before``). A run
+over several devices (a TPU slice) is compared by its fullest device at each phase end, and its
+components by one device's even share of the engine's and trainer's counts (the plan is per device).
 """
 
 from __future__ import annotations
@@ -33,19 +34,23 @@ def load_records(run_dir: Path) -> list[dict[str, Any]]:
         raise ValueError(f"{path}: not found (not a run directory?)") from None
 
 
-def _device_bytes(rec: dict[str, Any]) -> int | None:
-    devs = rec.get("memory", {}).get("devices") or []
+def _per_device(rec: dict[str, Any]) -> dict[Any, int]:
     seen: dict[Any, int] = {}
-    for d in devs:  # the first entry of each device id is its truth
+    for d in rec.get("memory", {}).get("devices") or []:  # the first entry of each device id is its truth
         if d["id"] not in seen and d.get("bytes_in_use") is not None:
             seen[d["id"]] = int(d["bytes_in_use"])
-    if len(seen) > 1:
-        raise ValueError("validate: the run used several devices; compare single-device runs")
-    return next(iter(seen.values()), None)
+    return seen
+
+
+def _device_bytes(rec: dict[str, Any]) -> int | None:
+    """The bytes in use on the fullest device (a plan is one device's share; on a mesh every device
+    should hold about the same)."""
+    return max(_per_device(rec).values(), default=None)
 
 
 def measured_components(records: list[dict[str, Any]]) -> dict[str, int]:
     out: dict[str, int] = {}
+    devices = 1
     for r in records:
         info = r.get("info", {})
         if r["phase"] == "release_rollout" and "held" in info and "engine_weights" not in out:
@@ -54,6 +59,9 @@ def measured_components(records: list[dict[str, Any]]) -> dict[str, int]:
         if r["phase"] == "trainer_init" and "state_bytes" in info:
             out["trainer_params"] = int(info["state_bytes"]["params"])
             out["optimizer"] = int(info["state_bytes"]["optimizer"])
+            devices = max(1, len(_per_device(r)))
+    # the engine's and the trainer's counts are over every device: one device's even share
+    out = {k: v // devices for k, v in out.items()}
     missing = [c for c in COMPARED if c not in out]
     if missing:
         raise ValueError(

@@ -88,7 +88,7 @@ OPTIONS: tuple[Option, ...] = (
        "run", {*RUN, "memplan"}, choices=("auto", "embedded", "sglang")),
     _o("max_new_tokens", int, None, "tokens per completion", "run", {"rl", "swap", "task"}, resume="fixed",
        low=1, nullable=True, default_text="8 for rl, 16 for swap"),
-    _o("max_total_tokens", int, None, "engine KV cache size in tokens; auto (rl, a run that plans itself: JAX on CPU, torch): the largest pool "
+    _o("max_total_tokens", int, None, "engine KV cache size in tokens; auto (rl, a run that plans itself: JAX on CPU, a TPU slice or an H100/H200 node; torch on CPU or CUDA): the largest pool "
        "the run's memory plan leaves room for", "run",
        {"rl", "swap", "task", "memplan"}, low=1, nullable=True, aliases=("--kv-tokens",), words=(KV_AUTO,),
        default_text="swap 4096; rl max-running-requests x context; memplan: the engine's rule"),
