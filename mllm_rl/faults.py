@@ -9,6 +9,8 @@ catch that bug really does (a test without it could not fail). Names in use:
 - ``offload_noop``   the trainer's params offload moves nothing
 - ``leak_mb=N``      the trainer (JAX, torch) keeps N MiB of device memory more after every train step (a leak:
                      the run's memory plan audit must report the phases that drift from the plan)
+- ``host_leak_mb=N`` every train step keeps N MiB of host memory more (a host leak: the report's
+                     ``host_growth`` finding must see it)
 - ``reward_nan``     the first completion of every RL step gets a NaN reward (as a broken reward
                      function would give): its group's advantages, then the loss, are NaN
 - ``hang=PHASE``     the phase named PHASE sleeps until interrupted (the watchdog's test)

@@ -70,6 +70,7 @@ from mllm_rl.engine import (
     WeightMismatch,
 )
 from mllm_rl.engine_state import ManagedEngine
+from mllm_rl.faults import fault_value
 from mllm_rl.option_error import OptionError
 from mllm_rl.options.schema import default
 from mllm_rl.phases.recorder import PhaseHandle, PhaseRecorder
@@ -261,6 +262,7 @@ class Colocated:
         self.release_tags = release_tags(engine)
         self.kv_tags = [t for t in self.release_tags if t != TAG_WEIGHTS]  # what resume_kv brings back
         self._expected_probe: tuple[list[int], list[float]] | None = None
+        self._host_leaked: list[bytearray] = []  # the host_leak_mb fault's buffers
 
     # -- invariants ----------------------------------------------------------------------
     def _phase(self, name: str, step: int | None, **info: Any) -> _CheckedPhase:
@@ -410,6 +412,9 @@ class Colocated:
             if self.opts.old_logp == "trainer":
                 batch, extra = with_trainer_old_logp(batch, self.trainer.logprobs(batch), self.opts.tis_cap)
             train = {**self.trainer.train_step(batch), **extra}
+            leak = fault_value("host_leak_mb")
+            if leak:  # host memory kept forever, as a leak would: the report's host_growth must see it
+                self._host_leaked.append(bytearray(b"\x01" * (int(leak) << 20)))
             ph.info.update(train)
             check_finite(step, train, ph.info)
             if probe:

@@ -10,6 +10,7 @@ from mllm_rl.report.completeness import completeness
 from mllm_rl.report.efficiency import efficiency_rows, swap_ratios
 from mllm_rl.report.expected import Expected, first_phase_guess, from_plan, inferred
 from mllm_rl.report.health import health_issues
+from mllm_rl.report.host_growth import host_growth
 from mllm_rl.report.issues import WARNING, Issue
 from mllm_rl.report.load import Run
 from mllm_rl.report.memory import pick_unit
@@ -84,7 +85,8 @@ def analyze(run: Run) -> RunAnalysis:
         issues=completeness(run, exp, attempts)
         + health_issues(run.label, attempts)
         + efficiency_issues(run.label, efficiency)
-        + plan_found,
+        + plan_found
+        + host_growth(run),
         phases=phase_rows(run.label, attempts, run.t0),
         efficiency=efficiency,
         swaps=swap_ratios(run.label, attempts),

@@ -11,6 +11,13 @@ import pytest
 from tests import plan_run
 from tests.plan_run import drift
 
+FIVE_STEPS = ("--steps", "5")  # the host-growth check needs steps 1-4
+
+
+def host_growth(run_dir) -> list[dict]:
+    summary = json.loads((run_dir / "report" / "summary.json").read_text())
+    return [i for i in summary["issues"] if i["kind"] == "host_growth"]
+
 
 def run(tiny_ckpt, run_dir, *extra, env=None):
     return plan_run.run("jax", tiny_ckpt, run_dir, *extra, env=env)
@@ -24,15 +31,16 @@ def test_a_pool_that_cannot_fit_exits_6_before_anything_exists(tiny_ckpt, tmp_pa
 @pytest.mark.slow  # starts an engine
 def test_a_clean_run_holds_to_its_plan_and_a_leak_does_not(tiny_ckpt, tiny_bf16_ckpt, tmp_path):
     """The clean run at a pretrained model's settings: a bf16 checkpoint (float32 masters), LoRA
-    rank 4, lr 1e-6, temperature 0.7."""
+    rank 4, lr 1e-6, temperature 0.7. The leaky one also keeps 64 MiB of host memory per train
+    step: the report's host_growth finds it, and not in the clean run."""
     clean = tmp_path / "clean"
-    r = run(tiny_bf16_ckpt, clean, "--lora-rank", "4", "--lr", "1e-6", "--temperature", "0.7")
+    r = run(tiny_bf16_ckpt, clean, "--lora-rank", "4", "--lr", "1e-6", "--temperature", "0.7", *FIVE_STEPS)
     assert r.returncode == 0, r.stderr[-3000:]
     plan = json.loads((clean / "plan.json").read_text())
     assert plan["kind"] == "predicted" and plan["for_run"] is True
     said = [x for x in r.stderr.splitlines() if x.startswith("memory plan:")]
     assert said and "ended within 5% of the prediction or below it" in said[0], said
-    assert drift(clean) == []
+    assert drift(clean) == [] and host_growth(clean) == []
     assert "Memory plan vs run" in r.stderr and " DRIFT" not in r.stderr  # the console table
     # host memory: the trainer's offloaded params and AdamW state in pinned_host at every phase end
     # of the last step and the setup are the plan's host copies, byte for byte
@@ -45,8 +53,19 @@ def test_a_clean_run_holds_to_its_plan_and_a_leak_does_not(tiny_ckpt, tiny_bf16_
     assert "host (host copies and the CPU devices' bytes, per host): peak" in r.stderr
 
     leaky = tmp_path / "leaky"  # with W&B offline: the plan table and the drift count land there too
-    r = run(tiny_ckpt, leaky, "--wandb", "offline", env={"MLLM_RL_FAULTS": "leak_mb=64"})
+    r = run(
+        tiny_ckpt,
+        leaky,
+        "--wandb",
+        "offline",
+        *FIVE_STEPS,
+        env={"MLLM_RL_FAULTS": "leak_mb=64,host_leak_mb=64"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
+    (grew,) = host_growth(leaky)  # 64 MiB of host memory kept per train step, and on CPU the device
+    # leak's 64 MiB are host RAM too
+    assert grew["severity"] == "warning" and "from step 1 to step 4" in grew["message"], grew
+    assert 120 < float(grew["message"].split("grew ")[1].split(" MiB")[0]) < 150, grew
     found = drift(leaky)
     assert found and all(i["severity"] == "warning" for i in found)
     assert any("train_step" in i["message"] or "checkpoint" in i["message"] for i in found)
