@@ -156,8 +156,8 @@ class Run:
     function: each decoder block's variables (LoRA adapters included) as the block runs, the
     embedding's gathered rows, the final norm and the head, so every matmul runs in that dtype
     and the gradients of float32 params arrive in float32. (The trainer's step functions cast
-    the whole params tree once before the model runs, ``step_fns.make_step_fns``, which makes
-    these casts no-ops there.) Without it the forward computes in the params' own dtype."""
+    the whole params tree once before the model runs and differentiate w.r.t. that cast,
+    ``step_fns.make_step_fns``, which makes these casts no-ops there.) Without it the forward computes in the params' own dtype."""
 
     opts: ModelOptions = ModelOptions()
     mesh: Mesh | None = None

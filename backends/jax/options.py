@@ -159,7 +159,8 @@ class Dtypes:
     - ``params``: the model's ``Param``s as stored (in LoRA mode the frozen base);
     - ``adapters``: the LoRA adapters (``LoRAParam``), the trainable state in LoRA mode;
     - ``compute``: the dtype every matmul of the forward and backward runs in (the params are
-      cast to it inside the jitted functions; their gradients arrive in the stored dtype);
+      cast to it inside the jitted functions; a micro-batch's gradient comes in this dtype and
+      is accumulated in the stored one);
     - ``opt``: the AdamW moments and the update arithmetic;
     - ``export``: the checkpoint's dtype: what the engine gets (and what the fingerprint hashes).
     """

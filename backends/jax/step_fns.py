@@ -20,7 +20,8 @@ layout, remat, attention, head chunking, dtypes, ``tp``), ``mesh`` (``sharding.m
 optimised in which dtype is ``resolve_dtypes`` (``ModelOptions.resolved``): by default
 (``precision="mixed"``) a bf16 checkpoint trains float32 master params (a LoRA base stays
 bf16) with float32 AdamW moments, and every forward/backward casts the params to bf16 inside
-the jitted function, so gradients arrive in float32 on the masters.
+the jitted function; ``grad`` returns the gradient w.r.t. that cast (bf16), which the float32
+accumulator converts: the masters' own gradient, bit for bit.
 
 - ``trainable`` / ``frozen``: ``nnx.State`` trees of the model's variables. Full fine-tune:
   ``trainable`` = every ``Param``, ``frozen`` empty. LoRA: ``trainable`` = the ``LoRAParam``
