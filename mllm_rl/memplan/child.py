@@ -5,56 +5,24 @@ target's compiler loaded into a JAX on its CPU platform (``backends/jax/topologi
 runs on a device), which that process cannot become. So ``mllm_rl.memplan.for_run`` runs
 ``plan_run`` here instead: the request and flags as JSON on stdin, the result as one JSON object
 on stdout (``{"plan": RunPlan}``, ``{"does_not_fit": message}`` or ``{"error": message}``);
-progress on stderr. The environment is the planner's own (``child_env``): the run's TPU / JAX
-settings are not passed on, so the child is what ``python -m mllm_rl.memplan`` is on any machine.
+progress on stderr. ``for_run.run_child`` starts it with the planner's own environment: the run's
+TPU / JAX settings are not passed on, so the child is what ``python -m mllm_rl.memplan`` is on any
+machine.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 from typing import Any
 
 from mllm_rl.memplan.request import PlanRequest
 from mllm_rl.presets import ModelConfig
 
-# the run's device and cluster settings: the child compiles for a target and opens no device
-DROPPED_ENV_PREFIXES = ("TPU_", "JAX_", "XLA_", "MEGASCALE_", "CUDA_VISIBLE_DEVICES")
-
-
-def request_json(req: PlanRequest) -> dict[str, Any]:
-    return dataclasses.asdict(req)
-
 
 def request_from_json(d: dict[str, Any]) -> PlanRequest:
     return PlanRequest(**{**d, "model": ModelConfig(**d["model"])})
-
-
-def child_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(DROPPED_ENV_PREFIXES)}
-
-
-def run_child(req: PlanRequest, check_weights: bool, fit_kv: bool, timeout: float = 3600) -> dict[str, Any]:
-    """The child's answer (module docstring); ``RuntimeError`` naming its exit and last lines when
-    it gives none."""
-    payload = json.dumps({"request": request_json(req), "check_weights": check_weights, "fit_kv": fit_kv})
-    r = subprocess.run(
-        [sys.executable, "-m", "mllm_rl.memplan.child"],
-        input=payload,
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=timeout,
-    )
-    lines = r.stdout.strip().splitlines()
-    try:
-        return json.loads(lines[-1])
-    except (IndexError, json.JSONDecodeError):
-        tail = " | ".join(r.stderr.strip().splitlines()[-3:])
-        raise RuntimeError(f"memory plan process exited {r.returncode} without a plan: {tail}") from None
 
 
 def main() -> int:

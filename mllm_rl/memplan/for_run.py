@@ -25,6 +25,10 @@ A TPU or GPU target's host is the run's own: its RAM (``psutil``) gives the host
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 from mllm_rl.memplan.compose import host_line
@@ -88,6 +92,38 @@ def _host_ram_gib(runtime: dict[str, Any]) -> float | None:
     return psutil.virtual_memory().total / 2**30
 
 
+# the run's device and cluster settings: the child compiles for a target and opens no device
+DROPPED_ENV_PREFIXES = ("TPU_", "JAX_", "XLA_", "MEGASCALE_", "CUDA_VISIBLE_DEVICES")
+
+
+def request_json(req: PlanRequest) -> dict[str, Any]:
+    return dataclasses.asdict(req)
+
+
+def child_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(DROPPED_ENV_PREFIXES)}
+
+
+def run_child(req: PlanRequest, check_weights: bool, fit_kv: bool, timeout: float = 3600) -> dict[str, Any]:
+    """``python -m mllm_rl.memplan.child``'s answer (its docstring); ``RuntimeError`` naming its exit and last lines when
+    it gives none."""
+    payload = json.dumps({"request": request_json(req), "check_weights": check_weights, "fit_kv": fit_kv})
+    r = subprocess.run(
+        [sys.executable, "-m", "mllm_rl.memplan.child"],
+        input=payload,
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=timeout,
+    )
+    lines = r.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        tail = " | ".join(r.stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"memory plan process exited {r.returncode} without a plan: {tail}") from None
+
+
 @dataclasses.dataclass
 class RunPlan:
     """A run's plan: ``doc`` is its ``plan.json``, ``text`` its table; ``kv_tokens`` the pool it
@@ -113,8 +149,6 @@ def plan_run(req: PlanRequest, check_weights: bool, fit_kv: bool, in_process: bo
     planner = load_planner(req.backend)
     here = getattr(planner, "plans_in_process", None)
     if not in_process and here is not None and not here(req.target):
-        from mllm_rl.memplan.child import run_child
-
         answer = run_child(req, check_weights, fit_kv)
         if "does_not_fit" in answer:
             raise DoesNotFit(answer["does_not_fit"])
