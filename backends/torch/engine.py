@@ -315,7 +315,7 @@ class EmbeddedEngine:
         stops = set(sampling.stop_token_ids) | {c.eos_token_id}
         if self._abort.is_set():
             return [self._output(t, lp, ABORT) for t, lp in zip(out_tok, out_lp, strict=True)]
-        logits = self.model.forward_cached(tokens, positions, key_mask, cache, 0)[:, -1]
+        logits = self.model.forward_cached(tokens, positions, key_mask, cache, 0, last_only=True)[:, -1]
         next_pos = torch.tensor(lens, device=dev)
         for step in range(max(budget)):
             if self._abort.is_set():

@@ -491,13 +491,16 @@ class Qwen3(nn.Module):
         key_mask: torch.Tensor,
         cache: KVCache,
         start: int,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """Incremental forward for the engine.
 
         ``tokens``, ``positions``: [B, T] (T = prompt length at prefill, 1 per decode step);
         ``key_mask``: [B, S] bool over cache slots, True where a real token is (or will be
         after this step) stored, S >= start + T; the k/v of the T tokens are written to cache
-        slots ``[start, start + T)``. Returns logits [B, T, V] float32.
+        slots ``[start, start + T)``. Returns logits [B, T, V] float32, or with ``last_only``
+        [B, 1, V] of the last position only (a prefill samples from nothing else: the float32
+        [B, T, V] logits of a whole prompt batch are never made).
         """
         t = tokens.shape[1]
         end = start + t
@@ -510,7 +513,7 @@ class Qwen3(nn.Module):
             mask = attention_bias(key_mask[:, :end], q_slot, x.dtype)  # [B, 1, T, end]
         for i, layer in enumerate(self.model.layers):
             x = layer.forward_cached(x, positions, mask, cache.k[i], cache.v[i], start)
-        return self.logits(x)
+        return self.logits(x[:, -1:] if last_only else x)
 
 
 def build_qwen3(

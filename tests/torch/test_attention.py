@@ -124,6 +124,31 @@ def test_cached_prefill_and_decode_equal_eager(dtype):
 
 
 # -- the chunked head -----------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_prefill_runs_the_head_on_its_last_position_only(dtype, monkeypatch):
+    """``forward_cached(..., last_only=True)``, what the embedded engine's prefill calls: the head
+    sees [B, 1, H] (not the whole prompt batch, whose float32 [B, T, V] logits are 37 GiB for
+    64 prompts of 1024 tokens of Qwen3-4B), and its logits are the full prefill's last column."""
+    m, toks = model(dtype), tokens()
+    pre = 16
+    positions = (MASK.long().cumsum(1) - 1).clamp(min=0)[:, :pre]
+    key_mask = torch.zeros(B, T, dtype=torch.bool)
+    key_mask[1, 5:pre] = key_mask[0, :pre] = key_mask[2, :pre] = True
+
+    def fresh_cache() -> KVCache:
+        pool = torch.zeros(CFG.num_hidden_layers, 2, B, T, CFG.num_key_value_heads, CFG.head_dim, dtype=dtype)
+        return KVCache([p[0] for p in pool], [p[1] for p in pool])
+
+    with torch.no_grad():
+        full = m.forward_cached(toks[:, :pre], positions, key_mask, fresh_cache(), 0)
+        seen = []
+        head = m.logits
+        monkeypatch.setattr(m, "logits", lambda x: seen.append(tuple(x.shape)) or head(x))
+        last = m.forward_cached(toks[:, :pre], positions, key_mask, fresh_cache(), 0, last_only=True)
+    assert seen == [(B, 1, CFG.hidden_size)] and last.shape == (B, 1, CFG.vocab_size)
+    torch.testing.assert_close(last[:, 0], full[:, -1], rtol=0, atol=TOL[dtype])
+
+
 def reference_logp(x, targets, norm_w, eps, head, temperature):
     """Today's head: the whole float32 [B, T, V], then log_softmax(logits / T) at the targets."""
     x32 = x.float()
