@@ -29,9 +29,12 @@ import optax
 DEVICE, HOST = "device", "pinned_host"
 
 
-def put(x: jax.Array, kind: str) -> jax.Array:
-    """A copy of ``x`` in memory kind ``kind``, same sharding (``x`` is kept)."""
-    return jax.block_until_ready(jax.device_put(x, x.sharding.with_memory_kind(kind)))
+def put(tree: Any, kind: str) -> Any:
+    """A copy of ``tree``'s arrays (one array is a tree) in memory kind ``kind``, same sharding,
+    the sources kept; waited for once, so a tree's transfers overlap. The trainer's offload and
+    onload copy with it too."""
+    out = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), tree)
+    return jax.block_until_ready(out)
 
 
 def adam_state(opt_state: Any) -> optax.ScaleByAdamState:

@@ -58,7 +58,7 @@ from mllm_rl.faults import fault, fault_value
 from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig, check_state_names, train_metrics
 
 T_BUCKET = 32
-DEVICE, HOST = "device", "pinned_host"
+DEVICE, HOST = host_optimizer.DEVICE, host_optimizer.HOST
 
 
 class TrainerStateError(RuntimeError):
@@ -85,10 +85,7 @@ def to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _copy(tree: Any, kind: str) -> Any:
-    """A copy of ``tree``'s arrays in memory kind ``kind`` (same sharding)."""
-    out = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), tree)
-    return jax.block_until_ready(out)
+_copy = host_optimizer.put  # a copy of a tree's arrays in another memory kind (same sharding)
 
 
 def _move(tree: Any, kind: str) -> Any:
