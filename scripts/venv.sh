@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Create or refresh a backend venv idempotently: scripts/venv.sh jax|torch
-#   jax   -> .venv-jax   on Python 3.12 (sglang-jax needs >= 3.12)
-#   torch -> .venv-torch on Python 3.11 (torch==2.13.0 CPU wheel on these machines) or 3.12
+# Create or refresh a backend venv idempotently: scripts/venv.sh jax|torch|jax-next
+#   jax      -> .venv-jax      on Python 3.12 (sglang-jax needs >= 3.12), with sglang-jax's pins (jax 0.10.2)
+#   torch    -> .venv-torch    on Python 3.11 (torch==2.13.0 CPU wheel on these machines) or 3.12
+#   jax-next -> .venv-jax-next on Python 3.12: the packages of an NVIDIA accelerator image (jax 0.11.2,
+#               transformers 5; scripts/device/image.txt, CPU jax) plus the wheels the device check carries
+#               there (scripts/device/wheels.txt, no dependencies): the JAX backend on the next JAX
 # The install is skipped when the venv's stamp matches the hash of pyproject.toml and this script.
 # jax also gets the compile-only TPU/GPU compilers in .venv-jax/plan-compilers (python -m mllm_rl.memplan).
 set -euo pipefail
@@ -28,10 +31,11 @@ find_python() {  # $1 = wanted minor version (3.12); PATH first, then pyenv
 case "$backend" in
   jax)   venv=.venv-jax;   pys=(3.12);      extras="jax,wandb,dev" ;;
   torch) venv=.venv-torch; pys=(3.11 3.12); extras="torch,wandb,dev" ;;
-  *) echo "error: unknown backend '$backend' (jax|torch)" >&2; exit 2 ;;
+  jax-next) venv=.venv-jax-next; pys=(3.12); extras="" ;;
+  *) echo "error: unknown backend '$backend' (jax|torch|jax-next)" >&2; exit 2 ;;
 esac
 
-stamp_want=$(cat pyproject.toml scripts/venv.sh | sha256sum | cut -c1-16)
+stamp_want=$(cat pyproject.toml scripts/venv.sh scripts/device/image.txt scripts/device/wheels.txt | sha256sum | cut -c1-16)
 if [ -f "$venv/.stamp" ] && [ "$(cat "$venv/.stamp")" = "$stamp_want" ] && [ -x "$venv/bin/python" ]; then
   exit 0
 fi
@@ -51,6 +55,14 @@ if [ "$backend" = torch ] && "$venv/bin/python" -c 'import sys; sys.exit(sys.ver
   # CPU hosts: torch 2.13.0 for Python 3.11 is pinned (a CPU build); an unpinned torch can pull a
   # multi-GB CUDA build. GPU hosts install their own torch first.
   "$venv/bin/python" -c 'import torch' 2>/dev/null || quiet "$venv/bin/python" -m pip install -q "torch==2.13.0"
+fi
+if [ "$backend" = jax-next ]; then
+  quiet "$venv/bin/python" -m pip install -q -r scripts/device/image.txt
+  # shellcheck disable=SC2046  # one requirement per word
+  quiet "$venv/bin/python" -m pip install -q --no-deps $(grep -vE '^\s*(#|$)' scripts/device/wheels.txt | grep -v torch-memory-saver)
+  PYTHONWARNINGS="ignore:Editable installation" quiet "$venv/bin/python" -m pip install -q --no-deps -e .
+  echo "$stamp_want" > "$venv/.stamp"
+  exit 0
 fi
 # setuptools says "Editable installation ... Please be careful with folders ..." on every
 # editable install with a package-dir mapping (informational): kept out of the log.

@@ -21,6 +21,7 @@ Nothing is allocated: the model is abstract, the allocators are only compiled.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from mllm_rl.memplan.kv import kv_cell_bytes, kv_tokens, mem_fraction_for, pool_bytes
@@ -35,6 +36,28 @@ DP = 1  # one data-parallel rank: the adapter starts the engine with dp_size 1
 # start on a busy host. The run always caps the pool with max_total_tokens, so on CPU a high
 # fraction only relaxes that start-up condition.
 DEFAULT_MEM_FRACTION = {"cpu": 0.9, "tpu": 0.6, "gpu": 0.6}
+
+# sglang-jax's attention kernels ('fa': ragged paged attention, a Pallas TPU kernel) take their
+# block sizes from a table that knows TPU v5, v6 and v7 and raise NotImplementedError for any
+# other version (sgl_jax/srt/kernels/ragged_paged_attention/ragged_paged_attention_v3.py,
+# get_default_block_sizes); on GPU a Mosaic TPU kernel does not lower at all.
+FA_TPU_VERSIONS = (5, 6, 7)
+
+
+def tpu_version(device_kind: str) -> int | None:
+    """The TPU generation in a ``device_kind`` ("TPU v4" -> 4, "TPU v5 lite" -> 5, "TPU7x" -> 7),
+    read as sglang-jax reads it; None for a device that is no TPU."""
+    m = re.match(r"^TPU[^\d]*(\d+)", device_kind)
+    return int(m.group(1)) if m else None
+
+
+def attention_backend(platform: str, device_kind: str) -> str:
+    """The sglang-jax attention backend the engine runs on this device: ``fa`` on the TPU
+    generations its kernel supports, else ``native`` (plain JAX attention over the paged KV
+    pool: CPU, GPU, TPU v2-v4)."""
+    if platform == "tpu" and tpu_version(device_kind) in FA_TPU_VERSIONS:
+        return "fa"
+    return "native"
 
 
 @dataclasses.dataclass(frozen=True)

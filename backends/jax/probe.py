@@ -29,11 +29,15 @@ def live_array_bytes(devices: list[jax.Device], memory_kind: str = "device") -> 
                 i = index.get(shard.device)
                 if i is None:
                     continue
-                key = (i, shard.data.unsafe_buffer_pointer())
+                # unsafe_buffer_pointer() of a buffer not yet defined blocks until it is,
+                # holding the GIL: on JAX 0.11 CPU that deadlocks a sampler thread against the
+                # step that defines it. A pending buffer is counted by its Array instead.
+                data = shard.data
+                key = (i, data.unsafe_buffer_pointer() if data.is_ready() else -id(data))
                 if key in seen:
                     continue
                 seen.add(key)
-                out[i] += shard.data.nbytes
+                out[i] += data.nbytes
         except Exception:  # an array deleted by another thread between checks
             continue
     return out

@@ -67,7 +67,7 @@ import jax
 import numpy as np
 
 from mllm_rl.backends.jax import distributed as dist
-from mllm_rl.backends.jax.engine_layout import DEFAULT_MEM_FRACTION
+from mllm_rl.backends.jax.engine_layout import DEFAULT_MEM_FRACTION, attention_backend
 from mllm_rl.backends.jax.engine_weights import EngineLeaves, dotted, host_copy, zeros
 from mllm_rl.backends.jax.fingerprint import read_sums
 from mllm_rl.checkpoint.model_dir import ModelDir
@@ -205,6 +205,7 @@ class SglangJaxEngine:
                 load_format="dummy",
                 enable_single_process=True,
                 device=platform,
+                attention_backend=attention_backend(platform, jax.devices()[0].device_kind),
                 tp_size=tp,
                 dtype={"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[self._ckpt_dtype()],
                 mem_fraction_static=mem_fraction_static or DEFAULT_MEM_FRACTION[platform],

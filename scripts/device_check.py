@@ -1,0 +1,408 @@
+"""One device check of both backends, inside a time budget: what runs on this machine's accelerator.
+
+    scripts/device_check.sh [--cpu] [--out DIR] [--budget SECONDS] [--only STEP,...]
+
+(the shell wrapper installs what the machine lacks, then runs this with the right interpreters).
+Steps, in order of value, each in its own process with its own time limit, the whole within
+``--budget``; a step that fails or runs out of time is recorded and the next one runs:
+
+- ``env``: versions, devices, the accelerator's name;
+- ``copy-jax`` / ``copy-torch``: host-to-device and device-to-device copy rates
+  (``python -m mllm_rl.bench copy``), the baselines of the swap and update rates;
+- ``swap-jax``: ``python -m mllm_rl.run --backend jax --plan swap`` (sglang-jax started with dummy
+  weights, the real ones streamed in): GB/s and the allocator's peak;
+- ``rl-jax`` / ``rl-torch``: a 3-step RL run (``--cpu``: then ``--resume`` for 2 more steps), the
+  allocator at every phase, the run's own memory plan against it (end-of-phase bytes and the phase
+  peaks), ``update_weights`` GB/s;
+- ``engine-torch``: decode tokens/s of the embedded torch engine against Hugging Face ``generate``
+  on the same weights (``scripts/bench_engine.py``), then ``engine-jax`` (sglang-jax).
+
+GPU mode runs ``qwen3-0.6b`` (random weights, bf16); ``--cpu`` runs ``tiny`` on the CPU, the same
+steps, so the script is exercised where no accelerator is (the test suite runs it). Writes
+``device_check.json`` and ``device_check.md`` (and each step's log) to ``--out`` (default: ``$OUT``
+when set, else ``runs/device-check``), rewritten after every step, so a check cut short keeps
+what it did. Exit 0 when every step that ran passed, 1 otherwise, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GIB = 2**30
+RESERVE_S = 15.0  # kept back at the end to write the results
+
+
+def _step_table(mode: str) -> list[dict[str, Any]]:
+    """name, backend (which interpreter), time cap (s) and the command after the interpreter."""
+    gpu = mode == "gpu"
+    model = "qwen3-0.6b" if gpu else "tiny"
+    jplat, tplat = ("gpu", "cuda") if gpu else ("cpu", "cpu")
+    common = ["--model", model, "--wandb", "disabled"]
+    rl = [
+        "--steps",
+        "3",
+        "--prompts-per-step",
+        "8",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "64" if gpu else "16",
+    ]
+    rl += ["--checkpoint-every", "0"] if gpu else ["--checkpoint-every", "3"]
+    batches = "1,32,128" if gpu else "1,4"
+    engine = ["--preset", model, "--batch", batches, "--new-tokens", "64" if gpu else "16"]
+    engine += [
+        "--repeats",
+        "2" if gpu else "1",
+        "--rounds",
+        "1",
+        "--keep-going",
+        "--timeout",
+        "140" if gpu else "120",
+    ]
+    return [
+        {"name": "env", "backend": "jax", "cap": 60, "argv": ["-c", ENV_PROBE]},
+        {"name": "copy-jax", "backend": "jax", "cap": 45,
+         "argv": ["-m", "mllm_rl.bench", "copy", "--backend", "jax", "--platform", jplat, "--mb", "1024" if gpu else "64"]},
+        {"name": "swap-jax", "backend": "jax", "cap": 120, "run": True,
+         "argv": ["-m", "mllm_rl.run", "--backend", "jax", "--platform", jplat, "--plan", "swap", *common]},
+        {"name": "rl-jax", "backend": "jax", "cap": 200, "run": True, "resume": not gpu,
+         "argv": ["-m", "mllm_rl.run", "--backend", "jax", "--platform", jplat, *common, *rl]},
+        {"name": "copy-torch", "backend": "torch", "cap": 45,
+         "argv": ["-m", "mllm_rl.bench", "copy", "--backend", "torch", "--platform", tplat, "--mb", "1024" if gpu else "64"]},
+        {"name": "rl-torch", "backend": "torch", "cap": 150, "run": True,
+         "argv": ["-m", "mllm_rl.run", "--backend", "torch", "--platform", tplat, *common, *rl]},
+        {"name": "engine-torch", "backend": "torch", "cap": 150, "bench": True,
+         "argv": ["scripts/bench_engine.py", "--engines", "embedded,hf", "--platform", tplat, *engine]},
+        {"name": "engine-jax", "backend": "jax", "cap": 120, "bench": True,
+         "argv": ["scripts/bench_engine.py", "--engines", "sglang-jax", "--platform", jplat, *engine]},
+    ]  # fmt: skip
+
+
+ENV_PROBE = r"""
+import json, importlib.metadata as md, platform, sys
+out = {"python": sys.version.split()[0], "machine": platform.machine(), "packages": {}}
+for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "sglang-jax", "transformers", "numpy", "torch",
+          "torch-memory-saver", "math-verify", "jax-cuda13-plugin", "jax-cuda12-plugin"):
+    try:
+        out["packages"][p] = md.version(p)
+    except md.PackageNotFoundError:
+        pass
+import jax
+out["jax_devices"] = [f"{d.platform}:{d.id} {d.device_kind}" for d in jax.devices()]
+from mllm_rl.backends.jax.engine_layout import attention_backend
+d = jax.devices()[0]
+out["sglang_jax_attention_backend"] = attention_backend(d.platform, d.device_kind)
+print(json.dumps(out))
+"""
+
+
+def _last_json(text: str) -> dict[str, Any] | None:
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    return None
+
+
+def _run(argv: list[str], timeout: float, log: Path, env: dict[str, str]) -> tuple[int, float, str]:
+    """Run in its own process group; on time-out SIGTERM the group, then SIGKILL after 10 s.
+    Returns (exit code, 124 when timed out; seconds; output)."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(argv) + "\n")
+        f.flush()
+        p = subprocess.Popen(
+            argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            rc = p.wait(timeout=max(timeout, 1.0))
+        except subprocess.TimeoutExpired:
+            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(p.pid, sig)
+                    p.wait(timeout=wait)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+            rc = 124
+    return rc, time.perf_counter() - t0, log.read_text(errors="replace")
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "phases.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _dev_peak(rec: dict[str, Any]) -> tuple[int | None, int | None, str | None]:
+    """(the phase's peak, the bytes in use at its end, the source), the fullest device."""
+    devs = rec.get("memory", {}).get("devices", [])
+    peaks = [d.get("phase_peak_bytes") for d in devs if d.get("phase_peak_bytes") is not None]
+    ends = [d.get("bytes_in_use") for d in devs if d.get("bytes_in_use") is not None]
+    src = devs[0].get("source") if devs else None
+    return (max(peaks) if peaks else None), (max(ends) if ends else None), src
+
+
+def summarize_run(run_dir: Path) -> dict[str, Any]:
+    """What a run directory shows: phases of the last step (seconds, allocator end and peak, the
+    plan's end and peak prediction), swap/update GB/s, the plan audit's verdict."""
+    recs = _records(run_dir)
+    out: dict[str, Any] = {"records": len(recs)}
+    if not recs:
+        return out
+    steps = sorted({r["step"] for r in recs if r.get("step") is not None})
+    last = steps[-1] if steps else None
+    out["steps"] = len(steps)
+    plan_doc = None
+    if (run_dir / "plan.json").is_file():
+        plan_doc = json.loads((run_dir / "plan.json").read_text())
+    plan_phases: dict[str, dict[str, Any]] = {}
+    if plan_doc:
+        plan = plan_doc["plans"][plan_doc["schedule"]]
+        out["plan_target"] = plan.get("target", {}).get("name")
+        for p in plan["phases"]:
+            plan_phases.setdefault(p["phase"], p)
+    rows = []
+    for r in recs:
+        if r.get("step") not in (None, last):
+            continue
+        peak, end, src = _dev_peak(r)
+        key = r["phase"] if r.get("step") is not None else "setup:" + r["phase"]
+        pp = plan_phases.get(key)
+        row = {"phase": key, "seconds": round(r["t_end"] - r["t_start"], 4), "source": src,
+               "end_bytes": end, "peak_bytes": peak, "plan_peak_bytes": pp["total"] if pp else None}  # fmt: skip
+        if pp and peak:
+            row["peak_over_plan"] = round(peak / pp["total"], 4) if pp["total"] else None
+        for k in ("gbps", "bytes", "tensors"):
+            if k in r.get("info", {}):
+                row[k] = r["info"][k]
+        if r.get("info", {}).get("error"):
+            row["error"] = str(r["info"]["error"])[:300]
+        rows.append(row)
+    out["phases"] = rows
+    for name in ("weights_swapped", "update_weights"):
+        got = [r for r in rows if r["phase"].removeprefix("setup:") == name and "gbps" in r]
+        if got:
+            out[f"{name}_gbps"] = got[-1]["gbps"]
+            out[f"{name}_bytes"] = got[-1].get("bytes")
+            out[f"{name}_seconds"] = got[-1]["seconds"]
+    if plan_doc:
+        from mllm_rl.memplan.audit import audit, drifts, summary
+
+        try:
+            check = audit([r for r in recs if r.get("process_index", 0) == 0], plan_doc)
+            out["plan_audit"] = summary(check)
+            out["plan_drifts"] = [r["phase"] for r in drifts(check)]
+        except (ValueError, KeyError, TypeError) as e:
+            out["plan_audit"] = f"not compared: {e}"
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        out["metrics_last"] = {
+            k: v for k, v in (lines[-1] if lines else {}).items() if isinstance(v, (int, float))
+        }
+    return out
+
+
+def _md(doc: dict[str, Any]) -> str:
+    """The markdown report: one line per step, then each run's phase table."""
+    lines = [f"# Device check ({doc['mode']}): {doc.get('device') or 'no accelerator'}", "",
+             f"commit {doc.get('commit')}, {doc['date']}; every figure MEASURED on this machine.", "",
+             "| step | exit | seconds | result |", "|---|---|---|---|"]  # fmt: skip
+    for s in doc["steps"]:
+        lines.append(f"| {s['name']} | {s['rc']} | {s['seconds']:.1f} | {s.get('headline', '')} |")
+    for s in doc["steps"]:
+        res = s.get("result") or {}
+        if not res.get("phases"):
+            continue
+        lines += ["", f"## {s['name']}: phases of the last step (device bytes: {res['phases'][-1].get('source')})", "",
+                  "| phase | s | end GiB | peak GiB | plan peak GiB | peak/plan | GB/s |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in res["phases"]:
+
+            def g(v: Any) -> str:
+                return "-" if v is None else f"{v / GIB:.3f}"
+
+            lines.append(
+                f"| {r['phase']} | {r['seconds']:.3f} | {g(r['end_bytes'])} | {g(r['peak_bytes'])} | "
+                f"{g(r.get('plan_peak_bytes'))} | {r.get('peak_over_plan', '-')} | {r.get('gbps', '-')} |"
+            )
+        if res.get("plan_audit"):
+            lines += ["", res["plan_audit"]]
+    return "\n".join(lines) + "\n"
+
+
+def _headline(step: dict[str, Any], doc: dict[str, Any]) -> str:
+    res = step.get("result") or {}
+    name = step["name"]
+    if step["rc"] != 0:
+        return f"FAILED: {step.get('error', '')}"[:200]
+    if name == "env":
+        return f"jax {res.get('packages', {}).get('jax')}, devices {res.get('jax_devices')}"
+    if name.startswith("copy-"):
+        return ", ".join(f"{k.removesuffix('_gbps')} {v} GB/s" for k, v in _copy_rates(res).items())
+    if name.startswith(("swap-", "rl-")):
+        bits = [f"{res.get('steps', 0)} steps, {res.get('records', 0)} records"]
+        base = doc["copy"].get(name.split("-", 1)[1]) or {}
+        for k in ("weights_swapped", "update_weights"):
+            if res.get(f"{k}_gbps") is not None:
+                gbps = res[f"{k}_gbps"]
+                ratios = [
+                    f"{gbps / base[b]:.3f}x {b[:3].upper()}" for b in ("h2d_gbps", "d2d_gbps") if base.get(b)
+                ]
+                bits.append(f"{k} {gbps} GB/s" + (f" ({', '.join(ratios)})" if ratios else ""))
+        if res.get("plan_audit"):
+            bits.append(res["plan_audit"])
+        return "; ".join(bits)
+    if name.startswith("engine-"):
+        rows = res.get("rows") or res.get("results") or []
+        return f"{len(rows)} rows (see {name}.json)"
+    return ""
+
+
+def _copy_rates(res: dict[str, Any]) -> dict[str, Any]:
+    """The copy bench's best rates (``h2d_gbps``, ``d2h_gbps``, ``d2d_gbps``) from its JSON."""
+    return {f"{k}_gbps": v["gbps_best"] for k, v in res.items() if isinstance(v, dict) and "gbps_best" in v}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--cpu", action="store_true", help="the same steps on the tiny model, JAX/torch on CPU")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="results directory (default: $OUT, else runs/device-check)"
+    )
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole check (default 540)")
+    ap.add_argument("--only", default="", help="comma-separated step names or prefixes")
+    ap.add_argument("--python-jax", default=sys.executable, help="interpreter of the jax steps")
+    ap.add_argument("--python-torch", default=sys.executable, help="interpreter of the torch steps")
+    args = ap.parse_args(argv)
+    if args.budget <= RESERVE_S:
+        ap.error(f"--budget {args.budget}: must exceed {RESERVE_S} s")
+    deadline = time.monotonic() + args.budget - RESERVE_S
+    mode = "cpu" if args.cpu else "gpu"
+    out = args.out or Path(os.environ.get("OUT") or ROOT / "runs" / "device-check")
+    out.mkdir(parents=True, exist_ok=True)
+    steps = _step_table(mode)
+    only = [s for s in args.only.split(",") if s]
+    if only:
+        steps = [s for s in steps if any(s["name"].startswith(o) for o in only)]
+        if not steps:
+            ap.error(
+                f"--only {args.only}: selects no step ({', '.join(s['name'] for s in _step_table(mode))})"
+            )
+    from mllm_rl.bench.machine import machine_info
+
+    info = machine_info()
+    doc: dict[str, Any] = {"schema": "mllm_rl.device_check/1", "mode": mode, "budget_s": args.budget,
+                           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": (info.get("git") or {}).get("commit"),
+                           "device": ", ".join(info.get("gpus") or []) or None, "machine": info, "copy": {}, "steps": []}  # fmt: skip
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MLLM_RL_NO_PROGRESS="1")
+    if args.cpu:
+        env["JAX_PLATFORMS"] = "cpu"
+    runs = out / "runs"
+    failed = 0
+
+    def save() -> None:
+        (out / "device_check.json").write_text(json.dumps(doc, indent=1, default=str))
+        (out / "device_check.md").write_text(_md(doc))
+
+    for spec in steps:
+        left = deadline - time.monotonic()
+        name = spec["name"]
+        py = args.python_jax if spec["backend"] == "jax" else args.python_torch
+        step: dict[str, Any] = {"name": name, "rc": None, "seconds": 0.0}
+        if left < 20:
+            step.update(rc=-1, error=f"skipped: {left:.0f} s of the budget left")
+            doc["steps"].append(step)
+            failed += 1
+            save()
+            continue
+        cmd = [py, *spec["argv"]]
+        run_dir = runs / name
+        if spec.get("run"):
+            cmd += ["--run-dir", str(run_dir)]
+        if spec.get("bench"):
+            cmd += ["--json", str(out / f"{name}.json")]
+            if spec["backend"] == "jax":
+                cmd += ["--python-jax", args.python_jax, "--python-torch", args.python_torch]
+            else:
+                cmd += ["--python-torch", args.python_torch]
+        step["cmd"] = " ".join(a if "\n" not in a else "<probe>" for a in cmd)
+        print(f"== {name} (at most {min(spec['cap'], left):.0f} s): {step['cmd']}", flush=True)
+        rc, secs, text = _run(cmd, min(spec["cap"], left), out / f"{name}.log", env)
+        if rc == 0 and spec.get("resume"):
+            rcmd = [
+                py,
+                "-m",
+                "mllm_rl.run",
+                "--backend",
+                spec["backend"],
+                "--run-dir",
+                str(run_dir),
+                "--resume",
+                "--steps",
+                "5",
+                "--wandb",
+                "disabled",
+            ]
+            step["resume_cmd"] = " ".join(rcmd)
+            rc, secs2, text2 = _run(
+                rcmd, max(deadline - time.monotonic(), 1), out / f"{name}-resume.log", env
+            )
+            secs += secs2
+            text += text2
+        step.update(rc=rc, seconds=round(secs, 2))
+        try:
+            if spec.get("run"):
+                step["result"] = summarize_run(run_dir)
+            elif spec.get("bench"):
+                p = out / f"{name}.json"
+                step["result"] = json.loads(p.read_text()) if p.is_file() else None
+                errs = [
+                    e.get("error")
+                    for e in (step["result"] or {}).get("engines", {}).values()
+                    if e.get("error")
+                ]
+                if errs and rc == 0:  # --keep-going reports a failed engine and exits 0
+                    rc = step["rc"] = 1
+                    step["error"] = errs[0].splitlines()[0][:300] + " ... " + errs[0].splitlines()[-1][:300]
+            else:
+                step["result"] = _last_json(text)
+        except Exception as e:  # a result that cannot be read is the step's failure, not the check's
+            step["result"] = None
+            step["error"] = f"result not read: {e}"
+            rc = step["rc"] = step["rc"] or 1
+        if name.startswith("copy-") and step["result"]:
+            doc["copy"][name.split("-", 1)[1]] = _copy_rates(step["result"])
+        if rc != 0:
+            failed += 1
+            tail = [ln for ln in text.splitlines() if ln.strip()][-3:]
+            step.setdefault("error", "timed out" if rc == 124 else " | ".join(tail)[-400:])
+        step["headline"] = _headline(step, doc)
+        print(f"   exit {rc} in {secs:.1f} s: {step['headline']}", flush=True)
+        doc["steps"].append(step)
+        save()
+    save()
+    print(f"results: {out / 'device_check.md'} ({failed} step(s) failed or skipped)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
