@@ -43,7 +43,7 @@ GIB = 2**30
 RESERVE_S = 15.0  # kept back at the end to write the results
 
 
-def _step_table(mode: str) -> list[dict[str, Any]]:
+def _step_table(mode: str, engine_batch: str = "") -> list[dict[str, Any]]:
     """name, backend (which interpreter), time cap (s) and the command after the interpreter."""
     gpu = mode == "gpu"
     model = "qwen3-0.6b" if gpu else "tiny"
@@ -60,7 +60,7 @@ def _step_table(mode: str) -> list[dict[str, Any]]:
         "64" if gpu else "16",
     ]
     rl += ["--checkpoint-every", "0"] if gpu else ["--checkpoint-every", "3"]
-    batches = "1,32,128" if gpu else "1,4"
+    batches = engine_batch or ("1,32,128" if gpu else "1,4")
     engine = ["--preset", model, "--batch", batches, "--new-tokens", "64" if gpu else "16"]
     engine += [
         "--repeats",
@@ -289,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=None, help="results directory (default: $OUT, else runs/device-check)"
     )
     ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole check (default 540)")
+    ap.add_argument(
+        "--engine-batch", default="", help="batch sizes of the engine steps (default 1,32,128; --cpu 1,4)"
+    )
     ap.add_argument("--only", default="", help="comma-separated step names or prefixes")
     ap.add_argument("--python-jax", default=sys.executable, help="interpreter of the jax steps")
     ap.add_argument("--python-torch", default=sys.executable, help="interpreter of the torch steps")
@@ -299,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = "cpu" if args.cpu else "gpu"
     out = args.out or Path(os.environ.get("OUT") or ROOT / "runs" / "device-check")
     out.mkdir(parents=True, exist_ok=True)
-    steps = _step_table(mode)
+    steps = _step_table(mode, args.engine_batch)
     only = [s for s in args.only.split(",") if s]
     if only:
         steps = [s for s in steps if any(s["name"].startswith(o) for o in only)]

@@ -136,7 +136,7 @@ def prepare(s: TargetSpec, cpu_devices: int = 1) -> None:
     if d.is_dir() and str(d) not in sys.path:
         sys.path.insert(0, str(d))
     if not _plugin_importable(s):
-        what = "libtpu" if s.platform == "tpu" else "jax_cuda12_plugin"
+        what = "libtpu" if s.platform == "tpu" else "jax_cuda12_plugin (or jax_cuda13_plugin)"
         raise ValueError(
             f"--target {s.name}: {what} is not installed (scripts/venv.sh jax installs it into {d}; "
             f"or pip install --no-deps --target {d} the pins of the 'tpu'/'gpu-plan' extras)"
@@ -151,10 +151,12 @@ def prepare(s: TargetSpec, cpu_devices: int = 1) -> None:
 
 
 def _plugin_importable(s: TargetSpec) -> bool:
+    """The target's compiler is importable: libtpu, or a CUDA plugin of JAX (the CUDA 12 one the
+    plan extras pin, or the CUDA 13 one a GPU image installs beside its jax)."""
     import importlib.util
 
-    name = "libtpu" if s.platform == "tpu" else "jax_cuda12_plugin"
-    return importlib.util.find_spec(name) is not None
+    names = ("libtpu",) if s.platform == "tpu" else ("jax_cuda12_plugin", "jax_cuda13_plugin")
+    return any(importlib.util.find_spec(n) is not None for n in names)
 
 
 # What a device of each generation reports as ``jax.Device.device_kind`` (libtpu 0.0.42 and the
