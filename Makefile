@@ -7,13 +7,16 @@ PY_JAX := .venv-jax/bin/python
 PY_TORCH := .venv-torch/bin/python
 ARGS ?=
 
-.PHONY: run test test-fast setup venv-jax venv-torch lint clean-venvs
+.PHONY: run test test-fast setup venv-jax venv-torch venv-jax-next lint clean-venvs
 
 venv-jax:
 	@scripts/venv.sh jax
 
 venv-torch:
 	@scripts/venv.sh torch
+
+venv-jax-next:
+	@scripts/venv.sh jax-next
 
 setup: venv-jax venv-torch
 
@@ -22,8 +25,9 @@ run: venv-$(BACKEND)
 	.venv-$(BACKEND)/bin/python -m mllm_rl.run --backend $(BACKEND) $(ARGS)
 
 ## test: ruff (lint + format) + the whole pytest suite (CPU): core/jax/tpu tests in .venv-jax (two pytest-xdist
-## workers) and torch tests in .venv-torch, both at once (scripts/run_tests.sh)
-test: venv-jax venv-torch
+## workers) and torch tests in .venv-torch, both at once (scripts/run_tests.sh); .venv-jax-next (JAX 0.11.2,
+## the accelerator images' packages) for the device check's CPU mode (tests/jax/test_device_check.py)
+test: venv-jax venv-torch venv-jax-next
 	@command -v shellcheck >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && { apt-get update -qq >/dev/null && apt-get install -y -qq shellcheck >/dev/null; } || echo "[test] shellcheck not installed: its test will skip"; }
 	$(PY_JAX) -m ruff check . && $(PY_JAX) -m ruff format --check .
 	scripts/run_tests.sh
@@ -37,4 +41,4 @@ lint: venv-jax
 	$(PY_JAX) -m ruff check . && $(PY_JAX) -m ruff format --check .
 
 clean-venvs:
-	rm -rf .venv-jax .venv-torch
+	rm -rf .venv-jax .venv-torch .venv-jax-next

@@ -20,10 +20,13 @@ stack in the run directory); 128+N killed by signal N (SIGTERM: 143) after closi
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from mllm_rl.exit_codes import EXIT_CODES
@@ -46,8 +49,9 @@ class _Parser(argparse.ArgumentParser):
 RUN_SCOPES = ("rl", "swap", "tasks")  # the modes of this command (``mllm_rl.options.schema``)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The flags of every mode, from the one declaration of each (``mllm_rl.options.schema``)."""
+def build_parser(defaults: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+    """The flags of every mode, from the one declaration of each (``mllm_rl.options.schema``);
+    ``defaults``: values that stand for flags not given (a resumed run's recorded backend)."""
     from mllm_rl.options.cli import add_options
     from mllm_rl.plans.registry import all_plans
 
@@ -62,15 +66,39 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"exit codes:\n{codes}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_options(ap, RUN_SCOPES)
+    add_options(ap, RUN_SCOPES, defaults)
     return ap
+
+
+def recorded_backend(argv: Sequence[str]) -> dict[str, Any]:
+    """``{"backend": ...}`` from ``run.json`` of ``--run-dir`` when the command resumes without
+    ``--backend`` (a resume needs only ``--run-dir``); else ``{}`` (argparse then asks for it)."""
+    words = list(argv)
+    if not {"--resume", "--resume-or-start"} & set(words) or any(
+        w == "--backend" or w.startswith("--backend=") for w in words
+    ):
+        return {}
+    run_dir = ""
+    for i, w in enumerate(words):
+        if w.startswith("--run-dir="):
+            run_dir = w.split("=", 1)[1]
+        elif w == "--run-dir" and i + 1 < len(words):
+            run_dir = words[i + 1]
+    if not run_dir:
+        return {}
+    try:
+        backend = json.loads((Path(run_dir) / "run.json").read_text())["options"]["backend"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {"backend": backend} if isinstance(backend, str) else {}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[str]]:
     """The flags with every default filled in, and the keys the user gave (exit 2 on a bad flag)."""
     from mllm_rl.options.cli import parse
 
-    return parse(build_parser(), argv, RUN_SCOPES)
+    defaults = recorded_backend(sys.argv[1:] if argv is None else argv)
+    return parse(build_parser(defaults), argv, RUN_SCOPES, defaults)
 
 
 def check_mode(args: argparse.Namespace, given: set[str]) -> None:

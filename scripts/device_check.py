@@ -301,7 +301,6 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget - RESERVE_S
     mode = "cpu" if args.cpu else "gpu"
     out = args.out or Path(os.environ.get("OUT") or ROOT / "runs" / "device-check")
-    out.mkdir(parents=True, exist_ok=True)
     steps = _step_table(mode, args.engine_batch)
     only = [s for s in args.only.split(",") if s]
     if only:
@@ -310,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(
                 f"--only {args.only}: selects no step ({', '.join(s['name'] for s in _step_table(mode))})"
             )
+    out.mkdir(parents=True, exist_ok=True)
     from mllm_rl.bench.machine import machine_info
 
     info = machine_info()

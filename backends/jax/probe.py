@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 
 import jax
@@ -50,6 +51,14 @@ class JaxMemoryProbe:
         self.devices = list(jax.local_devices())
         stats = self.devices[0].memory_stats() if self.devices else None
         self.has_stats = bool(stats)
+        if self.devices and not self.has_stats and self.devices[0].platform != "cpu":
+            d = self.devices[0]
+            print(
+                f"warning: {d.platform} device {d.device_kind!r} reports no memory_stats(): device memory is "
+                "the sum of live arrays (records say source live_arrays; the allocator's own use is not seen)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def in_use(self) -> list[int | None]:
         if self.has_stats:

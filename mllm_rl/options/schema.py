@@ -104,7 +104,7 @@ OPTIONS: tuple[Option, ...] = (
        "it), PHASE=SECONDS one phase's; repeatable; 0 = no limit", "run", RUN, resume="fresh",
        metavar="[PHASE=]SECONDS", default_text="mllm_rl.phases.watchdog.DEFAULT_LIMIT_S"),
     # -- outputs -------------------------------------------------------------------------------------
-    _o("wandb", str, "offline", "W&B mode", "outputs", RUN, resume="fresh",
+    _o("wandb", str, "offline", "W&B mode", "outputs", RUN,
        choices=("disabled", "offline", "online")),
     _o("wandb_project", str, "mllm_rl", "W&B project", "outputs", RUN, resume="fresh"),
     _o("wandb_fallback", str, "offline", "--wandb online and the server cannot be reached: log offline "

@@ -162,3 +162,22 @@ def test_refusal(cmd, code, message, when, tmp_path):
     assert os.listdir(cwd) == []  # no runs/<id>, no wandb/
     assert not paths["missing"].exists()
     assert {name: tree(p) for name, p in paths.items() if p.is_dir() and name != "readonly"} == before
+
+
+def test_a_resume_without_backend_takes_the_recorded_one(tmp_path):
+    from mllm_rl.run import recorded_backend
+
+    (tmp_path / "run.json").write_text(json.dumps({"options": {"backend": "torch"}}))
+    assert recorded_backend(["--resume", "--run-dir", str(tmp_path)]) == {"backend": "torch"}
+    assert recorded_backend(["--resume-or-start", f"--run-dir={tmp_path}"]) == {"backend": "torch"}
+    assert recorded_backend(["--resume", "--run-dir", str(tmp_path), "--backend", "jax"]) == {}
+    assert recorded_backend(["--run-dir", str(tmp_path)]) == {}  # not a resume
+    assert recorded_backend(["--resume", "--run-dir", str(tmp_path / "none")]) == {}
+
+
+def test_a_resume_of_nothing_without_backend_still_asks_for_it(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "mllm_rl.run", "--resume", "--run-dir", str(tmp_path / "none")],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and "--backend" in r.stderr, r.stderr

@@ -46,3 +46,58 @@ def test_a_phase_end_snapshot_does_not_count_arrays_a_slow_sample_still_holds(mo
     start = sum(d["bytes_in_use_start"] for d in devices)
     end = sum(d["bytes_in_use"] for d in devices)
     assert end - start < dropped, (start, end)
+
+
+class _Buffer:
+    """A fake of one shard's buffer as JAX 0.11 CPU has it while the step that defines it runs:
+    ``unsafe_buffer_pointer()`` would block until it is defined, holding the GIL (the sampler
+    thread then deadlocked against ``train_step``'s ``device_get``)."""
+
+    def __init__(self, nbytes: int, ready: bool, ptr: int) -> None:
+        self.nbytes, self.ready, self.ptr = nbytes, ready, ptr
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def unsafe_buffer_pointer(self) -> int:
+        if not self.ready:
+            raise AssertionError("unsafe_buffer_pointer() of a pending buffer: blocks holding the GIL")
+        return self.ptr
+
+
+class _Array:
+    def __init__(self, device, data: _Buffer) -> None:
+        self.data, self.device = data, device
+        self.sharding = type("S", (), {"memory_kind": "device"})()
+        self.addressable_shards = [self]
+
+    def is_deleted(self) -> bool:
+        return False
+
+
+def test_the_scan_never_asks_a_pending_buffer_for_its_pointer_and_still_counts_it(monkeypatch):
+    dev = jax.devices()[0]
+    ready, alias = _Buffer(100, True, 7), _Buffer(100, True, 7)  # two Arrays of one buffer
+    pending = _Buffer(1000, False, 0)
+    arrays = [_Array(dev, ready), _Array(dev, alias), _Array(dev, pending)]
+    monkeypatch.setattr(jax_probe.jax, "live_arrays", lambda: arrays)
+    assert jax_probe.live_array_bytes([dev]) == [1100]
+
+
+def test_a_scan_during_a_running_computation_returns_at_once_and_counts_its_output():
+    @jax.jit
+    def slow(x):
+        return jax.lax.fori_loop(0, 200, lambda i, x: jnp.tanh(x @ x), x)
+
+    x = jnp.ones((512, 512), jnp.float32)
+    slow(x).block_until_ready()
+    before = jax_probe.live_array_bytes(jax.devices()[:1])[0]
+    y = slow(x)
+    t0 = time.perf_counter()
+    during = jax_probe.live_array_bytes(jax.devices()[:1])[0]
+    took = time.perf_counter() - t0
+    pending = not y.is_ready()
+    y.block_until_ready()
+    assert during == before + y.nbytes
+    if pending:  # the scan ran while the computation did: it did not wait for it
+        assert took < 0.5 * (time.perf_counter() - t0) + 0.05

@@ -197,10 +197,15 @@ def test_garbage_guard_catches_weights_that_resume_lied_about(runs):
 
 
 def test_resume_restores_the_last_checkpoint_and_runs_the_remaining_step(runs, tiny_ckpt, tmp_path):
+    """Resumed with ``--run-dir`` alone (and the new ``--steps``): the backend, the model and
+    ``--wandb disabled`` come from ``run.json`` (no W&B run is made)."""
     run_dir = tmp_path / "resumed"
     shutil.copytree(runs["full"][1], run_dir)
-    r = finish(start(tiny_ckpt, run_dir, "--resume", "--steps", "3"))
+    env = {**os.environ, "MLLM_RL_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "mllm_rl.run", "--run-dir", str(run_dir), "--resume", "--steps", "3"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert not (run_dir / "wandb").exists()
     recs = records(run_dir)
     inits = by_phase(recs, "trainer_init")
     assert len(inits) == 2 and inits[1]["info"]["restored_from"].endswith("checkpoints/step_000001")

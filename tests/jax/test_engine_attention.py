@@ -1,0 +1,66 @@
+"""Which sglang-jax attention backend the engine runs on each device, and why.
+
+sglang-jax's default ``fa`` (ragged paged attention, a Pallas TPU kernel) takes its block sizes
+from a table that knows TPU v5, v6 and v7 and raises ``NotImplementedError`` for any other
+version; it does not lower on GPU. The engine therefore runs ``native`` on CPU, GPU and TPU v4
+(the project's first TPU target), ``fa`` on v5e/v5p/v6e/v7. The device kinds are what libtpu and
+XLA's GPU target configs report (``topologies.DEVICE_KINDS``, held against the compilers in
+``test_run_plan_target.py``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+
+from mllm_rl.backends.jax import topologies
+from mllm_rl.backends.jax.engine_layout import attention_backend, tpu_version
+
+
+@pytest.mark.parametrize(
+    "platform, kind, version, backend",
+    [
+        ("tpu", topologies.DEVICE_KINDS["v4"], 4, "native"),
+        ("tpu", topologies.DEVICE_KINDS["v5e"], 5, "fa"),
+        ("tpu", topologies.DEVICE_KINDS["v5p"], 5, "fa"),
+        ("tpu", topologies.DEVICE_KINDS["v6e"], 6, "fa"),
+        ("tpu", "TPU7x", 7, "fa"),
+        ("tpu", "TPU v3", 3, "native"),
+        ("gpu", topologies.DEVICE_KINDS["h100"], None, "native"),
+        ("gpu", "NVIDIA H200", None, "native"),
+        ("cpu", "cpu", None, "native"),
+    ],
+)
+def test_attention_backend_per_device(platform, kind, version, backend):
+    assert tpu_version(kind) == version
+    assert attention_backend(platform, kind) == backend
+
+
+def test_fa_is_chosen_only_where_sglang_jax_has_block_sizes():
+    """The versions we send to ``fa`` are the ones sglang-jax's default block-size table handles
+    (read from its source, so a new sglang-jax that drops or adds a version fails here)."""
+    spec = importlib.util.find_spec("sgl_jax.srt.kernels.ragged_paged_attention.ragged_paged_attention_v3")
+    if spec is None or spec.origin is None:
+        pytest.skip("needs sglang-jax")
+    src = open(spec.origin).read()
+    body = src[src.index("def get_default_block_sizes") :]
+    body = body[: body.index("\ndef ", 1)]
+    cases = re.findall(r"^\s+case ([\d |]+):", body, re.M)  # "case 5 | 6:", "case 7:"
+    handled = {int(v) for c in cases for v in c.split("|")}
+    assert handled, "get_default_block_sizes has no 'case N' for TPU versions"
+    fa = {v for v in range(2, 10) if attention_backend("tpu", f"TPU v{v}") == "fa"}
+    assert fa <= handled
+    assert 4 not in handled  # v4 must run native: the reason for the choice
+
+
+def test_a_gpu_image_cuda13_plugin_counts_as_the_gpu_compiler(monkeypatch):
+    seen = []
+
+    def find_spec(name):
+        seen.append(name)
+        return object() if name == "jax_cuda13_plugin" else None
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert topologies._plugin_importable(topologies.spec("h200x1"))
+    assert not topologies._plugin_importable(topologies.spec("v4-8"))
