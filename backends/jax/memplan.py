@@ -97,7 +97,7 @@ def measure(req: PlanRequest) -> Measured:
             "PlanRequest.engine 'embedded': the JAX backend's engine is sglang-jax (auto or sglang)"
         )
     spec = topologies.spec(req.target)
-    topologies.prepare(spec, cpu_devices=max(req.tp, req.trainer_tp))
+    topologies.prepare(spec, cpu_devices=req.tp)  # a run on CPU has --tp devices (``init_runtime``)
     devices, target = _topology(spec)
     _check_mesh(req, target)
     opts = model_options(req, target.platform)
@@ -175,6 +175,13 @@ def measure(req: PlanRequest) -> Measured:
         "engine forward/decode step not compiled (sglang-jax has no shape-only entry point): the "
         "rollout phases add an estimate from the shapes instead (engine_step, method estimate)"
     )
+    attn = engine_layout.attention_backend(target.platform, target.device_kind)
+    info["engine_attention_backend"] = attn
+    if target.platform == "tpu" and attn == "native":
+        notes.append(
+            f"engine attention: sglang-jax 'native' on {target.device_kind} (its 'fa' kernel has block sizes "
+            f"for TPU v{', v'.join(map(str, engine_layout.FA_TPU_VERSIONS))} only and raises for this one)"
+        )
     if target.platform == "gpu":
         notes.append(
             "GPU: XLA's compiler does not reject a program that does not fit (the plan compares); "
@@ -240,13 +247,9 @@ def _check_mesh(req: PlanRequest, target: Any) -> None:
             f"--tp {req.tp}: {c.num_attention_heads} heads / {c.num_key_value_heads} kv heads of "
             f"{c.name} are not divisible by it"
         )
-    if n % req.trainer_tp:
-        raise ValueError(f"--trainer-tp {req.trainer_tp} does not divide the {n} devices of {target.name}")
-    if req.fsdp not in (0, n // req.trainer_tp):
-        raise ValueError(
-            f"--fsdp {req.fsdp}: the trainer's mesh is fsdp x tp = every device; "
-            f"with --trainer-tp {req.trainer_tp} on {n} devices fsdp is {n // req.trainer_tp}"
-        )
+    from mllm_rl.backends.jax.sharding import check_trainer_mesh  # the run's own check
+
+    check_trainer_mesh(req.trainer_tp, req.fsdp, n, c.num_attention_heads, c.num_key_value_heads, target.name)
 
 
 def _train_config(req: PlanRequest) -> TrainConfig:

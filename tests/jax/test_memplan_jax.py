@@ -82,6 +82,7 @@ def test_tiny_plan_for_a_v4_8_compiles_with_libtpu(tmp_path):
     assert doc["plans"]["naive"]["phases"][-4]["phase"] == "update_weights"
     assert "kv_pool" in doc["plans"]["naive"]["phases"][-4]["resident"]
     assert p["fits"] and "multi_stage: fits" in r.stdout and "host peak RSS" in r.stdout
+    assert "engine attention: sglang-jax 'native' on TPU v4" in r.stdout  # its fa kernel refuses v4
     assert (tmp_path / "plan" / "plan.txt").read_text() == r.stdout
     assert "<table>" in (tmp_path / "plan" / "plan.html").read_text()
 
