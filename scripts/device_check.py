@@ -151,12 +151,18 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _dev_peak(rec: dict[str, Any]) -> tuple[int | None, int | None, str | None]:
-    """(the phase's peak, the bytes in use at its end, the source), the fullest device."""
+    """(the phase's peak, the bytes in use at its end, their source) on the fullest device, from
+    the allocator: the torch allocator's entries where the record has them (CUDA; the device truth
+    ``mem_get_info`` also counts the CUDA context and the allocator's cached free blocks, which a
+    plan of tensors does not), else each device's first entry (JAX ``memory_stats``; on CPU the
+    live arrays or tensors)."""
+    from mllm_rl.bench.records import allocator, truth
+
     devs = rec.get("memory", {}).get("devices", [])
-    peaks = [d.get("phase_peak_bytes") for d in devs if d.get("phase_peak_bytes") is not None]
-    ends = [d.get("bytes_in_use") for d in devs if d.get("bytes_in_use") is not None]
-    src = devs[0].get("source") if devs else None
-    return (max(peaks) if peaks else None), (max(ends) if ends else None), src
+    use = allocator(devs) or truth(devs)
+    peaks = [d["phase_peak_bytes"] for d in use if d.get("phase_peak_bytes") is not None]
+    ends = [d["bytes_in_use"] for d in use if d.get("bytes_in_use") is not None]
+    return (max(peaks) if peaks else None), (max(ends) if ends else None), (use[0]["source"] if use else None)
 
 
 def summarize_run(run_dir: Path) -> dict[str, Any]:
@@ -231,7 +237,7 @@ def _md(doc: dict[str, Any]) -> str:
         res = s.get("result") or {}
         if not res.get("phases"):
             continue
-        lines += ["", f"## {s['name']}: phases of the last step (device bytes: {res['phases'][-1].get('source')})", "",
+        lines += ["", f"## {s['name']}: phases of the last step (bytes: {res['phases'][-1].get('source')})", "",
                   "| phase | s | end GiB | peak GiB | plan peak GiB | peak/plan | GB/s |", "|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in res["phases"]:
 
