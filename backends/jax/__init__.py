@@ -112,20 +112,13 @@ class JaxBackend(Backend):
         the model's heads (the trainer's ``("fsdp", "tp")`` mesh)."""
         import jax
 
+        from mllm_rl.backends.jax.sharding import check_trainer_mesh
+
         self._model_options(cfg)
-        n, c = len(jax.devices()), model.config
-        if n % cfg.trainer_tp:
-            raise ValueError(f"--trainer-tp {cfg.trainer_tp} does not divide the {n} devices")
-        if cfg.fsdp not in (0, n // cfg.trainer_tp):
-            raise ValueError(
-                f"--fsdp {cfg.fsdp}: the trainer's mesh is fsdp x tp = every device; with --trainer-tp "
-                f"{cfg.trainer_tp} on {n} devices fsdp is {n // cfg.trainer_tp} (0 says so)"
-            )
-        if c.num_attention_heads % cfg.trainer_tp or c.num_key_value_heads % cfg.trainer_tp:
-            raise ValueError(
-                f"--trainer-tp {cfg.trainer_tp}: {c.num_attention_heads} heads / "
-                f"{c.num_key_value_heads} kv heads are not divisible by it"
-            )
+        c = model.config
+        check_trainer_mesh(
+            cfg.trainer_tp, cfg.fsdp, len(jax.devices()), c.num_attention_heads, c.num_key_value_heads
+        )
 
     def _model_options(self, cfg: Any) -> Any:
         import jax

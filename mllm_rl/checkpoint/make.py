@@ -18,6 +18,7 @@ import numpy as np
 
 from mllm_rl.checkpoint.model_dir import INDEX
 from mllm_rl.checkpoint.safetensors_io import DTYPES, write_file
+from mllm_rl.options.check import check_names, check_output_dir
 from mllm_rl.presets import ModelConfig
 from mllm_rl.progress import progress_bar
 
@@ -114,12 +115,13 @@ def make_checkpoint(
 
 def _check_out(out: Path, want: dict[str, Any], force: bool) -> None:
     """``ValueError`` unless ``make_checkpoint`` may write into ``out`` (see its docstring): ``want``
-    is the ``config.json`` it would write."""
-    if not out.exists():
-        return
-    if not out.is_dir():
+    is the ``config.json`` it would write. Checked before anything is written: a name too long, a
+    file on the way (``--out file/m``), a directory that cannot be written."""
+    check_names(out, "--out")
+    if out.exists() and not out.is_dir():
         raise ValueError(f"{out}: exists and is not a directory; choose another --out")
-    if not any(out.iterdir()):
+    check_output_dir(out, "--out")
+    if not out.exists() or not any(out.iterdir()):
         return
     cfg_file = out / "config.json"
     if not cfg_file.is_file():

@@ -176,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     try:
         args = parse_args(argv)
+        if args.out is not None:  # before any compile: plan.json & co. must be writable there
+            from mllm_rl.options.check import check_output_dir
+
+            check_output_dir(args.out, "--out")
         from mllm_rl.memplan.planner import load_planner
 
         planner = load_planner(args.backend)
@@ -190,8 +194,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"choose one of {', '.join(known())}"
             )
         req = make_request(args)
-        if args.out is not None and args.out.exists() and not args.out.is_dir():
-            raise ValueError(f"--out {args.out}: not a directory")
         return _plan(planner, req, args, t_start)
     except ValueError as e:
         _say(f"error: {flag_names(str(e))}")

@@ -3,14 +3,21 @@
 ``check_value(opt, value, name)`` returns the value (an int accepted where a float is declared)
 or raises ``ValueError`` with one line that starts with ``name`` -- the flag (``--lr``) or the
 file's key (``lr``): ``--lr must be >= 0, got nan``, ``steps: expected int, got '3'``.
+``check_output_dir(path, flag)``: a directory a command is to create or write into (``--run-dir``,
+``--out``) can be, checked before the command does any work.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from mllm_rl.options.schema import Option
+
+NAME_MAX = 255  # bytes of one name in a path (Linux and macOS file systems)
 
 _TYPE_NAMES = {bool: "true/false", int: "int", float: "float", str: "string", list: "list of strings"}
 
@@ -49,6 +56,9 @@ def check_range(opt: Option, value: Any, name: str) -> None:
             raise ValueError(f"{name} must be {'>' if opt.strict else '>='} {opt.low:g}, got {value}")
         if opt.high is not None and value > opt.high:
             raise ValueError(f"{name} must be <= {opt.high:g}, got {value}")
+    new = opt.renamed_to(value)
+    if new is not None:
+        raise ValueError(f"{name} {value!r} is called {new!r} now: use {new!r}")
     choices = opt.choice_list()
     if choices is not None and value not in choices:
         raise ValueError(f"{name} {value!r}: choose one of {', '.join(choices)}")
@@ -77,3 +87,39 @@ def check_value(opt: Option, value: Any, name: str) -> Any:
     value = check_type(opt, value, name)
     check_range(opt, value, name)
     return value
+
+
+def check_names(path: Path, flag: str) -> None:
+    """No name in ``path`` longer than ``NAME_MAX`` bytes (the file system's "File name too long",
+    which ``Path.exists`` raises), ``ValueError`` naming ``flag``."""
+    for name in path.parts:
+        size = len(os.fsencode(name))
+        if size > NAME_MAX:
+            shown = str(path).replace(name, f"{name[:20]}...{name[-8:]}")
+            raise ValueError(
+                f"{flag} {shown}: a name of {size} bytes in it; a file name is at most {NAME_MAX} bytes"
+            )
+
+
+def check_output_dir(path: Path, flag: str) -> Path:
+    """``path`` (which may not exist yet) can be created and written: its names fit
+    (``check_names``), neither it nor an ancestor is a file, and the nearest existing directory
+    takes a new file (tried, then removed: ``os.access`` says yes to root on a read-only file
+    system). Returns that directory; ``ValueError`` (one line starting with ``flag``)."""
+    check_names(path, flag)
+    existing = path
+    try:
+        while not existing.exists():
+            if existing.parent == existing:
+                break
+            existing = existing.parent
+        if not existing.is_dir():
+            what = "is a file" if existing == path else f"is inside {existing}, a file"
+            raise ValueError(f"{flag} {path}: {what}, not a directory")
+        fd, probe = tempfile.mkstemp(prefix=".mllm_rl-write-test-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        where = "" if existing == path else f" ({existing} is not)"
+        raise ValueError(f"{flag} {path}: not writable{where}: {e.strerror or e}") from None
+    return existing

@@ -61,6 +61,8 @@ def add_options(
             kw["action"] = "append"
         else:
             kw["type"] = _with_words(opt.type, opt.words) if opt.words else opt.type
+            if opt.renamed:
+                kw["type"] = _refusing_renamed(opt)
             choices = opt.choice_list()
             if choices is not None:
                 kw["choices"] = list(choices)
@@ -76,6 +78,20 @@ def _with_words(cast: Any, words: tuple[str, ...]) -> Any:
         return text if text in words else cast(text)
 
     convert.__name__ = cast.__name__  # argparse names the type in its error: "invalid int value"
+    return convert
+
+
+def _refusing_renamed(opt: Option) -> Any:
+    """argparse ``type`` of a choice that refuses an old name of a value, naming the new one
+    (argparse's own choices check would only say "invalid choice")."""
+
+    def convert(text: str) -> str:
+        new = opt.renamed_to(text)
+        if new is not None:
+            raise argparse.ArgumentTypeError(f"{text!r} is called {new!r} now: pass {opt.flag} {new}")
+        return text
+
+    convert.__name__ = opt.type.__name__
     return convert
 
 
@@ -104,10 +120,16 @@ def said(opt: Option, value: Any) -> str:
 
 
 def check_scope(ns: argparse.Namespace, given: set[str], mode: str, where: str = "") -> None:
-    """Refuse a flag the user gave that ``mode`` does not take (``ValueError``, one line)."""
+    """Refuse a flag the user gave that ``mode`` (or ``--backend``) does not take (``ValueError``,
+    one line)."""
     for key in sorted(given, key=list(BY_KEY).index):
         opt = BY_KEY[key]
         if mode in opt.scope:
+            backend = getattr(ns, "backend", None)
+            if opt.backends is not None and backend not in opt.backends:
+                takers = " and ".join(f"--backend {b}" for b in sorted(opt.backends))
+                verb = "takes" if len(opt.backends) == 1 else "take"
+                raise ValueError(f"{said(opt, getattr(ns, key, None))}: only {takers} {verb} it")
             continue
         if mode == "tasks" and "task" in opt.scope:
             why = f"with --tasks it is set per task: put {opt.key} in {where}'s [[task]] or [defaults] table"

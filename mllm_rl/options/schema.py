@@ -9,7 +9,8 @@ where it may be given:
 - ``task``: a key of a ``[[task]]`` / ``[defaults]`` table (then *not* a flag next to ``--tasks``);
 - ``memplan``: a flag of ``python -m mllm_rl.memplan``.
 
-A flag given where it does not apply is refused (``cli.check_scope``), never ignored.
+A flag given where it does not apply is refused (``cli.check_scope``), never ignored; so is a flag
+that only some backends take (``backends``) given with another ``--backend``.
 ``resume`` says what ``--resume`` does with a setting the command line does not give:
 ``fixed`` (defines what is trained: taken from ``run.json``; a different value is refused unless
 ``--override KEY``), ``inherit`` (taken from ``run.json``; a given value is used), ``fresh``
@@ -47,6 +48,8 @@ class Option:
     metavar: str | None = None
     required: bool = False
     words: tuple[str, ...] = ()  # strings a number setting also takes (--kv-tokens auto)
+    backends: frozenset[str] | None = None  # the backends that take it (None: every backend)
+    renamed: str | None = None  # "module:NAME" of a dict {old value: its name now}: refused naming it
 
     @property
     def flag(self) -> str:
@@ -58,6 +61,13 @@ class Option:
         module, name = self.choices.split(":")
         found = getattr(importlib.import_module(module), name)
         return tuple(found() if callable(found) else found)
+
+    def renamed_to(self, value: Any) -> str | None:
+        """The name ``value`` goes by now, when it is an old name of a choice (else None)."""
+        if self.renamed is None or not isinstance(value, str):
+            return None
+        module, name = self.renamed.split(":")
+        return getattr(importlib.import_module(module), name).get(value)
 
 
 def _o(
@@ -192,7 +202,7 @@ OPTIONS: tuple[Option, ...] = (
     _o("tis_cap", float, 0.0, "truncated importance sampling: weigh each token by min(exp(logp_trainer - "
        "logp_engine), C) (needs --old-logp trainer); 0 = off", "rl plan", RL, resume="fixed", low=0),
     _o("loss_agg", str, "token_mean", "loss aggregation", "rl plan", RL, resume="fixed",
-       choices="mllm_rl.rl.loss_config:AGGREGATIONS"),
+       choices="mllm_rl.rl.loss_config:AGGREGATIONS", renamed="mllm_rl.rl.loss_config:RENAMED"),
     _o("lora_rank", int, 0, "> 0: train LoRA adapters, base frozen", "rl plan", {*RL, "memplan"},
        resume="fixed", low=0),
     _o("lora_alpha", float, 16.0, "LoRA scale numerator (alpha / rank)", "rl plan", RL, resume="fixed",
@@ -212,7 +222,7 @@ OPTIONS: tuple[Option, ...] = (
        "rl plan", RL, low=0, aliases=("--save-every",)),
     _o("checkpoint_background", bool, False, "torch: copy the state to host memory in the checkpoint phase "
        "and write it in the background (it counts once written; costs host memory the size of the state). "
-       "Default: write in the phase", "rl plan", {"rl"}),
+       "Default: write in the phase", "rl plan", {"rl"}, backends=frozenset({"torch"})),
     _o("resume", bool, False, "continue --run-dir/--run-id from its newest valid checkpoint (appends to its "
        "phase log; settings not given come from its run.json); a run with nothing to resume is refused",
        "rl plan", {"rl", "tasks"}, resume="fresh"),

@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import re
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -26,46 +25,64 @@ from mllm_rl.backend import Backend
 from mllm_rl.checkpoint.model_dir import CheckpointError, ModelDir
 from mllm_rl.checkpoint.resolve import CKPT_DIR, RLCheckpoint, find_resumable
 from mllm_rl.option_error import OptionError, cli_flag
+from mllm_rl.options.check import NAME_MAX, check_output_dir
 from mllm_rl.options.schema import KV_AUTO
 from mllm_rl.phases.watchdog import PhaseLimits
 from mllm_rl.plans.base import Plan
 
-RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+# The longest name a run derives from its id: W&B's offline-run-<YYYYmmdd_HHMMSS>-<run id> directory,
+# with -p<i> for process i > 0 of a multi-process run; a name is at most NAME_MAX bytes.
+RUN_ID_MAX = NAME_MAX - len("offline-run-20250101_000000-") - len("-p9999")
+# Files only a run writes into its directory (``mllm_rl.run``, ``run_files``, ``run_lock``, checkpoints)
+RUN_FILES = re.compile(r"run\.json|(phases|metrics)(\.p\d+)?\.jsonl|\.lock(\.p\d+)?|checkpoints")
 
 
 def check_run_id(run_id: str | None) -> None:
-    """``--run-id`` names a directory under ``runs/``: it cannot be a path (``../x``, ``/x``)."""
-    if run_id is not None and not RUN_ID.fullmatch(run_id):
+    """``--run-id`` names a directory under ``runs/``: it cannot be a path (``../x``, ``/x``), and
+    every name derived from it must fit a file name (``RUN_ID_MAX``)."""
+    if run_id is None:
+        return
+    if len(run_id) > RUN_ID_MAX:
+        raise ValueError(
+            f"--run-id {run_id[:20]!r}...: {len(run_id)} characters; at most {RUN_ID_MAX} (a file name "
+            f"is at most {NAME_MAX} bytes, and W&B names its directory offline-run-<time>-<run id>)"
+        )
+    if not RUN_ID.fullmatch(run_id):
         raise ValueError(
             f"--run-id {run_id!r}: letters, digits, '.', '_' and '-' only, not starting with "
             f"'.' (it names a directory under runs/)"
         )
 
 
-def check_run_dir(run_dir: Path) -> None:
-    """``run_dir`` (which may not exist yet) can be created and written: neither it nor an ancestor
-    is a file, and the nearest existing directory takes a new file (tried, then removed: ``os.access``
-    says yes to root on a read-only file system)."""
-    existing = run_dir
-    while not existing.exists():
-        if existing.parent == existing:
-            break
-        existing = existing.parent
-    if not existing.is_dir():
-        what = "is a file" if existing == run_dir else f"is inside {existing}, a file"
-        raise ValueError(f"--run-dir {run_dir}: {what}, not a directory")
+def check_run_dir(run_dir: Path, resume: bool = False) -> None:
+    """``run_dir`` (which may not exist yet) can be created and written (``check_output_dir``), and
+    is not a directory of something else: a model checkpoint, or files that are not a run's (``.``,
+    a home directory): a new run needs a new or empty directory, ``resume`` (``--resume``) a run's."""
+    check_output_dir(run_dir, "--run-dir")
     if (run_dir / "config.json").is_file() and any(run_dir.glob("*.safetensors*")):
         raise ValueError(
             f"--run-dir {run_dir} holds a model checkpoint (config.json, *.safetensors); a run "
             f"writes its files into a directory of its own"
         )
+    if not run_dir.is_dir():
+        return
     try:
-        fd, probe = tempfile.mkstemp(prefix=".mllm_rl-write-test-", dir=existing)
-        os.close(fd)
-        os.unlink(probe)
+        names = sorted(os.listdir(run_dir))
     except OSError as e:
-        where = "" if existing == run_dir else f" ({existing} is not)"
-        raise ValueError(f"--run-dir {run_dir}: not writable{where}: {e.strerror}") from None
+        raise ValueError(f"--run-dir {run_dir}: not readable: {e.strerror or e}") from None
+    if not names or any(RUN_FILES.fullmatch(n) for n in names):
+        return
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    if resume:
+        raise ValueError(
+            f"--resume: {run_dir} is not a run directory (it holds {shown}; no run.json, phases.jsonl "
+            f"or checkpoints/)"
+        )
+    raise ValueError(
+        f"--run-dir {run_dir}: holds files that are not a run's ({shown}; no run.json, phases.jsonl or "
+        f"checkpoints/); a new run needs a new or empty directory"
+    )
 
 
 def check_fresh(run_dir: Path, phase_file: str) -> None:
@@ -207,7 +224,7 @@ def prepare(args: argparse.Namespace, given: set[str] | frozenset[str] = frozens
         args.run_id or f"{plan.name}-{args.backend}-{time.strftime('%y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     )
     run_dir = Path(args.run_dir or Path("runs") / run_id).resolve()
-    check_run_dir(run_dir)
+    check_run_dir(run_dir, resume=bool(args.resume))
     resuming = (args.resume or args.resume_or_start) and (run_dir / "run.json").exists()
     notes: list[str] = []
     overrides: list[dict[str, Any]] = []

@@ -517,22 +517,30 @@ def profiled_steps(backend: Backend, opts: RLOptions, ctx: PlanRun) -> Profiled:
 
 
 def check_prompts(opts: RLOptions, model: Any) -> list[str]:
-    """A dataset's every prompt (held-out ones included), as the model will see it, fits the
-    context the run allows (``--context-length``, else the model's ``max_position_embeddings``)
-    with ``--max-new-tokens`` after it (``ValueError`` naming the file and the row); lines to tell
-    the user. Generated prompts (``pattern``) fit by construction."""
-    if opts.task == "pattern":
-        return []
-    from transformers import AutoTokenizer
-
-    task = build_task(opts.task_config)  # the rows read by ``preflight`` (cached)
-    tok = AutoTokenizer.from_pretrained(str(model.path))
+    """Every prompt (a dataset's, held-out ones included; a sample of generated ones), as the model
+    will see it, fits the context the run allows (``--context-length``, else the model's
+    ``max_position_embeddings``) with ``--max-new-tokens`` after it (``ValueError`` naming the flag,
+    or the file and the row); lines to tell the user. Checked before start-up: the engine would
+    otherwise be sized past the model's context, or its KV pool past the memory."""
     ctx = opts.engine.context_length
     allowed, why = (
         (ctx, "--context-length")
         if ctx
         else (model.config.max_position_embeddings, f"{model.path}'s max_position_embeddings")
     )
+    if opts.max_new_tokens + 2 > allowed:  # a prompt of one token, and the engine's one of slack
+        what = (
+            f"--context-length {ctx}"
+            if ctx
+            else f"the model's context length, {allowed} tokens ({model.path / 'config.json'}: max_position_embeddings)"
+        )
+        raise ValueError(
+            f"--max-new-tokens {opts.max_new_tokens} does not fit {what}, with a prompt before it"
+        )
+    from transformers import AutoTokenizer
+
+    task = build_task(opts.task_config)  # the rows read by ``preflight`` (cached)
+    tok = AutoTokenizer.from_pretrained(str(model.path))
     check_lengths(
         tok, task.sizing(opts.seed), task.templated, opts.chat_template, opts.max_new_tokens, allowed, why
     )

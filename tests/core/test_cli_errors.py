@@ -68,7 +68,7 @@ def fake_checkpoint(run_dir: Path, step: int, **meta: object) -> Path:
 
 def make_fixtures(tmp: Path) -> dict[str, Path]:
     paths = {name: tmp / name for name in ("file", "garbage", "badrow", "missing", "empty", "corrupt",
-                                           "finished", "used", "recorded", "model", "busy")}  # fmt: skip
+                                           "finished", "used", "recorded", "model", "busy", "notrun")}  # fmt: skip
     paths["file"].write_text("not a directory\n")
     paths["garbage"].write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe binary garbage\n")
     paths["badrow"].write_text('{"question": "1 + 1?"}\n')
@@ -88,6 +88,8 @@ def make_fixtures(tmp: Path) -> dict[str, Path]:
     (paths["model"] / "model.safetensors").write_bytes(b"\0" * 16)
     paths["busy"].mkdir()
     paths["used"].mkdir()
+    paths["notrun"].mkdir()  # a directory of other files, nothing of a run
+    (paths["notrun"] / "notes.txt").write_text("mine\n")
     (paths["used"] / "phases.jsonl").write_text('{"phase": "wandb_init"}\n')
     if os.geteuid() == 0:  # root writes into a chmod 555 directory; sysfs refuses new files to anyone
         paths["readonly"] = Path("/sys")
@@ -130,7 +132,7 @@ def test_the_table_is_there_and_covers_every_exit_2_check():
 @pytest.mark.parametrize("cmd,code,message,when", ROWS, ids=[r[0][:60] for r in ROWS])
 def test_refusal(cmd, code, message, when, tmp_path):
     paths = make_fixtures(tmp_path)
-    fmt = {k: str(v) for k, v in paths.items()}
+    fmt = {k: str(v) for k, v in paths.items()} | {"long": "n" * 300}  # a name, too long for a file
     tokens = [t.format(**fmt) for t in shlex.split(cmd)]
     env = {}
     while tokens and re.match(r"^[A-Z_]+=", tokens[0]):

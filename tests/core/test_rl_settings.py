@@ -18,8 +18,12 @@ def options(*flags: str):
 
 
 def model(name: str):
-    """What ``with_model`` reads of a ``ModelDir``: its config's preset name."""
-    return types.SimpleNamespace(config=types.SimpleNamespace(name=name))
+    """What ``with_model`` reads of a ``ModelDir``: its config's preset name and context length, and
+    its tokenizer (the prompts must fit the context: the shipped tokenizer)."""
+    from mllm_rl.checkpoint.make import TOKENIZER_DIR
+
+    config = types.SimpleNamespace(name=name, max_position_embeddings=1024)
+    return types.SimpleNamespace(config=config, path=TOKENIZER_DIR)
 
 
 @pytest.mark.parametrize(
