@@ -8,7 +8,14 @@ Each process gets the environment a multi-process run reads, for both backends: 
 line with a ``[p<i>]`` prefix. When one process fails, the others are sent SIGTERM (their runs close
 their logs and exit 143), then SIGKILL after ``--grace-s``; the launcher exits with the first
 failure's code (0 when every process exits 0). SIGTERM or SIGINT to the launcher goes to every
-process the same way. On a multi-host TPU slice use ``tpu/tpu.sh`` (one process per worker); on a
+process the same way, and the launcher exits 128 + the signal (143 for SIGTERM).
+
+With the default ``--module mllm_rl.run`` the run's flags are checked once, by the run's own parser,
+before any process starts: a mistake is one line and exit 2. Processes that all refuse their input
+(exit 2) print that line once; an ``error:`` line that several processes print alike is shown once.
+``--backend jax`` without ``--tp`` gets ``--tp`` = N times the devices of a process (one fake CPU
+device each, or ``xla_force_host_platform_device_count`` of ``XLA_FLAGS``): the engine's mesh spans
+every process's devices, so ``--tp 1`` cannot run on several processes. On a multi-host TPU slice use ``tpu/tpu.sh`` (one process per worker); on a
 GPU node ``torchrun --nproc-per-node N -m mllm_rl.run ...`` sets the same torch variables.
 
 CPU threads: N processes on one machine share its cores. Unless ``OMP_NUM_THREADS`` is set, each
@@ -30,6 +37,8 @@ import time
 from typing import IO, NoReturn
 
 EXIT_BAD_INPUT = 2
+RUN_MODULE = "mllm_rl.run"
+REFUSAL_WAIT_S = 10.0  # after one process refuses its input (exit 2), how long the others get to do the same
 
 
 class _Parser(argparse.ArgumentParser):
@@ -85,11 +94,51 @@ def threads_per_process(nproc: int, env: dict[str, str] | os._Environ[str] = os.
     return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
 
 
-def _pump(stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock) -> None:
+def _pump(stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock, errors: set[str]) -> None:
+    """Copy ``stream`` to ``out`` line by line with ``prefix``; an ``error:`` line already in
+    ``errors`` (another process printed it) is left out."""
     for line in stream:
+        text = line if line.endswith("\n") else line + "\n"
         with lock:
-            out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+            if text.startswith("error: "):
+                if text in errors:
+                    continue
+                errors.add(text)
+            out.write(prefix + text)
             out.flush()
+
+
+def devices_per_process(env: dict[str, str] | os._Environ[str] = os.environ) -> int:
+    """The (fake CPU) devices each JAX process has: ``XLA_FLAGS``' forced count, else 1 (what
+    the JAX backend gives a process of a launched run, ``--tp`` // N)."""
+    for flag in env.get("XLA_FLAGS", "").split():
+        name, _, value = flag.partition("=")
+        if name == "--xla_force_host_platform_device_count" and value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def check_run_args(rest: list[str], nproc: int) -> list[str]:
+    """``rest`` checked by ``python -m mllm_rl.run``'s own parser (a mistake: its one line, exit 2,
+    before any process starts), with ``--tp`` added for a JAX run of several processes that does
+    not give it (``devices_per_process``)."""
+    from mllm_rl.run import check_mode, parse_args
+
+    args, given = parse_args(rest)  # exits 2 with the run's one line
+    try:
+        check_mode(args, given)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    resuming = args.resume or args.resume_or_start  # a resume takes the --tp that run.json recorded
+    if nproc > 1 and args.backend == "jax" and "tp" not in given and not resuming:
+        with_tp = [*rest, "--tp", str(nproc * devices_per_process())]
+        try:
+            check_mode(*parse_args(with_tp))
+        except ValueError:  # a mode that does not take --tp: as it is
+            return rest
+        return with_tp
+    return rest
 
 
 def exit_code(returncode: int) -> int:
@@ -118,18 +167,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = build_parser().parse_args(argv[:cut])  # --help: the launcher's help, exit 0
+    if cut == len(argv):
         build_parser().error("no run arguments: put them after -- (e.g. -- --backend jax --steps 2)")
-    cut = argv.index("--")
-    args = build_parser().parse_args(argv[:cut])
     rest = argv[cut + 1 :]
     if args.nproc < 1:
         build_parser().error(f"--nproc must be >= 1, got {args.nproc}")
     if not args.grace_s >= 0:
         build_parser().error(f"--grace-s must be >= 0, got {args.grace_s}")
+    if args.module == RUN_MODULE:
+        rest = check_run_args(rest, args.nproc)
+    stopping: list[int] = []  # the signal that stops the launcher, if any
+
+    def on_signal(signum: int, frame: object) -> None:
+        stopping.append(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before any process starts: none is left behind
+        signal.signal(sig, on_signal)
     coord = coordinator_port()
     torch_port = free_port()
     lock = threading.Lock()
+    errors: set[str] = set()
     procs: list[subprocess.Popen[str]] = []
     pumps: list[threading.Thread] = []
     for rank in range(args.nproc):
@@ -145,20 +204,19 @@ def main(argv: list[str] | None = None) -> int:
         )
         procs.append(p)
         for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-            t = threading.Thread(target=_pump, args=(stream, f"[p{rank}] ", out, lock), daemon=True)
+            t = threading.Thread(target=_pump, args=(stream, f"[p{rank}] ", out, lock, errors), daemon=True)
             t.start()
             pumps.append(t)
-
-    stopping: list[int] = []  # the signal that stops the launcher, if any
-
-    def on_signal(signum: int, frame: object) -> None:
-        stopping.append(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
     first_failure: int | None = None
+    refused_at: float | None = None
     while [p.poll() for p in procs].count(None):  # poll every process (any() would stop at the first)
         failed = [p for p in procs if p.returncode not in (None, 0)]
+        if failed and not stopping and all(p.returncode in (None, EXIT_BAD_INPUT) for p in procs):
+            # a refusal of the input: the others refuse it too, on their own (then: one line, no more)
+            refused_at = refused_at or time.monotonic()
+            if time.monotonic() - refused_at < REFUSAL_WAIT_S:
+                time.sleep(0.05)
+                continue
         if failed or stopping:
             if failed and first_failure is None:
                 first_failure = exit_code(failed[0].returncode)
@@ -171,11 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         p.wait()
     for t in pumps:
         t.join(timeout=5)
+    if stopping and first_failure is None:  # stopped before any process failed: the launcher's signal
+        return 128 + stopping[0]
     if first_failure is None:
         codes = [exit_code(p.returncode) for p in procs]
         first_failure = next((c for c in codes if c != 0), 0)
-    if stopping and first_failure == 0:
-        first_failure = 128 + stopping[0]
     return first_failure
 
 

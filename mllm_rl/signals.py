@@ -4,9 +4,17 @@
 from __future__ import annotations
 
 import _thread
+import os
 import signal
+import sys
 import threading
+import time
 from typing import Any
+
+# A process of a multi-process run still alive this long after SIGTERM ends itself (exit 143): the
+# others stop too, so a collective it waits in (or that waits for it) never completes.
+TERM_BOUND_S = 5.0
+PROCESS_COUNT_VARS = ("MLLM_RL_NUM_PROCESSES", "WORLD_SIZE")  # python -m mllm_rl.launch, torchrun
 
 
 class Terminated(SystemExit):
@@ -21,14 +29,32 @@ class Terminated(SystemExit):
         self.signum = signum
 
 
-def install_sigterm() -> None:
-    """Turn SIGTERM into ``Terminated`` in the main thread, whoever loads later.
+def process_count() -> int:
+    """The processes of this run, from the launcher's or torchrun's variables (1 when neither)."""
+    counts = [1]
+    for name in PROCESS_COUNT_VARS:
+        try:
+            counts.append(int(os.environ.get(name, "1")))
+        except ValueError:
+            pass
+    return max(counts)
+
+
+def install_sigterm(bound_s: float = TERM_BOUND_S) -> None:
+    """Turn SIGTERM into ``Terminated`` in the main thread, whoever loads later; in a run of
+    several processes, end the process (exit 143) if it is still running ``bound_s`` later.
 
     jaxlib's absl failure handler takes SIGTERM over (lazily, when XLA starts) and aborts
     the process (exit -6) with the W&B run unfinished. So SIGTERM is blocked in this thread
     before any other thread exists (threads inherit the mask, XLA's included), a waiter
     thread takes it with ``sigwait`` and raises it in the main thread through Python's own
     handler table, which no C library touches.
+
+    The bound: every process of the run gets SIGTERM at once, and one may be inside a collective
+    (a C call, so ``Terminated`` waits for it to return) that another, already in its ``finally``,
+    never joins, while that one waits in the barrier of its shutdown for the first: each waits
+    for the other until the collective's timeout. Ending the process that is still there breaks
+    the wait (the other's collective fails on the closed connection and it ends as well).
     """
 
     def on_term(signum: int, frame: Any) -> None:
@@ -37,6 +63,17 @@ def install_sigterm() -> None:
     def wait() -> None:
         signal.sigwait({signal.SIGTERM})
         _thread.interrupt_main(signal.SIGTERM)
+        if process_count() < 2:
+            return
+        time.sleep(bound_s)
+        print(
+            f"error: still running {bound_s:g} s after SIGTERM (waiting for another process of the run): "
+            f"exiting {128 + signal.SIGTERM}",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(128 + signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_term)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})

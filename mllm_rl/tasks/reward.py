@@ -16,6 +16,8 @@ Python subprocess (``mllm_rl.tasks.reward_worker``) started once per run:
 from __future__ import annotations
 
 import os
+import select
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -71,6 +73,7 @@ class RewardRunner:
         self.proc: subprocess.Popen[bytes] | None = None
         self._send: Any = None
         self._recv: Any = None
+        self._status: int | None = None  # the keeper's report of the worker's exit code
 
     # -- process ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -80,17 +83,23 @@ class RewardRunner:
             return
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
+        status_r, status_w = os.pipe()
+        fds = (to_child_r, from_child_w, status_w)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", WORKER_MAIN, str(to_child_r), str(from_child_w)],
+                [sys.executable, "-c", WORKER_MAIN, *map(str, fds)],
                 stdin=subprocess.DEVNULL,
-                pass_fds=(to_child_r, from_child_w),
+                pass_fds=fds,
                 close_fds=True,
                 env={**os.environ, **self.env},
             )
+        except BaseException:
+            os.close(status_r)
+            raise
         finally:
-            os.close(to_child_r)
-            os.close(from_child_w)
+            for fd in fds:
+                os.close(fd)
+        self._status = status_r
         self._send = Connection(to_child_w, readable=False)
         self._recv = Connection(from_child_r, writable=False)
         self._post(("load", self.spec, [os.getcwd(), *sys.path]), "loading it")
@@ -109,6 +118,9 @@ class RewardRunner:
                 except OSError:
                     pass
         self._send = self._recv = None
+        if self._status is not None:
+            os.close(self._status)
+            self._status = None
         proc, self.proc = self.proc, None
         if proc is not None:
             try:
@@ -118,8 +130,9 @@ class RewardRunner:
                 proc.wait(timeout=10)
 
     def _kill(self) -> None:
+        """Kill the worker (its keeper does, on SIGUSR1) and close."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+            self.proc.send_signal(signal.SIGUSR1)
         self.close()
 
     def _post(self, msg: tuple[Any, ...], what: str) -> None:
@@ -131,11 +144,32 @@ class RewardRunner:
             self._died(what)
 
     def _died(self, what: str) -> None:
-        assert self.proc is not None
-        code = self.proc.wait(timeout=10)
+        code = self._exit_code()
         self.close()
-        how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+        if code is None:
+            how = "exit status unknown"
+        else:
+            how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
         raise RewardError(f"the reward worker died ({how}) {what}")
+
+    def _exit_code(self, timeout: float = 10.0) -> int | None:
+        """The dead worker's exit code (``-N``: signal N) as its keeper reports it; when the keeper
+        was killed itself (the worker then dies with it), the keeper's own, if it can be known.
+
+        Not ``Popen.wait`` alone: a SIGCHLD handler in this process (sglang-jax installs one) may
+        reap the keeper first, and ``wait`` then says 0."""
+        assert self.proc is not None and self._status is not None
+        poller = select.poll()
+        poller.register(self._status, select.POLLIN)
+        if poller.poll(timeout * 1000):
+            report = os.read(self._status, 64).strip()
+            if report:
+                return int(report)
+        try:  # no report: the keeper died; its status, unless someone else reaped it (then 0)
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        return code or None  # a keeper that is not killed reports before it exits 0
 
     def _wait(self, timeout: float, what: str) -> tuple[Any, ...]:
         """The worker's next message, or ``RewardError`` (timeout: the worker is killed; a dead

@@ -14,6 +14,12 @@ imports). Messages (pickled, ``multiprocessing.connection``):
 The worker writes nothing to the pipe's stdout (``print`` in a reward goes to stderr), ignores
 SIGINT (the run decides when it stops) and dies with the run (``PR_SET_PDEATHSIG`` on Linux, and
 the end of its input pipe everywhere).
+
+``main([IN_FD, OUT_FD, STATUS_FD])`` runs the worker under a keeper: the process forks, the child
+is the worker and the parent only waits for it and writes its exit code (``-N``: killed by signal
+N) to ``STATUS_FD``, so the run learns how a worker died even when something in the run's process
+reaps its children first (sglang-jax installs a SIGCHLD handler that does, and then the run's own
+``wait`` sees no status). SIGUSR1 to the keeper kills the worker (a reward that hangs).
 """
 
 from __future__ import annotations
@@ -174,11 +180,44 @@ def _score(fn: Any, batched: bool, prompts: list, completions: list, rows: list,
         send(("value", i, value))
 
 
+def _keep(in_fd: int, out_fd: int, status_fd: int) -> None:
+    """Fork; return in the child (the worker); the parent stays the worker's keeper until it dies,
+    writes its exit code to ``status_fd`` and exits."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # SIG_IGN, kept across exec, would reap it unseen
+    keeper = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        os.close(status_fd)  # the keeper's end only: its death is the end of that pipe
+        _die_with_parent()
+        if os.getppid() != keeper:  # the keeper died before the line above
+            os._exit(1)
+        return
+    os.close(in_fd)  # the worker's pipes are the worker's: its death is their end
+    os.close(out_fd)
+    waiting = [True]
+
+    def stop_worker(signum: int, frame: Any) -> None:
+        if waiting[0]:
+            os.kill(pid, signal.SIGKILL)
+
+    signal.signal(signal.SIGUSR1, stop_worker)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+    _, status = os.waitpid(pid, 0)
+    waiting[0] = False
+    try:
+        os.write(status_fd, f"{os.waitstatus_to_exitcode(status)}\n".encode())
+    except OSError:  # the run closed its end: it stopped the worker and does not ask
+        pass
+    os._exit(0)
+
+
 def main(argv: list[str]) -> int:
     from multiprocessing.connection import Connection
 
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if len(argv) > 2:
+        _keep(int(argv[0]), int(argv[1]), int(argv[2]))
     sys.dont_write_bytecode = True  # no __pycache__ next to a reward file
     os.dup2(2, 1)  # print() in a reward goes to stderr; the protocol has pipes of its own
     inp = Connection(int(argv[0]), writable=False)

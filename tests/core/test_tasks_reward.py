@@ -51,6 +51,9 @@ def crash(prompt, completion, row):
 def segfault(prompt, completion, row):
     os.kill(os.getpid(), 11)
 
+def killed(prompt, completion, row):
+    os.kill(os.getpid(), 9)
+
 def uses_row(prompt, completion, row):
     return float(row["answer"] == completion) + (prompt == "p1")
 
@@ -133,6 +136,38 @@ def test_a_failing_reward_is_one_line_naming_the_function_and_the_sample(
     assert text.startswith(f"reward {rewards_py}:{name}") and message in text and "\n" not in text, text
 
 
+@pytest.mark.parametrize("reaper", [False, True], ids=["plain", "sigchld-reaper"])
+@pytest.mark.parametrize(
+    "name,how",
+    [("crash", "exit status 3"), ("killed", "killed by signal 9"), ("segfault", "killed by signal 11")],
+)
+def test_how_the_worker_died_is_named_even_when_a_sigchld_handler_reaps_children(
+    rewards_py, reaper, name, how
+):
+    """sglang-jax (a JAX run) installs a SIGCHLD handler that reaps the run's children as they
+    exit, so the run's own wait on the worker gets no status: the exit status or the signal is
+    still the one the reward's process died of."""
+
+    def reap(signum, frame):
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            pass
+
+    before = signal.signal(signal.SIGCHLD, reap) if reaper else None
+    try:
+        with pytest.raises(RewardError) as e:
+            score(f"{rewards_py}:{name}", ["ok", "crash"])
+    finally:
+        if reaper:
+            signal.signal(signal.SIGCHLD, before)
+    assert (
+        str(e.value)
+        == f"reward {rewards_py}:{name}: the reward worker died ({how}) on sample {int(name == 'crash')} of step 0"
+    )
+
+
 def test_a_hanging_reward_is_stopped_at_its_timeout_and_its_worker_killed(rewards_py):
     r = RewardRunner(f"{rewards_py}:hangs", timeout=1.0)
     t0 = time.monotonic()
@@ -172,6 +207,27 @@ def test_the_worker_dies_with_the_run(rewards_py, tmp_path):
     while alive(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(worker)
+
+
+def test_a_worker_that_ends_with_the_run_prints_nothing(rewards_py, tmp_path):
+    """The worker's keeper (which reports how it died) has nothing to say when the run closes the
+    worker: the run's stderr stays clean, after a normal close and after a timeout's kill."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        from mllm_rl.tasks.reward import RewardError, RewardRunner
+        for name, completion in (("length", "ab"), ("hangs", "hang")):
+            r = RewardRunner({str(rewards_py)!r} + ":" + name, timeout=1)
+            try:
+                print(r.score(["p"], [completion], [{{}}], str).tolist())
+            except RewardError as e:
+                print("timeout" if "no result within" in str(e) else e)
+            finally:
+                r.close()
+    """)
+    )
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["[0.2]", "timeout"] and r.stderr == "", r.stderr
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,20 @@ def test_two_processes_of_one_swap_run(tiny_ckpt, tmp_path):
     assert "generate_result" in [x["phase"] for x in p0]
 
 
+@pytest.mark.slow  # starts an engine across two processes
+def test_without_tp_the_engine_spans_every_process(tiny_ckpt, tmp_path):
+    """``--tp 1`` (the default) cannot run on two processes (the engine's mesh spans both): without
+    ``--tp`` the launcher passes 2, one CPU device per process, and the run records it."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", MLLM_RL_DIST_TIMEOUT_S="120", PYTHONUNBUFFERED="1")
+    args = ["--nproc", "2", "--", "--backend", "jax", "--plan", "swap", "--model", str(tiny_ckpt),
+            "--run-dir", str(tmp_path), "--max-new-tokens", "4", "--wandb", "disabled", "--quiet"]  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "mllm_rl.launch", *args], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "run.json").read_text())["options"]["tp"] == 2
+
+
 RL = ["--backend", "jax", "--tp", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4",
       "--checkpoint-every", "1", "--wandb", "disabled", "--console", "off"]  # fmt: skip
 # what a user of a pretrained model runs: a bf16 checkpoint (mixed precision), LoRA, a fine-tuning
