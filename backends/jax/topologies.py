@@ -21,7 +21,8 @@ Device memory per target:
 - GPU: ``device_memory_size`` of the target config (openxla/xla
   ``xla/backends/gpu/target_config/specs/``, shipped in ``mllm_rl/assets/gpu_targets``). XLA's GPU
   compiler does not reject a program that does not fit: the plan compares.
-- CPU: the host's RAM (``psutil``), which the local CPU devices share.
+- CPU: a share of the host RAM available when planned (``mllm_rl.memplan.cpu_budget``), which the
+  local CPU devices share.
 """
 
 from __future__ import annotations
@@ -209,12 +210,12 @@ def devices(s: TargetSpec) -> tuple[list[Any], Target]:
     import jax
 
     if s.platform == "cpu":
-        import psutil
+        from mllm_rl.memplan.cpu_budget import cpu_device_bytes
 
         devs = jax.devices("cpu")
-        total = psutil.virtual_memory().total
+        budget, source, total = cpu_device_bytes()
         return devs, Target(
-            "cpu", "cpu", len(devs), 1, total, "CPU", "host RAM (psutil), shared by the CPU devices", total
+            "cpu", "cpu", len(devs), 1, budget, "CPU", f"{source}; shared by the CPU devices", total
         )
     devs = topology_devices(s)
     if s.platform == "tpu":

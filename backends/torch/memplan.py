@@ -133,10 +133,10 @@ def parse_target(name: str) -> Target:
     """``h100`` / ``h200`` (``hNNNx1`` too; more cards refused: the torch trainer uses one device),
     or this machine's ``cpu`` / ``cuda`` device (``LOCAL_TARGETS``)."""
     if name == "cpu":
-        import psutil
+        from mllm_rl.memplan.cpu_budget import cpu_device_bytes
 
-        total = psutil.virtual_memory().total
-        return Target("cpu", "cpu", 1, 1, total, "CPU", "host RAM (psutil)", total)
+        budget, source, total = cpu_device_bytes()
+        return Target("cpu", "cpu", 1, 1, budget, "CPU", source, total)
     if name == "cuda":
         import torch
 

@@ -161,9 +161,17 @@ def plan_run(req: PlanRequest, check_weights: bool, fit_kv: bool, in_process: bo
         tokens, phase = kv_room(plans(m, req, check_weights)[req.schedule], m)
         if tokens < 1:
             raise DoesNotFit(f"memory plan: no room for a KV pool in {phase} (--kv-tokens auto)")
+        room = tokens
+        if req.kv_fit_cap is not None:
+            tokens = min(tokens, req.kv_fit_cap)
         m = with_kv_tokens(m, tokens)
         req = dataclasses.replace(req, kv_tokens=tokens)
-        extra["kv_fit"] = {"tokens": tokens, "tightest_phase": phase}
+        extra["kv_fit"] = {
+            "tokens": tokens,
+            "room_tokens": room,
+            "cap_tokens": req.kv_fit_cap,
+            "tightest_phase": phase,
+        }
     result = plans(m, req, check_weights)
     run_plan = result[req.schedule]
     summary = [output.verdict(p) for p in result.values()]
@@ -228,11 +236,20 @@ def plan_for_rl(
             ],
         )
     engine = sized(opts)
+    # On CPU the pool is host memory that every engine step pays for (a donated pool is rewritten
+    # per forward): --kv-tokens auto takes at most what the run can hold at once, the run's own
+    # max-running-requests x context rule. On an accelerator it takes the room the plan leaves.
+    cap = engine.max_total_tokens if runtime.get("platform") == "cpu" else None
     if opts.kv_auto:  # the plan sizes the pool, not the run's max-running-requests x context rule
         engine = dataclasses.replace(engine, max_total_tokens=None)
     opts = dataclasses.replace(opts, engine=engine)
     req = request_for(backend.name, target, model, opts, backend.rollout_engine(opts.engine.engine))
-    req = dataclasses.replace(req, margin=opts.plan_margin, host_ram_gib=_host_ram_gib(runtime))
+    req = dataclasses.replace(
+        req,
+        margin=opts.plan_margin,
+        host_ram_gib=_host_ram_gib(runtime),
+        kv_fit_cap=cap if opts.kv_auto else None,
+    )
     try:
         plan = plan_run(req, opts.lifecycle.check_weights, fit_kv=opts.kv_auto)
     except DoesNotFit as e:
@@ -247,10 +264,16 @@ def plan_for_rl(
     ]
     if opts.kv_auto:
         engine = dataclasses.replace(opts.engine, max_total_tokens=plan.kv_tokens)
-        if plan.mem_fraction_static is not None and engine.mem_fraction_static is None:
+        # on CPU the adapter's high default fraction only relaxes sglang-jax's start-up check (the
+        # pool is capped by max_total_tokens); the plan's minimum fraction fails it on a busy host
+        cpu = runtime.get("platform") == "cpu"
+        if plan.mem_fraction_static is not None and engine.mem_fraction_static is None and not cpu:
             engine = dataclasses.replace(engine, mem_fraction_static=plan.mem_fraction_static)
         opts = dataclasses.replace(opts, engine=engine)
-        notes.append(
-            f"--kv-tokens auto: a KV pool of {plan.kv_tokens} tokens (the largest the plan leaves room for)"
+        why = (
+            "the run's max-running-requests x context on CPU, within the room the plan leaves"
+            if req.kv_fit_cap is not None
+            else "the largest the plan leaves room for"
         )
+        notes.append(f"--kv-tokens auto: a KV pool of {plan.kv_tokens} tokens ({why})")
     return opts, plan, notes

@@ -48,6 +48,8 @@ class PlanRequest:
     engine: str = "auto"
     weights_cpu_backup: bool = False  # the engine keeps a host copy of released weights (host memory)
     host_ram_gib: float | None = None  # one host's RAM of the target (None: the backend's, where known)
+    # --kv-tokens auto: the most tokens the fitted pool takes (None: all the room the plan leaves)
+    kv_fit_cap: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
