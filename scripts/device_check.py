@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 GIB = 2**30
 RESERVE_S = 15.0  # kept back at the end to write the results
