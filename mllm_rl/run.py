@@ -73,21 +73,19 @@ def build_parser(defaults: dict[str, Any] | None = None) -> argparse.ArgumentPar
 def recorded_backend(argv: Sequence[str]) -> dict[str, Any]:
     """``{"backend": ...}`` from ``run.json`` of ``--run-dir`` when the command resumes without
     ``--backend`` (a resume needs only ``--run-dir``); else ``{}`` (argparse then asks for it)."""
-    words = list(argv)
-    if not {"--resume", "--resume-or-start"} & set(words) or any(
-        w == "--backend" or w.startswith("--backend=") for w in words
-    ):
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    for flag in ("--run-dir", "--backend"):
+        pre.add_argument(flag)
+    for flag in ("--resume", "--resume-or-start"):
+        pre.add_argument(flag, action="store_true")
+    try:
+        known, _ = pre.parse_known_args(argv)
+    except argparse.ArgumentError:  # the run's own parser says what is wrong
         return {}
-    run_dir = ""
-    for i, w in enumerate(words):
-        if w.startswith("--run-dir="):
-            run_dir = w.split("=", 1)[1]
-        elif w == "--run-dir" and i + 1 < len(words):
-            run_dir = words[i + 1]
-    if not run_dir:
+    if not (known.resume or known.resume_or_start) or known.backend or not known.run_dir:
         return {}
     try:
-        backend = json.loads((Path(run_dir) / "run.json").read_text())["options"]["backend"]
+        backend = json.loads((Path(known.run_dir) / "run.json").read_text())["options"]["backend"]
     except (OSError, ValueError, KeyError, TypeError):
         return {}
     return {"backend": backend} if isinstance(backend, str) else {}

@@ -275,8 +275,7 @@ def _headline(step: dict[str, Any], doc: dict[str, Any]) -> str:
             bits.append(res["plan_audit"])
         return "; ".join(bits)
     if name.startswith("engine-"):
-        rows = res.get("rows") or res.get("results") or []
-        return f"{len(rows)} rows (see {name}.json)"
+        return f"{len(res.get('rows') or [])} rows (see {name}.json)"
     return ""
 
 

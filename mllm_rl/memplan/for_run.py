@@ -239,7 +239,8 @@ def plan_for_rl(
     # On CPU the pool is host memory that every engine step pays for (a donated pool is rewritten
     # per forward): --kv-tokens auto takes at most what the run can hold at once, the run's own
     # max-running-requests x context rule. On an accelerator it takes the room the plan leaves.
-    cap = engine.max_total_tokens if runtime.get("platform") == "cpu" else None
+    on_cpu = runtime.get("platform") == "cpu"
+    cap = engine.max_total_tokens if on_cpu else None
     if opts.kv_auto:  # the plan sizes the pool, not the run's max-running-requests x context rule
         engine = dataclasses.replace(engine, max_total_tokens=None)
     opts = dataclasses.replace(opts, engine=engine)
@@ -266,8 +267,7 @@ def plan_for_rl(
         engine = dataclasses.replace(opts.engine, max_total_tokens=plan.kv_tokens)
         # on CPU the adapter's high default fraction only relaxes sglang-jax's start-up check (the
         # pool is capped by max_total_tokens); the plan's minimum fraction fails it on a busy host
-        cpu = runtime.get("platform") == "cpu"
-        if plan.mem_fraction_static is not None and engine.mem_fraction_static is None and not cpu:
+        if plan.mem_fraction_static is not None and engine.mem_fraction_static is None and not on_cpu:
             engine = dataclasses.replace(engine, mem_fraction_static=plan.mem_fraction_static)
         opts = dataclasses.replace(opts, engine=engine)
         why = (
