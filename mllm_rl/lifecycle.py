@@ -1,57 +1,26 @@
 """The colocated step: one place for the whole memory lifecycle (docs/DESIGN.md, "The lifecycle").
 
-A trainer and a rollout engine take turns on the same devices. ``Colocated.step`` drives
-them through recorded phases; backends implement only primitives (``EnginePrimitives``
-behind ``ManagedEngine``, ``Trainer``, ``Backend.empty_cache``).
-
-Default schedule, ``multi_stage`` (SGLang/verl "multi-stage awake"):
-
-    rollout -> drain -> release_rollout(kv_cache, weights) -> onload_trainer -> train_step
-    -> checkpoint -> offload_optimizer -> empty_cache -> resume_weights -> update_weights
-    -> offload_trainer_params -> empty_cache -> resume_kv -> continue_generation
-    [-> check_weights]
-
-``naive`` (the baseline the benchmarks compare against): everything of the engine comes
-back before the update, so KV cache, engine weights and trainer params peak together:
-
-    ... -> empty_cache -> resume_rollout(weights, kv_cache) -> update_weights
-    -> offload_trainer_params -> empty_cache -> continue_generation [-> check_weights]
-
-Setup (``colocate``, then ``Colocated.first_sync``; step ``None``), the same multi-stage idea for
-the first sync: the engine's dummy weights and its KV cache are released before the trainer is
-built, so the setup never holds engine weights + KV cache + the whole trainer at once:
-
-    release_rollout -> trainer_init -> offload_optimizer -> resume_weights -> weights_swapped
-    -> offload_trainer_params -> resume_kv -> continue_generation
-
-A step whose loss or grad norm is not finite stops in ``train_step`` (``NonFiniteTraining``),
-before the checkpoint and the update.
+A trainer and a rollout engine take turns on the same devices. The order of the phases is the
+phase table's (``mllm_rl.phase_table``: a step of each schedule, the setup, the leased groups);
+``Colocated`` runs those sequences, one handler per phase name (``Colocated.HANDLERS``), and
+backends implement only primitives (``EnginePrimitives`` behind ``ManagedEngine``, ``Trainer``,
+``Backend.empty_cache``).
 
 Checked at every phase boundary (``LifecycleError`` otherwise): trainer params and engine
-weights are never both resident outside the phases that need them (the update); the
-update's engine fingerprint equals the trainer's (an update that did nothing fails
-loudly); a partial (LoRA) update is only sent to valid base weights — after a resume
-without CPU backup the lifecycle sends the full weights instead.
+weights are never both resident outside the phases that need them (the update); the update's
+engine fingerprint equals the trainer's (an update that did nothing fails loudly); a partial
+(LoRA) update is only sent to valid base weights — after a resume without CPU backup the full
+weights go instead. A step whose loss or grad norm is not finite stops in ``train_step``
+(``NonFiniteTraining``), before the checkpoint and the update.
 
-The garbage guard (``check_weights``): right after ``train_step`` the trainer decodes a
-fixed probe greedily with its own model; after the update the engine decodes the same
-probe; the tokens must agree wherever the trainer's top-2 margin is not a near tie.
+The garbage guard (``check_weights``): right after ``train_step`` (or, in a rollout lease, right
+after the params come back) the trainer decodes a fixed probe greedily; after the update the
+engine decodes the same probe; the tokens must agree wherever the trainer's top-2 margin is not a
+near tie.
 
-Leased phase groups (several tasks on the same devices, ``docs/MULTITASK.md``): a task runs
-only while it holds the device lease, and between leases it holds nothing on the devices
-(``check_asleep``). Its start-up and each step are leased groups:
-
-    setup lease:    release_rollout -> trainer_init (``colocate``) -> offload_optimizer
-                    -> offload_trainer_params -> empty_cache (``Colocated.park``)
-    rollout_lease:  onload_trainer_params -> resume_weights -> update_weights
-                    -> offload_trainer_params -> empty_cache -> resume_kv -> continue_generation
-                    [-> check_weights] -> rollout -> drain -> release_rollout -> empty_cache
-    train_lease:    onload_trainer -> train_step -> checkpoint -> offload_optimizer
-                    -> offload_trainer_params -> empty_cache
-    final_lease:    (rollout_lease with generate_result in place of rollout; step None)
-
-The weight update is part of the rollout lease (the trainer's params come on only to stream
-them), so a task never needs the lease twice to make its engine usable.
+Leased groups (several tasks on the same devices, ``docs/MULTITASK.md``): between leases a task
+holds nothing on the devices (``check_asleep``); the weight update is part of the rollout lease,
+so a task never needs the lease twice to make its engine usable.
 """
 
 from __future__ import annotations
@@ -88,8 +57,6 @@ SCHEDULES = phase_table.SCHEDULES
 STEP_PHASES = {s: list(phase_table.STEP[s]) for s in SCHEDULES}
 SETUP_PHASES = list(phase_table.SETUP)
 LEASE_SETUP_PHASES = list(phase_table.LEASE_SETUP)
-_AWAKE = list(phase_table.AWAKE)
-_ASLEEP = list(phase_table.ASLEEP)
 TRAIN_LEASE_PHASES = list(phase_table.TRAIN_LEASE)
 # Phases at whose end trainer params and engine weights may both be resident.
 BOTH_RESIDENT_OK = set(phase_table.BOTH_RESIDENT_OK)
@@ -108,7 +75,7 @@ class NonFiniteTraining(RuntimeError):
     the weight update, so neither a checkpoint nor the engine ever holds what it produced."""
 
 
-def check_finite(step: int, train: dict[str, Any], info: dict[str, Any]) -> None:
+def check_finite(step: int | None, train: dict[str, Any], info: dict[str, Any]) -> None:
     """Raise ``NonFiniteTraining`` when a ``FINITE_METRICS`` value of ``train`` is not finite (its
     names go to ``info.non_finite``)."""
     bad = [k for k in FINITE_METRICS if k in train and not math.isfinite(float(train[k]))]
@@ -173,18 +140,24 @@ def colocate(
     make_trainer: Callable[[], tuple[Trainer, dict[str, Any]]],
     **trainer_info: Any,
 ) -> Colocated:
-    """A trainer and ``engine`` (just started, dummy weights) on the same devices: the engine
-    drains and releases everything (``release_rollout``), then ``trainer_init`` builds the trainer
-    (``make_trainer() -> (trainer, info)``; ``trainer_info`` goes into the record) — the engine's
-    weights and KV cache are never resident together with a whole new trainer. Returns the
-    complete ``Colocated``; what comes next is ``first_sync`` (one task) or ``park`` (a task of a
+    """A trainer and ``engine`` (just started, dummy weights) on the same devices: the setup's
+    phases up to ``trainer_init`` (``phase_table.BUILD``): the engine drains and releases
+    everything, then ``make_trainer() -> (trainer, info)`` builds the trainer (``trainer_info``
+    goes into the record), so the engine's weights and KV cache are never resident together with a
+    whole new trainer. What comes next is ``first_sync`` (one task) or ``park`` (a task of a
     multi-task run)."""
     _require_probe(opts)
-    _release_rollout(rec, engine, None, None, drain_timeout_s=opts.drain_timeout_s)
-    with _CheckedPhase(rec, engine, None, "trainer_init", None, trainer_info) as ph:
-        with waiting("trainer build"):
-            trainer, built = make_trainer()
-        ph.info.update(built, state_bytes=trainer.state_bytes())
+    trainer: Trainer | None = None
+    for name in phase_table.BUILD:
+        info = trainer_info if name == "trainer_init" else {}
+        with _CheckedPhase(rec, engine, trainer, name, None, info) as ph:
+            if name == "release_rollout":
+                _release_body(ph.info, engine, opts.drain_timeout_s)  # the engine has run nothing yet
+            else:
+                with waiting("trainer build"):
+                    trainer, built = make_trainer()
+                ph.info.update(built, state_bytes=trainer.state_bytes())
+    assert trainer is not None, "phase_table.BUILD ends with trainer_init"
     return Colocated(backend, engine, trainer, rec, opts)
 
 
@@ -218,21 +191,15 @@ def _require_probe(opts: LifecycleOptions) -> None:
         raise ValueError("check_weights needs LifecycleOptions.probe_ids")
 
 
-def _release_rollout(
-    rec: PhaseRecorder,
-    engine: ManagedEngine,
-    trainer: Trainer | None,
-    step: int | None,
-    drain_timeout_s: float | None = None,
-) -> None:
-    """Phase ``release_rollout``: every releasable tag of ``engine`` (drained first when given
-    ``drain_timeout_s``: the setup's engine has run nothing yet)."""
+def _release_body(info: dict[str, Any], engine: ManagedEngine, drain_timeout_s: float | None) -> None:
+    """Phase ``release_rollout``'s work: every releasable tag of ``engine`` (drained first when
+    given ``drain_timeout_s``: at setup, where no ``drain`` phase comes before it)."""
     tags = release_tags(engine)
-    with _CheckedPhase(rec, engine, trainer, "release_rollout", step, {"tags": tags}) as ph:
-        if drain_timeout_s is not None:
-            ph.info.update(engine.drain(drain_timeout_s))
-        held = engine.release(tags)
-        ph.info.update(expected_freed_bytes=sum(held.values()), held=_memory_names(engine, held))
+    info["tags"] = tags
+    if drain_timeout_s is not None:
+        info.update(engine.drain(drain_timeout_s))
+    held = engine.release(tags)
+    info.update(expected_freed_bytes=sum(held.values()), held=_memory_names(engine, held))
 
 
 def release_tags(engine: ManagedEngine) -> list[str]:
@@ -246,8 +213,36 @@ def _memory_names(engine: ManagedEngine, held: dict[str, int]) -> dict[str, int]
     return {engine.memory_tag(t): b for t, b in held.items()}
 
 
+WorkFn = Callable[[ManagedEngine, int | None], tuple[Any, dict[str, Any]]]
+
+
+@dataclasses.dataclass
+class Turn:
+    """What the phases of one sequence share (a step, the rest of the setup, a lease).
+
+    ``work``: the rollout's (or ``generate_result``'s) ``work(engine, step) -> (out, metrics)``;
+    ``out`` its result (a step's ``RolloutBatch``); ``batch``: what ``train_step`` trains on;
+    ``metrics``: the work's and the train step's metrics; ``probe_in_rollout``: the engine's
+    greedy probe is recorded at the start of ``rollout`` (a step); ``probe_after_train``: the
+    trainer's probe is taken at the end of ``train_step`` (a step; a lease takes it when the
+    params come back); ``drain_first``: ``release_rollout`` drains first (no ``drain`` before it)."""
+
+    step: int | None
+    work: WorkFn | None = None
+    save: SaveFn | None = None
+    out: Any = None
+    batch: RolloutBatch | None = None
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    probe_in_rollout: bool = False
+    probe_after_train: bool = False
+    drain_first: bool = False
+
+
 class Colocated:
-    """A trainer and a rollout engine taking turns on the same devices (``colocate`` builds it)."""
+    """A trainer and a rollout engine taking turns on the same devices (``colocate`` builds it).
+
+    Each public method runs one of the phase table's sequences; ``HANDLERS`` maps every phase
+    name in them to the method that does that phase's work inside its checked record."""
 
     def __init__(
         self,
@@ -264,104 +259,51 @@ class Colocated:
         self._expected_probe: tuple[list[int], list[float]] | None = None
         self._host_leaked: list[bytearray] = []  # the host_leak_mb fault's buffers
 
-    # -- invariants ----------------------------------------------------------------------
-    def _phase(self, name: str, step: int | None, **info: Any) -> _CheckedPhase:
-        return _CheckedPhase(self.rec, self.engine, self.trainer, name, step, info)
+    def _run(self, phases: tuple[str, ...], turn: Turn) -> Turn:
+        """Run ``phases`` in order, each in its own checked record."""
+        for name in phases:
+            handler = self.HANDLERS[name]
+            with _CheckedPhase(self.rec, self.engine, self.trainer, name, turn.step, {}) as ph:
+                handler(self, ph.info, turn)
+        return turn
 
-    # -- setup ---------------------------------------------------------------------------
+    # -- the sequences ---------------------------------------------------------------------
     def first_sync(self) -> None:
-        """The rest of a run's setup (``SETUP_PHASES`` after ``trainer_init``, step ``None``): the
-        optimizer state goes to the host, the trainer's weights stream in (``weights_swapped``:
-        full, fingerprint-checked), the trainer's params go too, the KV cache comes back."""
-        self._offload_optimizer(None)
-        self._resume("resume_weights", [TAG_WEIGHTS], None)
-        with self._phase("weights_swapped", None, mode="streaming") as ph:
-            ph.info.update(self._update(full=True))
-        with self._phase("offload_trainer_params", None) as ph:
-            ph.info["expected_freed_bytes"] = self.trainer.offload([PARAMS])
-        self._resume("resume_kv", self.kv_tags, None)
-        with self._phase("continue_generation", None):
-            self.engine.continue_generation()
+        """The rest of a run's setup (``phase_table.FIRST_SYNC``, step ``None``): the optimizer
+        state goes to the host, the trainer's weights stream in (``weights_swapped``: full,
+        fingerprint-checked), the trainer's params go too, the KV cache comes back."""
+        self._run(phase_table.FIRST_SYNC, Turn(None))
 
-    # -- one RL step -----------------------------------------------------------------------
     def step(self, step: int, rollout: RolloutFn, save: SaveFn | None = None) -> dict[str, Any]:
-        """Run one colocated step; returns the step's metrics (rollout + train)."""
+        """One colocated step (``phase_table.step_sequence``); returns its metrics (rollout +
+        train)."""
         o = self.opts
-        with self._phase("rollout", step) as ph:
-            if o.check_weights:  # before the rollout fills the prefix cache: see _engine_probe
-                ph.info["probe_tokens"] = self._engine_probe()
-            batch, metrics = rollout(self.engine, step)
-            ph.info.update(metrics)
-        with self._phase("drain", step) as ph:
-            ph.info.update(self.engine.drain(o.drain_timeout_s))
-        self._release(step)
-        metrics.update(self._train(step, batch, save, probe=o.check_weights))
-        with self._phase("empty_cache", step):
-            self.backend.empty_cache()
-        if o.schedule == "multi_stage":
-            self._resume("resume_weights", [TAG_WEIGHTS], step)
-            with self._phase("update_weights", step) as ph:
-                ph.info.update(self._update(full=None))
-            self._offload_params(step)
-            self._resume("resume_kv", self.kv_tags, step)
-        else:
-            self._resume("resume_rollout", self.release_tags, step)
-            with self._phase("update_weights", step) as ph:
-                ph.info.update(self._update(full=None))
-            self._offload_params(step)
-        with self._phase("continue_generation", step):
-            self.engine.continue_generation()
-        if o.check_weights:
-            with self._phase("check_weights", step) as ph:
-                ph.info.update(self._check_probe())
-        return metrics
+        turn = Turn(step, work=rollout, save=save, probe_in_rollout=o.check_weights)
+        turn.probe_after_train = o.check_weights
+        return self._run(phase_table.step_sequence(o.schedule, o.check_weights), turn).metrics
 
-    # -- leased phase groups (several tasks on the same devices) ----------------------------
     def park(self) -> None:
-        """A task's start-up inside its setup lease (``LEASE_SETUP_PHASES`` after ``trainer_init``,
-        step ``None``): the trainer goes to the host, so the task holds nothing on the devices. No
-        first sync here: the first ``rollout_lease`` sends the full weights (the engine's are
-        dummy until then)."""
-        self._offload_optimizer(None)
-        self._offload_params(None)
+        """A task's start-up inside its setup lease (``phase_table.PARK``, step ``None``): the
+        trainer goes to the host, so the task holds nothing on the devices. No first sync here:
+        the first ``rollout_lease`` sends the full weights (the engine's are dummy until then)."""
+        self._run(phase_table.PARK, Turn(None))
 
     def rollout_lease(
-        self,
-        step: int | None,
-        work: Callable[[ManagedEngine, int | None], tuple[Any, dict[str, Any]]],
-        name: str = "rollout",
+        self, step: int | None, work: WorkFn, name: str = "rollout"
     ) -> tuple[Any, dict[str, Any]]:
-        """Rollout + weight update under one lease (``rollout_lease_phases``): the trainer's
-        params come on only to stream the update (partial only onto valid base weights,
+        """Rollout + weight update under one lease (``phase_table.rollout_lease_sequence``): the
+        trainer's params come on only to stream the update (partial only onto valid base weights,
         fingerprint-checked), the engine wakes, ``work(engine, step)`` runs in phase ``name``
         (``rollout`` -> ``(batch, metrics)``), and the engine releases everything again."""
-        o = self.opts
-        with self._phase("onload_trainer_params", step) as ph:
-            ph.info["expected_alloc_bytes"] = self.trainer.onload([PARAMS])
-            if o.check_weights:  # the reference: the very params about to be streamed
-                self._expected_probe = self.trainer.greedy(list(o.probe_ids), o.probe_tokens)
-        self._resume("resume_weights", [TAG_WEIGHTS], step)
-        with self._phase("update_weights", step) as ph:
-            ph.info.update(self._update(full=None))
-        self._offload_params(step)
-        self._resume("resume_kv", self.kv_tags, step)
-        with self._phase("continue_generation", step):
-            self.engine.continue_generation()
-        if o.check_weights:
-            with self._phase("check_weights", step) as ph:
-                ph.info.update(self._check_probe())
-        with self._phase(name, step) as ph:
-            out, metrics = work(self.engine, step)
-            ph.info.update(metrics)
-        self._lease_release(step)
-        return out, metrics
+        turn = self._run(
+            phase_table.rollout_lease_sequence(self.opts.check_weights, name), Turn(step, work=work)
+        )
+        return turn.out, turn.metrics
 
     def train_lease(self, step: int, batch: RolloutBatch, save: SaveFn | None = None) -> dict[str, Any]:
-        """Train under one lease (``TRAIN_LEASE_PHASES``), the engine released throughout;
+        """Train under one lease (``phase_table.TRAIN_LEASE``), the engine released throughout;
         returns the train metrics (the garbage-guard probe is taken in ``rollout_lease``)."""
-        train = self._train(step, batch, save, probe=False)
-        self._offload_params(step)
-        return train
+        return self._run(phase_table.TRAIN_LEASE, Turn(step, save=save, batch=batch)).metrics
 
     def final_lease(self, evaluate: Callable[[ManagedEngine], dict[str, Any]]) -> dict[str, Any]:
         """The last weights into the engine and ``generate_result`` (step ``None``), then
@@ -385,54 +327,107 @@ class Colocated:
         ``release_on_fault``), so the other tasks can go on."""
         return release_on_fault(self.backend, self.engine, self.trainer, self.rec, self.opts, step)
 
-    def _lease_release(self, step: int | None) -> None:
-        """``drain`` -> ``release_rollout`` (naming the engine's own memory tags) -> ``empty_cache``."""
-        with self._phase("drain", step) as ph:
-            ph.info.update(self.engine.drain(self.opts.drain_timeout_s))
-        self._release(step)
-        with self._phase("empty_cache", step):
-            self.backend.empty_cache()
+    # -- one handler per phase: (self, the record's info, the turn) ---------------------------
+    def _work(self, info: dict[str, Any], turn: Turn) -> None:
+        """``rollout`` / ``generate_result``: the turn's work on the awake engine."""
+        if turn.probe_in_rollout:  # before the rollout fills the prefix cache: see _engine_probe
+            info["probe_tokens"] = self._engine_probe()
+        assert turn.work is not None, "a rollout phase needs the turn's work"
+        turn.out, metrics = turn.work(self.engine, turn.step)
+        turn.batch = turn.out
+        turn.metrics.update(metrics)
+        info.update(metrics)
 
-    def _release(self, step: int | None) -> None:
-        """``release_rollout``: every releasable tag (after a ``drain``)."""
-        _release_rollout(self.rec, self.engine, self.trainer, step)
+    def _drain(self, info: dict[str, Any], turn: Turn) -> None:
+        info.update(self.engine.drain(self.opts.drain_timeout_s))
 
-    def _offload_optimizer(self, step: int | None) -> None:
-        with self._phase("offload_optimizer", step) as ph:
-            ph.info["expected_freed_bytes"] = self.trainer.offload([OPTIMIZER])
+    def _release(self, info: dict[str, Any], turn: Turn) -> None:
+        _release_body(info, self.engine, self.opts.drain_timeout_s if turn.drain_first else None)
 
-    def _train(self, step: int, batch: RolloutBatch, save: SaveFn | None, probe: bool) -> dict[str, Any]:
-        """``onload_trainer -> train_step -> checkpoint -> offload_optimizer``; a non-finite loss or
-        grad norm stops before the checkpoint (``NonFiniteTraining``). ``probe``: the trainer's
-        greedy garbage-guard reference right after the step."""
-        with self._phase("onload_trainer", step) as ph:
-            ph.info["expected_alloc_bytes"] = self.trainer.onload([PARAMS, OPTIMIZER])
-        with self._phase("train_step", step, batch=batch.size) as ph:
-            extra: dict[str, float] = {}
-            if self.opts.old_logp == "trainer":
-                batch, extra = with_trainer_old_logp(batch, self.trainer.logprobs(batch), self.opts.tis_cap)
-            train = {**self.trainer.train_step(batch), **extra}
-            leak = fault_value("host_leak_mb")
-            if leak:  # host memory kept forever, as a leak would: the report's host_growth must see it
-                self._host_leaked.append(bytearray(b"\x01" * (int(leak) << 20)))
-            ph.info.update(train)
-            check_finite(step, train, ph.info)
-            if probe:
-                self._expected_probe = self.trainer.greedy(list(self.opts.probe_ids), self.opts.probe_tokens)
-        with self._phase("checkpoint", step) as ph:
-            ph.info.update(save(step) if save is not None else {"saved": False, "path": None})
-        self._offload_optimizer(step)
-        return train
+    def _onload_trainer(self, info: dict[str, Any], turn: Turn) -> None:
+        info["expected_alloc_bytes"] = self.trainer.onload([PARAMS, OPTIMIZER])
 
-    def _resume(self, phase: str, tags: list[str], step: int | None) -> None:
-        with self._phase(phase, step) as ph:
-            ph.info["expected_alloc_bytes"] = sum(self.engine.resume(tags).values())
+    def _onload_params(self, info: dict[str, Any], turn: Turn) -> None:
+        info["expected_alloc_bytes"] = self.trainer.onload([PARAMS])
+        if self.opts.check_weights:  # the reference: the very params about to be streamed
+            self._expected_probe = self.trainer.greedy(list(self.opts.probe_ids), self.opts.probe_tokens)
 
-    def _offload_params(self, step: int) -> None:
-        with self._phase("offload_trainer_params", step) as ph:
-            ph.info["expected_freed_bytes"] = self.trainer.offload([PARAMS])
-        with self._phase("empty_cache", step):
-            self.backend.empty_cache()
+    def _train_step(self, info: dict[str, Any], turn: Turn) -> None:
+        """Old log-probs (trainer source), the update; a non-finite loss or grad norm stops here
+        (``NonFiniteTraining``), before the checkpoint."""
+        batch = turn.batch
+        assert batch is not None, "train_step needs the turn's batch"
+        info["batch"] = batch.size
+        extra: dict[str, float] = {}
+        if self.opts.old_logp == "trainer":
+            batch, extra = with_trainer_old_logp(batch, self.trainer.logprobs(batch), self.opts.tis_cap)
+        train = {**self.trainer.train_step(batch), **extra}
+        leak = fault_value("host_leak_mb")
+        if leak:  # host memory kept forever, as a leak would: the report's host_growth must see it
+            self._host_leaked.append(bytearray(b"\x01" * (int(leak) << 20)))
+        info.update(train)
+        check_finite(turn.step, train, info)
+        turn.metrics.update(train)
+        if turn.probe_after_train:
+            self._expected_probe = self.trainer.greedy(list(self.opts.probe_ids), self.opts.probe_tokens)
+
+    def _checkpoint(self, info: dict[str, Any], turn: Turn) -> None:
+        info.update(turn.save(turn.step) if turn.save is not None else {"saved": False, "path": None})
+
+    def _offload_optimizer(self, info: dict[str, Any], turn: Turn) -> None:
+        info["expected_freed_bytes"] = self.trainer.offload([OPTIMIZER])
+
+    def _offload_params(self, info: dict[str, Any], turn: Turn) -> None:
+        info["expected_freed_bytes"] = self.trainer.offload([PARAMS])
+
+    def _empty_cache(self, info: dict[str, Any], turn: Turn) -> None:
+        self.backend.empty_cache()
+
+    def _resume_tags(self, tags: list[str], info: dict[str, Any]) -> None:
+        info["expected_alloc_bytes"] = sum(self.engine.resume(tags).values())
+
+    def _resume_weights(self, info: dict[str, Any], turn: Turn) -> None:
+        self._resume_tags([TAG_WEIGHTS], info)
+
+    def _resume_kv(self, info: dict[str, Any], turn: Turn) -> None:
+        self._resume_tags(self.kv_tags, info)
+
+    def _resume_rollout(self, info: dict[str, Any], turn: Turn) -> None:
+        self._resume_tags(self.release_tags, info)
+
+    def _update_weights(self, info: dict[str, Any], turn: Turn) -> None:
+        info.update(self._update(full=None))
+
+    def _swap_weights(self, info: dict[str, Any], turn: Turn) -> None:
+        info["mode"] = "streaming"
+        info.update(self._update(full=True))
+
+    def _continue(self, info: dict[str, Any], turn: Turn) -> None:
+        self.engine.continue_generation()
+
+    def _check_weights(self, info: dict[str, Any], turn: Turn) -> None:
+        info.update(self._check_probe())
+
+    HANDLERS: dict[str, Callable[[Colocated, dict[str, Any], Turn], None]] = {
+        "rollout": _work,
+        "generate_result": _work,
+        "drain": _drain,
+        "release_rollout": _release,
+        "onload_trainer": _onload_trainer,
+        "onload_trainer_params": _onload_params,
+        "train_step": _train_step,
+        "checkpoint": _checkpoint,
+        "offload_optimizer": _offload_optimizer,
+        "offload_trainer_params": _offload_params,
+        "empty_cache": _empty_cache,
+        "resume_weights": _resume_weights,
+        "resume_kv": _resume_kv,
+        "resume_rollout": _resume_rollout,
+        "update_weights": _update_weights,
+        "weights_swapped": _swap_weights,
+        "continue_generation": _continue,
+        "check_weights": _check_weights,
+    }
 
     # -- pieces --------------------------------------------------------------------------
     def _update(self, full: bool | None) -> dict[str, Any]:

@@ -8,12 +8,13 @@ run's setup, and the leased groups of a multi-task run), declared here once.
 
 What reads it:
 
-- ``mllm_rl.lifecycle``: ``STEP_PHASES``, ``SETUP_PHASES``, the lease sequences and
-  ``BOTH_RESIDENT_OK`` (the residency check at the end of every phase) are derived from it;
-- ``mllm_rl.memplan.residency``: the memory plan's rows (``phase_rows``, ``end_state``).
+- ``mllm_rl.lifecycle``: ``Colocated`` runs these sequences (one handler per phase name), and
+  ``BOTH_RESIDENT_OK`` is its residency check at the end of every phase;
+- ``mllm_rl.memplan.residency``: the memory plan's rows (``phase_rows``, ``end_state``);
+- ``mllm_rl.phases.watchdog``: the phases with the full time limit (``HEAVY``).
 
-``Colocated`` still calls the phases in its own code; ``tests/core/test_phase_table.py`` checks
-that every name it records is declared here and that every sequence has residency rows.
+``tests/core/test_phase_table.py`` checks that every phase of every sequence has a handler and
+residency rows, and that a run records exactly the sequences declared here.
 
 Pure Python (no numpy/jax/torch): the memory planner imports it before it sets up a compiler.
 """
@@ -73,6 +74,7 @@ class Phase:
     ``functions``: the compiled functions that run in it. ``drops``: what is gone when it ends.
     ``both_resident_ok``: trainer params and engine weights may both be resident at its end
     (``lifecycle.check_residency``). ``schedules``: the schedules whose rows include it.
+    ``heavy``: it computes or moves a whole model (the watchdog's full limit, not a fraction).
     """
 
     name: str
@@ -84,6 +86,7 @@ class Phase:
     drops: tuple[str, ...] = ()
     both_resident_ok: bool = False
     schedules: tuple[str, ...] = SCHEDULES
+    heavy: bool = False
 
     def __post_init__(self) -> None:
         for c in (*self.resident, *(self.naive or ()), *self.drops):
@@ -113,6 +116,7 @@ PHASES: dict[str, Phase] = {
             "the engine generates a step's rollout (with check_weights, the engine's probe first)",
             resident=_ENGINE,
             functions=("engine_step",),
+            heavy=True,
         ),
         Phase(
             "generate_result",
@@ -120,12 +124,14 @@ PHASES: dict[str, Phase] = {
             "evaluate in place of the rollout)",
             resident=_ENGINE,
             functions=("engine_step",),
+            heavy=True,
         ),
         Phase(
             "check_weights",
             "the garbage guard: the engine decodes the probe greedily (tokens against the trainer's)",
             resident=_ENGINE,
             functions=("engine_step",),
+            heavy=True,
         ),
         # -- the engine goes to sleep --------------------------------------------------------
         Phase("drain", "the engine finishes or aborts what is in flight", resident=_ENGINE),
@@ -140,6 +146,7 @@ PHASES: dict[str, Phase] = {
             "trainer_init",
             "colocate builds the trainer, after the engine released everything",
             resident=_TRAIN,
+            heavy=True,
         ),
         Phase("onload_trainer", "the trainer's params and optimizer state come back", resident=_TRAIN),
         Phase(
@@ -149,8 +156,14 @@ PHASES: dict[str, Phase] = {
             resident=(*_TRAIN, "grads", "ref_params"),
             functions=("logprob", "grad_step", "optimizer_apply"),
             drops=("grads", "ref_params"),
+            heavy=True,
         ),
-        Phase("checkpoint", "the step's checkpoint is written from the resident state", resident=_TRAIN),
+        Phase(
+            "checkpoint",
+            "the step's checkpoint is written from the resident state",
+            resident=_TRAIN,
+            heavy=True,
+        ),
         Phase(
             "offload_optimizer",
             "the optimizer state goes to the host",
@@ -199,6 +212,7 @@ PHASES: dict[str, Phase] = {
             naive=("trainer_params", *_ENGINE, "staging"),
             drops=("staging",),
             both_resident_ok=True,
+            heavy=True,
         ),
         Phase(
             "weights_swapped",
@@ -206,6 +220,7 @@ PHASES: dict[str, Phase] = {
             resident=("trainer_params", "engine_weights", "staging"),
             drops=("staging",),
             both_resident_ok=True,
+            heavy=True,
         ),
         Phase("resume_kv", "the engine's KV cache (and CUDA graphs) come back", resident=_ENGINE),
         Phase("continue_generation", "the engine accepts requests again", resident=_ENGINE),
@@ -223,6 +238,7 @@ PHASES: dict[str, Phase] = {
 
 # Phases at whose end trainer params and engine weights may both be resident.
 BOTH_RESIDENT_OK = frozenset(p.name for p in PHASES.values() if p.both_resident_ok)
+HEAVY = frozenset(p.name for p in PHASES.values() if p.heavy)
 
 # -- the ordered sequences ------------------------------------------------------------------------
 CHECK = "check_weights"  # optional (LifecycleOptions.check_weights): after the engine is awake again
@@ -256,10 +272,11 @@ STEP: dict[str, tuple[str, ...]] = {
         "continue_generation",
     ),
 }
-# A one-task run's setup (colocate, then Colocated.first_sync; step None).
-SETUP = (
-    "release_rollout",
-    "trainer_init",
+# The start of every setup (colocate): the engine's dummy weights and KV cache go, then the trainer
+# is built; a one-task run's setup goes on with FIRST_SYNC (step None), a task of a multi-task run's
+# setup lease with PARK (it ends holding nothing on the devices).
+BUILD = ("release_rollout", "trainer_init")
+FIRST_SYNC = (
     "offload_optimizer",
     "resume_weights",
     "weights_swapped",
@@ -267,14 +284,9 @@ SETUP = (
     "resume_kv",
     "continue_generation",
 )
-# A task's setup lease (colocate, then Colocated.park): it ends holding nothing on the devices.
-LEASE_SETUP = (
-    "release_rollout",
-    "trainer_init",
-    "offload_optimizer",
-    "offload_trainer_params",
-    "empty_cache",
-)
+PARK = ("offload_optimizer", "offload_trainer_params", "empty_cache")
+SETUP = BUILD + FIRST_SYNC
+LEASE_SETUP = BUILD + PARK
 # Colocated.rollout_lease: AWAKE, [check_weights], the work (rollout | generate_result), ASLEEP.
 # It runs the multi-stage order whatever LifecycleOptions.schedule says (LEASE_SCHEDULE).
 AWAKE = (

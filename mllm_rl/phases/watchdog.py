@@ -30,28 +30,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mllm_rl import phase_table
+
 STUCK_EXIT = 6
 DEFAULT_LIMIT_S = 1800.0
 # Phases that compute or move a whole model (compilation on the first step included) get the full
-# limit; the bookkeeping phases between them (release, resume, offload, drain, empty_cache, ...)
-# LIGHT_FACTOR of it.
-HEAVY_PHASES = frozenset(
-    {
-        "wandb_init",
-        "jax_ready",
-        "torch_ready",
-        "engine_ready_dummy",
-        "trainer_init",
-        "weights_swapped",
-        "rollout",
-        "train_step",
-        "checkpoint",
-        "checkpoint_flush",
-        "update_weights",
-        "check_weights",
-        "generate_result",
-    }
-)
+# limit: the lifecycle's (``phase_table.HEAVY``) and the run's own start-up and end; the bookkeeping
+# phases between them (release, resume, offload, drain, empty_cache, ...) LIGHT_FACTOR of it.
+RUN_HEAVY = ("wandb_init", "jax_ready", "torch_ready", "engine_ready_dummy", "checkpoint_flush")
+HEAVY_PHASES = phase_table.HEAVY | frozenset(RUN_HEAVY)
 LIGHT_FACTOR = 0.25
 WAKE_SIGNAL = signal.SIGUSR2
 HARD_EXIT_BOUND_S = 60.0  # on_hard_exit gets this long before the process ends regardless

@@ -1,18 +1,18 @@
 """The phase table (``mllm_rl.phase_table``) is the one declaration of the lifecycle's phases.
 
-Checked here: every phase name ``mllm_rl/lifecycle.py`` records is declared (found with ``ast``)
-and every declared phase is recorded there; every sequence uses declared phases only; every
-sequence of every schedule, the lease sequences included, has residency rows; and
-``lifecycle.BOTH_RESIDENT_OK`` is what the table says and agrees with the table's residency.
-Each check is a function returning its problems, and each is shown to report a broken table or
-source (the ``*_can_fail`` tests), so none passes by construction.
+Checked here: ``Colocated`` has a handler for every phase of every sequence and none for a phase
+the table does not declare, and every declared phase is run by some sequence (or by
+``colocate`` / ``release_on_fault``); every sequence uses declared phases only; every sequence of
+every schedule, the lease sequences included, has residency rows; ``BOTH_RESIDENT_OK`` agrees
+with the table's residency. Each check is a function returning its problems, and each is shown to
+report a broken table (the ``*_can_fail`` tests), so none passes by construction. That a run
+records exactly these sequences is checked in ``test_lifecycle_inprocess.py`` and
+``test_multitask_leases.py``.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 
 import pytest
 
@@ -20,59 +20,37 @@ from mllm_rl import lifecycle, phase_table
 from mllm_rl.memplan import residency
 from mllm_rl.phase_table import PHASES, SCHEDULES, STEP_ALWAYS, sequences
 
-# callee name -> position of the phase-name argument (``rollout_lease``: its ``name``)
-PHASE_ARGS = {"_phase": 0, "phase": 0, "_CheckedPhase": 3, "_resume": 0, "rollout_lease": 2}
 ENGINE = {"engine_weights", "kv_pool"}
+# Phases recorded outside a sequence's handlers: colocate builds the trainer, a fault's release.
+OUTSIDE_HANDLERS = {"trainer_init", "release_on_fault"}
 
 
-def recorded_names(source: str) -> set[str]:
-    """The phase names ``source`` records: the literal name argument of ``self._phase(...)``,
-    ``rec.phase(...)``, ``_CheckedPhase(...)``, ``self._resume(...)``, ``rollout_lease(...)``,
-    and the default of ``rollout_lease``'s ``name``."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call):
-            f = node.func
-            callee = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
-            if callee not in PHASE_ARGS:
-                continue
-            pos = PHASE_ARGS[callee]
-            args = [*node.args[pos : pos + 1], *(k.value for k in node.keywords if k.arg == "name")]
-            names |= {a.value for a in args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
-        elif isinstance(node, ast.FunctionDef) and node.name == "rollout_lease":
-            a = node.args
-            defaults = dict(zip([x.arg for x in a.args][-len(a.defaults) :], a.defaults, strict=True))
-            if isinstance(defaults.get("name"), ast.Constant):
-                names.add(defaults["name"].value)
-    return names
+def handler_problems(handlers: dict, seqs: dict[str, phase_table.Sequence]) -> dict[str, list[str]]:
+    """Phases of ``seqs`` without a handler, handlers of undeclared phases, declared phases that
+    nothing runs."""
+    used = {p for v in seqs.values() for p in v.phases}
+    out = {
+        "no handler": sorted(used - set(handlers) - OUTSIDE_HANDLERS),
+        "undeclared": sorted(set(handlers) - set(PHASES)),
+        "never run": sorted(set(PHASES) - used - OUTSIDE_HANDLERS),
+    }
+    return {k: v for k, v in out.items() if v}
 
 
-def undeclared(source: str) -> list[str]:
-    return sorted(recorded_names(source) - set(PHASES))
+def test_every_phase_of_every_sequence_has_a_handler():
+    assert handler_problems(lifecycle.Colocated.HANDLERS, all_sequences()) == {}
 
 
-def unrecorded(source: str) -> list[str]:
-    return sorted(set(PHASES) - recorded_names(source))
-
-
-LIFECYCLE_SOURCE = inspect.getsource(lifecycle)
-
-
-def test_every_phase_lifecycle_records_is_declared():
-    assert undeclared(LIFECYCLE_SOURCE) == []
-
-
-def test_every_declared_phase_is_recorded_by_the_lifecycle():
-    assert unrecorded(LIFECYCLE_SOURCE) == []
-
-
-def test_the_name_finder_can_fail():
-    found = recorded_names(LIFECYCLE_SOURCE)
-    assert {"rollout", "onload_trainer_params", "trainer_init", "resume_kv", "generate_result"} <= found
-    broken = LIFECYCLE_SOURCE.replace('self._phase("drain", step)', 'self._phase("drain_all", step)', 1)
-    assert broken != LIFECYCLE_SOURCE and undeclared(broken) == ["drain_all"]
-    gone = LIFECYCLE_SOURCE.replace('"generate_result"', '"evaluate"')
-    assert unrecorded(gone) == ["generate_result"]
+def test_the_handler_check_can_fail():
+    handlers = dict(lifecycle.Colocated.HANDLERS)
+    del handlers["drain"]
+    handlers["teleport"] = handlers["rollout"]
+    seqs = {k: v for k, v in all_sequences().items() if not k.startswith("final_lease")}
+    assert handler_problems(handlers, seqs) == {
+        "no handler": ["drain"],
+        "undeclared": ["teleport"],
+        "never run": ["generate_result"],
+    }
 
 
 # -- sequences -------------------------------------------------------------------------------------
@@ -93,6 +71,9 @@ def test_every_sequence_uses_table_phases_only():
         **{f"STEP[{s}]": phase_table.STEP[s] for s in SCHEDULES},
         "SETUP": phase_table.SETUP,
         "LEASE_SETUP": phase_table.LEASE_SETUP,
+        "BUILD": phase_table.BUILD,
+        "FIRST_SYNC": phase_table.FIRST_SYNC,
+        "PARK": phase_table.PARK,
         "AWAKE": phase_table.AWAKE,
         "ASLEEP": phase_table.ASLEEP,
         "TRAIN_LEASE": phase_table.TRAIN_LEASE,
@@ -230,3 +211,11 @@ def test_residency_disagreement_can_fail(monkeypatch):
 def test_a_phase_declaration_is_validated(bad):
     with pytest.raises(ValueError):
         phase_table.Phase("p", "doc", **bad)
+
+
+def test_a_phase_that_runs_a_compiled_function_has_the_full_watchdog_limit():
+    from mllm_rl.phases.watchdog import HEAVY_PHASES, PhaseLimits
+
+    assert {p.name for p in PHASES.values() if p.functions} <= phase_table.HEAVY <= HEAVY_PHASES
+    limits = PhaseLimits(base_s=100.0)
+    assert limits.limit("train_step") == 100.0 and limits.limit("drain") < 100.0
