@@ -12,6 +12,7 @@ from __future__ import annotations
 CLI_NAMES = {
     "beta": "kl_beta",
     "aggregation": "loss_agg",
+    "empty_seqs": "loss_empty_seqs",
     "mode": "swap_mode",
     "chunk_bytes": "swap_chunk_mb",
 }

@@ -3,12 +3,16 @@ sources, for the tests of docs/RL.md's table (every row is checked against these
 
 - verl ``verl/trainer/ppo/core_algos.py``: ``compute_grpo_outcome_advantage`` (``torch.std``,
   unbiased; eps 1e-6), ``compute_policy_loss_vanilla`` (log-ratio clamped to [-20, 20], PPO clip,
-  ``pg_clipfrac``, dual-clip ``clip_ratio_c`` and ``pg_clipfrac_lower``, truncated importance
-  sampling ``tis_imp_ratio_cap``), ``agg_loss`` (``token-mean``, ``seq-mean-token-sum``,
-  ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``), ``kl_penalty`` ``low_var_kl`` (k3).
-- TRL ``trl/trainer/grpo_trainer.py``: ``_compute_loss`` (``coef_1``/``coef_2``,
-  ``loss_type`` ``grpo``/``bnpo``/``dr_grpo``/``dapo``, ``clip_ratio`` as low|high region
-  clipped), advantages ``(r - mean) / (std + 1e-4)``.
+  ``pg_clipfrac``, dual-clip ``clip_ratio_c`` and ``pg_clipfrac_lower``), ``agg_loss``
+  (``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean`` -- both leave fully masked
+  sequences out of the mean -- and ``seq-mean-token-sum-norm``, a token sum over the batch /
+  ``loss_scale_factor`` with no mean over sequences), ``kl_penalty_forward`` ``low_var_kl`` (k3 of
+  the log-ratio clamped to [-20, 20], clamped to [-10, 10]); the truncated importance weights of
+  ``verl/trainer/ppo/rollout_corr_helper.py`` (``rollout_is="token"``, ``rollout_is_threshold``).
+- TRL ``trl/trainer/grpo_trainer.py``: ``_compute_loss`` (``coef_1``/``coef_2``, the k3 KL
+  unclamped, ``loss_type`` ``grpo``/``bnpo``/``dr_grpo``/``dapo``: ``grpo`` and ``dr_grpo``
+  count every sequence, fully masked ones included), the logged ``clip_ratio/region_mean``
+  (low|high region clipped), advantages ``(r - mean) / (std + 1e-4)``.
 
 Shapes: B sequences, T tokens; ``mask`` [B, T] (1 = completion token), ``adv`` [B].
 Imports numpy only: the JAX and the torch tests share it.
@@ -40,15 +44,19 @@ def verl_grpo_advantages(scores: np.ndarray, group_size: int, eps: float = 1e-6)
 
 
 def verl_agg_loss(loss_mat: np.ndarray, mask: np.ndarray, mode: str, loss_scale_factor: float) -> float:
+    """verl's ``agg_loss`` of one whole batch (``dp_size`` 1, ``global_batch_size`` and
+    ``batch_num_tokens`` unset). A batch without a valid token is NaN there (0 / 0)."""
+    loss_mat, mask = _f64(loss_mat, mask)
     if mode == "token-mean":
-        return masked_mean(loss_mat, mask)
+        return float((loss_mat * mask).sum() / mask.sum())
     seq_sum = (loss_mat * mask).sum(-1)
+    seq_mask = (mask.sum(-1) > 0).astype(np.float64)  # verl: "exclude fully masked sequences"
     if mode == "seq-mean-token-sum":
-        return float(seq_sum.mean())
+        return float((seq_sum * seq_mask).sum() / seq_mask.sum())
     if mode == "seq-mean-token-mean":
-        return float((seq_sum / mask.sum(-1)).mean())
-    if mode == "seq-mean-token-sum-norm":  # current verl: per sequence / loss_scale_factor, then the mean
-        return float((seq_sum / loss_scale_factor).mean())
+        return float((seq_sum / (mask.sum(-1) + 1e-8) * seq_mask).sum() / seq_mask.sum())
+    if mode == "seq-mean-token-sum-norm":  # no mean over sequences, despite the name
+        return float(seq_sum.sum() / loss_scale_factor)
     raise ValueError(mode)
 
 
@@ -79,9 +87,18 @@ def verl_policy_loss(
 
 
 def verl_low_var_kl(logp: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    """k3: ``exp(ref - logp) - (ref - logp) - 1`` (verl clamps it to [-10, 10])."""
-    kl = np.asarray(ref, np.float64) - np.asarray(logp, np.float64)
+    """``kl_penalty_forward(..., "low_var_kl")``: k3 of the clamped log-ratio, clamped to [-10, 10]."""
+    kl = np.clip(np.asarray(ref, np.float64) - np.asarray(logp, np.float64), -20, 20)
     return np.clip(np.exp(kl) - kl - 1, -10, 10)
+
+
+def verl_actor_loss(d: dict[str, np.ndarray], mode: str, kl_coef: float, loss_scale_factor: float) -> float:
+    """``dp_actor.update_policy`` of one micro-batch with ``use_kl_loss``: ``pg_loss`` (dual-clip 3)
+    + ``kl_loss_coef`` * ``agg_loss(low_var_kl)`` with the same ``loss_agg_mode``."""
+    pg = verl_policy_loss(d["old"], d["logp"], d["adv"], d["mask"], EPS_LOW, EPS_HIGH, 3.0, mode,
+                          loss_scale_factor)["pg_loss"]  # fmt: skip
+    kl = verl_agg_loss(verl_low_var_kl(d["logp"], d["ref"]), d["mask"], mode, loss_scale_factor)
+    return pg + kl_coef * kl
 
 
 # -- TRL ---------------------------------------------------------------------------------
@@ -91,18 +108,25 @@ def trl_advantages(rewards: np.ndarray, group_size: int) -> np.ndarray:
     return ((g - g.mean(axis=1, keepdims=True)) / (std + 1e-4)).reshape(-1)
 
 
+def trl_k3(logp: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """TRL's ``per_token_kl``: ``exp(ref - logp) - (ref - logp) - 1``, no clamp."""
+    d = np.asarray(ref, np.float64) - np.asarray(logp, np.float64)
+    return np.exp(d) - d - 1
+
+
 def trl_grpo_loss(
     logp: np.ndarray, old: np.ndarray, adv: np.ndarray, mask: np.ndarray, eps_low: float, eps_high: float,
     loss_type: str, max_completion_length: int = 1, beta: float = 0.0, ref: np.ndarray | None = None,
 ) -> dict[str, float]:  # fmt: skip
-    """TRL's GRPO loss (one iteration, no vLLM correction): ``loss`` and ``clip_ratio``."""
+    """TRL's GRPO loss (one iteration, no vLLM correction, one process): ``loss`` and
+    ``clip_ratio/region_mean``."""
     logp, old, adv, mask = _f64(logp, old, adv, mask)
     a = adv[:, None]
     coef_1 = np.exp(logp - old)
     coef_2 = np.clip(coef_1, 1 - eps_low, 1 + eps_high)
     per_token = -np.minimum(coef_1 * a, coef_2 * a)
     if beta > 0:
-        per_token = per_token + beta * verl_low_var_kl(logp, ref)
+        per_token = per_token + beta * trl_k3(logp, ref)
     if loss_type == "grpo":
         loss = float(((per_token * mask).sum(-1) / np.maximum(mask.sum(-1), 1)).mean())
     elif loss_type in ("bnpo", "dapo"):
@@ -113,23 +137,29 @@ def trl_grpo_loss(
         raise ValueError(loss_type)
     low = (coef_1 < 1 - eps_low) & (a < 0)
     high = (coef_1 > 1 + eps_high) & (a > 0)
-    return {"loss": loss, "clip_ratio": masked_mean((low | high).astype(np.float64), mask)}
+    return {"loss": loss, "clip_ratio/region_mean": masked_mean((low | high).astype(np.float64), mask)}
 
 
 def loss_batch(seed: int = 0, b: int = 8, t: int = 7) -> dict[str, np.ndarray]:
     """A float32 batch whose ratios fall on every side of the clip range and past the dual-clip
-    bound: ``logp``, ``old``, ``ref``, ``rollout`` [B, T], ``adv`` [B], ``mask`` [B, T]."""
+    bound, with tokens whose k3 to the reference is past verl's clamp of 10 and one sequence
+    without a valid token (row 5): ``logp``, ``old``, ``ref``, ``rollout`` [B, T], ``adv`` [B],
+    ``mask`` [B, T]."""
     rng = np.random.default_rng(seed)
     logp = rng.normal(-2, 0.3, (b, t))
     old = logp + rng.normal(0, 0.4, (b, t))
     old[0, :3] = logp[0, :3] - 1.5  # ratio e^1.5 = 4.5 > clip_ratio_c (with a negative advantage below)
     old[1, :3] = logp[1, :3] + 1.0  # ratio e^-1 < 1 - eps_low
+    ref = logp + rng.normal(0, 0.2, (b, t))
+    ref[2, :2] = logp[2, :2] + 3.0  # k3 = e^3 - 4 = 16.1 > 10
+    ref[3, 0] = logp[3, 0] - 12.0  # k3 = e^-12 + 11 > 10
     adv = rng.normal(0, 1, b)
     adv[0], adv[1] = -1.3, 0.7
     mask = (np.arange(t)[None, :] < rng.integers(2, t + 1, (b, 1))).astype(np.float64)
-    mask[0, :3] = mask[1, :3] = 1.0
-    out = {"logp": logp, "old": old, "ref": logp + rng.normal(0, 0.2, (b, t)),
-           "rollout": old + rng.normal(0, 0.3, (b, t)), "adv": adv, "mask": mask}  # fmt: skip
+    mask[0, :3] = mask[1, :3] = mask[2, :2] = 1.0
+    mask[5] = 0.0  # an aborted completion: no valid token
+    out = {"logp": logp, "old": old, "ref": ref, "rollout": old + rng.normal(0, 0.3, (b, t)), "adv": adv,
+           "mask": mask}  # fmt: skip
     return {k: v.astype(np.float32) for k, v in out.items()}
 
 
@@ -137,45 +167,89 @@ def loss_batch(seed: int = 0, b: int = 8, t: int = 7) -> dict[str, np.ndarray]:
 # ``ours(cfg, arrays, is_weight)`` runs a backend's ``policy_loss`` with ``LossConfig(**cfg)`` on
 # ``arrays`` (``loss_batch``) and returns float ``loss``, ``clip_frac``, ``clip_frac_dual``,
 # ``ratio_mean``, ``kl``. Each row: (name, our config, our metric, the reference's value).
-EPS_LOW, EPS_HIGH, MAX_LEN = 0.2, 0.28, 7
+EPS_LOW, EPS_HIGH, MAX_LEN, BETA = 0.2, 0.28, 7, 0.1
 VERL_MODES = {"token_mean": "token-mean", "seq_mean_token_mean": "seq-mean-token-mean",
-              "seq_mean_token_sum": "seq-mean-token-sum", "dr_grpo": "seq-mean-token-sum-norm"}  # fmt: skip
+              "seq_mean_token_sum": "seq-mean-token-sum", "token_sum_norm": "seq-mean-token-sum-norm"}  # fmt: skip
+# TRL's loss types, with the settings that make ours equal them: no dual-clip, no k3 clamp, and
+# sequences without a valid token counted in the mean (TRL's ``grpo``)
 TRL_TYPES = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "dr_grpo": "dr_grpo"}
+TRL_SETTINGS = {"clip_ratio_c": 0.0, "kl_clamp": 0.0, "empty_seqs": "count"}
 
 
 def table_rows(d: dict[str, np.ndarray]) -> list[tuple[str, dict, str, float]]:
-    """The rows whose reference needs no importance weight (``tis_row`` has the other)."""
+    """The rows whose reference needs no importance weight (``check_tis`` has the other)."""
     base = {"eps_low": EPS_LOW, "eps_high": EPS_HIGH, "max_len": MAX_LEN}
     args = (d["old"], d["logp"], d["adv"], d["mask"], EPS_LOW, EPS_HIGH)
     rows = []
     for agg, mode in VERL_MODES.items():
         v = verl_policy_loss(*args, 3.0, mode, loss_scale_factor=MAX_LEN)
-        rows.append(
-            (f"loss {agg} = verl {mode} (dual-clip 3)", {**base, "aggregation": agg}, "loss", v["pg_loss"])
-        )
-        if agg in TRL_TYPES:
-            t = trl_grpo_loss(
-                d["logp"], d["old"], d["adv"], d["mask"], EPS_LOW, EPS_HIGH, TRL_TYPES[agg], MAX_LEN
-            )
-            rows.append((f"loss {agg} = TRL {TRL_TYPES[agg]} (no dual-clip)",
-                         {**base, "aggregation": agg, "clip_ratio_c": 0.0}, "loss", t["loss"]))  # fmt: skip
+        ours = {**base, "aggregation": agg}
+        rows += [
+            (f"loss {agg} = verl {mode} (dual-clip 3)", ours, "loss", v["pg_loss"]),
+            (f"loss {agg} + KL = verl {mode} + kl_loss_coef low_var_kl", {**ours, "beta": BETA}, "loss",
+             verl_actor_loss(d, mode, BETA, MAX_LEN)),
+        ]  # fmt: skip
+    for agg, loss_type in TRL_TYPES.items():
+        ours = {**base, "aggregation": agg, **TRL_SETTINGS}
+        for beta in (0.0, BETA):
+            t = trl_grpo_loss(d["logp"], d["old"], d["adv"], d["mask"], EPS_LOW, EPS_HIGH, loss_type, MAX_LEN,
+                              beta=beta, ref=d["ref"])  # fmt: skip
+            name = f"loss {agg} = TRL {loss_type} (beta {beta})"
+            rows.append((name, {**ours, "beta": beta}, "loss", t["loss"]))
     v = verl_policy_loss(*args, 3.0)
     t = trl_grpo_loss(d["logp"], d["old"], d["adv"], d["mask"], EPS_LOW, EPS_HIGH, "grpo")
+    mask = np.asarray(d["mask"], np.float64)
     rows += [
         ("clip_frac = verl pg_clipfrac", base, "clip_frac", v["pg_clipfrac"]),
-        ("clip_frac = TRL clip_ratio", base, "clip_frac", t["clip_ratio"]),
+        ("clip_frac = TRL clip_ratio/region_mean", base, "clip_frac", t["clip_ratio/region_mean"]),
         ("clip_frac_dual = verl pg_clipfrac_lower", base, "clip_frac_dual", v["pg_clipfrac_lower"]),
         ("ratio_mean (log-ratio clamped to +-20)", base, "ratio_mean", v["ratio_mean"]),
-        ("kl = verl low_var_kl (k3)", {**base, "beta": 0.1}, "kl",
-         masked_mean(verl_low_var_kl(d["logp"], d["ref"]), np.asarray(d["mask"], np.float64))),
+        ("kl = verl low_var_kl (k3 clamped to 10)", {**base, "beta": BETA}, "kl",
+         masked_mean(verl_low_var_kl(d["logp"], d["ref"]), mask)),
+        ("kl (--kl-clamp 0) = TRL k3", {**base, "beta": BETA, "kl_clamp": 0.0}, "kl",
+         masked_mean(trl_k3(d["logp"], d["ref"]), mask)),
     ]  # fmt: skip
     return rows
 
 
+def check_choices(ours) -> None:
+    """Where verl and TRL differ, the batch of ``loss_batch`` tells their definitions apart, so a
+    row of the table fails if a definition changes: the k3 clamp changes the loss and the ``kl``
+    metric, a sequence without a valid token changes the sequence means, and verl's
+    ``seq-mean-token-sum-norm`` is TRL's ``dr_grpo`` times the number of sequences."""
+    d = loss_batch()
+    base = {"eps_low": EPS_LOW, "eps_high": EPS_HIGH, "max_len": MAX_LEN, "beta": BETA}
+    for key in ("loss", "kl"):
+        clamped, raw = ours(base, d, None)[key], ours({**base, "kl_clamp": 0.0}, d, None)[key]
+        assert raw > clamped + 0.01, (key, raw, clamped)
+    for agg in ("seq_mean_token_mean", "seq_mean_token_sum"):
+        excl = ours({**base, "aggregation": agg}, d, None)["loss"]
+        count = ours({**base, "aggregation": agg, "empty_seqs": "count"}, d, None)["loss"]
+        n = d["mask"].shape[0]
+        assert abs(count - excl * (n - 1) / n) <= 1e-5 * max(1.0, abs(excl)), (agg, excl, count)
+        assert abs(count - excl) > 1e-4, (agg, excl, count)
+    per_batch = ours({**base, "aggregation": "token_sum_norm"}, d, None)["loss"]
+    per_seq = ours({**base, "aggregation": "dr_grpo"}, d, None)["loss"]
+    assert abs(per_batch - d["mask"].shape[0] * per_seq) <= 1e-5 * abs(per_batch), (per_batch, per_seq)
+
+
+def check_all_empty(ours) -> None:
+    """A batch whose every completion was aborted (no valid token) has loss 0 and every metric 0
+    under every aggregation (verl's ``agg_loss`` would divide 0 by 0 in the sequence means)."""
+    d = {**loss_batch(), "mask": np.zeros((8, 7), np.float32)}
+    for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo", "token_sum_norm"):
+        for empty in ("exclude", "count"):
+            cfg = {"eps_low": EPS_LOW, "eps_high": EPS_HIGH, "max_len": MAX_LEN, "beta": BETA,
+                   "aggregation": agg, "empty_seqs": empty}  # fmt: skip
+            got = ours(cfg, d, None)
+            assert all(v == 0.0 for v in got.values()), (agg, empty, got)
+
+
 def check_tis(ours, cap: float = 1.5) -> None:
     """A backend's loss with truncated importance weights ``min(exp(old - rollout), cap)`` (``old``
-    the trainer's old log-probs, ``rollout`` the engine's) equals verl's token-mean loss with
-    ``tis_imp_ratio_cap``, and differs from the unweighted loss."""
+    the trainer's old log-probs, ``rollout`` the engine's) equals verl's token-mean loss with token
+    rollout-correction weights (``rollout_is="token"``, ``rollout_is_threshold``), and differs from
+    the unweighted loss."""
     d = loss_batch(3)
     w = np.minimum(np.exp(d["old"].astype(np.float64) - d["rollout"]), cap).astype(np.float32)
     cfg = {"eps_low": EPS_LOW, "eps_high": EPS_HIGH}

@@ -48,6 +48,8 @@ def policy_loss(
             raise ValueError("beta > 0 needs ref_logp")
         d = ref_logp - logp
         kl = jnp.exp(d) - d - 1.0
+        if cfg.kl_clamp > 0:  # k3 >= 0: verl's clamp to [-10, 10] only caps it
+            kl = jnp.minimum(kl, cfg.kl_clamp)
         per_token = per_token + cfg.beta * kl
     loss = _aggregate(per_token, mask, cfg, total_tokens, total_seqs)
     n = jnp.maximum(mask.sum(), 1.0)
@@ -65,10 +67,17 @@ def _aggregate(per_token, mask, cfg: LossConfig, total_tokens, total_seqs) -> ja
     if cfg.aggregation == "token_mean":
         denom = mask.sum() if total_tokens is None else total_tokens
         return (per_token * mask).sum() / jnp.maximum(denom, 1.0)
-    nseq = per_token.shape[0] if total_seqs is None else total_seqs
     seq = (per_token * mask).sum(axis=1)
+    if cfg.aggregation == "token_sum_norm":
+        return seq.sum() / cfg.max_len
+    if total_seqs is not None:
+        nseq = total_seqs
+    elif cfg.excludes_empty:
+        nseq = (mask.sum(axis=1) > 0).sum().astype(jnp.float32)
+    else:
+        nseq = per_token.shape[0]
     if cfg.aggregation == "seq_mean_token_mean":
         seq = seq / jnp.maximum(mask.sum(axis=1), 1.0)
     elif cfg.aggregation == "dr_grpo":
         seq = seq / cfg.max_len
-    return seq.sum() / nseq
+    return seq.sum() / jnp.maximum(nseq, 1.0)

@@ -55,6 +55,7 @@ from mllm_rl.backends.jax.step_fns import load_state, make_step_fns, model_dir_d
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import Fingerprint, WeightExport
 from mllm_rl.faults import fault, fault_value
+from mllm_rl.rl.loss_config import seq_count
 from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig, check_state_names, train_metrics
 
 T_BUCKET = 32
@@ -272,7 +273,7 @@ class JaxTrainer:
                 continue
             mini = batch.rows(slice(int(rows[0]), int(rows[-1]) + 1))
             total_tokens = jnp.float32(max(int(mini.loss_mask[:, 1:].sum()), 1))
-            total_seqs = jnp.float32(mini.size)
+            total_seqs = jnp.float32(seq_count(mini.loss_mask[:, 1:], self.cfg.loss))
             acc = None
             for mb in self._micro_batches(mini):
                 if ref is not None:

@@ -51,6 +51,8 @@ def policy_loss(
             raise ValueError("beta > 0 needs ref_logp")
         d = ref_logp - logp
         kl = torch.exp(d) - d - 1.0
+        if cfg.kl_clamp > 0:  # k3 >= 0: verl's clamp to [-10, 10] only caps it
+            kl = torch.clamp(kl, max=cfg.kl_clamp)
         per_token = per_token + cfg.beta * kl
     loss = _aggregate(per_token, mask, cfg, total_tokens, total_seqs)
     with torch.no_grad():
@@ -75,10 +77,17 @@ def _aggregate(
     if cfg.aggregation == "token_mean":
         denom = mask.sum() if total_tokens is None else torch.as_tensor(total_tokens, dtype=torch.float32)
         return (per_token * mask).sum() / denom.clamp(min=1.0)
-    nseq = per_token.shape[0] if total_seqs is None else total_seqs
     seq = (per_token * mask).sum(dim=1)
+    if cfg.aggregation == "token_sum_norm":
+        return seq.sum() / cfg.max_len
+    if total_seqs is not None:
+        nseq = torch.as_tensor(total_seqs, dtype=torch.float32)
+    elif cfg.excludes_empty:
+        nseq = (mask.sum(dim=1) > 0).sum().float()
+    else:
+        nseq = torch.tensor(float(per_token.shape[0]))
     if cfg.aggregation == "seq_mean_token_mean":
         seq = seq / mask.sum(dim=1).clamp(min=1.0)
     elif cfg.aggregation == "dr_grpo":
         seq = seq / cfg.max_len
-    return seq.sum() / nseq
+    return seq.sum() / nseq.clamp(min=1.0)

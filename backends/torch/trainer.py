@@ -89,6 +89,7 @@ from mllm_rl.backends.torch.rl_loss import policy_loss
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import Fingerprint, WeightExport
 from mllm_rl.faults import fault, fault_value
+from mllm_rl.rl.loss_config import seq_count
 from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig, check_state_names, train_metrics
 
 T_BUCKET = 32
@@ -363,7 +364,7 @@ class TorchTrainer:
                 continue
             mini = batch.rows(slice(int(rows[0]), int(rows[-1]) + 1))
             total_tokens = float(max(int(mini.loss_mask[:, 1:].sum()), 1))
-            total_seqs = float(mini.size)
+            total_seqs = seq_count(mini.loss_mask[:, 1:], cfg.loss)
             self.optimizer.zero_grad(set_to_none=True)
             for _, mb, weight in self._my_micro_batches(mini):
                 ref_logp = self._ref_logp(mb, ref) if cfg.loss.beta > 0 else None

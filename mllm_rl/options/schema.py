@@ -196,13 +196,23 @@ OPTIONS: tuple[Option, ...] = (
        "clip_ratio_c); 0 = off", "rl plan", RL, resume="fixed", low=0),
     _o("kl_beta", float, 0.0, "KL-to-reference weight in the loss (k3); memplan: > 0 keeps reference params",
        "rl plan", {*RL, "memplan"}, resume="fixed", low=0),
+    _o("kl_clamp", float, 10.0, "cap of the per-token k3 KL in the loss and the kl metric (verl's low_var_kl "
+       "clamps at 10; a capped token gets no KL gradient); 0 = uncapped (TRL)", "rl plan", RL, resume="fixed",
+       low=0),
     _o("old_logp", str, "trainer", "old log-probs of the PPO ratio: recomputed by the trainer before the "
        "update (verl's default; the engine/trainer mismatch is reported) or the engine's rollout log-probs",
        "rl plan", RL, resume="fixed", choices="mllm_rl.rl.old_logp:SOURCES"),
     _o("tis_cap", float, 0.0, "truncated importance sampling: weigh each token by min(exp(logp_trainer - "
        "logp_engine), C) (needs --old-logp trainer); 0 = off", "rl plan", RL, resume="fixed", low=0),
-    _o("loss_agg", str, "token_mean", "loss aggregation", "rl plan", RL, resume="fixed",
+    _o("loss_agg", str, "token_mean", "loss aggregation: token_mean (verl token-mean, TRL dapo), "
+       "seq_mean_token_mean (verl seq-mean-token-mean, TRL grpo), seq_mean_token_sum (verl seq-mean-token-sum), "
+       "dr_grpo (TRL dr_grpo: token sum / (sequences * --max-new-tokens)), token_sum_norm (verl "
+       "seq-mean-token-sum-norm: token sum / --max-new-tokens)", "rl plan", RL, resume="fixed",
        choices="mllm_rl.rl.loss_config:AGGREGATIONS", renamed="mllm_rl.rl.loss_config:RENAMED"),
+    _o("loss_empty_seqs", str, "exclude", "seq_mean_* aggregations: a completion without a loss token "
+       "(aborted, all masked) is left out of the mean over sequences (exclude: verl's agg_loss) or counts as "
+       "a sequence of loss 0 (count: TRL's grpo)", "rl plan", RL, resume="fixed",
+       choices="mllm_rl.rl.loss_config:EMPTY_SEQS"),
     _o("lora_rank", int, 0, "> 0: train LoRA adapters, base frozen", "rl plan", {*RL, "memplan"},
        resume="fixed", low=0),
     _o("lora_alpha", float, 16.0, "LoRA scale numerator (alpha / rank)", "rl plan", RL, resume="fixed",

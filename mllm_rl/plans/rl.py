@@ -590,6 +590,8 @@ class RLPlan(Plan[RLOptions]):
             aggregation=args.loss_agg,
             max_len=args.max_new_tokens or 8,
             clip_ratio_c=args.clip_ratio_c,
+            kl_clamp=args.kl_clamp,
+            empty_seqs=args.loss_empty_seqs,
         )
         lr = FROM_SCRATCH_LR if args.lr is None else args.lr  # the model's default: ``with_model``
         train = TrainConfig(

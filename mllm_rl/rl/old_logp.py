@@ -6,8 +6,9 @@ mixed precision, in bf16 from a cast of the float32 masters), so their log-probs
 tokens differ. With ``old_logp="trainer"`` the train step first recomputes the log-probs of
 the batch with the trainer (before any update) and uses them as ``old_logp``: the PPO ratio then
 measures only the policy's own change. The mismatch is reported every step, and truncated
-importance sampling (``tis_cap > 0``; verl ``tis_imp_ratio_cap``, TRL
-``vllm_importance_sampling_cap``) reweights each token's policy-gradient term by
+importance sampling (``tis_cap > 0``; verl ``rollout_is="token"`` with ``rollout_is_threshold``,
+TRL ``vllm_importance_sampling_mode="token_truncate"`` with ``vllm_importance_sampling_clip_max``)
+reweights each token's policy-gradient term by
 ``min(exp(logp_trainer - logp_engine), tis_cap)``, correcting for sampling from the engine's
 slightly different distribution.
 

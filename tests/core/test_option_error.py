@@ -29,6 +29,8 @@ BAD = [
     (TrainConfig, {"micro_batch_size": 0}, "micro_batch_size"),
     (LossConfig, {"beta": -0.1}, "beta"),
     (LossConfig, {"aggregation": "sum"}, "aggregation"),
+    (LossConfig, {"kl_clamp": -1.0}, "kl_clamp"),
+    (LossConfig, {"empty_seqs": "skip"}, "empty_seqs"),
 ]
 
 
@@ -43,7 +45,7 @@ def test_an_invalid_option_names_its_field_and_the_cli_has_a_flag_for_it(cls, kw
 
 
 def test_every_field_with_a_flag_of_another_name_is_a_tasks_file_key_too():
-    for field in ("beta", "aggregation"):
+    for field in ("beta", "aggregation", "empty_seqs"):
         assert cli_key(field) in FIELDS
 
 

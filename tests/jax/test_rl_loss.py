@@ -3,7 +3,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mllm_rl.backends.jax.rl_loss import LossConfig, policy_loss
+from mllm_rl.backends.jax.rl_loss import AGGREGATIONS, LossConfig, policy_loss
+from mllm_rl.backends.jax.trainer import JaxTrainer
+from mllm_rl.checkpoint import ModelDir
+from mllm_rl.rl.loss_config import EMPTY_SEQS, seq_count
+from mllm_rl.trainer import RolloutBatch, TrainConfig
 from tests import rl_reference as ref_defs
 
 
@@ -46,13 +50,15 @@ def test_kl_is_in_the_loss_and_its_gradient():
         policy_loss(logp, old, adv, mask, LossConfig(beta=0.1))
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"])
-def test_micro_batch_accumulation_equals_full_batch(agg):
+@pytest.mark.parametrize("empty", EMPTY_SEQS)
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_micro_batch_accumulation_equals_full_batch(agg, empty):
     logp, old, ref, adv, mask = batch(2, b=6)
-    cfg = LossConfig(aggregation=agg, beta=0.05, max_len=6)
+    mask = mask.at[1].set(0.0)  # an aborted completion in the first micro-batch
+    cfg = LossConfig(aggregation=agg, beta=0.05, max_len=6, empty_seqs=empty)
     f = lambda lp, o, r, a, m, **kw: policy_loss(lp, o, a, m, cfg, ref_logp=r, **kw)[0]  # noqa: E731
     full_loss, full_grad = jax.value_and_grad(f)(logp, old, ref, adv, mask)
-    totals = {"total_tokens": mask.sum(), "total_seqs": 6}
+    totals = {"total_tokens": mask.sum(), "total_seqs": seq_count(np.asarray(mask), cfg)}
     acc_loss, acc_grad = 0.0, []
     for s in (slice(0, 2), slice(2, 6)):
         lv, g = jax.value_and_grad(f)(logp[s], old[s], ref[s], adv[s], mask[s], **totals)
@@ -60,6 +66,46 @@ def test_micro_batch_accumulation_equals_full_batch(agg):
         acc_grad.append(g)
     np.testing.assert_allclose(acc_loss, full_loss, rtol=1e-5)
     np.testing.assert_allclose(jnp.concatenate(acc_grad), full_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_token_past_the_kl_clamp_gets_no_kl_gradient():
+    """verl's ``low_var_kl`` clamps k3 at 10: the loss of a token past it is beta * 10 and its KL
+    gradient is 0; ``kl_clamp=0`` keeps TRL's unclamped k3 and its gradient."""
+    logp, old, mask, adv = jnp.zeros((1, 1)), jnp.zeros((1, 1)), jnp.ones((1, 1)), jnp.zeros((1,))
+    ref = jnp.full((1, 1), 3.0)  # k3 = e^3 - 3 - 1 = 16.1
+    f = lambda lp, c: policy_loss(lp, old, adv, mask, LossConfig(beta=0.5, kl_clamp=c), ref_logp=ref)[0]  # noqa: E731
+    np.testing.assert_allclose(f(logp, 10.0), 0.5 * 10.0, rtol=1e-6)
+    assert float(jax.grad(f)(logp, 10.0)[0, 0]) == 0.0
+    np.testing.assert_allclose(f(logp, 0.0), 0.5 * (np.exp(3.0) - 4.0), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(f)(logp, 0.0)[0, 0], 0.5 * (1.0 - np.exp(3.0)), rtol=1e-6)
+
+
+def batch_with_aborted_row(b: int = 5) -> tuple[RolloutBatch, RolloutBatch]:
+    """``b`` completions of the tiny model's vocabulary, and the same with one more row: row 0's
+    tokens, aborted (no loss token, advantage 0)."""
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(1, 300, (b, 12)).astype(np.int32)
+    attn = np.ones(tokens.shape, bool)
+    loss_mask = attn & (np.arange(12)[None, :] >= rng.integers(3, 8, (b, 1)))
+    old = np.where(loss_mask, rng.normal(-5.9, 0.3, tokens.shape), 0).astype(np.float32)
+    plain = RolloutBatch(tokens, attn, loss_mask, old, rng.normal(0, 1, b).astype(np.float32))
+    aborted = RolloutBatch(
+        np.concatenate([tokens, tokens[:1]]), np.concatenate([attn, attn[:1]]),
+        np.concatenate([loss_mask, np.zeros_like(loss_mask[:1])]), np.concatenate([old, np.zeros_like(old[:1])]),
+        np.append(plain.advantages, np.float32(0.0)),
+    )  # fmt: skip
+    return plain, aborted
+
+
+@pytest.mark.parametrize("empty,scale", [("exclude", 1.0), ("count", 5 / 6)])
+def test_an_aborted_completion_counts_in_the_sequence_mean_as_the_option_says(tiny_ckpt, empty, scale):
+    """The trainer's sequence count (``seq_count``) follows ``--loss-empty-seqs``: an aborted
+    completion leaves the loss of 5 completions as it was (verl) or scales it by 5/6 (TRL)."""
+    loss = LossConfig(aggregation="seq_mean_token_mean", empty_seqs=empty)
+    cfg = TrainConfig(micro_batch_size=2, loss=loss)
+    plain, aborted = batch_with_aborted_row()
+    losses = [JaxTrainer(ModelDir.open(tiny_ckpt), cfg).train_step(b)["loss"] for b in (plain, aborted)]
+    assert losses[1] == pytest.approx(losses[0] * scale, rel=1e-5)
 
 
 # -- docs/RL.md's table: each quantity against verl's and TRL's definitions (tests/rl_reference.py)
@@ -71,7 +117,15 @@ def ours(cfg: dict, d: dict, is_weight=None) -> dict[str, float]:
 
 
 def test_every_row_of_the_rl_table_matches_verl_and_trl():
-    assert ref_defs.check_table(ours) >= 12
+    assert ref_defs.check_table(ours) >= 20
+
+
+def test_where_verl_and_trl_differ_the_table_tells_them_apart():
+    ref_defs.check_choices(ours)
+
+
+def test_a_batch_of_aborted_completions_has_loss_zero():
+    ref_defs.check_all_empty(ours)
 
 
 def test_clip_frac_counts_tokens_whose_gradient_the_clip_cuts():

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from mllm_rl.backends.torch.rl_loss import LossConfig, policy_loss
+from mllm_rl.backends.torch.rl_loss import AGGREGATIONS, LossConfig, policy_loss
+from mllm_rl.rl.loss_config import EMPTY_SEQS, seq_count
 from tests import rl_reference as ref_defs
 from tests.conftest import ROOT
 
 JAX_PYTHON = ROOT / ".venv-jax" / "bin" / "python"
-AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"]
+AGGS = list(AGGREGATIONS)
 
 
 def batch_np(seed: int = 0, b: int = 4, t: int = 6) -> tuple[np.ndarray, ...]:
@@ -87,12 +88,14 @@ def test_padding_does_not_change_the_loss_or_the_gradient_of_valid_tokens():
     assert float(ga[mask == 0].abs().max()) == 0.0
 
 
+@pytest.mark.parametrize("empty", EMPTY_SEQS)
 @pytest.mark.parametrize("agg", AGGS)
-def test_micro_batch_accumulation_equals_full_batch(agg):
+def test_micro_batch_accumulation_equals_full_batch(agg, empty):
     logp, old, ref, adv, mask = batch(2, b=6)
-    cfg = LossConfig(aggregation=agg, beta=0.05, max_len=6)
+    mask[1] = 0.0  # an aborted completion in the first micro-batch
+    cfg = LossConfig(aggregation=agg, beta=0.05, max_len=6, empty_seqs=empty)
     full_loss, full_grad = loss_and_grad(logp, old, adv, mask, cfg, ref_logp=ref)
-    totals = {"total_tokens": mask.sum(), "total_seqs": 6}
+    totals = {"total_tokens": mask.sum(), "total_seqs": seq_count(mask.numpy(), cfg)}
     acc_loss, acc_grad = 0.0, []
     for s in (slice(0, 2), slice(2, 6)):
         lv, g = loss_and_grad(logp[s], old[s], adv[s], mask[s], cfg, ref_logp=ref[s], **totals)
@@ -101,9 +104,22 @@ def test_micro_batch_accumulation_equals_full_batch(agg):
     torch.testing.assert_close(acc_loss, full_loss, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(torch.cat(acc_grad), full_grad, rtol=1e-5, atol=1e-7)
     # without the batch totals, a micro-batch normalises by its own counts: not the same loss
+    # (token_sum_norm has no count to normalise by)
     part, _ = loss_and_grad(logp[:2], old[:2], adv[:2], mask[:2], cfg, ref_logp=ref[:2])
     with_totals, _ = loss_and_grad(logp[:2], old[:2], adv[:2], mask[:2], cfg, ref_logp=ref[:2], **totals)
-    assert not torch.allclose(part, with_totals)
+    assert torch.allclose(part, with_totals) == (agg == "token_sum_norm")
+
+
+def test_a_token_past_the_kl_clamp_gets_no_kl_gradient():
+    """verl's ``low_var_kl`` clamps k3 at 10: the loss of a token past it is beta * 10 and its KL
+    gradient is 0; ``kl_clamp=0`` keeps TRL's unclamped k3 and its gradient."""
+    logp, old, mask, adv = torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.zeros(1)
+    ref = torch.full((1, 1), 3.0)  # k3 = e^3 - 3 - 1 = 16.1
+    loss, grad = loss_and_grad(logp, old, adv, mask, LossConfig(beta=0.5, kl_clamp=10.0), ref_logp=ref)
+    assert float(loss) == pytest.approx(0.5 * 10.0, rel=1e-6) and float(grad[0, 0]) == 0.0
+    loss, grad = loss_and_grad(logp, old, adv, mask, LossConfig(beta=0.5, kl_clamp=0.0), ref_logp=ref)
+    assert float(loss) == pytest.approx(0.5 * (np.exp(3.0) - 4.0), rel=1e-6)
+    assert float(grad[0, 0]) == pytest.approx(0.5 * (1.0 - np.exp(3.0)), rel=1e-6)
 
 
 # -- docs/RL.md's table: each quantity against verl's and TRL's definitions (tests/rl_reference.py)
@@ -116,7 +132,15 @@ def ours(cfg: dict, d: dict, is_weight=None) -> dict[str, float]:
 
 
 def test_every_row_of_the_rl_table_matches_verl_and_trl():
-    assert ref_defs.check_table(ours) >= 12
+    assert ref_defs.check_table(ours) >= 20
+
+
+def test_where_verl_and_trl_differ_the_table_tells_them_apart():
+    ref_defs.check_choices(ours)
+
+
+def test_a_batch_of_aborted_completions_has_loss_zero():
+    ref_defs.check_all_empty(ours)
 
 
 def test_clip_frac_counts_tokens_whose_gradient_the_clip_cuts():
@@ -158,11 +182,13 @@ print(json.dumps(out))
 def _cases(mask: np.ndarray) -> list[dict]:
     cases = []
     for agg in AGGS:
-        for beta in (0.0, 0.1):
-            cfg = {"aggregation": agg, "beta": beta, "eps_low": 0.2, "eps_high": 0.28, "max_len": 7}
-            cases.append({"name": f"{agg}-{beta}", "cfg": cfg, "rows": [0, 8], "totals": {}})
-            totals = {"total_tokens": float(mask.sum()), "total_seqs": 8.0}
-            cases.append({"name": f"{agg}-{beta}-micro", "cfg": cfg, "rows": [3, 8], "totals": totals})
+        for beta, clamp, empty in ((0.0, 10.0, "exclude"), (0.1, 10.0, "exclude"), (0.1, 0.0, "count")):
+            cfg = {"aggregation": agg, "beta": beta, "eps_low": 0.2, "eps_high": 0.28, "max_len": 7,
+                   "kl_clamp": clamp, "empty_seqs": empty}  # fmt: skip
+            name = f"{agg}-{beta}-{clamp}-{empty}"
+            cases.append({"name": name, "cfg": cfg, "rows": [0, 8], "totals": {}})
+            totals = {"total_tokens": float(mask.sum()), "total_seqs": seq_count(mask, LossConfig(**cfg))}
+            cases.append({"name": f"{name}-micro", "cfg": cfg, "rows": [3, 8], "totals": totals})
     return cases
 
 
@@ -174,6 +200,8 @@ def test_matches_the_jax_loss_and_gradient(tmp_path: Path):
     logp, old, ref, adv, mask = batch_np(7, b=8, t=7)
     old[0, :3] = logp[0, :3] - 1.0  # ratios far outside the clip range on both sides
     old[1, :3] = logp[1, :3] + 1.0
+    ref[2, :2] = logp[2, :2] + 3.0  # k3 past the clamp
+    mask[2, :2], mask[4] = 1.0, 0.0  # and an aborted completion in the micro-batch
     data = tmp_path / "loss_inputs.npz"
     np.savez(data, logp=logp, old=old, ref=ref, adv=adv, mask=mask)
     cases = _cases(mask)

@@ -20,7 +20,7 @@ from mllm_rl.checkpoint import ModelDir
 from mllm_rl.engine import SamplingParams, WeightExport, compare_fingerprints
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.rl.batch import build_batch
-from mllm_rl.rl.loss_config import LossConfig
+from mllm_rl.rl.loss_config import AGGREGATIONS, LossConfig
 from mllm_rl.trainer import OPTIMIZER, PARAMS, TRAIN_METRICS, RolloutBatch, TrainConfig
 from tests.conftest import ROOT
 from tests.torch.conftest import needs_cuda
@@ -143,7 +143,7 @@ def test_full_fine_tune_kl_reference_is_the_initial_policy(model_dir):
     assert t.state_bytes() == {PARAMS: 0, OPTIMIZER: 0}
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"])
+@pytest.mark.parametrize("agg", AGGREGATIONS)
 def test_gradient_accumulation_over_micro_batches_equals_one_big_batch(model_dir, agg):
     loss = LossConfig(aggregation=agg, beta=0.05, max_len=5)
     batch = make_batch(b=5, seed=3)
@@ -158,6 +158,28 @@ def test_gradient_accumulation_over_micro_batches_equals_one_big_batch(model_dir
     assert m1["tokens"] == m2["tokens"]
     for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+
+
+def with_aborted_row(batch: RolloutBatch) -> RolloutBatch:
+    """``batch`` and one more row: row 0's tokens, aborted (no loss token, advantage 0)."""
+    return RolloutBatch(
+        np.concatenate([batch.tokens, batch.tokens[:1]]),
+        np.concatenate([batch.attention_mask, batch.attention_mask[:1]]),
+        np.concatenate([batch.loss_mask, np.zeros_like(batch.loss_mask[:1])]),
+        np.concatenate([batch.old_logp, np.zeros_like(batch.old_logp[:1])]),
+        np.append(batch.advantages, np.float32(0.0)),
+    )
+
+
+@pytest.mark.parametrize("empty,scale", [("exclude", 1.0), ("count", 5 / 6)])
+def test_an_aborted_completion_counts_in_the_sequence_mean_as_the_option_says(model_dir, empty, scale):
+    """The trainer's sequence count (``seq_count``) follows ``--loss-empty-seqs``: an aborted
+    completion leaves the loss of 5 completions as it was (verl) or scales it by 5/6 (TRL)."""
+    loss = LossConfig(aggregation="seq_mean_token_mean", empty_seqs=empty)
+    batch = make_batch(b=5, seed=3)
+    plain = trainer(model_dir, micro_batch_size=2, loss=loss).train_step(batch)["loss"]
+    aborted = trainer(model_dir, micro_batch_size=2, loss=loss).train_step(with_aborted_row(batch))["loss"]
+    assert aborted == pytest.approx(plain * scale, rel=1e-5)
 
 
 def test_mini_batches_are_separate_updates(model_dir):
@@ -386,7 +408,7 @@ import numpy as np
 from mllm_rl.backends.jax.model import linear_layers
 from mllm_rl.backends.jax.trainer import JaxTrainer
 from mllm_rl.checkpoint import ModelDir
-from mllm_rl.rl.loss_config import LossConfig
+from mllm_rl.rl.loss_config import AGGREGATIONS, LossConfig
 from mllm_rl.trainer import RolloutBatch, TrainConfig
 d = np.load(sys.argv[2])
 batch = RolloutBatch(d["tokens"], d["attention_mask"], d["loss_mask"], d["old_logp"], d["advantages"])
