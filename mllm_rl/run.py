@@ -285,10 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         backend.shutdown_distributed()  # all processes leave jax.distributed together (else the others abort)
         watchdog.finish()
     if run_plan is not None and pidx == 0 and not args.quiet:
-        from mllm_rl.memplan.audit import audit, summary, table
+        from mllm_rl.memplan.audit import compare, summary, table
 
         try:
-            check = audit(rec.records, run_plan.doc)
+            check = compare(rec.records, run_plan.doc)
             say(table(check))
             say(summary(check))
         except (ValueError, KeyError) as e:

@@ -9,7 +9,7 @@ held against that run's phase records.
 2. runs ``python -m mllm_rl.memplan --backend jax --target cpu`` with the run's knobs (model,
    micro-batch, KV pool tokens, group size, prompts, LoRA, KL, schedule; sequence length = the
    engine's context length, the longest a training row can be);
-3. compares (``mllm_rl.memplan.validate``): per component (engine weights, KV pool, trainer
+3. compares (``mllm_rl.memplan.audit``): per component (engine weights, KV pool, trainer
    params, optimizer) and per phase (bytes in use at the end of each phase of the last step and
    of setup) within ``--tolerance``; prints the grad step's compiled temporaries next to the
    host-RSS rise the run measured in ``train_step``.
@@ -30,7 +30,7 @@ from mllm_rl.bench.child import BenchError, run_cmd
 from mllm_rl.bench.cli import positive, run_bench
 from mllm_rl.bench.machine import command_line, machine_info
 from mllm_rl.bench.tables import table
-from mllm_rl.memplan.validate import compare, load_records
+from mllm_rl.memplan.audit import compare, load_records
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

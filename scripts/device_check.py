@@ -208,10 +208,10 @@ def summarize_run(run_dir: Path) -> dict[str, Any]:
             out[f"{name}_bytes"] = got[-1].get("bytes")
             out[f"{name}_seconds"] = got[-1]["seconds"]
     if plan_doc:
-        from mllm_rl.memplan.audit import audit, drifts, summary
+        from mllm_rl.memplan.audit import compare, drifts, summary
 
         try:
-            check = audit([r for r in recs if r.get("process_index", 0) == 0], plan_doc)
+            check = compare([r for r in recs if r.get("process_index", 0) == 0], plan_doc)
             out["plan_audit"] = summary(check)
             out["plan_drifts"] = [r["phase"] for r in drifts(check)]
         except (ValueError, KeyError, TypeError) as e:

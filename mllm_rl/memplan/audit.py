@@ -1,37 +1,200 @@
-"""The run held against its own plan: every phase's measured device bytes against the plan's.
+"""A run held against its memory plan: predicted (``plan.json``) vs measured (``phases.jsonl``) bytes.
 
-A run planned before start-up (``mllm_rl.memplan.for_run``) has ``plan.json`` in its directory;
-``audit(records, doc)`` compares (``mllm_rl.memplan.validate.compare``) and ``drifts`` names the
-phases that ended with more bytes in use than the plan says stay resident, by more than
-``TOLERANCE`` (and a MiB): memory the plan does not know of, a leak when it grows step by step.
-Fewer bytes than predicted is not a finding (the plan bounds). The plan is one device's share; a run
-over several devices is held by its fullest device.
+One function per question:
+
+- ``compare(records, doc)``: how close did the run come to the plan? Per component, from the
+  records' ``info`` (the engine's and trainer's own byte counts of their arrays): ``engine_weights``
+  and ``kv_pool`` = ``held`` of the first ``release_rollout``; ``trainer_params`` and ``optimizer``
+  = ``state_bytes`` of ``trainer_init``. Per phase: the device truth's ``bytes_in_use`` at the end
+  of each phase of the last step (and of setup) against the plan's components still resident when
+  the phase ends (``residency.end_state``), and under the plan's total during the phase
+  (``predicted_during``). A step's phase holds when it held in the last step or the one before
+  (``measured_before``): an array one step released late is not memory the plan misses.
+- ``drifts(check)``: which phases ended above the plan by more than the tolerance (and a MiB)?
+  Memory the plan does not know of, a leak when it grows step by step; fewer bytes is no finding.
+- ``summary(check)``, ``table(check)``: the run's console line and table.
+- ``check_run_dir(run_dir, records)``: the comparison against the run directory's own
+  ``plan.json`` (what the report shows), and ``drift_messages(check)``: its warnings.
+
+The plan is one device's share: a run over several devices (a TPU slice) is compared by its
+fullest device at each phase end, and its components by one device's even share of the counts.
+Used by the run (console), the report (findings, HTML, W&B), ``scripts/device_check.py`` and
+``scripts/bench_plan_cpu.py``.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from mllm_rl.memplan.validate import NOISE_BYTES, compare
+from mllm_rl.memplan.compose import SETUP_PREFIX, unit_for
+from mllm_rl.memplan.residency import end_state
 
+COMPARED = ("engine_weights", "kv_pool", "trainer_params", "optimizer")
+TRAINER_STATE = ("trainer_params", "optimizer")
 TOLERANCE = 0.05
+NOISE_BYTES = 2**20  # below this a measured figure is bookkeeping (scalars), not a component
+MIB = 2**20
 
 
-def audit(records: list[dict[str, Any]], doc: dict[str, Any]) -> dict[str, Any]:
-    """``validate.compare`` of the records against ``doc`` (``ValueError`` when they cannot be
-    compared): setup's and the last step's phases, each step phase with the step before's bytes
-    (``measured_before``)."""
-    return compare(records, doc, TOLERANCE)
+def load_records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "phases.jsonl"
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        raise ValueError(f"{path}: not found (not a run directory?)") from None
+
+
+def _per_device(rec: dict[str, Any], value: Callable[[dict[str, Any]], Any]) -> dict[Any, int]:
+    """``value`` of each device of the record (the first entry of a device id is its truth)."""
+    seen: dict[Any, int] = {}
+    for d in rec.get("memory", {}).get("devices") or []:
+        if d["id"] not in seen and (v := value(d)) is not None:
+            seen[d["id"]] = int(v)
+    return seen
+
+
+def _device_bytes(rec: dict[str, Any]) -> int | None:
+    """The bytes in use on the fullest device (a plan is one device's share; on a mesh every device
+    should hold about the same)."""
+    return max(_per_device(rec, lambda d: d.get("bytes_in_use")).values(), default=None)
+
+
+def _pinned_host_bytes(rec: dict[str, Any]) -> int | None:
+    """Bytes of ``pinned_host`` arrays the JAX probe saw (None: a probe that does not count them)."""
+    seen = _per_device(rec, lambda d: (d.get("raw") or {}).get("pinned_host_bytes"))
+    return sum(seen.values()) if seen else None
+
+
+def measured_components(records: list[dict[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    devices = 1
+    for r in records:
+        info = r.get("info", {})
+        if r["phase"] == "release_rollout" and "held" in info and "engine_weights" not in out:
+            out["engine_weights"] = int(info["held"].get("weights", 0))
+            out["kv_pool"] = int(info["held"].get("kv_cache", 0))
+        if r["phase"] == "trainer_init" and "state_bytes" in info:
+            out["trainer_params"] = int(info["state_bytes"]["params"])
+            out["optimizer"] = int(info["state_bytes"]["optimizer"])
+            devices = max(1, len(_per_device(r, lambda d: d.get("bytes_in_use"))))
+    # the engine's and the trainer's counts are over every device: one device's even share
+    out = {k: v // devices for k, v in out.items()}
+    missing = [c for c in COMPARED if c not in out]
+    if missing:
+        raise ValueError(
+            f"phase records lack {', '.join(missing)} (need release_rollout held, trainer_init state_bytes)"
+        )
+    return out
+
+
+def _ratio(pred: int, meas: int | None) -> float | None:
+    return None if meas is None or meas < NOISE_BYTES else pred / meas
+
+
+def _within(pred: int, meas: int, tolerance: float) -> bool:
+    return abs(pred - meas) <= max(tolerance * meas, NOISE_BYTES if meas < NOISE_BYTES else 0)
 
 
 def _above(measured: int | None, predicted: int, tolerance: float) -> bool:
     return measured is not None and measured > predicted * (1 + tolerance) + NOISE_BYTES
 
 
+def _phase_ends(
+    records: list[dict[str, Any]], plan_phases: list[dict[str, Any]], step: int | None, tolerance: float
+) -> dict[str, dict[str, Any]]:
+    """Rows (by phase name, setup phases prefixed) of one step's phases and of setup: the bytes
+    the plan says stay resident at each phase's end against the record's device truth."""
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        if step is not None and r.get("step") == step:
+            by_name.setdefault(r["phase"], []).append(r)
+        elif r.get("step") is None:
+            by_name.setdefault(SETUP_PREFIX + r["phase"], []).append(r)
+    rows: dict[str, dict[str, Any]] = {}
+    seen: dict[str, int] = {}
+    for p in plan_phases:
+        name = p["phase"]
+        i = seen.get(name, 0)
+        seen[name] = i + 1
+        recs = by_name.get(name, [])
+        if i >= len(recs) or (got := _device_bytes(recs[i])) is None:
+            continue
+        ends = end_state(name.removeprefix(SETUP_PREFIX), tuple(p["resident"]))
+        pred = sum(p["resident"][c] for c in ends)
+        rows[name if i == 0 else f"{name}#{i + 1}"] = {
+            "phase": name,
+            "resident_at_end": list(ends),
+            "predicted": pred,
+            "measured": got,
+            "ratio": _ratio(pred, got),
+            "within": _within(pred, got, tolerance),
+            "predicted_during": int(p["total"]),
+            "below_during": got <= p["total"] * (1 + tolerance),
+            # the trainer's offloaded state on the host at the phase's end (residency.host_rows), and
+            # what the probe saw there where it can (JAX: arrays of the pinned_host memory kind)
+            "host_trainer_predicted": sum(v for c, v in p.get("host_end", {}).items() if c in TRAINER_STATE),
+            "host_trainer_measured": _pinned_host_bytes(recs[i]),
+        }
+    return rows
+
+
+def compare(
+    records: list[dict[str, Any]], plan_doc: dict[str, Any], tolerance: float = TOLERANCE
+) -> dict[str, Any]:
+    """Components and per-phase end-of-phase bytes, predicted vs measured, with ``within`` flags
+    (``ValueError`` or ``KeyError`` when the records and the plan cannot be compared)."""
+    plan = plan_doc["plans"][plan_doc["schedule"]]
+    comps = {  # on the devices: a host-resident component (Component.memory) holds none there
+        k: int(v["bytes_per_device"]) if v.get("memory", "device") == "device" else 0
+        for k, v in plan["components"].items()
+    }
+    meas = measured_components(records)
+    comp_rows = [
+        {
+            "component": c,
+            "predicted": comps.get(c, 0),
+            "measured": meas[c],
+            "ratio": _ratio(comps.get(c, 0), meas[c]),
+            "within": _within(comps.get(c, 0), meas[c], tolerance),
+        }
+        for c in COMPARED
+    ]
+    steps = sorted({r["step"] for r in records if r.get("step") is not None})
+    last = _phase_ends(records, plan["phases"], steps[-1] if steps else None, tolerance)
+    before = _phase_ends(records, plan["phases"], steps[-2], tolerance) if len(steps) > 1 else {}
+    phase_rows = []
+    for key, row in last.items():
+        prev = None if key.startswith(SETUP_PREFIX) else before.get(key)
+        row["measured_before"] = None if prev is None else prev["measured"]
+        row["within_last"] = row["within"]
+        row["within"] = row["within"] or (prev is not None and prev["within"])
+        phase_rows.append(row)
+    grad = plan["functions"].get("grad_step", {})
+    rss = [
+        {"step": r["step"], "rss_rise": int(h["rss_peak_bytes"]) - int(h["rss_start_bytes"])}
+        for r in records
+        if r["phase"] == "train_step" and "rss_peak_bytes" in (h := r["memory"].get("host", {}))
+    ]
+    return {
+        "tolerance": tolerance,
+        "components": comp_rows,
+        "phases": phase_rows,
+        "grad_step": {
+            "temp_bytes": grad.get("temp_bytes"),
+            "peak_bytes": grad.get("peak_bytes"),
+            "extra_bytes": grad.get("extra_bytes"),
+            "measured_rss_rise": rss,
+        },
+        "within": all(r["within"] for r in comp_rows) and all(r["within"] for r in phase_rows),
+    }
+
+
 def drifts(check: dict[str, Any]) -> list[dict[str, Any]]:
     """The phases whose end-of-phase bytes exceed the prediction by more than the tolerance (a step's
-    phase: in each of the last two steps when the run had two; an array released late at one
-    phase's end is not memory the plan misses)."""
+    phase: in each of the last two steps when the run had two)."""
     tol = check["tolerance"]
     return [
         r
@@ -49,16 +212,14 @@ def summary(check: dict[str, Any]) -> str:
     worst = max(bad, key=lambda r: r["measured"] - r["predicted"])
     return (
         f"memory plan: {len(bad)} of {n} phases ended above the prediction by more than "
-        f"{check['tolerance']:.0%}; worst {worst['phase']}: {worst['measured'] / 2**20:.1f} MiB in use, "
-        f"{worst['predicted'] / 2**20:.1f} MiB predicted"
+        f"{check['tolerance']:.0%}; worst {worst['phase']}: {worst['measured'] / MIB:.1f} MiB in use, "
+        f"{worst['predicted'] / MIB:.1f} MiB predicted"
     )
 
 
 def table(check: dict[str, Any]) -> str:
     """Predicted vs measured bytes at the end of every phase (setup's, then the last step's), in one
     unit, the step before's measured bytes and whether the phase drifts (``drifts``)."""
-    from mllm_rl.memplan.compose import unit_for
-
     rows = check["phases"]
     unit, scale = unit_for(max([1, *(max(r["predicted"], r["measured"] or 0) for r in rows)]))
     drifting = {id(r) for r in drifts(check)}
@@ -77,3 +238,29 @@ def table(check: dict[str, Any]) -> str:
             f"{before:>12} {ratio:>6}  {verdict:<10}"
         )
     return "\n".join(lines)
+
+
+def check_run_dir(run_dir: Path, records: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str | None]:
+    """``compare`` of ``records`` against ``run_dir/plan.json``, with the plan's ``target`` name:
+    ``(check, None)``; ``(None, why not)`` when they cannot be compared; ``(None, None)`` without
+    a plan."""
+    path = run_dir / "plan.json"
+    if not path.is_file():
+        return None, None
+    try:
+        doc = json.loads(path.read_text())
+        check = compare(records, doc)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"{path} not compared with the records: {e}"
+    check["target"] = doc.get("plans", {}).get(doc.get("schedule"), {}).get("target", {}).get("name")
+    return check, None
+
+
+def drift_messages(check: dict[str, Any]) -> list[str]:
+    """One warning per drifting phase, for the report's findings."""
+    return [
+        f"{r['phase']}: {r['measured'] / MIB:.1f} MiB in use at its end, the plan predicted "
+        f"{r['predicted'] / MIB:.1f} MiB ({', '.join(r['resident_at_end']) or 'nothing'} resident): memory "
+        f"the plan does not know of (a leak if it grows step by step)"
+        for r in drifts(check)
+    ]

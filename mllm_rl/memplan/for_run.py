@@ -6,7 +6,7 @@ engine (context length, KV pool, batch limit, tp, ``mem_fraction_static``), its 
 precision, LoRA, KL, trainer tp, model options) and schedule. A plan that does not fit is refused
 (exit 6) before a run directory, a W&B run or an engine exists; one that fits is written to the run
 directory as ``plan.json`` (and ``plan.txt``) and held against the phase records as the run goes
-(``mllm_rl.memplan.validate``). ``--kv-tokens auto``: the KV pool is the largest that leaves every
+(``mllm_rl.memplan.audit``). ``--kv-tokens auto``: the KV pool is the largest that leaves every
 phase within the budget (the plan's ``--fit kv``), and the engine is started with it.
 
 Targets: a run's devices are planned when the backend's planner has a target for them (its

@@ -5,17 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mllm_rl.memplan.audit import check_run_dir, drift_messages
 from mllm_rl.report.attempts import Attempt, split_attempts
 from mllm_rl.report.completeness import completeness
 from mllm_rl.report.efficiency import efficiency_rows, swap_ratios
 from mllm_rl.report.expected import Expected, first_phase_guess, from_plan, inferred
 from mllm_rl.report.health import health_issues
 from mllm_rl.report.host_growth import host_growth
-from mllm_rl.report.issues import WARNING, Issue
+from mllm_rl.report.issues import INFO, WARNING, Issue
 from mllm_rl.report.load import Run
 from mllm_rl.report.memory import pick_unit
 from mllm_rl.report.metrics import step_metrics
-from mllm_rl.report.plan_audit import plan_audit
 from mllm_rl.report.tables import phase_rows
 
 
@@ -29,7 +29,7 @@ class RunAnalysis:
     efficiency: list[dict[str, Any]]
     swaps: list[dict[str, Any]]
     metrics: list[dict[str, Any]]
-    plan_check: dict[str, Any] | None = None  # the run against its plan.json (``report.plan_audit``)
+    plan_check: dict[str, Any] | None = None  # the run against its plan.json (``memplan.audit``)
 
     @property
     def unit(self) -> tuple[int, str]:
@@ -67,6 +67,16 @@ class RunAnalysis:
         }
 
 
+def plan_findings(run: Run) -> tuple[list[Issue], dict[str, Any] | None]:
+    """The run against its own ``plan.json`` (``memplan.audit.check_run_dir``; None without one): a
+    note when they cannot be compared, a warning per phase that ended above the plan."""
+    check, not_compared = check_run_dir(run.dir, run.records.get(0, []))
+    if not_compared:
+        return [Issue(run.label, "plan_audit", not_compared, severity=INFO)], None
+    msgs = drift_messages(check) if check else []
+    return [Issue(run.label, "plan_drift", m, severity=WARNING, process=0) for m in msgs], check
+
+
 def analyze(run: Run) -> RunAnalysis:
     """Split attempts, work out what was expected, check completeness, build the tables."""
     planned = (run.plan or {}).get("expected_phases")
@@ -77,7 +87,7 @@ def analyze(run: Run) -> RunAnalysis:
     attempts = {p: split_attempts(p, recs, first) for p, recs in run.records.items()}
     exp = from_plan(run, inferred(run, {p: [a.records for a in atts] for p, atts in attempts.items()}))
     efficiency = efficiency_rows(run.label, attempts)
-    plan_found, plan_check = plan_audit(run)
+    plan_found, plan_check = plan_findings(run)
     return RunAnalysis(
         run=run,
         expected=exp,

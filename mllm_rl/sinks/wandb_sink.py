@@ -69,8 +69,8 @@ class WandbSink(Sink):
     """One W&B run (``mode`` ``"offline"`` or ``"online"``) in ``run_dir/wandb``.
 
     Online, ``wandb.init`` is bounded by ``init_timeout`` seconds (``Settings.init_timeout``) and
-    is not attempted without a credential (``wandb_check.find_credentials``: wandb would prompt on
-    a terminal). If it fails or times out, ``fallback="offline"`` starts an offline run in its place
+    is not attempted without a credential (``wandb_check.logged_in``: wandb would prompt on a
+    terminal). If it fails or times out, ``fallback="offline"`` starts an offline run in its place
     and prints one ``warning:`` line on stderr; ``fallback="error"`` raises a one-line
     ``RuntimeError``. Either way no wandb exception escapes. ``mode`` is the mode the run has
     (``"offline"`` after a fallback) and ``fallback_reason`` why it fell back (``None`` if not).
@@ -128,7 +128,7 @@ class WandbSink(Sink):
         self, wandb: Any, kwargs: dict[str, Any], run_dir: str | Path, fallback: str, init_timeout: float
     ) -> Any:
         """``wandb.init`` online, or what ``fallback`` says when it cannot be (see the class)."""
-        from mllm_rl.sinks.wandb_check import base_url, find_credentials, offline_glob
+        from mllm_rl.sinks.wandb_check import FIX, logged_in, offline_glob
 
         settings: dict[str, Any] = dict(console="off", x_disable_stats=True)
         fields = getattr(wandb.Settings, "model_fields", {"init_timeout": None})
@@ -140,11 +140,9 @@ class WandbSink(Sink):
             )  # the rest stays on disk for wandb sync
         reason = None
         try:
-            url = base_url()
-            if find_credentials(url).source is None:
-                reason = f"no W&B API key for {url}"
+            logged_in(wandb)
         except ValueError as e:
-            reason = str(e).removeprefix("--wandb online: ")
+            reason = str(e).removeprefix("--wandb online: ").removesuffix(f"; {FIX}")
         if reason is None:
             t0 = time.monotonic()
             try:

@@ -9,13 +9,13 @@ import json
 import pytest
 
 from mllm_rl.lifecycle import SETUP_PHASES, STEP_PHASES
+from mllm_rl.memplan.audit import compare
 from mllm_rl.memplan.compose import GIB, Component, FunctionMemory, Target, compose, unit_for
 from mllm_rl.memplan.fit import Probe, fits_without_kv, kv_room, search
 from mllm_rl.memplan.kv import max_pool_tokens, mem_fraction_for, pool_bytes
 from mllm_rl.memplan.output import to_html
 from mllm_rl.memplan.planner import load_planner, plans, with_kv_tokens
 from mllm_rl.memplan.request import Measured, PlanRequest
-from mllm_rl.memplan.validate import compare
 from mllm_rl.presets import get_preset
 from tests.conftest import run_cli
 
@@ -143,7 +143,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, msg):
 
 
 def test_compare_with_phase_records():
-    """validate.compare on hand-written records: components and end-of-phase bytes."""
+    """audit.compare on hand-written records: components and end-of-phase bytes."""
     m = measured(kv_tokens=100, engine_logits=0.0)
     doc = {"schedule": "multi_stage", "plans": {s: p.to_json() for s, p in plans(m, request()).items()}}
     comps = {k: v.bytes_per_device for k, v in m.components.items()}
@@ -168,7 +168,7 @@ def test_compare_with_phase_records():
 
 def test_a_late_release_in_one_step_holds_and_in_two_steps_drifts():
     """A step's phase above the plan in one of the last two steps (an array released late) holds;
-    above in both it is off (``validate.compare``) and a drift (``audit.drifts``)."""
+    above in both it is off (``audit.compare``) and a drift (``audit.drifts``)."""
     from mllm_rl.memplan.audit import drifts
 
     m = measured(kv_tokens=100, engine_logits=0.0)
@@ -190,3 +190,52 @@ def test_a_late_release_in_one_step_holds_and_in_two_steps_drifts():
     assert drifts(one) == []
     two = compare([*setup, rec("train_step", 0, late), rec("train_step", 1, late)], doc, 0.05)
     assert not two["within"] and [r["phase"] for r in drifts(two)] == ["train_step"]
+
+
+def test_a_run_dir_held_against_its_plan_json(tmp_path):
+    """``check_run_dir``: no plan.json, nothing; a torn one, why not (a note of the report); a phase
+    above the plan in both last steps: the report's warning, the console's line and a DRIFT row."""
+    from types import SimpleNamespace
+
+    from mllm_rl.memplan.audit import check_run_dir, summary, table
+    from mllm_rl.report.analysis import plan_findings
+
+    m = measured(kv_tokens=100, engine_logits=0.0)
+    doc = {"schedule": "multi_stage", "plans": {s: p.to_json() for s, p in plans(m, request()).items()}}
+    comps = {k: v.bytes_per_device for k, v in m.components.items()}
+    at_end = comps["trainer_params"] + comps["optimizer"]
+
+    def rec(phase, step, used, **info):
+        return {"phase": phase, "step": step, "memory": {"devices": [{"id": 0, "bytes_in_use": used}], "host": {}},
+                "info": info}  # fmt: skip
+
+    records = [rec("release_rollout", None, 0, held={"weights": comps["engine_weights"], "kv_cache": comps["kv_pool"]}),
+               rec("trainer_init", None, at_end, state_bytes={"params": comps["trainer_params"],
+                                                              "optimizer": comps["optimizer"]}),
+               rec("train_step", 0, at_end + 512 * MIB), rec("train_step", 1, at_end + 512 * MIB)]  # fmt: skip
+    run = SimpleNamespace(dir=tmp_path, label="r", records={0: records})
+    assert check_run_dir(tmp_path, records) == (None, None) and plan_findings(run) == ([], None)
+    (tmp_path / "plan.json").write_text("{")
+    (note,), check = plan_findings(run)
+    assert check is None and (note.kind, note.severity) == ("plan_audit", "info")
+    assert note.message.startswith(f"{tmp_path / 'plan.json'} not compared with the records: ")
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    (warning,), check = plan_findings(run)
+    assert check["target"] == "t" and (warning.kind, warning.severity, warning.process) == (
+        "plan_drift",
+        "warning",
+        0,
+    )
+    row = next(r for r in check["phases"] if r["phase"] == "train_step")
+    assert warning.message == (
+        f"train_step: {row['measured'] / MIB:.1f} MiB in use at its end, the plan predicted "
+        f"{row['predicted'] / MIB:.1f} MiB ({', '.join(row['resident_at_end']) or 'nothing'} resident): memory "
+        "the plan does not know of (a leak if it grows step by step)"
+    )
+    assert summary(check).startswith(
+        f"memory plan: 1 of {len(check['phases'])} phases ended above the prediction by more than 5%; "
+        f"worst train_step: {row['measured'] / MIB:.1f} MiB in use"
+    )
+    lines = table(check).splitlines()
+    assert lines[0].startswith("Memory plan vs run") and len(lines) == 3 + len(check["phases"])
+    assert [ln.split()[0] for ln in lines[3:] if ln.rstrip().endswith("DRIFT")] == ["train_step"]

@@ -44,9 +44,9 @@ def test_a_clean_run_holds_to_its_plan_and_a_leak_does_not(tiny_ckpt, tiny_bf16_
     assert "Memory plan vs run" in r.stderr and " DRIFT" not in r.stderr  # the console table
     # host memory: the trainer's offloaded params and AdamW state in pinned_host at every phase end
     # of the last step and the setup are the plan's host copies, byte for byte
-    from mllm_rl.memplan import validate
+    from mllm_rl.memplan import audit
 
-    rows = validate.compare(validate.load_records(clean), plan)["phases"]
+    rows = audit.compare(audit.load_records(clean), plan)["phases"]
     host = [(row["phase"], row["host_trainer_predicted"], row["host_trainer_measured"]) for row in rows]
     assert len(host) >= 20 and all(pred == got for _, pred, got in host), host
     assert {pred for _, pred, _ in host} > {0}  # offloaded in some phases, on the device in others
@@ -107,9 +107,9 @@ def test_a_run_with_the_optimizer_in_host_memory_holds_to_its_plan(tiny_bf16_ckp
     trainer_phases = [p for p in main["phases"] if p["phase"] not in ("setup:release_rollout",)]
     assert all(p["host"].get("optimizer") == opt for p in trainer_phases), trainer_phases
     assert drift(out) == []
-    from mllm_rl.memplan import validate
+    from mllm_rl.memplan import audit
 
-    rows = validate.compare(validate.load_records(out), plan)["phases"]
+    rows = audit.compare(audit.load_records(out), plan)["phases"]
     host = [(row["phase"], row["host_trainer_predicted"], row["host_trainer_measured"]) for row in rows]
     assert len(host) >= 20 and all(pred == got for _, pred, got in host), host
     assert all(pred >= opt for phase, pred, _ in host if phase != "setup:release_rollout"), host

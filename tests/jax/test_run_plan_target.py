@@ -17,9 +17,9 @@ import sys
 import pytest
 
 from mllm_rl.backends.jax import topologies
+from mllm_rl.memplan.audit import _device_bytes, measured_components
 from mllm_rl.memplan.for_run import DoesNotFit, plan_run, target_for
 from mllm_rl.memplan.request import PlanRequest
-from mllm_rl.memplan.validate import _device_bytes, measured_components
 from mllm_rl.presets import get_preset
 from tests.conftest import ROOT, needs_libtpu
 

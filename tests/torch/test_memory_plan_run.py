@@ -12,7 +12,7 @@ import pytest
 
 from mllm_rl.backends.torch import memplan
 from mllm_rl.checkpoint import ModelDir
-from mllm_rl.memplan import validate
+from mllm_rl.memplan import audit
 from mllm_rl.memplan.request import PlanRequest
 from tests import plan_run
 from tests.plan_run import drift
@@ -55,7 +55,7 @@ def test_a_pool_that_cannot_fit_exits_6_before_anything_exists(tiny_ckpt, tmp_pa
 @pytest.mark.slow  # starts an engine
 def test_a_run_at_real_settings_holds_to_its_plan_and_a_leak_does_not(tiny_bf16_ckpt, tmp_path):
     """A bf16 checkpoint (float32 masters), LoRA rank 4, lr 1e-6, temperature 0.7: ``plan.json`` is
-    the cpu target's embedded engine, every phase's end within 5% of it (``validate.compare``) and
+    the cpu target's embedded engine, every phase's end within 5% of it (``audit.compare``) and
     no drift; with the ``leak_mb`` fault the train step's phases drift."""
     real = ["--lora-rank", "4", "--lr", "1e-6", "--temperature", "0.7"]
     clean = tmp_path / "clean"
@@ -71,7 +71,7 @@ def test_a_run_at_real_settings_holds_to_its_plan_and_a_leak_does_not(tiny_bf16_
     said = [x for x in r.stderr.splitlines() if x.startswith("memory plan:")]
     assert said and "ended within 5% of the prediction or below it" in said[0], said
     assert drift(clean) == []
-    held = validate.compare(validate.load_records(clean), plan)
+    held = audit.compare(audit.load_records(clean), plan)
     assert held["within"], [row for row in held["components"] + held["phases"] if not row["within"]]
     assert len(held["phases"]) >= 20
 
