@@ -6,7 +6,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TextIO
 
 
 def progress_enabled() -> bool:
@@ -14,6 +14,18 @@ def progress_enabled() -> bool:
     if os.environ.get("CI") or os.environ.get("MLLM_RL_NO_PROGRESS"):
         return False
     return sys.stderr.isatty()
+
+
+def write(line: str, stream: TextIO) -> None:
+    """``line`` on ``stream``, above any progress bar on the terminal (``tqdm.write`` clears and
+    redraws the bars; a plain write when progress is off)."""
+    if progress_enabled():
+        from tqdm import tqdm
+
+        tqdm.write(line, file=stream)
+    else:
+        stream.write(line + "\n")
+    stream.flush()
 
 
 class _Null:

@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     console = "off" if args.quiet else args.console
     if console != "off":
-        sinks.append(ConsoleSink(compact=console == "compact"))
+        sinks.append(ConsoleSink(console, steps=None if pre.plan.tasks else getattr(opts, "steps", None)))
     start_idx = count_records(phase_file) if (args.resume or args.resume_or_start) else 0
     rec = PhaseRecorder(
         run_id, backend.name, sinks=sinks, process_index=pidx, start_idx=start_idx, tasks=pre.plan.tasks
@@ -284,17 +284,19 @@ def main(argv: list[str] | None = None) -> int:
             engine.shutdown()
         backend.shutdown_distributed()  # all processes leave jax.distributed together (else the others abort)
         watchdog.finish()
+    tables = console != "steps"  # the default console ends short: the tables are in the report
     if run_plan is not None and pidx == 0 and not args.quiet:
-        from mllm_rl.memplan.audit import compare, summary, table
+        from mllm_rl.memplan.audit import compare, drifts, summary, table
 
         try:
             check = compare(rec.records, run_plan.doc)
-            say(table(check))
+            if tables or drifts(check):
+                say(table(check))
             say(summary(check))
         except (ValueError, KeyError) as e:
             say(f"memory plan: not compared with the records ({e})")
     if not args.quiet:
-        _print_summary(rec.records, result)
+        _print_summary(rec.records, result, steps_shown=console != "off", tables=tables)
         print(f"run_dir {run_dir}", file=sys.stderr)
     if error is not None:
         print(error, file=sys.stderr)  # last: the line that says why the run failed
@@ -313,20 +315,23 @@ def _save_traceback(run_dir: Any, process_index: int) -> Any:
     return path
 
 
-def _print_summary(records: list[dict[str, Any]], result: dict[str, Any]) -> None:
+def _print_summary(
+    records: list[dict[str, Any]], result: dict[str, Any], steps_shown: bool, tables: bool
+) -> None:
+    """The phase tables (``tables``), each step's line unless the console showed them as they
+    came (``steps_shown``), the plan's own lines and the held-out generations."""
     if not records:
         return
+    from mllm_rl.sinks.console import step_line
     from mllm_rl.summary import phase_table, step_table
 
-    print(phase_table([r for r in records if r.get("step") is None]), file=sys.stderr)
     stepped = [r for r in records if r.get("step") is not None]
-    if stepped:
-        print(step_table(stepped), file=sys.stderr)
-    for h in result.get("history", []):
-        print(
-            f"step {h['step']:>3}: reward_mean {h['reward_mean']:.3f}  loss {h.get('loss', float('nan')):.4f}",
-            file=sys.stderr,
-        )
+    if tables:
+        print(phase_table([r for r in records if r.get("step") is None]), file=sys.stderr)
+        if stepped:
+            print(step_table(stepped), file=sys.stderr)
+    for h in [] if steps_shown else result.get("history", []):
+        print(step_line(h["step"], h, [r for r in stepped if r["step"] == h["step"]]), file=sys.stderr)
     for line in result.get("lines", []):
         print(line, file=sys.stderr)
     gen = records[-1]["info"]

@@ -112,7 +112,7 @@ class JaxBackend(Backend):
         the model's heads (the trainer's ``("fsdp", "tp")`` mesh)."""
         import jax
 
-        from mllm_rl.backends.jax.sharding import check_trainer_mesh
+        from mllm_rl.backends.jax.topologies import check_trainer_mesh
 
         self._model_options(cfg)
         c = model.config

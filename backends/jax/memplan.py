@@ -86,20 +86,34 @@ def plans_in_process(target: str) -> bool:
     return target == "cpu"
 
 
+def check(req: PlanRequest) -> None:
+    """What ``measure`` refuses that the request alone decides, with no compiler loaded (jax is
+    not imported): the engine, the target, the engine's and the trainer's meshes over the
+    target's devices (from its spec), the ``--model-option`` values; ``ValueError`` (one line)."""
+    if req.engine == "embedded":
+        raise ValueError(
+            "PlanRequest.engine 'embedded': the JAX backend's engine is sglang-jax (auto or sglang)"
+        )
+    spec = topologies.spec(req.target)
+    if spec.platform == "cpu":
+        devices, hosts = req.tp, 1  # a run on CPU has --tp devices (``topologies.prepare``)
+    else:
+        _, devices, hosts = topologies.shape(spec)
+    _check_mesh(req, devices, hosts, spec.name)
+    model_options(req, spec.platform)
+
+
 def measure(req: PlanRequest) -> Measured:
     """Components and compiled functions of one colocated RL step for ``req`` (per device).
 
     ``ValueError`` (one line) for a request the run would refuse: unknown target, a tp that
     does not divide the heads or the devices, a pool the engine could not start with.
     """
-    if req.engine == "embedded":
-        raise ValueError(
-            "PlanRequest.engine 'embedded': the JAX backend's engine is sglang-jax (auto or sglang)"
-        )
+    check(req)
     spec = topologies.spec(req.target)
     topologies.prepare(spec, cpu_devices=req.tp)  # a run on CPU has --tp devices (``init_runtime``)
     devices, target = _topology(spec)
-    _check_mesh(req, target)
+    _check_mesh(req, target.num_devices, target.num_hosts, target.name)
     opts = model_options(req, target.platform)
     notes: list[str] = []
     info: dict[str, Any] = {"model_options": dataclasses.asdict(opts), "compile_seconds": {}}
@@ -234,22 +248,24 @@ def _topology(spec: topologies.TargetSpec) -> tuple[list[Any], Any]:
     return _cached(("topology", spec.name), lambda: topologies.devices(spec))
 
 
-def _check_mesh(req: PlanRequest, target: Any) -> None:
-    n, c = target.num_devices, req.model
+def _check_mesh(req: PlanRequest, n: int, hosts: int, name: str) -> None:
+    """The engine's mesh (``--tp``) and the trainer's (the run's own check) over ``n`` devices on
+    ``hosts`` hosts of target ``name``."""
+    c = req.model
     if req.tp > n:
-        raise ValueError(f"--tp {req.tp}: {target.name} has {n} devices")
-    if target.num_hosts > 1 and req.tp != n:
+        raise ValueError(f"--tp {req.tp}: {name} has {n} devices")
+    if hosts > 1 and req.tp != n:
         raise ValueError(
-            f"--tp {req.tp}: on {target.num_hosts} hosts the engine's mesh spans every device; pass --tp {n}"
+            f"--tp {req.tp}: on {hosts} hosts the engine's mesh spans every device; pass --tp {n}"
         )
     if c.num_attention_heads % req.tp or c.num_key_value_heads % req.tp:
         raise ValueError(
             f"--tp {req.tp}: {c.num_attention_heads} heads / {c.num_key_value_heads} kv heads of "
             f"{c.name} are not divisible by it"
         )
-    from mllm_rl.backends.jax.sharding import check_trainer_mesh  # the run's own check
-
-    check_trainer_mesh(req.trainer_tp, req.fsdp, n, c.num_attention_heads, c.num_key_value_heads, target.name)
+    topologies.check_trainer_mesh(
+        req.trainer_tp, req.fsdp, n, c.num_attention_heads, c.num_key_value_heads, name
+    )
 
 
 def _train_config(req: PlanRequest) -> TrainConfig:

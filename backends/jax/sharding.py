@@ -38,27 +38,6 @@ COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
 ROW = frozenset({"o_proj", "down_proj"})
 
 
-def check_trainer_mesh(
-    trainer_tp: int, fsdp: int, devices: int, heads: int, kv_heads: int, of: str = ""
-) -> None:
-    """The trainer's ``("fsdp", "tp")`` mesh a run builds (``make_mesh``): ``--trainer-tp`` divides
-    the ``devices`` and the model's ``heads`` / ``kv_heads``, ``--fsdp`` is the rest (0 says so).
-    The run checks its own devices, ``python -m mllm_rl.memplan`` a target's (``of``: its name);
-    ``ValueError`` naming the flag."""
-    where = f"{devices} devices" + (f" of {of}" if of else "")
-    if devices % trainer_tp:
-        raise ValueError(f"--trainer-tp {trainer_tp} does not divide the {where}")
-    if fsdp not in (0, devices // trainer_tp):
-        raise ValueError(
-            f"--fsdp {fsdp}: the trainer's mesh is fsdp x tp = every device; with --trainer-tp "
-            f"{trainer_tp} on {where} fsdp is {devices // trainer_tp} (0 says so)"
-        )
-    if heads % trainer_tp or kv_heads % trainer_tp:
-        raise ValueError(
-            f"--trainer-tp {trainer_tp}: {heads} heads / {kv_heads} kv heads are not divisible by it"
-        )
-
-
 def make_mesh(tp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A ``("fsdp", "tp")`` mesh of ``devices`` (default: every device), ``fsdp = n / tp``."""
     devs = list(jax.devices() if devices is None else devices)

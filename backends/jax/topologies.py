@@ -201,6 +201,27 @@ def match_runtime(platform: str, device_kind: str, num_devices: int, processes: 
     return None
 
 
+def check_trainer_mesh(
+    trainer_tp: int, fsdp: int, devices: int, heads: int, kv_heads: int, of: str = ""
+) -> None:
+    """The trainer's ``("fsdp", "tp")`` mesh a run builds (``sharding.make_mesh``): ``--trainer-tp``
+    divides the ``devices`` and the model's ``heads`` / ``kv_heads``, ``--fsdp`` is the rest (0 says
+    so). The run checks its own devices, ``python -m mllm_rl.memplan`` a target's (``of``: its name)
+    before loading a compiler; ``ValueError`` naming the flag."""
+    where = f"{devices} devices" + (f" of {of}" if of else "")
+    if devices % trainer_tp:
+        raise ValueError(f"--trainer-tp {trainer_tp} does not divide the {where}")
+    if fsdp not in (0, devices // trainer_tp):
+        raise ValueError(
+            f"--fsdp {fsdp}: the trainer's mesh is fsdp x tp = every device; with --trainer-tp "
+            f"{trainer_tp} on {where} fsdp is {devices // trainer_tp} (0 says so)"
+        )
+    if heads % trainer_tp or kv_heads % trainer_tp:
+        raise ValueError(
+            f"--trainer-tp {trainer_tp}: {heads} heads / {kv_heads} kv heads are not divisible by it"
+        )
+
+
 def gpu_config_text(s: TargetSpec) -> str:
     return resources.files("mllm_rl").joinpath("assets", "gpu_targets", s.gpu_config).read_text()
 

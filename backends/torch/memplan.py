@@ -160,6 +160,11 @@ def parse_target(name: str) -> Target:
     return Target(name, "gpu", cards, 1, card_memory(config), kind, source)
 
 
+def check(req: PlanRequest) -> None:
+    """``check_request`` before any work is shown (``python -m mllm_rl.memplan``)."""
+    check_request(req)
+
+
 def check_request(req: PlanRequest) -> Target:
     """Validate everything before any work; ValueError naming the field."""
     if req.backend != "torch":

@@ -194,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"choose one of {', '.join(known())}"
             )
         req = make_request(args)
+        check = getattr(planner, "check", None)
+        if check is not None:  # a refusal is one line: before the first line of progress or a compiler
+            check(req)
         return _plan(planner, req, args, t_start)
     except ValueError as e:
         _say(f"error: {flag_names(str(e))}")

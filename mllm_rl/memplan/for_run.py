@@ -251,8 +251,11 @@ def plan_for_rl(
         host_ram_gib=_host_ram_gib(runtime),
         kv_fit_cap=cap if opts.kv_auto else None,
     )
+    from mllm_rl.progress import waiting
+
     try:
-        plan = plan_run(req, opts.lifecycle.check_weights, fit_kv=opts.kv_auto)
+        with waiting(f"memory plan: compiling the step functions for {target}"):
+            plan = plan_run(req, opts.lifecycle.check_weights, fit_kv=opts.kv_auto)
     except DoesNotFit as e:
         if mode == "check":
             raise DoesNotFit(

@@ -2,7 +2,8 @@
 
 A backend named ``NAME`` in the ``mllm_rl.backends`` entry-point group (``backend_registry``)
 plans with the module next to its entry point: ``mllm_rl.backends.NAME`` ->
-``mllm_rl.backends.NAME.memplan`` (``measure(req) -> Measured``, optionally ``targets()``).
+``mllm_rl.backends.NAME.memplan`` (``measure(req) -> Measured``, optionally ``targets()`` and
+``check(req)``: the refusals the request alone decides, run before any output or compile).
 Importing it must not import jax/torch (the planner sets its compiler up first).
 """
 

@@ -257,13 +257,11 @@ def run_tasks(ctx: PlanRun, opts: MultitaskOptions) -> dict[str, Any]:
         finally:
             for rt in runtimes.values():
                 rt.close()  # reward workers, rewards files
+    from mllm_rl.sinks.console import step_line
+
     lines = []
     for name, rt in runtimes.items():
-        for h in rt.history:
-            lines.append(
-                f"{name} step {h['step']:>3}: reward_mean {h['reward_mean']:.3f}  "
-                f"loss {h.get('loss', float('nan')):.4f}"
-            )
+        lines += [step_line(h["step"], {**h, "task": name}, []) for h in rt.history]
         if rt.eval is not None:
             lines.append(f"{name}: greedy reward {rt.eval.get('greedy_reward_mean', float('nan')):.3f}")
     failed = [n for n, st in statuses.items() if st.status == "failed"]

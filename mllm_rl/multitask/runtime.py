@@ -116,7 +116,9 @@ class RLTask:
         self.eos = self.model.config.eos_token_id
         self.lifecycle = dataclasses.replace(self.opts.lifecycle)
         if self.lifecycle.check_weights:
-            self.lifecycle.probe_ids = tuple(self.tok(PROBE_PROMPT, add_special_tokens=False).input_ids)
+            self.lifecycle.probe_ids = tuple(
+                self.tok(PROBE_PROMPT, add_special_tokens=False, verbose=False).input_ids
+            )
         eng = size_engine(self.task, self.tok, self.opts)  # task= set by the spec: <task>/weights, ...
         if self.ports is not None:
             # the engine is handed two (server port, process-group port); the rest of the block stays

@@ -27,6 +27,7 @@ from typing import Any
 KV_AUTO = "auto"  # --kv-tokens auto: the KV pool the run's memory plan leaves room for
 RUN = frozenset({"rl", "swap", "tasks"})  # every mode of ``python -m mllm_rl.run``
 RL = frozenset({"rl", "task"})  # an RL setting: the rl plan's flag and a task key
+CONSOLE_RENAMED = {"compact": "phases"}  # --console: old value -> its name now
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +126,12 @@ OPTIONS: tuple[Option, ...] = (
        nullable=True, default_text="<plan>-<backend>-<time>-<rand>"),
     _o("run_dir", str, None, "the run's directory (one run owns it: a second run on it is refused)", "outputs",
        RUN, resume="fresh", nullable=True, default_text="runs/<run_id>"),
-    _o("console", str, "compact", "phase records on stdout: one short line each, the full JSON, or nothing",
-       "outputs", RUN, resume="fresh", choices=("compact", "full", "off")),
+    _o("console", str, "steps", "what the run prints: steps, one line per RL step on stderr (reward, KL, "
+       "clip fraction, grad norm, loss, step time, peak memory), a progress bar on a terminal, and a short "
+       "ending (the phase tables are in the report); phases, also one short line per phase record on "
+       "stdout and the phase tables at the end; full, the records as JSON on stdout instead; off, no step "
+       "or phase lines. Every record is in phases.jsonl whatever this says", "outputs", RUN,
+       resume="fresh", choices=("steps", "phases", "full", "off"), renamed="mllm_rl.options.schema:CONSOLE_RENAMED"),
     _o("quiet", bool, False, "print only errors (implies --console off)", "outputs", RUN, resume="fresh"),
     # -- the swap plan -------------------------------------------------------------------------------
     _o("swap_mode", str, "streaming", "streaming: one tensor at a time; naive: load all, then replace "

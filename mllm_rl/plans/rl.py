@@ -452,7 +452,7 @@ def _run_rl(ctx: PlanRun, opts: RLOptions, task: Task, tok: Any, on_rewards: Rew
     resume_from, first_step = opts.resume_from, opts.first_step
     lifecycle = dataclasses.replace(opts.lifecycle)
     if lifecycle.check_weights and not lifecycle.probe_ids:
-        lifecycle.probe_ids = tuple(tok(PROBE_PROMPT, add_special_tokens=False).input_ids)
+        lifecycle.probe_ids = tuple(tok(PROBE_PROMPT, add_special_tokens=False, verbose=False).input_ids)
 
     coord = coordinator_for(backend)
     if opts.checkpoint_every:  # several processes write one checkpoint: they must share the directory

@@ -23,7 +23,7 @@ def run_level(
 ) -> None:
     """``wandb_init`` (the W&B sink joins the recorder) and ``<backend>_ready`` (the runtime that
     ``mllm_rl.run`` brought up; installs the memory probe): the first two phases of every plan."""
-    with rec.phase("wandb_init", **info) as ph:
+    with rec.phase("wandb_init", **info) as ph, waiting("W&B start"):
         sink = make_wandb()
         if sink is not None:
             rec.sinks.append(sink)

@@ -51,7 +51,7 @@ def encode_prompts(model: ModelDir, prompts: tuple[str, ...]) -> list[list[int]]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model.path))
-    return [tok(p, add_special_tokens=False).input_ids for p in prompts]
+    return [tok(p, add_special_tokens=False, verbose=False).input_ids for p in prompts]
 
 
 class SwapPlan(Plan[SwapOptions]):

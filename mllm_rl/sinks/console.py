@@ -1,5 +1,14 @@
-"""Console sink: each phase record on stdout, as one JSON line (``phase {...}``) or one
-short human line (``compact``); RL metrics as one line per step on stderr."""
+"""Console sink: what a run prints while it runs (``--console``).
+
+- ``steps`` (default): one line per RL step on stderr with the numbers people watch (reward, KL,
+  clip fraction, grad norm, loss, the step's time and peak memory), one line when the setup is
+  done, and the short line of any phase that failed;
+- ``phases``: the same, and one short line per phase record on stdout (``compact_line``);
+- ``full``: the step lines, and each phase record as one JSON line on stdout (``phase {...}``).
+
+Every record goes to ``phases.jsonl`` whatever the mode (``JsonlSink``); lines are written above
+any progress bar (``mllm_rl.progress.write``).
+"""
 
 from __future__ import annotations
 
@@ -8,37 +17,101 @@ from typing import Any, TextIO
 
 from mllm_rl.phases.jsonsafe import dumps
 from mllm_rl.phases.recorder import Sink
+from mllm_rl.progress import write
 from mllm_rl.report.memory import device_sum
 from mllm_rl.summary import gib
 
+MODES = ("steps", "phases", "full")  # ``--console`` values that make a ConsoleSink (``off``: none)
+# the step line's figures, by their names in metrics.jsonl (eval_reward_mean: steps with --eval-every)
+STEP_METRICS = ("reward_mean", "eval_reward_mean", "kl", "clip_frac", "grad_norm", "loss")
+
 
 class ConsoleSink(Sink):
-    def __init__(self, stream: TextIO | None = None, full: bool = True, compact: bool = False) -> None:
-        self.stream = stream or sys.stdout
-        self.full = full
-        self.compact = compact
+    """Prints a run's progress (see the module doc); ``steps``: the run's step count, shown as
+    ``(i/N)`` after each step (None: not shown, as in a multi-task run)."""
+
+    def __init__(
+        self,
+        mode: str = "steps",
+        steps: int | None = None,
+        stream: TextIO | None = None,
+        err: TextIO | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"console mode {mode!r}: choose one of {', '.join(MODES)}")
+        self.mode = mode
+        self.steps = steps
+        self.stream = stream or sys.stdout  # phase records
+        self.err = err or sys.stderr  # step lines
+        self._setup: list[dict[str, Any]] = []  # run-level records before the first step's
+        self._setup_said = False
+        self._open: dict[tuple[str | None, int], list[dict[str, Any]]] = {}  # (task, step) -> records
 
     def write(self, record: dict[str, Any]) -> None:
-        if self.compact:
-            self.stream.write(compact_line(record) + "\n")
-            self.stream.flush()
-            return
-        rec = record
-        if not self.full:  # drop per-device raw allocator stats
-            mem = dict(record["memory"])
-            mem["devices"] = [{k: v for k, v in d.items() if k != "raw"} for d in mem["devices"]]
-            rec = {**record, "memory": mem}
-        self.stream.write("phase " + dumps(rec, separators=(",", ":")) + "\n")
-        self.stream.flush()
+        step, task = record.get("step"), record.get("task")
+        if step is None:
+            if not self._setup_said:
+                self._setup.append(record)
+        else:
+            if not self._setup_said and self._setup and self.mode == "steps":
+                write(setup_line(self._setup), self.err)
+            self._setup_said = True
+            self._setup = []
+            self._open.setdefault((task, step), []).append(record)
+        if self.mode == "phases":
+            write(compact_line(record), self.stream)
+        elif self.mode == "full":
+            write("phase " + dumps(record, separators=(",", ":")), self.stream)
+        elif record["info"].get("error"):  # steps: a failed phase is shown where it happened
+            write(compact_line(record), self.err)
 
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
-        """A one-line summary per RL step (to stderr: stdout carries the records)."""
-        keys = ("reward_mean", "reward_max", "loss", "kl", "clip_frac", "grad_norm", "completion_len_mean")
-        parts = [f"{k}={metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), (int, float))]
-        print(f"step {step}: " + " ".join(parts), file=sys.stderr, flush=True)
+        """One line for the step (its records' time and peaks included)."""
+        task = metrics.get("task")
+        records = self._open.pop((task, step), [])
+        write(step_line(step, metrics, records, None if task else self.steps), self.err)
 
     def close(self, exit_code: int = 0) -> None:
+        self._open.clear()
         self.stream.flush()
+        self.err.flush()
+
+
+def fmt(v: float) -> str:
+    """A metric with 3 significant digits: a small GRPO loss reads ``-0.0014``, not ``0.0000``."""
+    return f"{v:.3g}"
+
+
+def step_line(
+    step: int, metrics: dict[str, Any], records: list[dict[str, Any]], steps: int | None = None
+) -> str:
+    """``step 3 (4/20): reward_mean=0.236 kl=0.00012 clip_frac=0 grad_norm=0.59 loss=-0.0087
+    step_s=2.31 dev_peak=0.035GiB rss_peak=0.702GiB`` (``[task] step 3: ...`` in a multi-task
+    run). Times and peaks come from the step's phase records: the span from the first phase's
+    start to the last one's end, the largest device peak (summed over devices) and host RSS peak."""
+    head = f"step {step}" + (f" ({step + 1}/{steps})" if steps else "")
+    if metrics.get("task"):
+        head = f"[{metrics['task']}] {head}"
+    parts = [f"{k}={fmt(metrics[k])}" for k in STEP_METRICS if isinstance(metrics.get(k), (int, float))]
+    if records:
+        secs = max(r["t_end"] for r in records) - min(r["t_start"] for r in records)
+        parts.append(f"step_s={fmt(secs) if secs < 100 else f'{secs:.0f}'}")
+        parts += peaks(records)
+    return f"{head}: " + " ".join(parts)
+
+
+def peaks(records: list[dict[str, Any]]) -> list[str]:
+    """``dev_peak=...GiB rss_peak=...GiB`` over ``records`` (device peak left out when unknown)."""
+    dev = [p for p in (device_sum(r, "phase_peak_bytes") for r in records) if p is not None]
+    rss = max(r["memory"]["host"]["rss_peak_bytes"] for r in records)
+    return ([f"dev_peak={gib(max(dev))}GiB"] if dev else []) + [f"rss_peak={gib(rss)}GiB"]
+
+
+def setup_line(records: list[dict[str, Any]]) -> str:
+    """``setup: 11 phases in 9.10s, dev_peak=0.034GiB rss_peak=0.581GiB`` (the run-level phases
+    before the first step: engine start, trainer build, first weight sync)."""
+    secs = max(r["t_end"] for r in records) - min(r["t_start"] for r in records)
+    return f"setup: {len(records)} phases in {secs:.2f}s, " + " ".join(peaks(records))
 
 
 def compact_line(r: dict[str, Any]) -> str:

@@ -39,10 +39,12 @@ def render_all(tok: Any, examples: list[Any], templated: bool, mode: str) -> lis
 
 
 def token_ids(tok: Any, texts: list[str]) -> list[list[int]]:
-    """Token ids of rendered prompts (the template already added any special tokens)."""
+    """Token ids of rendered prompts (the template already added any special tokens). Quiet
+    (``verbose=False``): transformers' warning about a sequence longer than the model's maximum
+    is ours to give (``check_lengths`` refuses such a prompt in one line, naming its row)."""
     if not texts:
         return []
-    return [list(ids) for ids in tok(texts, add_special_tokens=False).input_ids]
+    return [list(ids) for ids in tok(texts, add_special_tokens=False, verbose=False).input_ids]
 
 
 def check_lengths(

@@ -191,7 +191,7 @@ def test_run_dir_dot_is_refused_end_to_end(tmp_path):
 # -- 5. memplan's trainer mesh is the run's -------------------------------------------------------
 @pytest.mark.skipif(not HAS_JAX, reason="the JAX backend's check")
 def test_the_trainer_mesh_check_is_shared_by_the_run_and_memplan():
-    from mllm_rl.backends.jax.sharding import check_trainer_mesh
+    from mllm_rl.backends.jax.topologies import check_trainer_mesh
 
     with pytest.raises(ValueError, match=r"^--trainer-tp 3 does not divide the 1 devices$"):
         check_trainer_mesh(3, 0, 1, 4, 2)

@@ -256,6 +256,35 @@ def test_a_prompt_longer_than_the_context_is_refused_naming_its_row(tok, tmp_pat
                             "needs a context of 128, and the run allows 100 (--context-length)")  # fmt: skip
 
 
+def test_a_prompt_longer_than_the_tokenizers_maximum_is_refused_without_its_warning(tmp_path):
+    """Our refusal is the one line: transformers' "Token indices sequence length is longer than the
+    specified maximum" warning (the tokenizer's ``model_max_length``, 32768 here) is not printed
+    when we tokenize; the same tokenizer called as transformers' default does warn (the control)."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(TOKENIZER))  # its own: the warning is given once per tokenizer
+    long = "x " * tok.model_max_length
+    t = data_task(jsonl(tmp_path / "d.jsonl", [{"prompt": long, "answer": "1"}]))
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler, log = Keep(level=logging.WARNING), logging.getLogger("transformers")
+    log.addHandler(handler)
+    try:
+        with pytest.raises(ValueError, match=r"d\.jsonl:1: the prompt is \d+ tokens"):
+            check_lengths(tok, t.sizing(0), True, "off", 8, 1024, "--context-length")
+        assert not [m for m in seen if "Token indices sequence length" in m], seen
+        tok([long], add_special_tokens=False)
+        assert [m for m in seen if "Token indices sequence length" in m], seen
+    finally:
+        log.removeHandler(handler)
+
+
 # -- the boxed task ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "got,want",

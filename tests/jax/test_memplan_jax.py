@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -142,12 +143,30 @@ def test_a_phase_that_does_not_fit_exits_6_naming_phase_and_component(tmp_path):
     ],
 )
 def test_a_mesh_the_run_would_refuse_is_one_line_exit_2(tmp_path, args, msg):
-    if args[1] != "cpu":
-        needs_libtpu()
+    """Refused from the flags alone, before any progress line or compiler output (no libtpu
+    needed): stderr is the one error line, stdout is empty."""
     r, _ = plan(tmp_path, *args)
     assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error:") and msg in last, last
+    (line,) = r.stderr.splitlines()
+    assert line.startswith("error:") and msg in line, line
+    assert r.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--target", "v4-8", "--tp", "3"], ["--target", "v5e-8", "--fsdp", "3"], ["--model-option", "remat=x"]],
+)
+def test_a_refused_plan_loads_no_compiler(args):
+    """A refusal the flags decide comes before jax (and libtpu's or XLA's start-up lines) is loaded."""
+    code = (
+        "import sys; from mllm_rl.memplan.__main__ import main; "
+        f"rc = main(['--backend', 'jax', '--model', 'tiny', *{args!r}]); "
+        "print(rc, sorted(m for m in ('jax', 'jaxlib', 'torch') if m in sys.modules))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.stdout.strip() == "2 []", (r.stdout, r.stderr)
+    (line,) = r.stderr.splitlines()
+    assert line.startswith("error: --"), line
 
 
 @pytest.mark.slow  # a whole plan, compiled by libtpu

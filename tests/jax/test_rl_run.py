@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -57,9 +58,11 @@ def freed(r: dict) -> int:
 
 @pytest.fixture(scope="module")
 def lora_lr0(tiny_ckpt, tmp_path_factory):
-    """LoRA, no CPU backup, lr 0 (weights never change), garbage guard on, W&B offline."""
+    """LoRA, no CPU backup, lr 0 (weights never change), garbage guard on, W&B offline; what the
+    console prints by default (``--console steps``)."""
     run_dir = tmp_path_factory.mktemp("rl_lora_lr0")
-    r = rl_run(run_dir, tiny_ckpt, "--lora-rank", "4", "--lr", "0", "--check-weights", "--wandb", "offline")
+    r = rl_run(run_dir, tiny_ckpt, "--lora-rank", "4", "--lr", "0", "--check-weights", "--wandb", "offline",
+               "--console", "steps")  # fmt: skip
     return r, run_dir
 
 
@@ -79,6 +82,27 @@ def test_every_phase_of_every_step_is_recorded_in_order(lora_lr0):
     for s in (0, 1):
         assert [x["phase"] for x in steps[s]] == plan["expected_step_phases"]
     assert [x["idx"] for x in recs] == list(range(len(recs)))
+
+
+@pytest.mark.slow
+def test_the_console_shows_one_line_per_step_and_no_phase_lines(lora_lr0):
+    """By default: the setup in one line, then one line per step with the watched numbers (its
+    step count, reward, KL, clip fraction, grad norm, loss, time and peak memory), once (the end's
+    summary does not repeat them), and no phase line; the records are all in phases.jsonl."""
+    r, run_dir = lora_lr0
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not [x for x in r.stdout.splitlines() if x.startswith("phase ")], r.stdout[-3000:]
+    lines = r.stderr.splitlines()
+    assert len([x for x in lines if x.startswith("setup: ")]) == 1, lines
+    steps = [x for x in lines if re.match(r"step \d+ ", x)]
+    assert [x.split(":")[0] for x in steps] == ["step 0 (1/2)", "step 1 (2/2)"], lines
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    for line, m in zip(steps, metrics, strict=True):
+        for key in ("reward_mean", "kl", "clip_frac", "grad_norm", "loss"):
+            assert f" {key}={m[key]:.3g} " in line, (key, line)
+        for key in ("step_s", "dev_peak", "rss_peak"):
+            assert f" {key}=" in line, (key, line)
+    assert len(records(run_dir)) > 2 * 10
 
 
 @pytest.mark.slow
@@ -157,8 +181,20 @@ def test_report_is_written_and_finds_the_run_complete(lora_lr0):
 def lora_backup_naive(tiny_ckpt, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("rl_lora_naive")
     r = rl_run(run_dir, tiny_ckpt, "--lora-rank", "4", "--weights-cpu-backup", "--check-weights",
-               "--schedule", "naive", "--wandb", "disabled")  # fmt: skip
+               "--schedule", "naive", "--wandb", "disabled", "--console", "phases")  # fmt: skip
     return r, run_dir
+
+
+@pytest.mark.slow
+def test_console_phases_prints_one_line_per_phase_record(lora_backup_naive):
+    """``--console phases``: one short line per record on stdout, in the records' order, and the
+    step lines on stderr as by default."""
+    r, run_dir = lora_backup_naive
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [x for x in r.stdout.splitlines() if x.startswith("phase ")]
+    recs = records(run_dir)
+    assert [x.split()[1:3] for x in lines] == [[str(x["idx"]), x["phase"]] for x in recs], r.stdout[-3000:]
+    assert len([x for x in r.stderr.splitlines() if re.match(r"step \d+ \(", x)]) == 2, r.stderr[-3000:]
 
 
 @pytest.mark.slow
