@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from mllm_rl.option_error import OptionError
+from mllm_rl.options.fields import check_fields, opt
 
 Fingerprint = dict[str, tuple[float, float]]  # hf_name -> (sum, sum of squares), float64
 
@@ -52,7 +53,6 @@ class SamplingParams:
             raise ValueError(f"request_offset must be >= 0, got {self.request_offset}")
 
 
-ENGINE_CHOICES = ("auto", "embedded", "sglang")  # every backend's choices, for --engine
 DEFAULT_CONTEXT_LENGTH = 512
 DEFAULT_MAX_TOTAL_TOKENS = 4096
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # an engine's task name: a path- and tag-safe word
@@ -73,17 +73,17 @@ class EngineOptions:
     engine's port and its process group's port) so engines started together never pick the same.
     """
 
-    tp: int = 1
-    engine: str = "auto"
-    max_total_tokens: int | None = None
-    context_length: int | None = None
-    max_running_requests: int | None = None
-    seed: int = 0
+    tp: int = opt("tp")
+    engine: str = opt("engine")
+    max_total_tokens: int | None = opt("max_total_tokens", given=True)  # --kv-tokens auto: None, sized
+    context_length: int | None = opt("context_length")
+    max_running_requests: int | None = opt("max_running_requests", default=None)  # None: the engine's own
+    seed: int = opt("seed")
     chunk_bytes: int = 64 * 2**20  # streamed updates: tensors above this go in chunks; 0 = whole
-    weights_cpu_backup: bool = False
+    weights_cpu_backup: bool = opt("weights_cpu_backup")
     task: str | None = None
     ports: tuple[int, ...] | None = None
-    mem_fraction_static: float | None = None  # the engine's share of device memory (server engines)
+    mem_fraction_static: float | None = opt("mem_fraction_static")  # the engine's share of device memory
 
     def __post_init__(self) -> None:
         if self.task is not None and (not isinstance(self.task, str) or not TASK_NAME.fullmatch(self.task)):
@@ -94,21 +94,14 @@ class EngineOptions:
                 isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in self.ports
             ):
                 raise ValueError(f"engine ports {self.ports!r}: expected a tuple of two ports (1..65535)")
-        if self.engine not in ENGINE_CHOICES:
-            raise OptionError("engine", f"{self.engine!r}: choose one of {', '.join(ENGINE_CHOICES)}")
-        for field, value, low in (
-            ("tp", self.tp, 1),
-            ("max_total_tokens", self.max_total_tokens, 1),
-            ("context_length", self.context_length, 1),
-            ("max_running_requests", self.max_running_requests, 1),
-            ("chunk_bytes", self.chunk_bytes, 0),
-        ):
-            if value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise OptionError(field, f"must be an integer, got {value!r}")
-            if value < low:
-                raise OptionError(field, f"must be >= {low}, got {value}")
+        check_fields(self)
+        if isinstance(self.max_total_tokens, str):  # the option's word (auto) is the plan's to resolve
+            raise OptionError("max_total_tokens", f"must be an integer, got {self.max_total_tokens!r}")
+        # bytes here, MiB as the option (--swap-chunk-mb): not bound to it, checked here
+        if not isinstance(self.chunk_bytes, int) or isinstance(self.chunk_bytes, bool):
+            raise OptionError("chunk_bytes", f"must be an integer, got {self.chunk_bytes!r}")
+        if self.chunk_bytes < 0:
+            raise OptionError("chunk_bytes", f"must be >= 0, got {self.chunk_bytes}")
 
     def check_backend(self, backend: str, engines: Mapping[str, str]) -> None:
         """``ValueError`` unless ``engine`` is one of ``engines`` (choice -> what it starts), the

@@ -41,10 +41,9 @@ from mllm_rl.engine import (
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.faults import fault_value
 from mllm_rl.option_error import OptionError
-from mllm_rl.options.schema import default
+from mllm_rl.options.fields import check_fields, opt
 from mllm_rl.phases.recorder import PhaseHandle, PhaseRecorder
 from mllm_rl.progress import waiting
-from mllm_rl.rl.old_logp import SOURCES as OLD_LOGP_SOURCES
 from mllm_rl.rl.old_logp import with_trainer_old_logp
 from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, Trainer
 
@@ -90,24 +89,19 @@ def check_finite(step: int | None, train: dict[str, Any], info: dict[str, Any]) 
 
 @dataclasses.dataclass
 class LifecycleOptions:
-    schedule: str = default("schedule")
-    check_weights: bool = default("check_weights")
+    schedule: str = opt("schedule")
+    check_weights: bool = opt("check_weights")
     probe_ids: tuple[int, ...] = ()  # garbage-guard prompt (token ids)
     probe_tokens: int = 8
     drain_timeout_s: float = 120.0
     # The PPO ratio's old log-probs: recomputed by the trainer at the start of ``train_step``
     # (verl's default) or the engine's (``mllm_rl.rl.old_logp``); ``tis_cap`` > 0: truncated
     # importance sampling of the engine/trainer mismatch (needs ``old_logp="trainer"``).
-    old_logp: str = default("old_logp")
-    tis_cap: float = default("tis_cap")
+    old_logp: str = opt("old_logp")
+    tis_cap: float = opt("tis_cap")
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise OptionError("schedule", f"{self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
-        if self.old_logp not in OLD_LOGP_SOURCES:
-            raise OptionError("old_logp", f"{self.old_logp!r}: choose one of {', '.join(OLD_LOGP_SOURCES)}")
-        if not (math.isfinite(self.tis_cap) and self.tis_cap >= 0):
-            raise OptionError("tis_cap", f"must be >= 0, got {self.tis_cap}")
+        check_fields(self)
         if self.tis_cap > 0 and self.old_logp != "trainer":
             raise OptionError(
                 "tis_cap",

@@ -1,26 +1,21 @@
-"""``OptionError``: a bad option value named by its field, not by how a user spelled it.
+"""``OptionError``: a bad option value named by its option key, not by how a user spelled it.
 
 The options dataclasses (``RLOptions``, ``SwapOptions``, ``EngineOptions``, ``TrainConfig``,
-``LossConfig``, ``LifecycleOptions``, ``SamplingParams``) raise it with the field's name
-(``steps must be >= 1, got 0``); whoever knows the spelling says it: the CLI as the flag
-(``--steps must be >= 1, got 0``, ``cli_flag``), a tasks file as its key (``cli_key``).
+``LossConfig``, ``LifecycleOptions``, ``SamplingParams``) raise it with the key of the option a field
+is bound to (``mllm_rl.options.fields``), else the field's name (``steps must be >= 1, got 0``);
+whoever knows the spelling says it: the CLI as the flag (``--steps must be >= 1, got 0``,
+``cli_flag``), a tasks file as its key (``cli_key``).
 """
 
 from __future__ import annotations
 
-# Fields whose flag (and tasks-file key) is not the field's own name.
-CLI_NAMES = {
-    "beta": "kl_beta",
-    "aggregation": "loss_agg",
-    "empty_seqs": "loss_empty_seqs",
-    "mode": "swap_mode",
-    "chunk_bytes": "swap_chunk_mb",
-}
+# Unbound fields whose flag (and tasks-file key) is not the field's own name.
+CLI_NAMES = {"chunk_bytes": "swap_chunk_mb"}
 
 
 class OptionError(ValueError):
-    """``field`` (a dataclass field name) and ``problem`` (``must be >= 1, got 0``, ``'x': choose
-    one of a, b``); ``str()`` is ``"<field> <problem>"``."""
+    """``field`` (an option key or a dataclass field name) and ``problem`` (``must be >= 1, got 0``,
+    ``'x': choose one of a, b``); ``str()`` is ``"<field> <problem>"``."""
 
     def __init__(self, field: str, problem: str) -> None:
         self.field, self.problem = field, problem

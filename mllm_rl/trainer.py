@@ -26,7 +26,8 @@ import numpy as np
 
 from mllm_rl.engine import Fingerprint, WeightExport
 from mllm_rl.option_error import OptionError
-from mllm_rl.options.schema import default
+from mllm_rl.options.fields import check_fields, opt
+from mllm_rl.options.schema import FROM_SCRATCH_LR
 from mllm_rl.rl.batch import RolloutBatch  # defined with build_batch; imported from here by the backends
 from mllm_rl.rl.loss_config import LossConfig
 
@@ -37,53 +38,38 @@ PRECISIONS = ("mixed", "pure")
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    lr: float = 1e-3
-    weight_decay: float = default("weight_decay")
+    lr: float = opt("lr", default=FROM_SCRATCH_LR, given=True)  # --lr unset: the model's (``default_lr``)
+    weight_decay: float = opt("weight_decay")
     adam_b1: float = 0.9
     adam_b2: float = 0.999
-    grad_clip: float = default("grad_clip")  # global-norm clipping; 0 = off
-    mini_batches: int = default(
-        "mini_batches"
-    )  # optimizer updates per RL step (the batch split in this many parts)
-    micro_batch_size: int = default(
-        "micro_batch_size"
-    )  # sequences per forward/backward (gradient accumulation)
+    grad_clip: float = opt("grad_clip")  # global-norm clipping; 0 = off
+    mini_batches: int = opt("mini_batches")  # optimizer updates per RL step (the batch in this many parts)
+    micro_batch_size: int = opt("micro_batch_size")  # sequences per forward/backward (gradient accumulation)
     loss: LossConfig = LossConfig()
-    lora_rank: int = default("lora_rank")  # > 0: train LoRA adapters on every linear layer, base frozen
-    lora_alpha: float = default("lora_alpha")
-    seed: int = default("seed")
+    lora_rank: int = opt("lora_rank")  # > 0: train LoRA adapters on every linear layer, base frozen
+    lora_alpha: float = opt("lora_alpha")
+    seed: int = opt("seed")
     # The rollout's sampling temperature: every log-prob the trainer computes (new, reference,
     # recomputed old) is of softmax(logits / temperature), the distribution the engine sampled.
-    temperature: float = default("temperature")
+    temperature: float = opt("temperature", given=True)
     # mixed: a 16-bit checkpoint trains float32 master params with float32 AdamW moments and
     # computes in the checkpoint's dtype (the engine gets casts of the masters); pure: params
     # and moments in the checkpoint's dtype (half the state; steps below half an ulp are lost).
-    precision: str = default("precision")
+    precision: str = opt("precision")
     # The backend's model options by name (JAX: ``ModelOptions`` fields such as remat, scan_layers,
     # opt_dtype; torch: ``TorchModelOptions``, remat; the run's --model-option, the plan's too) and
     # the trainer's tensor-parallel size.
     model_options: tuple[tuple[str, Any], ...] = ()
-    trainer_tp: int = default("trainer_tp")
+    trainer_tp: int = opt("trainer_tp")
     # How the trainer's state is sharded (JAX: the mesh's fsdp axis; torch: FSDP2 over the
     # processes); 0: over everything there is.
-    fsdp: int = default("fsdp")
+    fsdp: int = opt("fsdp")
 
     def __post_init__(self) -> None:
-        if self.trainer_tp < 1:
-            raise OptionError("trainer_tp", f"must be >= 1, got {self.trainer_tp}")
-        if self.fsdp < 0:
-            raise OptionError("fsdp", f"must be >= 0, got {self.fsdp}")
-        if self.precision not in PRECISIONS:
-            raise OptionError("precision", f"{self.precision!r}: choose one of {', '.join(PRECISIONS)}")
-        if not self.temperature > 0:
+        check_fields(self)
+        # The option takes 0 (``RLOptions`` says why a run refuses it); the log-probs divide by it.
+        if self.temperature == 0:
             raise OptionError("temperature", f"must be > 0, got {self.temperature}")
-        if self.lr < 0:
-            raise OptionError("lr", f"must be >= 0, got {self.lr}")
-        for field in ("mini_batches", "micro_batch_size"):
-            if getattr(self, field) < 1:
-                raise OptionError(field, f"must be >= 1, got {getattr(self, field)}")
-        if self.lora_rank < 0:
-            raise OptionError("lora_rank", f"must be >= 0, got {self.lora_rank}")
 
 
 def check_state_names(what: Sequence[str]) -> list[str]:

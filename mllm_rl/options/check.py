@@ -10,6 +10,7 @@ file's key (``lr``): ``--lr must be >= 0, got nan``, ``steps: expected int, got 
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import tempfile
 from pathlib import Path
@@ -45,23 +46,41 @@ def check_type(opt: Option, value: Any, name: str) -> Any:
     return value
 
 
-def check_range(opt: Option, value: Any, name: str) -> None:
-    """Finite, within ``low``/``high``, one of ``choices``; ``None`` passes where it is allowed."""
+def range_problem(opt: Option, value: Any) -> str | None:
+    """What is wrong with ``value`` (``must be >= 1, got 0``), or None: a number (an integer where
+    ``int`` is declared), finite, within ``low``/``high`` (else ``why`` when the option has one), one of
+    ``choices``, not an old name of one; ``None`` passes where it is allowed."""
     if value is None or (isinstance(value, str) and value in opt.words):
-        return
+        return None
     if opt.type in (int, float):
+        if isinstance(value, bool) or not isinstance(
+            value, numbers.Integral if opt.type is int else numbers.Real
+        ):
+            return f"must be {'an integer' if opt.type is int else 'a number'}, got {value!r}"
         if not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number, got {value}")
-        if opt.low is not None and not (value > opt.low if opt.strict else value >= opt.low):
-            raise ValueError(f"{name} must be {'>' if opt.strict else '>='} {opt.low:g}, got {value}")
-        if opt.high is not None and value > opt.high:
-            raise ValueError(f"{name} must be <= {opt.high:g}, got {value}")
+            return f"must be a finite number, got {value}"
+        below = opt.low is not None and not (value > opt.low if opt.strict else value >= opt.low)
+        above = opt.high is not None and value > opt.high
+        if (below or above) and opt.why:
+            return f"{value}: {opt.why}"
+        if below:
+            return f"must be {'>' if opt.strict else '>='} {opt.low:g}, got {value}"
+        if above:
+            return f"must be <= {opt.high:g}, got {value}"
     new = opt.renamed_to(value)
     if new is not None:
-        raise ValueError(f"{name} {value!r} is called {new!r} now: use {new!r}")
+        return f"{value!r} is called {new!r} now: use {new!r}"
     choices = opt.choice_list()
     if choices is not None and value not in choices:
-        raise ValueError(f"{name} {value!r}: choose one of {', '.join(choices)}")
+        return f"{value!r}: choose one of {', '.join(choices)}"
+    return None
+
+
+def check_range(opt: Option, value: Any, name: str) -> None:
+    """``ValueError`` (``<name> <range_problem>``) unless ``value`` is in range."""
+    problem = range_problem(opt, value)
+    if problem is not None:
+        raise ValueError(f"{name} {problem}")
 
 
 def parse_key_value(text: str, flag: str) -> tuple[str, Any]:

@@ -28,6 +28,10 @@ KV_AUTO = "auto"  # --kv-tokens auto: the KV pool the run's memory plan leaves r
 RUN = frozenset({"rl", "swap", "tasks"})  # every mode of ``python -m mllm_rl.run``
 RL = frozenset({"rl", "task"})  # an RL setting: the rl plan's flag and a task key
 CONSOLE_RENAMED = {"compact": "phases"}  # --console: old value -> its name now
+# The learning rate of a run without --lr: ``tiny`` trains from random initialisation; any other model is
+# taken as pretrained and fine-tuned at verl's default actor learning rate (``mllm_rl.plans.rl.default_lr``).
+FROM_SCRATCH_LR = 3e-3
+FINE_TUNE_LR = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +55,7 @@ class Option:
     words: tuple[str, ...] = ()  # strings a number setting also takes (--kv-tokens auto)
     backends: frozenset[str] | None = None  # the backends that take it (None: every backend)
     renamed: str | None = None  # "module:NAME" of a dict {old value: its name now}: refused naming it
+    why: str | None = None  # why a value out of range is refused, said in place of the bare bound
 
     @property
     def flag(self) -> str:
@@ -75,6 +80,11 @@ def _o(
     key: str, type_: type, default: Any, help_: str, group: str, scope: Iterable[str], **kw: Any
 ) -> Option:
     return Option(key, type_, default, help_, group, frozenset(scope), **kw)
+
+
+def _sci(x: float) -> str:
+    """``3e-3``, as a person writes it (``:g`` says ``0.003``)."""
+    return f"{x:.0e}".replace("e-0", "e-")
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -171,7 +181,8 @@ OPTIONS: tuple[Option, ...] = (
        "generate_result", "rl plan", RL, low=0),
     _o("prompts_per_step", int, 16, "prompts per RL step", "rl plan", {*RL, "memplan"}, resume="fixed", low=1),
     _o("group_size", int, 8, "completions per prompt (GRPO group, >= 2)", "rl plan", {*RL, "memplan"},
-       resume="fixed", low=1),
+       resume="fixed", low=2, why="group-relative advantages need >= 2 completions per prompt (a group of one "
+       "has advantage 0 and trains nothing)"),
     _o("eval_prompts", int, 16, "held-out prompts of the greedy evaluations (evaluate, generate_result): "
        "the first N of --eval-data, or N rows held out of --data (never trained on; at most a quarter)",
        "rl plan", RL, low=1),
@@ -184,8 +195,8 @@ OPTIONS: tuple[Option, ...] = (
     _o("adv_std", str, "unbiased", "grpo: the group std (unbiased: n - 1, as verl and TRL; biased: n)",
        "rl plan", RL, resume="fixed", choices="mllm_rl.rl.advantages:STDS"),
     _o("lr", float, None, "AdamW learning rate", "rl plan", RL, resume="fixed", low=0, nullable=True,
-       default_text="3e-3 for the tiny preset (trained from random init), 1e-6 for every other model "
-       "(a pretrained checkpoint: fine-tuning, verl's default)"),
+       default_text=f"{_sci(FROM_SCRATCH_LR)} for the tiny preset (trained from random init), {_sci(FINE_TUNE_LR)} "
+       "for every other model (a pretrained checkpoint: fine-tuning, verl's default)"),
     _o("precision", str, "mixed", "mixed: a bf16/fp16 checkpoint trains float32 master weights with float32 "
        "AdamW moments, computes in bf16/fp16, the engine gets casts; pure: params and moments in the "
        "checkpoint dtype (half the state; Adam steps below half a bf16 ulp are lost: little or no learning "
@@ -276,8 +287,8 @@ ALIASES: dict[str, str] = {a[2:].replace("-", "_"): o.key for o in OPTIONS for a
 
 
 def default(key: str) -> Any:
-    """The declared default of a setting: what the typed options dataclasses (``RLOptions``,
-    ``TrainConfig``, ``LossConfig``, ``LifecycleOptions``) take as theirs, so a default is written once."""
+    """The declared default of a setting (the default of every dataclass field bound to it:
+    ``mllm_rl.options.fields.opt``)."""
     return BY_KEY[key].default
 
 

@@ -158,18 +158,14 @@ def platform_of(args: argparse.Namespace) -> str:
 def engine_options(args: argparse.Namespace, task: str | None = None) -> Any:
     """The engine options every plan (and every task of ``--tasks``) shares, from the settings."""
     from mllm_rl.engine import EngineOptions
+    from mllm_rl.options.fields import from_args
 
-    return EngineOptions(
-        tp=args.tp,
-        engine=args.engine,
+    return from_args(
+        EngineOptions,
+        args,
         max_total_tokens=None if args.max_total_tokens == KV_AUTO else args.max_total_tokens,
-        context_length=args.context_length,
-        max_running_requests=args.max_running_requests,
-        seed=args.seed,
         chunk_bytes=int(args.swap_chunk_mb * 2**20),
-        weights_cpu_backup=args.weights_cpu_backup,
         task=task,
-        mem_fraction_static=args.mem_fraction_static,
     )
 
 

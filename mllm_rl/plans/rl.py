@@ -41,17 +41,18 @@ from mllm_rl.lifecycle import SETUP_PHASES as LIFECYCLE_SETUP
 from mllm_rl.lifecycle import STEP_PHASES, LifecycleOptions, colocate, step_phases
 from mllm_rl.option_error import OptionError
 from mllm_rl.options.check import parse_key_value
-from mllm_rl.options.schema import KV_AUTO, default
+from mllm_rl.options.fields import check_fields, from_args, opt
+from mllm_rl.options.schema import FINE_TUNE_LR, FROM_SCRATCH_LR, KV_AUTO, default
 from mllm_rl.plans import setup
 from mllm_rl.plans.base import Plan, PlanRun
 from mllm_rl.profiling import Profiled, parse_steps
 from mllm_rl.progress import progress_bar
-from mllm_rl.rl.advantages import ESTIMATORS, STDS, group_advantages
+from mllm_rl.rl.advantages import group_advantages
 from mllm_rl.rl.batch import build_batch
 from mllm_rl.rl.loss_config import LossConfig
 from mllm_rl.tasks import Example, Task, TaskConfig, build_task
 from mllm_rl.tasks.registry import check_config, default_reward, task_name
-from mllm_rl.tasks.render import CHAT_TEMPLATE, check_lengths, render_all, token_ids, uses_template
+from mllm_rl.tasks.render import check_lengths, render_all, token_ids, uses_template
 from mllm_rl.tasks.reward import check_reward
 from mllm_rl.trainer import TrainConfig
 
@@ -59,11 +60,8 @@ SETUP_PHASES = ["wandb_init", "{ready}", "engine_ready_dummy", *LIFECYCLE_SETUP]
 FINAL_PHASES = ["checkpoint_flush", "generate_result"]
 PROBE_PROMPT = "abcabcab"
 KEEP_CHECKPOINTS = 2
-# Default learning rates (``--lr`` unset): ``tiny`` trains from random initialisation; any other
-# model is taken as pretrained and fine-tuned at verl's default actor learning rate.
-FROM_SCRATCH_LR = 3e-3
-FINE_TUNE_LR = 1e-6
-FROM_SCRATCH_PRESETS = ("tiny",)
+FROM_SCRATCH_PRESETS = ("tiny",)  # trained from random initialisation (``FROM_SCRATCH_LR``)
+RL_MAX_NEW_TOKENS = 8  # --max-new-tokens unset
 DEFAULT_RUNNING = 128  # requests per batch when sizing the KV cache of an unset --max-running-requests
 REWARDS_FILE = "rewards{p}.jsonl"  # every sample's reward (``RewardsFile``)
 EVAL_PHASE = "evaluate"  # --eval-every: after every step (scoring on the steps it names: ``evaluate_phase``)
@@ -73,70 +71,45 @@ TASKS_FILE_LACKS = ("eval_every",)
 
 @dataclasses.dataclass
 class RLOptions:
-    steps: int = default("steps")
-    prompts_per_step: int = default("prompts_per_step")
-    group_size: int = default("group_size")
-    max_new_tokens: int = 8
-    temperature: float = default("temperature")
-    top_p: float = default("top_p")
-    estimator: str = default("estimator")
-    adv_std: str = default("adv_std")  # the GRPO group std (``mllm_rl.rl.advantages``)
+    steps: int = opt("steps")
+    prompts_per_step: int = opt("prompts_per_step")
+    group_size: int = opt("group_size")
+    max_new_tokens: int = opt("max_new_tokens", default=RL_MAX_NEW_TOKENS, given=True)
+    temperature: float = opt("temperature")
+    top_p: float = opt("top_p")
+    estimator: str = opt("estimator")
+    adv_std: str = opt("adv_std")  # the GRPO group std (``mllm_rl.rl.advantages``)
     lr_from_model: bool = False  # --lr unset: ``RLPlan.with_model`` sets ``train.lr`` from the model
-    task: str | None = default("task")  # None: ``data`` with ``task_data``, else ``pattern``
-    task_data: str | None = default("task_data")
-    prompt_key: str | None = default("prompt_key")
-    answer_key: str | None = default("answer_key")
-    chat_template: str = default("chat_template")
-    reward: str | None = default("reward")  # None: the task's own (``mllm_rl.tasks``)
-    reward_timeout: float = default("reward_timeout")
-    eval_data: str | None = default("eval_data")
-    eval_every: int = default("eval_every")  # 0 = no ``evaluate`` phase (only ``generate_result``)
-    eval_prompts: int = default("eval_prompts")
-    checkpoint_every: int = default(
-        "checkpoint_every"
-    )  # 0 = never; otherwise every N steps and always the last one
+    task: str | None = opt("task")  # None: ``data`` with ``task_data``, else ``pattern``
+    task_data: str | None = opt("task_data")
+    prompt_key: str | None = opt("prompt_key")
+    answer_key: str | None = opt("answer_key")
+    chat_template: str = opt("chat_template")
+    reward: str | None = opt("reward")  # None: the task's own (``mllm_rl.tasks``)
+    reward_timeout: float = opt("reward_timeout")
+    eval_data: str | None = opt("eval_data")
+    eval_every: int = opt("eval_every")  # 0 = no ``evaluate`` phase (only ``generate_result``)
+    eval_prompts: int = opt("eval_prompts")
+    checkpoint_every: int = opt("checkpoint_every")  # 0 = never; else every N steps and the last one
     # True: a trainer with a host snapshot (``Trainer.snapshot``) has it written in the background
-    checkpoint_background: bool = default("checkpoint_background")
+    checkpoint_background: bool = opt("checkpoint_background")
     resume_from: RLCheckpoint | None = None  # verified by the caller (``find_resumable``)
-    seed: int = default("seed")
-    platform: str = default("platform")
+    seed: int = opt("seed")
+    platform: str = opt("platform", given=True)  # as the backends name it (``platform_of``)
     engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     lifecycle: LifecycleOptions = dataclasses.field(default_factory=LifecycleOptions)
     # The run's own memory plan before start-up (``mllm_rl.memplan.for_run``): check | warn | off, the
     # budget (fraction of device memory) and --kv-tokens auto (the engine's pool sized by the plan).
-    memory_plan: str = default("memory_plan")
-    plan_margin: float = default("margin")
+    memory_plan: str = opt("memory_plan")
+    plan_margin: float = opt("margin")
     kv_auto: bool = False
     profile_steps: frozenset[int] = frozenset()  # --profile (``mllm_rl.profiling``)
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise OptionError("steps", f"must be >= 1, got {self.steps}")
+        check_fields(self)
         self.task = task_name(self.task, self.task_data)
-        if self.eval_every < 0:
-            raise OptionError("eval_every", f"must be >= 0, got {self.eval_every}")
-        if self.eval_prompts < 1:
-            raise OptionError("eval_prompts", f"must be >= 1, got {self.eval_prompts}")
-        if self.chat_template not in CHAT_TEMPLATE:
-            raise OptionError(
-                "chat_template", f"{self.chat_template!r}: choose one of {', '.join(CHAT_TEMPLATE)}"
-            )
-        if not self.reward_timeout > 0:
-            raise OptionError("reward_timeout", f"must be > 0, got {self.reward_timeout}")
-        if self.prompts_per_step < 1:
-            raise OptionError("prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
-        if self.group_size < 2:
-            raise OptionError(
-                "group_size",
-                f"{self.group_size}: group-relative advantages need >= 2 completions per "
-                f"prompt (a group of one has advantage 0 and trains nothing)",
-            )
-        if self.estimator not in ESTIMATORS:
-            raise OptionError("estimator", f"{self.estimator!r}: choose one of {', '.join(ESTIMATORS)}")
-        if self.adv_std not in STDS:
-            raise OptionError("adv_std", f"{self.adv_std!r}: choose one of {', '.join(STDS)}")
-        if self.temperature <= 0:
+        if self.temperature == 0:  # the option's range is >= 0 (its message for a negative value); 0 says why
             raise OptionError(
                 "temperature",
                 f"{self.temperature}: RL samples its groups (a temperature of 0 is greedy: every "
@@ -148,8 +121,6 @@ class RLOptions:
                 f"the trainer's log-prob temperature {self.train.temperature} "
                 f"differs from the rollout's {self.temperature}",
             )
-        if self.checkpoint_every < 0:
-            raise OptionError("checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
         if self.resume_from is not None and self.resume_from.step + 1 >= self.steps:
             raise OptionError(
                 "steps",
@@ -583,71 +554,28 @@ class RLPlan(Plan[RLOptions]):
                 reward_timeout=args.reward_timeout,
             )
         )
-        loss = LossConfig(
-            eps_low=args.eps_low,
-            eps_high=args.eps_high,
-            beta=args.kl_beta,
-            aggregation=args.loss_agg,
-            max_len=args.max_new_tokens or 8,
-            clip_ratio_c=args.clip_ratio_c,
-            kl_clamp=args.kl_clamp,
-            empty_seqs=args.loss_empty_seqs,
-        )
-        lr = FROM_SCRATCH_LR if args.lr is None else args.lr  # the model's default: ``with_model``
-        train = TrainConfig(
-            lr=lr,
-            weight_decay=args.weight_decay,
-            grad_clip=args.grad_clip,
-            mini_batches=args.mini_batches,
-            micro_batch_size=args.micro_batch_size,
-            loss=loss,
-            lora_rank=args.lora_rank,
-            lora_alpha=args.lora_alpha,
-            seed=args.seed,
+        max_new_tokens = args.max_new_tokens or RL_MAX_NEW_TOKENS
+        loss = from_args(LossConfig, args, max_len=max_new_tokens)
+        model_options = tuple(parse_key_value(o, "--model-option") for o in args.model_option or [])
+        train = from_args(
+            TrainConfig,
+            args,
+            lr=FROM_SCRATCH_LR if args.lr is None else args.lr,  # the model's default: ``with_model``
             temperature=args.temperature or 1.0,  # 0: RLOptions refuses it, saying why
-            precision=args.precision,
-            trainer_tp=args.trainer_tp,
-            fsdp=args.fsdp,
-            model_options=tuple(parse_key_value(o, "--model-option") for o in args.model_option or []),
+            loss=loss,
+            model_options=model_options,
         )
-        return RLOptions(
-            steps=args.steps,
-            prompts_per_step=args.prompts_per_step,
-            group_size=args.group_size,
-            max_new_tokens=args.max_new_tokens or 8,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            estimator=args.estimator,
-            adv_std=args.adv_std,
+        return from_args(
+            RLOptions,
+            args,
+            max_new_tokens=max_new_tokens,
             lr_from_model=args.lr is None,
-            task=args.task,
-            task_data=args.task_data,
-            prompt_key=args.prompt_key,
-            answer_key=args.answer_key,
-            chat_template=args.chat_template,
-            reward=args.reward,
-            reward_timeout=args.reward_timeout,
-            eval_data=args.eval_data,
-            eval_every=args.eval_every,
-            eval_prompts=args.eval_prompts,
-            checkpoint_every=args.checkpoint_every,
-            checkpoint_background=args.checkpoint_background,
-            seed=args.seed,
             platform=platform,
             engine=engine,
             train=train,
-            lifecycle=LifecycleOptions(
-                schedule=args.schedule,
-                check_weights=args.check_weights,
-                old_logp=args.old_logp,
-                tis_cap=args.tis_cap,
-            ),
-            memory_plan=args.memory_plan,
-            plan_margin=args.margin,
+            lifecycle=from_args(LifecycleOptions, args),
             kv_auto=args.max_total_tokens == KV_AUTO,
-            profile_steps=parse_steps(args.profile, args.steps)
-            if getattr(args, "profile", None)
-            else frozenset(),
+            profile_steps=parse_steps(args.profile, args.steps) if args.profile else frozenset(),
         )
 
     def with_model(self, opts: RLOptions, model: Any) -> tuple[RLOptions, list[str]]:

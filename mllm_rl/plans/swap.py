@@ -21,7 +21,7 @@ from mllm_rl.backend import Backend
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import EngineOptions, SamplingParams, UpdateStats, WeightExport, WeightMismatch
 from mllm_rl.engine_state import ManagedEngine
-from mllm_rl.option_error import OptionError
+from mllm_rl.options.fields import check_fields, from_args, opt
 from mllm_rl.phases.recorder import PhaseRecorder
 from mllm_rl.plans import setup
 from mllm_rl.plans.base import Plan, PlanRun
@@ -31,19 +31,19 @@ DEFAULT_PROMPTS = ("你是谁", "The capital of France is")
 PHASES = ("wandb_init", "{ready}", "engine_ready_dummy", "weights_swapped", "generate_result")
 
 
+SWAP_MAX_NEW_TOKENS = 16  # --max-new-tokens unset
+
+
 @dataclasses.dataclass
 class SwapOptions:
-    platform: str = "auto"
-    mode: str = "streaming"  # or "naive"
-    prompts: tuple[str, ...] = DEFAULT_PROMPTS
-    max_new_tokens: int = 16
+    platform: str = opt("platform", given=True)  # as the backends name it (``platform_of``)
+    mode: str = opt("swap_mode")
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS  # --prompt, repeatable
+    max_new_tokens: int = opt("max_new_tokens", default=SWAP_MAX_NEW_TOKENS, given=True)
     engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("streaming", "naive"):
-            raise OptionError("mode", f"{self.mode!r}: use streaming or naive")
-        if self.max_new_tokens < 1:
-            raise OptionError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        check_fields(self)
 
 
 def encode_prompts(model: ModelDir, prompts: tuple[str, ...]) -> list[list[int]]:
@@ -63,11 +63,12 @@ class SwapPlan(Plan[SwapOptions]):
 
     def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> SwapOptions:
         # a flag of another plan (--resume, --task-data, ...) was refused by ``mllm_rl.run.check_mode``
-        return SwapOptions(
+        return from_args(
+            SwapOptions,
+            args,
             platform=platform,
-            mode=args.swap_mode,
-            prompts=tuple(args.prompt) if args.prompt else SwapOptions.prompts,
-            max_new_tokens=args.max_new_tokens or 16,
+            prompts=tuple(args.prompt) if args.prompt else DEFAULT_PROMPTS,
+            max_new_tokens=args.max_new_tokens or SWAP_MAX_NEW_TOKENS,
             engine=engine,
         )
 

@@ -41,12 +41,11 @@ dual clip caps (verl ``pg_clipfrac_lower``), ``ratio_mean``, ``kl`` (capped as i
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
 from mllm_rl.option_error import OptionError
-from mllm_rl.options.schema import default
+from mllm_rl.options.fields import check_fields, opt
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo", "token_sum_norm")
 SEQ_MEANS = ("seq_mean_token_mean", "seq_mean_token_sum")  # the means that ``empty_seqs`` applies to
@@ -58,32 +57,26 @@ LOG_RATIO_CLAMP = 20.0  # |logp - old_logp| is clamped before exp (verl's bound)
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    eps_low: float = default("eps_low")
-    eps_high: float = default("eps_high")
-    beta: float = default("kl_beta")  # KL weight; 0 = no reference policy needed
-    aggregation: str = default("loss_agg")
+    eps_low: float = opt("eps_low")
+    eps_high: float = opt("eps_high")
+    beta: float = opt("kl_beta")  # KL weight; 0 = no reference policy needed
+    aggregation: str = opt("loss_agg")
     max_len: int | None = None  # for dr_grpo and token_sum_norm
-    clip_ratio_c: float = default("clip_ratio_c")  # dual-clip bound for A < 0 (verl's default); 0 = off
-    kl_clamp: float = default("kl_clamp")  # cap of the per-token k3 (verl's 10); 0 = uncapped (TRL)
-    empty_seqs: str = default("loss_empty_seqs")  # sequence means: "exclude" (verl) | "count" (TRL)
+    clip_ratio_c: float = opt("clip_ratio_c")  # dual-clip bound for A < 0 (verl's default); 0 = off
+    kl_clamp: float = opt("kl_clamp")  # cap of the per-token k3 (verl's 10); 0 = uncapped (TRL)
+    empty_seqs: str = opt("loss_empty_seqs")  # sequence means: "exclude" (verl) | "count" (TRL)
 
     def __post_init__(self) -> None:
-        if self.aggregation in RENAMED:
+        if self.aggregation in RENAMED:  # before the schema's check: this one names both successors
             raise OptionError(
-                "aggregation",
+                "loss_agg",
                 f"{self.aggregation!r} is now called {RENAMED[self.aggregation]!r} (the same formula, "
                 f"TRL's name); verl's current seq-mean-token-sum-norm is 'token_sum_norm'",
             )
-        if self.aggregation not in AGGREGATIONS:
-            raise OptionError("aggregation", f"{self.aggregation!r}: choose one of {', '.join(AGGREGATIONS)}")
+        check_fields(self)
         if self.aggregation in NEEDS_MAX_LEN and not self.max_len:
             raise OptionError("max_len", f"must be set for {self.aggregation}")
-        if self.empty_seqs not in EMPTY_SEQS:
-            raise OptionError("empty_seqs", f"{self.empty_seqs!r}: choose one of {', '.join(EMPTY_SEQS)}")
-        for field in ("eps_low", "eps_high", "beta", "clip_ratio_c", "kl_clamp"):
-            if not (math.isfinite(getattr(self, field)) and getattr(self, field) >= 0):
-                raise OptionError(field, f"must be >= 0, got {getattr(self, field)}")
-        if 0 < self.clip_ratio_c <= 1:
+        if 0 < self.clip_ratio_c <= 1:  # the schema has one range per option: >= 0 there
             raise OptionError("clip_ratio_c", f"must be > 1 (or 0 = off), got {self.clip_ratio_c}")
 
     @property

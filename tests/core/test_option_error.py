@@ -20,17 +20,17 @@ BAD = [
     (RLOptions, {"group_size": 1}, "group_size"),
     (RLOptions, {"estimator": "ppo"}, "estimator"),
     (RLOptions, {"checkpoint_every": -1}, "checkpoint_every"),
-    (SwapOptions, {"mode": "eager"}, "mode"),
+    (SwapOptions, {"mode": "eager"}, "swap_mode"),
     (EngineOptions, {"context_length": 0}, "context_length"),
     (EngineOptions, {"chunk_bytes": -1}, "chunk_bytes"),
     (SamplingParams, {"top_p": 0.0}, "top_p"),
     (LifecycleOptions, {"schedule": "eager"}, "schedule"),
     (TrainConfig, {"lr": -1.0}, "lr"),
     (TrainConfig, {"micro_batch_size": 0}, "micro_batch_size"),
-    (LossConfig, {"beta": -0.1}, "beta"),
-    (LossConfig, {"aggregation": "sum"}, "aggregation"),
+    (LossConfig, {"beta": -0.1}, "kl_beta"),
+    (LossConfig, {"aggregation": "sum"}, "loss_agg"),
     (LossConfig, {"kl_clamp": -1.0}, "kl_clamp"),
-    (LossConfig, {"empty_seqs": "skip"}, "empty_seqs"),
+    (LossConfig, {"empty_seqs": "skip"}, "loss_empty_seqs"),
 ]
 
 
@@ -44,9 +44,11 @@ def test_an_invalid_option_names_its_field_and_the_cli_has_a_flag_for_it(cls, kw
     assert cli_flag(field) in flags
 
 
-def test_every_field_with_a_flag_of_another_name_is_a_tasks_file_key_too():
+def test_every_field_with_a_flag_of_another_name_is_an_option_key():
     for field in ("beta", "aggregation", "empty_seqs"):
-        assert cli_key(field) in FIELDS
+        with pytest.raises(OptionError) as e:
+            LossConfig(**{field: -1.0 if field == "beta" else "x"})
+        assert e.value.field != field and cli_key(e.value.field) in FIELDS
 
 
 def test_the_cli_says_the_flag_the_user_typed():

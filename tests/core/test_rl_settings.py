@@ -70,7 +70,7 @@ def test_the_verl_and_trl_loss_choices_reach_the_loss():
 @pytest.mark.parametrize(
     "kw,field",
     [({"aggregation": "token_sum_norm"}, "max_len"), ({"kl_clamp": float("nan")}, "kl_clamp"),
-     ({"empty_seqs": "drop"}, "empty_seqs")],
+     ({"empty_seqs": "drop"}, "loss_empty_seqs")],
 )  # fmt: skip
 def test_a_bad_loss_setting_names_its_field(kw, field):
     with pytest.raises(OptionError) as e:
