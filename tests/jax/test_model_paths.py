@@ -48,7 +48,9 @@ PATHS = {
     "logprob_chunk": ModelOptions(logprob_chunk=7),  # 7 does not divide T: the padded chunk
     "tpu_default": ModelOptions.for_platform("tpu"),  # all of them together
 }
-TRAIN = TrainConfig(lr=1e-2, micro_batch_size=2, mini_batches=2, loss=LossConfig(beta=0.05))
+# kl_clamp 0: the batch's random ref_logp puts k3 far past verl's clamp of 10, where it would stop
+# the KL term's gradient; unclamped, every weight gets a gradient the paths must agree on.
+TRAIN = TrainConfig(lr=1e-2, micro_batch_size=2, mini_batches=2, loss=LossConfig(beta=0.05, kl_clamp=0.0))
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +135,7 @@ def test_reference_gradients_are_not_trivial(reference):
 
 def test_lora_on_stacked_layers_matches_the_list_layout(md, mb):
     """Same adapters drawn per layer (by HF name) and same adapter gradients."""
-    cfg = TrainConfig(lora_rank=4, loss=LossConfig(beta=0.05))
+    cfg = TrainConfig(lora_rank=4, loss=LossConfig(beta=0.05, kl_clamp=0.0))
     want = observe(md, ModelOptions(), mb, cfg)
     got = observe(md, ModelOptions(scan_layers=True, remat="block", logprob_chunk=16), mb, cfg)
     np.testing.assert_allclose(got["logp"][np.asarray(mb["attn"])[:, 1:]],
@@ -177,7 +179,9 @@ def _batch(seed: int = 3, b: int = 4, t: int = 24) -> RolloutBatch:
 def test_trainer_on_the_tpu_paths_trains_exports_and_checkpoints_like_the_reference(md, tmp_path, lora):
     """Two RL steps (KL in the loss, 2 mini-batches of 2 micro-batches), then export, fingerprint,
     greedy probe, log-probs and an orbax save/restore round trip, stacked vs list layout."""
-    cfg = TrainConfig(lr=1e-2, micro_batch_size=1, mini_batches=2, lora_rank=lora, loss=LossConfig(beta=0.05))
+    cfg = TrainConfig(
+        lr=1e-2, micro_batch_size=1, mini_batches=2, lora_rank=lora, loss=LossConfig(beta=0.05, kl_clamp=0.0)
+    )
     ref, new = JaxTrainer(md, cfg, ModelOptions()), JaxTrainer(md, cfg, ModelOptions.for_platform("tpu"))
     assert new.opts.scan_layers and new.opts.attention == "splash"
     batch = _batch()
@@ -284,7 +288,7 @@ batch = RolloutBatch(*(d[k] for k in ("tokens", "attention_mask", "loss_mask", "
 out = {}
 for name, opts in (("ref", ModelOptions()), ("tp2", ModelOptions(tp=2, scan_layers=True, attention="splash",
                                                                  remat="block", logprob_chunk=8))):
-    t = JaxTrainer(ModelDir.open(sys.argv[1]), TrainConfig(lr=1e-2, micro_batch_size=4, loss=LossConfig(beta=0.05)),
+    t = JaxTrainer(ModelDir.open(sys.argv[1]), TrainConfig(lr=1e-2, micro_batch_size=4, loss=LossConfig(beta=0.05, kl_clamp=0.0)),
                    opts)
     specs = sorted({str(x.sharding.spec) for x in __import__("jax").tree.leaves(t.trainable)})
     out[name] = {"mesh": dict(t.mesh.shape), "specs": specs,
