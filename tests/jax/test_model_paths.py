@@ -229,6 +229,17 @@ def test_trainer_on_the_tpu_paths_trains_exports_and_checkpoints_like_the_refere
     assert new.weights_fingerprint() == before
 
 
+def test_a_checkpoint_restores_only_into_the_layout_it_was_written_from(md, tmp_path):
+    """The loop layout's orbax state into the default (stacked) trainer: one ``ValueError`` naming
+    the option, not orbax's tree diff; the same layout restores."""
+    cfg = TrainConfig()
+    JaxTrainer(md, cfg, REFERENCE).save(tmp_path)
+    with pytest.raises(ValueError, match=r"laid out unlike this trainer's \(scan_layers=True") as e:
+        JaxTrainer(md, cfg, ModelOptions()).restore(tmp_path)
+    assert "--model-option scan_layers" in str(e.value) and "Source: MISSING" not in str(e.value)
+    JaxTrainer(md, cfg, REFERENCE).restore(tmp_path)
+
+
 def test_stacked_layers_load_every_tensor_into_its_row(md):
     mesh = make_mesh(1, jax.devices()[:1])
     cfg = TrainConfig()
