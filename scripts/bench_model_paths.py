@@ -14,8 +14,8 @@ machine); then new / old ratios. Each path compiles in its own process, so RSS a
 time are its own. A program that does not fit the target's memory is reported as such
 (libtpu refuses it at compile time with RESOURCE_EXHAUSTED).
 
-Paths: ``old`` = ``ModelOptions()`` (layers in a Python loop, no remat, [B, N, T, T] attention
-scores, whole [B, T, V] logits); ``new`` = ``ModelOptions.for_platform("tpu")`` (stacked layers
+Paths: ``old`` = ``ModelOptions(scan_layers=False, remat="none", logprob_chunk=0)`` (layers in a
+Python loop, no remat, [B, N, T, T] attention scores, whole [B, T, V] logits); ``new`` = ``ModelOptions.for_platform("tpu")`` (stacked layers
 under scan, per-block remat, splash attention, the head in 256-position chunks), both with
 ``--tp``. The last stdout line is a JSON summary.
 """
@@ -45,7 +45,9 @@ FNS = ("grad", "logprob")
 def path_options(path: str, tp: int) -> Any:
     from mllm_rl.backends.jax.options import ModelOptions
 
-    return ModelOptions(tp=tp) if path == "old" else ModelOptions.for_platform("tpu", tp=tp)
+    if path == "old":
+        return ModelOptions(tp=tp, scan_layers=False, remat="none", logprob_chunk=0)
+    return ModelOptions.for_platform("tpu", tp=tp)
 
 
 def compile_one(args: argparse.Namespace) -> dict[str, Any]:

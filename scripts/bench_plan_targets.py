@@ -31,9 +31,9 @@ from mllm_rl.memplan.__main__ import EXIT_DOES_NOT_FIT, EXIT_OK
 
 BATCH = ["--micro-batch-size", "4", "--seq-len", "4096", "--group-size", "8", "--prompts-per-step", "8"]
 KV128K = ["--kv-tokens", "131072"]
-# The trainer's memory-lean paths for GPU targets, where ModelOptions.for_platform keeps the
-# reference paths: stacked layers, per-block remat, chunked attention (splash is a TPU kernel),
-# the head in 256-position chunks.
+# The trainer's memory-lean paths for GPU targets: ModelOptions.for_platform's stacked layers,
+# per-block remat and 256-position head chunks (the default everywhere) with chunked attention
+# (splash is a TPU kernel; off TPU the default attention is dense).
 GPU_LEAN = [
     "--model-option",
     "scan_layers=true",

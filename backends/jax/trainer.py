@@ -397,10 +397,21 @@ class JaxTrainer:
         return None
 
     def restore(self, path: Path) -> None:
+        """Load a ``save``. The state is this trainer's param tree, so it restores only into the
+        layout it was written from (``scan_layers``, the LoRA rank): ``ValueError`` saying so."""
         import orbax.checkpoint as ocp
 
         self._need(PARAMS, OPTIMIZER)
         target = {"trainable": self.trainable, "opt_state": self.opt_state}
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-        state = ocp.StandardCheckpointer().restore(Path(path).resolve() / "state", abstract)
+        try:
+            state = ocp.StandardCheckpointer().restore(Path(path).resolve() / "state", abstract)
+        except ValueError as e:
+            if "tree structures do not match" not in str(e):
+                raise
+            raise ValueError(
+                f"{path}: the checkpoint's state is laid out unlike this trainer's (scan_layers="
+                f"{self.opts.scan_layers}, lora_rank={self.cfg.lora_rank}); resume with the model "
+                "options it was written with (--model-option scan_layers=..., --lora-rank)"
+            ) from None
         self.trainable, self.opt_state = state["trainable"], state["opt_state"]

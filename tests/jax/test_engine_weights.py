@@ -209,7 +209,7 @@ def _engine_like(md: ModelDir) -> tuple[list[jax.Array], ew.EngineLeaves]:
     return leaves, ew.EngineLeaves(lambda: leaves, mappings)
 
 
-@pytest.mark.parametrize(("lora", "scan"), [(0, False), (4, False), (4, True)])
+@pytest.mark.parametrize(("lora", "scan"), [(0, False), (0, True), (4, False), (4, True)])
 def test_trainer_export_is_installed_without_a_transpose(tiny_ckpt, layouts, lora, scan):
     """Kernels leave the trainer as ``KernelInOut`` [in, out] (LoRA: the merged kernel) and
     land in [in, out] leaves with no transpose anywhere; the engine's fingerprint of what it

@@ -1,8 +1,9 @@
 """Every ``ModelOptions`` path of the JAX model against the reference path, on CPU, fp32.
 
-The reference is ``ModelOptions()``: layers in a Python loop, no remat, dense attention with
-the [B, N, T, T] scores, whole [B, T, V] logits. Each other path (stacked layers under scan,
-remat, chunked / XLA / splash attention, chunked head) must give the same logits, log-probs,
+The reference is ``REFERENCE``: layers in a Python loop, no remat, dense attention with the
+[B, N, T, T] scores, whole [B, T, V] logits (not the default: ``ModelOptions()`` stacks the
+layers under scan and chunks the head). Each other path (stacked layers under scan, remat,
+chunked / XLA / splash attention, chunked head, the defaults) must give the same logits, log-probs,
 loss and gradients (by HF parameter name) within float32 tolerance on a batch with padding
 and an all-padding row; the trainer built on a path must train, export, fingerprint, probe
 and checkpoint like the reference. Splash attention runs in Pallas interpret mode here.
@@ -10,6 +11,7 @@ and checkpoint like the reference. Splash attention runs in Pallas interpret mod
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -38,14 +40,24 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.slow
 
 TOL = {"rtol": 1e-4, "atol": 2e-5}
+REFERENCE = ModelOptions(scan_layers=False, remat="none", attention="dense", logprob_chunk=0)
+
+
+def _ref(**kw) -> ModelOptions:
+    """The reference with ``kw`` changed: one option at a time."""
+    return dataclasses.replace(REFERENCE, **kw)
+
+
 PATHS = {
-    "scan": ModelOptions(scan_layers=True),
-    "remat_block": ModelOptions(remat="block"),
-    "scan_remat_dots": ModelOptions(scan_layers=True, remat="dots"),
-    "attention_xla": ModelOptions(attention="xla"),
-    "attention_chunked": ModelOptions(attention="chunked", attention_chunk=16),
-    "attention_splash": ModelOptions(attention="splash"),
-    "logprob_chunk": ModelOptions(logprob_chunk=7),  # 7 does not divide T: the padded chunk
+    "scan": _ref(scan_layers=True),
+    "remat_block": _ref(remat="block"),
+    "scan_remat_dots": _ref(scan_layers=True, remat="dots"),
+    "attention_xla": _ref(attention="xla"),
+    "attention_chunked": _ref(attention="chunked", attention_chunk=16),
+    "attention_splash": _ref(attention="splash"),
+    "logprob_chunk": _ref(logprob_chunk=7),  # 7 does not divide T: the padded chunk
+    "default": ModelOptions.for_platform("cpu"),  # what a CPU run trains on
+    "default_chunked_head": dataclasses.replace(ModelOptions.for_platform("cpu"), logprob_chunk=16),
     "tpu_default": ModelOptions.for_platform("tpu"),  # all of them together
 }
 # kl_clamp 0: the batch's random ref_logp puts k3 far past verl's clamp of 10, where it would stop
@@ -104,7 +116,7 @@ def observe(md: ModelDir, opts: ModelOptions, mb: dict[str, jax.Array], cfg: Tra
 
 @pytest.fixture(scope="module")
 def reference(md, mb) -> dict:
-    return observe(md, ModelOptions(), mb)
+    return observe(md, REFERENCE, mb)
 
 
 def assert_same(got: dict, want: dict, mb: dict[str, jax.Array]) -> None:
@@ -136,8 +148,8 @@ def test_reference_gradients_are_not_trivial(reference):
 def test_lora_on_stacked_layers_matches_the_list_layout(md, mb):
     """Same adapters drawn per layer (by HF name) and same adapter gradients."""
     cfg = TrainConfig(lora_rank=4, loss=LossConfig(beta=0.05, kl_clamp=0.0))
-    want = observe(md, ModelOptions(), mb, cfg)
-    got = observe(md, ModelOptions(scan_layers=True, remat="block", logprob_chunk=16), mb, cfg)
+    want = observe(md, REFERENCE, mb, cfg)
+    got = observe(md, _ref(scan_layers=True, remat="block", logprob_chunk=16), mb, cfg)
     np.testing.assert_allclose(got["logp"][np.asarray(mb["attn"])[:, 1:]],
                                want["logp"][np.asarray(mb["attn"])[:, 1:]], **TOL)  # fmt: skip
     for name, (ga, gb) in want["grads"].items():
@@ -155,7 +167,7 @@ def test_attention_paths_agree_on_gqa_with_padding_and_odd_length():
     attn[0, :9] = False  # left padding: a real query must not see these keys
     attn[1, 50:] = False
     ref = attention(q, kk, v, jnp.asarray(attn), "dense")
-    interp = make_run(ModelOptions(attention="splash"), make_mesh(1, jax.devices()[:1])).interpret
+    interp = make_run(_ref(attention="splash"), make_mesh(1, jax.devices()[:1])).interpret
     for impl, kw in (("xla", {}), ("chunked", {"chunk": 32}), ("splash", {"interpret": interp})):
         out = attention(q, kk, v, jnp.asarray(attn), impl, **kw)
         np.testing.assert_allclose(
@@ -182,7 +194,7 @@ def test_trainer_on_the_tpu_paths_trains_exports_and_checkpoints_like_the_refere
     cfg = TrainConfig(
         lr=1e-2, micro_batch_size=1, mini_batches=2, lora_rank=lora, loss=LossConfig(beta=0.05, kl_clamp=0.0)
     )
-    ref, new = JaxTrainer(md, cfg, ModelOptions()), JaxTrainer(md, cfg, ModelOptions.for_platform("tpu"))
+    ref, new = JaxTrainer(md, cfg, REFERENCE), JaxTrainer(md, cfg, ModelOptions.for_platform("tpu"))
     assert new.opts.scan_layers and new.opts.attention == "splash"
     batch = _batch()
     for (na, xa), (nb, xb) in zip(
@@ -221,11 +233,22 @@ def test_trainer_on_the_tpu_paths_trains_exports_and_checkpoints_like_the_refere
     assert new.weights_fingerprint() == before
 
 
+def test_a_checkpoint_restores_only_into_the_layout_it_was_written_from(md, tmp_path):
+    """The loop layout's orbax state into the default (stacked) trainer: one ``ValueError`` naming
+    the option, not orbax's tree diff; the same layout restores."""
+    cfg = TrainConfig()
+    JaxTrainer(md, cfg, REFERENCE).save(tmp_path)
+    with pytest.raises(ValueError, match=r"laid out unlike this trainer's \(scan_layers=True") as e:
+        JaxTrainer(md, cfg, ModelOptions()).restore(tmp_path)
+    assert "--model-option scan_layers" in str(e.value) and "Source: MISSING" not in str(e.value)
+    JaxTrainer(md, cfg, REFERENCE).restore(tmp_path)
+
+
 def test_stacked_layers_load_every_tensor_into_its_row(md):
     mesh = make_mesh(1, jax.devices()[:1])
     cfg = TrainConfig()
-    fns = make_step_fns(md.config, cfg, ModelOptions(scan_layers=True), mesh)
-    _, trainable, frozen = load_state(md, cfg, ModelOptions(scan_layers=True), mesh)
+    fns = make_step_fns(md.config, cfg, ModelOptions(), mesh)
+    _, trainable, frozen = load_state(md, cfg, ModelOptions(), mesh)
     model = nnx.merge(fns.graphdef, trainable, frozen)
     assert model.layers.mlp.up_proj.kernel.shape == (2, 128, 384)  # [L, in, out]
     for name, arr in md.iter_tensors():
@@ -238,7 +261,7 @@ def test_stacked_layers_load_every_tensor_into_its_row(md):
 def test_dtype_options(md, mb, reference):
     """bf16 params with float32 AdamW moments; float32 params computed in bf16 (bf16 tolerance)."""
     mesh = make_mesh(1, jax.devices()[:1])
-    opts = ModelOptions(param_dtype="bfloat16", opt_dtype="float32")
+    opts = _ref(param_dtype="bfloat16", opt_dtype="float32")
     _, _, opt_state = abstract_state(md.config, TRAIN, opts, mesh)
     trainable, _, _ = abstract_state(md.config, TRAIN, opts, mesh)
     assert {x.dtype for x in jax.tree.leaves(trainable)} == {jnp.dtype(jnp.bfloat16)}
@@ -248,7 +271,7 @@ def test_dtype_options(md, mb, reference):
     assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])
     names, arrays = zip(*t.export_weights(), strict=True)
     assert {hf_layout(a).dtype for a in arrays} == {jnp.dtype(jnp.float32)}  # the engine's (checkpoint) dtype
-    got = observe(md, ModelOptions(compute_dtype="bfloat16"), mb)
+    got = observe(md, _ref(compute_dtype="bfloat16"), mb)
     valid = np.asarray(mb["attn"])
     np.testing.assert_allclose(got["logits"][valid], reference["logits"][valid], atol=0.1)
     assert not np.array_equal(got["logits"][valid], reference["logits"][valid])  # it did compute in bf16
@@ -286,8 +309,8 @@ from mllm_rl.trainer import RolloutBatch, TrainConfig
 d = np.load(sys.argv[2])
 batch = RolloutBatch(*(d[k] for k in ("tokens", "attention_mask", "loss_mask", "old_logp", "advantages")))
 out = {}
-for name, opts in (("ref", ModelOptions()), ("tp2", ModelOptions(tp=2, scan_layers=True, attention="splash",
-                                                                 remat="block", logprob_chunk=8))):
+ref = ModelOptions(scan_layers=False, remat="none", logprob_chunk=0)
+for name, opts in (("ref", ref), ("tp2", ModelOptions(tp=2, attention="splash", logprob_chunk=8))):
     t = JaxTrainer(ModelDir.open(sys.argv[1]), TrainConfig(lr=1e-2, micro_batch_size=4, loss=LossConfig(beta=0.05, kl_clamp=0.0)),
                    opts)
     specs = sorted({str(x.sharding.spec) for x in __import__("jax").tree.leaves(t.trainable)})

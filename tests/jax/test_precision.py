@@ -113,7 +113,7 @@ def test_abstract_state_a_plan_compiles_follows_the_same_rule():
     trainable, frozen, opt = abstract_state(cfg, TrainConfig(), ModelOptions(), mesh)
     assert dtypes(trainable) == dtypes(opt) == {F32} and not jax.tree.leaves(frozen)
     trainable, frozen, opt = abstract_state(
-        cfg, TrainConfig(lora_rank=4), ModelOptions(scan_layers=True), mesh
+        cfg, TrainConfig(lora_rank=4), ModelOptions(scan_layers=False), mesh
     )
     assert dtypes(trainable) == dtypes(opt) == {F32} and dtypes(frozen) == {BF16}
     trainable, _, opt = abstract_state(cfg, TrainConfig(precision="pure"), ModelOptions(), mesh)
@@ -235,11 +235,13 @@ def test_logprobs_are_of_the_tempered_distribution(tiny_ckpt, temperature, chunk
 # -- LoRA on a bf16 checkpoint, every model path --------------------------------------------------
 
 LORA_PATHS = {
-    "scan": ModelOptions(scan_layers=True),
-    "list": ModelOptions(),
-    "scan_remat_dots": ModelOptions(scan_layers=True, remat="dots"),
-    "remat_block_chunked_attention": ModelOptions(remat="block", attention="chunked", attention_chunk=16),
-    "logprob_chunk": ModelOptions(scan_layers=True, logprob_chunk=7),
+    "scan": ModelOptions(),  # the default: stacked layers, remat, the head in 256-position chunks
+    "list": ModelOptions(scan_layers=False, remat="none", logprob_chunk=0),
+    "scan_remat_dots": ModelOptions(remat="dots"),
+    "remat_block_chunked_attention": ModelOptions(
+        scan_layers=False, remat="block", attention="chunked", attention_chunk=16
+    ),
+    "logprob_chunk": ModelOptions(logprob_chunk=7),
     "tpu_default": ModelOptions.for_platform("tpu"),  # scan, remat, splash (Pallas interpreter), chunked head
 }
 
@@ -285,7 +287,7 @@ def test_a_lora_branch_computes_in_the_dtype_of_its_base():
 
 @pytest.mark.slow  # compiles and trains the model
 def test_lora_on_a_bf16_checkpoint_pure_precision(bf16_md):
-    t = _lora_step(bf16_md, ModelOptions(scan_layers=True), "pure")
+    t = _lora_step(bf16_md, ModelOptions(), "pure")
     assert {x.dtype for x in jax.tree.leaves(t.trainable)} == {BF16}
 
 

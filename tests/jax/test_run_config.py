@@ -8,7 +8,9 @@ import math
 
 import pytest
 
+from mllm_rl.backends.jax.options import ModelOptions
 from mllm_rl.checkpoint.model_dir import ModelDir
+from mllm_rl.options.check import parse_key_value
 from mllm_rl.sinks.jsonl import read_jsonl
 from tests.conftest import run_cli
 
@@ -33,6 +35,19 @@ def test_model_options_reach_the_trainer(tiny_ckpt, tmp_path):
     options = json.loads((tmp_path / "run.json").read_text())["options"]
     assert options["model_option"] == ["opt_dtype=bfloat16", "remat=block"]
     assert options["mem_fraction_static"] == 0.5 and options["trainer_tp"] == 1
+
+
+def test_the_default_model_path_is_the_tpu_one_with_portable_attention():
+    """Stacked layers, per-block remat and the chunked head on every platform; splash only on TPU;
+    the loop / no-remat / whole-logits path by ``--model-option`` (``remat=none`` parses as None)."""
+    for platform in ("cpu", "gpu", "tpu"):
+        o = ModelOptions.for_platform(platform)
+        assert (o.scan_layers, o.remat, o.logprob_chunk) == (True, "block", 256), platform
+        assert (o.attention == "splash") == (platform == "tpu"), platform
+    assert ModelOptions() == ModelOptions.for_platform("cpu")
+    flags = ("scan_layers=false", "remat=none", "logprob_chunk=0")
+    off = ModelOptions.for_run("cpu", options=dict(parse_key_value(f, "--model-option") for f in flags))
+    assert (off.scan_layers, off.remat, off.logprob_chunk) == (False, "none", 0)
 
 
 @pytest.mark.parametrize(
