@@ -5,6 +5,7 @@ validation against phase records, and the HTML page. Pure: no jax, no compiler."
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 
@@ -166,11 +167,8 @@ def test_compare_with_phase_records():
     json.dumps(out)
 
 
-def test_a_late_release_in_one_step_holds_and_in_two_steps_drifts():
-    """A step's phase above the plan in one of the last two steps (an array released late) holds;
-    above in both it is off (``audit.compare``) and a drift (``audit.drifts``)."""
-    from mllm_rl.memplan.audit import drifts
-
+def _late_release_case() -> tuple[dict, int, Callable[..., dict], list[dict]]:
+    """A plan doc, the bytes at the end of train_step, a record maker and the setup's records."""
     m = measured(kv_tokens=100, engine_logits=0.0)
     doc = {"schedule": "multi_stage", "plans": {s: p.to_json() for s, p in plans(m, request()).items()}}
     comps = {k: v.bytes_per_device for k, v in m.components.items()}
@@ -183,6 +181,15 @@ def test_a_late_release_in_one_step_holds_and_in_two_steps_drifts():
     setup = [rec("release_rollout", None, 0, held={"weights": comps["engine_weights"], "kv_cache": comps["kv_pool"]}),
              rec("trainer_init", None, at_end, state_bytes={"params": comps["trainer_params"],
                                                             "optimizer": comps["optimizer"]})]  # fmt: skip
+    return doc, at_end, rec, setup
+
+
+def test_a_late_release_in_one_step_holds_and_in_two_steps_drifts():
+    """A step's phase above the plan in one of the last two steps (an array released late) holds;
+    above in both it is off (``audit.compare``) and a drift (``audit.drifts``)."""
+    from mllm_rl.memplan.audit import drifts
+
+    doc, at_end, rec, setup = _late_release_case()
     late = at_end + 512 * MIB
     one = compare([*setup, rec("train_step", 0, at_end), rec("train_step", 1, late)], doc, 0.05)
     row = next(r for r in one["phases"] if r["phase"] == "train_step")
@@ -200,19 +207,8 @@ def test_a_run_dir_held_against_its_plan_json(tmp_path):
     from mllm_rl.memplan.audit import check_run_dir, summary, table
     from mllm_rl.report.analysis import plan_findings
 
-    m = measured(kv_tokens=100, engine_logits=0.0)
-    doc = {"schedule": "multi_stage", "plans": {s: p.to_json() for s, p in plans(m, request()).items()}}
-    comps = {k: v.bytes_per_device for k, v in m.components.items()}
-    at_end = comps["trainer_params"] + comps["optimizer"]
-
-    def rec(phase, step, used, **info):
-        return {"phase": phase, "step": step, "memory": {"devices": [{"id": 0, "bytes_in_use": used}], "host": {}},
-                "info": info}  # fmt: skip
-
-    records = [rec("release_rollout", None, 0, held={"weights": comps["engine_weights"], "kv_cache": comps["kv_pool"]}),
-               rec("trainer_init", None, at_end, state_bytes={"params": comps["trainer_params"],
-                                                              "optimizer": comps["optimizer"]}),
-               rec("train_step", 0, at_end + 512 * MIB), rec("train_step", 1, at_end + 512 * MIB)]  # fmt: skip
+    doc, at_end, rec, setup = _late_release_case()
+    records = [*setup, rec("train_step", 0, at_end + 512 * MIB), rec("train_step", 1, at_end + 512 * MIB)]
     run = SimpleNamespace(dir=tmp_path, label="r", records={0: records})
     assert check_run_dir(tmp_path, records) == (None, None) and plan_findings(run) == ([], None)
     (tmp_path / "plan.json").write_text("{")

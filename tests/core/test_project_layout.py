@@ -1,12 +1,17 @@
 """Layout rules checked from the source tree: every package (and its data) is declared in
-pyproject.toml, and the core has no import cycles (between modules, or between its packages)."""
+pyproject.toml, the core has no import cycles (between modules, or between its packages), and no
+tracked symlink points outside the checkout."""
 
 from __future__ import annotations
 
 import ast
 import fnmatch
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -120,3 +125,25 @@ def test_core_packages_import_no_cycle():
         for t in targets:
             graph.setdefault(t, set())
     assert cycles(graph) == []
+
+
+def symlinks_leaving(root: Path, tracked: list[str]) -> list[str]:
+    """Tracked paths that are symlinks pointing outside ``root`` (a link to a local venv or
+    checkout works on one machine only, and a clean checkout's ``make test`` trips on it)."""
+    out = []
+    for rel in tracked:
+        p = root / rel
+        if p.is_symlink() and not p.resolve().is_relative_to(root.resolve()):
+            out.append(rel)
+    return out
+
+
+def test_no_tracked_symlink_leaves_the_checkout(tmp_path):
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout")
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert symlinks_leaving(ROOT, tracked.stdout.splitlines()) == []
+    (tmp_path / "in").write_text("x")
+    (tmp_path / "ok").symlink_to(tmp_path / "in")
+    (tmp_path / ".venv-jax").symlink_to("/nonexistent/.venv-jax")
+    assert symlinks_leaving(tmp_path, ["ok", ".venv-jax", "in"]) == [".venv-jax"]
