@@ -85,6 +85,7 @@ GPUS: dict[str, tuple[str, str]] = {
     "h200": ("NVIDIA H200 (SXM)", "h200.txtpb"),
 }
 _TARGET = re.compile(r"^(h100|h200)(?:x(\d+))?$")
+_LOCAL = re.compile(r"^(cpu|cuda)(?:x(\d+))?$")  # this machine, one process per device (xN: N of them)
 DTYPES = {"bfloat16": (2, "BF16"), "float16": (2, "F16"), "float32": (4, "F32")}  # itemsize, safetensors
 KL_BETA = 0.04  # any beta > 0 takes the KL code path; its value does not change memory
 STEPS = 2
@@ -96,6 +97,8 @@ LOCAL_TARGETS = {
     "cpu": "this machine's CPU: the host's RAM (psutil); what a run on CPU plans itself against",
     "cuda": "this process's CUDA device: its memory (torch.cuda.mem_get_info); what a run on CUDA plans itself against",
 }
+# Also taken (not listed): ``cpuxN`` / ``cudaxN``, what a run of N processes on this machine plans
+# itself against (``target_for_runtime``): N processes sharing the CPU budget, or N of this card.
 
 
 def targets() -> dict[str, str]:
@@ -112,11 +115,23 @@ def targets() -> dict[str, str]:
 
 
 def target_for_runtime(runtime: dict[str, Any]) -> str | None:
-    """The target a run plans itself against (``mllm_rl.memplan.for_run``): this machine's
-    ``cpu`` or ``cuda`` device, one process (several processes are not planned in the run)."""
-    if runtime.get("process_count", 1) != 1:
+    """The target a run plans itself against (``mllm_rl.memplan.for_run``): this machine's ``cpu``
+    or ``cuda`` device, ``cpuxN`` / ``cudaxN`` for a run of N processes (one device each, the
+    trainer sharded over them by FSDP2 unless ``--fsdp 1``)."""
+    kind = {"cpu": "cpu", "cuda": "cuda"}.get(str(runtime.get("platform")))
+    n = int(runtime.get("process_count", 1))
+    if kind is None or not 1 <= n <= MAX_CARDS:
         return None
-    return {"cpu": "cpu", "cuda": "cuda"}.get(str(runtime.get("platform")))
+    return kind if n == 1 else f"{kind}x{n}"
+
+
+def plans_in_process(target: str) -> bool:
+    """Whether ``target`` can be planned in this process: not once it has joined a real process
+    group (a run across processes), where torch's fake process group that traces FSDP2 cannot be
+    opened; ``mllm_rl.memplan.for_run`` then plans it in a fresh process."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
 
 
 def card_memory(config: str) -> int:
@@ -130,25 +145,12 @@ def card_memory(config: str) -> int:
 
 
 def parse_target(name: str) -> Target:
-    """``h100`` / ``h200`` (``hNNNx1`` too; more cards refused: the torch trainer uses one device),
-    or this machine's ``cpu`` / ``cuda`` device (``LOCAL_TARGETS``)."""
-    if name == "cpu":
-        from mllm_rl.memplan.cpu_budget import cpu_device_bytes
-
-        budget, source, total = cpu_device_bytes()
-        return Target("cpu", "cpu", 1, 1, budget, "CPU", source, total)
-    if name == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("PlanRequest.target 'cuda': torch sees no CUDA device here (plan h100 or h200)")
-        import psutil
-
-        total = torch.cuda.mem_get_info()[1]
-        source = "torch.cuda.mem_get_info (this device)"
-        return Target(
-            "cuda", "gpu", 1, 1, total, torch.cuda.get_device_name(), source, psutil.virtual_memory().total
-        )
+    """``h100`` / ``h200`` (``xN``: a node of N cards, one process each), or this machine's ``cpu``
+    / ``cuda`` device (``LOCAL_TARGETS``; ``xN``: N processes of a run here, one device each: on
+    CPU they share the host's budget, each plans its 1/N)."""
+    local = _LOCAL.match(name)
+    if local is not None:
+        return _local_target(name, local.group(1), int(local.group(2) or 1))
     m = _TARGET.match(name)
     if m is None:
         raise ValueError(f"PlanRequest.target {name!r}: the torch planner knows {', '.join(targets())}")
@@ -158,6 +160,32 @@ def parse_target(name: str) -> Target:
     kind, config = GPUS[m.group(1)]
     source = f"XLA GPU target config {config} (device_memory_size; openxla/xla's spec of the card)"
     return Target(name, "gpu", cards, 1, card_memory(config), kind, source)
+
+
+def _local_target(name: str, kind: str, n: int) -> Target:
+    """This machine's ``cpu`` or ``cuda`` device, ``n`` processes of one device each."""
+    if not 1 <= n <= MAX_CARDS:
+        raise ValueError(f"PlanRequest.target {name!r}: 1 to {MAX_CARDS} processes on this machine")
+    if kind == "cpu":
+        from mllm_rl.memplan.cpu_budget import cpu_device_bytes
+
+        budget, source, total = cpu_device_bytes()
+        if n > 1:
+            source = f"{source}; shared by {n} processes, each planned for 1/{n}"
+        return Target(name, "cpu", n, 1, budget // n, "CPU", source, total)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"PlanRequest.target {name!r}: torch sees no CUDA device here (plan h100 or h200)")
+    import psutil
+
+    total = torch.cuda.mem_get_info()[1]
+    source = "torch.cuda.mem_get_info (this device" + (
+        f"; {n} processes, one such card each)" if n > 1 else ")"
+    )
+    return Target(
+        name, "gpu", n, 1, total, torch.cuda.get_device_name(), source, psutil.virtual_memory().total
+    )
 
 
 def check(req: PlanRequest) -> None:

@@ -16,8 +16,10 @@ count and hosts are the run's (a v4-8 run is planned for ``v4-8``, each host of 
 ``v4-16``), compiled by the target's compiler in a fresh process (``mllm_rl.memplan.child``: the
 run's JAX is on the TPU, the planner's on its CPU); the torch backend's ``cpu`` and ``cuda``
 targets (this machine's CPU or CUDA device; the trainer step on fake tensors, the engine the run
-starts by its layout). Devices without a target (another TPU or GPU, torch across processes, JAX
-over several CPU processes) are said in one line and the run starts unplanned:
+starts by its layout), and ``cpuxN`` / ``cudaxN`` for a torch run of N processes (FSDP2 traced in
+torch's fake process group, so in a fresh process: the run's processes have joined a real one).
+Devices without a target (another TPU or GPU, JAX over several CPU processes) are said in one line
+and the run starts unplanned:
 ``python -m mllm_rl.memplan --target ...`` with the same flags plans a target there (docs/PLAN.md).
 A TPU or GPU target's host is the run's own: its RAM (``psutil``) gives the host verdict.
 """
@@ -92,8 +94,10 @@ def _host_ram_gib(runtime: dict[str, Any]) -> float | None:
     return psutil.virtual_memory().total / 2**30
 
 
-# the run's device and cluster settings: the child compiles for a target and opens no device
-DROPPED_ENV_PREFIXES = ("TPU_", "JAX_", "XLA_", "MEGASCALE_", "CUDA_VISIBLE_DEVICES")
+# the run's device and cluster settings: the child compiles for a target and joins no process group
+DROPPED_ENV_PREFIXES = ("TPU_", "JAX_", "XLA_", "MEGASCALE_", "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_")
+DROPPED_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                         "MASTER_PORT", "MLLM_RL_COORDINATOR", "MLLM_RL_NUM_PROCESSES", "MLLM_RL_PROCESS_ID"})  # fmt: skip
 
 
 def request_json(req: PlanRequest) -> dict[str, Any]:
@@ -101,7 +105,9 @@ def request_json(req: PlanRequest) -> dict[str, Any]:
 
 
 def child_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(DROPPED_ENV_PREFIXES)}
+    return {
+        k: v for k, v in os.environ.items() if not k.startswith(DROPPED_ENV_PREFIXES) and k not in DROPPED_ENV
+    }
 
 
 def run_child(req: PlanRequest, check_weights: bool, fit_kv: bool, timeout: float = 3600) -> dict[str, Any]:
@@ -231,7 +237,7 @@ def plan_for_rl(
                 f"memory plan: not made before start-up for {backend.name} on {runtime.get('platform')}"
                 f"{f' ({procs} processes)' if procs > 1 else ''}{kind} (no plan target for these devices: "
                 "a run plans itself for JAX on one CPU process, a TPU slice or an NVIDIA H100/H200 node, "
-                "torch on one CPU or CUDA process); "
+                "torch on CPU or CUDA processes of this machine); "
                 f"python -m mllm_rl.memplan --backend {backend.name} --target ... plans it with the same flags"
             ],
         )

@@ -6,6 +6,7 @@ process."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,7 +40,8 @@ def test_rl_as_two_data_parallel_processes_is_the_one_process_run(tiny_bf16_ckpt
         per process here, 64 in one), so a draw that lands within that noise of a token boundary can
         pick the neighbour token (seen: one of 64 samples at step 2, with the trainer's state after
         step 1 bit-identical in both runs). The trainer is sharded (FSDP2, the default over several
-    processes): each process writes its shards of each checkpoint."""
+    processes): each process writes its shards of each checkpoint. The two-process run plans itself
+    before start-up (``cpux2``), as one process does."""
     one, two = tmp_path / "one", tmp_path / "two"
     r = launch(*RL, "--model", str(tiny_bf16_ckpt), "--steps", "3", "--run-dir", str(one), nproc=1)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -59,6 +61,11 @@ def test_rl_as_two_data_parallel_processes_is_the_one_process_run(tiny_bf16_ckpt
         assert got[0]["grad_norm"] == pytest.approx(ref[0]["grad_norm"], rel=2.5e-2, abs=1e-6), name
         for s in (1, 2):  # at most two of the 64 samples (rewards in [0, 1]) drawn differently
             assert abs(got[s]["reward_mean"] - ref[s]["reward_mean"]) <= 2 / 64, (name, s)
+    # the run planned itself for its two processes (FSDP2 over both), and held to the plan
+    doc = json.loads((two / "plan.json").read_text())
+    target = doc["plans"][doc["schedule"]]["target"]
+    assert (target["name"], target["num_devices"]) == ("cpux2", 2), target
+    assert "FSDP2 over 2 devices" in (two / "plan.txt").read_text()
     p0, p1 = read_jsonl(two / "phases.jsonl"), read_jsonl(two / "phases.p1.jsonl")
     assert [x["phase"] for x in p0] == [x["phase"] for x in p1] and "train_step" in [x["phase"] for x in p0]
     step2 = two / "checkpoints" / "step_000002"  # FSDP (--fsdp 0, the default): each process its shards

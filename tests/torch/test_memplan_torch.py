@@ -279,6 +279,28 @@ def test_targets_from_the_card_spec():
     assert node.num_devices == 8 and node.num_hosts == 1 and node.hbm_bytes == h100.hbm_bytes
 
 
+def test_a_run_of_n_processes_plans_itself_for_n_local_devices():
+    """What a run plans itself against (``target_for_runtime``): one process, this device; N
+    processes, ``cpuxN`` / ``cudaxN`` (N devices, one per process: FSDP2 over them); on CPU the N
+    share the host's budget, each planned for its 1/N. A process of a real process group plans in a
+    fresh one (``plans_in_process``): torch's fake process group cannot open there."""
+    t = memplan.target_for_runtime
+    assert t({"platform": "cpu"}) == "cpu" and t({"platform": "cpu", "process_count": 2}) == "cpux2"
+    assert t({"platform": "cuda", "process_count": 4}) == "cudax4" and t({"platform": "tpu"}) is None
+    assert t({"platform": "cpu", "process_count": memplan.MAX_CARDS + 1}) is None
+    one, two = memplan.parse_target("cpu"), memplan.parse_target("cpux2")
+    assert (two.platform, two.num_devices, two.num_hosts, two.devices_per_host) == ("cpu", 2, 1, 2)
+    # the budget is half of what psutil says is available at each call: the two calls may differ a bit
+    assert (
+        two.hbm_bytes == pytest.approx(one.hbm_bytes / 2, rel=0.1) and "shared by 2 processes" in two.source
+    )
+    with pytest.raises(ValueError, match="1 to 8 processes"):
+        memplan.parse_target("cpux9")
+    assert memplan.plans_in_process("cpux2")  # no process group in this test process
+    m = memplan.measure(request(kv_tokens=1000, target="cpux2", prompts=8))
+    assert any("FSDP2 over 2 devices" in n for n in m.notes)
+
+
 def test_a_node_plans_one_device_of_the_fsdp2_sharded_trainer(tiny_fp32):
     """``h100x4``: the trainer sharded with FSDP2 over 4 cards, traced as rank 0 of torch's fake
     process group: params, gradients and AdamW moments are a quarter of one card's (each tensor's
