@@ -619,7 +619,9 @@ class RLPlan(Plan[RLOptions]):
 
         notes: list[str] = []
         if args.resume or args.resume_or_start:
-            ckpt, notes = resolve_resume(run_dir, checkpoint_meta(backend.name, opts), args.resume_or_start)
+            overridden = set(args.override or [])  # accepted changes: a checkpoint is not held to them
+            expect = {k: v for k, v in checkpoint_meta(backend.name, opts).items() if k not in overridden}
+            ckpt, notes = resolve_resume(run_dir, expect, args.resume_or_start)
             if ckpt is not None:
                 opts = dataclasses.replace(opts, resume_from=ckpt)
                 notes.append(

@@ -224,3 +224,20 @@ def test_a_failed_background_write_raises_where_collected_and_leaves_nothing_res
     save(0)
     save.abandon()  # after another failure: waits, does not raise over it
     assert save.flush() == []
+
+
+def test_a_setting_resume_overrides_does_not_disqualify_the_checkpoint(tmp_path):
+    """``--resume --seed 5 --override seed``: the checkpoint written with seed 0 is the one resumed
+    (the change is accepted); without ``--override`` it is refused, naming the seed."""
+    from types import SimpleNamespace
+
+    from mllm_rl.plans.rl import RLPlan
+
+    ckpt(tmp_path, 0, seed=0, precision="mixed")
+    opts = RLOptions(steps=2, seed=5)
+    backend = SimpleNamespace(name="jax")
+    args = SimpleNamespace(resume=True, resume_or_start=False, override=["seed"])
+    got, notes = RLPlan().preflight(args, opts, backend, tmp_path)
+    assert got.resume_from is not None and got.resume_from.step == 0 and got.seed == 5, notes
+    with pytest.raises(CheckpointError, match="written with seed 0, this run has 5"):
+        RLPlan().preflight(SimpleNamespace(**{**vars(args), "override": []}), opts, backend, tmp_path)
