@@ -88,12 +88,13 @@ def test_kv_tokens_auto_starts_the_engine_with_the_plans_pool(tiny_ckpt, tmp_pat
 
 
 def test_which_runs_plan_themselves():
-    """One process on CPU (both backends) or torch on CUDA: planned; a JAX GPU or TPU whose runtime
-    names no device kind, or torch over several processes: not (the run says so in one line). (JAX
-    on a TPU slice or an NVIDIA node: tests/jax/test_run_plan_target.py.)"""
+    """One process on CPU (both backends) or torch on CUDA: planned; torch over N processes of this
+    machine: planned for ``cpuxN`` / ``cudaxN``; a JAX GPU or TPU whose runtime names no device kind:
+    not (the run says so in one line). (JAX on a TPU slice or an NVIDIA node:
+    tests/jax/test_run_plan_target.py.)"""
     from mllm_rl.memplan.for_run import target_for
 
     assert target_for("jax", {"platform": "cpu"}) == target_for("torch", {"platform": "cpu"}) == "cpu"
     assert target_for("torch", {"platform": "cuda", "process_count": 1}) == "cuda"
     assert target_for("jax", {"platform": "gpu"}) is target_for("jax", {"platform": "tpu"}) is None
-    assert target_for("torch", {"platform": "cpu", "process_count": 2}) is None
+    assert target_for("torch", {"platform": "cpu", "process_count": 2}) == "cpux2"
