@@ -215,21 +215,18 @@ class Turn:
     """What the phases of one sequence share (a step, the rest of the setup, a lease).
 
     ``work``: the rollout's (or ``generate_result``'s) ``work(engine, step) -> (out, metrics)``;
-    ``out`` its result (a step's ``RolloutBatch``); ``batch``: what ``train_step`` trains on;
-    ``metrics``: the work's and the train step's metrics; ``probe_in_rollout``: the engine's
-    greedy probe is recorded at the start of ``rollout`` (a step); ``probe_after_train``: the
-    trainer's probe is taken at the end of ``train_step`` (a step; a lease takes it when the
-    params come back); ``drain_first``: ``release_rollout`` drains first (no ``drain`` before it)."""
+    ``batch``: its ``out`` (a step's ``RolloutBatch``, what ``train_step`` trains on; a train
+    lease is given it); ``metrics``: the work's and the train step's metrics; ``step_probes``:
+    with ``check_weights``, the engine's probe is recorded at the start of ``rollout`` and the
+    trainer's taken at the end of ``train_step`` (a step; a lease takes the trainer's when the
+    params come back)."""
 
     step: int | None
     work: WorkFn | None = None
     save: SaveFn | None = None
-    out: Any = None
-    batch: RolloutBatch | None = None
+    batch: Any = None
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
-    probe_in_rollout: bool = False
-    probe_after_train: bool = False
-    drain_first: bool = False
+    step_probes: bool = False
 
 
 class Colocated:
@@ -272,8 +269,7 @@ class Colocated:
         """One colocated step (``phase_table.step_sequence``); returns its metrics (rollout +
         train)."""
         o = self.opts
-        turn = Turn(step, work=rollout, save=save, probe_in_rollout=o.check_weights)
-        turn.probe_after_train = o.check_weights
+        turn = Turn(step, work=rollout, save=save, step_probes=True)
         return self._run(phase_table.step_sequence(o.schedule, o.check_weights), turn).metrics
 
     def park(self) -> None:
@@ -292,7 +288,7 @@ class Colocated:
         turn = self._run(
             phase_table.rollout_lease_sequence(self.opts.check_weights, name), Turn(step, work=work)
         )
-        return turn.out, turn.metrics
+        return turn.batch, turn.metrics
 
     def train_lease(self, step: int, batch: RolloutBatch, save: SaveFn | None = None) -> dict[str, Any]:
         """Train under one lease (``phase_table.TRAIN_LEASE``), the engine released throughout;
@@ -324,11 +320,11 @@ class Colocated:
     # -- one handler per phase: (self, the record's info, the turn) ---------------------------
     def _work(self, info: dict[str, Any], turn: Turn) -> None:
         """``rollout`` / ``generate_result``: the turn's work on the awake engine."""
-        if turn.probe_in_rollout:  # before the rollout fills the prefix cache: see _engine_probe
+        # the engine's probe before the rollout fills the prefix cache (see _engine_probe)
+        if turn.step_probes and self.opts.check_weights:
             info["probe_tokens"] = self._engine_probe()
         assert turn.work is not None, "a rollout phase needs the turn's work"
-        turn.out, metrics = turn.work(self.engine, turn.step)
-        turn.batch = turn.out
+        turn.batch, metrics = turn.work(self.engine, turn.step)
         turn.metrics.update(metrics)
         info.update(metrics)
 
@@ -336,7 +332,7 @@ class Colocated:
         info.update(self.engine.drain(self.opts.drain_timeout_s))
 
     def _release(self, info: dict[str, Any], turn: Turn) -> None:
-        _release_body(info, self.engine, self.opts.drain_timeout_s if turn.drain_first else None)
+        _release_body(info, self.engine, None)  # a drain phase came before it
 
     def _onload_trainer(self, info: dict[str, Any], turn: Turn) -> None:
         info["expected_alloc_bytes"] = self.trainer.onload([PARAMS, OPTIMIZER])
@@ -362,7 +358,7 @@ class Colocated:
         info.update(train)
         check_finite(turn.step, train, info)
         turn.metrics.update(train)
-        if turn.probe_after_train:
+        if turn.step_probes and self.opts.check_weights:
             self._expected_probe = self.trainer.greedy(list(self.opts.probe_ids), self.opts.probe_tokens)
 
     def _checkpoint(self, info: dict[str, Any], turn: Turn) -> None:
