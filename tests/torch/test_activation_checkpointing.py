@@ -465,29 +465,3 @@ def test_bad_options_are_refused_by_the_trainer_and_the_backend(pairs, match):
     TorchBackend().check_trainer_args(None, TrainConfig(model_options=REMAT))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="--trainer-tp 2"):
         TorchBackend().check_trainer_args(None, TrainConfig(model_options=REMAT, trainer_tp=2))  # type: ignore[arg-type]
-
-
-# -- the benchmark --------------------------------------------------------------------------------
-def test_bench_remat_path_runs_on_tiny(tmp_path):
-    """``scripts/bench_torch_attention.py`` with the remat path against the trainer's path, end to
-    end on tiny at 1 x 256: both paths measured, the ratios remat / none, the JSON summary last;
-    the planner predicts fewer activations for remat."""
-    import json
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
-
-    saved = tmp_path / "out.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/bench_torch_attention.py"), "--preset", "tiny",
-                        "--layers", "0", "--dtype", "float32", "--seq", "256", "--steps", "1",
-                        "--paths", "sdpa+chunked,sdpa+chunked+remat", "--baseline", "sdpa+chunked",
-                        "--json", str(saved)], capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["figure"] == "CPU" and "x sdpa+chunked" in r.stdout
-    ratios = out["ratios_over_sdpa+chunked"]["sdpa+chunked+remat"]
-    assert set(ratios) == {"step_s", "rss_peak_rise", "planned_activations"}
-    assert ratios["planned_activations"] < 1
-    full = json.loads(saved.read_text())
-    assert set(full["paths"]) == {"sdpa+chunked", "sdpa+chunked+remat"}

@@ -307,9 +307,11 @@ def test_planned_activations_grow_linearly_with_the_sequence():
 
 
 # -- the benchmark ------------------------------------------------------------------------------
-def test_bench_torch_attention_runs_on_tiny(tmp_path):
-    """``scripts/bench_torch_attention.py`` end to end on a one-layer tiny model: every path
-    measured, ratios over eager, the JSON summary last; the eager path plans more activations."""
+@pytest.mark.slow  # four paths, a fresh process each
+def test_bench_torch_attention_runs_every_path_on_tiny(tmp_path):
+    """``scripts/bench_torch_attention.py`` end to end on a one-layer tiny model, all four paths in
+    one run: every path measured, ratios over ``--baseline sdpa+chunked`` (the trainer's path), the JSON
+    summary last; the eager path plans more activations than SDPA, the remat path fewer than the baseline."""
     import json
     import subprocess
     import sys
@@ -317,14 +319,20 @@ def test_bench_torch_attention_runs_on_tiny(tmp_path):
     from tests.conftest import ROOT
 
     saved = tmp_path / "out.json"
+    paths = {"eager", "sdpa", "sdpa+chunked", "sdpa+chunked+remat"}
     r = subprocess.run([sys.executable, str(ROOT / "scripts/bench_torch_attention.py"), "--preset", "tiny",
-                        "--layers", "1", "--seq", "256", "--steps", "1", "--json", str(saved)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
+                        "--layers", "1", "--seq", "256", "--steps", "1", "--paths", ",".join(sorted(paths)),
+                        "--baseline", "sdpa+chunked", "--json", str(saved)], capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["figure"] == "CPU" and set(out["ratios_over_eager"]) == {"eager", "sdpa", "sdpa+chunked"}
-    assert "CPU figure" in r.stdout and "x eager" in r.stdout
+    ratios = out["ratios_over_sdpa+chunked"]
+    assert out["figure"] == "CPU" and set(ratios) == paths
+    assert "CPU figure" in r.stdout and "x sdpa+chunked" in r.stdout
+    assert set(ratios["sdpa+chunked+remat"]) == {"step_s", "rss_peak_rise", "planned_activations"}
+    assert ratios["sdpa+chunked+remat"]["planned_activations"] < 1 < ratios["eager"]["planned_activations"]
     full = json.loads(saved.read_text())
+    assert set(full["paths"]) == paths
     planned = {p: v["planned"]["activations_bytes"] for p, v in full["paths"].items()}
     assert planned["eager"] > planned["sdpa"] > 0
+    assert 0 < planned["sdpa+chunked+remat"] < planned["sdpa+chunked"]
     assert all(v["step_s"] > 0 and v["rss_peak_rise_bytes"] >= 0 for v in full["paths"].values())
