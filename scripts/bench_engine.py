@@ -4,28 +4,16 @@
     python scripts/bench_engine.py --backend jax --preset tiny --batch 1,32     # sglang-jax vs HF
     python scripts/bench_engine.py --engines embedded,hf,sglang --platform cuda --preset qwen3-0.6b
 
-Engines (each measured in its own fresh process, one after the other, same machine, same
-model, same prompts; every number below is a median over ``--repeats``):
+Engines, each in its own fresh process on the same model and prompts: ``embedded`` (torch),
+``hf`` (``AutoModelForCausalLM.generate``, greedy, ``min_new_tokens`` = ``max_new_tokens``),
+``sglang-jax`` (under ``--python-jax``), ``sglang`` (CUDA). Torch engines run under
+``--python-torch``; defaults: this interpreter when it has the package, else the repo's venvs.
 
-- ``embedded``: the torch backend's embedded engine (the fallback when SGLang is missing);
-- ``hf``: ``transformers`` ``AutoModelForCausalLM.generate`` (greedy, ``min_new_tokens`` =
-  ``max_new_tokens``, its default dynamic KV cache);
-- ``sglang-jax``: the jax backend's engine (needs the jax venv);
-- ``sglang``: the torch backend's SGLang adapter (CUDA with sglang installed).
-
-torch engines run under ``--python-torch`` and sglang-jax under ``--python-jax`` (default: this
-interpreter when it has the package, else ``.venv-torch``/``.venv-jax`` of the repo).
-
-Per engine and batch size B (prompts of ``--prompt-len`` random byte tokens, the same for every
-engine): ``t1`` = time of a generate with 1 new token (prefill + 1), ``tN`` = with
-``--new-tokens`` N, timed back to back ``--repeats`` times per process and ``--rounds`` fresh
-processes per engine (engines interleaved round by round, so a change in the machine's load
-hits them alike); ``decode tok/s`` = median over the pairs of B (N - 1) / (tN - t1),
-``e2e tok/s`` = generated tokens / fastest tN, ``prefill tok/s`` = B P / fastest t1; and the
-ratio of each engine's decode and e2e tok/s to HF's.
-``greedy = hf`` is the fraction of sequences whose N greedy tokens equal HF's (a sanity check:
-bf16 near-ties may differ legitimately); ``> N tokens`` counts outputs longer than asked (an
-engine bug; they are cut to N for the counts and the comparison).
+Per engine and batch B: ``t1`` = a generate of 1 new token, ``tN`` = of ``--new-tokens`` N, timed
+back to back ``--repeats`` times in ``--rounds`` interleaved processes; ``decode tok/s`` = median
+B (N - 1) / (tN - t1), ``e2e tok/s`` = generated / fastest tN, ``prefill tok/s`` = B P / fastest t1,
+and each as a ratio to HF. ``greedy = hf``: fraction of sequences equal to HF's (bf16 near-ties may
+differ); ``> N tokens``: outputs longer than asked (an engine bug).
 """
 
 from __future__ import annotations

@@ -3,21 +3,15 @@
     python scripts/bench_model_paths.py --model qwen3-0.6b --target v4-8 --batch 4 --seq 1024
     python scripts/bench_model_paths.py --model qwen3-4b --batch 4 --seq 4096 --paths new --json out.json
 
-For each path the trainer's real step function (``step_fns.make_step_fns``: ``grad`` = loss
-and gradient of one micro-batch, or ``logprob``) is lowered with abstract inputs
-(``step_fns.abstract_state`` / ``batch_specs``: nothing allocated) over a mesh of the target's
-devices and compiled by libtpu's compiler (``jax[tpu]`` installed; no TPU needed). Printed
-per path, per device: argument / output / temp / peak bytes from
-``compiled.memory_analysis()`` (**predicted** by the XLA TPU compiler: ``peak`` is the figure
-to read), compile seconds and the compiling process's peak host RSS (**measured** on this
-machine); then new / old ratios. Each path compiles in its own process, so RSS and compile
-time are its own. A program that does not fit the target's memory is reported as such
-(libtpu refuses it at compile time with RESOURCE_EXHAUSTED).
+For each path the trainer's real ``grad`` (or ``logprob``) step function is lowered with abstract
+inputs over the target's devices and compiled by libtpu (no TPU needed), each path in its own
+process. Printed per device: argument / output / temp / peak bytes of ``memory_analysis()``
+(predicted by the XLA TPU compiler; a program that does not fit is reported as RESOURCE_EXHAUSTED),
+compile seconds and peak host RSS (measured here), then new / old ratios.
 
-Paths: ``old`` = ``ModelOptions(scan_layers=False, remat="none", logprob_chunk=0)`` (layers in a
-Python loop, no remat, [B, N, T, T] attention scores, whole [B, T, V] logits); ``new`` = ``ModelOptions.for_platform("tpu")`` (stacked layers
-under scan, per-block remat, splash attention, the head in 256-position chunks), both with
-``--tp``. The last stdout line is a JSON summary.
+Paths: ``old`` = ``ModelOptions(scan_layers=False, remat="none", logprob_chunk=0)``; ``new`` =
+``ModelOptions.for_platform("tpu")`` (scan, per-block remat, splash attention, chunked head), both
+with ``--tp``. The last stdout line is a JSON summary.
 """
 
 from __future__ import annotations

@@ -2,20 +2,12 @@
 
     python scripts/bench_multitask.py --backend jax|torch [--tasks 2] [--steps 2] [--json OUT]
 
-Runs, each in a fresh process: every task alone (``python -m mllm_rl.run`` with the task's
-model, seed and lr), then all of them in one run (``python -m mllm_rl.run --tasks FILE``); the
-tasks are the ``tiny`` preset with seeds 0..N-1 and different learning rates. From the phase
-records and ``leases.jsonl`` (device truth: ``live_arrays``/``memory_stats`` on JAX,
-``live_tensors``/``mem_get_info`` on torch; summed over a process's devices):
-
-- ``peak ratio`` = the multi-task run's device peak / the largest single-task peak (target <= 1.05:
-  one task on the devices at a time);
-- ``between leases`` = the largest distance of the device bytes after any lease from the baseline
-  (the bytes after every task's start-up; target <= 1 MiB: a task leaves nothing behind);
-- ``wall ratio`` = the multi-task run's wall time / the sum of the single runs' (target <= 1.10;
-  each wall time is the whole process, start-up included);
-- ``rewards equal``: each task's per-step rewards, losses and gradient norms in the multi-task run
-  equal its run alone (exactly: same seeds, same data, same phases per step).
+Runs every task alone, then all in one ``python -m mllm_rl.run --tasks FILE``, each in a fresh
+process (the ``tiny`` preset with seeds 0..N-1 and different learning rates). From the phase records
+and ``leases.jsonl`` (device truth): ``peak ratio`` = multi-task peak / largest single peak (target
+<= 1.05); ``between leases`` = largest drift of device bytes after a lease from the baseline (target
+<= 1 MiB); ``wall ratio`` = multi-task wall time / sum of the singles' (target <= 1.10); ``rewards
+equal``: each task's per-step rewards, losses and grad norms exactly as alone.
 
 Exit 0 when every target passed, 1 when one failed or a run failed, 2 on bad input.
 """

@@ -6,24 +6,14 @@
     python scripts/bench_plan_vs_cuda.py ... --plan-only --json plan.json       # no GPU needed
     python scripts/bench_plan_vs_cuda.py ... --plan-json plan.json              # reuse that plan
 
-**Predicted**: ``backends/torch/memplan.py: trainer_step_memory``, the real ``TorchTrainer``
-built on fake tensors, ``STEPS`` calls of ``device_step`` traced by torch's MemTracker (what
-``python -m mllm_rl.memplan --backend torch`` puts in its ``train_step`` phase). It runs on the
-CPU of any machine; ``--plan-only`` writes it without a GPU, ``--plan-json`` reuses it.
+Predicted: ``backends/torch/memplan.py: trainer_step_memory`` (the real ``TorchTrainer`` on fake
+tensors under MemTracker), on any machine's CPU. Measured: the same trainer and ``STEPS`` calls of
+``device_step`` on this machine's CUDA device in a fresh process, with seeded random weights;
+``max_memory_allocated`` is the figure the plan predicts, ``max_memory_reserved`` adds the caching
+allocator's blocks; step time is the median of ``--timed`` further calls, in tokens per second.
 
-**Measured**, on this machine's CUDA device, in a fresh process (an empty caching allocator): the
-same ``TorchTrainer`` (``--precision``, ``--lora-rank``, ``--option``) around a model of
-``--preset`` with seeded random weights in ``--dtype`` (memory does not depend on their values),
-the same ``STEPS`` calls of ``device_step`` on the same batch shape (``--rows`` rows of
-``--seq-len`` tokens in micro-batches of ``--micro-batch``). ``torch.cuda.max_memory_allocated``
-over those calls is the figure the plan predicts (tensors only); ``max_memory_reserved`` adds the
-caching allocator's blocks (what the card must hold); the state (``memory_allocated`` after the
-calls: params, AdamW moments) against the plan's params + optimizer. Step time: the median of
-``--timed`` further calls (``torch.cuda.synchronize`` around each), in tokens per second.
-
-Target: measured / predicted peak <= 1.01 (recorded in ``targets``, as the other benchmarks do).
-Exit 0: measured; 1 the measurement failed (an out-of-memory is reported, not failed: a plan that
-says OVER should OOM); 2 bad input. The last stdout line is a JSON summary.
+Target: measured / predicted peak <= 1.01. Exit 0: measured; 1 the measurement failed (an
+out-of-memory is reported, not failed); 2 bad input. The last stdout line is a JSON summary.
 """
 
 from __future__ import annotations

@@ -4,28 +4,16 @@
     python scripts/bench_plan_vs_live.py --preset qwen3-0.6b -- --prompts-per-step 2 --group-size 2
     python scripts/bench_plan_vs_live.py --plan-only --preset qwen3-4b --target h100 --micro-batch 1 --seq-len 1024
 
-Cross-check (default): the torch planner (``backends/torch/memplan.py``, **predicted**: the real
-trainer step on fake tensors) next to what a real run **measures** on this machine's CPU:
-
-1. ``python -m mllm_rl.run --backend torch --platform cpu --steps 2`` (extra flags after ``--``)
-   in a fresh process; from its ``phases.jsonl`` (``live_tensors``: the storages the trainer
-   holds) the trainer's params (``offload_optimizer``: params only resident) and optimizer state
-   (``onload_trainer`` minus that), and the host RSS rise of ``train_step`` (peak - start);
-2. gradients are not in those records (a temporary of ``train_step``): one real
-   ``TorchTrainer.device_step`` on the same checkpoint in a fresh process sums the distinct
-   gradient storages just before AdamW's step;
-3. the plan for the same model, dtype and batch (rows = prompts x group, micro-batch, ``--seq-len``:
-   the trainer pads every batch to a multiple of 32 and the shipped task's rows are shorter).
-
-Target: params, gradients and optimizer state within 1% of the measured bytes. The activation
-figure (fake tensors: activations and temporaries at the step's peak) is printed next to the RSS
-rise; they are not the same quantity (the RSS also holds the gradients, the allocator's cache,
-Python objects), so no target applies to them.
+Cross-check (default): the torch planner's prediction (``backends/torch/memplan.py``) next to what a
+real ``python -m mllm_rl.run --backend torch --platform cpu --steps 2`` measures (``live_tensors``:
+params and optimizer state from its phase records; gradients from one real
+``TorchTrainer.device_step`` in a fresh process). Target: params, gradients and optimizer state
+within 1% of the measured bytes; the activation figure is printed beside the RSS rise of
+``train_step``, a different quantity with no target.
 
 ``--plan-only``: the composed plan of ``--preset`` on ``--target`` for both schedules, per phase,
-each component labelled with its method (``fake_tensor`` / ``layout``), and the planner's own
-peak host RSS (fake tensors allocate nothing). Exit 0 ok, 1 a run failed or a target missed,
-2 bad input.
+with each component's method and the planner's peak host RSS. Exit 0 ok, 1 a run failed or a
+target missed, 2 bad input.
 """
 
 from __future__ import annotations

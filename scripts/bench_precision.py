@@ -5,25 +5,12 @@
     python scripts/bench_precision.py --model qwen3-0.6b --platform cuda --json OUT.json
     python scripts/bench_precision.py -- --prompts-per-step 4            # extra flags for every run
 
-In one invocation, side by side, each in its own fresh process: ``python -m mllm_rl.run --backend B
---model M --precision P --lr LR --temperature T --steps N --checkpoint-every 1 --wandb disabled``
-for P = ``mixed`` (float32 master weights and AdamW moments, bf16 compute) and P = ``pure`` (params
-and moments in bf16, the baseline). The model is the preset written in ``--dtype`` (bfloat16 by
-default; ``tiny`` is float32 unless written so) under ``$MLLM_RL_CACHE``. From each run:
-
-- ``changed``: the share of trained weight elements that differ between the checkpoints of two
-  consecutive steps (torch ``state.pt``; JAX orbax ``state``; the run keeps its last two, so the
-  last step pair): what learning at all looks like (a weight that never moves learns nothing).
-  It needs a gradient: a step whose every group has equal rewards (``groups_zero_std`` 1, e.g. a
-  random-weight Qwen3 preset, which scores 0 on the task) has advantage 0 and changes nothing at
-  any precision; the report says so;
-- the engine/trainer log-prob mismatch of every step (``logp_mismatch_mean`` / ``_max``,
-  ``engine_ratio_mean``; ``--old-logp trainer``, the default), ``ratio_mean`` and ``reward_mean``;
-- the median ``train_step`` seconds of the steps after the first and its peak device bytes
-  (``phase_peak_bytes`` of the device; the trainer's memory cost of float32 masters).
-
-Ratios mixed / pure are printed for ``changed``, train-step seconds and peak bytes. Exit 0 with the
-results, 2 on bad input, 1 when a run failed. Times are wall-clock on whatever machine runs it.
+Runs ``python -m mllm_rl.run ... --precision P --checkpoint-every 1`` for P = ``mixed`` and
+``pure``, each in a fresh process, on the preset written in ``--dtype`` (bfloat16 by default). Per
+run: ``changed``, the share of trained weight elements that differ between the last two checkpoints
+(zero at any precision when every group has equal rewards: the report says so); the engine/trainer
+log-prob mismatch, ``ratio_mean`` and ``reward_mean``; the median ``train_step`` seconds and peak
+device bytes; and mixed / pure ratios. Exit 0 with the results, 2 on bad input, 1 when a run failed.
 """
 
 from __future__ import annotations

@@ -3,26 +3,14 @@
     python scripts/bench_release.py --backend torch|jax --preset qwen3-4b [--platform cuda] [--cpu-backup]
                                     [--cycles 3] [--json OUT]
 
-One process, one engine (torch: the embedded engine, or SGLang with ``--engine sglang``;
-jax: sglang-jax, whose adapter deletes the arrays of a tag and reallocates them). The engine
-is swapped to the checkpoint's weights and drained; then, ``--cycles`` times: release
-``kv_cache`` then ``weights``, resume ``weights`` then ``kv_cache``, and (no CPU backup) a full
-re-sync of the weights. Per tag:
-
-- ``held_bytes`` (the engine's ``tag_bytes``) and ``freed_bytes`` = device bytes in use before
-  minus after the release, by device truth (the backend probe's first entry: ``mem_get_info``
-  on CUDA, ``live_tensors`` on torch CPU, ``memory_stats``/``live_arrays`` on JAX);
-  ``freed_frac`` = freed / held (min over cycles). Target: >= 0.99. The same on resume
-  (``reclaimed_bytes``).
-- ``release_s`` / ``resume_s`` (median over cycles) against a raw copy of ``held_bytes``
-  measured in the same process right after: without CPU backup, an on-device copy (the
-  release is a free and the resume an allocation + zero fill: the copy is the scale of
-  "touching those bytes once"); with CPU backup, device-to-host for the release (the
-  backup) and host-to-device for the resume (the restore). On CPU all of them are host memcpys.
-
-After the last cycle a greedy generation is compared with the one before the first release.
-The last stdout line is one JSON object (``--json`` also writes it to a file). Exit 0 with
-results (``--strict``: 1 when a target fails), 2 on bad input.
+One process, one engine (torch embedded, SGLang with ``--engine sglang``, or sglang-jax), swapped
+to the checkpoint's weights; then ``--cycles`` times: release ``kv_cache`` and ``weights``, resume
+them, and (no CPU backup) a full weight re-sync. Per tag: ``freed_frac`` = device bytes freed /
+``tag_bytes`` (device truth, min over cycles; target >= 0.99), the same on resume, and the median
+``release_s`` / ``resume_s`` next to a raw copy of those bytes in the same process (on-device, or
+D2H / H2D with a CPU backup). A greedy generation after the last cycle is compared with one before
+the first. The last stdout line is one JSON object. Exit 0 with results (``--strict``: 1 when a
+target fails), 2 on bad input.
 """
 
 from __future__ import annotations

@@ -4,27 +4,14 @@
     python scripts/bench_rl_memory.py --backend torch --preset qwen3-1.7b --platform cuda --bisect
     python scripts/bench_rl_memory.py --preset tiny -- --prompts-per-step 4   # extra flags for mllm_rl.run
 
-Runs ``python -m mllm_rl.run --plan rl`` once per schedule (``--schedule multi_stage`` and
-``--schedule naive``), each in a fresh process, same everything else (``--steps``, default 2),
-and reads the phase records (device truth: ``memory_stats``/``live_arrays`` on JAX,
-``mem_get_info``/``live_tensors`` on torch; max over devices, max over steps):
-
-- per phase: the peak device bytes of each schedule;
-- ``step peak`` of each schedule (max over the step phases) and ``setup peak`` (engine start,
-  trainer init, initial weight sync: both the engine, its KV cache and the trainer are
-  resident there);
-- ``multi-stage step peak / max(train_step peak, rollout peak)``: 1.0 = the schedule costs no
-  more than its largest phase;
-- the largest KV cache each schedule fits into a budget (``--budget-gb``; default: the
-  device's ``bytes_limit`` where the runtime has one; JAX/torch CPU has none, so on CPU the
-  figure exists only with ``--budget-gb``). Predicted from the measured per-phase bytes: in
-  each phase the KV cache is resident at its start or end (engine state in the record) or
-  not; only the KV pool grows with ``--max-total-tokens`` (the rollout batch is fixed), so
-  ``fits(K) <=> non-KV bytes of every phase + K (where resident) <= budget``. Reported for the
-  steps only and for the whole run (setup included).
-- ``--bisect`` (accelerators): measures it instead: reruns each schedule with larger
-  ``--max-total-tokens`` until the run fails with an out-of-memory error, then bisects
-  (a failure that is not an OOM stops the search with its stderr).
+Runs ``python -m mllm_rl.run --plan rl`` once per ``--schedule`` (``multi_stage``, ``naive``) in fresh
+processes and reads the phase records (max over devices and steps): per-phase peak device bytes,
+the step and setup peaks, ``multi-stage step peak / max(train_step peak, rollout peak)`` (1.0 = no
+more than its largest phase), and the largest KV cache each schedule fits into ``--budget-gb``
+(default: the device's ``bytes_limit``; CPU has none). That last is predicted: only the KV pool grows
+with ``--max-total-tokens``, so ``fits(K) <=> non-KV bytes of every phase + K (where resident) <=
+budget``. ``--bisect`` (accelerators) measures it instead, growing ``--max-total-tokens`` until an
+out-of-memory failure and bisecting.
 
 Exit 0 with results, 1 when a run failed, 2 on bad input.
 """

@@ -5,35 +5,21 @@
     python scripts/bench_step_cost.py --models qwen3-0.6b -- --prompts-per-step 2 --group-size 2
     python scripts/bench_step_cost.py --from-run runs/a --from-run runs/b     # recorded runs, no new run
 
-In one invocation, one after the other, each in its own fresh process: ``python -m mllm_rl.run
---backend B --model M --steps N --save-every S --max-new-tokens T --wandb disabled`` for every
-model M and backend B (jax under ``--python-jax``, torch under ``--python-torch``; defaults: the
-repo's ``.venv-jax`` / ``.venv-torch`` when they exist, else this interpreter). Arguments after
-``--`` go to every run alike. ``--from-run DIR`` reads ``DIR/phases.jsonl`` and ``DIR/run.json``
-of runs made before instead (any number, any mix).
+Runs ``python -m mllm_rl.run --backend B --model M --steps N --save-every S ...`` for every model and
+backend, each in a fresh process (jax under ``--python-jax``, torch under ``--python-torch``; default
+the repo's ``.venv-jax`` / ``.venv-torch``); arguments after ``--`` go to every run. ``--from-run DIR``
+reads a recorded run's ``phases.jsonl`` and ``run.json`` instead.
 
-From each run's phase records (``mllm_rl.bench.step_cost``): per phase of the step, the median
-over the steps after the first (the first compiles) of its share of the step's wall time and of
-its seconds; ``between_phases`` = wall time outside every phase (the recorder's memory snapshots
-and its sinks); ``non-rollout, non-train`` = 1 - rollout - train_step, the lifecycle's own cost;
-for phases that move bytes (``onload_trainer``, ``offload_*``, ``resume_*``, ``update_weights``),
-the bytes and the rate (bytes / seconds; the JSON has it for ``release_rollout`` too, whose bytes
-are freed, not copied, so the report leaves that one out). ``update_weights`` is split into the
-engine's install (its ``info.seconds``) and what goes around it (the trainer's export and
-fingerprint, the engine's fingerprint read-back).
+Per phase: the median over the steps after the first (which compiles) of its share of the step's
+wall time and its seconds; ``between_phases`` = wall time outside every phase; ``non-rollout,
+non-train`` = the lifecycle's own cost; bytes and rate for phases that move bytes;
+``update_weights`` split into the engine's install and what goes around it (``mllm_rl.bench.step_cost``).
+``--save-every`` defaults to 1 so the ``checkpoint`` median is one save; the share with ``mllm_rl.run``'s
+cadence of 5 is derived when saves are written in their phase (a background save, torch, overlaps
+other phases: run ``--save-every 5 --steps 6`` and read "over all counted steps").
 
-``--save-every`` defaults to 1: every step saves a checkpoint, so the ``checkpoint`` phase's
-median is the cost of one save; ``mllm_rl.run`` saves every 5 steps by default, so the share
-table also gives the non-rollout, non-train share with each save's seconds spread over 5 steps
-(derived from the same steps, labelled as such), when every save was written in its phase. A save
-written in the background (torch) also costs in the phases its write overlaps, so that figure is
-left out for it: run the cadence itself (``--save-every 5 --steps 6``) and read the
-row "over all counted steps", the non-rollout, non-train seconds over the step seconds of every
-counted step.
-
-Exit 0 with the results, 2 on bad input (one line), 1 when a run failed (``--keep-going``:
-reported, the others go on). Times are wall-clock and depend on the machine's load: the load
-average before and after each run is recorded with it.
+Exit 0 with the results, 2 on bad input (one line), 1 when a run failed (``--keep-going``: the
+others go on). Times are wall-clock; the load average around each run is recorded.
 """
 
 from __future__ import annotations

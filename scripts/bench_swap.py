@@ -3,27 +3,15 @@
     python scripts/bench_swap.py --backend jax|torch --preset qwen3-4b [--platform gpu] [--json OUT]
     python scripts/bench_swap.py --preset tiny -- --swap-chunk-mb 0      # extra flags for mllm_rl.run
 
-In one invocation, each in its own fresh process of this interpreter (fresh device memory):
+Each in its own fresh process: the copy-bandwidth baseline (``python -m mllm_rl.bench copy``, a
+buffer of the checkpoint's size clamped to [64 MiB, 4 GiB], ``--copy-mb``), then ``python -m
+mllm_rl.run --plan swap --swap-mode streaming`` and ``naive`` (every tensor placed first, then
+installed: the MLLM-JAX path), with the checkpoint already in the page cache.
 
-1. the copy-bandwidth baseline (``python -m mllm_rl.bench copy``): JAX ``device_put`` of a
-   pageable host buffer; torch ``tensor.to(device)`` from pageable and from pinned memory
-   (CUDA); also device-to-host and on-device copies. Buffer: the checkpoint's size, clamped
-   to [64 MiB, 4 GiB] (``--copy-mb``);
-2. ``python -m mllm_rl.run --plan swap --swap-mode streaming``, then ``naive`` (place every
-   checkpoint tensor on the device first, then install: the MLLM-JAX path). The checkpoint's
-   files are read once before (page cache warm), so the swaps read from the page cache.
-
-Per mode, from the ``weights_swapped`` phase record (device truth: ``memory_stats`` on JAX
-GPU/TPU, ``live_arrays`` on JAX CPU, ``mem_get_info`` on CUDA torch, ``live_tensors`` on torch CPU):
-
-- ``peak/steady`` = phase peak / bytes in use at the end of the phase (max over devices);
-  steady includes the KV cache (and on CUDA torch the CUDA context), as in the MLLM-JAX
-  measurement (3.90/2.01 = 1.94 on a v4-8). Target for streaming: <= 1.10.
-- ``weights-only`` = (peak - non-weight bytes) / weight bytes: 1.0 = never more than one copy.
-- ``GB/s`` of the swap (bytes installed / seconds of ``update_weights``, fingerprinting
-  included) and ``GB/s / H2D`` = that over the measured pageable H2D bandwidth. Target for
-  streaming on an accelerator: >= 0.7. On CPU there is no host-to-device link: the ratio is
-  printed but the target does not apply (the swap is host-side casting + compilation there).
+Per mode, from the ``weights_swapped`` phase record (device truth): ``peak/steady`` (target for
+streaming <= 1.10; steady includes the KV cache), ``weights-only`` = (peak - non-weight bytes) /
+weight bytes (1.0 = never more than one copy), ``GB/s`` of ``update_weights`` and ``GB/s / H2D``
+against the pageable H2D bandwidth (target >= 0.7 on an accelerator; not applicable on CPU).
 
 Exit 0 with the results (``--strict``: 1 when an applicable target fails), 2 on bad input,
 1 when a run failed.

@@ -2,27 +2,18 @@
 
     python scripts/soak.py --backend jax|torch --preset tiny --cycles 100 [--cpu-backup] [--trainer] [--json OUT]
 
-This process owns one ``ManagedEngine`` (an sglang-jax engine must live in its own process:
-its shutdown SIGKILLs every child process; this script is that process) and, with
-``--trainer``, the backend's trainer. Before the first cycle: a full weight sync (from the
-checkpoint, or from the trainer, which then goes to the host), a greedy probe, and the
-baseline: device bytes in use (every probe entry: device truth, and on CUDA torch also the
-allocator) and host RSS. Each cycle does what a colocated RL step does to the engine:
+One ``ManagedEngine`` in this process (sglang-jax's shutdown SIGKILLs every child process, so it
+gets its own) and, with ``--trainer``, the backend's trainer. After a full weight sync and a greedy
+probe, each cycle does what a colocated RL step does to the engine:
 
     drain -> release(kv_cache, weights) [-> trainer onload params+optimizer -> offload optimizer]
     -> empty_cache -> resume(weights) -> update_weights (full; from the trainer with --trainer)
     [-> trainer offload params] -> empty_cache -> resume(kv_cache) -> continue -> greedy probe
 
-With ``--cpu-backup`` the engine keeps a host copy of its weights; the update then runs only
-every ``--update-every`` cycles (default 2), so every other probe reads weights restored from
-the backup. Checked after every cycle, printed as the max deviation of each:
-
-- device memory back at its baseline within ``--device-tol-mib`` (1 MiB), every probe entry;
-  and the release freed at least 99% of the bytes the tags held (device truth);
-- greedy probe tokens identical to the baseline's (logprob deviation printed too);
-- host RSS flat: after ``--warmup`` cycles (caches, compilation), RSS stays within
-  ``--rss-tol-mib`` of its value then (a leaked CPU backup of the weights adds their size
-  per cycle: the least-squares slope is printed in bytes/cycle).
+With ``--cpu-backup`` the update runs every ``--update-every`` cycles, so other probes read weights
+restored from the backup. Checked every cycle: device memory back at baseline within
+``--device-tol-mib`` and releases freeing >= 99% of the tags' bytes; greedy tokens identical; host
+RSS within ``--rss-tol-mib`` after ``--warmup`` cycles (slope printed in bytes/cycle).
 
 Exit 0 when every target holds, 1 when one fails, 2 on bad input. JSON: ``--json``.
 """

@@ -19,12 +19,10 @@ PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 
 
 def gpu_allocates_on_demand(env: dict[str, str] | None = None) -> None:
-    """On a GPU, JAX reserves 75% of the card when its client starts (``XLA_PYTHON_CLIENT_PREALLOCATE``,
-    default true): in a colocated run the engine, which sizes its KV pool from the memory it finds
-    free, and the trainer would share what that pool leaves, and no phase's bytes would be what the
-    memory plan predicts. Unless the user set it, the run allocates on demand (``false``), as the
-    plan assumes (it counts what each phase holds against the whole card). Read by JAX when its GPU
-    client starts, so this runs before anything touches a JAX backend; TPU and CPU ignore it."""
+    """Unless the user set it, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``: JAX would reserve 75%
+    of a GPU at client start, leaving the engine (which sizes its KV pool from free memory) and the
+    trainer to share the rest, unlike the memory plan, which counts each phase against the whole card.
+    Must run before a JAX backend starts; TPU and CPU ignore it."""
     env = os.environ if env is None else env
     env.setdefault(PREALLOCATE, "false")
 

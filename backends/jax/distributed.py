@@ -2,21 +2,16 @@
 
 Which processes form one run comes from the environment (``config_from_env``), first match wins:
 
-1. explicit: ``MLLM_RL_COORDINATOR`` (``host:port`` of process 0; jax's own ``JAX_COORDINATOR_ADDRESS``
-   is accepted instead), ``MLLM_RL_NUM_PROCESSES``, ``MLLM_RL_PROCESS_ID``: all three, or none.
-   jax 0.10.2 itself reads only the coordinator address from the environment, never a process count
-   or id, so those two have our names.
-2. a multi-host Cloud TPU VM: jax found TPU chips on import (``cloud_tpu_init``) and its own
-   GCE/GKE TPU cluster detection reports more than one worker. Then ``jax.distributed.initialize()``
-   gets no arguments and detects everything itself (coordinator = worker 0, port 8482; process id =
-   the worker number).
-3. otherwise one process: jax is not imported here.
+1. explicit: ``MLLM_RL_COORDINATOR`` (or jax's ``JAX_COORDINATOR_ADDRESS``),
+   ``MLLM_RL_NUM_PROCESSES``, ``MLLM_RL_PROCESS_ID``: all three or none (jax 0.10.2 reads only the
+   coordinator address from the environment);
+2. a multi-host Cloud TPU VM (jax's own cluster detection reports several workers):
+   ``jax.distributed.initialize()`` without arguments detects everything;
+3. otherwise one process, and jax is not imported here.
 
-``init_distributed`` must run before anything initialises a JAX backend (``jax.devices()``, any
-computation). On CPU it asks for ``tp // num_processes`` local (fake) devices per process and for
-gloo cross-process collectives. After it, the coordination service's key-value store and barriers
-(``barrier``, ``share``) let processes agree without running a device computation: every device
-computation over a multi-process mesh must be issued by every process in the same order, so a
+``init_distributed`` must run before any JAX backend exists. ``barrier`` / ``share`` / ``gather`` use
+the coordination service's key-value store, so processes agree without a device computation: every
+computation over a multi-process mesh must be issued by all processes in the same order, and a
 main-thread collective must never race the engine's scheduler thread.
 """
 
@@ -163,12 +158,9 @@ def force_cpu_devices(n: int) -> None:
 def init_distributed(tp: int = 1, env: Mapping[str, str] | None = None) -> dict[str, int]:
     """Join the run described by the environment; ``{"process_index", "process_count"}``.
 
-    Single process: touches nothing. Otherwise ``jax.distributed.initialize`` (gloo collectives
-    on CPU; ``tp // num_processes`` fake CPU devices per process). Must run before any JAX
-    backend exists. ``ValueError`` for a bad environment (or a ``tp`` the processes cannot
-    split), ``RuntimeError`` (one line) if the processes cannot meet within
-    ``MLLM_RL_DIST_TIMEOUT_S``.
-    """
+    Single process: touches nothing. Otherwise ``jax.distributed.initialize`` (gloo and ``tp //
+    num_processes`` fake devices per process on CPU). ``ValueError`` for a bad environment or ``tp``;
+    ``RuntimeError`` (one line) if the processes do not meet within ``MLLM_RL_DIST_TIMEOUT_S``."""
     global _procs, _joined, _timeout_s
     cfg = config_from_env(env)
     _timeout_s = cfg.timeout_s

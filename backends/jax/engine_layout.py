@@ -1,21 +1,15 @@
 """The sglang-jax engine's device memory by its own layout: weights and the KV cache pool.
 
-Both come from sglang-jax 0.1.0rc0 itself, not from a copy of its numbers:
+Both come from sglang-jax 0.1.0rc0 itself, nothing allocated:
 
 - weights: its ``Qwen3ForCausalLM`` built with ``nnx.eval_shape`` on the engine's
-  ``("data", "tensor")`` mesh of the target's first ``tp`` devices, each weight with the sharding
-  of its ``WeightMapping`` (what the dummy loader gives it, and weight updates keep); the bytes
-  of one device's shards. The compiler's size of the same arrays (TPU tile padding included) is
-  reported next to it.
-- KV pool: ``MHATokenToKVPool`` allocates, per layer, a fused buffer
+  ``("data", "tensor")`` mesh, each weight sharded as its ``WeightMapping`` says; one device's
+  shard bytes, with the compiler's size (TPU tile padding) beside it.
+- KV pool: ``MHATokenToKVPool`` (``mem_cache/memory_pool.py``) allocates per layer a fused
   ``[(size + page_size * dp) / page_size, page_size, kv_heads * 2 / packing, packing, head_dim]``
-  with ``head_dim`` padded to a multiple of 128, split over ``tensor`` on the heads axis
-  (``mem_cache/memory_pool.py``); its size follows ``model_runner_kv_cache_mixin.py``:
-  ``profile_max_num_token`` gives ``(free_at_start * mem_fraction_static - (free_at_start -
-  free_after_weights)) // cell`` tokens, capped by ``max_total_tokens`` and rounded down to the
-  page size. One layer's buffer is compiled for the target to check the formula.
-
-Nothing is allocated: the model is abstract, the allocators are only compiled.
+  buffer, ``head_dim`` padded to a multiple of 128, heads split over ``tensor``; its size follows
+  ``profile_max_num_token`` (``model_runner_kv_cache_mixin.py``). One layer's buffer is compiled
+  for the target to check the formula.
 """
 
 from __future__ import annotations
@@ -29,12 +23,10 @@ from mllm_rl.presets import ModelConfig
 
 PAGE_SIZE = 1  # sglang-jax's default --page-size
 DP = 1  # one data-parallel rank: the adapter starts the engine with dp_size 1
-# SglangJaxEngine's defaults. sglang-jax refuses to start ("Not enough memory") unless the memory
-# available after loading the weights exceeds (1 - mem_fraction_static) x what was available before
-# (``model_runner.py`` / ``_profile_available_bytes``). On CPU "available" is the host's, which
-# other processes move while the engine loads: with 0.1 a drop of 10% during the load killed the
-# start on a busy host. The run always caps the pool with max_total_tokens, so on CPU a high
-# fraction only relaxes that start-up condition.
+# SglangJaxEngine's defaults. sglang-jax refuses to start unless the memory available after loading
+# the weights exceeds (1 - mem_fraction_static) x what was available before (``model_runner.py`` /
+# ``_profile_available_bytes``); on CPU that is the host's memory, which other processes move, and the
+# run caps the pool with max_total_tokens anyway, so CPU uses a high fraction.
 DEFAULT_MEM_FRACTION = {"cpu": 0.9, "tpu": 0.6, "gpu": 0.6}
 
 # sglang-jax's attention kernels ('fa': ragged paged attention, a Pallas TPU kernel) take their
@@ -163,11 +155,9 @@ CHUNKED_PREFILL_TOKENS = 4096
 
 def logits_bytes(model: ModelConfig, max_running_requests: int, batch: int) -> tuple[int, int]:
     """``(bytes, rows)`` of what sglang-jax keeps alive between generate calls: float32
-    ``[rows, vocab]`` logits, one ``[max_running_requests, V]`` array and two ``[bucket, V]`` arrays
-    of the last decode batches (one array fewer when the bucket is ``max_running_requests``).
-    Measured on CPU with the tiny model: 2 x [128, 384] after 128 requests, [128, 384] + 2 x
-    [4, 384] after 4 (max_running_requests 128); nothing else outside the weights and the pool.
-    Counted whole on every engine device (an upper bound where the engine shards them)."""
+    ``[rows, vocab]`` logits, one ``[max_running_requests, V]`` array and two ``[bucket, V]`` arrays of
+    the last decode batches (one fewer when the bucket is ``max_running_requests``). Counted whole on
+    every engine device (an upper bound where the engine shards them)."""
     b = batch_bucket(batch, max_running_requests)
     rows = 2 * max_running_requests if b == max_running_requests else max_running_requests + 2 * b
     return rows * model.vocab_size * 4, rows

@@ -1,20 +1,11 @@
 """An engine's weight leaves: HF-named tensors placed and written into the arrays its forward reads.
 
-Pure JAX (no sglang-jax import): it runs on plain arrays on CPU. An engine's weights are a
-list of leaves (sglang-jax: ``model_runner.model_state_leaves``) and a map from HF name to
-``(leaf index, transpose)``, ``transpose`` meaning the leaf holds the HF tensor transposed
-(HF ``[out, in]`` -> leaf ``[in, out]``). ``EngineLeaves`` places a tensor on its leaf's
-devices in the leaf's layout, dtype and sharding, installs it in place of the old leaf (freed
-at once), writes large host tensors into the existing buffer chunk by chunk, and fingerprints
-the leaves.
-
-Values it accepts for a name (``place`` / ``stream``):
-
-- a host ndarray (or memmap) in HF layout: transposed as a view, copied once (``host_copy``);
-- a ``jax.Array`` in HF layout, on any devices: transposed / cast where it lives, then moved;
-- ``KernelInOut(a)`` (``export_layout``), ``a`` ``[in, out]`` on any devices: onto an
-  ``[in, out]`` leaf without a transpose (a dtype cast only if needed, and the move);
-- ``Placed(a)`` (``stream`` only): already the leaf's layout, dtype and sharding.
+Pure JAX (no sglang-jax import). An engine's weights are a list of leaves (sglang-jax:
+``model_runner.model_state_leaves``) and a map HF name -> ``(leaf index, transpose)``, ``transpose``
+meaning the leaf holds HF ``[out, in]`` as ``[in, out]``. Accepted values (``place`` / ``stream``):
+a host ndarray or memmap in HF layout (copied once: ``host_copy``); a ``jax.Array`` in HF layout
+(transposed / cast where it lives, then moved); ``KernelInOut(a)``, ``a`` ``[in, out]`` (no
+transpose); ``Placed(a)`` (``stream`` only), already in the leaf's layout, dtype and sharding.
 """
 
 from __future__ import annotations
@@ -37,15 +28,9 @@ Sums = tuple[jax.Array, jax.Array]  # (sum, sum of squares) as float32 device sc
 
 
 def host_copy(arr: np.ndarray, dtype: Any) -> np.ndarray:
-    """A C-contiguous host array that owns its memory, never a view of a file mapping.
-
-    On JAX CPU, ``jax.device_put`` of an ``np.memmap`` (our checkpoint tensors are memmap
-    views) *aliases* the mapped pages instead of copying them. Once the memmap is unmapped
-    and the address reused, the "device" array silently changes: an engine whose weights
-    were fingerprint-checked at install time decoded garbage for some prompts, in roughly
-    one engine instance in four (tests/jax/test_engine_contract.py caught it). A copy here
-    costs one tensor of host memory at a time.
-    """
+    """A C-contiguous host array that owns its memory, never a view of a file mapping: on JAX
+    CPU, ``jax.device_put`` of an ``np.memmap`` aliases the mapped pages, so the "device" array changes
+    once the mapping is gone (tests/jax/test_engine_contract.py). Costs one tensor of host memory."""
     return np.array(arr, dtype=dtype, order="C", copy=True)
 
 
@@ -70,11 +55,9 @@ def _to_layout(x: jax.Array, transpose: bool, dtype: Any) -> jax.Array:
 def to_engine(x: jax.Array, transpose: bool, dtype: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     """``x.T`` (``transpose``) or ``x`` as ``dtype`` with ``sharding``, in a buffer of its own.
 
-    A transpose or cast runs where ``x`` lives (a new array, half the bytes to move for a
-    narrowing cast), then the result moves. With neither, ``x`` is copied: a ``device_put``
-    to an equivalent sharding would alias ``x``'s buffer, and its owner (a trainer that
-    offloads its params) deletes that buffer later.
-    """
+    A transpose or cast runs where ``x`` lives, then the result moves. With neither, ``x`` is copied: a
+    ``device_put`` to an equivalent sharding would alias the buffer its owner (an offloading trainer)
+    deletes later."""
     if transpose or x.dtype != dtype:
         return jax.device_put(_to_layout(x, transpose, dtype), sharding)
     return jax.device_put(x, sharding, may_alias=False)

@@ -1,22 +1,12 @@
 """AdamW whose state lives in host memory, streamed through the device one leaf at a time
 (``ModelOptions.optimizer_memory="host"``).
 
-The optimizer state is optax's own tree (the same tree as the device path's, so a checkpoint
-is the same), every leaf on the ``pinned_host`` memory kind for the whole run. One update
-(``apply``):
-
-1. ``StepFns.grad_norm(grads)`` on the device: the global norm, in the ``opt`` dtype, that
-   clipping uses and the metrics report;
-2. for each trainable leaf (a stacked ``[L, ...]`` weight under ``scan_layers``, else one
-   layer's weight), in order: its two AdamW moments are copied to the device,
-   ``StepFns.leaf_update`` (donating the param and both moments) applies the clip and the AdamW
-   chain exactly as ``apply`` does for the whole tree, the new moments go back to the host, and
-   the device copies, the old host copies and the leaf's gradient are deleted.
-
-So beyond the params and the gradients, the device holds one leaf's moments and the update's
-temporaries (the memory plan compiles ``leaf_update`` for the largest leaf), and the host holds
-the whole state plus one leaf's new moments. The transfers are synchronous: an update moves the
-whole state to the device and back once.
+The state is optax's own tree (so a checkpoint is the same as the device path's), every leaf on
+``pinned_host`` for the whole run. ``apply``: ``StepFns.grad_norm`` on the device, then per
+trainable leaf its two moments are copied in, ``StepFns.leaf_update`` (donating param and moments)
+applies clip and AdamW exactly as ``apply`` does for the whole tree, the new moments go back to the
+host and the leaf's gradient is deleted. The device holds one leaf's moments beyond params and
+gradients (the plan compiles ``leaf_update`` for the largest leaf); transfers are synchronous.
 """
 
 from __future__ import annotations

@@ -1,43 +1,22 @@
 """The JAX backend's memory planner: ``measure(req) -> Measured`` (``mllm_rl.memplan.request``).
 
-For a target topology (``topologies.py``; nothing runs on a device) it compiles the trainer's
-real jitted functions (``step_fns.make_step_fns``: ``grad``, ``apply``, and ``logprob`` when a
-KL term needs reference log-probs) with the abstract state and shardings the trainer uses
-(``step_fns.abstract_state`` / ``batch_specs`` on ``sharding.make_mesh``), and reads each
-one's ``memory_analysis()`` per device. The trainer's dtypes are the run's default, resolved by
-the same ``ModelOptions.resolved`` (``TrainConfig.precision="mixed"``: a bf16 checkpoint's
-trainable params and AdamW moments in float32, compute in bf16, a LoRA base in bf16; explicit
-``--model-option param_dtype=... / compute_dtype=... / opt_dtype=...`` override); the plan's
-``info.dtypes`` says which. Components:
+For a target topology (``topologies.py``; nothing runs on a device) it compiles the trainer's real
+jitted functions (``step_fns.make_step_fns``: ``grad``, ``apply``, ``logprob`` with KL) on the
+trainer's abstract state and mesh, and reads each one's ``memory_analysis()`` per device. Dtypes
+are the run's, from ``ModelOptions.resolved`` (``info.dtypes`` says which). Components:
 
-=================  ==========  ==============================================================
-component          method      from
-=================  ==========  ==============================================================
-engine_weights     layout      sglang-jax's own model, abstract, sharded on its mesh
-                               (``engine_layout.weights``); compiler size in the detail
-kv_pool            layout      sglang-jax's pool formula and sizing rule (``engine_layout``);
-                               one layer's buffer compiled to check it
-engine_logits      layout      float32 [rows, vocab] logits the engine keeps between generates
-trainer_params     layout      ``abstract_state`` shards on device 0 (trainable + frozen;
-                               float32 masters of a bf16 checkpoint by default)
-optimizer          layout      the AdamW state's shards on device 0 (moments in ``dtypes.opt``);
-                               in host memory for the whole run with ``optimizer_memory=host``
-                               (``optimizer_apply`` is then one leaf's update, its moments
-                               streamed in: ``_leaf_update``)
-grads              compiler    the accumulator: ``grad``'s output sharding (the compiler picks
-                               it) in the trainable dtype (``grad`` returns the compute dtype)
-ref_params         layout      full fine-tune with KL: the trainable params again
-staging            layout      estimate: the largest tensor in flight during the update, on
-                               the trainer side (HF layout, then cast/transposed) and placed
-=================  ==========  ==============================================================
+- ``engine_weights``, ``kv_pool`` (layout): sglang-jax's own model and pool rule
+  (``engine_layout``), one pool layer compiled to check it; ``engine_logits``: float32
+  [rows, vocab] kept between generates.
+- ``trainer_params``, ``optimizer``, ``ref_params`` (layout): device 0's shards of
+  ``abstract_state`` (optimizer on the host with ``optimizer_memory=host``: ``_leaf_update``).
+- ``grads`` (compiler): the accumulator, ``grad``'s output sharding in the trainable dtype.
+- ``staging`` (layout): estimate of the largest tensor in flight during a weight update.
 
-The engine's own forward/decode step is not compiled: sglang-jax builds its batch metadata on
-the host inside its scheduler, with no entry point that lowers a step from shapes alone; the
-rollout phases add an estimate from the shapes instead (``engine_step``, method ``estimate``:
-``mllm_rl.memplan.engine_step``), and the plan says so in its notes.
-
-Peak of a compiled function: ``peak_memory_in_bytes`` on TPU and GPU; on CPU, where XLA
-reports no buffer reuse, ``arguments + outputs - aliased + temporaries`` (an upper bound).
+The engine's decode step is estimated (``mllm_rl.memplan.engine_step``), not compiled: sglang-jax
+builds batch metadata in its scheduler with no entry point that lowers a step from shapes. Peak of
+a compiled function: ``peak_memory_in_bytes`` on TPU/GPU; on CPU, where XLA reports no buffer
+reuse, ``arguments + outputs - aliased + temporaries`` (an upper bound).
 """
 
 from __future__ import annotations
@@ -415,12 +394,9 @@ def _trainer(
 def _leaf_update(
     fns: Any, trainable: Any, opt_state: Any, grads: Any, target: Any, info: dict[str, Any]
 ) -> FunctionMemory:
-    """``optimizer_memory=host``: the update streams the AdamW state through the device one
-    trainable leaf at a time (``host_optimizer.apply``); ``leaf_update`` compiled for the leaf
-    whose param, gradient and moments take the most device bytes. Its params and gradient are
-    resident components already; its moments are not (they live on the host), so its
-    ``argument_bytes`` are the param's and the gradient's only and the streamed moments count in
-    its extra bytes."""
+    """``optimizer_memory=host``: ``leaf_update`` compiled for the leaf whose param, gradient and
+    moments take the most device bytes. The param and gradient are resident components already, so the
+    streamed moments count in its extra bytes."""
     import jax
 
     from mllm_rl.backends.jax.host_optimizer import adam_state
@@ -502,10 +478,9 @@ def _shard_bytes(tree: Any) -> int:
 
 
 def _staging(eng: engine_layout.EngineWeights) -> Component:
-    """The weight update's bytes in flight beyond both resident copies (an estimate by layout):
-    the largest engine tensor's shard, twice: the trainer's export (a cast, a merged LoRA weight or
-    a stacked layer's row; kernels go out in the engine's ``[in, out]`` layout, untransposed) and
-    the engine's placed copy before the old leaf is freed (``engine_weights.to_engine``)."""
+    """The weight update's bytes in flight beyond both resident copies (an estimate): the largest
+    engine tensor's shard twice, the trainer's export and the engine's placed copy before the old leaf
+    is freed (``engine_weights.to_engine``)."""
     b = STAGING_COPIES * eng.largest_tensor_bytes
     return Component(
         "staging",

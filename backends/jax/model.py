@@ -152,12 +152,10 @@ class Run:
     """How a forward pass runs: the options, the mesh (``splash`` attention shards by it) and
     Pallas interpret mode (``splash`` off TPU, for tests).
 
-    With ``opts.compute_dtype`` every weight is cast to it where it is used, inside the traced
-    function: each decoder block's variables (LoRA adapters included) as the block runs, the
-    embedding's gathered rows, the final norm and the head, so every matmul runs in that dtype
-    and the gradients of float32 params arrive in float32. (The trainer's step functions cast
-    the whole params tree once before the model runs and differentiate w.r.t. that cast,
-    ``step_fns.make_step_fns``, which makes these casts no-ops there.) Without it the forward computes in the params' own dtype."""
+    With ``opts.compute_dtype`` every weight is cast to it where it is used inside the traced function,
+    so every matmul runs in that dtype and gradients of float32 params arrive in float32 (the trainer's
+    step functions cast the whole tree up front, making these casts no-ops). Without it the forward
+    computes in the params' own dtype."""
 
     opts: ModelOptions = ModelOptions()
     mesh: Mesh | None = None

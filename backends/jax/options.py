@@ -1,58 +1,27 @@
 """``ModelOptions``: how the JAX trainer lays out and runs the model (not what it computes).
 
-Every option trades speed for memory or changes a layout; none changes the numbers beyond
-float32 reduction order, except the dtypes, which say what is stored and computed in
+No option changes the numbers beyond float32 reduction order except the dtypes
 (``tests/jax/test_model_paths.py`` compares each path with the loop / dense / full-logits
 reference). Imports nothing heavy, so a CLI can build one before jax starts.
 
-The defaults are the path TPU runs take, on every platform, so that CPU tests exercise it:
-stacked layers under ``scan``, per-block remat, the head in 256-position chunks. Attention is
-the one option that depends on the platform (``for_platform``): ``splash`` (a Pallas TPU
-kernel) on TPU, ``dense`` elsewhere. Remat is ``block`` everywhere: on TPU it is what lets a real
-model's activations fit; on CPU a tiny full fine-tune's ``train_step`` (128 rows of 40 tokens)
-took the same time with it as without (median 2.4-2.8 s vs 2.6-2.9 s, first step 12-13 s vs
-12-15 s: the recomputed blocks cost less than the noise), so CPU keeps TPU's backward program.
-The loop layout, whole logits and no remat stay reachable (``--model-option scan_layers=false``,
-``logprob_chunk=0``, ``remat=none``); exported weights carry HF names and the same tensors in
-either layout, while a trainer checkpoint (orbax) holds the layout it was written with.
+The defaults are the TPU path on every platform, so CPU tests exercise it: stacked layers under
+``scan``, per-block remat, the head in 256-position chunks; only attention depends on the platform
+(``splash`` on TPU, ``dense`` elsewhere). A trainer checkpoint holds the layout it was written with.
 
-- ``tp``: tensor-parallel size of the trainer's ``("fsdp", "tp")`` mesh (``sharding.py``);
-  ``fsdp`` = devices / ``tp``.
-- ``scan_layers``: decoder blocks stacked [L, ...] and run under ``jax.lax.scan`` (compile
-  time and program size flat in depth) instead of a Python loop.
-- ``remat``: ``none`` (keep every activation for the backward pass), ``block``
-  (``jax.checkpoint`` per decoder block: only each block's input is kept, the block is
-  recomputed), ``dots`` (per block, keeping the outputs of the weight matmuls).
+- ``tp``: tensor-parallel size of the ``("fsdp", "tp")`` mesh; ``fsdp`` = devices / ``tp``.
+- ``scan_layers``: blocks stacked [L, ...] under ``jax.lax.scan`` (compile time flat in depth).
+- ``remat``: ``none`` | ``block`` (``jax.checkpoint`` per block) | ``dots`` (keep matmul outputs).
 - ``attention``: ``dense`` | ``xla`` | ``chunked`` | ``splash`` (``attention.py``);
   ``attention_chunk``: query positions per chunk of ``chunked``.
-- ``logprob_chunk``: positions per chunk of the output head (``logprob.py``); 0 = the
-  whole [B, T, V] logits at once.
-- ``param_dtype``: dtype of the stored params; ``compute_dtype``: dtype the forward and
-  backward run in; ``opt_dtype``: dtype of the AdamW moments and of the update arithmetic.
-  None (the default) leaves each to ``resolved``, which follows ``TrainConfig.precision``:
-
-  ============  ===========================  ===========================================
-  precision     16-bit checkpoint (bf16)     float32 checkpoint
-  ============  ===========================  ===========================================
-  ``mixed``     trainable params and AdamW   everything float32
-                moments float32 (masters),
-                compute in the checkpoint's
-                dtype; a LoRA base stays in
-                the checkpoint's dtype
-  ``pure``      everything in the            everything float32
-                checkpoint's dtype
-  ============  ===========================  ===========================================
-
-  The engine always gets the checkpoint's dtype (the trainer casts its masters). An explicit
-  dtype overrides: ``param_dtype`` sets every stored param (LoRA base and adapters),
-  ``compute_dtype`` defaults to ``param_dtype`` when that is set, ``opt_dtype`` to the
-  trainable params' dtype.
-- ``optimizer_memory``: where the AdamW state lives. ``device`` (the default): on the devices
-  while training, offloaded to host memory between steps by the lifecycle. ``host``: in host
-  memory (``pinned_host``) for the whole run; each update streams it through the device one
-  trainable leaf at a time (``host_optimizer.py``), so the device never holds more than one
-  leaf's moments: what lets a full fine-tune whose float32 state does not fit the device train
-  there. The numbers are those of ``device`` (the same optax update, leaf by leaf).
+- ``logprob_chunk``: positions per head chunk (``logprob.py``); 0 = whole [B, T, V] logits.
+- ``param_dtype`` / ``compute_dtype`` / ``opt_dtype``: None leaves them to ``resolved``, which
+  follows ``TrainConfig.precision``: ``mixed`` on a 16-bit checkpoint keeps float32 trainable
+  params and moments, computing in the checkpoint dtype (a LoRA base stays 16-bit); ``pure`` keeps
+  everything in the checkpoint dtype; a float32 checkpoint is float32 throughout. The engine always
+  gets the checkpoint dtype.
+- ``optimizer_memory``: ``device`` (offloaded between steps) or ``host`` (``pinned_host`` for the
+  whole run, streamed through the device a leaf at a time by ``host_optimizer.py``: lets a full
+  fine-tune whose float32 state does not fit the device train; same numbers).
 """
 
 from __future__ import annotations
@@ -142,10 +111,9 @@ class ModelOptions:
         return jnp.dtype(self.compute_dtype)
 
     def resolved(self, checkpoint: Any, precision: str = "mixed", lora: bool = False) -> Dtypes:
-        """The dtypes the trainer stores, computes and optimises in for a checkpoint of dtype
-        ``checkpoint`` under ``TrainConfig.precision`` ``precision`` (``mixed`` | ``pure``), full
-        fine-tune or ``lora`` (the table in the module docstring). The one place these defaults
-        are decided: the trainer, its step functions and the memory planner all call it."""
+        """The dtypes the trainer stores, computes and optimises in for a ``checkpoint`` dtype under
+        ``precision`` (``mixed`` | ``pure``), full fine-tune or ``lora``. The one place these defaults are
+        decided: the trainer, its step functions and the memory planner all call it."""
         import jax.numpy as jnp
 
         if precision not in PRECISIONS:

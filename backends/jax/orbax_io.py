@@ -3,22 +3,15 @@
 When a write fails (a full disk, ``RLIMIT_FSIZE``, a lost permission), orbax 0.12 and tensorstore
 0.1 do three things ``save_pytree`` undoes:
 
-- the error is a ``ValueError`` (``OUT_OF_RANGE: Error writing ... Failed writing: "<file>": ...
-  File too large [os_error_code='27']``): bad input to ``python -m mllm_rl.run`` (exit 2). It
-  becomes the ``OSError`` it reports (errno, reason, the file), which the checkpoint writer turns
-  into a one-line ``CheckpointWriteError`` (``mllm_rl.checkpoint.writer``);
-- orbax logs the error with its traceback from each of its threads (three times, ~200 lines):
-  its log records are held while the save runs and dropped when it fails (the error is raised);
-  after a save that succeeded they are passed on;
-- the first failed write ends orbax's event loop (``asyncio.gather`` raises, the loop is closed)
-  while tensorstore's other writes go on: each one that ends calls back into the closed loop,
-  and Python prints ``RuntimeError: Event loop is closed`` with a traceback through
-  ``sys.unraisablehook`` (~30 more), and those writes create files and directories after the
-  save has returned (a temporary directory left behind, or a cleanup racing them). The save waits
-  for every tensorstore future still running before it raises, and an unraisable hook drops
-  exactly those callbacks (a ``RuntimeError('Event loop is closed')`` raised in
-  ``call_soon_threadsafe``: nothing waits for them); it stays after a failed save, since
-  callbacks of writes orbax abandoned may come later.
+- the error is a ``ValueError`` (``OUT_OF_RANGE: ... [os_error_code='27']``), which would read as
+  bad input (exit 2); it becomes the ``OSError`` it reports, which ``mllm_rl.checkpoint.writer``
+  turns into a one-line ``CheckpointWriteError``;
+- orbax logs the traceback from each of its threads: its records are held during the save,
+  dropped if it fails and passed on if it succeeds;
+- the first failure closes orbax's event loop while tensorstore's other writes go on, each calling
+  back into the closed loop (``RuntimeError: Event loop is closed`` via ``sys.unraisablehook``) and
+  creating files after the save returned. The save waits for every tensorstore future before it
+  raises, and an unraisable hook, kept installed, drops exactly those callbacks.
 """
 
 from __future__ import annotations

@@ -1,52 +1,27 @@
 """sglang-jax rollout engine adapter: every private touch-point of sglang-jax lives here.
+Pure-JAX weight placement and fingerprints live in ``engine_weights.py`` (no sglang-jax import).
 
-What is pure JAX (placing HF-named tensors into the engine's weight leaves, chunked writes,
-fingerprints of the leaves) lives in ``engine_weights.py``, which does not import sglang-jax.
+Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4); each fact is probed in
+``_check_version``:
 
-Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4) on JAX CPU, tp=1 and tp=2
-(fake CPU devices). Facts this module relies on, each probed in ``_check_version``:
-
-- ``Engine(enable_single_process=True, load_format="dummy", ...)`` runs in-process; the
-  model runner is ``engine.scheduler_info["scheduler"].tp_worker.worker.model_runner``.
-- There is no weight-update API. The jitted forward reads the list
-  ``model_runner.model_state_leaves`` (flattened ``nnx.split(model)`` state) on every call,
-  so replacing list items with arrays of the same shape/dtype/sharding swaps weights
-  without recompiling. The model's ``_create_qwen3_weight_mappings()`` gives, per HF
-  name, the target path and whether the HF matrix is transposed.
-- On CPU, ``max_running_requests``/``context_length`` must be bounded (the defaults size
-  a request pool from host RAM and a forward then asks for >100 GB); ``head_dim`` must be
-  a multiple of 128 (the native attention pads it and mis-shapes the output otherwise).
-- JAX CPU's ``jax.device_put`` of a numpy view or an ``np.memmap`` *aliases* it (zero
-  copy). (1) The scheduler's per-step KV locations are a view into one persistent host
-  buffer that the overlap thread rewrites while the previous forward may still read it:
-  batched requests intermittently decode garbage (tp=1 and tp=2; also with sglang-jax's own
-  loader: ``scripts/repro_sglang_jax_tp_batch.py``), so the overlap schedule is off on CPU.
-  (2) Our checkpoint tensors are memmaps: every host->device copy goes through
-  ``engine_weights.host_copy``.
-- ``flush_cache`` silently fails (``success=False``) while the scheduler still holds the last
-  batch of a request that already returned; a release/resume after an unchecked flush leaves
-  prefixes pointing into reallocated KV: ``flush_cache`` here retries until it succeeds.
-- The engine's asyncio loop runs in a daemon thread (``enable_engine_loop_run_forever_daemon``)
-  and every call goes through ``run_coroutine_threadsafe``, so a ``pause_generation`` from one
-  thread aborts requests another thread is waiting on (a drain under load).
-- The scheduler loop polls its sockets without blocking and spins when idle (a whole core):
-  ``_sleep_when_idle`` makes ``on_idle`` wait on those sockets (node 0; the other nodes of a
-  multi-process engine block on node 0's broadcast).
-- ``sampling_seed`` is honoured only with ``enable_deterministic_sampling``; requests without
-  one then share a default seed, so every request gets its own.
-- The tokenizer manager takes SIGTERM over (``loop.add_signal_handler``, lazily on the
-  first request); we create its loop eagerly and give the process its handler back.
-- A failing scheduler init SIGQUITs the host process; ``shutdown()`` SIGKILLs every
-  child process of ours; interpreter teardown after an engine ran aborts in C++ (the
-  scheduler thread), so the CLI leaves through ``os._exit`` after closing its sinks.
-- Multi-process (``jax.distributed`` joined; docs/TPU.md): ``nnodes``/``node_rank``/
-  ``dist_init_addr`` make one engine whose mesh spans every process's devices
-  (``create_device_mesh`` over ``jax.devices()``). Node 0 runs the tokenizer and broadcasts
-  each scheduler iteration's requests to the other nodes' schedulers (ZMQ PUB/SUB on
-  ``dist_init_addr`` port+5/+6), which run the same SPMD forward. Nodes >= 1 get no
-  tokenizer and no ``scheduler_info`` from ``Engine()`` (with
-  ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0``; otherwise it blocks in a health-check
-  server), so their scheduler is taken from ``run_scheduler_loop_thread_after_create``.
+- ``Engine(enable_single_process=True, load_format="dummy")`` runs in-process; the model runner is
+  ``engine.scheduler_info["scheduler"].tp_worker.worker.model_runner``.
+- No weight-update API: the jitted forward reads ``model_runner.model_state_leaves`` on every call,
+  so replacing items with same shape/dtype/sharding arrays swaps weights without recompiling;
+  ``_create_qwen3_weight_mappings()`` gives each HF name's target and transpose.
+- CPU: ``max_running_requests``/``context_length`` must be bounded, ``head_dim`` a multiple of 128;
+  ``jax.device_put`` of a numpy view aliases it, so the overlap schedule is off (its KV-location
+  buffer is rewritten under a running forward: ``scripts/repro_sglang_jax_tp_batch.py``) and
+  memmapped weights go through ``engine_weights.host_copy``.
+- ``flush_cache`` may return ``success=False`` silently; it is retried (``flush_cache``).
+- The engine's asyncio loop runs in a daemon thread and every call goes through
+  ``run_coroutine_threadsafe``, so a pause from one thread aborts another thread's requests.
+- ``sampling_seed`` needs ``enable_deterministic_sampling``; every request gets its own seed.
+- The tokenizer manager takes SIGTERM over; we create its loop eagerly and restore our handler.
+- Interpreter teardown after an engine ran aborts in C++, so the CLI leaves through ``os._exit``.
+- Multi-process (docs/TPU.md): ``nnodes``/``node_rank``/``dist_init_addr`` make one engine over
+  every process's devices; node 0 tokenizes and broadcasts each iteration's requests (ZMQ PUB/SUB);
+  nodes >= 1 get their scheduler from ``run_scheduler_loop_thread_after_create``.
 """
 
 from __future__ import annotations
@@ -217,27 +192,17 @@ class SglangJaxEngine:
                 grammar_backend="none",
                 random_seed=seed,
                 log_level="error",
-                # The engine's asyncio loop runs in its own daemon thread; every call goes through
-                # ``_call`` (run_coroutine_threadsafe). So a generate in one thread and a
-                # pause_generation in another are both served: a drain under load really aborts
-                # the requests in flight instead of failing on a loop that is already running.
-                # (Nodes >= 1 of a multi-process engine have no tokenizer manager, nor loop.)
+                # the loop in a daemon thread, every call through ``_call``: a pause from one thread
+                # aborts another's requests (nodes >= 1 have no tokenizer manager, nor loop)
                 enable_engine_loop_run_forever_daemon=self.procs.index == 0,
-                # Per-request ``sampling_seed`` is ignored unless this is on (and then a request
-                # without one gets a fixed default seed: ``_generate_here`` always sets one).
+                # per-request ``sampling_seed`` needs this (``_generate_here`` always sets one)
                 enable_deterministic_sampling=True,
-                # JAX CPU only: device_put of a numpy *view* aliases it (zero-copy), and the
-                # scheduler builds each step's KV locations as a view into one persistent host
-                # buffer that its overlap thread rewrites for the next step while the current
-                # forward may still read it: wrong KV slots, garbage tokens for some requests
-                # (docs/ENGINES.md). Without the overlap schedule the next step is prepared only
-                # after the current one finished. TPU/GPU copy to device memory: unaffected.
+                # JAX CPU aliases numpy views on device_put: the overlap thread would rewrite the KV
+                # locations a running forward reads (docs/ENGINES.md)
                 disable_overlap_schedule=platform == "cpu",
             )
-        # On its first request the tokenizer manager installs a loop SIGTERM handler that
-        # only sets a "graceful exit" flag and keeps generating. Create that loop now and
-        # give the process its own handler back: SIGTERM must end the run. (Nodes >= 1 of a
-        # multi-process engine have no tokenizer manager.)
+        # The tokenizer manager's SIGTERM handler only sets a "graceful exit" flag: create its
+        # loop now and give SIGTERM back to the process, which must end the run.
         on_main = threading.current_thread() is threading.main_thread()
         if on_main and self.engine.tokenizer_manager is not None:
             self.engine.tokenizer_manager.auto_create_handle_loop()
@@ -296,12 +261,10 @@ class SglangJaxEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
         """Streaming update: per tensor, place it, fingerprint it, install it, drop the old leaf.
 
-        ``named_tensors`` yields ``(hf_name, value)`` in any order, value a host ndarray or a
-        jax.Array in HF layout, a ``KernelInOut`` kernel ``[in, out]`` (installed without a
-        transpose), or a ``Placed`` array already in the engine layout (the naive baseline);
-        names were validated by the caller (``ManagedEngine.check_update``). The fingerprint
-        is of what was installed.
-        """
+        ``named_tensors`` yields ``(hf_name, value)``: a host ndarray or jax.Array in HF layout, a
+        ``KernelInOut`` kernel ``[in, out]`` (no transpose), or a ``Placed`` array already in the engine
+        layout. Names were validated by ``ManagedEngine.check_update``. The fingerprint is of what was
+        installed."""
         t0 = time.perf_counter()
         sums, nbytes = self.weights.stream(named_tensors, on_tensor)
         self._resync_module()
@@ -451,14 +414,11 @@ class SglangJaxEngine:
             raise
 
     def flush_cache(self, timeout_s: float = 60.0) -> None:
-        """Flush the prefix (radix) cache and the KV allocator, and make sure it happened.
+        """Flush the prefix (radix) cache and the KV allocator, retrying until it succeeds.
 
-        sglang-jax refuses a flush (``success=False``, a log line, nothing raised) while its
-        scheduler still holds the last batch of a request that has already returned. An
-        unchecked flush then leaves cached prefixes pointing into KV slots that a release/
-        resume replaces with zeros: the next request reusing that prefix decodes garbage
-        (seen here in about 1 of 6 release/resume cycles). So: retry until it succeeds.
-        """
+        sglang-jax refuses a flush (``success=False``, nothing raised) while its scheduler still holds the
+        last batch of a returned request; an unchecked flush leaves cached prefixes pointing into KV slots
+        that a release/resume zeroes, and the next request reusing them decodes garbage."""
         self._on_node_0("flush_cache", lambda: self._flush_here(timeout_s))
 
     def _flush_here(self, timeout_s: float) -> None:
@@ -474,17 +434,12 @@ class SglangJaxEngine:
             time.sleep(0.005)
 
     def pause_generation(self, timeout_s: float = PAUSE_TIMEOUT_S) -> None:
-        """Requests in flight return with finish_reason "abort" (sglang-jax's default mode,
-        "retract", would keep them queued: nothing could be released safely).
+        """Requests in flight return with finish_reason "abort" (sglang-jax's default
+        "retract" keeps them queued, so nothing could be released safely).
 
-        sglang-jax's abort-mode pause re-sends "abort all" until its tokenizer manager tracks no
-        request (``rid_to_state`` empty). A request aborted while still in the scheduler's
-        waiting queue ("Abort before prefill", ``_handle_abort_req``) is answered and marked
-        finished but never removed from that map, so the pause would never return: a drain
-        that catches a request before its prefill hung the run. A normal finish removes the
-        entry in the same step that marks it finished, so an entry already finished is such a
-        leftover: ``_pause_reaping`` removes those while the pause runs. Still not returned
-        after ``timeout_s``: ``RuntimeError`` naming the requests it waits on."""
+        The abort-mode pause waits until ``rid_to_state`` is empty, but a request aborted before prefill
+        (``_handle_abort_req``) is marked finished and never removed from it; ``_pause_reaping`` removes
+        such finished leftovers. Not returned after ``timeout_s``: ``RuntimeError`` naming the requests."""
         self._on_node_0("pause_generation", lambda: self._pause_here(timeout_s))
 
     def _pause_here(self, timeout_s: float) -> None:
@@ -502,11 +457,9 @@ class SglangJaxEngine:
         self._on_node_0("continue_generation", lambda: self._call(self.engine.async_continue_generation()))
 
     def _on_node_0(self, what: str, send: Any) -> None:
-        """``send`` ``what`` (pause, flush, continue) from node 0 only, the one process with the
-        tokenizer manager; its scheduler broadcasts the request to every other node's scheduler
-        ahead of any later batch. Every process then meets at a barrier once node 0 is done, so
-        no process releases or resumes its shards of the engine's arrays while node 0 still
-        generates (the schedulers' forwards are collective: with node 0 idle, none runs one)."""
+        """``send`` ``what`` (pause, flush, continue) from node 0, the one process with a
+        tokenizer manager, whose scheduler broadcasts it to the other nodes; then a barrier, so no process
+        releases or resumes its shards while node 0 still generates (the forwards are collective)."""
         if self.procs.count == 1:
             send()
             return
@@ -528,17 +481,10 @@ class SglangJaxEngine:
 def _sleep_when_idle(scheduler: Any, timeout_ms: int = IDLE_POLL_MS) -> None:
     """Make an idle scheduler (node 0's) wait for its next message instead of spinning.
 
-    sglang-jax's scheduler loop polls its ZMQ sockets without blocking and, with nothing to run,
-    calls ``on_idle()`` and loops again: an idle engine burns a whole core and contends for the
-    GIL with the trainer in every phase where the engine only waits (measured: 1.0 core while
-    idle). ``on_idle`` is called when the loop has no batch to run; when the scheduler is also
-    ``is_fully_idle()`` (no request waiting, running, chunked or with a pending result), it then
-    blocks on the scheduler's own sockets, in the scheduler's thread, until a message arrives
-    (it wakes at once) or ``timeout_ms`` passes. A request held back for memory is not idle.
-
-    Multi-process engines: node 0 publishes what it received once per loop and the other nodes
-    wait for it in a blocking receive (5 s timeout, retried), so node 0 waiting here quiets
-    every node; the others have no sockets of their own to wait on."""
+    sglang-jax's scheduler loop polls its ZMQ sockets without blocking and calls ``on_idle()`` when it
+    has no batch, burning a core and contending for the GIL with the trainer. When the scheduler is also
+    ``is_fully_idle()``, ``on_idle`` now blocks on its sockets until a message arrives or ``timeout_ms``
+    passes. Other nodes block on node 0's broadcast, so quieting node 0 quiets them all."""
     import zmq
 
     poller = zmq.Poller()

@@ -1,8 +1,7 @@
 """The JAX trainer's jitted step functions, as pure functions of abstract or real state.
 
-``JaxTrainer`` builds its state with ``load_state`` and runs exactly the functions of
-``make_step_fns``; a planner lowers the same functions with the ``ShapeDtypeStruct`` trees of
-``abstract_state`` / ``batch_specs`` (no parameter is ever allocated) and compiles them for a
+``JaxTrainer`` runs exactly the functions of ``make_step_fns``; a planner lowers the same functions
+with the ``ShapeDtypeStruct`` trees of ``abstract_state`` / ``batch_specs`` and compiles them for a
 target, so a plan compiles what the run runs::
 
     mesh = make_mesh(opts.tp, devices)              # devices of the target (or jax.devices())
@@ -12,53 +11,20 @@ target, so a plan compiles what the run runs::
     fns.grad.lower(trainable, frozen, mb, SCALAR, SCALAR).compile().memory_analysis()
 
 Shapes: B micro-batch rows, T positions (prompt + completion, right-padded), V vocab, L layers.
+Dtypes come from ``resolve_dtypes``: by default a bf16 checkpoint trains float32 masters and
+moments, each forward/backward casting the params to bf16 inside the jitted function.
 
-Arguments: ``model_cfg`` (``presets.ModelConfig``), ``train_cfg`` (``trainer.TrainConfig``:
-LoRA rank, loss, AdamW, ``precision``, ``temperature``), ``opts`` (``options.ModelOptions``:
-layout, remat, attention, head chunking, dtypes, ``tp``), ``mesh`` (``sharding.make_mesh``),
-``dtype`` the checkpoint's (default ``model_cfg.torch_dtype``). What is stored, computed and
-optimised in which dtype is ``resolve_dtypes`` (``ModelOptions.resolved``): by default
-(``precision="mixed"``) a bf16 checkpoint trains float32 master params (a LoRA base stays
-bf16) with float32 AdamW moments, and every forward/backward casts the params to bf16 inside
-the jitted function; ``grad`` returns the gradient w.r.t. that cast (bf16), which the float32
-accumulator converts: the masters' own gradient, bit for bit.
+- ``trainable`` / ``frozen``: ``nnx.State`` trees (full fine-tune: every ``Param`` / nothing; LoRA:
+  the ``LoRAParam`` adapters / the base), layers stacked [L, ...] with ``scan_layers``, sharded by
+  ``sharding.tree_shardings``. ``opt_state``: ``make_tx``'s optax state, sharded like them.
+- ``mb``: ``tokens`` [B, T] int32, ``attn``/``loss_mask`` [B, T] bool, ``old_logp``/``is_weight``
+  [B, T] float32, ``adv`` [B] float32, with KL ``ref_logp`` [B, T] float32.
 
-- ``trainable`` / ``frozen``: ``nnx.State`` trees of the model's variables. Full fine-tune:
-  ``trainable`` = every ``Param``, ``frozen`` empty. LoRA: ``trainable`` = the ``LoRAParam``
-  adapters, ``frozen`` = the base. With ``opts.scan_layers`` the layer variables are stacked
-  [L, ...]. Leaves sharded by ``sharding.tree_shardings`` (rules by parameter name).
-- ``opt_state``: ``optax`` state of ``make_tx(train_cfg, dtypes.opt)`` over ``trainable``
-  (moments in the resolved ``opt`` dtype; same shardings leaf by leaf; Adam's step count
-  replicated).
-- micro-batch ``mb`` (``batch_specs``): ``tokens`` [B, T] int32, ``attn`` [B, T] bool,
-  ``loss_mask`` [B, T] bool, ``old_logp`` [B, T] float32, ``is_weight`` [B, T] float32
-  (per-token weight of the policy-gradient term), ``adv`` [B] float32, and with KL
-  ``ref_logp`` [B, T] float32; rows split over ``fsdp`` when B divides.
-
-``StepFns`` (each a ``jax.jit``-ed function; ``.lower(...)`` takes the abstract trees):
-
-- ``logprob(trainable, frozen, tokens [B, T], attn [B, T]) -> [B, T - 1]`` float32:
-  ``log p(tokens[:, t] | tokens[:, :t])`` for ``t >= 1`` (rollout/reference log-probs), of
-  ``softmax(logits / train_cfg.temperature)``: the distribution the engine sampled from (the
-  loss's new log-probs are the same function);
-- ``next_logits(trainable, frozen, tokens [B, T], attn [B, T], pos []) -> [B, V]`` float32:
-  the untempered logits after position ``pos`` (the greedy probe);
-- ``grad(trainable, frozen, mb, total_tokens [], total_seqs []) -> ((loss [], sums), grads)``:
-  the policy loss of one micro-batch and its gradient w.r.t. ``trainable`` (sharded like it),
-  in the compute dtype (the gradient w.r.t. the params' casts; a float32 master's is the same
-  converted, which ``start_acc`` / ``accumulate`` do);
-  ``total_tokens`` / ``total_seqs`` normalise over the whole mini-batch; ``sums`` holds
-  token-summed metrics (``clip_frac``, ``kl``, ``ratio_mean``, ``tokens``, ``entropy_proxy``);
-- ``start_acc(grads, trainable) -> acc``: a mini-batch's first gradient in the trainable
-  params' dtype; ``accumulate(acc, grads) -> acc + grads`` (donates ``acc``);
-- ``apply(trainable, opt_state, grads) -> (trainable, opt_state, grad_norm [])`` (donates
-  ``trainable`` and ``opt_state``): one AdamW update.
-- ``grad_norm(grads) -> []``: the global norm of the gradients in the ``opt`` dtype (what
-  ``apply`` returns and clips with);
-- ``leaf_update(param, grad, mu, nu, count [], grad_norm []) -> (param, mu, nu, count)``
-  (donates ``param``, ``mu``, ``nu``): ``apply``'s update of one trainable leaf, with its two
-  AdamW moments and the global norm given (``host_optimizer.py`` streams the state through it
-  a leaf at a time; ``count`` is Adam's step count before the update, the new one is returned).
+``StepFns``: ``logprob`` -> [B, T - 1] tempered log-probs; ``next_logits`` -> [B, V] untempered
+(greedy probe); ``grad`` -> ((loss, token-summed metrics), grads in the compute dtype);
+``start_acc`` / ``accumulate`` (donates ``acc``); ``apply`` -> (trainable, opt_state, grad_norm)
+(donates both); ``grad_norm``; ``leaf_update``: ``apply`` for one leaf with the global norm given
+(``host_optimizer.py`` streams the state through it).
 """
 
 from __future__ import annotations
@@ -260,10 +226,8 @@ def make_step_fns(
     temperature = train_cfg.temperature
 
     def merged(trainable: Any, frozen: Any) -> Qwen3:
-        """The model with every param cast to the compute dtype, once, inside the jitted function
-        (a LoRA base stored in the compute dtype is not copied). One cast of the whole tree
-        compiles to less memory than casting each layer inside the scan (libtpu, Qwen3-4B on a
-        v4-8)."""
+        """The model with every param cast to the compute dtype once, inside the jitted function.
+        One cast of the whole tree compiles to less memory than casting each layer inside the scan."""
         return nnx.merge(graphdef, cast_floats(trainable, cdt), cast_floats(frozen, cdt))
 
     def token_logp_of(model: Qwen3, tokens: jax.Array, attn: jax.Array) -> jax.Array:
@@ -313,9 +277,8 @@ def make_step_fns(
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
     def grad(trainable, frozen, mb, total_tokens, total_seqs):
-        """The gradient w.r.t. the compute-dtype casts of the params, in that dtype: a float32
-        master's own gradient is this one converted (the transpose of the cast), which the
-        accumulator does, so a micro-batch's gradient takes bf16 bytes, not float32's."""
+        """The gradient w.r.t. the compute-dtype casts of the params, in that dtype: a float32 master's
+        gradient is this one converted (by the accumulator), so a micro-batch's gradient takes bf16 bytes."""
         cast_t, cast_f = cast_floats(trainable, cdt), cast_floats(frozen, cdt)
         out, grads = value_and_grad(cast_t, cast_f, mb, total_tokens, total_seqs)
         return out, pin(grads, t_sh)

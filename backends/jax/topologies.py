@@ -1,28 +1,19 @@
 """Compile-only device topologies the JAX planner compiles for: TPU slices, NVIDIA GPUs, the local CPU.
 
-No accelerator is needed: the TPU compiler ships in ``libtpu`` and the GPU compiler in the
-``jax-cuda12-plugin``/``jax-cuda12-pjrt`` wheels; ``jax.experimental.topologies.get_topology_desc``
-gives devices that ``jax.jit(...).lower(...).compile()`` targets without running anything.
-Both compilers are installed by ``scripts/venv.sh`` into a side directory of the venv
-(``<venv>/plan-compilers``) that only the planner puts on ``sys.path``, because JAX loads every
-installed plugin at start-up: a plain CPU run would otherwise load libtpu (+225 MiB host RSS)
-and the CUDA plugin (+128 MiB, and warnings on every start). A TPU VM installs libtpu normally
-(the ``tpu`` extra); it is found there too.
+No accelerator is needed: ``jax.experimental.topologies.get_topology_desc`` gives devices that
+``jax.jit(...).lower(...).compile()`` targets, with the TPU compiler from ``libtpu`` and the GPU one
+from the ``jax-cuda12-plugin``/``jax-cuda12-pjrt`` wheels. ``scripts/venv.sh`` installs both into
+``<venv>/plan-compilers``, which only the planner puts on ``sys.path``: JAX loads every installed
+plugin at start-up, which would cost every plain CPU run their memory and warnings.
 
-Call ``prepare(spec)`` before jax is imported in the process (it sets ``sys.path`` and the
-environment libtpu reads), then ``devices(spec)``.
+Call ``prepare(spec)`` before jax is imported, then ``devices(spec)``. Device memory per target:
 
-Device memory per target:
-
-- TPU: what libtpu's compiler itself allows, read from the ``RESOURCE_EXHAUSTED`` message of a
-  deliberately oversized program ("exceeds available HBM (30.75G)", GiB rounded to 0.01); the
-  compiler rejects any program that does not fit, so a plan's function that does not fit alone
-  fails to compile (reported as rejected).
-- GPU: ``device_memory_size`` of the target config (openxla/xla
-  ``xla/backends/gpu/target_config/specs/``, shipped in ``mllm_rl/assets/gpu_targets``). XLA's GPU
-  compiler does not reject a program that does not fit: the plan compares.
-- CPU: a share of the host RAM available when planned (``mllm_rl.memplan.cpu_budget``), which the
-  local CPU devices share.
+- TPU: what libtpu's compiler allows, read from the ``RESOURCE_EXHAUSTED`` message of an oversized
+  program; it rejects any program that does not fit.
+- GPU: ``device_memory_size`` of the openxla/xla target config
+  (``xla/backends/gpu/target_config/specs/``, shipped in ``mllm_rl/assets/gpu_targets``); XLA's GPU
+  compiler does not reject a program that does not fit, so the plan compares.
+- CPU: a share of the available host RAM (``mllm_rl.memplan.cpu_budget``).
 """
 
 from __future__ import annotations

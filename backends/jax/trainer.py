@@ -1,32 +1,19 @@
 """JAX trainer: flax nnx Qwen3, optax AdamW, donated jitted steps, a device mesh, orbax
 checkpoints, ``pinned_host`` offload. Implements ``mllm_rl.trainer.Trainer``.
 
-Shapes: B sequences, T positions (prompt + completion, right-padded to a multiple of
-``T_BUCKET`` so a handful of shapes compile), V vocab, M micro-batch size.
+Shapes: B sequences, T positions (prompt + completion, right-padded to a multiple of ``T_BUCKET`` so
+a handful of shapes compile), V vocab, M micro-batch size.
 
-State is functional: ``nnx.split`` gives a graph definition plus two ``nnx.State`` pytrees,
-``trainable`` (every ``Param``; in LoRA mode only the ``LoRAParam`` adapters) and
-``frozen`` (the LoRA base; empty otherwise), and ``opt_state`` over ``trainable``. Params
-are sharded over a ``("fsdp", "tp")`` mesh of every device by the name rules of
-``sharding.py``, micro-batches along their batch axis over ``fsdp`` (padded to a multiple of it:
-``data_rows``). The
-jitted functions are those of ``step_fns.make_step_fns`` (the ones a memory plan compiles);
-``ModelOptions`` (``options.py``) chooses their layout and memory/speed trade-offs.
+State is functional: ``trainable`` (every ``Param``, or the ``LoRAParam`` adapters), ``frozen`` (the
+LoRA base) and ``opt_state``, sharded over a ``("fsdp", "tp")`` mesh by ``sharding.py``'s name rules;
+micro-batches split over ``fsdp`` (``data_rows``). The jitted functions are
+``step_fns.make_step_fns``'s, the ones a memory plan compiles. Precision ``mixed`` (default) keeps
+float32 masters and moments for a bf16 checkpoint so an update of ~lr is not lost to bf16 rounding;
+the engine always gets the weights in the checkpoint dtype (``export_dtype``).
 
-Precision (``TrainConfig.precision``, resolved once by ``ModelOptions.resolved`` into
-``self.dtypes``): ``mixed`` (the default) keeps float32 master params and float32 AdamW
-moments for a bf16 checkpoint (a LoRA base stays bf16: it never trains) and computes in bf16
-inside the jitted functions, so an Adam step of ~lr is never lost to bf16 rounding; ``pure``
-stores and optimises everything in the checkpoint's dtype. Either way the engine gets, and the
-fingerprint hashes, the weights cast to the checkpoint's dtype (``export_dtype``); orbax saves
-the masters as stored, so a resume continues exactly. Every log-prob the trainer computes is of
-``softmax(logits / TrainConfig.temperature)``.
-
-Offload moves leaves to the ``pinned_host`` memory kind with the same sharding (the arrays
-on ``device`` are deleted), onload moves them back. With ``ModelOptions.optimizer_memory="host"``
-the optimizer state stays on ``pinned_host`` for the whole run (never resident on the device;
-offloading or onloading it moves nothing) and each update streams it through the device a leaf
-at a time (``host_optimizer.py``).
+Offload moves leaves to ``pinned_host`` with the same sharding; with
+``optimizer_memory="host"`` the optimizer state stays there and each update streams it through the
+device a leaf at a time (``host_optimizer.py``).
 """
 
 from __future__ import annotations
@@ -353,9 +340,8 @@ class JaxTrainer:
 
     def export_weights(self, full: bool = True) -> WeightExport:
         """HF-named jax arrays in ``export_dtype``, one at a time, in our layout: a kernel is
-        ``KernelInOut`` ``[in, out]`` (its HF tensor is the transpose: ``export_layout.hf_layout``),
-        every other weight a plain array in HF layout. Nothing is transposed; a copy (LoRA
-        merged, a stacked layer's row, a cast) lives only while the engine places it."""
+        ``KernelInOut`` ``[in, out]`` (``export_layout.hf_layout``), any other weight a plain HF-layout
+        array. A copy (LoRA merged, a stacked layer's row, a cast) lives only while the engine places it."""
         self._need(PARAMS)
         names = self.export_names(full)
         model = self._model_view()

@@ -1,17 +1,13 @@
 """Multi-process torch (one process per GPU of a node; N local CPU processes in tests) through
-``torch.distributed``: data-parallel RL.
+``torch.distributed``.
 
-The processes find each other through torchrun's variables (``python -m mllm_rl.launch`` sets the
-same): ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``. With
-``WORLD_SIZE`` unset or 1 the run is one process and ``torch.distributed`` is not touched.
-
-What runs where: every process holds the whole trainer (params, gradients and AdamW state
-replicated) and its own embedded engine on its device. A rollout's requests are split in contiguous
-slices, one per process, each seeded by its index in the whole batch (``request_seeds``), and the
-outputs gathered to every process, so every process builds the same batch; the trainer's
-micro-batches are dealt round-robin and their gradients summed over the processes
-(``all_reduce``) before the one AdamW step every process takes. One process per CUDA device
-(``cuda:LOCAL_RANK``); NCCL for CUDA tensors, gloo for CPU tensors and Python objects.
+Processes find each other through torchrun's variables (``python -m mllm_rl.launch`` sets the same):
+``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; ``WORLD_SIZE`` unset or
+1 leaves ``torch.distributed`` untouched. Each process has its own embedded engine on
+``cuda:LOCAL_RANK``; rollout requests are split in contiguous slices seeded by their index in the
+whole batch (``request_seeds``) and gathered, so every process builds the same batch; the trainer
+(``backends/torch/trainer.py``) shards or replicates over the processes. NCCL for CUDA tensors,
+gloo for CPU tensors and Python objects.
 """
 
 from __future__ import annotations

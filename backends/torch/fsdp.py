@@ -1,29 +1,17 @@
 """FSDP2 for the torch trainer: parameters, gradients and AdamW state sharded over the processes.
 
-``shard(model, mesh, compute_dtype)`` applies ``torch.distributed.fsdp.fully_shard`` to every
-decoder layer and then to the whole model over a 1-D device mesh (``make_mesh``: every process,
-NCCL on CUDA, gloo on CPU; the memory planner's: a fake process group). Each parameter becomes a ``DTensor`` sharded on dim 0 (``Shard(0)``; the last shard padded);
-AdamW's moments follow (``zeros_like`` of a ``DTensor``). A layer gathers its weights in its
-forward hook and frees them after its forward (``reshard_after_forward=True``, the root too, so a
-no-grad forward — log-probs, the garbage guard's greedy — leaves nothing gathered) and again in
-the backward; each backward reduce-scatters the gradients into the shards.
+``shard`` applies ``torch.distributed.fsdp.fully_shard`` to every decoder layer, then the model, over
+a 1-D mesh (``make_mesh``; the planner's: a fake process group): each parameter a ``Shard(0)``
+``DTensor``, AdamW's moments following. Layers gather weights in their forward hook and free them
+after (``reshard_after_forward=True``, the root too, so a no-grad forward leaves nothing gathered).
 
-Mixed precision (float32 masters of a 16-bit checkpoint): ``MixedPrecisionPolicy(param_dtype=
-compute_dtype, reduce_dtype=float32)``: the masters are cast before the all-gather, every layer
-computes in the checkpoint dtype, gradients are reduced in float32 into float32 gradient shards:
-the numbers of the unsharded trainer's ``functional_call`` casts (``backends/torch/trainer.py``)
-up to the order of the sum. LoRA: the frozen base and the float32 adapters are gathered in the
-compute dtype alike.
+Mixed precision: ``MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=float32)`` gives the
+unsharded trainer's numbers up to summation order. Reduction is a sum, not FSDP2's default mean
+(``set_gradient_divide_factor(1)``; gloo has no pre-multiplied sum), because the loss is already
+normalised by the whole mini-batch's tokens.
 
-Reduction: a sum over the processes, not FSDP2's default mean (``set_gradient_divide_factor(1)``
-on every FSDP module, with sum-only collectives: gloo has no pre-multiplied sum): the loss is
-normalized by the tokens of the whole mini-batch, so the gradient of the mini-batch is the sum of
-the processes' (as the data-parallel trainer's ``all_reduce``).
-
-``local``/``full``: a ``DTensor``'s shard on this process / the whole tensor (a collective: every
-process must call it, in the same order). ``grad_norm``: the global norm from the shards (one
-all-reduce). ``save``/``load``: ``torch.distributed.checkpoint`` (every process writes its shards
-into one directory; a load reshards, so a checkpoint resumes on another process count).
+``full`` and ``save``/``load`` (``torch.distributed.checkpoint``; a load reshards, so a checkpoint
+resumes on another process count) are collectives: every process calls them in the same order.
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
-"""Tag-based release/resume of the embedded engine's device memory.
+"""Tag-based release/resume of the embedded engine's device memory: ``release(tag)`` frees the
+device bytes of a tag's tensors, ``resume(tag)`` gives them back; tensor objects, shapes and dtypes
+stay.
 
-Two implementations with the same semantics (``release(tag)`` frees the device bytes of a
-tag's tensors, ``resume(tag)`` gives them back; tensor objects, shapes and dtypes stay):
-
-- ``SaverMemory`` (CUDA with ``torch_memory_saver`` importable): tensors are allocated inside
-  ``torch_memory_saver.region(tag, enable_cpu_backup=...)`` (``hook_mode="torch"``), so
-  ``pause(tag)`` unmaps and releases their physical memory while the virtual addresses stay
-  valid, and ``resume(tag)`` maps new physical memory at the same addresses (restoring the
-  bytes from its CPU backup when the region had one; otherwise contents are undefined).
-  torch_memory_saver 0.0.10 calls ``exit(1)`` on pausing a paused allocation or resuming an
-  active one (``csrc/core.cpp``), and its tags are process-global; so each engine gets its
-  own region tags (``<task>/weights`` for a task's engine in a multi-task run, else
-  ``mllm_rl-<n>-weights``: releasing one engine never touches another's memory; a task name
-  can own tags once per process), and each instance's set of its paused tags turns a repeated
-  call into a warned no-op (callers serialize release/resume: ``EmbeddedEngine`` holds its lock).
-- ``StorageMemory`` (CPU, or CUDA without torch_memory_saver): ``release`` resizes each
-  tensor's storage to 0 bytes (after copying it into a host numpy buffer when backed up),
-  ``resume`` resizes it back and refills it from the backup (else zeros). Tensor objects are
-  kept, so the model keeps using the same ``Parameter`` objects; storage addresses change.
-  The host backup is numpy, not a torch tensor, so on CPU it is host memory (RSS) and not
-  counted as "device" memory by the ``live_tensors`` probe. Its tags carry the same names
-  (``<task>/weights``) in warnings and records.
+- ``SaverMemory`` (CUDA with ``torch_memory_saver``): tensors allocated inside
+  ``torch_memory_saver.region(tag, enable_cpu_backup=...)``; ``pause`` unmaps their physical memory
+  and ``resume`` maps new memory at the same virtual addresses (bytes restored from the CPU backup,
+  else undefined). torch_memory_saver 0.0.10 calls ``exit(1)`` on pausing a paused allocation or
+  resuming an active one (``csrc/core.cpp``) and its tags are process-global, so each engine gets
+  its own tags (``<task>/weights`` or ``mllm_rl-<n>-weights``) and repeated calls are warned no-ops.
+- ``StorageMemory`` (CPU, or CUDA without torch_memory_saver): storages resized to 0 (copied first
+  into a numpy host buffer when backed up, so on CPU the backup counts as RSS, not "device") and
+  back; storage addresses change.
 """
 
 from __future__ import annotations

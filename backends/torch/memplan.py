@@ -1,48 +1,20 @@
 """Torch memory planner for CUDA targets: ``measure(req) -> Measured`` (``mllm_rl/memplan/request.py``).
 
-Every figure is **predicted**, per device, and says how. A node target (``h100x8``: one process per
-card) plans one card with the trainer sharded by FSDP2 over all of them (``fsdp`` 0; 1: every card
-holds the whole trainer): the same trace below, of a ``TorchTrainer`` sharded over a device mesh
-of torch's fake process group (``fake_process_group``; rank 0's shards, its share of the
-micro-batches, every layer's gather and reduce-scatter buffers), and an embedded engine per card.
+Every figure is predicted, per device. A node target (``h100x8``) plans one card, the trainer sharded
+by FSDP2 over all of them (``fsdp`` 1: unsharded), traced on torch's fake process group.
 
-- ``trainer_params``, ``grads``, ``optimizer`` and the ``grad_step`` function (method
-  ``fake_tensor``): the real ``TorchTrainer`` (``backends/torch/trainer.py``: our Qwen3, AdamW,
-  the policy loss, exact gradient accumulation, global-norm clipping) built on ``meta`` and
-  materialised with ``to_empty`` inside ``FakeTensorMode`` (nothing is allocated), then two
-  ``device_step`` calls, each of two micro-batches of ``micro_batch x seq_len`` tokens (one when
-  the rollout batch is a single micro-batch), tracked by ``torch.distributed._tools.mem_tracker
-  .MemTracker``. The components are read just before an optimizer step (every gradient
-  allocated); ``grad_step`` is the tracker's peak (activations, temporaries and what the
-  components hold at that moment). AdamW runs the implementation of the ``adamw`` option on a
-  CUDA device: ``auto`` (the default) and ``fused`` trace ``fused=True`` (the ``_fused_adamw_``
-  kernel's fake/meta implementation: in place, no temporaries), its ``step`` counters float32
-  scalars on the device, counted in ``optimizer``; ``foreach`` traces ``foreach``, its ``step``
-  counters on the host on CUDA (``torch/optim/adam.py``) and left out.
-  The trainer runs at its default precision (``TrainConfig.precision`` ``mixed``): a 16-bit
-  checkpoint trains float32 masters with float32 gradients and AdamW moments, and each
-  forward/backward computes on casts of the masters in the checkpoint dtype (in ``grad_step``'s
-  peak, not in a component); a LoRA base stays in the checkpoint dtype, its adapters float32.
-  Fake CUDA tensors cannot run backward without a CUDA context (pytorch/pytorch#92627), so the
-  fake device is the CPU: byte counts are the same, CUDA's 512-byte allocation rounding is not
-  applied. The model attends with ``scaled_dot_product_attention`` (the step's batch is
-  right-padded: causal, no mask), on the fake CPU device torch's CPU flash kernel, which keeps
-  what CUDA's flash kernel keeps for the backward (q, k, v, the output, float32 log-sum-exp
-  [B, N, T]); the LM head runs in ``LOGPROB_CHUNK``-token chunks recomputed in the backward
-  (``backends/torch/model.py``). The request's ``options`` are the run's ``--model-option``
-  pairs (``backends/torch/options.py``: ``remat``, ``adamw``), given to the trainer as
-  ``TrainConfig.model_options`` as a run gives them: with ``remat=true`` every decoder layer
-  runs under ``torch.utils.checkpoint``, which MemTracker follows (the rerun of a layer in the
-  backward, and its activations, counted at the moment they live); with float32 masters each
-  layer casts its own masters inside its checkpoint (``Qwen3.layer_dtype``), so only the casts of
-  the embeddings, final norm and head, and of the one layer running, are in a peak.
+- ``trainer_params``, ``grads``, ``optimizer``, ``grad_step`` (method ``fake_tensor``): the real
+  ``TorchTrainer`` built on ``meta``, materialised inside ``FakeTensorMode`` and stepped under
+  ``torch.distributed._tools.mem_tracker.MemTracker``; components are read just before an optimizer
+  step, ``grad_step`` is the tracker's peak. The fake device is the CPU because fake CUDA tensors
+  cannot run backward without a CUDA context (pytorch/pytorch#92627): same byte counts, no 512-byte
+  rounding. AdamW's ``step`` counters are host tensors on CUDA unless fused (``torch/optim/adam.py``)
+  and are left out.
 - ``engine_weights``, ``kv_pool``, ``staging`` (method ``layout``): SGLang's own rules
   (``sglang_calls.SGLANG_VERSION``), cited at each function below.
 
-Not in any figure (it needs a GPU to know): memory that depends on CUDA kernels (attention and
-cuBLAS workspaces), the CUDA contexts, the caching allocator's fragmentation, SGLang's own
-activations and CUDA graphs while it decodes (``engine_step``: SGLang keeps
-``1 - mem_fraction_static`` of the device for them).
+Not predicted (needs a GPU): CUDA kernel workspaces, CUDA contexts, allocator fragmentation, SGLang's
+own activations and CUDA graphs while decoding (``1 - mem_fraction_static`` of the device).
 """
 
 from __future__ import annotations
@@ -238,9 +210,8 @@ def check_request(req: PlanRequest) -> Target:
 
 
 def engine_of(req: PlanRequest, target: Target) -> str:
-    """The engine planned: ``req.engine``, ``auto`` being what a run on the target starts when
-    SGLang is installed (SGLang on one GPU; the embedded engine on cpu and on every card of a node:
-    SGLang across processes is not supported yet)."""
+    """The engine planned: ``req.engine``, with ``auto`` resolved as a run on the target would
+    (SGLang on one GPU when installed; the embedded engine on cpu and on every card of a node)."""
     if req.engine != "auto":
         return req.engine
     return "embedded" if target.platform == "cpu" or target.num_devices > 1 else "sglang"
@@ -251,20 +222,11 @@ def engine_of(req: PlanRequest, target: Target) -> str:
 class StepMemory:
     """What MemTracker saw of ``TorchTrainer.device_step`` (bytes on the fake device).
 
-    ``params``/``grads``/``optimizer``: just before an optimizer step (every gradient allocated;
-    AdamW's host-side ``step`` counters, ``host_scalars``, excluded: none with ``adamw=fused``,
-    whose counters live on the device, and none on a ``cpu`` plan). ``adamw``: the AdamW
-    implementation traced (``foreach``, ``fused``, or ``auto``: torch's own choice on a CPU, a
-    loop over the tensors). ``peak``: the tracker's
-    per-category bytes at its peak (MemTracker names: Parameter, Gradient, Optstate,
-    Activation, Temp, ...; ``Optstate`` there still includes ``host_scalars``; ``Parameter``
-    also the compute-dtype casts of float32 masters alive at the peak), ``peak_total`` their
-    sum without ``host_scalars``. ``master_dtype``: the trainable params' (and gradients', AdamW
-    moments') dtype; ``compute_dtype``: what forwards compute in (the checkpoint's). ``options``:
-    the model options the trainer ran with (``TrainConfig.model_options``). ``fwd_bwd_peak``: the
-    tracker's per-category bytes at its peak up to the first optimizer step (the forward and
-    backward of the first mini-batch; ``peak`` may lie in an optimizer step, as with ``remat``).
-    """
+    ``params``/``grads``/``optimizer``: just before an optimizer step, AdamW's host-side ``step``
+    counters (``host_scalars``) excluded. ``peak``: MemTracker's per-category bytes at its peak
+    (``Optstate`` still includes ``host_scalars``; ``Parameter`` includes compute-dtype casts of float32
+    masters), ``peak_total`` their sum without ``host_scalars``. ``fwd_bwd_peak``: the peak up to the
+    first optimizer step (``peak`` may lie in an optimizer step, as with ``remat``)."""
 
     params: int
     grads: int
@@ -294,20 +256,18 @@ class StepMemory:
 
     @property
     def activations(self) -> int:
-        """Bytes at the peak beyond params (a KL reference included), gradients and optimizer state:
-        activations and temporaries (the optimizer's own, when the peak is in its step; the
-        compute-dtype casts of float32 masters under mixed precision)."""
+        """Bytes at the peak beyond params (KL reference included), gradients and optimizer
+        state: activations, temporaries and compute-dtype casts."""
         return self._beyond_state(self.peak)
 
     @property
     def fwd_bwd_activations(self) -> int:
-        """``activations`` at the forward/backward peak (``fwd_bwd_peak``): what activation
-        checkpointing changes, even when the step's peak lies in an optimizer step."""
+        """``activations`` at the forward/backward peak: what activation checkpointing
+        changes."""
         return self._beyond_state(self.fwd_bwd_peak)
 
     def _beyond_state(self, peak: dict[str, int]) -> int:
-        """Bytes of a MemTracker peak snapshot beyond params (a KL reference included), its
-        gradients and the optimizer state (``host_scalars`` left out)."""
+        """Bytes of a MemTracker peak snapshot beyond params, gradients and optimizer state."""
         total = peak.get("Total", sum(peak.values())) - self.host_scalars
         held = self.params + self.ref_params + peak.get("Gradient", 0) + self.optimizer
         return total - held
@@ -329,16 +289,9 @@ def _tracker_class() -> type:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class PeakTracker(MemTracker):
-        """MemTracker with two changes for a trainer step:
-
-        - only the global per-device peak: MemTracker also keeps a module-wise peak, updated for
-          every live module on every op (20x slower on a 28-layer model), unused here;
-        - no gradient hook on a frozen parameter (LoRA's base weights, the reference params a
-          KL step swaps in) or a non-leaf one (the compute-dtype casts of the float32 masters a
-          mixed-precision step swaps in): torch 2.13's MemTracker registers one on every
-          parameter a module holds, which raises for a tensor that does not require grad or is
-          not a leaf.
-        """
+        """MemTracker tracking only the global peak (its module-wise peak is ~20x slower
+        on a 28-layer model and unused), and installing no gradient hook on frozen or non-leaf parameters
+        (LoRA base, KL reference, compute-dtype casts): torch 2.13's MemTracker raises on those."""
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             saved, self.memory_tracking = self.memory_tracking, {}
@@ -424,20 +377,12 @@ def trainer_step_memory(
 ) -> StepMemory:
     """Run ``TorchTrainer.device_step`` ``steps`` times on fake tensors under MemTracker.
 
-    ``rows`` sequences of ``seq_len`` tokens per step, in micro-batches of ``micro_batch``; the
-    trainer at ``precision`` (``TrainConfig.precision``; the trainer's default by default).
-    ``attention`` / ``logprob_chunk``: the model's (``backends/torch/model.py``; ``"sdpa"`` /
-    ``"model"``, its ``LOGPROB_CHUNK``, are what the trainer runs; ``"eager"`` / ``None``
-    reproduce the paths they replaced, for ``scripts/bench_torch_attention.py``). ``options``: the
-    trainer's model options as (key, value) pairs (``TrainConfig.model_options``, e.g.
-    ``(("remat", True),)``; a tuple, so the result caches). ``device``: the device type the plan is
-    for (``cuda``, or ``cpu`` for this machine's CPU): the AdamW implementation ``adamw`` means there
-    (``TorchModelOptions.adamw_on``) and where its step counters live (host scalars on CUDA unless
-    fused; on ``cpu`` everything is the device's). ``world`` > 1: the trainer sharded with FSDP2
-    over ``world`` devices (``backends/torch/fsdp.py``), traced as the first of them on torch's fake
-    process group (``fake_process_group``): its shards, its round-robin share of the micro-batches
-    (``rows`` are the whole batch), every layer's gather and reduce-scatter buffers.
-    """
+    ``rows`` sequences of ``seq_len`` tokens per step (the whole batch), in micro-batches of
+    ``micro_batch``. ``attention`` / ``logprob_chunk``: the model's defaults (``"sdpa"`` / ``"model"``)
+    or ``"eager"`` / ``None`` for ``scripts/bench_torch_attention.py``. ``options``: model options as a
+    (key, value) tuple so the result caches. ``device``: the planned device type, which decides the
+    AdamW implementation (``TorchModelOptions.adamw_on``) and where its step counters live.
+    ``world`` > 1: traced as rank 0 of an FSDP2 trainer on torch's fake process group."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.modules.module import register_module_forward_pre_hook
@@ -551,9 +496,9 @@ def trainer_step_memory(
 
 @contextlib.contextmanager
 def fake_process_group(world: int) -> Iterator[tuple[Any, Any] | None]:
-    """``world`` > 1: torch's fake process group of ``world`` ranks (this process rank 0; every
-    collective returns at once, shapes right, values not) and a CPU device mesh over it, as the
-    trainer's ``shard_over``; taken down again after. ``None`` for one device."""
+    """``world`` > 1: torch's fake process group of ``world`` ranks (this process rank 0;
+    collectives return at once with the right shapes) and a CPU device mesh over it, as the trainer's
+    ``shard_over``; taken down after. ``None`` for one device."""
     if world == 1:
         yield None
         return
@@ -593,12 +538,10 @@ def options_key(options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 def sglang_weight_bytes(config: ModelConfig, itemsize: int) -> tuple[int, str]:
     """Bytes of SGLang's Qwen3 weights (tp=1) and how they add up.
 
-    The checkpoint's tensors (q/k/v and gate/up fused: the same bytes), the vocabulary padded
-    to a multiple of 64 (``layers/vocab_parallel_embedding.py: DEFAULT_VOCAB_PADDING_SIZE``),
-    ``lm_head`` sharing the embedding when tied (``models/qwen3.py``), and one RoPE cos/sin
-    cache ``[max_position_embeddings, head_dim]`` float32 (``layers/rotary_embedding/base.py``),
-    all allocated in the ``weights`` region.
-    """
+    The checkpoint's tensors, the vocabulary padded to a multiple of 64
+    (``layers/vocab_parallel_embedding.py: DEFAULT_VOCAB_PADDING_SIZE``), ``lm_head`` tied to the
+    embedding when the config says so (``models/qwen3.py``), and a float32 RoPE cos/sin cache
+    ``[max_position_embeddings, head_dim]`` (``layers/rotary_embedding/base.py``)."""
     pad = -(-config.vocab_size // 64) * 64 - config.vocab_size
     tables = 1 if config.tie_word_embeddings else 2
     weights = (config.num_params() + pad * config.hidden_size * tables) * itemsize
@@ -611,26 +554,18 @@ def sglang_weight_bytes(config: ModelConfig, itemsize: int) -> tuple[int, str]:
 
 
 def sglang_pool_tokens(free_at_start: int, weight_bytes: int, cell: int, mem_fraction_static: float) -> int:
-    """SGLang's KV pool size in tokens when the user sets no cap.
-
-    ``mem_cache/kv_cache_configurator.py: _profile_available_bytes``: rest = free after loading
-    the weights - free before loading x (1 - mem_fraction_static); ``model_executor/
-    pool_configurator.py: DefaultPoolConfigurator.calculate_pool_sizes``: tokens = rest // cell
-    (page aligned). With the weights the only thing loaded: rest = free x mfs - weights.
-    """
+    """SGLang's KV pool size in tokens when the user sets no cap: free x mfs - weights,
+    // cell (``mem_cache/kv_cache_configurator.py: _profile_available_bytes``,
+    ``model_executor/pool_configurator.py: DefaultPoolConfigurator.calculate_pool_sizes``)."""
     rest = int(free_at_start * mem_fraction_static) - weight_bytes
     return max(0, rest // cell // PAGE_SIZE * PAGE_SIZE)
 
 
 def sglang_pool_bytes(tokens: int, cell: int, context_len: int, max_running_requests: int) -> int:
-    """Bytes SGLang allocates in the ``kv_cache`` region for a pool of ``tokens``.
-
-    K and V buffers of ``tokens + page_size`` slots (``mem_cache/memory_pool.py:
-    MHATokenToKVPool._create_buffers``: slot 0 absorbs padded writes) and the
-    ``req_to_token`` table, ``(max_running_requests + 1) x (context_len + 4)`` int32
-    (``ReqToTokenPool``; ``max_running_requests = min(ours, tokens // 2)``,
-    ``kv_cache_configurator.py: resolve_max_num_reqs``; + 4: ``allocation_sizing.py``).
-    """
+    """Bytes SGLang allocates in ``kv_cache`` for a pool of ``tokens``: K and V of
+    ``tokens + page_size`` slots (``mem_cache/memory_pool.py: MHATokenToKVPool._create_buffers``) and
+    the int32 ``req_to_token`` table ``(max_running_requests + 1) x (context_len + 4)``
+    (``kv_cache_configurator.py: resolve_max_num_reqs``, ``allocation_sizing.py``)."""
     reqs = min(max_running_requests, max(tokens // 2, 1))
     return (tokens + PAGE_SIZE) * cell + (reqs + 1) * (context_len + 4) * 4
 
@@ -638,10 +573,8 @@ def sglang_pool_bytes(tokens: int, cell: int, context_len: int, max_running_requ
 def staging_bytes(
     config: ModelConfig, itemsize: int, chunk: int = sc.CHUNK_BYTES, lora: bool = False, cast: bool = False
 ) -> int:
-    """The largest bucket ``SglangEngine.update_weights`` stages at once (``sc.update_buckets``
-    over the checkpoint's tensors in export order), plus the one tensor ``export_weights`` makes
-    while the engine places it: with LoRA a merged weight, with ``cast`` (float32 masters) the
-    cast to the checkpoint dtype."""
+    """The largest bucket ``SglangEngine.update_weights`` stages at once, plus the one tensor
+    ``export_weights`` makes meanwhile (a LoRA-merged weight, or the cast of a float32 master)."""
     items = [(n, math.prod(s) * itemsize, math.prod(s) * itemsize) for n, s in config.param_shapes().items()]
     biggest = max(sum(nbytes for _, nbytes in bucket) for bucket, _ in sc.update_buckets(items, chunk))
     in_flight = max(nbytes for _, _, nbytes in items) if lora or cast else 0
@@ -718,11 +651,9 @@ class Pool:
 def sglang_pool(req: PlanRequest, weight_bytes: int, free: int, itemsize: int) -> Pool:
     """The pool SGLang builds (``mem_cache/kv_cache_configurator.py``, ``pool_configurator.py``).
 
-    ``req.kv_tokens`` None: its rule at ``req.mem_fraction_static`` (else the adapter's default).
-    Given: that many tokens, capped by the rule when ``mem_fraction_static`` is given too (SGLang
-    takes the smaller, with a warning), else the ``mem_fraction_static`` it needs. ``ValueError``
-    when SGLang would refuse to start (no room for one token next to the weights).
-    """
+    ``req.kv_tokens`` None: SGLang's rule at ``req.mem_fraction_static``. Given: that many tokens, capped
+    by the rule when ``mem_fraction_static`` is also given (SGLang takes the smaller), else the
+    ``mem_fraction_static`` it needs. ``ValueError`` when SGLang would refuse to start."""
     c = req.model
     cell = kv_cell_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, itemsize)
     notes = []
@@ -828,9 +759,8 @@ def sglang_engine(req: PlanRequest, target: Target, itemsize: int) -> EngineFigu
 
 
 def measure(req: PlanRequest) -> Measured:
-    """Predicted per-device components and functions of ``req`` on its target (a card, or this
-    machine's ``cpu`` / ``cuda``; see module docstring); ``ValueError`` (one line, nothing traced)
-    for a request the torch backend refuses."""
+    """Predicted per-device components and functions of ``req`` on its target; ``ValueError``
+    (one line, nothing traced) for a request the torch backend refuses."""
     target = check_request(req)
     c = req.model
     itemsize = DTYPES[req.param_dtype][0]

@@ -1,52 +1,25 @@
 """Qwen3 causal LM in torch: the embedded engine's model, the torch trainer's model, and a
 reference for parity tests.
 
-Same math as ``backends/jax/model.py`` (RMSNorm in float32, q_norm/k_norm, neox rope,
-GQA, SiLU MLP, optional tied embeddings). ``named_parameters()`` are exactly the Hugging
-Face names (``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.weight`` as
-``(out, in)``, ..., ``lm_head.weight`` unless tied), so a checkpoint, an engine update and
-a trainer export all use one naming.
+Same math as ``backends/jax/model.py`` (RMSNorm in float32, q_norm/k_norm, neox rope, GQA, SiLU MLP,
+optional tied embeddings). ``named_parameters()`` are exactly the Hugging Face names, so checkpoints,
+engine updates and trainer exports share one naming.
 
 Shapes: B batch, T new positions, S key positions, H hidden, N heads, K kv heads, D head_dim,
 V vocab, I mlp, L layers.
 
-Two forward paths share every layer:
+- ``forward(tokens, attention_mask)``: training / reference; with ``targets`` it returns their
+  log-probs [B, T] through a chunked head, so the float32 [B, T, V] logits never exist at once.
+- ``forward_cached(...)``: the engine's incremental path over an external ``KVCache``.
 
-- ``forward(tokens, attention_mask)``: training / reference, differentiable, no state; with
-  ``targets`` it returns the targets' log-probs [B, T] instead of the logits, the LM head run
-  in chunks of ``LOGPROB_CHUNK`` tokens (``token_logprobs``: the float32 [B, T, V] logits never
-  exist at once, nor are they kept for the backward, which recomputes them a chunk at a time);
-- ``forward_cached(tokens, positions, key_mask, cache, start)``: the engine's incremental
-  path; k/v of the new positions are written into an external cache (``KVCache``) at
-  ``start`` and attention reads positions ``[0, start + T)`` of it.
+Attention: ``"sdpa"`` (default) uses ``scaled_dot_product_attention`` with ``enable_gqa``; without
+padding ``is_causal`` and no mask (flash kernels, O(T) saved), with padding one additive bias
+[B, 1, T, S] shared by all layers, a padding query attending to itself so no row is fully masked
+(no NaN). ``"eager"`` (float32 [B, N, T, S] scores) is the parity reference.
 
-Attention (``Qwen3.attention``): ``"sdpa"`` (the default) is
-``torch.nn.functional.scaled_dot_product_attention`` in the compute dtype, GQA through
-``enable_gqa`` (no repeated k/v): without padding (``attention_mask=None``) ``is_causal`` with
-no mask (flash attention on CUDA, the CPU flash kernel on CPU: O(T) saved for the backward, no
-[T, T] scores); with padding an additive bias [B, 1, T, S] in the compute dtype built once per
-forward and shared by every layer (the memory-efficient kernel on CUDA, the CPU flash kernel on
-CPU). A query on a padding slot attends to itself (no row is fully masked, so no NaN); real
-positions see exactly the eager path's keys. ``"eager"`` is the reference kept for the parity
-tests and ``scripts/bench_torch_attention.py``: float32 scores [B, N, T, S] per layer, kept for
-the backward (O(T^2)); padding queries there attend uniformly to everything (all masked).
-
-Activation checkpointing (``Qwen3.remat``, the torch trainer's ``--model-option remat=true``,
-``backends/torch/options.py``): with grad enabled each decoder layer of ``forward`` runs under
-``torch.utils.checkpoint`` (non-reentrant, ``run_block``): the backward keeps each layer's input
-[B, T, H] instead of its activations and recomputes one layer at a time. Same numbers (the
-recompute is the same ops on the same tensors); without grad nothing changes.
-
-Per-layer casts (``Qwen3.layer_dtype``, set by the torch trainer for a mixed-precision full
-fine-tune with ``remat``): a decoder layer whose weights are in another dtype (float32 masters)
-computes on casts of them to ``layer_dtype``, made inside the layer's function (``_call_block``),
-so under ``torch.utils.checkpoint`` a layer's casts live only while it runs in the forward and
-while it is recomputed in the backward (the casts of every weight made up front would all live
-through the forward and backward); autograd returns their gradients to the weights in the
-weights' dtype, each layer's as soon as its backward is done (a cast made before the forward hands
-its gradient on only at the end of the backward: autograd runs the earliest-made nodes last). The
-same casts, so the same numbers. Weights already in ``layer_dtype`` (the KL reference's, casts
-swapped in by a ``functional_call``) are used as they are.
+``remat``: each decoder layer runs under non-reentrant ``torch.utils.checkpoint`` when grad is
+enabled. ``layer_dtype``: a layer casts its own weights inside its checkpointed function, so one
+layer's casts live at a time and its gradients reach the weights as soon as its backward is done.
 """
 
 from __future__ import annotations
@@ -161,12 +134,10 @@ def token_logprobs(
 ) -> torch.Tensor:
     """``log_softmax(rms_norm(x) @ head.T / temperature)`` at ``targets``, float32 [B, T].
 
-    ``x``: [B, T, H] (before the final norm), ``targets``: [B, T] int, ``head``: [V, H]. The B*T
-    tokens go through the head ``chunk`` at a time (``ChunkedLogProbs``): the forward keeps only
-    its inputs, the backward recomputes one chunk's [chunk, V] float32 logits at a time. The
-    weights are arguments (not read from modules), so the backward uses the tensors the forward
-    used (the compute-dtype casts a ``functional_call`` swapped in). ``chunk=None``: one pass over
-    every token, its logits kept for the backward (the reference the chunks replaced; benchmarks)."""
+    ``x``: [B, T, H] (before the final norm), ``targets``: [B, T] int, ``head``: [V, H]. Tokens go
+    through the head ``chunk`` at a time (``ChunkedLogProbs``), recomputed in the backward. The weights
+    are arguments so the backward uses the tensors the forward used (e.g. ``functional_call`` casts).
+    ``chunk=None``: one pass, logits kept for the backward (benchmarks)."""
     b, t, h = x.shape
     xs, ts = x.reshape(b * t, h), targets.reshape(b * t)
     if chunk is None:
@@ -177,11 +148,8 @@ def token_logprobs(
 
 class ChunkedLogProbs(torch.autograd.Function):
     """``token_logprobs`` over [N, H] rows, ``chunk`` rows at a time, recomputed in the backward.
-
-    The gradients of the weights (shared by every chunk) are summed over the chunks in float32
-    and cast to the weight's dtype once, as one unchunked backward rounds them once (a 16-bit
-    running sum would round at every chunk); the cost, with more than one chunk, is a float32
-    copy of the head [V, H] while the head's backward runs (one chunk: no sum, no copy)."""
+    Weight gradients are summed over chunks in float32 and cast once, rounding like one unchunked
+    backward (costs a float32 [V, H] copy of the head with more than one chunk)."""
 
     @staticmethod
     def forward(ctx, x, targets, norm_weight, head, eps, temperature, chunk):  # type: ignore[override]
@@ -336,20 +304,12 @@ def run_block(
     """One decoder layer of ``Qwen3.forward``: ``x`` [B, T, H], ``positions`` [B, T], ``mask`` as
     ``attend`` takes it -> [B, T, H].
 
-    ``remat`` with grad enabled: under ``torch.utils.checkpoint`` (non-reentrant): autograd keeps
-    the layer's inputs (and the weights it ran with) instead of its activations and reruns the
-    layer in the backward. The weights are captured now (``block_weights``) and swapped in again
-    for the rerun, so it computes on the tensors the forward used even after a ``functional_call``
-    that swapped them in (the trainer's compute-dtype casts of float32 masters) has been undone.
-    ``dtype`` (``Qwen3.layer_dtype``): the captured weights are cast to it inside the checkpointed
-    function (``_call_block``), in the forward and again in the rerun, so the casts are not kept
-    between the two (autograd keeps only the inputs: the weights themselves, held anyway).
-    Otherwise (no ``remat``, or no grad: log-probs, the KL reference) a plain call, on casts to
-    ``dtype`` made just before it when a weight is in another dtype.
-
-    ``sharded`` (``Qwen3.sharded``: an FSDP2 model, whose layers gather their own weights in their
-    forward hooks and cast them by the mixed-precision policy): ``remat`` checkpoints the layer's
-    own call, so its hooks gather the weights again for the rerun; ``dtype`` must be ``None``."""
+    ``remat`` with grad: under ``torch.utils.checkpoint`` with the weights captured now
+    (``block_weights``) and swapped in again for the rerun, so the rerun uses the forward's tensors even
+    after a ``functional_call`` was undone; ``dtype`` casts are made inside the checkpointed function
+    (``_call_block``) so they are not kept between forward and rerun. Otherwise a plain call.
+    ``sharded`` (FSDP2, whose hooks gather and cast): the layer's own call is checkpointed and ``dtype``
+    must be ``None``."""
     if sharded:
         if not (remat and torch.is_grad_enabled()):
             return layer(x, positions, mask)
@@ -386,8 +346,7 @@ def _call_block(
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
     """``layer(x, positions, mask)`` [B, T, H] with ``weights`` swapped in, each cast to ``dtype``
-    first (``None``, or a weight already in it: as it is) (``run_block``'s checkpointed function:
-    the forward and its rerun in the backward)."""
+    unless already in it (``run_block``'s checkpointed function)."""
     if dtype is not None:
         weights = {n: w.to(dtype) for n, w in weights.items()}
     return functional_call(layer, weights, (x, positions, mask), tie_weights=False)
@@ -407,13 +366,8 @@ class Qwen3(nn.Module):
     """``Qwen3(config)(tokens [B, T], attention_mask [B, T]) -> logits [B, T, V]`` (float32);
     with ``targets`` [B, T]: their log-probs [B, T] (float32, chunked head).
 
-    ``attention``: ``"sdpa"`` or ``"eager"`` (module docstring), ``logprob_chunk`` (tokens per
-    head chunk of ``token_logprobs``; ``None``: the whole [B, T, V] at once), ``remat``
-    (per-layer activation checkpointing when grad is enabled: ``run_block``) and ``layer_dtype``
-    (``None``, the default, or the dtype each decoder layer casts weights in another dtype to,
-    inside the layer's checkpointed function: module docstring, ``run_block``; the embeddings,
-    final norm and head are not cast by the model) are plain attributes, so a built model can be switched (the
-    parity tests, the benchmarks and the trainer do)."""
+    ``attention``, ``logprob_chunk``, ``remat`` and ``layer_dtype`` (module docstring) are plain
+    attributes, so a built model can be switched by tests, benchmarks and the trainer."""
 
     def __init__(
         self,
@@ -454,11 +408,9 @@ class Qwen3(nn.Module):
         targets: torch.Tensor | None = None,
         temperature: float = 1.0,
     ) -> torch.Tensor:
-        """``tokens``: [B, T] int; ``attention_mask``: [B, T] (True/1 on real tokens; left
-        padding aware: positions = cumsum(mask) - 1; ``None``: every token real, causal only,
-        which also serves right padding, whose slots no real query can see) -> logits [B, T, V]
-        float32; with ``targets`` [B, T] int: ``log_softmax(logits / temperature)`` at
-        ``targets``, [B, T] float32 (``token_logprobs``: the head in chunks)."""
+        """``tokens``: [B, T] int; ``attention_mask``: [B, T] (True on real tokens; positions =
+        cumsum(mask) - 1; ``None``: causal only, which also serves right padding) -> logits [B, T, V]
+        float32; with ``targets`` [B, T] int: ``log_softmax(logits / temperature)`` at ``targets``, [B, T]."""
         b, t = tokens.shape
         x = self.model.embed_tokens(tokens)
         if attention_mask is None:
@@ -495,13 +447,10 @@ class Qwen3(nn.Module):
     ) -> torch.Tensor:
         """Incremental forward for the engine.
 
-        ``tokens``, ``positions``: [B, T] (T = prompt length at prefill, 1 per decode step);
-        ``key_mask``: [B, S] bool over cache slots, True where a real token is (or will be
-        after this step) stored, S >= start + T; the k/v of the T tokens are written to cache
-        slots ``[start, start + T)``. Returns logits [B, T, V] float32, or with ``last_only``
-        [B, 1, V] of the last position only (a prefill samples from nothing else: the float32
-        [B, T, V] logits of a whole prompt batch are never made).
-        """
+        ``tokens``, ``positions``: [B, T] (T = prompt length at prefill, 1 per decode step); ``key_mask``:
+        [B, S] bool over cache slots, True where a real token is (or will be) stored, S >= start + T; the
+        new k/v go to slots ``[start, start + T)``. Returns logits [B, T, V] float32, or [B, 1, V] with
+        ``last_only`` (a prefill samples only from the last position)."""
         t = tokens.shape[1]
         end = start + t
         q_slot = torch.arange(start, end, device=tokens.device)

@@ -1,19 +1,10 @@
-"""Offload/onload of a group of torch tensors that keeps the tensor objects (the trainer's
-params, the optimizer's state): ``Parameter`` identities, shapes, dtypes and devices stay,
-so the model and ``torch.optim`` keep using the same objects; only the bytes move.
+"""Offload/onload of a group of torch tensors that keeps the tensor objects (the trainer's params,
+the optimizer's state): only the bytes move, so the model and ``torch.optim`` keep their references.
 
-- ``offload``: copy each tensor to host memory (CUDA: pinned CPU tensors through torch's
-  caching host allocator, copied with ``non_blocking`` and one synchronize; CPU: numpy
-  buffers, which the ``live_tensors`` probe does not count as device memory), then resize
-  its storage to 0 bytes: the device memory is given back (CUDA: to the caching allocator,
-  ``empty_cache`` returns it to the driver; CPU: freed).
-- ``onload``: resize each storage back and copy the host bytes in; the host copies go.
-
-Round trips are bit-exact (raw bytes are copied). What moves is storages, each distinct one
-once and whole (a view, e.g. an FSDP2 shard of a padded storage, moves its whole storage; tensors
-sharing one move it once); CPU tensors of a CUDA group (torch's AdamW ``step``
-scalars) are host memory already and stay where they are. A fused AdamW's (``adamw=fused``)
-``step`` scalars live on the device: 0-dim tensors owning their 4-byte storages, moved like the rest.
+``offload`` copies each distinct storage whole to the host (CUDA: pinned tensors, ``non_blocking``,
+one synchronize; CPU: numpy buffers, which the ``live_tensors`` probe does not count as device
+memory) and resizes it to 0; ``onload`` resizes it back and copies the bytes in (bit-exact). CPU
+tensors of a CUDA group (non-fused AdamW ``step`` counters) stay where they are.
 """
 
 from __future__ import annotations

@@ -1,30 +1,18 @@
 """``TorchModelOptions``: how the torch trainer runs its Qwen3 (not what it computes), the torch
-backend's ``--model-option KEY=VALUE`` (``TrainConfig.model_options`` of a run,
-``PlanRequest.options`` of a memory plan: the same pairs reach both).
+backend's ``--model-option KEY=VALUE`` (``TrainConfig.model_options`` of a run and
+``PlanRequest.options`` of a memory plan get the same pairs).
 
-- ``remat``: per-block activation checkpointing. ``false`` (the default) keeps every decoder
-  layer's activations for the backward; ``true`` runs each layer's training forward under
-  ``torch.utils.checkpoint`` (non-reentrant): only the layer's input [B, T, H] is kept, the layer
-  is recomputed in the backward (``backends/torch/model.py: run_block``). Same loss and gradients;
-  a forward without grad (log-probs, the KL reference, the engine) is unchanged. JAX's spellings
-  are accepted too: ``block`` (= ``true``, what JAX's ``remat=block`` does) and ``none`` (=
-  ``false``); JAX's ``dots`` (keep the matmul outputs) has no torch counterpart and is refused.
-- ``adamw``: which ``torch.optim.AdamW`` implementation steps. ``auto`` (the default) is
-  ``fused`` for parameters on a CUDA device and otherwise torch's own choice (no
-  ``foreach``/``fused`` arguments: ``torch/optim/optimizer.py: _default_to_fused_or_foreach``
-  loops over the tensors on CPU; its ``step`` counters are float32 CPU scalars). ``foreach`` asks
-  for the multi-tensor implementation (``_foreach_*`` ops over the whole parameter list:
-  full-size temporaries while it runs; torch's own choice on CUDA). ``fused`` asks for
-  ``fused=True`` (one ``_fused_adamw_`` kernel per device and dtype, updating params and moments
-  in place: no full-size temporaries; CUDA and, since torch 2.4, CPU); its ``step`` counters are
-  float32 scalars on the params' device. The same update up to float32 rounding (with
-  ``precision=pure`` bf16 roundings: foreach rounds every op to bf16, fused once). ``none`` =
-  ``auto``. Why ``auto`` is ``fused`` on CUDA: on an H100, Qwen3-4B bf16 mixed with ``remat``, 1
-  x 4096 tokens, fused steps in 0.571 s at a 61.14 GiB peak, foreach in 0.609 s at 75.44 GiB
-  (``scripts/bench_plan_vs_cuda.py``; docs/PLAN.md, "One H100, torch backend").
+- ``remat``: ``true`` runs each decoder layer's training forward under non-reentrant
+  ``torch.utils.checkpoint`` (``backends/torch/model.py: run_block``), keeping only its input
+  [B, T, H]; same loss and gradients. JAX's ``block`` / ``none`` are accepted; ``dots`` has no
+  torch counterpart and is refused.
+- ``adamw``: the ``torch.optim.AdamW`` implementation. ``auto`` (default; ``none`` too) is ``fused``
+  on CUDA (faster and without ``foreach``'s full-size temporaries: docs/PLAN.md, "One H100, torch
+  backend") and torch's own choice elsewhere (``torch/optim/optimizer.py:
+  _default_to_fused_or_foreach``); ``foreach`` / ``fused`` force one. ``fused`` keeps its ``step``
+  counters on the params' device, the others on the host. Same update up to rounding.
 
-Imports nothing heavy (no torch): the backend's argument check and the planner's request check
-use it before torch starts.
+Imports no torch: the argument and plan-request checks use it before torch starts.
 """
 
 from __future__ import annotations

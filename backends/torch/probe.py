@@ -2,24 +2,17 @@
 
 CUDA (``CudaMemoryProbe``): per device two entries with the same ``id``, in this order:
 
-- ``source="mem_get_info"``: driver truth, ``bytes_in_use = total - free`` (everything on the
-  device, other processes included; the only number that sees torch_memory_saver / SGLang
-  releases, which happen below the torch allocator), ``bytes_limit = total``, no peak;
-  ``raw`` has ``free``/``total`` and, when ``pynvml`` is importable, this process's bytes as
-  NVML reports them (``nvml_process_bytes``);
-- ``source="torch_allocator"``: ``memory_allocated`` / ``max_memory_allocated`` (reset per
-  phase by ``reset_peak``), ``bytes_limit = total``; ``raw`` has the allocator's current
-  reserved/active/inactive-split bytes and counters.
+- ``source="mem_get_info"``: driver truth, ``bytes_in_use = total - free`` (other processes
+  included; the only number that sees torch_memory_saver / SGLang releases, which happen below the
+  torch allocator); ``raw`` adds this process's NVML bytes when ``pynvml`` is importable;
+- ``source="torch_allocator"``: ``memory_allocated`` / ``max_memory_allocated`` (reset per phase by
+  ``reset_peak``); ``raw`` has the allocator's reserved/active/inactive-split bytes and counters.
 
-CPU (``CpuTensorProbe``): one entry ``id=0, platform="cpu", source="live_tensors"``: bytes of
-the distinct storages (by ``data_ptr``) of the CPU tensors the registered holders keep — the
-embedded engine (weights, KV cache) and the trainer (params, optimizer state, reference) call
-``track(self)`` and list their tensors in ``held_tensors()``. Those are exactly the bytes the
-lifecycle releases, offloads and brings back. Temporaries (activations, gradients inside a
-step) are not counted; the host RSS the core records with every phase shows them. torch on CPU
-has no allocator statistics, and the alternative — scanning ``gc.get_objects()`` — is unsafe
-from a sampler thread: holding references to every object makes another thread's
-``tuple(generator)`` fail with ``SystemError`` (seen here in CLI runs).
+CPU (``CpuTensorProbe``, ``source="live_tensors"``): bytes of the distinct storages of the tensors
+that registered holders (``track``; engine and trainer) list in ``held_tensors()``: exactly what the
+lifecycle releases and offloads; temporaries show only in host RSS. torch on CPU has no allocator
+statistics, and scanning ``gc.get_objects()`` from a sampler thread is unsafe (another thread's
+``tuple(generator)`` then fails with ``SystemError``).
 """
 
 from __future__ import annotations

@@ -1,47 +1,27 @@
 """SGLang rollout engine adapter (CUDA).
 
-Every SGLang call goes through the declared table ``backends/torch/sglang_calls.py``
-(``construct`` / ``invoke`` / ``attr`` / ``key``). Written against **sglang 0.5.23** (the PyPI
-wheel ``sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl``, read file by file:
-``sglang/srt/entrypoints/engine.py``, ``managers/tokenizer_manager.py``,
-``managers/tokenizer_control_mixin.py``, ``managers/io_struct.py``,
-``managers/scheduler_components/weight_updater.py``,
-``model_executor/model_runner_components/weight_updater.py`` and ``weight_exporter.py``,
-``layers/sampler.py``, ``models/qwen3.py``). It has **not run against a real SGLang** (sglang
-needs CUDA): ``tests/torch/test_sglang_conformance.py`` checks every entry of the table against
-that wheel's source and drives this adapter end to end against a fake built from those
-signatures; ``_probe_version`` fails loudly at import when a declared API is missing.
-Facts it relies on (0.5.23):
+Every SGLang call goes through the declared table ``backends/torch/sglang_calls.py``. Written
+against sglang 0.5.23 read from its wheel's source (``srt/entrypoints/engine.py``,
+``managers/tokenizer_manager.py``, ``managers/io_struct.py``, the weight updaters,
+``layers/sampler.py``, ``models/qwen3.py``); not run against a real SGLang (it needs CUDA):
+``tests/torch/test_sglang_conformance.py`` checks the table against the wheel and drives this
+adapter against a fake. ``_probe_version`` fails at import when a declared API is missing.
+Facts relied on:
 
-- ``Engine(model_path, load_format="dummy", enable_memory_saver=True,
-  enable_weights_cpu_backup, mem_fraction_static, tp_size, max_total_tokens, context_length,
-  random_seed, dtype, sleep_on_idle=True)`` runs the scheduler in subprocesses; the tokenizer
-  manager lives in this process on ``engine.loop``. Without ``sleep_on_idle`` an idle
-  scheduler polls its sockets in a loop (a host core per TP rank while the trainer works).
-- ``Engine.generate``/``flush_cache``/... call ``engine.loop.run_until_complete``, so a
-  second thread cannot pause a running ``generate`` through them. This adapter runs
-  ``engine.loop`` forever in its own thread and submits the tokenizer manager's coroutines
-  (``generate_request``, ``pause_generation``, ``continue_generation``, ``flush_cache``,
-  ``update_weights_from_tensor``, ``get_weights_by_name``, ``release/resume_memory_occupation``)
-  with ``asyncio.run_coroutine_threadsafe``; ``Engine``'s own sync wrappers are not used
-  after start. (Its tokenizer manager then installs no SIGTERM handler: that happens only
-  when its loop is first used from the main thread.)
-- ``pause_generation(PauseGenerationReqInput(mode="abort"))`` aborts every request in flight
-  and returns once none is running; ``continue_generation`` lifts the pause.
-- ``flush_cache()`` returns ``FlushCacheReqOutput(success, message)``; ``success=False`` means
-  nothing was flushed (nothing raised), so the adapter retries until it succeeds.
-- ``update_weights_from_tensor(UpdateWeightsFromTensorReqInput(serialized_named_tensors=one
-  payload per TP rank, load_format=None, flush_cache))``: HF-named tensors go through the
-  model's ``load_weights`` (fusing q/k/v and gate/up). CUDA tensors travel by IPC handle.
-- Logprobs are ``log_softmax(logits / temperature)`` (``layers/sampler.py``, unless
-  ``SGLANG_RETURN_ORIGINAL_LOGPROB``), the same definition as the embedded engine.
-- Memory tags ``weights``, ``kv_cache``, ``cuda_graph`` (``sglang/srt/constants.py``),
-  released through torch_memory_saver in the scheduler process.
-- **Known gap**: ``get_weights_by_name`` reads through the model's own
-  ``get_weights_by_name``; ``Qwen3ForCausalLM`` in 0.5.23 has none (``weight_exporter.py``:
-  "TODO: Add support for Qwen models"), so the read-back returns ``None`` and
-  ``weights_fingerprint`` raises: an update to a Qwen3 SGLang engine cannot be verified by
-  this adapter with 0.5.23 (it fails loudly rather than skip the check).
+- ``Engine(..., load_format="dummy", enable_memory_saver=True, sleep_on_idle=True)`` runs the
+  scheduler in subprocesses and the tokenizer manager on ``engine.loop`` here; without
+  ``sleep_on_idle`` an idle scheduler spins a core per TP rank.
+- ``Engine``'s sync wrappers use ``run_until_complete``, so a second thread could not pause a
+  running ``generate``: the adapter runs ``engine.loop`` in its own thread and submits the
+  tokenizer manager's coroutines with ``run_coroutine_threadsafe``.
+- ``pause_generation(mode="abort")`` aborts every request in flight; ``flush_cache`` may report
+  ``success=False`` without raising, so it is retried.
+- ``update_weights_from_tensor`` loads HF-named tensors via the model's ``load_weights`` (q/k/v and
+  gate/up fused); CUDA tensors travel by IPC handle.
+- Logprobs are ``log_softmax(logits / temperature)`` (``layers/sampler.py``), as the embedded engine.
+- Memory tags ``weights``, ``kv_cache``, ``cuda_graph`` (``sglang/srt/constants.py``).
+- Known gap: ``Qwen3ForCausalLM`` in 0.5.23 has no ``get_weights_by_name`` (``weight_exporter.py``:
+  "TODO: Add support for Qwen models"), so ``weights_fingerprint`` raises rather than skip the check.
 """
 
 from __future__ import annotations

@@ -2,66 +2,26 @@
 accumulation, optional LoRA, ``torch.save`` checkpoints, offload to pinned CPU memory.
 Implements ``mllm_rl.trainer.Trainer`` with the behaviour of ``backends/jax/trainer.py``.
 
-Shapes: B sequences, T positions (prompt + completion, right-padded to a multiple of
-``T_BUCKET`` like the JAX trainer), V vocab, M micro-batch size.
+Shapes: B sequences, T positions (prompt + completion, right-padded to a multiple of ``T_BUCKET``),
+V vocab, M micro-batch size. AdamW state is created at init (like optax's ``init``) so offload and
+``state_bytes`` mean the same before and after the first step.
 
-State: ``model`` (every ``Parameter``; in LoRA mode ``LoRALinear`` layers whose base
-weights are frozen and whose ``lora_a``/``lora_b`` train), ``optimizer`` (AdamW over the
-trainable parameters; its state is created eagerly at init, like optax's ``init``, so
-offload/onload and ``state_bytes`` mean the same before and after the first step).
+Precision (``TrainConfig.precision``) for a 16-bit checkpoint: ``mixed`` (default, what FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` does) trains float32 masters and
+moments, each forward/backward computing on casts in the checkpoint dtype: an update of ~lr (1e-6)
+is below half a bf16 ulp of a ~0.02 weight and would round to nothing on bf16 params. The engine
+gets the casts; checkpoints hold the masters. float16 gets no loss scaling. ``pure``: params and
+moments in the checkpoint dtype. Log-probs are ``log_softmax(logits / temperature)`` in the compute
+dtype, via the model's chunked head (never the whole [B, T, V] logits).
 
-Precision (``TrainConfig.precision``), for a 16-bit checkpoint (Qwen3's are bf16):
+Model options (``backends/torch/options.py``): ``remat`` checkpoints every decoder layer, each layer
+casting its own masters inside its checkpoint (``Qwen3.layer_dtype``) so one layer's casts live at
+a time; ``adamw`` picks the ``torch.optim.AdamW`` implementation.
 
-- ``mixed`` (default; what FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
-  does over float32 params): the trainable params are float32 masters with float32 AdamW
-  moments; every forward/backward computes in the checkpoint dtype (the *compute dtype*) on
-  casts of the masters (``functional_call``), so autograd returns float32 gradients to the
-  masters and accumulates them over micro-batches in float32. An AdamW step of ~lr (1e-6) is
-  far below half a bf16 ulp of a weight ~0.02 (6e-5): on bf16 params it rounds to nothing, on
-  float32 masters it accumulates. LoRA: the frozen base stays in the checkpoint dtype, the
-  adapters are float32 masters and their branch computes in the compute dtype. The engine gets
-  casts to the checkpoint dtype (``export_weights``; ``weights_fingerprint`` hashes the casts).
-  ``save``/``snapshot`` write the masters, so a resume continues exactly. float16 gets no loss
-  scaling.
-- ``pure``: params and AdamW moments in the checkpoint dtype (half the state; updates below
-  half an ulp are lost).
-
-A float32 checkpoint trains in float32 either way. Every log-prob (the loss's, the KL
-reference's, ``logprobs``) is ``log_softmax(logits / cfg.temperature)``, the distribution the
-rollout sampled from, computed in the compute dtype like a 16-bit engine; ``greedy`` is untempered.
-The model attends with SDPA (right-padded micro-batches get no mask: causal only) and computes
-log-probs with its chunked head, never the whole [B, T, V] logits (``backends/torch/model.py``).
-
-Model options (``TrainConfig.model_options``, the run's ``--model-option KEY=VALUE``;
-``backends/torch/options.py``): ``remat=true`` checkpoints every decoder layer of the training
-forward (``Qwen3.remat``: each layer's input kept, the layer recomputed in the backward; same
-loss and gradients, the mixed-precision casts included); log-prob passes without grad are unchanged.
-With mixed precision (full fine-tune) the training forward casts only the embeddings, the final
-norm and the head up front: each decoder layer casts its own float32 masters to the compute dtype
-inside its checkpointed function (``Qwen3.layer_dtype``, ``_compute_params(layers=False)``), so
-one layer's casts live at a time (while it runs, and while it is recomputed in the backward)
-instead of a cast of every weight through the whole forward and backward; the same casts, so
-the same numbers.
-``adamw=auto|foreach|fused`` picks the ``torch.optim.AdamW`` implementation (``auto``, the default:
-``fused`` on CUDA, torch's choice elsewhere); ``fused`` updates params and moments in one kernel without
-``foreach``'s full-size temporaries, its ``step`` counters float32 scalars on the params' device
-(offloaded with the rest of the optimizer state), where ``auto``/``foreach`` keep them on the host.
-
-Offload (``backends/torch/offload.py``): the bytes of every parameter / optimizer-state
-tensor go to the host (pinned on CUDA, numpy on CPU) and the device storages are resized to
-0; the tensor objects stay, so ``torch.optim`` and the model keep their references.
-
-Several processes (``backends/torch/distributed.py``): by default (``cfg.fsdp`` 0) the model is
-sharded with FSDP2 (``backends/torch/fsdp.py``): params, gradients and AdamW state are ``DTensor``
-shards, mixed precision is FSDP2's policy (the same casts as ``_compute_params``, made on what a
-layer gathers), remat checkpoints each layer's own call (``Qwen3.sharded``), each process runs its
-round-robin share of the micro-batches (padded with weight-0 repeats so every process runs as many:
-``_my_micro_batches``), the weight export gathers one tensor at a time, and checkpoints are
-``torch.distributed.checkpoint`` shards (``save``/``restore``; a load reshards); a full fine-tune's
-KL reference is this process's shards of the initial params, copied into the params' shards for
-the reference forward and back (``_shards_replaced``). ``cfg.fsdp`` 1:
-every process holds the whole trainer and the gradients are summed with ``all_reduce``.
-Offload moves each process's own shards.
+Several processes (``backends/torch/distributed.py``): by default FSDP2 (``backends/torch/fsdp.py``;
+DTensor shards, round-robin micro-batches padded with weight-0 repeats, DCP checkpoints); ``fsdp`` 1:
+data parallel with ``all_reduce`` of the gradients. Offload (``backends/torch/offload.py``) moves
+each process's own bytes to the host and keeps the tensor objects.
 """
 
 from __future__ import annotations
@@ -113,13 +73,10 @@ class TorchTrainer:
         model: Qwen3 | None = None,
         shard_over: tuple[Any, dist.Procs] | None = None,
     ) -> None:
-        """``model``: a ``Qwen3`` already in ``model_dir``'s layout and dtype on ``device`` (the
-        memory planner builds one on fake tensors; its params are converted to the master dtype
-        here); by default it is loaded from ``model_dir``. ``shard_over``: (a device mesh,
-        ``fsdp.make_mesh``; this process's place among its processes) to shard over instead of the
-        run's processes: the memory planner's fake process group, where this process plays one device
-        of several. ``cfg.model_options``: ``TorchModelOptions``
-        (``ValueError`` naming an unknown or bad one), applied to the model."""
+        """``model``: a ``Qwen3`` already in ``model_dir``'s layout on ``device`` (the memory
+        planner's fake one), else loaded from ``model_dir``. ``shard_over``: (device mesh, this process's
+        place) to shard over instead of the run's processes (the planner's fake process group).
+        ``cfg.model_options``: ``TorchModelOptions`` (``ValueError`` naming a bad one)."""
         self.cfg = cfg
         mesh, procs = shard_over if shard_over is not None else (None, dist.procs())
         self.dp = procs  # several processes (backends/torch/distributed.py)
@@ -233,10 +190,9 @@ class TorchTrainer:
 
     # -- training ------------------------------------------------------------------------
     def _micro_batches(self, batch: RolloutBatch) -> Iterator[dict[str, torch.Tensor]]:
-        """Device tensors of at most ``micro_batch_size`` rows, T padded to a multiple of ``T_BUCKET``.
-        ``attn`` (the attention mask) only where a row has padding before a real token (left
-        padding, holes): right padding needs none (``right_padded``; the model then attends
-        causally, flash attention on CUDA)."""
+        """Device tensors of at most ``micro_batch_size`` rows, T padded to a multiple
+        of ``T_BUCKET``. ``attn`` only where a row has padding before a real token: right padding needs no
+        mask (causal attention, flash on CUDA)."""
         m = self.cfg.micro_batch_size
         t0 = batch.tokens.shape[1]
         t = -(-t0 // T_BUCKET) * T_BUCKET
@@ -260,12 +216,10 @@ class TorchTrainer:
             yield out
 
     def _compute_params(self, layers: bool = True) -> dict[str, torch.Tensor]:
-        """What a forward swaps into the model: mixed-precision full fine-tune, the masters cast to
-        the compute dtype (differentiable: autograd casts their gradients back to float32);
-        otherwise nothing (the params are in the compute dtype already; LoRA adapters cast
-        themselves). ``layers=False``: the decoder layers' masters (``model.layers.*``) left out,
-        for a model whose layers cast them themselves (``Qwen3.layer_dtype``, ``layer_casts``: one
-        layer at a time, inside its checkpoint)."""
+        """What a forward swaps into the model: for a mixed-precision full fine-tune,
+        differentiable casts of the masters to the compute dtype; otherwise nothing. ``layers=False``
+        leaves out the decoder layers' masters, for a model whose layers cast their own
+        (``Qwen3.layer_dtype``)."""
         if not self.mixed or self.lora or self.sharded:
             return {}
         return {
@@ -285,10 +239,9 @@ class TorchTrainer:
     def _token_logp(
         self, tokens: torch.Tensor, attn: torch.Tensor | None, params: dict[str, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """[B, T] -> log p(tokens[:, t] | tokens[:, :t]) for t >= 1 under softmax(logits / temperature),
-        [B, T - 1] float32 (under ``params`` instead of ``_compute_params()`` when given). ``attn``:
-        the attention mask, ``None`` for right-padded rows. The model's chunked head
-        (``model.token_logprobs``): the [B, T, V] logits never exist at once."""
+        """[B, T] -> log p(tokens[:, t] | tokens[:, :t]) for t >= 1 under softmax(logits /
+        temperature), [B, T - 1] float32, via the model's chunked head. ``attn``: the attention mask, ``None``
+        for right-padded rows."""
         params = self._compute_params() if params is None else params
         args = (tokens[:, :-1], None if attn is None else attn[:, :-1])
         kwargs = {"targets": tokens[:, 1:], "temperature": self.cfg.temperature}
@@ -309,10 +262,8 @@ class TorchTrainer:
 
     @contextlib.contextmanager
     def _shards_replaced(self, values: dict[str, torch.Tensor]) -> Iterator[None]:
-        """The trainable params' local shards hold ``values`` (the KL reference's shards, in the
-        compute dtype: cast up to the masters' dtype exactly, and cast back by FSDP2's policy when
-        gathered, so a forward computes on the reference itself) inside the block, their own bytes
-        again after it (kept meanwhile in a copy of the shards)."""
+        """Inside the block the trainable params' local shards hold ``values`` (the KL
+        reference, so a forward computes on it after FSDP2's cast); their own bytes are restored after."""
         with torch.no_grad():
             shards = {n: fsdp.local(self.trainable[n]) for n in values}
             saved = {n: t.clone() for n, t in shards.items()}
@@ -339,9 +290,9 @@ class TorchTrainer:
     def device_step(
         self, batch: RolloutBatch
     ) -> tuple[torch.Tensor, int, list[torch.Tensor], dict[str, torch.Tensor]]:
-        """The work of ``train_step`` without reading anything back (the memory planner runs it
-        on fake tensors): (loss sum, mini-batches, pre-clip grad norms, token-weighted metric
-        sums), all device scalars."""
+        """``train_step``'s work without reading anything back (the memory planner runs it
+        on fake tensors): (loss sum, mini-batches, pre-clip grad norms, token-weighted metric sums) as device
+        scalars."""
         self._need(PARAMS, OPTIMIZER)
         if fault("train_oom"):
             raise torch.OutOfMemoryError(
@@ -409,11 +360,9 @@ class TorchTrainer:
         return loss_sum, len(parts), gnorms, totals
 
     def _my_micro_batches(self, mini: RolloutBatch) -> Iterator[tuple[int, dict[str, torch.Tensor], float]]:
-        """This process's micro-batches of ``mini`` (index in ``mini``, tensors, weight): dealt
-        round-robin over the processes (one process: all, weight 1). Sharded, every process runs as
-        many forwards (and backwards) as the one with the most (FSDP2's gathers and reductions are
-        collectives): one short repeats a micro-batch with weight 0 (its gradient is zero, its
-        metrics and log-probs are dropped)."""
+        """This process's micro-batches of ``mini`` as (index, tensors, weight), dealt
+        round-robin. Sharded, every process runs as many as the busiest one (FSDP2's gathers are
+        collectives), padding with a weight-0 repeat whose gradient is zero and whose outputs are dropped."""
         count, index = self.dp.count, self.dp.index
         n = -(-mini.size // self.cfg.micro_batch_size)
         first: dict[str, torch.Tensor] | None = None
@@ -449,10 +398,8 @@ class TorchTrainer:
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch) -> np.ndarray:
-        """Log-prob of ``tokens[b, t]`` given ``tokens[b, :t]``, [B, T] float32 (0 at t = 0 and on padding).
-        Several processes: each computes its round-robin share of the micro-batches
-        (``_my_micro_batches``) and every process gets all of them (an object all-gather of [M, T]
-        float32 arrays); a micro-batch's log-probs do not depend on which process computes it."""
+        """Log-prob of ``tokens[b, t]`` given ``tokens[b, :t]``, [B, T] float32 (0 at t = 0 and
+        on padding). Several processes: each computes its round-robin share and all-gathers the rest."""
         self._need(PARAMS)
         params = self._compute_params()  # cast once for every micro-batch
         mine: dict[int, np.ndarray] = {}
@@ -488,10 +435,9 @@ class TorchTrainer:
 
     # -- weights for the engine ----------------------------------------------------------
     def _engine_tensor(self, name: str) -> torch.Tensor:
-        """The weight ``name`` as the engine holds it (HF layout, the checkpoint dtype: a cast of a
-        float32 master under mixed precision; LoRA merged into linear layers). Sharded: gathered
-        here, one tensor at a time (cast first, so the gather moves checkpoint-dtype bytes; a
-        collective: every process asks for the same names in the same order)."""
+        """The weight ``name`` as the engine holds it (HF layout, checkpoint dtype, LoRA
+        merged). Sharded: cast then gathered here, one tensor at a time (a collective: every process asks
+        for the same names in the same order)."""
         if name in self.adapters:
             a = self.adapters[name]
             if not self.sharded:
@@ -552,10 +498,9 @@ class TorchTrainer:
         }
 
     def save(self, path: Path) -> None:
-        """``<path>/state.pt``: the trainable params and the optimizer state (written to a
-        temporary name, then renamed). The LoRA base is not saved: it is the run's ``--model``.
-        Data parallel: process 0 writes (every process holds the same state). Sharded:
-        ``<path>/dcp``, every process its shards (``torch.distributed.checkpoint``)."""
+        """``<path>/state.pt``: trainable params and optimizer state, written through a temporary
+        name; the LoRA base is the run's ``--model`` and is not saved. Data parallel: process 0 writes.
+        Sharded: ``<path>/dcp``, every process its shards (``torch.distributed.checkpoint``)."""
         self._need(PARAMS, OPTIMIZER)
         if self.sharded:
             fsdp.save(self._dcp_state(), Path(path))
@@ -586,10 +531,9 @@ class TorchTrainer:
         return StateSnapshot(state)
 
     def restore(self, path: Path) -> None:
-        """Load what ``save`` wrote (params and optimizer must be resident). The optimizer
-        keeps this trainer's AdamW implementation (``adamw``: ``load_state_dict`` would take the
-        saved groups' ``foreach``/``fused``), its ``step`` counters where that implementation keeps
-        them (``_step_device``), whichever implementation wrote the file."""
+        """Load what ``save`` wrote (params and optimizer must be resident). The optimizer keeps
+        this trainer's AdamW implementation and step-counter placement (``_step_device``), whichever
+        implementation wrote the file (``load_state_dict`` would take the saved groups' flags)."""
         self._need(PARAMS, OPTIMIZER)
         target = Path(path) / STATE_FILE
         if fsdp.has_checkpoint(path):
@@ -672,10 +616,9 @@ class TorchTrainer:
 
 
 def _write_state(state: dict[str, Any], path: Path) -> None:
-    """``torch.save`` of ``state`` to ``path/state.pt`` through a temporary name (removed again when
-    the write fails). A write the OS refuses raises an ``OSError`` naming the file and the reason:
-    torch's zip writer reports it as ``RuntimeError: ... unexpected pos ...`` (or ``file write
-    failed`` when it opens the file itself), so it writes to a Python file that records the error."""
+    """``torch.save`` of ``state`` to ``path/state.pt`` through a temporary name (removed when the
+    write fails). Writes go through a Python file that records the ``OSError``, because torch's zip
+    writer reports it only as ``RuntimeError: ... unexpected pos ...`` without the reason."""
     target = path / STATE_FILE
     tmp = target.with_name(f".{STATE_FILE}.tmp")
     try:
@@ -766,9 +709,8 @@ def _step_device(group: dict[str, Any], p: torch.Tensor) -> torch.device:
 
 
 def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
-    """Create AdamW's state now (torch creates it lazily at the first step): one step with
-    zero gradients and ``lr = 0`` (params unchanged bit for bit: the update is 0 * 0 / eps
-    and the decay factor 1 - 0 * wd; the same for ``fused``), then the step counters back to 0."""
+    """Create AdamW's state now (torch creates it lazily): one step with zero gradients
+    and ``lr = 0`` (params unchanged bit for bit, ``fused`` too), then the step counters back to 0."""
     lrs = [g["lr"] for g in opt.param_groups]
     for g in opt.param_groups:
         g["lr"] = 0.0
