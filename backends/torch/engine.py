@@ -10,9 +10,11 @@
   index in the whole batch (``request_offset`` + i; a call without a seed takes one from the
   engine seed's stream): a completion is the same whichever sub-batch or process generates it.
   Several processes (``backends/torch/distributed.py``): each generates a contiguous slice of the
-  requests and every process gets every output. ``log_softmax`` runs on the
-  engine's device; greedy takes the argmax there too and only [B] tokens and logprobs go to
-  the host per step; temperature sampling draws on the host (the generator is a CPU one).
+  requests and every process gets every output. Sampling runs on the engine's device (only
+  the [B] uniform draws come from the CPU generators); tokens and logprobs stay there, in
+  [B, max_new] buffers read once per batch, and the host learns whether every row has ended
+  after every decode step on CPU and every ``SYNC_EVERY`` steps on an accelerator (a read is a
+  device synchronisation; the extra steps' tokens are dropped).
 - Logprobs: ``log_softmax(logits / temperature)`` at the chosen token (``logits`` when
   greedy), i.e. under the temperature-scaled distribution *before* top-p truncation.
 - A request stops at EOS or a stop token (included in its output, ``finish_reason="stop"``),
@@ -63,6 +65,7 @@ from mllm_rl.engine import (
 )
 from mllm_rl.faults import fault
 
+SYNC_EVERY = 8  # decode steps between two "has every row ended?" reads on an accelerator
 _FP_CHUNK = 1 << 20  # elements per fingerprint slice (bounds the float32 temporary of bf16 weights)
 
 
@@ -309,37 +312,45 @@ class EmbeddedEngine:
         cache = KVCache(
             [pool[i, 0] for i in range(c.num_hidden_layers)], [pool[i, 1] for i in range(c.num_hidden_layers)]
         )
-        out_tok: list[list[int]] = [[] for _ in prompts]
-        out_lp: list[list[float]] = [[] for _ in prompts]
-        reason: list[str | None] = [None] * b
         stops = set(sampling.stop_token_ids) | {c.eos_token_id}
         if self._abort.is_set():
-            return [self._output(t, lp, ABORT) for t, lp in zip(out_tok, out_lp, strict=True)]
+            return [self._output([], [], ABORT) for _ in prompts]
         logits = self.model.forward_cached(tokens, positions, key_mask, cache, 0, last_only=True)[:, -1]
         next_pos = torch.tensor(lens, device=dev)
-        for step in range(max(budget)):
+        steps = max(budget)
+        out_tok = torch.zeros(b, steps, dtype=torch.long, device=dev)
+        out_lp = torch.zeros(b, steps, dtype=torch.float32, device=dev)
+        stop_ids, budget_t = torch.tensor(sorted(stops), device=dev), torch.tensor(budget, device=dev)
+        ended = torch.zeros(b, dtype=torch.bool, device=dev)
+        every = 1 if dev.type == "cpu" else SYNC_EVERY
+        done = 0
+        for step in range(steps):
             if self._abort.is_set():
                 break
             tok, lp = sample(logits, sampling, gens)
-            toks, lps = tok.tolist(), lp.tolist()
-            for i in range(b):
-                if reason[i] is not None:
-                    continue
-                out_tok[i].append(toks[i])
-                out_lp[i].append(lps[i])
-                if toks[i] in stops:
-                    reason[i] = "stop"
-                elif len(out_tok[i]) >= budget[i]:
-                    reason[i] = "length"
-            if all(r is not None for r in reason):
+            out_tok[:, step], out_lp[:, step] = tok, lp
+            ended |= torch.isin(tok, stop_ids) | (budget_t <= step + 1)
+            done = step + 1
+            if done == steps or (done % every == 0 and bool(ended.all())):
                 break
             slot = plen + step
             key_mask[:, slot] = True
-            logits = self.model.forward_cached(
-                tok.to(dev)[:, None], next_pos[:, None], key_mask, cache, slot
-            )[:, 0]
+            logits = self.model.forward_cached(tok[:, None], next_pos[:, None], key_mask, cache, slot)[:, 0]
             next_pos += 1
-        return [self._output(t, lp, r or ABORT) for t, lp, r in zip(out_tok, out_lp, reason, strict=True)]
+        return [
+            self._ending(t, lp, stops, min(done, n), n)
+            for t, lp, n in zip(out_tok[:, :done].tolist(), out_lp[:, :done].tolist(), budget, strict=True)
+        ]
+
+    def _ending(
+        self, toks: list[int], lps: list[float], stops: set[int], seen: int, budget: int
+    ) -> GenerateOutput:
+        """A row's output from its first ``seen`` sampled tokens: up to and with its first stop token
+        (``stop``), else its whole ``budget`` (``length``), else what it had when paused (``abort``)."""
+        for j, t in enumerate(toks[:seen]):
+            if t in stops:
+                return self._output(toks[: j + 1], lps[: j + 1], "stop")
+        return self._output(toks[:seen], lps[:seen], "length" if seen == budget else ABORT)
 
     def _output(self, toks: list[int], lps: list[float], reason: str) -> GenerateOutput:
         return GenerateOutput(toks, lps, self.tokenizer.decode(toks, skip_special_tokens=True), reason)
@@ -396,10 +407,10 @@ def sample(
     logits: torch.Tensor, sampling: SamplingParams, gens: Sequence[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of ``logits`` [B, V] (any device and float dtype; computed in
-    float32). Returns (tokens [B], logprobs [B]) on the host; logprobs are
+    float32). Returns (tokens [B], logprobs [B]) on ``logits``' device; logprobs are
     ``log_softmax(logits / T)`` at the token (before top-p).
 
-    Everything runs on ``logits``' device; only [B] values cross to the host. Greedy: the argmax.
+    Greedy: the argmax.
     Temperature: inverse-CDF sampling, row i's token the first whose cumulative probability
     (float64, top-p applied) exceeds ``u_i`` times the row's total, with ``u_i`` one uniform draw
     from ``gens[i]`` (its request's CPU generator): the random stream depends neither on the
@@ -410,8 +421,7 @@ def sample(
     if sampling.temperature == 0:
         lp = torch.log_softmax(logits, dim=-1)
         tok = lp.argmax(dim=-1)
-        chosen = lp.gather(1, tok[:, None])[:, 0]
-        return tok.cpu(), chosen.cpu()
+        return tok, lp.gather(1, tok[:, None])[:, 0]
     lp = torch.log_softmax(logits / sampling.temperature, dim=-1)
     probs = lp.exp()
     if sampling.top_p < 1.0:
@@ -424,8 +434,7 @@ def sample(
     # the first index whose cdf exceeds u * total: a zero-probability token repeats its left
     # neighbour's cdf, so it is never the first to exceed
     tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
-    chosen = lp.gather(1, tok[:, None])[:, 0]
-    return tok.cpu(), chosen.cpu()
+    return tok, lp.gather(1, tok[:, None])[:, 0]
 
 
 def check_shape(name: str, src: torch.Tensor | np.ndarray, shape: Sequence[int]) -> None:
