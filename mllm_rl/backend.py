@@ -1,21 +1,10 @@
 """The backend interface: what ``--backend NAME`` resolves to (docs/DESIGN.md, "Contracts").
 
-A backend brings a runtime up (``init_runtime``), reads device memory (``memory_probe``),
-starts rollout engines (``create_engine``, behind ``mllm_rl.engine_state.ManagedEngine``) and
-trainers (``create_trainer``, ``mllm_rl.trainer.Trainer``). Backends subclass ``Backend`` and are
-registered in the ``mllm_rl.backends`` entry-point group (``mllm_rl.backend_registry``).
-
-Every capability the core may use is declared here. The ones only some backends have come with a
-default that is right for a backend without them, so the core never asks ``hasattr``:
-
-- ``init_distributed`` / ``shutdown_distributed``: one process (JAX: ``jax.distributed``);
-- ``coordinator``: ``None``, no multi-process lease handoffs (JAX: the coordination service);
-- ``empty_cache``: nothing to return (torch on CUDA: ``torch.cuda.empty_cache``);
-- ``profiler``: ``None``, no ``--profile`` (JAX: ``jax.profiler``; torch: ``torch.profiler``).
-
-Subclasses import their framework inside the methods, never at module level: loading the entry
-point must not import jax or torch (``--backend jax`` never imports torch, and the reverse).
-"""
+A backend brings a runtime up, reads device memory, starts rollout engines and trainers; it is
+registered in the ``mllm_rl.backends`` entry-point group (``mllm_rl.backend_registry``). Optional
+capabilities have a default right for a backend without them, so the core never asks ``hasattr``.
+Subclasses import their framework inside methods: loading the entry point must not import jax or
+torch (``--backend jax`` never imports torch, and the reverse)."""
 
 from __future__ import annotations
 
@@ -39,8 +28,8 @@ class Backend(abc.ABC):
     name: ClassVar[str]  # "jax" | "torch": the --backend name, the phase records' ``backend``
     ready_phase: ClassVar[str]  # the setup phase that records init_runtime ("jax_ready")
     engines: ClassVar[dict[str, str]]  # --engine choices -> what each starts (EngineOptions.check_backend)
-    # An engine that spans several processes can pause, release and resume (what a colocated RL step
-    # needs); without it, only plans that never release run across processes (the param swap).
+    # Can an engine spanning several processes pause, release and resume? Without it only plans
+    # that never release run across processes.
     releases_across_processes: ClassVar[bool] = False
 
     # -- required --------------------------------------------------------------------------
@@ -90,8 +79,7 @@ class Backend(abc.ABC):
         return None
 
     def coordinator(self) -> Coordinator | None:
-        """Lease handoffs between the processes of a multi-task run; ``None``: this backend has
-        no multi-process runs (one process gathers alone)."""
+        """Lease handoffs between the processes of a multi-task run; ``None``: single-process."""
         return None
 
     def empty_cache(self) -> None:
@@ -99,8 +87,7 @@ class Backend(abc.ABC):
         return None
 
     def rollout_engine(self, engine: str) -> str:
-        """The rollout engine a run given ``--engine engine`` starts (what its memory plan lays out:
-        ``PlanRequest.engine``); by default ``engine`` itself (``auto``: the backend's one engine)."""
+        """The rollout engine ``--engine engine`` starts (``PlanRequest.engine``); default: itself."""
         return engine
 
     def profiler(self) -> StepProfiler | None:

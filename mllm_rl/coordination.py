@@ -1,12 +1,9 @@
-"""How the processes of a run agree (multi-task runs: at every lease handoff); no networking of
-our own.
+"""How the processes of a run agree (multi-task runs: at every lease handoff); no networking of our own.
 
-A ``Coordinator`` has one primitive, ``gather(name, value)``: every process contributes a
-string under the same name and gets every process's string back, in process order; nobody
-returns before all contributed (a barrier that carries data). Multi-process runs get theirs
-from the backend (``backend.coordinator()``: JAX builds it on ``jax.distributed``'s coordination
-service key-value store and barriers); a single process uses ``LocalCoordinator``.
-"""
+A ``Coordinator``'s one primitive, ``gather(name, value)``, is a barrier that carries data: every
+process contributes a string and gets all of them back in process order. Multi-process runs get
+one from the backend (JAX: ``jax.distributed``'s coordination-service key-value store);
+a single process uses ``LocalCoordinator``."""
 
 from __future__ import annotations
 

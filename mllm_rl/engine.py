@@ -1,16 +1,9 @@
 """The rollout-engine contract (docs/DESIGN.md, "Contracts"), backend-neutral.
 
-Two layers:
-
-- ``EnginePrimitives``: what a backend's engine adapter implements (sglang-jax, SGLang, the
-  embedded torch engine). Primitives do what they are told and keep no lifecycle state.
-- ``ManagedEngine`` (``mllm_rl.engine_state``): the core's wrapper that owns the state
-  (tags resident/released, weights valid/invalid, generation running/paused, requests in
-  flight) and enforces the invariants; the lifecycle only ever talks to it.
-
-Arrays crossing this boundary are host numpy arrays or backend device arrays; the core
-never touches their framework.
-"""
+``EnginePrimitives`` is what a backend's engine adapter implements (sglang-jax, SGLang, the
+embedded torch engine): it does what it is told and keeps no lifecycle state. ``ManagedEngine``
+(``mllm_rl.engine_state``) owns that state and enforces the invariants. Arrays crossing this
+boundary are host numpy arrays or backend device arrays; the core never touches their framework."""
 
 from __future__ import annotations
 
@@ -37,9 +30,7 @@ class SamplingParams:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
-    # the index of this call's first request in the run's whole batch: request i is seeded by
-    # index request_offset + i (``request_seeds``), so a request samples the same whichever process
-    # or sub-batch generates it
+    # index of this call's first request in the run's whole batch (seeds: ``request_seeds``)
     request_offset: int = 0
 
     def __post_init__(self) -> None:
@@ -60,18 +51,13 @@ TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # an engine's task na
 
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
-    """What ``Backend.create_engine(model, opts)`` starts: typed, validated on construction.
+    """What ``Backend.create_engine(model, opts)`` starts, validated on construction.
 
-    ``None`` means "not chosen": ``context_length`` / ``max_total_tokens`` are then sized by the
-    plan (``resolved`` fills in ``DEFAULT_CONTEXT_LENGTH`` / ``DEFAULT_MAX_TOTAL_TOKENS``), and
-    ``max_running_requests`` is the engine's own default. ``engine`` is one of the backend's
-    ``engines`` (``check_backend``): the jax backend has only sglang-jax (``auto``); the torch
-    backend ``auto``, ``embedded``, ``sglang``.
-
-    Multi-task runs (``docs/MULTITASK.md``): ``task`` names the engine's task (its memory tags are
-    ``<task>/weights``, ...); ``ports`` are two free ports from the run's one allocator (a server
-    engine's port and its process group's port) so engines started together never pick the same.
-    """
+    ``None`` means "not chosen": sizes come from the plan (``resolved`` fills in the defaults),
+    ``max_running_requests`` from the engine. ``engine`` is one of the backend's ``engines``
+    (``check_backend``). Multi-task (docs/MULTITASK.md): ``task`` prefixes the memory tags
+    (``<task>/weights``); ``ports`` (server port, process-group port) come from the run's one
+    allocator so engines started together never collide."""
 
     tp: int = opt("tp")
     engine: str = opt("engine")
@@ -104,8 +90,7 @@ class EngineOptions:
             raise OptionError("chunk_bytes", f"must be >= 0, got {self.chunk_bytes}")
 
     def check_backend(self, backend: str, engines: Mapping[str, str]) -> None:
-        """``ValueError`` unless ``engine`` is one of ``engines`` (choice -> what it starts), the
-        choices of ``backend``: an engine/backend combination is refused here, before any start."""
+        """``ValueError`` unless ``engine`` is one of ``backend``'s ``engines``, before any start."""
         if self.engine not in engines:
             have = ", ".join(f"{k} ({v})" for k, v in engines.items())
             raise ValueError(
@@ -113,9 +98,8 @@ class EngineOptions:
             )
 
     def start_kwargs(self) -> dict[str, Any]:
-        """What every engine adapter's constructor takes from these options (``resolved`` sizes;
-        ``max_running_requests`` / ``mem_fraction_static`` only when chosen: the engine's default
-        otherwise). ``ports`` and the device are each adapter's own."""
+        """Constructor kwargs every engine adapter takes (``resolved`` sizes; optional knobs only
+        when chosen). ``ports`` and the device are each adapter's own."""
         o = self.resolved()
         out: dict[str, Any] = dict(tp=o.tp, max_total_tokens=o.max_total_tokens, context_length=o.context_length,
                                    seed=o.seed, chunk_bytes=o.chunk_bytes, weights_cpu_backup=o.weights_cpu_backup,
@@ -135,14 +119,9 @@ class EngineOptions:
 
 
 def request_seeds(base: int, n: int, offset: int = 0) -> list[int]:
-    """One sampling seed per request of a batch of ``n``, derived from the batch seed ``base`` and
-    each request's index in the run's whole batch (``offset + i``: ``SamplingParams.request_offset``).
-
-    Every engine seeds each request (sglang-jax and SGLang per request, the embedded engine with a
-    generator per request): the batch seed on every request would make every completion of a GRPO
-    group the same sample, and a seed by position in a sub-batch would make a sample depend on
-    which process generated it.
-    """
+    """One seed per request from batch seed ``base`` and the request's index in the run's whole
+    batch (``offset + i``). Per-request seeds keep a GRPO group's completions distinct and make a
+    sample independent of which process or sub-batch generates it."""
     return [(base * 1_000_003 + offset + i) % 2**31 for i in range(n)]
 
 
@@ -167,12 +146,8 @@ class UpdateStats:
 
 
 class WeightExport:
-    """Named tensors announced up front, streamed on iteration.
-
-    ``names`` is known before a single tensor is produced, so an engine can reject an update
-    with unknown or missing names before any of its weights change. Iterating yields
-    ``(hf_name, array)`` in ``names`` order; ``full`` says whether it covers every weight.
-    """
+    """Named tensors announced up front (``names``, so an engine can reject an update before any
+    weight changes), streamed as ``(hf_name, array)`` in ``names`` order; ``full``: every weight."""
 
     def __init__(self, names: Sequence[str], tensors: Iterable[tuple[str, Any]], full: bool) -> None:
         self.names = list(names)
@@ -194,9 +169,8 @@ class WeightExport:
 
 
 class Placed(NamedTuple):
-    """A weight already on the engine's devices in the engine's layout and dtype: what
-    ``EnginePrimitives.place`` returned. An engine installs it as it is (the naive swap
-    baseline places every tensor first, so two copies of the weights are resident)."""
+    """A weight already on the engine's devices in its layout and dtype (``EnginePrimitives.place``);
+    installed as is."""
 
     value: Any  # the engine's own device array (jax.Array, torch.Tensor)
 
@@ -217,8 +191,7 @@ class EnginePrimitives(Protocol):
         ...
 
     def memory_tag(self, tag: str) -> str:
-        """The name this engine's memory of ``tag`` goes by in the records (``<task>/weights``
-        for an engine of a multi-task run, else ``tag``)."""
+        """``tag`` as named in the records (``<task>/weights`` in a multi-task run)."""
         ...
 
     def place(self, hf_name: str, value: Any) -> Any:
@@ -227,10 +200,8 @@ class EnginePrimitives(Protocol):
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
-        """Install tensors one at a time (names already validated); a ``Placed`` value goes in
-        as it is. ``on_tensor(name, nbytes)`` at each tensor's high point (new placed, old still
-        resident), ``nbytes`` the device bytes staged for it then (the tensor, or the slice of
-        it a chunked write holds)."""
+        """Install tensors one at a time (names already validated). ``on_tensor(name, nbytes)`` at
+        each tensor's high point (new placed, old still resident; ``nbytes`` staged for it)."""
         ...
 
     def weights_fingerprint(self) -> Fingerprint:

@@ -1,25 +1,12 @@
 """``ManagedEngine``: the core's state machine around an engine adapter (docs/DESIGN.md, "The lifecycle").
 
-State it owns (adapters keep none of it):
-
-- memory per tag: resident | released
-- weights: valid (with a version that counts updates) | invalid
-- generation: running | paused, and the number of requests in flight
-
-Invariants it enforces, each refused *before* anything changes:
-
-- never release with requests in flight: ``release`` needs a ``drain`` first
-  (pause -> wait until nothing is in flight -> flush);
-- never generate with released memory, invalid weights, or while paused;
-- a resume without CPU backup makes the weights invalid until a *full* update; a partial
-  update (LoRA: only some tensors) on invalid weights is refused;
-- an update with unknown, duplicate or (for a full update) missing names is refused; an
-  update whose tensors did not land (fingerprint of the engine != what was sent) raises
-  ``WeightMismatch``; an update that failed once the engine had started installing leaves
-  the weights invalid (until a full update);
-- double release / resume of a resident tag is a no-op with a warning; an unknown tag is
-  a ``ValueError``.
-"""
+It owns per-tag memory (resident | released), weight validity (with a version counting updates)
+and generation (running | paused, requests in flight), and refuses before anything changes:
+releasing with requests in flight (``drain`` first); generating with released memory, invalid
+weights or while paused; a partial update on invalid weights (a resume without CPU backup makes
+them invalid until a full update); an update with unknown, duplicate or (full) missing names.
+An update whose engine fingerprint differs from what was sent raises ``WeightMismatch``; one that
+fails mid-install leaves the weights invalid. Double release/resume is a no-op with a warning."""
 
 from __future__ import annotations
 
@@ -115,11 +102,8 @@ class ManagedEngine:
         return outs
 
     def drain(self, timeout_s: float = 120.0) -> dict[str, Any]:
-        """Pause generation, wait until no request is in flight, flush the cache.
-
-        Requests in flight return (finished, or ``finish_reason='abort'``); none is lost.
-        Raises ``EngineStateError`` if they do not return within ``timeout_s``.
-        """
+        """Pause generation, wait until no request is in flight (each returns, finished or
+        aborted), flush the cache; ``EngineStateError`` after ``timeout_s``."""
         t0 = time.perf_counter()
         with self._cv:
             self.paused = True
@@ -222,9 +206,8 @@ class ManagedEngine:
     def update_weights(
         self, export: WeightExport, on_tensor: Any = None, expected: Fingerprint | None = None
     ) -> UpdateStats:
-        """Stream ``export`` into the engine; raises ``WeightMismatch`` if it did not land: the
-        engine's fingerprint (read back once) must match what was sent and, when given,
-        ``expected`` (the trainer's own fingerprint of the same tensors)."""
+        """Stream ``export`` into the engine; ``WeightMismatch`` unless the engine's fingerprint
+        matches what was sent and, when given, ``expected`` (the trainer's)."""
         self.check_update(export)
         try:
             stats = self.engine.update_weights(iter(export), on_tensor=on_tensor)
@@ -254,9 +237,8 @@ class ManagedEngine:
         return stats
 
     def place_all(self, tensors: Iterable[tuple[str, Any]]) -> WeightExport:
-        """The naive swap baseline's first half: every ``(hf_name, array)`` placed on the engine's
-        devices before any is installed (the new weights and the old ones both resident); the
-        returned full export installs them as they are (``update_weights``)."""
+        """The naive swap baseline's first half: place every tensor before installing any (old and
+        new weights both resident); ``update_weights`` of the returned export installs them."""
         if TAG_WEIGHTS in self.released:
             raise EngineStateError("place_all refused: weights are released")
         return WeightExport.of(

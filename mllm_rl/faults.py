@@ -1,21 +1,16 @@
 """Fault injection for tests: ``MLLM_RL_FAULTS="name1,name2"`` turns named faults on.
 
-Each fault sits where a real bug would, and exists to prove that the check which must
-catch that bug really does (a test without it could not fail). Names in use:
+Each fault sits where a real bug would, to prove the check that must catch it does. Names:
 
 - ``swap_noop``      engines drop each received tensor instead of installing it
 - ``resume_lies``    an engine loses its weights' CPU backup but reports them restored on resume
 - ``train_oom``      the trainer's step fails like a device out-of-memory
 - ``offload_noop``   the trainer's params offload moves nothing
-- ``leak_mb=N``      the trainer (JAX, torch) keeps N MiB of device memory more after every train step (a leak:
-                     the run's memory plan audit must report the phases that drift from the plan)
-- ``host_leak_mb=N`` every train step keeps N MiB of host memory more (a host leak: the report's
-                     ``host_growth`` finding must see it)
-- ``reward_nan``     the first completion of every RL step gets a NaN reward (as a broken reward
-                     function would give): its group's advantages, then the loss, are NaN
-- ``hang=PHASE``     the phase named PHASE sleeps until interrupted (the watchdog's test)
-- ``hang_deaf=PHASE`` the same, but every interruption is swallowed: a hang in C code that never
-                     returns to Python (only the watchdog's hard exit ends it)
+- ``leak_mb=N``      the trainer keeps N MiB more device memory per train step (the plan audit)
+- ``host_leak_mb=N`` every train step keeps N MiB more host memory (the ``host_growth`` finding)
+- ``reward_nan``     each step's first completion gets a NaN reward (the non-finite loss guard)
+- ``hang=PHASE``     phase PHASE sleeps until interrupted (the watchdog)
+- ``hang_deaf=PHASE`` the same, swallowing every interruption (the watchdog's hard exit)
 - ``checkpoint_fails:<task>:<step>``  a multi-task run's checkpoint of one task at one step fails
 """
 
@@ -38,9 +33,7 @@ def _faults() -> list[str]:
 
 @contextlib.contextmanager
 def suspended() -> Iterator[None]:
-    """No fault fires on this thread inside: the memory planner traces the run's real trainer step
-    on fake tensors before start-up, and a fault meant for the run (``train_oom``, ``leak_mb``)
-    must not fire in that trace."""
+    """No fault fires on this thread inside, e.g. while the memory planner traces the trainer step."""
     _off.depth = getattr(_off, "depth", 0) + 1
     try:
         yield

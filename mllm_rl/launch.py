@@ -1,28 +1,17 @@
 """``python -m mllm_rl.launch --nproc N -- <arguments of python -m mllm_rl.run>``: N processes of one
 run on this machine (CPU tests, one multi-GPU node).
 
-Each process gets the environment a multi-process run reads, for both backends: JAX's
-(``MLLM_RL_COORDINATOR``, ``MLLM_RL_NUM_PROCESSES``, ``MLLM_RL_PROCESS_ID``:
-``mllm_rl.backends.jax.distributed``) and torchrun's (``MASTER_ADDR``, ``MASTER_PORT``,
-``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``). Their output is streamed line by
-line with a ``[p<i>]`` prefix. When one process fails, the others are sent SIGTERM (their runs close
-their logs and exit 143), then SIGKILL after ``--grace-s``; the launcher exits with the first
-failure's code (0 when every process exits 0). SIGTERM or SIGINT to the launcher goes to every
-process the same way, and the launcher exits 128 + the signal (143 for SIGTERM).
+Each process gets the environment of a multi-process run for both backends (JAX's
+MLLM_RL_COORDINATOR/NUM_PROCESSES/PROCESS_ID, torchrun's MASTER_ADDR/PORT, WORLD_SIZE, RANK,
+LOCAL_RANK, LOCAL_WORLD_SIZE) and OMP_NUM_THREADS = cores // N unless set. Output is prefixed
+[p<i>]. When one process fails the others get SIGTERM, then SIGKILL after --grace-s; the
+launcher exits with the first failure's code (128 + the signal when it is itself signalled).
+The run's flags are checked once before any process starts (exit 2); --backend jax without --tp
+gets --tp = N x the devices of a process. Multi-host TPU: tpu/tpu.sh; GPU node: torchrun.
 
-With the default ``--module mllm_rl.run`` the run's flags are checked once, by the run's own parser,
-before any process starts: a mistake is one line and exit 2. Processes that all refuse their input
-(exit 2) print that line once; an ``error:`` line that several processes print alike is shown once.
-``--backend jax`` without ``--tp`` gets ``--tp`` = N times the devices of a process (one fake CPU
-device each, or ``xla_force_host_platform_device_count`` of ``XLA_FLAGS``): the engine's mesh spans
-every process's devices, so ``--tp 1`` cannot run on several processes. On a multi-host TPU slice use ``tpu/tpu.sh`` (one process per worker); on a
-GPU node ``torchrun --nproc-per-node N -m mllm_rl.run ...`` sets the same torch variables.
-
-CPU threads: N processes on one machine share its cores. Unless ``OMP_NUM_THREADS`` is set, each
-process gets ``OMP_NUM_THREADS`` = cores // N (at least 1; ``threads_per_process``), as torchrun
-sets 1: N processes each running as many OpenMP threads as there are cores oversubscribe them,
-and OpenMP's spinning barriers then stall a step many times over (torch on CPU).
-"""
+OMP_NUM_THREADS is limited because N processes each spinning as many OpenMP threads as there are
+cores stall a torch CPU step many times over (torchrun sets 1). sglang-jax's engine ports are
+derived from the coordinator's (``coordinator_port``)."""
 
 from __future__ import annotations
 
@@ -109,8 +98,7 @@ def _pump(stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock, erro
 
 
 def devices_per_process(env: dict[str, str] | os._Environ[str] = os.environ) -> int:
-    """The (fake CPU) devices each JAX process has: ``XLA_FLAGS``' forced count, else 1 (what
-    the JAX backend gives a process of a launched run, ``--tp`` // N)."""
+    """The (fake CPU) devices each JAX process has: ``XLA_FLAGS``' forced count, else 1."""
     for flag in env.get("XLA_FLAGS", "").split():
         name, _, value = flag.partition("=")
         if name == "--xla_force_host_platform_device_count" and value.isdigit() and int(value) > 0:
@@ -119,9 +107,8 @@ def devices_per_process(env: dict[str, str] | os._Environ[str] = os.environ) -> 
 
 
 def check_run_args(rest: list[str], nproc: int) -> list[str]:
-    """``rest`` checked by ``python -m mllm_rl.run``'s own parser (a mistake: its one line, exit 2,
-    before any process starts), with ``--tp`` added for a JAX run of several processes that does
-    not give it (``devices_per_process``)."""
+    """``rest`` checked by the run's own parser (exit 2 on a mistake), with ``--tp`` added for a
+    multi-process JAX run that does not give it: the engine's mesh spans every process's devices."""
     from mllm_rl.run import check_mode, parse_args
 
     args, given = parse_args(rest)  # exits 2 with the run's one line

@@ -1,27 +1,13 @@
-"""The colocated step: one place for the whole memory lifecycle (docs/DESIGN.md, "The lifecycle").
+"""The colocated step: a trainer and a rollout engine take turns on the same devices (docs/DESIGN.md).
 
-A trainer and a rollout engine take turns on the same devices. The order of the phases is the
-phase table's (``mllm_rl.phase_table``: a step of each schedule, the setup, the leased groups);
-``Colocated`` runs those sequences, one handler per phase name (``Colocated.HANDLERS``), and
-backends implement only primitives (``EnginePrimitives`` behind ``ManagedEngine``, ``Trainer``,
-``Backend.empty_cache``).
-
-Checked at every phase boundary (``LifecycleError`` otherwise): trainer params and engine
-weights are never both resident outside the phases that need them (the update); the update's
-engine fingerprint equals the trainer's (an update that did nothing fails loudly); a partial
-(LoRA) update is only sent to valid base weights — after a resume without CPU backup the full
-weights go instead. A step whose loss or grad norm is not finite stops in ``train_step``
-(``NonFiniteTraining``), before the checkpoint and the update.
-
-The garbage guard (``check_weights``): right after ``train_step`` (or, in a rollout lease, right
-after the params come back) the trainer decodes a fixed probe greedily; after the update the
-engine decodes the same probe; the tokens must agree wherever the trainer's top-2 margin is not a
-near tie.
-
-Leased groups (several tasks on the same devices, ``docs/MULTITASK.md``): between leases a task
-holds nothing on the devices (``check_asleep``); the weight update is part of the rollout lease,
-so a task never needs the lease twice to make its engine usable.
-"""
+``Colocated`` runs the phase table's sequences (``mllm_rl.phase_table``), one handler per phase
+(``Colocated.HANDLERS``); backends implement only primitives (``ManagedEngine``, ``Trainer``).
+Checked at every phase end (``LifecycleError``): trainer params and engine weights are both
+resident only where ``BOTH_RESIDENT_OK``; a weight update's engine fingerprint equals the
+trainer's; a partial (LoRA) update goes only onto valid base weights. A non-finite loss or grad
+norm stops ``train_step`` before the checkpoint and the update. ``check_weights``: the engine's
+greedy probe must match the trainer's except at near ties. Between leases a task holds nothing
+on the devices (``check_asleep``, docs/MULTITASK.md)."""
 
 from __future__ import annotations
 
@@ -50,8 +36,7 @@ from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, Trainer
 if TYPE_CHECKING:
     from mllm_rl.backend import Backend
 
-# The phase names and sequences are declared once, in the phase table (mllm_rl.phase_table);
-# these are its public views (lists, as the plans and the report concatenate them).
+# Views of the phase table as lists (the plans and the report concatenate them).
 SCHEDULES = phase_table.SCHEDULES
 STEP_PHASES = {s: list(phase_table.STEP[s]) for s in SCHEDULES}
 SETUP_PHASES = list(phase_table.SETUP)
@@ -94,9 +79,8 @@ class LifecycleOptions:
     probe_ids: tuple[int, ...] = ()  # garbage-guard prompt (token ids)
     probe_tokens: int = 8
     drain_timeout_s: float = 120.0
-    # The PPO ratio's old log-probs: recomputed by the trainer at the start of ``train_step``
-    # (verl's default) or the engine's (``mllm_rl.rl.old_logp``); ``tis_cap`` > 0: truncated
-    # importance sampling of the engine/trainer mismatch (needs ``old_logp="trainer"``).
+    # PPO old log-probs from the trainer (verl's default) or the engine (mllm_rl.rl.old_logp);
+    # tis_cap > 0: truncated importance sampling of the mismatch (needs old_logp="trainer").
     old_logp: str = opt("old_logp")
     tis_cap: float = opt("tis_cap")
 
@@ -121,8 +105,7 @@ def rollout_lease_phases(opts: LifecycleOptions, work: str = "rollout") -> list[
 
 
 RolloutFn = Callable[[ManagedEngine, int], tuple[RolloutBatch, dict[str, Any]]]
-# The ``checkpoint`` phase's work at a step; returns the phase's info (``saved``, ``path``, ...:
-# ``mllm_rl.checkpoint.writer.Checkpointer``).
+# The checkpoint phase's work; returns its info (mllm_rl.checkpoint.writer.Checkpointer).
 SaveFn = Callable[[int], dict[str, Any]]
 
 
@@ -134,12 +117,9 @@ def colocate(
     make_trainer: Callable[[], tuple[Trainer, dict[str, Any]]],
     **trainer_info: Any,
 ) -> Colocated:
-    """A trainer and ``engine`` (just started, dummy weights) on the same devices: the setup's
-    phases up to ``trainer_init`` (``phase_table.BUILD``): the engine drains and releases
-    everything, then ``make_trainer() -> (trainer, info)`` builds the trainer (``trainer_info``
-    goes into the record), so the engine's weights and KV cache are never resident together with a
-    whole new trainer. What comes next is ``first_sync`` (one task) or ``park`` (a task of a
-    multi-task run)."""
+    """Setup up to ``trainer_init`` (``phase_table.BUILD``): ``engine`` (dummy weights) releases
+    everything before ``make_trainer() -> (trainer, info)`` runs, so the engine's memory is never
+    resident beside a new trainer. Next comes ``first_sync`` (one task) or ``park`` (multi-task)."""
     _require_probe(opts)
     trainer: Trainer | None = None
     for name in phase_table.BUILD:
@@ -163,9 +143,8 @@ def release_on_fault(
     opts: LifecycleOptions,
     step: int | None,
 ) -> dict[str, Any]:
-    """Free whatever a failed task still holds on the devices (phase ``release_on_fault``): the
-    engine's resident tags (drained first) and the trainer's resident state, when there is a
-    trainer yet (a failure inside ``colocate`` leaves none)."""
+    """Phase ``release_on_fault``: free what a failed task still holds on the devices (the engine
+    drained first; ``trainer`` is ``None`` after a failure inside ``colocate``)."""
     with _CheckedPhase(rec, engine, trainer, "release_on_fault", step, {}) as ph:
         held: dict[str, int] = {}
         keep = [t for t in release_tags(engine) if t not in engine.released]
@@ -186,8 +165,8 @@ def _require_probe(opts: LifecycleOptions) -> None:
 
 
 def _release_body(info: dict[str, Any], engine: ManagedEngine, drain_timeout_s: float | None) -> None:
-    """Phase ``release_rollout``'s work: every releasable tag of ``engine`` (drained first when
-    given ``drain_timeout_s``: at setup, where no ``drain`` phase comes before it)."""
+    """Phase ``release_rollout``: release every releasable tag (drained first when given
+    ``drain_timeout_s``: at setup, where no ``drain`` phase precedes it)."""
     tags = release_tags(engine)
     info["tags"] = tags
     if drain_timeout_s is not None:
@@ -202,8 +181,7 @@ def release_tags(engine: ManagedEngine) -> list[str]:
 
 
 def _memory_names(engine: ManagedEngine, held: dict[str, int]) -> dict[str, int]:
-    """``held`` keyed by the engine's own memory tag names (``<task>/weights`` when the engine
-    belongs to a task: whose bytes moved is in the record)."""
+    """``held`` keyed by the engine's memory tag names (``<task>/weights`` in a multi-task run)."""
     return {engine.memory_tag(t): b for t, b in held.items()}
 
 
@@ -212,14 +190,11 @@ WorkFn = Callable[[ManagedEngine, int | None], tuple[Any, dict[str, Any]]]
 
 @dataclasses.dataclass
 class Turn:
-    """What the phases of one sequence share (a step, the rest of the setup, a lease).
+    """What the phases of one sequence (a step, setup, a lease) share.
 
-    ``work``: the rollout's (or ``generate_result``'s) ``work(engine, step) -> (out, metrics)``;
-    ``batch``: its ``out`` (a step's ``RolloutBatch``, what ``train_step`` trains on; a train
-    lease is given it); ``metrics``: the work's and the train step's metrics; ``step_probes``:
-    with ``check_weights``, the engine's probe is recorded at the start of ``rollout`` and the
-    trainer's taken at the end of ``train_step`` (a step; a lease takes the trainer's when the
-    params come back)."""
+    ``work(engine, step) -> (batch, metrics)`` runs in ``rollout``/``generate_result``; ``batch``
+    is what ``train_step`` trains on; ``step_probes``: take the garbage-guard probes in
+    ``rollout`` and ``train_step`` (a lease takes the trainer's when the params come back)."""
 
     step: int | None
     work: WorkFn | None = None
@@ -230,10 +205,8 @@ class Turn:
 
 
 class Colocated:
-    """A trainer and a rollout engine taking turns on the same devices (``colocate`` builds it).
-
-    Each public method runs one of the phase table's sequences; ``HANDLERS`` maps every phase
-    name in them to the method that does that phase's work inside its checked record."""
+    """A trainer and a rollout engine taking turns on the same devices (built by ``colocate``).
+    Each public method runs one phase-table sequence; ``HANDLERS`` maps phase name -> work."""
 
     def __init__(
         self,
@@ -260,50 +233,43 @@ class Colocated:
 
     # -- the sequences ---------------------------------------------------------------------
     def first_sync(self) -> None:
-        """The rest of a run's setup (``phase_table.FIRST_SYNC``, step ``None``): the optimizer
-        state goes to the host, the trainer's weights stream in (``weights_swapped``: full,
-        fingerprint-checked), the trainer's params go too, the KV cache comes back."""
+        """Rest of the setup (``phase_table.FIRST_SYNC``): optimizer to host, full weight sync,
+        params to host, KV cache back."""
         self._run(phase_table.FIRST_SYNC, Turn(None))
 
     def step(self, step: int, rollout: RolloutFn, save: SaveFn | None = None) -> dict[str, Any]:
-        """One colocated step (``phase_table.step_sequence``); returns its metrics (rollout +
-        train)."""
+        """One colocated step (``phase_table.step_sequence``); returns rollout + train metrics."""
         o = self.opts
         turn = Turn(step, work=rollout, save=save, step_probes=True)
         return self._run(phase_table.step_sequence(o.schedule, o.check_weights), turn).metrics
 
     def park(self) -> None:
-        """A task's start-up inside its setup lease (``phase_table.PARK``, step ``None``): the
-        trainer goes to the host, so the task holds nothing on the devices. No first sync here:
-        the first ``rollout_lease`` sends the full weights (the engine's are dummy until then)."""
+        """A task's setup lease (``phase_table.PARK``): the trainer goes to the host. The first
+        ``rollout_lease`` sends the full weights (the engine's are dummy until then)."""
         self._run(phase_table.PARK, Turn(None))
 
     def rollout_lease(
         self, step: int | None, work: WorkFn, name: str = "rollout"
     ) -> tuple[Any, dict[str, Any]]:
-        """Rollout + weight update under one lease (``phase_table.rollout_lease_sequence``): the
-        trainer's params come on only to stream the update (partial only onto valid base weights,
-        fingerprint-checked), the engine wakes, ``work(engine, step)`` runs in phase ``name``
-        (``rollout`` -> ``(batch, metrics)``), and the engine releases everything again."""
+        """Weight update + ``work(engine, step)`` (in phase ``name``) under one lease
+        (``phase_table.rollout_lease_sequence``); the engine releases everything again after."""
         turn = self._run(
             phase_table.rollout_lease_sequence(self.opts.check_weights, name), Turn(step, work=work)
         )
         return turn.batch, turn.metrics
 
     def train_lease(self, step: int, batch: RolloutBatch, save: SaveFn | None = None) -> dict[str, Any]:
-        """Train under one lease (``phase_table.TRAIN_LEASE``), the engine released throughout;
-        returns the train metrics (the garbage-guard probe is taken in ``rollout_lease``)."""
+        """Train under one lease (``phase_table.TRAIN_LEASE``), the engine released; returns the
+        train metrics."""
         return self._run(phase_table.TRAIN_LEASE, Turn(step, save=save, batch=batch)).metrics
 
     def final_lease(self, evaluate: Callable[[ManagedEngine], dict[str, Any]]) -> dict[str, Any]:
-        """The last weights into the engine and ``generate_result`` (step ``None``), then
-        everything released: ``rollout_lease`` with ``evaluate`` as its work."""
+        """``rollout_lease`` with ``evaluate`` as its work, in phase ``generate_result``."""
         _, info = self.rollout_lease(None, lambda engine, step: (None, evaluate(engine)), "generate_result")
         return info
 
     def check_asleep(self) -> None:
-        """Between leases a task holds nothing on the devices: every releasable engine tag is
-        released and no trainer state is resident (``LifecycleError`` otherwise)."""
+        """``LifecycleError`` unless the task holds nothing on the devices (between leases)."""
         held = [t for t in self.release_tags if t not in self.engine.released]
         resident = [k for k, v in self.trainer.resident().items() if v]
         if held or resident:
@@ -313,8 +279,7 @@ class Colocated:
             )
 
     def release_on_fault(self, step: int | None) -> dict[str, Any]:
-        """After a failure inside a lease: free whatever this task still holds (phase
-        ``release_on_fault``), so the other tasks can go on."""
+        """After a failure inside a lease: free what this task holds so other tasks can go on."""
         return release_on_fault(self.backend, self.engine, self.trainer, self.rec, self.opts, step)
 
     # -- one handler per phase: (self, the record's info, the turn) ---------------------------
@@ -343,8 +308,7 @@ class Colocated:
             self._expected_probe = self.trainer.greedy(list(self.opts.probe_ids), self.opts.probe_tokens)
 
     def _train_step(self, info: dict[str, Any], turn: Turn) -> None:
-        """Old log-probs (trainer source), the update; a non-finite loss or grad norm stops here
-        (``NonFiniteTraining``), before the checkpoint."""
+        """Old log-probs (trainer source), then the update; ``NonFiniteTraining`` stops here."""
         batch = turn.batch
         assert batch is not None, "train_step needs the turn's batch"
         info["batch"] = batch.size
@@ -421,12 +385,9 @@ class Colocated:
 
     # -- pieces --------------------------------------------------------------------------
     def _update(self, full: bool | None) -> dict[str, Any]:
-        """Stream the trainer's weights into the engine and prove they landed.
-
-        ``full=None``: partial (only what training changes) when the trainer supports it
-        *and* the engine's base weights are valid; full otherwise (after a resume without
-        CPU backup, a partial sync would leave the rest undefined: the LoRA garbage bug).
-        """
+        """Stream the trainer's weights into the engine, fingerprint-checked. ``full=None``:
+        partial only when the engine's base weights are valid (after a resume without CPU backup
+        a partial sync would leave the base weights undefined)."""
         if full is None:
             full = not self.engine.weights_valid
         export = self.trainer.export_weights(full=full)
@@ -446,9 +407,8 @@ class Colocated:
         self.rec.sample_high_point(nbytes)
 
     def _engine_probe(self) -> list[int]:
-        """Greedy probe from an empty prefix cache, alone in its batch: with the same weights
-        it is bitwise reproducible (a prefix reused from other requests is computed in another
-        batch layout, and a near-tie token can flip)."""
+        """Greedy probe from an empty prefix cache, alone in its batch, so it is bitwise
+        reproducible (a reused prefix has another batch layout and a near tie can flip)."""
         self.engine.flush_cache()
         sampling = SamplingParams(max_new_tokens=self.opts.probe_tokens, temperature=0.0)
         return self.engine.generate([list(self.opts.probe_ids)], sampling)[0].token_ids
@@ -470,8 +430,8 @@ class Colocated:
 
 
 def check_residency(engine: ManagedEngine, trainer: Trainer | None, phase: str) -> None:
-    """Trainer params and engine weights are both resident only at the end of the phases that
-    need them (``BOTH_RESIDENT_OK``); ``LifecycleError`` otherwise."""
+    """``LifecycleError`` when trainer params and engine weights are both resident at the end of
+    a phase outside ``BOTH_RESIDENT_OK``."""
     if trainer is None:
         return
     both = trainer.resident()[PARAMS] and TAG_WEIGHTS not in engine.released
@@ -483,8 +443,8 @@ def check_residency(engine: ManagedEngine, trainer: Trainer | None, phase: str) 
 
 
 class _CheckedPhase:
-    """``rec.phase`` plus the engine/trainer state and the residency invariant at its end
-    (``trainer`` is ``None`` only before ``trainer_init`` has built it)."""
+    """``rec.phase`` that records engine/trainer state and checks residency at its end
+    (``trainer`` is ``None`` before ``trainer_init``)."""
 
     def __init__(
         self,

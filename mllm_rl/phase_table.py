@@ -1,23 +1,11 @@
 """The phase table: every phase of the colocated lifecycle, declared once (docs/DESIGN.md, "The lifecycle").
 
-One ``Phase`` per phase name that ``mllm_rl.lifecycle`` records: the components resident on
-every device *during* it (the naive schedule's row where it differs), the compiled functions
-that run in it, what it drops at its end, and whether trainer params and engine weights may
-both be resident at its end. Then the ordered phase sequences (a step of each schedule, the
-run's setup, and the leased groups of a multi-task run), declared here once.
-
-What reads it:
-
-- ``mllm_rl.lifecycle``: ``Colocated`` runs these sequences (one handler per phase name), and
-  ``BOTH_RESIDENT_OK`` is its residency check at the end of every phase;
-- ``mllm_rl.memplan.residency``: the memory plan's rows (``phase_rows``, ``end_state``);
-- ``mllm_rl.phases.watchdog``: the phases with the full time limit (``HEAVY``).
-
-``tests/core/test_phase_table.py`` checks that every phase of every sequence has a handler and
-residency rows, and that a run records exactly the sequences declared here.
-
-Pure Python (no numpy/jax/torch): the memory planner imports it before it sets up a compiler.
-"""
+One ``Phase`` per recorded phase name (what is resident during it, the compiled functions it
+runs, what it drops, whether params and weights may both be resident at its end), then the
+ordered sequences (a step of each schedule, the setup, the leased groups). Read by
+``mllm_rl.lifecycle`` (handlers, ``BOTH_RESIDENT_OK``), ``mllm_rl.memplan.residency`` (plan rows)
+and ``mllm_rl.phases.watchdog`` (``HEAVY``). Pure Python: the memory planner imports it before
+it sets up a compiler."""
 
 from __future__ import annotations
 
@@ -66,16 +54,10 @@ _TRAIN = ("trainer_params", "optimizer")
 class Phase:
     """One phase of the lifecycle.
 
-    ``resident``: the components whose bytes are on the device at some point *during* the phase
-    (for a transition such as ``offload_optimizer`` the bytes being moved are still there until
-    the phase ends, so both sides count); ``naive``: the naive schedule's row where it differs;
-    ``inherit``: instead of a row, the phase holds what the phase before it left
-    (``INHERIT_END``) or held (``INHERIT_DURING``) — its residency depends on where it runs.
-    ``functions``: the compiled functions that run in it. ``drops``: what is gone when it ends.
-    ``both_resident_ok``: trainer params and engine weights may both be resident at its end
-    (``lifecycle.check_residency``). ``schedules``: the schedules whose rows include it.
-    ``heavy``: it computes or moves a whole model (the watchdog's full limit, not a fraction).
-    """
+    ``resident``: components on the device at some point *during* it (a transition counts both
+    sides); ``naive``: the naive schedule's row where it differs; ``inherit``: hold what the phase
+    before left (``INHERIT_END``) or held (``INHERIT_DURING``) instead of a row. ``drops``: gone at
+    its end. ``heavy``: computes or moves a whole model (the watchdog's full limit)."""
 
     name: str
     doc: str
@@ -272,9 +254,7 @@ STEP: dict[str, tuple[str, ...]] = {
         "continue_generation",
     ),
 }
-# The start of every setup (colocate): the engine's dummy weights and KV cache go, then the trainer
-# is built; a one-task run's setup goes on with FIRST_SYNC (step None), a task of a multi-task run's
-# setup lease with PARK (it ends holding nothing on the devices).
+# Every setup starts with BUILD (colocate), then FIRST_SYNC (one task) or PARK (a multi-task lease).
 BUILD = ("release_rollout", "trainer_init")
 FIRST_SYNC = (
     "offload_optimizer",
@@ -325,10 +305,8 @@ def rollout_lease_sequence(check_weights: bool = False, work: str = "rollout") -
 
 
 class Sequence(NamedTuple):
-    """A phase sequence as it runs: its phases, the schedule whose residency rows it takes, and
-    ``step``: ``STEP_ALWAYS`` counts in each phase (it may run after a generate, and nothing frees
-    that; a task holds it between leases too, ``Colocated.check_asleep`` checks only release tags
-    and trainer state)."""
+    """A phase sequence as it runs: its phases, the schedule whose rows it takes, and ``step``:
+    count ``STEP_ALWAYS`` in each phase (nothing frees it after a generate, even between leases)."""
 
     phases: tuple[str, ...]
     schedule: str

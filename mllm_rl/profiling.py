@@ -1,17 +1,10 @@
 """``--profile STEPS``: a framework profiler's trace of chosen RL steps, in the run directory.
 
-The core decides when (``Profiled``: the named steps, each traced from its first phase to its
-``evaluate``), the backend how (``Backend.profiler``, a ``StepProfiler``): JAX writes a
-``jax.profiler`` trace (``.xplane.pb`` for XProf / TensorBoard, ``.trace.json.gz``), torch a
-``torch.profiler`` Chrome trace (JSON; Perfetto and ``chrome://tracing`` open it). While a step is
-traced every lifecycle phase is a named range in it (``StepProfiler.annotate``; the phase records'
-names), so the trace lines up with ``trace.json`` (the run's phase trace).
-
-Files: ``RUN_DIR/profile/step_<n>/`` (``.p<i>`` in the names of process i > 0) and
-``RUN_DIR/profile/index.json``: ``{"backend", "steps": {n: [files]}, "open": how to open them}``.
-Tracing costs time inside the traced steps (their phase times are not comparable with the others');
-writing the trace happens after the step, outside every phase.
-"""
+The core decides when (``Profiled``: each named step, first phase to ``evaluate``), the backend
+how (``Backend.profiler``: JAX ``jax.profiler`` xplane/trace.json.gz, torch ``torch.profiler``
+Chrome JSON). Each lifecycle phase is a named range in the trace, so it lines up with the run's
+``trace.json``. Files: ``RUN_DIR/profile/step_<n>/`` (``.p<i>`` for process i > 0) and
+``profile/index.json``. Traced steps run slower; the trace is written after the step's phases."""
 
 from __future__ import annotations
 

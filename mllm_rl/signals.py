@@ -18,11 +18,8 @@ PROCESS_COUNT_VARS = ("MLLM_RL_NUM_PROCESSES", "WORLD_SIZE")  # python -m mllm_r
 
 
 class Terminated(SystemExit):
-    """Raised in the main thread by the SIGTERM handler so ``finally`` blocks run.
-
-    A ``SystemExit``: event loops (the engine's asyncio loop) swallow other exceptions
-    raised in their callbacks but let this one through.
-    """
+    """Raised in the main thread on SIGTERM so ``finally`` blocks run. A ``SystemExit``: event
+    loops (the engine's asyncio loop) swallow other exceptions raised in their callbacks."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(128 + signum)
@@ -44,18 +41,12 @@ def install_sigterm(bound_s: float = TERM_BOUND_S) -> None:
     """Turn SIGTERM into ``Terminated`` in the main thread, whoever loads later; in a run of
     several processes, end the process (exit 143) if it is still running ``bound_s`` later.
 
-    jaxlib's absl failure handler takes SIGTERM over (lazily, when XLA starts) and aborts
-    the process (exit -6) with the W&B run unfinished. So SIGTERM is blocked in this thread
-    before any other thread exists (threads inherit the mask, XLA's included), a waiter
-    thread takes it with ``sigwait`` and raises it in the main thread through Python's own
-    handler table, which no C library touches.
+    jaxlib's absl failure handler takes SIGTERM over when XLA starts and aborts (exit -6), so
+    SIGTERM is blocked here before any other thread exists (threads inherit the mask) and a
+    waiter thread ``sigwait``s it and raises through Python's own handler table.
 
-    The bound: every process of the run gets SIGTERM at once, and one may be inside a collective
-    (a C call, so ``Terminated`` waits for it to return) that another, already in its ``finally``,
-    never joins, while that one waits in the barrier of its shutdown for the first: each waits
-    for the other until the collective's timeout. Ending the process that is still there breaks
-    the wait (the other's collective fails on the closed connection and it ends as well).
-    """
+    The bound: one process may be stuck in a collective (a C call) that another, already in its
+    ``finally``, never joins, each waiting for the other; ending the survivor breaks the wait."""
 
     def on_term(signum: int, frame: Any) -> None:
         raise Terminated(signum)

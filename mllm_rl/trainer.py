@@ -1,19 +1,11 @@
 """The trainer contract (docs/DESIGN.md, "Contracts"), backend-neutral.
 
-A backend's trainer holds the policy (and its optimizer state) and implements the
-primitives the colocated lifecycle (``mllm_rl.lifecycle``) drives:
-
-- ``train_step(batch)``: one RL step on a ``RolloutBatch`` (``mini_batches`` optimizer
-  updates, each accumulating gradients over micro-batches exactly);
-- ``offload(what)`` / ``onload(what)`` for ``"params"`` and ``"optimizer"`` (JAX: the
-  ``pinned_host`` memory kind; torch: pinned CPU);
-- ``export_weights(full)``: a ``WeightExport`` of HF-named tensors, streamed (full: every
-  weight; partial: only what training changed, e.g. LoRA-merged linear layers);
-- ``weights_fingerprint(names)``: (sum, sumsq) of what ``export_weights`` would send;
-- ``save(dir)`` / ``restore(dir)``: params + optimizer state;
-- ``snapshot()``: that state copied into host memory, for a background write
-  (``mllm_rl.checkpoint.writer``), or ``None`` when the trainer saves only in place.
-"""
+A backend's trainer holds the policy and its optimizer state and implements what
+``mllm_rl.lifecycle`` drives: ``train_step`` (``mini_batches`` updates, exact gradient
+accumulation over micro-batches), ``offload``/``onload`` of params and optimizer (JAX
+``pinned_host``, torch pinned CPU), ``export_weights`` (HF-named, streamed; partial: only what
+training changed), ``weights_fingerprint``, ``save``/``restore`` and ``snapshot`` (a host copy
+for a background write, or ``None``)."""
 
 from __future__ import annotations
 
@@ -49,16 +41,13 @@ class TrainConfig:
     lora_rank: int = opt("lora_rank")  # > 0: train LoRA adapters on every linear layer, base frozen
     lora_alpha: float = opt("lora_alpha")
     seed: int = opt("seed")
-    # The rollout's sampling temperature: every log-prob the trainer computes (new, reference,
-    # recomputed old) is of softmax(logits / temperature), the distribution the engine sampled.
+    # Every trainer log-prob is of softmax(logits / temperature), the distribution the engine sampled.
     temperature: float = opt("temperature", given=True)
-    # mixed: a 16-bit checkpoint trains float32 master params with float32 AdamW moments and
-    # computes in the checkpoint's dtype (the engine gets casts of the masters); pure: params
-    # and moments in the checkpoint's dtype (half the state; steps below half an ulp are lost).
+    # mixed: float32 master params and AdamW moments, compute in the checkpoint's dtype; pure: all
+    # in the checkpoint's dtype (half the state; updates below half an ulp are lost).
     precision: str = opt("precision")
-    # The backend's model options by name (JAX: ``ModelOptions`` fields such as remat, scan_layers,
-    # opt_dtype; torch: ``TorchModelOptions``, remat; the run's --model-option, the plan's too) and
-    # the trainer's tensor-parallel size.
+    # The backend's model options by name (JAX ``ModelOptions``, torch ``TorchModelOptions``) and the
+    # trainer's tensor-parallel size.
     model_options: tuple[tuple[str, Any], ...] = ()
     trainer_tp: int = opt("trainer_tp")
     # How the trainer's state is sharded (JAX: the mesh's fsdp axis; torch: FSDP2 over the
@@ -99,12 +88,8 @@ TRAIN_METRICS = (
 def train_metrics(
     loss_sum: float, n_parts: int, grad_norms: list[float], totals: dict[str, float], seconds: float
 ) -> dict[str, float]:
-    """The metrics every ``Trainer.train_step`` returns (``TRAIN_METRICS``), from its sums.
-
-    ``totals`` holds token-summed ``clip_frac``, ``clip_frac_dual``, ``kl``, ``ratio_mean``, ``entropy_proxy`` and the
-    valid-token count ``tokens`` over the step; each is reported as a per-token mean.
-    ``loss_sum`` is the sum of the ``n_parts`` micro-batch losses; ``grad_norms`` one per update.
-    """
+    """``TRAIN_METRICS`` from a step's sums: ``totals`` are token sums (and ``tokens``), reported
+    as per-token means; ``loss_sum`` over ``n_parts`` micro-batches; one grad norm per update."""
     n = max(totals.get("tokens", 0.0), 1.0)
     return {
         "loss": loss_sum / max(n_parts, 1),
@@ -174,9 +159,8 @@ class Trainer(Protocol):
         ...
 
     def snapshot(self) -> TrainerSnapshot | None:
-        """What ``save`` writes, copied into host memory now (both resident): later train steps,
-        offloads and onloads do not change it, so another thread may write it while the run goes
-        on. ``None``: this trainer saves only in place (the ``checkpoint`` phase calls ``save``)."""
+        """What ``save`` writes, copied to host memory now and unaffected by later steps, so another
+        thread may write it. ``None``: this trainer saves only in place."""
         ...
 
     def restore(self, path: Path) -> None:

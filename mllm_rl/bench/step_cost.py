@@ -1,19 +1,10 @@
 """Where the time of a colocated RL step goes, from a run's phase records.
 
-A step is the records with the same ``step`` (``mllm_rl.lifecycle.STEP_PHASES``: rollout, drain,
-release_rollout, onload_trainer, train_step, checkpoint, ...). Its wall time runs from the start
-of its first record to the end of its last; the time between records (the recorder's memory
-snapshots before and after each phase, and writing the record to every sink) is reported as
-``between_phases``. A phase name that occurs twice in a step (``empty_cache``) is kept apart as
-``empty_cache#2``, like ``scripts/bench_rl_memory.py`` does.
-
-Steps that count: complete (every phase the run expected, no phase with an error) and not the
-first step of an attempt (it compiles: XLA programs, kernels, allocator growth). A resumed run
-(``--resume``) starts a new attempt. Per phase: the median over the counted steps of its seconds
-and of its share of the step's wall time (so shares need not add up to exactly 1), and the bytes
-it moved (from the record's ``info``: ``bytes``, ``expected_alloc_bytes`` or
-``expected_freed_bytes``) with the rate that gives.
-"""
+A step is the records with one ``step``; its wall time runs from its first record's start to its
+last's end, and the gaps (snapshots, sink writes) are ``between_phases``. A repeated phase name is
+kept apart (``empty_cache#2``). Counted steps are complete, error-free and not an attempt's first
+(it compiles). Per phase: medians over counted steps of seconds and of step share (shares need
+not sum to 1), and the bytes it moved (``info`` ``bytes``/``expected_*_bytes``) with their rate."""
 
 from __future__ import annotations
 
@@ -110,11 +101,9 @@ def _median(xs: Sequence[float | None]) -> float | None:
 
 
 def other_share_at_cadence(use: Sequence[Step], every: int) -> float | None:
-    """The non-rollout, non-train share had each save's ``checkpoint`` seconds been spread over
-    ``every`` steps (a checkpoint every ``every`` steps, as ``mllm_rl.run`` saves by default), median
-    over ``use``: derived from steps that saved, ``None`` when none did, or when a save was written
-    in the background (its cost is then also in the phases it overlapped: not derivable; measure
-    the cadence itself and read ``other_share_total``)."""
+    """Median over ``use`` of the non-rollout, non-train share with each save's ``checkpoint``
+    seconds spread over ``every`` steps. ``None`` when no step saved, or a save was written in the
+    background (its cost overlaps other phases; measure the cadence and read ``other_share_total``)."""
     if any(s.info.get(CHECKPOINT, {}).get("background") for s in use):
         return None
     shares = []
@@ -188,8 +177,7 @@ def analyse(
 
 
 def _update_detail(use: Sequence[Step]) -> dict[str, Any] | None:
-    """``update_weights``: how much of the phase the engine's install took (``info.seconds``) and
-    how much went around it (the trainer's export and fingerprint, the engine's fingerprint)."""
+    """``update_weights``: the engine's install (``info.seconds``) vs the rest (export, fingerprints)."""
     recs = [
         (s.seconds["update_weights"], s.info["update_weights"]) for s in use if "update_weights" in s.seconds
     ]

@@ -1,27 +1,14 @@
 """Read a Hugging Face Qwen3 ``config.json`` the way transformers does, or refuse it.
 
-Every field ``Qwen3Config`` knows either gets transformers' own meaning (including its
-default when the key is missing) or, when it asks for something our models do not compute
-(RoPE scaling, sliding-window attention, biases, ...), a one-line ``ValueError`` naming the
-field. Nothing is silently ignored: a field we accept computes exactly what
-``Qwen3ForCausalLM`` computes.
-
-Two transformers generations write this file (both read in their source,
-``transformers/models/qwen3/configuration_qwen3.py`` and ``transformers/modeling_rope_utils.py``):
-
-- 4.x (4.57): top-level ``rope_theta`` (default 10000.0) and ``rope_scaling``; a
-  ``rope_parameters`` key is kept as an unknown attribute and never read.
-- 5.x (5.23): ``rope_parameters = {"rope_type", "rope_theta"}`` and no top-level
-  ``rope_theta``. Reading, the RoPE dict is ``rope_scaling or rope_parameters``; its
-  ``rope_theta`` wins, then the top-level ``rope_theta``, then ``default_theta`` = 10000.0.
-
-Where they disagree we follow 5.x: a ``rope_parameters`` base is only ever written by 5.x,
-which reads it back this way, so it is the writer's base; 4.x falls back to 10000 for such a
-file (that is why the sglang-jax adapter hands the engine our resolved numbers). A config
-whose two places name *different* bases is refused: the two versions would build two models.
-All other defaults are the same in both versions (``Qwen3Config.__init__`` of 4.57, the
-dataclass fields of 5.23); see ``QWEN3_DEFAULTS``.
-"""
+Every ``Qwen3Config`` field gets transformers' meaning and default, or, when it asks for what our
+models do not compute (RoPE scaling, sliding window, biases, ...), a one-line ``ValueError``
+naming it: nothing is silently ignored. Two generations write the file
+(``transformers/models/qwen3/configuration_qwen3.py``, ``transformers/modeling_rope_utils.py``):
+4.x has top-level ``rope_theta``/``rope_scaling``; 5.x has ``rope_parameters`` (its
+``rope_theta`` wins over the top level, then 10000). We follow 5.x, the only writer of a
+``rope_parameters`` base (4.x would fall back to 10000, so the sglang-jax adapter hands the
+engine our resolved numbers); a config naming two different bases is refused. Other defaults
+agree in 4.57 and 5.23 (``QWEN3_DEFAULTS``)."""
 
 from __future__ import annotations
 
@@ -44,9 +31,8 @@ QWEN3_DEFAULTS: dict[str, Any] = {
     "attention_dropout": 0.0,
     "use_sliding_window": False,
 }
-# The size fields are required although Qwen3Config has defaults for them (an 8B-like model):
-# a file without them does not describe its weights, and refusing can never compute a different
-# model than transformers would. ``num_key_value_heads: null`` means MHA, as in transformers.
+# Size fields are required although Qwen3Config has (8B-like) defaults: a file without them does
+# not describe its weights. ``num_key_value_heads: null`` means MHA, as in transformers.
 REQUIRED = (
     "vocab_size",
     "hidden_size",
@@ -55,8 +41,7 @@ REQUIRED = (
     "num_attention_heads",
     "num_key_value_heads",
 )
-# The checkpoint dtypes both backends' trainers and engines load (``torch_dtype`` / 5.x ``dtype``;
-# the safetensors dtypes F32, BF16, F16). Anything else (float8, float64, int8, "auto") is refused.
+# Checkpoint dtypes both backends load (``torch_dtype`` / 5.x ``dtype``); anything else is refused.
 DTYPES = ("float32", "bfloat16", "float16")
 SILU = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
 ROPE_KEYS = ("rope_scaling", "rope_parameters")
@@ -98,11 +83,8 @@ def read_json(file: Path, required: bool = True) -> Any:
 
 
 def parse_qwen3(cfg: Any, name: str = "checkpoint", fallback_eos: Any = None) -> ModelConfig:
-    """``config.json`` (parsed JSON) -> ``ModelConfig``; ``ValueError("field: why")`` otherwise.
-
-    ``fallback_eos``: ``eos_token_id`` of ``generation_config.json``, used when ``config.json``
-    has none (transformers' ``generate`` reads that file too).
-    """
+    """``config.json`` (parsed) -> ``ModelConfig``; ``ValueError("field: why")`` otherwise.
+    ``fallback_eos``: ``generation_config.json``'s ``eos_token_id`` (transformers reads it too)."""
     if not isinstance(cfg, dict):
         raise ValueError(f"expected a JSON object, got {_json_type(cfg)}")
     model_type = cfg.get("model_type")

@@ -27,11 +27,8 @@ _DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 def init_tensor(shape: tuple[int, ...], seed: int, index: int) -> np.ndarray:
-    """Deterministic random init of one tensor, float32, shape ``shape``.
-
-    Norm scales are ones; matrices are N(0, 1/fan_in) so activations keep unit scale
-    through the stack and logits are ~N(0, 1).
-    """
+    """Deterministic float32 init: norm scales ones, matrices N(0, 1/fan_in) so activations keep
+    unit scale and logits are ~N(0, 1)."""
     if len(shape) == 1:
         return np.ones(shape, np.float32)
     rng = np.random.default_rng([seed, index])
@@ -50,14 +47,11 @@ def make_checkpoint(
     show_progress: bool = True,
     force: bool = False,
 ) -> Path:
-    """Write ``config.json``, sharded safetensors + index, and the shipped tokenizer.
+    """Write ``config.json``, sharded safetensors + index and the shipped tokenizer into ``out``.
 
-    Writes into ``out`` (created). An existing non-empty ``out`` is refused (``ValueError``, one
-    line naming it) unless it holds the same checkpoint -- the same ``config.json``: architecture,
-    preset, dtype and seed (``mllm_rl_seed``), so the same weights: written again, identically --
-    or ``force`` is given and it holds another checkpoint, which is replaced. A directory that is
-    not a checkpoint (no ``config.json``) is always refused. Returns the directory.
-    """
+    A non-empty ``out`` is refused (one-line ``ValueError``) unless it holds the same checkpoint
+    (same ``config.json``: preset, dtype, seed, hence the same weights) or ``force`` replaces
+    another checkpoint; a non-checkpoint directory is always refused. Returns ``out``."""
     dtype = dtype or config.torch_dtype
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(_DTYPE_NAMES)}")
@@ -114,9 +108,8 @@ def make_checkpoint(
 
 
 def _check_out(out: Path, want: dict[str, Any], force: bool) -> None:
-    """``ValueError`` unless ``make_checkpoint`` may write into ``out`` (see its docstring): ``want``
-    is the ``config.json`` it would write. Checked before anything is written: a name too long, a
-    file on the way (``--out file/m``), a directory that cannot be written."""
+    """``ValueError`` unless ``make_checkpoint`` may write into ``out`` (``want``: the config it
+    would write), checked before anything is written."""
     check_names(out, "--out")
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out}: exists and is not a directory; choose another --out")

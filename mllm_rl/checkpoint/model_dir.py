@@ -1,19 +1,10 @@
 """A Hugging Face–format checkpoint directory: config, safetensors shards, tokenizer.
 
-``ModelDir.open(path)`` validates everything a rollout engine or trainer would trip
-over *before* any device memory is touched (a failing sglang-jax scheduler init kills
-the host process, so it must never see a bad directory):
-
-- ``config.json`` parses and describes a Qwen3 model;
-- the shard index (if any) names existing files, and every header is sound, with
-  each tensor's bytes inside its file (catches truncation);
-- exactly the expected tensor names are present, each with the expected shape and a
-  floating dtype;
-- tokenizer files exist and ``tokenizer.json`` parses;
-- every weight is finite (``check_values``; streamed, once per ``open``).
-
-Errors are ``CheckpointError`` with a one-line message naming the file and tensor.
-"""
+``ModelDir.open(path)`` validates, before any device memory is touched (a failing sglang-jax
+scheduler init kills the host process): a Qwen3 ``config.json``; a sound shard index and headers
+with every tensor inside its file (truncation); exactly the expected names, shapes and float
+dtypes; the tokenizer files; finite weights (``check_values``). Errors are one-line
+``CheckpointError``s naming file and tensor."""
 
 from __future__ import annotations
 
@@ -48,9 +39,8 @@ class ModelDir:
 
     @classmethod
     def open(cls, path: str | Path, check_tokenizer: bool = True, check_values: bool = True) -> ModelDir:
-        """Validate and open ``path``. ``check_values`` scans every weight for NaN/inf (reads
-        the whole checkpoint once, with a progress bar on a terminal); pass False only for a
-        checkpoint whose values were just written or already checked in this process."""
+        """Validate and open ``path``. ``check_values`` reads every weight for NaN/inf; pass False
+        only for values just written or already checked in this process."""
         path = Path(path).expanduser().resolve()
         if not path.is_dir():
             raise CheckpointError(f"{path}: not a directory")

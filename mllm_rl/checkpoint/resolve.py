@@ -26,11 +26,9 @@ def cache_dir() -> Path:
 
 
 def resolve_model(spec: str, seed: int = 0, dtype: str | None = None) -> ModelDir:
-    """Return an opened, validated checkpoint for a preset name, a local dir, or a hub id.
-
-    Presets are written once to ``cache_dir()/checkpoints/<preset>-<dtype>-s<seed>``; a hub
-    id is downloaded only when online (``HF_HUB_OFFLINE`` unset). Raises ``CheckpointError``.
-    """
+    """An opened, validated checkpoint for a preset (cached in
+    ``cache_dir()/checkpoints/<preset>-<dtype>-s<seed>``), a local dir, or a hub id (downloaded
+    unless ``HF_HUB_OFFLINE``). Raises ``CheckpointError``."""
     if spec in PRESETS:
         cfg = PRESETS[spec]
         dt = dtype or cfg.torch_dtype
@@ -106,7 +104,7 @@ class RLCheckpoint:
     step: int
     path: Path
     meta: dict[str, Any]
-    verified: bool  # False: written before manifests existed (sizes and checksums unknown)
+    verified: bool  # False: no manifest (sizes and checksums unknown)
 
 
 def verify_rl_checkpoint(ckpt: Path, expect: Mapping[str, Any] | None = None) -> RLCheckpoint:

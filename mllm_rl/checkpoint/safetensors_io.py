@@ -59,10 +59,8 @@ def write_file(
     metadata: dict[str, str] | None = None,
     on_bytes: Callable[[int], None] | None = None,
 ) -> None:
-    """Write ``(name, shape, dtype_name, make)`` entries; ``make()`` returns the array.
-
-    Arrays are produced and written one at a time, so peak host memory is one tensor.
-    """
+    """Write ``(name, shape, dtype_name, make)`` entries, calling ``make()`` one at a time so peak
+    host memory is one tensor."""
     entries = list(tensors)
     header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0

@@ -1,41 +1,15 @@
 """RL checkpoints on their cadence, written in the ``checkpoint`` phase or in the background.
 
-With ``background`` (``--checkpoint-background``), a trainer that can copy its state into host
-memory (``Trainer.snapshot()``: the torch trainer) has that copy written by one background thread
-while the run goes on, as asynchronous checkpointing does elsewhere
-(``torch.distributed.checkpoint.async_save``, orbax's ``AsyncCheckpointer``): the ``checkpoint``
-phase then costs the copy, not the write. Its price is host memory: the snapshot (the trainer's
-whole saved state) lives until its write ends. Off by default (docs/RL.md says why).
-
-What does not change: a checkpoint counts only once its ``meta.json`` (the manifest of every file,
-``resolve.write_meta``) is written, last, and the run records a checkpoint as saved only then:
-
-- written in the phase (the default, or a trainer without ``snapshot``): the step's
-  ``checkpoint`` phase says ``saved: true``;
-- written in the background: that phase says ``saved: false, background: true`` with its
-  ``path``; the write is recorded once it has ended, in ``info.written`` of a later
-  ``checkpoint`` phase or of the run's ``checkpoint_flush`` phase (which waits for it).
-
-One write at a time: a save that is due waits for the one before it (its phase time shows the
-wait). A background write that fails raises where it is collected, like a failed save in the
-phase. The newest ``keep`` checkpoints are kept.
-
-A write the operating system refuses (a full disk, a file-size limit, a lost permission: an
-``OSError`` from the trainer's ``save``, the snapshot's ``write`` or the manifest) is a runtime
-failure of the run, not bad input: it raises ``CheckpointWriteError`` (a ``RuntimeError``), one
-line naming the checkpoint, the file and the reason (``checkpoint step_000003: writing
-.../step_000003/state.pt: File too large``), after the unfinished checkpoint directory was removed.
-The older checkpoints are untouched (the newest ``keep`` are pruned only after a write that
-succeeded), so ``--resume`` continues from the newest of them. In the background, the error is
-raised on the main thread where the write is collected (the next due checkpoint, or the
-``checkpoint_flush`` phase).
-
-Several processes (a multi-process JAX run: every process writes its shards through orbax): process
-0 makes the checkpoint directory, every process writes, and process 0 writes the manifest and
-prunes once all have written (``Coordinator`` barriers between), so no process removes or lists
-what another is still writing. They share the run directory (one host, or a shared filesystem).
-Background writes are single-process.
-"""
+``background``: a trainer with ``Trainer.snapshot()`` has its host copy written by one thread
+while the run goes on (as ``torch.distributed.checkpoint.async_save`` / orbax's
+``AsyncCheckpointer`` do), at the price of host memory until the write ends (off by default,
+docs/RL.md). Either way a checkpoint counts only once its ``meta.json`` manifest is written,
+last; a background write is recorded in ``info.written`` of a later ``checkpoint`` phase or of
+``checkpoint_flush``. One write at a time. An ``OSError`` while writing raises a one-line
+``CheckpointWriteError`` after the unfinished directory is removed; older checkpoints are pruned
+only after a successful write, so ``--resume`` still works. Several processes (JAX/orbax shards):
+process 0 makes the directory, all write, process 0 writes the manifest and prunes, with
+``Coordinator`` barriers between; they must share the run directory."""
 
 from __future__ import annotations
 
@@ -53,9 +27,8 @@ from mllm_rl.coordination import Coordinator, LocalCoordinator
 
 
 def check_shared_dir(coord: Coordinator, run_dir: Path) -> None:
-    """Several processes checkpoint into one directory only if each sees the others' files (one
-    host, or a filesystem every host mounts): process 0 writes a file there, every process looks
-    for it; ``RuntimeError`` naming the processes that do not see it (on every process)."""
+    """``RuntimeError`` (on every process) naming the processes that do not see a file process 0
+    wrote into ``run_dir``: several processes checkpoint into one directory only if it is shared."""
     if coord.count == 1:
         return
     probe = Path(run_dir) / ".shared-by-processes"
@@ -73,10 +46,9 @@ def check_shared_dir(coord: Coordinator, run_dir: Path) -> None:
 
 
 class CheckpointWriteError(RuntimeError, OSError):
-    """An RL checkpoint could not be written (``OSError`` underneath: disk full, file too large,
-    permission lost). A ``RuntimeError`` (``python -m mllm_rl.run`` exits 1, not 2: the input was
-    fine) and still an ``OSError`` for code that catches those; ``str(e)`` is one line naming the
-    checkpoint, the file and the OS's reason. ``errno`` and ``path`` keep the details."""
+    """An RL checkpoint could not be written (disk full, file too large, permission lost). A
+    ``RuntimeError`` (exit 1: the input was fine) and an ``OSError``; ``str(e)`` is one line naming
+    the checkpoint, the file and the reason."""
 
     def __init__(self, message: str, errno_: int | None = None, path: str | None = None) -> None:
         super().__init__(message)  # one argument: ``str(e)`` is the message, not "[Errno N] ..."
@@ -97,8 +69,8 @@ def write_error(ckpt: Path, e: OSError) -> CheckpointWriteError:
 
 
 def discard(ckpt: Path) -> None:
-    """Remove the unfinished checkpoint ``ckpt`` (best effort: a directory that cannot be removed
-    any more is left; it has no ``meta.json``, so ``--resume`` skips it)."""
+    """Remove the unfinished checkpoint ``ckpt``, best effort (without ``meta.json`` it is skipped
+    by ``--resume`` anyway)."""
     shutil.rmtree(ckpt, ignore_errors=True)
 
 
@@ -158,9 +130,8 @@ class Checkpointer:
         return self.every > 0 and ((step + 1) % self.every == 0 or step == self.steps - 1)
 
     def __call__(self, step: int) -> dict[str, Any]:
-        """The ``checkpoint`` phase's work at ``step``; returns the phase's info: ``saved`` (on
-        disk with its manifest now), ``path`` (the checkpoint begun, or None), ``background``,
-        ``snapshot_bytes`` and ``written`` (earlier background writes that have ended)."""
+        """The ``checkpoint`` phase's work; returns its info: ``saved`` (complete now), ``path``,
+        ``background``, ``snapshot_bytes``, ``written`` (background writes that have ended)."""
         due = self.due(step)
         info: dict[str, Any] = {}
         written = self._collect(wait=due)

@@ -1,15 +1,9 @@
-"""``python -m mllm_rl.memplan``: will a colocated RL step fit a target, phase by phase?
+"""``python -m mllm_rl.memplan``: will a colocated RL step fit a target, phase by phase? (docs/PLAN.md)
 
-Compiles the backend's real step functions for the target's devices (no device needed) and
-lays them, with the engine's weights and KV pool, over every phase of the schedule. Prints the
-table (phase x component, GiB per device, against the device memory), writes ``plan.json``,
-``plan.txt`` and ``plan.html`` with ``--out``. See docs/PLAN.md.
-
-Exit codes: 0 every phase fits the budget; 6 a phase does not (the line names the phase and the
-component that crosses the budget); 2 bad input (one line: unknown target or model, a mesh that
-does not divide the devices, a model that does not fit even at micro-batch 1 under ``--fit``,
-a compiler that is not installed); 1 an unexpected error.
-"""
+Compiles the backend's real step functions for the target (no device needed), lays them with the
+engine's weights and KV pool over every phase, prints the table and, with ``--out``, writes
+``plan.json``/``.txt``/``.html``. Exit 0 fits; 6 a phase does not (naming phase and component);
+2 bad input (one line); 1 an unexpected error."""
 
 from __future__ import annotations
 

@@ -1,26 +1,12 @@
 """A run held against its memory plan: predicted (``plan.json``) vs measured (``phases.jsonl``) bytes.
 
-One function per question:
-
-- ``compare(records, doc)``: how close did the run come to the plan? Per component, from the
-  records' ``info`` (the engine's and trainer's own byte counts of their arrays): ``engine_weights``
-  and ``kv_pool`` = ``held`` of the first ``release_rollout``; ``trainer_params`` and ``optimizer``
-  = ``state_bytes`` of ``trainer_init``. Per phase: the device truth's ``bytes_in_use`` at the end
-  of each phase of the last step (and of setup) against the plan's components still resident when
-  the phase ends (``residency.end_state``), and under the plan's total during the phase
-  (``predicted_during``). A step's phase holds when it held in the last step or the one before
-  (``measured_before``): an array one step released late is not memory the plan misses.
-- ``drifts(check)``: which phases ended above the plan by more than the tolerance (and a MiB)?
-  Memory the plan does not know of, a leak when it grows step by step; fewer bytes is no finding.
-- ``summary(check)``, ``table(check)``: the run's console line and table.
-- ``check_run_dir(run_dir, records)``: the comparison against the run directory's own
-  ``plan.json`` (what the report shows), and ``drift_messages(check)``: its warnings.
-
-The plan is one device's share: a run over several devices (a TPU slice) is compared by its
-fullest device at each phase end, and its components by one device's even share of the counts.
-Used by the run (console), the report (findings, HTML, W&B), ``scripts/device_check.py`` and
-``scripts/bench_plan_cpu.py``.
-"""
+``compare``: components from the records' own byte counts (``held`` of the first
+``release_rollout``, ``state_bytes`` of ``trainer_init``) and, per phase end of setup and the last
+step, the device's ``bytes_in_use`` against the components the plan keeps resident
+(``residency.end_state``). A step's phase holds when it held in the last step or the one before
+(an array released one step late is not memory the plan misses). ``drifts``: phases above the
+plan by more than the tolerance and a MiB (fewer bytes is no finding). The plan is one device's
+share: a multi-device run is compared by its fullest device and an even share of the counts."""
 
 from __future__ import annotations
 
@@ -57,8 +43,7 @@ def _per_device(rec: dict[str, Any], value: Callable[[dict[str, Any]], Any]) -> 
 
 
 def _device_bytes(rec: dict[str, Any]) -> int | None:
-    """The bytes in use on the fullest device (a plan is one device's share; on a mesh every device
-    should hold about the same)."""
+    """The bytes in use on the fullest device (a plan is one device's share)."""
     return max(_per_device(rec, lambda d: d.get("bytes_in_use")).values(), default=None)
 
 
@@ -133,8 +118,7 @@ def _phase_ends(
             "within": _within(pred, got, tolerance),
             "predicted_during": int(p["total"]),
             "below_during": got <= p["total"] * (1 + tolerance),
-            # the trainer's offloaded state on the host at the phase's end (residency.host_rows), and
-            # what the probe saw there where it can (JAX: arrays of the pinned_host memory kind)
+            # host: the trainer's offloaded state (residency.host_rows) and what the probe saw (JAX pinned_host)
             "host_trainer_predicted": sum(v for c, v in p.get("host_end", {}).items() if c in TRAINER_STATE),
             "host_trainer_measured": _pinned_host_bytes(recs[i]),
         }
@@ -193,8 +177,8 @@ def compare(
 
 
 def drifts(check: dict[str, Any]) -> list[dict[str, Any]]:
-    """The phases whose end-of-phase bytes exceed the prediction by more than the tolerance (a step's
-    phase: in each of the last two steps when the run had two)."""
+    """Phases whose end bytes exceed the prediction by more than the tolerance (a step's phase: in
+    each of the last two steps)."""
     tol = check["tolerance"]
     return [
         r
@@ -218,8 +202,8 @@ def summary(check: dict[str, Any]) -> str:
 
 
 def table(check: dict[str, Any]) -> str:
-    """Predicted vs measured bytes at the end of every phase (setup's, then the last step's), in one
-    unit, the step before's measured bytes and whether the phase drifts (``drifts``)."""
+    """Predicted vs measured bytes at every phase end (setup's, then the last step's), with the step
+    before's and whether the phase drifts."""
     rows = check["phases"]
     unit, scale = unit_for(max([1, *(max(r["predicted"], r["measured"] or 0) for r in rows)]))
     drifting = {id(r) for r in drifts(check)}
@@ -241,9 +225,8 @@ def table(check: dict[str, Any]) -> str:
 
 
 def check_run_dir(run_dir: Path, records: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str | None]:
-    """``compare`` of ``records`` against ``run_dir/plan.json``, with the plan's ``target`` name:
-    ``(check, None)``; ``(None, why not)`` when they cannot be compared; ``(None, None)`` without
-    a plan."""
+    """``compare`` against ``run_dir/plan.json``: ``(check, None)``, ``(None, why not)``, or
+    ``(None, None)`` without a plan."""
     path = run_dir / "plan.json"
     if not path.is_file():
         return None, None

@@ -1,14 +1,10 @@
 """``python -m mllm_rl.memplan.child``: a run's memory plan made in a fresh process.
 
-A run on a TPU or a GPU has its JAX on that platform; the planner compiles for the target with the
-target's compiler loaded into a JAX on its CPU platform (``backends/jax/topologies.py``: nothing
-runs on a device), which that process cannot become. So ``mllm_rl.memplan.for_run`` runs
-``plan_run`` here instead: the request and flags as JSON on stdin, the result as one JSON object
-on stdout (``{"plan": RunPlan}``, ``{"does_not_fit": message}`` or ``{"error": message}``);
-progress on stderr. ``for_run.run_child`` starts it with the planner's own environment: the run's
-TPU / JAX settings are not passed on, so the child is what ``python -m mllm_rl.memplan`` is on any
-machine.
-"""
+A TPU/GPU run's JAX is on that platform, but the planner compiles with the target's compiler in a
+JAX on its CPU platform (``backends/jax/topologies.py``), which that process cannot become. So
+``mllm_rl.memplan.for_run`` runs ``plan_run`` here: request and flags as JSON on stdin, one JSON
+object on stdout (``{"plan": ...}``, ``{"does_not_fit": ...}`` or ``{"error": ...}``), progress on
+stderr, without the run's TPU/JAX environment."""
 
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """Compose a memory plan: per-device component bytes and compiled functions laid over the phases.
 
-Everything here is backend-neutral and pure (no jax/torch). A backend produces:
-
-- ``Component`` figures (bytes per device of engine weights, KV pool, trainer params, ...),
-  each with the method that produced it (``"layout"`` for an exact formula over shapes and
-  dtypes, ``"compiler"`` for a compiled program's buffers, ``"fake_tensor"`` for torch
-  MemTracker);
-- ``FunctionMemory`` of each compiled function that runs in a phase (its argument, output,
-  temp and peak bytes per device, as the compiler reports them).
-
-``compose`` lays them over ``residency.phase_rows`` and returns a ``Plan``: per phase the
-resident bytes by component plus the largest function's extra bytes (``peak - arguments``:
-its inputs are already counted as resident components), against the device's memory.
-"""
+Backend-neutral and pure. A backend gives ``Component`` figures (bytes per device, with their
+method: ``layout`` formula, ``compiler`` buffers, torch ``fake_tensor`` MemTracker) and the
+``FunctionMemory`` of each compiled function. ``compose`` lays them over ``residency.phase_rows``:
+per phase, resident components plus the largest function's ``peak - arguments`` (its inputs are
+already resident components), against the device's memory."""
 
 from __future__ import annotations
 
@@ -27,11 +19,7 @@ SCHEMA = "mllm_rl.memplan/1"
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A device topology a plan is made for.
-
-    ``hbm_bytes`` is the memory of one device as the compiler (or the device spec) reports it;
-    ``source`` says where that figure comes from.
-    """
+    """A device topology a plan is made for; ``hbm_bytes``: one device's memory, from ``source``."""
 
     name: str  # e.g. "v4-8", "h100x8", "cpu"
     platform: str  # "tpu" | "gpu" | "cpu"
@@ -53,9 +41,8 @@ class Component:
     bytes_per_device: int
     method: str  # "layout" | "compiler" | "fake_tensor"
     detail: str = ""
-    # "device": resident on the device in the phases of its row, in host memory while offloaded;
-    # "host": in host memory whenever it exists (never in a device row; e.g. an optimizer state
-    # kept on the host and streamed through the device by the update, whose function counts it)
+    # "device": on the device in its row's phases, on the host while offloaded; "host": always on
+    # the host (e.g. an optimizer state streamed through the device by the update's function)
     memory: str = "device"
 
     def __post_init__(self) -> None:
@@ -69,11 +56,8 @@ class Component:
 
 @dataclasses.dataclass(frozen=True)
 class FunctionMemory:
-    """One compiled function's memory per device (compiler ``memory_analysis`` or MemTracker).
-
-    ``peak_bytes`` is the whole program's peak (arguments included); ``extra_bytes`` is what it
-    adds on top of its arguments, which the plan counts as resident components.
-    """
+    """One compiled function's memory per device (compiler ``memory_analysis`` or MemTracker):
+    ``peak_bytes`` includes arguments; ``extra_bytes`` is what it adds on top of them."""
 
     name: str  # one of residency.FUNCTIONS
     peak_bytes: int
@@ -212,15 +196,10 @@ def compose(
 ) -> Plan:
     """Lay ``components`` and ``functions`` over ``phases`` of ``schedule``.
 
-    A component absent from ``components`` is 0 bytes (e.g. no ``ref_params`` without KL); a
-    function absent from ``functions`` adds nothing (say so in ``notes``). ``setup``: the
-    once-per-run phases before the first step (``lifecycle.SETUP_PHASES``, the same for every
-    schedule), listed first as ``setup:<phase>``. Each phase also gets its host copies
-    (``residency.host_rows``; ``backup``: the engine keeps a CPU copy of its released weights), per
-    host: a component's bytes per device times the devices of one host. A host-resident component
-    (``Component.memory == "host"``) is in no device row and in the host copies of every phase in
-    which it exists (its device row or its host row has it).
-    """
+    Absent components are 0 bytes, absent functions add nothing (say so in ``notes``). ``setup``
+    phases come first as ``setup:<phase>``. Each phase also gets its host copies per host
+    (``residency.host_rows``; ``backup``: the engine keeps a CPU copy of released weights); a
+    ``memory == "host"`` component is in no device row and in every host row where it exists."""
     if not 0 < margin <= 1:
         raise ValueError(f"margin {margin}: expected 0 < margin <= 1")
     rows = []

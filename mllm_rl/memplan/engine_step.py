@@ -1,23 +1,12 @@
-"""An estimate, from the shapes, of what an engine's forward step adds to the device while it
-generates (the ``engine_step`` function of the rollout phases), where the engine's step cannot be
-compiled from shapes alone (sglang-jax builds its batch metadata on the host, in its scheduler).
+"""A shape-based estimate of what an engine's forward step adds on the device while it generates
+(the ``engine_step`` function), because sglang-jax's step cannot be compiled from shapes alone
+(it builds batch metadata on the host, in its scheduler).
 
-Labelled ``estimate`` (``FunctionMemory.method``), not a compiler figure. What it counts, per
-device, for one forward of ``tokens`` tokens (a prefill chunk: at most the engine's
-``chunked_prefill_size`` and at most the rollout's sequences x their length; or a decode batch,
-whichever is larger) in the compute dtype:
-
-- one decoder layer's activations alive at once (the forward runs layer by layer and keeps
-  nothing for a backward): the residual stream and its normed copy, the q / k / v projections
-  and the attention output (heads split over ``tp``), the o-projection's output, the MLP's gate,
-  up and activated products (intermediate split over ``tp``) and its down-projection output;
-- the sampler's float32 ``[rows, vocab]`` arrays: the logits, their softmax and one sorted copy
-  (top-k / top-p), ``rows`` = the sequences decoded at once (at most ``max_running_requests``).
-
-What it leaves out: the attention kernel's own scratch (ragged paged attention works page by
-page), the compiler's fusion temporaries, and the logits the engine keeps between calls (the
-``engine_logits`` component has those). Pure arithmetic: imports nothing heavy.
-"""
+Labelled ``estimate``. Per device, for one forward of ``tokens`` tokens (the larger of a prefill
+chunk and a decode batch) in the compute dtype: one decoder layer's activations (no backward;
+heads and intermediate split over ``tp``) plus the sampler's three float32 ``[rows, vocab]``
+arrays. Left out: attention kernel scratch (ragged paged attention works page by page), fusion
+temporaries, and the kept logits (the ``engine_logits`` component)."""
 
 from __future__ import annotations
 

@@ -1,28 +1,13 @@
 """The memory plan of a run, made by the run for its own devices before any engine starts.
 
-``python -m mllm_rl.run`` (``--memory-plan check``, the default) asks the backend's planner the
-same question ``python -m mllm_rl.memplan`` answers, with the run's own settings: its model, its
-engine (context length, KV pool, batch limit, tp, ``mem_fraction_static``), its trainer (micro-batch,
-precision, LoRA, KL, trainer tp, model options) and schedule. A plan that does not fit is refused
-(exit 6) before a run directory, a W&B run or an engine exists; one that fits is written to the run
-directory as ``plan.json`` (and ``plan.txt``) and held against the phase records as the run goes
-(``mllm_rl.memplan.audit``). ``--kv-tokens auto``: the KV pool is the largest that leaves every
-phase within the budget (the plan's ``--fit kv``), and the engine is started with it.
-
-Targets: a run's devices are planned when the backend's planner has a target for them (its
-``target_for_runtime(runtime)``): the JAX backend's ``cpu`` target for a run on CPU (the same XLA,
-the same process), and on a TPU slice or an NVIDIA node the target whose device kind, device
-count and hosts are the run's (a v4-8 run is planned for ``v4-8``, each host of a v4-16 for
-``v4-16``), compiled by the target's compiler in a fresh process (``mllm_rl.memplan.child``: the
-run's JAX is on the TPU, the planner's on its CPU); the torch backend's ``cpu`` and ``cuda``
-targets (this machine's CPU or CUDA device; the trainer step on fake tensors, the engine the run
-starts by its layout), and ``cpuxN`` / ``cudaxN`` for a torch run of N processes (FSDP2 traced in
-torch's fake process group, so in a fresh process: the run's processes have joined a real one).
-Devices without a target (another TPU or GPU, JAX over several CPU processes) are said in one line
-and the run starts unplanned:
-``python -m mllm_rl.memplan --target ...`` with the same flags plans a target there (docs/PLAN.md).
-A TPU or GPU target's host is the run's own: its RAM (``psutil``) gives the host verdict.
-"""
+``--memory-plan check`` (the default) asks the backend's planner what ``python -m mllm_rl.memplan``
+would, with the run's model, engine, trainer and schedule. A plan that does not fit exits 6
+before a run directory, W&B run or engine exists; one that fits is written as ``plan.json`` /
+``plan.txt`` and audited against the phase records (``mllm_rl.memplan.audit``). ``--kv-tokens
+auto`` starts the engine with the largest KV pool that fits. The target is the planner's
+``target_for_runtime`` (JAX: ``cpu`` in process, a TPU/GPU target by device kind, count and hosts,
+compiled in ``mllm_rl.memplan.child``; torch: ``cpu``/``cuda``, ``cpuxN``/``cudaxN`` traced in a
+fake process group in a child). Devices without a target start unplanned, said in one line."""
 
 from __future__ import annotations
 
@@ -42,8 +27,7 @@ class DoesNotFit(Exception):
 
 
 def target_for(backend: str, runtime: dict[str, Any]) -> str | None:
-    """The planner target of the devices the runtime came up on (the backend planner's
-    ``target_for_runtime``), or None (no planner, or no target for them)."""
+    """The planner target of the runtime's devices (``target_for_runtime``), or None."""
     from mllm_rl.memplan.planner import load_planner
 
     try:
@@ -55,8 +39,8 @@ def target_for(backend: str, runtime: dict[str, Any]) -> str | None:
 
 
 def request_for(backend: str, target: str, model: Any, opts: Any, engine: str = "auto") -> PlanRequest:
-    """The plan request of an RL run (``RLOptions`` with its engine sized: ``size_engine``);
-    ``engine``: the rollout engine the run starts (``Backend.rollout_engine``)."""
+    """The plan request of an RL run (engine sized by ``size_engine``); ``engine``: the rollout
+    engine the run starts."""
     train, eng = opts.train, opts.engine
     rows = opts.prompts_per_step * opts.group_size // max(1, train.mini_batches)
     return PlanRequest(
@@ -111,8 +95,7 @@ def child_env() -> dict[str, str]:
 
 
 def run_child(req: PlanRequest, check_weights: bool, fit_kv: bool, timeout: float = 3600) -> dict[str, Any]:
-    """``python -m mllm_rl.memplan.child``'s answer (its docstring); ``RuntimeError`` naming its exit and last lines when
-    it gives none."""
+    """``mllm_rl.memplan.child``'s answer; ``RuntimeError`` naming its exit and last lines if none."""
     payload = json.dumps({"request": request_json(req), "check_weights": check_weights, "fit_kv": fit_kv})
     r = subprocess.run(
         [sys.executable, "-m", "mllm_rl.memplan.child"],
@@ -144,10 +127,9 @@ class RunPlan:
 
 
 def plan_run(req: PlanRequest, check_weights: bool, fit_kv: bool, in_process: bool = False) -> RunPlan:
-    """Measure and compose ``req`` (``fit_kv``: the largest KV pool first); ``DoesNotFit`` naming the
-    phase and the component when the run's schedule does not fit, ``ValueError`` for a request the
-    planner refuses. A target the backend's planner cannot compile in this process (its
-    ``plans_in_process``) is planned by ``mllm_rl.memplan.child`` unless ``in_process``."""
+    """Measure and compose ``req`` (``fit_kv``: fit the largest KV pool first); ``DoesNotFit``
+    naming phase and component, ``ValueError`` for a refused request. Planned in
+    ``mllm_rl.memplan.child`` unless the planner ``plans_in_process`` or ``in_process``."""
     from mllm_rl.memplan import output
     from mllm_rl.memplan.fit import kv_room
     from mllm_rl.memplan.planner import load_planner, plans, with_kv_tokens
@@ -207,9 +189,8 @@ def write_plan_files(run_dir: Any, run_plan: RunPlan) -> None:
 def plan_for_rl(
     backend: Any, model: Any, opts: Any, runtime: dict[str, Any], sized: Any
 ) -> tuple[Any, RunPlan | None, list[str]]:
-    """``RLPlan.memory_plan``: ``opts`` (``RLOptions``) with its engine sized (``sized(opts)`` ->
-    ``EngineOptions``: context length and KV pool as the run will start the engine) and, with
-    ``--kv-tokens auto``, the fitted pool; the plan; lines to tell the user."""
+    """``RLPlan.memory_plan``: ``opts`` with its engine sized (``sized(opts)``, plus the fitted pool
+    with ``--kv-tokens auto``), the plan, and lines to tell the user."""
     mode = opts.memory_plan
     target = target_for(backend.name, runtime) if mode != "off" else None
     if target is None:
@@ -242,9 +223,8 @@ def plan_for_rl(
             ],
         )
     engine = sized(opts)
-    # On CPU the pool is host memory that every engine step pays for (a donated pool is rewritten
-    # per forward): --kv-tokens auto takes at most what the run can hold at once, the run's own
-    # max-running-requests x context rule. On an accelerator it takes the room the plan leaves.
+    # On CPU every engine step pays for the pool (a donated pool is rewritten per forward), so
+    # auto takes at most max-running-requests x context; on an accelerator, the room left.
     on_cpu = runtime.get("platform") == "cpu"
     cap = engine.max_total_tokens if on_cpu else None
     if opts.kv_auto:  # the plan sizes the pool, not the run's max-running-requests x context rule

@@ -1,12 +1,9 @@
 """What a memory plan is asked for, and the contract a backend's planner implements.
 
 A backend that can plan provides ``mllm_rl.backends.<name>.memplan.measure(req) -> Measured``
-(and optionally ``targets() -> {name: description}``, what its ``--target`` accepts, and
-``check(req)``, its refusals that need no compiler, run before any output):
-the target's devices and memory, the per-device ``Component`` bytes and the compiled
-``FunctionMemory`` of each function the schedule runs, each figure labelled with its method.
-``mllm_rl.memplan.compose`` then lays them over the phases. Nothing here imports jax or torch.
-"""
+(optionally ``targets()`` for ``--target`` and ``check(req)`` for refusals needing no compiler):
+the target's devices and memory, per-device ``Component`` bytes and each compiled function's
+``FunctionMemory``, labelled with their method. Nothing here imports jax or torch."""
 
 from __future__ import annotations
 

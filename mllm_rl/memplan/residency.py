@@ -1,13 +1,8 @@
-"""What is resident on every device during each phase of a colocated step.
+"""What is resident on every device (and in host memory) during each phase of a colocated step.
 
-The rows come from the phase table (``mllm_rl.phase_table``: one declaration per phase name,
-with the components and their docs): the components whose bytes are on the device at some
-point *during* the phase (for a transition such as ``offload_optimizer`` the bytes being moved
-are still there until the phase ends, so both sides count), and the compiled functions that
-run in it (their extra bytes come on top, one function at a time). Every sequence the
-lifecycle records has rows: a step of each schedule, the setup, and the leases of a
-multi-task run (``phase_table.sequences``).
-"""
+The rows come from the phase table (``mllm_rl.phase_table``) for every sequence the lifecycle
+records (``phase_table.sequences``): the components on the device at some point *during* a phase
+and the compiled functions that run in it (their extra bytes on top, one at a time)."""
 
 from __future__ import annotations
 
@@ -41,14 +36,8 @@ def phase_rows(
     phases: list[str], schedule: str, step: bool = True
 ) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
     """``[(phase, resident components, functions)]`` for a phase list of ``schedule``; ``step``:
-    the phases of an RL step (``STEP_ALWAYS`` resident in each), not the once-per-run setup.
-
-    A phase that inherits (``empty_cache``, ``offload_trainer_params``) holds what the phase
-    before it ended with; in the multi-stage schedule ``offload_optimizer -> empty_cache`` keeps
-    the trainer params, ``offload_trainer_params -> empty_cache`` keeps the engine weights (and,
-    naive, the KV pool). ``KeyError`` for a phase the table does not know or that ``schedule``
-    does not have (a lifecycle change must update the plan).
-    """
+    RL step phases (``STEP_ALWAYS`` resident in each). An inheriting phase holds what the phase
+    before it left. ``KeyError`` for a phase the table or ``schedule`` lacks."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: expected multi_stage or naive")
     rows = []
@@ -74,8 +63,7 @@ def phase_rows(
 
 
 def end_state(phase: str, resident: tuple[str, ...]) -> tuple[str, ...]:
-    """What is still resident when ``phase`` ends (what a following ``empty_cache`` holds, and
-    what a phase record's ``bytes_in_use`` at the phase's end shows)."""
+    """What is still resident when ``phase`` ends (what its record's ``bytes_in_use`` shows)."""
     p = PHASES.get(phase)
     drop = p.drops if p is not None else ()
     return tuple(c for c in resident if c not in drop)
@@ -84,21 +72,12 @@ def end_state(phase: str, resident: tuple[str, ...]) -> tuple[str, ...]:
 def host_rows(
     phases: list[str], schedule: str, step: bool = True, backup: bool = False, ref: bool = False
 ) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
-    """``[(phase, host components during it, host components at its end)]`` for a phase list of
-    ``schedule``: the copies the lifecycle keeps in host memory while the device copy is gone.
+    """``[(phase, host components during it, at its end)]``: the lifecycle's host copies.
 
-    - ``trainer_params`` / ``optimizer``: offloaded (``offload_*``) until onloaded. During an
-      offload the host copy is made while the device copy still exists; during an onload the host
-      copy goes only at the phase's end: both count in those phases.
-    - ``engine_weights``, with ``backup`` (``--weights-cpu-backup``): the engine's CPU backup, made
-      when the engine releases its weights, freed as they are restored (both engines: the embedded
-      engine's ``memory.release/resume``, sglang-jax's ``_weight_backup``).
-    - ``ref_params``, with ``ref`` (a full fine-tune with a KL term): the reference weights' host
-      copy, kept from the trainer's start for the whole run.
-
-    ``step``: one step's phases (the trainer exists; the phase before the first is the step's own
-    last); else the setup (the engine has started; the trainer exists from ``trainer_init`` on).
-    """
+    ``trainer_params`` / ``optimizer`` from ``offload_*`` until onloaded (both copies count during
+    the move); ``engine_weights`` with ``backup`` (the embedded engine's ``memory.release/resume``,
+    sglang-jax's ``_weight_backup``) while released; ``ref_params`` with ``ref`` for the whole run.
+    ``step``: one step's phases (the one before the first is the step's last); else the setup."""
     dev = phase_rows(phases, schedule, step=False)
     moved = [c for c in _MOVED if c != "engine_weights" or backup]
     if step:

@@ -1,20 +1,11 @@
 """The multi-task driver: runs the lease schedule, one lease at a time, on every process.
 
-It only orders leases; what happens inside one is a task's business (``TaskRuntime``, built on
-``mllm_rl.lifecycle.Colocated``'s leased phase groups). Per lease:
-
-1. the task runs the lease's phase group, then proves it holds nothing on the devices any more
-   (``check_asleep``); on an exception it releases everything it still holds (``fail``);
-2. handoff: every process contributes its outcome (``ok`` or the error) through the
-   coordinator's ``gather`` named after the lease — the barrier no process passes before all
-   finished the lease. A task that failed on any process is failed on all of them, and its
-   remaining leases are skipped everywhere (the same decision on every process, so schedules
-   never diverge); with ``fail_fast`` the run stops instead.
-
-Before the first lease the processes compare a digest of their schedules (``ScheduleMismatch``).
-Nothing waits for the lease while holding another lock: the lease is the loop itself, and the
-only blocking call between two leases is the handoff ``gather``.
-"""
+It only orders leases; inside one, a ``TaskRuntime`` runs its phase group and proves it holds
+nothing on the devices (``check_asleep``), releasing everything on an exception (``fail``). The
+handoff is the coordinator's ``gather`` named after the lease: a barrier where every process
+gives its outcome, so a task failed on any process is failed (its leases skipped) on all, and
+schedules never diverge; ``fail_fast`` stops the run instead. Schedule digests are compared
+before the first lease (``ScheduleMismatch``); the handoff is the only blocking call between leases."""
 
 from __future__ import annotations
 
@@ -67,12 +58,8 @@ def _outcome(error: BaseException | None) -> str:
 
 
 class Driver:
-    """Runs ``schedule`` over ``tasks`` (see the module doc).
-
-    ``on_lease(entry)`` gets one JSON-able dict per lease (what ran, when, the outcome on every
-    process, device bytes after it when ``device_bytes`` is given); ``on_status(statuses)``
-    whenever a task's status changes.
-    """
+    """Runs ``schedule`` over ``tasks``. ``on_lease(entry)``: one JSON-able dict per lease (what
+    ran, when, every process's outcome, device bytes after); ``on_status`` on each status change."""
 
     def __init__(
         self,

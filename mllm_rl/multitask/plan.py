@@ -1,18 +1,11 @@
 """``python -m mllm_rl.run --backend B --tasks tasks.toml``: several RL tasks on the same devices, as
-a plan of the one run (``mllm_rl.run`` does the run id and directory, its lock, the sinks, W&B, the
-watchdog, exit codes and teardown, as for every plan).
+a plan of the one run (``mllm_rl.run`` does the rest, as for every plan).
 
-Run-level phases (task ``null``): ``wandb_init``, ``<backend>_ready``. Then the lease schedule
-(``schedule.py``) over every task (``runtime.py``), driven by ``driver.py``. Outputs in the run
-directory besides the usual: ``leases.jsonl`` (one line per lease: task, kind, step, times, outcome
-on every process, device bytes after it; per process ``leases.p<i>.jsonl``), ``run.json`` with
-``tasks`` (per task its expected phases and its status, ``done`` or ``failed`` with the error),
-``tasks/<name>/checkpoints``.
-
-Exit code: 0 every task done; otherwise the code of the first failure (``TasksFailed``; 3 weights
-differ, 4 lifecycle invariant, 5 non-finite loss, 1 anything else), also with ``--fail-fast``, which
-stops the whole run at the first failure instead of letting the other tasks go on.
-"""
+Run-level phases (task ``null``): ``wandb_init``, ``<backend>_ready``; then the lease schedule
+(``schedule.py``) over every task (``runtime.py``), driven by ``driver.py``. Extra outputs:
+``leases.jsonl`` (``leases.p<i>.jsonl`` per process), ``run.json``'s ``tasks`` (expected phases,
+status), ``tasks/<name>/checkpoints``. Exit code: 0 when every task is done, else the first
+failure's (``TasksFailed``: 3, 4, 5 or 1); ``--fail-fast`` stops at the first failure."""
 
 from __future__ import annotations
 
@@ -114,9 +107,7 @@ class MultitaskPlan(Plan[MultitaskOptions]):
         return dataclasses.replace(opts, models=models), None, notes
 
     def check_runtime(self, backend: Backend, model: Any, opts: MultitaskOptions, process_count: int) -> None:
-        # The lease protocol spans processes (tests/jax/test_multitask_multihost.py, over fakes) and a
-        # single task's RL does (tests/jax/test_launch_run.py), but several tasks' real engines across
-        # processes have not been run: refused until they have.
+        # Several tasks' real engines across processes are untested (only fakes are), so refused.
         self.require_release(backend, process_count)
         if process_count > 1:
             raise ValueError(

@@ -1,16 +1,10 @@
 """One port allocator for every task's engine in a run.
 
-Server engines bind TCP ports: SGLang's HTTP/scheduler ports and the ``nccl_port`` of its own
-process group, sglang-jax's multi-node request broadcast (``dist_init_addr`` port+5/+6). Left to
-themselves, two engines started at the same time pick ports by "random + is it free?" and can
-both pick the same one (the second engine's server then dies at start). Here every task gets its
-own block of consecutive ports, each block checked free by binding every port of it, and no
-port is handed out twice in a run. Each engine's communication group then lives on its own
-ports: tasks never share one.
-
-In a multi-process run process 0 allocates and shares the blocks (``Coordinator.gather``), so
-every process passes the same ports to its engine.
-"""
+Server engines bind TCP ports (SGLang's HTTP/scheduler ports and ``nccl_port``, sglang-jax's
+multi-node broadcast at ``dist_init_addr`` port+5/+6); two engines started together pick ports by
+"random + is it free?" and can collide, killing the second. So each task gets its own block of
+consecutive ports, checked free by binding each, none handed out twice. In a multi-process run
+process 0 allocates and shares the blocks (``Coordinator.gather``)."""
 
 from __future__ import annotations
 

@@ -82,8 +82,7 @@ class RLTask:
         self.dir = run_dir / "tasks" / spec.name
         self.ports = ports
         self.on_engine = on_engine
-        # --resume: the task's newest checkpoint that verifies (manifest, and seed/backend/lora_rank
-        # as this task's); the newer ones that do not are skipped, as in a single-task --resume
+        # --resume: the task's newest checkpoint that verifies; newer invalid ones are skipped
         self.resume_from: RLCheckpoint | None = None
         self.skipped: list[tuple[Path, str]] = []
         if resume:
@@ -121,8 +120,8 @@ class RLTask:
             )
         eng = size_engine(self.task, self.tok, self.opts)  # task= set by the spec: <task>/weights, ...
         if self.ports is not None:
-            # the engine is handed two (server port, process-group port); the rest of the block stays
-            # reserved for it (a multi-process sglang-jax engine binds ports[0] + 5 and + 6)
+            # two ports for the engine; the rest of the block stays reserved (a multi-process
+            # sglang-jax engine binds ports[0] + 5 and + 6)
             eng = dataclasses.replace(eng, ports=tuple(self.ports[:2]))
         self.backend.check_engine_args(self.model, eng)
         self.engine_opts = eng

@@ -18,18 +18,12 @@ name = "other"
 model = "qwen3-0.6b"
 task = "boxed"
 task_data = "gsm8k.jsonl"  # relative to the TOML file
-
-[[task]]
-name = "mine"
-task_data = "my_data.parquet"       # a dataset of your own (relative to the TOML file) ...
-prompt_key = "question"
-reward = "my_reward.py:score"       # ... scored by your reward (the file relative to the TOML file)
+reward = "my_reward.py:score"  # relative to the TOML file
 ```
 
-Every key of a task is one of ``FIELDS``: ``name`` and the options of scope ``task`` of
-``mllm_rl.options.schema`` (declared once: same meaning, default and range as the single-task flag of
-the same name, ``python -m mllm_rl.run --help``). Everything is validated before anything
-starts: a bad file raises ``ValueError`` naming the file, the task and the field.
+A task's keys are ``FIELDS``: ``name`` and the ``task``-scope options of ``mllm_rl.options.schema``
+(same meaning, default and range as the run's flag). A bad file raises ``ValueError`` naming the
+file, task and field before anything starts.
 """
 
 from __future__ import annotations
@@ -55,11 +49,8 @@ RUN_LEVEL = ("tp", "platform", "engine")  # the run's flags that every task's op
 def _rl_options(
     self: Any, tp: int = 1, platform: str = "auto", engine: str = "auto", model_name: str | None = None
 ) -> RLOptions:
-    """The single-task plan's options for this task, built by the same code as the flags'
-    (``RLPlan.options``; ``OptionError`` naming the bad field); the engine options carry the task's
-    name (its memory tags are ``<task>/...``). A resumed task's checkpoint is the runtime's
-    (``runtime.RLTask``). ``model_name``: the resolved model's preset name (an unset ``lr`` is that
-    model's default, ``mllm_rl.plans.rl.default_lr``)."""
+    """This task's ``RLOptions``, built as the flags' are (``RLPlan.options``); the engine carries
+    the task's name. ``model_name``: the resolved preset (an unset ``lr`` is its default)."""
     from mllm_rl.plans.preflight import engine_options
     from mllm_rl.plans.rl import PLAN, default_lr
 
@@ -74,8 +65,7 @@ def _rl_options(
 
 
 TASK_OPTIONS: dict[str, Option] = {o.key: o for o in in_scope("task")}
-# One task of a multi-task run: its name and every ``task`` option of the schema (same meaning and
-# default as the flag of the same name).
+# One task of a multi-task run: its name and every ``task`` option of the schema.
 TaskSpec = dataclasses.make_dataclass(
     "TaskSpec",
     [("name", str), *((o.key, Any, dataclasses.field(default=o.default)) for o in TASK_OPTIONS.values())],

@@ -1,20 +1,13 @@
 """PhaseRecorder: one record per lifecycle phase, to every sink.
 
     rec = PhaseRecorder(run_id, backend="jax", sinks=[JsonlSink(path)])
-    rec.set_probe(JaxMemoryProbe())
     with rec.phase("weights_swapped", step=None, tensors=311) as ph:
-        ...              # a sampler thread tracks the device/host peak meanwhile
-        rec.sample()     # code may also sample at its own known high points
-        ph.info["gbps"] = 1.9
+        ph.info["gbps"] = 1.9   # a sampler thread tracks the device/host peak meanwhile
 
-Each phase snapshots every local device and the host before and after. The per-phase
-device peak is the max of: the samples, both snapshots, and the allocator's cumulative
-peak at the end when it rose during the phase (JAX cannot reset it; torch resets it at
-phase start through ``probe.reset_peak()`` if the probe has one).
-
-Multi-task runs (``tasks=True``) write schema ``mllm_rl.phase/2``: every record carries
-``task``, the task set with ``rec.for_task(name)`` while that task's phases run (else null).
-"""
+Each phase snapshots every local device and the host before and after; its device peak is the
+max of the samples, both snapshots and the allocator's peak when it rose (JAX cannot reset it;
+torch resets it via ``probe.reset_peak()``). ``tasks=True`` writes schema ``mllm_rl.phase/2``,
+where every record carries ``task`` (``rec.for_task(name)``)."""
 
 from __future__ import annotations
 
@@ -36,10 +29,9 @@ PROBE_WAIT_S = 10.0  # the longest a phase-end snapshot waits for a sample in fl
 
 
 class Sink(abc.ABC):
-    """Receives every phase record (``write``), the RL metrics of each step (``log_metrics``;
-    ``log_task_metrics`` in a multi-task run: by default the metrics with a ``task`` key) and the
-    run's memory report before ``close`` (``log_report``). A sink overrides what it takes; the
-    defaults take nothing, so the recorder calls every sink the same way."""
+    """Receives phase records (``write``), each step's RL metrics (``log_metrics``;
+    ``log_task_metrics`` per task) and the memory report (``log_report``). The defaults take
+    nothing, so the recorder calls every sink the same way."""
 
     @abc.abstractmethod
     def write(self, record: dict[str, Any]) -> None: ...
@@ -96,9 +88,7 @@ class PhaseRecorder:
         self.start_idx = start_idx  # a resumed run continues the idx of its phase file
         self._interval = sample_interval_s
         self._lock = threading.Lock()
-        # Held around every probe call: a sample in flight in the sampler thread holds what it
-        # scans (on JAX CPU ``jax.live_arrays()``: a reference to every array), so a snapshot taken
-        # meanwhile would count arrays the code already dropped (``_probe``).
+        # Serialises probe calls (``_probe``).
         self._probing = threading.Lock()
         self._active = False
         self._dev_peak: list[int | None] = []
@@ -141,12 +131,9 @@ class PhaseRecorder:
             self._host_peak = max(self._host_peak, rss)
 
     def sample_high_point(self, nbytes: int) -> None:
-        """``sample()`` at a high point with ``nbytes`` in flight (a weight update: one tensor
-        placed while the old one is still resident), when ``nbytes`` is at least the most in
-        flight at any earlier high point of this phase. What else is resident does not change
-        between the high points of an update, so its peak is at its largest tensor: a few
-        samples find it instead of one per tensor (a sample scans every live array on JAX CPU,
-        milliseconds each, hundreds of times per update)."""
+        """``sample()`` at a high point with ``nbytes`` in flight, only when ``nbytes`` is at least
+        this phase's largest so far: an update's peak is at its largest tensor, so a few samples
+        find it instead of one per tensor (a JAX CPU sample scans every live array)."""
         if nbytes < self._high_point:
             return
         self._high_point = nbytes
@@ -154,10 +141,9 @@ class PhaseRecorder:
 
     @contextlib.contextmanager
     def _probe(self) -> Iterator[None]:
-        """Probe calls one at a time: a snapshot never runs while a sample in another thread
-        still holds references to the arrays it scanned (which would keep dropped arrays
-        alive and counted). Waits at most ``PROBE_WAIT_S`` (a probe stuck on a hung device
-        must not stop the watchdog's last record)."""
+        """Probe calls one at a time: a sample in flight holds references to the arrays it scanned
+        (JAX CPU ``jax.live_arrays()``), which would keep dropped arrays counted. Waits at most
+        ``PROBE_WAIT_S`` so a hung device cannot stop the watchdog's last record."""
         got = self._probing.acquire(timeout=PROBE_WAIT_S)
         try:
             yield
@@ -170,8 +156,7 @@ class PhaseRecorder:
             if self._active:
                 t0 = time.perf_counter()
                 self.sample()
-                # Never spend more than a third of a core on sampling (a live-array scan of a
-                # big model on JAX CPU can take milliseconds).
+                # at most a third of a core on sampling
                 time.sleep(max(self._interval, 2 * (time.perf_counter() - t0)))
             else:
                 self._wake.wait(0.1)
@@ -322,11 +307,8 @@ class PhaseRecorder:
             sink.write(record)
 
     def log_metrics(self, step: int, metrics: dict[str, Any], task: str | None = None) -> None:
-        """RL metrics of one step, once, to every sink that takes them (JSONL, console, W&B).
-
-        With ``task`` (multi-task runs): sinks with ``log_task_metrics(task, step, metrics)`` get
-        that (W&B: keys and step axis of their own per task); the others get ``metrics`` with a
-        ``task`` key added."""
+        """One step's RL metrics to every sink. With ``task``: ``log_task_metrics`` (W&B keeps a
+        step axis per task)."""
         for sink in self.sinks:
             if task is None:
                 sink.log_metrics(step, metrics)
@@ -334,8 +316,7 @@ class PhaseRecorder:
                 sink.log_task_metrics(task, step, metrics)
 
     def log_report(self, report: Any) -> None:
-        """The run's memory report (``mllm_rl.report.ReportResult``) to every sink that takes one
-        (``log_report(report)``: W&B, while its run is open)."""
+        """The run's memory report (``mllm_rl.report.ReportResult``) to every sink."""
         for sink in self.sinks:
             sink.log_report(report)
 

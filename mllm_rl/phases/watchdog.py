@@ -1,19 +1,11 @@
 """Per-phase watchdog: a phase that never ends is recorded as stuck and the run exits (code 6).
 
-``PhaseRecorder.phase`` arms the watchdog when a phase starts and disarms it when the phase ends.
-A phase still running after its limit (``PhaseLimits``) is handled in three moves:
-
-1. every thread's stack is written to ``<out_dir>/stuck-<phase>[-step<k>]-p<process>.txt``: the
-   Python frames of each thread (``sys._current_frames``, with thread names) and
-   ``faulthandler.dump_traceback`` (which needs no lock and works while a C call holds a thread);
-2. ``PhaseStuck`` is raised in the main thread: a real signal (``SIGUSR2``, through
-   ``signal.pthread_kill``) interrupts a blocking wait there, and its Python handler raises;
-   the phase record then carries ``info.error`` and ``info.stuck`` (limit, stacks file) and the
-   run ends as any failed run does (report written, sinks closed, exit 6);
-3. if the main thread has not finished within a grace period (a hang inside C code never returns
-   to Python), the watchdog's own thread calls ``on_hard_exit`` (which records the stuck phase,
-   writes the report and closes the sinks) and ends the process with ``os._exit(6)``.
-"""
+``PhaseRecorder.phase`` arms it per phase. Past its limit (``PhaseLimits``): every thread's stack
+goes to ``<out_dir>/stuck-<phase>[-step<k>]-p<process>.txt`` (``sys._current_frames`` and
+``faulthandler.dump_traceback``, which needs no lock); ``PhaseStuck`` is raised in the main thread
+via ``SIGUSR2`` (``signal.pthread_kill`` interrupts a blocking wait) and the run fails as usual;
+if the main thread is still stuck after a grace period (a hang in C never returns to Python), the
+watchdog thread calls ``on_hard_exit`` (record, report, sinks) and ``os._exit(6)``."""
 
 from __future__ import annotations
 
@@ -34,9 +26,8 @@ from mllm_rl import phase_table
 
 STUCK_EXIT = 6
 DEFAULT_LIMIT_S = 1800.0
-# Phases that compute or move a whole model (compilation on the first step included) get the full
-# limit: the lifecycle's (``phase_table.HEAVY``) and the run's own start-up and end; the bookkeeping
-# phases between them (release, resume, offload, drain, empty_cache, ...) LIGHT_FACTOR of it.
+# Phases that compute or move a whole model (first-step compilation included) get the full limit;
+# bookkeeping phases (release, resume, offload, drain, ...) LIGHT_FACTOR of it.
 RUN_HEAVY = ("wandb_init", "jax_ready", "torch_ready", "engine_ready_dummy", "checkpoint_flush")
 HEAVY_PHASES = phase_table.HEAVY | frozenset(RUN_HEAVY)
 LIGHT_FACTOR = 0.25
@@ -121,12 +112,9 @@ def dump_stacks(path: Path, header: str) -> Path:
 
 
 class Watchdog:
-    """One per process. ``enter``/``leave`` arm and disarm it (``PhaseRecorder`` does); ``install``
-    (main thread) sets the wake-up signal's handler and starts the watching thread; ``finish`` stops it.
-
-    ``on_hard_exit(stuck)`` runs on the watchdog's thread when the main thread did not finish
-    within ``grace_s`` after being interrupted; the process then ends with ``os._exit(6)``.
-    """
+    """One per process: ``enter``/``leave`` arm and disarm it; ``install`` (main thread) sets the
+    signal handler and starts the watching thread; ``finish`` stops it. ``on_hard_exit(stuck)``
+    runs on the watchdog's thread when the main thread did not finish within ``grace_s``."""
 
     def __init__(
         self,

@@ -1,11 +1,9 @@
 """The plan interface: what ``python -m mllm_rl.run --plan NAME`` runs (``mllm_rl.plans.registry``).
 
-A plan turns the command line into its typed options (``options``), checks what it can before
-anything of the run exists (``preflight``), says what ``run.json`` records about it and which phases
-to expect (``run_json``, ``phase_names``), and runs its phases on a started recorder (``run``).
-``mllm_rl.run`` does the rest, the same for every plan: the backend's runtime, the run directory,
-the sinks, the watchdog, exit codes, the report.
-"""
+A plan turns the command line into typed options, checks what it can before the run exists,
+says what ``run.json`` records and which phases to expect, and runs its phases on a started
+recorder. ``mllm_rl.run`` does the rest for every plan (runtime, run directory, sinks, watchdog,
+exit codes, report)."""
 
 from __future__ import annotations
 
@@ -72,8 +70,7 @@ class Plan(abc.ABC, Generic[OptionsT]):
     def resolve_model(
         self, args: argparse.Namespace, opts: OptionsT
     ) -> tuple[OptionsT, ModelDir | None, list[str]]:
-        """The model ``--model`` names (``ModelDir``; ``CheckpointError`` naming the file), checked
-        against ``--tp``, and the options that depend on it (``with_model``)."""
+        """The ``--model`` (``ModelDir``), checked against ``--tp``, and ``with_model``'s options."""
         from mllm_rl.checkpoint.resolve import resolve_model
 
         model = resolve_model(args.model, seed=args.seed)
@@ -93,10 +90,9 @@ class Plan(abc.ABC, Generic[OptionsT]):
     def memory_plan(
         self, backend: Backend, model: ModelDir | None, opts: OptionsT, runtime: dict[str, Any]
     ) -> tuple[OptionsT, Any, list[str]]:
-        """The run's memory plan for the devices the runtime came up on, before the run directory
-        exists (``mllm_rl.memplan.for_run``): the options to run with (a fitted KV pool), the
-        ``RunPlan`` (None: not planned) and lines to tell the user; ``DoesNotFit`` (exit 6) refuses
-        the run. Default: not planned."""
+        """The run's memory plan before the run directory exists (``mllm_rl.memplan.for_run``):
+        options (a fitted KV pool), ``RunPlan`` (None: not planned), lines to tell the user;
+        ``DoesNotFit`` (exit 6) refuses the run. Default: not planned."""
         return opts, None, []
 
     def check_runtime(

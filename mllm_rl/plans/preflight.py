@@ -1,13 +1,9 @@
 """Checks that run before a run starts: nothing of the run exists yet when they refuse.
 
-``prepare(args)`` runs them in order, fastest first (docs/ERRORS.md lists every refusal): the
-flags (``build_options``, ``phase_limits``), the backend's name and its engine choices, the run
-directory, the resume target and its checkpoints, the task's data file, the model and ``--tp``
-against its heads. Each raises ``ValueError`` (or ``CheckpointError``, a ``ValueError``) with one
-line naming the flag and the file; ``mllm_rl.run`` turns it into exit code 2. None of them imports
-jax or torch (the checks that need the backend's runtime run in ``mllm_rl.run`` once it is up,
-still before the run directory exists).
-"""
+``prepare(args)`` runs them fastest first (docs/ERRORS.md lists every refusal); each raises a
+one-line ``ValueError`` (or ``CheckpointError``) naming the flag or file, which ``mllm_rl.run``
+turns into exit 2. None imports jax or torch; checks needing the backend's runtime run in
+``mllm_rl.run`` once it is up, still before the run directory exists."""
 
 from __future__ import annotations
 
@@ -56,9 +52,8 @@ def check_run_id(run_id: str | None) -> None:
 
 
 def check_run_dir(run_dir: Path, resume: bool = False) -> None:
-    """``run_dir`` (which may not exist yet) can be created and written (``check_output_dir``), and
-    is not a directory of something else: a model checkpoint, or files that are not a run's (``.``,
-    a home directory): a new run needs a new or empty directory, ``resume`` (``--resume``) a run's."""
+    """``run_dir`` can be created and written and is not something else's directory (a model
+    checkpoint, ``.``, a home): a new run needs a new or empty one, ``resume`` a run's."""
     check_output_dir(run_dir, "--run-dir")
     if (run_dir / "config.json").is_file() and any(run_dir.glob("*.safetensors*")):
         raise ValueError(
@@ -98,12 +93,9 @@ def check_fresh(run_dir: Path, phase_file: str) -> None:
 def resolve_resume(
     run_dir: Path, expect: dict[str, object], or_start: bool
 ) -> tuple[RLCheckpoint | None, list[str]]:
-    """The checkpoint ``--resume`` continues from, and one line per newer checkpoint it skipped.
-
-    Refused (``CheckpointError``): a run directory that does not exist, one with no checkpoint
-    (unless ``or_start``: then ``(None, [])``, a run from step 0), one whose checkpoints are all
-    invalid (each reason in the line; never "start fresh" over them).
-    """
+    """The checkpoint ``--resume`` continues from, and one line per newer one skipped.
+    ``CheckpointError``: no run directory, no checkpoint (unless ``or_start``: ``(None, [])``), or
+    all invalid (each reason said; never a fresh start over them)."""
     fresh = "; --resume-or-start starts a new run when there is nothing to resume"
     if not run_dir.is_dir():
         if or_start:
@@ -203,11 +195,9 @@ class Prepared:
 
 
 def prepare(args: argparse.Namespace, given: set[str] | frozenset[str] = frozenset()) -> Prepared:
-    """Every check that can run before start-up, fastest first: run id and directory, the settings a
-    resumed run recorded (``given``: the flags the user typed; the others come from its ``run.json``),
-    flags, backend/engine combination, resume target and its checkpoints, task data, model and
-    ``--tp`` against its heads. Raises ``ValueError`` / ``CheckpointError`` (exit 2); touches
-    nothing of the run."""
+    """Every check before start-up, fastest first: run id and directory, a resumed run's recorded
+    settings (``given``: the flags typed; the rest from its ``run.json``), flags, backend/engine,
+    resume checkpoints, task data, model and ``--tp``. Touches nothing of the run."""
     from mllm_rl.backend_registry import load_backend
     from mllm_rl.options.resume import apply_recorded, check_overrides, known, record
     from mllm_rl.plans.registry import plan_of

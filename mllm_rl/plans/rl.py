@@ -1,22 +1,11 @@
 """The RL plan: GRPO-style colocated training with the full memory lifecycle, any backend.
 
-Setup phases (once per attempt; a ``--resume`` attempt repeats them):
-
-1. ``wandb_init``, ``jax_ready``/``torch_ready``
-2. ``engine_ready_dummy``  rollout engine up with dummy weights
-3. ``mllm_rl.lifecycle.SETUP_PHASES``: the engine releases its dummy weights and KV cache,
-   ``trainer_init`` builds the trainer from the checkpoint (or restores the run's last
-   checkpoint with ``--resume``), ``weights_swapped`` streams its weights in (fingerprint-
-   checked), the trainer goes to the host, the KV cache comes back
-
-Then ``steps`` colocated steps (``mllm_rl.lifecycle``: rollout ... continue_generation), and
-a final ``generate_result`` (greedy completions of held-out prompts and their reward).
-
-Data is a pure function of ``(seed, step)``, so a resumed run sees the prompts it would
-have seen; checkpoints are begun in the ``checkpoint`` phase of a step (written there, or from a
-host snapshot in the background: ``mllm_rl.checkpoint.writer``), are complete only once their
-``meta.json`` exists, and ``checkpoint_flush`` waits for the last write before the final phase.
-"""
+Setup (every attempt, ``--resume`` included): ``wandb_init``, ``jax_ready``/``torch_ready``,
+``engine_ready_dummy`` (engine up with dummy weights), then ``mllm_rl.lifecycle.SETUP_PHASES``.
+Then ``steps`` colocated steps and a final ``generate_result`` (greedy held-out completions).
+Data is a pure function of ``(seed, step)``, so a resumed run sees the prompts it would have
+seen. A checkpoint is complete only once its ``meta.json`` exists (``mllm_rl.checkpoint.writer``);
+``checkpoint_flush`` waits for the last write."""
 
 from __future__ import annotations
 
@@ -99,8 +88,8 @@ class RLOptions:
     engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     lifecycle: LifecycleOptions = dataclasses.field(default_factory=LifecycleOptions)
-    # The run's own memory plan before start-up (``mllm_rl.memplan.for_run``): check | warn | off, the
-    # budget (fraction of device memory) and --kv-tokens auto (the engine's pool sized by the plan).
+    # The run's memory plan before start-up (mllm_rl.memplan.for_run): check | warn | off, budget
+    # (fraction of device memory), --kv-tokens auto (engine pool sized by the plan).
     memory_plan: str = opt("memory_plan")
     plan_margin: float = opt("margin")
     kv_auto: bool = False
@@ -148,8 +137,8 @@ class RLOptions:
         )
 
     def evaluates_after(self, step: int) -> bool:
-        """``--eval-every``: the ``evaluate`` phase of ``step`` scores the held-out prompts (every
-        N steps and the last; the phase is recorded every step, so every step has one sequence)."""
+        """Does ``step``'s ``evaluate`` phase score the held-out prompts (every N steps and the
+        last)? The phase is recorded every step so every step has one sequence."""
         return self.eval_every > 0 and ((step + 1) % self.eval_every == 0 or step == self.steps - 1)
 
 
@@ -160,8 +149,7 @@ def default_lr(model_name: str) -> float:
 
 # -- checkpoints -------------------------------------------------------------------------
 def checkpoint_meta(backend: str, opts: RLOptions) -> dict[str, Any]:
-    """What a checkpoint's ``meta.json`` records besides its step and files, and what ``--resume``
-    requires of it (``verify_rl_checkpoint(expect=...)``)."""
+    """``meta.json`` fields beyond step and files, which ``--resume`` requires to match."""
     return {
         "seed": opts.seed,
         "backend": backend,
@@ -183,9 +171,9 @@ def model_shape(model: Any) -> dict[str, Any]:
 
 
 def check_model_shape(ckpt: RLCheckpoint, model: Any) -> None:
-    """A resumed checkpoint must have been trained on a model of this shape (``CheckpointError``
-    naming its ``meta.json`` and the first field that differs), checked before any engine starts;
-    a checkpoint written before shapes were recorded passes."""
+    """``CheckpointError`` (naming the first field that differs) when a resumed checkpoint was
+    trained on a model of another shape; checked before any engine starts. A checkpoint without
+    recorded shapes passes."""
     from mllm_rl.checkpoint.model_dir import CheckpointError
 
     saved = ckpt.meta.get("model_shape")
@@ -208,10 +196,9 @@ def checkpointer(
     model: Any = None,
     coord: Coordinator | None = None,
 ) -> Checkpointer:
-    """The ``checkpoint`` phase's work: save on the cadence (and the last step), then the manifest
-    (sizes and sha256 of every file) in ``meta.json``; keeps the newest ``KEEP_CHECKPOINTS``.
-    ``background``: from the trainer's host snapshot on another thread, when it has one. ``coord``:
-    the run's processes (each writes its shards; process 0 the directory and the manifest)."""
+    """The ``checkpoint`` phase's work: save on the cadence and at the last step, keeping the newest
+    ``KEEP_CHECKPOINTS``. ``background``: write from the trainer's host snapshot on another thread.
+    Each process writes its shards; process 0 the directory and the ``meta.json`` manifest."""
     meta = checkpoint_meta(backend, opts) | ({} if model is None else {"model_shape": model_shape(model)})
     return Checkpointer(
         trainer, run_dir, meta, opts.checkpoint_every, opts.steps, KEEP_CHECKPOINTS, background, coord
@@ -235,9 +222,8 @@ def prompts_of(
 
 
 def process_0_rewards(coord: Coordinator, name: str, rewards: np.ndarray) -> np.ndarray:
-    """Process 0's rewards on every process of a multi-process run (``rewards`` itself for one): each
-    process scores every sample, and a reward that is not deterministic (sampling, a remote call)
-    would otherwise give the processes different batches for one SPMD train step."""
+    """Process 0's rewards on every process, so a non-deterministic reward cannot give processes
+    different batches for one SPMD train step."""
     if coord.count == 1:
         return rewards
     got = coord.gather(f"rewards/{name}", json.dumps([float(x) for x in rewards]))
@@ -252,10 +238,9 @@ def make_rollout(
     on_rewards: RewardLog | None = None,
     coord: Coordinator | None = None,
 ):
-    """The ``rollout`` phase's work: prompts of this step, ``group_size`` samples each,
-    rewards (the task's reward function, in its worker process; process 0's on every process),
-    group-relative advantages, the training batch and its metrics. ``on_rewards`` gets every
-    sample's reward (``rewards.jsonl``)."""
+    """The ``rollout`` phase's work: this step's prompts, ``group_size`` samples each, rewards (in
+    the task's worker process), group-relative advantages, the batch and its metrics.
+    ``on_rewards`` gets every sample's reward."""
     coord = coord or LocalCoordinator()
 
     def rollout(engine: ManagedEngine, step: int):
@@ -301,13 +286,9 @@ def make_rollout(
 
 
 def size_engine(task: Task, tok: Any, opts: RLOptions) -> EngineOptions:
-    """``opts.engine`` with ``context_length`` / ``max_total_tokens`` filled in where unset.
-
-    The context is the longest prompt of the task (every row of a dataset, held-out ones
-    included; a sample of a generated task) plus ``max_new_tokens``, rounded up to a power of two
-    (>= 64): the native CPU attention of sglang-jax costs O(batch x context) per decoded token, so a
-    context sized to the task makes a tiny-model rollout ~10x faster than a generic 512.
-    """
+    """``opts.engine`` with unset ``context_length`` / ``max_total_tokens`` filled in: the task's
+    longest prompt plus ``max_new_tokens``, rounded up to a power of two (>= 64). Sized to the task
+    because sglang-jax's native CPU attention costs O(batch x context) per decoded token."""
     eng = opts.engine
     ctx = eng.context_length
     if ctx is None:
@@ -356,9 +337,8 @@ def evaluate_phase(
     step: int,
     on_rewards: RewardLog | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The ``evaluate`` phase of ``step`` (``--eval-every``): its record's info and the metrics it
-    adds to the step's line of ``metrics.jsonl`` (``eval_reward_mean``); both empty-handed on a
-    step that does not evaluate."""
+    """The ``evaluate`` phase of ``step``: its record's info and the metrics it adds to the step
+    (``eval_reward_mean``); both empty on a step that does not evaluate."""
     if not opts.evaluates_after(step):
         nxt = min(s for s in range(step + 1, opts.steps) if opts.evaluates_after(s))
         return {"evaluated": False, "next": nxt}, {}
@@ -378,9 +358,9 @@ def evaluate_phase(
 
 
 class RewardsFile:
-    """``rewards.jsonl`` (``rewards.p<i>.jsonl`` for process i > 0): one line per sample, ``{step,
-    phase, sample, row, reward}`` (``row``: the dataset row's index, null for a generated prompt;
-    ``step`` -1 for ``generate_result``), flushed per batch; a resumed run appends."""
+    """``rewards.jsonl`` (``rewards.p<i>.jsonl`` for process i > 0): one ``{step, phase, sample, row,
+    reward}`` line per sample (``row`` null for a generated prompt, ``step`` -1 for
+    ``generate_result``), flushed per batch; a resumed run appends."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -403,8 +383,7 @@ class RewardsFile:
 
 # -- the plan ----------------------------------------------------------------------------
 def run_rl(ctx: PlanRun, opts: RLOptions) -> dict[str, Any]:
-    """Run the plan; returns a summary with the per-step metrics of this attempt; ``ctx.on_started``
-    runs once the setup is done (engine up, trainer built or restored, weights synced)."""
+    """Run the plan; returns this attempt's summary. ``ctx.on_started`` runs after setup."""
     from transformers import AutoTokenizer
 
     task = build_task(opts.task_config)
@@ -488,11 +467,10 @@ def profiled_steps(backend: Backend, opts: RLOptions, ctx: PlanRun) -> Profiled:
 
 
 def check_prompts(opts: RLOptions, model: Any) -> list[str]:
-    """Every prompt (a dataset's, held-out ones included; a sample of generated ones), as the model
-    will see it, fits the context the run allows (``--context-length``, else the model's
-    ``max_position_embeddings``) with ``--max-new-tokens`` after it (``ValueError`` naming the flag,
-    or the file and the row); lines to tell the user. Checked before start-up: the engine would
-    otherwise be sized past the model's context, or its KV pool past the memory."""
+    """``ValueError`` (naming the flag, or the file and row) unless every prompt, rendered, plus
+    ``--max-new-tokens`` fits the allowed context (``--context-length``, else the model's
+    ``max_position_embeddings``); returns lines to tell the user. Checked before start-up so the
+    engine is never sized past the model's context or the memory."""
     ctx = opts.engine.context_length
     allowed, why = (
         (ctx, "--context-length")
@@ -579,10 +557,8 @@ class RLPlan(Plan[RLOptions]):
         )
 
     def with_model(self, opts: RLOptions, model: Any) -> tuple[RLOptions, list[str]]:
-        """``--lr`` unset: ``FROM_SCRATCH_LR`` for the ``tiny`` preset (random initialisation),
-        ``FINE_TUNE_LR`` for every other model (a pretrained checkpoint is fine-tuned). A dataset's
-        prompts, through the model's tokenizer and chat template, must fit the context the run
-        allows (``check_prompts``)."""
+        """``--lr`` unset: ``FROM_SCRATCH_LR`` for ``FROM_SCRATCH_PRESETS``, else ``FINE_TUNE_LR``.
+        Also checks a resumed checkpoint's model shape and that the prompts fit."""
         if opts.resume_from is not None:
             check_model_shape(opts.resume_from, model)
         notes = check_prompts(opts, model)
@@ -595,8 +571,7 @@ class RLPlan(Plan[RLOptions]):
     def memory_plan(
         self, backend: Backend, model: Any, opts: RLOptions, runtime: dict[str, Any]
     ) -> tuple[RLOptions, Any, list[str]]:
-        """The run's own memory plan (``mllm_rl.memplan.for_run``) with the engine sized as the run
-        will start it (``size_engine``)."""
+        """The run's memory plan (``mllm_rl.memplan.for_run``), engine sized by ``size_engine``."""
         from mllm_rl.memplan.for_run import plan_for_rl
 
         def sized(o: RLOptions) -> EngineOptions:
@@ -613,8 +588,8 @@ class RLPlan(Plan[RLOptions]):
     def preflight(
         self, args: argparse.Namespace, opts: RLOptions, backend: Backend, run_dir: Path
     ) -> tuple[RLOptions, list[str]]:
-        """The checkpoint ``--resume`` continues from (every newer one it skips, said), the task's
-        data (every row checked: ``mllm_rl.tasks.data``) and ``--reward`` (loaded in a worker)."""
+        """Checks the ``--resume`` checkpoint, the task's data (every row) and ``--reward`` (loaded
+        in a worker)."""
         from mllm_rl.plans.preflight import resolve_resume
 
         notes: list[str] = []

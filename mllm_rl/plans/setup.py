@@ -48,13 +48,8 @@ def start(
     **wandb_info: Any,
 ) -> ManagedEngine:
     """Record the three setup phases; returns the engine (handed to ``on_engine`` as soon as it
-    exists: the caller owns its shutdown, after the sinks are closed).
-
-    ``runtime`` is what ``backend.init_runtime`` returned: the runtime is brought up (and the engine
-    options checked against its devices, ``backend.check_engine_args``) before the run directory
-    exists, so that a refusal leaves nothing behind; ``<backend>_ready`` records it and installs the
-    memory probe.
-    """
+    exists; the caller shuts it down after the sinks close). ``runtime``: what
+    ``backend.init_runtime`` returned, before the run directory existed so a refusal leaves nothing."""
     run_level(backend, rec, make_wandb, runtime, **wandb_info)
     with rec.phase("engine_ready_dummy", model=str(model.path), tp=engine_opts.tp) as ph:
         with waiting("engine start"):

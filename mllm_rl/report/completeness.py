@@ -1,23 +1,12 @@
 """Completeness: every process recorded every expected phase for every step, in order.
 
-Judged per attempt (see ``attempts.py``). A missing trace point is an error, never hidden:
-
-* a phase missing before or between recorded ones, or in a step that was followed by other
-  steps: ``missing_phase`` (error);
-* a sequence that *stopped* (its missing phases are all expected after the last recorded one):
-  in the last attempt ``incomplete`` / ``incomplete_step`` (error, the run did not finish);
-  in an earlier attempt a note (``interrupted``, info) when a later attempt re-ran that step
-  or resumed after it from the checkpoint the step saved, an error when none did;
-* steps with no record at all: ``missing_step`` (error), one finding per run of steps;
-* a process with no record: ``missing_process`` (error);
-* a record carrying ``info.error``: ``phase_error`` (error; info when it ended an attempt that
-  was resumed); out-of-order phases or steps: ``out_of_order`` (error);
-* duplicates, unexpected phases/steps/processes, sampler failures, torn lines: warnings.
-
-``release_on_fault`` (a multi-task run freeing a failed task's memory, ``docs/MULTITASK.md``) is
-part of the failure it follows: not a phase of the sequence, and a phase error followed only by
-it still ended its attempt.
-"""
+Judged per attempt (``attempts.py``); a missing trace point is never hidden. Errors:
+``missing_phase`` (before, between, or in a step followed by others), ``incomplete`` /
+``incomplete_step`` (a sequence that stopped in the last attempt; in an earlier one an
+``interrupted`` note when a later attempt re-ran or resumed past it), ``missing_step``,
+``missing_process``, ``phase_error`` (info when it ended a resumed attempt), ``out_of_order``.
+Duplicates, unexpected records, sampler failures and torn lines are warnings.
+``release_on_fault`` (docs/MULTITASK.md) belongs to the failure it follows, not to the sequence."""
 
 from __future__ import annotations
 
@@ -35,11 +24,8 @@ FAULT_PHASES = ("release_on_fault",)
 
 
 def trailing_phases(exp: Expected, attempts: dict[int, list[Attempt]]) -> set[str]:
-    """Non-step phases that come after the steps (e.g. ``generate_result``), not before them.
-
-    Those recorded after a step record anywhere, plus the expected ones after every setup
-    phase that some attempt recorded before its first step.
-    """
+    """Non-step phases that come after the steps (e.g. ``generate_result``): those recorded after a
+    step anywhere, plus the expected ones after every setup phase recorded before a first step."""
     out: set[str] = set()
     last_setup = -1
     last_index = {name: i for i, name in enumerate(exp.phases)}

@@ -1,15 +1,10 @@
 """Did releases free what they should, and how high did the param swap peak?
 
-* ``efficiency_rows``: for every release/offload phase (name starts with ``release`` or
-  ``offload``, or ``info.expected_freed_bytes`` is set): bytes actually freed on the devices
-  (start minus end of the phase, by the most truthful source: ``mem_get_info`` where present)
-  versus ``info.expected_freed_bytes`` (what the released objects held). Flagged below
-  ``EFFICIENCY_MIN`` and when a release frees nothing. Resume/onload phases (``resume*``,
-  ``onload*`` or ``info.expected_alloc_bytes``) get rows too, not flagged: a resume may alias
-  existing arrays and allocate nothing on purpose.
-* ``swap_ratios``: ``phase_peak / steady`` (bytes in use at the end) of each weight-swap phase,
-  per device; the run's figure is the max over devices (as ``scripts/bench_swap.py``).
-"""
+``efficiency_rows``: per release/offload phase, bytes freed on the devices (start minus end, by the
+most truthful source) vs ``info.expected_freed_bytes``, flagged below ``EFFICIENCY_MIN`` or at
+zero; resume/onload phases get unflagged rows (a resume may alias arrays and allocate nothing).
+``swap_ratios``: ``phase_peak / steady`` of each weight-swap phase, per device; the run's figure is
+the max over devices (as ``scripts/bench_swap.py``)."""
 
 from __future__ import annotations
 

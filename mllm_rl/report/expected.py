@@ -28,11 +28,8 @@ class Expected:
 
 
 def merge_orders(seqs: Iterable[list[T]]) -> list[T]:
-    """One order holding every sequence's items (with multiplicity), longest sequence first.
-
-    A name a sequence has more often than the merged order so far is inserted after that
-    sequence's previous name.
-    """
+    """One order holding every sequence's items (with multiplicity), longest sequence first; an
+    extra occurrence goes after that sequence's previous name."""
     merged: list[T] = []
     for seq in sorted(seqs, key=len, reverse=True):
         pos = 0

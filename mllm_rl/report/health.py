@@ -1,13 +1,9 @@
-"""Findings about what a run computed and how its phases ended, beyond completeness:
+"""Findings about what a run computed and how its phases ended, beyond completeness.
 
-* ``non_finite`` (error): a step record carries a NaN/inf number in its ``info`` (a diverged loss or
-  grad norm, a NaN reward). ``mllm_rl.run`` stops at the first one in ``train_step`` (exit 5);
-  runs recorded before that check, or other phases, are caught here from the records alone.
-* ``stuck_phase`` (error): a phase ran past its watchdog limit (``info.stuck``: the limit and the
-  file holding every thread's stack); ``mllm_rl.run`` exits 6.
-
-Both replace the generic ``phase_error`` of the same record (``completeness.own_finding``).
-"""
+``non_finite`` (error): a NaN/inf number in a step record's ``info`` (``mllm_rl.run`` already stops
+at one in ``train_step``, exit 5; this finds any phase's from the records alone). ``stuck_phase``
+(error): a phase ran past its watchdog limit (``info.stuck``; exit 6). Both replace the generic
+``phase_error`` of the same record (``completeness.own_finding``)."""
 
 from __future__ import annotations
 

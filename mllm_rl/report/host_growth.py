@@ -1,15 +1,10 @@
-"""Host memory that grows step after step: the leak that ends colocated runs after tens of steps
-(sglang-jax runs killed by the host's OOM killer after ~50 steps, google/tunix#1149), found from the
-host RSS every phase record carries.
+"""Host memory that grows step after step, found from the host RSS every phase record carries: the
+leak that ends colocated runs after tens of steps (google/tunix#1149: sglang-jax runs OOM-killed).
 
-Per process, the RSS at the end of each RL step (its last record of the step), from step
-``FIRST_STEP`` on: step 0 compiles the trainer's and the engine's programs, whose caches stay.
-A ``host_growth`` warning when at least ``MIN_STEPS`` steps were measured, the RSS rose by more
-than ``MIN_MIB_PER_STEP`` MiB per step on average from the first of them to the last, and by more
-than half that in each of those steps (a compile of one new shape is one jump, not a slope). On a clean tiny run
-the RSS settles after step 2 (a few MiB per step on average); the ``host_leak_mb`` fault, which
-keeps N MiB of host memory per train step, is found (``tests/jax/test_memory_plan_run.py``).
-"""
+Per process, the RSS at the end of each RL step from ``FIRST_STEP`` on (step 0's compile caches
+stay). A ``host_growth`` warning needs ``MIN_STEPS`` steps, an average rise above
+``MIN_MIB_PER_STEP`` MiB per step, and more than half that in each step (a compile of one new
+shape is one jump, not a slope). The ``host_leak_mb`` fault exercises it."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """Read run directories: ``phases.jsonl`` (process 0), ``phases.p<i>.jsonl`` (process i), ``run.json``.
 
-Records keep their file order (append-only: the recording order, resumed attempts included).
-Numbers keep the schema's meaning: ``None`` is "unknown", never 0.
-
-Bad input raises ``ReportInputError`` with a one-line message naming the file (and line):
-a missing directory, no phase file, a line that is not JSON (except a torn last line, which a
-killed writer leaves and which is skipped), a record that is not schema-valid, or a record in
-the wrong process's file. An *empty* phase file is not bad input: it is a process that
-recorded nothing, which the completeness check reports.
-"""
+Records keep their (append-only) file order; ``None`` means unknown, never 0. Bad input raises a
+one-line ``ReportInputError`` naming the file and line: a missing directory or phase file, a
+non-JSON line (a torn last line, as a killed writer leaves, is skipped), a schema-invalid record,
+or a record in the wrong process's file. An empty phase file is a process that recorded nothing
+(the completeness check reports it)."""
 
 from __future__ import annotations
 

@@ -48,13 +48,9 @@ def _short(names: list[str], cap: int = 20) -> str:
 
 
 def check_sequence(actual: list[str], expected: list[str]) -> list[Finding]:
-    """Every difference between ``actual`` and ``expected`` (see the module doc).
-
-    Aligns the two by a longest common subsequence. A recorded phase outside it that an
-    unaligned expected occurrence of the same name can account for is out of order; the
-    expected occurrences left over are missing; recorded ones left over are duplicates or
-    unexpected.
-    """
+    """Every difference between ``actual`` and ``expected``, aligned by a longest common
+    subsequence: an unaligned recorded phase matching an unaligned expected one is out of order;
+    other expected leftovers are missing, recorded ones duplicates or unexpected."""
     pairs = _lcs_pairs(actual, expected)
     last = max((j for _, j in pairs), default=-1)  # furthest expected position recorded in order
     matched_a, matched_e = {i for i, _ in pairs}, {j for _, j in pairs}

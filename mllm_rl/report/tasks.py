@@ -1,13 +1,10 @@
-"""Multi-task runs (``run.json`` has ``tasks``; records schema ``mllm_rl.phase/2``): one ``Run`` per task.
+"""Multi-task runs (``run.json`` has ``tasks``; schema ``mllm_rl.phase/2``): one ``Run`` per task.
 
-``split_tasks`` turns a multi-task run into its run-level part (records with task ``null``:
-``wandb_init``, ``<backend>_ready``) and one part per task (label ``<run> / <task>``, that task's
-records and its expectations from ``run.json["tasks"][task]``). Everything downstream then works
-per task: the completeness check, the charts (one section per task, stacked), the phase tables,
-and the trace (one lane per task per process, every offload/onload phase in it). All parts keep
-the run's time origin, so the lanes line up. A task ``run.json`` marks failed gets a
-``task_failed`` error; records of a task ``run.json`` does not list get an ``unknown_task`` warning.
-"""
+``split_tasks`` splits a run into its run-level part (task ``null``) and one part per task (label
+``<run> / <task>``, its records and ``run.json["tasks"][task]`` expectations), so completeness,
+charts, tables and trace work per task; all parts keep the run's time origin so lanes line up.
+A task ``run.json`` marks failed is a ``task_failed`` error; an unlisted task an ``unknown_task``
+warning."""
 
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """Perfetto / Chrome trace JSON (``trace.json``) merged from every process's phase file.
 
-Opens in https://ui.perfetto.dev (or ``chrome://tracing``). Per run and process (rank) one
-process track (``process_name`` metadata), holding:
-
-* thread ``phases``: one complete event (``ph: "X"``) per phase record, ``ts``/``dur`` in µs
-  from the run's first record; ``args`` = step, idx, attempt, an ``info`` summary and memory
-  before/after/peak per device entry and for the host;
-* thread ``steps``: one span per RL step (first to last record of the step, per attempt);
-* counters (``ph: "C"``): bytes in use per device entry (``mem <platform>:<id> (<source>)``;
-  CUDA driver truth is ``device truth <platform>:<id> (mem_get_info)``); the most truthful
-  entry of each device and the host RSS also get a ``phase peak`` companion that holds the
-  phase's peak over the phase (when in the phase it happened is not recorded);
-* an instant event (``ph: "i"``) where a phase failed (``info.error``).
-
-Unmeasured values (``null``) produce no counter point, never a 0.
-"""
+Opens in https://ui.perfetto.dev (or ``chrome://tracing``). One process track per run and rank,
+with thread ``phases`` (one ``X`` event per record, µs from the run's first record, ``args``: step,
+attempt, info summary, memory), thread ``steps`` (one span per RL step and attempt), ``C``
+counters of bytes in use per device entry (the primary entry and host RSS also get a ``phase
+peak`` companion) and an ``i`` instant where a phase failed. ``null`` values add no counter point."""
 
 from __future__ import annotations
 

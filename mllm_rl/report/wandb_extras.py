@@ -3,13 +3,9 @@
     result = build_report([run_dir])
     log_report(wandb_sink.run, result)      # before wandb_sink.close() finishes the run
 
-Keys: ``report/phases``, ``report/efficiency``, ``report/issues``, ``report/memory_plan`` (a run
-with ``plan.json``: predicted vs measured bytes per phase) (``wandb.Table``),
-``report/memory_per_phase``, ``report/memory_over_time``, ``report/step_metrics``
-(``wandb.Html``: the report's SVG charts), and summary values ``report/errors``,
-``report/warnings``, ``report/swap_peak_over_steady``, ``report/plan_phases``, ``report/plan_drifts``. Unknown values stay ``None`` (empty
-cells), never 0. ``wandb`` is imported only when this is called.
-"""
+Keys under ``report/``: tables (``phases``, ``efficiency``, ``issues``, ``memory_plan``), the SVG
+charts as ``wandb.Html`` and summary values (``errors``, ``warnings``, ...). Unknown values stay
+``None`` (empty cells), never 0. ``wandb`` is imported only when this is called."""
 
 from __future__ import annotations
 
@@ -117,11 +113,8 @@ def report_payload(result: ReportResult) -> dict[str, Any]:
 
 
 def log_report(wandb_run: Any, result: ReportResult, strict: bool = False) -> list[str]:
-    """Log ``result`` into ``wandb_run`` (one ``log`` call + summary values); returns the logged keys.
-
-    With ``strict=False`` (for the W&B sink at the end of a run) a failure prints one line to
-    stderr and returns ``[]``: the report must not cost the run its W&B data.
-    """
+    """Log ``result`` into ``wandb_run``; returns the logged keys. ``strict=False`` (the sink at
+    run end): a failure prints one line and returns ``[]`` so the run keeps its W&B data."""
     try:
         payload = report_payload(result)
         wandb_run.log(payload)

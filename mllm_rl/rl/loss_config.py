@@ -1,42 +1,23 @@
 """Configuration of the policy-gradient loss, shared by every backend's loss code.
 
 Per completion token (``A`` the sequence's advantage, ``r = exp(logp - old_logp)`` with the
-log-ratio clamped to [-20, 20] as verl does, ``w`` the token's importance weight)::
+log-ratio clamped to [-20, 20] as verl does, ``w`` the importance weight, 1 unless truncated
+importance sampling is on: ``mllm_rl.rl.old_logp``)::
 
     pg    = max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high))      (PPO clip)
     pg    = min(pg, -A * clip_ratio_c)   where A < 0                  (dual-clip, when clip_ratio_c > 0)
     loss_t = w * pg + beta * KL_t
 
-``KL_t`` is the k3 estimator ``exp(ref - logp) - (ref - logp) - 1`` of the KL to a reference
-policy, capped at ``kl_clamp`` (verl's ``low_var_kl`` clamps to [-10, 10]; k3 >= 0, so only the
-cap acts, and a capped token gets no KL gradient; ``kl_clamp = 0``: uncapped, as TRL), part of
-the loss (not only logged) when ``beta > 0``. ``w`` is 1 unless truncated importance sampling is
-on (``mllm_rl.rl.old_logp``).
-
-Aggregation (``aggregation``) over valid completion tokens of the whole batch (micro-batches
-pass the batch totals, so summing their losses gives exactly the full-batch loss):
-
-- ``token_mean``: sum over tokens / number of tokens in the batch (verl ``token-mean``,
-  TRL ``dapo`` / ``bnpo``);
-- ``seq_mean_token_mean``: mean over sequences of each sequence's token mean (verl
-  ``seq-mean-token-mean``; TRL ``grpo`` with ``empty_seqs="count"``);
-- ``seq_mean_token_sum``: mean over sequences of each sequence's token sum (verl
-  ``seq-mean-token-sum``);
-- ``dr_grpo``: each sequence's token sum / ``max_len``, mean over all sequences of the batch
-  (TRL ``dr_grpo``: ``sum / (B * max_completion_length)``);
-- ``token_sum_norm``: the batch's token sum / ``max_len``, no mean over sequences (verl
-  ``seq-mean-token-sum-norm`` with ``loss_scale_factor = max_len``: ``dr_grpo`` times the
-  number of sequences).
-
-``empty_seqs`` says what the two sequence means do with a sequence that has no valid token (an
-aborted completion, an all-zero mask): ``exclude`` leaves it out of the count (verl's
-``agg_loss``), ``count`` counts it as a sequence of loss 0 (TRL's ``grpo``). ``dr_grpo`` always
-divides by every sequence (TRL's constant normaliser); a batch with no valid token has loss 0.
-
-Metrics (token means): ``clip_frac`` = tokens whose clipped term is taken (the clip cuts the
-gradient: verl ``pg_clipfrac``, TRL ``clip_ratio/region_mean``), ``clip_frac_dual`` = tokens the
-dual clip caps (verl ``pg_clipfrac_lower``), ``ratio_mean``, ``kl`` (capped as in the loss).
-"""
+``KL_t``: k3 ``exp(ref - logp) - (ref - logp) - 1``, capped at ``kl_clamp`` (verl ``low_var_kl``;
+0 = uncapped as TRL; a capped token gets no KL gradient). Aggregation over the batch's valid
+tokens (micro-batches get batch totals, so their losses sum to the full-batch loss):
+``token_mean`` (verl ``token-mean``, TRL ``dapo``/``bnpo``); ``seq_mean_token_mean`` (verl
+``seq-mean-token-mean``, TRL ``grpo``); ``seq_mean_token_sum`` (verl ``seq-mean-token-sum``);
+``dr_grpo``: sequence token sums / ``max_len``, mean over all sequences (TRL ``dr_grpo``);
+``token_sum_norm``: batch token sum / ``max_len`` (verl ``seq-mean-token-sum-norm``).
+``empty_seqs``: a sequence mean ``exclude``s sequences without valid tokens (verl ``agg_loss``)
+or ``count``s them as loss 0 (TRL ``grpo``). Metrics are token means: ``clip_frac`` (verl
+``pg_clipfrac``), ``clip_frac_dual`` (verl ``pg_clipfrac_lower``), ``ratio_mean``, ``kl``."""
 
 from __future__ import annotations
 
@@ -86,8 +67,8 @@ class LossConfig:
 
 
 def seq_count(mask: np.ndarray, cfg: LossConfig) -> float:
-    """The number of sequences a batch's mean over sequences divides by (``total_seqs`` of the
-    loss when its micro-batches are accumulated): ``mask`` [B, T] the loss mask of the batch."""
+    """The sequence count a mean over sequences divides by (the loss's ``total_seqs``); ``mask``
+    [B, T] is the batch's loss mask."""
     mask = np.asarray(mask)
     if cfg.excludes_empty:
         return float((mask.reshape(mask.shape[0], -1).sum(axis=1) > 0).sum())

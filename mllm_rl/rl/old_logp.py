@@ -1,19 +1,13 @@
 """Old log-probs of the PPO ratio: the engine's, or recomputed by the trainer (verl's default),
 and the engine/trainer mismatch between the two.
 
-The rollout engine and the trainer compute the same policy with different kernels (and, with
-mixed precision, in bf16 from a cast of the float32 masters), so their log-probs of the sampled
-tokens differ. With ``old_logp="trainer"`` the train step first recomputes the log-probs of
-the batch with the trainer (before any update) and uses them as ``old_logp``: the PPO ratio then
-measures only the policy's own change. The mismatch is reported every step, and truncated
-importance sampling (``tis_cap > 0``; verl ``rollout_is="token"`` with ``rollout_is_threshold``,
-TRL ``vllm_importance_sampling_mode="token_truncate"`` with ``vllm_importance_sampling_clip_max``)
-reweights each token's policy-gradient term by
-``min(exp(logp_trainer - logp_engine), tis_cap)``, correcting for sampling from the engine's
-slightly different distribution.
-
-Shapes: B sequences, T positions; every array [B, T], valid where ``loss_mask``.
-"""
+The engine and trainer compute the same policy with different kernels (and, mixed precision, a
+bf16 cast of the float32 masters), so their log-probs differ. ``old_logp="trainer"`` recomputes
+them with the trainer before any update, so the PPO ratio measures only the policy's change. The
+mismatch is reported every step; ``tis_cap > 0`` (truncated importance sampling: verl
+``rollout_is="token"``, TRL ``vllm_importance_sampling_mode="token_truncate"``) weighs each
+token's term by ``min(exp(logp_trainer - logp_engine), tis_cap)``. Arrays are [B, T], valid
+where ``loss_mask``."""
 
 from __future__ import annotations
 
@@ -43,10 +37,8 @@ def mismatch_metrics(trainer_logp: np.ndarray, batch: RolloutBatch) -> dict[str,
 def with_trainer_old_logp(
     batch: RolloutBatch, trainer_logp: np.ndarray, tis_cap: float = 0.0
 ) -> tuple[RolloutBatch, dict[str, float]]:
-    """``batch`` (whose ``old_logp`` are the engine's) with the trainer's log-probs as
-    ``old_logp`` and, when ``tis_cap > 0``, truncated importance weights as ``is_weight``;
-    and the mismatch metrics (plus ``tis_capped_frac``, the share of tokens whose weight the
-    cap cut)."""
+    """``batch`` with the trainer's log-probs as ``old_logp`` (and, ``tis_cap > 0``, truncated
+    importance weights as ``is_weight``), and the mismatch metrics (+ ``tis_capped_frac``)."""
     if trainer_logp.shape != batch.old_logp.shape:
         raise ValueError(f"trainer log-probs {trainer_logp.shape}, batch {batch.old_logp.shape}")
     mask = batch.loss_mask

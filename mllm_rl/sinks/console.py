@@ -1,14 +1,9 @@
 """Console sink: what a run prints while it runs (``--console``).
 
-- ``steps`` (default): one line per RL step on stderr with the numbers people watch (reward, KL,
-  clip fraction, grad norm, loss, the step's time and peak memory), one line when the setup is
-  done, and the short line of any phase that failed;
-- ``phases``: the same, and one short line per phase record on stdout (``compact_line``);
-- ``full``: the step lines, and each phase record as one JSON line on stdout (``phase {...}``).
-
-Every record goes to ``phases.jsonl`` whatever the mode (``JsonlSink``); lines are written above
-any progress bar (``mllm_rl.progress.write``).
-"""
+``steps`` (default): one stderr line per RL step (reward, KL, clip fraction, grad norm, loss,
+time, peak memory), one when setup is done, and any failed phase's short line; ``phases`` adds a
+short stdout line per record; ``full`` a JSON line per record. ``phases.jsonl`` gets every record
+regardless; lines go above any progress bar (``mllm_rl.progress.write``)."""
 
 from __future__ import annotations
 
@@ -87,8 +82,7 @@ def step_line(
 ) -> str:
     """``step 3 (4/20): reward_mean=0.236 kl=0.00012 clip_frac=0 grad_norm=0.59 loss=-0.0087
     step_s=2.31 dev_peak=0.035GiB rss_peak=0.702GiB`` (``[task] step 3: ...`` in a multi-task
-    run). Times and peaks come from the step's phase records: the span from the first phase's
-    start to the last one's end, the largest device peak (summed over devices) and host RSS peak."""
+    run): the step's span, its largest device peak (summed over devices) and host RSS peak."""
     head = f"step {step}" + (f" ({step + 1}/{steps})" if steps else "")
     if metrics.get("task"):
         head = f"[{metrics['task']}] {head}"
@@ -108,8 +102,7 @@ def peaks(records: list[dict[str, Any]]) -> list[str]:
 
 
 def setup_line(records: list[dict[str, Any]]) -> str:
-    """``setup: 11 phases in 9.10s, dev_peak=0.034GiB rss_peak=0.581GiB`` (the run-level phases
-    before the first step: engine start, trainer build, first weight sync)."""
+    """``setup: 11 phases in 9.10s, dev_peak=0.034GiB rss_peak=0.581GiB``: the phases before step 1."""
     secs = max(r["t_end"] for r in records) - min(r["t_start"] for r in records)
     return f"setup: {len(records)} phases in {secs:.2f}s, " + " ".join(peaks(records))
 

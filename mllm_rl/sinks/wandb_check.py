@@ -1,14 +1,9 @@
 """W&B preflight: can ``--wandb MODE`` work, before a run directory or a W&B run exists?
 
-Both questions are asked of wandb itself, so that its own rules (which env variables, netrc
-entries, settings files and proxies count) stay its own:
-
-- credentials: ``wandb.login(prompt=False, verify=False)`` looks the API key up the way
-  ``wandb.init`` will (``WANDB_API_KEY``, the netrc entry ``wandb login`` writes, wandb's settings
-  files, ``WANDB_IDENTITY_TOKEN_FILE``), without network and without prompting;
-- reachability: ``wandb.Api()`` verifies the key with the server, in a daemon thread that is
-  abandoned after ``timeout_s``, so a dead network or a hung name lookup cannot hold a run.
-"""
+Both questions go to wandb itself, so its rules (env variables, netrc, settings files, proxies)
+stay its own: ``wandb.login(prompt=False, verify=False)`` finds the key as ``wandb.init`` will,
+without network; ``wandb.Api()`` verifies it with the server in a daemon thread abandoned after
+``timeout_s``, so a dead network cannot hold a run."""
 
 from __future__ import annotations
 
@@ -25,19 +20,12 @@ FIX = "run wandb login, set WANDB_API_KEY, or pass --wandb offline"  # no backti
 def check_wandb(
     mode: str, fallback: str, timeout_s: float, *, run_dir: str | os.PathLike[str] | None = None
 ) -> tuple[str, list[str]]:
-    """Check ``--wandb mode`` before anything starts; return ``(effective mode, warning lines)``.
+    """Check ``--wandb mode``; return ``(effective mode, warning lines)``; one-line messages.
 
-    - ``disabled`` -> ``("disabled", [])`` (wandb need not be installed); ``offline`` ->
-      ``("offline", [])`` once ``wandb`` imports (``ValueError`` otherwise).
-    - ``online``: no usable credential (none, malformed, or settings wandb rejects) is a
-      ``ValueError`` whatever ``fallback`` says: a setup to fix, not an outage. Then the server
-      verifies the key within ``timeout_s``: yes -> ``("online", [])``; no (unreachable, refused,
-      no answer) and ``fallback == "offline"`` -> ``("offline", [one warning line])``;
-      ``fallback == "error"`` -> ``RuntimeError``.
-    - ``run_dir`` names the offline run in the sync hint.
-
-    Every message is one line; ``wandb.init`` is never called.
-    """
+    ``disabled`` needs no wandb; ``offline`` needs it importable (``ValueError``). ``online``: no
+    usable credential is a ``ValueError`` whatever ``fallback`` says (a setup to fix, not an
+    outage); a server that does not verify the key within ``timeout_s`` gives ``("offline",
+    [warning])`` with ``fallback="offline"``, else ``RuntimeError``. ``run_dir`` goes in the sync hint."""
     if mode not in MODES:
         raise ValueError(f"--wandb {mode!r}: use disabled, offline or online")
     if fallback not in FALLBACKS:

@@ -1,21 +1,11 @@
 """Weights & Biases sink (offline by default).
 
-One ``wandb.log`` per phase record, keys per docs/DESIGN.md, "The phase record":
-``mem/process/rss_bytes``, ``mem/process/rss_peak_bytes``,
-``mem/<backend>/<key>_{sum,min,max}``, ``mem/<backend>/device{i}/<key>``,
-``phase/idx``, ``phase/name``, ``phase/step``, ``time/elapsed_s``, ``time/phase_s``; all
-memory and time series use ``phase/idx`` as x-axis (``define_metric``).
-
-RL metrics: one ``wandb.log`` per step (``log_metrics``) with ``rl/step`` and
-``train/<metric>`` keys, x-axis ``rl/step``: exactly one point per step per metric.
-Multi-task runs (``log_task_metrics``): one ``wandb.log`` per step per task with
-``<task>/rl/step`` and ``<task>/train/<metric>`` keys, x-axis ``<task>/rl/step`` (each task its
-own step axis: tasks at different steps never share or overwrite a point).
-
-``close`` finishes the run *and* tears the wandb service down explicitly: the manual
-param-swap runs saw an atexit ``BrokenPipeError`` otherwise, and sglang-jax's ``shutdown()``
-SIGKILLs every child process (the service is one), so this must run before it.
-"""
+One ``wandb.log`` per phase record (keys per docs/DESIGN.md, "The phase record": ``mem/...``,
+``phase/...``, ``time/...``; x-axis ``phase/idx``) and one per step of RL metrics (``rl/step``,
+``train/<metric>``). A multi-task run logs ``<task>/rl/step`` and ``<task>/train/<metric>``, each
+task on its own step axis so tasks at different steps never overwrite a point. ``close`` tears the
+wandb service down explicitly: it must end before sglang-jax's ``shutdown()`` SIGKILLs every child
+process (the service is one), and an atexit teardown can hit ``BrokenPipeError``."""
 
 from __future__ import annotations
 
@@ -68,14 +58,10 @@ def flatten_record(record: dict[str, Any], t0: float) -> dict[str, Any]:
 class WandbSink(Sink):
     """One W&B run (``mode`` ``"offline"`` or ``"online"``) in ``run_dir/wandb``.
 
-    Online, ``wandb.init`` is bounded by ``init_timeout`` seconds (``Settings.init_timeout``) and
-    is not attempted without a credential (``wandb_check.logged_in``: wandb would prompt on a
-    terminal). If it fails or times out, ``fallback="offline"`` starts an offline run in its place
-    and prints one ``warning:`` line on stderr; ``fallback="error"`` raises a one-line
-    ``RuntimeError``. Either way no wandb exception escapes. ``mode`` is the mode the run has
-    (``"offline"`` after a fallback) and ``fallback_reason`` why it fell back (``None`` if not).
-    Offline runs are made exactly as before (no timeout, no fallback).
-    """
+    Online, ``wandb.init`` is bounded by ``init_timeout`` and skipped without a credential (wandb
+    would prompt). On failure ``fallback="offline"`` starts an offline run with one ``warning:``
+    line, ``fallback="error"`` raises a one-line ``RuntimeError``; no wandb exception escapes.
+    ``mode`` is the mode the run has, ``fallback_reason`` why it fell back (or ``None``)."""
 
     def __init__(
         self,
@@ -158,8 +144,7 @@ class WandbSink(Sink):
             )
         self.mode, self.fallback_reason = "offline", reason
         try:
-            # the failed online run still holds its id in the wandb service ("run ID ... is in use"):
-            # a fresh service for the offline run
+            # the failed run's id is still held by the service ("run ID ... is in use"): a fresh one
             wandb.teardown(1)
             run = wandb.init(
                 mode="offline", settings=wandb.Settings(console="off", x_disable_stats=True), **kwargs

@@ -1,11 +1,8 @@
 """The task contract (``Task``, ``Example``) and the task names ``--task`` accepts (``TASKS``).
 
-A task is prompts (a pure function of ``(seed, step)``: a resumed run sees the prompts it would
-have seen), a held-out set for evaluation, and a reward function by import path
-(``reward_spec``, ``module:function`` or ``path/to/file.py:function``) that
-``mllm_rl.tasks.reward`` runs in a worker process. docs/TASKS.md describes the data formats and
-the reward signature.
-"""
+A task is prompts (a pure function of ``(seed, step)``, so a resumed run sees the same ones), a
+held-out set, and a reward by import path (``reward_spec``) run by ``mllm_rl.tasks.reward`` in a
+worker process (docs/TASKS.md)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
 """Reading a dataset: rows (every column) with where each came from, and the checks of its prompts.
 
-Formats (docs/TASKS.md), by the path:
-
-- a directory: a dataset saved with ``datasets``' ``save_to_disk`` (a ``Dataset``, or a
-  ``DatasetDict``: its ``train`` split, or its only one; its ``test`` or ``validation`` split is the
-  held-out set unless ``--eval-data`` names one);
-- ``*.parquet``, ``*.csv``, ``*.tsv``: through ``datasets`` (``Dataset.from_parquet`` /
-  ``from_csv``, cached in a temporary directory that is removed);
-- anything else (``*.jsonl``, ``*.json``, no suffix): JSON lines, one object per line, read
-  line by line so that an error names the line (a ``*.json`` file holding one JSON array of
-  objects is read as that array);
-- ``org/name`` or ``org/name:config`` that is no local path: the Hugging Face Hub dataset
-  (``datasets.load_dataset``; its splits as a saved ``DatasetDict``'s).
-
-Every error is a ``ValueError`` with one line naming the file and the row (``file:LINE:`` for
-JSON lines, ``file: row I:`` otherwise): nothing of a run exists yet when it is raised.
-"""
+Formats by path (docs/TASKS.md): a ``save_to_disk`` directory (a ``DatasetDict``'s ``train``
+split, or its only one; ``test``/``validation`` is the held-out set unless ``--eval-data``);
+``*.parquet``/``*.csv``/``*.tsv`` through ``datasets``; ``org/name[:config]`` from the Hub;
+anything else JSON lines, read line by line so an error names the line (a ``*.json`` array too).
+Every error is a one-line ``ValueError`` naming the file and row (``file:LINE:`` or
+``file: row I:``)."""
 
 from __future__ import annotations
 
@@ -126,8 +116,7 @@ def _json_lines(p: Path, flag: str) -> Table:
 
 
 class _Quiet:
-    """``datasets`` without progress bars and with its loggers below CRITICAL silenced (a bad
-    parquet file is logged before it is raised: a refusal is one line)."""
+    """``datasets`` without progress bars or loggers below CRITICAL, so a refusal is one line."""
 
     def __enter__(self) -> Any:
         import datasets

@@ -1,15 +1,10 @@
 """A task read from a dataset (``--data``): its rows as prompts, a held-out set, a reward by import path.
 
-Training order: epoch ``e`` visits every training row once, in the order of
-``default_rng([seed, e, DATA_STREAM]).permutation(rows)``; step ``s`` takes the next
-``prompts_per_step`` of that sequence (positions ``s * n ... s * n + n - 1``), so the prompts of a
-step are a pure function of ``(seed, step)`` and a resumed run sees the prompts it would have seen.
-
-Held-out set (evaluation, ``generate_result``): ``--eval-data`` (its first ``eval_prompts`` rows), or
-a saved ``DatasetDict``'s ``test``/``validation`` split (its first ``eval_prompts`` rows), or else
-``eval_prompts`` rows split off the data (at most a quarter of it; chosen by a fixed RNG, the same
-for every seed, so runs of different seeds are scored on the same rows) and never trained on.
-"""
+Epoch ``e`` visits every training row once in ``default_rng([seed, e, DATA_STREAM]).permutation``
+order; step ``s`` takes the next ``prompts_per_step``, so a step's prompts are a pure function of
+``(seed, step)``. Held-out set: ``--eval-data``, else a ``DatasetDict``'s ``test``/``validation``
+split, else ``eval_prompts`` rows split off (at most a quarter, by a seed-independent RNG so runs
+of different seeds are scored on the same rows), never trained on."""
 
 from __future__ import annotations
 

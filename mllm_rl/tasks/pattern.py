@@ -1,16 +1,10 @@
-"""Pattern completion: continue a periodic string. Learnable by the ``tiny`` preset from
-random init within a few CPU minutes, which makes RL progress visible on the embedded default.
+"""Pattern completion: continue a periodic string; the ``tiny`` preset learns it from random init in
+a few CPU minutes, so RL progress is visible on the embedded default.
 
-A prompt is a short unit of letters from ``alphabet`` repeated to a random length, e.g.
-``"cabcabca"`` (unit ``"cab"``); the answer is the next ``answer_len`` characters
-(``"bcab"``). The reward (``reward``, the documented reward signature, run in the reward worker
-like any ``--reward``) is the fraction of answer positions the completion's first characters
-match exactly (partial credit keeps the signal dense: a random policy over the model's
-384-token vocabulary scores ~0.003).
-
-The prompts are generated, not read: a step's are drawn from ``default_rng([seed, step, 0])``,
-the held-out ones from their own stream; the chat template never applies (a raw continuation).
-"""
+A prompt is a unit of ``alphabet`` letters repeated to a random length (``"cabcabca"``); the
+answer is the next ``answer_len`` characters (``"bcab"``). The reward is the fraction of answer
+positions matched (partial credit keeps the signal dense). Prompts are drawn from
+``default_rng([seed, step, 0])``, held-out ones from ``EVAL_STREAM``; no chat template."""
 
 from __future__ import annotations
 

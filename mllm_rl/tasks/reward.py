@@ -1,17 +1,11 @@
-"""Reward functions by import path, called in a worker process with a timeout.
+"""Reward functions by import path, called in a worker process with a timeout (docs/TASKS.md).
 
-``--reward module:function`` or ``--reward path/to/file.py:function`` names a function
-``(prompt: str, completion: str, row: dict) -> float`` (or, with ``function.batched = True``,
-``(prompts, completions, rows) -> list[float]``); docs/TASKS.md. ``RewardRunner`` runs it in a
-Python subprocess (``mllm_rl.tasks.reward_worker``) started once per run:
-
-- a call that raises, returns something that is not a finite number (NaN included) or does not
-  return within ``timeout`` seconds (per sample; per batch for a batched function), and a worker
-  that dies (a segfault, ``os._exit``), end the run with ``RewardError`` (exit 1), one line naming
-  the function and the sample; a hanging worker is killed first;
-- ``check_reward`` loads the function in a short-lived worker before the run starts (exit 2 with
-  one line when it cannot be imported or called as documented).
-"""
+``--reward module:function`` or ``path/to/file.py:function`` names ``(prompt, completion, row) ->
+float`` (or, with ``function.batched = True``, lists in and out). ``RewardRunner`` runs it in one
+subprocess per run (``mllm_rl.tasks.reward_worker``): a call that raises, returns a non-finite or
+non-number, exceeds ``timeout`` (per sample, or per batch) or kills the worker ends the run with
+``RewardError`` (exit 1) naming function and sample. ``check_reward`` loads it before the run
+starts (exit 2 when it cannot be imported or called as documented)."""
 
 from __future__ import annotations
 
@@ -153,11 +147,9 @@ class RewardRunner:
         raise RewardError(f"the reward worker died ({how}) {what}")
 
     def _exit_code(self, timeout: float = 10.0) -> int | None:
-        """The dead worker's exit code (``-N``: signal N) as its keeper reports it; when the keeper
-        was killed itself (the worker then dies with it), the keeper's own, if it can be known.
-
-        Not ``Popen.wait`` alone: a SIGCHLD handler in this process (sglang-jax installs one) may
-        reap the keeper first, and ``wait`` then says 0."""
+        """The dead worker's exit code (``-N``: signal N) as its keeper reports it, else the
+        keeper's own. Not ``Popen.wait`` alone: sglang-jax's SIGCHLD handler may reap the keeper
+        first, and ``wait`` then says 0."""
         assert self.proc is not None and self._status is not None
         poller = select.poll()
         poller.register(self._status, select.POLLIN)

@@ -1,26 +1,16 @@
-"""The reward worker: ``main([IN_FD, OUT_FD])`` in a Python subprocess (started by
-``mllm_rl.tasks.reward.RewardRunner``, never by hand).
+"""The reward worker: ``main([IN_FD, OUT_FD])`` in a subprocess started by
+``mllm_rl.tasks.reward.RewardRunner``.
 
-It imports the reward function (``module:function`` or ``path/to/file.py:function``) and scores
-what it is sent, one message back per sample, so the run can stop a call that hangs (and name the
-sample) and survive one that crashes the interpreter. Standard library only (plus the reward's own
-imports). Messages (pickled, ``multiprocessing.connection``):
+It imports the reward (``module:function`` or ``file.py:function``) and answers one message per
+sample, so the run can stop a hung call (naming the sample) and survive an interpreter crash.
+Messages (pickled, ``multiprocessing.connection``): ``("load", spec, sys_path)`` ->
+``("loaded", batched)`` | ``("failed", reason)``; ``("score", prompts, completions, rows)`` -> per
+sample ``("value", i, float)`` | ``("raised", i, reason)`` | ``("bad", i, returned)``, then
+``("done",)``. Standard library only; ``print`` goes to stderr; SIGINT ignored; dies with the run.
 
-- in ``("load", spec, sys_path)`` -> out ``("loaded", batched)`` | ``("failed", reason)``;
-- in ``("score", prompts, completions, rows)`` -> out, per sample in order, ``("value", i, float)``
-  | ``("raised", i, reason)`` | ``("bad", i, what it returned)``, then ``("done",)``; a batched
-  function (``fn.batched = True``) is called once, its values sent the same way.
-
-The worker writes nothing to the pipe's stdout (``print`` in a reward goes to stderr), ignores
-SIGINT (the run decides when it stops) and dies with the run (``PR_SET_PDEATHSIG`` on Linux, and
-the end of its input pipe everywhere).
-
-``main([IN_FD, OUT_FD, STATUS_FD])`` runs the worker under a keeper: the process forks, the child
-is the worker and the parent only waits for it and writes its exit code (``-N``: killed by signal
-N) to ``STATUS_FD``, so the run learns how a worker died even when something in the run's process
-reaps its children first (sglang-jax installs a SIGCHLD handler that does, and then the run's own
-``wait`` sees no status). SIGUSR1 to the keeper kills the worker (a reward that hangs).
-"""
+``main([IN_FD, OUT_FD, STATUS_FD])`` forks a keeper that writes the worker's exit code (``-N``:
+signal N) to ``STATUS_FD``, because sglang-jax's SIGCHLD handler reaps children before the run's
+own ``wait`` sees a status. SIGUSR1 to the keeper kills the worker."""
 
 from __future__ import annotations
 
@@ -57,9 +47,8 @@ def is_file_spec(target: str) -> bool:
 
 
 def absolute_spec(spec: str, base: Path | None = None) -> str:
-    """``spec`` with a file's path made absolute (relative to ``base``, else the working directory):
-    what ``run.json`` records, so a resume from elsewhere loads the same file; a module spec, or a
-    spec that does not parse, as it is."""
+    """``spec`` with a file path made absolute (against ``base``, else the cwd) so a resume from
+    elsewhere loads the same file; other specs unchanged."""
     try:
         target, name = split_spec(spec)
     except LoadError:
