@@ -23,6 +23,7 @@ from mllm_rl.options.schema import FROM_SCRATCH_LR
 from mllm_rl.rl.batch import RolloutBatch  # defined with build_batch; imported from here by the backends
 from mllm_rl.rl.loss_config import LossConfig
 
+Manifest = dict[str, dict[str, Any]]  # a checkpoint file's relative path -> {"bytes": int, "sha256": hex}
 PARAMS = "params"
 OPTIMIZER = "optimizer"
 PRECISIONS = ("mixed", "pure")
@@ -110,8 +111,9 @@ class TrainerSnapshot(Protocol):
 
     nbytes: int  # host bytes the copy holds until it is written and dropped
 
-    def write(self, path: Path) -> None:
-        """Write into ``path`` the files ``Trainer.save`` writes (safe on another thread)."""
+    def write(self, path: Path) -> Manifest | None:
+        """Write into ``path`` the files ``Trainer.save`` writes (safe on another thread); returns
+        what ``save`` returns."""
         ...
 
 
@@ -154,8 +156,10 @@ class Trainer(Protocol):
         """(sum, sumsq) of the exported tensors (all, or ``names``)."""
         ...
 
-    def save(self, path: Path) -> None:
-        """Write params and optimizer state into the directory ``path`` (both resident)."""
+    def save(self, path: Path) -> Manifest | None:
+        """Write params and optimizer state into the directory ``path`` (both resident). Returns the
+        manifest entries (``{relative path: {"bytes", "sha256"}}``) of files it hashed while writing,
+        so the checkpoint's manifest need not read them back; ``None``: none."""
         ...
 
     def snapshot(self) -> TrainerSnapshot | None:

@@ -27,9 +27,11 @@ each process's own bytes to the host and keeps the tensor objects.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +52,15 @@ from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import Fingerprint, WeightExport
 from mllm_rl.faults import fault, fault_value
 from mllm_rl.rl.loss_config import seq_count
-from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig, check_state_names, train_metrics
+from mllm_rl.trainer import (
+    OPTIMIZER,
+    PARAMS,
+    Manifest,
+    RolloutBatch,
+    TrainConfig,
+    check_state_names,
+    train_metrics,
+)
 
 T_BUCKET = 32
 STATE_FILE = "state.pt"
@@ -497,7 +507,7 @@ class TorchTrainer:
             "step": self.step,
         }
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path) -> Manifest | None:
         """``<path>/state.pt``: trainable params and optimizer state, written through a temporary
         name; the LoRA base is the run's ``--model`` and is not saved. Data parallel: process 0 writes.
         Sharded: ``<path>/dcp``, every process its shards (``torch.distributed.checkpoint``)."""
@@ -505,7 +515,8 @@ class TorchTrainer:
         if self.sharded:
             fsdp.save(self._dcp_state(), Path(path))
         elif self.dp.index == 0:
-            _write_state(self._state(lambda t: t), Path(path))
+            return _write_state(self._state(lambda t: t), Path(path))
+        return None
 
     def _dcp_state(self) -> dict[str, Any]:
         """The state ``torch.distributed.checkpoint`` writes and loads in place: the trainable
@@ -615,15 +626,15 @@ class TorchTrainer:
         self.step = int(state["meta"]["step"])
 
 
-def _write_state(state: dict[str, Any], path: Path) -> None:
+def _write_state(state: dict[str, Any], path: Path) -> Manifest:
     """``torch.save`` of ``state`` to ``path/state.pt`` through a temporary name (removed when the
-    write fails). Writes go through a Python file that records the ``OSError``, because torch's zip
-    writer reports it only as ``RuntimeError: ... unexpected pos ...`` without the reason."""
+    write fails), hashed while it is written; returns its manifest entry. Writes go through a
+    Python file that records the ``OSError``, because torch's zip writer reports it only as
+    ``RuntimeError: ... unexpected pos ...`` without the reason."""
     target = path / STATE_FILE
     tmp = target.with_name(f".{STATE_FILE}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            out = _ErrorRecordingFile(f)
+        with open(tmp, "wb") as f, _HashingFile(f) as out:
             try:
                 torch.save(state, out)
             except RuntimeError:
@@ -639,21 +650,42 @@ def _write_state(state: dict[str, Any], path: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return {STATE_FILE: {"bytes": out.nbytes, "sha256": out.sha256.hexdigest()}}
 
 
-class _ErrorRecordingFile:
-    """The file ``torch.save`` writes to, keeping the first ``OSError`` of a ``write``/``flush``
-    (torch's C++ writer turns it into a ``RuntimeError`` without the reason)."""
+class _HashingFile:
+    """The file ``torch.save`` writes to: each buffer is hashed (sha256, on a second thread: hashlib
+    and the file write both release the GIL) while it is written, so the checkpoint's manifest does
+    not read the file back; the first ``OSError`` of a ``write``/``flush`` is kept (torch's C++
+    writer turns it into a ``RuntimeError`` without the reason)."""
+
+    INLINE = 1 << 20  # smaller buffers are hashed on the writing thread
 
     def __init__(self, f: Any) -> None:
-        self.f, self.error = f, None
+        self.f, self.error, self.nbytes, self.sha256 = f, None, 0, hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
+
+    def __enter__(self) -> _HashingFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown()
 
     def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        hashed = self._pool.submit(self.sha256.update, view) if view.nbytes >= self.INLINE else None
         try:
-            return self.f.write(data)
+            n = self.f.write(view)
         except OSError as e:
             self.error = self.error or e
             raise
+        finally:
+            if hashed is not None:
+                hashed.result()
+        if hashed is None:
+            self.sha256.update(view)
+        self.nbytes += view.nbytes
+        return n
 
     def flush(self) -> None:
         try:
@@ -679,8 +711,8 @@ class StateSnapshot:
         ]
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
-    def write(self, path: Path) -> None:
-        _write_state(self.state, Path(path))
+    def write(self, path: Path) -> Manifest:
+        return _write_state(self.state, Path(path))
 
 
 def right_padded(mask: np.ndarray) -> bool:

@@ -75,23 +75,32 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def file_manifest(ckpt: Path) -> dict[str, dict[str, Any]]:
+def file_manifest(ckpt: Path, known: Mapping[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """``{relative path: {"bytes": size, "sha256": hex}}`` of every file under ``ckpt`` but its
-    ``meta.json``; files hashed in parallel (hashlib releases the GIL on large buffers)."""
+    ``meta.json``. ``known``: entries the writer hashed while writing (``Trainer.save``), taken as
+    they are when the file on disk has their size; the rest are read back and hashed in parallel
+    (hashlib releases the GIL on large buffers)."""
+    known = known or {}
     files = sorted(p for p in ckpt.rglob("*") if p.is_file() and not p.name.startswith(META))
+    rels = [str(p.relative_to(ckpt)) for p in files]
+    sizes = [p.stat().st_size for p in files]
+    todo = [p for p, rel, n in zip(files, rels, sizes, strict=True) if known.get(rel, {}).get("bytes") != n]
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        digests = list(pool.map(_sha256, files))
+        digests = dict(zip(todo, pool.map(_sha256, todo), strict=True))
     return {
-        str(p.relative_to(ckpt)): {"bytes": p.stat().st_size, "sha256": d}
-        for p, d in zip(files, digests, strict=True)
+        rel: {"bytes": n, "sha256": digests[p] if p in digests else known[rel]["sha256"]}
+        for p, rel, n in zip(files, rels, sizes, strict=True)
     }
 
 
-def write_meta(ckpt: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """Write ``ckpt/meta.json`` = ``meta`` + the manifest of the files already there (atomically:
-    the checkpoint counts from this rename on). Returns what was written."""
+def write_meta(
+    ckpt: Path, meta: dict[str, Any], known: Mapping[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Write ``ckpt/meta.json`` = ``meta`` + the manifest of the files already there (``known``:
+    see ``file_manifest``), atomically: the checkpoint counts from this rename on. Returns what
+    was written."""
     t0 = time.perf_counter()
-    files = file_manifest(ckpt)
+    files = file_manifest(ckpt, known)
     full = {**meta, "files": files, "manifest_s": round(time.perf_counter() - t0, 4)}
     tmp = ckpt / f"{META}.tmp"
     tmp.write_text(json.dumps(full, indent=1))

@@ -204,14 +204,14 @@ class Checkpointer:
         leader = self.coord.index == 0
         try:
             try:
-                write(path)
+                known = write(path)  # what it hashed while writing, if anything
             except BaseException:
                 self._told_failed(f"{path.name}/written")
                 raise
             self._sync(f"{path.name}/written")
             if leader:  # the checkpoint counts from here on (meta.json with the manifest, written last)
                 try:
-                    write_meta(path, {"step": step, **self.meta})
+                    write_meta(path, {"step": step, **self.meta}, known)
                 except BaseException:
                     self._told_failed(f"{path.name}/meta")
                     raise

@@ -120,7 +120,7 @@ def test_a_refused_manifest_is_the_same_error(tmp_path, monkeypatch):
     save = saver(Trainer(), tmp_path)
     save(0)
 
-    def full_disk(path: Path, meta: dict) -> dict:
+    def full_disk(path: Path, meta: dict, known: dict | None = None) -> dict:
         tmp = path / "meta.json.tmp"
         tmp.write_text("{")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))

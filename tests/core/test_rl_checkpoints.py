@@ -7,6 +7,7 @@ tests/jax/test_rl_run.py and tests/torch/test_rl_run.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -43,6 +44,22 @@ def test_manifest_lists_every_file_with_size_and_sha256(tmp_path):
     assert len(meta["files"]["state/sub/opt.bin"]["sha256"]) == 64
     got = verify_rl_checkpoint(d, {"backend": "jax", "lora_rank": 0})
     assert (got.step, got.path, got.verified) == (3, d, True)
+
+
+def test_the_manifest_takes_a_hash_made_while_writing_only_for_a_file_of_its_size(tmp_path):
+    """``known`` entries (a trainer hashed the file as it wrote it) are taken without reading the file
+    back; one whose size is not the file's is hashed again."""
+    d = tmp_path / "step_000000"
+    (d / "state").mkdir(parents=True)
+    (d / "state" / "a.bin").write_bytes(b"a" * 100)
+    (d / "state" / "b.bin").write_bytes(b"b" * 50)
+    known = {
+        "state/a.bin": {"bytes": 100, "sha256": "f" * 64},
+        "state/b.bin": {"bytes": 49, "sha256": "e" * 64},
+    }
+    files = write_meta(d, {"step": 0}, known)["files"]
+    assert files["state/a.bin"] == {"bytes": 100, "sha256": "f" * 64}  # taken: not read back
+    assert files["state/b.bin"] == {"bytes": 50, "sha256": hashlib.sha256(b"b" * 50).hexdigest()}
 
 
 def flip_byte(path: Path) -> None:

@@ -4,6 +4,7 @@ weight export into the real embedded engine, the garbage guard's greedy referenc
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import subprocess
@@ -313,8 +314,10 @@ def test_a_snapshot_holds_the_state_of_its_moment_and_writes_what_save_writes(mo
     a.onload([PARAMS, OPTIMIZER])
     for d in ("snap", "now"):
         (tmp_path / d).mkdir()
-    snap.write(tmp_path / "snap")
-    a.save(tmp_path / "now")
+    written = {d: w(tmp_path / d) for d, w in (("snap", snap.write), ("now", a.save))}
+    for d, manifest in written.items():  # hashed while written: what the checkpoint's manifest takes
+        data = (tmp_path / d / "state.pt").read_bytes()
+        assert manifest == {"state.pt": {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
     b = trainer(model_dir, lora_rank=lora_rank)
     b.restore(tmp_path / "snap")
     assert_same(params(b), p1)

@@ -1,0 +1,87 @@
+"""What a torch checkpoint write costs next to a copy of the same state in host memory.
+
+    .venv-torch/bin/python scripts/bench_checkpoint_write.py --mb 1024 [--repeats 3] [--json OUT]
+
+Side by side in one process, interleaved round by round, on a state of ``--mb`` MiB of float32
+tensors (64 of them, like a model's params and AdamW moments): ``host copy`` (a clone of every
+tensor, the floor the issue measures against), ``save + read back`` (``torch.save``, then the
+manifest reads the file back to hash it) and ``save, hashed while written`` (the trainer's
+``_write_state``: a second thread hashes each buffer as it goes to the file; the manifest takes that
+hash). Medians over ``--repeats``; a CPU figure of this machine's disk and page cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mllm_rl.backends.torch.trainer import _write_state
+from mllm_rl.bench import MiB
+from mllm_rl.bench.cli import positive
+from mllm_rl.checkpoint.resolve import file_manifest
+
+TENSORS = 64
+
+
+def state_of(mb: int) -> dict[str, torch.Tensor]:
+    n = mb * MiB // 4 // TENSORS
+    g = torch.Generator().manual_seed(0)
+    return {f"t{i}": torch.randn(n, generator=g) for i in range(TENSORS)}
+
+
+def read_back(state: dict[str, Any], d: Path) -> None:
+    torch.save(state, d / "state.pt")
+    file_manifest(d)
+
+
+def hashed_while_written(state: dict[str, Any], d: Path) -> None:
+    file_manifest(d, _write_state(state, d))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mb", type=positive(int), default=1024, help="state size in MiB (default 1024)")
+    ap.add_argument("--repeats", type=positive(int), default=3)
+    ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary dir)")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args(argv)
+    state = state_of(args.mb)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    ways = {
+        "host copy": lambda d: {k: t.clone() for k, t in state.items()},
+        "save + read back": lambda d: read_back(state, d),
+        "save, hashed while written": lambda d: hashed_while_written(state, d),
+    }
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for _ in range(args.repeats):
+            for name, fn in ways.items():
+                d = Path(tempfile.mkdtemp(dir=tmp))
+                t0 = time.perf_counter()
+                fn(d)
+                times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    base = med["host copy"]
+    print(
+        f"CPU figure: {nbytes / 2**30:.2f} GiB of float32 state, median of {args.repeats} interleaved rounds"
+    )
+    print(f"{'way':28}  {'seconds':>8}  {'x host copy':>11}  {'GB/s':>6}")
+    for k, v in med.items():
+        print(f"{k:28}  {v:8.3f}  {v / base:11.2f}  {nbytes / v / 1e9:6.2f}")
+    out = {"bench": "checkpoint_write", "figure": "CPU", "bytes": nbytes, "median_s": med,
+           "x_host_copy": {k: round(v / base, 3) for k, v in med.items()}}  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
