@@ -1,6 +1,8 @@
 """Multi-process JAX: 2 local CPU processes joined by ``jax.distributed`` (gloo collectives) run the
 param-swap plan on ONE sglang-jax engine whose tp=2 mesh spans both processes (one CPU device each).
 
+The shared run is started by ``python -m mllm_rl.launch --nproc 2`` (the launcher's swap test); the
+fault run starts each process itself with the same environment, as each host of a cluster would.
 Every engine runs in a subprocess (sglang-jax's ``shutdown()`` SIGKILLs its children, its threads
 abort interpreter teardown). The processes write their output to files, not pipes: a process
 blocked on a full pipe would stall the other one inside a collective.
@@ -130,18 +132,36 @@ def phase_file(run_dir: Path, i: int) -> Path:
 
 @pytest.fixture(scope="module")
 def swap2(tiny_ckpt, tmp_path_factory):
+    """One swap run as two processes of ``python -m mllm_rl.launch --nproc 2``, without ``--tp``."""
     run_dir = tmp_path_factory.mktemp("multihost") / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", MLLM_RL_DIST_TIMEOUT_S="120", PYTHONUNBUFFERED="1")
     # 0.05 MiB chunks: every 2-D tensor is written into the engine's global buffer in donated slices.
-    procs = run_processes(run_dir, tiny_ckpt, "--tp", "2", "--swap-chunk-mb", "0.05")
-    return procs, run_dir
+    cmd = [sys.executable, "-m", "mllm_rl.launch", "--nproc", str(N), "--", "--backend", "jax", "--plan", "swap",
+           "--model", str(tiny_ckpt), "--run-dir", str(run_dir), "--max-new-tokens", "8", "--swap-chunk-mb",
+           "0.05", "--wandb", "disabled", "--quiet"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    return r, run_dir
 
 
 @pytest.mark.slow
 def test_both_processes_exit_clean(swap2):
-    procs, _ = swap2
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, f"process {i}:\n{p.stderr[-3000:]}"
-        assert "Traceback" not in p.stderr, f"process {i}:\n{p.stderr[-3000:]}"
+    r, _ = swap2
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_without_tp_the_launched_engine_spans_every_process(swap2):
+    """``--tp 1`` (the default) cannot run on two processes (the engine's mesh spans both): without
+    ``--tp`` the launcher passes 2, one CPU device per process, and the run records it; both
+    processes record the same phases, each with its own process index."""
+    _, run_dir = swap2
+    assert json.loads((run_dir / "run.json").read_text())["options"]["tp"] == N
+    p0, p1 = read_jsonl(phase_file(run_dir, 0)), read_jsonl(phase_file(run_dir, 1))
+    assert [x["phase"] for x in p0] == [x["phase"] for x in p1]
+    assert {x["process_index"] for x in p0} == {0} and {x["process_index"] for x in p1} == {1}
+    assert "generate_result" in [x["phase"] for x in p0]
 
 
 @pytest.mark.slow
