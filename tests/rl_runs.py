@@ -9,7 +9,7 @@ from pathlib import Path
 from mllm_rl.sinks.jsonl import read_jsonl
 from tests.conftest import run_cli
 
-SMALL = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "6",
+SMALL = ["--steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "6",
          "--max-running-requests", "16", "--checkpoint-every", "0", "--console", "off", "--wandb", "disabled"]  # fmt: skip
 
 
