@@ -31,7 +31,30 @@ def launch(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
 
 
-def test_rl_as_two_data_parallel_processes_is_the_one_process_run(tiny_bf16_ckpt, tmp_path):
+@pytest.fixture(scope="module")
+def killed_and_resumed(tiny_bf16_ckpt, tmp_path_factory):
+    """One two-process run (FSDP2, the default), process 1 SIGKILLed during step 1 (the checks of
+    ``kill_process_1_in_step_1``), then ``--resume`` to the end: the run that the kill test and the
+    data-parallel test both read."""
+    from tests.launch_kill import kill_process_1_in_step_1
+
+    run_dir = tmp_path_factory.mktemp("launch_killed") / "two"
+    env = {**os.environ, "MLLM_RL_DIST_TIMEOUT_S": "120", "PYTHONUNBUFFERED": "1"}
+    args = [*RL, "--model", str(tiny_bf16_ckpt), "--steps", "3", "--run-dir", str(run_dir)]
+    kill_process_1_in_step_1([sys.executable, "-m", "mllm_rl.launch", "--nproc", "2", "--grace-s", "20", "--",
+                              *args], env, run_dir)  # fmt: skip
+    return launch(*args, "--resume"), run_dir
+
+
+def resumed_attempt(recs: list[dict]) -> list[dict]:
+    """The phase records of a run's last attempt (from its last ``wandb_init``)."""
+    starts = [i for i, x in enumerate(recs) if x["phase"] == "wandb_init"]
+    return recs[starts[-1] :]
+
+
+def test_rl_as_two_data_parallel_processes_is_the_one_process_run(
+    killed_and_resumed, tiny_bf16_ckpt, tmp_path
+):
     """Each request sampled from its own seed by its index in the whole batch (which process
         generates it does not matter), every process with the whole batch, half of the micro-batches
         each and the gradient summed over both: step 0's rewards equal the one-process run's exactly,
@@ -41,13 +64,12 @@ def test_rl_as_two_data_parallel_processes_is_the_one_process_run(tiny_bf16_ckpt
         pick the neighbour token (seen: one of 64 samples at step 2, with the trainer's state after
         step 1 bit-identical in both runs). The trainer is sharded (FSDP2, the default over several
     processes): each process writes its shards of each checkpoint. The two-process run plans itself
-    before start-up (``cpux2``), as one process does."""
-    one, two = tmp_path / "one", tmp_path / "two"
+    before start-up (``cpux2``), as one process does. The two-process run is the killed one, resumed
+    from its step 0 checkpoint (``killed_and_resumed``): steps 1 and 2 are the resumed attempt's."""
+    r, two = killed_and_resumed
+    assert r.returncode == 0, r.stderr[-3000:]
+    one = tmp_path / "one"
     r = launch(*RL, "--model", str(tiny_bf16_ckpt), "--steps", "3", "--run-dir", str(one), nproc=1)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = launch(*RL, "--model", str(tiny_bf16_ckpt), "--steps", "2", "--run-dir", str(two))
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = launch(*RL, "--model", str(tiny_bf16_ckpt), "--steps", "3", "--run-dir", str(two), "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     ref = {m["step"]: m for m in read_jsonl(one / "metrics.jsonl")}
     assert any(m["reward_mean"] > 0 for m in ref.values())  # a signal to compare, not all zeros
@@ -66,7 +88,8 @@ def test_rl_as_two_data_parallel_processes_is_the_one_process_run(tiny_bf16_ckpt
     target = doc["plans"][doc["schedule"]]["target"]
     assert (target["name"], target["num_devices"]) == ("cpux2", 2), target
     assert "FSDP2 over 2 devices" in (two / "plan.txt").read_text()
-    p0, p1 = read_jsonl(two / "phases.jsonl"), read_jsonl(two / "phases.p1.jsonl")
+    # both processes ran the same phases (the resumed attempt's: the kill cut the first one short)
+    p0, p1 = (resumed_attempt(read_jsonl(two / name)) for name in ("phases.jsonl", "phases.p1.jsonl"))
     assert [x["phase"] for x in p0] == [x["phase"] for x in p1] and "train_step" in [x["phase"] for x in p0]
     step2 = two / "checkpoints" / "step_000002"  # FSDP (--fsdp 0, the default): each process its shards
     assert sorted(p.name for p in step2.iterdir()) == ["dcp", "meta.json"]
@@ -96,7 +119,11 @@ def test_fsdp_full_fine_tune_shards_the_state_and_its_checkpoint_resumes_in_one_
     full = ["--lora-rank", "0", "--micro-batch-size", "24", "--model-option", "remat=true",
             "--model", str(tiny_bf16_ckpt)]  # fmt: skip
     one, two, dp = tmp_path / "one", tmp_path / "two", tmp_path / "dp"
-    for run_dir, n, extra in ((one, 1, []), (two, 2, ["--steps", "1"]), (dp, 2, ["--fsdp", "1"])):
+    for run_dir, n, extra in (
+        (one, 1, []),
+        (two, 2, ["--steps", "1"]),
+        (dp, 2, ["--steps", "1", "--fsdp", "1"]),
+    ):
         r = launch(*RL, *full, "--steps", "2", *extra, "--run-dir", str(run_dir), nproc=n)
         assert r.returncode == 0, r.stderr[-3000:]
     ref = {m["step"]: m for m in read_jsonl(one / "metrics.jsonl")}
@@ -149,34 +176,51 @@ def test_bench_processes_prints_the_three_runs_side_by_side(tmp_path):
     assert rows[1]["grad_norm0"] == pytest.approx(rows[0]["grad_norm0"], rel=1e-4)
 
 
-def test_a_process_killed_mid_step_stops_the_sharded_run_and_resume_continues(tiny_bf16_ckpt, tmp_path):
+def test_a_process_killed_mid_step_stops_the_sharded_run_and_resume_continues(killed_and_resumed):
     """FSDP2 (the default), process 1 SIGKILLed during step 1: the launcher stops process 0 and exits
     137 within a minute (process 0 does not wait out the collective's timeout), no process is
-    left, and ``--resume`` continues both processes from the newest complete checkpoint (each
-    process's shards through torch.distributed.checkpoint; a checkpoint cut short has no manifest
-    and is skipped) to the end."""
-    from tests.launch_kill import kill_process_1_in_step_1
-
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "MLLM_RL_DIST_TIMEOUT_S": "120", "PYTHONUNBUFFERED": "1"}
-    args = [*RL, "--model", str(tiny_bf16_ckpt), "--steps", "3", "--run-dir", str(run_dir)]
-    kill_process_1_in_step_1([sys.executable, "-m", "mllm_rl.launch", "--nproc", "2", "--grace-s", "20", "--",
-                              *args], env, run_dir)  # fmt: skip
-    r = launch(*args, "--resume")
+    left (both checked in ``killed_and_resumed``), and ``--resume`` continues both processes from
+    the newest complete checkpoint (each process's shards through torch.distributed.checkpoint; a
+    checkpoint cut short has no manifest and is skipped) to the end."""
+    r, run_dir = killed_and_resumed
     assert r.returncode == 0, r.stderr[-3000:]
     for name in ("metrics.jsonl", "metrics.p1.jsonl"):
         assert [m["step"] for m in read_jsonl(run_dir / name)][-2:] == [1, 2], name
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [  # a full fine-tune with a KL term (its reference forward runs on the shards, swapped in), LoRA
-        {"lr": 1e-3, "micro_batch_size": 5, "loss": {"beta": 0.1}, "model_options": [["remat", True]]},
-        {"lr": 1e-3, "micro_batch_size": 8, "lora_rank": 4, "loss": {"beta": 0.1}},
-    ],
-    ids=["full-kl-remat", "lora-kl"],
-)
-def test_the_sharded_trainer_takes_the_steps_of_the_unsharded_one(tiny_bf16_ckpt, tmp_path, cfg):
+# a full fine-tune with a KL term (its reference forward runs on the shards, swapped in), LoRA
+TRAINER_CFGS = {
+    "full-kl-remat": {
+        "lr": 1e-3,
+        "micro_batch_size": 5,
+        "loss": {"beta": 0.1},
+        "model_options": [["remat", True]],
+    },
+    "lora-kl": {"lr": 1e-3, "micro_batch_size": 8, "lora_rank": 4, "loss": {"beta": 0.1}},
+}
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tiny_bf16_ckpt, tmp_path_factory) -> dict[int, dict[str, dict]]:
+    """``tests/fsdp_trainer_child.py`` on 1 and on 2 processes, each launch taking every config of
+    ``TRAINER_CFGS`` in turn: {processes: {config id: its document}}."""
+    import json
+
+    tmp = tmp_path_factory.mktemp("fsdp_trainer")
+    got = {}
+    for n in (1, 2):
+        out = tmp / f"{n}.json"
+        cmd = [sys.executable, "-m", "mllm_rl.launch", "--nproc", str(n), "--module", "tests.fsdp_trainer_child",
+               "--", str(tiny_bf16_ckpt), str(out), json.dumps(list(TRAINER_CFGS.values()))]  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                           env={**os.environ, "MLLM_RL_DIST_TIMEOUT_S": "120"})  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        got[n] = dict(zip(TRAINER_CFGS, json.loads(out.read_text()), strict=True))
+    return got
+
+
+@pytest.mark.parametrize("cfg", list(TRAINER_CFGS))
+def test_the_sharded_trainer_takes_the_steps_of_the_unsharded_one(trainer_runs, cfg):
     """The trainer alone (``tests/fsdp_trainer_child.py``), one fixed batch of 24 rows, three steps
     with offload and onload between them, at a bf16 checkpoint's mixed precision: sharded over 2
     processes vs one process. Every step's loss, KL and grad norm agree to float32 reduction noise
@@ -186,17 +230,7 @@ def test_the_sharded_trainer_takes_the_steps_of_the_unsharded_one(tiny_bf16_ckpt
     24 rows in micro-batches of 5 are 5 micro-batches: process 1 runs a weight-0 repeat. The
     log-probs of the batch (each process computes its share of the micro-batches, all gathered)
     are the one process's."""
-    import json
-
-    got = {}
-    for n in (1, 2):
-        out = tmp_path / f"{n}.json"
-        cmd = [sys.executable, "-m", "mllm_rl.launch", "--nproc", str(n), "--module", "tests.fsdp_trainer_child",
-               "--", str(tiny_bf16_ckpt), str(out), json.dumps(cfg)]  # fmt: skip
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
-                           env={**os.environ, "MLLM_RL_DIST_TIMEOUT_S": "120"})  # fmt: skip
-        assert r.returncode == 0, r.stderr[-3000:]
-        got[n] = json.loads(out.read_text())
+    got = {n: trainer_runs[n][cfg] for n in (1, 2)}
     assert got[2]["sharded"] and not got[1]["sharded"]
     one_lp, two_lp = np.array(got[1]["logprobs"]), np.array(got[2]["logprobs"])
     assert one_lp.shape == two_lp.shape == (24, 40) and (one_lp < 0).sum() > 400
