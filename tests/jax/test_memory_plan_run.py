@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from mllm_rl.sinks.jsonl import read_jsonl
 from tests import plan_run
 from tests.plan_run import drift
 
@@ -78,26 +79,49 @@ def test_a_clean_run_holds_to_its_plan_and_a_leak_does_not(tiny_ckpt, tiny_bf16_
     assert summary["report/plan_drifts"] == len(found) and summary["report/plan_phases"] >= 20
 
 
-@pytest.mark.slow  # starts an engine
-def test_kv_tokens_auto_starts_the_engine_with_the_plans_pool(tiny_ckpt, tmp_path):
-    plan_run.check_kv_tokens_auto_starts_the_engine_with_the_plans_pool("jax", tiny_ckpt, tmp_path)
+@pytest.fixture(scope="module")
+def host_opt(tiny_bf16_ckpt, tmp_path_factory):
+    """One run for two tests: the optimizer in host memory, its engine's KV pool by ``--kv-tokens auto``
+    (the plan of a host-optimizer run sizes the pool like any other)."""
+    out = tmp_path_factory.mktemp("host-opt")
+    r = run(
+        tiny_bf16_ckpt,
+        out,
+        *("--lr", "1e-6", "--temperature", "0.7", "--kv-tokens", "auto"),
+        *("--model-option", "optimizer_memory=host", "--model-option", "scan_layers=true"),
+        *("--model-option", "remat=block"),
+    )
+    return r, out
 
 
 @pytest.mark.slow  # starts an engine
-def test_a_run_with_the_optimizer_in_host_memory_holds_to_its_plan(tiny_bf16_ckpt, tmp_path):
+def test_kv_tokens_auto_starts_the_engine_with_the_plans_pool(host_opt):
+    """At the default margin: on CPU the plan's budget is a share of the RAM available now, and the
+    fitted pool is capped at what the run can hold at once (``tests/plan_run.py``)."""
+    r, out = host_opt
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = json.loads((out / "plan.json").read_text())
+    fit = plan["kv_fit"]
+    tokens = fit["tokens"]
+    assert 0 < tokens == fit["cap_tokens"] <= fit["room_tokens"]
+    target = plan["plans"][plan["schedule"]]["target"]
+    assert "available when planned" in target["source"] and target["hbm_bytes"] < target["host_ram_bytes"]
+    (ready,) = [x for x in read_jsonl(out / "phases.jsonl") if x["phase"] == "engine_ready_dummy"]
+    assert ready["info"]["max_total_tokens"] == tokens
+    assert (
+        f"--kv-tokens auto: a KV pool of {tokens} tokens (the run's max-running-requests x context"
+        in r.stderr
+    )
+
+
+@pytest.mark.slow  # starts an engine
+def test_a_run_with_the_optimizer_in_host_memory_holds_to_its_plan(host_opt):
     """``--model-option optimizer_memory=host`` on the TPU model path (stacked layers, remat), a
     bf16 checkpoint's full fine-tune at lr 1e-6, temperature 0.7: the plan keeps the AdamW state on
     the host in every phase from the trainer's start on and no device row holds it, the run's
     phases end at the plan, and the pinned_host arrays at every phase end are the plan's host
     copies byte for byte (the state included, never on the device)."""
-    out = tmp_path / "host-opt"
-    r = run(
-        tiny_bf16_ckpt,
-        out,
-        *("--lr", "1e-6", "--temperature", "0.7"),
-        *("--model-option", "optimizer_memory=host", "--model-option", "scan_layers=true"),
-        *("--model-option", "remat=block"),
-    )
+    r, out = host_opt
     assert r.returncode == 0, r.stderr[-3000:]
     plan = json.loads((out / "plan.json").read_text())
     main = plan["plans"][plan["schedule"]]

@@ -21,6 +21,7 @@ from mllm_rl.sinks.jsonl import read_jsonl
 from tests.conftest import ROOT, run_cli
 
 PHASES = ["wandb_init", "jax_ready", "engine_ready_dummy", "weights_swapped", "generate_result"]
+CHUNK_MB = 0.05  # every 2-D tiny tensor (192-256 KiB) goes through the chunked swap
 
 
 def swap_run(run_dir: Path, model: Path, *extra: str, env: dict[str, str] | None = None):
@@ -93,31 +94,23 @@ def test_tp1_wandb_offline_has_one_row_per_phase(tp1):
 
 
 @pytest.mark.slow
-def test_tp2_on_two_cpu_devices(tiny_ckpt, tmp_path):
-    r = swap_run(tmp_path, tiny_ckpt, "--tp", "2", "--wandb", "disabled", "--swap-chunk-mb", "0.05")
+def test_tp2_on_two_cpu_devices_with_a_chunked_swap_that_is_exact_and_peaks_at_one_chunk(tiny_ckpt, tmp_path):
+    """Tensors above --swap-chunk-mb are written into the engine buffer slice by slice, each device's
+    shard of them: the engine's weights are what was sent, its greedy tokens the reference model's,
+    and no device holds more than one chunk on top of its weights (the chunked path on one device:
+    ``test_a_chunked_swap_peaks_at_one_chunk_and_sigterm_then_ends_the_run_with_143``)."""
+    r = swap_run(tmp_path, tiny_ckpt, "--tp", "2", "--wandb", "disabled", "--swap-chunk-mb", str(CHUNK_MB))
     assert r.returncode == 0, r.stderr[-3000:]
     recs = read_jsonl(tmp_path / "phases.jsonl")
     assert [x["phase"] for x in recs] == PHASES
     devs = recs[3]["memory"]["devices"]
     assert [d["id"] for d in devs] == [0, 1]
     assert all(d["bytes_in_use"] > 0 for d in devs)
+    assert recs[3]["info"]["fingerprint_ok"] is True
+    assert all(d["phase_peak_bytes"] <= d["bytes_in_use"] + CHUNK_MB * 2**20 + 4096 for d in devs), devs
     gen = recs[-1]["info"]
     ref = reference(tiny_ckpt, gen["prompt_ids"], 8)
     assert gen["token_ids"] == [t for t, _ in ref]
-
-
-@pytest.mark.slow
-def test_chunked_streaming_swap_is_exact_and_peaks_at_one_chunk(tiny_ckpt, tmp_path):
-    """Tensors above --swap-chunk-mb are written into the engine buffer slice by slice."""
-    chunk = 0.05  # MiB: every 2-D tiny tensor (192-256 KiB) goes through the chunked path
-    r = swap_run(tmp_path, tiny_ckpt, "--swap-chunk-mb", str(chunk), "--wandb", "disabled")
-    assert r.returncode == 0, r.stderr[-3000:]
-    recs = read_jsonl(tmp_path / "phases.jsonl")
-    dev = recs[3]["memory"]["devices"][0]
-    assert recs[3]["info"]["fingerprint_ok"] is True
-    assert dev["phase_peak_bytes"] <= dev["bytes_in_use"] + chunk * 2**20 + 4096
-    gen = recs[-1]["info"]
-    assert gen["token_ids"] == [t for t, _ in reference(tiny_ckpt, gen["prompt_ids"], 8)]
 
 
 @pytest.mark.slow
@@ -126,7 +119,7 @@ def test_chunked_swap_that_does_nothing_fails_loudly(tiny_ckpt, tmp_path):
         tmp_path,
         tiny_ckpt,
         "--swap-chunk-mb",
-        "0.05",
+        str(CHUNK_MB),
         "--wandb",
         "disabled",
         env={"MLLM_RL_FAULTS": "swap_noop"},
@@ -195,10 +188,15 @@ def test_tp_not_dividing_heads_is_rejected_before_engine(tiny_ckpt, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_finishes_the_run_with_its_exit_code(tiny_ckpt, tmp_path):
+def test_a_chunked_swap_peaks_at_one_chunk_and_sigterm_then_ends_the_run_with_143(tiny_ckpt, tmp_path):
+    """On one device, tensors above --swap-chunk-mb go into the engine buffer slice by slice: the
+    engine's weights are what was sent (fingerprint) and the peak is one chunk over the weights. Then
+    SIGTERM during the long generation finishes the run: exit 143, the phase records it, W&B has
+    every phase."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLLM_RL_NO_PROGRESS": "1", "WANDB_SILENT": "true"}
     cmd = [sys.executable, "-m", "mllm_rl.run", "--backend", "jax", "--plan", "swap", "--model", str(tiny_ckpt),
-           "--run-dir", str(tmp_path), "--max-new-tokens", "400", "--quiet"]  # fmt: skip
+           "--run-dir", str(tmp_path), "--max-new-tokens", "400", "--swap-chunk-mb", str(CHUNK_MB),
+           "--quiet"]  # fmt: skip
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     phases = tmp_path / "phases.jsonl"
     deadline = time.time() + 120
@@ -212,7 +210,11 @@ def test_sigterm_finishes_the_run_with_its_exit_code(tiny_ckpt, tmp_path):
     assert p.returncode == 143, err[-2000:]
     assert "Traceback" not in err and "BrokenPipe" not in err
     recs = read_jsonl(phases)
+    assert [x["phase"] for x in recs] == PHASES
     assert recs[-1]["phase"] == "generate_result" and "Terminated" in recs[-1]["info"]["error"]
+    assert recs[3]["info"]["fingerprint_ok"] is True and recs[3]["info"]["tensors"] == 25
+    (dev,) = recs[3]["memory"]["devices"]
+    assert dev["phase_peak_bytes"] <= dev["bytes_in_use"] + CHUNK_MB * 2**20 + 4096, dev
     from mllm_rl.sinks.wandb_file import read_history
 
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
