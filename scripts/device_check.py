@@ -11,7 +11,7 @@ Steps, in order of value, each in its own process with its own time limit, the w
   (``python -m mllm_rl.bench copy``), the baselines of the swap and update rates;
 - ``swap-jax``: ``python -m mllm_rl.run --backend jax --plan swap`` (sglang-jax started with dummy
   weights, the real ones streamed in): GB/s and the allocator's peak;
-- ``rl-jax`` / ``rl-torch``: a 3-step RL run (``--cpu``: 2 steps, then ``--resume`` for 1 more), the
+- ``rl-jax`` / ``rl-torch``: a 3-step RL run (``--cpu``: then ``--resume`` for 2 more steps), the
   allocator at every phase, the run's own memory plan against it (end-of-phase bytes and the phase
   peaks), ``update_weights`` GB/s;
 - ``engine-torch``: decode tokens/s of the embedded torch engine against Hugging Face ``generate``
@@ -50,7 +50,7 @@ def _step_table(mode: str, engine_batch: str = "") -> list[dict[str, Any]]:
     common = ["--model", model, "--wandb", "disabled"]
     rl = [
         "--steps",
-        "3" if gpu else "2",
+        "3",
         "--prompts-per-step",
         "8",
         "--group-size",
@@ -58,7 +58,7 @@ def _step_table(mode: str, engine_batch: str = "") -> list[dict[str, Any]]:
         "--max-new-tokens",
         "64" if gpu else "16",
     ]
-    rl += ["--checkpoint-every", "0"] if gpu else ["--checkpoint-every", "2"]
+    rl += ["--checkpoint-every", "0"] if gpu else ["--checkpoint-every", "3"]
     batches = engine_batch or ("1,32,128" if gpu else "1,4")
     engine = ["--preset", model, "--batch", batches, "--new-tokens", "64" if gpu else "16"]
     engine += [
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(run_dir),
                 "--resume",
                 "--steps",
-                "3",
+                "5",
                 "--wandb",
                 "disabled",
             ]
