@@ -4,6 +4,7 @@ a tiny RL run, its report's plan drifts, a configuration that cannot fit, and ``
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 from mllm_rl.sinks.jsonl import read_jsonl
@@ -42,14 +43,20 @@ def check_kv_tokens_auto_starts_the_engine_with_the_plans_pool(
     # fitted pool is capped at what the run can hold at once (a larger CPU pool is never used and
     # every engine step pays for it: a 2.6M-token pool took 222 s for one rollout)
     r = run(backend, ckpt, tmp_path, "--kv-tokens", "auto", "--steps", "1")
+    check_kv_tokens_auto_pool(r, tmp_path)
+
+
+def check_kv_tokens_auto_pool(r: subprocess.CompletedProcess, run_dir: Path) -> None:
+    """A finished ``--kv-tokens auto`` run in ``run_dir``: the plan's fitted pool is the one the
+    engine started with, and the run said so."""
     assert r.returncode == 0, r.stderr[-3000:]
-    plan = json.loads((tmp_path / "plan.json").read_text())
+    plan = json.loads((run_dir / "plan.json").read_text())
     fit = plan["kv_fit"]
     tokens = fit["tokens"]
     assert 0 < tokens == fit["cap_tokens"] <= fit["room_tokens"]
     target = plan["plans"][plan["schedule"]]["target"]
     assert "available when planned" in target["source"] and target["hbm_bytes"] < target["host_ram_bytes"]
-    (ready,) = [x for x in read_jsonl(tmp_path / "phases.jsonl") if x["phase"] == "engine_ready_dummy"]
+    (ready,) = [x for x in read_jsonl(run_dir / "phases.jsonl") if x["phase"] == "engine_ready_dummy"]
     assert ready["info"]["max_total_tokens"] == tokens
     assert (
         f"--kv-tokens auto: a KV pool of {tokens} tokens (the run's max-running-requests x context"

@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from mllm_rl.sinks.jsonl import read_jsonl
 from tests import plan_run
 from tests.plan_run import drift
 
@@ -98,20 +97,7 @@ def host_opt(tiny_bf16_ckpt, tmp_path_factory):
 def test_kv_tokens_auto_starts_the_engine_with_the_plans_pool(host_opt):
     """At the default margin: on CPU the plan's budget is a share of the RAM available now, and the
     fitted pool is capped at what the run can hold at once (``tests/plan_run.py``)."""
-    r, out = host_opt
-    assert r.returncode == 0, r.stderr[-3000:]
-    plan = json.loads((out / "plan.json").read_text())
-    fit = plan["kv_fit"]
-    tokens = fit["tokens"]
-    assert 0 < tokens == fit["cap_tokens"] <= fit["room_tokens"]
-    target = plan["plans"][plan["schedule"]]["target"]
-    assert "available when planned" in target["source"] and target["hbm_bytes"] < target["host_ram_bytes"]
-    (ready,) = [x for x in read_jsonl(out / "phases.jsonl") if x["phase"] == "engine_ready_dummy"]
-    assert ready["info"]["max_total_tokens"] == tokens
-    assert (
-        f"--kv-tokens auto: a KV pool of {tokens} tokens (the run's max-running-requests x context"
-        in r.stderr
-    )
+    plan_run.check_kv_tokens_auto_pool(*host_opt)
 
 
 @pytest.mark.slow  # starts an engine
