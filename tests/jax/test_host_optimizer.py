@@ -14,6 +14,7 @@ the params and the gradients; a checkpoint restores into host memory.
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import jax
 import numpy as np
@@ -101,13 +102,14 @@ def test_host_state_is_never_resident_and_offload_moves_nothing(bf16_md):  # noq
 def test_the_device_holds_at_most_one_leaf_of_moments_beyond_params_and_grads(bf16_md):  # noqa: F811
     """Live device bytes at every leaf update, against params + gradients + the largest leaf's
     two moments; the whole-tree update holds every moment at once."""
+    gc.collect()  # arrays an earlier test in this worker left behind are not this trainer's
+    before = sum(live_array_bytes(jax.devices()))
     t = JaxTrainer(bf16_md, _cfg(), dataclasses.replace(REFERENCE, optimizer_memory="host"))
-    devices = list(t.mesh.devices.flat)
     seen: list[int] = []
     update = t.fns.leaf_update
 
     def spy(*args):
-        seen.append(sum(live_array_bytes(devices)))
+        seen.append(sum(live_array_bytes(jax.devices())) - before)
         return update(*args)
 
     t.fns = dataclasses.replace(t.fns, leaf_update=spy)
