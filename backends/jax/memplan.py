@@ -163,13 +163,9 @@ def measure(req: PlanRequest) -> Measured:
     fns, trainer_comps = _trainer(req, devices, target, opts, info, notes)
     comps.update(trainer_comps)
     comps["staging"] = _staging(eng)
-    fns["engine_step"] = _engine_step(req)
-    notes.append(
-        "engine forward/decode step not compiled (sglang-jax has no shape-only entry point): the "
-        "rollout phases add an estimate from the shapes instead (engine_step, method estimate)"
-    )
     attn = engine_layout.attention_backend(target.platform, target.device_kind)
     info["engine_attention_backend"] = attn
+    fns["engine_step"] = _engine_step(req, devices, target, kv.tokens, attn, info, notes)
     if target.platform == "tpu" and attn == "native":
         notes.append(
             f"engine attention: sglang-jax 'native' on {target.device_kind} (its 'fa' kernel has block sizes "
@@ -185,7 +181,69 @@ def measure(req: PlanRequest) -> Measured:
     return Measured(target, comps, fns, notes, info)
 
 
-def _engine_step(req: PlanRequest) -> FunctionMemory:
+def _engine_step(
+    req: PlanRequest,
+    devices: list[Any],
+    target: Any,
+    pool_tokens: int,
+    attn: str,
+    info: dict[str, Any],
+    notes: list[str],
+) -> FunctionMemory:
+    """sglang-jax's forward while it generates: on a TPU or GPU target its prefill and decode
+    programs compiled for the target (``engine_compile``; the larger extra bytes is the row); on
+    CPU, or where the compile fails for a reason other than memory, the estimate from the shapes
+    (``_engine_estimate``), and the plan says why."""
+    if target.platform == "cpu":
+        notes.append(
+            "engine forward: estimated from the shapes on CPU (a CPU run measures its engine at every "
+            "phase; the forward is compiled for TPU and GPU targets)"
+        )
+        return _engine_estimate(req)
+    if req.engine_forward == "estimate":
+        notes.append("engine forward: estimated from the shapes (--engine-forward estimate)")
+        return _engine_estimate(req)
+    from mllm_rl.backends.jax import engine_compile
+
+    rows = min(req.max_running_requests, req.prompts * req.group_size)
+    layers = min(engine_compile.COMPILED_LAYERS, req.model.num_hidden_layers)
+    best: FunctionMemory | None = None
+    for shape in engine_compile.shapes(
+        req.model, rows, req.seq_len, pool_tokens, req.max_running_requests, attn
+    ):
+        name = f"engine_{shape.mode}"
+        detail = (
+            f"sglang-jax Qwen3ForCausalLM forward, attention '{attn}', {shape.describe()}; compiled with "
+            f"{layers} of {req.model.num_hidden_layers} layers (extra bytes do not grow with depth)"
+        )
+        try:
+            c = _cached(
+                ("engine_forward", req.target, req.model, req.tp, attn, shape, layers),
+                lambda s=shape, n=name, d=detail: _compile_lowered(
+                    n,
+                    lambda: engine_compile.lower(req.model, devices, req.tp, attn, s, layers),
+                    target,
+                    info,
+                    d,
+                ),
+            )
+        except Exception as e:  # noqa: BLE001 - a kernel that does not compile for the target is a finding
+            line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            notes.append(
+                f"engine forward NOT compiled for {target.name}: attention '{attn}' {shape.describe()}: "
+                f"{type(e).__name__}: {line[:300]}; the rollout phases use the estimate"
+            )
+            return _engine_estimate(req)
+        mem = c.memory
+        if mem.rejected:
+            notes.append(f"engine forward ({shape.mode}) does not fit one device: {mem.rejected}")
+        if best is None or mem.extra_bytes > best.extra_bytes:
+            best = mem
+    assert best is not None
+    return dataclasses.replace(best, name="engine_step")
+
+
+def _engine_estimate(req: PlanRequest) -> FunctionMemory:
     """sglang-jax's forward step while it generates, estimated from the shapes
     (``mllm_rl.memplan.engine_step``): a prefill chunk (at most sglang-jax's chunk, at most the
     rollout's sequences x ``seq_len``) or a decode batch, whichever is larger; the sampler's rows
@@ -436,9 +494,14 @@ def _compile(
     name: str, fn: Any, args: tuple[Any, ...], target: Any, info: dict[str, Any], detail: str
 ) -> _Compiled:
     """Lower and compile ``fn`` for the target; its per-device memory (or the compiler's refusal)."""
+    return _compile_lowered(name, lambda: fn.lower(*args), target, info, detail)
+
+
+def _compile_lowered(name: str, lower: Any, target: Any, info: dict[str, Any], detail: str) -> _Compiled:
+    """Compile what ``lower()`` returns for the target; its per-device memory (or the refusal)."""
     t0 = time.perf_counter()
     try:
-        compiled = fn.lower(*args).compile()
+        compiled = lower().compile()
     except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory refusal is expected
         rej = topologies.rejection(e)
         if rej is None:

@@ -124,6 +124,7 @@ def make_request(args: argparse.Namespace) -> Any:
         engine=args.engine,
         weights_cpu_backup=args.weights_cpu_backup,
         host_ram_gib=args.host_ram_gib,
+        engine_forward=args.engine_forward,
     )
 
 

@@ -48,6 +48,7 @@ class PlanRequest:
     host_ram_gib: float | None = None  # one host's RAM of the target (None: the backend's, where known)
     # --kv-tokens auto: the most tokens the fitted pool takes (None: all the room the plan leaves)
     kv_fit_cap: int | None = None
+    engine_forward: str = "compile"  # JAX on TPU/GPU: "compile" sglang-jax's forward, or "estimate" it
 
     def __post_init__(self) -> None:
         for name in (
@@ -73,6 +74,8 @@ class PlanRequest:
             raise ValueError(f"PlanRequest.kv_tokens must be >= 1, got {self.kv_tokens}")
         if self.engine not in ENGINES:
             raise ValueError(f"PlanRequest.engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
+        if self.engine_forward not in ("compile", "estimate"):
+            raise ValueError(f"PlanRequest.engine_forward {self.engine_forward!r}: compile or estimate")
         if not 0 < self.margin <= 1:
             raise ValueError(f"PlanRequest.margin must be in (0, 1], got {self.margin}")
 

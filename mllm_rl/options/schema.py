@@ -276,6 +276,10 @@ OPTIONS: tuple[Option, ...] = (
     _o("host_ram_gib", float, None, "one host's RAM of the target in GiB, for its host-memory verdict (a "
        "TPU VM's or GPU node's: `free -g` there)", "plan", {"memplan"}, low=0, strict=True, nullable=True,
        default_text="this machine's for cpu/cuda, else not known"),
+    _o("engine_forward", str, "compile", "how the plan counts sglang-jax's forward on a TPU or GPU target: "
+       "compile its prefill and decode for the target (a long prefill with native attention takes minutes "
+       "on a CPU host), or estimate them from the shapes", "plan", {"memplan"}, choices=("compile", "estimate"),
+       backends=frozenset({"jax"})),
     _o("fit_max", int, None, "upper bound of the --fit search", "plan", {"memplan"}, low=1, nullable=True,
        default_text="256 (micro_batch_size), 131072 (seq_len)"),
     _o("fit_step", int, None, "granularity of the --fit search", "plan", {"memplan"}, low=1, nullable=True,

@@ -111,3 +111,74 @@ def test_sglang_jax_fa_kernel_refuses_a_v4_so_the_engine_runs_native_there():
     assert r.returncode == 0, r.stderr[-2000:]
     assert "REFUSED Unsupported tpu_version=4." in r.stdout, r.stdout
     assert attention_backend("tpu", topologies.DEVICE_KINDS["v4"]) == "native"
+
+
+ENGINE_FORWARD = r"""
+import dataclasses, json, re, sys
+from mllm_rl.backends.jax import topologies
+spec = topologies.spec(sys.argv[1])
+topologies.prepare(spec)
+devs, target = topologies.devices(spec)
+import jax
+from sgl_jax.srt.model_executor import forward_batch_info as fbi
+from sgl_jax.srt.utils import jax_utils
+from mllm_rl.backends.jax import engine_compile as ec
+from mllm_rl.backends.jax.engine_layout import attention_backend
+from mllm_rl.presets import get_preset
+model = dataclasses.replace(get_preset("tiny"), num_hidden_layers=4)
+attn = attention_backend(target.platform, target.device_kind)
+shape = ec.ForwardShape("decode", 8, 8, 8 * 64, 1024)
+out = {"kind": target.device_kind, "attention": attn}
+def extra(lowered):
+    m = lowered.compile().memory_analysis()
+    return int(m.peak_memory_in_bytes) - int(m.argument_size_in_bytes)
+two = ec.lower(model, devs, 1, attn, shape, layers=2)
+out["kernels"] = sorted(set(re.findall(r'kernel_name = "([^"]+)"', two.as_text())))  # Pallas kernels
+out["extra_2"] = extra(two)
+if attn == "native":
+    out["extra_4"] = extra(ec.lower(model, devs, 1, attn, shape))
+    try:
+        ec.lower(model, devs, 1, "fa", shape, layers=1)  # traced as a v4
+        out["fa"] = "lowered"
+    except NotImplementedError as e:
+        out["fa"] = str(e)
+else:
+    out["extra_wide"] = extra(ec.lower(model, devs, 1, attn, dataclasses.replace(shape, cache_locs=8 * 256), layers=2))
+out["restored"] = jax.devices()[0].platform == "cpu" and fbi.device_array is jax_utils.device_array
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # libtpu loaded in a fresh process per target
+@pytest.mark.parametrize("name", ["v4-8", "v5e-8"])
+def test_the_engine_forward_compiles_for_the_target_with_its_attention(name):
+    """sglang-jax's decode forward lowered as the target (``engine_compile``) and compiled by
+    libtpu: on v5e with its Pallas ``fa`` kernel (ragged paged attention, its kernels named RPA*), on v4 with
+    ``native`` (whose only Pallas kernel on a TPU is the KV cache update; ``fa`` traced as a v4 raises
+    sglang-jax's NotImplementedError). A forward's
+    extra bytes are the same for 2 layers as for all 4 (within 1%: why a plan compiles 2), and for
+    ``fa`` the same at 64 KV slots per request as at 256 (within 1%: why a plan caps them); the trace leaves
+    ``jax.devices()`` and sglang-jax's ``device_array`` as they were."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, needs_libtpu
+
+    needs_libtpu()
+    r = subprocess.run(
+        [sys.executable, "-c", ENGINE_FORWARD, name], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["kind"] == topologies.DEVICE_KINDS[name.split("-")[0]]
+    assert out["restored"] is True
+    assert out["extra_2"] > 0
+    if name == "v4-8":
+        assert (out["attention"], out["kernels"]) == ("native", ["kv_cache_update_kernel"])
+        assert abs(out["extra_4"] - out["extra_2"]) <= 0.01 * out["extra_2"]  # layouts differ by bytes
+        assert out["fa"] == "Unsupported tpu_version=4.", out["fa"]
+    else:
+        assert out["attention"] == "fa"
+        assert out["kernels"] and all(k.startswith("RPA") for k in out["kernels"]), out["kernels"]
+        assert abs(out["extra_wide"] - out["extra_2"]) <= 0.01 * out["extra_2"]

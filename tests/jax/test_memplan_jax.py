@@ -41,7 +41,7 @@ def tiny_engine_bytes(tp: int) -> int:
 def test_tiny_plan_for_a_v4_8_compiles_with_libtpu(tmp_path):
     needs_libtpu()
     r, doc = plan(tmp_path, "--target", "v4-8", "--tp", "2", "--kv-tokens", "4096", "--micro-batch-size", "8",
-                  "--seq-len", "64")  # fmt: skip
+                  "--seq-len", "64", "--prompts-per-step", "2", "--group-size", "4")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert doc is not None and doc["kind"] == "predicted" and list(doc["plans"]) == ["multi_stage", "naive"]
     p = doc["plans"]["multi_stage"]
@@ -52,21 +52,20 @@ def test_tiny_plan_for_a_v4_8_compiles_with_libtpu(tmp_path):
     assert comps["engine_weights"]["bytes_per_device"] == tiny_engine_bytes(2)
     cell = TINY.num_hidden_layers * (TINY.num_key_value_heads // 2) * 128 * 2 * 4
     assert comps["kv_pool"]["bytes_per_device"] == (4096 + 1) * cell
-    # 8 prompts x 8 completions decode in the 64 bucket: [128, V] + 2 x [64, V] float32
-    assert comps["engine_logits"]["bytes_per_device"] == (128 + 2 * 64) * TINY.vocab_size * 4
+    # 2 prompts x 4 completions decode in the 8 bucket: [128, V] + 2 x [8, V] float32
+    assert comps["engine_logits"]["bytes_per_device"] == (128 + 2 * 8) * TINY.vocab_size * 4
     # AdamW keeps two moments per trainable param: about twice the params, sharded alike
     assert 1.9 < comps["optimizer"]["bytes_per_device"] / comps["trainer_params"]["bytes_per_device"] < 2.2
     fns = p["functions"]
     assert set(fns) == {"grad_step", "optimizer_apply", "engine_step"}
-    # the engine's step, estimated from the shapes: one layer's float32 activations for a 4096-token
-    # prefill chunk (64 sequences x 64 tokens; heads and MLP split over tp 2) + 3 float32 [64, V]
-    # sampler arrays (the 8 x 8 sequences decode at once)
-    c = TINY
-    per_token = 4 * c.hidden_size + (2 * c.num_attention_heads + 2 * c.num_key_value_heads) // 2 * c.head_dim
-    per_token += 3 * c.intermediate_size // 2
+    # the engine's forward compiled by libtpu: its prefill of the 8 sequences x 64 tokens and its
+    # decode of the 8 bucket, with native attention; the row is the one that adds more
     step = fns["engine_step"]
-    assert step["method"] == "estimate" and step["argument_bytes"] == 0
-    assert step["peak_bytes"] == 4096 * per_token * 4 + 3 * 64 * c.vocab_size * 4
+    assert step["method"] == "compiler" and step["extra_bytes"] > 0 and not step["rejected"]
+    assert "attention 'native'" in step["detail"] and "512 tokens" in step["detail"], step["detail"]
+    assert step["argument_bytes"] > comps["kv_pool"]["bytes_per_device"]  # the pool is its argument
+    seconds = doc["info"]["compile_seconds"]
+    assert seconds["engine_extend"] > 0 and seconds["engine_decode"] > 0
     grad = fns["grad_step"]
     assert (
         grad["peak_bytes"] > grad["argument_bytes"] > 0
@@ -75,7 +74,7 @@ def test_tiny_plan_for_a_v4_8_compiles_with_libtpu(tmp_path):
     )
     phases = {ph["phase"]: ph for ph in p["phases"]}
     assert phases["rollout"]["function"] == "engine_step"
-    assert phases["rollout"]["total"] == sum(phases["rollout"]["resident"].values()) + step["peak_bytes"]
+    assert phases["rollout"]["total"] == sum(phases["rollout"]["resident"].values()) + step["extra_bytes"]
     assert phases["train_step"]["function"] == "grad_step"
     assert (
         phases["train_step"]["total"] == sum(phases["train_step"]["resident"].values()) + grad["extra_bytes"]
@@ -97,7 +96,7 @@ def test_the_optimizer_in_host_memory_is_planned_on_the_host_and_streamed(tmp_pa
     needs_libtpu()
     r, doc = plan(tmp_path, "--model", "qwen3-0.6b", "--target", "v4-8", "--tp", "2", "--kv-tokens", "4096",
                   "--micro-batch-size", "4", "--seq-len", "64", "--model-option", "optimizer_memory=host",
-                  "--host-ram-gib", "2")  # fmt: skip
+                  "--host-ram-gib", "2", "--engine-forward", "estimate")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     p = doc["plans"]["multi_stage"]
     opt = p["components"]["optimizer"]
@@ -127,6 +126,14 @@ def test_a_phase_that_does_not_fit_exits_6_naming_phase_and_component(tmp_path):
     assert r.returncode == 6, r.stderr[-3000:]
     assert "DOES NOT FIT: kv_pool overflows in setup:release_rollout" in r.stdout
     assert doc["plans"]["multi_stage"]["first_overflow"] == ["setup:release_rollout", "kv_pool"]
+    # on CPU the engine's step is estimated from the shapes: one layer's float32 activations for a
+    # 2048-token prefill chunk (64 sequences x 32 tokens) + 3 float32 [64, V] sampler arrays
+    c = TINY
+    per_token = 4 * c.hidden_size + (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    per_token += 3 * c.intermediate_size
+    step = doc["plans"]["multi_stage"]["functions"]["engine_step"]
+    assert step["method"] == "estimate" and step["argument_bytes"] == 0
+    assert step["peak_bytes"] == 2048 * per_token * 4 + 3 * 64 * c.vocab_size * 4
 
 
 @pytest.mark.parametrize(
@@ -236,7 +243,7 @@ def test_a_function_libtpu_rejects_is_shown_rejected_and_exits_6(tmp_path):
     64 x 16384 positions are ~166 GiB per v4 device."""
     needs_libtpu()
     r, doc = plan(tmp_path, "--target", "v4-8", "--tp", "2", "--kv-tokens", "1024", "--micro-batch-size", "64",
-                  "--seq-len", "16384", "--model-option", "attention=dense")  # fmt: skip
+                  "--seq-len", "16384", "--model-option", "attention=dense", "--engine-forward", "estimate")  # fmt: skip
     assert r.returncode == 6, r.stderr[-2000:]
     grad = doc["plans"]["multi_stage"]["functions"]["grad_step"]
     assert "RESOURCE_EXHAUSTED" in grad["rejected"] and grad["peak_bytes"] > 30.75 * 2**30
@@ -250,7 +257,7 @@ def test_a_micro_batch_smaller_than_the_data_axis_is_planned_padded(tmp_path):
     computes one, and the plan compiles those 4 rows and says so."""
     needs_libtpu()
     r, doc = plan(tmp_path, "--target", "v4-8", "--tp", "2", "--kv-tokens", "1024", "--micro-batch-size", "3",
-                  "--seq-len", "64")  # fmt: skip
+                  "--seq-len", "64", "--engine-forward", "estimate")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "micro-batch 3 is padded to 4 rows, a multiple of the trainer's data axis (fsdp 4)" in r.stdout
     assert doc["plans"]["multi_stage"]["functions"]["grad_step"]["detail"].startswith(

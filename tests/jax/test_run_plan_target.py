@@ -63,7 +63,15 @@ def test_a_runtime_maps_to_its_target():
 
 def _v4_8_request(**kw) -> PlanRequest:
     return PlanRequest(
-        backend="jax", target="v4-8", model=get_preset("tiny"), micro_batch=4, seq_len=64, tp=2, **kw
+        backend="jax",
+        target="v4-8",
+        model=get_preset("tiny"),
+        micro_batch=4,
+        seq_len=64,
+        tp=2,
+        prompts=2,
+        group_size=4,
+        **kw,  # a rollout of 8 x 64 tokens: the engine's prefill compiles in seconds
     )
 
 

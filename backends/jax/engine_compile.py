@@ -1,0 +1,210 @@
+"""sglang-jax's model forward (prefill or decode) lowered and compiled for a target, from shapes.
+
+What sglang-jax's ``ModelRunner`` jits (``jitted_run_model``: its ``Qwen3ForCausalLM`` with the
+attention backend the engine runs there, the KV pool donated, the batch's metadata) is built here
+with every array abstract (``jax.ShapeDtypeStruct`` carrying the target's sharding) and compiled
+by the target's compiler (a libtpu compile-only topology, XLA's GPU target or the CPU), so the
+plan's engine rows come from a compiled program instead of an estimate.
+
+sglang-jax builds a batch's device arrays with ``device_array`` and its KV buffers with a jitted
+``zeros``, and picks kernels and block sizes from ``jax.devices()[0].device_kind``; ``_as_target``
+swaps these for the duration of the trace only (abstract arrays, the target's devices) and puts
+them back. The batch comes from sglang-jax's own ``CompilationManager._make_dummy_batch`` (the
+batch its precompile runs), so the program is the one the engine compiles at start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+from collections.abc import Iterator
+from typing import Any
+
+from mllm_rl.backends.jax import engine_layout
+from mllm_rl.presets import ModelConfig
+
+MODES = ("extend", "decode")
+# Layers a plan compiles the forward with: a Pallas attention kernel is lowered once per layer (about
+# 7 s each for TPU v5e on a CPU host), and a forward's extra bytes do not grow with depth.
+COMPILED_LAYERS = 2
+# KV slots per request an ``fa`` forward is compiled with (see ``shapes``): lowering sglang-jax's
+# ragged paged attention for v5e took 23 s at 256 slots per request and 185 s at 1024 (page size 1).
+FA_SLOTS_PER_REQUEST = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardShape:
+    """One engine forward: ``mode`` ``extend`` (prefill) or ``decode``; ``batch`` requests,
+    ``tokens`` tokens in the step (``batch`` for decode), ``cache_locs`` KV slots the batch may
+    read (sglang-jax pads it to ``batch x max_req_len``, at most the pool), a pool of
+    ``pool_tokens`` tokens."""
+
+    mode: str
+    batch: int
+    tokens: int
+    cache_locs: int
+    pool_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"ForwardShape.mode {self.mode!r}: one of {', '.join(MODES)}")
+        if not 1 <= self.batch <= self.tokens or self.cache_locs < self.batch:
+            raise ValueError(
+                f"ForwardShape: batch {self.batch}, tokens {self.tokens}, cache_locs {self.cache_locs}"
+            )
+
+    def describe(self) -> str:
+        return (
+            f"{self.mode} batch {self.batch}, {self.tokens} tokens, {self.cache_locs} KV slots read, "
+            f"pool {self.pool_tokens} tokens"
+        )
+
+
+def shapes(
+    model: ModelConfig, rows: int, seq_len: int, pool_tokens: int, max_running_requests: int, attention: str
+) -> list[ForwardShape]:
+    """The rollout's two forwards as sglang-jax runs them: a prefill chunk of the rollout's
+    prompts (at most its chunk of ``CHUNKED_PREFILL_TOKENS``) and a decode step of its padded batch
+    bucket, each reading up to ``seq_len`` KV slots per request (at most the pool). For ``fa`` the
+    slots are capped at ``FA_SLOTS_PER_REQUEST`` per request: the Pallas kernel reads the pool in
+    place (the slots are only its page-index argument), and its lowering time grows with them."""
+    bucket = engine_layout.batch_bucket(rows, max_running_requests)
+    tokens = max(min(engine_layout.CHUNKED_PREFILL_TOKENS, rows * seq_len), bucket)
+    per_request = min(seq_len, FA_SLOTS_PER_REQUEST) if attention == "fa" else seq_len
+    locs = max(bucket, min(bucket * per_request, pool_tokens))
+    return [
+        ForwardShape("extend", bucket, tokens, locs, pool_tokens),
+        ForwardShape("decode", bucket, bucket, locs, pool_tokens),
+    ]
+
+
+def lower(
+    model: ModelConfig, devices: list[Any], tp: int, attention: str, shape: ForwardShape, layers: int = 0
+) -> Any:
+    """``jax.stages.Lowered`` of sglang-jax's ``jitted_run_model`` for ``shape`` on the first
+    ``tp`` of ``devices`` (a target's devices: the trace sees their device kind), with the
+    ``attention`` backend (``engine_layout.attention_backend``); ``layers`` > 0 builds the model
+    with that many of its layers (what a forward adds beyond its arguments is one layer's
+    temporaries and the logits, the same for any depth: ``COMPILED_LAYERS``)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from sgl_jax.srt.layers import logits_processor as lp
+    from sgl_jax.srt.managers.schedule_batch import ForwardMode
+    from sgl_jax.srt.mem_cache.memory_pool import MemoryPools, MHATokenToKVPool
+    from sgl_jax.srt.model_executor import forward_batch_info as fbi
+    from sgl_jax.srt.model_executor.compilation_manager import CompilationManager
+    from sgl_jax.srt.models.qwen3 import Qwen3ForCausalLM
+
+    if layers:
+        model = dataclasses.replace(model, num_hidden_layers=min(layers, model.num_hidden_layers))
+    mesh = engine_layout.engine_mesh(devices, tp)
+    dtype = jnp.dtype(engine_layout.engine_dtype(model))
+    head_dim = -(-model.head_dim // 128) * 128
+    with _as_target(devices[:tp]), jax.set_mesh(mesh):
+        abstract = nnx.eval_shape(
+            lambda: Qwen3ForCausalLM(engine_layout._hf_config(model), mesh=mesh, dtype=dtype)
+        )
+        gdef, state = nnx.split(abstract)
+        leaves, sdef = jax.tree_util.tree_flatten(state)
+        pool = MHATokenToKVPool(
+            shape.pool_tokens,
+            engine_layout.PAGE_SIZE,
+            dtype,
+            max(model.num_key_value_heads, tp),
+            head_dim,
+            model.num_hidden_layers,
+            mesh,
+        )
+        manager = types.SimpleNamespace(
+            vocab_size=model.vocab_size,
+            capture_hidden_states=False,
+            has_recurrent_state=False,
+            supports_recurrent_cow=False,
+            supports_recurrent_track=False,
+        )
+        mode = ForwardMode.EXTEND if shape.mode == "extend" else ForwardMode.DECODE
+        batch = CompilationManager._make_dummy_batch(
+            manager, shape.batch, shape.tokens, mode, shape.cache_locs, dp_size=1, per_dp_bs_size=shape.batch
+        )
+        attn = _attention(attention, model, head_dim, mesh)
+        attn.forward_metadata = attn.get_forward_metadata(batch)
+        runner = types.SimpleNamespace(
+            mesh=mesh,
+            attn_backend=attn,
+            model=abstract,
+            model_config=types.SimpleNamespace(
+                is_embedding=False, hf_config=types.SimpleNamespace(architectures=["Qwen3ForCausalLM"])
+            ),
+        )
+        forward_batch = fbi.ForwardBatch.init_new(batch, runner)
+        logits_meta = lp.LogitsMetadata.from_model_worker_batch(batch, mesh)
+
+        def run(leaves: list[Any], forward_batch: Any, pools: Any, logits_meta: Any) -> Any:
+            model_ = nnx.merge(gdef, jax.tree_util.tree_unflatten(sdef, leaves))
+            return model_(forward_batch, pools, logits_meta)
+
+        fn = jax.jit(run, donate_argnums=(2,))  # sglang-jax donates memory_pools
+        return fn.lower(leaves, forward_batch, MemoryPools(token_to_kv_pool=pool), logits_meta)
+
+
+def _attention(name: str, model: ModelConfig, head_dim: int, mesh: Any) -> Any:
+    """sglang-jax's attention backend ``name`` as its model runner builds it for Qwen3."""
+    if name == "fa":
+        from sgl_jax.srt.layers.attention.flashattention_backend import FlashAttention
+
+        return FlashAttention(
+            model.num_attention_heads, model.num_key_value_heads, head_dim, engine_layout.PAGE_SIZE, mesh=mesh
+        )
+    if name == "native":
+        from sgl_jax.srt.layers.attention.native_backend import NativeAttention
+
+        return NativeAttention(model.num_attention_heads, model.num_key_value_heads, mesh)
+    raise ValueError(f"attention backend {name!r}: fa or native")
+
+
+@contextlib.contextmanager
+def _as_target(devices: list[Any]) -> Iterator[None]:
+    """sglang-jax traced as if ``devices`` were the runtime's: ``jax.devices()`` (its kernels'
+    device-kind checks) returns them, ``device_array`` and the KV allocator return abstract arrays
+    with the requested sharding. Everything is restored on exit."""
+    import jax
+    import numpy as np
+    from sgl_jax.srt.layers import logits_processor as lp
+    from sgl_jax.srt.layers.attention import flashattention_backend as fa
+    from sgl_jax.srt.mem_cache import memory_pool as mp
+    from sgl_jax.srt.model_executor import forward_batch_info as fbi
+    from sgl_jax.srt.utils import jax_utils
+
+    def abstract(data: Any, sharding: Any = None, **_: Any) -> Any:
+        def one(a: Any) -> Any:
+            a = np.asarray(a)
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+        return jax.tree.map(one, data)
+
+    def zeros(shape: Any, dtype: Any, sharding: Any) -> Any:
+        return lambda: jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+    real_devices = jax.devices
+
+    def target_devices(backend: Any = None) -> list[Any]:
+        return list(devices) if backend is None else real_devices(backend)
+
+    saved = [
+        (jax, "devices", target_devices),
+        (jax_utils, "_IS_TPU_RUNTIME_CACHED", devices[0].platform == "tpu"),
+        (mp, "_get_kv_zero_allocator", zeros),
+        (fbi, "device_array", abstract),
+        (lp, "device_array", abstract),
+        (fa, "device_array", abstract),
+    ]
+    old = [(mod, name, getattr(mod, name)) for mod, name, _ in saved]
+    try:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+        yield
+    finally:
+        for mod, name, value in old:
+            setattr(mod, name, value)
