@@ -37,23 +37,78 @@ def process_count() -> int:
     return max(counts)
 
 
-def install_sigterm(bound_s: float = TERM_BOUND_S) -> None:
+# Sent to the main thread to end a blocking wait so that a pending Python handler runs (the phase
+# watchdog's too); its handler here does nothing.
+WAKE_SIGNAL = signal.SIGUSR2
+# A run still alive this long after SIGTERM is killed by its watcher process (exit 137): a C call that
+# holds the interpreter (the GIL) never lets the main thread, or any Python thread, act on the signal.
+HARD_BOUND_S = 25.0
+POLL_S = 0.1
+
+# The watcher: a separate interpreter, so it runs whatever the run's own one is stuck in. SIGTERM is
+# blocked in every thread of the run, so it stays pending in the process's shared set (``ShdPnd`` in
+# /proc/PID/status) until the watcher sees it there and writes one byte to the run's pipe.
+_WATCHER = r"""
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a signal to the run's process group is the run's
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+ppid, fd, hard, poll = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+bit = 1 << (signal.SIGTERM - 1)
+def pending():
+    with open(f"/proc/{ppid}/status") as f:
+        for line in f:
+            if line.startswith("ShdPnd:"):
+                return int(line.split()[1], 16) & bit
+    return 0
+try:
+    while os.getppid() == ppid and not pending():
+        time.sleep(poll)
+    if os.getppid() != ppid:
+        sys.exit(0)
+    os.write(fd, b"T")
+    end = time.monotonic() + hard
+    while os.getppid() == ppid and time.monotonic() < end:
+        time.sleep(poll)
+except OSError:
+    sys.exit(0)
+if os.getppid() == ppid:
+    print(f"error: still running {hard:g} s after SIGTERM and not answering (a C call holds its "
+          f"interpreter): killing process {ppid} (exit 137)", file=sys.stderr, flush=True)
+    os.kill(ppid, signal.SIGKILL)
+"""
+
+
+def install_sigterm(bound_s: float = TERM_BOUND_S, hard_bound_s: float = HARD_BOUND_S) -> None:
     """Turn SIGTERM into ``Terminated`` in the main thread, whoever loads later; in a run of
-    several processes, end the process (exit 143) if it is still running ``bound_s`` later.
+    several processes, end the process (exit 143) if it is still running ``bound_s`` later; in
+    any run, kill it (exit 137) if it is still running ``hard_bound_s`` later.
 
     jaxlib's absl failure handler takes SIGTERM over when XLA starts and aborts (exit -6), so
-    SIGTERM is blocked here before any other thread exists (threads inherit the mask) and a
-    waiter thread ``sigwait``s it and raises through Python's own handler table.
+    SIGTERM is blocked here before any other thread exists (threads inherit the mask). A watcher
+    process (``_WATCHER``) sees it pending and wakes a thread here, which raises through Python's
+    own handler table; where no watcher can run (no /proc), that thread ``sigwait``s it instead.
 
     The bound: one process may be stuck in a collective (a C call) that another, already in its
-    ``finally``, never joins, each waiting for the other; ending the survivor breaks the wait."""
+    ``finally``, never joins, each waiting for the other; ending the survivor breaks the wait. The
+    hard bound: a C call that holds the GIL stops every Python thread of the run, the bound's too;
+    only another process can end it."""
 
     def on_term(signum: int, frame: Any) -> None:
         raise Terminated(signum)
 
+    signal.signal(signal.SIGTERM, on_term)
+    if signal.getsignal(WAKE_SIGNAL) in (signal.SIG_DFL, None):
+        signal.signal(WAKE_SIGNAL, lambda signum, frame: None)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    woken = _start_watcher(hard_bound_s)
+
     def wait() -> None:
-        signal.sigwait({signal.SIGTERM})
+        if woken is None or not os.read(woken, 1):  # no watcher, or it ended without a word
+            signal.sigwait({signal.SIGTERM})
         _thread.interrupt_main(signal.SIGTERM)
+        # a real signal to the main thread ends a blocking wait there (a lock, a future's result), so
+        # the handler runs now, not when the wait would have ended
+        signal.pthread_kill(threading.main_thread().ident, WAKE_SIGNAL)
         if process_count() < 2:
             return
         time.sleep(bound_s)
@@ -66,6 +121,27 @@ def install_sigterm(bound_s: float = TERM_BOUND_S) -> None:
         sys.stdout.flush()
         os._exit(128 + signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, on_term)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     threading.Thread(target=wait, name="mllm_rl-sigterm", daemon=True).start()
+
+
+def _start_watcher(hard_bound_s: float) -> int | None:
+    """Start ``_WATCHER`` for this process; the pipe end it writes to when SIGTERM is pending, or
+    None where it cannot run (no /proc status of this process)."""
+    import subprocess
+
+    if not os.path.exists(f"/proc/{os.getpid()}/status"):
+        return None
+    r, w = os.pipe()
+    try:
+        subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _WATCHER, str(os.getpid()), str(w), str(hard_bound_s), str(POLL_S)],
+            pass_fds=(w,),
+            stdin=subprocess.DEVNULL,
+            start_new_session=False,
+        )
+    except OSError:
+        os.close(r)
+        os.close(w)
+        return None
+    os.close(w)
+    return r

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl import phase_table
+from mllm_rl.signals import WAKE_SIGNAL
 
 STUCK_EXIT = 6
 DEFAULT_LIMIT_S = 1800.0
@@ -31,7 +32,6 @@ DEFAULT_LIMIT_S = 1800.0
 RUN_HEAVY = ("wandb_init", "jax_ready", "torch_ready", "engine_ready_dummy", "checkpoint_flush")
 HEAVY_PHASES = phase_table.HEAVY | frozenset(RUN_HEAVY)
 LIGHT_FACTOR = 0.25
-WAKE_SIGNAL = signal.SIGUSR2
 HARD_EXIT_BOUND_S = 60.0  # on_hard_exit gets this long before the process ends regardless
 
 
