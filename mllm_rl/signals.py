@@ -134,7 +134,17 @@ def _start_watcher(hard_bound_s: float) -> int | None:
     r, w = os.pipe()
     try:
         subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _WATCHER, str(os.getpid()), str(w), str(hard_bound_s), str(POLL_S)],
+            [
+                sys.executable,
+                "-I",
+                "-S",
+                "-c",
+                _WATCHER,
+                str(os.getpid()),
+                str(w),
+                str(hard_bound_s),
+                str(POLL_S),
+            ],
             pass_fds=(w,),
             stdin=subprocess.DEVNULL,
             start_new_session=False,

@@ -235,6 +235,8 @@ def _engine_step(
             )
             return _engine_estimate(req)
         mem = c.memory
+        if shape.cache_locs == shape.pool_tokens:
+            info["engine_forward_pool_slots"] = pool_tokens  # read the whole pool: a bigger one reads more
         if mem.rejected:
             notes.append(f"engine forward ({shape.mode}) does not fit one device: {mem.rejected}")
         if best is None or mem.extra_bytes > best.extra_bytes:

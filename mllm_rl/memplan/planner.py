@@ -90,9 +90,16 @@ def with_kv_tokens(m: Measured, tokens: int) -> Measured:
     detail = f"{tokens} + {pad} tokens x {cell} B/token (fitted)"
     comps["kv_pool"] = Component("kv_pool", b, old.method if old else "layout", detail)
     info = dict(m.info, kv_tokens=tokens)
+    notes = list(m.notes)
+    read = m.info.get("engine_forward_pool_slots")  # the compiled forward read the whole pool it had
+    if read is not None and tokens > read:
+        notes.append(
+            f"engine forward compiled reading {read} KV slots (the pool it was measured with); with "
+            f"{tokens} its prefill may read more: plan --kv-tokens {tokens} to compile it there"
+        )
     free = m.info.get("engine_free_bytes")
     if free and "engine_weights" in comps:
         info["mem_fraction_static"] = mem_fraction_for(
             comps["engine_weights"].bytes_per_device, tokens * cell, free
         )
-    return dataclasses.replace(m, components=comps, info=info)
+    return dataclasses.replace(m, components=comps, info=info, notes=notes)

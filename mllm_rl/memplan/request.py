@@ -90,5 +90,6 @@ class Measured:
     notes: list[str] = dataclasses.field(default_factory=list)
     # Backend facts the core uses when present: kv_cell_bytes, kv_pad_tokens (a KV pool of N
     # tokens is (N + pad) x cell bytes), kv_tokens, mem_fraction_static, compile_seconds
-    # {function: s}, host_peak_rss_bytes.
+    # {function: s}, host_peak_rss_bytes, engine_forward_pool_slots (the compiled engine forward
+    # read the whole pool of that many tokens: a fitted larger pool gets a note).
     info: dict[str, Any] = dataclasses.field(default_factory=dict)

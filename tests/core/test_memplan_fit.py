@@ -98,6 +98,15 @@ def test_with_kv_tokens_resizes_the_pool_and_says_which_fraction_sglang_jax_need
     assert mem_fraction_for(1000, 1000, 4000) == 0.5
 
 
+def test_a_fitted_pool_larger_than_the_one_the_engine_forward_read_gets_a_note():
+    m = measured()
+    m.info["engine_forward_pool_slots"] = 1000  # the compiled prefill read every slot of its pool
+    assert with_kv_tokens(m, 1000).notes == []
+    (note,) = with_kv_tokens(m, 3000).notes
+    assert "reading 1000 KV slots" in note and "plan --kv-tokens 3000" in note
+    assert m.notes == []  # the measurement it came from is unchanged
+
+
 def test_fits_without_kv_names_the_phase_that_overflows():
     m = measured(optimizer=8)
     ok, why = fits_without_kv(plans(m, request())["multi_stage"])
