@@ -13,9 +13,10 @@ are the run's, from ``ModelOptions.resolved`` (``info.dtypes`` says which). Comp
 - ``grads`` (compiler): the accumulator, ``grad``'s output sharding in the trainable dtype.
 - ``staging`` (layout): estimate of the largest tensor in flight during a weight update.
 
-The engine's decode step is estimated (``mllm_rl.memplan.engine_step``), not compiled: sglang-jax
-builds batch metadata in its scheduler with no entry point that lowers a step from shapes. Peak of
-a compiled function: ``peak_memory_in_bytes`` on TPU/GPU; on CPU, where XLA reports no buffer
+- ``engine_step`` (compiler): on TPU/GPU targets sglang-jax's prefill and decode forward compiled for
+  the target (``engine_compile``); on CPU an estimate from the shapes (``mllm_rl.memplan.engine_step``).
+
+Peak of a compiled function: ``peak_memory_in_bytes`` on TPU/GPU; on CPU, where XLA reports no buffer
 reuse, ``arguments + outputs - aliased + temporaries`` (an upper bound).
 """
 

@@ -146,6 +146,14 @@ class EmbeddedEngine:
             return []
         return [*self.params.values(), self.kv, *list(self._placed)]
 
+    def paused_device_bytes(self) -> tuple[int, int] | None:
+        """``(CUDA device index, bytes)`` of its torch_memory_saver regions paused now (the CUDA
+        probe subtracts them from the allocator's count); None without torch_memory_saver."""
+        paused = getattr(self.memory, "paused_bytes", None)
+        if paused is None or self.device.type != "cuda":
+            return None
+        return (self.device.index or 0, paused())
+
     # -- weights ----------------------------------------------------------------------------
     def weight_names(self) -> list[str]:
         return list(self.params)

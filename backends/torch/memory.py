@@ -109,7 +109,11 @@ class SaverMemory:
         if task:
             _TASK_PREFIXES.add(self.prefix)
         self._backup: dict[str, bool] = {}
-        self._paused: set[str] = set()  # our tags paused now (prefix is ours alone)
+        self._paused: dict[str, int] = {}  # our tags paused now -> their tensors' bytes
+
+    def paused_bytes(self) -> int:
+        """Bytes of this engine's paused tensors: unmapped, yet still counted by torch's allocator."""
+        return sum(self._paused.values())
 
     def name(self, tag: str) -> str:
         """The torch_memory_saver tag of ``tag`` (what ``pause``/``resume`` name)."""
@@ -130,14 +134,15 @@ class SaverMemory:
             return
         torch.cuda.synchronize(self.device)  # no kernel may still use the memory being unmapped
         self.tms.pause(self.prefix + tag)
-        self._paused.add(tag)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        self._paused[tag] = sum(storages.values())
 
     def resume(self, tag: str, tensors: list[torch.Tensor]) -> bool:
         if tag not in self._paused:  # tms.resume of an active allocation would exit(1)
             warnings.warn(f"resume({tag!r}): not released; no-op", stacklevel=2)
             return True
         self.tms.resume(self.prefix + tag)
-        self._paused.discard(tag)
+        del self._paused[tag]
         torch.cuda.synchronize(self.device)
         return self._backup.get(tag, False)
 

@@ -6,7 +6,10 @@ CUDA (``CudaMemoryProbe``): per device two entries with the same ``id``, in this
   included; the only number that sees torch_memory_saver / SGLang releases, which happen below the
   torch allocator); ``raw`` adds this process's NVML bytes when ``pynvml`` is importable;
 - ``source="torch_allocator"``: ``memory_allocated`` / ``max_memory_allocated`` (reset per phase by
-  ``reset_peak``); ``raw`` has the allocator's reserved/active/inactive-split bytes and counters.
+  ``reset_peak``); ``raw`` has the allocator's reserved/active/inactive-split bytes and counters, and
+  ``paused_bytes`` when an engine of this process pauses torch_memory_saver regions on the device
+  (their tensors stay allocated for torch while their memory is unmapped; the plan's audit takes
+  allocated minus paused).
 
 CPU (``CpuTensorProbe``, ``source="live_tensors"``): bytes of the distinct storages of the tensors
 that registered holders (``track``; engine and trainer) list in ``held_tensors()``: exactly what the
@@ -45,6 +48,18 @@ def tracked_cpu_bytes() -> tuple[int, int]:
             if st.nbytes():
                 storages[st.data_ptr()] = max(st.nbytes(), storages.get(st.data_ptr(), 0))
     return sum(storages.values()), n
+
+
+def paused_cuda_bytes(device: int) -> int | None:
+    """Bytes the tracked holders have paused on CUDA ``device`` (``paused_device_bytes()``:
+    ``(device index, bytes)``), or None when none of them pauses memory there."""
+    total: int | None = None
+    for holder in list(_HOLDERS):
+        paused = getattr(holder, "paused_device_bytes", None)
+        got = paused() if paused is not None else None
+        if got is not None and got[0] == device:
+            total = (total or 0) + got[1]
+    return total
 
 
 class CpuTensorProbe:
@@ -121,6 +136,9 @@ class CudaMemoryProbe:
             out.append(DeviceMemory(d, "cuda", total - free, None, total, "mem_get_info", raw))
             stats = torch.cuda.memory_stats(d)
             alloc_raw = {k: int(stats[k]) for k in self.RAW_KEYS if k in stats}
+            paused = paused_cuda_bytes(d)
+            if paused is not None:
+                alloc_raw["paused_bytes"] = paused
             out.append(
                 DeviceMemory(
                     d,

@@ -43,8 +43,16 @@ def _per_device(rec: dict[str, Any], value: Callable[[dict[str, Any]], Any]) -> 
 
 
 def _device_bytes(rec: dict[str, Any]) -> int | None:
-    """The bytes in use on the fullest device (a plan is one device's share)."""
-    return max(_per_device(rec, lambda d: d.get("bytes_in_use")).values(), default=None)
+    """The bytes in use on the fullest device (a plan is one device's share): each device's first
+    entry, except where torch's allocator reports ``paused_bytes`` (an in-process engine pauses
+    torch_memory_saver regions there): its allocated bytes minus the paused ones, the tensors the
+    plan counts (the driver's figure adds the CUDA context and the allocator's cached blocks)."""
+    per = _per_device(rec, lambda d: d.get("bytes_in_use"))
+    for d in rec.get("memory", {}).get("devices") or []:
+        paused = (d.get("raw") or {}).get("paused_bytes")
+        if d.get("source") == "torch_allocator" and paused is not None and d.get("bytes_in_use") is not None:
+            per[d["id"]] = int(d["bytes_in_use"]) - int(paused)
+    return max(per.values(), default=None)
 
 
 def _pinned_host_bytes(rec: dict[str, Any]) -> int | None:

@@ -1,6 +1,6 @@
 """A shape-based estimate of what an engine's forward step adds on the device while it generates
-(the ``engine_step`` function), because sglang-jax's step cannot be compiled from shapes alone
-(it builds batch metadata on the host, in its scheduler).
+(the ``engine_step`` function), where it is not compiled: a CPU target, ``--engine-forward
+estimate``, or a forward that did not compile for the target (``backends/jax/engine_compile.py``).
 
 Labelled ``estimate``. Per device, for one forward of ``tokens`` tokens (the larger of a prefill
 chunk and a decode batch) in the compute dtype: one decoder layer's activations (no backward;

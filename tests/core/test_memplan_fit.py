@@ -107,6 +107,22 @@ def test_a_fitted_pool_larger_than_the_one_the_engine_forward_read_gets_a_note()
     assert m.notes == []  # the measurement it came from is unchanged
 
 
+def test_the_audit_takes_allocated_minus_paused_where_torch_memory_saver_paused():
+    from mllm_rl.memplan.audit import _device_bytes
+
+    def rec(paused: int | None) -> dict:
+        raw = {} if paused is None else {"paused_bytes": paused}
+        devs = [
+            {"id": 0, "source": "mem_get_info", "bytes_in_use": 10 * GIB, "raw": {}},
+            {"id": 0, "source": "torch_allocator", "bytes_in_use": 8 * GIB, "raw": raw},
+        ]
+        return {"memory": {"devices": devs}}
+
+    assert _device_bytes(rec(None)) == 10 * GIB  # no paused regions here: the driver's figure
+    assert _device_bytes(rec(3 * GIB)) == 5 * GIB  # the allocator's count, less what is unmapped
+    assert _device_bytes(rec(0)) == 8 * GIB
+
+
 def test_fits_without_kv_names_the_phase_that_overflows():
     m = measured(optimizer=8)
     ok, why = fits_without_kv(plans(m, request())["multi_stage"])

@@ -62,6 +62,33 @@ def test_release_returns_device_memory(make):
     assert free0 - free_bytes() >= 0.99 * (eng.tag_bytes("kv_cache") + eng.tag_bytes("weights"))
 
 
+def test_the_probe_reports_paused_bytes_and_the_audit_takes_allocated_minus_paused(make):
+    """torch's allocator still counts a paused region's tensors; the probe names them and the plan's
+    audit subtracts them (its figure drops by what the release held, as the driver's does)."""
+    from mllm_rl.backends.torch.probe import CudaMemoryProbe
+    from mllm_rl.memplan.audit import _device_bytes
+
+    eng, _ = make(False)
+    probe = CudaMemoryProbe()
+
+    def record() -> dict:
+        devs = [
+            dict(id=d.id, source=d.source, bytes_in_use=d.bytes_in_use, raw=d.raw) for d in probe.snapshot()
+        ]
+        return {"memory": {"devices": devs}}
+
+    before = record()
+    eng.drain()
+    held = eng.release(["kv_cache", "weights"])
+    after = record()
+    alloc = next(d for d in after["memory"]["devices"] if d["source"] == "torch_allocator")
+    assert alloc["raw"]["paused_bytes"] == held["kv_cache"] + held["weights"]
+    assert _device_bytes(before) - _device_bytes(after) >= 0.99 * alloc["raw"]["paused_bytes"]
+    eng.resume(["kv_cache", "weights"])
+    alloc = next(d for d in record()["memory"]["devices"] if d["source"] == "torch_allocator")
+    assert alloc["raw"]["paused_bytes"] == 0
+
+
 def test_backup_resume_is_bit_identical(make):
     eng, _ = make(True)
     fp0, out0 = eng.weights_fingerprint(), eng.generate(PROMPTS, GREEDY)
