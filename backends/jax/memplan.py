@@ -242,8 +242,14 @@ def _engine_step(
             notes.append(f"engine forward ({shape.mode}) does not fit one device: {mem.rejected}")
         if best is None or mem.extra_bytes > best.extra_bytes:
             best = mem
+        info.setdefault("engine_forward", {})[shape.mode] = {
+            "peak_bytes": mem.peak_bytes,
+            "extra_bytes": mem.extra_bytes,
+            "shape": shape.describe(),
+        }
     assert best is not None
-    return dataclasses.replace(best, name="engine_step")
+    both = "; ".join(f"{k} {v['extra_bytes']} B extra" for k, v in info["engine_forward"].items())
+    return dataclasses.replace(best, name="engine_step", detail=f"{best.detail} [{both}]")
 
 
 def _engine_estimate(req: PlanRequest) -> FunctionMemory:

@@ -66,6 +66,10 @@ def test_tiny_plan_for_a_v4_8_compiles_with_libtpu(tmp_path):
     assert step["argument_bytes"] > comps["kv_pool"]["bytes_per_device"]  # the pool is its argument
     seconds = doc["info"]["compile_seconds"]
     assert seconds["engine_extend"] > 0 and seconds["engine_decode"] > 0
+    forward = doc["info"]["engine_forward"]  # both programs, the row the one that adds more
+    assert set(forward) == {"extend", "decode"} and "decode batch 8, 8 tokens" in forward["decode"]["shape"]
+    assert step["extra_bytes"] == max(f["extra_bytes"] for f in forward.values())
+    assert f"decode {forward['decode']['extra_bytes']} B extra" in step["detail"]
     grad = fns["grad_step"]
     assert (
         grad["peak_bytes"] > grad["argument_bytes"] > 0
