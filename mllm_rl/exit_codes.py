@@ -12,8 +12,8 @@ EXIT_CODES = {
     5: "a train step's loss or grad norm is not finite (stopped before its checkpoint and update)",
     6: "a phase ran past its --phase-timeout (stuck: every thread's stack is in the run directory), or "
     "the run's memory plan does not fit its devices (--memory-plan check; before anything started)",
-    137: "killed (128 + SIGKILL) by its own watcher: still running 25 s after SIGTERM while a C call held "
-    "the interpreter (the watcher's line on stderr says so)",
+    137: "killed (128 + SIGKILL) by its own watcher: still running 25 s after SIGTERM (a C call holding "
+    "the interpreter, or a shutdown that long; the watcher's line on stderr says so)",
     143: "SIGTERM (128 + signal), after the phase log and the W&B run were closed",
 }
 

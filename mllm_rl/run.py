@@ -15,7 +15,7 @@ W&B or an engine is touched; ``docs/ERRORS.md`` lists them); 3 an engine's weigh
 was sent (update that did not land, garbage guard); 4 a lifecycle invariant broke; 5 a train step's
 loss or grad norm is not finite; 6 a phase ran past its ``--phase-timeout`` (stuck; every thread's
 stack in the run directory); 128+N killed by signal N (SIGTERM: 143) after closing the sinks; 137
-killed by its watcher 25 s after SIGTERM when a C call held the interpreter.
+killed by its watcher when still running 25 s after SIGTERM.
 """
 
 from __future__ import annotations

@@ -72,8 +72,8 @@ try:
 except OSError:
     sys.exit(0)
 if os.getppid() == ppid:
-    print(f"error: still running {hard:g} s after SIGTERM and not answering (a C call holds its "
-          f"interpreter): killing process {ppid} (exit 137)", file=sys.stderr, flush=True)
+    print(f"error: still running {hard:g} s after SIGTERM (a C call holding its interpreter, or a "
+          f"shutdown that long): killing process {ppid} (exit 137)", file=sys.stderr, flush=True)
     os.kill(ppid, signal.SIGKILL)
 """
 
@@ -147,7 +147,6 @@ def _start_watcher(hard_bound_s: float) -> int | None:
             ],
             pass_fds=(w,),
             stdin=subprocess.DEVNULL,
-            start_new_session=False,
         )
     except OSError:
         os.close(r)

@@ -25,11 +25,11 @@ from mllm_rl.backends.jax import engine_layout
 from mllm_rl.presets import ModelConfig
 
 MODES = ("extend", "decode")
-# Layers a plan compiles the forward with: a Pallas attention kernel is lowered once per layer (about
-# 7 s each for TPU v5e on a CPU host), and a forward's extra bytes do not grow with depth.
+# Layers a plan compiles the forward with: a Pallas kernel is lowered again for every layer, and a
+# forward's extra bytes do not grow with depth (tests/jax/test_engine_attention.py).
 COMPILED_LAYERS = 2
 # KV slots per request an ``fa`` forward is compiled with (see ``shapes``): lowering sglang-jax's
-# ragged paged attention for v5e took 23 s at 256 slots per request and 185 s at 1024 (page size 1).
+# ragged paged attention grows with them (page size 1), its extra bytes do not.
 FA_SLOTS_PER_REQUEST = 256
 
 

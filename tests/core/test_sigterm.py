@@ -55,6 +55,6 @@ def test_sigterm_in_python_runs_the_finally_and_exits_143():
 def test_sigterm_while_a_c_call_holds_the_gil_is_killed_by_the_watcher():
     rc, out, err, secs = _stop("gil", 3)
     assert rc == -signal.SIGKILL, (rc, err[-2000:])
-    assert "error: still running 3 s after SIGTERM and not answering" in err and "exit 137" in err
+    assert "error: still running 3 s after SIGTERM" in err and "exit 137" in err
     assert "finally" not in out  # the interpreter never ran again
     assert 3 <= secs < 10, secs

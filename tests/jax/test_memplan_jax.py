@@ -264,6 +264,7 @@ def test_a_micro_batch_smaller_than_the_data_axis_is_planned_padded(tmp_path):
                   "--seq-len", "64", "--engine-forward", "estimate")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "micro-batch 3 is padded to 4 rows, a multiple of the trainer's data axis (fsdp 4)" in r.stdout
+    assert doc["plans"]["multi_stage"]["functions"]["engine_step"]["method"] == "estimate"  # --engine-forward
     assert doc["plans"]["multi_stage"]["functions"]["grad_step"]["detail"].startswith(
         "micro-batch 4 x 64 tokens (3 padded)"
     )

@@ -86,7 +86,7 @@ def test_a_tpu_run_is_planned_in_a_fresh_process_and_refused_when_it_cannot_fit(
     with pytest.raises(
         DoesNotFit, match=r"memory plan \(v4-8, predicted\): multi_stage: DOES NOT FIT: kv_pool"
     ):
-        plan_run(_v4_8_request(kv_tokens=10**9), check_weights=False, fit_kv=False)
+        plan_run(_v4_8_request(kv_tokens=10**9, engine_forward="estimate"), check_weights=False, fit_kv=False)
 
 
 def _record(phase: str, devices: list[int], **info) -> dict:
