@@ -507,10 +507,15 @@ def _compile(
 
 
 def _compile_lowered(name: str, lower: Any, target: Any, info: dict[str, Any], detail: str) -> _Compiled:
-    """Compile what ``lower()`` returns for the target; its per-device memory (or the refusal)."""
+    """Compile what ``lower()`` returns for the target; its per-device memory (or the refusal).
+    On a terminal a line names the function and its time so far (an engine prefill for a TPU
+    target takes minutes on a CPU host)."""
+    from mllm_rl.progress import waiting
+
     t0 = time.perf_counter()
     try:
-        compiled = lower().compile()
+        with waiting(f"memory plan: compiling {name} for {target.name}"):
+            compiled = lower().compile()
     except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory refusal is expected
         rej = topologies.rejection(e)
         if rej is None:

@@ -278,3 +278,22 @@ def test_data_rows_are_a_multiple_of_the_data_axis():
     mesh = AbstractMesh((4, 2), ("fsdp", "tp"))
     assert [data_rows(mesh, r) for r in (1, 3, 4, 5, 64)] == [4, 4, 4, 8, 64]
     assert data_rows(AbstractMesh((1, 8), ("fsdp", "tp")), 3) == 3
+
+
+def test_each_compiled_function_gets_a_progress_line_on_a_terminal(monkeypatch, capsys):
+    """A plan compiles for minutes on a CPU host (an engine prefill for a TPU target): on a
+    terminal a line names the function being compiled and the target."""
+    import jax
+    import jax.numpy as jnp
+
+    from mllm_rl import progress
+    from mllm_rl.backends.jax import memplan
+    from mllm_rl.memplan.compose import Target
+
+    monkeypatch.setattr(progress, "progress_enabled", lambda: True)
+    info: dict = {"compile_seconds": {}}
+    cpu = Target("cpu", "cpu", 1, 1, 1 << 30, "cpu", "test")
+    lowered = lambda: jax.jit(lambda x: x * 2).lower(jnp.ones(4))  # noqa: E731
+    c = memplan._compile_lowered("grad_step", lowered, cpu, info, "x*2")
+    assert "memory plan: compiling grad_step for cpu" in capsys.readouterr().err
+    assert c.memory.argument_bytes == 16 and "grad_step" in info["compile_seconds"]
