@@ -3,9 +3,12 @@
 Pure JAX (no sglang-jax import). An engine's weights are a list of leaves (sglang-jax:
 ``model_runner.model_state_leaves``) and a map HF name -> ``(leaf index, transpose)``, ``transpose``
 meaning the leaf holds HF ``[out, in]`` as ``[in, out]``. Accepted values (``place`` / ``stream``):
-a host ndarray or memmap in HF layout (copied once: ``host_copy``); a ``jax.Array`` in HF layout
-(transposed / cast where it lives, then moved); ``KernelInOut(a)``, ``a`` ``[in, out]`` (no
-transpose); ``Placed(a)`` (``stream`` only), already in the leaf's layout, dtype and sharding.
+a host ndarray or memmap in HF layout (moved as it is, then transposed / cast on the leaf's
+devices: a strided host transpose of a bf16 matrix is far slower than a copy; moved through
+``host_copy`` when no device op follows); a ``jax.Array`` in HF layout (transposed / cast where it
+lives, then moved); ``KernelInOut(a)``, ``a`` ``[in, out]`` (no transpose); either as ``Owned``
+(a buffer made for the export: kept, not copied); ``Placed(a)`` (``stream`` only), already in the
+leaf's layout, dtype and sharding.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from mllm_rl.backends.jax.export_layout import KernelInOut
+from mllm_rl.backends.jax.export_layout import KernelInOut, unwrap
 from mllm_rl.backends.jax.fingerprint import fingerprint, tensor_sums
 from mllm_rl.engine import Fingerprint, Placed
 from mllm_rl.faults import fault
@@ -52,15 +55,38 @@ def _to_layout(x: jax.Array, transpose: bool, dtype: Any) -> jax.Array:
     return (x.T if transpose else x).astype(dtype)
 
 
-def to_engine(x: jax.Array, transpose: bool, dtype: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+def to_engine(
+    x: jax.Array, transpose: bool, dtype: Any, sharding: jax.sharding.Sharding, owned: bool = False
+) -> jax.Array:
     """``x.T`` (``transpose``) or ``x`` as ``dtype`` with ``sharding``, in a buffer of its own.
 
-    A transpose or cast runs where ``x`` lives, then the result moves. With neither, ``x`` is copied: a
-    ``device_put`` to an equivalent sharding would alias the buffer its owner (an offloading trainer)
-    deletes later."""
+    A transpose or cast runs where ``x`` lives, then the result moves. With neither, ``x`` is copied
+    unless ``owned`` (nothing else holds it): a ``device_put`` to an equivalent sharding would alias
+    the buffer its owner (an offloading trainer) deletes later."""
     if transpose or x.dtype != dtype:
         return jax.device_put(_to_layout(x, transpose, dtype), sharding)
-    return jax.device_put(x, sharding, may_alias=False)
+    return jax.device_put(x, sharding, may_alias=owned)
+
+
+def host_to_engine(
+    arr: np.ndarray, transpose: bool, dtype: Any, sharding: jax.sharding.Sharding
+) -> jax.Array:
+    """A host array (``arr.T`` when ``transpose``, as ``dtype``) in a new buffer with ``sharding``.
+
+    With a transpose or a cast, ``arr`` moves as it is (onto the transposed sharding) and
+    ``_to_layout`` makes the new buffer on the devices; else one ``host_copy`` is moved."""
+    if not transpose and arr.dtype == dtype:
+        return jax.device_put(host_copy(arr, dtype), sharding)
+    staged = jax.device_put(arr, _transposed(sharding) if transpose else sharding)
+    return to_engine(staged, transpose, dtype, sharding)
+
+
+def _transposed(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """The sharding of a 2-D array's transpose whose transpose has ``sharding``."""
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (2 - len(tuple(sharding.spec)))
+        return NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[::-1]))
+    return sharding  # one device (or replicated): the transpose lives where the array does
 
 
 def _engine_view(value: Any, transpose: bool) -> tuple[Any, bool]:
@@ -141,14 +167,14 @@ class EngineLeaves:
             raise KeyError(f"unknown parameter {hf_name!r} for this engine")
         idx, transpose = self.mappings[hf_name]
         leaf = self.leaves[idx]
+        value, owned = unwrap(value)
         src, transpose = _engine_view(value, transpose)
         if isinstance(src, jax.Array):  # from a trainer: transpose/cast where it lives
             _check_shape(hf_name, src.shape[::-1] if transpose else src.shape, leaf.shape)
-            return to_engine(src, transpose, leaf.dtype, leaf.sharding)
+            return to_engine(src, transpose, leaf.dtype, leaf.sharding, owned)
         arr = np.asarray(src)
-        arr = arr.T if transpose else arr
-        _check_shape(hf_name, arr.shape, leaf.shape)
-        return jax.device_put(host_copy(arr, leaf.dtype), leaf.sharding)
+        _check_shape(hf_name, arr.shape[::-1] if transpose else arr.shape, leaf.shape)
+        return host_to_engine(arr, transpose, leaf.dtype, leaf.sharding)
 
     def install(self, hf_name: str, new: jax.Array) -> None:
         """Replace the leaf by ``new`` (already placed) and free the old buffer."""
@@ -211,7 +237,7 @@ class EngineLeaves:
         """Write ``host`` (HF layout) into the leaf's existing buffer slice by slice (donated
         in-place update along ``chunk_axis``).
 
-        Peak device memory is the buffer plus one chunk instead of two whole tensors.
+        Peak device memory is the buffer plus ``chunk_bytes`` instead of two whole tensors.
         Returns the (sum, sumsq) of the data sent, accumulated over the chunks.
         """
         idx, transpose = self.mappings[hf_name]
@@ -220,19 +246,20 @@ class EngineLeaves:
             raise ValueError(f"{hf_name}: not chunked (at most chunk_bytes, or no unsharded axis)")
         leaves = self.leaves
         buf = leaves[idx]
-        src = np.asarray(host)
-        src = src.T if transpose else src
-        _check_shape(hf_name, src.shape, buf.shape)
+        src = np.asarray(host)  # HF layout: a chunk is cut from it and transposed on the devices
+        _check_shape(hf_name, src.shape[::-1] if transpose else src.shape, buf.shape)
         row_bytes = buf.nbytes // buf.shape[axis]
-        step = max(1, self.chunk_bytes // max(1, row_bytes))
-        spec = buf.sharding.spec
+        # a transposed chunk is on the devices twice (as sent, then transposed): half as many rows,
+        # so what is in flight stays within chunk_bytes
+        step = max(1, self.chunk_bytes // max(1, row_bytes * (2 if transpose else 1)))
         write = _chunk_writer(buf.sharding, axis)
+        hf_axis = 1 - axis if transpose else axis
         total_s = total_q = jnp.zeros((), jnp.float32)
         for start in range(0, buf.shape[axis], step):
             window = [slice(None)] * src.ndim
-            window[axis] = slice(start, min(start + step, buf.shape[axis]))
-            part = src[tuple(window)]  # a view of the memmap; copied once by the cast below
-            chunk = jax.device_put(host_copy(part, buf.dtype), NamedSharding(buf.sharding.mesh, spec))
+            window[hf_axis] = slice(start, min(start + step, buf.shape[axis]))
+            part = src[tuple(window)]  # a view of the memmap: runs of contiguous rows
+            chunk = host_to_engine(part, transpose, buf.dtype, buf.sharding)
             s, q = tensor_sums(chunk)
             total_s, total_q = total_s + s, total_q + q
             if on_tensor is not None and start == 0:

@@ -21,10 +21,30 @@ class KernelInOut(NamedTuple):
     array: jax.Array  # [in, out]
 
 
+class Owned(NamedTuple):
+    """An exported value (a ``jax.Array`` or ``KernelInOut``) in a buffer made for the export
+    (a cast of a float32 master): nothing else holds it, so an engine may install that buffer
+    instead of copying it."""
+
+    value: Any
+
+
+def unwrap(value: Any) -> tuple[Any, bool]:
+    """(the exported value without ``Owned``, whether it was ``Owned``)."""
+    return (value.value, True) if isinstance(value, Owned) else (value, False)
+
+
+def array_of(value: Any) -> jax.Array:
+    """The array of an exported value, in the layout it was sent in (a kernel ``[in, out]``)."""
+    value, _ = unwrap(value)
+    return value.array if isinstance(value, KernelInOut) else value
+
+
 def hf_layout(value: Any) -> Any:
     """The HF-layout tensor of an exported value.
 
     ``KernelInOut(a)`` -> ``a.T`` (``[out, in]``, a transposed copy once materialised); any
-    other value is already in HF layout and is returned unchanged.
+    other value is already in HF layout and is returned unchanged (without ``Owned``).
     """
+    value, _ = unwrap(value)
     return value.array.T if isinstance(value, KernelInOut) else value

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mllm_rl.backends.jax import engine_weights as ew
-from mllm_rl.backends.jax.export_layout import KernelInOut, hf_layout
+from mllm_rl.backends.jax.export_layout import KernelInOut, Owned, hf_layout
 from mllm_rl.backends.jax.fingerprint import read_sums, tensor_sums
 from mllm_rl.checkpoint import ModelDir
 from mllm_rl.engine import Placed
@@ -115,6 +115,18 @@ def test_placed_array_owns_its_buffer():
     assert _ptr(placed) != _ptr(norm)
     norm.delete()
     np.testing.assert_array_equal(np.asarray(placed), np.arange(6, dtype=np.float32))
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_an_owned_export_is_installed_without_a_copy(kernel):
+    """A cast the trainer made for the export is nobody else's: its buffer becomes the leaf."""
+    _, w = _leaves()
+    x = jnp.asarray(_hf_kernel().T if kernel else np.arange(6, dtype=np.float32))
+    name, value = (W, KernelInOut(x)) if kernel else (N, x)
+    placed = w.place(name, Owned(value))
+    assert _ptr(placed) == _ptr(x)
+    np.testing.assert_array_equal(np.asarray(placed), np.asarray(x))
+    assert _ptr(w.place(name, value)) != _ptr(x)  # not owned: copied
 
 
 @pytest.mark.parametrize("kind", ["host", "jax", "kernel_in_out"])
@@ -246,6 +258,7 @@ def test_trainer_export_is_installed_without_a_transpose(tiny_ckpt, layouts, lor
     sums, _ = engine.stream(items)
     assert layouts == []  # same dtype: neither a transpose nor a cast, only the engine's copy
     _assert_close(read_sums(sums), t.weights_fingerprint(export.names))
+    _assert_close(export.fingerprint(), t.weights_fingerprint(export.names))  # in the export's pass
     for name, value in items:
         i, transpose = engine.mappings[name]
         hf = np.asarray(hf_layout(value))

@@ -71,14 +71,17 @@ def test_tp1_swapped_engine_matches_reference_model(tp1, tiny_ckpt):
 
 
 @pytest.mark.slow
-def test_tp1_streaming_peak_is_one_copy_plus_one_tensor(tp1, tiny_ckpt):
+def test_tp1_streaming_peak_is_one_copy_plus_one_tensor_in_flight(tp1, tiny_ckpt):
+    """Beyond the engine's weights, one tensor in flight: a kernel sent in HF layout and its
+    transpose made on the device (two copies of it, the plan's staging), never a second model."""
     from mllm_rl.checkpoint import ModelDir
 
     _, run_dir = tp1
     swapped = read_jsonl(run_dir / "phases.jsonl")[3]["memory"]["devices"][0]
     largest = max(i.nbytes for _, i in ModelDir.open(tiny_ckpt).tensors.values())
     small_temporaries = 4096  # fingerprint scalars and the like
-    assert swapped["phase_peak_bytes"] <= swapped["bytes_in_use"] + largest + small_temporaries
+    in_flight = swapped["phase_peak_bytes"] - swapped["bytes_in_use"]
+    assert largest <= in_flight <= 2 * largest + small_temporaries
 
 
 @pytest.mark.slow
