@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from mllm_rl.option_error import OptionError
@@ -147,12 +147,23 @@ class UpdateStats:
 
 class WeightExport:
     """Named tensors announced up front (``names``, so an engine can reject an update before any
-    weight changes), streamed as ``(hf_name, array)`` in ``names`` order; ``full``: every weight."""
+    weight changes), streamed as ``(hf_name, array)`` in ``names`` order; ``full``: every weight.
 
-    def __init__(self, names: Sequence[str], tensors: Iterable[tuple[str, Any]], full: bool) -> None:
+    ``fingerprint``: the sender's (sum, sumsq) of every tensor it yielded, computed in the same
+    pass as the export (no second read of the weights); callable once the export is consumed.
+    ``None``: the receiver asks the trainer (``Trainer.weights_fingerprint``)."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        tensors: Iterable[tuple[str, Any]],
+        full: bool,
+        fingerprint: Callable[[], Fingerprint] | None = None,
+    ) -> None:
         self.names = list(names)
         self._tensors = tensors
         self.full = full
+        self.fingerprint = fingerprint
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         announced = set(self.names)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from mllm_rl.engine import (
@@ -204,10 +204,14 @@ class ManagedEngine:
             )
 
     def update_weights(
-        self, export: WeightExport, on_tensor: Any = None, expected: Fingerprint | None = None
+        self,
+        export: WeightExport,
+        on_tensor: Any = None,
+        expected: Fingerprint | Callable[[], Fingerprint] | None = None,
     ) -> UpdateStats:
         """Stream ``export`` into the engine; ``WeightMismatch`` unless the engine's fingerprint
-        matches what was sent and, when given, ``expected`` (the trainer's)."""
+        matches what was sent and, when given, ``expected`` (the trainer's; a callable is read once
+        the export is consumed: ``WeightExport.fingerprint``)."""
         self.check_update(export)
         try:
             stats = self.engine.update_weights(iter(export), on_tensor=on_tensor)
@@ -221,6 +225,8 @@ class ManagedEngine:
                 raise WeightMismatch(
                     f"update_weights: engine weights differ from what was sent for {len(bad)} tensor(s), e.g. {bad[:2]}"
                 )
+            if callable(expected):
+                expected = expected()
             bad = compare_fingerprints(expected, got) if expected is not None else []
             if bad:
                 raise WeightMismatch(

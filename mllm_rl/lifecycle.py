@@ -391,7 +391,8 @@ class Colocated:
         if full is None:
             full = not self.engine.weights_valid
         export = self.trainer.export_weights(full=full)
-        want = self.trainer.weights_fingerprint(export.names)
+        # the trainer's fingerprint of what it sends, from the export's own pass where it has one
+        want = export.fingerprint or self.trainer.weights_fingerprint(export.names)
         stats = self.engine.update_weights(export, on_tensor=self._high_point, expected=want)
         return {
             "full": export.full,

@@ -162,9 +162,10 @@ class Trainer(Protocol):
         so the checkpoint's manifest need not read them back; ``None``: none."""
         ...
 
-    def snapshot(self) -> TrainerSnapshot | None:
-        """What ``save`` writes, copied to host memory now and unaffected by later steps, so another
-        thread may write it. ``None``: this trainer saves only in place."""
+    def snapshot(self, path: Path) -> TrainerSnapshot | None:
+        """What ``save`` writes into ``path``, copied to host memory now and unaffected by later
+        steps, so another thread may write it (a library that saves asynchronously, orbax, begins
+        its write here and ``write`` waits for it). ``None``: this trainer saves only in place."""
         ...
 
     def restore(self, path: Path) -> None:

@@ -358,7 +358,9 @@ class FakeTrainer:
     (the params offload moves nothing, like the ``offload_noop`` fault), ``stale_fingerprint``
     (its fingerprint is of the weights before the last step: what it claims != what it sends),
     ``snapshots`` (``snapshot()`` copies the weights for a background write; ``False``: saves only
-    in place), ``snapshot_gate`` (each snapshot's write waits for this event first).
+    in place), ``snapshot_gate`` (each snapshot's write waits for this event first),
+    ``export_fingerprint`` (the export carries its fingerprint, taken as it yields, as the real
+    trainers' do; ``fingerprint_reads`` counts the separate ``weights_fingerprint`` passes).
     """
 
     def __init__(
@@ -371,8 +373,10 @@ class FakeTrainer:
         stale_fingerprint: bool = False,
         snapshots: bool = True,
         snapshot_gate: threading.Event | None = None,
+        export_fingerprint: bool = False,
     ) -> None:
         self.device = device
+        self.export_fingerprint, self.fingerprint_reads = export_fingerprint, 0
         self.snapshots, self.snapshot_gate = snapshots, snapshot_gate
         self.weights = {n: w.copy() for n, w in (weights or initial_weights()).items()}
         self.lora, self.lr = lora, lr
@@ -444,19 +448,29 @@ class FakeTrainer:
     def export_weights(self, full: bool = True) -> WeightExport:
         self._need(PARAMS, op="export_weights")
         names = list(self.weights) if full or not self.lora else list(LORA_NAMES)
-        return WeightExport.of(
-            [(n, self.weights[n].copy()) for n in names], full=len(names) == len(self.weights)
-        )
+        full = len(names) == len(self.weights)
+        if not self.export_fingerprint:
+            return WeightExport.of([(n, self.weights[n].copy()) for n in names], full=full)
+        claimed = self._before_step if self.stale_fingerprint else self.weights
+        sent: list[str] = []
+
+        def gen() -> Iterable[tuple[str, np.ndarray]]:
+            for n in names:
+                sent.append(n)  # its sums are taken as it goes (here: read from ``claimed``)
+                yield n, self.weights[n].copy()
+
+        return WeightExport(names, gen(), full=full, fingerprint=lambda: fingerprint(claimed, sent))
 
     def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
         self._need(PARAMS, op="weights_fingerprint")
+        self.fingerprint_reads += 1
         return fingerprint(self._before_step if self.stale_fingerprint else self.weights, names)
 
     def save(self, path: Path) -> None:
         self._need(PARAMS, OPTIMIZER, op="save")
         np.savez(Path(path) / "weights.npz", **self.weights)
 
-    def snapshot(self) -> FakeSnapshot | None:
+    def snapshot(self, path: Path | None = None) -> FakeSnapshot | None:
         """A copy of the weights a background thread writes (``None`` with ``snapshots=False``)."""
         if not self.snapshots:
             return None

@@ -35,19 +35,41 @@ _QUOTED_PATH = re.compile(r'"(/[^"]+)"')
 def save_pytree(target: Path, tree: Any) -> None:
     """``tree`` written by orbax into ``target``; ``OSError(errno, reason, file)`` when the OS
     refused a write (orbax's own exception otherwise), only after every write it began has ended."""
-    import orbax.checkpoint as ocp
+    AsyncSave(target, tree).write()
 
-    ckpt = ocp.StandardCheckpointer()
-    with _held_orbax_logs():
+
+class AsyncSave:
+    """orbax's asynchronous save of ``tree`` into ``target``, begun on construction: it returns
+    once the arrays are in host memory (a device-to-host copy; on CPU, views that keep the arrays
+    alive while later steps replace them), and ``write`` waits for the files. Errors are
+    ``save_pytree``'s, raised by whichever of the two meets them. ``nbytes``: the state's bytes."""
+
+    def __init__(self, target: Path, tree: Any) -> None:
+        import jax
+        import orbax.checkpoint as ocp
+
+        self.target = target
+        self.nbytes = sum(int(x.nbytes) for x in jax.tree.leaves(tree))
+        self._ckpt = ocp.StandardCheckpointer()
+        self._run(lambda: self._ckpt.save(target, tree))
+
+    def write(self, path: Path | None = None) -> None:
+        """Wait until every file is written (``path``: the checkpoint's, for the writer's call)."""
         try:
-            ckpt.save(target, tree)
-            ckpt.wait_until_finished()
-        except BaseException as e:
-            settle_tensorstore()
-            os_error = os_error_of(e, target)
-            if os_error is None:
-                raise
-            raise os_error from None
+            self._run(self._ckpt.wait_until_finished)
+        finally:
+            self._ckpt.close()
+
+    def _run(self, fn: Any) -> None:
+        with _held_orbax_logs():
+            try:
+                fn()
+            except BaseException as e:
+                settle_tensorstore()
+                os_error = os_error_of(e, self.target)
+                if os_error is None:
+                    raise
+                raise os_error from None
 
 
 def os_error_of(e: BaseException, target: Path) -> OSError | None:

@@ -32,11 +32,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from mllm_rl.backends.jax import host_optimizer
-from mllm_rl.backends.jax.export_layout import KernelInOut
+from mllm_rl.backends.jax.export_layout import KernelInOut, Owned, array_of
 from mllm_rl.backends.jax.fingerprint import read_sums, tensor_sums
 from mllm_rl.backends.jax.model import Qwen3, get_weight, linear_layers
 from mllm_rl.backends.jax.options import ModelOptions
-from mllm_rl.backends.jax.orbax_io import save_pytree
+from mllm_rl.backends.jax.orbax_io import AsyncSave, save_pytree
 from mllm_rl.backends.jax.sharding import batch_sharding, data_rows, make_mesh, tree_shardings
 from mllm_rl.backends.jax.step_fns import load_state, make_step_fns, model_dir_dtype
 from mllm_rl.checkpoint.model_dir import ModelDir
@@ -94,13 +94,16 @@ def _cast(x: jax.Array, dtype: Any) -> jax.Array:
     return x.astype(dtype)
 
 
-def _export(value: jax.Array, transpose: bool, dtype: Any) -> jax.Array | KernelInOut:
+def _export(value: jax.Array, transpose: bool, dtype: Any) -> jax.Array | KernelInOut | Owned:
     """One weight as exported: ``value`` as our model stores it (cast to ``dtype`` only when it
     differs, otherwise not copied); ``KernelInOut(value)`` when the HF tensor is ``value.T``
-    (a kernel [in, out]: HF [out, in]), so that an [in, out] engine installs it as is."""
-    if value.dtype != dtype:
+    (a kernel [in, out]: HF [out, in]), so that an [in, out] engine installs it as is. A cast is
+    ``Owned``: the engine keeps that buffer (no second copy)."""
+    cast = value.dtype != dtype
+    if cast:
         value = _cast(value, dtype)
-    return KernelInOut(value) if transpose else value
+    out = KernelInOut(value) if transpose else value
+    return Owned(out) if cast else out
 
 
 class JaxTrainer:
@@ -347,12 +350,18 @@ class JaxTrainer:
         model = self._model_view()
         lins = linear_layers(model)
 
+        sums: dict[str, tuple[jax.Array, jax.Array]] = {}
+
         def gen() -> Iterator[tuple[str, jax.Array | KernelInOut]]:
             for name in names:  # no local holds the uncast weight (a stacked layer's row) across the
                 # yield: while the engine places the export, only the export is alive beside it
-                yield name, _export(*self._engine_layout(model, name, lins), self.export_dtype)
+                value = _export(*self._engine_layout(model, name, lins), self.export_dtype)
+                # the fingerprint in the same pass (dispatched, read once at the end)
+                sums[name] = tensor_sums(array_of(value))
+                yield name, value
+                del value
 
-        return WeightExport(names, gen(), full=full or not self.lora)
+        return WeightExport(names, gen(), full=full or not self.lora, fingerprint=lambda: read_sums(sums))
 
     def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
         self._need(PARAMS)
@@ -378,9 +387,14 @@ class JaxTrainer:
             shutil.rmtree(target)
         save_pytree(target, {"trainable": self.trainable, "opt_state": self.opt_state})
 
-    def snapshot(self) -> None:
-        """None: orbax writes the device arrays in place, in the ``checkpoint`` phase (``save``)."""
-        return None
+    def snapshot(self, path: Path) -> AsyncSave:
+        """``save`` begun as orbax's asynchronous save into ``path``: it returns once the state is
+        in host memory; the writer's thread waits for the files (``AsyncSave.write``)."""
+        self._need(PARAMS, OPTIMIZER)
+        target = Path(path).resolve() / "state"
+        if target.exists():
+            shutil.rmtree(target)
+        return AsyncSave(target, {"trainable": self.trainable, "opt_state": self.opt_state})
 
     def restore(self, path: Path) -> None:
         """Load a ``save``. The state is this trainer's param tree, so it restores only into the

@@ -70,6 +70,14 @@ IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
 LAYER_PREFIX = "model.layers."  # the decoder layers' parameter names (HF layout)
 
 
+def _read_sums(sums: dict[str, torch.Tensor]) -> Fingerprint:
+    """``tensor_sums`` of every name, read to the host in one transfer."""
+    if not sums:
+        return {}
+    host = torch.stack(list(sums.values())).cpu().tolist()
+    return {n: (float(s), float(q)) for n, (s, q) in zip(sums, host, strict=True)}
+
+
 class TrainerStateError(RuntimeError):
     """An operation the trainer's residency does not allow (e.g. training with params offloaded)."""
 
@@ -473,11 +481,17 @@ class TorchTrainer:
         self._need(PARAMS)
         names = self.export_names(full)
 
+        sums: dict[str, torch.Tensor] = {}
+
         def gen() -> Iterator[tuple[str, torch.Tensor]]:
             for name in names:
-                yield name, self._engine_tensor(name)
+                value = self._engine_tensor(name)
+                with torch.no_grad():
+                    sums[name] = tensor_sums(value)  # the fingerprint in the same pass
+                yield name, value
+                del value
 
-        return WeightExport(names, gen(), full=full or not self.lora)
+        return WeightExport(names, gen(), full=full or not self.lora, fingerprint=lambda: _read_sums(sums))
 
     @torch.no_grad()
     def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
@@ -487,7 +501,7 @@ class TorchTrainer:
             name: tensor_sums(self._engine_tensor(name))
             for name in (names if names is not None else self.names)
         }
-        return {n: (float(s[0]), float(s[1])) for n, s in sums.items()}
+        return _read_sums(sums)
 
     # -- checkpoints ---------------------------------------------------------------------
     def _state(self, copy: Any) -> dict[str, Any]:
@@ -530,9 +544,10 @@ class TorchTrainer:
         }
 
     @torch.no_grad()
-    def snapshot(self) -> StateSnapshot:
-        """``save``'s state copied into (CPU) host memory: a background thread may write it while
-        the next steps train, offload and onload (``mllm_rl.checkpoint.writer``)."""
+    def snapshot(self, path: Path | None = None) -> StateSnapshot:
+        """``save``'s state copied into (CPU) host memory: a background thread may write it (into
+        ``path``, given to its ``write``) while the next steps train, offload and onload
+        (``mllm_rl.checkpoint.writer``)."""
         self._need(PARAMS, OPTIMIZER)
         if self.sharded:
             raise ValueError(

@@ -1,8 +1,9 @@
 """RL checkpoints on their cadence, written in the ``checkpoint`` phase or in the background.
 
-``background``: a trainer with ``Trainer.snapshot()`` has its host copy written by one thread
-while the run goes on (as ``torch.distributed.checkpoint.async_save`` / orbax's
-``AsyncCheckpointer`` do), at the price of host memory until the write ends (off by default,
+``background``: a trainer with ``Trainer.snapshot(path)`` has its host copy written by one thread
+while the run goes on (the torch trainer's copy, as ``torch.distributed.checkpoint.async_save``
+does; the JAX trainer's is orbax's own asynchronous save, whose end the thread waits for), at the
+price of host memory until the write ends (off by default,
 docs/RL.md). Either way a checkpoint counts only once its ``meta.json`` manifest is written,
 last; a background write is recorded in ``info.written`` of a later ``checkpoint`` phase or of
 ``checkpoint_flush``. One write at a time. An ``OSError`` while writing raises a one-line
@@ -151,7 +152,7 @@ class Checkpointer:
             raise write_error(path, e) from None
         self._sync(f"{path.name}/dir")
         try:
-            snap = self.trainer.snapshot() if self.background else None
+            snap = self.trainer.snapshot(path) if self.background else None
         except BaseException:
             discard(path)
             raise

@@ -227,7 +227,9 @@ class FakeTrainer:
     def save(self, path: Path) -> None:
         np.savez(path / "params.npz", **self.params)
 
-    def snapshot(self) -> None:  # multi-task runs write their checkpoints in the phase
+    def snapshot(
+        self, path: Path | None = None
+    ) -> None:  # multi-task runs write their checkpoints in the phase
         return None
 
     def restore(self, path: Path) -> None:

@@ -40,11 +40,9 @@ def refusal(argv: list[str]) -> str:
 
 
 # -- 1. a flag only some backends take -----------------------------------------------------------
-def test_checkpoint_background_is_refused_on_jax_and_taken_on_torch():
-    assert refusal(["--backend", "jax", "--checkpoint-background"]) == (
-        "--checkpoint-background: only --backend torch takes it"
-    )
-    args, given = parse_args(["--backend", "torch", "--checkpoint-background"])
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_checkpoint_background_is_taken_on_both_backends(backend):
+    args, given = parse_args(["--backend", backend, "--checkpoint-background"])
     check_mode(args, given)  # no refusal
     assert args.checkpoint_background is True
 

@@ -62,7 +62,7 @@ class Trainer:
             raise OSError(errno.EFBIG, os.strerror(errno.EFBIG), str(b))
         raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))  # no file named
 
-    def snapshot(self) -> Snapshot | None:
+    def snapshot(self, path: Path | None = None) -> Snapshot | None:
         return Snapshot(self) if self.snapshots else None
 
 

@@ -53,7 +53,7 @@ class ShardTrainer:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path / f"shard.{self.index}"))
         (path / f"shard.{self.index}").write_bytes(os.urandom(4096))
 
-    def snapshot(self) -> None:
+    def snapshot(self, path: Path | None = None) -> None:
         return None
 
 

@@ -493,6 +493,20 @@ def test_engine_weights_differing_from_the_trainers_raise():
     assert r.names()[-1] == "update_weights"
 
 
+@pytest.mark.parametrize("stale", [False, True])
+def test_an_export_carrying_its_fingerprint_is_checked_without_a_second_pass(stale):
+    """The real trainers fingerprint what they send as they send it: the lifecycle checks the
+    engine against that, and a sender whose claim is not what it sent is still caught."""
+    r = make_rig(trainer={"export_fingerprint": True, "stale_fingerprint": stale}).setup()
+    if stale:
+        with pytest.raises(WeightMismatch, match="differ from the trainer's"):
+            r.life.step(0, rollout)
+    else:
+        r.life.step(0, rollout)
+        assert r.fake.weights_fingerprint() == fingerprint(r.trainer.weights)
+    assert r.trainer.fingerprint_reads == 0
+
+
 def test_an_update_that_failed_midway_leaves_the_weights_invalid_until_a_full_update():
     """Some tensors landed, the rest did not: the engine holds neither the old nor the new weights."""
     r = make_rig()

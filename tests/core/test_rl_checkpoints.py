@@ -142,7 +142,7 @@ class StateWriter:
     def save(self, path: Path) -> None:
         (path / "state.bin").write_bytes(os.urandom(1000))
 
-    def snapshot(self) -> None:
+    def snapshot(self, path: Path | None = None) -> None:
         return None
 
 
@@ -227,7 +227,7 @@ class FailingSnapshot:
 
 
 class FailingWriter(StateWriter):
-    def snapshot(self) -> FailingSnapshot:
+    def snapshot(self, path: Path | None = None) -> FailingSnapshot:
         return FailingSnapshot()
 
 

@@ -1,4 +1,5 @@
-"""A JAX run whose orbax checkpoint write the OS refuses (``RLIMIT_FSIZE``): exit 1 in one line, no
+"""A JAX run whose orbax checkpoint write the OS refuses (``RLIMIT_FSIZE``), in the phase or in the
+background (orbax's asynchronous save, ``--checkpoint-background``): exit 1 in one line, no
 traceback (orbax logs the error with tracebacks from three threads, tensorstore's abandoned writes
 print ``Event loop is closed`` ones), no temporary directory, the older checkpoint resumes
 (``backends/jax/orbax_io.py``)."""
@@ -53,9 +54,9 @@ def test_only_callbacks_into_a_closed_event_loop_are_dropped():
         assert not closed_loop_callback(e, e.__traceback__)
 
 
-@pytest.mark.slow  # three runs of the tiny model
+@pytest.mark.slow  # four runs of the tiny model
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE and EFBIG as on Linux")
 def test_a_checkpoint_write_past_the_file_size_limit_exits_1_and_the_older_checkpoint_resumes(
     tiny_ckpt, tmp_path
 ):
-    check_refused_checkpoint_write("jax", tiny_ckpt, tmp_path / "run", [[]])
+    check_refused_checkpoint_write("jax", tiny_ckpt, tmp_path / "run", [[], ["--checkpoint-background"]])

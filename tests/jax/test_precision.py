@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mllm_rl.backends.jax.export_layout import KernelInOut, hf_layout
+from mllm_rl.backends.jax.export_layout import array_of, hf_layout
 from mllm_rl.backends.jax.fingerprint import fingerprint
 from mllm_rl.backends.jax.model import Linear, get_weight
 from mllm_rl.backends.jax.options import ModelOptions
@@ -34,7 +34,7 @@ from mllm_rl.backends.jax.step_fns import abstract_state, make_run
 from mllm_rl.backends.jax.trainer import JaxTrainer
 from mllm_rl.checkpoint import ModelDir, make_checkpoint
 from mllm_rl.presets import get_preset
-from mllm_rl.trainer import RolloutBatch, TrainConfig
+from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig
 from tests.conftest import run_cli
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
@@ -127,8 +127,9 @@ def test_abstract_state_a_plan_compiles_follows_the_same_rule():
 def test_bf16_checkpoint_trains_float32_masters_and_resumes_exactly(bf16_md, tmp_path):
     """Two steps at lr 1e-6: the masters are float32 and >= 90% of their elements move in the
     second step (with bf16 params a few percent do); the engine gets bf16 and the fingerprint
-    hashes exactly that; a trainer restored from the checkpoint after step 1 takes a second step
-    bit-equal to the original's."""
+    hashes exactly that; a trainer restored from the checkpoint after step 1 (saved in the phase,
+    or by orbax's asynchronous save written after step 2) takes a second step bit-equal to the
+    original's."""
     cfg = TrainConfig(lr=1e-6, micro_batch_size=4)
     t = JaxTrainer(bf16_md, cfg, ModelOptions())
     assert t.export_dtype == BF16
@@ -139,13 +140,18 @@ def test_bf16_checkpoint_trains_float32_masters_and_resumes_exactly(bf16_md, tmp
     assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and np.isfinite(m["loss"])
     w1, o1 = host(t.trainable), host(t.opt_state)
     t.save(tmp_path)
+    snap = t.snapshot(tmp_path / "async")  # orbax's asynchronous save, the same moment
+    assert snap.nbytes == sum(x.nbytes for x in w1 + o1)
     t.train_step(batch)
     w2, o2 = host(t.trainable), host(t.opt_state)
+    t.offload([PARAMS, OPTIMIZER])  # the arrays the save read are gone from the trainer
+    t.onload([PARAMS, OPTIMIZER])
+    snap.write(tmp_path / "async")  # written after the step: it holds step 1's state all the same
     assert changed_fraction(w1, w2) >= 0.9, changed_fraction(w1, w2)
 
     # what the engine gets: bf16 casts of the masters (kernels in our [in, out] layout); the
     # fingerprint hashes exactly those
-    names, exported = zip(*((n, x.array if isinstance(x, KernelInOut) else x) for n, x in t.export_weights()),
+    names, exported = zip(*((n, array_of(x)) for n, x in t.export_weights()),
                           strict=True)  # fmt: skip
     assert {x.dtype for x in exported} == {BF16}
     assert t.weights_fingerprint() == fingerprint(zip(names, exported, strict=True))
@@ -153,14 +159,15 @@ def test_bf16_checkpoint_trains_float32_masters_and_resumes_exactly(bf16_md, tmp
     for n, x in zip(names, exported, strict=True):
         np.testing.assert_array_equal(np.asarray(x), masters[n].astype(BF16), err_msg=n)
 
-    r = JaxTrainer(bf16_md, cfg, ModelOptions())
-    r.restore(tmp_path)
-    for got, want in zip(host(r.trainable) + host(r.opt_state), w1 + o1, strict=True):
-        assert got.dtype == want.dtype
-        np.testing.assert_array_equal(got, want)
-    r.train_step(batch)
-    for got, want in zip(host(r.trainable) + host(r.opt_state), w2 + o2, strict=True):
-        np.testing.assert_array_equal(got, want)
+    for saved in (tmp_path, tmp_path / "async"):
+        r = JaxTrainer(bf16_md, cfg, ModelOptions())
+        r.restore(saved)
+        for got, want in zip(host(r.trainable) + host(r.opt_state), w1 + o1, strict=True):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
+        r.train_step(batch)
+        for got, want in zip(host(r.trainable) + host(r.opt_state), w2 + o2, strict=True):
+            np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.slow  # compiles and trains the model

@@ -354,10 +354,13 @@ def test_export_lands_in_the_embedded_engine_and_its_greedy_agrees(model_dir, lo
     engine.update_weights(WeightExport(export.names, check(export), full=export.full))
     assert sent == export.names
     assert compare_fingerprints(t.weights_fingerprint(export.names), engine.weights_fingerprint()) == []
+    # the export's own fingerprint (its pass) is the trainer's, and the engine's
+    assert compare_fingerprints(export.fingerprint(), t.weights_fingerprint(export.names)) == []
+    assert sorted(export.fingerprint()) == sorted(export.names)
     t.train_step(make_batch(seed=1))
     update = t.export_weights(full=False)  # LoRA: the merged linear layers only; full fine-tune: all
     assert update.full == (lora_rank == 0)
-    engine.update_weights(update)
+    engine.update_weights(update, expected=update.fingerprint)
     assert compare_fingerprints(t.weights_fingerprint(), engine.weights_fingerprint()) == []
     out = engine.generate([PROMPT], SamplingParams(max_new_tokens=8))[0]
     toks, margins = t.greedy(PROMPT, 8)
