@@ -1,7 +1,7 @@
 """The JAX trainer's orbax write, with a failed write said once, as an ``OSError``.
 
 When a write fails (a full disk, ``RLIMIT_FSIZE``, a lost permission), orbax 0.12 and tensorstore
-0.1 do three things ``save_pytree`` undoes:
+0.1 do three things ``AsyncSave`` undoes:
 
 - the error is a ``ValueError`` (``OUT_OF_RANGE: ... [os_error_code='27']``), which would read as
   bad input (exit 2); it becomes the ``OSError`` it reports, which ``mllm_rl.checkpoint.writer``
@@ -32,17 +32,12 @@ _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)'?")
 _QUOTED_PATH = re.compile(r'"(/[^"]+)"')
 
 
-def save_pytree(target: Path, tree: Any) -> None:
-    """``tree`` written by orbax into ``target``; ``OSError(errno, reason, file)`` when the OS
-    refused a write (orbax's own exception otherwise), only after every write it began has ended."""
-    AsyncSave(target, tree).write()
-
-
 class AsyncSave:
     """orbax's asynchronous save of ``tree`` into ``target``, begun on construction: it returns
     once the arrays are in host memory (a device-to-host copy; on CPU, views that keep the arrays
-    alive while later steps replace them), and ``write`` waits for the files. Errors are
-    ``save_pytree``'s, raised by whichever of the two meets them. ``nbytes``: the state's bytes."""
+    alive while later steps replace them), and ``write`` waits for the files. A write the OS
+    refused is ``OSError(errno, reason, file)`` (orbax's own exception otherwise), raised by
+    whichever of the two meets it once every write begun has ended. ``nbytes``: the state's bytes."""
 
     def __init__(self, target: Path, tree: Any) -> None:
         import jax
@@ -51,7 +46,11 @@ class AsyncSave:
         self.target = target
         self.nbytes = sum(int(x.nbytes) for x in jax.tree.leaves(tree))
         self._ckpt = ocp.StandardCheckpointer()
-        self._run(lambda: self._ckpt.save(target, tree))
+        try:
+            self._run(lambda: self._ckpt.save(target, tree))
+        except BaseException:
+            self._ckpt.close()  # its threads end with the save that never began
+            raise
 
     def write(self, path: Path | None = None) -> None:
         """Wait until every file is written (``path``: the checkpoint's, for the writer's call)."""

@@ -36,7 +36,7 @@ from mllm_rl.backends.jax.export_layout import KernelInOut, Owned, array_of
 from mllm_rl.backends.jax.fingerprint import read_sums, tensor_sums
 from mllm_rl.backends.jax.model import Qwen3, get_weight, linear_layers
 from mllm_rl.backends.jax.options import ModelOptions
-from mllm_rl.backends.jax.orbax_io import AsyncSave, save_pytree
+from mllm_rl.backends.jax.orbax_io import AsyncSave
 from mllm_rl.backends.jax.sharding import batch_sharding, data_rows, make_mesh, tree_shardings
 from mllm_rl.backends.jax.step_fns import load_state, make_step_fns, model_dir_dtype
 from mllm_rl.checkpoint.model_dir import ModelDir
@@ -379,13 +379,8 @@ class JaxTrainer:
     def save(self, path: Path) -> None:
         """Orbax checkpoint of the trainable params and optimizer state (params must be on
         the device). The LoRA base is not saved: it is the run's ``--model``. A write the OS
-        refuses raises ``OSError`` naming the file, once orbax's writes have all ended
-        (``orbax_io.save_pytree``)."""
-        self._need(PARAMS, OPTIMIZER)
-        target = Path(path).resolve() / "state"
-        if target.exists():  # a save interrupted by a crash, redone after --resume
-            shutil.rmtree(target)
-        save_pytree(target, {"trainable": self.trainable, "opt_state": self.opt_state})
+        refuses raises ``OSError`` naming the file, once orbax's writes have all ended."""
+        self.snapshot(path).write()
 
     def snapshot(self, path: Path) -> AsyncSave:
         """``save`` begun as orbax's asynchronous save into ``path``: it returns once the state is

@@ -54,6 +54,25 @@ def test_only_callbacks_into_a_closed_event_loop_are_dropped():
         assert not closed_loop_callback(e, e.__traceback__)
 
 
+def test_a_save_that_cannot_begin_closes_its_checkpointer(tmp_path, monkeypatch):
+    """orbax refuses to begin a save onto an existing directory; the checkpointer (its threads)
+    is closed before the error propagates, once."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from mllm_rl.backends.jax.orbax_io import AsyncSave
+
+    closed: list[object] = []
+    close = ocp.StandardCheckpointer.close
+    monkeypatch.setattr(ocp.StandardCheckpointer, "close", lambda s: (closed.append(s), close(s)))
+    (tmp_path / "state").mkdir()
+    with pytest.raises(ValueError, match="already exists"):
+        AsyncSave(tmp_path / "state", {"a": jnp.ones(3)})
+    assert len(closed) == 1
+    AsyncSave(tmp_path / "other", {"a": jnp.ones(3)}).write()
+    assert len(closed) == 2 and (tmp_path / "other").is_dir()
+
+
 @pytest.mark.slow  # four runs of the tiny model
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE and EFBIG as on Linux")
 def test_a_checkpoint_write_past_the_file_size_limit_exits_1_and_the_older_checkpoint_resumes(
