@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from tests import forkserver
+
 ROOT = Path(__file__).resolve().parents[1]
+FORKED_MODULES = ("mllm_rl.run",)  # whole runs: the subprocesses whose imports cost seconds
 
 
 def _jax_compilation_cache() -> None:
@@ -64,8 +67,13 @@ def tiny_bf16_ckpt(tmp_path_factory) -> Path:
 def run_cli(
     module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess:
-    """``python -m module args`` in a subprocess of the test's interpreter (same venv)."""
+    """``python -m module args`` in a subprocess of the test's interpreter (same venv): a child of
+    the fork server, which has the heavy packages imported already, where that cannot differ from
+    a fresh process (``tests/forkserver.py``); a fresh process otherwise."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    forked = forkserver.run(module, list(args), full_env, ROOT, timeout) if module in FORKED_MODULES else None
+    if forked is not None:
+        return forked
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         capture_output=True,
@@ -74,6 +82,17 @@ def run_cli(
         cwd=ROOT,
         timeout=timeout,
     )
+
+
+def start_cli(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python -m module args`` started with its stdout and stderr captured (text), as
+    ``run_cli`` runs it; ``communicate``, ``poll``, ``wait``, ``send_signal`` as on a Popen."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    fork = forkserver.server_for(full_env) if module in FORKED_MODULES else None
+    if fork is not None:
+        return fork.start(module, list(args), full_env, ROOT)
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=full_env, cwd=ROOT)  # fmt: skip
 
 
 def needs_libtpu() -> None:

@@ -8,12 +8,9 @@ Each run is a subprocess (an sglang-jax engine must not live in pytest's process
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +19,7 @@ import pytest
 from mllm_rl.phases import validate_record
 from mllm_rl.sinks.jsonl import read_jsonl
 from mllm_rl.trainer import TRAIN_METRICS
-from tests.conftest import ROOT, run_cli
+from tests.conftest import run_cli, start_cli
 
 SMALL = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4",
          "--max-running-requests", "8", "--checkpoint-every", "1"]  # fmt: skip
@@ -271,9 +268,7 @@ def test_kill_and_resume_continues_from_the_last_checkpoint_on_two_devices(tiny_
     optimizer state are sharded over a 2-device mesh (a replicated scalar on one device only broke
     the step once), the engine is tp=2, and the garbage guard checks the synced weights."""
     args = rl_args(tmp_path, tiny_ckpt, "--steps", "3", "--tp", "2", "--check-weights", "--wandb", "disabled")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLLM_RL_NO_PROGRESS": "1"}
-    p = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    p = start_cli(*args, env={"MLLM_RL_NO_PROGRESS": "1"})
     phases, deadline = tmp_path / "phases.jsonl", time.time() + 600
     while time.time() < deadline and p.poll() is None:
         done = phases.exists() and any(

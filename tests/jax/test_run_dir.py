@@ -8,15 +8,12 @@ until ``--override`` names it; ``run.json`` then records the change.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.sinks.jsonl import read_jsonl
-from tests.conftest import ROOT, run_cli
+from tests.conftest import run_cli, start_cli
 
 SMALL = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4",
          "--max-running-requests", "8", "--checkpoint-every", "1", "--wandb", "disabled", "--console", "off"]  # fmt: skip
@@ -24,11 +21,8 @@ SMALL = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-
 
 @pytest.mark.slow  # starts an engine
 def test_two_runs_on_one_directory_one_is_refused_the_other_is_intact(tiny_ckpt, tmp_path):
-    args = [sys.executable, "-m", "mllm_rl.run", "--backend", "jax", "--model", str(tiny_ckpt),
-            "--run-dir", str(tmp_path), *SMALL]  # fmt: skip
-    env = {**os.environ, "MLLM_RL_NO_PROGRESS": "1"}
-    procs = [subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]  # fmt: skip
+    args = ["--backend", "jax", "--model", str(tiny_ckpt), "--run-dir", str(tmp_path), *SMALL]
+    procs = [start_cli("mllm_rl.run", *args, env={"MLLM_RL_NO_PROGRESS": "1"}) for _ in range(2)]
     outs = [p.communicate(timeout=900)[1] for p in procs]
     codes = sorted(p.returncode for p in procs)
     assert codes == [0, 2], outs

@@ -25,7 +25,7 @@ import pytest
 from mllm_rl.phases import validate_record
 from mllm_rl.sinks.jsonl import read_jsonl
 from mllm_rl.trainer import TRAIN_METRICS
-from tests.conftest import ROOT
+from tests.conftest import ROOT, start_cli
 from tests.core.test_cli_errors import ROWS
 from tests.core.test_cli_errors import test_refusal as refusal
 
@@ -57,11 +57,9 @@ def runs(tiny_ckpt, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedPro
 
 
 def start(model: Path, run_dir: Path, *extra: str, faults: str = "") -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLLM_RL_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1",
-           "MLLM_RL_FAULTS": faults}  # fmt: skip
-    cmd = [sys.executable, "-m", "mllm_rl.run", "--backend", "torch", "--plan", "rl", "--model", str(model),
-           "--run-dir", str(run_dir), *SMALL, *extra]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    env = {"MLLM_RL_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1", "MLLM_RL_FAULTS": faults}
+    return start_cli("mllm_rl.run", "--backend", "torch", "--plan", "rl", "--model", str(model),
+                     "--run-dir", str(run_dir), *SMALL, *extra, env=env)  # fmt: skip
 
 
 def finish(p: subprocess.Popen) -> subprocess.CompletedProcess:
