@@ -65,13 +65,13 @@ def tiny_bf16_ckpt(tmp_path_factory) -> Path:
 
 
 def run_cli(
-    module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300
+    module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: Path = ROOT
 ) -> subprocess.CompletedProcess:
-    """``python -m module args`` in a subprocess of the test's interpreter (same venv): a child of
-    the fork server, which has the heavy packages imported already, where that cannot differ from
-    a fresh process (``tests/forkserver.py``); a fresh process otherwise."""
+    """``python -m module args`` in a subprocess of the test's interpreter (same venv); a whole run
+    (``FORKED_MODULES``) is a child of the fork server of its import environment, which has the
+    heavy packages imported already (``tests/forkserver.py``)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    forked = forkserver.run(module, list(args), full_env, ROOT, timeout) if module in FORKED_MODULES else None
+    forked = forkserver.run(module, list(args), full_env, cwd, timeout) if module in FORKED_MODULES else None
     if forked is not None:
         return forked
     return subprocess.run(
@@ -79,7 +79,7 @@ def run_cli(
         capture_output=True,
         text=True,
         env=full_env,
-        cwd=ROOT,
+        cwd=cwd,
         timeout=timeout,
     )
 

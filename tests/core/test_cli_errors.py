@@ -27,7 +27,7 @@ from mllm_rl.checkpoint.resolve import write_meta
 from mllm_rl.options.resume import record
 from mllm_rl.run import parse_args
 from mllm_rl.run_lock import lock_name
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 
 DOC = ROOT / "docs" / "ERRORS.md"
 ROW = re.compile(
@@ -147,8 +147,7 @@ def test_refusal(cmd, code, message, when, tmp_path):
     cwd.mkdir()
     held = _hold_lock(paths["busy"]) if "{busy}" in cmd else None
     before = {name: tree(p) for name, p in paths.items() if p.is_dir() and name != "readonly"}
-    r = subprocess.run([sys.executable, "-m", "mllm_rl.run", *tokens], capture_output=True, text=True,
-                       env={**os.environ, **env}, cwd=cwd, timeout=300)  # fmt: skip
+    r = run_cli("mllm_rl.run", *tokens, env=env, cwd=cwd, timeout=300)
     if held is not None:
         held.close()
     lines = r.stderr.strip().splitlines()

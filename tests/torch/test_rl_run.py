@@ -14,10 +14,8 @@ thread each so that they share 2 cores without stalling each other):
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,7 @@ import pytest
 from mllm_rl.phases import validate_record
 from mllm_rl.sinks.jsonl import read_jsonl
 from mllm_rl.trainer import TRAIN_METRICS
-from tests.conftest import ROOT, start_cli
+from tests.conftest import run_cli, start_cli
 from tests.core.test_cli_errors import ROWS
 from tests.core.test_cli_errors import test_refusal as refusal
 
@@ -199,9 +197,8 @@ def test_resume_restores_the_last_checkpoint_and_runs_the_remaining_step(runs, t
     ``--wandb disabled`` come from ``run.json`` (no W&B run is made)."""
     run_dir = tmp_path / "resumed"
     shutil.copytree(runs["full"][1], run_dir)
-    env = {**os.environ, "MLLM_RL_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "mllm_rl.run", "--run-dir", str(run_dir), "--resume", "--steps", "3"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    r = run_cli("mllm_rl.run", "--run-dir", str(run_dir), "--resume", "--steps", "3",
+                env={"MLLM_RL_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert not (run_dir / "wandb").exists()
     recs = records(run_dir)
