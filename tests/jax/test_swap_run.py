@@ -7,10 +7,7 @@ and its scheduler thread aborts interpreter teardown, so it must never live in p
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +15,7 @@ import pytest
 
 from mllm_rl.phases import validate_record
 from mllm_rl.sinks.jsonl import read_jsonl
-from tests.conftest import ROOT, run_cli
+from tests.conftest import run_cli, start_cli
 
 PHASES = ["wandb_init", "jax_ready", "engine_ready_dummy", "weights_swapped", "generate_result"]
 CHUNK_MB = 0.05  # every 2-D tiny tensor (192-256 KiB) goes through the chunked swap
@@ -196,11 +193,9 @@ def test_a_chunked_swap_peaks_at_one_chunk_and_sigterm_then_ends_the_run_with_14
     engine's weights are what was sent (fingerprint) and the peak is one chunk over the weights. Then
     SIGTERM during the long generation finishes the run: exit 143, the phase records it, W&B has
     every phase."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLLM_RL_NO_PROGRESS": "1", "WANDB_SILENT": "true"}
-    cmd = [sys.executable, "-m", "mllm_rl.run", "--backend", "jax", "--plan", "swap", "--model", str(tiny_ckpt),
-           "--run-dir", str(tmp_path), "--max-new-tokens", "400", "--swap-chunk-mb", str(CHUNK_MB),
-           "--quiet"]  # fmt: skip
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = start_cli("mllm_rl.run", "--backend", "jax", "--plan", "swap", "--model", str(tiny_ckpt), "--run-dir",
+                  str(tmp_path), "--max-new-tokens", "400", "--swap-chunk-mb", str(CHUNK_MB), "--quiet",
+                  env={"MLLM_RL_NO_PROGRESS": "1", "WANDB_SILENT": "true"})  # fmt: skip
     phases = tmp_path / "phases.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline:
