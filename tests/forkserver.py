@@ -38,15 +38,24 @@ FORKABLE_ENV = ("MLLM_RL_", "WANDB_", "BYO_", "PYTEST_", "PYTHONUNBUFFERED", "XL
 # -- the server (its own process) ------------------------------------------------------------------
 
 
+_PROTO: list[int] = []  # the server's reply pipe (a copy of its fd 1), closed in each child
+
+
 def _serve() -> None:
     import importlib
 
-    for name in PRELOAD:
+    # replies go to a copy of fd 1; fd 1 itself goes to stderr, so a preloaded module that prints
+    # at import cannot break the protocol
+    out = os.fdopen(os.dup(1), "w")
+    _PROTO.append(out.fileno())
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    extra = [m for m in os.environ.get("MLLM_RL_TESTS_PRELOAD", "").split(",") if m]  # the suite's own test
+    for name in (*PRELOAD, *extra):
         try:
             importlib.import_module(name)
         except ImportError:
             pass
-    out = sys.stdout
     print(json.dumps({"ready": os.getpid()}), file=out, flush=True)
     running: dict[int, Any] = {}
     stdin = sys.stdin.fileno()
@@ -87,6 +96,8 @@ def _child(req: dict[str, Any]) -> None:
 
     code = 1
     try:
+        for fd in _PROTO:
+            os.close(fd)
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
@@ -178,9 +189,14 @@ class ForkServer:
     def __init__(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      cwd=Path(__file__).resolve().parents[1], env=env)  # fmt: skip
-        ready = json.loads(self.proc.stdout.readline() or b"{}")
-        if "ready" not in ready:
-            raise RuntimeError("fork server did not start")
+        try:
+            ready = json.loads(self.proc.stdout.readline() or b"{}")
+            if "ready" not in ready:
+                raise RuntimeError("fork server did not start")
+        except (RuntimeError, ValueError):
+            self.proc.kill()
+            self.proc.wait()
+            raise
         self._lock = threading.Lock()
         self._next = 0
         self._replies: dict[int, dict[str, Any]] = {}

@@ -49,3 +49,22 @@ def test_the_child_gets_the_callers_environment_and_is_killed_at_its_timeout(tmp
     with pytest.raises(subprocess.TimeoutExpired) as e:
         forkserver.run("sleeper", ["600"], env, tmp_path, timeout=2)
     assert e.value.output == f"seen {tmp_path}\n"
+
+
+def test_a_module_that_prints_when_preloaded_does_not_break_the_server(tmp_path):
+    """The server's replies go to a copy of its stdout; whatever a preloaded module prints goes to
+    stderr, and a forked child's stdout holds only what the child printed."""
+    (tmp_path / "noisy_import.py").write_text("print('imported noisily')\n")
+    (tmp_path / "hello.py").write_text("print('hello')\n")
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}",
+        "MLLM_RL_TESTS_PRELOAD": "noisy_import",
+    }
+    s = forkserver.ForkServer(env)
+    try:
+        p = s.start("hello", [], env, tmp_path)
+        assert p.wait(60) == 0 and p.communicate()[0] == "hello\n"
+    finally:
+        s.proc.stdin.close()
+        s.proc.wait(60)
