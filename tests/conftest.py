@@ -65,23 +65,33 @@ def tiny_bf16_ckpt(tmp_path_factory) -> Path:
 
 
 def run_cli(
-    module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: Path = ROOT
+    module: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    cwd: Path = ROOT,
+    fsize: int | None = None,
 ) -> subprocess.CompletedProcess:
     """``python -m module args`` in a subprocess of the test's interpreter (same venv); a whole run
     (``FORKED_MODULES``) is a child of the fork server of its import environment, which has the
-    heavy packages imported already (``tests/forkserver.py``)."""
+    heavy packages imported already (``tests/forkserver.py``). ``fsize``: the child's
+    ``RLIMIT_FSIZE`` soft limit in bytes."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    forked = forkserver.run(module, list(args), full_env, cwd, timeout) if module in FORKED_MODULES else None
+    forked = (
+        forkserver.run(module, list(args), full_env, cwd, timeout, fsize)
+        if module in FORKED_MODULES
+        else None
+    )
     if forked is not None:
         return forked
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        cwd=cwd,
-        timeout=timeout,
-    )
+
+    def limit() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=full_env,
+                          cwd=cwd, timeout=timeout, preexec_fn=limit if fsize is not None else None)  # fmt: skip
 
 
 def start_cli(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -11,7 +11,8 @@ status is the interpreter's (``SystemExit`` code, 1 and a traceback for an uncau
 variables nothing preloaded reads at import (``FORKABLE_ENV``). ``MLLM_RL_TESTS_FORK=0`` turns it
 off (every run a fresh process).
 
-Protocol (JSON lines): request ``{"id", "module", "args", "env", "cwd", "out", "err"}`` on the
+Protocol (JSON lines): request ``{"id", "module", "args", "env", "cwd", "out", "err", "fsize"}`` (``fsize``:
+the child's ``RLIMIT_FSIZE`` soft limit in bytes, or null) on the
 server's stdin; replies ``{"id", "pid"}`` once forked and ``{"id", "status"}`` once it exited."""
 
 from __future__ import annotations
@@ -99,6 +100,12 @@ def _child(req: dict[str, Any]) -> None:
         for fd in _PROTO:
             os.close(fd)
         os.chdir(req["cwd"])
+        if req.get("fsize") is not None:
+            import resource
+
+            resource.setrlimit(
+                resource.RLIMIT_FSIZE, (req["fsize"], resource.getrlimit(resource.RLIMIT_FSIZE)[1])
+            )
         os.environ.clear()
         os.environ.update(req["env"])
         null = os.open(os.devnull, os.O_RDONLY)
@@ -226,13 +233,15 @@ class ForkServer:
     def done(self, rid: int) -> threading.Event:
         return self._done[rid]
 
-    def start(self, module: str, args: list[str], env: dict[str, str], cwd: Path) -> ForkedProcess:
+    def start(
+        self, module: str, args: list[str], env: dict[str, str], cwd: Path, fsize: int | None = None
+    ) -> ForkedProcess:
         tmp = tempfile.TemporaryDirectory(prefix="mllm-rl-fork-")
         with self._lock:
             rid = self._next = self._next + 1
             self._done[rid] = threading.Event()
             req = {"id": rid, "module": module, "args": args, "env": env, "cwd": str(cwd),
-                   "out": f"{tmp.name}/out", "err": f"{tmp.name}/err"}  # fmt: skip
+                   "out": f"{tmp.name}/out", "err": f"{tmp.name}/err", "fsize": fsize}  # fmt: skip
             self.proc.stdin.write((json.dumps(req) + "\n").encode())
             self.proc.stdin.flush()
         return ForkedProcess(self, rid, [sys.executable, "-m", module, *args], tmp)
@@ -262,14 +271,15 @@ def server_for(env: dict[str, str]) -> ForkServer | None:
 
 
 def run(
-    module: str, args: list[str], env: dict[str, str], cwd: Path, timeout: float
+    module: str, args: list[str], env: dict[str, str], cwd: Path, timeout: float, fsize: int | None = None
 ) -> subprocess.CompletedProcess | None:
     """``subprocess.run(capture_output=True, text=True)`` of ``python -m module args`` as a forked
-    child (killed at ``timeout``: ``TimeoutExpired``); None when no server takes it."""
+    child (killed at ``timeout``: ``TimeoutExpired``; ``fsize``: its ``RLIMIT_FSIZE`` soft limit);
+    None when no server takes it."""
     s = server_for(env)
     if s is None:
         return None
-    p = s.start(module, args, env, cwd)
+    p = s.start(module, args, env, cwd, fsize)
     try:
         out, err = p.communicate(timeout)
     except subprocess.TimeoutExpired:

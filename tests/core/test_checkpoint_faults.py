@@ -13,7 +13,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -292,12 +291,6 @@ def test_doc_row(cmd, code, message, tmp_path, float8):
 FSIZE_LIMIT = 1 << 20  # the run's logs and report fit; the tiny model's trainer state does not
 
 
-def _file_size_limit() -> None:
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-
-
 def check_refused_checkpoint_write(
     backend: str, model: Path, run_dir: Path, variants: list[list[str]]
 ) -> None:
@@ -307,14 +300,13 @@ def check_refused_checkpoint_write(
     ``error:`` line, as docs/ERRORS.md says; ``checkpoints/`` holds step 0's checkpoint exactly as
     it was, and nothing else (no unfinished checkpoint, no temporary directory). Finally ``--resume
     --steps 2`` restores step 0's checkpoint and finishes."""
-    args = [sys.executable, "-m", "mllm_rl.run", "--backend", backend, "--model", str(model),
+    args = ["--backend", backend, "--model", str(model),
             "--run-dir", str(run_dir), "--checkpoint-every", "1", "--prompts-per-step", "4", "--group-size", "4",
             "--max-new-tokens", "6", "--max-running-requests", "16", "--console", "off", "--wandb", "disabled"]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLLM_RL_NO_PROGRESS": "1"}
 
     def run(*extra: str, limit: bool = False) -> subprocess.CompletedProcess:
-        return subprocess.run([*args, *extra], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
-                              preexec_fn=_file_size_limit if limit else None)  # fmt: skip
+        return run_cli("mllm_rl.run", *args, *extra, env={"MLLM_RL_NO_PROGRESS": "1"}, timeout=600,
+                       fsize=FSIZE_LIMIT if limit else None)  # fmt: skip
 
     r = run("--steps", "1")
     assert r.returncode == 0, r.stderr[-3000:]
