@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench import GiB
-from mllm_rl.bench.child import BenchError, last_json_line, run_cmd
+from mllm_rl.bench.child import BenchError, run_json
 from mllm_rl.bench.cli import doc_parser, main_with_child, positive, target
 from mllm_rl.bench.machine import command_line, machine_info
 from mllm_rl.bench.tables import table
@@ -177,8 +177,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.plan_only:
         return out
-    r = run_cmd(child_cmd(args), "the CUDA step", timeout=args.timeout)
-    m = last_json_line(r.stdout, "the CUDA step")
+    m = run_json(child_cmd(args), "the CUDA step", timeout=args.timeout)
     out["measured"] = m
     out["peak_over_plan"] = m["peak_bytes"] / predicted["peak_bytes"]
     out["state_over_plan"] = m["state_bytes"] / predicted["state_bytes"]

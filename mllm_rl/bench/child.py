@@ -58,6 +58,12 @@ def last_json_line(stdout: str, what: str) -> dict[str, Any]:
     raise BenchError(f"{what}: printed no JSON line")
 
 
+def run_json(cmd: Sequence[str], what: str, timeout: float | None = None) -> dict[str, Any]:
+    """``run_cmd``, then the child's last JSON line (a script measuring in a fresh copy of itself:
+    ``cli.main_with_child``)."""
+    return last_json_line(run_cmd(cmd, what, timeout=timeout).stdout, what)
+
+
 def warm_page_cache(path: Path) -> dict[str, Any]:
     """Read every file under ``path`` once (so a child's later read comes from the page cache)."""
     t0, n = time.perf_counter(), 0

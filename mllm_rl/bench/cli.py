@@ -68,14 +68,16 @@ def main_with_child(
     bench: Callable[[Any], dict[str, Any]],
     report: Callable[[dict[str, Any]], str],
     summary: Callable[[dict[str, Any]], dict[str, Any]],
+    strict: bool = False,
 ) -> int:
     """The ``main`` of a script that measures in a fresh copy of itself: with ``--child`` print
-    ``child(args)`` as one JSON line (what ``child.last_json_line`` reads), else ``run_bench``."""
+    ``child(args)`` as one JSON line (what ``child.last_json_line`` reads), else ``run_bench``
+    (``strict``: a failed target turns exit 0 into 1, ``exit_code``)."""
     if args.child:
         print(json.dumps(child(args)), flush=True)
         return 0
-    code, _ = run_bench(bench, args, report, summary)
-    return code
+    code, out = run_bench(bench, args, report, summary)
+    return exit_code(code, out, strict)
 
 
 def failed_targets(out: dict[str, Any]) -> bool:

@@ -212,3 +212,18 @@ def test_failed_targets_turn_success_into_exit_1_only_when_strict():
     bad = {"targets": {"a": target(1.2, "<=", 1.05)}}
     assert exit_code(0, ok) == 0 and exit_code(0, bad) == 1 and exit_code(0, bad, strict=False) == 0
     assert exit_code(2, None) == 2 and exit_code(1, None) == 1
+
+
+def test_main_with_child_fails_a_target_only_when_strict(capsys):
+    from types import SimpleNamespace
+
+    from mllm_rl.bench.cli import main_with_child, target
+
+    def bench(args):
+        return {"targets": {"a": target(1.2, "<=", 1.05)}}
+
+    args = SimpleNamespace(child=False, json=None)
+    assert main_with_child(args, dict, bench, lambda o: "", lambda o: {}, strict=True) == 1
+    assert main_with_child(args, dict, bench, lambda o: "", lambda o: {}) == 0
+    child = main_with_child(SimpleNamespace(child=True), lambda a: {"x": 1}, bench, str, dict, strict=True)
+    assert child == 0 and capsys.readouterr().out.strip().splitlines()[-1] == '{"x": 1}'

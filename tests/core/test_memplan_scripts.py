@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import ROOT, load_script
 
-SCRIPTS = ["bench_plan_cpu.py", "bench_plan_targets.py", "bench_plan_startup.py"]
+SCRIPTS = ["bench_plan_vs_run.py", "bench_plan_targets.py", "bench_plan_startup.py"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -27,8 +27,12 @@ def test_help(script):
 @pytest.mark.parametrize(
     "args",
     [
-        ["bench_plan_cpu.py", "--tolerance", "2"],
-        ["bench_plan_cpu.py", "--steps", "0"],
+        *(["bench_plan_vs_run.py", "--backend", b, "--tolerance", "2"] for b in ("jax", "torch")),
+        *(["bench_plan_vs_run.py", "--backend", b, "--steps", "0"] for b in ("jax", "torch")),
+        ["bench_plan_vs_run.py", "--backend", "torch", "--margin", "0"],
+        ["bench_plan_vs_run.py", "--backend", "jax", "--plan-only"],  # the torch planner's mode
+        ["bench_plan_vs_run.py", "--backend", "jax", "--target", "h100"],  # jax plans the run's own cpu
+        ["bench_plan_vs_run.py", "--tolerance", "0.1"],  # --backend is required
         ["bench_plan_targets.py", "--cases", "4b-v9-8"],
         ["bench_plan_startup.py", "--repeats", "0"],
     ],
@@ -47,3 +51,31 @@ def test_every_target_case_names_a_known_target():
     for name, (args, expect) in bench_plan_targets.CASES.items():
         assert args[args.index("--target") + 1] in TARGETS, name
         assert expect in ("fits", "report")
+
+
+def test_plan_vs_run_plans_the_run_it_compares():
+    """Each backend's defaults, and the plan command made from a run's ``run.json`` and its
+    ``engine_ready_dummy`` record: JAX plans the run's own cpu at the engine's context length,
+    torch its ``--target`` at ``--seq-len``."""
+    bench = load_script("bench_plan_vs_run")
+
+    jax = bench.parse_args(["--backend", "jax"])
+    torch = bench.parse_args(["--backend", "torch", "--", "--lr", "1"])
+    assert (jax.tolerance, jax.target, jax.run_args) == (0.05, "cpu", [])
+    assert (torch.tolerance, torch.target, torch.seq_len) == (0.01, "h100", 32)
+    assert torch.run_args == ["--save-every", "0", "--lr", "1"]
+    run = {"model": "/ckpt", "group_size": 8, "prompts_per_step": 16, "schedule": "naive",
+           "train": {"micro_batch_size": 64, "lora_rank": 0, "precision": "mixed", "loss": {"beta": 0.0}}}  # fmt: skip
+    eng = {"context_length": 64, "max_total_tokens": 8192, "tp": 1, "max_running_requests": 128}
+    records = [{"phase": "engine_ready_dummy", "step": None, "info": eng}]
+
+    def flags(args) -> dict[str, str]:
+        f = bench.plan_flags(args, run, records)
+        return dict(zip(f[::2], f[1::2], strict=True))
+
+    j, t = flags(jax), flags(torch)
+    assert (j["--backend"], j["--target"], j["--seq-len"], j["--kv-tokens"]) == ("jax", "cpu", "64", "8192")
+    assert (t["--backend"], t["--target"], t["--seq-len"], t["--model"]) == ("torch", "h100", "32", "/ckpt")
+    assert j["--schedule"] == t["--schedule"] == "naive"
+    with pytest.raises(bench.BenchError, match="engine_ready_dummy"):
+        bench.plan_flags(jax, run, [])

@@ -359,16 +359,16 @@ def test_step_memory_categories_add_up():
 
 def test_bench_plan_only_prints_both_schedules(tmp_path):
     out = tmp_path / "plan.json"
-    r = subprocess.run([sys.executable, "scripts/bench_plan_vs_live.py", "--plan-only", "--preset", "tiny",
-                        "--micro-batch", "2", "--seq-len", "32", "--json", str(out)],
+    r = subprocess.run([sys.executable, "scripts/bench_plan_vs_run.py", "--backend", "torch", "--plan-only",
+                        "--preset", "tiny", "--micro-batch", "2", "--seq-len", "32", "--json", str(out)],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     assert "trainer_params [fake_tensor]" in r.stdout and "kv_pool [layout]" in r.stdout
     data = json.loads(out.read_text())
     assert [p["schedule"] for p in data["plans"]] == ["multi_stage", "naive"]
     assert all(p["fits"] for p in data["plans"]) and data["kind"] == "predicted"
-    bad = subprocess.run([sys.executable, "scripts/bench_plan_vs_live.py", "--plan-only", "--preset", "tiny",
-                          "--target", "h100x16"], capture_output=True, text=True, cwd=ROOT, timeout=600)  # fmt: skip
+    bad = subprocess.run([sys.executable, "scripts/bench_plan_vs_run.py", "--backend", "torch", "--plan-only",
+                          "--preset", "tiny", "--target", "h100x16"], capture_output=True, text=True, cwd=ROOT, timeout=600)  # fmt: skip
     assert bad.returncode == 2 and "PlanRequest.target" in bad.stderr
 
 
@@ -407,7 +407,8 @@ def test_bench_plan_vs_cuda_plans_reuses_and_refuses(tmp_path):
 def test_bench_cross_check_tiny(tmp_path):
     """The plan's params / grads / optimizer within 1% of a live CPU run's (exit 1 otherwise)."""
     out = tmp_path / "x.json"
-    r = subprocess.run([sys.executable, "scripts/bench_plan_vs_live.py", "--preset", "tiny", "--json", str(out)],
+    r = subprocess.run([sys.executable, "scripts/bench_plan_vs_run.py", "--backend", "torch", "--preset", "tiny",
+                        "--run-dir", str(tmp_path / "run"), "--json", str(out)],
                        capture_output=True, text=True, cwd=ROOT, timeout=1200)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
