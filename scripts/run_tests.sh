@@ -5,18 +5,19 @@
 #                file per worker at a time (--dist loadfile: a module's fixtures, e.g. a recorded
 #                run several tests read, are made once); its output as it goes
 #   torch        in .venv-torch, one process; its output once it ends
-# Each ends with its 25 slowest tests (--durations), what to share or trim first when the suite grows.
+# Each ends with its 25 slowest tests (--durations), what to share or trim first when the suite grows;
+# every test's time stays in .pytest_cache/junit-{jax,torch}.xml (JUnit XML) after the run.
 # Exit status: 0 when both passed. Extra arguments go to both, e.g. scripts/run_tests.sh -m "not slow".
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 log=$(mktemp -t mllm-rl-torch-tests.XXXXXX)
-.venv-torch/bin/python -m pytest -q --durations=25 "$@" tests/torch >"$log" 2>&1 &
+.venv-torch/bin/python -m pytest -q --durations=25 --junitxml=.pytest_cache/junit-torch.xml "$@" tests/torch >"$log" 2>&1 &
 torch_pid=$!
 trap 'kill "$torch_pid" 2>/dev/null; rm -f "$log"' EXIT
 trap 'exit 130' INT TERM
 echo "[test] tests/torch runs in the background (.venv-torch); its output follows the others'"
 workers=${MLLM_RL_TEST_WORKERS:-2}
-.venv-jax/bin/python -m pytest -q --durations=25 -n "$workers" --dist loadfile "$@" tests/core tests/jax tests/tpu
+.venv-jax/bin/python -m pytest -q --durations=25 --junitxml=.pytest_cache/junit-jax.xml -n "$workers" --dist loadfile "$@" tests/core tests/jax tests/tpu
 jax_rc=$?
 wait "$torch_pid"
 torch_rc=$?
