@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench import MiB
-from mllm_rl.bench.child import run_cmd
-from mllm_rl.bench.cli import exit_code, failed_targets, positive, run_bench, target
+from mllm_rl.bench.child import flags, run_argv, run_cmd
+from mllm_rl.bench.cli import exit_code, failed_targets, positive, progress, run_bench, target
 from mllm_rl.bench.machine import command_line, machine_info
 from mllm_rl.bench.records import max_of, truth
 from mllm_rl.bench.tables import table
@@ -102,36 +102,16 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         os.environ["MLLM_RL_CACHE"] = env["MLLM_RL_CACHE"]
         for t in tasks:  # checkpoints written before anything is timed
             resolve_model(t["model"], seed=t["seed"])
-        common = [
-            sys.executable,
-            "-m",
-            "mllm_rl.run",
-            "--backend",
-            args.backend,
-            "--platform",
-            args.platform,
-            "--wandb",
-            "disabled",
-            "--quiet",
-        ]
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+
+        def cmd(run_dir: Path, *more: str) -> list[str]:
+            return run_argv(run_dir, *more, backend=args.backend, platform=args.platform)
+
         singles = []
         for t in tasks:
             run_dir = base / f"single_{t['name']}"
-            cmd = [
-                *common,
-                "--model",
-                t["model"],
-                "--seed",
-                str(t["seed"]),
-                "--lr",
-                str(t["lr"]),
-                *flags,
-                "--run-dir",
-                str(run_dir),
-            ]
-            print(f"single task {t['name']} ...", file=sys.stderr, flush=True)
-            wall = _timed(cmd, f"single task {t['name']}", env)
+            progress(f"single task {t['name']} ...")
+            more = flags(model=t["model"], seed=t["seed"], lr=t["lr"], **settings)
+            wall = _timed(cmd(run_dir, *more), f"single task {t['name']}", env)
             load.append(round(os.getloadavg()[0], 2))
             singles.append(
                 {
@@ -145,8 +125,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         toml = base / "tasks.toml"
         toml.write_text(tasks_toml(tasks, settings))
         run_dir = base / "multi"
-        print(f"{len(tasks)} tasks together ...", file=sys.stderr, flush=True)
-        wall = _timed([*common, "--tasks", str(toml), "--run-dir", str(run_dir)], "multi-task run", env)
+        progress(f"{len(tasks)} tasks together ...")
+        wall = _timed(cmd(run_dir, "--tasks", str(toml)), "multi-task run", env)
         load.append(round(os.getloadavg()[0], 2))
         from mllm_rl.multitask.driver import read_leases
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench import GiB
-from mllm_rl.bench.cli import csv_choice, run_bench
-from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.cli import csv_choice, progress, run_bench
+from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.tables import table
 from mllm_rl.memplan.__main__ import EXIT_DOES_NOT_FIT, EXIT_OK
 
@@ -92,7 +92,7 @@ REFERENCES = {
         8652005376,
         "demon2036/MLLM-JAX docs/sops/tpu-sglang-jax-qwen3-4b-wandb-memory-logging.md, v4-8 run A: "
         "bytes_in_use_sum after weights_swapped",
-    ),
+    )
 }
 
 
@@ -114,7 +114,7 @@ def _case(name: str, out: Path, timeout: float) -> dict[str, Any]:
 
     args, expect = CASES[name]
     cmd = [sys.executable, "-m", "mllm_rl.memplan", *args, "--out", str(out / name)]
-    print(f"[bench] {name}: python {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    progress(f"[bench] {name}: python {' '.join(cmd[1:])}")
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
@@ -174,13 +174,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     rows = [_case(name, args.out, args.timeout) for name in args.cases]
     ok = all("error" not in r and (r["expect"] != "fits" or r["multi_stage"]["fits"]) for r in rows)
     ok = ok and all(r["reference"]["within_2pct"] for r in rows if "reference" in r)
-    return {
-        "bench": "plan_targets",
-        "command": command_line(),
-        "machine": machine_info(),
-        "rows": rows,
-        "ok": ok,
-    }
+    return bench_json("plan_targets", args, rows=rows, ok=ok)
 
 
 def _flat(r: dict[str, Any]) -> dict[str, Any]:
@@ -208,18 +202,10 @@ def _flat(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def report(out: dict[str, Any]) -> str:
-    cols = [
-        ("case", "case", ""),
-        ("target", "target", ""),
-        ("ms", "multi_stage (GiB/device, of HBM, at)", ""),
-        ("naive", "naive", ""),
-        ("kv", "KV tokens", ""),
-        ("frac", "mem_fraction_static", ""),
-        ("fit", "fitted", ""),
-        ("compile", "compile s", ".0f"),
-        ("rss", "host RSS GiB", ".2f"),
-        ("wall", "wall s", ".0f"),
-    ]
+    cols = [("case", "case", ""), ("target", "target", ""),
+        ("ms", "multi_stage (GiB/device, of HBM, at)", ""), ("naive", "naive", ""), ("kv", "KV tokens", ""),
+        ("frac", "mem_fraction_static", ""), ("fit", "fitted", ""), ("compile", "compile s", ".0f"),
+        ("rss", "host RSS GiB", ".2f"), ("wall", "wall s", ".0f")]  # fmt: skip
     lines = [
         "PREDICTED (compile-only; libtpu / XLA GPU on this machine):",
         table([_flat(r) for r in out["rows"]], cols),

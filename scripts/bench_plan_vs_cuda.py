@@ -29,7 +29,7 @@ from typing import Any
 from mllm_rl.bench import GiB
 from mllm_rl.bench.child import BenchError, run_json
 from mllm_rl.bench.cli import doc_parser, main_with_child, positive, target
-from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.tables import table
 
 
@@ -166,15 +166,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             )
     else:
         predicted = plan(args)
-    out: dict[str, Any] = {
-        "bench": "plan_vs_cuda",
-        "backend": "torch",
-        "preset": args.preset,
-        "platform": "cuda",
-        "command": command_line(),
-        "machine": machine_info(),
-        "predicted": predicted,
-    }
+    out: dict[str, Any] = bench_json(
+        "plan_vs_cuda", args, backend="torch", preset=args.preset, platform="cuda", predicted=predicted
+    )
     if args.plan_only:
         return out
     m = run_json(child_cmd(args), "the CUDA step", timeout=args.timeout)
@@ -205,11 +199,8 @@ def report(out: dict[str, Any]) -> str:
     ]
     for r in rows:
         r["ratio"] = r["meas"] / r["pred"] if r["meas"] is not None and r["pred"] else None
-    cols = [
-        ("what", "", ""),
-        ("pred", "PREDICTED GiB (fake tensors)", ".2f"),
-        ("meas", "MEASURED GiB", ".2f"),
-    ]
+    cols = [("what", "", ""), ("pred", "PREDICTED GiB (fake tensors)", ".2f"),
+        ("meas", "MEASURED GiB", ".2f")]  # fmt: skip
     text = head + "\n" + table(rows, [*cols, ("ratio", "measured / predicted", ".4f")])
     if m:
         text += f"\nmeasured on {m['device']} (card {m['card_bytes'] / GiB:.2f} GiB)"
