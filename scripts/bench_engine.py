@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench.child import BenchError, flags, run_json
-from mllm_rl.bench.cli import csv_choice, hard_exit, output_flags, positive, progress, run_bench
+from mllm_rl.bench.cli import csv_choice, csv_list, hard_exit, output_flags, positive, progress, run_bench
 from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.tables import table
 
@@ -36,16 +36,6 @@ ROOT = Path(__file__).resolve().parents[1]  # the venvs .venv-torch / .venv-jax 
 ENGINES = ("embedded", "hf", "sglang-jax", "sglang")
 NEEDS = {"embedded": "torch", "hf": "torch", "sglang": "torch", "sglang-jax": "jax"}
 DEFAULT_ENGINES = {"torch": ["embedded", "hf"], "jax": ["sglang-jax", "hf"]}
-
-
-def csv_ints(s: str) -> list[int]:
-    try:
-        vals = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r}: comma-separated integers expected") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"{s!r}: every value must be >= 1")
-    return vals
 
 
 # -- worker (one engine, in its own process) ----------------------------------------------
@@ -127,16 +117,11 @@ def rates(b: int, p: int, n: int, n_gen: int, t1s: list[float], tns: list[float]
     ``e2e_tok_s``/``prefill_tok_s`` use the fastest tN / t1 (the least disturbed run)."""
     pair = [b * (n - 1) / (tn - t1) for t1, tn in zip(t1s, tns, strict=True) if tn > t1]
     t1, tn = min(t1s), min(tns)
-    return {
-        "t1_s": round(statistics.median(t1s), 5),
-        "tN_s": round(statistics.median(tns), 5),
-        "t1_s_best": round(t1, 5),
-        "tN_s_best": round(tn, 5),
+    return {"t1_s": round(statistics.median(t1s), 5), "tN_s": round(statistics.median(tns), 5),
+        "t1_s_best": round(t1, 5), "tN_s_best": round(tn, 5),
         "decode_tok_s": round(statistics.median(pair), 2) if pair else None,
-        "decode_pairs_used": f"{len(pair)}/{len(t1s)}",
-        "e2e_tok_s_best": round(n_gen / tn, 2),
-        "prefill_tok_s_best": round(b * p / t1, 2),
-    }
+        "decode_pairs_used": f"{len(pair)}/{len(t1s)}", "e2e_tok_s_best": round(n_gen / tn, 2),
+        "prefill_tok_s_best": round(b * p / t1, 2)}  # fmt: skip
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -180,13 +165,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             }
         )
     eng.close()
-    return {
-        "engine": kind,
-        "runtime": eng.runtime,
-        "start_s": round(start_s, 3),
-        "rows": rows,
-        "python": sys.executable,
-    }
+    return {"engine": kind, "runtime": eng.runtime, "start_s": round(start_s, 3), "rows": rows,
+        "python": sys.executable}  # fmt: skip
 
 
 # -- driver ----------------------------------------------------------------------------------
@@ -316,7 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--preset", default="tiny", help="preset name or checkpoint dir")
     ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda"])
-    ap.add_argument("--batch", type=csv_ints, default=[1, 32], help="batch sizes, comma-separated")
+    ap.add_argument(
+        "--batch", type=csv_list(int, 1, "integers"), default=[1, 32], help="batch sizes, comma-separated"
+    )
     ap.add_argument("--prompt-len", type=positive(int), default=16)
     ap.add_argument("--new-tokens", type=positive(int), default=64)
     ap.add_argument("--repeats", type=positive(int), default=3, help="timed generates per length and process")

@@ -70,13 +70,8 @@ def compile_one(args: argparse.Namespace) -> dict[str, Any]:
     else:
         lowered = fns.logprob.lower(trainable, frozen, mb["tokens"], mb["attn"])
     lower_s = time.perf_counter() - t0
-    out: dict[str, Any] = {
-        "path": args.child,
-        "options": dataclasses.asdict(opts),
-        "devices": len(devices),
-        "lower_s": round(lower_s, 2),
-        "hlo_chars": len(lowered.as_text()),
-    }
+    out: dict[str, Any] = {"path": args.child, "options": dataclasses.asdict(opts),
+        "devices": len(devices), "lower_s": round(lower_s, 2), "hlo_chars": len(lowered.as_text())}  # fmt: skip
     t1 = time.perf_counter()
     try:
         compiled = lowered.compile()
@@ -117,12 +112,9 @@ def run_path(args: argparse.Namespace, path: str) -> dict[str, Any]:
     if r.returncode != 0:
         tail = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"
         killed = r.returncode < 0 or r.returncode == 137
-        return {
-            "path": path,
-            "fits": None,
+        return {"path": path, "fits": None,
             "error": ("killed (host memory?): " if killed else "") + tail[:400],
-            "wall_s": round(time.perf_counter() - t0, 1),
-        }
+            "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
     res = json.loads(r.stdout.strip().splitlines()[-1])
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     progress(f"  {path}: compiled in {res['compile_s']} s")
@@ -180,13 +172,9 @@ def report(out: dict[str, Any]) -> str:
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "bench": "model_paths",
-        "model": out["model"],
-        "target": out["target"],
+    return {"bench": "model_paths", "model": out["model"], "target": out["target"],
         **{f"{p}_peak_bytes": r.get("peak_bytes") for p, r in out["paths"].items()},
-        "ratios_new_over_old": out.get("ratios_new_over_old"),
-    }
+        "ratios_new_over_old": out.get("ratios_new_over_old")}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -122,11 +122,8 @@ def report(out: dict[str, Any]) -> str:
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "bench": "plan_startup",
-        "plain_loads_no_plugin": out["plain_loads_no_plugin"],
-        **{r["case"]: round(r["seconds"], 2) for r in out["rows"]},
-    }
+    return {"bench": "plan_startup", "plain_loads_no_plugin": out["plain_loads_no_plugin"],
+        **{r["case"]: round(r["seconds"], 2) for r in out["rows"]}}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,13 +118,8 @@ def _case(name: str, out: Path, timeout: float) -> dict[str, Any]:
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
-    row: dict[str, Any] = {
-        "case": name,
-        "command": "python " + " ".join(cmd[1:]),
-        "rc": r.returncode,
-        "expect": expect,
-        "wall_s": wall,
-    }
+    row: dict[str, Any] = {"case": name, "command": "python " + " ".join(cmd[1:]), "rc": r.returncode,
+        "expect": expect, "wall_s": wall}  # fmt: skip
     if r.returncode not in (EXIT_OK, EXIT_DOES_NOT_FIT):
         row["error"] = (r.stderr.strip().splitlines() or ["?"])[-1]
         return row
@@ -133,28 +128,17 @@ def _case(name: str, out: Path, timeout: float) -> dict[str, Any]:
     for sched, p in doc["plans"].items():
         peak = max(p["phases"], key=lambda ph: ph["total"])
         over = [ph["phase"] for ph in p["phases"] if ph["total"] > p["budget_bytes"]]
-        row[sched] = {
-            "fits": p["fits"],
-            "peak_gib": peak["total"] / GiB,
-            "peak_phase": peak["phase"],
-            "peak_of_hbm": peak["total"] / p["target"]["hbm_bytes"],
-            "over": over,
-            "first_overflow": p["first_overflow"],
-        }
+        row[sched] = {"fits": p["fits"], "peak_gib": peak["total"] / GiB, "peak_phase": peak["phase"],
+            "peak_of_hbm": peak["total"] / p["target"]["hbm_bytes"], "over": over,
+            "first_overflow": p["first_overflow"]}  # fmt: skip
     t = doc["plans"]["multi_stage"]["target"]
     if name in REFERENCES:
         phase, measured, source = REFERENCES[name]
         ph = next(p for p in doc["plans"]["multi_stage"]["phases"] if p["phase"] == phase)
         predicted = ph["total"] * t["num_devices"]
-        row["reference"] = {
-            "phase": phase,
-            "predicted_sum": predicted,
-            "measured_sum": measured,
-            "ratio": predicted / measured,
-            "within_2pct": abs(predicted / measured - 1) <= 0.02,
-            "source": source,
-            "resident": ph["resident"],
-        }
+        row["reference"] = {"phase": phase, "predicted_sum": predicted, "measured_sum": measured,
+            "ratio": predicted / measured, "within_2pct": abs(predicted / measured - 1) <= 0.02,
+            "source": source, "resident": ph["resident"]}  # fmt: skip
     row.update(
         target=t["name"],
         devices=t["num_devices"],
@@ -187,18 +171,9 @@ def _flat(r: dict[str, Any]) -> dict[str, Any]:
             return f"fits {p['peak_gib']:.2f} ({p['peak_of_hbm']:.0%}) {p['peak_phase']}"
         return f"OVER in {', '.join(dict.fromkeys(p['over']))}"
 
-    return {
-        "case": r["case"],
-        "target": f"{r['target']} ({r['devices']}x{r['hbm_gib']:.2f} GiB)",
-        "ms": verdict(ms),
-        "naive": verdict(nv),
-        "kv": r["kv_tokens"],
-        "frac": r["mem_fraction_static"],
-        "fit": r["fit"],
-        "compile": r["compile_s"],
-        "rss": r["host_rss_gib"],
-        "wall": r["wall_s"],
-    }
+    return {"case": r["case"], "target": f"{r['target']} ({r['devices']}x{r['hbm_gib']:.2f} GiB)",
+        "ms": verdict(ms), "naive": verdict(nv), "kv": r["kv_tokens"], "frac": r["mem_fraction_static"],
+        "fit": r["fit"], "compile": r["compile_s"], "rss": r["host_rss_gib"], "wall": r["wall_s"]}  # fmt: skip
 
 
 def report(out: dict[str, Any]) -> str:
@@ -222,11 +197,8 @@ def report(out: dict[str, Any]) -> str:
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "bench": "plan_targets",
-        "ok": out["ok"],
-        "cases": {r["case"]: r.get("multi_stage", {}).get("fits", r.get("error")) for r in out["rows"]},
-    }
+    return {"bench": "plan_targets", "ok": out["ok"],
+        "cases": {r["case"]: r.get("multi_stage", {}).get("fits", r.get("error")) for r in out["rows"]}}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

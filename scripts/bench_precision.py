@@ -88,14 +88,11 @@ def one_run(args: argparse.Namespace, model: str, precision: str, work: Path) ->
     phases = [json.loads(line) for line in (run_dir / "phases.jsonl").read_text().splitlines() if line]
     train = [p for p in phases if p["phase"] == "train_step"]
     peaks = [d.get("phase_peak_bytes") for p in train for d in p["memory"]["devices"]]
-    return {
-        "precision": precision,
-        "checkpoints": [s.name for s in steps],
+    return {"precision": precision, "checkpoints": [s.name for s in steps],
         "changed": [changed_share(a, b) for a, b in zip(states, states[1:], strict=False)],
         "per_step": [{k: m.get(k) for k in ("step", *METRICS)} for m in metrics],
         "train_step_s": statistics.median(p["t_end"] - p["t_start"] for p in train[1:] or train),
-        "train_step_peak_bytes": max((x for x in peaks if x is not None), default=None),
-    }
+        "train_step_peak_bytes": max((x for x in peaks if x is not None), default=None)}  # fmt: skip
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -164,11 +161,8 @@ def report(out: dict[str, Any]) -> str:
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "bench": "precision",
-        **{f"changed_{p}": r["changed"] for p, r in out["runs"].items()},
-        **out["ratios_mixed_over_pure"],
-    }
+    return {"bench": "precision", **{f"changed_{p}": r["changed"] for p, r in out["runs"].items()},
+        **out["ratios_mixed_over_pure"]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

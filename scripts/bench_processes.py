@@ -72,16 +72,10 @@ def _row(name: str, nproc: int, run_dir: Path) -> dict[str, Any]:
         last = [x for x in p if x["phase"] == "train_step"][-1]
         per_proc.append(last["memory"]["devices"][0]["bytes_in_use"])
     m0 = read_jsonl(run_dir / "metrics.jsonl")[0]
-    return {
-        "case": name,
-        "processes": nproc,
-        "train_step_s": statistics.median(train) if train else None,
+    return {"case": name, "processes": nproc, "train_step_s": statistics.median(train) if train else None,
         "step_s": statistics.median(steps.values()) if steps else None,
-        "trainer_mib": max(per_proc) / 2**20,
-        "reward0": m0["reward_mean"],
-        "loss0": m0["loss"],
-        "grad_norm0": m0["grad_norm"],
-    }
+        "trainer_mib": max(per_proc) / 2**20, "reward0": m0["reward_mean"], "loss0": m0["loss"],
+        "grad_norm0": m0["grad_norm"]}  # fmt: skip
 
 
 def bench(args: Any) -> dict[str, Any]:

@@ -120,25 +120,18 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         rel, res = statistics.median(p["rel"]), statistics.median(p["res"])
         frac = min(f / h for f, h in zip(p["freed"], p["held"], strict=True)) if held else None
         recl = min(r / h for r, h in zip(p["recl"], p["held"], strict=True)) if held else None
-        tags[tag] = {
-            "held_bytes": held,
-            "freed_bytes": min(p["freed"]),
-            "freed_frac": round(frac, 4) if frac is not None else None,
-            "reclaimed_bytes": min(p["recl"]),
-            "reclaimed_frac": round(recl, 4) if recl is not None else None,
-            "back_bytes": p["back"][0],
-            "release_s": round(rel, 5),
-            "resume_s": round(res, 5),
-            "release_baseline": "d2h" if backed else "d2d",
-            "resume_baseline": "h2d" if backed else "d2d",
+        tags[tag] = {"held_bytes": held, "freed_bytes": min(p["freed"]),
+            "freed_frac": round(frac, 4) if frac is not None else None, "reclaimed_bytes": min(p["recl"]),
+            "reclaimed_frac": round(recl, 4) if recl is not None else None, "back_bytes": p["back"][0],
+            "release_s": round(rel, 5), "resume_s": round(res, 5),
+            "release_baseline": "d2h" if backed else "d2d", "resume_baseline": "h2d" if backed else "d2d",
             "release_baseline_s": round(rel_base, 5) if rel_base else None,
             "resume_baseline_s": round(res_base, 5) if res_base else None,
             "baseline_error": base.get("error"),
             "release_over_memcpy": round(rel / rel_base, 3) if rel_base else None,
             "resume_over_memcpy": round(res / res_base, 3) if res_base else None,
             "release_s_all": [round(x, 5) for x in p["rel"]],
-            "resume_s_all": [round(x, 5) for x in p["res"]],
-        }
+            "resume_s_all": [round(x, 5) for x in p["res"]]}  # fmt: skip
         targets[f"{tag}_freed_frac"] = target(tags[tag]["freed_frac"], ">=", FREED_TARGET)
         targets[f"{tag}_reclaimed_frac"] = target(tags[tag]["reclaimed_frac"], ">=", FREED_TARGET)
     targets["greedy_identical"] = {"value": after == before, "target": "== True", "pass": after == before}

@@ -31,6 +31,7 @@ from mllm_rl.bench.cli import bench_parser, csv_choice, output_flags, pick, posi
 from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.records import max_of, truth
 from mllm_rl.bench.tables import merge_orders, table
+from mllm_rl.sinks.jsonl import read_jsonl
 
 SCHEDULES = ("multi_stage", "naive")
 PRE_ENGINE = ("wandb_init", "jax_ready", "torch_ready")
@@ -40,8 +41,6 @@ ENTRY_KEYS = ("step_peak", "step_peak_phase", "setup_peak", "setup_peak_phase", 
 # -- one run -------------------------------------------------------------------------------
 def run_once(args: argparse.Namespace, schedule: str, max_total_tokens: int | None = None) -> dict[str, Any]:
     """One RL run; returns {"ok", "oom", "records", "stderr"} (failures are data for the bisect)."""
-    from mllm_rl.sinks.jsonl import read_jsonl
-
     with tempfile.TemporaryDirectory() as d:
         cmd = run_argv(
             d, *args.extra, backend=args.backend, plan="rl", model=args.preset, platform=args.platform,
@@ -107,21 +106,16 @@ def analyse(records: list[dict[str, Any]]) -> dict[str, Any]:
         kv_prev = kv_end
     stepped = [phases[k] for k in order if phases[k]["stepped"]]
     setup = [phases[k] for k in order if not phases[k]["stepped"]]
-    return {
-        "phases": [phases[k] for k in order],
-        "step_peak": max_of([p["peak"] for p in stepped]),
+    return {"phases": [phases[k] for k in order], "step_peak": max_of([p["peak"] for p in stepped]),
         "step_peak_phase": max(stepped, key=lambda p: p["peak"] or 0)["phase"] if stepped else None,
         "setup_peak": max_of([p["peak"] for p in setup]),
         "setup_peak_phase": max(setup, key=lambda p: p["peak"] or 0)["phase"] if setup else None,
         "train_peak": phases.get("train_step", {}).get("peak"),
-        "rollout_peak": phases.get("rollout", {}).get("peak"),
-        "kv_bytes": kv_bytes,
+        "rollout_peak": phases.get("rollout", {}).get("peak"), "kv_bytes": kv_bytes,
         "max_total_tokens": tokens,
-        "kv_bytes_per_token": kv_bytes / tokens if kv_bytes and tokens else None,
-        "bytes_limit": limit,
+        "kv_bytes_per_token": kv_bytes / tokens if kv_bytes and tokens else None, "bytes_limit": limit,
         "source": truth(records[-1]["memory"]["devices"])[0]["source"] if records else None,
-        "platform": truth(records[-1]["memory"]["devices"])[0]["platform"] if records else None,
-    }
+        "platform": truth(records[-1]["memory"]["devices"])[0]["platform"] if records else None}  # fmt: skip
 
 
 def predict_kv(a: dict[str, Any], budget: int, steps_only: bool) -> dict[str, Any]:
@@ -137,19 +131,11 @@ def predict_kv(a: dict[str, Any], budget: int, steps_only: bool) -> dict[str, An
             if budget - non_kv < cap:
                 cap, limiting = budget - non_kv, p["phase"]
         elif non_kv > budget:
-            return {
-                "kv_bytes": 0,
-                "tokens": 0,
-                "limiting_phase": p["phase"],
-                "note": "does not fit even without KV",
-            }
+            return {"kv_bytes": 0, "tokens": 0, "limiting_phase": p["phase"],
+                "note": "does not fit even without KV"}  # fmt: skip
     if cap is math.inf:
-        return {
-            "kv_bytes": None,
-            "tokens": None,
-            "limiting_phase": None,
-            "note": "no phase holds the KV cache",
-        }
+        return {"kv_bytes": None, "tokens": None, "limiting_phase": None,
+            "note": "no phase holds the KV cache"}  # fmt: skip
     cap = max(0, int(cap))
     per_tok = a["kv_bytes_per_token"]
     return {"kv_bytes": cap, "tokens": int(cap // per_tok) if per_tok else None, "limiting_phase": limiting}
@@ -196,11 +182,8 @@ def bisect(args: argparse.Namespace, schedule: str, lo: int, guess: int | None) 
         else:
             hi = mid
         iters += 1
-    return {
-        "largest_ok_tokens": lo,
-        "smallest_oom_tokens": hi if any(not t["ok"] for t in trials) else None,
-        "trials": trials,
-    }
+    return {"largest_ok_tokens": lo,
+        "smallest_oom_tokens": hi if any(not t["ok"] for t in trials) else None, "trials": trials}  # fmt: skip
 
 
 # -- driver --------------------------------------------------------------------------------

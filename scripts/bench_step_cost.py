@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench.child import BenchError, run_argv, run_cmd
-from mllm_rl.bench.cli import csv_choice, output_flags, positive, progress, run_bench
+from mllm_rl.bench.cli import csv_choice, csv_list, doc_parser, output_flags, positive, progress, run_bench
 from mllm_rl.bench.machine import bench_json, load_avg_1m
 from mllm_rl.bench.step_cost import BETWEEN, ROLLOUT, TRAIN, analyse
 from mllm_rl.bench.tables import table
@@ -45,13 +45,6 @@ ROOT = Path(__file__).resolve().parents[1]  # the venvs .venv-jax / .venv-torch 
 RUN_CADENCE = RLOptions.checkpoint_every  # python -m mllm_rl.run's default: a checkpoint every 5 steps
 BACKENDS = ("jax", "torch")
 DEFAULT_MODELS = ["tiny", "qwen3-0.6b"]
-
-
-def models_list(s: str) -> list[str]:
-    items = [x.strip() for x in s.split(",") if x.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"{s!r}: comma-separated presets or checkpoint dirs expected")
-    return items
 
 
 # -- inputs --------------------------------------------------------------------------------
@@ -277,10 +270,10 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = doc_parser(__doc__)
     ap.add_argument(
         "--models",
-        type=models_list,
+        type=csv_list(what="presets or checkpoint dirs"),
         default=DEFAULT_MODELS,
         help="presets or checkpoint dirs, comma-separated (default: tiny,qwen3-0.6b)",
     )

@@ -40,6 +40,7 @@ from mllm_rl.bench.cli import (
 from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.records import allocator, truth
 from mllm_rl.bench.tables import table, target_lines
+from mllm_rl.sinks.jsonl import read_jsonl
 
 MODES = ("streaming", "naive")
 PEAK_TARGET = 1.10
@@ -58,8 +59,6 @@ def _ratios(devs: list[dict[str, Any]], weights: int, tp: int) -> tuple[float | 
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    from mllm_rl.sinks.jsonl import read_jsonl
-
     with tempfile.TemporaryDirectory() as d:
         cmd = run_argv(
             d, *args.extra, backend=args.backend, plan="swap", model=args.preset, tp=args.tp,

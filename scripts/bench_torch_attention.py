@@ -7,9 +7,9 @@ log-prob head, per-block activation checkpointing.
     python scripts/bench_torch_attention.py --preset tiny --layers 0 --seq 2048 --dtype float32 \
         --paths sdpa+chunked,sdpa+chunked+remat --baseline sdpa+chunked   # remat vs none
 
-**A CPU figure.** Paths (``backends/torch/model.py``): ``eager`` = the attention and head this
-backend had before (float32 [B, N, T, T] scores per layer and the whole float32 [B, T, V]
-logits, both kept for the backward); ``sdpa`` = ``scaled_dot_product_attention`` (on CPU its
+**A CPU figure.** Paths (``backends/torch/model.py``): ``eager`` = plain attention and head
+(float32 [B, N, T, T] scores per layer and the whole float32 [B, T, V] logits, both kept for
+the backward); ``sdpa`` = ``scaled_dot_product_attention`` (on CPU its
 flash kernel), the whole head; ``sdpa+chunked`` = SDPA and the head in ``LOGPROB_CHUNK``-token
 chunks recomputed in the backward: what the trainer runs; ``sdpa+chunked+remat`` = that with
 every decoder layer's training forward under ``torch.utils.checkpoint`` (``--model-option
@@ -185,11 +185,8 @@ def plan_one(args: argparse.Namespace, path: str) -> dict[str, Any]:
         options=(("remat", True),) if remat else (),
     )
     # at the forward/backward peak: with remat the step's peak may lie in the optimizer step
-    return {
-        "activations_bytes": s.fwd_bwd_activations,
-        "peak_bytes": s.peak_total,
-        "trace_s": round(s.seconds, 1),
-    }
+    return {"activations_bytes": s.fwd_bwd_activations, "peak_bytes": s.peak_total,
+        "trace_s": round(s.seconds, 1)}  # fmt: skip
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -269,14 +266,10 @@ def report(out: dict[str, Any]) -> str:
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "bench": "torch_attention",
-        "figure": "CPU",
-        "preset": out["preset"],
+    return {"bench": "torch_attention", "figure": "CPU", "preset": out["preset"],
         "shape": [out["batch"], out["seq"]],
         **{f"{p}_step_s": r["step_s"] for p, r in out["paths"].items()},
-        f"ratios_over_{out['baseline']}": out.get(f"ratios_over_{out['baseline']}"),
-    }
+        f"ratios_over_{out['baseline']}": out.get(f"ratios_over_{out['baseline']}")}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -18,9 +18,10 @@ PLATFORMS = ["auto", "cpu", "gpu", "cuda", "tpu"]
 
 def doc_parser(doc: str) -> argparse.ArgumentParser:
     """A script's parser from its module docstring: the first paragraph as the description, the
-    whole docstring after the options (``--help``)."""
+    rest after the options (``--help``)."""
+    head, _, rest = doc.partition("\n\n")
     return argparse.ArgumentParser(
-        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc
+        description=head, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=rest
     )
 
 
@@ -159,6 +160,23 @@ def positive(kind: type = int, least: float | None = None, why: str = "") -> Cal
             bound = f">= {least}" if least is not None else "> 0"
             raise argparse.ArgumentTypeError(f"must be {bound}{why}, got {s}")
         return v
+
+    return parse
+
+
+def csv_list(kind: type = str, least: int | None = None, what: str = "values") -> Callable[[str], list[Any]]:
+    """argparse type: one or more comma-separated ``kind`` values (``what``), each >= ``least`` when given."""
+
+    def parse(s: str) -> list[Any]:
+        try:
+            vals = [kind(x.strip()) for x in s.split(",") if x.strip()]
+        except ValueError:
+            vals = []
+        if not vals:
+            raise argparse.ArgumentTypeError(f"{s!r}: comma-separated {what} expected")
+        if least is not None and min(vals) < least:
+            raise argparse.ArgumentTypeError(f"{s!r}: every value must be >= {least}")
+        return vals
 
     return parse
 
