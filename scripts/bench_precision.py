@@ -32,8 +32,8 @@ from mllm_rl.bench.machine import command_line, machine_info
 from mllm_rl.bench.tables import table
 
 PRECISIONS = ("mixed", "pure")
-METRICS = ("reward_mean", "groups_zero_std", "ratio_mean", "logp_mismatch_mean", "logp_mismatch_max")
-METRICS += ("engine_ratio_mean",)
+METRICS = ("reward_mean", "groups_zero_std", "ratio_mean", "logp_mismatch_mean", "logp_mismatch_max",
+           "engine_ratio_mean")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
