@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from mllm_rl.bench.child import BenchError, last_json_line, run_cmd
-from mllm_rl.bench.cli import csv_choice, positive, run_bench
-from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.child import BenchError, flags, run_json
+from mllm_rl.bench.cli import csv_choice, csv_list, hard_exit, output_flags, positive, progress, run_bench
+from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.tables import table
 
 ROOT = Path(__file__).resolve().parents[1]  # the venvs .venv-torch / .venv-jax live here
@@ -37,16 +36,6 @@ ROOT = Path(__file__).resolve().parents[1]  # the venvs .venv-torch / .venv-jax 
 ENGINES = ("embedded", "hf", "sglang-jax", "sglang")
 NEEDS = {"embedded": "torch", "hf": "torch", "sglang": "torch", "sglang-jax": "jax"}
 DEFAULT_ENGINES = {"torch": ["embedded", "hf"], "jax": ["sglang-jax", "hf"]}
-
-
-def csv_ints(s: str) -> list[int]:
-    try:
-        vals = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r}: comma-separated integers expected") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"{s!r}: every value must be >= 1")
-    return vals
 
 
 # -- worker (one engine, in its own process) ----------------------------------------------
@@ -128,16 +117,11 @@ def rates(b: int, p: int, n: int, n_gen: int, t1s: list[float], tns: list[float]
     ``e2e_tok_s``/``prefill_tok_s`` use the fastest tN / t1 (the least disturbed run)."""
     pair = [b * (n - 1) / (tn - t1) for t1, tn in zip(t1s, tns, strict=True) if tn > t1]
     t1, tn = min(t1s), min(tns)
-    return {
-        "t1_s": round(statistics.median(t1s), 5),
-        "tN_s": round(statistics.median(tns), 5),
-        "t1_s_best": round(t1, 5),
-        "tN_s_best": round(tn, 5),
+    return {"t1_s": round(statistics.median(t1s), 5), "tN_s": round(statistics.median(tns), 5),
+        "t1_s_best": round(t1, 5), "tN_s_best": round(tn, 5),
         "decode_tok_s": round(statistics.median(pair), 2) if pair else None,
-        "decode_pairs_used": f"{len(pair)}/{len(t1s)}",
-        "e2e_tok_s_best": round(n_gen / tn, 2),
-        "prefill_tok_s_best": round(b * p / t1, 2),
-    }
+        "decode_pairs_used": f"{len(pair)}/{len(t1s)}", "e2e_tok_s_best": round(n_gen / tn, 2),
+        "prefill_tok_s_best": round(b * p / t1, 2)}  # fmt: skip
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -181,13 +165,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             }
         )
     eng.close()
-    return {
-        "engine": kind,
-        "runtime": eng.runtime,
-        "start_s": round(start_s, 3),
-        "rows": rows,
-        "python": sys.executable,
-    }
+    return {"engine": kind, "runtime": eng.runtime, "start_s": round(start_s, 3), "rows": rows,
+        "python": sys.executable}  # fmt: skip
 
 
 # -- driver ----------------------------------------------------------------------------------
@@ -215,29 +194,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         for e in engines:
             if "error" in results.get(e, {}):
                 continue
-            cmd = [
-                python_for(e, args),
-                str(Path(__file__).resolve()),
-                "--worker",
-                e,
-                "--preset",
-                args.preset,
-                "--batch",
-                ",".join(map(str, args.batch)),
-                "--prompt-len",
-                str(args.prompt_len),
-                "--new-tokens",
-                str(args.new_tokens),
-                "--repeats",
-                str(args.repeats),
-                "--platform",
-                args.platform,
-                "--seed",
-                str(args.seed),
-            ]
-            print(f"  round {rnd + 1}/{args.rounds}: {e} ...", file=sys.stderr, flush=True)
+            cmd = [python_for(e, args), str(Path(__file__).resolve()), "--worker", e]
+            cmd += flags(
+                preset=args.preset, batch=",".join(map(str, args.batch)), prompt_len=args.prompt_len,
+                new_tokens=args.new_tokens, repeats=args.repeats, platform=args.platform, seed=args.seed,
+            )  # fmt: skip
+            progress(f"  round {rnd + 1}/{args.rounds}: {e} ...")
             try:
-                res = last_json_line(run_cmd(cmd, f"engine {e}", timeout=args.timeout).stdout, e)
+                res = run_json(cmd, f"engine {e}", timeout=args.timeout)
             except BenchError as err:
                 if not args.keep_going:
                     raise
@@ -291,37 +255,18 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     "greedy_equal_hf": same,
                 }
             )
-    return {
-        "bench": "engine",
-        "backend": args.backend,
-        "preset": args.preset,
-        "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens,
-        "repeats": args.repeats,
-        "rounds": args.rounds,
-        "platform": args.platform,
-        "rows": rows,
-        "engines": {e: {k: v for k, v in r.items() if k != "rows"} for e, r in results.items()},
-        "command": command_line(),
-        "machine": machine_info(),
-    }
+    return bench_json("engine", args,
+        ("backend", "preset", "prompt_len", "new_tokens", "repeats", "rounds", "platform"), rows=rows,
+        engines={e: {k: v for k, v in r.items() if k != "rows"} for e, r in results.items()})  # fmt: skip
 
 
 def report(out: dict[str, Any]) -> str:
-    cols = [
-        ("engine", "engine", ""),
-        ("batch", "batch", ""),
-        ("t1_s", "t1 s", ".4f"),
-        ("tN_s", "tN s", ".4f"),
-        ("decode_tok_s", "decode tok/s", ".1f"),
-        ("decode_pairs_used", "pairs", ""),
-        ("e2e_tok_s_best", "e2e tok/s (best)", ".1f"),
-        ("prefill_tok_s_best", "prefill tok/s (best)", ".1f"),
-        ("decode_over_hf", "decode / hf", ".3f"),
-        ("e2e_over_hf", "e2e / hf", ".3f"),
-        ("greedy_equal_hf", "greedy = hf", ".3f"),
-        ("over_length_outputs", "> N tokens", ""),
-    ]
+    cols = [("engine", "engine", ""), ("batch", "batch", ""), ("t1_s", "t1 s", ".4f"),
+        ("tN_s", "tN s", ".4f"), ("decode_tok_s", "decode tok/s", ".1f"),
+        ("decode_pairs_used", "pairs", ""), ("e2e_tok_s_best", "e2e tok/s (best)", ".1f"),
+        ("prefill_tok_s_best", "prefill tok/s (best)", ".1f"), ("decode_over_hf", "decode / hf", ".3f"),
+        ("e2e_over_hf", "e2e / hf", ".3f"), ("greedy_equal_hf", "greedy = hf", ".3f"),
+        ("over_length_outputs", "> N tokens", "")]  # fmt: skip
     head = (
         f"engine throughput {out['preset']} (prompt {out['prompt_len']}, {out['new_tokens']} new tokens, "
         f"{out['repeats']} repeats x {out['rounds']} rounds: medians, 'best' = fastest; platform {out['platform']})"
@@ -351,7 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--preset", default="tiny", help="preset name or checkpoint dir")
     ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda"])
-    ap.add_argument("--batch", type=csv_ints, default=[1, 32], help="batch sizes, comma-separated")
+    ap.add_argument(
+        "--batch", type=csv_list(int, 1, "integers"), default=[1, 32], help="batch sizes, comma-separated"
+    )
     ap.add_argument("--prompt-len", type=positive(int), default=16)
     ap.add_argument("--new-tokens", type=positive(int), default=64)
     ap.add_argument("--repeats", type=positive(int), default=3, help="timed generates per length and process")
@@ -360,8 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--python-torch", default=None, help="interpreter for embedded/hf/sglang")
     ap.add_argument("--python-jax", default=None, help="interpreter for sglang-jax")
     ap.add_argument("--keep-going", action="store_true", help="report a failing engine and go on")
-    ap.add_argument("--timeout", type=positive(float), default=3600.0, help="seconds per engine")
-    ap.add_argument("--json", type=Path, help="also write the results here")
+    output_flags(ap, per="engine")
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     return ap
 
@@ -384,7 +330,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # engines with scheduler threads (sglang-jax) abort interpreter teardown
+    hard_exit(main())

@@ -26,9 +26,9 @@ import time
 from typing import Any
 
 from mllm_rl.bench import GiB
-from mllm_rl.bench.child import BenchError
-from mllm_rl.bench.cli import csv_choice, doc_parser, main_with_child, positive
-from mllm_rl.bench.machine import ROOT, command_line, machine_info
+from mllm_rl.bench.child import BenchError, flags
+from mllm_rl.bench.cli import csv_choice, doc_parser, main_with_child, positive, progress
+from mllm_rl.bench.machine import ROOT, bench_json
 from mllm_rl.bench.tables import table
 
 TARGETS = ("v4-8",)  # TPU slices of mllm_rl.backends.jax.topologies this bench compiles for
@@ -70,13 +70,8 @@ def compile_one(args: argparse.Namespace) -> dict[str, Any]:
     else:
         lowered = fns.logprob.lower(trainable, frozen, mb["tokens"], mb["attn"])
     lower_s = time.perf_counter() - t0
-    out: dict[str, Any] = {
-        "path": args.child,
-        "options": dataclasses.asdict(opts),
-        "devices": len(devices),
-        "lower_s": round(lower_s, 2),
-        "hlo_chars": len(lowered.as_text()),
-    }
+    out: dict[str, Any] = {"path": args.child, "options": dataclasses.asdict(opts),
+        "devices": len(devices), "lower_s": round(lower_s, 2), "hlo_chars": len(lowered.as_text())}  # fmt: skip
     t1 = time.perf_counter()
     try:
         compiled = lowered.compile()
@@ -102,30 +97,12 @@ def compile_one(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_path(args: argparse.Namespace, path: str) -> dict[str, Any]:
     """One path in a fresh process of this interpreter (its own RSS and compile cache)."""
-    cmd = [
-        sys.executable,
-        __file__,
-        "--child",
-        path,
-        "--model",
-        args.model,
-        "--target",
-        args.target,
-        "--batch",
-        str(args.batch),
-        "--seq",
-        str(args.seq),
-        "--fn",
-        args.fn,
-        "--tp",
-        str(args.tp),
-        "--lora-rank",
-        str(args.lora_rank),
-    ]
-    print(
-        f"compiling the {path} path ({args.model}, {args.fn}, {args.batch} x {args.seq}, {args.target}) ...",
-        file=sys.stderr,
-        flush=True,
+    cmd = [sys.executable, __file__, "--child", path] + flags(
+        model=args.model, target=args.target, batch=args.batch, seq=args.seq, fn=args.fn, tp=args.tp,
+        lora_rank=args.lora_rank,
+    )  # fmt: skip
+    progress(
+        f"compiling the {path} path ({args.model}, {args.fn}, {args.batch} x {args.seq}, {args.target}) ..."
     )
     t0 = time.perf_counter()
     try:
@@ -135,15 +112,12 @@ def run_path(args: argparse.Namespace, path: str) -> dict[str, Any]:
     if r.returncode != 0:
         tail = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"
         killed = r.returncode < 0 or r.returncode == 137
-        return {
-            "path": path,
-            "fits": None,
+        return {"path": path, "fits": None,
             "error": ("killed (host memory?): " if killed else "") + tail[:400],
-            "wall_s": round(time.perf_counter() - t0, 1),
-        }
+            "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
     res = json.loads(r.stdout.strip().splitlines()[-1])
     res["wall_s"] = round(time.perf_counter() - t0, 1)
-    print(f"  {path}: compiled in {res['compile_s']} s", file=sys.stderr, flush=True)
+    progress(f"  {path}: compiled in {res['compile_s']} s")
     return res
 
 
@@ -155,22 +129,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     topologies.prepare(topologies.spec(args.target))  # ValueError (exit 2) without the compiler
     libtpu = topologies.libtpu_version()
     results = {p: run_path(args, p) for p in args.paths}
-    out: dict[str, Any] = {
-        "bench": "model_paths",
-        "command": command_line(),
-        "machine": machine_info(),
-        "libtpu": libtpu,
-        "target": args.target,
-        "model": args.model,
-        "fn": args.fn,
-        "batch": args.batch,
-        "seq": args.seq,
-        "tp": args.tp,
-        "lora_rank": args.lora_rank,
-        "method": "predicted: XLA TPU compiler memory_analysis "
-        "(libtpu " + libtpu + "); compile_s and host RSS measured on this machine",
-        "paths": results,
-    }
+    method = f"predicted: XLA TPU compiler memory_analysis (libtpu {libtpu}); compile_s and host RSS measured"
+    method += " on this machine"
+    keys = ("target", "model", "fn", "batch", "seq", "tp", "lora_rank")
+    out = bench_json("model_paths", args, keys, libtpu=libtpu, method=method, paths=results)
     old, new = results.get("old"), results.get("new")
     if old and new and old.get("fits") and new.get("fits"):
         out["ratios_new_over_old"] = {
@@ -192,16 +154,10 @@ def report(out: dict[str, Any]) -> str:
         for k in ("argument_bytes", "output_bytes", "temp_bytes", "peak_bytes", "host_peak_rss_bytes"):
             row[k] = r[k] / GiB if r.get(k) is not None else None
         rows.append(row)
-    cols = [
-        ("path", "path", ""),
-        ("fits", "fits", ""),
-        ("argument_bytes", "args GiB", ".2f"),
-        ("output_bytes", "out GiB", ".2f"),
-        ("temp_bytes", "temp GiB", ".2f"),
-        ("peak_bytes", "peak GiB", ".2f"),
-        ("compile_s", "compile s", ".1f"),
-        ("host_peak_rss_bytes", "host RSS GiB", ".2f"),
-    ]
+    cols = [("path", "path", ""), ("fits", "fits", ""), ("argument_bytes", "args GiB", ".2f"),
+        ("output_bytes", "out GiB", ".2f"), ("temp_bytes", "temp GiB", ".2f"),
+        ("peak_bytes", "peak GiB", ".2f"), ("compile_s", "compile s", ".1f"),
+        ("host_peak_rss_bytes", "host RSS GiB", ".2f")]  # fmt: skip
     lines = [
         f"{out['model']} {out['fn']} step, micro-batch {out['batch']} x {out['seq']}, {out['target']} "
         f"(tp {out['tp']}), per device; memory predicted by libtpu {out['libtpu']}, time/RSS measured here",
@@ -216,13 +172,9 @@ def report(out: dict[str, Any]) -> str:
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "bench": "model_paths",
-        "model": out["model"],
-        "target": out["target"],
+    return {"bench": "model_paths", "model": out["model"], "target": out["target"],
         **{f"{p}_peak_bytes": r.get("peak_bytes") for p, r in out["paths"].items()},
-        "ratios_new_over_old": out.get("ratios_new_over_old"),
-    }
+        "ratios_new_over_old": out.get("ratios_new_over_old")}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench import MiB
-from mllm_rl.bench.child import run_cmd
-from mllm_rl.bench.cli import exit_code, failed_targets, positive, run_bench, target
+from mllm_rl.bench.child import flags, run_argv, run_cmd
+from mllm_rl.bench.cli import exit_code, failed_targets, positive, progress, run_bench, target
 from mllm_rl.bench.machine import command_line, machine_info
 from mllm_rl.bench.records import max_of, truth
 from mllm_rl.bench.tables import table
+from mllm_rl.sinks.jsonl import read_jsonl
 
 # Enough samples that the tiny model earns non-zero rewards on both backends (equal zeros prove nothing).
 SETTINGS = {
@@ -55,8 +56,6 @@ def tasks_toml(tasks: list[dict[str, Any]], settings: dict[str, Any]) -> str:
 
 
 def _device_peak(run_dir: Path) -> int | None:
-    from mllm_rl.sinks.jsonl import read_jsonl
-
     peaks = [
         sum(d["phase_peak_bytes"] or 0 for d in truth(r["memory"]["devices"]))
         for r in read_jsonl(run_dir / "phases.jsonl")
@@ -66,8 +65,6 @@ def _device_peak(run_dir: Path) -> int | None:
 
 def _phase_seconds(run_dir: Path, task: str | None = None) -> float:
     """Seconds spent in a task's phases (the run-level ``wandb_init``/``*_ready`` left out)."""
-    from mllm_rl.sinks.jsonl import read_jsonl
-
     return sum(
         r["t_end"] - r["t_start"]
         for r in read_jsonl(run_dir / "phases.jsonl")
@@ -77,8 +74,6 @@ def _phase_seconds(run_dir: Path, task: str | None = None) -> float:
 
 def _rewards(run_dir: Path, task: str | None = None) -> list[list[float]]:
     """``[reward_mean, loss, grad_norm]`` per step."""
-    from mllm_rl.sinks.jsonl import read_jsonl
-
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if task is None or r.get("task") == task]
     return [[r["reward_mean"], r["loss"], r["grad_norm"]] for r in sorted(rows, key=lambda r: r["step"])]
 
@@ -102,36 +97,16 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         os.environ["MLLM_RL_CACHE"] = env["MLLM_RL_CACHE"]
         for t in tasks:  # checkpoints written before anything is timed
             resolve_model(t["model"], seed=t["seed"])
-        common = [
-            sys.executable,
-            "-m",
-            "mllm_rl.run",
-            "--backend",
-            args.backend,
-            "--platform",
-            args.platform,
-            "--wandb",
-            "disabled",
-            "--quiet",
-        ]
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+
+        def cmd(run_dir: Path, *more: str) -> list[str]:
+            return run_argv(run_dir, *more, backend=args.backend, platform=args.platform)
+
         singles = []
         for t in tasks:
             run_dir = base / f"single_{t['name']}"
-            cmd = [
-                *common,
-                "--model",
-                t["model"],
-                "--seed",
-                str(t["seed"]),
-                "--lr",
-                str(t["lr"]),
-                *flags,
-                "--run-dir",
-                str(run_dir),
-            ]
-            print(f"single task {t['name']} ...", file=sys.stderr, flush=True)
-            wall = _timed(cmd, f"single task {t['name']}", env)
+            progress(f"single task {t['name']} ...")
+            more = flags(model=t["model"], seed=t["seed"], lr=t["lr"], **settings)
+            wall = _timed(cmd(run_dir, *more), f"single task {t['name']}", env)
             load.append(round(os.getloadavg()[0], 2))
             singles.append(
                 {
@@ -145,8 +120,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         toml = base / "tasks.toml"
         toml.write_text(tasks_toml(tasks, settings))
         run_dir = base / "multi"
-        print(f"{len(tasks)} tasks together ...", file=sys.stderr, flush=True)
-        wall = _timed([*common, "--tasks", str(toml), "--run-dir", str(run_dir)], "multi-task run", env)
+        progress(f"{len(tasks)} tasks together ...")
+        wall = _timed(cmd(run_dir, "--tasks", str(toml)), "multi-task run", env)
         load.append(round(os.getloadavg()[0], 2))
         from mllm_rl.multitask.driver import read_leases
 
@@ -156,16 +131,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         drift = max_of(
             [abs(x["device_bytes"] - baseline) for x in leases[n_setup:] if x["device_bytes"] is not None]
         )
-        multi = {
-            "run": f"{len(tasks)} tasks together",
-            "wall_s": wall,
+        multi = {"run": f"{len(tasks)} tasks together", "wall_s": wall,
             "peak_bytes": _device_peak(run_dir),
-            "rewards": {t["name"]: _rewards(run_dir, t["name"]) for t in tasks},
-            "leases": len(leases),
-            "baseline_bytes": baseline,
-            "max_drift_bytes": drift,
-            "phase_s": {t["name"]: _phase_seconds(run_dir, t["name"]) for t in tasks},
-        }
+            "rewards": {t["name"]: _rewards(run_dir, t["name"]) for t in tasks}, "leases": len(leases),
+            "baseline_bytes": baseline, "max_drift_bytes": drift,
+            "phase_s": {t["name"]: _phase_seconds(run_dir, t["name"]) for t in tasks}}  # fmt: skip
     peak_single = max_of([s["peak_bytes"] for s in singles])
     equal = all(multi["rewards"][t["name"]] == s["rewards"] for t, s in zip(tasks, singles, strict=True))
     equal = equal and any(step[0] > 0 for s in singles for step in s["rewards"])  # not all zeros
@@ -228,12 +198,8 @@ def report(out: dict[str, Any]) -> str:
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "bench": "multitask",
-        "backend": out["backend"],
-        **{k: v["value"] for k, v in out["targets"].items()},
-        "pass": not failed_targets(out),
-    }
+    return {"bench": "multitask", "backend": out["backend"],
+        **{k: v["value"] for k, v in out["targets"].items()}, "pass": not failed_targets(out)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

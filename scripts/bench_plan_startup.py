@@ -28,8 +28,8 @@ import sys
 from typing import Any
 
 from mllm_rl.bench import MiB
-from mllm_rl.bench.cli import positive, run_bench
-from mllm_rl.bench.machine import ROOT, command_line, machine_info
+from mllm_rl.bench.cli import output_flags, positive, run_bench
+from mllm_rl.bench.machine import ROOT, bench_json
 from mllm_rl.bench.tables import table
 
 CHILD = r"""
@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     ap.add_argument("--repeats", type=positive(), default=3)
-    ap.add_argument("--json", default=None, help="write the results here")
+    output_flags(ap, timeout=None)
     return ap.parse_args(argv)
 
 
@@ -102,27 +102,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     for r in rows:
         r["x_time"] = r["seconds"] / base["seconds"]
         r["x_rss"] = r["rss_mib"] / base["rss_mib"]
-    return {
-        "bench": "plan_startup",
-        "command": command_line(),
-        "compilers": comp,
-        "repeats": args.repeats,
-        "machine": machine_info(),
-        "rows": rows,
-        "plain_loads_no_plugin": base["plugins"] == "none",
-    }
+    return bench_json("plan_startup", args, compilers=comp, repeats=args.repeats, rows=rows,
+        plain_loads_no_plugin=base["plugins"] == "none")  # fmt: skip
 
 
 def report(out: dict[str, Any]) -> str:
-    cols = [
-        ("case", "case", ""),
-        ("seconds", "start s (median)", ".2f"),
-        ("x_time", "x plain", ".2f"),
-        ("rss_mib", "peak RSS MiB", ".0f"),
-        ("x_rss", "x plain", ".2f"),
-        ("devices", "devices", ""),
-        ("plugins", "plugin modules imported", ""),
-    ]
+    cols = [("case", "case", ""), ("seconds", "start s (median)", ".2f"), ("x_time", "x plain", ".2f"),
+        ("rss_mib", "peak RSS MiB", ".0f"), ("x_rss", "x plain", ".2f"), ("devices", "devices", ""),
+        ("plugins", "plugin modules imported", "")]  # fmt: skip
     where = out["machine"].get("cpu") or f"{os.cpu_count()} CPUs"
     return "\n".join(
         [
@@ -135,20 +122,12 @@ def report(out: dict[str, Any]) -> str:
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "bench": "plan_startup",
-        "plain_loads_no_plugin": out["plain_loads_no_plugin"],
-        **{r["case"]: round(r["seconds"], 2) for r in out["rows"]},
-    }
+    return {"bench": "plan_startup", "plain_loads_no_plugin": out["plain_loads_no_plugin"],
+        **{r["case"]: round(r["seconds"], 2) for r in out["rows"]}}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.json:
-        from pathlib import Path
-
-        args.json = Path(args.json)
-    code, out = run_bench(bench, args, report, summary)
+    code, out = run_bench(bench, parse_args(argv), report, summary)
     if out is not None and not out["plain_loads_no_plugin"]:
         return 1
     return code

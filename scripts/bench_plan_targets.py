@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench import GiB
-from mllm_rl.bench.cli import csv_choice, run_bench
-from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.cli import csv_choice, progress, run_bench
+from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.tables import table
 from mllm_rl.memplan.__main__ import EXIT_DOES_NOT_FIT, EXIT_OK
 
@@ -92,7 +92,7 @@ REFERENCES = {
         8652005376,
         "demon2036/MLLM-JAX docs/sops/tpu-sglang-jax-qwen3-4b-wandb-memory-logging.md, v4-8 run A: "
         "bytes_in_use_sum after weights_swapped",
-    ),
+    )
 }
 
 
@@ -114,17 +114,12 @@ def _case(name: str, out: Path, timeout: float) -> dict[str, Any]:
 
     args, expect = CASES[name]
     cmd = [sys.executable, "-m", "mllm_rl.memplan", *args, "--out", str(out / name)]
-    print(f"[bench] {name}: python {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    progress(f"[bench] {name}: python {' '.join(cmd[1:])}")
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
-    row: dict[str, Any] = {
-        "case": name,
-        "command": "python " + " ".join(cmd[1:]),
-        "rc": r.returncode,
-        "expect": expect,
-        "wall_s": wall,
-    }
+    row: dict[str, Any] = {"case": name, "command": "python " + " ".join(cmd[1:]), "rc": r.returncode,
+        "expect": expect, "wall_s": wall}  # fmt: skip
     if r.returncode not in (EXIT_OK, EXIT_DOES_NOT_FIT):
         row["error"] = (r.stderr.strip().splitlines() or ["?"])[-1]
         return row
@@ -133,28 +128,17 @@ def _case(name: str, out: Path, timeout: float) -> dict[str, Any]:
     for sched, p in doc["plans"].items():
         peak = max(p["phases"], key=lambda ph: ph["total"])
         over = [ph["phase"] for ph in p["phases"] if ph["total"] > p["budget_bytes"]]
-        row[sched] = {
-            "fits": p["fits"],
-            "peak_gib": peak["total"] / GiB,
-            "peak_phase": peak["phase"],
-            "peak_of_hbm": peak["total"] / p["target"]["hbm_bytes"],
-            "over": over,
-            "first_overflow": p["first_overflow"],
-        }
+        row[sched] = {"fits": p["fits"], "peak_gib": peak["total"] / GiB, "peak_phase": peak["phase"],
+            "peak_of_hbm": peak["total"] / p["target"]["hbm_bytes"], "over": over,
+            "first_overflow": p["first_overflow"]}  # fmt: skip
     t = doc["plans"]["multi_stage"]["target"]
     if name in REFERENCES:
         phase, measured, source = REFERENCES[name]
         ph = next(p for p in doc["plans"]["multi_stage"]["phases"] if p["phase"] == phase)
         predicted = ph["total"] * t["num_devices"]
-        row["reference"] = {
-            "phase": phase,
-            "predicted_sum": predicted,
-            "measured_sum": measured,
-            "ratio": predicted / measured,
-            "within_2pct": abs(predicted / measured - 1) <= 0.02,
-            "source": source,
-            "resident": ph["resident"],
-        }
+        row["reference"] = {"phase": phase, "predicted_sum": predicted, "measured_sum": measured,
+            "ratio": predicted / measured, "within_2pct": abs(predicted / measured - 1) <= 0.02,
+            "source": source, "resident": ph["resident"]}  # fmt: skip
     row.update(
         target=t["name"],
         devices=t["num_devices"],
@@ -174,13 +158,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     rows = [_case(name, args.out, args.timeout) for name in args.cases]
     ok = all("error" not in r and (r["expect"] != "fits" or r["multi_stage"]["fits"]) for r in rows)
     ok = ok and all(r["reference"]["within_2pct"] for r in rows if "reference" in r)
-    return {
-        "bench": "plan_targets",
-        "command": command_line(),
-        "machine": machine_info(),
-        "rows": rows,
-        "ok": ok,
-    }
+    return bench_json("plan_targets", args, rows=rows, ok=ok)
 
 
 def _flat(r: dict[str, Any]) -> dict[str, Any]:
@@ -193,33 +171,16 @@ def _flat(r: dict[str, Any]) -> dict[str, Any]:
             return f"fits {p['peak_gib']:.2f} ({p['peak_of_hbm']:.0%}) {p['peak_phase']}"
         return f"OVER in {', '.join(dict.fromkeys(p['over']))}"
 
-    return {
-        "case": r["case"],
-        "target": f"{r['target']} ({r['devices']}x{r['hbm_gib']:.2f} GiB)",
-        "ms": verdict(ms),
-        "naive": verdict(nv),
-        "kv": r["kv_tokens"],
-        "frac": r["mem_fraction_static"],
-        "fit": r["fit"],
-        "compile": r["compile_s"],
-        "rss": r["host_rss_gib"],
-        "wall": r["wall_s"],
-    }
+    return {"case": r["case"], "target": f"{r['target']} ({r['devices']}x{r['hbm_gib']:.2f} GiB)",
+        "ms": verdict(ms), "naive": verdict(nv), "kv": r["kv_tokens"], "frac": r["mem_fraction_static"],
+        "fit": r["fit"], "compile": r["compile_s"], "rss": r["host_rss_gib"], "wall": r["wall_s"]}  # fmt: skip
 
 
 def report(out: dict[str, Any]) -> str:
-    cols = [
-        ("case", "case", ""),
-        ("target", "target", ""),
-        ("ms", "multi_stage (GiB/device, of HBM, at)", ""),
-        ("naive", "naive", ""),
-        ("kv", "KV tokens", ""),
-        ("frac", "mem_fraction_static", ""),
-        ("fit", "fitted", ""),
-        ("compile", "compile s", ".0f"),
-        ("rss", "host RSS GiB", ".2f"),
-        ("wall", "wall s", ".0f"),
-    ]
+    cols = [("case", "case", ""), ("target", "target", ""),
+        ("ms", "multi_stage (GiB/device, of HBM, at)", ""), ("naive", "naive", ""), ("kv", "KV tokens", ""),
+        ("frac", "mem_fraction_static", ""), ("fit", "fitted", ""), ("compile", "compile s", ".0f"),
+        ("rss", "host RSS GiB", ".2f"), ("wall", "wall s", ".0f")]  # fmt: skip
     lines = [
         "PREDICTED (compile-only; libtpu / XLA GPU on this machine):",
         table([_flat(r) for r in out["rows"]], cols),
@@ -236,11 +197,8 @@ def report(out: dict[str, Any]) -> str:
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "bench": "plan_targets",
-        "ok": out["ok"],
-        "cases": {r["case"]: r.get("multi_stage", {}).get("fits", r.get("error")) for r in out["rows"]},
-    }
+    return {"bench": "plan_targets", "ok": out["ok"],
+        "cases": {r["case"]: r.get("multi_stage", {}).get("fits", r.get("error")) for r in out["rows"]}}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ from typing import Any
 from mllm_rl.bench import GiB
 from mllm_rl.bench.child import BenchError, run_json
 from mllm_rl.bench.cli import doc_parser, main_with_child, positive, target
-from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.tables import table
 
 
@@ -47,16 +47,10 @@ def options_of(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
 
 
 def case(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "preset": args.preset,
-        "dtype": args.dtype,
-        "precision": args.precision,
-        "lora_rank": args.lora_rank,
-        "rows": args.rows or args.micro_batch,
-        "micro_batch": args.micro_batch,
-        "seq_len": args.seq_len,
-        "options": [list(p) for p in options_of(args)],
-    }
+    return {"preset": args.preset, "dtype": args.dtype, "precision": args.precision,
+        "lora_rank": args.lora_rank, "rows": args.rows or args.micro_batch,
+        "micro_batch": args.micro_batch, "seq_len": args.seq_len,
+        "options": [list(p) for p in options_of(args)]}  # fmt: skip
 
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -75,18 +69,10 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         precision=args.precision,
         options=options_of(args),
     )
-    return {
-        "case": c,
-        "steps": memplan.STEPS,
-        "peak_bytes": s.peak_total,
-        "state_bytes": s.params + s.optimizer,
-        "params_bytes": s.params,
-        "grads_bytes": s.grads,
-        "optimizer_bytes": s.optimizer,
-        "activations_bytes": s.activations,
-        "adamw": s.adamw,
-        "trace_s": round(s.seconds, 1),
-    }
+    return {"case": c, "steps": memplan.STEPS, "peak_bytes": s.peak_total,
+        "state_bytes": s.params + s.optimizer, "params_bytes": s.params, "grads_bytes": s.grads,
+        "optimizer_bytes": s.optimizer, "activations_bytes": s.activations, "adamw": s.adamw,
+        "trace_s": round(s.seconds, 1)}  # fmt: skip
 
 
 def measure_child(args: argparse.Namespace) -> dict[str, Any]:
@@ -166,15 +152,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             )
     else:
         predicted = plan(args)
-    out: dict[str, Any] = {
-        "bench": "plan_vs_cuda",
-        "backend": "torch",
-        "preset": args.preset,
-        "platform": "cuda",
-        "command": command_line(),
-        "machine": machine_info(),
-        "predicted": predicted,
-    }
+    out: dict[str, Any] = bench_json(
+        "plan_vs_cuda", args, backend="torch", preset=args.preset, platform="cuda", predicted=predicted
+    )
     if args.plan_only:
         return out
     m = run_json(child_cmd(args), "the CUDA step", timeout=args.timeout)
@@ -205,11 +185,8 @@ def report(out: dict[str, Any]) -> str:
     ]
     for r in rows:
         r["ratio"] = r["meas"] / r["pred"] if r["meas"] is not None and r["pred"] else None
-    cols = [
-        ("what", "", ""),
-        ("pred", "PREDICTED GiB (fake tensors)", ".2f"),
-        ("meas", "MEASURED GiB", ".2f"),
-    ]
+    cols = [("what", "", ""), ("pred", "PREDICTED GiB (fake tensors)", ".2f"),
+        ("meas", "MEASURED GiB", ".2f")]  # fmt: skip
     text = head + "\n" + table(rows, [*cols, ("ratio", "measured / predicted", ".4f")])
     if m:
         text += f"\nmeasured on {m['device']} (card {m['card_bytes'] / GiB:.2f} GiB)"
@@ -223,14 +200,11 @@ def report(out: dict[str, Any]) -> str:
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
     m = out.get("measured") or {}
-    return {
-        "case": out["predicted"]["case"],
+    return {"case": out["predicted"]["case"],
         "predicted_peak_gib": round(out["predicted"]["peak_bytes"] / GiB, 3),
         "measured_peak_gib": round(m["peak_bytes"] / GiB, 3) if m else None,
-        "peak_over_plan": out.get("peak_over_plan"),
-        "oom": m.get("oom"),
-        "tokens_per_s": m.get("tokens_per_s"),
-    }
+        "peak_over_plan": out.get("peak_over_plan"), "oom": m.get("oom"),
+        "tokens_per_s": m.get("tokens_per_s")}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -40,7 +40,7 @@ from typing import Any
 from mllm_rl.bench import GiB, MiB
 from mllm_rl.bench.child import BenchError, run_cmd, run_json
 from mllm_rl.bench.cli import doc_parser, failed_targets, main_with_child, positive, target
-from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.records import truth
 from mllm_rl.bench.tables import table
 from mllm_rl.memplan.audit import compare, load_records
@@ -98,8 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def results(args: argparse.Namespace, mode: str, **fields: Any) -> dict[str, Any]:
     """The JSON of either mode: what ran, then ``fields``."""
-    head = {"bench": "plan_vs_run", "backend": args.backend, "mode": mode, "preset": args.model}
-    return {**head, **fields, "command": command_line(), "machine": machine_info()}
+    return bench_json("plan_vs_run", args, ("backend",), mode=mode, preset=args.model, **fields)
 
 
 # -- the run, its plan, the comparison (both backends) ----------------------------------------------

@@ -26,12 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from mllm_rl.bench.child import run_cmd
+from mllm_rl.bench.child import run_argv, run_cmd
 from mllm_rl.bench.cli import positive, run_bench
 from mllm_rl.bench.machine import command_line, machine_info
 from mllm_rl.bench.tables import table
 
 PRECISIONS = ("mixed", "pure")
+METRICS = ("reward_mean", "groups_zero_std", "ratio_mean", "logp_mismatch_mean", "logp_mismatch_max",
+           "engine_ratio_mean")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,34 +77,10 @@ def changed_share(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
 
 def one_run(args: argparse.Namespace, model: str, precision: str, work: Path) -> dict[str, Any]:
     run_dir = work / precision
-    cmd = [
-        sys.executable,
-        "-m",
-        "mllm_rl.run",
-        "--backend",
-        args.backend,
-        "--model",
-        model,
-        "--platform",
-        args.platform,
-        "--precision",
-        precision,
-        "--lr",
-        str(args.lr),
-        "--temperature",
-        str(args.temperature),
-        "--steps",
-        str(args.steps),
-        "--checkpoint-every",
-        "1",
-        "--wandb",
-        "disabled",
-        "--console",
-        "off",
-        "--run-dir",
-        str(run_dir),
-        *args.extra,
-    ]
+    cmd = run_argv(
+        run_dir, *args.extra, backend=args.backend, model=model, platform=args.platform, precision=precision,
+        lr=args.lr, temperature=args.temperature, steps=args.steps, checkpoint_every=1,
+    )  # fmt: skip
     run_cmd(cmd, f"{precision} run", timeout=args.timeout)
     steps = sorted((run_dir / "checkpoints").glob("step_*"))
     states = [load_trained(s, args.backend) for s in steps]
@@ -110,22 +88,11 @@ def one_run(args: argparse.Namespace, model: str, precision: str, work: Path) ->
     phases = [json.loads(line) for line in (run_dir / "phases.jsonl").read_text().splitlines() if line]
     train = [p for p in phases if p["phase"] == "train_step"]
     peaks = [d.get("phase_peak_bytes") for p in train for d in p["memory"]["devices"]]
-    keys = (
-        "reward_mean",
-        "groups_zero_std",
-        "ratio_mean",
-        "logp_mismatch_mean",
-        "logp_mismatch_max",
-        "engine_ratio_mean",
-    )
-    return {
-        "precision": precision,
-        "checkpoints": [s.name for s in steps],
+    return {"precision": precision, "checkpoints": [s.name for s in steps],
         "changed": [changed_share(a, b) for a, b in zip(states, states[1:], strict=False)],
-        "per_step": [{k: m.get(k) for k in ("step", *keys)} for m in metrics],
+        "per_step": [{k: m.get(k) for k in ("step", *METRICS)} for m in metrics],
         "train_step_s": statistics.median(p["t_end"] - p["t_start"] for p in train[1:] or train),
-        "train_step_peak_bytes": max((x for x in peaks if x is not None), default=None),
-    }
+        "train_step_peak_bytes": max((x for x in peaks if x is not None), default=None)}  # fmt: skip
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -174,15 +141,9 @@ def report(out: dict[str, Any]) -> str:
                 "peak": (r["train_step_peak_bytes"] or 0) / 2**20,
             }
         )
-    cols = [
-        ("precision", "precision", ""),
-        ("changed", "changed per step pair", ""),
-        ("ratio0", "ratio_mean step 0", ".4f"),
-        ("mismatch", "mismatch mean (last)", ".2e"),
-        ("mismatch_max", "max", ".2e"),
-        ("s", "train_step s", ".3f"),
-        ("peak", "train peak MiB", ".1f"),
-    ]
+    cols = [("precision", "precision", ""), ("changed", "changed per step pair", ""),
+        ("ratio0", "ratio_mean step 0", ".4f"), ("mismatch", "mismatch mean (last)", ".2e"),
+        ("mismatch_max", "max", ".2e"), ("s", "train_step s", ".3f"), ("peak", "train peak MiB", ".1f")]  # fmt: skip
     head = (
         f"{out['model']} ({out['dtype']}), {out['backend']}, lr {out['lr']:g}, T {out['temperature']:g}; "
         f"measured on {out['machine'].get('host_cpu')}, GPUs {out['machine'].get('gpus') or 'none'}"
@@ -200,11 +161,8 @@ def report(out: dict[str, Any]) -> str:
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "bench": "precision",
-        **{f"changed_{p}": r["changed"] for p, r in out["runs"].items()},
-        **out["ratios_mixed_over_pure"],
-    }
+    return {"bench": "precision", **{f"changed_{p}": r["changed"] for p, r in out["runs"].items()},
+        **out["ratios_mixed_over_pure"]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench.cli import doc_parser, positive, run_bench, target
-from mllm_rl.bench.machine import ROOT, command_line, machine_info
+from mllm_rl.bench.machine import ROOT, bench_json
 from mllm_rl.bench.tables import table
 from mllm_rl.sinks.jsonl import read_jsonl
 
@@ -72,16 +72,10 @@ def _row(name: str, nproc: int, run_dir: Path) -> dict[str, Any]:
         last = [x for x in p if x["phase"] == "train_step"][-1]
         per_proc.append(last["memory"]["devices"][0]["bytes_in_use"])
     m0 = read_jsonl(run_dir / "metrics.jsonl")[0]
-    return {
-        "case": name,
-        "processes": nproc,
-        "train_step_s": statistics.median(train) if train else None,
+    return {"case": name, "processes": nproc, "train_step_s": statistics.median(train) if train else None,
         "step_s": statistics.median(steps.values()) if steps else None,
-        "trainer_mib": max(per_proc) / 2**20,
-        "reward0": m0["reward_mean"],
-        "loss0": m0["loss"],
-        "grad_norm0": m0["grad_norm"],
-    }
+        "trainer_mib": max(per_proc) / 2**20, "reward0": m0["reward_mean"], "loss0": m0["loss"],
+        "grad_norm0": m0["grad_norm"]}  # fmt: skip
 
 
 def bench(args: Any) -> dict[str, Any]:
@@ -96,28 +90,17 @@ def bench(args: Any) -> dict[str, Any]:
         for k in ("train_step_s", "step_s", "trainer_mib"):
             r[f"x_{k}"] = r[k] / base[k] if r[k] and base[k] else None
     sharded = rows[1]["x_trainer_mib"]
-    return {
-        "bench": "processes",
-        "command": command_line(),
-        "machine": machine_info(),
-        "rows": rows,
-        "targets": {"sharded_trainer_bytes": target(sharded, "<=", SHARD_BOUND)},
-    }
+    return bench_json(
+        "processes", args, rows=rows, targets={"sharded_trainer_bytes": target(sharded, "<=", SHARD_BOUND)}
+    )
 
 
 def report(out: dict[str, Any]) -> str:
-    cols = [
-        ("case", "case", ""),
-        ("train_step_s", "train_step s", ".3f"),
-        ("x_train_step_s", "x 1 proc", ".2f"),
-        ("step_s", "step s", ".3f"),
-        ("x_step_s", "x 1 proc", ".2f"),
-        ("trainer_mib", "trainer MiB/process", ".2f"),
-        ("x_trainer_mib", "x 1 proc", ".3f"),
-        ("reward0", "step 0 reward", ".4f"),
-        ("loss0", "step 0 loss", ".3e"),
-        ("grad_norm0", "step 0 grad norm", ".6f"),
-    ]
+    cols = [("case", "case", ""), ("train_step_s", "train_step s", ".3f"),
+        ("x_train_step_s", "x 1 proc", ".2f"), ("step_s", "step s", ".3f"), ("x_step_s", "x 1 proc", ".2f"),
+        ("trainer_mib", "trainer MiB/process", ".2f"), ("x_trainer_mib", "x 1 proc", ".3f"),
+        ("reward0", "step 0 reward", ".4f"), ("loss0", "step 0 loss", ".3e"),
+        ("grad_norm0", "step 0 grad norm", ".6f")]  # fmt: skip
     where = out["machine"].get("cpu") or f"{os.cpu_count()} CPUs"
     t = out["targets"]["sharded_trainer_bytes"]
     return "\n".join([

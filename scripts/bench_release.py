@@ -16,16 +16,13 @@ target fails), 2 on bad input.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from mllm_rl.bench.cli import exit_code, positive, run_bench, target
-from mllm_rl.bench.machine import command_line, machine_info
-from mllm_rl.bench.tables import table
+from mllm_rl.bench.cli import bench_parser, exit_code, hard_exit, output_flags, positive, run_bench, target
+from mllm_rl.bench.machine import bench_json
+from mllm_rl.bench.tables import VERDICT, table
 
 FREED_TARGET = 0.99
 TAGS = ("kv_cache", "weights")
@@ -123,60 +120,33 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         rel, res = statistics.median(p["rel"]), statistics.median(p["res"])
         frac = min(f / h for f, h in zip(p["freed"], p["held"], strict=True)) if held else None
         recl = min(r / h for r, h in zip(p["recl"], p["held"], strict=True)) if held else None
-        tags[tag] = {
-            "held_bytes": held,
-            "freed_bytes": min(p["freed"]),
-            "freed_frac": round(frac, 4) if frac is not None else None,
-            "reclaimed_bytes": min(p["recl"]),
-            "reclaimed_frac": round(recl, 4) if recl is not None else None,
-            "back_bytes": p["back"][0],
-            "release_s": round(rel, 5),
-            "resume_s": round(res, 5),
-            "release_baseline": "d2h" if backed else "d2d",
-            "resume_baseline": "h2d" if backed else "d2d",
+        tags[tag] = {"held_bytes": held, "freed_bytes": min(p["freed"]),
+            "freed_frac": round(frac, 4) if frac is not None else None, "reclaimed_bytes": min(p["recl"]),
+            "reclaimed_frac": round(recl, 4) if recl is not None else None, "back_bytes": p["back"][0],
+            "release_s": round(rel, 5), "resume_s": round(res, 5),
+            "release_baseline": "d2h" if backed else "d2d", "resume_baseline": "h2d" if backed else "d2d",
             "release_baseline_s": round(rel_base, 5) if rel_base else None,
             "resume_baseline_s": round(res_base, 5) if res_base else None,
             "baseline_error": base.get("error"),
             "release_over_memcpy": round(rel / rel_base, 3) if rel_base else None,
             "resume_over_memcpy": round(res / res_base, 3) if res_base else None,
             "release_s_all": [round(x, 5) for x in p["rel"]],
-            "resume_s_all": [round(x, 5) for x in p["res"]],
-        }
+            "resume_s_all": [round(x, 5) for x in p["res"]]}  # fmt: skip
         targets[f"{tag}_freed_frac"] = target(tags[tag]["freed_frac"], ">=", FREED_TARGET)
         targets[f"{tag}_reclaimed_frac"] = target(tags[tag]["reclaimed_frac"], ">=", FREED_TARGET)
     targets["greedy_identical"] = {"value": after == before, "target": "== True", "pass": after == before}
-    return {
-        "bench": "release",
-        "backend": args.backend,
-        "preset": args.preset,
-        "platform": runtime.get("platform"),
-        "source": source,
-        "engine": engine_name,
-        "memory_mode": mode,
-        "weights_cpu_backup": args.cpu_backup,
-        "cycles": args.cycles,
-        "tags": tags,
-        "resync_s": round(statistics.median(resync), 4),
-        "greedy_identical": after == before,
-        "targets": targets,
-        "command": command_line(),
-        "machine": machine_info(),
-    }
+    return bench_json("release", args, ("backend", "preset"), platform=runtime.get("platform"),
+        source=source, engine=engine_name, memory_mode=mode, weights_cpu_backup=args.cpu_backup,
+        cycles=args.cycles, tags=tags, resync_s=round(statistics.median(resync), 4),
+        greedy_identical=after == before, targets=targets)  # fmt: skip
 
 
 def report(out: dict[str, Any]) -> str:
-    cols = [
-        ("tag", "tag", ""),
-        ("held_mib", "held MiB", ".1f"),
-        ("freed_frac", "freed/held", ".4f"),
-        ("reclaimed_frac", "reclaimed/held", ".4f"),
-        ("release_ms", "release ms", ".2f"),
-        ("release_baseline", "vs", ""),
-        ("release_over_memcpy", "x memcpy", ".3f"),
-        ("resume_ms", "resume ms", ".2f"),
-        ("resume_baseline", "vs", ""),
-        ("resume_over_memcpy", "x memcpy", ".3f"),
-    ]
+    cols = [("tag", "tag", ""), ("held_mib", "held MiB", ".1f"), ("freed_frac", "freed/held", ".4f"),
+        ("reclaimed_frac", "reclaimed/held", ".4f"), ("release_ms", "release ms", ".2f"),
+        ("release_baseline", "vs", ""), ("release_over_memcpy", "x memcpy", ".3f"),
+        ("resume_ms", "resume ms", ".2f"), ("resume_baseline", "vs", ""),
+        ("resume_over_memcpy", "x memcpy", ".3f")]  # fmt: skip
     rows = [
         {
             "tag": t,
@@ -192,19 +162,12 @@ def report(out: dict[str, Any]) -> str:
         f"{out['memory_mode'] or 'delete/reallocate'}, source {out['source']}, cpu backup "
         f"{out['weights_cpu_backup']}, median of {out['cycles']} cycles)"
     )
-    verdicts = ", ".join(
-        f"{k} {({True: 'pass', False: 'FAIL', None: 'n/a'})[t['pass']]}" for k, t in out["targets"].items()
-    )
+    verdicts = ", ".join(f"{k} {VERDICT[t['pass']]}" for k, t in out["targets"].items())
     return "\n".join([head, table(rows, cols), f"re-sync {out['resync_s']:.3f} s; targets: {verdicts}"])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Details: docs/BENCHMARKS.md")
-    ap.add_argument("--backend", default="torch", choices=["jax", "torch"])
-    ap.add_argument(
-        "--preset", default="tiny", help="preset (written once to $MLLM_RL_CACHE) or checkpoint dir"
-    )
-    ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda", "tpu"])
+    ap = bench_parser(__doc__, backend="torch")
     ap.add_argument("--engine", default=None, choices=["embedded", "sglang"], help="torch backend's engine")
     ap.add_argument("--cpu-backup", action="store_true", help="engine keeps a host copy of its weights")
     ap.add_argument("--cycles", type=positive(int), default=3, help="release/resume cycles (times: median)")
@@ -214,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
-    ap.add_argument("--json", type=Path, help="also write the results here")
+    output_flags(ap, timeout=None)
     return ap
 
 
@@ -226,7 +189,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # engines with scheduler threads (sglang-jax) abort interpreter teardown
+    hard_exit(main())

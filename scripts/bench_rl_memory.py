@@ -26,62 +26,31 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench import GiB, MiB
-from mllm_rl.bench.child import BenchError, is_oom, run_cmd
-from mllm_rl.bench.cli import csv_choice, positive, run_bench
-from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.child import BenchError, is_oom, run_argv, run_cmd
+from mllm_rl.bench.cli import bench_parser, csv_choice, output_flags, pick, positive, progress, run_bench
+from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.records import max_of, truth
-from mllm_rl.bench.tables import table
+from mllm_rl.bench.tables import merge_orders, table
+from mllm_rl.sinks.jsonl import read_jsonl
 
 SCHEDULES = ("multi_stage", "naive")
 PRE_ENGINE = ("wandb_init", "jax_ready", "torch_ready")
+ENTRY_KEYS = ("step_peak", "step_peak_phase", "setup_peak", "setup_peak_phase", "train_peak", "rollout_peak")
 
 
 # -- one run -------------------------------------------------------------------------------
-def rl_cmd(args: argparse.Namespace, schedule: str, run_dir: str, max_total_tokens: int | None) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "mllm_rl.run",
-        "--backend",
-        args.backend,
-        "--plan",
-        "rl",
-        "--model",
-        args.preset,
-        "--platform",
-        args.platform,
-        "--schedule",
-        schedule,
-        "--steps",
-        str(args.steps),
-        "--save-every",
-        "0",
-        "--wandb",
-        "disabled",
-        "--quiet",
-        "--run-dir",
-        run_dir,
-    ]
-    if max_total_tokens is not None:
-        cmd += ["--max-total-tokens", str(max_total_tokens)]
-    return cmd + list(args.extra)
-
-
 def run_once(args: argparse.Namespace, schedule: str, max_total_tokens: int | None = None) -> dict[str, Any]:
     """One RL run; returns {"ok", "oom", "records", "stderr"} (failures are data for the bisect)."""
-    import subprocess
-
-    from mllm_rl.sinks.jsonl import read_jsonl
-
     with tempfile.TemporaryDirectory() as d:
-        cmd = rl_cmd(args, schedule, d, max_total_tokens)
+        cmd = run_argv(
+            d, *args.extra, backend=args.backend, plan="rl", model=args.preset, platform=args.platform,
+            schedule=schedule, steps=args.steps, save_every=0, max_total_tokens=max_total_tokens,
+        )  # fmt: skip
         try:
             run_cmd(cmd, f"rl {schedule}", timeout=args.timeout)
             ok, err = True, ""
         except BenchError as e:
             ok, err = False, str(e)
-        except subprocess.TimeoutExpired:  # pragma: no cover (run_cmd turns it into BenchError)
-            ok, err = False, "timeout"
         path = Path(d) / "phases.jsonl"
         records = read_jsonl(path) if path.exists() else []
     return {"ok": ok, "oom": (not ok) and is_oom(err), "records": records, "stderr": err, "cmd": cmd}
@@ -137,21 +106,16 @@ def analyse(records: list[dict[str, Any]]) -> dict[str, Any]:
         kv_prev = kv_end
     stepped = [phases[k] for k in order if phases[k]["stepped"]]
     setup = [phases[k] for k in order if not phases[k]["stepped"]]
-    return {
-        "phases": [phases[k] for k in order],
-        "step_peak": max_of([p["peak"] for p in stepped]),
+    return {"phases": [phases[k] for k in order], "step_peak": max_of([p["peak"] for p in stepped]),
         "step_peak_phase": max(stepped, key=lambda p: p["peak"] or 0)["phase"] if stepped else None,
         "setup_peak": max_of([p["peak"] for p in setup]),
         "setup_peak_phase": max(setup, key=lambda p: p["peak"] or 0)["phase"] if setup else None,
         "train_peak": phases.get("train_step", {}).get("peak"),
-        "rollout_peak": phases.get("rollout", {}).get("peak"),
-        "kv_bytes": kv_bytes,
+        "rollout_peak": phases.get("rollout", {}).get("peak"), "kv_bytes": kv_bytes,
         "max_total_tokens": tokens,
-        "kv_bytes_per_token": kv_bytes / tokens if kv_bytes and tokens else None,
-        "bytes_limit": limit,
+        "kv_bytes_per_token": kv_bytes / tokens if kv_bytes and tokens else None, "bytes_limit": limit,
         "source": truth(records[-1]["memory"]["devices"])[0]["source"] if records else None,
-        "platform": truth(records[-1]["memory"]["devices"])[0]["platform"] if records else None,
-    }
+        "platform": truth(records[-1]["memory"]["devices"])[0]["platform"] if records else None}  # fmt: skip
 
 
 def predict_kv(a: dict[str, Any], budget: int, steps_only: bool) -> dict[str, Any]:
@@ -167,19 +131,11 @@ def predict_kv(a: dict[str, Any], budget: int, steps_only: bool) -> dict[str, An
             if budget - non_kv < cap:
                 cap, limiting = budget - non_kv, p["phase"]
         elif non_kv > budget:
-            return {
-                "kv_bytes": 0,
-                "tokens": 0,
-                "limiting_phase": p["phase"],
-                "note": "does not fit even without KV",
-            }
+            return {"kv_bytes": 0, "tokens": 0, "limiting_phase": p["phase"],
+                "note": "does not fit even without KV"}  # fmt: skip
     if cap is math.inf:
-        return {
-            "kv_bytes": None,
-            "tokens": None,
-            "limiting_phase": None,
-            "note": "no phase holds the KV cache",
-        }
+        return {"kv_bytes": None, "tokens": None, "limiting_phase": None,
+            "note": "no phase holds the KV cache"}  # fmt: skip
     cap = max(0, int(cap))
     per_tok = a["kv_bytes_per_token"]
     return {"kv_bytes": cap, "tokens": int(cap // per_tok) if per_tok else None, "limiting_phase": limiting}
@@ -204,10 +160,8 @@ def bisect(args: argparse.Namespace, schedule: str, lo: int, guess: int | None) 
                 "setup_peak": a.get("setup_peak"),
             }
         )
-        print(
-            f"  bisect {schedule}: --max-total-tokens {tokens}: {'ok' if r['ok'] else 'OOM' if r['oom'] else 'FAILED'}",
-            file=sys.stderr,
-            flush=True,
+        progress(
+            f"  bisect {schedule}: --max-total-tokens {tokens}: {'ok' if r['ok'] else 'OOM' if r['oom'] else 'FAILED'}"
         )
         if not r["ok"] and not r["oom"]:
             raise BenchError(
@@ -228,11 +182,8 @@ def bisect(args: argparse.Namespace, schedule: str, lo: int, guess: int | None) 
         else:
             hi = mid
         iters += 1
-    return {
-        "largest_ok_tokens": lo,
-        "smallest_oom_tokens": hi if any(not t["ok"] for t in trials) else None,
-        "trials": trials,
-    }
+    return {"largest_ok_tokens": lo,
+        "smallest_oom_tokens": hi if any(not t["ok"] for t in trials) else None, "trials": trials}  # fmt: skip
 
 
 # -- driver --------------------------------------------------------------------------------
@@ -248,37 +199,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         runs[s] = analyse(r["records"])
     any_run = next(iter(runs.values()))
     budget = int(args.budget_gb * GiB) if args.budget_gb else any_run["bytes_limit"]
-    out: dict[str, Any] = {
-        "bench": "rl_memory",
-        "backend": args.backend,
-        "preset": args.preset,
-        "steps": args.steps,
-        "extra": list(args.extra),
-        "platform": any_run["platform"],
-        "source": any_run["source"],
-        "budget_bytes": budget,
-        "budget_from": "--budget-gb" if args.budget_gb else ("bytes_limit" if budget else None),
-        "schedules": {},
-        "command": command_line(),
-        "machine": machine_info(),
-    }
+    out: dict[str, Any] = bench_json("rl_memory", args, ("backend", "preset", "steps"),
+        extra=list(args.extra), platform=any_run["platform"], source=any_run["source"],
+        budget_bytes=budget,
+        budget_from="--budget-gb" if args.budget_gb else ("bytes_limit" if budget else None),
+        schedules={})  # fmt: skip
     for s, a in runs.items():
         big = max_of([a["train_peak"], a["rollout_peak"]])
-        entry = {
-            k: a[k]
-            for k in (
-                "step_peak",
-                "step_peak_phase",
-                "setup_peak",
-                "setup_peak_phase",
-                "train_peak",
-                "rollout_peak",
-                "kv_bytes",
-                "max_total_tokens",
-                "kv_bytes_per_token",
-                "bytes_limit",
-            )
-        }
+        entry = pick(a, [*ENTRY_KEYS, "kv_bytes", "max_total_tokens", "kv_bytes_per_token", "bytes_limit"])
         entry["step_peak_over_max_train_rollout"] = (
             round(a["step_peak"] / big, 4) if big and a["step_peak"] else None
         )
@@ -300,13 +228,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(out: dict[str, Any]) -> str:
     scheds = list(out["schedules"])
-    names: list[str] = []
-    for s in scheds:  # merge the phase orders: a phase only one schedule has goes after its predecessor
-        prev = None
-        for p in out["schedules"][s]["phases"]:
-            if p["phase"] not in names:
-                names.insert(names.index(prev) + 1 if prev in names else len(names), p["phase"])
-            prev = p["phase"]
+    names = merge_orders([[p["phase"] for p in out["schedules"][s]["phases"]] for s in scheds])
     by = {s: {p["phase"]: p for p in out["schedules"][s]["phases"]} for s in scheds}
     rows = []
     for n in names:
@@ -343,18 +265,11 @@ def report(out: dict[str, Any]) -> str:
             }
         )
     budget = out["budget_bytes"]
-    cols2 = [
-        ("schedule", "schedule", ""),
-        ("step", "step peak MiB", ".2f"),
-        ("at", "at", ""),
-        ("setup", "setup+final peak MiB", ".2f"),
-        ("sat", "at", ""),
-        ("ratio", "step/max(train,rollout)", ".3f"),
-        ("kv", "KV MiB", ".2f"),
-        ("fs", "max KV tokens (steps)", ""),
-        ("fr", "max KV tokens (run)", ""),
-        ("bis", "bisected tokens", ""),
-    ]
+    cols2 = [("schedule", "schedule", ""), ("step", "step peak MiB", ".2f"), ("at", "at", ""),
+        ("setup", "setup+final peak MiB", ".2f"), ("sat", "at", ""),
+        ("ratio", "step/max(train,rollout)", ".3f"), ("kv", "KV MiB", ".2f"),
+        ("fs", "max KV tokens (steps)", ""), ("fr", "max KV tokens (run)", ""),
+        ("bis", "bisected tokens", "")]  # fmt: skip
     lines.append(table(srows, cols2))
     if "naive_over_multi_stage_step_peak" in out:
         lines.append(
@@ -372,10 +287,7 @@ def report(out: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Details: docs/BENCHMARKS.md")
-    ap.add_argument("--backend", default="jax", choices=["jax", "torch"])
-    ap.add_argument("--preset", default="tiny", help="preset name or checkpoint dir")
-    ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda", "tpu"])
+    ap = bench_parser(__doc__)
     ap.add_argument(
         "--steps", type=positive(int), default=2, help="RL steps per run (>= 2 catches step-2 faults)"
     )
@@ -396,16 +308,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--bisect-tol", type=positive(float), default=0.05, help="stop when (hi - lo) / lo is below"
     )
     ap.add_argument("--bisect-align", type=positive(int), default=256, help="token granularity")
-    ap.add_argument("--timeout", type=positive(float), default=3600.0, help="seconds per run")
-    ap.add_argument("--json", type=Path, help="also write the results here")
-    ap.add_argument("extra", nargs="*", help="extra args for mllm_rl.run (after --), the same for every run")
+    output_flags(ap, extra="extra args for mllm_rl.run (after --), the same for every run")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     keys = ("bench", "backend", "preset", "naive_over_multi_stage_step_peak")
-    return run_bench(bench, args, report, lambda o: {k: o[k] for k in keys if k in o})[0]
+    return run_bench(bench, args, report, lambda o: pick(o, keys))[0]
 
 
 if __name__ == "__main__":

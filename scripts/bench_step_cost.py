@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mllm_rl.bench.child import BenchError, run_cmd
-from mllm_rl.bench.cli import csv_choice, positive, run_bench
-from mllm_rl.bench.machine import command_line, load_avg_1m, machine_info
+from mllm_rl.bench.child import BenchError, run_argv, run_cmd
+from mllm_rl.bench.cli import csv_choice, csv_list, doc_parser, output_flags, positive, progress, run_bench
+from mllm_rl.bench.machine import bench_json, load_avg_1m
 from mllm_rl.bench.step_cost import BETWEEN, ROLLOUT, TRAIN, analyse
 from mllm_rl.bench.tables import table
 from mllm_rl.plans.rl import RLOptions
@@ -45,30 +45,6 @@ ROOT = Path(__file__).resolve().parents[1]  # the venvs .venv-jax / .venv-torch 
 RUN_CADENCE = RLOptions.checkpoint_every  # python -m mllm_rl.run's default: a checkpoint every 5 steps
 BACKENDS = ("jax", "torch")
 DEFAULT_MODELS = ["tiny", "qwen3-0.6b"]
-
-
-def at_least_two(s: str) -> int:
-    v = positive(int)(s)
-    if v < 2:
-        raise argparse.ArgumentTypeError(f"must be >= 2 (the first step compiles and is left out), got {s}")
-    return v
-
-
-def non_negative(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
-    return v
-
-
-def models_list(s: str) -> list[str]:
-    items = [x.strip() for x in s.split(",") if x.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"{s!r}: comma-separated presets or checkpoint dirs expected")
-    return items
 
 
 # -- inputs --------------------------------------------------------------------------------
@@ -111,31 +87,10 @@ def read_run(run_dir: Path) -> dict[str, Any]:
 
 
 def run_cmd_for(args: argparse.Namespace, model: str, backend: str, run_dir: Path) -> list[str]:
-    return [
-        python_for(backend, args),
-        "-m",
-        "mllm_rl.run",
-        "--backend",
-        backend,
-        "--plan",
-        "rl",
-        "--model",
-        model,
-        "--steps",
-        str(args.steps),
-        "--save-every",
-        str(args.save_every),
-        "--max-new-tokens",
-        str(args.max_new_tokens),
-        "--platform",
-        args.platform,
-        "--wandb",
-        "disabled",
-        "--quiet",
-        "--run-dir",
-        str(run_dir),
-        *args.extra,
-    ]
+    return run_argv(
+        run_dir, *args.extra, python=python_for(backend, args), backend=backend, plan="rl", model=model,
+        steps=args.steps, save_every=args.save_every, max_new_tokens=args.max_new_tokens, platform=args.platform,
+    )  # fmt: skip
 
 
 # -- driver --------------------------------------------------------------------------------
@@ -171,7 +126,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     shutil.rmtree(run_dir)
                 cmd = run_cmd_for(args, model, backend, run_dir)
                 load0, t0 = load_avg_1m(), time.perf_counter()
-                print(f"  [{i + 1}/{len(plan)}] {label}: {args.steps} steps ...", file=sys.stderr, flush=True)
+                progress(f"  [{i + 1}/{len(plan)}] {label}: {args.steps} steps ...")
                 try:
                     run_cmd(cmd, f"run {label}", timeout=args.timeout)
                     row = one(label, model, backend, read_run(run_dir), {})
@@ -187,7 +142,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                             "command": cmd,
                         }
                     )
-                    print(f"  [{i + 1}/{len(plan)}] {label}: FAILED", file=sys.stderr, flush=True)
+                    progress(f"  [{i + 1}/{len(plan)}] {label}: FAILED")
                     continue
                 dt = time.perf_counter() - t0
                 row.update(
@@ -198,17 +153,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     run_dir=str(run_dir) if keep else None,
                 )
                 rows.append(row)
-                print(f"  [{i + 1}/{len(plan)}] {label}: {dt:.0f} s", file=sys.stderr, flush=True)
-    return {
-        "bench": "step_cost",
-        "steps": None if args.from_run else args.steps,
-        "save_every": None if args.from_run else args.save_every,
-        "max_new_tokens": None if args.from_run else args.max_new_tokens,
-        "extra": list(args.extra),
-        "runs": rows,
-        "command": command_line(),
-        "machine": machine_info(),
-    }
+                progress(f"  [{i + 1}/{len(plan)}] {label}: {dt:.0f} s")
+    return bench_json("step_cost", args, steps=None if args.from_run else args.steps,
+        save_every=None if args.from_run else args.save_every,
+        max_new_tokens=None if args.from_run else args.max_new_tokens, extra=list(args.extra), runs=rows)  # fmt: skip
 
 
 # -- report --------------------------------------------------------------------------------
@@ -322,22 +270,25 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = doc_parser(__doc__)
     ap.add_argument(
         "--models",
-        type=models_list,
+        type=csv_list(what="presets or checkpoint dirs"),
         default=DEFAULT_MODELS,
         help="presets or checkpoint dirs, comma-separated (default: tiny,qwen3-0.6b)",
     )
     ap.add_argument("--backends", type=csv_choice(BACKENDS), default=list(BACKENDS), help="comma-separated")
     ap.add_argument(
         "--steps",
-        type=at_least_two,
+        type=positive(int, 2, " (the first step compiles and is left out)"),
         default=4,
         help="RL steps per run (>= 2; the first is left out; default 4)",
     )
     ap.add_argument(
-        "--save-every", type=non_negative, default=1, help="checkpoint every N steps; 0 = never (default 1)"
+        "--save-every",
+        type=positive(int, 0),
+        default=1,
+        help="checkpoint every N steps; 0 = never (default 1)",
     )
     ap.add_argument(
         "--max-new-tokens", type=positive(int), default=8, help="tokens per completion (default 8)"
@@ -357,9 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here (default: a temp dir)")
     ap.add_argument("--keep-going", action="store_true", help="report a failing run and go on")
-    ap.add_argument("--timeout", type=positive(float), default=3600.0, help="seconds per run (default 3600)")
-    ap.add_argument("--json", type=Path, help="also write the results here")
-    ap.add_argument("extra", nargs="*", help="extra args for every mllm_rl.run (after --)")
+    output_flags(ap, extra="extra args for every mllm_rl.run (after --)")
     return ap
 
 

@@ -26,11 +26,21 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench import MiB
-from mllm_rl.bench.child import last_json_line, run_cmd, warm_page_cache
-from mllm_rl.bench.cli import csv_choice, exit_code, positive, run_bench, target
-from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.child import flags, run_argv, run_cmd, run_json, warm_page_cache
+from mllm_rl.bench.cli import (
+    bench_parser,
+    csv_choice,
+    exit_code,
+    output_flags,
+    pick,
+    positive,
+    run_bench,
+    target,
+)
+from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.records import allocator, truth
-from mllm_rl.bench.tables import table
+from mllm_rl.bench.tables import table, target_lines
+from mllm_rl.sinks.jsonl import read_jsonl
 
 MODES = ("streaming", "naive")
 PEAK_TARGET = 1.10
@@ -49,34 +59,11 @@ def _ratios(devs: list[dict[str, Any]], weights: int, tp: int) -> tuple[float | 
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    from mllm_rl.sinks.jsonl import read_jsonl
-
     with tempfile.TemporaryDirectory() as d:
-        cmd = [
-            sys.executable,
-            "-m",
-            "mllm_rl.run",
-            "--backend",
-            args.backend,
-            "--plan",
-            "swap",
-            "--model",
-            args.preset,
-            "--tp",
-            str(args.tp),
-            "--platform",
-            args.platform,
-            "--swap-mode",
-            mode,
-            "--wandb",
-            "disabled",
-            "--quiet",
-            "--run-dir",
-            d,
-            "--max-new-tokens",
-            "4",
-            *args.extra,
-        ]
+        cmd = run_argv(
+            d, *args.extra, backend=args.backend, plan="swap", model=args.preset, tp=args.tp,
+            platform=args.platform, swap_mode=mode, max_new_tokens=4,
+        )  # fmt: skip
         run_cmd(cmd, f"{mode} swap", timeout=args.timeout)
         recs = {x["phase"]: x for x in read_jsonl(Path(d) / "phases.jsonl")}
     sw = recs["weights_swapped"]
@@ -106,21 +93,9 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def copy_baseline(args: argparse.Namespace, ckpt_bytes: int) -> dict[str, Any]:
     mb = args.copy_mb or min(4096.0, max(64.0, ckpt_bytes / MiB))
-    cmd = [
-        sys.executable,
-        "-m",
-        "mllm_rl.bench",
-        "copy",
-        "--backend",
-        args.backend,
-        "--mb",
-        str(mb),
-        "--platform",
-        args.platform,
-        "--repeats",
-        str(args.repeats),
-    ]
-    return last_json_line(run_cmd(cmd, "copy baseline", timeout=args.timeout).stdout, "copy baseline")
+    cmd = [sys.executable, "-m", "mllm_rl.bench", "copy"]
+    cmd += flags(backend=args.backend, mb=mb, platform=args.platform, repeats=args.repeats)
+    return run_json(cmd, "copy baseline", timeout=args.timeout)
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,18 +111,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     for r in rows:
         r["gbps_over_h2d"] = round(r["gbps"] / h2d, 4) if h2d else None
         r["gbps_over_h2d_pinned"] = round(r["gbps"] / pinned, 4) if pinned else None
-    out: dict[str, Any] = {
-        "bench": "swap",
-        "backend": args.backend,
-        "preset": args.preset,
-        "tp": args.tp,
-        "checkpoint_bytes": model.nbytes,
-        "page_cache_warmup": cache,
-        "copy_baseline": base,
-        "rows": rows,
-        "command": command_line(),
-        "machine": machine_info(),
-    }
+    out: dict[str, Any] = bench_json("swap", args, ("backend", "preset", "tp"),
+        checkpoint_bytes=model.nbytes, page_cache_warmup=cache, copy_baseline=base, rows=rows)  # fmt: skip
     by_mode = {r["mode"]: r for r in rows}
     if "streaming" in by_mode:
         s = by_mode["streaming"]
@@ -172,16 +137,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(out: dict[str, Any]) -> str:
-    cols = [
-        ("mode", "mode", ""),
-        ("peak_over_steady", "peak/steady", ".3f"),
-        ("weights_only_ratio", "weights-only", ".3f"),
-        ("peak_gib", "peak GiB", ".3f"),
-        ("steady_gib", "steady GiB", ".3f"),
-        ("gbps", "GB/s", ".3f"),
-        ("gbps_over_h2d", "GB/s / H2D", ".3f"),
-        ("src", "source", ""),
-    ]
+    cols = [("mode", "mode", ""), ("peak_over_steady", "peak/steady", ".3f"),
+        ("weights_only_ratio", "weights-only", ".3f"), ("peak_gib", "peak GiB", ".3f"),
+        ("steady_gib", "steady GiB", ".3f"), ("gbps", "GB/s", ".3f"),
+        ("gbps_over_h2d", "GB/s / H2D", ".3f"), ("src", "source", "")]  # fmt: skip
     rows = [
         {
             **r,
@@ -210,30 +169,13 @@ def report(out: dict[str, Any]) -> str:
     if "naive_over_streaming_peak" in out:
         lines.append(f"naive/streaming peak: {out['naive_over_streaming_peak']:.3f}")
     lines.append(f"greedy output identical across modes: {out['outputs_identical']}")
-    for name, t in out.get("targets", {}).items():
-        verdict = {True: "pass", False: "FAIL", None: "n/a"}[t["pass"]]
-        lines.append(
-            f"target {name}: {t['value']} {t['target']} -> {verdict}"
-            + (f" ({t['not_applicable']})" if "not_applicable" in t else "")
-        )
+    lines += target_lines(out.get("targets", {}))
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="Details: docs/BENCHMARKS.md",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--preset", default="tiny", help="preset name or checkpoint dir")
-    ap.add_argument("--backend", default="jax", choices=["jax", "torch"])
+    ap = bench_parser(__doc__)
     ap.add_argument("--tp", type=positive(int), default=1)
-    ap.add_argument(
-        "--platform",
-        default="auto",
-        choices=["auto", "cpu", "gpu", "cuda", "tpu"],
-        help="asserted by every run (auto: what the runtime finds)",
-    )
     ap.add_argument("--modes", type=csv_choice(MODES), default=list(MODES), help="comma-separated")
     ap.add_argument(
         "--copy-mb",
@@ -245,17 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeats", type=positive(int), default=5, help="timed copies per baseline (best is used)"
     )
     ap.add_argument("--no-baseline", action="store_true", help="skip the copy baseline")
-    ap.add_argument("--timeout", type=positive(float), default=3600.0, help="seconds per subprocess")
     ap.add_argument("--strict", action="store_true", help="exit 1 when an applicable target fails")
-    ap.add_argument("--json", type=Path, help="also write the results here")
-    ap.add_argument("extra", nargs="*", help="extra args for mllm_rl.run (after --)")
+    output_flags(ap, per="subprocess", extra="extra args for mllm_rl.run (after --)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     keys = ("bench", "backend", "preset", "targets")
-    code, out = run_bench(bench, args, report, lambda o: {k: o[k] for k in keys if k in o})
+    code, out = run_bench(bench, args, report, lambda o: pick(o, keys))
     return exit_code(code, out, args.strict)
 
 

@@ -7,9 +7,9 @@ log-prob head, per-block activation checkpointing.
     python scripts/bench_torch_attention.py --preset tiny --layers 0 --seq 2048 --dtype float32 \
         --paths sdpa+chunked,sdpa+chunked+remat --baseline sdpa+chunked   # remat vs none
 
-**A CPU figure.** Paths (``backends/torch/model.py``): ``eager`` = the attention and head this
-backend had before (float32 [B, N, T, T] scores per layer and the whole float32 [B, T, V]
-logits, both kept for the backward); ``sdpa`` = ``scaled_dot_product_attention`` (on CPU its
+**A CPU figure.** Paths (``backends/torch/model.py``): ``eager`` = plain attention and head
+(float32 [B, N, T, T] scores per layer and the whole float32 [B, T, V] logits, both kept for
+the backward); ``sdpa`` = ``scaled_dot_product_attention`` (on CPU its
 flash kernel), the whole head; ``sdpa+chunked`` = SDPA and the head in ``LOGPROB_CHUNK``-token
 chunks recomputed in the backward: what the trainer runs; ``sdpa+chunked+remat`` = that with
 every decoder layer's training forward under ``torch.utils.checkpoint`` (``--model-option
@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench import MiB
-from mllm_rl.bench.child import BenchError, last_json_line, run_cmd
-from mllm_rl.bench.cli import csv_choice, doc_parser, positive, run_bench
-from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.child import BenchError, flags, run_json
+from mllm_rl.bench.cli import csv_choice, doc_parser, positive, progress, run_bench
+from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.tables import table
 
 PATHS = ("eager", "sdpa", "sdpa+chunked", "sdpa+chunked+remat")
@@ -152,45 +152,20 @@ def times_all(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def child_cmd(args: argparse.Namespace, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        __file__,
-        *extra,
-        "--preset",
-        args.preset,
-        "--layers",
-        str(args.layers),
-        "--batch",
-        str(args.batch),
-        "--seq",
-        str(args.seq),
-        "--dtype",
-        args.dtype,
-        "--steps",
-        str(args.steps),
-        "--threads",
-        str(args.threads),
-        "--paths",
-        ",".join(args.paths),
-        "--baseline",
-        args.baseline,
-    ]
+    return [sys.executable, __file__, *extra] + flags(
+        preset=args.preset, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype,
+        steps=args.steps, threads=args.threads, paths=",".join(args.paths), baseline=args.baseline,
+    )  # fmt: skip
 
 
 def run_path(args: argparse.Namespace, path: str) -> dict[str, Any]:
-    print(f"measuring the RSS of {path} ...", file=sys.stderr, flush=True)
-    r = run_cmd(child_cmd(args, "--child", path), f"path {path}", timeout=args.timeout)
-    return last_json_line(r.stdout, f"path {path}")
+    progress(f"measuring the RSS of {path} ...")
+    return run_json(child_cmd(args, "--child", path), f"path {path}", timeout=args.timeout)
 
 
 def run_times(args: argparse.Namespace) -> dict[str, Any]:
-    print(
-        f"timing {', '.join(args.paths)} interleaved, {args.steps} steps each ...",
-        file=sys.stderr,
-        flush=True,
-    )
-    r = run_cmd(child_cmd(args, "--child-times"), "timing", timeout=args.timeout)
-    return last_json_line(r.stdout, "timing")
+    progress(f"timing {', '.join(args.paths)} interleaved, {args.steps} steps each ...")
+    return run_json(child_cmd(args, "--child-times"), "timing", timeout=args.timeout)
 
 
 def plan_one(args: argparse.Namespace, path: str) -> dict[str, Any]:
@@ -210,11 +185,8 @@ def plan_one(args: argparse.Namespace, path: str) -> dict[str, Any]:
         options=(("remat", True),) if remat else (),
     )
     # at the forward/backward peak: with remat the step's peak may lie in the optimizer step
-    return {
-        "activations_bytes": s.fwd_bwd_activations,
-        "peak_bytes": s.peak_total,
-        "trace_s": round(s.seconds, 1),
-    }
+    return {"activations_bytes": s.fwd_bwd_activations, "peak_bytes": s.peak_total,
+        "trace_s": round(s.seconds, 1)}  # fmt: skip
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -228,22 +200,16 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         r["warmup_s"] = timing["warmup_s"][p]
         r["step_s_all"] = timing["step_s_all"][p]
         r["step_s"] = round(statistics.median(r["step_s_all"]), 3)
-    out: dict[str, Any] = {
-        "bench": "torch_attention",
-        "figure": "CPU",
-        "command": command_line(),
-        "machine": machine_info(),
-        "preset": args.preset,
-        "layers": c.num_hidden_layers,
-        "batch": args.batch,
-        "seq": args.seq,
-        "dtype": args.dtype,
-        "steps": args.steps,
-        "method": "step_s (paths interleaved in one process) and rss_peak_rise (a fresh process per path) "
-        "measured on this CPU, model forward + backward; planned = torch planner, fake tensors (a TorchTrainer "
-        "step; predicted)",
-        "paths": results,
-    }
+    method = (
+        "step_s (paths interleaved in one process) and rss_peak_rise (a fresh process per path) measured on "
+        "this CPU, model forward + backward; planned = torch planner, fake tensors (a TorchTrainer step; predicted)"
+    )
+    out = bench_json(
+        "torch_attention", args, (), figure="CPU", preset=args.preset, layers=c.num_hidden_layers
+    )
+    out.update(
+        batch=args.batch, seq=args.seq, dtype=args.dtype, steps=args.steps, method=method, paths=results
+    )
     base = results.get(args.baseline)
     out["baseline"] = args.baseline
     if base:
@@ -279,15 +245,9 @@ def report(out: dict[str, Any]) -> str:
                 "planned_x": q.get("planned_activations"),
             }
         )
-    cols = [
-        ("path", "path", ""),
-        ("step_s", "step s", ".3f"),
-        ("step_x", f"x {base}", ".3f"),
-        ("rise", "RSS rise MiB", ".1f"),
-        ("rise_x", f"x {base}", ".3f"),
-        ("planned", "planned act. MiB", ".1f"),
-        ("planned_x", f"x {base}", ".3f"),
-    ]
+    cols = [("path", "path", ""), ("step_s", "step s", ".3f"), ("step_x", f"x {base}", ".3f"),
+        ("rise", "RSS rise MiB", ".1f"), ("rise_x", f"x {base}", ".3f"),
+        ("planned", "planned act. MiB", ".1f"), ("planned_x", f"x {base}", ".3f")]  # fmt: skip
     first = next(iter(out["paths"].values()))
     head = (
         f"CPU figure: {out['preset']} ({out['layers']} layers, {first['params']:,} params, {out['dtype']}), "
@@ -306,14 +266,10 @@ def report(out: dict[str, Any]) -> str:
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "bench": "torch_attention",
-        "figure": "CPU",
-        "preset": out["preset"],
+    return {"bench": "torch_attention", "figure": "CPU", "preset": out["preset"],
         "shape": [out["batch"], out["seq"]],
         **{f"{p}_step_s": r["step_s"] for p, r in out["paths"].items()},
-        f"ratios_over_{out['baseline']}": out.get(f"ratios_over_{out['baseline']}"),
-    }
+        f"ratios_over_{out['baseline']}": out.get(f"ratios_over_{out['baseline']}")}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

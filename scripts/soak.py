@@ -21,16 +21,24 @@ Exit 0 when every target holds, 1 when one fails, 2 on bad input. JSON: ``--json
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench import MiB
-from mllm_rl.bench.cli import failed_targets, positive, run_bench, target
-from mllm_rl.bench.machine import command_line, machine_info
+from mllm_rl.bench.cli import (
+    bench_parser,
+    failed_targets,
+    hard_exit,
+    output_flags,
+    positive,
+    progress,
+    run_bench,
+    target,
+)
+from mllm_rl.bench.machine import bench_json
+from mllm_rl.bench.tables import target_lines
 
 PROMPTS = [[51, 71, 68, 220, 66, 64, 79], [64, 65, 66, 64, 65, 66, 64]]
 
@@ -134,11 +142,9 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         )
         if args.verbose:
             c = cycles[-1]
-            print(
+            progress(
                 f"cycle {i}: {c['seconds']:.2f}s dev {c['device_dev_bytes']} rss {rss / MiB:.1f} MiB "
-                f"tokens {'ok' if c['tokens_identical'] else 'DIFFER'}",
-                file=sys.stderr,
-                flush=True,
+                f"tokens {'ok' if c['tokens_identical'] else 'DIFFER'}"
             )
     total_s = time.perf_counter() - t_start
     engine.shutdown()
@@ -164,42 +170,21 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         },
         "host_rss_deviation_bytes": target(rss_dev, "<=", args.rss_tol_mib * MiB),
     }
-    return {
-        "bench": "soak",
-        "backend": args.backend,
-        "preset": args.preset,
-        "platform": runtime.get("platform"),
-        "engine": type(engine.engine).__name__,
-        "trainer": args.trainer,
-        "weights_cpu_backup": args.cpu_backup,
-        "update_every": every,
-        "cycles": len(cycles),
-        "warmup": warm,
-        "probe_sources": sources,
-        "weight_bytes": weight_bytes,
-        "baseline_device_bytes": base_dev,
-        "baseline_rss_bytes": base_rss,
-        "rss_ref_bytes": rss_ref,
-        "device_max_abs_dev_bytes": dev_dev,
-        "rss_max_abs_dev_bytes": rss_dev,
-        "rss_slope_bytes_per_cycle": round(slope, 1) if slope is not None else None,
-        "rss_first_last_bytes": [cycles[0]["rss_bytes"], cycles[-1]["rss_bytes"]] if cycles else None,
-        "logprob_max_abs_diff": max((c["logprob_max_abs_diff"] for c in cycles), default=0.0),
-        "token_mismatch_count": len(mismatches),
-        "token_mismatch_cycles": mismatches[:50],
-        "reference_tokens": ref_tokens,
-        "freed_over_held_min": freed_min,
-        "cycle_seconds_median": round(statistics.median(c["seconds"] for c in cycles), 4) if cycles else None,
-        "total_seconds": round(total_s, 2),
-        "targets": targets,
-        "per_cycle": cycles if args.per_cycle else None,
-        "command": command_line(),
-        "machine": machine_info(),
-    }
+    return bench_json("soak", args, ("backend", "preset"), platform=runtime.get("platform"),
+        engine=type(engine.engine).__name__, trainer=args.trainer, weights_cpu_backup=args.cpu_backup,
+        update_every=every, cycles=len(cycles), warmup=warm, probe_sources=sources,
+        weight_bytes=weight_bytes, baseline_device_bytes=base_dev, baseline_rss_bytes=base_rss,
+        rss_ref_bytes=rss_ref, device_max_abs_dev_bytes=dev_dev, rss_max_abs_dev_bytes=rss_dev,
+        rss_slope_bytes_per_cycle=round(slope, 1) if slope is not None else None,
+        rss_first_last_bytes=[cycles[0]["rss_bytes"], cycles[-1]["rss_bytes"]] if cycles else None,
+        logprob_max_abs_diff=max((c["logprob_max_abs_diff"] for c in cycles), default=0.0),
+        token_mismatch_count=len(mismatches), token_mismatch_cycles=mismatches[:50],
+        reference_tokens=ref_tokens, freed_over_held_min=freed_min,
+        cycle_seconds_median=round(statistics.median(c["seconds"] for c in cycles), 4) if cycles else None,
+        total_seconds=round(total_s, 2), targets=targets, per_cycle=cycles if args.per_cycle else None)  # fmt: skip
 
 
 def report(out: dict[str, Any]) -> str:
-    verdict = {True: "pass", False: "FAIL", None: "n/a"}
     lines = [
         f"soak {out['backend']} {out['preset']} on {out['platform']} ({out['engine']}"
         f"{', trainer' if out['trainer'] else ''}, cpu backup {out['weights_cpu_backup']}, update every "
@@ -214,18 +199,11 @@ def report(out: dict[str, Any]) -> str:
         f"slope {(out['rss_slope_bytes_per_cycle'] or 0) / 1024:.1f} KiB/cycle, first/last "
         f"{[round(x / MiB, 1) for x in out['rss_first_last_bytes'] or []]} MiB",
     ]
-    for k, t in out["targets"].items():
-        lines.append(f"target {k}: {t['value']} {t['target']} -> {verdict[t['pass']]}")
-    return "\n".join(lines)
+    return "\n".join(lines + target_lines(out["targets"]))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Details: docs/BENCHMARKS.md")
-    ap.add_argument("--backend", required=True, choices=["jax", "torch"])
-    ap.add_argument(
-        "--preset", default="tiny", help="preset (written once to $MLLM_RL_CACHE) or checkpoint dir"
-    )
-    ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda", "tpu"])
+    ap = bench_parser(__doc__, backend=None)
     ap.add_argument("--cycles", type=positive(int), default=100)
     ap.add_argument("--cpu-backup", action="store_true", help="engine keeps a host copy of its weights")
     ap.add_argument(
@@ -244,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--per-cycle", action="store_true", help="include every cycle's numbers in the JSON")
     ap.add_argument("--verbose", action="store_true", help="one line per cycle on stderr")
-    ap.add_argument("--json", type=Path, help="also write the results here")
+    output_flags(ap, timeout=None)
     return ap
 
 
@@ -260,7 +238,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # the engine's scheduler thread (sglang-jax) aborts interpreter teardown
+    hard_exit(main())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +27,22 @@ OOM_MARKERS = (
 
 class BenchError(RuntimeError):
     """A benchmark could not run; ``str(e)`` starts with one line saying why."""
+
+
+def flags(**kw: Any) -> list[str]:
+    """``--name value`` per keyword, in order (``_`` -> ``-``; True: the bare flag; None or False: left
+    out), so a child's command line reads as one call."""
+    out: list[str] = []
+    for k, v in kw.items():
+        if v is not None and v is not False:
+            out += [f"--{k.replace('_', '-')}", *([] if v is True else [str(v)])]
+    return out
+
+
+def run_argv(run_dir: str | Path, *extra: str, python: str = sys.executable, **kw: Any) -> list[str]:
+    """``python -m mllm_rl.run`` with ``kw`` as flags, quiet and without wandb, writing ``run_dir``,
+    then ``extra`` (a bench's arguments after ``--``): the child of every bench that runs a plan."""
+    return [python, "-m", "mllm_rl.run", *flags(**kw, wandb="disabled", quiet=True, run_dir=run_dir), *extra]
 
 
 def run_cmd(

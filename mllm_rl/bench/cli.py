@@ -13,13 +13,53 @@ from typing import Any
 
 from mllm_rl.bench.child import BenchError
 
+PLATFORMS = ["auto", "cpu", "gpu", "cuda", "tpu"]
+
 
 def doc_parser(doc: str) -> argparse.ArgumentParser:
     """A script's parser from its module docstring: the first paragraph as the description, the
-    whole docstring after the options (``--help``)."""
+    rest after the options (``--help``)."""
+    head, _, rest = doc.partition("\n\n")
     return argparse.ArgumentParser(
-        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc
+        description=head, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=rest
     )
+
+
+def bench_parser(doc: str, backend: str | None = "jax") -> argparse.ArgumentParser:
+    """A bench script's parser (the docstring's first paragraph as description) with the flags most
+    share: ``--backend`` (default ``backend``; required when None), ``--preset``, ``--platform``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog="Details: docs/BENCHMARKS.md")
+    ap.add_argument("--backend", default=backend, required=backend is None, choices=["jax", "torch"])
+    ap.add_argument(
+        "--preset", default="tiny", help="preset (written once to $MLLM_RL_CACHE) or checkpoint dir"
+    )
+    ap.add_argument("--platform", default="auto", choices=PLATFORMS)
+    return ap
+
+
+def output_flags(
+    ap: argparse.ArgumentParser, timeout: float | None = 3600.0, per: str = "run", extra: str = ""
+) -> None:
+    """``--timeout`` (seconds per ``per``; left out when None), ``--json`` and, with ``extra`` as its
+    help, the arguments after ``--`` (for ``mllm_rl.run``): the end of most bench scripts' flags."""
+    if timeout is not None:
+        ap.add_argument("--timeout", type=positive(float), default=timeout, help=f"seconds per {per}")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    if extra:
+        ap.add_argument("extra", nargs="*", help=extra)
+
+
+def progress(line: str) -> None:
+    """One progress line on stderr, flushed (stdout ends with the JSON line that callers parse)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def hard_exit(code: int) -> None:
+    """Flush and leave without interpreter teardown, which engines with scheduler threads
+    (sglang-jax) abort: the end of a script that ran an engine in its own process."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def write_json(path: Path | None, obj: dict[str, Any]) -> None:
@@ -62,6 +102,11 @@ def run_bench(
     return 0, out
 
 
+def pick(d: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """The entries of ``d`` under ``keys`` that it has, in that order (a summary line, a row)."""
+    return {k: d[k] for k in keys if k in d}
+
+
 def main_with_child(
     args: Any,
     child: Callable[[Any], dict[str, Any]],
@@ -102,17 +147,36 @@ def target(value: float | None, op: str, bound: float, applies: bool = True, why
     return out
 
 
-def positive(kind: type = int) -> Callable[[str], Any]:
-    """argparse type: a number > 0 (one-line error otherwise)."""
+def positive(kind: type = int, least: float | None = None, why: str = "") -> Callable[[str], Any]:
+    """argparse type: a number > 0, or >= ``least`` when given (``why``: the reason, in the one-line
+    error)."""
 
     def parse(s: str) -> Any:
         try:
             v = kind(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+        if v < least if least is not None else v <= 0:
+            bound = f">= {least}" if least is not None else "> 0"
+            raise argparse.ArgumentTypeError(f"must be {bound}{why}, got {s}")
         return v
+
+    return parse
+
+
+def csv_list(kind: type = str, least: int | None = None, what: str = "values") -> Callable[[str], list[Any]]:
+    """argparse type: one or more comma-separated ``kind`` values (``what``), each >= ``least`` when given."""
+
+    def parse(s: str) -> list[Any]:
+        try:
+            vals = [kind(x.strip()) for x in s.split(",") if x.strip()]
+        except ValueError:
+            vals = []
+        if not vals:
+            raise argparse.ArgumentTypeError(f"{s!r}: comma-separated {what} expected")
+        if least is not None and min(vals) < least:
+            raise argparse.ArgumentTypeError(f"{s!r}: every value must be >= {least}")
+        return vals
 
     return parse
 

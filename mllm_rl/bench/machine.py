@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -15,17 +16,8 @@ from typing import Any
 # The source checkout this package runs from (an editable install, as the Makefile and
 # scripts/gpu_bench_all.sh set up); a wheel install has none, and ``git`` is then None.
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = (
-    "jax",
-    "jaxlib",
-    "flax",
-    "sglang-jax",
-    "torch",
-    "transformers",
-    "torch-memory-saver",
-    "sglang",
-    "numpy",
-)
+PACKAGES = ("jax", "jaxlib", "flax", "sglang-jax", "torch", "transformers", "torch-memory-saver", "sglang",
+            "numpy")  # fmt: skip
 
 
 def _first_field(path: str, key: str) -> str | None:
@@ -66,36 +58,24 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def _nvidia_smi() -> list[str] | None:
+def _output(cmd: list[str], timeout: float, cwd: Path | None = None) -> str | None:
+    """The stdout of ``cmd``; None when it fails or cannot run."""
     try:
-        r = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
+        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.SubprocessError):
         return None
-    return [line.strip() for line in r.stdout.splitlines() if line.strip()] if r.returncode == 0 else None
+    return r.stdout if r.returncode == 0 else None
+
+
+def _nvidia_smi() -> list[str] | None:
+    out = _output(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"], 20)
+    return None if out is None else [line.strip() for line in out.splitlines() if line.strip()]
 
 
 def _git() -> dict[str, Any] | None:
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if head.returncode != 0:
-        return None
-    return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    head = _output(["git", "rev-parse", "--short", "HEAD"], 10, ROOT)
+    dirty = _output(["git", "status", "--porcelain", "--untracked-files=no"], 10, ROOT)
+    return None if head is None else {"commit": head.strip(), "dirty": bool((dirty or "").strip())}
 
 
 GIT_AT_START = _git()  # read when a bench script imports this module, i.e. when it starts
@@ -104,3 +84,10 @@ GIT_AT_START = _git()  # read when a bench script imports this module, i.e. when
 def command_line() -> str:
     """This script's command line, as the user typed it (for the JSON and the docs)."""
     return " ".join([Path(sys.argv[0]).as_posix() if sys.argv else "", *sys.argv[1:]]).strip()
+
+
+def bench_json(bench: str, args: Any, keys: Sequence[str] = (), **fields: Any) -> dict[str, Any]:
+    """A bench's JSON: its name, the flags ``keys`` of ``args``, ``fields``, then what ran (the command
+    line and ``machine_info``)."""
+    flags = {k: getattr(args, k) for k in keys}
+    return {"bench": bench, **flags, **fields, "command": command_line(), "machine": machine_info()}

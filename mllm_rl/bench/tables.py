@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+VERDICT = {True: "pass", False: "FAIL", None: "n/a"}  # a target check's ``pass``, in words
+
 
 def fmt(v: Any, spec: str = "") -> str:
     """One cell: ``-`` for None, ``yes``/``NO`` for booleans, numbers with ``spec``."""
@@ -27,3 +29,25 @@ def table(rows: Sequence[dict[str, Any]], cols: Sequence[tuple[str, str, str]]) 
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def merge_orders(orders: Sequence[Sequence[str]]) -> list[str]:
+    """The names of several ordered lists in one order: a name only a later list has goes right
+    after its predecessor there (phase orders of runs whose schedules differ)."""
+    names: list[str] = []
+    for order in orders:
+        prev = None
+        for n in order:
+            if n not in names:
+                names.insert(names.index(prev) + 1 if prev in names else len(names), n)
+            prev = n
+    return names
+
+
+def target_lines(targets: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per target check (``cli.target``): value, bound, pass/FAIL/n/a and why not applicable."""
+    return [
+        f"target {name}: {t['value']} {t['target']} -> {VERDICT[t['pass']]}"
+        + (f" ({t['not_applicable']})" if "not_applicable" in t else "")
+        for name, t in targets.items()
+    ]
