@@ -84,14 +84,9 @@ def run_cli(
     )
     if forked is not None:
         return forked
-
-    def limit() -> None:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-
+    limit = None if fsize is None else (lambda: forkserver.limit_file_size(fsize))
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=full_env,
-                          cwd=cwd, timeout=timeout, preexec_fn=limit if fsize is not None else None)  # fmt: skip
+                          cwd=cwd, timeout=timeout, preexec_fn=limit)  # fmt: skip
 
 
 def start_cli(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:

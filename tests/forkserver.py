@@ -87,6 +87,13 @@ def _serve() -> None:
                 )
 
 
+def limit_file_size(nbytes: int) -> None:
+    """Set this process's ``RLIMIT_FSIZE`` soft limit (a write past it fails with EFBIG)."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
 def _child(req: dict[str, Any]) -> None:
     """``python -m module args`` in this forked process; exits with its status."""
     import atexit
@@ -101,11 +108,7 @@ def _child(req: dict[str, Any]) -> None:
             os.close(fd)
         os.chdir(req["cwd"])
         if req.get("fsize") is not None:
-            import resource
-
-            resource.setrlimit(
-                resource.RLIMIT_FSIZE, (req["fsize"], resource.getrlimit(resource.RLIMIT_FSIZE)[1])
-            )
+            limit_file_size(req["fsize"])
         os.environ.clear()
         os.environ.update(req["env"])
         null = os.open(os.devnull, os.O_RDONLY)
@@ -246,6 +249,24 @@ class ForkServer:
             self.proc.stdin.flush()
         return ForkedProcess(self, rid, [sys.executable, "-m", module, *args], tmp)
 
+    def run(self, module: str, args: list[str], env: dict[str, str], cwd: Path, timeout: float,
+            fsize: int | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+        """``subprocess.run(capture_output=True, text=True)`` of ``python -m module args`` as a
+        forked child, killed at ``timeout`` (``TimeoutExpired``)."""
+        p = self.start(module, args, env, cwd, fsize)
+        try:
+            out, err = p.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate(60)
+            raise subprocess.TimeoutExpired(p.args, timeout, out, err) from None
+        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+    def close(self) -> None:
+        """End the server (its stdin closed: it returns once idle)."""
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
 
 MAX_SERVERS = 3  # per test process: a JAX server holds about half a GiB
 _servers: dict[tuple, ForkServer] = {}
@@ -253,15 +274,17 @@ _servers_lock = threading.Lock()
 
 
 def server_for(env: dict[str, str]) -> ForkServer | None:
-    """The fork server of ``env``'s import environment; None when switched off
-    (``MLLM_RL_TESTS_FORK=0``), off Linux, past ``MAX_SERVERS`` or when it failed to start."""
+    """The fork server of ``env``'s import environment (started again if it died); None when
+    switched off (``MLLM_RL_TESTS_FORK=0``), off Linux, past ``MAX_SERVERS`` or when it failed to
+    start."""
     if env.get("MLLM_RL_TESTS_FORK", "1") == "0" or sys.platform != "linux":
         return None
     key = tuple(sorted((k, v) for k, v in env.items() if not k.startswith(FORKABLE_ENV)))
     with _servers_lock:
         s = _servers.get(key)
-        if s is not None and s.proc.poll() is not None:
-            return None
+        if s is not None and s.proc.poll() is not None:  # it died (killed from outside): a new one
+            del _servers[key]
+            s = None
         if s is None and len(_servers) < MAX_SERVERS:
             try:
                 s = _servers[key] = ForkServer(env)
@@ -277,16 +300,7 @@ def run(
     child (killed at ``timeout``: ``TimeoutExpired``; ``fsize``: its ``RLIMIT_FSIZE`` soft limit);
     None when no server takes it."""
     s = server_for(env)
-    if s is None:
-        return None
-    p = s.start(module, args, env, cwd, fsize)
-    try:
-        out, err = p.communicate(timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, err = p.communicate(60)
-        raise subprocess.TimeoutExpired(p.args, timeout, out, err) from None
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    return None if s is None else s.run(module, args, env, cwd, timeout, fsize)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The suite's fork server runs ``python -m`` as a fresh process would (``tests/forkserver.py``):
 the same exit status, stdout and stderr, the caller's environment, and a run past its timeout is
-killed."""
+killed. Each test starts a server of its own: the suite's pooled ones (``server_for``) may be
+full or taken by other environments in a worker."""
 
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the fork server is Linux only")
 
 
+@pytest.fixture(scope="module")
+def server():
+    s = forkserver.ForkServer({**os.environ})
+    yield s
+    s.close()
+
+
 def fresh(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=120)  # fmt: skip
@@ -29,25 +37,22 @@ def fresh(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
         ["mllm_rl.checkpoint", "make", "--preset", "no-such-preset", "--out", "x"],
     ],
 )
-def test_a_forked_child_exits_and_prints_as_a_fresh_process(args):
+def test_a_forked_child_exits_and_prints_as_a_fresh_process(server, args):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLLM_RL_NO_PROGRESS": "1"}
-    forked = forkserver.run(args[0], args[1:], env, ROOT, timeout=120)
-    assert forked is not None, "no fork server"
+    forked = server.run(args[0], args[1:], env, ROOT, timeout=120)
     want = fresh(*args, env=env)
     assert (forked.returncode, forked.stdout, forked.stderr) == (want.returncode, want.stdout, want.stderr)
 
 
-def test_the_child_gets_the_callers_environment_and_is_killed_at_its_timeout(tmp_path):
+def test_the_child_gets_the_callers_environment_and_is_killed_at_its_timeout(server, tmp_path):
     code = tmp_path / "sleeper.py"
     code.write_text("import os, sys, time\nprint(os.environ['MLLM_RL_PROBE'], os.getcwd())\n"
                     "sys.stdout.flush()\ntime.sleep(float(sys.argv[1]))\nraise SystemExit(3)\n")  # fmt: skip
     env = {**os.environ, "MLLM_RL_PROBE": "seen"}
-    s = forkserver.server_for(env)
-    assert s is not None
-    p = s.start("sleeper", ["0"], env, tmp_path)
+    p = server.start("sleeper", ["0"], env, tmp_path)
     assert p.wait(60) == 3 and p.communicate()[0] == f"seen {tmp_path}\n"
     with pytest.raises(subprocess.TimeoutExpired) as e:
-        forkserver.run("sleeper", ["600"], env, tmp_path, timeout=2)
+        server.run("sleeper", ["600"], env, tmp_path, timeout=2)
     assert e.value.output == f"seen {tmp_path}\n"
 
 
@@ -66,5 +71,22 @@ def test_a_module_that_prints_when_preloaded_does_not_break_the_server(tmp_path)
         p = s.start("hello", [], env, tmp_path)
         assert p.wait(60) == 0 and p.communicate()[0] == "hello\n"
     finally:
-        s.proc.stdin.close()
-        s.proc.wait(60)
+        s.close()
+
+
+def test_a_pooled_server_that_died_is_started_again(monkeypatch):
+    """A server killed from outside (the OOM killer, a test) is replaced on the next run rather
+    than leaving the worker's later runs to fresh processes."""
+    monkeypatch.setattr(forkserver, "_servers", {})  # a pool of this test's own
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    first = forkserver.server_for(env)
+    assert first is not None
+    first.proc.kill()
+    first.proc.wait(60)
+    second = forkserver.server_for(env)
+    try:
+        assert second is not None and second is not first and second.proc.poll() is None
+        assert forkserver.run("mllm_rl.run", ["--help"], env, ROOT, timeout=120).returncode == 0
+    finally:
+        if second is not None:
+            second.close()
