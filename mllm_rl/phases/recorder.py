@@ -156,8 +156,8 @@ class PhaseRecorder:
             if self._active:
                 t0 = time.perf_counter()
                 self.sample()
-                # at most a third of a core on sampling
-                time.sleep(max(self._interval, 2 * (time.perf_counter() - t0)))
+                # at most a third of a core on sampling; ``close`` ends the wait
+                self._stop.wait(max(self._interval, 2 * (time.perf_counter() - t0)))
             else:
                 self._wake.wait(0.1)
                 self._wake.clear()

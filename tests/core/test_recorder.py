@@ -206,3 +206,29 @@ def test_phase_table_counts_each_device_once_when_two_sources_report_it():
            "memory": {"devices": [dev("mem_get_info", 3 * 2**30), dev("torch_allocator", 2**30)],
                       "host": {"rss_bytes": 0, "rss_peak_bytes": 0}}}  # fmt: skip
     assert phase_table([rec]).splitlines()[2].split()[3:6] == ["3.000", "3.000", "3.000"]
+
+
+def test_close_stops_a_sampler_that_is_backing_off_after_a_slow_sample():
+    """The sampler waits twice its last sample's time before the next one (at most a third of a
+    core); ``close`` ends that wait, so the sampler is gone when ``close`` returns instead of
+    outliving it (here a 2.4 s wait after a 1.2 s sample, past ``close``'s 2 s join)."""
+    import threading
+    import time
+
+    from mllm_rl.phases.recorder import SAMPLER_THREAD
+
+    class Slow(ScriptedProbe):
+        sampled = threading.Event()
+
+        def in_use(self):
+            if threading.current_thread().name == SAMPLER_THREAD and not self.sampled.is_set():
+                time.sleep(1.2)
+                self.sampled.set()
+            return super().in_use()
+
+    probe = Slow()
+    rec = PhaseRecorder("r", "jax", probe=probe, sample_interval_s=0.005)
+    with rec.phase("p"):
+        assert probe.sampled.wait(10)
+    rec.close()
+    assert not rec._thread.is_alive()
