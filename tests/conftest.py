@@ -15,7 +15,7 @@ import pytest
 from tests import forkserver
 
 ROOT = Path(__file__).resolve().parents[1]
-FORKED_MODULES = ("mllm_rl.run",)  # whole runs: the subprocesses whose imports cost seconds
+FORKED_MODULES = ("mllm_rl.run", "mllm_rl.memplan")  # whole runs and plans: imports that cost seconds
 
 
 def _jax_compilation_cache() -> None:

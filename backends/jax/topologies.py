@@ -113,9 +113,14 @@ def prepare(s: TargetSpec, cpu_devices: int = 1) -> None:
 
         if s.platform == "cpu":
             return
+        d = compilers_dir()
+        if d.is_dir() and str(d) not in sys.path:
+            sys.path.insert(0, str(d))
         have = jax.config.jax_platforms
         if have not in ("cpu", None) or not _plugin_importable(s):
             raise RuntimeError(f"--target {s.name}: jax was imported before the planner set it up")
+        if have is None:  # imported, no backend started yet: keep it off the accelerator plugins
+            jax.config.update("jax_platforms", "cpu")
         return
     os.environ["JAX_PLATFORMS"] = "cpu"
     if s.platform == "cpu":
