@@ -11,7 +11,7 @@ Steps, in order of value, each in its own process with its own time limit, the w
   (``python -m mllm_rl.bench copy``), the baselines of the swap and update rates;
 - ``swap-jax``: ``python -m mllm_rl.run --backend jax --plan swap`` (sglang-jax started with dummy
   weights, the real ones streamed in): GB/s and the allocator's peak;
-- ``rl-jax`` / ``rl-torch``: a 3-step RL run (``--cpu``: then ``--resume`` for 2 more steps), the
+- ``rl-jax`` / ``rl-torch``: a 3-step RL run (``--cpu``: 2 steps, then ``--resume`` for a third), the
   allocator at every phase, the run's own memory plan against it (end-of-phase bytes and the phase
   peaks), ``update_weights`` GB/s;
 - ``engine-torch``: decode tokens/s of the embedded torch engine against Hugging Face ``generate``
@@ -50,7 +50,7 @@ def _step_table(mode: str, engine_batch: str = "") -> list[dict[str, Any]]:
     common = ["--model", model, "--wandb", "disabled"]
     rl = [
         "--steps",
-        "3",
+        "3" if gpu else "2",
         "--prompts-per-step",
         "8",
         "--group-size",
@@ -58,8 +58,8 @@ def _step_table(mode: str, engine_batch: str = "") -> list[dict[str, Any]]:
         "--max-new-tokens",
         "64" if gpu else "16",
     ]
-    rl += ["--checkpoint-every", "0"] if gpu else ["--checkpoint-every", "3"]
-    batches = engine_batch or ("1,32,128" if gpu else "1,4")
+    rl += ["--checkpoint-every", "0"] if gpu else ["--checkpoint-every", "2"]
+    batches = engine_batch or ("1,32,128" if gpu else "4")
     engine = ["--preset", model, "--batch", batches, "--new-tokens", "64" if gpu else "16"]
     engine += [
         "--repeats",
@@ -76,7 +76,7 @@ def _step_table(mode: str, engine_batch: str = "") -> list[dict[str, Any]]:
          "argv": ["-m", "mllm_rl.bench", "copy", "--backend", "jax", "--platform", jplat, "--mb", "1024" if gpu else "64"]},
         {"name": "swap-jax", "backend": "jax", "cap": 120, "run": True,
          "argv": ["-m", "mllm_rl.run", "--backend", "jax", "--platform", jplat, "--plan", "swap", *common]},
-        {"name": "rl-jax", "backend": "jax", "cap": 200, "run": True, "resume": not gpu,
+        {"name": "rl-jax", "backend": "jax", "cap": 200, "run": True, "resume_to": None if gpu else 3,
          "argv": ["-m", "mllm_rl.run", "--backend", "jax", "--platform", jplat, *common, *rl]},
         {"name": "copy-torch", "backend": "torch", "cap": 45,
          "argv": ["-m", "mllm_rl.bench", "copy", "--backend", "torch", "--platform", tplat, "--mb", "1024" if gpu else "64"]},
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole check (default 540)")
     ap.add_argument(
-        "--engine-batch", default="", help="batch sizes of the engine steps (default 1,32,128; --cpu 1,4)"
+        "--engine-batch", default="", help="batch sizes of the engine steps (default 1,32,128; --cpu 4)"
     )
     ap.add_argument("--only", default="", help="comma-separated step names or prefixes")
     ap.add_argument("--python-jax", default=sys.executable, help="interpreter of the jax steps")
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         step["cmd"] = " ".join(a if "\n" not in a else "<probe>" for a in cmd)
         print(f"== {name} (at most {min(spec['cap'], left):.0f} s): {step['cmd']}", flush=True)
         rc, secs, text = _run(cmd, min(spec["cap"], left), out / f"{name}.log", env)
-        if rc == 0 and spec.get("resume"):
+        if rc == 0 and spec.get("resume_to"):
             rcmd = [
                 py,
                 "-m",
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(run_dir),
                 "--resume",
                 "--steps",
-                "5",
+                str(spec["resume_to"]),
                 "--wandb",
                 "disabled",
             ]
