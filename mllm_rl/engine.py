@@ -139,6 +139,13 @@ class UpdateStats:
     bytes: int
     seconds: float
     fingerprint: Fingerprint  # of the tensors as received by the engine, before install
+    # The adapter proved ``fingerprint`` is of the very buffers the engine now computes with (each
+    # summed array is the one installed): reading them back would read the same bytes.
+    installed: bool = False
+    # Set by ``ManagedEngine.update_weights``: whether its check read the engine's weights back,
+    # and the seconds the check took (not in ``seconds``).
+    read_back: bool = True
+    check_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:

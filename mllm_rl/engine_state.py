@@ -211,7 +211,9 @@ class ManagedEngine:
     ) -> UpdateStats:
         """Stream ``export`` into the engine; ``WeightMismatch`` unless the engine's fingerprint
         matches what was sent and, when given, ``expected`` (the trainer's; a callable is read once
-        the export is consumed: ``WeightExport.fingerprint``)."""
+        the export is consumed: ``WeightExport.fingerprint``). The engine's weights are read back
+        for the check unless the adapter proved what it fingerprinted is what it installed
+        (``UpdateStats.installed``) and ``expected`` names only tensors that were sent."""
         self.check_update(export)
         try:
             stats = self.engine.update_weights(iter(export), on_tensor=on_tensor)
@@ -219,19 +221,22 @@ class ManagedEngine:
                 raise WeightMismatch(
                     f"update_weights: {stats.tensors} of {len(export.names)} announced tensors arrived"
                 )
-            got = self.engine.weights_fingerprint()
+            t0 = time.perf_counter()
+            if callable(expected):
+                expected = expected()
+            stats.read_back = not (stats.installed and set(expected or ()) <= set(stats.fingerprint))
+            got = self.engine.weights_fingerprint() if stats.read_back else stats.fingerprint
             bad = compare_fingerprints(stats.fingerprint, got)
             if bad:
                 raise WeightMismatch(
                     f"update_weights: engine weights differ from what was sent for {len(bad)} tensor(s), e.g. {bad[:2]}"
                 )
-            if callable(expected):
-                expected = expected()
             bad = compare_fingerprints(expected, got) if expected is not None else []
             if bad:
                 raise WeightMismatch(
                     f"update_weights: engine weights differ from the trainer's for {len(bad)} tensor(s), e.g. {bad[:2]}"
                 )
+            stats.check_seconds = time.perf_counter() - t0
         except BaseException:
             # Adapters install in place: some tensors may have landed, so the engine holds
             # neither the old nor the new weights; only a full update makes them valid again.

@@ -147,7 +147,12 @@ class FakeEngine:
     - ``resume_lies``: loses the CPU backup but reports the weights restored (a lying adapter);
     - ``drop_updates``: receives tensors (and fingerprints them) but installs nothing;
     - ``max_installed``: stops installing after this many tensors of one update;
-    - ``ignore_pause``: requests in flight do not return on ``pause_generation`` (a hung engine).
+    - ``ignore_pause``: requests in flight do not return on ``pause_generation`` (a hung engine);
+    - ``unproven``: never claims ``UpdateStats.installed`` (an adapter that cannot prove its
+      install, so every update check reads the weights back).
+
+    An update claims ``installed`` as the JAX adapter does: when every array it fingerprinted is
+    the one it now holds (a dropped tensor is not).
 
     ``hold()`` makes every later ``generate`` block until ``let_go()`` or a pause, so a test
     controls what is in flight; ``started`` is set once a held request is inside the engine.
@@ -163,8 +168,10 @@ class FakeEngine:
         drop_updates: bool = False,
         max_installed: int | None = None,
         ignore_pause: bool = False,
+        unproven: bool = False,
     ) -> None:
         self.device = device
+        self.unproven = unproven
         self.tags = tags
         self.weights_cpu_backup = weights_cpu_backup
         self.resume_lies, self.drop_updates = resume_lies, drop_updates
@@ -323,9 +330,13 @@ class FakeEngine:
             self.weights[name] = new
             self.garbage.discard(name)
         n = len(received) if self.max_installed is None else min(len(received), self.max_installed)
-        return UpdateStats(n, nbytes(received), time.perf_counter() - t0, fingerprint(received))
+        installed = not self.unproven and all(self.weights.get(k) is v for k, v in received.items())
+        return UpdateStats(
+            n, nbytes(received), time.perf_counter() - t0, fingerprint(received), installed=installed
+        )
 
     def weights_fingerprint(self) -> Fingerprint:
+        self.calls.append("weights_fingerprint")
         return fingerprint(self.weights)
 
     def shutdown(self) -> None:

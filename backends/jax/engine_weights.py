@@ -189,24 +189,28 @@ class EngineLeaves:
 
     def stream(
         self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None
-    ) -> tuple[dict[str, Sums], int]:
+    ) -> tuple[dict[str, Sums], int, dict[str, jax.Array]]:
         """Per tensor: place it, dispatch its sums, install it (the old leaf freed at once).
 
         Host ndarrays above ``chunk_bytes`` are written into the existing buffer in chunks.
         ``on_tensor(name, nbytes)`` runs at each tensor's high point (new placed, old still
         resident; ``nbytes`` placed).
-        Returns the sums of what was installed (device scalars, not read back) and the bytes
-        written. Nothing is waited for: the caller blocks on the leaves.
+        Returns the sums of what was sent (device scalars, not read back), the bytes written and,
+        per tensor placed whole, the array its sums are of (``installed`` proves it is the leaf).
+        Nothing is waited for: the caller blocks on the leaves.
         """
         sums: dict[str, Sums] = {}
+        summed: dict[str, jax.Array] = {}
         nbytes = 0
         for name, value in named_tensors:
             if isinstance(value, np.ndarray) and self.chunk_axis(name, value) is not None:
                 sums[name] = self.write_in_chunks(name, value, on_tensor)
+                summed.pop(name, None)  # summed chunk by chunk: only a read-back proves the buffer
                 nbytes += self.target_of(name).nbytes
                 continue
             new = value.value if isinstance(value, Placed) else self.place(name, value)
             sums[name] = tensor_sums(new)  # dispatched async; read back once by the caller
+            summed[name] = new
             nbytes += new.nbytes
             if on_tensor is not None:
                 on_tensor(name, new.nbytes)  # the high point: new tensor placed, old one still resident
@@ -215,7 +219,14 @@ class EngineLeaves:
             else:
                 self.install(name, new)
             del new
-        return sums, nbytes
+        return sums, nbytes, summed
+
+    def installed(self, summed: Mapping[str, jax.Array], names: Iterable[str]) -> bool:
+        """Whether every leaf of ``names`` is the very array ``stream`` summed (``summed``): its
+        fingerprint is then that of what the forward reads, without reading it back. False for a
+        tensor written in chunks, dropped instead of installed or replaced since."""
+        leaves = self.leaves
+        return all(n in summed and leaves[self.mappings[n][0]] is summed[n] for n in names)
 
     def chunk_axis(self, hf_name: str, host: Any) -> int | None:
         """Engine-layout axis to stream ``hf_name`` along, or None to place it whole.

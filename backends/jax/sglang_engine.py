@@ -264,13 +264,18 @@ class SglangJaxEngine:
         ``named_tensors`` yields ``(hf_name, value)``: a host ndarray or jax.Array in HF layout, a
         ``KernelInOut`` kernel ``[in, out]`` (no transpose), or a ``Placed`` array already in the engine
         layout. Names were validated by ``ManagedEngine.check_update``. The fingerprint is of what was
-        installed."""
+        sent; ``installed`` when every summed array is the leaf the forward now reads (agreed by
+        every process: the read-back a process would otherwise run is a collective)."""
         t0 = time.perf_counter()
-        sums, nbytes = self.weights.stream(named_tensors, on_tensor)
+        sums, nbytes, summed = self.weights.stream(named_tensors, on_tensor)
         self._resync_module()
         jax.block_until_ready(self.runner.model_state_leaves)
         fp = read_sums(sums)
-        return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp)
+        installed = self.weights.installed(summed, fp)
+        del summed
+        if self.procs.count > 1:
+            installed = all(v == "1" for v in dist.gather("update/installed", "1" if installed else "0"))
+        return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp, installed=installed)
 
     def weights_fingerprint(self) -> Fingerprint:
         """(sum, sum of squares) of every mapped leaf, read from what the jitted forward uses."""

@@ -98,6 +98,8 @@ class SwapPlan(Plan[SwapOptions]):
                 seconds=round(stats.seconds, 4),
                 gbps=round(stats.gbps, 3),
                 fingerprint_ok=True,
+                read_back=stats.read_back,
+                check_s=round(stats.check_seconds, 4),
             )
         ctx.on_started()
         sampling = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=0.0)

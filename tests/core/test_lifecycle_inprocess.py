@@ -479,6 +479,20 @@ def test_update_that_did_not_land_raises():
     scenario_update_that_did_not_land_raises()
 
 
+@pytest.mark.parametrize("unproven", [False, True])
+def test_an_update_the_engine_proves_installed_is_not_read_back(unproven):
+    """An adapter that proves what it fingerprinted is what it installed (``UpdateStats.installed``)
+    spares the check a read of every engine weight; one that cannot prove it is read back. The
+    record says which (``read_back``) and how long the check took."""
+    r = make_rig(engine={"unproven": unproven}).setup()
+    r.life.step(0, rollout)
+    n_reads = r.fake.calls.count("weights_fingerprint")
+    (upd,) = [x for x in r.rec.records if x["phase"] == "update_weights"]
+    assert upd["info"]["read_back"] is unproven and upd["info"]["check_s"] >= 0
+    assert n_reads == (2 if unproven else 0)  # the setup's swap and step 0's update
+    assert engines_agree(r)
+
+
 def test_update_with_missing_tensors_raises():
     r = make_rig(engine={"max_installed": 2})
     with pytest.raises(WeightMismatch, match=f"2 of {len(SHAPES)} announced tensors arrived"):

@@ -159,7 +159,7 @@ def test_install_replaces_the_leaf_and_frees_the_old_one():
 def test_stream_fingerprint_is_of_what_was_installed():
     leaves, w = _leaves()
     hf, norm = _hf_kernel(1), np.linspace(-1, 1, 6, dtype=np.float32)
-    sums, nbytes = w.stream([(W, KernelInOut(jnp.asarray(hf.T))), (N, norm)])
+    sums, nbytes, _ = w.stream([(W, KernelInOut(jnp.asarray(hf.T))), (N, norm)])
     sent = read_sums(sums)
     assert nbytes == (24 + 6) * 4
     assert sent == w.fingerprint()  # read back from the leaves the forward uses
@@ -174,6 +174,25 @@ def test_stream_installs_placed_arrays_as_they_are():
     assert leaves[0] is new
 
 
+def test_installed_proves_the_summed_arrays_are_the_leaves_and_nothing_else(monkeypatch):
+    """A tensor placed whole is proven installed (its summed array is the leaf); one written in
+    chunks, one dropped instead of installed (fault ``swap_noop``) or one replaced since is not, so
+    the update check reads those back."""
+    hf, norm = _hf_kernel(1), np.linspace(-1, 1, 6, dtype=np.float32)
+    leaves, w = _leaves()
+    _, _, summed = w.stream([(W, hf), (N, norm)])
+    assert w.installed(summed, [W, N])
+    w.install(W, w.place(W, _hf_kernel(2)))  # replaced after the stream
+    assert w.installed(summed, [N]) and not w.installed(summed, [W, N])
+    _, chunked = _leaves(chunk_bytes=24)
+    _, _, summed = chunked.stream([(W, hf), (N, norm)])
+    assert chunked.installed(summed, [N]) and not chunked.installed(summed, [W])
+    monkeypatch.setenv("MLLM_RL_FAULTS", "swap_noop")
+    _, dropped = _leaves()
+    _, _, summed = dropped.stream([(W, hf)])
+    assert not dropped.installed(summed, [W])
+
+
 # -- chunked writes ------------------------------------------------------------------------
 def test_chunked_write_equals_whole_write():
     """A host tensor above ``chunk_bytes`` written slice by slice into the existing buffer:
@@ -183,8 +202,10 @@ def test_chunked_write_equals_whole_write():
     chunked_leaves, chunked = _leaves(chunk_bytes=24)  # one 6-float row of the [4, 6] leaf = 24 B
     assert whole.chunk_axis(W, hf) is None and chunked.chunk_axis(W, hf) == 0
     high_points: list[str] = []
-    sums_whole, _ = whole.stream([(W, hf)])
-    sums_chunked, nbytes = chunked.stream([(W, hf)], on_tensor=lambda name, nbytes: high_points.append(name))
+    sums_whole, _, _ = whole.stream([(W, hf)])
+    sums_chunked, nbytes, _ = chunked.stream(
+        [(W, hf)], on_tensor=lambda name, nbytes: high_points.append(name)
+    )
     np.testing.assert_array_equal(np.asarray(chunked_leaves[0]), np.asarray(whole_leaves[0]))
     np.testing.assert_array_equal(np.asarray(chunked_leaves[0]), hf.T)
     _assert_close(read_sums(sums_chunked), read_sums(sums_whole))
@@ -255,7 +276,7 @@ def test_trainer_export_is_installed_without_a_transpose(tiny_ckpt, layouts, lor
         else:
             assert isinstance(value, jax.Array), name
         assert hf_layout(value).shape == tuple(md.tensors[name][1].shape), name
-    sums, _ = engine.stream(items)
+    sums, _, _ = engine.stream(items)
     assert layouts == []  # same dtype: neither a transpose nor a cast, only the engine's copy
     _assert_close(read_sums(sums), t.weights_fingerprint(export.names))
     _assert_close(export.fingerprint(), t.weights_fingerprint(export.names))  # in the export's pass
