@@ -139,12 +139,12 @@ class UpdateStats:
     bytes: int
     seconds: float
     fingerprint: Fingerprint  # of the tensors as received by the engine, before install
-    # The adapter proved ``fingerprint`` is of the very buffers the engine now computes with (each
-    # summed array is the one installed): reading them back would read the same bytes.
-    installed: bool = False
-    # Set by ``ManagedEngine.update_weights``: whether its check read the engine's weights back,
-    # and the seconds the check took (not in ``seconds``).
-    read_back: bool = True
+    # The names whose ``fingerprint`` the adapter proved is of the very buffers the engine now
+    # computes with (the summed array is the one installed): reading them back reads the same bytes.
+    installed: frozenset[str] = frozenset()
+    # Set by ``ManagedEngine.update_weights``: how many tensors its check read back from the
+    # engine, and the seconds the check took (not in ``seconds``).
+    read_back: int | None = None
     check_seconds: float = 0.0
 
     @property
@@ -222,8 +222,9 @@ class EnginePrimitives(Protocol):
         each tensor's high point (new placed, old still resident; ``nbytes`` staged for it)."""
         ...
 
-    def weights_fingerprint(self) -> Fingerprint:
-        """(sum, sumsq) per weight, read from what the engine's forward actually uses."""
+    def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
+        """(sum, sumsq) per weight (``names``: only those), read from what the engine's forward
+        actually uses."""
         ...
 
     def weight_bytes(self) -> int: ...

@@ -211,9 +211,9 @@ class ManagedEngine:
     ) -> UpdateStats:
         """Stream ``export`` into the engine; ``WeightMismatch`` unless the engine's fingerprint
         matches what was sent and, when given, ``expected`` (the trainer's; a callable is read once
-        the export is consumed: ``WeightExport.fingerprint``). The engine's weights are read back
-        for the check unless the adapter proved what it fingerprinted is what it installed
-        (``UpdateStats.installed``) and ``expected`` names only tensors that were sent."""
+        the export is consumed: ``WeightExport.fingerprint``). The check reads back the engine's
+        weights but those the adapter proved it installed as fingerprinted
+        (``UpdateStats.installed``) and were not expected unsent."""
         self.check_update(export)
         try:
             stats = self.engine.update_weights(iter(export), on_tensor=on_tensor)
@@ -224,8 +224,12 @@ class ManagedEngine:
             t0 = time.perf_counter()
             if callable(expected):
                 expected = expected()
-            stats.read_back = not (stats.installed and set(expected or ()) <= set(stats.fingerprint))
-            got = self.engine.weights_fingerprint() if stats.read_back else stats.fingerprint
+            proven = stats.installed & stats.fingerprint.keys()
+            unproven = [n for n in (*stats.fingerprint, *(expected or ())) if n not in proven]
+            got = {n: stats.fingerprint[n] for n in proven}
+            if unproven:
+                got.update(self.engine.weights_fingerprint(list(dict.fromkeys(unproven))))
+            stats.read_back = len(set(unproven))  # tensors read back
             bad = compare_fingerprints(stats.fingerprint, got)
             if bad:
                 raise WeightMismatch(

@@ -401,7 +401,7 @@ class Colocated:
             "seconds": round(stats.seconds, 4),
             "gbps": round(stats.gbps, 3),
             "fingerprint_ok": True,
-            "read_back": stats.read_back,  # the check re-read the engine's weights
+            "read_back": stats.read_back,  # tensors the check read back from the engine
             "check_s": round(stats.check_seconds, 4),
             "weights_version": self.engine.weights_version,
         }

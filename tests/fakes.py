@@ -148,11 +148,11 @@ class FakeEngine:
     - ``drop_updates``: receives tensors (and fingerprints them) but installs nothing;
     - ``max_installed``: stops installing after this many tensors of one update;
     - ``ignore_pause``: requests in flight do not return on ``pause_generation`` (a hung engine);
-    - ``unproven``: never claims ``UpdateStats.installed`` (an adapter that cannot prove its
-      install, so every update check reads the weights back).
+    - ``unproven``: the tensors it leaves out of ``UpdateStats.installed`` (True: all; an adapter
+      that cannot prove their install, so the update check reads them back: ``read_names``).
 
-    An update claims ``installed`` as the JAX adapter does: when every array it fingerprinted is
-    the one it now holds (a dropped tensor is not).
+    An update claims ``installed`` as the JAX adapter does: the tensors whose fingerprinted array
+    is the one it now holds (a dropped tensor is not).
 
     ``hold()`` makes every later ``generate`` block until ``let_go()`` or a pause, so a test
     controls what is in flight; ``started`` is set once a held request is inside the engine.
@@ -168,10 +168,11 @@ class FakeEngine:
         drop_updates: bool = False,
         max_installed: int | None = None,
         ignore_pause: bool = False,
-        unproven: bool = False,
+        unproven: bool | frozenset[str] = False,
     ) -> None:
         self.device = device
         self.unproven = unproven
+        self.read_names: list[str] = []  # what weights_fingerprint read, in order
         self.tags = tags
         self.weights_cpu_backup = weights_cpu_backup
         self.resume_lies, self.drop_updates = resume_lies, drop_updates
@@ -330,14 +331,18 @@ class FakeEngine:
             self.weights[name] = new
             self.garbage.discard(name)
         n = len(received) if self.max_installed is None else min(len(received), self.max_installed)
-        installed = not self.unproven and all(self.weights.get(k) is v for k, v in received.items())
+        held = (k for k, v in received.items() if self.weights.get(k) is v)
+        left_out = self.unproven if isinstance(self.unproven, frozenset) else frozenset()
+        installed = frozenset(() if self.unproven is True else held) - left_out
         return UpdateStats(
             n, nbytes(received), time.perf_counter() - t0, fingerprint(received), installed=installed
         )
 
-    def weights_fingerprint(self) -> Fingerprint:
+    def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
         self.calls.append("weights_fingerprint")
-        return fingerprint(self.weights)
+        read = self.weights if names is None else {n: self.weights[n] for n in names}
+        self.read_names += list(read)
+        return fingerprint(read)
 
     def shutdown(self) -> None:
         self.calls.append("shutdown")

@@ -151,10 +151,13 @@ class EngineLeaves:
     def target_of(self, hf_name: str) -> jax.Array:
         return self.leaves[self.mappings[hf_name][0]]
 
-    def fingerprint(self) -> Fingerprint:
-        """(sum, sum of squares) of every mapped leaf, read from what the forward uses."""
+    def fingerprint(self, names: Iterable[str] | None = None) -> Fingerprint:
+        """(sum, sum of squares) of every mapped leaf (``names``: those), read from what the
+        forward uses."""
         leaves = self.leaves
-        return fingerprint((name, leaves[i]) for name, (i, _) in self.mappings.items())
+        return fingerprint(
+            (n, leaves[self.mappings[n][0]]) for n in (self.mappings if names is None else names)
+        )
 
     def place(self, hf_name: str, value: Any) -> jax.Array:
         """``value`` (a host ndarray or ``jax.Array`` in HF layout, or a ``KernelInOut``) on
@@ -221,12 +224,12 @@ class EngineLeaves:
             del new
         return sums, nbytes, summed
 
-    def installed(self, summed: Mapping[str, jax.Array], names: Iterable[str]) -> bool:
-        """Whether every leaf of ``names`` is the very array ``stream`` summed (``summed``): its
-        fingerprint is then that of what the forward reads, without reading it back. False for a
-        tensor written in chunks, dropped instead of installed or replaced since."""
+    def installed(self, summed: Mapping[str, jax.Array]) -> frozenset[str]:
+        """The names whose leaf is the very array ``stream`` summed (``summed``): their fingerprint
+        is that of what the forward reads, without reading it back. Not a tensor written in chunks,
+        dropped instead of installed or replaced since."""
         leaves = self.leaves
-        return all(n in summed and leaves[self.mappings[n][0]] is summed[n] for n in names)
+        return frozenset(n for n, a in summed.items() if leaves[self.mappings[n][0]] is a)
 
     def chunk_axis(self, hf_name: str, host: Any) -> int | None:
         """Engine-layout axis to stream ``hf_name`` along, or None to place it whole.

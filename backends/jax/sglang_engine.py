@@ -264,22 +264,24 @@ class SglangJaxEngine:
         ``named_tensors`` yields ``(hf_name, value)``: a host ndarray or jax.Array in HF layout, a
         ``KernelInOut`` kernel ``[in, out]`` (no transpose), or a ``Placed`` array already in the engine
         layout. Names were validated by ``ManagedEngine.check_update``. The fingerprint is of what was
-        sent; ``installed`` when every summed array is the leaf the forward now reads (agreed by
-        every process: the read-back a process would otherwise run is a collective)."""
+        sent; ``installed``: the tensors whose summed array is the leaf the forward now reads, on
+        every process (a read-back of the others is a collective: every process reads the same)."""
         t0 = time.perf_counter()
         sums, nbytes, summed = self.weights.stream(named_tensors, on_tensor)
         self._resync_module()
         jax.block_until_ready(self.runner.model_state_leaves)
         fp = read_sums(sums)
-        installed = self.weights.installed(summed, fp)
+        installed = self.weights.installed(summed)
         del summed
         if self.procs.count > 1:
-            installed = all(v == "1" for v in dist.gather("update/installed", "1" if installed else "0"))
+            for other in dist.gather("update/installed", json.dumps(sorted(installed))):
+                installed &= frozenset(json.loads(other))
         return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp, installed=installed)
 
-    def weights_fingerprint(self) -> Fingerprint:
-        """(sum, sum of squares) of every mapped leaf, read from what the jitted forward uses."""
-        return self.weights.fingerprint()
+    def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
+        """(sum, sum of squares) of every mapped leaf (``names``: those), read from what the
+        jitted forward uses."""
+        return self.weights.fingerprint(names)
 
     def weight_names(self) -> list[str]:
         return self.weights.names()

@@ -232,10 +232,10 @@ class EmbeddedEngine:
             del staged
         return acc
 
-    def weights_fingerprint(self) -> Fingerprint:
-        """(sum, sumsq) of every parameter the forward pass reads."""
+    def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
+        """(sum, sumsq) of every parameter the forward pass reads (``names``: those)."""
         with torch.no_grad():
-            sums = {n: tensor_sums(p) for n, p in self.params.items()}
+            sums = {n: tensor_sums(self.params[n]) for n in (self.params if names is None else names)}
         return {n: (float(s[0]), float(s[1])) for n, s in sums.items()}
 
     def _param(self, name: str) -> torch.Tensor:

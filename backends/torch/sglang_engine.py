@@ -223,10 +223,12 @@ class SglangEngine:
         fp: Fingerprint = {n: (float(s[0]), float(s[1])) for n, s in sums.items()}
         return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp)
 
-    def weights_fingerprint(self) -> Fingerprint:
-        """(sum, sumsq) per weight, read back with ``get_weights_by_name`` (rank 0's view)."""
+    def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
+        """(sum, sumsq) per weight (``names``: those), read back with ``get_weights_by_name`` (rank
+        0's view)."""
         out: Fingerprint = {}
-        for name, shape in self.shapes.items():
+        for name in self.shapes if names is None else names:
+            shape = self.shapes[name]
             req = sc.construct(self._io(), "GetWeightsByNameReqInput", name=name, truncate_size=int(shape[0]))
             values = self._call(sc.invoke(self.tm, "get_weights_by_name", req, None))
             if values is None:

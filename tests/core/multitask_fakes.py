@@ -128,8 +128,8 @@ class FakeEngine:
             self.weights[name] = got[name]
         return UpdateStats(len(got), sum(a.nbytes for a in got.values()), 1e-3, _fp(got.items()))
 
-    def weights_fingerprint(self) -> Fingerprint:
-        return _fp(self.weights.items())
+    def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
+        return _fp((n, self.weights[n]) for n in (self.weights if names is None else names))
 
     def weight_bytes(self) -> int:
         return sum(a.nbytes for a in self.weights.values())

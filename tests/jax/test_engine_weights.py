@@ -177,20 +177,21 @@ def test_stream_installs_placed_arrays_as_they_are():
 def test_installed_proves_the_summed_arrays_are_the_leaves_and_nothing_else(monkeypatch):
     """A tensor placed whole is proven installed (its summed array is the leaf); one written in
     chunks, one dropped instead of installed (fault ``swap_noop``) or one replaced since is not, so
-    the update check reads those back."""
+    the update check reads those back (and only those: ``fingerprint(names)``)."""
     hf, norm = _hf_kernel(1), np.linspace(-1, 1, 6, dtype=np.float32)
     leaves, w = _leaves()
     _, _, summed = w.stream([(W, hf), (N, norm)])
-    assert w.installed(summed, [W, N])
+    assert w.installed(summed) == {W, N}
     w.install(W, w.place(W, _hf_kernel(2)))  # replaced after the stream
-    assert w.installed(summed, [N]) and not w.installed(summed, [W, N])
+    assert w.installed(summed) == {N}
+    assert set(w.fingerprint([N])) == {N} and w.fingerprint([N])[N] == w.fingerprint()[N]
     _, chunked = _leaves(chunk_bytes=24)
     _, _, summed = chunked.stream([(W, hf), (N, norm)])
-    assert chunked.installed(summed, [N]) and not chunked.installed(summed, [W])
+    assert chunked.installed(summed) == {N}
     monkeypatch.setenv("MLLM_RL_FAULTS", "swap_noop")
     _, dropped = _leaves()
     _, _, summed = dropped.stream([(W, hf)])
-    assert not dropped.installed(summed, [W])
+    assert dropped.installed(summed) == set()
 
 
 # -- chunked writes ------------------------------------------------------------------------
