@@ -225,11 +225,11 @@ class ManagedEngine:
             if callable(expected):
                 expected = expected()
             proven = stats.installed & stats.fingerprint.keys()
-            unproven = [n for n in (*stats.fingerprint, *(expected or ())) if n not in proven]
+            unproven = [n for n in dict.fromkeys((*stats.fingerprint, *(expected or ()))) if n not in proven]
             got = {n: stats.fingerprint[n] for n in proven}
             if unproven:
-                got.update(self.engine.weights_fingerprint(list(dict.fromkeys(unproven))))
-            stats.read_back = len(set(unproven))  # tensors read back
+                got.update(self.engine.weights_fingerprint(unproven))
+            stats.read_back = len(unproven)  # tensors read back
             bad = compare_fingerprints(stats.fingerprint, got)
             if bad:
                 raise WeightMismatch(

@@ -148,8 +148,8 @@ class FakeEngine:
     - ``drop_updates``: receives tensors (and fingerprints them) but installs nothing;
     - ``max_installed``: stops installing after this many tensors of one update;
     - ``ignore_pause``: requests in flight do not return on ``pause_generation`` (a hung engine);
-    - ``unproven``: the tensors it leaves out of ``UpdateStats.installed`` (True: all; an adapter
-      that cannot prove their install, so the update check reads them back: ``read_names``).
+    - ``unproven``: the tensors it leaves out of ``UpdateStats.installed`` (an adapter that cannot
+      prove their install, so the update check reads them back: ``read_names``).
 
     An update claims ``installed`` as the JAX adapter does: the tensors whose fingerprinted array
     is the one it now holds (a dropped tensor is not).
@@ -168,7 +168,7 @@ class FakeEngine:
         drop_updates: bool = False,
         max_installed: int | None = None,
         ignore_pause: bool = False,
-        unproven: bool | frozenset[str] = False,
+        unproven: frozenset[str] = frozenset(),
     ) -> None:
         self.device = device
         self.unproven = unproven
@@ -331,9 +331,7 @@ class FakeEngine:
             self.weights[name] = new
             self.garbage.discard(name)
         n = len(received) if self.max_installed is None else min(len(received), self.max_installed)
-        held = (k for k, v in received.items() if self.weights.get(k) is v)
-        left_out = self.unproven if isinstance(self.unproven, frozenset) else frozenset()
-        installed = frozenset(() if self.unproven is True else held) - left_out
+        installed = frozenset(k for k, v in received.items() if self.weights.get(k) is v) - self.unproven
         return UpdateStats(
             n, nbytes(received), time.perf_counter() - t0, fingerprint(received), installed=installed
         )

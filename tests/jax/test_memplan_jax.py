@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,22 @@ def tiny_engine_bytes(tp: int) -> int:
 
 
 @pytest.mark.slow  # a whole plan, compiled by libtpu
+def test_a_tpu_target_is_prepared_after_jax_was_imported():
+    """A process that imported jax but started no backend (a notebook, the suite's fork server)
+    plans for a TPU: the compilers directory goes on ``sys.path`` and JAX stays on its CPU platform,
+    as on the path that sets it up before the import."""
+    needs_libtpu()
+    code = ("import jax, sys\nfrom mllm_rl.backends.jax import topologies\n"
+            "topologies.prepare(topologies.spec('v4-8'))\n"
+            "print(jax.config.jax_platforms, str(topologies.compilers_dir()) in sys.path)")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["cpu", "True"]
+
+
 def test_tiny_plan_for_a_v4_8_compiles_with_libtpu(tmp_path):
     needs_libtpu()
     r, doc = plan(tmp_path, "--target", "v4-8", "--tp", "2", "--kv-tokens", "4096", "--micro-batch-size", "8",
