@@ -129,9 +129,49 @@ def test_the_table_is_there_and_covers_every_exit_2_check():
         assert flag in text, flag
 
 
-@pytest.mark.parametrize("cmd,code,message,when", ROWS, ids=[r[0][:60] for r in ROWS])
-def test_refusal(cmd, code, message, when, tmp_path):
-    paths = make_fixtures(tmp_path)
+def refuse_here(tokens: list[str], env: dict[str, str], cwd: Path, monkeypatch, capfd) -> tuple[int, str]:
+    """``(exit code, stderr)`` of ``mllm_rl.run.main(tokens)`` in this process, ``env`` added and
+    ``cwd`` the working directory; the environment is restored after, whatever the command set in
+    it. No SIGTERM handler is installed: this process is the test's. Imports see the ``sys.path`` of
+    a process of its own: without pytest's ``tests/...`` entries (there, ``import torch`` would find
+    ``tests/torch`` as a namespace package where torch is not installed)."""
+    import mllm_rl.run as run
+
+    saved = dict(os.environ)
+    monkeypatch.setattr(run, "install_sigterm", lambda: None)
+    monkeypatch.setattr(
+        sys, "path", [p for p in sys.path if not Path(p or ".").resolve().is_relative_to(ROOT / "tests")]
+    )
+    monkeypatch.chdir(cwd)
+    capfd.readouterr()
+    os.environ.update(env)
+    imported = set(sys.modules)
+    try:
+        code = run.main(tokens)
+    except SystemExit as e:  # argparse's one-line errors
+        code = e.code
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    frameworks = {m.split(".")[0] for m in set(sys.modules) - imported} & {"jax", "torch", "flax", "sgl_jax"}
+    assert not frameworks, f"a flags row imported {sorted(frameworks)}"  # refused before any backend import
+    return int(code or 0), capfd.readouterr().err
+
+
+def runs_here(row: tuple[str, int, str, str]) -> bool:
+    """A ``flags`` row, unless it goes online to W&B: wandb keeps its settings (``WANDB_BASE_URL``,
+    the key it found) in a process-wide singleton made once, so those rows need a process each."""
+    return row[3] == "flags" and "--wandb online" not in row[0]
+
+
+def refuse(row: tuple[str, int, str, str], paths: dict[str, Path], cwd: Path, monkeypatch, capfd,
+           here: bool = True) -> tuple[int, str, dict[str, str]]:  # fmt: skip
+    """``(exit code, stderr, the names filled in)`` of the row's command (``{name}`` from
+    ``paths``): in this process where ``runs_here`` (unless not ``here``), else as a process of
+    its own."""
+    cmd, _, _, when = row
     fmt = {k: str(v) for k, v in paths.items()} | {"long": "n" * 300}  # a name, too long for a file
     tokens = [t.format(**fmt) for t in shlex.split(cmd)]
     env = {}
@@ -143,17 +183,32 @@ def test_refusal(cmd, code, message, when, tmp_path):
         pytest.skip(f"checked once the {backend} runtime is up: needs the {backend} environment")
     if "--wandb" not in tokens:
         tokens += ["--wandb", "offline"]
+    if here and runs_here(row):
+        return (*refuse_here(tokens, env, cwd, monkeypatch, capfd), fmt)
+    r = run_cli("mllm_rl.run", *tokens, env=env, cwd=cwd, timeout=300)
+    return r.returncode, r.stderr, fmt
+
+
+def check_refusal(
+    row: tuple[str, int, str, str], tmp_path: Path, monkeypatch, capfd, here: bool = True
+) -> str:
+    """Run the row (``refuse``) and check all the module docstring says; returns its line."""
+    cmd, code, message, _ = row
+    tmp_path.mkdir(exist_ok=True)
+    paths = make_fixtures(tmp_path)
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     held = _hold_lock(paths["busy"]) if "{busy}" in cmd else None
     before = {name: tree(p) for name, p in paths.items() if p.is_dir() and name != "readonly"}
-    r = run_cli("mllm_rl.run", *tokens, env=env, cwd=cwd, timeout=300)
-    if held is not None:
-        held.close()
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == code, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr
-    assert len(lines) == 1, r.stderr[-3000:]
+    try:
+        returncode, stderr, fmt = refuse(row, paths, cwd, monkeypatch, capfd, here)
+    finally:
+        if held is not None:
+            held.close()
+    lines = stderr.strip().splitlines()
+    assert returncode == code, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert len(lines) == 1, stderr[-3000:]
     fragments = [f.format(**fmt) for f in message.split("...")]
     pos = 0
     for frag in fragments:
@@ -163,6 +218,26 @@ def test_refusal(cmd, code, message, when, tmp_path):
     assert os.listdir(cwd) == []  # no runs/<id>, no wandb/
     assert not paths["missing"].exists()
     assert {name: tree(p) for name, p in paths.items() if p.is_dir() and name != "readonly"} == before
+    return lines[0]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r[0][:60] for r in ROWS])
+def test_refusal(row, tmp_path, monkeypatch, capfd):
+    check_refusal(row, tmp_path, monkeypatch, capfd)
+
+
+# one row of each way a flags row is refused: argparse, a value check, the preflight (run dir, data)
+SAME_IN_A_PROCESS = ("--backend jax --tp x", "--backend jax --group-size 1", "--backend jax --run-dir {used}",
+                     "--backend jax --task boxed --task-data {badrow}")  # fmt: skip
+
+
+@pytest.mark.parametrize("cmd", SAME_IN_A_PROCESS)
+def test_a_flags_refusal_is_the_same_in_a_process_of_its_own(cmd, tmp_path, monkeypatch, capfd):
+    (row,) = [r for r in ROWS if r[0] == cmd]
+    assert runs_here(row)
+    here = check_refusal(row, tmp_path / "here", monkeypatch, capfd)
+    alone = check_refusal(row, tmp_path / "alone", monkeypatch, capfd, here=False)
+    assert here.replace(str(tmp_path / "here"), "") == alone.replace(str(tmp_path / "alone"), "")
 
 
 def test_a_resume_without_backend_takes_the_recorded_one(tmp_path):
