@@ -131,6 +131,7 @@ class GenerateOutput:
     logprobs: list[float]  # log p(token_t | prefix) under the sampling distribution, [T_out]
     text: str
     finish_reason: str  # "stop" | "length" | "abort"
+    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache (0: none, or no cache)
 
 
 @dataclasses.dataclass

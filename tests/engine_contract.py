@@ -44,6 +44,8 @@ LONG = 400  # new tokens of the requests that are in flight when drain() is call
 # still queued, not yet prefilled, when the pause aborts them (that case once hung the pause).
 DRAIN_PROMPTS = PROMPTS * 6
 CYCLES = 3
+GROUP = 4  # samples per prompt in a GRPO-shaped batch (every prompt ``GROUP`` times, in a row)
+GROUP_PROMPTS = [[87, 101, 109, 32, 80, 97], [73, 54, 200]]  # sent nowhere else: not in a prefix cache
 LONG_GREEDY = 64  # > 50: sglang-jax repeats its per-token list every 50 tokens
 
 LogitsFn = Callable[[list[int]], np.ndarray]
@@ -54,6 +56,7 @@ def _outs(outs: Sequence[Any]) -> dict[str, list]:
         "tokens": [list(o.token_ids) for o in outs],
         "logprobs": [list(o.logprobs) for o in outs],
         "finish": [o.finish_reason for o in outs],
+        "cached": [o.cached_tokens for o in outs],
     }
 
 
@@ -99,6 +102,7 @@ def run_contract(make_engine: Callable[[bool], Any], model_dir: str | Path,
     }
     obs["sampled"] = [_outs(eng.generate(PROMPTS, SAMPLED)) for _ in range(2)]
     obs["sampled_other_seed"] = _outs(eng.generate(PROMPTS, dataclasses.replace(SAMPLED, seed=99)))
+    obs["grouped"] = _outs(eng.generate([p for p in GROUP_PROMPTS for _ in range(GROUP)], SAMPLED))
     obs["idle_cpu_cores"] = _idle_cpu_cores()
     obs["release_undrained"] = _refused(lambda: eng.release(["kv_cache"]))
     obs["drain"] = _drain_in_flight(eng)
@@ -223,8 +227,8 @@ def assert_greedy_matches_reference(out: dict, logits_fn: LogitsFn, eos: int, at
 
 
 def assert_sampled_logprobs_match_reference(out: dict, logits_fn: LogitsFn, temperature: float,
-                                            atol: float = 1e-3) -> None:  # fmt: skip
-    for prompt, toks, lps in zip(PROMPTS, out["tokens"], out["logprobs"], strict=True):
+                                            atol: float = 1e-3, prompts: Sequence[list[int]] = PROMPTS) -> None:  # fmt: skip
+    for prompt, toks, lps in zip(prompts, out["tokens"], out["logprobs"], strict=True):
         assert len(toks) == len(lps) > 0
         assert np.allclose(lps, reference_logprobs(logits_fn, prompt, toks, temperature), atol=atol)
 
@@ -347,6 +351,17 @@ def test_seeded_sampling_is_reproducible(obs):
 def test_logprobs_are_the_reference_log_softmax_at_the_sampled_tokens(obs, ref_logits):
     for out in (*obs["sampled"], obs["sampled_other_seed"]):
         assert_sampled_logprobs_match_reference(out, ref_logits, SAMPLED.temperature)
+
+
+def test_a_batch_of_groups_samples_each_request_from_its_own_prompt(obs, ref_logits):
+    """Every prompt ``GROUP`` times in one batch, as a rollout sends it: each sample's log-probs are
+    the reference's for its prompt (an engine that serves a group's prompt from its prefix cache
+    must serve the right one), and the samples of a group differ (one seed per request)."""
+    out = obs["grouped"]
+    grouped = [p for p in GROUP_PROMPTS for _ in range(GROUP)]
+    assert_sampled_logprobs_match_reference(out, ref_logits, SAMPLED.temperature, prompts=grouped)
+    for g in range(len(GROUP_PROMPTS)):
+        assert len({tuple(t) for t in out["tokens"][g * GROUP : (g + 1) * GROUP]}) > 1, out["tokens"]
 
 
 CONTRACT_TESTS = {name: fn for name, fn in list(globals().items()) if name.startswith("test_")}

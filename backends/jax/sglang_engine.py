@@ -27,6 +27,7 @@ Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4); each fact is pro
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -327,6 +328,7 @@ class SglangJaxEngine:
         per_req = [
             {**params, "sampling_seed": s} for s in request_seeds(base, len(ids), sampling.request_offset)
         ]
+        self._prefill_shared(ids)
         out = self._call(
             self.engine.async_generate(input_ids=ids, sampling_params=per_req, return_logprob=True)
         )
@@ -350,9 +352,23 @@ class SglangJaxEngine:
                     logprobs=[float(x[0]) for x in lp],
                     text=o["text"],
                     finish_reason=str((meta.get("finish_reason") or {}).get("type")),
+                    cached_tokens=int(meta.get("cached_tokens") or 0),
                 )
             )
         return results
+
+    def _prefill_shared(self, ids: list[list[int]]) -> None:
+        """Prefill each prompt that ``ids`` holds more than once (a GRPO group's samples share
+        theirs) in one batch of 0-token requests, so that the batch's requests find it in the radix
+        cache: the scheduler takes a batch in before any of it is cached, and would compute a
+        group's prompt once per sample. (sglang's ``n > 1`` primes the cache too, one prompt at a
+        time, and gives the n samples one sampling seed.) Nothing to do without a radix cache."""
+        if getattr(self.engine.server_args, "disable_radix_cache", False):
+            return
+        counts = collections.Counter(map(tuple, ids))
+        shared = [list(p) for p, n in counts.items() if n > 1]
+        if shared:
+            self._call(self.engine.async_generate(input_ids=shared, sampling_params={"max_new_tokens": 0}))
 
     # -- memory tags ----------------------------------------------------------
     def memory_tag(self, tag: str) -> str:

@@ -277,6 +277,7 @@ def make_rollout(
             "groups_zero_std": float((groups.std(axis=1) == 0).mean()),
             "completion_len_mean": float(lens.mean()),
             "rollout_tokens": int(lens.sum()),
+            "prompt_tokens_cached": int(sum(o.cached_tokens for o in outs)),
             "aborted": int(sum(o.finish_reason == ABORT for o in outs)),
             "sample": {"prompt": texts[0], "answer": examples[0].answer, "completion": completions[0]},
         }

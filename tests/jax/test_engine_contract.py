@@ -54,6 +54,15 @@ def ref_logits(tiny_ckpt):
 globals().update(contract.CONTRACT_TESTS)
 
 
+def test_a_groups_prompt_is_prefilled_once_and_its_samples_read_it_from_the_cache(obs):
+    """sglang-jax computes each repeated prompt once (``SglangJaxEngine._prefill_shared``): every
+    request of a group finds all of its prompt but the last token in the radix cache (that one is
+    computed again for its logits); right after an update (the cache flushed) nothing is cached."""
+    want = [len(p) - 1 for p in contract.GROUP_PROMPTS for _ in range(contract.GROUP)]
+    assert obs["grouped"]["cached"] == want
+    assert obs["swap"]["cached"] == obs["after_full_sync"]["cached"] == [0] * len(contract.PROMPTS)
+
+
 def test_drain_aborts_requests_still_queued(obs):
     """The drain caught some requests before their prefill (sglang-jax answers those "Abort before
     prefill", with no token): the case whose leftovers made sglang-jax's pause wait forever.
