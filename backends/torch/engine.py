@@ -323,7 +323,7 @@ class EmbeddedEngine:
         stops = set(sampling.stop_token_ids) | {c.eos_token_id}
         if self._abort.is_set():
             return [self._output([], [], ABORT) for _ in prompts]
-        logits = self.model.forward_cached(tokens, positions, key_mask, cache, 0, last_only=True)[:, -1]
+        logits, shared = self._prefill(prompts, tokens, positions, key_mask, cache)
         next_pos = torch.tensor(lens, device=dev)
         steps = max(budget)
         out_tok = torch.zeros(b, steps, dtype=torch.long, device=dev)
@@ -346,9 +346,42 @@ class EmbeddedEngine:
             logits = self.model.forward_cached(tok[:, None], next_pos[:, None], key_mask, cache, slot)[:, 0]
             next_pos += 1
         return [
-            self._ending(t, lp, stops, min(done, n), n)
-            for t, lp, n in zip(out_tok[:, :done].tolist(), out_lp[:, :done].tolist(), budget, strict=True)
+            dataclasses.replace(self._ending(t, lp, stops, min(done, n), n), cached_tokens=n_shared)
+            for t, lp, n, n_shared in zip(
+                out_tok[:, :done].tolist(), out_lp[:, :done].tolist(), budget, shared, strict=True
+            )
         ]
+
+    def _prefill(
+        self,
+        prompts: list[list[int]],
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        key_mask: torch.Tensor,
+        cache: KVCache,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The batch's prefill: each distinct prompt computed once (a GRPO group's samples share
+        theirs), its K/V and last logits then copied to every row that holds it.
+
+        ``tokens``, ``positions``: [B, P]; ``key_mask``: [B, S]; ``cache``: rows [B, S, K, D].
+        Returns the last position's logits [B, V] and, per row, the prompt tokens it took from
+        another row (0 for the row that computed them)."""
+        slot: dict[tuple[int, ...], int] = {}  # prompt -> its row among the distinct ones
+        of = [slot.setdefault(tuple(p), len(slot)) for p in prompts]
+        if len(slot) == len(prompts):
+            logits = self.model.forward_cached(tokens, positions, key_mask, cache, 0, last_only=True)
+            return logits[:, -1], [0] * len(prompts)
+        first = [of.index(j) for j in range(len(slot))]  # the row whose prompt is computed
+        firsts = torch.tensor(first, device=tokens.device)
+        head = KVCache([k[: len(slot)] for k in cache.k], [v[: len(slot)] for v in cache.v])
+        logits = self.model.forward_cached(
+            tokens[firsts], positions[firsts], key_mask[firsts], head, 0, last_only=True
+        )[:, -1]
+        rows, plen = torch.tensor(of, device=tokens.device), tokens.shape[1]
+        for buf in (*cache.k, *cache.v):  # one layer's prompt K or V at a time
+            buf[:, :plen] = buf[rows, :plen]
+        shared = [0 if first[j] == i else len(p) for i, (j, p) in enumerate(zip(of, prompts, strict=True))]
+        return logits[rows], shared
 
     def _ending(
         self, toks: list[int], lps: list[float], stops: set[int], seen: int, budget: int

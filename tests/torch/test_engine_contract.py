@@ -61,3 +61,13 @@ def test_sglang_engine_contract(tiny_ckpt, hf_logits):
     for check in contract.CONTRACT_TESTS.values():
         args = {"obs": o, "ref_logits": hf_logits}
         check(*(args[p] for p in check.__code__.co_varnames[: check.__code__.co_argcount]))
+
+
+def test_the_embedded_engine_computes_a_groups_prompt_once(obs):
+    """The first sample of a group computes its prompt; the others copy its K/V and last logits
+    (``EmbeddedEngine._prefill``) and say so in ``cached_tokens``; a batch of distinct prompts
+    copies nothing."""
+    n = contract.GROUP
+    want = [0 if k == 0 else len(p) for p in contract.GROUP_PROMPTS for k in range(n)]
+    assert obs["grouped"]["cached"] == want
+    assert obs["swap"]["cached"] == [0] * len(contract.PROMPTS)
