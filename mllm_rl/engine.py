@@ -131,7 +131,9 @@ class GenerateOutput:
     logprobs: list[float]  # log p(token_t | prefix) under the sampling distribution, [T_out]
     text: str
     finish_reason: str  # "stop" | "length" | "abort"
-    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache (0: none, or no cache)
+    # prompt tokens this request did not compute: read from the engine's prefix cache or from
+    # another request of its batch with the same prompt (0: it computed its whole prompt)
+    cached_tokens: int = 0
 
 
 @dataclasses.dataclass
