@@ -106,6 +106,7 @@ def run_contract(make_engine: Callable[[bool], Any], model_dir: str | Path,
     obs["idle_cpu_cores"] = _idle_cpu_cores()
     obs["release_undrained"] = _refused(lambda: eng.release(["kv_cache"]))
     obs["drain"] = _drain_in_flight(eng)
+    obs["paused_generate"] = _paused_generate(eng)
     for tag in ("kv_cache", "weights"):
         before = used()
         held = eng.release([tag])[tag]
@@ -183,6 +184,21 @@ def _drain_in_flight(eng: ManagedEngine) -> dict[str, Any]:
     info = eng.drain(timeout_s=120)
     th.join(timeout=120)
     return {**info, "returned": not th.is_alive(), "state": eng.state(), **result}
+
+
+def _paused_generate(eng: ManagedEngine) -> dict[str, Any]:
+    """The adapter's own ``generate`` of a batch of groups while paused (after a drain; the
+    ``ManagedEngine`` would refuse it): every request must come back aborted, at once. sglang-jax
+    holds a request sent while paused until ``continue_generation``: a batch sent then would hang."""
+    result: dict[str, Any] = {}
+
+    def work() -> None:
+        result["outs"] = _outs(eng.engine.generate(DRAIN_PROMPTS, GREEDY))
+
+    th = threading.Thread(target=work, daemon=True)
+    th.start()
+    th.join(timeout=30)
+    return {"returned": not th.is_alive(), **result}
 
 
 # -- reference checks ----------------------------------------------------------------------
@@ -342,6 +358,12 @@ def test_three_release_resume_update_cycles_keep_greedy_output(obs):
 
 def test_stop_tokens(obs):
     assert_stop_token(obs)
+
+
+def test_a_generate_while_paused_comes_back_aborted(obs):
+    d = obs["paused_generate"]
+    assert d["returned"], "a generate sent while paused did not return"
+    assert d["outs"]["finish"] == ["abort"] * len(DRAIN_PROMPTS) and not any(d["outs"]["tokens"])
 
 
 def test_seeded_sampling_is_reproducible(obs):

@@ -48,6 +48,7 @@ from mllm_rl.backends.jax.engine_weights import EngineLeaves, dotted, host_copy,
 from mllm_rl.backends.jax.fingerprint import read_sums
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import (
+    ABORT,
     TAG_KV,
     TAG_WEIGHTS,
     Fingerprint,
@@ -328,10 +329,9 @@ class SglangJaxEngine:
         per_req = [
             {**params, "sampling_seed": s} for s in request_seeds(base, len(ids), sampling.request_offset)
         ]
-        self._prefill_shared(ids)
-        out = self._call(
-            self.engine.async_generate(input_ids=ids, sampling_params=per_req, return_logprob=True)
-        )
+        out = self._call(self._send(ids, per_req))
+        if out is None:  # paused before the batch was sent: what a pause does to queued requests
+            return [GenerateOutput([], [], "", ABORT) for _ in ids]
         outs = out if isinstance(out, list) else [out]
         results = []
         for o in outs:
@@ -357,18 +357,25 @@ class SglangJaxEngine:
             )
         return results
 
-    def _prefill_shared(self, ids: list[list[int]]) -> None:
-        """Prefill each prompt that ``ids`` holds more than once (a GRPO group's samples share
-        theirs) in one batch of 0-token requests, so that the batch's requests find it in the radix
-        cache: the scheduler takes a batch in before any of it is cached, and would compute a
-        group's prompt once per sample. (sglang's ``n > 1`` primes the cache too, one prompt at a
-        time, and gives the n samples one sampling seed.) Nothing to do without a radix cache."""
-        if getattr(self.engine.server_args, "disable_radix_cache", False):
-            return
+    async def _send(self, ids: list[list[int]], per_req: list[dict[str, Any]]) -> Any:
+        """The batch on the engine's loop; first, in one batch of 0-token requests, each prompt
+        that ``ids`` holds more than once (a GRPO group's samples share theirs), so that the
+        batch's requests find it in the radix cache: the scheduler takes a batch in before any of
+        it is cached, and would compute a group's prompt once per sample. (sglang's ``n > 1``
+        primes the cache too, one prompt at a time, and gives the n samples one sampling seed.)
+
+        None when a pause came first: the tokenizer manager holds a request sent while paused
+        until ``continue_generation``, which a drain waiting for that request never sends."""
+        tm = self.engine.tokenizer_manager
         counts = collections.Counter(map(tuple, ids))
         shared = [list(p) for p, n in counts.items() if n > 1]
-        if shared:
-            self._call(self.engine.async_generate(input_ids=shared, sampling_params={"max_new_tokens": 0}))
+        if shared and not getattr(self.engine.server_args, "disable_radix_cache", False):
+            if tm.is_pause:
+                return None
+            await self.engine.async_generate(input_ids=shared, sampling_params={"max_new_tokens": 0})
+        if tm.is_pause:
+            return None
+        return await self.engine.async_generate(input_ids=ids, sampling_params=per_req, return_logprob=True)
 
     # -- memory tags ----------------------------------------------------------
     def memory_tag(self, tag: str) -> str:

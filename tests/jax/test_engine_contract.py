@@ -55,7 +55,7 @@ globals().update(contract.CONTRACT_TESTS)
 
 
 def test_a_groups_prompt_is_prefilled_once_and_its_samples_read_it_from_the_cache(obs):
-    """sglang-jax computes each repeated prompt once (``SglangJaxEngine._prefill_shared``): every
+    """sglang-jax computes each repeated prompt once (``SglangJaxEngine._send``): every
     request of a group finds all of its prompt but the last token in the radix cache (that one is
     computed again for its logits); right after an update (the cache flushed) nothing is cached."""
     want = [len(p) - 1 for p in contract.GROUP_PROMPTS for _ in range(contract.GROUP)]
