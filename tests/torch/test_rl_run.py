@@ -24,8 +24,7 @@ from mllm_rl.phases import validate_record
 from mllm_rl.sinks.jsonl import read_jsonl
 from mllm_rl.trainer import TRAIN_METRICS
 from tests.conftest import run_cli, start_cli
-from tests.core.test_cli_errors import ROWS
-from tests.core.test_cli_errors import test_refusal as refusal
+from tests.core.test_cli_errors import ROWS, check_refusal
 
 pytestmark = pytest.mark.slow  # every test here starts an engine (or waits on one that did)
 
@@ -273,8 +272,8 @@ def test_resume_skips_a_truncated_newest_checkpoint_and_finishes_from_the_older(
 TORCH_ROWS = [row for row in ROWS if "--backend torch" in row[0] and row[3] == "runtime"]
 
 
-@pytest.mark.parametrize("cmd,code,message,when", TORCH_ROWS, ids=[r[0] for r in TORCH_ROWS])
-def test_refusals_checked_once_the_torch_runtime_is_up(cmd, code, message, when, tmp_path):
+@pytest.mark.parametrize("row", TORCH_ROWS, ids=[r[0] for r in TORCH_ROWS])
+def test_refusals_checked_once_the_torch_runtime_is_up(row, tmp_path, monkeypatch, capfd):
     """The torch rows of docs/ERRORS.md (the core test skips them outside the torch venv)."""
     assert TORCH_ROWS
-    refusal(cmd, code, message, when, tmp_path)
+    check_refusal(row, tmp_path, monkeypatch, capfd)
