@@ -11,7 +11,7 @@ Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4); each fact is pro
   ``_create_qwen3_weight_mappings()`` gives each HF name's target and transpose.
 - CPU: ``max_running_requests``/``context_length`` must be bounded, ``head_dim`` a multiple of 128;
   ``jax.device_put`` of a numpy view aliases it, so the overlap schedule is off (its KV-location
-  buffer is rewritten under a running forward: ``scripts/repro_sglang_jax_tp_batch.py``) and
+  buffer is rewritten under a running forward: docs/ENGINES.md) and
   memmapped weights go through ``engine_weights.host_copy``.
 - ``flush_cache`` may return ``success=False`` silently; it is retried (``flush_cache``).
 - The engine's asyncio loop runs in a daemon thread and every call goes through

@@ -21,8 +21,8 @@ from tests.conftest import ROOT, load_script
 
 SCRIPTS = ROOT / "scripts"
 PY_SCRIPTS = ["bench_swap.py", "bench_release.py", "bench_rl_memory.py", "bench_engine.py", "soak.py",
-              "bench_summary.py", "bench_step_cost.py", "bench_precision.py", "repro_sglang_jax_tp_batch.py",
-              "bench_plan_vs_cuda.py", "bench_processes.py"]  # fmt: skip
+              "bench_summary.py", "bench_step_cost.py", "bench_precision.py", "bench_plan_vs_cuda.py",
+              "bench_processes.py"]  # fmt: skip
 # Every script imports the shared helpers from the package (never through sys.path).
 PACKAGE_USERS = sorted(p.name for p in SCRIPTS.glob("*.py"))
 BENCH_MODULES = ["mllm_rl.bench", "mllm_rl.bench.machine", "mllm_rl.bench.child", "mllm_rl.bench.records",
