@@ -64,6 +64,7 @@ def _kinds(tree) -> set[str]:
     ],
     ids=["reference", "clipped", "scan-remat-clipped", "scan-lora-noclip"],
 )
+@pytest.mark.slow  # compiles and trains two trainers per configuration
 def test_streamed_update_equals_the_whole_tree_update(bf16_md, opts, cfg):  # noqa: F811
     dev, hst = _pair(bf16_md, cfg, opts)
     assert _kinds(hst.opt_state) == {"pinned_host"}
