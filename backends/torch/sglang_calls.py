@@ -204,6 +204,14 @@ CALLS: dict[str, Call] = {
     "output_token_logprobs": Call(
         _TM, "TokenizerManager", "add_logprob_to_meta_info", "keys", kwargs=("output_token_logprobs",)
     ),
+    "meta_info": Call(
+        _TM,
+        "TokenizerManager",
+        "_handle_batch_output",
+        "keys",
+        kwargs=("cached_tokens",),
+        why="prompt tokens the request read from the radix cache (GenerateOutput.cached_tokens)",
+    ),
     "logprob_entry": Call(
         _TM,
         "TokenizerManager",

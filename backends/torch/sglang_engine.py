@@ -292,6 +292,7 @@ class SglangEngine:
                     [float(x[0]) for x in lps],  # entry: (logprob, token_id, text)
                     o.get(k("generate_output", "text")) or "",
                     reason,
+                    int(meta.get(k("meta_info", "cached_tokens")) or 0),
                 )
             )
         return outs
