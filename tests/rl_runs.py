@@ -17,7 +17,9 @@ def check_temperature_consistent(backend: str, model: Path, temperature: float, 
     """A run sampling at ``temperature`` whose trainer recomputes the old log-probs: at step 0 (no
     update yet) the trainer's log-probs of the sampled tokens equal the engine's to float32 noise,
     so the engine-vs-trainer ratio is 1 within 1e-3. Before the trainer divided its logits by the
-    temperature, ``engine_ratio_mean`` was 0.889 (JAX) / 0.981 (torch) at 0.7. Returns step 0's metrics."""
+    temperature, ``engine_ratio_mean`` was 0.889 (JAX) / 0.981 (torch) at 0.7. The samples of a
+    group reused their prompt's computation (``prompt_tokens_cached``): the log-probs checked are
+    of the shared prefill. Returns step 0's metrics."""
     r = run_cli("mllm_rl.run", "--backend", backend, "--model", str(model), "--run-dir", str(run_dir),
                 "--temperature", str(temperature), "--old-logp", "trainer", *SMALL, timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -26,6 +28,7 @@ def check_temperature_consistent(backend: str, model: Path, temperature: float, 
     assert abs(m0["engine_ratio_mean"] - 1.0) < 1e-3, m0
     assert m0["logp_mismatch_mean"] < 1e-4 and m0["logp_mismatch_max"] < 2e-3, m0
     assert abs(m0["ratio_mean"] - 1.0) < 1e-3, m0
+    assert m0["prompt_tokens_cached"] > 0, m0
     return m0
 
 
