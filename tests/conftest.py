@@ -33,6 +33,36 @@ def _jax_compilation_cache() -> None:
 
 _jax_compilation_cache()
 
+# XLA:CPU's LLVM optimisation level for every program the tests compile, in this process and the
+# runs it starts: level 0 instead of XLA's default 3. The tests compile hundreds of small programs
+# that each run for milliseconds, so LLVM's optimiser was most of a compile and bought nothing
+# (HLO passes, fusion and buffer assignment, hence the memory plans, are the same at every level).
+XLA_TEST_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def _xla_test_flags() -> None:
+    """``XLA_TEST_FLAGS`` in ``XLA_FLAGS`` before anything imports jax, unless the caller chose a level."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {XLA_TEST_FLAGS}".strip()
+
+
+_xla_test_flags()
+
+
+def without_device_count(env: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
+    """A copy of ``env`` whose ``XLA_FLAGS`` forces no CPU device count (a child that chooses its
+    own, or a process of a multi-process run), the other flags (``XLA_TEST_FLAGS``) kept."""
+    out = dict(env)
+    flags = [
+        f
+        for f in out.pop("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    if flags:
+        out["XLA_FLAGS"] = " ".join(flags)
+    return out
+
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):

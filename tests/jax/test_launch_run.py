@@ -5,14 +5,13 @@ is ``tests/jax/test_multihost.py``'s shared run."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from mllm_rl.sinks.jsonl import read_jsonl
-from tests.conftest import ROOT
+from tests.conftest import ROOT, without_device_count
 
 RL = ["--backend", "jax", "--tp", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4",
       "--checkpoint-every", "1", "--wandb", "disabled", "--console", "off"]  # fmt: skip
@@ -22,7 +21,7 @@ REAL = ["--lora-rank", "4", "--lr", "1e-6", "--temperature", "0.7"]
 
 
 def launch(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = without_device_count()
     env.update(JAX_PLATFORMS="cpu", MLLM_RL_DIST_TIMEOUT_S="120", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "mllm_rl.launch", "--nproc", str(nproc), "--grace-s", "30", "--", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
@@ -47,7 +46,7 @@ def test_rl_across_two_processes_killed_mid_step_resumes_to_the_one_process_run(
     one, two, model = tmp_path / "one", tmp_path / "two", str(tiny_bf16_ckpt)
     r = launch(*RL, *REAL, "--model", model, "--steps", "3", "--run-dir", str(one), nproc=1)
     assert r.returncode == 0, r.stderr[-3000:]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = without_device_count()
     env.update(JAX_PLATFORMS="cpu", MLLM_RL_DIST_TIMEOUT_S="120", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "mllm_rl.launch", "--nproc", "2", "--grace-s", "20", "--", *RL, *REAL,
            "--model", model, "--steps", "3", "--weights-cpu-backup", "--run-dir", str(two)]  # fmt: skip

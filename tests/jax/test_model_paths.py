@@ -33,7 +33,7 @@ from mllm_rl.backends.jax.trainer import JaxTrainer
 from mllm_rl.checkpoint import ModelDir
 from mllm_rl.rl.loss_config import LossConfig
 from mllm_rl.trainer import RolloutBatch, TrainConfig
-from tests.conftest import ROOT
+from tests.conftest import ROOT, XLA_TEST_FLAGS
 
 # Each test compiles several model paths (splash attention runs in Pallas interpret mode on CPU):
 # minutes on 2 cores, so the whole file is in the slow set; make test runs it.
@@ -343,7 +343,11 @@ def test_fsdp_by_tp_mesh_on_four_devices_matches_one_device(md, tmp_path):
     data = tmp_path / "batch.npz"
     np.savez(data, tokens=batch.tokens, attention_mask=batch.attention_mask, loss_mask=batch.loss_mask,
              old_logp=batch.old_logp, advantages=batch.advantages)  # fmt: skip
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"{XLA_TEST_FLAGS} --xla_force_host_platform_device_count=4",
+    }
     r = subprocess.run([sys.executable, "-c", _MESH_RUN, str(md.path), str(data)], capture_output=True, text=True,
                        timeout=900, env=env, cwd=ROOT)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]

@@ -23,7 +23,7 @@ import pytest
 from mllm_rl.backends.jax.distributed import DistConfig, config_from_env
 from mllm_rl.phases import validate_record
 from mllm_rl.sinks.jsonl import read_jsonl
-from tests.conftest import ROOT
+from tests.conftest import ROOT, without_device_count
 from tests.jax.test_swap_run import PHASES
 
 N = 2
@@ -72,7 +72,7 @@ def run_processes(run_dir: Path, model: Path, *extra: str, env: dict[int, dict[s
                 "MLLM_RL_COORDINATOR": f"127.0.0.1:{port}", "MLLM_RL_NUM_PROCESSES": str(N),
                 "MLLM_RL_PROCESS_ID": str(i), "MLLM_RL_DIST_TIMEOUT_S": "120",
                 **(env or {}).get(i, {})}  # fmt: skip
-        penv.pop("XLA_FLAGS", None)
+        penv = without_device_count(penv)
         out, err = open(logs / f"p{i}.out", "w+"), open(logs / f"p{i}.err", "w+")  # noqa: SIM115
         files.append((out, err))
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=penv, stdout=out, stderr=err, text=True))
@@ -134,7 +134,7 @@ def phase_file(run_dir: Path, i: int) -> Path:
 def swap2(tiny_ckpt, tmp_path_factory):
     """One swap run as two processes of ``python -m mllm_rl.launch --nproc 2``, without ``--tp``."""
     run_dir = tmp_path_factory.mktemp("multihost") / "run"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = without_device_count()
     env.update(JAX_PLATFORMS="cpu", MLLM_RL_DIST_TIMEOUT_S="120", PYTHONUNBUFFERED="1")
     # 0.05 MiB chunks: every 2-D tensor is written into the engine's global buffer in donated slices.
     cmd = [sys.executable, "-m", "mllm_rl.launch", "--nproc", str(N), "--", "--backend", "jax", "--plan", "swap",

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, without_device_count
 from tests.jax.test_multihost import free_coordinator_port
 
 pytestmark = pytest.mark.slow
@@ -61,7 +61,7 @@ def test_two_processes_agree_on_every_lease_20_times(tmp_path):
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu",
                "MLLM_RL_COORDINATOR": f"127.0.0.1:{port}", "MLLM_RL_NUM_PROCESSES": "2",
                "MLLM_RL_PROCESS_ID": str(i), "MLLM_RL_DIST_TIMEOUT_S": "60"}  # fmt: skip
-        env.pop("XLA_FLAGS", None)
+        env = without_device_count(env)
         err = open(tmp_path / f"p{i}.err", "w+")  # noqa: SIM115 - a file, never a pipe (see test_multihost)
         logs.append(err)
         cmd = [sys.executable, "-c", SCRIPT, str(tmp_path / f"p{i}.json")]
