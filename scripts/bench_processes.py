@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One torch RL run as 1 process and as 2 (FSDP2-sharded, and replicated with --fsdp 1), side by side.
 
-    python scripts/bench_processes.py [--model tiny] [--steps 3] [--json OUT]
+    python scripts/bench_processes.py [--model tiny] [--steps 3] [--json OUT] [--keep DIR] [-- RUN FLAGS]
 
 Each case is ``python -m mllm_rl.launch --nproc N -- --backend torch ...`` on this machine (CPU:
 gloo; one device per process on a CUDA node), the same run flags for all. From each run's phase
@@ -11,6 +11,10 @@ records: the median ``train_step`` and whole-step seconds over the steps after t
 cases up to float32 reduction noise, the check that all three ran the same run). Ratios are
 against the one-process run. On a CPU with few cores the processes share the cores: the time
 ratios say what the collectives and the duplicated work cost there, not how a GPU node scales.
+
+Flags after ``--`` go to every run (after the script's own, so they win: ``-- --lora-rank 0
+--checkpoint-every 1``); ``--keep DIR`` keeps the three run directories there (``one``, ``two``,
+``dp``) for a closer look, else they are removed.
 
 Exit 0 when every run succeeded and the sharded run's per-process trainer bytes are at most
 0.55 x the one-process run's; 1 otherwise; 2 on bad input.
@@ -31,7 +35,9 @@ from mllm_rl.bench.machine import ROOT, bench_json
 from mllm_rl.bench.tables import table
 from mllm_rl.sinks.jsonl import read_jsonl
 
-CASES = (("1 process", 1, []), ("2 processes, FSDP2", 2, []), ("2 processes, --fsdp 1", 2, ["--fsdp", "1"]))
+# (name, processes, flags, directory name)
+CASES = (("1 process", 1, [], "one"), ("2 processes, FSDP2", 2, [], "two"),
+         ("2 processes, --fsdp 1", 2, ["--fsdp", "1"], "dp"))  # fmt: skip
 SHARD_BOUND = 0.55  # a sharded process holds half the state, and FSDP2's padding of a last shard
 
 
@@ -44,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> Any:
     ap.add_argument("--max-new-tokens", type=positive(), default=16)
     ap.add_argument("--micro-batch-size", type=positive(), default=16)
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here (one, two, dp)")
+    ap.add_argument("run_flags", nargs="*", help="flags for every run, after --")
     return ap.parse_args(argv)
 
 
@@ -52,7 +60,7 @@ def _run(args: Any, nproc: int, extra: list[str], run_dir: Path) -> None:
              "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
              "--max-new-tokens", str(args.max_new_tokens), "--micro-batch-size", str(args.micro_batch_size),
              "--checkpoint-every", "0", "--wandb", "disabled", "--console", "off", "--run-dir", str(run_dir),
-             *extra]  # fmt: skip
+             *extra, *args.run_flags]  # fmt: skip
     cmd = [sys.executable, "-m", "mllm_rl.launch", "--nproc", str(nproc), "--", *flags]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600, env=dict(os.environ))
     if r.returncode != 0:
@@ -80,9 +88,11 @@ def _row(name: str, nproc: int, run_dir: Path) -> dict[str, Any]:
 
 def bench(args: Any) -> dict[str, Any]:
     rows = []
+    if args.keep is not None and any((args.keep / d).exists() for *_, d in CASES):
+        raise ValueError(f"--keep {args.keep}: already holds a run directory (one, two or dp)")
     with tempfile.TemporaryDirectory(prefix="bench-processes-") as tmp:
-        for name, nproc, extra in CASES:
-            run_dir = Path(tmp) / name.replace(" ", "_").replace(",", "")
+        for name, nproc, extra, dirname in CASES:
+            run_dir = (args.keep or Path(tmp)) / dirname
             _run(args, nproc, extra, run_dir)
             rows.append(_row(name, nproc, run_dir))
     base = rows[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -107,25 +108,30 @@ def test_fsdp_full_fine_tune_shards_the_state_and_its_checkpoint_resumes_in_one_
 ):
     """A full fine-tune at a pretrained model's settings (bf16 checkpoint: float32 masters, bf16
     compute through FSDP2's mixed-precision policy; remat; lr 1e-6; T 0.7) on two processes, FSDP2
-    (the default) against the same run on one process and on two unsharded (--fsdp 1): step 0's
-    rewards equal, its loss and grad norm to float32 reduction noise; each FSDP process holds half
-    the params and AdamW state (the shards of two processes are the whole, but for FSDP2's padding of
-    a last shard), each to the byte what the torch planner traces for one rank of a fake process
-    group; 64 rows in micro-batches of 24 make 3 micro-batches, so one process runs a
-    weight-0 repeat to keep the collectives paired. The two-process checkpoint (one shard file per
-    process) resumes in ONE process and its step 1 is the one-process run's step 1 exactly:
-    torch.distributed.checkpoint reshards, and the restored masters and moments are bit for bit
-    the one-process run's."""
-    full = ["--lora-rank", "0", "--micro-batch-size", "24", "--model-option", "remat=true",
-            "--model", str(tiny_bf16_ckpt)]  # fmt: skip
-    one, two, dp = tmp_path / "one", tmp_path / "two", tmp_path / "dp"
-    for run_dir, n, extra in (
-        (one, 1, []),
-        (two, 2, ["--steps", "1"]),
-        (dp, 2, ["--steps", "1", "--fsdp", "1"]),
-    ):
-        r = launch(*RL, *full, "--steps", "2", *extra, "--run-dir", str(run_dir), nproc=n)
-        assert r.returncode == 0, r.stderr[-3000:]
+    (the default) against the same run on one process and on two unsharded (--fsdp 1), the three
+    runs made by ``scripts/bench_processes.py`` (its table, JSON and exit code checked too): step
+    0's rewards equal, its loss and grad norm to float32 reduction noise; each FSDP process holds
+    half the params and AdamW state (the shards of two processes are the whole, but for FSDP2's
+    padding of a last shard), each to the byte what the torch planner traces for one rank of a fake
+    process group; 64 rows in micro-batches of 24 make 3 micro-batches, so one process runs a
+    weight-0 repeat to keep the collectives paired. The two-process checkpoint of step 0 (one
+    shard file per process; the run's newest, step 1's, taken away) resumes in ONE process and its
+    step 1 is the one-process run's step 1 exactly: torch.distributed.checkpoint reshards, and the
+    restored masters and moments are bit for bit the one-process run's."""
+    out, kept = tmp_path / "b.json", tmp_path / "runs"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_processes.py"), "--model", str(tiny_bf16_ckpt),
+                        "--steps", "2", "--prompts-per-step", "8", "--group-size", "8", "--max-new-tokens", "8",
+                        "--micro-batch-size", "24", "--json", str(out), "--keep", str(kept), "--",
+                        "--checkpoint-every", "1", "--lora-rank", "0", "--lr", "1e-6", "--temperature", "0.7",
+                        "--model-option", "remat=true"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=900)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "MEASURED" in r.stdout and "not a scaling figure" in r.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [x["processes"] for x in rows] == [1, 2, 2]
+    assert rows[1]["x_trainer_mib"] == pytest.approx(0.5, abs=0.01) and rows[2]["x_trainer_mib"] == 1.0
+    assert rows[0]["reward0"] == rows[1]["reward0"] == rows[2]["reward0"]
+    one, two, dp = kept / "one", kept / "two", kept / "dp"
     ref = {m["step"]: m for m in read_jsonl(one / "metrics.jsonl")}
     for run_dir in (two, dp):
         for name in ("metrics.jsonl", "metrics.p1.jsonl"):
@@ -150,30 +156,15 @@ def test_fsdp_full_fine_tune_shards_the_state_and_its_checkpoint_resumes_in_one_
     assert sorted(p.name for p in (two / "checkpoints" / "step_000000" / "dcp").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"]  # fmt: skip
 
-    r = launch(*RL, *full, "--steps", "2", "--run-dir", str(two), "--resume", nproc=1)
+    shutil.rmtree(two / "checkpoints" / "step_000001")  # step 0's checkpoint is the newest
+    r = launch("--run-dir", str(two), "--resume", nproc=1)
     assert r.returncode == 0, r.stderr[-3000:]
+    steps = [m["step"] for m in read_jsonl(two / "metrics.jsonl")]
+    assert steps == [0, 1, 1], steps  # step 1 again, from step 0's checkpoint
     got = {m["step"]: m for m in read_jsonl(two / "metrics.jsonl")}
     assert got[1]["reward_mean"] == ref[1]["reward_mean"]
     for k in ("loss", "grad_norm"):  # exact where step 0's update was (see above): else bf16 noise
         assert got[1][k] == pytest.approx(ref[1][k], rel=2.5e-2), k
-
-
-def test_bench_processes_prints_the_three_runs_side_by_side(tmp_path):
-    """``scripts/bench_processes.py``: one run as 1 process, 2 sharded, 2 replicated; the same step
-    0 in all three, half the trainer bytes per sharded process, exit 0, its JSON."""
-    out = tmp_path / "b.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_processes.py"), "--steps", "2",
-                        "--max-new-tokens", "8", "--json", str(out)], capture_output=True, text=True,
-                       cwd=ROOT, timeout=900)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "MEASURED" in r.stdout and "not a scaling figure" in r.stdout
-    import json
-
-    rows = json.loads(out.read_text())["rows"]
-    assert [x["processes"] for x in rows] == [1, 2, 2]
-    assert rows[1]["x_trainer_mib"] == pytest.approx(0.5, abs=0.01) and rows[2]["x_trainer_mib"] == 1.0
-    assert rows[0]["reward0"] == rows[1]["reward0"] == rows[2]["reward0"]
-    assert rows[1]["grad_norm0"] == pytest.approx(rows[0]["grad_norm0"], rel=1e-4)
 
 
 def test_a_process_killed_mid_step_stops_the_sharded_run_and_resume_continues(killed_and_resumed):
