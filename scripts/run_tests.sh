@@ -6,7 +6,8 @@
 #                run several tests read, are made once); its output as it goes
 #   torch        in .venv-torch, one process; its output once it ends
 # Each ends with its 25 slowest tests (--durations), what to share or trim first when the suite grows;
-# every test's time stays in .pytest_cache/junit-{jax,torch}.xml (JUnit XML) after the run.
+# every test's time stays in .pytest_cache/junit-{jax,torch}.xml (JUnit XML) after the run; the next
+# run starts the longest files first by those times (tests/conftest.py), so the workers end together.
 # Exit status: 0 when both passed. Extra arguments go to both, e.g. scripts/run_tests.sh -m "not slow".
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
