@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from mllm_rl.backend import Backend
-from mllm_rl.backends.jax import distributed
+from mllm_rl.backends.jax import compile_cache, distributed
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import EngineOptions
 
@@ -33,6 +33,10 @@ class JaxBackend(Backend):
     releases_across_processes = True
     ready_phase = "jax_ready"
     engines = {"auto": "sglang-jax"}  # --engine choices (EngineOptions.check_backend)
+
+    def __init__(self) -> None:
+        # before anything imports jax: the memory plan compiles first
+        self.compile_cache = compile_cache.configure()
 
     def init_distributed(self, tp: int = 1) -> dict[str, int]:
         """Join a multi-process run (``jax.distributed``) when the environment describes one;
@@ -79,6 +83,7 @@ class JaxBackend(Backend):
             "global_device_count": jax.device_count(),
             "device_kind": jax.devices()[0].device_kind,
             "xla_python_client_preallocate": os.environ.get(PREALLOCATE),
+            "compile_cache": jax.config.jax_compilation_cache_dir or None,
         }
 
     def memory_probe(self):

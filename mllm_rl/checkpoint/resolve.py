@@ -20,9 +20,10 @@ from mllm_rl.checkpoint.model_dir import CheckpointError, ModelDir
 from mllm_rl.presets import PRESETS
 
 
-def cache_dir() -> Path:
-    """``$MLLM_RL_CACHE`` or ``~/.cache/mllm_rl``: where preset checkpoints are written."""
-    return Path(os.environ.get("MLLM_RL_CACHE", Path.home() / ".cache" / "mllm_rl")).expanduser()
+def cache_dir(env: Mapping[str, str] = os.environ) -> Path:
+    """``$MLLM_RL_CACHE`` or ``~/.cache/mllm_rl``: where preset checkpoints (and JAX's compiled
+    programs, ``backends/jax/compile_cache.py``) are written."""
+    return Path(env.get("MLLM_RL_CACHE", Path.home() / ".cache" / "mllm_rl")).expanduser()
 
 
 def resolve_model(spec: str, seed: int = 0, dtype: str | None = None) -> ModelDir:

@@ -8,6 +8,7 @@ Each run is a subprocess (an sglang-jax engine must not live in pytest's process
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -85,6 +86,8 @@ def test_every_phase_of_every_step_is_recorded_in_order(lora_lr0):
     for s in (0, 1):
         assert [x["phase"] for x in steps[s]] == plan["expected_step_phases"]
     assert [x["idx"] for x in recs] == list(range(len(recs)))
+    # the run compiled through the persistent cache the tests share (backends/jax/compile_cache.py)
+    assert phase(recs, "jax_ready", None)["info"]["compile_cache"] == os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
 @pytest.mark.slow
