@@ -3,12 +3,10 @@
 Pure JAX (no sglang-jax import). An engine's weights are a list of leaves (sglang-jax:
 ``model_runner.model_state_leaves``) and a map HF name -> ``(leaf index, transpose)``, ``transpose``
 meaning the leaf holds HF ``[out, in]`` as ``[in, out]``. Accepted values (``place`` / ``stream``):
-a host ndarray or memmap in HF layout (moved as it is, then transposed / cast on the leaf's
-devices: a strided host transpose of a bf16 matrix is far slower than a copy; moved through
-``host_copy`` when no device op follows); a ``jax.Array`` in HF layout (transposed / cast where it
-lives, then moved); ``KernelInOut(a)``, ``a`` ``[in, out]`` (no transpose); either as ``Owned``
-(a buffer made for the export: kept, not copied); ``Placed(a)`` (``stream`` only), already in the
-leaf's layout, dtype and sharding.
+a host ndarray or memmap or a ``jax.Array`` in HF layout; ``KernelInOut(a)``, ``a`` ``[in, out]``;
+either as ``Owned`` (a buffer made for the export: kept, not copied); ``Placed(a)`` (``stream``
+only), already in the leaf's layout, dtype and sharding. Transposes and casts run on the devices:
+a strided host transpose of a bf16 matrix is far slower than a copy.
 """
 
 from __future__ import annotations
@@ -226,8 +224,8 @@ class EngineLeaves:
 
     def installed(self, summed: Mapping[str, jax.Array]) -> frozenset[str]:
         """The names whose leaf is the very array ``stream`` summed (``summed``): their fingerprint
-        is that of what the forward reads, without reading it back. Not a tensor written in chunks,
-        dropped instead of installed or replaced since."""
+        is that of what the forward reads, without a read-back (not chunked, dropped or since
+        replaced ones)."""
         leaves = self.leaves
         return frozenset(n for n, a in summed.items() if leaves[self.mappings[n][0]] is a)
 

@@ -14,14 +14,11 @@ The defaults are the TPU path on every platform, so CPU tests exercise it: stack
 - ``attention``: ``dense`` | ``xla`` | ``chunked`` | ``splash`` (``attention.py``);
   ``attention_chunk``: query positions per chunk of ``chunked``.
 - ``logprob_chunk``: positions per head chunk (``logprob.py``); 0 = whole [B, T, V] logits.
-- ``param_dtype`` / ``compute_dtype`` / ``opt_dtype``: None leaves them to ``resolved``, which
-  follows ``TrainConfig.precision``: ``mixed`` on a 16-bit checkpoint keeps float32 trainable
-  params and moments, computing in the checkpoint dtype (a LoRA base stays 16-bit); ``pure`` keeps
-  everything in the checkpoint dtype; a float32 checkpoint is float32 throughout. The engine always
-  gets the checkpoint dtype.
+- ``param_dtype`` / ``compute_dtype`` / ``opt_dtype``: None leaves them to ``resolved``
+  (``TrainConfig.precision``; ``Dtypes``).
 - ``optimizer_memory``: ``device`` (offloaded between steps) or ``host`` (``pinned_host`` for the
-  whole run, streamed through the device a leaf at a time by ``host_optimizer.py``: lets a full
-  fine-tune whose float32 state does not fit the device train; same numbers).
+  whole run, streamed through the device by ``host_optimizer.py``, for a full fine-tune whose
+  float32 state does not fit the device; same numbers).
 """
 
 from __future__ import annotations
@@ -73,9 +70,8 @@ class ModelOptions:
 
     @classmethod
     def for_platform(cls, platform: str, tp: int = 1) -> ModelOptions:
-        """The trainer's default on ``platform``: the dataclass defaults (stacked layers under
-        scan, per-block remat, the head in 256-position chunks) with splash attention on TPU and
-        dense attention elsewhere (module docstring)."""
+        """The trainer's default on ``platform``: the dataclass defaults with splash attention on
+        TPU and dense attention elsewhere (module docstring)."""
         if platform == "tpu":
             return cls(tp=tp, attention="splash")
         return cls(tp=tp)
@@ -112,8 +108,10 @@ class ModelOptions:
 
     def resolved(self, checkpoint: Any, precision: str = "mixed", lora: bool = False) -> Dtypes:
         """The dtypes the trainer stores, computes and optimises in for a ``checkpoint`` dtype under
-        ``precision`` (``mixed`` | ``pure``), full fine-tune or ``lora``. The one place these defaults are
-        decided: the trainer, its step functions and the memory planner all call it."""
+        ``precision``, full fine-tune or ``lora``: ``mixed`` on a 16-bit checkpoint keeps float32
+        trainable params and moments, computing in the checkpoint dtype (a LoRA base stays 16-bit);
+        ``pure`` keeps everything in the checkpoint dtype. The one place these defaults are decided:
+        the trainer, its step functions and the memory planner all call it."""
         import jax.numpy as jnp
 
         if precision not in PRECISIONS:

@@ -1,8 +1,7 @@
 """sglang-jax rollout engine adapter: every private touch-point of sglang-jax lives here.
 Pure-JAX weight placement and fingerprints live in ``engine_weights.py`` (no sglang-jax import).
 
-Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4); each fact is probed in
-``_check_version``:
+Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4; API probed in ``_check_version``):
 
 - ``Engine(enable_single_process=True, load_format="dummy")`` runs in-process; the model runner is
   ``engine.scheduler_info["scheduler"].tp_worker.worker.model_runner``.
@@ -10,18 +9,15 @@ Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4); each fact is pro
   so replacing items with same shape/dtype/sharding arrays swaps weights without recompiling;
   ``_create_qwen3_weight_mappings()`` gives each HF name's target and transpose.
 - CPU: ``max_running_requests``/``context_length`` must be bounded, ``head_dim`` a multiple of 128;
-  ``jax.device_put`` of a numpy view aliases it, so the overlap schedule is off (its KV-location
-  buffer is rewritten under a running forward: docs/ENGINES.md) and
-  memmapped weights go through ``engine_weights.host_copy``.
-- ``flush_cache`` may return ``success=False`` silently; it is retried (``flush_cache``).
-- The engine's asyncio loop runs in a daemon thread and every call goes through
-  ``run_coroutine_threadsafe``, so a pause from one thread aborts another thread's requests.
-- ``sampling_seed`` needs ``enable_deterministic_sampling``; every request gets its own seed.
-- The tokenizer manager takes SIGTERM over; we create its loop eagerly and restore our handler.
+  ``jax.device_put`` of a numpy view aliases it (memmapped weights go through
+  ``engine_weights.host_copy``; the overlap schedule is off).
 - Interpreter teardown after an engine ran aborts in C++, so the CLI leaves through ``os._exit``.
 - Multi-process (docs/TPU.md): ``nnodes``/``node_rank``/``dist_init_addr`` make one engine over
   every process's devices; node 0 tokenizes and broadcasts each iteration's requests (ZMQ PUB/SUB);
   nodes >= 1 get their scheduler from ``run_scheduler_loop_thread_after_create``.
+
+Other upstream behaviour is noted where it is worked around (``flush_cache``, ``pause_generation``,
+the ``Engine`` arguments, SIGTERM).
 """
 
 from __future__ import annotations
@@ -265,9 +261,8 @@ class SglangJaxEngine:
 
         ``named_tensors`` yields ``(hf_name, value)``: a host ndarray or jax.Array in HF layout, a
         ``KernelInOut`` kernel ``[in, out]`` (no transpose), or a ``Placed`` array already in the engine
-        layout. Names were validated by ``ManagedEngine.check_update``. The fingerprint is of what was
-        sent; ``installed``: the tensors whose summed array is the leaf the forward now reads, on
-        every process (a read-back of the others is a collective: every process reads the same)."""
+        layout. The fingerprint is of what was sent; ``installed``: the tensors whose summed array is
+        the leaf the forward reads, on every process (a read-back of the others is a collective)."""
         t0 = time.perf_counter()
         sums, nbytes, summed = self.weights.stream(named_tensors, on_tensor)
         self._resync_module()
@@ -358,11 +353,10 @@ class SglangJaxEngine:
         return results
 
     async def _send(self, ids: list[list[int]], per_req: list[dict[str, Any]]) -> Any:
-        """The batch on the engine's loop; first, in one batch of 0-token requests, each prompt
-        that ``ids`` holds more than once (a GRPO group's samples share theirs), so that the
-        batch's requests find it in the radix cache: the scheduler takes a batch in before any of
-        it is cached, and would compute a group's prompt once per sample. (sglang's ``n > 1``
-        primes the cache too, one prompt at a time, and gives the n samples one sampling seed.)
+        """The batch on the engine's loop, after one batch of 0-token requests for each prompt
+        ``ids`` holds more than once (a GRPO group's): the scheduler admits a batch before any of
+        it is cached and would prefill a shared prompt once per sample. (sglang's ``n > 1`` gives
+        the n samples one sampling seed.)
 
         None when a pause came first: the tokenizer manager holds a request sent while paused
         until ``continue_generation``, which a drain waiting for that request never sends."""
@@ -512,9 +506,9 @@ def _sleep_when_idle(scheduler: Any, timeout_ms: int = IDLE_POLL_MS) -> None:
     """Make an idle scheduler (node 0's) wait for its next message instead of spinning.
 
     sglang-jax's scheduler loop polls its ZMQ sockets without blocking and calls ``on_idle()`` when it
-    has no batch, burning a core and contending for the GIL with the trainer. When the scheduler is also
-    ``is_fully_idle()``, ``on_idle`` now blocks on its sockets until a message arrives or ``timeout_ms``
-    passes. Other nodes block on node 0's broadcast, so quieting node 0 quiets them all."""
+    has no batch, burning a core and contending for the GIL with the trainer. The wrapped ``on_idle``
+    of a ``is_fully_idle()`` scheduler blocks on its sockets for up to ``timeout_ms``. Other nodes
+    block on node 0's broadcast, so quieting node 0 quiets them all."""
     import zmq
 
     poller = zmq.Poller()

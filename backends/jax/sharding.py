@@ -19,8 +19,8 @@ leaf                        column-parallel             row-parallel
 
 ``embed_tokens`` / ``lm_head`` [V, H]: ``("fsdp", "tp")`` (the vocab over ``fsdp``: the TPU
 compiler predicts a lower peak for the FSDP grad step than with the hidden axis there). Norm
-weights and scalars (Adam's step count): replicated. Optimizer state leaves follow the parameter they belong to (their
-tree path holds the same names).
+weights and scalars (Adam's step count): replicated. Optimizer state leaves follow their
+parameter (their tree path holds the same names).
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ target, so a plan compiles what the run runs::
     fns.grad.lower(trainable, frozen, mb, SCALAR, SCALAR).compile().memory_analysis()
 
 Shapes: B micro-batch rows, T positions (prompt + completion, right-padded), V vocab, L layers.
-Dtypes come from ``resolve_dtypes``: by default a bf16 checkpoint trains float32 masters and
-moments, each forward/backward casting the params to bf16 inside the jitted function.
+Dtypes: ``resolve_dtypes``; the params are cast to the compute dtype inside the jitted functions.
 
 - ``trainable`` / ``frozen``: ``nnx.State`` trees (full fine-tune: every ``Param`` / nothing; LoRA:
   the ``LoRAParam`` adapters / the base), layers stacked [L, ...] with ``scan_layers``, sharded by

@@ -1,38 +1,24 @@
 """The embedded torch rollout engine: ``EnginePrimitives`` on our torch Qwen3 (CPU or one CUDA device).
 
-- Starts with dummy weights (uniform in [-1e-3, 1e-3], seeded), like ``load_format="dummy"``.
-- One preallocated KV pool of ``max_total_tokens`` slots: [L, 2, max_total_tokens, K, D]. A
-  batch of B prompts uses the first B*C slots as B rows of C = longest prompt + max new tokens
-  (prompts left-padded); batches that do not fit, or exceed ``max_running_requests``, are
-  served in consecutive sub-batches.
-- Greedy (``temperature == 0``) or temperature / top-p sampling, each request with a
-  ``torch.Generator`` of its own seeded by ``request_seeds(SamplingParams.seed, ...)`` at its
-  index in the whole batch (``request_offset`` + i; a call without a seed takes one from the
-  engine seed's stream): a completion is the same whichever sub-batch or process generates it.
-  Several processes (``backends/torch/distributed.py``): each generates a contiguous slice of the
-  requests and every process gets every output. Sampling runs on the engine's device (only
-  the [B] uniform draws come from the CPU generators); tokens and logprobs stay there, in
-  [B, max_new] buffers read once per batch, and the host learns whether every row has ended
-  after every decode step on CPU and every ``SYNC_EVERY`` steps on an accelerator (a read is a
-  device synchronisation; the extra steps' tokens are dropped).
-- Logprobs: ``log_softmax(logits / temperature)`` at the chosen token (``logits`` when
-  greedy), i.e. under the temperature-scaled distribution *before* top-p truncation.
-- A request stops at EOS or a stop token (included in its output, ``finish_reason="stop"``),
-  at ``max_new_tokens`` or the context length (``"length"``), or when ``pause_generation``
-  is called from another thread (``"abort"``, with the tokens it had; checked before every
-  decode step).
-- ``update_weights`` copies each tensor into the existing parameter storage (addresses
-  stable, so a CUDA-graph or torch_memory_saver region stays valid): the tensor is staged on
-  the engine's device in slices of at most ``chunk_bytes`` (whole when 0 or smaller), each
-  slice fingerprinted, then copied; peak = one copy + one staged slice (on CPU a slice of the
-  same dtype is a view of the source tensor, whose whole storage is live: one copy + one tensor).
-- Memory tags ``weights`` and ``kv_cache``: see ``backends/torch/memory.py`` (torch_memory_saver
-  on CUDA, storage resize elsewhere). No CUDA graphs are captured, so there is no
-  ``cuda_graph`` tag.
-
-Lifecycle state (released tags, weight validity, pause, requests in flight) is kept by the
-core's ``ManagedEngine``; this class keeps only what the memory backend needs to avoid a
-double pause.
+- Starts with seeded dummy weights (uniform in [-1e-3, 1e-3]), like ``load_format="dummy"``.
+- One preallocated KV pool [L, 2, max_total_tokens, K, D]: a batch of B prompts uses B rows of
+  C = longest prompt + max new tokens slots (prompts left-padded); batches that do not fit, or
+  exceed ``max_running_requests``, run in consecutive sub-batches.
+- Each request samples from its own ``torch.Generator``, seeded by its index in the whole batch
+  (``request_seeds``): a completion does not depend on its sub-batch or process. Several
+  processes (``backends/torch/distributed.py``) each generate a contiguous slice of the requests
+  and every process gets every output. Tokens and logprobs stay on the device in [B, max_new]
+  buffers; whether every row has ended is read after each decode step on CPU, every
+  ``SYNC_EVERY`` steps on an accelerator (a read is a synchronisation; the extra steps' tokens
+  are dropped).
+- A request stops at EOS or a stop token (included, ``"stop"``), at ``max_new_tokens`` or the
+  context length (``"length"``), or at ``pause_generation`` from another thread (``"abort"``,
+  checked before every decode step).
+- ``update_weights`` copies into the existing parameter storages (stable addresses keep a
+  torch_memory_saver region valid), staged in slices of at most ``chunk_bytes``: peak = one copy
+  + one slice (on CPU a same-dtype slice is a view of the whole source tensor).
+- Memory tags ``weights`` and ``kv_cache`` (``backends/torch/memory.py``); no CUDA graphs are
+  captured, so no ``cuda_graph`` tag. Lifecycle state lives in the core's ``ManagedEngine``.
 """
 
 from __future__ import annotations
@@ -449,15 +435,12 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of ``logits`` [B, V] (any device and float dtype; computed in
     float32). Returns (tokens [B], logprobs [B]) on ``logits``' device; logprobs are
-    ``log_softmax(logits / T)`` at the token (before top-p).
+    ``log_softmax(logits / T)`` at the token, before top-p (``logits`` when greedy: the argmax).
 
-    Greedy: the argmax.
-    Temperature: inverse-CDF sampling, row i's token the first whose cumulative probability
-    (float64, top-p applied) exceeds ``u_i`` times the row's total, with ``u_i`` one uniform draw
-    from ``gens[i]`` (its request's CPU generator): the random stream depends neither on the
-    device nor on the other rows of the batch. (Not ``torch.multinomial`` row by row on the host:
-    the [B, V] probabilities crossed to the host and were drawn from one row at a time, which
-    dominated a decode step of a 151,936-token vocabulary.)"""
+    Sampling is inverse-CDF on the device (float64, top-p applied) with one uniform draw per row
+    from ``gens[i]``, its request's CPU generator: the stream depends neither on the device nor
+    on the other rows. ``torch.multinomial`` per row on the host would move [B, V] probabilities
+    to the host, which dominates a decode step of a 151,936-token vocabulary."""
     logits = logits.float()
     if sampling.temperature == 0:
         lp = torch.log_softmax(logits, dim=-1)

@@ -470,8 +470,8 @@ def trainer_step_memory(
         peak = _bytes(tracker.get_tracker_snapshot("peak"))
         pre = before_step[-1]
         out = StepMemory(
-            # functional_call swaps the KL reference tensors in as module params: MemTracker files them as such
-            # (sharded, they are copied into the params' shards instead: not params)
+            # functional_call swaps the KL reference tensors in as module params, which MemTracker
+            # counts as params (sharded, they are copied into the params' shards instead)
             params=pre.get("Parameter", 0) - (0 if trainer.sharded else ref_params),
             grads=pre.get("Gradient", 0),
             optimizer=pre.get("Optstate", 0) - host_scalars,

@@ -8,18 +8,12 @@ engine updates and trainer exports share one naming.
 Shapes: B batch, T new positions, S key positions, H hidden, N heads, K kv heads, D head_dim,
 V vocab, I mlp, L layers.
 
-- ``forward(tokens, attention_mask)``: training / reference; with ``targets`` it returns their
-  log-probs [B, T] through a chunked head, so the float32 [B, T, V] logits never exist at once.
-- ``forward_cached(...)``: the engine's incremental path over an external ``KVCache``.
-
-Attention: ``"sdpa"`` (default) uses ``scaled_dot_product_attention`` with ``enable_gqa``; without
-padding ``is_causal`` and no mask (flash kernels, O(T) saved), with padding one additive bias
-[B, 1, T, S] shared by all layers, a padding query attending to itself so no row is fully masked
-(no NaN). ``"eager"`` (float32 [B, N, T, S] scores) is the parity reference.
-
-``remat``: each decoder layer runs under non-reentrant ``torch.utils.checkpoint`` when grad is
-enabled. ``layer_dtype``: a layer casts its own weights inside its checkpointed function, so one
-layer's casts live at a time and its gradients reach the weights as soon as its backward is done.
+Attention: ``"sdpa"`` (default, ``scaled_dot_product_attention``): ``is_causal`` without padding
+(flash kernels), else one additive bias [B, 1, T, S] for all layers, a padding query attending to
+itself so no row is fully masked (no NaN). ``"eager"`` (float32 [B, N, T, S] scores) is the parity
+reference. ``remat``: each decoder layer under non-reentrant ``torch.utils.checkpoint`` when grad
+is enabled; ``layer_dtype``: a layer casts its own weights inside its checkpoint, so one layer's
+casts live at a time (``run_block``).
 """
 
 from __future__ import annotations

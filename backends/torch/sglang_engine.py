@@ -1,16 +1,13 @@
 """SGLang rollout engine adapter (CUDA).
 
 Every SGLang call goes through the declared table ``backends/torch/sglang_calls.py``. Written
-against sglang 0.5.23 read from its wheel's source (``srt/entrypoints/engine.py``,
-``managers/tokenizer_manager.py``, ``managers/io_struct.py``, the weight updaters,
-``layers/sampler.py``, ``models/qwen3.py``); not run against a real SGLang (it needs CUDA):
+against sglang 0.5.23's wheel source, not run against a real SGLang (it needs CUDA):
 ``tests/torch/test_sglang_conformance.py`` checks the table against the wheel and drives this
-adapter against a fake. ``_probe_version`` fails at import when a declared API is missing.
+adapter against a fake; ``_probe_version`` fails at import when a declared API is missing.
 Facts relied on:
 
-- ``Engine(..., load_format="dummy", enable_memory_saver=True, sleep_on_idle=True)`` runs the
-  scheduler in subprocesses and the tokenizer manager on ``engine.loop`` here; without
-  ``sleep_on_idle`` an idle scheduler spins a core per TP rank.
+- ``Engine(..., load_format="dummy", enable_memory_saver=True)`` runs the scheduler in
+  subprocesses and the tokenizer manager on ``engine.loop`` here.
 - ``Engine``'s sync wrappers use ``run_until_complete``, so a second thread could not pause a
   running ``generate``: the adapter runs ``engine.loop`` in its own thread and submits the
   tokenizer manager's coroutines with ``run_coroutine_threadsafe``.

@@ -1,27 +1,21 @@
-"""Torch trainer: our torch Qwen3 (HF parameter names), ``torch.optim.AdamW``, exact gradient
-accumulation, optional LoRA, ``torch.save`` checkpoints, offload to pinned CPU memory.
-Implements ``mllm_rl.trainer.Trainer`` with the behaviour of ``backends/jax/trainer.py``.
+"""Torch trainer: ``mllm_rl.trainer.Trainer`` on our torch Qwen3 (HF parameter names) with the
+behaviour of ``backends/jax/trainer.py``: ``torch.optim.AdamW``, exact gradient accumulation,
+optional LoRA, ``torch.save`` checkpoints, offload to pinned CPU memory.
 
-Shapes: B sequences, T positions (prompt + completion, right-padded to a multiple of ``T_BUCKET``),
-V vocab, M micro-batch size. AdamW state is created at init (like optax's ``init``) so offload and
+Shapes: B sequences, T positions (right-padded to a multiple of ``T_BUCKET``), V vocab, M
+micro-batch size. AdamW state is created at init (like optax's ``init``) so offload and
 ``state_bytes`` mean the same before and after the first step.
 
-Precision (``TrainConfig.precision``) for a 16-bit checkpoint: ``mixed`` (default, what FSDP2's
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` does) trains float32 masters and
-moments, each forward/backward computing on casts in the checkpoint dtype: an update of ~lr (1e-6)
-is below half a bf16 ulp of a ~0.02 weight and would round to nothing on bf16 params. The engine
-gets the casts; checkpoints hold the masters. float16 gets no loss scaling. ``pure``: params and
-moments in the checkpoint dtype. Log-probs are ``log_softmax(logits / temperature)`` in the compute
-dtype, via the model's chunked head (never the whole [B, T, V] logits).
+Precision (``TrainConfig.precision``) for a 16-bit checkpoint: ``mixed`` (default, like FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``) keeps float32 masters and moments
+and computes on casts in the checkpoint dtype: an update of ~lr (1e-6) is below half a bf16 ulp of
+a ~0.02 weight. The engine gets the casts, checkpoints hold the masters; float16 gets no loss
+scaling. ``pure``: params and moments in the checkpoint dtype. Log-probs come from the model's
+chunked head in the compute dtype (never the whole [B, T, V] logits).
 
-Model options (``backends/torch/options.py``): ``remat`` checkpoints every decoder layer, each layer
-casting its own masters inside its checkpoint (``Qwen3.layer_dtype``) so one layer's casts live at
-a time; ``adamw`` picks the ``torch.optim.AdamW`` implementation.
-
-Several processes (``backends/torch/distributed.py``): by default FSDP2 (``backends/torch/fsdp.py``;
-DTensor shards, round-robin micro-batches padded with weight-0 repeats, DCP checkpoints); ``fsdp`` 1:
-data parallel with ``all_reduce`` of the gradients. Offload (``backends/torch/offload.py``) moves
-each process's own bytes to the host and keeps the tensor objects.
+Several processes (``backends/torch/distributed.py``): FSDP2 by default (``fsdp.py``; round-robin
+micro-batches padded with weight-0 repeats, DCP checkpoints); ``fsdp`` 1: data parallel, gradients
+all-reduced. Model options: ``options.py``; offload: ``offload.py``.
 """
 
 from __future__ import annotations
@@ -91,10 +85,9 @@ class TorchTrainer:
         model: Qwen3 | None = None,
         shard_over: tuple[Any, dist.Procs] | None = None,
     ) -> None:
-        """``model``: a ``Qwen3`` already in ``model_dir``'s layout on ``device`` (the memory
-        planner's fake one), else loaded from ``model_dir``. ``shard_over``: (device mesh, this process's
-        place) to shard over instead of the run's processes (the planner's fake process group).
-        ``cfg.model_options``: ``TorchModelOptions`` (``ValueError`` naming a bad one)."""
+        """``model``: a ``Qwen3`` in ``model_dir``'s layout on ``device`` (the memory planner's fake
+        one), else loaded from ``model_dir``. ``shard_over``: (device mesh, this process's place) to
+        shard over instead of the run's processes (the planner's fake process group)."""
         self.cfg = cfg
         mesh, procs = shard_over if shard_over is not None else (None, dist.procs())
         self.dp = procs  # several processes (backends/torch/distributed.py)
@@ -114,8 +107,8 @@ class TorchTrainer:
             model = load_qwen3(model_dir, dtype=base_dtype, device=str(self.device))
         self.model = _to_dtype(model, base_dtype)
         self.model.remat = self.options.remat
-        # mixed-precision full fine-tune with remat: each decoder layer casts its masters inside its checkpoint
-        # (sharded: FSDP2's mixed-precision policy casts what a layer gathers)
+        # mixed-precision full fine-tune with remat: each decoder layer casts its masters inside its
+        # checkpoint (sharded: FSDP2's mixed-precision policy casts what a layer gathers)
         self.layer_casts = self.mixed and not self.lora and self.options.remat and not self.sharded
         self.model.layer_dtype = self.compute_dtype if self.layer_casts else None
         if self.lora:
@@ -165,7 +158,8 @@ class TorchTrainer:
 
     # -- residency -----------------------------------------------------------------------
     def _tensors(self, what: str) -> list[torch.Tensor]:
-        """The tensors of ``what`` this process holds (sharded: its shards, views of FSDP2's padded storages)."""
+        """The tensors of ``what`` this process holds (sharded: its shards, views of FSDP2's padded
+        storages)."""
         if what == PARAMS:
             return [fsdp.local(p) for p in self.params.values()]
         return [
@@ -643,9 +637,8 @@ class TorchTrainer:
 
 def _write_state(state: dict[str, Any], path: Path) -> Manifest:
     """``torch.save`` of ``state`` to ``path/state.pt`` through a temporary name (removed when the
-    write fails), hashed while it is written; returns its manifest entry. Writes go through a
-    Python file that records the ``OSError``, because torch's zip writer reports it only as
-    ``RuntimeError: ... unexpected pos ...`` without the reason."""
+    write fails), hashed while it is written; returns its manifest entry. A failed write raises
+    the ``OSError`` (``_HashingFile``), not torch's ``RuntimeError: ... unexpected pos ...``."""
     target = path / STATE_FILE
     tmp = target.with_name(f".{STATE_FILE}.tmp")
     try:
@@ -670,9 +663,9 @@ def _write_state(state: dict[str, Any], path: Path) -> Manifest:
 
 class _HashingFile:
     """The file ``torch.save`` writes to: each buffer is hashed (sha256, on a second thread: hashlib
-    and the file write both release the GIL) while it is written, so the checkpoint's manifest does
-    not read the file back; the first ``OSError`` of a ``write``/``flush`` is kept (torch's C++
-    writer turns it into a ``RuntimeError`` without the reason)."""
+    and the file write both release the GIL) as it is written, so the manifest needs no read-back;
+    keeps the first ``OSError`` of a ``write``/``flush`` (torch's C++ writer turns it into a
+    ``RuntimeError`` without the reason)."""
 
     INLINE = 1 << 20  # smaller buffers are hashed on the writing thread
 
