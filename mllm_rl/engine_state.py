@@ -211,9 +211,8 @@ class ManagedEngine:
     ) -> UpdateStats:
         """Stream ``export`` into the engine; ``WeightMismatch`` unless the engine's fingerprint
         matches what was sent and, when given, ``expected`` (the trainer's; a callable is read once
-        the export is consumed: ``WeightExport.fingerprint``). The check reads back the engine's
-        weights but those the adapter proved it installed as fingerprinted
-        (``UpdateStats.installed``) and were not expected unsent."""
+        the export is consumed: ``WeightExport.fingerprint``). Only weights the adapter did not prove
+        installed (``UpdateStats.installed``) are read back from the engine."""
         self.check_update(export)
         try:
             stats = self.engine.update_weights(iter(export), on_tensor=on_tensor)

@@ -55,8 +55,8 @@ class LifecycleError(RuntimeError):
 
 
 class NonFiniteTraining(RuntimeError):
-    """A train step's loss or grad norm is NaN/inf: the step stops there, before its checkpoint and
-    the weight update, so neither a checkpoint nor the engine ever holds what it produced."""
+    """A train step's loss or grad norm is NaN/inf, raised before its checkpoint and weight update
+    so neither ever holds what it produced."""
 
 
 def check_finite(step: int | None, train: dict[str, Any], info: dict[str, Any]) -> None:

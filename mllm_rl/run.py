@@ -1,21 +1,15 @@
 """``python -m mllm_rl.run``: run a plan on a backend and record every phase.
 
-Plans: ``rl`` (default; GRPO-style colocated RL with the full memory lifecycle,
-``mllm_rl.plans.rl``) and ``swap`` (dummy-init engine + streamed weight swap,
-``mllm_rl.plans.swap``).
+Plans: ``rl`` (default, ``mllm_rl.plans.rl``) and ``swap`` (``mllm_rl.plans.swap``); ``--tasks``
+runs several RL tasks (``mllm_rl.multitask.plan``).
 
 Outputs go to ``--run-dir`` (default ``runs/<run_id>``): ``phases.jsonl`` (one record per
 phase, the source of truth; ``phases.p<i>.jsonl`` for process i > 0), ``run.json`` (what was
 run and which phases to expect), ``metrics.jsonl`` (RL metrics, one line per step),
 ``checkpoints/`` (RL), a W&B offline run under ``wandb/`` unless ``--wandb disabled``.
 
-Exit codes (``EXIT_CODES``, also in ``--help``): 0 ok; 1 runtime error; 2 bad input (one line on
-stderr, nothing started: every check that can run before start-up runs before the run directory,
-W&B or an engine is touched; ``docs/ERRORS.md`` lists them); 3 an engine's weights differ from what
-was sent (update that did not land, garbage guard); 4 a lifecycle invariant broke; 5 a train step's
-loss or grad norm is not finite; 6 a phase ran past its ``--phase-timeout`` (stuck; every thread's
-stack in the run directory); 128+N killed by signal N (SIGTERM: 143) after closing the sinks; 137
-killed by its watcher when still running 25 s after SIGTERM.
+Every check that can run before start-up runs before the run directory, W&B or an engine is
+touched (exit 2, one line). Exit codes: ``mllm_rl.exit_codes.EXIT_CODES`` (also in ``--help``).
 """
 
 from __future__ import annotations

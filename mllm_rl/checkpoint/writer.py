@@ -1,16 +1,14 @@
 """RL checkpoints on their cadence, written in the ``checkpoint`` phase or in the background.
 
-``background``: a trainer with ``Trainer.snapshot(path)`` has its host copy written by one thread
-while the run goes on (the torch trainer's copy, as ``torch.distributed.checkpoint.async_save``
-does; the JAX trainer's is orbax's own asynchronous save, whose end the thread waits for), at the
-price of host memory until the write ends (off by default,
-docs/RL.md). Either way a checkpoint counts only once its ``meta.json`` manifest is written,
-last; a background write is recorded in ``info.written`` of a later ``checkpoint`` phase or of
-``checkpoint_flush``. One write at a time. An ``OSError`` while writing raises a one-line
-``CheckpointWriteError`` after the unfinished directory is removed; older checkpoints are pruned
-only after a successful write, so ``--resume`` still works. Several processes (JAX/orbax shards):
-process 0 makes the directory, all write, process 0 writes the manifest and prunes, with
-``Coordinator`` barriers between; they must share the run directory."""
+A checkpoint counts only once its ``meta.json`` manifest is written, last; older ones are pruned
+only after that, so ``--resume`` always finds one. An ``OSError`` removes the unfinished directory
+and raises a one-line ``CheckpointWriteError``. ``background`` (off by default, docs/RL.md): a
+trainer with ``Trainer.snapshot(path)`` has its host copy written by one thread while the run goes
+on (torch as ``torch.distributed.checkpoint.async_save`` does; JAX: orbax's own asynchronous save,
+whose end the thread waits for), at the price of host memory until then; one write at a time,
+recorded in ``info.written`` of a later ``checkpoint`` phase or of ``checkpoint_flush``. Several
+processes (JAX/orbax shards) share the run directory: process 0 makes it, all write, process 0
+writes the manifest and prunes, with ``Coordinator`` barriers between."""
 
 from __future__ import annotations
 

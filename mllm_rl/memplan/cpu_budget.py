@@ -2,7 +2,7 @@
 
 On JAX CPU and torch CPU the "device" is host memory, shared with this process, its host copies
 (offloaded state, weight backups), the compilers' working memory and every other process. Planning
-against the host's total RAM sized a ``--kv-tokens auto`` pool that the kernel then killed. The
+against the host's total RAM would size a ``--kv-tokens auto`` pool that the kernel kills. The
 budget is ``CPU_SHARE`` of what ``psutil`` says is available when the plan is made (free plus
 reclaimable pages: what other processes leave), and the target's ``source`` says so.
 """

@@ -1,10 +1,9 @@
 """Find a backend's planner and turn its measurement into plans, one per schedule.
 
-A backend named ``NAME`` in the ``mllm_rl.backends`` entry-point group (``backend_registry``)
-plans with the module next to its entry point: ``mllm_rl.backends.NAME`` ->
-``mllm_rl.backends.NAME.memplan`` (``measure(req) -> Measured``, optionally ``targets()`` and
-``check(req)``: the refusals the request alone decides, run before any output or compile).
-Importing it must not import jax/torch (the planner sets its compiler up first).
+A backend's planner is the ``memplan`` module next to its entry point (``mllm_rl.backends.NAME``
+-> ``mllm_rl.backends.NAME.memplan``; contract: ``mllm_rl.memplan.request``). ``check(req)`` runs
+before any output or compile; importing the module must not import jax/torch (the planner sets
+its compiler up first).
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
-"""Task specs: the ``--tasks`` TOML file of a multi-task run (``docs/MULTITASK.md``).
+"""Task specs: the ``--tasks`` TOML file of a multi-task run (example: ``docs/MULTITASK.md``).
 
 ```toml
-[defaults]            # optional: applies to every task that does not set the key itself
+[defaults]            # optional: every task that does not set the key itself
 steps = 4
-prompts_per_step = 4
 
 [[task]]
 name = "small"        # required, unique; letters, digits, '_' and '-'
-model = "tiny"        # preset name, or a checkpoint directory (relative to the TOML file)
-seed = 0
-lr = 3e-3
-group_size = 4
-lora_rank = 0
-
-[[task]]
-name = "other"
-model = "qwen3-0.6b"
-task = "boxed"
-task_data = "gsm8k.jsonl"  # relative to the TOML file
-reward = "my_reward.py:score"  # relative to the TOML file
+model = "tiny"        # preset name, or a checkpoint directory
 ```
 
 A task's keys are ``FIELDS``: ``name`` and the ``task``-scope options of ``mllm_rl.options.schema``
-(same meaning, default and range as the run's flag). A bad file raises ``ValueError`` naming the
-file, task and field before anything starts.
+(same meaning, default and range as the run's flag). Paths (``model``, ``task_data``,
+``eval_data``, a reward file) are relative to the TOML file. A bad file raises ``ValueError``
+naming the file, task and field before anything starts.
 """
 
 from __future__ import annotations

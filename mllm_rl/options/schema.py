@@ -1,20 +1,17 @@
 """Every setting of a run, declared once: name, type, default, range, help, where it applies.
 
-A setting's ``key`` is its argparse ``dest``, its ``--tasks`` file key, and its key in
-``run.json``'s ``options``; its flag is ``--`` + the key with dashes (``flag``). ``scope`` says
-where it may be given:
+A setting's ``key`` is its argparse ``dest``, its ``--tasks`` file key and its key in ``run.json``'s
+``options``; its flag is ``--`` + the key with dashes (``flag``). ``scope`` says where it may be
+given: ``rl`` / ``swap`` (``python -m mllm_rl.run --plan rl|swap``), ``tasks`` (a run-level flag
+next to ``--tasks``), ``task`` (a key of a ``[[task]]`` / ``[defaults]`` table, then *not* a flag
+next to ``--tasks``), ``memplan`` (a flag of ``python -m mllm_rl.memplan``). A flag given where it
+does not apply is refused (``cli.check_scope``), never ignored; so is a flag only some backends
+take (``backends``) given with another ``--backend``.
 
-- ``rl`` / ``swap``: ``python -m mllm_rl.run --plan rl|swap``;
-- ``tasks``: a run-level flag next to ``--tasks`` (the same for every task);
-- ``task``: a key of a ``[[task]]`` / ``[defaults]`` table (then *not* a flag next to ``--tasks``);
-- ``memplan``: a flag of ``python -m mllm_rl.memplan``.
-
-A flag given where it does not apply is refused (``cli.check_scope``), never ignored; so is a flag
-that only some backends take (``backends``) given with another ``--backend``.
-``resume`` says what ``--resume`` does with a setting the command line does not give:
-``fixed`` (defines what is trained: taken from ``run.json``; a different value is refused unless
-``--override KEY``), ``inherit`` (taken from ``run.json``; a given value is used), ``fresh``
-(this invocation's own: outputs, the watchdog, the resume flags).
+``resume`` says what ``--resume`` does with a setting the command line does not give: ``fixed``
+(what is trained: taken from ``run.json``; a different value is refused unless ``--override
+KEY``), ``inherit`` (taken from ``run.json``; a given value is used), ``fresh`` (this
+invocation's own: outputs, the watchdog, the resume flags).
 """
 
 from __future__ import annotations

@@ -197,8 +197,7 @@ def checkpointer(
     coord: Coordinator | None = None,
 ) -> Checkpointer:
     """The ``checkpoint`` phase's work: save on the cadence and at the last step, keeping the newest
-    ``KEEP_CHECKPOINTS``. ``background``: write from the trainer's host snapshot on another thread.
-    Each process writes its shards; process 0 the directory and the ``meta.json`` manifest."""
+    ``KEEP_CHECKPOINTS``. ``background``: write from the trainer's host snapshot on another thread."""
     meta = checkpoint_meta(backend, opts) | ({} if model is None else {"model_shape": model_shape(model)})
     return Checkpointer(
         trainer, run_dir, meta, opts.checkpoint_every, opts.steps, KEEP_CHECKPOINTS, background, coord
@@ -339,7 +338,7 @@ def evaluate_phase(
     on_rewards: RewardLog | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ``evaluate`` phase of ``step``: its record's info and the metrics it adds to the step
-    (``eval_reward_mean``); both empty on a step that does not evaluate."""
+    (``eval_reward_mean``); on a step that does not evaluate, no metrics and the next step that does."""
     if not opts.evaluates_after(step):
         nxt = min(s for s in range(step + 1, opts.steps) if opts.evaluates_after(s))
         return {"evaluated": False, "next": nxt}, {}

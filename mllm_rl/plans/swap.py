@@ -1,14 +1,11 @@
 """The param-swap plan (MLLM-JAX's manual param-swap run as a product), backend-neutral.
 
-Phases, in order (docs/DESIGN.md, "The phase record"):
-
-1. ``wandb_init``          W&B run started (offline by default) — or skipped with ``--wandb disabled``
-2. ``jax_ready``/``torch_ready``  runtime up, platform asserted, devices listed
-3. ``engine_ready_dummy``  rollout engine started with dummy weights
-4. ``weights_swapped``     checkpoint streamed into the engine, one tensor at a time (or the
-                           ``naive`` baseline: all tensors placed first, then installed);
-                           the engine's fingerprint must equal what was sent
-5. ``generate_result``     greedy generation for fixed prompts; tokens, logprobs and text in ``info``
+Phases (``PHASES``; docs/DESIGN.md, "The phase record"): ``wandb_init`` (skipped with ``--wandb
+disabled``), ``jax_ready``/``torch_ready`` (runtime up, platform asserted, devices listed),
+``engine_ready_dummy`` (engine started with dummy weights), ``weights_swapped`` (the checkpoint
+streamed in one tensor at a time, or the ``naive`` baseline: every tensor placed first, then
+installed), ``generate_result`` (greedy generation for fixed prompts; tokens, logprobs and text
+in ``info``).
 """
 
 from __future__ import annotations
