@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mllm_rl.text_table import aligned
+
 VERDICT = {True: "pass", False: "FAIL", None: "n/a"}  # a target check's ``pass``, in words
 
 
@@ -22,13 +24,7 @@ def fmt(v: Any, spec: str = "") -> str:
 def table(rows: Sequence[dict[str, Any]], cols: Sequence[tuple[str, str, str]]) -> str:
     """Plain-text table: ``cols`` = (key, header, format spec); the first column left-aligned."""
     cells = [[h for _, h, _ in cols]] + [[fmt(r.get(k), s) for k, _, s in cols] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
-    lines = [
-        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-        for row in cells
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(aligned(cells, rule=True))
 
 
 def merge_orders(orders: Sequence[Sequence[str]]) -> list[str]:

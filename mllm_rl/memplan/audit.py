@@ -17,6 +17,7 @@ from typing import Any
 
 from mllm_rl.memplan.compose import SETUP_PREFIX, unit_for
 from mllm_rl.memplan.residency import end_state
+from mllm_rl.text_table import aligned
 
 COMPARED = ("engine_weights", "kv_pool", "trainer_params", "optimizer")
 TRAINER_STATE = ("trainer_params", "optimizer")
@@ -215,21 +216,18 @@ def table(check: dict[str, Any]) -> str:
     rows = check["phases"]
     unit, scale = unit_for(max([1, *(max(r["predicted"], r["measured"] or 0) for r in rows)]))
     drifting = {id(r) for r in drifts(check)}
-    head = (
-        f"{'phase':<30} {'predicted ' + unit:>14} {'measured ' + unit:>13} {'step before':>12} {'ratio':>6}  "
-        f"{'within ' + format(check['tolerance'], '.0%'):<10}"
-    )
-    lines = ["Memory plan vs run (bytes in use at each phase's end; PREDICTED by the plan, MEASURED by the run):",
-             head, "-" * len(head)]  # fmt: skip
+    cells = [["phase", f"predicted {unit}", f"measured {unit}", "step before", "ratio",
+              f"within {check['tolerance']:.0%}"]]  # fmt: skip
     for r in rows:
         before = "-" if r.get("measured_before") is None else f"{r['measured_before'] / scale:.2f}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
         verdict = "DRIFT" if id(r) in drifting else ("yes" if r["within"] else "below")
-        lines.append(
-            f"{r['phase']:<30} {r['predicted'] / scale:>14.2f} {(r['measured'] or 0) / scale:>13.2f} "
-            f"{before:>12} {ratio:>6}  {verdict:<10}"
-        )
-    return "\n".join(lines)
+        cells.append([r["phase"], f"{r['predicted'] / scale:.2f}", f"{(r['measured'] or 0) / scale:.2f}", before,
+                      ratio, verdict])  # fmt: skip
+    title = (
+        "Memory plan vs run (bytes in use at each phase's end; PREDICTED by the plan, MEASURED by the run):"
+    )
+    return "\n".join([title, *aligned(cells, rule=True, free_last=True)])
 
 
 def check_run_dir(run_dir: Path, records: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str | None]:

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from mllm_rl.memplan.residency import COMPONENTS, end_state, host_rows, phase_rows
+from mllm_rl.text_table import aligned
 
 GIB = 1024**3
 SCHEMA = "mllm_rl.memplan/1"
@@ -267,11 +268,7 @@ def format_table(plan: Plan) -> str:
         mark = "" if p.total <= plan.budget else "  OVER"
         host = fmt(p.host_total, scale) if p.host_total else "-"
         rows.append(cells + [temp, fmt(p.total, scale), f"{p.total / plan.target.hbm_bytes:.0%}{mark}", host])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = [
-        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-        for r in rows
-    ]
+    lines = aligned(rows)
     t = plan.target
     title = (
         f"PREDICTED memory plan, {plan.schedule} schedule, {t.name} ({t.num_devices} x {t.device_kind}, "

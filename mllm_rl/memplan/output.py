@@ -12,18 +12,7 @@ from typing import Any
 
 from mllm_rl.memplan.compose import GIB, SCHEMA, Plan, fmt, format_table, unit_for
 from mllm_rl.memplan.request import Measured
-
-
-def _table(rows: list[list[str]]) -> list[str]:
-    """Columns aligned (numbers right, first and last column left, no trailing blanks)."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = []
-    for r in rows:
-        cells = [
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r[:-1], widths, strict=False))
-        ]
-        out.append("  ".join(cells + [r[-1]]))
-    return out
+from mllm_rl.text_table import aligned
 
 
 def format_components(m: Measured) -> str:
@@ -31,7 +20,7 @@ def format_components(m: Measured) -> str:
     rows = [["component", unit, "method", "detail"]]
     for c in m.components.values():
         rows.append([c.name, fmt(c.bytes_per_device, scale), c.method, c.detail])
-    return "\n".join(["Components (per device):", *_table(rows)])
+    return "\n".join(["Components (per device):", *aligned(rows, free_last=True)])
 
 
 def format_functions(m: Measured) -> str:
@@ -61,7 +50,7 @@ def format_functions(m: Measured) -> str:
         [
             f"Functions ({m.target.platform} compiler unless the method says otherwise, {unit} per device; "
             "extra = peak - args):",
-            *_table(rows),
+            *aligned(rows, free_last=True),
         ]
     )
 
