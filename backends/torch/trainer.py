@@ -635,14 +635,21 @@ class TorchTrainer:
         self.step = int(state["meta"]["step"])
 
 
-def _write_state(state: dict[str, Any], path: Path) -> Manifest:
+def _write_state(state: dict[str, Any], path: Path, crc32: bool = False) -> Manifest:
     """``torch.save`` of ``state`` to ``path/state.pt`` through a temporary name (removed when the
     write fails), hashed while it is written; returns its manifest entry. A failed write raises
-    the ``OSError`` (``_HashingFile``), not torch's ``RuntimeError: ... unexpected pos ...``."""
+    the ``OSError`` (``_HashingFile``), not torch's ``RuntimeError: ... unexpected pos ...``.
+    Without torch's per-record CRC32 (a pass over every byte before it is written): the
+    manifest's sha256, checked before a resume loads the file, is the checksum (``crc32``: with
+    them, the benchmark's baseline)."""
     target = path / STATE_FILE
     tmp = target.with_name(f".{STATE_FILE}.tmp")
     try:
-        with open(tmp, "wb") as f, _HashingFile(f) as out:
+        with (
+            open(tmp, "wb") as f,
+            _HashingFile(f) as out,
+            contextlib.nullcontext() if crc32 else _without_crc32(),
+        ):
             try:
                 torch.save(state, out)
             except RuntimeError:
@@ -659,6 +666,19 @@ def _write_state(state: dict[str, Any], path: Path) -> Manifest:
         tmp.unlink(missing_ok=True)
         raise
     return {STATE_FILE: {"bytes": out.nbytes, "sha256": out.sha256.hexdigest()}}
+
+
+@contextlib.contextmanager
+def _without_crc32() -> Iterator[None]:
+    """``torch.save`` without CRC32s in the zip records for the block (torch's option is global)."""
+    from torch.serialization import get_crc32_options, set_crc32_options
+
+    was = get_crc32_options()
+    set_crc32_options(False)
+    try:
+        yield
+    finally:
+        set_crc32_options(was)
 
 
 class _HashingFile:

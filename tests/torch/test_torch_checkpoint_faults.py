@@ -42,3 +42,28 @@ def test_a_checkpoint_write_past_the_file_size_limit_exits_1_and_the_older_check
     tiny_ckpt, tmp_path
 ):
     check_refused_checkpoint_write("torch", tiny_ckpt, tmp_path / "run", [[], ["--checkpoint-background"]])
+
+
+def test_the_state_is_written_without_torchs_crc32_and_the_option_is_restored(tmp_path):
+    """The zip records carry no CRC32 (the manifest's sha256 is the checksum, checked before a
+    resume), the file loads back equal, and torch's global option is as it was, after a write that
+    failed too."""
+    import zipfile
+
+    import torch
+    from torch.serialization import get_crc32_options
+
+    from mllm_rl.backends.torch.trainer import STATE_FILE, _write_state
+
+    state = {"trainable": {"w": torch.randn(1 << 16)}, "step": 3}
+    entry = _write_state(state, tmp_path)
+    with zipfile.ZipFile(tmp_path / STATE_FILE) as z:
+        assert {i.CRC for i in z.infolist()} == {0}
+    assert torch.equal(
+        torch.load(tmp_path / STATE_FILE, weights_only=True)["trainable"]["w"], state["trainable"]["w"]
+    )
+    assert entry[STATE_FILE]["bytes"] == (tmp_path / STATE_FILE).stat().st_size
+    assert get_crc32_options() is True
+    with pytest.raises(OSError):
+        _write_state(state, tmp_path / "missing")  # no such directory
+    assert get_crc32_options() is True
