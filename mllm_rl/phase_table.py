@@ -234,17 +234,18 @@ _HEAD = (
     "offload_optimizer",
     "empty_cache",
 )
+# The multi-stage wake-up: weights first, updated, the trainer's params out, then the KV cache.
+WAKE = (
+    "resume_weights",
+    "update_weights",
+    "offload_trainer_params",
+    "empty_cache",
+    "resume_kv",
+    "continue_generation",
+)
 # One step of each schedule (Colocated.step), without the optional check_weights at its end.
 STEP: dict[str, tuple[str, ...]] = {
-    "multi_stage": (
-        *_HEAD,
-        "resume_weights",
-        "update_weights",
-        "offload_trainer_params",
-        "empty_cache",
-        "resume_kv",
-        "continue_generation",
-    ),
+    "multi_stage": (*_HEAD, *WAKE),
     "naive": (
         *_HEAD,
         "resume_rollout",
@@ -269,15 +270,7 @@ SETUP = BUILD + FIRST_SYNC
 LEASE_SETUP = BUILD + PARK
 # Colocated.rollout_lease: AWAKE, [check_weights], the work (rollout | generate_result), ASLEEP.
 # It runs the multi-stage order whatever LifecycleOptions.schedule says (LEASE_SCHEDULE).
-AWAKE = (
-    "onload_trainer_params",
-    "resume_weights",
-    "update_weights",
-    "offload_trainer_params",
-    "empty_cache",
-    "resume_kv",
-    "continue_generation",
-)
+AWAKE = ("onload_trainer_params", *WAKE)
 ASLEEP = ("drain", "release_rollout", "empty_cache")
 LEASE_WORK = ("rollout", "generate_result")
 # Colocated.train_lease: the engine stays released throughout.

@@ -13,6 +13,7 @@ from typing import Any
 from mllm_rl.report.attempts import Attempt
 from mllm_rl.report.load import Record
 from mllm_rl.report.memory import device_name, devices_of_source, diff, primary_devices, sources, total
+from mllm_rl.report.tables import row_id
 
 EFFICIENCY_MIN = 0.95
 FREE_PREFIXES = ("release", "offload")
@@ -146,12 +147,7 @@ def swap_ratios(run_label: str, attempts: dict[int, list[Attempt]]) -> list[dict
                 ]
                 rows.append(
                     {
-                        "run": run_label,
-                        "process": a.process,
-                        "attempt": a.number if len(atts) > 1 else None,
-                        "step": r["step"],
-                        "phase": r["phase"],
-                        "idx": r["idx"],
+                        **row_id(run_label, a, len(atts), r),
                         "peak_max": max((d["peak"] for d in per_dev if d["peak"] is not None), default=None),
                         "steady_max": max(
                             (d["steady"] for d in per_dev if d["steady"] is not None), default=None

@@ -60,6 +60,16 @@ def _opt(v: Any) -> str:
     return "-" if v is None else str(v)
 
 
+def _id_cells(r: dict[str, Any], multi: bool) -> list[str]:
+    """A record's process, attempt (``multi``: a process ran more than once), step and phase cells."""
+    return [
+        _td(r["process"]),
+        *([_td(_opt(r["attempt"]))] if multi else []),
+        _td(_opt(r["step"])),
+        _td(r["phase"], True),
+    ]
+
+
 def issues_html(issues: list[Issue], analyses: Sequence[RunAnalysis]) -> str:
     c = count(issues)
     out = ["<h2>Findings</h2>"]
@@ -153,12 +163,8 @@ def phase_table_html(an: RunAnalysis) -> str:
     for r in an.phases:
         cls = "err" if r["error"] else ("step" if r["step"] is not None and r["step"] != prev_step else "")
         prev_step = r["step"]
-        cells = (
-            [_td(r["process"])]
-            + ([_td(_opt(r["attempt"]))] if multi else [])
-            + [
-                _td(_opt(r["step"])),
-                _td(r["phase"], True),
+        cells = _id_cells(r, multi) + (
+            [
                 _td(fmt_num(r["t_offset_s"], 2)),
                 _td(fmt_seconds(r["seconds"])),
                 _td(fmt_bytes(r["before_bytes"], unit)),
@@ -208,12 +214,8 @@ def efficiency_html(an: RunAnalysis) -> str:
         + "</tr>",
     ]
     for r in rows:
-        cells = (
-            [_td(r["process"])]
-            + ([_td(_opt(r["attempt"]))] if multi else [])
-            + [
-                _td(_opt(r["step"])),
-                _td(r["phase"], True),
+        cells = _id_cells(r, multi) + (
+            [
                 _td(r["kind"], True),
                 _td(_opt(r["source"]), True),
                 _td(fmt_bytes(r["actual_bytes"], unit)),

@@ -27,6 +27,19 @@ PHASE_COLUMNS = (
 )
 
 
+def row_id(run_label: str, a: Attempt, attempts: int, r: dict[str, Any]) -> dict[str, Any]:
+    """The columns that name a record in every per-record table: run, process, attempt (None when
+    the process ran once), step, phase, idx."""
+    return {
+        "run": run_label,
+        "process": a.process,
+        "attempt": a.number if attempts > 1 else None,
+        "step": r["step"],
+        "phase": r["phase"],
+        "idx": r["idx"],
+    }
+
+
 def phase_rows(run_label: str, attempts: dict[int, list[Attempt]], t0: float | None) -> list[dict[str, Any]]:
     """One row per record; device bytes are sums over the process's devices (most truthful source).
 
@@ -52,12 +65,7 @@ def phase_rows(run_label: str, attempts: dict[int, list[Attempt]], t0: float | N
                 host = r["memory"]["host"]
                 rows.append(
                     {
-                        "run": run_label,
-                        "process": a.process,
-                        "attempt": a.number if len(atts) > 1 else None,
-                        "step": r["step"],
-                        "phase": r["phase"],
-                        "idx": r["idx"],
+                        **row_id(run_label, a, len(atts), r),
                         "seconds": r["t_end"] - r["t_start"],
                         "t_offset_s": None if t0 is None else r["t_start"] - t0,
                         "before_bytes": before,
