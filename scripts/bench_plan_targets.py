@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench import GiB
+from mllm_rl.bench.child import child_env
 from mllm_rl.bench.cli import csv_choice, progress, run_bench
 from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.tables import table
@@ -116,7 +117,7 @@ def _case(name: str, out: Path, timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "mllm_rl.memplan", *args, "--out", str(out / name)]
     progress(f"[bench] {name}: python {' '.join(cmd[1:])}")
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env())
     wall = time.perf_counter() - t0
     row: dict[str, Any] = {"case": name, "command": "python " + " ".join(cmd[1:]), "rc": r.returncode,
         "expect": expect, "wall_s": wall}  # fmt: skip

@@ -45,12 +45,21 @@ def run_argv(run_dir: str | Path, *extra: str, python: str = sys.executable, **k
     return [python, "-m", "mllm_rl.run", *flags(**kw, wandb="disabled", quiet=True, run_dir=run_dir), *extra]
 
 
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """A bench child's environment: this one with ``env`` on top, no progress bars, unbuffered, and
+    JAX's persistent compilation cache off unless ``JAX_COMPILATION_CACHE_DIR`` is set (a run
+    turns it on by default: ``backends/jax/compile_cache.py``), so a figure does not depend on
+    what earlier runs left in the cache."""
+    return {"JAX_COMPILATION_CACHE_DIR": "", **os.environ, "MLLM_RL_NO_PROGRESS": "1", "PYTHONUNBUFFERED": "1",
+            **(env or {})}  # fmt: skip
+
+
 def run_cmd(
     cmd: Sequence[str], what: str, timeout: float | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in the repo root (no progress bars, unbuffered); ``BenchError`` naming ``what``
-    with the stderr tail when it fails or times out."""
-    full_env = {**os.environ, "MLLM_RL_NO_PROGRESS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    """Run ``cmd`` in the repo root (``child_env``); ``BenchError`` naming ``what`` with the stderr
+    tail when it fails or times out."""
+    full_env = child_env(env)
     cwd = ROOT if (ROOT / "pyproject.toml").exists() else None
     try:
         r = subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)

@@ -227,3 +227,15 @@ def test_main_with_child_fails_a_target_only_when_strict(capsys):
     assert main_with_child(args, dict, bench, lambda o: "", lambda o: {}) == 0
     child = main_with_child(SimpleNamespace(child=True), lambda a: {"x": 1}, bench, str, dict, strict=True)
     assert child == 0 and capsys.readouterr().out.strip().splitlines()[-1] == '{"x": 1}'
+
+
+def test_bench_children_run_without_the_jax_compilation_cache_unless_it_is_set(monkeypatch):
+    """A run turns JAX's persistent compilation cache on by default; a bench child gets it off, so
+    its compile and step-0 figures do not depend on earlier runs, unless the caller set a cache."""
+    from mllm_rl.bench.child import child_env
+
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    env = child_env({"X": "1"})
+    assert env["JAX_COMPILATION_CACHE_DIR"] == "" and env["X"] == "1" and env["MLLM_RL_NO_PROGRESS"] == "1"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/mine")
+    assert child_env()["JAX_COMPILATION_CACHE_DIR"] == "/mine"
