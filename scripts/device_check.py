@@ -314,13 +314,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"--only {args.only}: selects no step ({', '.join(s['name'] for s in _step_table(mode))})"
             )
     out.mkdir(parents=True, exist_ok=True)
+    from mllm_rl.bench.child import child_env
     from mllm_rl.bench.machine import machine_info
 
     info = machine_info()
     doc: dict[str, Any] = {"schema": "mllm_rl.device_check/1", "mode": mode, "budget_s": args.budget,
                            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": (info.get("git") or {}).get("commit"),
                            "device": ", ".join(info.get("gpus") or []) or None, "machine": info, "copy": {}, "steps": []}  # fmt: skip
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MLLM_RL_NO_PROGRESS="1")
+    env = child_env()  # JAX's compilation cache off unless set: each step compiles as on a fresh machine
     if args.cpu:
         env["JAX_PLATFORMS"] = "cpu"
     runs = out / "runs"
