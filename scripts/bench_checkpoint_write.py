@@ -28,6 +28,7 @@ import torch
 from mllm_rl.backends.torch.trainer import _write_state
 from mllm_rl.bench import MiB
 from mllm_rl.bench.cli import positive
+from mllm_rl.bench.tables import table
 from mllm_rl.checkpoint.resolve import file_manifest
 
 TENSORS = 64
@@ -77,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"CPU figure: {nbytes / 2**30:.2f} GiB of float32 state, median of {args.repeats} interleaved rounds"
     )
-    print(f"{'way':36}  {'seconds':>8}  {'x host copy':>11}  {'GB/s':>6}")
-    for k, v in med.items():
-        print(f"{k:36}  {v:8.3f}  {v / base:11.2f}  {nbytes / v / 1e9:6.2f}")
+    rows = [{"way": k, "s": v, "x": v / base, "gbps": nbytes / v / 1e9} for k, v in med.items()]
+    print(table(rows, [("way", "way", ""), ("s", "seconds", ".3f"), ("x", "x host copy", ".2f"),
+                       ("gbps", "GB/s", ".2f")]))  # fmt: skip
     out = {"bench": "checkpoint_write", "figure": "CPU", "bytes": nbytes, "median_s": med,
            "x_host_copy": {k: round(v / base, 3) for k, v in med.items()}}  # fmt: skip
     if args.json:

@@ -35,8 +35,7 @@ class JaxBackend(Backend):
     engines = {"auto": "sglang-jax"}  # --engine choices (EngineOptions.check_backend)
 
     def __init__(self) -> None:
-        # before anything imports jax: the memory plan compiles first
-        self.compile_cache = compile_cache.configure()
+        compile_cache.configure()  # before anything imports jax: the memory plan compiles first
 
     def init_distributed(self, tp: int = 1) -> dict[str, int]:
         """Join a multi-process run (``jax.distributed``) when the environment describes one;

@@ -32,9 +32,8 @@ def test_the_backend_sets_it_before_jax_is_imported(tmp_path):
     the jax imported afterwards, the plan's compiles included, to use the cache."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
     env["MLLM_RL_CACHE"] = str(tmp_path)
-    code = ("from mllm_rl.backend_registry import load_backend; b = load_backend('jax'); import jax; "
-            "print(b.compile_cache, jax.config.jax_compilation_cache_dir)")  # fmt: skip
+    code = ("from mllm_rl.backend_registry import load_backend; load_backend('jax'); import jax; "
+            "print(jax.config.jax_compilation_cache_dir)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    want = str(tmp_path / "jax-compile")
-    assert out.stdout.split() == [want, want]
+    assert out.stdout.split() == [str(tmp_path / "jax-compile")]
