@@ -5,10 +5,12 @@
 Side by side in one process, interleaved round by round, on a state of ``--mb`` MiB of float32
 tensors (64 of them, like a model's params and AdamW moments): ``host copy`` (a clone of every
 tensor, the floor the issue measures against), ``save + read back`` (``torch.save``, then the
-manifest reads the file back to hash it), ``save + CRC32s, hashed while written`` (that, with
-torch's per-record CRC32s) and ``save, hashed while written`` (the trainer's ``_write_state``: a
-second thread hashes each buffer as it goes to the file, the manifest takes that hash; no CRC32s).
-Each write's directory is removed after it is timed. Medians over ``--repeats``; a CPU figure of
+manifest reads the file back to hash it), ``save + CRC32s, hashed while written`` (one file: a
+second thread hashes each buffer as it goes to the file, the manifest takes that hash; with
+torch's per-record CRC32s), ``save, hashed while written`` (the same without CRC32s) and the
+trainer's write (``state_file.write_state``: that as k files at once, each written and hashed by
+its own threads; k = ``--shards``, default one per core as the trainer chooses, 1 for a state
+under 64 MiB per file). Each write's directory is removed after it is timed. Medians over ``--repeats``; a CPU figure of
 this machine's disk and page cache.
 """
 
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from mllm_rl.backends.torch.trainer import _write_state
+from mllm_rl.backends.torch.state_file import shard_count, write_state
 from mllm_rl.bench import MiB
 from mllm_rl.bench.cli import positive
 from mllm_rl.bench.tables import table
@@ -45,8 +47,8 @@ def read_back(state: dict[str, Any], d: Path) -> None:
     file_manifest(d)
 
 
-def hashed_while_written(state: dict[str, Any], d: Path, crc32: bool = False) -> None:
-    file_manifest(d, _write_state(state, d, crc32=crc32))
+def hashed_while_written(state: dict[str, Any], d: Path, shards: int, crc32: bool = False) -> None:
+    file_manifest(d, write_state(state, d, crc32=crc32, shards=shards))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,15 +56,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mb", type=positive(int), default=1024, help="state size in MiB (default 1024)")
     ap.add_argument("--repeats", type=positive(int), default=3)
     ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary dir)")
+    ap.add_argument(
+        "--shards", type=positive(int), help="files of the trainer's write (default: as it chooses)"
+    )
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
     state = state_of(args.mb)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    files = args.shards or shard_count(nbytes)
     ways = {
-        "host copy": lambda d: {k: t.clone() for k, t in state.items()},
+        "host copy": lambda d: {name: t.clone() for name, t in state.items()},
         "save + read back": lambda d: read_back(state, d),
-        "save + CRC32s, hashed while written": lambda d: hashed_while_written(state, d, crc32=True),
-        "save, hashed while written": lambda d: hashed_while_written(state, d),
+        "save + CRC32s, hashed while written": lambda d: hashed_while_written(state, d, 1, crc32=True),
+        "save, hashed while written": lambda d: hashed_while_written(state, d, 1),
+        f"the trainer's: {files} files at once": lambda d: hashed_while_written(state, d, files),
     }
     times: dict[str, list[float]] = {k: [] for k in ways}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -81,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"way": k, "s": v, "x": v / base, "gbps": nbytes / v / 1e9} for k, v in med.items()]
     print(table(rows, [("way", "way", ""), ("s", "seconds", ".3f"), ("x", "x host copy", ".2f"),
                        ("gbps", "GB/s", ".2f")]))  # fmt: skip
-    out = {"bench": "checkpoint_write", "figure": "CPU", "bytes": nbytes, "median_s": med,
+    out = {"bench": "checkpoint_write", "figure": "CPU", "bytes": nbytes, "shards": files, "median_s": med,
            "x_host_copy": {k: round(v / base, 3) for k, v in med.items()}}  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -57,9 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_trained(ckpt: Path, backend: str) -> dict[str, np.ndarray]:
     """The trained tensors of one RL checkpoint as float64 numpy, by name."""
     if backend == "torch":
-        import torch
+        from mllm_rl.backends.torch.state_file import load_state
 
-        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
+        state = load_state(ckpt)
         return {n: t.detach().double().numpy() for n, t in state["trainable"].items()}
     import jax
     import orbax.checkpoint as ocp

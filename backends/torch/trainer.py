@@ -21,11 +21,8 @@ all-reduced. Model options: ``options.py``; offload: ``offload.py``.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +39,7 @@ from mllm_rl.backends.torch.offload import OffloadGroup, device_tensor, host_cop
 from mllm_rl.backends.torch.options import TorchModelOptions
 from mllm_rl.backends.torch.probe import track
 from mllm_rl.backends.torch.rl_loss import policy_loss
+from mllm_rl.backends.torch.state_file import STATE_FILE, load_state, write_state
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import Fingerprint, WeightExport
 from mllm_rl.faults import fault, fault_value
@@ -57,7 +55,6 @@ from mllm_rl.trainer import (
 )
 
 T_BUCKET = 32
-STATE_FILE = "state.pt"
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit checkpoints: float32 masters under mixed precision
 # the optimizer's implementation choice in a param group: this trainer's (``adamw``), never a checkpoint's
 IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
@@ -516,14 +513,14 @@ class TorchTrainer:
         }
 
     def save(self, path: Path) -> Manifest | None:
-        """``<path>/state.pt``: trainable params and optimizer state, written through a temporary
-        name; the LoRA base is the run's ``--model`` and is not saved. Data parallel: process 0 writes.
-        Sharded: ``<path>/dcp``, every process its shards (``torch.distributed.checkpoint``)."""
+        """``<path>/state.pt`` (and, for a large state, ``state.1.pt`` ...: ``state_file.py``):
+        trainable params and optimizer state, written through temporary names; the LoRA base is the
+        run's ``--model`` and is not saved. Data parallel: process 0 writes. Sharded: ``<path>/dcp``, every process its shards (``torch.distributed.checkpoint``)."""
         self._need(PARAMS, OPTIMIZER)
         if self.sharded:
             fsdp.save(self._dcp_state(), Path(path))
         elif self.dp.index == 0:
-            return _write_state(self._state(lambda t: t), Path(path))
+            return write_state(self._state(lambda t: t), Path(path))
         return None
 
     def _dcp_state(self) -> dict[str, Any]:
@@ -566,7 +563,7 @@ class TorchTrainer:
                 f"{target}: written by an unsharded trainer; resume it with --fsdp 1 (this run shards over "
                 f"{self.dp.count} processes)"
             )
-        state = torch.load(target, map_location=self.device, weights_only=True)
+        state = load_state(Path(path), map_location=self.device)
         saved = state["trainable"]
         if set(saved) != set(self.trainable):
             raise ValueError(
@@ -635,94 +632,6 @@ class TorchTrainer:
         self.step = int(state["meta"]["step"])
 
 
-def _write_state(state: dict[str, Any], path: Path, crc32: bool = False) -> Manifest:
-    """``torch.save`` of ``state`` to ``path/state.pt`` through a temporary name (removed when the
-    write fails), hashed while it is written; returns its manifest entry. A failed write raises
-    the ``OSError`` (``_HashingFile``), not torch's ``RuntimeError: ... unexpected pos ...``.
-    Without torch's per-record CRC32 (a pass over every byte before it is written): the
-    manifest's sha256, checked before a resume loads the file, is the checksum (``crc32``: with
-    them, the benchmark's baseline)."""
-    target = path / STATE_FILE
-    tmp = target.with_name(f".{STATE_FILE}.tmp")
-    try:
-        with (
-            open(tmp, "wb") as f,
-            _HashingFile(f) as out,
-            contextlib.nullcontext() if crc32 else _without_crc32(),
-        ):
-            try:
-                torch.save(state, out)
-            except RuntimeError:
-                if out.error is None:
-                    raise
-                raise out.error from None
-        os.replace(tmp, target)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        if e.filename is None and e.errno is not None:  # a write() or close() of the open file
-            raise OSError(e.errno, e.strerror, str(tmp)) from None
-        raise
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return {STATE_FILE: {"bytes": out.nbytes, "sha256": out.sha256.hexdigest()}}
-
-
-@contextlib.contextmanager
-def _without_crc32() -> Iterator[None]:
-    """``torch.save`` without CRC32s in the zip records for the block (torch's option is global)."""
-    from torch.serialization import get_crc32_options, set_crc32_options
-
-    was = get_crc32_options()
-    set_crc32_options(False)
-    try:
-        yield
-    finally:
-        set_crc32_options(was)
-
-
-class _HashingFile:
-    """The file ``torch.save`` writes to: each buffer is hashed (sha256, on a second thread: hashlib
-    and the file write both release the GIL) as it is written, so the manifest needs no read-back;
-    keeps the first ``OSError`` of a ``write``/``flush`` (torch's C++ writer turns it into a
-    ``RuntimeError`` without the reason)."""
-
-    INLINE = 1 << 20  # smaller buffers are hashed on the writing thread
-
-    def __init__(self, f: Any) -> None:
-        self.f, self.error, self.nbytes, self.sha256 = f, None, 0, hashlib.sha256()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
-
-    def __enter__(self) -> _HashingFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._pool.shutdown()
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        hashed = self._pool.submit(self.sha256.update, view) if view.nbytes >= self.INLINE else None
-        try:
-            n = self.f.write(view)
-        except OSError as e:
-            self.error = self.error or e
-            raise
-        finally:
-            if hashed is not None:
-                hashed.result()
-        if hashed is None:
-            self.sha256.update(view)
-        self.nbytes += view.nbytes
-        return n
-
-    def flush(self) -> None:
-        try:
-            self.f.flush()
-        except OSError as e:
-            self.error = self.error or e
-            raise
-
-
 class StateSnapshot:
     """A ``TorchTrainer.snapshot``: host tensors only, written as ``save`` writes them."""
 
@@ -740,7 +649,7 @@ class StateSnapshot:
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
     def write(self, path: Path) -> Manifest:
-        return _write_state(self.state, Path(path))
+        return write_state(self.state, Path(path))
 
 
 def right_padded(mask: np.ndarray) -> bool:

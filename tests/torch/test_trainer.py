@@ -275,14 +275,20 @@ def test_cuda_offload_frees_device_memory_and_round_trips(model_dir):
 
 
 # -- checkpoints ---------------------------------------------------------------------
-@pytest.mark.parametrize("lora_rank", [0, 4])
-def test_save_restore_round_trip(model_dir, tmp_path, lora_rank):
+@pytest.mark.parametrize("lora_rank, files", [(0, 1), (4, 1), (0, 3), (4, 2)])
+def test_save_restore_round_trip(model_dir, tmp_path, monkeypatch, lora_rank, files):
+    """Saved as one file, or as several (``state_file.shard_count``: one per core for a large state),
+    it restores exactly."""
+    from mllm_rl.backends.torch import state_file
+
+    monkeypatch.setattr(state_file, "shard_count", lambda nbytes: files)
     a = trainer(model_dir, lora_rank=lora_rank)
     a.train_step(make_batch())
     a.save(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "state.pt"
-    ]  # written under a temporary name, renamed
+    # written under temporary names, renamed
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        state_file.shard_file(i) for i in range(files)
+    )
     b = trainer(model_dir, lora_rank=lora_rank)
     b.restore(tmp_path)
     assert_same(params(b), params(a))

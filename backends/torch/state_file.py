@@ -1,0 +1,218 @@
+"""The torch trainer's checkpoint files: its state written as ``state.pt`` plus, for a large state,
+``state.1.pt`` ... ``state.{k-1}.pt``, each by its own thread and hashed while it is written.
+
+One file is hashed by one core (sha256 is sequential: about 1.7 GB/s here), so a state of tens of
+GB written as one file is bound by that one core; ``k`` files are hashed and written at once, up
+to the host's cores (``shard_count``). ``state.pt`` holds the state's structure with the tensors
+of shard 0 in place and a reference ``(SHARD_REF, i, key)`` for each of the others; ``state.i.pt``
+holds ``{key: tensor}``. A state of one shard is one plain ``torch.save`` file. No file is
+renamed into place until every one is written; a failed write leaves none of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mllm_rl.trainer import Manifest
+
+STATE_FILE = "state.pt"
+SHARD_REF = "mllm_rl.state_shard"  # first item of a reference tuple in state.pt
+SHARD_MIN_BYTES = 64 << 20  # no shard smaller than this (a tiny state stays one file)
+MAX_SHARDS = 8
+
+
+def shard_file(i: int) -> str:
+    return STATE_FILE if i == 0 else f"state.{i}.pt"
+
+
+def shard_count(nbytes: int) -> int:
+    """How many files a state of ``nbytes`` is written as: one per usable core (at most
+    ``MAX_SHARDS``), none under ``SHARD_MIN_BYTES``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, MAX_SHARDS, nbytes // SHARD_MIN_BYTES))
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` (dicts, lists, tuples, leaves) with every tensor replaced by ``fn(tensor)``."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        if isinstance(obj, tuple) and obj[:1] == (SHARD_REF,):
+            return fn(obj)  # type: ignore[arg-type]
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def split(state: dict[str, Any], k: int) -> list[Any]:
+    """``state`` as ``k`` objects to save: the structure (with shard 0's tensors) and ``{key:
+    tensor}`` per other shard. Tensors go by storage (the views of one storage to one shard, as
+    ``torch.save`` writes a storage once per file), largest storage first to the lightest shard."""
+    tensors = _tensors(state)
+    storages: dict[int, list[int]] = {}
+    for key, t in enumerate(tensors):
+        storages.setdefault(t.untyped_storage().data_ptr(), []).append(key)
+    load, where = [0] * k, {}
+    size = {ptr: tensors[keys[0]].untyped_storage().nbytes() for ptr, keys in storages.items()}
+    for ptr in sorted(storages, key=lambda p: -size[p]):
+        shard = load.index(min(load))
+        load[shard] += size[ptr]
+        where.update((key, shard) for key in storages[ptr])
+    shards: list[Any] = [None] + [{} for _ in range(1, k)]
+    keys = iter(range(len(tensors)))
+
+    def place(t: torch.Tensor) -> Any:
+        key = next(keys)
+        if where[key] == 0:
+            return t
+        shards[where[key]][key] = t
+        return (SHARD_REF, where[key], key)
+
+    shards[0] = _map_tensors(state, place)
+    return shards
+
+
+def load_state(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """The state ``write_state`` wrote into ``path`` (any number of shards), tensors on
+    ``map_location``. ``ValueError`` naming the file when a shard is missing or lacks a tensor."""
+    state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
+    shards: dict[int, dict[int, torch.Tensor]] = {}
+
+    def resolve(ref: Any) -> torch.Tensor:
+        if isinstance(ref, torch.Tensor):
+            return ref
+        _, i, key = ref
+        if i not in shards:
+            f = path / shard_file(i)
+            if not f.exists():
+                raise ValueError(f"{f}: missing ({STATE_FILE} refers to it)")
+            shards[i] = torch.load(f, map_location=map_location, weights_only=True)
+        if key not in shards[i]:
+            raise ValueError(f"{path / shard_file(i)}: no tensor {key} ({STATE_FILE} refers to it)")
+        return shards[i][key]
+
+    return _map_tensors(state, resolve)
+
+
+def write_state(
+    state: dict[str, Any], path: Path, crc32: bool = False, shards: int | None = None
+) -> Manifest:
+    """``state`` into ``path`` as ``shards`` files (default ``shard_count``), each ``torch.save``d
+    by its own thread under a temporary name and hashed while written; all renamed once all are
+    written, every temporary file removed when one fails (that ``OSError`` is raised, naming its
+    file, not torch's ``RuntimeError: ... unexpected pos ...``). Returns the manifest entries.
+    Without torch's per-record CRC32s (a pass over every byte): the manifest's sha256, checked
+    before a resume loads the files, is the checksum (``crc32``: with them, a benchmark's way)."""
+    if shards is None:
+        shards = shard_count(sum(t.nbytes for t in _tensors(state)))
+    objs = split(state, shards)
+    targets = [path / shard_file(i) for i in range(shards)]
+    tmps = [t.with_name(f".{t.name}.tmp") for t in targets]
+    with contextlib.nullcontext() if crc32 else _without_crc32():
+        if shards == 1:
+            results = [_save(objs[0], tmps[0])]
+        else:
+            with ThreadPoolExecutor(shards, thread_name_prefix="checkpoint-write") as pool:
+                results = list(pool.map(_save, objs, tmps))
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is None:
+        try:
+            for tmp, target in zip(tmps, targets, strict=True):
+                os.replace(tmp, target)
+        except BaseException as e:
+            failed = e
+    if failed is not None:
+        for f in (*tmps, *targets):
+            f.unlink(missing_ok=True)
+        raise failed
+    return {t.name: r for t, r in zip(targets, results, strict=True)}
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    _map_tensors(state, out.append)
+    return out
+
+
+def _save(obj: Any, tmp: Path) -> dict[str, Any] | BaseException:
+    """``torch.save`` of ``obj`` to ``tmp``: its manifest entry, or the exception that stopped it
+    (an ``OSError`` of the file's write or close names ``tmp``)."""
+    try:
+        with open(tmp, "wb") as f, _HashingFile(f) as out:
+            try:
+                torch.save(obj, out)
+            except RuntimeError:
+                if out.error is None:
+                    raise
+                raise out.error from None
+        return {"bytes": out.nbytes, "sha256": out.sha256.hexdigest()}
+    except OSError as e:
+        if e.filename is None and e.errno is not None:  # a write() or close() of the open file
+            return OSError(e.errno, e.strerror, str(tmp))
+        return e
+    except BaseException as e:
+        return e
+
+
+@contextlib.contextmanager
+def _without_crc32() -> Iterator[None]:
+    """``torch.save`` without CRC32s in the zip records for the block (torch's option is global)."""
+    from torch.serialization import get_crc32_options, set_crc32_options
+
+    was = get_crc32_options()
+    set_crc32_options(False)
+    try:
+        yield
+    finally:
+        set_crc32_options(was)
+
+
+class _HashingFile:
+    """The file ``torch.save`` writes to: each buffer is hashed (sha256, on a second thread: hashlib
+    and the file write both release the GIL) as it is written, so the manifest needs no read-back;
+    keeps the first ``OSError`` of a ``write``/``flush`` (torch's C++ writer turns it into a
+    ``RuntimeError`` without the reason)."""
+
+    INLINE = 1 << 20  # smaller buffers are hashed on the writing thread
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.error, self.nbytes, self.sha256 = f, None, 0, hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
+
+    def __enter__(self) -> _HashingFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        hashed = self._pool.submit(self.sha256.update, view) if view.nbytes >= self.INLINE else None
+        try:
+            n = self.f.write(view)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+        finally:
+            if hashed is not None:
+                hashed.result()
+        if hashed is None:
+            self.sha256.update(view)
+        self.nbytes += view.nbytes
+        return n
+
+    def flush(self) -> None:
+        try:
+            self.f.flush()
+        except OSError as e:
+            self.error = self.error or e
+            raise
