@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import atexit
+import importlib.util
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,17 +16,26 @@ ROOT = Path(__file__).resolve().parents[1]
 FORKED_MODULES = ("mllm_rl.run", "mllm_rl.memplan")  # whole runs and plans: imports that cost seconds
 
 
+JAX_TEST_CACHE = ROOT / ".pytest_cache" / "jax-compile"
+JAX_TEST_CACHE_MAX_BYTES = 2**30
+
+
 def _jax_compilation_cache() -> None:
-    """One JAX persistent compilation cache for the session, set before anything imports jax and
-    inherited by every ``python -m mllm_rl.run`` a test starts: the tiny model's functions (the
-    trainer's and sglang-jax's) are compiled once per session instead of once per run. Every
-    entry is cached (no minimum compile time or size). A cache the caller set is kept as it is."""
+    """One JAX persistent compilation cache for the suite, set before anything imports jax and
+    inherited by every ``python -m mllm_rl.run`` a test starts, kept between suite runs in
+    ``JAX_TEST_CACHE`` (the checkout's ``.pytest_cache``): each program the tests compile (the
+    trainer's and sglang-jax's for every configuration a test runs) is compiled once per checkout,
+    not once per run or per suite run. Every entry is cached (no minimum compile time or size), at
+    most ``JAX_TEST_CACHE_MAX_BYTES`` (least recently used evicted, where JAX has ``filelock``). A
+    cache the caller set is kept as it is: ``JAX_COMPILATION_CACHE_DIR=$(mktemp -d) make test``
+    runs the suite cold, as on a fresh checkout."""
     if "JAX_COMPILATION_CACHE_DIR" in os.environ:
         return
-    cache = tempfile.mkdtemp(prefix="mllm-rl-tests-jax-cache-")
-    atexit.register(shutil.rmtree, cache, True)
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_TEST_CACHE.mkdir(parents=True, exist_ok=True)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=str(JAX_TEST_CACHE), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")  # fmt: skip
+    if importlib.util.find_spec("filelock") is not None:
+        os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(JAX_TEST_CACHE_MAX_BYTES))
 
 
 _jax_compilation_cache()
