@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,12 +10,35 @@ import sys
 from mllm_rl.backends.jax import compile_cache
 
 
-def test_unset_the_cache_goes_under_the_project_cache_with_a_size_bound(tmp_path):
+def test_unset_the_cache_goes_under_the_project_cache_and_is_trimmed_not_bounded_by_jax(tmp_path):
+    """Our directory, trimmed when the run starts: no ``JAX_COMPILATION_CACHE_MAX_SIZE``, whose
+    eviction lists and reads the whole directory on every write."""
     env = {"MLLM_RL_CACHE": str(tmp_path)}
-    assert compile_cache.configure(env) == str(tmp_path / "jax-compile")
-    assert env[compile_cache.DIR] == str(tmp_path / "jax-compile")
-    bounded = importlib.util.find_spec("filelock") is not None  # JAX's eviction needs it
-    assert env.get(compile_cache.MAX_SIZE) == (str(compile_cache.DEFAULT_MAX_BYTES) if bounded else None)
+    d = tmp_path / "jax-compile"
+    d.mkdir()
+    for i in range(8):  # 8 programs of 1 MiB, program 0 used longest ago
+        f = d / f"k{i}-cache"
+        f.write_bytes(b"x" * 2**20)
+        os.utime(f, (1000 + i, 1000 + i))
+    (d / "notes.txt").write_bytes(b"x" * 2**22)  # not an entry: never counted or deleted
+    (d / "k0-atime").write_bytes(b"t")  # JAX's record of k0's last use: goes with it
+    was = compile_cache.DEFAULT_MAX_BYTES
+    compile_cache.DEFAULT_MAX_BYTES = 6 * 2**20
+    try:
+        assert compile_cache.configure(env) == str(d)
+    finally:
+        compile_cache.DEFAULT_MAX_BYTES = was
+    assert env == {"MLLM_RL_CACHE": str(tmp_path), compile_cache.DIR: str(d)}
+    # over 6 MiB: the oldest go until 4.5 MiB are left
+    assert sorted(f.name for f in d.iterdir()) == [
+        "k4-cache",
+        "k5-cache",
+        "k6-cache",
+        "k7-cache",
+        "notes.txt",
+    ]
+    assert compile_cache.trim(d, 6 * 2**20) == 0  # within the bound: nothing goes
+    assert compile_cache.trim(tmp_path / "missing", 1) == 0
 
 
 def test_a_callers_choice_is_kept_and_empty_turns_the_cache_off(tmp_path):
