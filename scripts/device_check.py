@@ -15,7 +15,7 @@ Steps, in order of value, each in its own process with its own time limit, the w
   allocator at every phase, the run's own memory plan against it (end-of-phase bytes and the phase
   peaks), ``update_weights`` GB/s;
 - ``engine-torch``: decode tokens/s of the embedded torch engine against Hugging Face ``generate``
-  on the same weights (``scripts/bench_engine.py``), then ``engine-jax`` (sglang-jax).
+  on the same weights (``python -m mllm_rl.bench engine``), then ``engine-jax`` (sglang-jax).
 
 GPU mode runs ``qwen3-0.6b`` (random weights, bf16); ``--cpu`` runs ``tiny`` on the CPU, the same
 steps, so the script is exercised where no accelerator is (the test suite runs it). Writes
@@ -83,9 +83,9 @@ def _step_table(mode: str, engine_batch: str = "") -> list[dict[str, Any]]:
         {"name": "rl-torch", "backend": "torch", "cap": 150, "run": True,
          "argv": ["-m", "mllm_rl.run", "--backend", "torch", "--platform", tplat, *common, *rl]},
         {"name": "engine-torch", "backend": "torch", "cap": 150, "bench": True,
-         "argv": ["scripts/bench_engine.py", "--engines", "embedded,hf", "--platform", tplat, *engine]},
+         "argv": ["-m", "mllm_rl.bench", "engine", "--engines", "embedded,hf", "--platform", tplat, *engine]},
         {"name": "engine-jax", "backend": "jax", "cap": 120, "bench": True,
-         "argv": ["scripts/bench_engine.py", "--engines", "sglang-jax", "--platform", jplat, *engine]},
+         "argv": ["-m", "mllm_rl.bench", "engine", "--engines", "sglang-jax", "--platform", jplat, *engine]},
     ]  # fmt: skip
 
 

@@ -7,17 +7,18 @@
 # same steps with the tiny preset on JAX CPU and torch CPU) and --dry-run have run. The GPU mode
 # needs one NVIDIA H100 (or any CUDA GPU with >= 40 GiB; qwen3-4b is 8 GB in bf16).
 #
-# Steps (--list prints them; --only takes names or prefixes, e.g. --only swap,rl-torch):
-#   swap-*     scripts/bench_swap.py       qwen3-4b: streaming vs naive peak/steady, GB/s vs measured H2D
-#   release-*  scripts/bench_release.py    qwen3-4b: freed/held per tag, time vs raw memcpy (with/without CPU backup)
-#   rl-*       scripts/bench_rl_memory.py  qwen3-0.6b, qwen3-1.7b: multi_stage vs naive step peaks; largest KV
-#                                          cache by OOM bisection (--bisect)
-#   soak-*     scripts/soak.py             100 release/resume/update cycles (qwen3-0.6b; torch also with trainer)
-#   engine-*   scripts/bench_engine.py     decode tokens/s: embedded torch engine / sglang-jax vs HF generate
-#   plan-*     scripts/bench_plan_vs_cuda.py  the torch planner's train step vs the same step on the GPU
-#                                          (qwen3-4b 4 x 4096 with remat, qwen3-0.6b 4 x 4096); GPU mode only
+# Steps (--list prints them; --only takes names or prefixes, e.g. --only swap,rl-torch), each a
+# benchmark of python -m mllm_rl.bench (python -m mllm_rl.bench lists them):
+#   swap-*     swap          qwen3-4b: streaming vs naive peak/steady, GB/s vs measured H2D
+#   release-*  release       qwen3-4b: freed/held per tag, time vs raw memcpy (with/without CPU backup)
+#   rl-*       rl-memory     qwen3-0.6b, qwen3-1.7b: multi_stage vs naive step peaks; largest KV
+#                            cache by OOM bisection (--bisect)
+#   soak-*     soak          100 release/resume/update cycles (qwen3-0.6b; torch also with trainer)
+#   engine-*   engine        decode tokens/s: embedded torch engine / sglang-jax vs HF generate
+#   plan-*     plan-vs-cuda  the torch planner's train step vs the same step on the GPU
+#                            (qwen3-4b 4 x 4096 with remat, qwen3-0.6b 4 x 4096); GPU mode only
 # Each step writes DIR/<step>.json and DIR/<step>.log and one line "step<TAB>exit<TAB>seconds" to DIR/status.tsv;
-# a failing step is recorded and the next one runs. At the end scripts/bench_summary.py prints the table
+# a failing step is recorded and the next one runs. At the end python -m mllm_rl.bench summary prints the table
 # (also DIR/summary.md). Exit status: 0 when every step exited 0, else 1.
 #
 # Interpreters: PY_TORCH (torch steps, HF baseline) and PY_JAX (jax steps); default .venv-torch/.venv-jax of
@@ -90,46 +91,46 @@ do_install() {
 }
 
 # -- steps ----------------------------------------------------------------------------------------
-STEPS=()   # "name|python-var|script args..." (the JSON path is appended)
+STEPS=()   # "name|python-var|interpreter args..." (the JSON path is appended)
 if [ "$cpu" = 1 ]; then
   PY_TORCH=${PY_TORCH:-.venv-torch/bin/python}
   PY_JAX=${PY_JAX:-.venv-jax/bin/python}
   STEPS+=(
-    "swap-jax-tiny|PY_JAX|scripts/bench_swap.py --backend jax --preset tiny --platform cpu"
-    "swap-torch-tiny|PY_TORCH|scripts/bench_swap.py --backend torch --preset tiny --platform cpu"
-    "release-jax-tiny|PY_JAX|scripts/bench_release.py --backend jax --preset tiny --platform cpu"
-    "release-jax-tiny-backup|PY_JAX|scripts/bench_release.py --backend jax --preset tiny --platform cpu --cpu-backup"
-    "release-torch-tiny|PY_TORCH|scripts/bench_release.py --backend torch --preset tiny --platform cpu"
-    "release-torch-tiny-backup|PY_TORCH|scripts/bench_release.py --backend torch --preset tiny --platform cpu --cpu-backup"
-    "rl-jax-tiny|PY_JAX|scripts/bench_rl_memory.py --backend jax --preset tiny --platform cpu --budget-gb 0.125"
-    "rl-torch-tiny|PY_TORCH|scripts/bench_rl_memory.py --backend torch --preset tiny --platform cpu --budget-gb 0.125"
-    "soak-jax-tiny|PY_JAX|scripts/soak.py --backend jax --preset tiny --platform cpu --cycles 100"
-    "soak-torch-tiny|PY_TORCH|scripts/soak.py --backend torch --preset tiny --platform cpu --cycles 100"
-    "soak-torch-tiny-trainer|PY_TORCH|scripts/soak.py --backend torch --preset tiny --platform cpu --cycles 100 --trainer --cpu-backup"
-    "engine-torch-tiny|PY_TORCH|scripts/bench_engine.py --backend torch --preset tiny --platform cpu --batch 1,32"
-    "engine-jax-tiny|PY_JAX|scripts/bench_engine.py --backend jax --preset tiny --platform cpu --batch 1,32 --keep-going"
+    "swap-jax-tiny|PY_JAX|-m mllm_rl.bench swap --backend jax --preset tiny --platform cpu"
+    "swap-torch-tiny|PY_TORCH|-m mllm_rl.bench swap --backend torch --preset tiny --platform cpu"
+    "release-jax-tiny|PY_JAX|-m mllm_rl.bench release --backend jax --preset tiny --platform cpu"
+    "release-jax-tiny-backup|PY_JAX|-m mllm_rl.bench release --backend jax --preset tiny --platform cpu --cpu-backup"
+    "release-torch-tiny|PY_TORCH|-m mllm_rl.bench release --backend torch --preset tiny --platform cpu"
+    "release-torch-tiny-backup|PY_TORCH|-m mllm_rl.bench release --backend torch --preset tiny --platform cpu --cpu-backup"
+    "rl-jax-tiny|PY_JAX|-m mllm_rl.bench rl-memory --backend jax --preset tiny --platform cpu --budget-gb 0.125"
+    "rl-torch-tiny|PY_TORCH|-m mllm_rl.bench rl-memory --backend torch --preset tiny --platform cpu --budget-gb 0.125"
+    "soak-jax-tiny|PY_JAX|-m mllm_rl.bench soak --backend jax --preset tiny --platform cpu --cycles 100"
+    "soak-torch-tiny|PY_TORCH|-m mllm_rl.bench soak --backend torch --preset tiny --platform cpu --cycles 100"
+    "soak-torch-tiny-trainer|PY_TORCH|-m mllm_rl.bench soak --backend torch --preset tiny --platform cpu --cycles 100 --trainer --cpu-backup"
+    "engine-torch-tiny|PY_TORCH|-m mllm_rl.bench engine --backend torch --preset tiny --platform cpu --batch 1,32"
+    "engine-jax-tiny|PY_JAX|-m mllm_rl.bench engine --backend jax --preset tiny --platform cpu --batch 1,32 --keep-going"
   )
 else
   PY_TORCH=${PY_TORCH:-$( [ -x .venv-torch/bin/python ] && echo .venv-torch/bin/python || echo python3 )}
   PY_JAX=${PY_JAX:-$( [ -x .venv-jax/bin/python ] && echo .venv-jax/bin/python || echo python3 )}
   STEPS+=(
-    "swap-torch-qwen3-4b|PY_TORCH|scripts/bench_swap.py --backend torch --preset qwen3-4b --platform cuda"
-    "swap-jax-qwen3-4b|PY_JAX|scripts/bench_swap.py --backend jax --preset qwen3-4b --platform gpu"
-    "release-torch-qwen3-4b|PY_TORCH|scripts/bench_release.py --backend torch --preset qwen3-4b --platform cuda"
-    "release-torch-qwen3-4b-backup|PY_TORCH|scripts/bench_release.py --backend torch --preset qwen3-4b --platform cuda --cpu-backup"
-    "release-jax-qwen3-4b|PY_JAX|scripts/bench_release.py --backend jax --preset qwen3-4b --platform gpu"
-    "release-jax-qwen3-4b-backup|PY_JAX|scripts/bench_release.py --backend jax --preset qwen3-4b --platform gpu --cpu-backup"
-    "rl-torch-qwen3-0.6b|PY_TORCH|scripts/bench_rl_memory.py --backend torch --preset qwen3-0.6b --platform cuda"
-    "rl-torch-qwen3-1.7b|PY_TORCH|scripts/bench_rl_memory.py --backend torch --preset qwen3-1.7b --platform cuda --bisect"
-    "rl-jax-qwen3-0.6b|PY_JAX|scripts/bench_rl_memory.py --backend jax --preset qwen3-0.6b --platform gpu"
-    "rl-jax-qwen3-1.7b|PY_JAX|scripts/bench_rl_memory.py --backend jax --preset qwen3-1.7b --platform gpu --bisect"
-    "soak-torch-qwen3-0.6b|PY_TORCH|scripts/soak.py --backend torch --preset qwen3-0.6b --platform cuda --cycles 100"
-    "soak-torch-qwen3-0.6b-trainer|PY_TORCH|scripts/soak.py --backend torch --preset qwen3-0.6b --platform cuda --cycles 100 --trainer --cpu-backup"
-    "soak-jax-qwen3-0.6b|PY_JAX|scripts/soak.py --backend jax --preset qwen3-0.6b --platform gpu --cycles 100"
-    "engine-torch-qwen3-0.6b|PY_TORCH|scripts/bench_engine.py --engines embedded,hf --preset qwen3-0.6b --platform cuda --batch 1,32,128 --new-tokens 128"
-    "engine-jax-qwen3-0.6b|PY_JAX|scripts/bench_engine.py --backend jax --preset qwen3-0.6b --platform gpu --batch 1,32,128 --new-tokens 128 --keep-going"
-    "plan-torch-qwen3-4b|PY_TORCH|scripts/bench_plan_vs_cuda.py --preset qwen3-4b --micro-batch 4 --seq-len 4096 --option remat=true"
-    "plan-torch-qwen3-0.6b|PY_TORCH|scripts/bench_plan_vs_cuda.py --preset qwen3-0.6b --micro-batch 4 --seq-len 4096"
+    "swap-torch-qwen3-4b|PY_TORCH|-m mllm_rl.bench swap --backend torch --preset qwen3-4b --platform cuda"
+    "swap-jax-qwen3-4b|PY_JAX|-m mllm_rl.bench swap --backend jax --preset qwen3-4b --platform gpu"
+    "release-torch-qwen3-4b|PY_TORCH|-m mllm_rl.bench release --backend torch --preset qwen3-4b --platform cuda"
+    "release-torch-qwen3-4b-backup|PY_TORCH|-m mllm_rl.bench release --backend torch --preset qwen3-4b --platform cuda --cpu-backup"
+    "release-jax-qwen3-4b|PY_JAX|-m mllm_rl.bench release --backend jax --preset qwen3-4b --platform gpu"
+    "release-jax-qwen3-4b-backup|PY_JAX|-m mllm_rl.bench release --backend jax --preset qwen3-4b --platform gpu --cpu-backup"
+    "rl-torch-qwen3-0.6b|PY_TORCH|-m mllm_rl.bench rl-memory --backend torch --preset qwen3-0.6b --platform cuda"
+    "rl-torch-qwen3-1.7b|PY_TORCH|-m mllm_rl.bench rl-memory --backend torch --preset qwen3-1.7b --platform cuda --bisect"
+    "rl-jax-qwen3-0.6b|PY_JAX|-m mllm_rl.bench rl-memory --backend jax --preset qwen3-0.6b --platform gpu"
+    "rl-jax-qwen3-1.7b|PY_JAX|-m mllm_rl.bench rl-memory --backend jax --preset qwen3-1.7b --platform gpu --bisect"
+    "soak-torch-qwen3-0.6b|PY_TORCH|-m mllm_rl.bench soak --backend torch --preset qwen3-0.6b --platform cuda --cycles 100"
+    "soak-torch-qwen3-0.6b-trainer|PY_TORCH|-m mllm_rl.bench soak --backend torch --preset qwen3-0.6b --platform cuda --cycles 100 --trainer --cpu-backup"
+    "soak-jax-qwen3-0.6b|PY_JAX|-m mllm_rl.bench soak --backend jax --preset qwen3-0.6b --platform gpu --cycles 100"
+    "engine-torch-qwen3-0.6b|PY_TORCH|-m mllm_rl.bench engine --engines embedded,hf --preset qwen3-0.6b --platform cuda --batch 1,32,128 --new-tokens 128"
+    "engine-jax-qwen3-0.6b|PY_JAX|-m mllm_rl.bench engine --backend jax --preset qwen3-0.6b --platform gpu --batch 1,32,128 --new-tokens 128 --keep-going"
+    "plan-torch-qwen3-4b|PY_TORCH|-m mllm_rl.bench plan-vs-cuda --preset qwen3-4b --micro-batch 4 --seq-len 4096 --option remat=true"
+    "plan-torch-qwen3-0.6b|PY_TORCH|-m mllm_rl.bench plan-vs-cuda --preset qwen3-0.6b --micro-batch 4 --seq-len 4096"
   )
 fi
 
@@ -192,6 +193,7 @@ if [ "$ran" = 0 ]; then
   exit 2
 fi
 echo
-"$PY_TORCH" scripts/bench_summary.py "$out" --markdown "$out/summary.md" || python3 scripts/bench_summary.py "$out" --markdown "$out/summary.md"
+"$PY_TORCH" -m mllm_rl.bench summary "$out" --markdown "$out/summary.md" ||
+  python3 -m mllm_rl.bench summary "$out" --markdown "$out/summary.md"
 echo "results: $out ($failed failed step(s))"
 [ "$failed" = 0 ]

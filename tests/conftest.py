@@ -193,13 +193,3 @@ def needs_libtpu() -> None:
     d = compilers_dir()
     if importlib.util.find_spec("libtpu") is None and not (d / "libtpu").is_dir():
         pytest.skip(f"needs libtpu (scripts/venv.sh jax installs it into {d})")
-
-
-def load_script(name: str):
-    """``scripts/<name>.py`` as a module (scripts/ is not a package; nothing goes on sys.path)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"script_{name}", ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod

@@ -33,14 +33,14 @@ def check_temperature_consistent(backend: str, model: Path, temperature: float, 
 
 
 def check_bf16_checkpoint_learns_at_fine_tuning_lr(backend: str, json_out: Path, seed: int = 0) -> dict:
-    """``scripts/bench_precision.py`` on the ``tiny`` preset written in bf16, lr 1e-6: with mixed
+    """``python -m mllm_rl.bench precision`` on the ``tiny`` preset written in bf16, lr 1e-6: with mixed
     precision (the default) >= 90% of the master weights change between the last two steps'
     checkpoints; with ``--precision pure`` (bf16 params and moments) under 10% do (measured before
     mixed precision existed: 0 after the first step, 2-3% after the second). ``seed``: one whose
     16 samples per step earn a reward at all (a group of equal rewards has no gradient)."""
-    from tests.conftest import load_script
+    import importlib
 
-    bench = load_script("bench_precision")
+    bench = importlib.import_module("mllm_rl.bench.precision")
     code = bench.main(["--backend", backend, "--steps", "3", "--json", str(json_out), "--",
                        "--prompts-per-step", "4", "--group-size", "4", "--seed", str(seed)])  # fmt: skip
     assert code == 0

@@ -379,7 +379,7 @@ def trainer_step_memory(
 
     ``rows`` sequences of ``seq_len`` tokens per step (the whole batch), in micro-batches of
     ``micro_batch``. ``attention`` / ``logprob_chunk``: the model's defaults (``"sdpa"`` / ``"model"``)
-    or ``"eager"`` / ``None`` for ``scripts/bench_torch_attention.py``. ``options``: model options as a
+    or ``"eager"`` / ``None`` for ``mllm_rl/bench/torch_attention.py``. ``options``: model options as a
     (key, value) tuple so the result caches. ``device``: the planned device type, which decides the
     AdamW implementation (``TorchModelOptions.adamw_on``) and where its step counters live.
     ``world`` > 1: traced as rank 0 of an FSDP2 trainer on torch's fake process group."""

@@ -45,6 +45,12 @@ def run_argv(run_dir: str | Path, *extra: str, python: str = sys.executable, **k
     return [python, "-m", "mllm_rl.run", *flags(**kw, wandb="disabled", quiet=True, run_dir=run_dir), *extra]
 
 
+def bench_argv(name: str, *args: str, python: str = sys.executable) -> list[str]:
+    """``python -m mllm_rl.bench NAME ARGS``: a benchmark started in a fresh process (its own
+    children: a worker, one path, one measurement), under ``python``."""
+    return [python, "-m", "mllm_rl.bench", name, *args]
+
+
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """A bench child's environment: this one with ``env`` on top, no progress bars, unbuffered, and
     JAX's persistent compilation cache off unless ``JAX_COMPILATION_CACHE_DIR`` is set (a run

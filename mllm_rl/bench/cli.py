@@ -1,5 +1,5 @@
-"""The shared command-line pieces of the benchmark scripts: argparse types, target checks, and
-``run_bench``, the end every script shares (report, ``--json``, one JSON summary line, exit code)."""
+"""The shared command-line pieces of the benchmarks: argparse types, target checks, and
+``run_bench``, the end every benchmark shares (report, ``--json``, one JSON summary line, exit code)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def doc_parser(doc: str) -> argparse.ArgumentParser:
 
 
 def bench_parser(doc: str, backend: str | None = "jax") -> argparse.ArgumentParser:
-    """A bench script's parser (the docstring's first paragraph as description) with the flags most
+    """A benchmark's parser (the docstring's first paragraph as description) with the flags most
     share: ``--backend`` (default ``backend``; required when None), ``--preset``, ``--platform``."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog="Details: docs/BENCHMARKS.md")
     ap.add_argument("--backend", default=backend, required=backend is None, choices=["jax", "torch"])
@@ -41,7 +41,7 @@ def output_flags(
     ap: argparse.ArgumentParser, timeout: float | None = 3600.0, per: str = "run", extra: str = ""
 ) -> None:
     """``--timeout`` (seconds per ``per``; left out when None), ``--json`` and, with ``extra`` as its
-    help, the arguments after ``--`` (for ``mllm_rl.run``): the end of most bench scripts' flags."""
+    help, the arguments after ``--`` (for ``mllm_rl.run``): the end of most benchmarks' flags."""
     if timeout is not None:
         ap.add_argument("--timeout", type=positive(float), default=timeout, help=f"seconds per {per}")
     ap.add_argument("--json", type=Path, help="also write the results here")
@@ -79,7 +79,7 @@ def run_bench(
     summary: Callable[[dict[str, Any]], dict[str, Any]],
     report_to_stderr: bool = False,
 ) -> tuple[int, dict[str, Any] | None]:
-    """The shared end of every bench script: run ``bench(args)``, print the human report, write
+    """The shared end of every benchmark: run ``bench(args)``, print the human report, write
     ``--json``, print one JSON summary line last (what ``gpu_bench_all.sh`` and tests parse).
 
     Returns ``(exit code, results)``: 2 on bad input (``ValueError``, incl. ``CheckpointError``:

@@ -1,11 +1,12 @@
-"""Copy-bandwidth baselines: what a raw host-to-device, device-to-host and on-device copy of the
-same bytes costs on this machine, for the backend's runtime. The benchmarks compare their
-transfers (weight swaps, release/resume with CPU backup) against these.
+"""Copy-bandwidth baselines: raw host-to-device, device-to-host and on-device copies of one buffer.
+
+What a raw copy of the same bytes costs on this machine, for the backend's runtime. The
+benchmarks compare their transfers (weight swaps, release/resume with CPU backup) against these.
 
     python -m mllm_rl.bench copy --backend jax|torch --mb 1024 [--platform auto] [--repeats 5]
 
-prints one JSON object (``copy_bandwidth``); the drivers run it in a fresh process of the
-benchmark's own venv. jax and torch are imported inside the functions that use them.
+prints one JSON object (``copy_bandwidth``); the benchmarks run it in a fresh process of their
+own venv. jax and torch are imported inside the functions that use them.
 """
 
 from __future__ import annotations
@@ -158,17 +159,13 @@ def copy_bandwidth(backend: str, nbytes: int, platform_: str = "auto", repeats: 
     return out
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """``copy``: print the copy baselines as one JSON line; 2 on bad input."""
-    ap = argparse.ArgumentParser(
-        prog=prog, description="Copy-bandwidth baselines for the benchmark scripts (one JSON line)."
-    )
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    cp = sub.add_parser("copy", help="host-to-device / device-to-host / on-device copy bandwidth")
-    cp.add_argument("--backend", required=True, choices=["jax", "torch"])
-    cp.add_argument("--mb", type=positive(float), default=1024.0, help="buffer size, MiB")
-    cp.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda", "tpu"])
-    cp.add_argument("--repeats", type=positive(int), default=5)
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mllm_rl.bench copy``: print the copy baselines as one JSON line; 2 on bad input."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", required=True, choices=["jax", "torch"])
+    ap.add_argument("--mb", type=positive(float), default=1024.0, help="buffer size, MiB")
+    ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda", "tpu"])
+    ap.add_argument("--repeats", type=positive(int), default=5)
     args = ap.parse_args(argv)
     try:
         out = copy_bandwidth(args.backend, int(args.mb * MiB), args.platform, args.repeats)

@@ -1,5 +1,5 @@
 """What ran: host CPU/memory, GPUs (nvidia-smi), Python, package versions, git commit, load, date;
-and the command line of the running script (both go into every benchmark's JSON)."""
+and the command line of the running benchmark (both go into every benchmark's JSON)."""
 
 from __future__ import annotations
 
@@ -78,11 +78,12 @@ def _git() -> dict[str, Any] | None:
     return None if head is None else {"commit": head.strip(), "dirty": bool((dirty or "").strip())}
 
 
-GIT_AT_START = _git()  # read when a bench script imports this module, i.e. when it starts
+GIT_AT_START = _git()  # read when a benchmark imports this module, i.e. when it starts
 
 
 def command_line() -> str:
-    """This script's command line, as the user typed it (for the JSON and the docs)."""
+    """This benchmark's command line, as the user typed it (for the JSON and the docs; the driver
+    sets ``sys.argv[0]`` to ``python -m mllm_rl.bench NAME``)."""
     return " ".join([Path(sys.argv[0]).as_posix() if sys.argv else "", *sys.argv[1:]]).strip()
 
 

@@ -1,23 +1,64 @@
-"""Where the time of a colocated RL step goes, from a run's phase records.
+"""Step cost: the share of each lifecycle phase in a colocated RL step, side by side for models and backends.
 
-A step is the records with one ``step``; its wall time runs from its first record's start to its
-last's end, and the gaps (snapshots, sink writes) are ``between_phases``. A repeated phase name is
-kept apart (``empty_cache#2``). Counted steps are complete, error-free and not an attempt's first
-(it compiles). Per phase: medians over counted steps of seconds and of step share (shares need
-not sum to 1), and the bytes it moved (``info`` ``bytes``/``expected_*_bytes``) with their rate."""
+    python -m mllm_rl.bench step-cost                        # tiny and qwen3-0.6b, jax and torch
+    python -m mllm_rl.bench step-cost --models tiny --steps 3 --json OUT
+    python -m mllm_rl.bench step-cost --models qwen3-0.6b -- --prompts-per-step 2 --group-size 2
+    python -m mllm_rl.bench step-cost --from-run runs/a --from-run runs/b     # recorded runs, no new run
+
+Runs ``python -m mllm_rl.run --backend B --model M --steps N --save-every S ...`` for every model and
+backend, each in a fresh process (jax under ``--python-jax``, torch under ``--python-torch``; default
+the repo's ``.venv-jax`` / ``.venv-torch``); arguments after ``--`` go to every run. ``--from-run DIR``
+reads a recorded run's ``phases.jsonl`` and ``run.json`` instead.
+
+Per phase: the median over the steps after the first (which compiles) of its share of the step's
+wall time and its seconds; ``between_phases`` = wall time outside every phase; ``non-rollout,
+non-train`` = the lifecycle's own cost; bytes and rate for phases that move bytes;
+``update_weights`` split into the engine's install and what goes around it (``_update_detail``).
+``--save-every`` defaults to 1 so the ``checkpoint`` median is one save; the share with ``mllm_rl.run``'s
+cadence of 5 is derived when saves are written in their phase (a background save, torch, overlaps
+other phases: run ``--save-every 5 --steps 6`` and read "over all counted steps").
+
+Exit 0 with the results, 2 on bad input (one line), 1 when a run failed (``--keep-going``: the
+others go on). Times are wall-clock; the load average around each run is recorded.
+
+How a run's phase records are read (``analyse``): a step is the records with one ``step``; its
+wall time runs from its first record's start to its last's end, and the gaps (snapshots, sink
+writes) are ``between_phases``. A repeated phase name is kept apart (``empty_cache#2``). Counted
+steps are complete, error-free and not an attempt's first (it compiles). Per phase: medians over
+counted steps of seconds and of step share (shares need not sum to 1), and the bytes it moved
+(``info`` ``bytes``/``expected_*_bytes``) with their rate."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import os
+import shutil
 import statistics
+import sys
+import tempfile
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from mllm_rl.bench.child import BenchError, run_argv, run_cmd
+from mllm_rl.bench.cli import csv_choice, csv_list, doc_parser, output_flags, positive, progress, run_bench
+from mllm_rl.bench.machine import ROOT, bench_json, load_avg_1m
+from mllm_rl.bench.tables import table
+from mllm_rl.plans.rl import RLOptions
+
+# ROOT: the repo root, where the venvs .venv-jax / .venv-torch live
+RUN_CADENCE = RLOptions.checkpoint_every  # python -m mllm_rl.run's default: a checkpoint every 5 steps
+BACKENDS = ("jax", "torch")
+DEFAULT_MODELS = ["tiny", "qwen3-0.6b"]
 ROLLOUT, TRAIN, CHECKPOINT = "rollout", "train_step", "checkpoint"
 BETWEEN = "between_phases"
 BYTE_FIELDS = ("bytes", "expected_alloc_bytes", "expected_freed_bytes")
 
 
+# -- the analysis of one run's phase records ---------------------------------------------------
 @dataclasses.dataclass
 class Step:
     """One step's records, reduced to times (seconds) and ``info`` per phase key."""
@@ -192,3 +233,273 @@ def _update_detail(use: Sequence[Step]) -> dict[str, Any] | None:
         "phase_s_median": round(statistics.median(t for t, _ in recs), 6),
         "around_install_share_median": round(statistics.median(around), 4) if around else None,
     }
+
+
+# -- inputs --------------------------------------------------------------------------------
+def python_for(backend: str, args: argparse.Namespace) -> str:
+    """The interpreter for ``backend``'s runs; ``ValueError`` when the one given does not exist."""
+    given = args.python_jax if backend == "jax" else args.python_torch
+    if given:
+        found = shutil.which(given) if os.sep not in given else (given if os.access(given, os.X_OK) else None)
+        if not found:
+            raise ValueError(f"--python-{backend} {given!r}: no such executable")
+        return given
+    venv = ROOT / f".venv-{backend}" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+def read_run(run_dir: Path) -> dict[str, Any]:
+    """``run.json`` and the records of ``phases.jsonl`` of one run; ``ValueError`` naming the file."""
+    from mllm_rl.phases.schema import validate_record
+    from mllm_rl.sinks.jsonl import read_jsonl
+
+    meta_path, phases_path = run_dir / "run.json", run_dir / "phases.jsonl"
+    for p in (meta_path, phases_path):
+        if not p.is_file():
+            raise ValueError(f"{p}: not found (--from-run takes a run directory of python -m mllm_rl.run)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{meta_path}: not JSON ({e.msg}, line {e.lineno})") from None
+    if meta.get("plan", "rl") != "rl" or not isinstance(meta.get("expected_step_phases"), list):
+        raise ValueError(f"{meta_path}: not an RL run (no expected_step_phases)")
+    records = read_jsonl(phases_path)
+    for i, r in enumerate(records):
+        try:
+            validate_record(r)
+        except ValueError as e:
+            raise ValueError(f"{phases_path}: record {i + 1}: {e}") from None
+    argv = meta.get("argv") or []
+    model = argv[argv.index("--model") + 1] if "--model" in argv[:-1] else Path(str(meta.get("model"))).name
+    return {"meta": meta, "records": records, "model": model, "backend": meta.get("backend")}
+
+
+def run_cmd_for(args: argparse.Namespace, model: str, backend: str, run_dir: Path) -> list[str]:
+    return run_argv(
+        run_dir, *args.extra, python=python_for(backend, args), backend=backend, plan="rl", model=model,
+        steps=args.steps, save_every=args.save_every, max_new_tokens=args.max_new_tokens, platform=args.platform,
+    )  # fmt: skip
+
+
+# -- driver --------------------------------------------------------------------------------
+def one(label: str, model: str, backend: str, run: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    try:
+        analysis = analyse(run["records"], run["meta"].get("expected_step_phases"), cadence=RUN_CADENCE)
+    except ValueError as e:
+        raise ValueError(f"{label}: {e}") from None
+    return {"label": label, "model": model, "backend": backend, **extra, "analysis": analysis}
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    if args.from_run:
+        runs = [(d, read_run(d)) for d in args.from_run]  # every one validated before any analysis
+        labels = [f"{run['model']} {run['backend']}" for _, run in runs]
+        for (d, run), label in zip(runs, labels, strict=True):
+            if labels.count(label) > 1:  # the same model and backend twice: tell them apart
+                label = f"{label} ({d.name})"
+            rows.append(
+                one(label, run["model"], run["backend"], run, {"run_dir": str(d), "run_seconds": None})
+            )
+    else:
+        plan = [(m, b) for m in args.models for b in args.backends]
+        for b in args.backends:
+            python_for(b, args)  # bad --python-* before anything runs
+        keep = args.runs_dir
+        with tempfile.TemporaryDirectory() as tmp:
+            for i, (model, backend) in enumerate(plan):
+                label = f"{model} {backend}"
+                run_dir = (keep or Path(tmp)) / f"{Path(model).name}-{backend}"
+                if run_dir.exists():
+                    shutil.rmtree(run_dir)
+                cmd = run_cmd_for(args, model, backend, run_dir)
+                load0, t0 = load_avg_1m(), time.perf_counter()
+                progress(f"  [{i + 1}/{len(plan)}] {label}: {args.steps} steps ...")
+                try:
+                    run_cmd(cmd, f"run {label}", timeout=args.timeout)
+                    row = one(label, model, backend, read_run(run_dir), {})
+                except (BenchError, ValueError) as e:
+                    if not args.keep_going:
+                        raise BenchError(str(e)) from None
+                    rows.append(
+                        {
+                            "label": label,
+                            "model": model,
+                            "backend": backend,
+                            "error": str(e)[:3000],
+                            "command": cmd,
+                        }
+                    )
+                    progress(f"  [{i + 1}/{len(plan)}] {label}: FAILED")
+                    continue
+                dt = time.perf_counter() - t0
+                row.update(
+                    command=cmd,
+                    run_seconds=round(dt, 2),
+                    load_avg_1m_before=load0,
+                    load_avg_1m_after=load_avg_1m(),
+                    run_dir=str(run_dir) if keep else None,
+                )
+                rows.append(row)
+                progress(f"  [{i + 1}/{len(plan)}] {label}: {dt:.0f} s")
+    return bench_json("step_cost", args, steps=None if args.from_run else args.steps,
+        save_every=None if args.from_run else args.save_every,
+        max_new_tokens=None if args.from_run else args.max_new_tokens, extra=list(args.extra), runs=rows)  # fmt: skip
+
+
+# -- report --------------------------------------------------------------------------------
+def _pct(x: float | None) -> str | None:
+    return None if x is None else f"{100 * x:.1f}%"
+
+
+def report(out: dict[str, Any]) -> str:
+    ok = [r for r in out["runs"] if "analysis" in r]
+    names: list[str] = []
+    for r in ok:  # merge the phase orders (schedules may differ): a new phase goes after its predecessor
+        prev = None
+        for p in r["analysis"]["phases"]:
+            if p["phase"] not in names:
+                names.insert(names.index(prev) + 1 if prev in names else len(names), p["phase"])
+            prev = p["phase"]
+    if BETWEEN in names:  # last, next to the summary rows
+        names.remove(BETWEEN)
+        names.append(BETWEEN)
+    by = [{p["phase"]: p for p in r["analysis"]["phases"]} for r in ok]
+    cols = [("phase", "phase", "")] + [(str(i), r["label"], "") for i, r in enumerate(ok)]
+    share_rows, sec_rows = [], []
+    for n in names:
+        share_rows.append(
+            {"phase": n, **{str(i): _pct(b[n]["share_median"]) if n in b else None for i, b in enumerate(by)}}
+        )
+        cells = {}
+        for i, b in enumerate(by):
+            p = b.get(n)
+            if p is not None:
+                copies = p["gbps_median"] is not None and not n.startswith("release")  # a release frees
+                rate = f" ({p['gbps_median']:.3f} GB/s)" if copies else ""
+                cells[str(i)] = f"{p['seconds_median']:.3f}{rate}"
+        sec_rows.append({"phase": n, **cells})
+    a = [r["analysis"] for r in ok]
+    share_rows.append(
+        {
+            "phase": f"non-{ROLLOUT}, non-{TRAIN}",
+            **{str(i): _pct(x["other_share_median"]) for i, x in enumerate(a)},
+        }
+    )
+    share_rows.append(
+        {
+            "phase": "  same, over all counted steps (time-weighted)",
+            **{str(i): _pct(x["other_share_total"]) for i, x in enumerate(a)},
+        }
+    )
+    if any(x.get("other_share_at_cadence") is not None for x in a):
+        share_rows.append(
+            {
+                "phase": f"  same, a checkpoint every {RUN_CADENCE} steps",
+                **{str(i): _pct(x.get("other_share_at_cadence")) for i, x in enumerate(a)},
+            }
+        )
+    sec_rows += [
+        {
+            "phase": f"non-{ROLLOUT}, non-{TRAIN}",
+            **{str(i): f"{x['other_s_median']:.3f}" for i, x in enumerate(a)},
+        },
+        {"phase": "step (median)", **{str(i): f"{x['step_s_median']:.3f}" for i, x in enumerate(a)}},
+        {
+            "phase": "first step (compiles)",
+            **{str(i): f"{x['first_step_s']:.3f}" if x["first_step_s"] else None for i, x in enumerate(a)},
+        },
+    ]
+    steps_counted = {r["label"]: r["analysis"]["steps_counted"] for r in ok}
+    lines = [
+        "step cost: share of each phase in the step's wall time (median over the steps after the first; "
+        f"steps counted: {steps_counted})",
+        table(share_rows, cols),
+        "",
+        "median seconds per phase (rate where the phase copies bytes: bytes moved / seconds)",
+        table(sec_rows, cols),
+    ]
+    for r in ok:
+        u = r["analysis"]["update"]
+        if u:
+            lines.append(
+                f"{r['label']}: update_weights {u['phase_s_median']:.3f} s, of which the engine's install "
+                f"{u['install_s_median']:.3f} s; around it (export, fingerprints) "
+                f"{_pct(u['around_install_share_median'])}; full updates {u['full_updates']}/{u['updates']}; "
+                f"checkpoints saved in counted steps {r['analysis']['checkpoints_saved']}"
+            )
+        if r.get("run_seconds") is not None:
+            lines.append(
+                f"{r['label']}: run {r['run_seconds']:.0f} s, load average (1 min) "
+                f"{r.get('load_avg_1m_before')} -> {r.get('load_avg_1m_after')}"
+            )
+    for r in out["runs"]:
+        if "error" in r:
+            lines.append(f"{r['label']}: FAILED: {r['error'].splitlines()[0]}")
+    return "\n".join(lines)
+
+
+def summary(out: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "bench": "step_cost",
+        "runs": [
+            {
+                "label": r["label"],
+                "step_s_median": r["analysis"]["step_s_median"],
+                "other_share_median": r["analysis"]["other_share_median"],
+                "other_share_at_cadence": r["analysis"]["other_share_at_cadence"],
+                "other_share_total": r["analysis"]["other_share_total"],
+            }
+            if "analysis" in r
+            else {"label": r["label"], "error": r["error"].splitlines()[0]}
+            for r in out["runs"]
+        ],
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = doc_parser(__doc__)
+    ap.add_argument(
+        "--models",
+        type=csv_list(what="presets or checkpoint dirs"),
+        default=DEFAULT_MODELS,
+        help="presets or checkpoint dirs, comma-separated (default: tiny,qwen3-0.6b)",
+    )
+    ap.add_argument("--backends", type=csv_choice(BACKENDS), default=list(BACKENDS), help="comma-separated")
+    ap.add_argument(
+        "--steps",
+        type=positive(int, 2, " (the first step compiles and is left out)"),
+        default=4,
+        help="RL steps per run (>= 2; the first is left out; default 4)",
+    )
+    ap.add_argument(
+        "--save-every",
+        type=positive(int, 0),
+        default=1,
+        help="checkpoint every N steps; 0 = never (default 1)",
+    )
+    ap.add_argument(
+        "--max-new-tokens", type=positive(int), default=8, help="tokens per completion (default 8)"
+    )
+    ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda", "tpu"])
+    ap.add_argument("--python-jax", default=None, help="interpreter for the jax runs (default: .venv-jax)")
+    ap.add_argument(
+        "--python-torch", default=None, help="interpreter for the torch runs (default: .venv-torch)"
+    )
+    ap.add_argument(
+        "--from-run",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="read a recorded run instead of running (repeatable; --models/--backends are ignored)",
+    )
+    ap.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here (default: a temp dir)")
+    ap.add_argument("--keep-going", action="store_true", help="report a failing run and go on")
+    output_flags(ap, extra="extra args for every mllm_rl.run (after --)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_bench(bench, args, report, summary)[0]

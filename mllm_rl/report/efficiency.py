@@ -4,7 +4,7 @@
 most truthful source) vs ``info.expected_freed_bytes``, flagged below ``EFFICIENCY_MIN`` or at
 zero; resume/onload phases get unflagged rows (a resume may alias arrays and allocate nothing).
 ``swap_ratios``: ``phase_peak / steady`` of each weight-swap phase, per device; the run's figure is
-the max over devices (as ``scripts/bench_swap.py``)."""
+the max over devices (as ``python -m mllm_rl.bench swap``)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,16 @@
-"""Cheap checks of the benchmark scripts (no benchmark runs here: those are in docs/BENCHMARKS.md).
+"""Cheap checks of the benchmarks (no benchmark runs here: those are in docs/BENCHMARKS.md).
 
-``--help`` of every script, argument validation (one-line error, exit 2), ``gpu_bench_all.sh``
-(--list / --dry-run / shellcheck), the shared helpers of ``mllm_rl.bench`` (no framework at import,
-the copy baseline), and the pure parts: the
-RL-memory analysis and KV-fit prediction on synthetic phase records, the soak's RSS slope, the
-summary table.
+The driver (``python -m mllm_rl.bench``: the list without importing a framework, one line for an
+unknown name), ``--help`` of every benchmark, argument validation (one-line error, exit 2),
+``gpu_bench_all.sh`` (--list / --dry-run / shellcheck), the shared helpers of ``mllm_rl.bench`` (no
+framework at import, the copy baseline), and the pure parts: the RL-memory analysis and KV-fit
+prediction on synthetic phase records, the soak's RSS slope, the summary table.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -17,14 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, load_script
+from mllm_rl.bench.__main__ import BENCHES
+from tests.conftest import ROOT
 
 SCRIPTS = ROOT / "scripts"
-PY_SCRIPTS = ["bench_swap.py", "bench_release.py", "bench_rl_memory.py", "bench_engine.py", "soak.py",
-              "bench_summary.py", "bench_step_cost.py", "bench_precision.py", "bench_plan_vs_cuda.py",
-              "bench_processes.py"]  # fmt: skip
-# Every script imports the shared helpers from the package (never through sys.path).
-PACKAGE_USERS = sorted(p.name for p in SCRIPTS.glob("*.py"))
+HELP_BENCHES = ["swap", "release", "rl-memory", "engine", "soak", "summary", "step-cost", "precision",
+                "plan-vs-cuda", "processes"]  # fmt: skip
+# Every benchmark and script imports the shared helpers from the package (never through sys.path).
+PACKAGE_USERS = sorted(p.relative_to(ROOT).as_posix()
+                       for p in [*(ROOT / "mllm_rl" / "bench").glob("*.py"), *SCRIPTS.glob("*.py")])  # fmt: skip
 BENCH_MODULES = ["mllm_rl.bench", "mllm_rl.bench.machine", "mllm_rl.bench.child", "mllm_rl.bench.records",
                  "mllm_rl.bench.cli", "mllm_rl.bench.tables", "mllm_rl.bench.copy_bandwidth",
                  "mllm_rl.bench.step_cost"]  # fmt: skip
@@ -34,38 +37,92 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(list(args), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("script", PY_SCRIPTS)
-def test_help(script):
-    r = run(sys.executable, str(SCRIPTS / script), "--help")
+def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``python -m mllm_rl.bench ARGS``."""
+    return run(sys.executable, "-m", "mllm_rl.bench", *args, timeout=timeout)
+
+
+# -- the driver --------------------------------------------------------------------------------------
+def test_driver_lists_every_benchmark_without_importing_a_framework():
+    r = run(sys.executable, "-X", "importtime", "-m", "mllm_rl.bench", "--help")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("usage: python -m mllm_rl.bench NAME")
+    listed = dict(line.strip().split(None, 1) for line in lines if line.startswith("  "))
+    assert list(listed) == list(BENCHES)
+    assert all(d.strip() and d != "(not found)" for d in listed.values()), listed
+    imported = {
+        line.rsplit("|", 1)[1].strip().split(".")[0]
+        for line in r.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "mllm_rl" in imported and not imported & {"jax", "torch", "flax", "numpy"}, sorted(imported)
+    assert bench().stdout == bench("-h").stdout == r.stdout  # no name, -h and --help: the same list
+
+
+def test_driver_names_every_benchmark_module():
+    """Each name is a module with a ``main``; each module of the package with a ``main`` has a name."""
+    for name, module in BENCHES.items():
+        assert name == module.rsplit(".", 1)[1].replace("_", "-") or (name, module) == (
+            "copy",
+            "mllm_rl.bench.copy_bandwidth",
+        )
+        assert importlib.util.find_spec(module) is not None, module
+    mains = {f"mllm_rl.bench.{p.stem}" for p in (ROOT / "mllm_rl" / "bench").glob("*.py")
+             if p.stem != "__main__" and "\ndef main(" in p.read_text()}  # fmt: skip
+    assert mains == set(BENCHES.values())
+
+
+def test_driver_refuses_an_unknown_name_in_one_line():
+    r = bench("swapp", "--preset", "tiny")
+    assert r.returncode == 2 and r.stdout == ""
+    (line,) = r.stderr.strip().splitlines()
+    assert "'swapp'" in line and "swap" in line.replace("'swapp'", "") and "torch-attention" in line
+
+
+def test_bench_modules_import_no_framework():
+    """Every benchmark imports jax / torch where it uses them, not at import."""
+    code = f"import sys, json; import {', '.join(BENCHES.values())}; " + (
+        "print(json.dumps([m for m in ('jax', 'torch', 'flax') if m in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+# -- every benchmark -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", HELP_BENCHES)
+def test_help(name):
+    r = bench(name, "--help")
     assert r.returncode == 0, r.stderr
     assert "usage:" in r.stdout
+    assert r.stdout.startswith(f"usage: python -m mllm_rl.bench {name} ")  # the command as typed
 
 
 @pytest.mark.parametrize(
     "args",
     [
-        ["bench_swap.py", "--modes", "fast"],
-        ["bench_swap.py", "--tp", "0"],
-        ["bench_release.py", "--cycles", "0"],
-        ["bench_rl_memory.py", "--budget-gb", "-1"],
-        ["bench_rl_memory.py", "--schedules", "eager"],
-        ["bench_engine.py", "--batch", "0,4"],
-        ["bench_engine.py", "--engines", "vllm"],
-        ["bench_engine.py", "--new-tokens", "1"],
-        ["soak.py"],  # --backend is required
-        ["soak.py", "--backend", "torch", "--warmup", "-1"],
-        ["-m", "mllm_rl.bench", "copy", "--backend", "jax", "--mb", "0"],
-        ["-m", "mllm_rl.bench", "copy", "--backend", "mxnet"],
+        ["swap", "--modes", "fast"],
+        ["swap", "--tp", "0"],
+        ["release", "--cycles", "0"],
+        ["rl-memory", "--budget-gb", "-1"],
+        ["rl-memory", "--schedules", "eager"],
+        ["engine", "--batch", "0,4"],
+        ["engine", "--engines", "vllm"],
+        ["engine", "--new-tokens", "1"],
+        ["soak"],  # --backend is required
+        ["soak", "--backend", "torch", "--warmup", "-1"],
+        ["copy", "--backend", "jax", "--mb", "0"],
+        ["copy", "--backend", "mxnet"],
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args):
-    r = run(sys.executable, *(args if args[0] == "-m" else [str(SCRIPTS / args[0]), *args[1:]]))
+    r = bench(*args)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "error" in r.stderr.strip().splitlines()[-1]
 
 
 def test_bad_preset_is_one_line_error(tmp_path):
-    r = run(sys.executable, str(SCRIPTS / "bench_rl_memory.py"), "--preset", str(tmp_path / "missing"))
+    r = bench("rl-memory", "--preset", str(tmp_path / "missing"))
     assert r.returncode == 2
     assert r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1
 
@@ -126,7 +183,7 @@ def _records(naive: bool) -> list[dict]:
 
 
 def test_rl_memory_analysis_and_kv_fit():
-    b = load_script("bench_rl_memory")
+    b = importlib.import_module("mllm_rl.bench.rl_memory")
 
     ms, nv = b.analyse(_records(naive=False)), b.analyse(_records(naive=True))
     assert ms["kv_bytes"] == 100 and ms["kv_bytes_per_token"] == 2.0
@@ -148,7 +205,7 @@ def test_rl_memory_analysis_and_kv_fit():
 
 
 def test_soak_slope():
-    soak = load_script("soak")
+    soak = importlib.import_module("mllm_rl.bench.soak")
 
     assert soak._slope([5, 5, 5, 5]) == 0
     assert soak._slope([0, 10, 20, 30]) == pytest.approx(10)
@@ -156,7 +213,7 @@ def test_soak_slope():
 
 
 def test_summary_table(tmp_path):
-    bench_summary = load_script("bench_summary")
+    bench_summary = importlib.import_module("mllm_rl.bench.summary")
 
     (tmp_path / "soak-x.json").write_text(json.dumps({
         "bench": "soak", "backend": "torch", "preset": "tiny", "platform": "cpu", "cycles": 3, "engine": "E",
@@ -187,17 +244,16 @@ def test_bench_package_imports_no_framework():
     assert json.loads(out.stdout) == []
 
 
-@pytest.mark.parametrize("script", PACKAGE_USERS)
-def test_scripts_import_the_helpers_from_the_package(script):
-    text = (SCRIPTS / script).read_text()
+@pytest.mark.parametrize("path", PACKAGE_USERS)
+def test_scripts_import_the_helpers_from_the_package(path):
+    text = (ROOT / path).read_text()
     assert "bench_common" not in text
-    # bench_plan_startup puts the compilers directory on sys.path in its child, on purpose
+    # plan_startup puts the compilers directory on sys.path in its child, on purpose
     assert "sys.path.insert(0, str(" not in text
 
 
 def test_copy_baseline_from_the_package():
-    r = run(sys.executable, "-m", "mllm_rl.bench", "copy", "--backend", "jax", "--platform", "cpu", "--mb", "1",
-            "--repeats", "2")  # fmt: skip
+    r = bench("copy", "--backend", "jax", "--platform", "cpu", "--mb", "1", "--repeats", "2")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["runtime"] == "jax" and out["platform"] == "cpu" and out["bytes"] == 2**20

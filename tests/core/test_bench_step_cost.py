@@ -1,4 +1,4 @@
-"""``mllm_rl.bench.step_cost`` and ``scripts/bench_step_cost.py``.
+"""``mllm_rl.bench.step_cost``: the analysis, and the benchmark ``python -m mllm_rl.bench step-cost``.
 
 Fast tests read phase logs written by the real recorder (``PhaseRecorder`` + ``JsonlSink``) while
 the real lifecycle (``Colocated``) drives the named fakes of ``tests/fakes.py`` through setup and
@@ -29,7 +29,7 @@ from mllm_rl.sinks.jsonl import JsonlSink, read_jsonl
 from tests.conftest import ROOT
 from tests.fakes import FakeBackend, FakeDevice, FakeEngine, FakeProbe, FakeTrainer, initial_weights, nbytes
 
-SCRIPT = ROOT / "scripts" / "bench_step_cost.py"
+BENCH = [sys.executable, "-m", "mllm_rl.bench", "step-cost"]
 ROLLOUT_S, TRAIN_S, FIRST_EXTRA_S = 0.12, 0.06, 0.5
 W = nbytes(initial_weights())  # fake engine weights == fake trainer params; optimizer state = 2 W
 
@@ -202,7 +202,7 @@ def test_a_run_without_a_step_after_the_first_is_refused(tmp_path):
 
 # -- the script ------------------------------------------------------------------------------------
 def script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([*BENCH, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
 
 

@@ -3,23 +3,26 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT, load_script
+from tests.conftest import ROOT
 
-SCRIPTS = ["bench_plan_vs_run.py", "bench_plan_targets.py", "bench_plan_startup.py"]
+BENCHES = ["plan-vs-run", "plan-targets", "plan-startup"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    """``python -m mllm_rl.bench ARGS``."""
+    cmd = [sys.executable, "-m", "mllm_rl.bench", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_help(script):
-    r = run(str(ROOT / "scripts" / script), "--help")
+@pytest.mark.parametrize("name", BENCHES)
+def test_help(name):
+    r = run(name, "--help")
     assert r.returncode == 0, r.stderr
     assert "usage:" in r.stdout
 
@@ -27,28 +30,28 @@ def test_help(script):
 @pytest.mark.parametrize(
     "args",
     [
-        *(["bench_plan_vs_run.py", "--backend", b, "--tolerance", "2"] for b in ("jax", "torch")),
-        *(["bench_plan_vs_run.py", "--backend", b, "--steps", "0"] for b in ("jax", "torch")),
-        ["bench_plan_vs_run.py", "--backend", "torch", "--margin", "0"],
-        ["bench_plan_vs_run.py", "--backend", "jax", "--plan-only"],  # the torch planner's mode
-        ["bench_plan_vs_run.py", "--backend", "jax", "--target", "h100"],  # jax plans the run's own cpu
-        ["bench_plan_vs_run.py", "--tolerance", "0.1"],  # --backend is required
-        ["bench_plan_targets.py", "--cases", "4b-v9-8"],
-        ["bench_plan_startup.py", "--repeats", "0"],
+        *(["plan-vs-run", "--backend", b, "--tolerance", "2"] for b in ("jax", "torch")),
+        *(["plan-vs-run", "--backend", b, "--steps", "0"] for b in ("jax", "torch")),
+        ["plan-vs-run", "--backend", "torch", "--margin", "0"],
+        ["plan-vs-run", "--backend", "jax", "--plan-only"],  # the torch planner's mode
+        ["plan-vs-run", "--backend", "jax", "--target", "h100"],  # jax plans the run's own cpu
+        ["plan-vs-run", "--tolerance", "0.1"],  # --backend is required
+        ["plan-targets", "--cases", "4b-v9-8"],
+        ["plan-startup", "--repeats", "0"],
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args):
-    r = run(str(ROOT / "scripts" / args[0]), *args[1:])
+    r = run(*args)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "error" in r.stderr.strip().splitlines()[-1]
 
 
 def test_every_target_case_names_a_known_target():
-    bench_plan_targets = load_script("bench_plan_targets")
+    plan_targets = importlib.import_module("mllm_rl.bench.plan_targets")
 
     from mllm_rl.backends.jax.topologies import TARGETS
 
-    for name, (args, expect) in bench_plan_targets.CASES.items():
+    for name, (args, expect) in plan_targets.CASES.items():
         assert args[args.index("--target") + 1] in TARGETS, name
         assert expect in ("fits", "report")
 
@@ -57,7 +60,7 @@ def test_plan_vs_run_plans_the_run_it_compares():
     """Each backend's defaults, and the plan command made from a run's ``run.json`` and its
     ``engine_ready_dummy`` record: JAX plans the run's own cpu at the engine's context length,
     torch its ``--target`` at ``--seq-len``."""
-    bench = load_script("bench_plan_vs_run")
+    bench = importlib.import_module("mllm_rl.bench.plan_vs_run")
 
     jax = bench.parse_args(["--backend", "jax"])
     torch = bench.parse_args(["--backend", "torch", "--", "--lr", "1"])

@@ -1,23 +1,22 @@
-"""Cheap checks of ``scripts/bench_multitask.py`` (its measured numbers are in docs/BENCHMARKS.md):
+"""Cheap checks of ``python -m mllm_rl.bench multitask`` (its measured numbers are in docs/BENCHMARKS.md):
 ``--help``, bad arguments (one line, exit 2), and that its tasks file means what its single runs do."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 
 import pytest
 
 from mllm_rl.multitask.spec import load_tasks
-from tests.conftest import ROOT, load_script
+from tests.conftest import ROOT
 
-SCRIPT = ROOT / "scripts" / "bench_multitask.py"
+BENCH = [sys.executable, "-m", "mllm_rl.bench", "multitask"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    return subprocess.run([*BENCH, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
 def test_help():
@@ -34,7 +33,7 @@ def test_bad_arguments_exit_2_with_one_line(args):
 
 
 def test_the_tasks_file_matches_the_single_runs_settings(tmp_path):
-    b = load_script("bench_multitask")
+    b = importlib.import_module("mllm_rl.bench.multitask")
     SETTINGS, task_list, tasks_toml = b.SETTINGS, b.task_list, b.tasks_toml
 
     tasks = task_list(3)

@@ -136,7 +136,7 @@ def test_html_is_self_contained_and_shows_unknown_as_dash(tmp_path):
 
 
 def test_a_few_hundred_records_from_four_processes_build(tmp_path):
-    """Size only: how fast it builds is measured by ``scripts/bench_report.py``, not here."""
+    """Size only: how fast it builds is measured by ``python -m mllm_rl.bench report``, not here."""
     run = write_rl_run(tmp_path / "run", processes=4, steps=5, kind="cuda", devices=2)
     n = sum(len(v) for v in load_run(run).records.values())
     assert n == 4 * (3 + 5 * len(STEP) + 1)  # 296 records

@@ -1,4 +1,4 @@
-"""``scripts/bench_model_paths.py``: its CLI, and a real ahead-of-time TPU compile of both paths of
+"""``python -m mllm_rl.bench model-paths``: its CLI, and a real ahead-of-time TPU compile of both paths of
 the tiny model (needs libtpu, the ``jax[tpu]`` wheel; no TPU)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 
 from tests.conftest import ROOT, needs_libtpu
 
-SCRIPT = ROOT / "scripts" / "bench_model_paths.py"
+BENCH = [sys.executable, "-m", "mllm_rl.bench", "model-paths"]
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([*BENCH, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
 
 

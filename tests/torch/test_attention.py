@@ -309,7 +309,7 @@ def test_planned_activations_grow_linearly_with_the_sequence():
 # -- the benchmark ------------------------------------------------------------------------------
 @pytest.mark.slow  # four paths, a fresh process each
 def test_bench_torch_attention_runs_every_path_on_tiny(tmp_path):
-    """``scripts/bench_torch_attention.py`` end to end on a one-layer tiny model, all four paths in
+    """``python -m mllm_rl.bench torch-attention`` end to end on a one-layer tiny model, all four paths in
     one run: every path measured, ratios over ``--baseline sdpa+chunked`` (the trainer's path), the JSON
     summary last; the eager path plans more activations than SDPA, the remat path fewer than the baseline."""
     import json
@@ -320,7 +320,7 @@ def test_bench_torch_attention_runs_every_path_on_tiny(tmp_path):
 
     saved = tmp_path / "out.json"
     paths = {"eager", "sdpa", "sdpa+chunked", "sdpa+chunked+remat"}
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/bench_torch_attention.py"), "--preset", "tiny",
+    r = subprocess.run([sys.executable, "-m", "mllm_rl.bench", "torch-attention", "--preset", "tiny",
                         "--layers", "1", "--seq", "256", "--steps", "1", "--paths", ",".join(sorted(paths)),
                         "--baseline", "sdpa+chunked", "--json", str(saved)], capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""``scripts/bench_checkpoint_write.py``: the five ways side by side, one JSON summary last."""
+"""``python -m mllm_rl.bench checkpoint-write``: the five ways side by side, one JSON summary last."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.conftest import ROOT
 
 def test_bench_checkpoint_write_times_every_way_against_the_host_copy(tmp_path):
     out = tmp_path / "out.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/bench_checkpoint_write.py"), "--mb", "8",
+    r = subprocess.run([sys.executable, "-m", "mllm_rl.bench", "checkpoint-write", "--mb", "8",
                         "--repeats", "1", "--shards", "3", "--dir", str(tmp_path), "--json", str(out)],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]

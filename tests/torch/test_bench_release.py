@@ -1,4 +1,4 @@
-"""scripts/bench_release.py runs on CPU with tiny (so it is known to work before it runs for qwen3-4b
+"""``python -m mllm_rl.bench release`` runs on CPU with tiny (so it is known to work before it runs for qwen3-4b
 on a GPU)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow  # every test here starts an engine (or waits on o
 
 def test_bench_release_reports_freed_bytes_per_tag(tmp_path):
     saved = tmp_path / "release.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/bench_release.py"), "--backend", "torch",
+    r = subprocess.run([sys.executable, "-m", "mllm_rl.bench", "release", "--backend", "torch",
                         "--preset", "tiny", "--platform", "cpu", "--strict", "--json", str(saved)],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]  # --strict: exit 1 if a target failed

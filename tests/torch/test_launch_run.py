@@ -109,7 +109,7 @@ def test_fsdp_full_fine_tune_shards_the_state_and_its_checkpoint_resumes_in_one_
     """A full fine-tune at a pretrained model's settings (bf16 checkpoint: float32 masters, bf16
     compute through FSDP2's mixed-precision policy; remat; lr 1e-6; T 0.7) on two processes, FSDP2
     (the default) against the same run on one process and on two unsharded (--fsdp 1), the three
-    runs made by ``scripts/bench_processes.py`` (its table, JSON and exit code checked too): step
+    runs made by ``python -m mllm_rl.bench processes`` (its table, JSON and exit code checked too): step
     0's rewards equal, its loss and grad norm to float32 reduction noise; each FSDP process holds
     half the params and AdamW state (the shards of two processes are the whole, but for FSDP2's
     padding of a last shard), each to the byte what the torch planner traces for one rank of a fake
@@ -119,7 +119,7 @@ def test_fsdp_full_fine_tune_shards_the_state_and_its_checkpoint_resumes_in_one_
     step 1 is the one-process run's step 1 exactly: torch.distributed.checkpoint reshards, and the
     restored masters and moments are bit for bit the one-process run's."""
     out, kept = tmp_path / "b.json", tmp_path / "runs"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_processes.py"), "--model", str(tiny_bf16_ckpt),
+    r = subprocess.run([sys.executable, "-m", "mllm_rl.bench", "processes", "--model", str(tiny_bf16_ckpt),
                         "--steps", "2", "--prompts-per-step", "8", "--group-size", "8", "--max-new-tokens", "8",
                         "--micro-batch-size", "24", "--json", str(out), "--keep", str(kept), "--",
                         "--checkpoint-every", "1", "--lora-rank", "0", "--lr", "1e-6", "--temperature", "0.7",

@@ -1,7 +1,7 @@
 """Old vs new JAX model path, compiled ahead of time for a TPU target on this (CPU) machine.
 
-    python scripts/bench_model_paths.py --model qwen3-0.6b --target v4-8 --batch 4 --seq 1024
-    python scripts/bench_model_paths.py --model qwen3-4b --batch 4 --seq 4096 --paths new --json out.json
+    python -m mllm_rl.bench model-paths --model qwen3-0.6b --target v4-8 --batch 4 --seq 1024
+    python -m mllm_rl.bench model-paths --model qwen3-4b --batch 4 --seq 4096 --paths new --json out.json
 
 For each path the trainer's real ``grad`` (or ``logprob``) step function is lowered with abstract
 inputs over the target's devices and compiled by libtpu (no TPU needed), each path in its own
@@ -21,12 +21,11 @@ import dataclasses
 import json
 import resource
 import subprocess
-import sys
 import time
 from typing import Any
 
 from mllm_rl.bench import GiB
-from mllm_rl.bench.child import BenchError, flags
+from mllm_rl.bench.child import BenchError, bench_argv, flags
 from mllm_rl.bench.cli import csv_choice, doc_parser, main_with_child, positive, progress
 from mllm_rl.bench.machine import ROOT, bench_json
 from mllm_rl.bench.tables import table
@@ -97,7 +96,7 @@ def compile_one(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_path(args: argparse.Namespace, path: str) -> dict[str, Any]:
     """One path in a fresh process of this interpreter (its own RSS and compile cache)."""
-    cmd = [sys.executable, __file__, "--child", path] + flags(
+    cmd = bench_argv("model-paths", "--child", path) + flags(
         model=args.model, target=args.target, batch=args.batch, seq=args.seq, fn=args.fn, tp=args.tp,
         lora_rank=args.lora_rank,
     )  # fmt: skip
@@ -202,7 +201,3 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     return main_with_child(parse_args(argv), compile_one, bench, report, summary)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

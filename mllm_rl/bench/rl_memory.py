@@ -1,8 +1,8 @@
 """RL step memory: the multi-stage schedule vs the naive one, side by side in one run.
 
-    python scripts/bench_rl_memory.py --backend jax|torch --preset tiny [--budget-gb 0.05] [--json OUT]
-    python scripts/bench_rl_memory.py --backend torch --preset qwen3-1.7b --platform cuda --bisect
-    python scripts/bench_rl_memory.py --preset tiny -- --prompts-per-step 4   # extra flags for mllm_rl.run
+    python -m mllm_rl.bench rl-memory --backend jax|torch --preset tiny [--budget-gb 0.05] [--json OUT]
+    python -m mllm_rl.bench rl-memory --backend torch --preset qwen3-1.7b --platform cuda --bisect
+    python -m mllm_rl.bench rl-memory --preset tiny -- --prompts-per-step 4   # extra flags for mllm_rl.run
 
 Runs ``python -m mllm_rl.run --plan rl`` once per ``--schedule`` (``multi_stage``, ``naive``) in fresh
 processes and reads the phase records (max over devices and steps): per-phase peak device bytes,
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -316,7 +315,3 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     keys = ("bench", "backend", "preset", "naive_over_multi_stage_step_peak")
     return run_bench(bench, args, report, lambda o: pick(o, keys))[0]
-
-
-if __name__ == "__main__":
-    sys.exit(main())

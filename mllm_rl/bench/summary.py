@@ -1,9 +1,9 @@
 """Summary table of a directory of benchmark JSON files (what ``scripts/gpu_bench_all.sh`` prints last).
 
-    python scripts/bench_summary.py DIR [--markdown OUT.md]
+    python -m mllm_rl.bench summary DIR [--markdown OUT.md]
 
-Reads every ``DIR/*.json`` written by ``bench_swap``/``bench_release``/``bench_rl_memory``/
-``soak``/``bench_engine`` (``--json``) and ``DIR/status.tsv`` (``name<TAB>exit code<TAB>seconds``,
+Reads every ``DIR/*.json`` written by the benchmarks ``swap``/``release``/``rl-memory``/``soak``/
+``engine``/``plan-vs-cuda`` (``--json``) and ``DIR/status.tsv`` (``name<TAB>exit code<TAB>seconds``,
 one line per step of ``gpu_bench_all.sh``), and prints one markdown row per result: the
 headline figures and every target's verdict. Steps that failed without JSON are listed too.
 """
@@ -147,7 +147,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         args.markdown.write_text(text + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,10 @@
 """The torch planner's train step next to the same step run on a CUDA GPU, side by side in one run.
 
-    python scripts/bench_plan_vs_cuda.py --preset qwen3-4b --micro-batch 4 --seq-len 4096 \
+    python -m mllm_rl.bench plan-vs-cuda --preset qwen3-4b --micro-batch 4 --seq-len 4096 \
         --option remat=true --option adamw=fused
-    python scripts/bench_plan_vs_cuda.py --preset qwen3-0.6b --micro-batch 4 --seq-len 2048
-    python scripts/bench_plan_vs_cuda.py ... --plan-only --json plan.json       # no GPU needed
-    python scripts/bench_plan_vs_cuda.py ... --plan-json plan.json              # reuse that plan
+    python -m mllm_rl.bench plan-vs-cuda --preset qwen3-0.6b --micro-batch 4 --seq-len 2048
+    python -m mllm_rl.bench plan-vs-cuda ... --plan-only --json plan.json       # no GPU needed
+    python -m mllm_rl.bench plan-vs-cuda ... --plan-json plan.json              # reuse that plan
 
 Predicted: ``backends/torch/memplan.py: trainer_step_memory`` (the real ``TorchTrainer`` on fake
 tensors under MemTracker), on any machine's CPU. Measured: the same trainer and ``STEPS`` calls of
@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench import GiB
-from mllm_rl.bench.child import BenchError, run_json
+from mllm_rl.bench.child import BenchError, bench_argv, run_json
 from mllm_rl.bench.cli import doc_parser, main_with_child, positive, target
 from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.tables import table
@@ -132,7 +131,7 @@ def measure_child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def child_cmd(args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--preset", args.preset]
+    cmd = bench_argv("plan-vs-cuda", "--child", "--preset", args.preset)
     cmd += ["--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len), "--rows", str(args.rows)]
     cmd += ["--dtype", args.dtype, "--precision", args.precision, "--lora-rank", str(args.lora_rank)]
     cmd += ["--timed", str(args.timed)]
@@ -236,7 +235,3 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     return main_with_child(parse_args(argv), measure_child, bench, report, summary)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

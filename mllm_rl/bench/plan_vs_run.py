@@ -1,11 +1,10 @@
-#!/usr/bin/env python
 """Predicted vs measured on CPU: the memory plan of a run held against what that run measured.
 
-    python scripts/bench_plan_vs_run.py --backend jax --model tiny --steps 2 [--run-dir DIR] [--json OUT]
-    python scripts/bench_plan_vs_run.py --backend torch --preset tiny [--json OUT]
-    python scripts/bench_plan_vs_run.py --backend torch --preset qwen3-0.6b -- --prompts-per-step 2 \\
+    python -m mllm_rl.bench plan-vs-run --backend jax --model tiny --steps 2 [--run-dir DIR] [--json OUT]
+    python -m mllm_rl.bench plan-vs-run --backend torch --preset tiny [--json OUT]
+    python -m mllm_rl.bench plan-vs-run --backend torch --preset qwen3-0.6b -- --prompts-per-step 2 \\
         --group-size 2
-    python scripts/bench_plan_vs_run.py --backend torch --plan-only --preset qwen3-4b --target h100 \\
+    python -m mllm_rl.bench plan-vs-run --backend torch --plan-only --preset qwen3-4b --target h100 \\
         --micro-batch 1 --seq-len 1024 [--markdown]
 
 Both backends: run ``python -m mllm_rl.run --backend B --platform cpu`` (unless ``--run-dir``
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench import GiB, MiB
-from mllm_rl.bench.child import BenchError, run_cmd, run_json
+from mllm_rl.bench.child import BenchError, bench_argv, run_cmd, run_json
 from mllm_rl.bench.cli import doc_parser, failed_targets, main_with_child, positive, target
 from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.records import truth
@@ -185,7 +184,7 @@ def torch_check(args: argparse.Namespace, run_dir: Path, run: dict[str, Any], re
 
     params = [in_use(r) for r in by["offload_optimizer"]]
     both = [in_use(r) for r in by["onload_trainer"]]
-    child = [sys.executable, str(Path(__file__).resolve()), "--backend", "torch", "--child"]
+    child = bench_argv("plan-vs-run", "--backend", "torch", "--child")
     child += ["--run-dir", str(run_dir), "--seq-len", str(args.seq_len)]
     grads = run_json(child, "live gradients", timeout=args.timeout)
     live = {
@@ -411,7 +410,3 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     return main_with_child(parse_args(argv), live_grads, bench, report, summary, strict=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """What a torch checkpoint write costs next to a copy of the same state in host memory.
 
-    .venv-torch/bin/python scripts/bench_checkpoint_write.py --mb 1024 [--repeats 3] [--json OUT]
+    .venv-torch/bin/python -m mllm_rl.bench checkpoint-write --mb 1024 [--repeats 3] [--json OUT]
 
 Side by side in one process, interleaved round by round, on a state of ``--mb`` MiB of float32
 tensors (64 of them, like a model's params and AdamW moments): ``host copy`` (a clone of every
@@ -26,9 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from mllm_rl.backends.torch.state_file import shard_count, write_state
 from mllm_rl.bench import MiB
 from mllm_rl.bench.cli import positive
 from mllm_rl.bench.tables import table
@@ -37,7 +34,9 @@ from mllm_rl.checkpoint.resolve import file_manifest
 TENSORS = 64
 
 
-def state_of(mb: int) -> dict[str, torch.Tensor]:
+def state_of(mb: int) -> dict[str, Any]:
+    import torch  # here: no module of mllm_rl imports a framework at import
+
     n = mb * MiB // 4 // TENSORS
     g = torch.Generator().manual_seed(0)
     return {f"t{i}": torch.randn(n, generator=g) for i in range(TENSORS)}
@@ -56,11 +55,15 @@ def fresh_pages() -> bool:
 
 
 def read_back(state: dict[str, Any], d: Path) -> None:
+    import torch
+
     torch.save(state, d / "state.pt")
     file_manifest(d)
 
 
 def hashed_while_written(state: dict[str, Any], d: Path, shards: int, crc32: bool = False) -> None:
+    from mllm_rl.backends.torch.state_file import write_state
+
     file_manifest(d, write_state(state, d, crc32=crc32, shards=shards))
 
 
@@ -74,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
+    from mllm_rl.backends.torch.state_file import shard_count
+
     fresh = fresh_pages()
     state = state_of(args.mb)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -110,7 +115,3 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

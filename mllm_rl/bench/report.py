@@ -1,6 +1,6 @@
 """Time ``build_report`` on synthetic runs of growing size (the report must stay linear in records).
 
-    python scripts/bench_report.py [--processes 4] [--steps 5 10 20 40] [--repeats 3]
+    python -m mllm_rl.bench report [--processes 4] [--steps 5 10 20 40] [--repeats 3]
 
 Writes a run per size with the test fixture ``tests/core/report_fixtures.write_rl_run``
 (schema-valid JSONL of every RL phase, ``--processes`` processes, two CUDA devices each), then
@@ -11,18 +11,32 @@ relative to the smallest run side by side (a ratio near 1 means linear).
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "core")]
+from mllm_rl.bench.machine import ROOT
+from mllm_rl.report import build_report
+from mllm_rl.report.load import load_run
 
-from report_fixtures import write_rl_run  # noqa: E402
 
-from mllm_rl.report import build_report  # noqa: E402
-from mllm_rl.report.load import load_run  # noqa: E402
+@functools.cache
+def report_fixtures() -> ModuleType:
+    """The test fixtures ``tests/core/report_fixtures.py`` of the source checkout, loaded from their
+    file (nothing goes on ``sys.path``)."""
+    path = ROOT / "tests" / "core" / "report_fixtures.py"
+    if not path.is_file():
+        raise SystemExit(f"error: {path}: not found (this benchmark needs the source checkout)")
+    spec = importlib.util.spec_from_file_location("report_fixtures", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as d:
         for steps in a.steps:
-            run = write_rl_run(
+            run = report_fixtures().write_rl_run(
                 Path(d) / f"run{steps}", processes=a.processes, steps=steps, kind="cuda", devices=2
             )
             n = sum(len(v) for v in load_run(run).records.values())
@@ -51,7 +65,3 @@ def main(argv: list[str] | None = None) -> int:
             base = base or per
             print(f"| {steps} | {n} | {best:.3f} | {per * 1e6:.0f} | {per / base:.2f} |")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

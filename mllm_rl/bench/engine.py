@@ -1,8 +1,8 @@
 """Engine throughput: greedy decode tokens/s of our rollout engines vs Hugging Face ``generate``.
 
-    python scripts/bench_engine.py --backend torch --preset tiny --batch 1,32 [--json OUT]
-    python scripts/bench_engine.py --backend jax --preset tiny --batch 1,32     # sglang-jax vs HF
-    python scripts/bench_engine.py --engines embedded,hf,sglang --platform cuda --preset qwen3-0.6b
+    python -m mllm_rl.bench engine --backend torch --preset tiny --batch 1,32 [--json OUT]
+    python -m mllm_rl.bench engine --backend jax --preset tiny --batch 1,32     # sglang-jax vs HF
+    python -m mllm_rl.bench engine --engines embedded,hf,sglang --platform cuda --preset qwen3-0.6b
 
 Engines, each in its own fresh process on the same model and prompts: ``embedded`` (torch),
 ``hf`` (``AutoModelForCausalLM.generate``, greedy, ``min_new_tokens`` = ``max_new_tokens``),
@@ -23,19 +23,17 @@ import importlib.util
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from mllm_rl.bench.child import BenchError, flags, run_json
-from mllm_rl.bench.cli import csv_choice, csv_list, hard_exit, output_flags, positive, progress, run_bench
-from mllm_rl.bench.machine import bench_json
+from mllm_rl.bench.child import BenchError, bench_argv, flags, run_json
+from mllm_rl.bench.cli import csv_choice, csv_list, output_flags, positive, progress, run_bench
+from mllm_rl.bench.machine import ROOT, bench_json  # ROOT: the venvs .venv-torch / .venv-jax live here
 from mllm_rl.bench.tables import table
-
-ROOT = Path(__file__).resolve().parents[1]  # the venvs .venv-torch / .venv-jax live here
 
 ENGINES = ("embedded", "hf", "sglang-jax", "sglang")
 NEEDS = {"embedded": "torch", "hf": "torch", "sglang": "torch", "sglang-jax": "jax"}
 DEFAULT_ENGINES = {"torch": ["embedded", "hf"], "jax": ["sglang-jax", "hf"]}
+HARD_EXIT = True  # the driver leaves without interpreter teardown (sglang-jax's threads abort it)
 
 
 # -- worker (one engine, in its own process) ----------------------------------------------
@@ -194,7 +192,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         for e in engines:
             if "error" in results.get(e, {}):
                 continue
-            cmd = [python_for(e, args), str(Path(__file__).resolve()), "--worker", e]
+            cmd = bench_argv("engine", "--worker", e, python=python_for(e, args))
             cmd += flags(
                 preset=args.preset, batch=",".join(map(str, args.batch)), prompt_len=args.prompt_len,
                 new_tokens=args.new_tokens, repeats=args.repeats, platform=args.platform, seed=args.seed,
@@ -327,7 +325,3 @@ def main(argv: list[str] | None = None) -> int:
         report,
         lambda o: {"bench": "engine", "rows": [{k: r[k] for k in keys} for r in o["rows"]]},
     )[0]
-
-
-if __name__ == "__main__":
-    hard_exit(main())

@@ -1,9 +1,9 @@
 """Mixed vs pure precision at a fine-tuning learning rate: does a 16-bit checkpoint learn?
 
-    python scripts/bench_precision.py                                  # tiny in bf16, torch, CPU
-    python scripts/bench_precision.py --backend jax
-    python scripts/bench_precision.py --model qwen3-0.6b --platform cuda --json OUT.json
-    python scripts/bench_precision.py -- --prompts-per-step 4            # extra flags for every run
+    python -m mllm_rl.bench precision                                  # tiny in bf16, torch, CPU
+    python -m mllm_rl.bench precision --backend jax
+    python -m mllm_rl.bench precision --model qwen3-0.6b --platform cuda --json OUT.json
+    python -m mllm_rl.bench precision -- --prompts-per-step 4            # extra flags for every run
 
 Runs ``python -m mllm_rl.run ... --precision P --checkpoint-every 1`` for P = ``mixed`` and
 ``pure``, each in a fresh process, on the preset written in ``--dtype`` (bfloat16 by default). Per
@@ -19,7 +19,6 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -168,7 +167,3 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     code, _ = run_bench(bench, parse_args(argv), report, summary)
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

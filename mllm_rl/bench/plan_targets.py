@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """The memory plans of the TPU/GPU acceptance cases, one after another, in one table.
 
-    python scripts/bench_plan_targets.py [--cases 4b-v4-8,8b-v5p-8] [--out runs/plans] [--json OUT]
+    python -m mllm_rl.bench plan-targets [--cases 4b-v4-8,8b-v5p-8] [--out runs/plans] [--json OUT]
 
 Every case is one ``python -m mllm_rl.memplan`` (its command is in the table's JSON and in
 docs/PLAN.md); everything is PREDICTED by the target's compiler (libtpu / XLA GPU) and the
@@ -208,7 +207,3 @@ def main(argv: list[str] | None = None) -> int:
     if out is not None and not out["ok"]:
         return 1
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

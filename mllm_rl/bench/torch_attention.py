@@ -1,10 +1,11 @@
-"""The torch Qwen3's training-step paths side by side on CPU: eager vs SDPA attention, the chunked
-log-prob head, per-block activation checkpointing.
+"""The torch Qwen3's training-step paths side by side on CPU: attention, log-prob head, remat.
 
-    python scripts/bench_torch_attention.py                      # qwen3-0.6b cut to 4 layers, 1 x 1024
-    python scripts/bench_torch_attention.py --preset tiny --seq 4096 --batch 2
-    python scripts/bench_torch_attention.py --paths eager,sdpa --json out.json
-    python scripts/bench_torch_attention.py --preset tiny --layers 0 --seq 2048 --dtype float32 \
+Eager vs SDPA attention, the chunked log-prob head, per-block activation checkpointing.
+
+    python -m mllm_rl.bench torch-attention                      # qwen3-0.6b cut to 4 layers, 1 x 1024
+    python -m mllm_rl.bench torch-attention --preset tiny --seq 4096 --batch 2
+    python -m mllm_rl.bench torch-attention --paths eager,sdpa --json out.json
+    python -m mllm_rl.bench torch-attention --preset tiny --layers 0 --seq 2048 --dtype float32 \
         --paths sdpa+chunked,sdpa+chunked+remat --baseline sdpa+chunked   # remat vs none
 
 **A CPU figure.** Paths (``backends/torch/model.py``): ``eager`` = plain attention and head
@@ -36,13 +37,12 @@ import dataclasses
 import json
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench import MiB
-from mllm_rl.bench.child import BenchError, flags, run_json
+from mllm_rl.bench.child import BenchError, bench_argv, flags, run_json
 from mllm_rl.bench.cli import csv_choice, doc_parser, positive, progress, run_bench
 from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.tables import table
@@ -152,7 +152,7 @@ def times_all(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def child_cmd(args: argparse.Namespace, *extra: str) -> list[str]:
-    return [sys.executable, __file__, *extra] + flags(
+    return bench_argv("torch-attention", *extra) + flags(
         preset=args.preset, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype,
         steps=args.steps, threads=args.threads, paths=",".join(args.paths), baseline=args.baseline,
     )  # fmt: skip
@@ -316,7 +316,3 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     code, _ = run_bench(bench, args, report, summary)
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """One torch RL run as 1 process and as 2 (FSDP2-sharded, and replicated with --fsdp 1), side by side.
 
-    python scripts/bench_processes.py [--model tiny] [--steps 3] [--json OUT] [--keep DIR] [-- RUN FLAGS]
+    python -m mllm_rl.bench processes [--model tiny] [--steps 3] [--json OUT] [--keep DIR] [-- RUN FLAGS]
 
 Each case is ``python -m mllm_rl.launch --nproc N -- --backend torch ...`` on this machine (CPU:
 gloo; one device per process on a CUDA node), the same run flags for all. From each run's phase
@@ -138,7 +137,3 @@ def main(argv: list[str] | None = None) -> int:
     if out is not None and not out["targets"]["sharded_trainer_bytes"]["pass"]:
         return 1
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

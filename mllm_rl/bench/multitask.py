@@ -1,6 +1,6 @@
 """Several tasks on the same devices vs each task alone, side by side in one run.
 
-    python scripts/bench_multitask.py --backend jax|torch [--tasks 2] [--steps 2] [--json OUT]
+    python -m mllm_rl.bench multitask --backend jax|torch [--tasks 2] [--steps 2] [--json OUT]
 
 Runs every task alone, then all in one ``python -m mllm_rl.run --tasks FILE``, each in a fresh
 process (the ``tiny`` preset with seeds 0..N-1 and different learning rates). From the phase records
@@ -220,7 +220,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     code, out = run_bench(bench, args, report, summary)
     return exit_code(code, out)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

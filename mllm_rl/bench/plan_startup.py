@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """Start-up cost of the plan compilers, and proof that a plain CPU run does not pay it.
 
-    python scripts/bench_plan_startup.py [--repeats 3] [--json OUT]
+    python -m mllm_rl.bench plan-startup [--repeats 3] [--json OUT]
 
 Each case runs in a fresh interpreter of this venv (median of ``--repeats``), measuring wall
 time and the child's peak RSS:
@@ -131,7 +130,3 @@ def main(argv: list[str] | None = None) -> int:
     if out is not None and not out["plain_loads_no_plugin"]:
         return 1
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

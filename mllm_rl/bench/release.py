@@ -1,7 +1,7 @@
 """Measure release/resume of a rollout engine's memory tags against a raw copy of the same bytes.
 
-    python scripts/bench_release.py --backend torch|jax --preset qwen3-4b [--platform cuda] [--cpu-backup]
-                                    [--cycles 3] [--json OUT]
+    python -m mllm_rl.bench release --backend torch|jax --preset qwen3-4b [--platform cuda] [--cpu-backup]
+        [--cycles 3] [--json OUT]
 
 One process, one engine (torch embedded, SGLang with ``--engine sglang``, or sglang-jax), swapped
 to the checkpoint's weights; then ``--cycles`` times: release ``kv_cache`` and ``weights``, resume
@@ -20,12 +20,13 @@ import statistics
 import time
 from typing import Any
 
-from mllm_rl.bench.cli import bench_parser, exit_code, hard_exit, output_flags, positive, run_bench, target
+from mllm_rl.bench.cli import bench_parser, exit_code, output_flags, positive, run_bench, target
 from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.tables import VERDICT, table
 
 FREED_TARGET = 0.99
 TAGS = ("kv_cache", "weights")
+HARD_EXIT = True  # the driver leaves without interpreter teardown (an engine's threads abort it)
 
 
 def memcpy_baselines(
@@ -186,7 +187,3 @@ def main(argv: list[str] | None = None) -> int:
     args.platform = "gpu" if args.platform == "cuda" else args.platform
     code, out = run_bench(bench, args, report, lambda o: o, report_to_stderr=True)
     return exit_code(code, out, args.strict)
-
-
-if __name__ == "__main__":
-    hard_exit(main())

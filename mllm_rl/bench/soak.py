@@ -1,6 +1,6 @@
 """Soak: N release/resume/update cycles of one rollout engine in one process; nothing may drift.
 
-    python scripts/soak.py --backend jax|torch --preset tiny --cycles 100 [--cpu-backup] [--trainer] [--json OUT]
+    python -m mllm_rl.bench soak --backend jax|torch --preset tiny --cycles 100 [--cpu-backup] [--trainer] [--json OUT]
 
 One ``ManagedEngine`` in this process (sglang-jax's shutdown SIGKILLs every child process, so it
 gets its own) and, with ``--trainer``, the backend's trainer. After a full weight sync and a greedy
@@ -30,7 +30,6 @@ from mllm_rl.bench import MiB
 from mllm_rl.bench.cli import (
     bench_parser,
     failed_targets,
-    hard_exit,
     output_flags,
     positive,
     progress,
@@ -41,6 +40,7 @@ from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.tables import target_lines
 
 PROMPTS = [[51, 71, 68, 220, 66, 64, 79], [64, 65, 66, 64, 65, 66, 64]]
+HARD_EXIT = True  # the driver leaves without interpreter teardown (an engine's threads abort it)
 
 
 def _slope(ys: list[int]) -> float | None:
@@ -235,7 +235,3 @@ def main(argv: list[str] | None = None) -> int:
     keys = ("bench", "backend", "preset", "cycles", "targets")
     code, out = run_bench(soak, args, report, lambda o: {k: o[k] for k in keys})
     return 1 if out is not None and failed_targets(out) else code
-
-
-if __name__ == "__main__":
-    hard_exit(main())

@@ -1,7 +1,7 @@
 """Param-swap benchmark: streaming vs naive, and the machine's copy bandwidth, side by side in one run.
 
-    python scripts/bench_swap.py --backend jax|torch --preset qwen3-4b [--platform gpu] [--json OUT]
-    python scripts/bench_swap.py --preset tiny -- --swap-chunk-mb 0      # extra flags for mllm_rl.run
+    python -m mllm_rl.bench swap --backend jax|torch --preset qwen3-4b [--platform gpu] [--json OUT]
+    python -m mllm_rl.bench swap --preset tiny -- --swap-chunk-mb 0      # extra flags for mllm_rl.run
 
 Each in its own fresh process: the copy-bandwidth baseline (``python -m mllm_rl.bench copy``, a
 buffer of the checkpoint's size clamped to [64 MiB, 4 GiB], ``--copy-mb``), then ``python -m
@@ -197,7 +197,3 @@ def main(argv: list[str] | None = None) -> int:
     keys = ("bench", "backend", "preset", "targets")
     code, out = run_bench(bench, args, report, lambda o: pick(o, keys))
     return exit_code(code, out, args.strict)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
