@@ -87,10 +87,17 @@ def measure(req: PlanRequest) -> Measured:
     """Components and compiled functions of one colocated RL step for ``req`` (per device).
 
     ``ValueError`` (one line) for a request the run would refuse: unknown target, a tp that
-    does not divide the heads or the devices, a pool the engine could not start with.
+    does not divide the heads or the devices, a pool the engine could not start with. A TPU or
+    GPU target's programs (a compile-only client's) stay out of JAX's persistent compilation
+    cache (``topologies.cache_writes``); a CPU plan's are cached like a run's.
     """
     check(req)
     spec = topologies.spec(req.target)
+    with topologies.cache_writes(spec.platform == "cpu"):
+        return _measure(req, spec)
+
+
+def _measure(req: PlanRequest, spec: topologies.TargetSpec) -> Measured:
     topologies.prepare(spec, cpu_devices=req.tp)  # a run on CPU has --tp devices (``init_runtime``)
     devices, target = _topology(spec)
     _check_mesh(req, target.num_devices, target.num_hosts, target.name)

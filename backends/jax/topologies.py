@@ -18,10 +18,13 @@ Call ``prepare(spec)`` before jax is imported, then ``devices(spec)``. Device me
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import sys
+import warnings
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -264,6 +267,30 @@ def topology_devices(s: TargetSpec) -> list[Any]:
             platform="cuda", topology_name="", topology=s.topology, target_config=text
         ).devices
     )
+
+
+@contextlib.contextmanager
+def cache_writes(on: bool) -> Iterator[None]:
+    """JAX's persistent compilation cache kept from writing in the block unless ``on``, and its
+    warning about unreadable entries silenced: executables of a compile-only client (the devices of
+    ``topology_devices``) are written to the cache but cannot be read back (jax 0.10/0.11:
+    "PjRtCompiler must be constructed with a Client to call DeserializeLoadedExecutable"), so
+    every later plan warned once per function and compiled again anyway. Reads still happen; with
+    nothing written they miss quietly (entries written before are skipped without a warning)."""
+    if on:
+        yield
+        return
+    import jax
+
+    key = "jax_persistent_cache_min_compile_time_secs"
+    was = getattr(jax.config, key)
+    jax.config.update(key, 1e12)  # no compile takes that long: nothing is written
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Error reading persistent compilation cache entry")
+            yield
+    finally:
+        jax.config.update(key, was)
 
 
 def libtpu_version() -> str:

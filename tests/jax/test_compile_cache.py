@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from mllm_rl.backends.jax import compile_cache
 
@@ -59,3 +60,46 @@ def test_the_backend_sets_it_before_jax_is_imported(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [str(tmp_path / "jax-compile")]
+
+
+def test_a_compile_only_targets_programs_are_not_written_and_old_ones_do_not_warn():
+    """A TPU target's devices on this host belong to a compile-only client: its executables are
+    written to the cache but cannot be read back, so a plan (``topologies.cache_writes(False)``)
+    writes none, and reads an unreadable one written before without a warning. Outside the block
+    the same compile is written (the cache is on in this process: the suite's)."""
+    import random
+    import warnings
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from mllm_rl.backends.jax import topologies
+    from tests.conftest import needs_libtpu
+
+    needs_libtpu()
+    spec = topologies.spec("v4-8")
+    topologies.prepare(spec)
+    devs = topologies.topology_devices(spec)
+    x = jax.ShapeDtypeStruct(
+        (256, 256), np.float32, sharding=NamedSharding(Mesh(np.array(devs), ("x",)), PartitionSpec("x"))
+    )
+    c = random.random()  # a program no earlier run of the suite compiled
+    cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+
+    def entries() -> set[str]:
+        return {p.name for p in cache.glob("*-cache")}
+
+    before = entries()
+    with topologies.cache_writes(False):
+        jax.jit(lambda a: a * c).lower(x).compile()
+    assert entries() == before
+    jax.jit(lambda a: a * c).lower(x).compile()  # written: and unreadable by the next compile
+    assert len(entries() - before) == 1
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with topologies.cache_writes(False):
+            jax.jit(lambda a: a * c).lower(x).compile()
+        jax.jit(lambda a: a * c).lower(x).compile()  # the warning the block keeps quiet
+    assert len([w for w in said if "persistent compilation cache" in str(w.message)]) == 1
+    assert jax.config.jax_persistent_cache_min_compile_time_secs < 1e12  # restored
