@@ -27,7 +27,7 @@ def _jax_compilation_cache() -> None:
     trainer's and sglang-jax's for every configuration a test runs) is compiled once per checkout,
     not once per run or per suite run. Every entry is cached (no minimum compile time or size);
     no ``JAX_COMPILATION_CACHE_MAX_SIZE`` (its eviction lists and reads the whole directory on
-    every write, which made a cold suite run 3 minutes longer): a cache over
+    every write): a cache over
     ``JAX_TEST_CACHE_MAX_BYTES`` is emptied when a session starts. A cache the caller set is kept
     as it is: ``JAX_COMPILATION_CACHE_DIR=$(mktemp -d) make test`` runs the suite cold, as on a
     fresh checkout."""

@@ -6,9 +6,10 @@ same configuration on the same machine reads the compiled programs instead of co
 (https://docs.jax.dev/en/latest/persistent_compilation_cache.html); ``JAX_COMPILATION_CACHE_DIR``
 unset defaults to ``$MLLM_RL_CACHE/jax-compile`` (``~/.cache/mllm_rl/...``); empty turns the cache
 off. That directory is kept under ``DEFAULT_MAX_BYTES`` by ``trim`` once per run (the entries used
-longest ago go first), not by JAX's ``JAX_COMPILATION_CACHE_MAX_SIZE``, whose eviction lists and
-reads every entry of the directory on every write (132 ms per compiled program at 2,100 entries
-here). A caller who chose the directory or that variable chose the policy.
+longest ago go first), not by JAX's ``JAX_COMPILATION_CACHE_MAX_SIZE``, whose eviction lists the
+directory and reads every entry's access time, under a file lock, on every write: a cost per
+compiled program that grows with the cache. A caller who chose the directory or that variable
+chose the policy.
 
 JAX reads them when it is imported, so ``configure`` runs before anything imports jax.
 """

@@ -1,9 +1,9 @@
 """The torch trainer's checkpoint files: its state written as ``state.pt`` plus, for a large state,
 ``state.1.pt`` ... ``state.{k-1}.pt``, each by its own thread and hashed while it is written.
 
-One file is hashed by one core (sha256 is sequential: about 1.7 GB/s here), so a state of tens of
-GB written as one file is bound by that one core; ``k`` files are hashed and written at once, up
-to the host's cores (``shard_count``). ``state.pt`` holds the state's structure with the tensors
+One file is hashed by one core (sha256 is sequential: docs/BENCHMARKS.md, "Checkpoint write"),
+so a state of tens of GB written as one file is bound by that one core; ``k`` files are hashed
+and written at once, up to the host's cores (``shard_count``). ``state.pt`` holds the state's structure with the tensors
 of shard 0 in place and a reference ``(SHARD_REF, i, key)`` for each of the others; ``state.i.pt``
 holds ``{key: tensor}``. A state of one shard is one plain ``torch.save`` file. No file is
 renamed into place until every one is written; a failed write leaves none of them.
