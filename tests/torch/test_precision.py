@@ -81,7 +81,13 @@ def reference_logp(model: torch.nn.Module, batch: RolloutBatch, temperature: flo
 
 
 # -- mixed precision -----------------------------------------------------------------------
-def test_mixed_precision_learns_at_lr_1e6_and_resumes_exactly(bf16_dir, tmp_path):
+def test_mixed_precision_learns_at_lr_1e6_and_resumes_exactly(bf16_dir, tmp_path, monkeypatch):
+    """A bf16 checkpoint under mixed precision learns at lr 1e-6, and its trainer state, written as
+    several files as a real model's is (one per core, ``state_file.shard_count``), resumes bit for
+    bit."""
+    from mllm_rl.backends.torch import state_file
+
+    monkeypatch.setattr(state_file, "shard_count", lambda nbytes: 3)
     t = TorchTrainer(bf16_dir, TrainConfig(lr=1e-6))
     assert all(p.dtype == FP32 for p in t.trainable.values())
     assert all(v.dtype == FP32 for v in opt_state(t) if v.dim())  # exp_avg, exp_avg_sq
@@ -90,6 +96,7 @@ def test_mixed_precision_learns_at_lr_1e6_and_resumes_exactly(bf16_dir, tmp_path
     t.train_step(make_batch(seed=0))
     p1, o1 = masters(t), opt_state(t)
     t.save(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.1.pt", "state.2.pt", "state.pt"]
     snap = t.snapshot()
     assert all(v.dtype == FP32 for v in snap.state["trainable"].values())
     t.offload([PARAMS, OPTIMIZER])  # float32 masters and moments round-trip bit for bit
