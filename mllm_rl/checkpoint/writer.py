@@ -1,7 +1,8 @@
 """RL checkpoints on their cadence, written in the ``checkpoint`` phase or in the background.
 
-A checkpoint counts only once its ``meta.json`` manifest is written, last; older ones are pruned
-only after that, so ``--resume`` always finds one. An ``OSError`` removes the unfinished directory
+A checkpoint counts only once its files are synced to disk and its ``meta.json`` manifest is
+written, last; older ones are pruned only after that, so ``--resume`` always finds one, after a
+``kill -9`` or a host that lost power alike. An ``OSError`` removes the unfinished directory
 and raises a one-line ``CheckpointWriteError``. ``background`` (off by default, docs/RL.md): a
 trainer with ``Trainer.snapshot(path)`` has its host copy written by one thread while the run goes
 on (torch as ``torch.distributed.checkpoint.async_save`` does; JAX: orbax's own asynchronous save,
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mllm_rl.checkpoint.resolve import CKPT_DIR, rl_checkpoint_dirs, write_meta
+from mllm_rl.checkpoint.resolve import CKPT_DIR, rl_checkpoint_dirs, sync_tree, write_meta
 from mllm_rl.coordination import Coordinator, LocalCoordinator
 
 
@@ -204,13 +205,14 @@ class Checkpointer:
         try:
             try:
                 known = write(path)  # what it hashed while writing, if anything
+                sync_s = sync_tree(path)  # on disk before the manifest may count it
             except BaseException:
                 self._told_failed(f"{path.name}/written")
                 raise
             self._sync(f"{path.name}/written")
             if leader:  # the checkpoint counts from here on (meta.json with the manifest, written last)
                 try:
-                    write_meta(path, {"step": step, **self.meta}, known)
+                    write_meta(path, {"step": step, **self.meta, "sync_s": round(sync_s, 4)}, known)
                 except BaseException:
                     self._told_failed(f"{path.name}/meta")
                     raise

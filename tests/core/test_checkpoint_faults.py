@@ -178,6 +178,117 @@ def test_an_interrupted_write_leaves_no_unfinished_checkpoint(tmp_path):
     only_complete_checkpoints(tmp_path, [0])
 
 
+# -- durability: synced before counted; a kill -9 mid-save loses nothing saved before it ----------------
+def test_every_file_is_synced_before_the_manifest_counts_the_checkpoint(tmp_path, monkeypatch):
+    """The order a power loss needs: every file and directory of the checkpoint ``fsync``ed, then
+    ``meta.json`` written, synced and renamed into place, its directory synced; the older
+    checkpoint pruned only after that."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace, real_rmtree = os.fsync, os.replace, shutil.rmtree
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        events.append(("replace", str(dst)))
+        real_replace(src, dst)
+
+    def rmtree(path, *a, **kw) -> None:
+        events.append(("rmtree", str(path)))
+        real_rmtree(path, *a, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(writer_mod.shutil, "rmtree", rmtree)
+    save = Checkpointer(Trainer(), tmp_path, META, every=1, steps=4, keep=1, background=False)
+    save(0)
+    events.clear()
+    save(1)
+    ckpt = tmp_path / "checkpoints" / "step_000001"
+    at = {e: i for i, e in enumerate(events)}  # the last time each event happened
+    meta = at[("replace", str(ckpt / "meta.json"))]
+    for f in ("state/a.bin", "state/b.bin"):
+        assert at[("fsync", str(ckpt / f))] < meta, events
+    for d in (ckpt / "state", ckpt):
+        assert [i for i, e in enumerate(events) if e == ("fsync", str(d))][0] < meta, events
+    assert at[("fsync", str(ckpt / "meta.json.tmp"))] < meta < at[("fsync", str(ckpt))], events
+    assert meta < at[("fsync", str(ckpt.parent))] < at[("rmtree", str(ckpt.parent / "step_000000"))]
+    assert json.loads((ckpt / "meta.json").read_text())["sync_s"] >= 0
+    only_complete_checkpoints(tmp_path, [1])
+
+
+KILLED_CHILD = """
+import os, sys, time
+from pathlib import Path
+from mllm_rl.checkpoint.writer import Checkpointer
+
+run, where = Path(sys.argv[1]), sys.argv[2]
+
+class Snapshot:
+    nbytes = 2 * 65536
+    def __init__(self, stall):
+        self.stall = stall
+    def write(self, path):
+        (path / "state").mkdir()
+        (path / "state" / "a.bin").write_bytes(os.urandom(65536))
+        if self.stall and where == "writing":
+            (run / "ready").touch()
+            time.sleep(600)
+        (path / "state" / "b.bin").write_bytes(os.urandom(65536))
+
+class Trainer:
+    step = 0
+    def snapshot(self, path=None):
+        return Snapshot(stall=self.step == 1)
+
+if where == "manifest":  # the kill lands between meta.json.tmp and its rename
+    real = os.replace
+    def replace(src, dst):
+        if str(dst).endswith("step_000001/meta.json"):
+            (run / "ready").touch()
+            time.sleep(600)
+        real(src, dst)
+    os.replace = replace
+
+trainer = Trainer()
+save = Checkpointer(trainer, run, {"backend": "jax", "lora_rank": 0}, every=1, steps=4, keep=2, background=True)
+save(0)
+save.flush()
+trainer.step = 1
+save(1)
+save.flush()
+"""
+
+
+@pytest.mark.parametrize("where", ["writing", "manifest"])
+def test_a_kill_9_during_a_background_save_loses_no_checkpoint_saved_before_it(tmp_path, where):
+    """A process SIGKILLed while its background write of step 1 is in flight (in the trainer's
+    files, or between ``meta.json.tmp`` and its rename): step 0, saved before, is still the newest
+    checkpoint that verifies, and the unfinished step 1 is skipped by ``--resume``, never taken."""
+    import signal
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    run.mkdir()
+    p = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, str(run), where], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (run / "ready").exists():
+            assert p.poll() is None and time.monotonic() < deadline, "the child never reached the kill point"
+            time.sleep(0.02)
+        p.send_signal(signal.SIGKILL)
+    finally:
+        p.wait(timeout=30)
+    assert p.returncode == -signal.SIGKILL
+    unfinished = run / "checkpoints" / "step_000001"
+    assert (unfinished / "state" / "a.bin").is_file() and not (unfinished / "meta.json").exists()
+    found, skipped = find_resumable(run, META)
+    assert found is not None and found.step == 0 and found.verified
+    assert [(d.name, "a save that did not finish" in why) for d, why in skipped] == [("step_000001", True)]
+
+
 # -- python -m mllm_rl.checkpoint make into an existing directory ------------------------------------
 def test_make_refuses_a_different_checkpoint_unless_forced_and_rewrites_the_same_one(tmp_path):
     cfg = get_preset("tiny")
