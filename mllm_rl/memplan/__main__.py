@@ -123,6 +123,7 @@ def make_request(args: argparse.Namespace) -> Any:
         options=options,
         engine=args.engine,
         weights_cpu_backup=args.weights_cpu_backup,
+        checkpoint_background=args.checkpoint_background,
         host_ram_gib=args.host_ram_gib,
         engine_forward=args.engine_forward,
     )

@@ -36,6 +36,9 @@ class Target:
         return max(1, self.num_devices // max(1, self.num_hosts))
 
 
+CHECKPOINT_COPY = "checkpoint_copy"  # a host row's background checkpoint copy (compose's ``snapshot``)
+
+
 @dataclasses.dataclass(frozen=True)
 class Component:
     name: str  # one of residency.COMPONENTS
@@ -194,13 +197,17 @@ def compose(
     notes: list[str] | None = None,
     setup: list[str] | None = None,
     backup: bool = False,
+    snapshot: bool = False,
 ) -> Plan:
     """Lay ``components`` and ``functions`` over ``phases`` of ``schedule``.
 
     Absent components are 0 bytes, absent functions add nothing (say so in ``notes``). ``setup``
     phases come first as ``setup:<phase>``. Each phase also gets its host copies per host
     (``residency.host_rows``; ``backup``: the engine keeps a CPU copy of released weights); a
-    ``memory == "host"`` component is in no device row and in every host row where it exists."""
+    ``memory == "host"`` component is in no device row and in every host row where it exists.
+    ``snapshot`` (``--checkpoint-background``): a host copy of the trainer's params and optimizer
+    state, ``checkpoint_copy``, in every step phase (it lives from a ``checkpoint`` phase until its
+    write ends, which may be a step later)."""
     if not 0 < margin <= 1:
         raise ValueError(f"margin {margin}: expected 0 < margin <= 1")
     rows = []
@@ -218,6 +225,7 @@ def compose(
     tables.append(("", phase_rows(phases, schedule), host_rows(phases, schedule, True, backup, ref)))
 
     pinned = tuple(c for c, comp in components.items() if comp.memory == "host")
+    copy = sum(components[c].bytes_per_device for c in ("trainer_params", "optimizer") if c in components)
 
     def on_host(names: tuple[str, ...], resident: tuple[str, ...]) -> dict[str, int]:
         names = names + tuple(c for c in pinned if c in resident and c not in names)
@@ -227,6 +235,8 @@ def compose(
         for (name, resident, fns), (_, during, at_end) in zip(table, hosts, strict=True):
             ends = end_state(name, resident)
             host, host_end = on_host(during, resident), on_host(at_end, ends)
+            if snapshot and not prefix and copy:
+                host[CHECKPOINT_COPY] = host_end[CHECKPOINT_COPY] = copy * per_host
             res = {c: components[c].bytes_per_device for c in resident if c in components and c not in pinned}
             best, extra = None, 0
             for f in fns:

@@ -65,6 +65,7 @@ def request_for(backend: str, target: str, model: Any, opts: Any, engine: str = 
         options=dict(train.model_options),
         engine=engine,
         weights_cpu_backup=eng.weights_cpu_backup,
+        checkpoint_background=bool(opts.checkpoint_background and opts.checkpoint_every),
     )
 
 

@@ -67,6 +67,7 @@ def plans(m: Measured, req: PlanRequest, check_weights: bool = False) -> dict[st
             list(m.notes),
             setup=SETUP_PHASES,
             backup=req.weights_cpu_backup,
+            snapshot=req.checkpoint_background,
         )
         for s in order
     }

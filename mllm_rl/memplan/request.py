@@ -45,6 +45,7 @@ class PlanRequest:
     # the rollout engine planned: "auto" (the backend's choice for the target), "sglang", "embedded"
     engine: str = "auto"
     weights_cpu_backup: bool = False  # the engine keeps a host copy of released weights (host memory)
+    checkpoint_background: bool = False  # a background checkpoint's host copy of the trainer state
     host_ram_gib: float | None = None  # one host's RAM of the target (None: the backend's, where known)
     # --kv-tokens auto: the most tokens the fitted pool takes (None: all the room the plan leaves)
     kv_fit_cap: int | None = None

@@ -245,7 +245,8 @@ OPTIONS: tuple[Option, ...] = (
        "rl plan", RL, low=0, aliases=("--save-every",)),
     _o("checkpoint_background", bool, False, "copy the state to host memory in the checkpoint phase and "
        "write it in the background (torch: a host copy; jax: orbax's asynchronous save; it counts once "
-       "written; costs host memory the size of the state). Default: write in the phase", "rl plan", {"rl"}),
+       "written; costs host memory the size of the state; memplan: that copy in the host column). Default: "
+       "write in the phase", "rl plan", {"rl", "memplan"}),
     _o("resume", bool, False, "continue --run-dir/--run-id from its newest valid checkpoint (appends to its "
        "phase log; settings not given come from its run.json); a run with nothing to resume is refused",
        "rl plan", {"rl", "tasks"}, resume="fresh"),

@@ -143,3 +143,38 @@ def test_a_host_resident_component_is_in_every_host_row_and_no_device_row():
     assert any("optimizer" in d.resident for d in dev.phases)
     with pytest.raises(ValueError, match="memory 'disk'"):
         Component("optimizer", 1, "layout", memory="disk")
+
+
+def test_a_background_checkpoint_copy_is_in_every_step_host_row(tmp_path):
+    """``--checkpoint-background`` (``snapshot``): the trainer's params and optimizer state copied to
+    the host, per host, during and at the end of every step phase (a write may outlast its step),
+    never in the setup; the device rows unchanged. The run's request carries the option only when
+    the run checkpoints at all."""
+    from types import SimpleNamespace
+
+    from mllm_rl.memplan.compose import CHECKPOINT_COPY
+
+    c = comps(engine_weights=1, kv_pool=1, trainer_params=1, optimizer=2)
+    steps = STEP_PHASES["multi_stage"]
+    plain = compose(TARGET, "multi_stage", steps, c, {}, setup=SETUP_PHASES)
+    snap = compose(TARGET, "multi_stage", steps, c, {}, setup=SETUP_PHASES, snapshot=True)
+    copy = 3 * GIB * TARGET.devices_per_host
+    for p, s in zip(plain.phases, snap.phases, strict=True):
+        assert s.resident == p.resident and s.total == p.total, s.phase
+        want = 0 if s.phase.startswith("setup:") else copy
+        assert s.host.get(CHECKPOINT_COPY, 0) == s.host_end.get(CHECKPOINT_COPY, 0) == want, s.phase
+        assert s.host_total == p.host_total + want, s.phase
+    assert snap.to_json()["host"]["peak_bytes"] == plain.to_json()["host"]["peak_bytes"] + copy
+
+    from mllm_rl.memplan.for_run import request_for
+
+    model = SimpleNamespace(config=SimpleNamespace(torch_dtype="bfloat16"))
+    train = SimpleNamespace(mini_batches=1, micro_batch_size=4, lora_rank=0, loss=SimpleNamespace(beta=0.0),
+                            precision="mixed", trainer_tp=1, fsdp=0, model_options={})  # fmt: skip
+    eng = SimpleNamespace(context_length=64, tp=1, max_total_tokens=None, mem_fraction_static=None,
+                          max_running_requests=8, weights_cpu_backup=False)  # fmt: skip
+    for every, background, want in ((5, True, True), (0, True, False), (5, False, False)):
+        opts = SimpleNamespace(prompts_per_step=2, group_size=2, train=train, engine=eng,
+                               lifecycle=SimpleNamespace(schedule="multi_stage"),
+                               checkpoint_every=every, checkpoint_background=background)  # fmt: skip
+        assert request_for("jax", "cpu", model, opts).checkpoint_background is want
