@@ -10,7 +10,8 @@ second thread hashes each buffer as it goes to the file, the manifest takes that
 torch's per-record CRC32s), ``save, hashed while written`` (the same without CRC32s) and the
 trainer's write (``state_file.write_state``: that as k files at once, each written and hashed by
 its own threads; k = ``--shards``, default one per core as the trainer chooses, 1 for a state
-under 64 MiB per file). Each write's directory is removed after it is timed. Medians over ``--repeats``; a CPU figure of
+under 64 MiB per file), and that again synced to disk (``sync_tree``: what a checkpoint waits for
+before its manifest counts it). Each write's directory is removed after it is timed. Medians over ``--repeats``; a CPU figure of
 this machine's disk and page cache.
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 from mllm_rl.bench import MiB
 from mllm_rl.bench.cli import positive
 from mllm_rl.bench.tables import table
-from mllm_rl.checkpoint.resolve import file_manifest
+from mllm_rl.checkpoint.resolve import file_manifest, sync_tree
 
 TENSORS = 64
 
@@ -61,10 +62,15 @@ def read_back(state: dict[str, Any], d: Path) -> None:
     file_manifest(d)
 
 
-def hashed_while_written(state: dict[str, Any], d: Path, shards: int, crc32: bool = False) -> None:
+def hashed_while_written(
+    state: dict[str, Any], d: Path, shards: int, crc32: bool = False, sync: bool = False
+) -> None:
     from mllm_rl.backends.torch.state_file import write_state
 
-    file_manifest(d, write_state(state, d, crc32=crc32, shards=shards))
+    known = write_state(state, d, crc32=crc32, shards=shards)
+    if sync:
+        sync_tree(d)
+    file_manifest(d, known)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         "save + CRC32s, hashed while written": lambda d: hashed_while_written(state, d, 1, crc32=True),
         "save, hashed while written": lambda d: hashed_while_written(state, d, 1),
         f"the trainer's: {files} files at once": lambda d: hashed_while_written(state, d, files),
+        "the same, synced to disk": lambda d: hashed_while_written(state, d, files, sync=True),
     }
     times: dict[str, list[float]] = {k: [] for k in ways}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
