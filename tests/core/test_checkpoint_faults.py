@@ -1,7 +1,8 @@
 """Checkpoint failures said in one line: RL checkpoint writes the OS refuses (``CheckpointWriteError``,
 the unfinished checkpoint removed, the older ones kept), ``python -m mllm_rl.checkpoint make``
-refusing to overwrite another checkpoint, and model dtypes we cannot train or serve. The runs whose
-checkpoint write hits a real ``RLIMIT_FSIZE`` are in tests/jax and tests/torch."""
+refusing to overwrite another checkpoint, and model dtypes we cannot train or serve. Whole runs
+whose checkpoint write hits a real ``RLIMIT_FSIZE``: on the fake backend here (``tests/fake_run.py``),
+with each backend's own writer in tests/jax and tests/torch."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -398,25 +400,32 @@ def test_doc_row(cmd, code, message, tmp_path, float8):
 
 
 # -- a whole run whose checkpoint write hits RLIMIT_FSIZE ------------------------------------------
-# (called by tests/jax/test_jax_checkpoint_faults.py and tests/torch/test_torch_checkpoint_faults.py)
+# (called by tests/jax/test_jax_checkpoint_faults.py and tests/torch/test_torch_checkpoint_faults.py
+# with a real engine, and below on the fake backend)
 FSIZE_LIMIT = 1 << 20  # the run's logs and report fit; the tiny model's trainer state does not
 
 
 def check_refused_checkpoint_write(
-    backend: str, model: Path, run_dir: Path, variants: list[list[str]]
+    backend: str,
+    model: Path,
+    run_dir: Path,
+    variants: list[list[str]],
+    module: str = "mllm_rl.run",
+    resume_after: bool = True,
 ) -> None:
-    """A run saves step 0's checkpoint. Then, for each of ``variants`` (extra flags), ``--resume
-    --steps 3`` under ``RLIMIT_FSIZE`` (1 MiB, set in the child): step 1's checkpoint write is
-    refused (EFBIG), and the run exits 1, its stderr without a traceback, its last line the one
-    ``error:`` line, as docs/ERRORS.md says; ``checkpoints/`` holds step 0's checkpoint exactly as
-    it was, and nothing else (no unfinished checkpoint, no temporary directory). Finally ``--resume
-    --steps 2`` restores step 0's checkpoint and finishes."""
+    """A run (``python -m module``) saves step 0's checkpoint. Then, for each of ``variants``
+    (extra flags), ``--resume --steps 3`` under ``RLIMIT_FSIZE`` (1 MiB, set in the child): step
+    1's checkpoint write is refused (EFBIG), and the run exits 1, its stderr without a traceback,
+    its last line the one ``error:`` line, as docs/ERRORS.md says; ``checkpoints/`` holds step 0's
+    checkpoint exactly as it was, and nothing else (no unfinished checkpoint, no temporary
+    directory). Finally, with ``resume_after``, ``--resume --steps 2`` restores step 0's checkpoint
+    and finishes."""
     args = ["--backend", backend, "--model", str(model),
             "--run-dir", str(run_dir), "--checkpoint-every", "1", "--prompts-per-step", "4", "--group-size", "4",
             "--max-new-tokens", "6", "--max-running-requests", "16", "--console", "off", "--wandb", "disabled"]  # fmt: skip
 
     def run(*extra: str, limit: bool = False) -> subprocess.CompletedProcess:
-        return run_cli("mllm_rl.run", *args, *extra, env={"MLLM_RL_NO_PROGRESS": "1"}, timeout=600,
+        return run_cli(module, *args, *extra, env={"MLLM_RL_NO_PROGRESS": "1"}, timeout=600,
                        fsize=FSIZE_LIMIT if limit else None)  # fmt: skip
 
     r = run("--steps", "1")
@@ -441,6 +450,8 @@ def check_refused_checkpoint_write(
         assert ": File too large" in last and doc.match(last), where
         assert tree(ckpts) == before, where  # step 0's checkpoint as it was, nothing else left
         assert verify_rl_checkpoint(ckpts / "step_000000", {"backend": backend}).verified
+    if not resume_after:
+        return
     r = run("--steps", "2", "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     recs = read_jsonl(run_dir / "phases.jsonl")
@@ -449,3 +460,18 @@ def check_refused_checkpoint_write(
     assert [x["step"] for x in recs if x["phase"] == "train_step"][-1] == 1
     assert [d.name for d in rl_checkpoint_dirs(run_dir)] == ["step_000001", "step_000000"]
     assert find_resumable(run_dir, {"backend": backend})[0].step == 1
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE and EFBIG as on Linux")
+def test_a_checkpoint_write_past_the_file_size_limit_exits_1_and_the_older_checkpoint_resumes(
+    tiny_ckpt, tmp_path
+):
+    """``check_refused_checkpoint_write`` whole (both variants: written in the phase and in the
+    background, then the resume from the older checkpoint) on the fake backend, whose trainer writes
+    its state through a temporary file as the backends' writers do: the one-line error, the removed
+    unfinished checkpoint and the resume are the core's (``mllm_rl.checkpoint.writer``, the
+    preflight's resume). Each backend's own writer under the limit: tests/jax, tests/torch."""
+    pytest.importorskip("transformers", reason="a run renders its prompts with the model's tokenizer")
+    check_refused_checkpoint_write(
+        "fake", tiny_ckpt, tmp_path / "run", [[], ["--checkpoint-background"]], module="tests.fake_run"
+    )
