@@ -15,7 +15,7 @@
 #                            cache by OOM bisection (--bisect)
 #   soak-*     soak          100 release/resume/update cycles (qwen3-0.6b; torch also with trainer)
 #   engine-*   engine        decode tokens/s: embedded torch engine / sglang-jax vs HF generate
-#   plan-*     plan-vs-cuda  the torch planner's train step vs the same step on the GPU
+#   plan-*     plan vs-cuda  the torch planner's train step vs the same step on the GPU
 #                            (qwen3-4b 4 x 4096 with remat, qwen3-0.6b 4 x 4096); GPU mode only
 # Each step writes DIR/<step>.json and DIR/<step>.log and one line "step<TAB>exit<TAB>seconds" to DIR/status.tsv;
 # a failing step is recorded and the next one runs. At the end python -m mllm_rl.bench summary prints the table
@@ -129,8 +129,8 @@ else
     "soak-jax-qwen3-0.6b|PY_JAX|-m mllm_rl.bench soak --backend jax --preset qwen3-0.6b --platform gpu --cycles 100"
     "engine-torch-qwen3-0.6b|PY_TORCH|-m mllm_rl.bench engine --engines embedded,hf --preset qwen3-0.6b --platform cuda --batch 1,32,128 --new-tokens 128"
     "engine-jax-qwen3-0.6b|PY_JAX|-m mllm_rl.bench engine --backend jax --preset qwen3-0.6b --platform gpu --batch 1,32,128 --new-tokens 128 --keep-going"
-    "plan-torch-qwen3-4b|PY_TORCH|-m mllm_rl.bench plan-vs-cuda --preset qwen3-4b --micro-batch 4 --seq-len 4096 --option remat=true"
-    "plan-torch-qwen3-0.6b|PY_TORCH|-m mllm_rl.bench plan-vs-cuda --preset qwen3-0.6b --micro-batch 4 --seq-len 4096"
+    "plan-torch-qwen3-4b|PY_TORCH|-m mllm_rl.bench plan vs-cuda --preset qwen3-4b --micro-batch 4 --seq-len 4096 --option remat=true"
+    "plan-torch-qwen3-0.6b|PY_TORCH|-m mllm_rl.bench plan vs-cuda --preset qwen3-0.6b --micro-batch 4 --seq-len 4096"
   )
 fi
 

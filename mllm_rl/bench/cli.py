@@ -109,19 +109,22 @@ def pick(d: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
 
 def main_with_child(
     args: Any,
-    child: Callable[[Any], dict[str, Any]],
+    child: Callable[[Any], dict[str, Any]] | None,
     bench: Callable[[Any], dict[str, Any]],
     report: Callable[[dict[str, Any]], str],
     summary: Callable[[dict[str, Any]], dict[str, Any]],
-    strict: bool = False,
+    strict: bool | Callable[[dict[str, Any]], bool] = False,
 ) -> int:
     """The ``main`` of a script that measures in a fresh copy of itself: with ``--child`` print
     ``child(args)`` as one JSON line (what ``child.last_json_line`` reads), else ``run_bench``
-    (``strict``: a failed target turns exit 0 into 1, ``exit_code``)."""
-    if args.child:
+    (``strict``: a failed target turns exit 0 into 1, ``exit_code``; a function of the results:
+    whether they turn it into 1)."""
+    if getattr(args, "child", False):
         print(json.dumps(child(args)), flush=True)
         return 0
     code, out = run_bench(bench, args, report, summary)
+    if callable(strict):
+        return 1 if code == 0 and out is not None and strict(out) else code
     return exit_code(code, out, strict)
 
 

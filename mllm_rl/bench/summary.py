@@ -3,7 +3,7 @@
     python -m mllm_rl.bench summary DIR [--markdown OUT.md]
 
 Reads every ``DIR/*.json`` written by the benchmarks ``swap``/``release``/``rl-memory``/``soak``/
-``engine``/``plan-vs-cuda`` (``--json``) and ``DIR/status.tsv`` (``name<TAB>exit code<TAB>seconds``,
+``engine``/``plan vs-cuda`` (``--json``) and ``DIR/status.tsv`` (``name<TAB>exit code<TAB>seconds``,
 one line per step of ``gpu_bench_all.sh``), and prints one markdown row per result: the
 headline figures and every target's verdict. Steps that failed without JSON are listed too.
 """

@@ -24,7 +24,7 @@ from tests.conftest import ROOT
 
 SCRIPTS = ROOT / "scripts"
 HELP_BENCHES = ["swap", "release", "rl-memory", "engine", "soak", "summary", "step-cost", "precision",
-                "plan-vs-cuda", "processes"]  # fmt: skip
+                "plan vs-cuda", "processes"]  # fmt: skip
 # Every benchmark and script imports the shared helpers from the package (never through sys.path).
 PACKAGE_USERS = sorted(p.relative_to(ROOT).as_posix()
                        for p in [*(ROOT / "mllm_rl" / "bench").glob("*.py"), *SCRIPTS.glob("*.py")])  # fmt: skip
@@ -92,7 +92,7 @@ def test_bench_modules_import_no_framework():
 # -- every benchmark -------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", HELP_BENCHES)
 def test_help(name):
-    r = bench(name, "--help")
+    r = bench(*name.split(), "--help")
     assert r.returncode == 0, r.stderr
     assert "usage:" in r.stdout
     assert r.stdout.startswith(f"usage: python -m mllm_rl.bench {name} ")  # the command as typed
@@ -248,7 +248,7 @@ def test_bench_package_imports_no_framework():
 def test_scripts_import_the_helpers_from_the_package(path):
     text = (ROOT / path).read_text()
     assert "bench_common" not in text
-    # plan_startup puts the compilers directory on sys.path in its child, on purpose
+    # plan startup puts the compilers directory on sys.path in its child, on purpose
     assert "sys.path.insert(0, str(" not in text
 
 
@@ -281,6 +281,10 @@ def test_main_with_child_fails_a_target_only_when_strict(capsys):
     args = SimpleNamespace(child=False, json=None)
     assert main_with_child(args, dict, bench, lambda o: "", lambda o: {}, strict=True) == 1
     assert main_with_child(args, dict, bench, lambda o: "", lambda o: {}) == 0
+    # a check of the results of its own (``plan startup``/``targets``): no child, no --child flag
+    plain = SimpleNamespace(json=None)
+    assert main_with_child(plain, None, bench, str, dict, strict=lambda o: "targets" in o) == 1
+    assert main_with_child(plain, None, bench, str, dict, strict=lambda o: False) == 0
     child = main_with_child(SimpleNamespace(child=True), lambda a: {"x": 1}, bench, str, dict, strict=True)
     assert child == 0 and capsys.readouterr().out.strip().splitlines()[-1] == '{"x": 1}'
 

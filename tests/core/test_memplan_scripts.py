@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-BENCHES = ["plan-vs-run", "plan-targets", "plan-startup"]
+BENCHES = ["vs-run", "targets", "startup"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -22,36 +22,40 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("name", BENCHES)
 def test_help(name):
-    r = run(name, "--help")
+    r = run("plan", name, "--help")
     assert r.returncode == 0, r.stderr
     assert "usage:" in r.stdout
+    assert r.stdout.startswith(f"usage: python -m mllm_rl.bench plan {name} ")  # the command as typed
 
 
 @pytest.mark.parametrize(
     "args",
     [
-        *(["plan-vs-run", "--backend", b, "--tolerance", "2"] for b in ("jax", "torch")),
-        *(["plan-vs-run", "--backend", b, "--steps", "0"] for b in ("jax", "torch")),
-        ["plan-vs-run", "--backend", "torch", "--margin", "0"],
-        ["plan-vs-run", "--backend", "jax", "--plan-only"],  # the torch planner's mode
-        ["plan-vs-run", "--backend", "jax", "--target", "h100"],  # jax plans the run's own cpu
-        ["plan-vs-run", "--tolerance", "0.1"],  # --backend is required
-        ["plan-targets", "--cases", "4b-v9-8"],
-        ["plan-startup", "--repeats", "0"],
+        *(["vs-run", "--backend", b, "--tolerance", "2"] for b in ("jax", "torch")),
+        *(["vs-run", "--backend", b, "--steps", "0"] for b in ("jax", "torch")),
+        ["vs-run", "--backend", "torch", "--margin", "0"],
+        ["vs-run", "--backend", "jax", "--plan-only"],  # the torch planner's mode
+        ["vs-run", "--backend", "jax", "--target", "h100"],  # jax plans the run's own cpu
+        ["vs-run", "--tolerance", "0.1"],  # --backend is required
+        ["targets", "--cases", "4b-v9-8"],
+        ["startup", "--repeats", "0"],
+        ["vs-cuda", "--micro-batch", "0"],
+        [],  # WHAT is required
+        ["vs-gpu"],
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args):
-    r = run(*args)
+    r = run("plan", *args)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "error" in r.stderr.strip().splitlines()[-1]
 
 
 def test_every_target_case_names_a_known_target():
-    plan_targets = importlib.import_module("mllm_rl.bench.plan_targets")
+    plan = importlib.import_module("mllm_rl.bench.plan")
 
     from mllm_rl.backends.jax.topologies import TARGETS
 
-    for name, (args, expect) in plan_targets.CASES.items():
+    for name, (args, expect) in plan.TARGET_CASES.items():
         assert args[args.index("--target") + 1] in TARGETS, name
         assert expect in ("fits", "report")
 
@@ -60,10 +64,10 @@ def test_plan_vs_run_plans_the_run_it_compares():
     """Each backend's defaults, and the plan command made from a run's ``run.json`` and its
     ``engine_ready_dummy`` record: JAX plans the run's own cpu at the engine's context length,
     torch its ``--target`` at ``--seq-len``."""
-    bench = importlib.import_module("mllm_rl.bench.plan_vs_run")
+    bench = importlib.import_module("mllm_rl.bench.plan")
 
-    jax = bench.parse_args(["--backend", "jax"])
-    torch = bench.parse_args(["--backend", "torch", "--", "--lr", "1"])
+    jax = bench.parse_args(["vs-run", "--backend", "jax"])
+    torch = bench.parse_args(["vs-run", "--backend", "torch", "--", "--lr", "1"])
     assert (jax.tolerance, jax.target, jax.run_args) == (0.05, "cpu", [])
     assert (torch.tolerance, torch.target, torch.seq_len) == (0.01, "h100", 32)
     assert torch.run_args == ["--save-every", "0", "--lr", "1"]

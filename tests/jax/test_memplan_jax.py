@@ -1,7 +1,7 @@
 """The JAX memory planner: the plan command compiles the tiny model for a v4-8 (libtpu, compile
 only), its numbers are checked against independent layout arithmetic; exit 6 when a phase does
 not fit; one-line exit 2 for a mesh the run would refuse; and (slow) the plan for the local CPU
-holds against a real run's phase records (``python -m mllm_rl.bench plan-vs-run --backend jax``)."""
+holds against a real run's phase records (``python -m mllm_rl.bench plan vs-run --backend jax``)."""
 
 from __future__ import annotations
 
@@ -221,7 +221,7 @@ def test_cpu_plan_holds_against_a_tiny_run(tmp_path):
     """The acceptance check: a real 2-step tiny run on CPU, then the plan for the local CPU with
     the run's knobs: components and the bytes at the end of every phase within 5%."""
     out = tmp_path / "cmp.json"
-    r = run_bench("plan-vs-run", "--backend", "jax", "--model", "tiny", "--steps", "2", "--run-dir",
+    r = run_bench("plan", "vs-run", "--backend", "jax", "--model", "tiny", "--steps", "2", "--run-dir",
                   str(tmp_path / "run"), "--json", str(out))  # fmt: skip
     res = json.loads(out.read_text()) if out.exists() else {}
     off = [x for x in res.get("components", []) + res.get("phases", []) if not x["within"]]

@@ -359,25 +359,25 @@ def test_step_memory_categories_add_up():
 
 def test_bench_plan_only_prints_both_schedules(tmp_path):
     out = tmp_path / "plan.json"
-    r = subprocess.run([sys.executable, "-m", "mllm_rl.bench", "plan-vs-run", "--backend", "torch", "--plan-only",
-                        "--preset", "tiny", "--micro-batch", "2", "--seq-len", "32", "--json", str(out)],
+    r = subprocess.run([sys.executable, "-m", "mllm_rl.bench", "plan", "vs-run", "--backend", "torch",
+                        "--plan-only", "--preset", "tiny", "--micro-batch", "2", "--seq-len", "32", "--json", str(out)],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     assert "trainer_params [fake_tensor]" in r.stdout and "kv_pool [layout]" in r.stdout
     data = json.loads(out.read_text())
     assert [p["schedule"] for p in data["plans"]] == ["multi_stage", "naive"]
     assert all(p["fits"] for p in data["plans"]) and data["kind"] == "predicted"
-    bad = subprocess.run([sys.executable, "-m", "mllm_rl.bench", "plan-vs-run", "--backend", "torch", "--plan-only",
-                          "--preset", "tiny", "--target", "h100x16"], capture_output=True, text=True, cwd=ROOT, timeout=600)  # fmt: skip
+    bad = subprocess.run([sys.executable, "-m", "mllm_rl.bench", "plan", "vs-run", "--backend", "torch",
+                          "--plan-only", "--preset", "tiny", "--target", "h100x16"], capture_output=True, text=True, cwd=ROOT, timeout=600)  # fmt: skip
     assert bad.returncode == 2 and "PlanRequest.target" in bad.stderr
 
 
 def test_bench_plan_vs_cuda_plans_reuses_and_refuses(tmp_path):
-    """``python -m mllm_rl.bench plan-vs-cuda``: ``--plan-only`` writes the planner's step (the figures of
+    """``python -m mllm_rl.bench plan vs-cuda``: ``--plan-only`` writes the planner's step (the figures of
     ``trainer_step_memory`` for the same case); ``--plan-json`` of another case is refused (exit 2)
     before anything runs; without CUDA the measured side is one line, exit 1 (with CUDA it runs:
     the figures in docs/PLAN.md)."""
-    script = [sys.executable, "-m", "mllm_rl.bench", "plan-vs-cuda", "--preset", "tiny", "--micro-batch", "2",
+    script = [sys.executable, "-m", "mllm_rl.bench", "plan", "vs-cuda", "--preset", "tiny", "--micro-batch", "2",
               "--seq-len", "64", "--option", "remat=true"]  # fmt: skip
     plan = tmp_path / "plan.json"
     r = subprocess.run([*script, "--plan-only", "--json", str(plan)], capture_output=True, text=True, cwd=ROOT,
@@ -407,7 +407,7 @@ def test_bench_plan_vs_cuda_plans_reuses_and_refuses(tmp_path):
 def test_bench_cross_check_tiny(tmp_path):
     """The plan's params / grads / optimizer within 1% of a live CPU run's (exit 1 otherwise)."""
     out = tmp_path / "x.json"
-    r = subprocess.run([sys.executable, "-m", "mllm_rl.bench", "plan-vs-run", "--backend", "torch", "--preset", "tiny",
+    r = subprocess.run([sys.executable, "-m", "mllm_rl.bench", "plan", "vs-run", "--backend", "torch", "--preset", "tiny",
                         "--run-dir", str(tmp_path / "run"), "--json", str(out)],
                        capture_output=True, text=True, cwd=ROOT, timeout=1200)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
