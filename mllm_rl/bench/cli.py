@@ -43,7 +43,8 @@ def output_flags(
     """``--timeout`` (seconds per ``per``; left out when None), ``--json`` and, with ``extra`` as its
     help, the arguments after ``--`` (for ``mllm_rl.run``): the end of most benchmarks' flags."""
     if timeout is not None:
-        ap.add_argument("--timeout", type=positive(float), default=timeout, help=f"seconds per {per}")
+        why = f"seconds per {per} (default {timeout:g})"
+        ap.add_argument("--timeout", type=positive(float), default=timeout, help=why)
     ap.add_argument("--json", type=Path, help="also write the results here")
     if extra:
         ap.add_argument("extra", nargs="*", help=extra)
