@@ -117,7 +117,8 @@ def startup_report(out: dict[str, Any]) -> str:
     cols = [("case", "case", ""), ("seconds", "start s (median)", ".2f"), ("x_time", "x plain", ".2f"),
         ("rss_mib", "peak RSS MiB", ".0f"), ("x_rss", "x plain", ".2f"), ("devices", "devices", ""),
         ("plugins", "plugin modules imported", "")]  # fmt: skip
-    where = out["machine"].get("cpu") or f"{os.cpu_count()} CPUs"
+    m = out["machine"]
+    where = f"{m.get('host_cpu') or 'CPU'}, {m.get('cpu_count') or os.cpu_count()} cores"
     return "\n".join([
         f"MEASURED ({where}), {out['repeats']} fresh interpreters per case; compilers in {out['compilers']}",
         table(out["rows"], cols),

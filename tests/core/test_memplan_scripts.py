@@ -86,3 +86,13 @@ def test_plan_vs_run_plans_the_run_it_compares():
     assert j["--schedule"] == t["--schedule"] == "naive"
     with pytest.raises(bench.BenchError, match="engine_ready_dummy"):
         bench.plan_flags(jax, run, [])
+
+
+def test_the_startup_table_names_the_machine_it_was_measured_on():
+    from mllm_rl.bench.machine import machine_info
+    from mllm_rl.bench.plan import startup_report
+
+    m = machine_info()
+    out = {"machine": m, "repeats": 1, "compilers": "x", "rows": [], "plain_loads_no_plugin": True}
+    head = startup_report(out).splitlines()[0]
+    assert head.startswith(f"MEASURED ({m['host_cpu'] or 'CPU'}, {m['cpu_count']} cores)"), head
