@@ -462,6 +462,7 @@ def check_refused_checkpoint_write(
     assert find_resumable(run_dir, {"backend": backend})[0].step == 1
 
 
+@pytest.mark.slow  # whole runs (on the fake backend)
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE and EFBIG as on Linux")
 def test_a_checkpoint_write_past_the_file_size_limit_exits_1_and_the_older_checkpoint_resumes(
     tiny_ckpt, tmp_path

@@ -49,6 +49,7 @@ def run_hanging(tmp_path, fault: str) -> tuple[subprocess.CompletedProcess, floa
     return r, time.monotonic() - t0
 
 
+@pytest.mark.slow  # a whole run (on the fake backend)
 @pytest.mark.parametrize("fault,hard", [("hang=wandb_init", False), ("hang_deaf=wandb_init", True)])
 def test_a_stuck_phase_is_recorded_dumped_and_ends_the_run_with_exit_6(tmp_path, fault, hard):
     r, seconds = run_hanging(tmp_path, fault)
