@@ -48,26 +48,35 @@ dl.meta dt{color:#666} dl.meta dd{margin:0;overflow-wrap:anywhere}
 """
 
 
-def _td(v: Any, left: bool = False) -> str:
-    return f"<td{' class=l' if left else ''}>{escape(str(v))}</td>"
-
-
-def _th(v: str, left: bool = False) -> str:
-    return f"<th{' class=l' if left else ''}>{escape(v)}</th>"
+def _table(
+    head: list[str],
+    rows: list[list[Any]],
+    left: tuple[str, ...],
+    wrap: bool = False,
+    classes: list[str] | None = None,
+) -> str:
+    """A table of ``rows`` (values, escaped here); the columns named in ``left`` align left; ``wrap``:
+    in a scrolling box; ``classes``: one row class each."""
+    al = [" class=l" if h in left else "" for h in head]
+    ths = "".join(f"<th{a}>{escape(h)}</th>" for h, a in zip(head, al, strict=True))
+    out = [('<div class="tablewrap">' if wrap else "") + f"<table><tr>{ths}</tr>"]
+    for i, row in enumerate(rows):
+        cells = "".join(f"<td{a}>{escape(str(v))}</td>" for v, a in zip(row, al, strict=True))
+        out.append(("<tr>" if classes is None else f'<tr class="{classes[i]}">') + cells + "</tr>")
+    return "\n".join([*out, "</table></div>" if wrap else "</table>"])
 
 
 def _opt(v: Any) -> str:
     return "-" if v is None else str(v)
 
 
-def _id_cells(r: dict[str, Any], multi: bool) -> list[str]:
-    """A record's process, attempt (``multi``: a process ran more than once), step and phase cells."""
-    return [
-        _td(r["process"]),
-        *([_td(_opt(r["attempt"]))] if multi else []),
-        _td(_opt(r["step"])),
-        _td(r["phase"], True),
-    ]
+def _id_head(multi: bool) -> list[str]:
+    """Columns naming a record: process, attempt (``multi``: a process ran more than once), step, phase."""
+    return ["process", *(["attempt"] if multi else []), "step", "phase"]
+
+
+def _id_cells(r: dict[str, Any], multi: bool) -> list[Any]:
+    return [r["process"], *([_opt(r["attempt"])] if multi else []), _opt(r["step"]), r["phase"]]
 
 
 def issues_html(issues: list[Issue], analyses: Sequence[RunAnalysis]) -> str:
@@ -87,14 +96,8 @@ def issues_html(issues: list[Issue], analyses: Sequence[RunAnalysis]) -> str:
             f"in order. {'; '.join(checked)}</p>"
         )
     names = {ERROR: "error", WARNING: "warning", INFO: "note"}
-    out.append(
-        "<p>"
-        + "".join(
-            f'<span class="badge b-{s}">{c[s]} {names[s]}{"s" if c[s] != 1 else ""}</span>'
-            for s in (ERROR, WARNING, INFO)
-        )
-        + "</p>"
-    )
+    badges = [f'<span class="badge b-{s}">{c[s]} {names[s]}{"s" if c[s] != 1 else ""}</span>' for s in names]
+    out.append("<p>" + "".join(badges) + "</p>")
     if any(an.expected.source == "inferred" for an in analyses):
         out.append(
             '<p class="muted small">No run.json: expected phases inferred from the records; a phase '
@@ -135,59 +138,33 @@ def meta_html(an: RunAnalysis) -> str:
 
 
 def phase_table_html(an: RunAnalysis) -> str:
-    unit, hunit = an.unit, an.host_unit
+    u, hunit = an.unit[1], an.host_unit
     multi = any(r["attempt"] is not None for r in an.phases)
     secondary = sorted({s for r in an.phases for s in r["secondary"]})
-    head = (
-        ["process"]
-        + (["attempt"] if multi else [])
-        + [
-            "step",
-            "phase",
-            "start s",
-            "dur s",
-            f"before {unit[1]}",
-            f"after {unit[1]}",
-            f"peak {unit[1]}",
-            f"delta {unit[1]}",
-        ]
-    )
-    head += [f"{s} after {unit[1]}" for s in secondary]
+    head = _id_head(multi) + ["start s", "dur s", f"before {u}", f"after {u}", f"peak {u}", f"delta {u}"]
+    head += [f"{s} after {u}" for s in secondary]
     head += [f"host rss {hunit[1]}", f"rss peak {hunit[1]}", "source", "error"]
-    out = [
-        '<div class="tablewrap"><table><tr>'
-        + "".join(_th(h, h in ("phase", "error", "source")) for h in head)
-        + "</tr>"
-    ]
-    prev_step: Any = object()
+    rows, classes, prev_step = [], [], object()
     for r in an.phases:
-        cls = "err" if r["error"] else ("step" if r["step"] is not None and r["step"] != prev_step else "")
-        prev_step = r["step"]
-        cells = _id_cells(r, multi) + (
-            [
-                _td(fmt_num(r["t_offset_s"], 2)),
-                _td(fmt_seconds(r["seconds"])),
-                _td(fmt_bytes(r["before_bytes"], unit)),
-                _td(fmt_bytes(r["after_bytes"], unit)),
-                _td(fmt_bytes(r["peak_bytes"], unit)),
-                _td(fmt_bytes(r["delta_bytes"], unit, signed=True)),
-            ]
+        classes.append(
+            "err" if r["error"] else ("step" if r["step"] is not None and r["step"] != prev_step else "")
         )
-        cells += [_td(fmt_bytes(r["secondary"].get(s, {}).get("after"), unit)) for s in secondary]
-        cells += [
-            _td(fmt_bytes(r["host_rss_bytes"], hunit)),
-            _td(fmt_bytes(r["host_rss_peak_bytes"], hunit)),
-            _td(_opt(r["source"]), True),
-            _td((r["error"] or "")[:120], True),
-        ]
-        out.append(f'<tr class="{cls}">' + "".join(cells) + "</tr>")
-    out.append("</table></div>")
+        prev_step = r["step"]
+        rows.append(
+            _id_cells(r, multi)
+            + [fmt_num(r["t_offset_s"], 2), fmt_seconds(r["seconds"])]
+            + [fmt_bytes(r[k], an.unit) for k in ("before_bytes", "after_bytes", "peak_bytes")]
+            + [fmt_bytes(r["delta_bytes"], an.unit, signed=True)]
+            + [fmt_bytes(r["secondary"].get(s, {}).get("after"), an.unit) for s in secondary]
+            + [fmt_bytes(r["host_rss_bytes"], hunit), fmt_bytes(r["host_rss_peak_bytes"], hunit)]
+            + [_opt(r["source"]), (r["error"] or "")[:120]]
+        )
     note = (
         '<p class="muted small">Device bytes summed over each process\'s devices, one entry per device (the '
         "most truthful source: mem_get_info, then memory_stats, torch_allocator, live_arrays). peak = the "
         "phase's own peak (sampled), not the allocator's cumulative one.</p>"
     )
-    return note + "\n".join(out)
+    return note + _table(head, rows, ("phase", "error", "source"), wrap=True, classes=classes)
 
 
 def efficiency_html(an: RunAnalysis) -> str:
@@ -195,120 +172,72 @@ def efficiency_html(an: RunAnalysis) -> str:
     if not rows:
         return '<p class="muted">No release/offload/resume/onload phase in this run.</p>'
     unit = an.unit
-    flagged = sum(r["flagged"] for r in rows)
-    n_free = sum(r["kind"] == "free" for r in rows)
+    flagged, n_free = sum(r["flagged"] for r in rows), sum(r["kind"] == "free" for r in rows)
     multi = any(r["attempt"] is not None for r in rows)
     others = sorted({s for r in rows for s in r["by_source"] if s != r["source"]})
-    head = (
-        ["process"]
-        + (["attempt"] if multi else [])
-        + ["step", "phase", "kind", "source", f"freed/alloc {unit[1]}", f"expected {unit[1]}", "ratio"]
-    )
+    head = _id_head(multi) + ["kind", "source", f"freed/alloc {unit[1]}", f"expected {unit[1]}", "ratio"]
     head += [f"{s} {unit[1]}" for s in others] + ["note"]
-    out = [
+    cells = [
+        [*_id_cells(r, multi), r["kind"], _opt(r["source"]), fmt_bytes(r["actual_bytes"], unit)]
+        + [fmt_bytes(r["expected_bytes"], unit), fmt_pct(r["ratio"])]
+        + [*(fmt_bytes(r["by_source"].get(s), unit) for s in others), r["note"]]
+        for r in rows
+    ]
+    flags = ["flag" if r["flagged"] else "" for r in rows]
+    return (
         f"<p>{flagged} of {n_free} release/offload phase(s) flagged (freed below {EFFICIENCY_MIN:.0%} of "
         "<code>expected_freed_bytes</code>, or nothing). Freed = bytes in use at the start minus at the end, "
-        "by device truth where recorded.</p>",
-        '<div class="tablewrap"><table><tr>'
-        + "".join(_th(h, h in ("phase", "note", "kind", "source")) for h in head)
-        + "</tr>",
-    ]
-    for r in rows:
-        cells = _id_cells(r, multi) + (
-            [
-                _td(r["kind"], True),
-                _td(_opt(r["source"]), True),
-                _td(fmt_bytes(r["actual_bytes"], unit)),
-                _td(fmt_bytes(r["expected_bytes"], unit)),
-                _td(fmt_pct(r["ratio"])),
-            ]
-        )
-        cells += [_td(fmt_bytes(r["by_source"].get(s), unit)) for s in others]
-        cells.append(_td(r["note"], True))
-        out.append(f'<tr class="{"flag" if r["flagged"] else ""}">' + "".join(cells) + "</tr>")
-    out.append("</table></div>")
-    return "\n".join(out)
+        "by device truth where recorded.</p>\n"
+        + _table(head, cells, ("phase", "note", "kind", "source"), True, flags)
+    )
 
 
 def swap_html(swaps: list[dict[str, Any]], unit: tuple[int, str], with_run: bool = False) -> str:
-    head = (["run"] if with_run else []) + [
-        "process",
-        "step",
-        "phase",
-        f"peak {unit[1]}",
-        f"steady {unit[1]}",
-        "peak/steady",
-        "weights-only",
+    head = ["process", "step", "phase", f"peak {unit[1]}", f"steady {unit[1]}", "peak/steady", "weights-only"]
+    rows = [
+        [r["process"], _opt(r["step"]), r["phase"], fmt_bytes(r["peak_max"], unit)]
+        + [fmt_bytes(r["steady_max"], unit), fmt_num(r["ratio"]), fmt_num(r["weights_only_ratio"])]
+        for r in swaps
     ]
-    out = ["<table><tr>" + "".join(_th(h, h in ("run", "phase")) for h in head) + "</tr>"]
-    for r in swaps:
-        cells = ([_td(r["run"], True)] if with_run else []) + [
-            _td(r["process"]),
-            _td(_opt(r["step"])),
-            _td(r["phase"], True),
-            _td(fmt_bytes(r["peak_max"], unit)),
-            _td(fmt_bytes(r["steady_max"], unit)),
-            _td(fmt_num(r["ratio"])),
-            _td(fmt_num(r["weights_only_ratio"])),
-        ]
-        out.append("<tr>" + "".join(cells) + "</tr>")
-    out.append("</table>")
+    if with_run:
+        head, rows = ["run", *head], [[r["run"], *row] for r, row in zip(swaps, rows, strict=True)]
     return (
         '<p class="muted small">peak/steady = phase peak / bytes in use at the end of the phase, max over '
         "devices (steady includes the KV cache); weights-only = (peak - non-weight bytes) / weight bytes: "
-        "1.0 is one copy, 2.0 two full copies.</p>" + "\n".join(out)
+        "1.0 is one copy, 2.0 two full copies.</p>" + _table(head, rows, ("run", "phase"))
     )
 
 
 def plan_check_html(an: RunAnalysis) -> str:
     """Each phase's device bytes at its end: PREDICTED by the run's plan.json, MEASURED by its record."""
-    check = an.plan_check or {}
-    unit = an.unit
-    out = [
+    from mllm_rl.memplan.audit import drifts
+
+    check, unit = an.plan_check or {}, an.unit
+    drifted = {r["phase"] for r in drifts(check)}
+    phases = check.get("phases", [])
+    flags = ["flag" if r["phase"] in drifted else "" for r in phases]
+    head = ["phase", "resident at end", f"predicted {unit[1]}", f"measured {unit[1]}", "measured/predicted"]
+    rows = [
+        [r["phase"], ", ".join(r["resident_at_end"]), fmt_bytes(r["predicted"], unit)]
+        + [
+            fmt_bytes(r["measured"], unit),
+            fmt_num(r["measured"] / r["predicted"] if r["predicted"] else None),
+        ]
+        for r in phases
+    ]
+    return (
         f'<p class="muted small">PREDICTED: the plan the run made before start-up (target '
         f"{escape(str(check.get('target')))}); MEASURED: the device's bytes in use at the end of each phase "
         f"(the last step, and setup). A phase above the prediction by more than {check.get('tolerance', 0):.0%} "
-        "is a finding.</p>",
-        "<table><tr>"
-        + "".join(
-            _th(h, h in ("phase", "resident at end"))
-            for h in [
-                "phase",
-                "resident at end",
-                f"predicted {unit[1]}",
-                f"measured {unit[1]}",
-                "measured/predicted",
-            ]
-        )
-        + "</tr>",
-    ]
-    from mllm_rl.memplan.audit import drifts
-
-    drifted = {r["phase"] for r in drifts(check)}
-    for r in check.get("phases", []):
-        ratio = r["measured"] / r["predicted"] if r["predicted"] else None
-        flag = r["phase"] in drifted
-        cells = [
-            _td(r["phase"], True),
-            _td(", ".join(r["resident_at_end"]), True),
-            _td(fmt_bytes(r["predicted"], unit)),
-            _td(fmt_bytes(r["measured"], unit)),
-            _td(fmt_num(ratio)),
-        ]
-        out.append(f'<tr class="{"flag" if flag else ""}">' + "".join(cells) + "</tr>")
-    out.append("</table>")
-    return "\n".join(out)
+        "is a finding.</p>\n" + _table(head, rows, ("phase", "resident at end"), classes=flags)
+    )
 
 
 def run_section(an: RunAnalysis, heading: bool) -> str:
     out = [f"<h2>Run {escape(an.run.label)}</h2>" if heading else "<h2>Run</h2>", meta_html(an)]
     out += ["<h3>Memory per phase per device</h3>", memory_per_phase_charts(an)]
-    out += [
-        "<h3>Memory over time</h3>",
-        memory_over_time_charts(an),
-        "<h3>Host RSS over time</h3>",
-        host_over_time_chart(an),
-    ]
+    out += ["<h3>Memory over time</h3>", memory_over_time_charts(an)]
+    out += ["<h3>Host RSS over time</h3>", host_over_time_chart(an)]
     if an.plan_check:
         out += ["<h3>Memory plan vs run</h3>", plan_check_html(an)]
     out += ["<h3>Offload efficiency</h3>", efficiency_html(an)]
@@ -322,47 +251,18 @@ def run_section(an: RunAnalysis, heading: bool) -> str:
 
 def compare_html(analyses: Sequence[RunAnalysis], rows: list[dict[str, Any]]) -> str:
     unit = max((an.unit for an in analyses), key=lambda u: u[0])
-    out = [
-        "<h2>Comparison</h2>",
-        "<table><tr>"
-        + "".join(
-            _th(h, h in ("run", "backend", "plan"))
-            for h in (
-                "run",
-                "backend",
-                "plan",
-                "processes",
-                "records",
-                "wall s",
-                f"max phase peak {unit[1]}",
-                "peak/steady",
-                "errors",
-            )
-        )
-        + "</tr>",
-    ]
+    runs = []
     for an in analyses:
         s = an.summary()
         peaks = [r["peak_bytes"] for r in an.phases if r["peak_bytes"] is not None]
         ratios = [r["ratio"] for r in an.swaps if r["ratio"] is not None]
-        out.append(
-            "<tr>"
-            + "".join(
-                [
-                    _td(an.run.label, True),
-                    _td(s["backend"], True),
-                    _td(_opt(s["plan"]), True),
-                    _td(len(s["processes"])),
-                    _td(s["records"]),
-                    _td(fmt_num(s["wall_seconds"], 2)),
-                    _td(fmt_bytes(max(peaks, default=None), unit)),
-                    _td(fmt_num(max(ratios, default=None))),
-                    _td(count(an.issues)[ERROR]),
-                ]
-            )
-            + "</tr>"
+        runs.append(
+            [an.run.label, s["backend"], _opt(s["plan"]), len(s["processes"]), s["records"]]
+            + [fmt_num(s["wall_seconds"], 2), fmt_bytes(max(peaks, default=None), unit)]
+            + [fmt_num(max(ratios, default=None)), count(an.issues)[ERROR]]
         )
-    out.append("</table>")
+    head = ["run", "backend", "plan", "processes", "records", "wall s", f"max phase peak {unit[1]}"]
+    out = ["<h2>Comparison</h2>", _table([*head, "peak/steady", "errors"], runs, ("run", "backend", "plan"))]
     swaps = [r for an in analyses for r in an.swaps]
     if swaps:
         out += ["<h3>Weight swap: peak / steady per run</h3>", swap_html(swaps, unit, with_run=True)]
@@ -370,18 +270,14 @@ def compare_html(analyses: Sequence[RunAnalysis], rows: list[dict[str, Any]]) ->
     head = ["phase"] + [
         f"{an.run.label} {k}" for an in analyses for k in ("s", f"after {unit[1]}", f"peak {unit[1]}")
     ]
-    out.append('<div class="tablewrap"><table><tr>' + "".join(_th(h, h == "phase") for h in head) + "</tr>")
-    for row in rows:
-        cells = [_td(row["phase"], True)]
-        for v in row["runs"]:
-            v = v or {}
-            cells += [
-                _td(fmt_seconds(v.get("seconds"))),
-                _td(fmt_bytes(v.get("after_bytes"), unit)),
-                _td(fmt_bytes(v.get("peak_bytes"), unit)),
-            ]
-        out.append("<tr>" + "".join(cells) + "</tr>")
-    out.append("</table></div>")
+
+    def side(v: dict[str, Any]) -> list[str]:
+        return [fmt_seconds(v.get("seconds"))] + [
+            fmt_bytes(v.get(k), unit) for k in ("after_bytes", "peak_bytes")
+        ]
+
+    cells = [[r["phase"], *(x for v in r["runs"] for x in side(v or {}))] for r in rows]
+    out.append(_table(head, cells, ("phase",), wrap=True))
     out.append(
         '<p class="muted small">Per phase: seconds of the slowest process; bytes summed over every device of '
         "every process.</p>"
@@ -403,8 +299,7 @@ def render(
     ]
     if comparison is not None:
         body.append(compare_html(analyses, comparison))
-    for an in analyses:
-        body.append(run_section(an, heading=len(analyses) > 1))
+    body += [run_section(an, heading=len(analyses) > 1) for an in analyses]
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
         f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
