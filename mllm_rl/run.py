@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     from mllm_rl.phases.watchdog import STUCK_EXIT, PhaseStuck, Watchdog
     from mllm_rl.plans.base import PlanRun
     from mllm_rl.plans.preflight import check_fresh, prepare
-    from mllm_rl.report.at_exit import report_at_exit
+    from mllm_rl.report.build import report_at_exit
     from mllm_rl.sinks.console import ConsoleSink
     from mllm_rl.sinks.jsonl import JsonlSink, MetricsJsonlSink, count_records
 

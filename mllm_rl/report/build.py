@@ -1,23 +1,28 @@
-"""``build_report``: load runs, analyze them, write ``trace.json``, ``report.html``, ``summary.json``."""
+"""``build_report``: load runs, analyze them, write ``trace.json``, ``report.html``, ``summary.json``;
+``report_at_exit``: the report a run (``python -m mllm_rl.run``) writes as it ends."""
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mllm_rl.phases.jsonsafe import dumps
 from mllm_rl.report.analysis import RunAnalysis, analyze
-from mllm_rl.report.compare import compare_rows
 from mllm_rl.report.html import render
-from mllm_rl.report.issues import ERROR, Issue, count, sort_issues
-from mllm_rl.report.load import load_runs
-from mllm_rl.report.tasks import split_tasks, task_issues
+from mllm_rl.report.issues import ERROR, Issue, count, group_issues, sort_issues
+from mllm_rl.report.load import ReportInputError, load_runs, split_tasks, task_issues
+from mllm_rl.report.tables import compare_rows
 from mllm_rl.report.trace import build_trace
 
+if TYPE_CHECKING:
+    from mllm_rl.phases.recorder import PhaseRecorder
+
 SUMMARY_SCHEMA = "mllm_rl.report/1"
+MAX_LINES = 10  # findings a run prints on stderr as it ends (all of them are in the report)
 
 
 @dataclass
@@ -106,3 +111,20 @@ def build_report(run_dirs: list[str | Path] | str | Path, out_dir: str | Path | 
     summary = summary_json(analyses, issues, comparison, files)
     _write(files["summary"], dumps(summary, separators=(",", ":")))
     return ReportResult(out, files, issues, analyses, comparison, time.perf_counter() - t, summary)
+
+
+def report_at_exit(run_dir: Path, rec: PhaseRecorder, quiet: bool = False) -> None:
+    """``run_dir/report/``, also into the run's open W&B sink (``rec.log_report``); the findings on
+    stderr, one line per group. A report problem is a warning, never the run's failure. In a
+    multi-process run the others may still be writing: ``python -m mllm_rl.report RUN_DIR`` redoes it."""
+    try:
+        report = build_report([run_dir])
+    except (ReportInputError, OSError, ValueError) as e:
+        if not quiet:
+            print(f"warning: report: {e}", file=sys.stderr)
+        return
+    rec.log_report(report)
+    for issue, where in group_issues(report.errors)[:MAX_LINES]:
+        print(f"report: {issue.line(where)}", file=sys.stderr)
+    if not quiet:
+        print(f"report {run_dir / 'report' / 'report.html'}", file=sys.stderr)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mllm_rl.report.attempts import Attempt
 from mllm_rl.report.expected import Expected
 from mllm_rl.report.health import own_finding
 from mllm_rl.report.issues import ERROR, INFO, WARNING, Issue, int_ranges
-from mllm_rl.report.load import Run
+from mllm_rl.report.load import Attempt, Run
 from mllm_rl.report.sequence import DUPLICATE, MISSING, OUT_OF_ORDER, UNEXPECTED, Finding, check_sequence
 
 Make = Callable[..., Issue]

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from mllm_rl.phases.jsonsafe import is_non_finite, json_safe
-from mllm_rl.report.attempts import Attempt
 from mllm_rl.report.issues import ERROR, INFO, Issue
+from mllm_rl.report.load import Attempt
 
 
 def non_finite_keys(info: dict[str, Any]) -> list[str]:

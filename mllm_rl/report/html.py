@@ -13,7 +13,6 @@ from html import escape
 from typing import Any
 
 from mllm_rl.report.analysis import RunAnalysis
-from mllm_rl.report.efficiency import EFFICIENCY_MIN
 from mllm_rl.report.issues import ERROR, INFO, WARNING, Issue, count, group_issues
 from mllm_rl.report.memory import fmt_bytes, fmt_num, fmt_pct, fmt_seconds
 from mllm_rl.report.plots import (
@@ -23,6 +22,7 @@ from mllm_rl.report.plots import (
     memory_per_phase_charts,
     metric_charts,
 )
+from mllm_rl.report.tables import EFFICIENCY_MIN
 
 CSS = """
 body{font-family:system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;margin:20px 28px;color:#222;

@@ -1,4 +1,5 @@
-"""Read run directories: ``phases.jsonl`` (process 0), ``phases.p<i>.jsonl`` (process i), ``run.json``.
+"""Read run directories (``phases.jsonl`` for process 0, ``phases.p<i>.jsonl`` for process i,
+``run.json``) and split them into attempts (a resumed process) and tasks (a multi-task run).
 
 Records keep their (append-only) file order; ``None`` means unknown, never 0. Bad input raises a
 one-line ``ReportInputError`` naming the file and line: a missing directory or phase file, a
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.phases.schema import SchemaError, validate_record
+from mllm_rl.report.issues import ERROR, WARNING, Issue
 
 Record = dict[str, Any]
 PHASE_FILE = re.compile(r"^phases(?:\.p(\d+))?\.jsonl$")
@@ -76,7 +78,8 @@ class Run:
                 yield p, r
 
 
-def _number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
+    """A finite int or float (not a bool)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -87,7 +90,7 @@ def _check_record(rec: Any) -> None:
     validate_record(rec)
     if rec["process_index"] is None:
         raise SchemaError("process_index: null (the report needs the process)")
-    if not (_number(rec["t_start"]) and _number(rec["t_end"])):
+    if not (is_number(rec["t_start"]) and is_number(rec["t_end"])):
         raise SchemaError("t_start/t_end: expected numbers")
     for i, d in enumerate(rec["memory"]["devices"]):
         if not isinstance(d, dict):
@@ -173,3 +176,87 @@ def load_runs(run_dirs: list[str | Path]) -> list[Run]:
         if counts[r.label] > 1:
             r.label = f"{r.label} [{i}:{r.dir.name}]"
     return runs
+
+
+@dataclass
+class Attempt:
+    process: int
+    number: int  # 1-based
+    records: list[Record]
+    is_last: bool
+
+    def steps(self) -> list[int]:
+        """Step numbers in order of first appearance."""
+        return list(dict.fromkeys(r["step"] for r in self.records if r["step"] is not None))
+
+    @property
+    def last_step(self) -> int | None:
+        """The step of the last step record: where this attempt was when it ended."""
+        for r in reversed(self.records):
+            if r["step"] is not None:
+                return r["step"]
+        return None
+
+
+def split_records(records: list[Record], first_phase: str | None) -> list[list[Record]]:
+    """The records of one process, split at each attempt's start. A process restarted with
+    ``--resume`` appends to the same file, starting over with the setup phases: a new attempt begins
+    at a non-step record of the run's first phase (e.g. ``wandb_init``), or where ``idx`` is 0 again
+    (a restarted recorder counts from 0; one that continues counting leaves the first phase alone)."""
+    parts: list[list[Record]] = []
+    for r in records:
+        starts = first_phase is not None and r["step"] is None and r["phase"] == first_phase
+        restarted = bool(parts) and r["idx"] == 0  # a fresh recorder counts from 0
+        if not parts or starts or restarted:
+            parts.append([])
+        parts[-1].append(r)
+    return parts
+
+
+def split_attempts(process: int, records: list[Record], first_phase: str | None) -> list[Attempt]:
+    parts = split_records(records, first_phase)
+    return [Attempt(process, i + 1, p, i == len(parts) - 1) for i, p in enumerate(parts)]
+
+
+TASK_KEYS = ("expected_phases", "expected_step_phases", "steps", "first_step")
+
+
+def _part(run: Run, task: str | None, plan: dict, label: str) -> Run:
+    records = {p: [r for r in recs if r.get("task") == task] for p, recs in run.records.items()}
+    torn = run.torn_lines if task is None else []
+    return Run(run.dir, label, records, plan, run.files, torn, origin_t0=run.t0)
+
+
+def split_tasks(run: Run) -> list[Run]:
+    """``[run]`` for a single-task run; else (``run.json`` has ``tasks``) its run-level part (task
+    ``null``) and one part per task (label ``<run> / <task>``, its records and the expectations of
+    ``run.json["tasks"][task]``), all with the run's time origin so their lanes line up."""
+    tasks = (run.plan or {}).get("tasks")
+    if not isinstance(tasks, dict) or not tasks:
+        return [run]
+    base = {k: v for k, v in (run.plan or {}).items() if k != "tasks"}
+    parts = [_part(run, None, base, run.label)]
+    for name, t in tasks.items():
+        t = t if isinstance(t, dict) else {}
+        plan = {
+            **base,
+            **{k: t[k] for k in TASK_KEYS if k in t},
+            "task": name,
+            "task_status": t.get("status"),
+            "task_error": t.get("error"),
+        }
+        parts.append(_part(run, name, plan, f"{run.label} / {name}"))
+    return parts
+
+
+def task_issues(run: Run, parts: list[Run]) -> list[Issue]:
+    """``task_failed`` per failed task, ``unknown_task`` for records of tasks run.json does not list."""
+    plans = [(part.label, part.plan or {}) for part in parts[1:]]
+    out = [
+        Issue(label, "task_failed", f"task {plan['task']} failed: {plan.get('task_error')}"[:500], ERROR)
+        for label, plan in plans
+        if plan.get("task_status") == "failed"
+    ]
+    unknown = {r.get("task") for _, r in run.all_records()} - {plan.get("task") for _, plan in plans} - {None}
+    msg = "records of task {!r}, which run.json does not list"
+    return out + [Issue(run.label, "unknown_task", msg.format(t), WARNING) for t in sorted(map(str, unknown))]

@@ -30,10 +30,6 @@ def primary_devices(devices: list[Device]) -> list[Device]:
     return list(best.values())
 
 
-def devices_of_source(devices: list[Device], source: str) -> list[Device]:
-    return [d for d in devices if d.get("source") == source]
-
-
 def sources(devices: list[Device]) -> list[str]:
     """The sources present, most truthful first."""
     return sorted({str(d.get("source")) for d in devices}, key=lambda s: _RANK.get(s, 99))
@@ -50,7 +46,7 @@ def total(values: Iterable[int | None]) -> int | None:
 def device_sum(rec: Record, key: str, source: str | None = None) -> int | None:
     """``key`` summed over the record's devices (primary entries, or one ``source``); ``None`` if unknown."""
     devs = rec["memory"]["devices"]
-    chosen = primary_devices(devs) if source is None else devices_of_source(devs, source)
+    chosen = primary_devices(devs) if source is None else [d for d in devs if d.get("source") == source]
     return total(d.get(key) for d in chosen)
 
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from mllm_rl.phases.jsonsafe import dumps
-from mllm_rl.report.attempts import Attempt
-from mllm_rl.report.load import Record
+from mllm_rl.report.load import Attempt, Record
 from mllm_rl.report.memory import TRUTH, device_name, primary_devices
 
 PHASES_TID, STEPS_TID = 1, 2
