@@ -6,10 +6,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from mllm_rl.memplan.audit import check_run_dir, drift_messages
-from mllm_rl.report.completeness import completeness
-from mllm_rl.report.expected import Expected, first_phase_guess, from_plan, inferred
-from mllm_rl.report.health import health_issues
-from mllm_rl.report.host_growth import host_growth
+from mllm_rl.report.checks import (
+    Expected,
+    completeness,
+    first_phase_guess,
+    from_plan,
+    health_issues,
+    host_growth,
+    inferred,
+)
 from mllm_rl.report.issues import INFO, WARNING, Issue
 from mllm_rl.report.load import Attempt, Run, split_attempts
 from mllm_rl.report.memory import pick_unit

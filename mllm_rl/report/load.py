@@ -190,6 +190,15 @@ class Attempt:
         return list(dict.fromkeys(r["step"] for r in self.records if r["step"] is not None))
 
     @property
+    def shown(self) -> int | None:
+        """The number tables and findings show: ``None`` when the process ran once."""
+        return None if self.number == 1 and self.is_last else self.number
+
+    def issue(self, run: str, kind: str, message: str, severity: str, **where: Any) -> Issue:
+        """A finding about this attempt's process (and the attempt, when the process ran more than once)."""
+        return Issue(run, kind, message, severity, process=self.process, attempt=self.shown, **where)
+
+    @property
     def last_step(self) -> int | None:
         """The step of the last step record: where this attempt was when it ended."""
         for r in reversed(self.records):

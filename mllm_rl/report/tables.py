@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from mllm_rl.report.expected import merge_orders
+from mllm_rl.report.checks import merge_orders
 from mllm_rl.report.load import Attempt, Record, Run, is_number
 from mllm_rl.report.memory import device_name, device_sum, diff, primary_devices, sources, total
 
@@ -27,10 +27,10 @@ MAX_SERIES = 12
 SECONDARY_KEYS = {"before": "bytes_in_use_start", "after": "bytes_in_use", "peak": "phase_peak_bytes"}
 
 
-def row_id(run_label: str, a: Attempt, multi: bool, r: Record) -> dict[str, Any]:
-    """The columns that name a record: run, process, attempt (``multi``: the process ran more than
-    once, else None), step, phase, idx."""
-    ids = {"run": run_label, "process": a.process, "attempt": a.number if multi else None}
+def row_id(run_label: str, a: Attempt, r: Record) -> dict[str, Any]:
+    """The columns that name a record: run, process, attempt (None when the process ran once), step,
+    phase, idx."""
+    ids = {"run": run_label, "process": a.process, "attempt": a.shown}
     return ids | {k: r[k] for k in ("step", "phase", "idx")}
 
 
@@ -50,7 +50,7 @@ def phase_rows(run_label: str, attempts: dict[int, list[Attempt]], t0: float | N
                 }
                 rows.append(
                     {
-                        **row_id(run_label, a, len(atts) > 1, r),
+                        **row_id(run_label, a, r),
                         "seconds": r["t_end"] - r["t_start"],
                         "t_offset_s": None if t0 is None else r["t_start"] - t0,
                         "before_bytes": before,
@@ -98,7 +98,7 @@ def _moved(devs: list[dict[str, Any]], kind: str) -> int | None:
     )
 
 
-def efficiency_row(run_label: str, a: Attempt, rec: Record, multi: bool) -> dict[str, Any] | None:
+def efficiency_row(run_label: str, a: Attempt, rec: Record) -> dict[str, Any] | None:
     """Bytes a release/offload freed (start minus end) vs ``info.expected_freed_bytes``, flagged below
     ``EFFICIENCY_MIN`` or at zero; a resume/onload's allocated bytes, never flagged (a resume may alias
     arrays and allocate nothing)."""
@@ -127,7 +127,7 @@ def efficiency_row(run_label: str, a: Attempt, rec: Record, multi: bool) -> dict
         elif expected is None:
             note = "no expected_freed_bytes"
     return {
-        **row_id(run_label, a, multi, rec),
+        **row_id(run_label, a, rec),
         "kind": kind,
         "source": prim[0].get("source") if prim else None,
         "actual_bytes": actual,
@@ -151,12 +151,7 @@ def efficiency_row(run_label: str, a: Attempt, rec: Record, multi: bool) -> dict
 
 
 def efficiency_rows(run_label: str, attempts: dict[int, list[Attempt]]) -> list[dict[str, Any]]:
-    rows = (
-        efficiency_row(run_label, a, r, len(atts) > 1)
-        for atts in attempts.values()
-        for a in atts
-        for r in a.records
-    )
+    rows = (efficiency_row(run_label, a, r) for atts in attempts.values() for a in atts for r in a.records)
     return [r for r in rows if r is not None]
 
 
@@ -195,7 +190,7 @@ def swap_ratios(run_label: str, attempts: dict[int, list[Attempt]]) -> list[dict
                 ]
                 rows.append(
                     {
-                        **row_id(run_label, a, len(atts) > 1, r),
+                        **row_id(run_label, a, r),
                         "peak_max": max(peaks, default=None),
                         "steady_max": max(steadies, default=None),
                         "ratio": _max_of_all(ratios, len(per_dev)),

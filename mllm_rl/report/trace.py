@@ -130,7 +130,7 @@ def _record_events(r: Record, pid: int, t0: float, attempt: int | None) -> list[
     return [e for e in ev if e is not None]
 
 
-def _step_spans(a: Attempt, pid: int, t0: float, attempt: int | None) -> list[dict[str, Any]]:
+def _step_spans(a: Attempt, pid: int, t0: float) -> list[dict[str, Any]]:
     spans: dict[int, list[float]] = {}
     for r in a.records:
         if r["step"] is not None:
@@ -145,7 +145,7 @@ def _step_spans(a: Attempt, pid: int, t0: float, attempt: int | None) -> list[di
             "tid": STEPS_TID,
             "ts": _us(lo, t0),
             "dur": max(0.0, round(_us(hi, t0) - _us(lo, t0), 3)),
-            "args": {"step": s, "attempt": attempt},
+            "args": {"step": s, "attempt": a.shown},
         }
         for s, (lo, hi) in spans.items()
     ]
@@ -173,8 +173,7 @@ def build_trace(
             if t0 is None:
                 continue
             for a in atts:
-                attempt = a.number if len(atts) > 1 else None
                 for r in a.records:
-                    events += _record_events(r, pid, t0, attempt)
-                events += _step_spans(a, pid, t0, attempt)
+                    events += _record_events(r, pid, t0, a.shown)
+                events += _step_spans(a, pid, t0)
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other or {}}

@@ -1,8 +1,8 @@
-"""The report's host-growth finding (``mllm_rl.report.host_growth``) on step-end RSS series."""
+"""The report's host-growth finding (``mllm_rl.report.checks.host_growth``) on step-end RSS series."""
 
 from __future__ import annotations
 
-from mllm_rl.report.host_growth import MIB, growth, step_rss
+from mllm_rl.report.checks import MIB, growth, step_rss
 
 
 def series(*mib: float) -> dict[int, int]:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from mllm_rl.report import build_report
+from mllm_rl.report.checks import MISSING, OUT_OF_ORDER, check_sequence
 from mllm_rl.report.issues import ERROR, WARNING, Issue, group_issues, int_ranges
 from mllm_rl.report.load import split_records
-from mllm_rl.report.sequence import MISSING, OUT_OF_ORDER, check_sequence
 from tests.core.report_fixtures import STEP, read_lines, write_lines, write_rl_run
 
 
