@@ -15,13 +15,16 @@ from mllm_rl.report.analysis import RunAnalysis
 from mllm_rl.report.load import Record
 from mllm_rl.report.memory import TRUTH, device_name, primary_devices
 
-PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#b07aa1", "#edc948", "#9c755f", "#ff9da7", "#bab0ac")  # fmt: skip
+PALETTE = tuple("#4e79a7 #f28e2b #59a14f #e15759 #76b7b2 #b07aa1 #edc948 #9c755f #ff9da7 #bab0ac".split())
 AXIS, GRID, TEXT = "#555", "#e3e3e3", "#222"
 FONT = 'font-family="system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif" font-size="11"'
 MAX_PROCESS_CHARTS = 8
-SWATCH = {"bar": "background:{}", "line": "height:2px;background:{};margin-bottom:4px",
-          "dash": "height:0;border-top:2px dashed {};margin-bottom:4px",
-          "peak": f"height:3px;background:{TEXT};margin-bottom:3px"}  # fmt: skip
+SWATCH = {  # legend swatch style per kind; {} is the color
+    "bar": "background:{}",
+    "line": "height:2px;background:{};margin-bottom:4px",
+    "dash": "height:0;border-top:2px dashed {};margin-bottom:4px",
+    "peak": f"height:3px;background:{TEXT};margin-bottom:3px",
+}
 
 
 def color(i: int) -> str:

@@ -18,12 +18,12 @@ PHASES_TID, STEPS_TID = 1, 2
 MAX_STR = 200
 
 
-def pid_of(run_index: int, process: int) -> int:
-    return 1 + run_index * 1000 + process
-
-
 def _us(t: float, t0: float) -> float:
     return round((t - t0) * 1e6, 3)
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_STR else text[:MAX_STR] + "..."
 
 
 def summarize(v: Any) -> Any:
@@ -31,17 +31,12 @@ def summarize(v: Any) -> Any:
     if v is None or isinstance(v, (bool, int, float)):
         return v
     if isinstance(v, str):
-        return v if len(v) <= MAX_STR else v[:MAX_STR] + "..."
-    if (
-        isinstance(v, (list, tuple))
-        and len(v) <= 8
-        and all(isinstance(x, (bool, int, float, str)) for x in v)
-    ):
-        return [summarize(x) for x in v]
+        return _cut(v)
     if isinstance(v, (list, tuple)):
+        if len(v) <= 8 and all(isinstance(x, (bool, int, float, str)) for x in v):
+            return [summarize(x) for x in v]
         return f"[{len(v)} items]"
-    text = dumps(v)
-    return text if len(text) <= MAX_STR else text[:MAX_STR] + "..."
+    return _cut(dumps(v))
 
 
 def counter_name(d: dict[str, Any]) -> str:
@@ -50,84 +45,56 @@ def counter_name(d: dict[str, Any]) -> str:
     return f"mem {device_name(d)} ({d.get('source')})"
 
 
-def _memory_args(r: Record) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for d in r["memory"]["devices"]:
-        out[f"{device_name(d)} ({d.get('source')})"] = {
-            "before": d.get("bytes_in_use_start"),
-            "after": d.get("bytes_in_use"),
-            "peak": d.get("phase_peak_bytes"),
-            "limit": d.get("bytes_limit"),
-        }
-    h = r["memory"]["host"]
-    out["host rss"] = {
-        "before": h.get("rss_start_bytes"),
-        "after": h.get("rss_bytes"),
-        "peak": h.get("rss_peak_bytes"),
-    }
-    return out
+def _pick(d: dict[str, Any], **keys: str) -> dict[str, Any]:
+    return {k: d.get(v) for k, v in keys.items()}
 
 
-def _counter(pid: int, name: str, ts: float, value: Any) -> dict[str, Any] | None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return None
-    return {"ph": "C", "name": name, "pid": pid, "tid": 0, "ts": ts, "args": {"bytes": value}}
+def _slice(
+    name: str, cat: str, pid: int, tid: int, ts: float, te: float, args: dict[str, Any]
+) -> dict[str, Any]:
+    """An ``X`` event from ``ts`` to ``te`` (µs)."""
+    ev = {"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid, "ts": ts}
+    return ev | {"dur": max(0.0, round(te - ts, 3)), "args": args}
+
+
+def _counters(pid: int, name: str, points: list[tuple[float, Any]]) -> list[dict[str, Any]]:
+    """``C`` events of ``name`` at each ``(ts, bytes)``; an unknown value adds no point."""
+    return [
+        {"ph": "C", "name": name, "pid": pid, "tid": 0, "ts": ts, "args": {"bytes": v}}
+        for ts, v in points
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    ]
 
 
 def _record_events(r: Record, pid: int, t0: float, attempt: int | None) -> list[dict[str, Any]]:
     ts, te = _us(r["t_start"], t0), _us(r["t_end"], t0)
-    args: dict[str, Any] = {
-        "step": r["step"],
-        "idx": r["idx"],
-        "attempt": attempt,
-        "info": {k: summarize(v) for k, v in r["info"].items()},
-        "memory": _memory_args(r),
-    }
-    ev: list[dict[str, Any] | None] = [
-        {
-            "ph": "X",
-            "name": r["phase"],
-            "cat": "phase",
-            "pid": pid,
-            "tid": PHASES_TID,
-            "ts": ts,
-            "dur": max(0.0, round(te - ts, 3)),
-            "args": args,
-        }
-    ]
-    primary = [id(d) for d in primary_devices(r["memory"]["devices"])]
-    for d in r["memory"]["devices"]:
-        name = counter_name(d)
-        ev += [
-            _counter(pid, name, ts, d.get("bytes_in_use_start")),
-            _counter(pid, name, te, d.get("bytes_in_use")),
-        ]
-        if id(d) in primary:  # the peak companion only for the entry sums use
-            ev += [
-                _counter(pid, f"phase peak {name}", ts, d.get("phase_peak_bytes")),
-                _counter(pid, f"phase peak {name}", te, d.get("bytes_in_use")),
-            ]
-    h = r["memory"]["host"]
-    ev += [
-        _counter(pid, "host rss", ts, h.get("rss_start_bytes")),
-        _counter(pid, "host rss", te, h.get("rss_bytes")),
-        _counter(pid, "phase peak host rss", ts, h.get("rss_peak_bytes")),
-        _counter(pid, "phase peak host rss", te, h.get("rss_bytes")),
-    ]
-    if r["info"].get("error"):
-        ev.append(
-            {
-                "ph": "i",
-                "name": f"error: {r['phase']}",
-                "cat": "error",
-                "pid": pid,
-                "tid": PHASES_TID,
-                "ts": te,
-                "s": "t",
-                "args": {"error": summarize(str(r["info"]["error"]))},
-            }
+    devs, host = r["memory"]["devices"], r["memory"]["host"]
+    memory = {
+        f"{device_name(d)} ({d.get('source')})": _pick(
+            d, before="bytes_in_use_start", after="bytes_in_use", peak="phase_peak_bytes", limit="bytes_limit"
         )
-    return [e for e in ev if e is not None]
+        for d in devs
+    }
+    memory["host rss"] = _pick(host, before="rss_start_bytes", after="rss_bytes", peak="rss_peak_bytes")
+    info = {k: summarize(v) for k, v in r["info"].items()}
+    args = {"step": r["step"], "idx": r["idx"], "attempt": attempt, "info": info, "memory": memory}
+    ev = [_slice(r["phase"], "phase", pid, PHASES_TID, ts, te, args)]
+    primary = [id(d) for d in primary_devices(devs)]
+    for d in devs:
+        name = counter_name(d)
+        ev += _counters(pid, name, [(ts, d.get("bytes_in_use_start")), (te, d.get("bytes_in_use"))])
+        if id(d) in primary:  # the peak companion only for the entry sums use
+            ev += _counters(
+                pid, f"phase peak {name}", [(ts, d.get("phase_peak_bytes")), (te, d.get("bytes_in_use"))]
+            )
+    ev += _counters(pid, "host rss", [(ts, host.get("rss_start_bytes")), (te, host.get("rss_bytes"))])
+    ev += _counters(
+        pid, "phase peak host rss", [(ts, host.get("rss_peak_bytes")), (te, host.get("rss_bytes"))]
+    )
+    if r["info"].get("error"):
+        where = {"ph": "i", "name": f"error: {r['phase']}", "cat": "error", "pid": pid, "tid": PHASES_TID}
+        ev.append(where | {"ts": te, "s": "t", "args": {"error": summarize(str(r["info"]["error"]))}})
+    return ev
 
 
 def _step_spans(a: Attempt, pid: int, t0: float) -> list[dict[str, Any]]:
@@ -137,16 +104,7 @@ def _step_spans(a: Attempt, pid: int, t0: float) -> list[dict[str, Any]]:
             lo_hi = spans.setdefault(r["step"], [r["t_start"], r["t_end"]])
             lo_hi[0], lo_hi[1] = min(lo_hi[0], r["t_start"]), max(lo_hi[1], r["t_end"])
     return [
-        {
-            "ph": "X",
-            "name": f"step {s}",
-            "cat": "step",
-            "pid": pid,
-            "tid": STEPS_TID,
-            "ts": _us(lo, t0),
-            "dur": max(0.0, round(_us(hi, t0) - _us(lo, t0), 3)),
-            "args": {"step": s, "attempt": a.shown},
-        }
+        _slice(f"step {s}", "step", pid, STEPS_TID, _us(lo, t0), _us(hi, t0), {"step": s, "attempt": a.shown})
         for s, (lo, hi) in spans.items()
     ]
 
@@ -167,9 +125,8 @@ def build_trace(
     events: list[dict[str, Any]] = []
     for ri, (label, t0, attempts) in enumerate(runs):
         for p, atts in sorted(attempts.items()):
-            pid = pid_of(ri, p)
-            name = f"rank {p}" if len(runs) == 1 else f"{label} rank {p}"
-            events += _metadata(pid, name, pid)
+            pid = 1 + ri * 1000 + p
+            events += _metadata(pid, f"rank {p}" if len(runs) == 1 else f"{label} rank {p}", pid)
             if t0 is None:
                 continue
             for a in atts:

@@ -10,40 +10,23 @@ charts as ``wandb.Html`` and summary values (``errors``, ``warnings``, ...). Unk
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
+from mllm_rl.report.analysis import RunAnalysis
 from mllm_rl.report.build import ReportResult
 from mllm_rl.report.html import CSS
 from mllm_rl.report.issues import ERROR, WARNING, count
 from mllm_rl.report.plots import memory_over_time_charts, memory_per_phase_charts, metric_charts
 from mllm_rl.report.tables import PHASE_COLUMNS
 
-EFFICIENCY_COLUMNS = (
-    "run",
-    "process",
-    "attempt",
-    "step",
-    "phase",
-    "kind",
-    "source",
-    "actual_bytes",
-    "expected_bytes",
-    "ratio",
-    "flagged",
-    "note",
+EFFICIENCY_COLUMNS = tuple(
+    "run process attempt step phase kind source actual_bytes expected_bytes ratio flagged note".split()
 )
-ISSUE_COLUMNS = ("run", "severity", "kind", "process", "attempt", "step", "phase", "message")
-PLAN_COLUMNS = (
-    "run",
-    "target",
-    "phase",
-    "predicted_bytes",
-    "measured_bytes",
-    "measured_before_bytes",
-    "ratio",
-    "within",
-    "drift",
-    "predicted_peak_bytes",
+ISSUE_COLUMNS = tuple("run severity kind process attempt step phase message".split())
+PLAN_COLUMNS = tuple(
+    "run target phase predicted_bytes measured_bytes measured_before_bytes ratio within drift "
+    "predicted_peak_bytes".split()
 )
 
 
@@ -53,10 +36,7 @@ def plan_rows(result: ReportResult) -> list[dict[str, Any]]:
     from mllm_rl.memplan.audit import drifts
 
     out = []
-    for an in result.analyses:
-        check = an.plan_check
-        if not check:
-            continue
+    for an, check in ((an, an.plan_check) for an in result.analyses if an.plan_check):
         drifting = {r["phase"] for r in drifts(check)}
         for r in check["phases"]:
             out.append(
@@ -76,39 +56,31 @@ def plan_rows(result: ReportResult) -> list[dict[str, Any]]:
     return out
 
 
-def _page(body: str) -> str:
-    return f"<!DOCTYPE html><html><head><meta charset='utf-8'><style>{CSS}</style></head><body>{body}</body></html>"
-
-
-def report_payload(result: ReportResult) -> dict[str, Any]:
-    """The ``wandb.log`` dict for ``result`` (imports wandb)."""
+def report_payload(result: ReportResult, plan: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``wandb.log`` dict for ``result`` and its ``plan_rows`` (imports wandb)."""
     import wandb
 
     def table(columns: tuple[str, ...], rows: list[dict[str, Any]]) -> Any:
-        return wandb.Table(
-            columns=list(columns), data=[[r.get(c) for c in columns] for r in rows], allow_mixed_types=True
-        )
+        data = [[r.get(c) for c in columns] for r in rows]
+        return wandb.Table(columns=list(columns), data=data, allow_mixed_types=True)
 
-    def html(body: str) -> Any:
-        return wandb.Html(_page(body), inject=False, data_is_not_path=True)
+    def html(charts: Callable[[RunAnalysis], str], analyses: list[RunAnalysis]) -> Any:
+        body = "".join(charts(an) for an in analyses)
+        page = f"<!DOCTYPE html><html><head><meta charset='utf-8'><style>{CSS}</style></head><body>{body}</body></html>"
+        return wandb.Html(page, inject=False, data_is_not_path=True)
 
-    phases = [r for an in result.analyses for r in an.phases]
-    efficiency = [r for an in result.analyses for r in an.efficiency]
-    issues = [i.to_json() for i in result.issues]
+    analyses = result.analyses
     payload = {
-        "report/phases": table(PHASE_COLUMNS, phases),
-        "report/efficiency": table(EFFICIENCY_COLUMNS, efficiency),
-        "report/issues": table(ISSUE_COLUMNS, issues),
-        "report/memory_per_phase": html("".join(memory_per_phase_charts(an) for an in result.analyses)),
-        "report/memory_over_time": html("".join(memory_over_time_charts(an) for an in result.analyses)),
+        "report/phases": table(PHASE_COLUMNS, [r for an in analyses for r in an.phases]),
+        "report/efficiency": table(EFFICIENCY_COLUMNS, [r for an in analyses for r in an.efficiency]),
+        "report/issues": table(ISSUE_COLUMNS, [i.to_json() for i in result.issues]),
+        "report/memory_per_phase": html(memory_per_phase_charts, analyses),
+        "report/memory_over_time": html(memory_over_time_charts, analyses),
     }
-    plan = plan_rows(result)
     if plan:
         payload["report/memory_plan"] = table(PLAN_COLUMNS, plan)
-    if any(an.metrics for an in result.analyses):
-        payload["report/step_metrics"] = html(
-            "".join(metric_charts(an) for an in result.analyses if an.metrics)
-        )
+    if any(an.metrics for an in analyses):
+        payload["report/step_metrics"] = html(metric_charts, [an for an in analyses if an.metrics])
     return payload
 
 
@@ -116,7 +88,8 @@ def log_report(wandb_run: Any, result: ReportResult, strict: bool = False) -> li
     """Log ``result`` into ``wandb_run``; returns the logged keys. ``strict=False`` (the sink at
     run end): a failure prints one line and returns ``[]`` so the run keeps its W&B data."""
     try:
-        payload = report_payload(result)
+        plan = plan_rows(result)
+        payload = report_payload(result, plan)
         wandb_run.log(payload)
         ratios = [r["ratio"] for an in result.analyses for r in an.swaps if r["ratio"] is not None]
         counts = count(result.issues)
@@ -124,7 +97,6 @@ def log_report(wandb_run: Any, result: ReportResult, strict: bool = False) -> li
         wandb_run.summary["report/warnings"] = counts[WARNING]
         if ratios:
             wandb_run.summary["report/swap_peak_over_steady"] = max(ratios)
-        plan = plan_rows(result)
         if plan:  # how many phases held to the run's own memory plan
             wandb_run.summary["report/plan_phases"] = len(plan)
             wandb_run.summary["report/plan_drifts"] = sum(r["drift"] for r in plan)
