@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from mllm_rl.memplan.audit import check_run_dir, drift_messages
@@ -59,13 +59,7 @@ class RunAnalysis:
             "attempts": {str(p): len(a) for p, a in self.attempts.items()},
             "wall_seconds": None if run.t0 is None or run.t1 is None else run.t1 - run.t0,
             "phase_files": [f.name for f in run.files.values()],
-            "expected": {
-                "source": exp.source,
-                "process_count": exp.process_count,
-                "phases": exp.phases,
-                "step_phases": exp.step_phases,
-                "steps": exp.steps,
-            },
+            "expected": {"source": exp.source} | asdict(exp),
         }
 
 
@@ -109,17 +103,9 @@ def analyze(run: Run) -> RunAnalysis:
 
 def efficiency_issues(label: str, rows: list[dict[str, Any]]) -> list[Issue]:
     """A warning per flagged release (listed with the findings; it does not fail the check)."""
+    where = ("process", "attempt", "step", "phase")
     return [
-        Issue(
-            label,
-            "release_efficiency",
-            f"{r['phase']} {r['note']}",
-            WARNING,
-            process=r["process"],
-            attempt=r["attempt"],
-            step=r["step"],
-            phase=r["phase"],
-        )
+        Issue(label, "release_efficiency", f"{r['phase']} {r['note']}", WARNING, **{k: r[k] for k in where})
         for r in rows
         if r["flagged"]
     ]

@@ -1,9 +1,9 @@
 """``report.html``: one static, self-contained page (inline CSS and SVG, no script, no network).
 
-Order: findings (completeness first), the comparison when there are several runs, then per
-run: memory per phase per device, memory over time, offload efficiency, param-swap ratio,
-RL metrics per step, the phase table. ``-`` means "not measurable", never 0.
-"""
+Order: findings (completeness first), the comparison when there are several runs, then per run:
+memory per phase per device, memory and host RSS over time, memory plan vs run, offload
+efficiency, weight-swap ratio, RL metrics per step, the phase table. ``-`` means "not
+measurable", never 0."""
 
 from __future__ import annotations
 

@@ -24,14 +24,8 @@ class Issue:
     phase: str | None = None
 
     def where(self) -> str:
-        parts = []
-        if self.process is not None:
-            parts.append(f"process {self.process}")
-        if self.attempt is not None:
-            parts.append(f"attempt {self.attempt}")
-        if self.step is not None:
-            parts.append(f"step {self.step}")
-        return " ".join(parts)
+        named = {"process": self.process, "attempt": self.attempt, "step": self.step}
+        return " ".join(f"{k} {v}" for k, v in named.items() if v is not None)
 
     def line(self, where: str | None = None) -> str:
         """``severity: run where: message``; ``where`` defaults to ``self.where()`` (a folded group's
@@ -64,13 +58,20 @@ def int_ranges(values: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _ranges_text(values: list[int]) -> str:
-    """``0-2, 5`` for ``[0, 1, 2, 5]``."""
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in int_ranges(sorted(set(values))))
+def _join(*parts: str) -> str:
+    return " ".join(p for p in parts if p)
 
 
-def _plural(word: str, values: list[int]) -> str:
-    return f"{word}{'es' if word.endswith('s') else 's'}" if len(set(values)) > 1 else word
+def _numbered(word: str, values: list[int]) -> str:
+    """``steps 0-2, 5`` for ``[0, 1, 2, 5]``, ``process 3`` for ``[3]``, ``""`` for ``[]``."""
+    if not values:
+        return ""
+    ranges = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in int_ranges(sorted(set(values))))
+    return (
+        f"{word}{'es' if word.endswith('s') else 's'} {ranges}"
+        if len(set(values)) > 1
+        else f"{word} {ranges}"
+    )
 
 
 def group_issues(issues: list[Issue]) -> list[tuple[Issue, str]]:
@@ -80,27 +81,17 @@ def group_issues(issues: list[Issue]) -> list[tuple[Issue, str]]:
     for i in sort_issues(issues):
         groups.setdefault((i.severity, i.kind, i.phase, i.run, i.message), []).append(i)
     out = []
-    for members in groups.values():
-        if len(members) == 1:
-            out.append((members[0], members[0].where()))
+    for first, *rest in groups.values():
+        if not rest:
+            out.append((first, first.where()))
             continue
         steps: dict[tuple[int | None, int | None], list[int]] = {}
-        for m in members:
+        for m in (first, *rest):
             steps.setdefault((m.process, m.attempt), []).extend([] if m.step is None else [m.step])
         procs: dict[tuple[int | None, str], list[int]] = {}
         for (p, a), st in steps.items():
-            text = " ".join(
-                x
-                for x in (
-                    f"attempt {a}" if a is not None else "",
-                    f"{_plural('step', st)} {_ranges_text(st)}" if st else "",
-                )
-                if x
-            )
+            text = _join(f"attempt {a}" if a is not None else "", _numbered("step", st))
             procs.setdefault((a, text), []).extend([] if p is None else [p])
-        parts = [
-            " ".join(x for x in (f"{_plural('process', ps)} {_ranges_text(ps)}" if ps else "", text) if x)
-            for (_, text), ps in procs.items()
-        ]
-        out.append((members[0], f"{len(members)}x: " + "; ".join(parts)))
+        parts = [_join(_numbered("process", ps), text) for (_, text), ps in procs.items()]
+        out.append((first, f"{len(rest) + 1}x: " + "; ".join(parts)))
     return out
