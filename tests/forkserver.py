@@ -52,7 +52,8 @@ def _serve() -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     extra = [m for m in os.environ.get("MLLM_RL_TESTS_PRELOAD", "").split(",") if m]  # the suite's own test
-    for name in (*PRELOAD, *extra):
+    base = PRELOAD if os.environ.get("MLLM_RL_TESTS_PRELOAD_BASE", "1") != "0" else ()  # 0: its own tests
+    for name in (*base, *extra):
         try:
             importlib.import_module(name)
         except ImportError:

@@ -65,6 +65,7 @@ def test_a_module_that_prints_when_preloaded_does_not_break_the_server(tmp_path)
         **os.environ,
         "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}",
         "MLLM_RL_TESTS_PRELOAD": "noisy_import",
+        "MLLM_RL_TESTS_PRELOAD_BASE": "0",  # only the noisy module: the frameworks add seconds, not cover
     }
     s = forkserver.ForkServer(env)
     try:
@@ -78,7 +79,7 @@ def test_a_pooled_server_that_died_is_started_again(monkeypatch):
     """A server killed from outside (the OOM killer, a test) is replaced on the next run rather
     than leaving the worker's later runs to fresh processes."""
     monkeypatch.setattr(forkserver, "_servers", {})  # a pool of this test's own
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLLM_RL_TESTS_PRELOAD_BASE": "0"}  # no framework: faster
     first = forkserver.server_for(env)
     assert first is not None
     first.proc.kill()
