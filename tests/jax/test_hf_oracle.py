@@ -29,6 +29,9 @@ from mllm_rl.trainer import RolloutBatch, TrainConfig
 from tests import hf_oracle as oracle
 from tests.conftest import ROOT, run_cli
 
+# every test reads checkpoints and answers made by transformers in .venv-torch (the module's
+# ``built``): the other venv's interpreter, so the whole module is slow (make test-fast skips it)
+pytestmark = pytest.mark.slow
 TOL = 1e-4
 TORCH_PY = ROOT / ".venv-torch" / "bin" / "python"
 CASES = [("gqa", "v4"), ("gqa", "v5"), ("mqa_tied", "v4"), ("mha_defaults", "stripped")]
@@ -164,7 +167,6 @@ def test_sglang_jax_config_gets_our_rope_base(case):
         assert getattr(seen, field) == getattr(md.config, field), field
 
 
-@pytest.mark.slow
 def test_sglang_jax_greedy_equals_trainer_and_transformers_on_a_transformers5_checkpoint(tmp_path):
     """``python -m mllm_rl.run --plan swap --model DIR``: the engine's greedy tokens on a
     checkpoint whose config.json has only ``rope_parameters`` (base 1e6; 4.57 alone would use 1e4)."""

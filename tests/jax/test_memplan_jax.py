@@ -55,6 +55,7 @@ def test_a_tpu_target_is_prepared_after_jax_was_imported():
     assert r.stdout.split() == ["cpu", "True"]
 
 
+@pytest.mark.slow  # compiles the trainer and the engine for a TPU target (not cacheable: compile-only)
 def test_tiny_plan_for_a_v4_8_compiles_with_libtpu(tmp_path):
     needs_libtpu()
     r, doc = plan(tmp_path, "--target", "v4-8", "--tp", "2", "--kv-tokens", "4096", "--micro-batch-size", "8",
