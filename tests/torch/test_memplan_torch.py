@@ -173,10 +173,10 @@ def test_activations_grow_linearly_with_batch():
 
 
 def test_over_large_step_reports_phase_and_component():
-    # activations grow linearly with the tokens (SDPA, chunked head): the tiny model made 16 layers
-    # deep with an 8192-wide MLP keeps ~2.2 MiB a token, so 2 x 20480 tokens (~93 GiB) cross the
+    # activations grow linearly with the tokens (SDPA, chunked head): the tiny model made 4 layers
+    # deep with a 32768-wide MLP keeps ~2.2 MiB a token, so 2 x 20480 tokens (~93 GiB) cross the
     # 71.2 GiB budget (few layers and few head chunks to trace: seconds)
-    big = dataclasses.replace(TINY, num_hidden_layers=16, intermediate_size=8192)
+    big = dataclasses.replace(TINY, num_hidden_layers=4, intermediate_size=32768)
     req = request(model=big, micro_batch=2, seq_len=20480, prompts=1, group_size=2, kv_tokens=1000)
     p = plan(memplan.measure(req), req)
     assert not p.fits
