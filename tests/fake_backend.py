@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,10 @@ class FakeRunBackend(Backend):
         self.device = FakeDevice()
 
     def init_runtime(self, tp: int = 1, platform: str = "auto") -> dict[str, Any]:
+        """``FAKE_RUNTIME_UP_S`` (seconds, default 0): how long the runtime takes to come up, as a
+        real one takes seconds; two runs started together then both pass the preflight before
+        either takes the run directory's lock (tests/core/test_run_dir.py)."""
+        time.sleep(float(os.environ.get("FAKE_RUNTIME_UP_S", "0")))
         if platform not in ("auto", "cpu"):
             raise RuntimeError(f"--platform {platform}: the fake backend runs on its fake device only")
         return {"platform": "cpu", "devices": ["fake"], "device_count": 1}

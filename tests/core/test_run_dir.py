@@ -1,8 +1,12 @@
-"""One run owns its run directory, and a resumed run is the run it continues (real runs, JAX CPU).
+"""One run owns its run directory, and a resumed run is the run it continues.
 
 Two runs started together on one directory: one is refused with exit 2 naming the holder, the other
 finishes with an intact phase log. Resuming with a changed setting that defines the run is refused
 until ``--override`` names it; ``run.json`` then records the change.
+
+The runs are whole runs on the fake backend (``python -m tests.fake_run --backend fake``): the lock,
+the preflight's resume checks, ``run.json`` and the checkpoint's ``meta.json`` are the core's, the
+same for every backend; each backend's own checkpoints are resumed in tests/jax and tests/torch.
 """
 
 from __future__ import annotations
@@ -15,15 +19,20 @@ from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.sinks.jsonl import read_jsonl
 from tests.conftest import run_cli, start_cli
 
+RUN = ("tests.fake_run", "--backend", "fake")
 SMALL = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4",
          "--max-running-requests", "8", "--checkpoint-every", "1", "--wandb", "disabled", "--console", "off"]  # fmt: skip
 
 
-@pytest.mark.slow  # starts an engine
 def test_two_runs_on_one_directory_one_is_refused_the_other_is_intact(tiny_ckpt, tmp_path):
-    args = ["--backend", "jax", "--model", str(tiny_ckpt), "--run-dir", str(tmp_path), *SMALL]
-    procs = [start_cli("mllm_rl.run", *args, env={"MLLM_RL_NO_PROGRESS": "1"}) for _ in range(2)]
-    outs = [p.communicate(timeout=900)[1] for p in procs]
+    """Two runs at once on one directory, then resumes of it: a changed --lr refused until
+    --override names it, a checkpoint of another model shape refused before anything starts."""
+    pytest.importorskip("transformers", reason="a run renders its prompts with the model's tokenizer")
+    args = [*RUN, "--model", str(tiny_ckpt), "--run-dir", str(tmp_path), *SMALL]
+    # a runtime that takes 1 s to come up: both runs are past the preflight (no phases.jsonl yet)
+    # before either takes the lock, so only the lock can refuse one of them
+    procs = [start_cli(*args, env={"MLLM_RL_NO_PROGRESS": "1", "FAKE_RUNTIME_UP_S": "1"}) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[1] for p in procs]
     codes = sorted(p.returncode for p in procs)
     assert codes == [0, 2], outs
     refused = outs[[p.returncode for p in procs].index(2)].strip().splitlines()
@@ -40,13 +49,13 @@ def test_two_runs_on_one_directory_one_is_refused_the_other_is_intact(tiny_ckpt,
 
     # resumed with another learning rate: refused, nothing changed; then accepted with --override
     before = (tmp_path / "phases.jsonl").read_bytes(), (tmp_path / "run.json").read_bytes()
-    resume = ["mllm_rl.run", "--backend", "jax", "--run-dir", str(tmp_path), "--resume", "--steps", "3",
+    resume = [*RUN, "--run-dir", str(tmp_path), "--resume", "--steps", "3",
               "--lr", "0.01", "--wandb", "disabled", "--console", "off"]  # fmt: skip
-    r = run_cli(*resume, timeout=900)
+    r = run_cli(*resume, timeout=300)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "--lr 0.01: " in r.stderr and "pass --override lr" in r.stderr
     assert ((tmp_path / "phases.jsonl").read_bytes(), (tmp_path / "run.json").read_bytes()) == before
-    r = run_cli(*resume, "--override", "lr", timeout=900)
+    r = run_cli(*resume, "--override", "lr", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resume: --override lr: None -> 0.01 (recorded in run.json)" in r.stderr
     run = json.loads((tmp_path / "run.json").read_text())
@@ -74,8 +83,8 @@ def test_two_runs_on_one_directory_one_is_refused_the_other_is_intact(tiny_ckpt,
     meta["model_shape"]["num_hidden_layers"] += 1
     meta_path.write_text(json.dumps(meta))
     before = (tmp_path / "phases.jsonl").read_bytes()
-    r = run_cli("mllm_rl.run", "--backend", "jax", "--run-dir", str(tmp_path), "--resume", "--steps", "4",
-                "--wandb", "disabled", timeout=600)  # fmt: skip
+    r = run_cli(*RUN, "--run-dir", str(tmp_path), "--resume", "--steps", "4", "--wandb", "disabled",
+                timeout=300)  # fmt: skip
     assert r.returncode == 2, r.stderr
     assert (
         r.stderr.strip()
