@@ -32,9 +32,11 @@ from mllm_rl.faults import fault
 from tests.fakes import FakeDevice, FakeEngine, FakeProbe, FakeTrainer, initial_weights
 
 STATE_FILE = "state.npz"
-# One tensor beyond ``tests.fakes.SHAPES``, so that a checkpoint (params and two moments, ~1.5 MiB)
-# is larger than the 1 MiB file-size limit of tests/core/test_checkpoint_faults.py.
-PADDING = ("model.layers.0.mlp.down_proj.weight", (128, 1024))
+# One tensor beyond ``tests.fakes.SHAPES``, so that the weights are over 1 MiB: a checkpoint (params
+# and two moments, ~3.8 MiB) is larger than the 1 MiB file-size limit of
+# tests/core/test_checkpoint_faults.py, and a LoRA task's train lease (its params on the device)
+# holds more than the 1 MiB tests/core/test_multitask_fake_run.py needs freed.
+PADDING = ("model.layers.0.mlp.down_proj.weight", (320, 1024))
 
 
 def run_weights(seed: int) -> dict[str, np.ndarray]:

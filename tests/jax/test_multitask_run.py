@@ -1,7 +1,8 @@
 """``python -m mllm_rl.run --backend jax --tasks FILE``: two RL tasks (different model sizes, seeds,
 learning rates, one with LoRA) on real sglang-jax engines and flax trainers in one process (JAX CPU).
 
-Each run is a subprocess (an sglang-jax engine must not live in pytest's process).
+Each run is a subprocess (an sglang-jax engine must not live in pytest's process). A task that
+fails, stops alone and is resumed: on the fake backend, tests/core/test_multitask_fake_run.py.
 """
 
 from __future__ import annotations
@@ -137,52 +138,3 @@ def test_wandb_has_one_point_per_step_per_task(two_tasks):
     for name in TASKS:
         mine = [x for x in rows if f"{name}/train/reward_mean" in x]
         assert [x[f"{name}/rl/step"] for x in mine] == list(range(SMALL["steps"]))
-
-
-def test_a_failing_task_stops_alone_and_resume_finishes_it(models, tmp_path):
-    """b's checkpoint of step 1 fails (in its train lease: params and optimizer on the device):
-    b is released and marked failed, a (3 steps) goes on to the end; ``--resume`` then runs only
-    b, from its own last checkpoint (step 0), to the end."""
-    run_dir = tmp_path / "faulty"
-    tasks = {"a": {**TASKS["a"], "steps": 3}, "b": TASKS["b"]}
-    env = {"MLLM_RL_FAULTS": "checkpoint_fails:b:1"}
-    r = multi_run(run_dir, models, "--wandb", "disabled", env=env, tasks=tasks)
-    assert r.returncode == 1, r.stderr[-3000:]
-    assert "task(s) failed: b" in r.stderr
-    plan = json.loads((run_dir / "run.json").read_text())
-    assert plan["tasks"]["a"]["status"] == "done" and plan["tasks"]["b"]["status"] == "failed"
-    assert "could not be written" in plan["tasks"]["b"]["error"]
-    recs = read_jsonl(run_dir / "phases.jsonl")
-    (fault,) = [x for x in recs if x["phase"] == "release_on_fault"]
-    assert fault["task"] == "b" and fault["step"] == 1 and fault["info"]["expected_freed_bytes"] > MIB
-    freed = sum(d["bytes_in_use_start"] - d["bytes_in_use"] for d in fault["memory"]["devices"])
-    assert freed >= 0.99 * fault["info"]["expected_freed_bytes"]
-    leases = read_jsonl(run_dir / "leases.jsonl")
-    failed_at = next(i for i, x in enumerate(leases) if x["outcomes"] != ["ok"])
-    assert leases[failed_at]["outcomes"] == [plan["tasks"]["b"]["error"]]
-    after = leases[failed_at:]
-    assert all(x["device_bytes"] < MIB for x in after) and not any(x["task"] == "b" for x in after[1:])
-    assert [(x["task"], x["kind"], x["step"]) for x in after[1:]] == [
-        ("a", "rollout", 2), ("a", "train", 2), ("a", "final", None)
-    ]  # fmt: skip
-    errors = json.loads((run_dir / "report" / "summary.json").read_text())["issues"]
-    assert {(i["run"].split(" / ")[-1], i["kind"]) for i in errors if i["severity"] == "error"} >= {
-        ("b", "task_failed")
-    }
-    assert not [i for i in errors if i["severity"] == "error" and i["run"].endswith(" / a")]
-
-    r = multi_run(run_dir, models, "--wandb", "disabled", "--resume", tasks=tasks)
-    assert r.returncode == 0, r.stderr[-3000:]
-    plan = json.loads((run_dir / "run.json").read_text())
-    assert {n: t["status"] for n, t in plan["tasks"].items()} == {"a": "done", "b": "done"}
-    assert plan["tasks"]["b"]["resumed_at"] == 1 and plan["tasks"]["a"]["resumed_at"] == 3
-    leases = read_jsonl(run_dir / "leases.jsonl")[len(leases) :]
-    assert [(x["task"], x["kind"], x["step"]) for x in leases] == [
-        ("b", "setup", None), ("b", "rollout", 1), ("b", "train", 1), ("b", "final", None)
-    ]  # fmt: skip
-    restored = [x for x in read_jsonl(run_dir / "phases.jsonl") if x["phase"] == "trainer_init"][-1]
-    assert restored["task"] == "b" and restored["info"]["restored_from"].endswith("step_000000")
-    summary = json.loads(
-        (run_dir / "report" / "summary.json").read_text()
-    )  # the failure, resumed: notes only
-    assert summary["counts"]["error"] == 0 and summary["counts"]["warning"] == 0, summary["issues"]
