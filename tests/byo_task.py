@@ -1,6 +1,7 @@
 """Bring your own task, as a user does it, on a whole run (``python -m mllm_rl.run`` in a subprocess
 of the test's venv): a JSONL file of their own and a reward function passed by file path. The JAX and
-the torch test files call these with their backend."""
+the torch test files call these with their backend; tests/core/test_multitask_fake_run.py calls
+``tasks_file_takes_a_dataset_and_a_reward_file`` on the fake backend."""
 
 from __future__ import annotations
 
@@ -141,10 +142,13 @@ def bad_reward_is_a_clear_exit(backend: str, tmp: Path, name: str) -> None:
     assert not alive(pid)
 
 
-def tasks_file_takes_a_dataset_and_a_reward_file(backend: str, tmp: Path) -> None:
+def tasks_file_takes_a_dataset_and_a_reward_file(
+    backend: str, tmp: Path, module: str = "mllm_rl.run"
+) -> None:
     """A task of a --tasks file with the user's data, prompt column and reward file, all named
     relative to the TOML file (the run starts elsewhere): it runs to the end, every sample's reward
-    is in its own ``tasks/<name>/rewards.jsonl`` and the step means are the metrics'."""
+    is in its own ``tasks/<name>/rewards.jsonl`` and the step means are the metrics'. ``module``:
+    what runs it (``tests.fake_run`` for the fake backend)."""
     d = tmp / "task"
     d.mkdir()
     data, _ = write_task(d, rows=40)
@@ -156,7 +160,7 @@ def tasks_file_takes_a_dataset_and_a_reward_file(backend: str, tmp: Path) -> Non
                     'reward = "rewards.py:score"\nchat_template = "off"\nsteps = 2\nprompts_per_step = 4\n'
                     "group_size = 4\nmax_new_tokens = 4\neval_prompts = 4\ncheckpoint_every = 0\n")  # fmt: skip
     run_dir = tmp / "run"
-    r = run_cli("mllm_rl.run", "--backend", backend, "--tasks", str(toml), "--run-dir", str(run_dir),
+    r = run_cli(module, "--backend", backend, "--tasks", str(toml), "--run-dir", str(run_dir),
                 "--console", "off", "--wandb", "disabled", timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     lines = read_jsonl(run_dir / "tasks" / "mine" / "rewards.jsonl")

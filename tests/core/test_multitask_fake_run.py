@@ -1,5 +1,5 @@
-"""``python -m mllm_rl.run --tasks FILE`` with one task failing: whole runs on the fake backend
-(``python -m tests.fake_run --backend fake``, ``tests/fake_backend.py``).
+"""``python -m mllm_rl.run --tasks FILE``: whole runs on the fake backend (``python -m tests.fake_run
+--backend fake``, ``tests/fake_backend.py``): a task failing, and a task of the user's own.
 
 The task's failure, its release on fault, the other task going on, the lease log, run.json's task
 statuses, the report and the resume of the failed task alone are the multi-task driver's and the
@@ -7,6 +7,10 @@ core's (``mllm_rl.multitask``), the same for every backend; the fault is injecte
 (``checkpoint_fails:TASK:STEP``). Real engines and trainers in a multi-task run (each task equal to
 its run alone, the device back at its baseline between leases): tests/jax/test_multitask_run.py,
 tests/torch/test_multitask_run.py.
+
+A task of a tasks file with the user's data and reward file, named relative to the file: how the
+file is read, the reward worker and each task's rewards.jsonl are the core's; the same task on the
+torch backend's real engine: tests/torch/test_byo_task.py.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from mllm_rl.sinks.jsonl import read_jsonl
+from tests.byo_task import tasks_file_takes_a_dataset_and_a_reward_file
 from tests.conftest import run_cli
 
 SMALL = {"steps": 2, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4, "max_running_requests": 8,
@@ -91,3 +96,11 @@ def test_a_failing_task_stops_alone_and_resume_finishes_it(tiny_ckpt, tmp_path):
     summary = json.loads((run_dir / "report" / "summary.json").read_text())
     # the failure, resumed: notes only
     assert summary["counts"]["error"] == 0 and summary["counts"]["warning"] == 0, summary["issues"]
+
+
+def test_a_tasks_file_task_takes_a_dataset_and_a_reward_file(tmp_path):
+    """``tests.byo_task.tasks_file_takes_a_dataset_and_a_reward_file`` on the fake backend: the
+    data, prompt column and reward file named relative to the TOML file, every sample's reward in
+    the task's own rewards.jsonl, the step means the metrics'."""
+    pytest.importorskip("transformers", reason="a run renders its prompts with the model's tokenizer")
+    tasks_file_takes_a_dataset_and_a_reward_file("fake", tmp_path, module="tests.fake_run")

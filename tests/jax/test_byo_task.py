@@ -1,16 +1,13 @@
 """Bring your own task on JAX CPU (sglang-jax engine, flax trainer): a user's JSONL file and a reward
 passed by file path learn like the shipped task; a reward that hangs ends the run with one clear
-line (``tests/byo_task.py``)."""
+line (``tests/byo_task.py``). A --tasks file's task with the user's data and reward file:
+tests/core/test_multitask_fake_run.py (fake backend) and tests/torch/test_byo_task.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.byo_task import (
-    bad_reward_is_a_clear_exit,
-    run_learns_from_a_jsonl_and_a_reward_file,
-    tasks_file_takes_a_dataset_and_a_reward_file,
-)
+from tests.byo_task import bad_reward_is_a_clear_exit, run_learns_from_a_jsonl_and_a_reward_file
 
 pytestmark = pytest.mark.slow  # every test here starts an engine
 
@@ -22,7 +19,3 @@ def test_reward_rises_on_a_user_jsonl_with_a_reward_file(tmp_path):
 def test_a_bad_reward_is_a_clear_exit_1(tmp_path):
     """A reward past its timeout: the worker killed under sglang-jax's SIGCHLD reaper (the other failures: tests/core/test_tasks_reward.py)."""
     bad_reward_is_a_clear_exit("jax", tmp_path, "hangs")
-
-
-def test_a_tasks_file_task_takes_a_dataset_and_a_reward_file(tmp_path):
-    tasks_file_takes_a_dataset_and_a_reward_file("jax", tmp_path)
