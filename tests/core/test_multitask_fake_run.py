@@ -51,6 +51,7 @@ def multi_run(run_dir: Path, model: Path, *extra: str, env: dict[str, str] | Non
                    "--console", "off", "--wandb", "disabled", *extra, env=env, timeout=300)  # fmt: skip
 
 
+@pytest.mark.slow  # whole runs (on the fake backend)
 def test_a_failing_task_stops_alone_and_resume_finishes_it(tiny_ckpt, tmp_path):
     """b's checkpoint of step 1 fails (in its train lease: params and optimizer on the device):
     b is released and marked failed, a (3 steps) goes on to the end; ``--resume`` then runs only
@@ -98,6 +99,7 @@ def test_a_failing_task_stops_alone_and_resume_finishes_it(tiny_ckpt, tmp_path):
     assert summary["counts"]["error"] == 0 and summary["counts"]["warning"] == 0, summary["issues"]
 
 
+@pytest.mark.slow  # whole runs (on the fake backend)
 def test_a_tasks_file_task_takes_a_dataset_and_a_reward_file(tmp_path):
     """``tests.byo_task.tasks_file_takes_a_dataset_and_a_reward_file`` on the fake backend: the
     data, prompt column and reward file named relative to the TOML file, every sample's reward in

@@ -24,6 +24,7 @@ SMALL = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-
          "--max-running-requests", "8", "--checkpoint-every", "1", "--wandb", "disabled", "--console", "off"]  # fmt: skip
 
 
+@pytest.mark.slow  # whole runs (on the fake backend)
 def test_two_runs_on_one_directory_one_is_refused_the_other_is_intact(tiny_ckpt, tmp_path):
     """Two runs at once on one directory, then resumes of it: a changed --lr refused until
     --override names it, a checkpoint of another model shape refused before anything starts."""
