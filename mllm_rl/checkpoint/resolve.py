@@ -4,6 +4,7 @@ directory, and ``--resume`` into the newest RL checkpoint of a run whose files m
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -94,13 +95,22 @@ def file_manifest(ckpt: Path, known: Mapping[str, dict[str, Any]] | None = None)
     }
 
 
+# what a filesystem that cannot sync a file or a directory says (some FUSE and network ones)
+UNSYNCABLE = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
+
+
 def _fsync(path: Path, directory: bool = False) -> None:
+    """``fsync`` ``path``; an error names it (``OSError.filename``). Where the filesystem cannot
+    sync (``UNSYNCABLE``) nothing more can be done, so that is not an error."""
     try:
         fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     except FileNotFoundError:  # another process's temporary file, renamed since: its writer syncs it
         return
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno not in UNSYNCABLE:
+            raise OSError(e.errno, e.strerror, str(path)) from None
     finally:
         os.close(fd)
 

@@ -220,6 +220,33 @@ def test_every_file_is_synced_before_the_manifest_counts_the_checkpoint(tmp_path
     only_complete_checkpoints(tmp_path, [1])
 
 
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.EIO])
+def test_a_sync_the_filesystem_cannot_do_is_skipped_and_a_failed_one_is_named(tmp_path, monkeypatch, code):
+    """A filesystem that cannot ``fsync`` a directory (``EINVAL``, as some FUSE and network ones
+    answer) still gets its checkpoint; one whose disk fails the sync of a file (``EIO``) fails the
+    save in one line naming that file, the older checkpoint kept."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        if (code == errno.EINVAL and path.is_dir()) or (code == errno.EIO and path.name == "b.bin"):
+            raise OSError(code, os.strerror(code))
+        real_fsync(fd)
+
+    save = saver(Trainer(), tmp_path)
+    save(0)
+    monkeypatch.setattr(os, "fsync", fsync)
+    if code == errno.EINVAL:
+        assert save(1)["saved"]
+        only_complete_checkpoints(tmp_path, [0, 1])
+        return
+    with pytest.raises(CheckpointWriteError) as e:
+        save(1)
+    b = tmp_path / "checkpoints" / "step_000001" / "state" / "b.bin"
+    assert str(e.value) == f"checkpoint step_000001: writing {b}: {os.strerror(errno.EIO)}"
+    only_complete_checkpoints(tmp_path, [0])
+
+
 KILLED_CHILD = """
 import os, sys, time
 from pathlib import Path
