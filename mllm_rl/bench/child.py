@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +44,23 @@ def run_argv(run_dir: str | Path, *extra: str, python: str = sys.executable, **k
     """``python -m mllm_rl.run`` with ``kw`` as flags, quiet and without wandb, writing ``run_dir``,
     then ``extra`` (a bench's arguments after ``--``): the child of every bench that runs a plan."""
     return [python, "-m", "mllm_rl.run", *flags(**kw, wandb="disabled", quiet=True, run_dir=run_dir), *extra]
+
+
+def run_phases(
+    what: str, timeout: float | None, extra: Sequence[str] = (), **kw: Any
+) -> tuple[list[dict[str, Any]], str]:
+    """``run_argv`` (``kw``, then ``extra``) in a temporary directory: its phase records and its
+    error ('' when it succeeded: a failure, e.g. an out-of-memory, is data for some benches)."""
+    from mllm_rl.sinks.jsonl import read_jsonl
+
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            run_cmd(run_argv(d, *extra, **kw), what, timeout=timeout)
+            err = ""
+        except BenchError as e:
+            err = str(e)
+        path = Path(d) / "phases.jsonl"
+        return (read_jsonl(path) if path.exists() else []), err
 
 
 def bench_argv(name: str, *args: str, python: str = sys.executable) -> list[str]:

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from mllm_rl.bench.child import BenchError, bench_argv, flags, run_json
-from mllm_rl.bench.cli import csv_choice, csv_list, output_flags, positive, progress, run_bench
+from mllm_rl.bench.cli import csv_choice, csv_list, output_flags, pick, positive, progress, run_bench
 from mllm_rl.bench.machine import ROOT, bench_json  # ROOT: the venvs .venv-torch / .venv-jax live here
 from mllm_rl.bench.tables import table
 
@@ -54,12 +54,8 @@ class _Managed:
 
         backend = load_backend("jax" if kind == "sglang-jax" else "torch")
         self.runtime = backend.init_runtime(tp=1, platform=platform)
-        opts = EngineOptions(
-            max_total_tokens=max_batch * ctx,
-            context_length=ctx,
-            max_running_requests=max_batch,
-            engine="auto" if kind == "sglang-jax" else kind,
-        )
+        opts = EngineOptions(max_total_tokens=max_batch * ctx, context_length=ctx, max_running_requests=max_batch,
+                             engine="auto" if kind == "sglang-jax" else kind)  # fmt: skip
         self.engine = ManagedEngine(backend.create_engine(model, opts))
         self.engine.update_weights(WeightExport(list(model.tensors), model.iter_tensors(), full=True))
 
@@ -82,9 +78,8 @@ class _HF:
         self.torch = torch
         cuda = torch.cuda.is_available() and platform not in ("cpu",)
         self.device = torch.device("cuda" if cuda else "cpu")
-        dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[
-            next(iter(model.tensors.values()))[1].dtype
-        ]
+        kind = next(iter(model.tensors.values()))[1].dtype
+        dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[kind]
         self.model = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=dtype).to(self.device).eval()
         self.eos = model.config.eos_token_id
         self.runtime = {"platform": self.device.type, "torch_version": torch.__version__}
@@ -92,14 +87,8 @@ class _HF:
     def __call__(self, ids: list[list[int]], n: int) -> list[list[int]]:
         t = self.torch.tensor(ids, device=self.device)
         with self.torch.no_grad():
-            out = self.model.generate(
-                input_ids=t,
-                attention_mask=self.torch.ones_like(t),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=self.eos,
-            )
+            out = self.model.generate(input_ids=t, attention_mask=self.torch.ones_like(t), max_new_tokens=n,
+                                      min_new_tokens=n, do_sample=False, pad_token_id=self.eos)  # fmt: skip
         if self.device.type == "cuda":
             self.torch.cuda.synchronize()
         return out[:, t.shape[1] :].tolist()
@@ -109,10 +98,8 @@ class _HF:
 
 
 def rates(b: int, p: int, n: int, n_gen: int, t1s: list[float], tns: list[float]) -> dict[str, Any]:
-    """Throughputs from the timings of all repeats and rounds. Each repeat times a 1-token and an
-    N-token generate back to back; ``decode_tok_s`` is the median over repeats of
-    B (N - 1) / (tN - t1) (pairs measured together share the machine's load at that moment),
-    ``e2e_tok_s``/``prefill_tok_s`` use the fastest tN / t1 (the least disturbed run)."""
+    """Throughputs of all repeats and rounds: decode = median of B (N - 1) / (tN - t1) over pairs timed
+    back to back (they share the machine's load); e2e / prefill from the fastest tN / t1."""
     pair = [b * (n - 1) / (tn - t1) for t1, tn in zip(t1s, tns, strict=True) if tn > t1]
     t1, tn = min(t1s), min(tns)
     return {"t1_s": round(statistics.median(t1s), 5), "tN_s": round(statistics.median(tns), 5),
@@ -152,16 +139,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         toks = toks or []
         over = sum(len(t) > args.new_tokens for t in toks)  # an engine must never return more than asked
         toks = [t[: args.new_tokens] for t in toks]
-        rows.append(
-            {
-                "batch": b,
-                "generated_tokens": sum(len(t) for t in toks),
-                "over_length_outputs": over,
-                "tokens": toks,
-                "t1_all": t1s,
-                "tN_all": tns,
-            }
-        )
+        rows.append({"batch": b, "generated_tokens": sum(len(t) for t in toks), "over_length_outputs": over,
+                     "tokens": toks, "t1_all": t1s, "tN_all": tns})  # fmt: skip
     eng.close()
     return {"engine": kind, "runtime": eng.runtime, "start_s": round(start_s, 3), "rows": rows,
         "python": sys.executable}  # fmt: skip
@@ -212,47 +191,22 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             for r0, r in zip(results[e]["rows"], res["rows"], strict=True):
                 r0["t1_all"] += r["t1_all"]
                 r0["tN_all"] += r["tN_all"]
-    per_engine: dict[str, dict[int, dict[str, Any]]] = {}
-    for e, res in results.items():
-        per_engine[e] = {}
-        for r in res.get("rows", []):
-            per_engine[e][r["batch"]] = {
-                **r,
-                **rates(
-                    r["batch"],
-                    args.prompt_len,
-                    args.new_tokens,
-                    r["generated_tokens"],
-                    r["t1_all"],
-                    r["tN_all"],
-                ),
-            }
-    hf_rows = per_engine.get("hf", {})
-    rows = []
+    per_engine = {e: {r["batch"]: {**r, **rates(r["batch"], args.prompt_len, args.new_tokens,
+        r["generated_tokens"], r["t1_all"], r["tN_all"])} for r in res.get("rows", [])}
+        for e, res in results.items()}  # fmt: skip
+    hf_rows, rows = per_engine.get("hf", {}), []
     for e, by_batch in per_engine.items():
         for b, r in by_batch.items():
             h = hf_rows.get(b)
-            same = None
-            if h is not None and e != "hf":
-                same = round(
-                    statistics.fmean(x == y for x, y in zip(r["tokens"], h["tokens"], strict=True)), 3
-                )
-            ratio = (
-                round(r["decode_tok_s"] / h["decode_tok_s"], 3)
-                if h and r["decode_tok_s"] and h["decode_tok_s"]
-                else None
-            )
-            rows.append(
-                {
-                    "engine": e,
-                    **{k: v for k, v in r.items() if k not in ("tokens", "t1_all", "tN_all")},
-                    "timings_t1": [round(x, 5) for x in r["t1_all"]],
-                    "timings_tN": [round(x, 5) for x in r["tN_all"]],
-                    "decode_over_hf": ratio,
-                    "e2e_over_hf": round(r["e2e_tok_s_best"] / h["e2e_tok_s_best"], 3) if h else None,
-                    "greedy_equal_hf": same,
-                }
-            )
+            pairs = zip(r["tokens"], h["tokens"], strict=True) if h is not None and e != "hf" else None
+            same = round(statistics.fmean(x == y for x, y in pairs), 3) if pairs else None
+            d, hd = r["decode_tok_s"], h and h["decode_tok_s"]
+            ratio = round(d / hd, 3) if d and hd else None
+            rows.append({"engine": e, **{k: v for k, v in r.items() if k not in ("tokens", "t1_all", "tN_all")},
+                "timings_t1": [round(x, 5) for x in r["t1_all"]], "timings_tN": [round(x, 5) for x in r["tN_all"]],
+                "decode_over_hf": ratio,
+                "e2e_over_hf": round(r["e2e_tok_s_best"] / h["e2e_tok_s_best"], 3) if h else None,
+                "greedy_equal_hf": same})  # fmt: skip
     return bench_json("engine", args,
         ("backend", "preset", "prompt_len", "new_tokens", "repeats", "rounds", "platform"), rows=rows,
         engines={e: {k: v for k, v in r.items() if k != "rows"} for e, r in results.items()})  # fmt: skip
@@ -270,33 +224,21 @@ def report(out: dict[str, Any]) -> str:
         f"{out['repeats']} repeats x {out['rounds']} rounds: medians, 'best' = fastest; platform {out['platform']})"
     )
     lines = [head, table(out["rows"], cols)]
-    for e, info in out["engines"].items():
-        if "error" in info:
-            lines.append(f"{e}: FAILED: {info['error'].splitlines()[0]}")
-        else:
-            lines.append(
-                f"{e}: started in {min(info['start_s_all']):.2f} s on {info['runtime'].get('platform')} "
-                f"({info['python']})"
-            )
+    lines += [f"{e}: FAILED: {i['error'].splitlines()[0]}" if "error" in i else
+              f"{e}: started in {min(i['start_s_all']):.2f} s on {i['runtime'].get('platform')} ({i['python']})"
+              for e, i in out["engines"].items()]  # fmt: skip
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Details: docs/BENCHMARKS.md")
-    ap.add_argument(
-        "--backend",
-        default="torch",
-        choices=["jax", "torch"],
-        help="default engines: torch -> embedded,hf; jax -> sglang-jax,hf",
-    )
-    ap.add_argument(
-        "--engines", type=csv_choice(ENGINES), default=None, help="comma-separated; overrides --backend"
-    )
+    # fmt: off
+    ap.add_argument("--backend", default="torch", choices=["jax", "torch"],
+                    help="default engines: torch -> embedded,hf; jax -> sglang-jax,hf")
+    ap.add_argument("--engines", type=csv_choice(ENGINES), default=None, help="comma-separated; overrides --backend")
     ap.add_argument("--preset", default="tiny", help="preset name or checkpoint dir")
     ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda"])
-    ap.add_argument(
-        "--batch", type=csv_list(int, 1, "integers"), default=[1, 32], help="batch sizes, comma-separated"
-    )
+    ap.add_argument("--batch", type=csv_list(int, 1, "integers"), default=[1, 32], help="batch sizes, comma-separated")
     ap.add_argument("--prompt-len", type=positive(int), default=16)
     ap.add_argument("--new-tokens", type=positive(int), default=64)
     ap.add_argument("--repeats", type=positive(int), default=3, help="timed generates per length and process")
@@ -307,11 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--keep-going", action="store_true", help="report a failing engine and go on")
     output_flags(ap, per="engine")
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    # fmt: on
+    args = ap.parse_args(argv)
     if args.new_tokens < 2:
         print("error: --new-tokens must be >= 2 (decode rate = tokens after the first)", file=sys.stderr)
         return 2
@@ -319,9 +258,4 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return run_bench(worker, args, lambda o: "", lambda o: o)[0]
     keys = ("engine", "batch", "decode_tok_s", "decode_over_hf")
-    return run_bench(
-        bench,
-        args,
-        report,
-        lambda o: {"bench": "engine", "rows": [{k: r[k] for k in keys} for r in o["rows"]]},
-    )[0]
+    return run_bench(bench, args, report, lambda o: {"bench": "engine", "rows": [pick(r, keys) for r in o["rows"]]})[0]  # fmt: skip

@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench import GiB, MiB
-from mllm_rl.bench.child import BenchError, is_oom, run_argv, run_cmd
+from mllm_rl.bench.child import BenchError, is_oom, run_phases
 from mllm_rl.bench.cli import bench_parser, csv_choice, output_flags, pick, positive, progress, run_bench
 from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.records import max_of, truth
 from mllm_rl.bench.tables import merge_orders, table
-from mllm_rl.sinks.jsonl import read_jsonl
 
 SCHEDULES = ("multi_stage", "naive")
 PRE_ENGINE = ("wandb_init", "jax_ready", "torch_ready")
@@ -40,19 +37,10 @@ ENTRY_KEYS = ("step_peak", "step_peak_phase", "setup_peak", "setup_peak_phase", 
 # -- one run -------------------------------------------------------------------------------
 def run_once(args: argparse.Namespace, schedule: str, max_total_tokens: int | None = None) -> dict[str, Any]:
     """One RL run; returns {"ok", "oom", "records", "stderr"} (failures are data for the bisect)."""
-    with tempfile.TemporaryDirectory() as d:
-        cmd = run_argv(
-            d, *args.extra, backend=args.backend, plan="rl", model=args.preset, platform=args.platform,
-            schedule=schedule, steps=args.steps, save_every=0, max_total_tokens=max_total_tokens,
-        )  # fmt: skip
-        try:
-            run_cmd(cmd, f"rl {schedule}", timeout=args.timeout)
-            ok, err = True, ""
-        except BenchError as e:
-            ok, err = False, str(e)
-        path = Path(d) / "phases.jsonl"
-        records = read_jsonl(path) if path.exists() else []
-    return {"ok": ok, "oom": (not ok) and is_oom(err), "records": records, "stderr": err, "cmd": cmd}
+    records, err = run_phases(f"rl {schedule}", args.timeout, args.extra, backend=args.backend, plan="rl",
+        model=args.preset, platform=args.platform, schedule=schedule, steps=args.steps, save_every=0,
+        max_total_tokens=max_total_tokens)  # fmt: skip
+    return {"ok": not err, "oom": bool(err) and is_oom(err), "records": records, "stderr": err}
 
 
 def analyse(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -86,15 +74,8 @@ def analyse(records: list[dict[str, Any]]) -> dict[str, Any]:
         peak = max_of([d.get("phase_peak_bytes") for d in devs])
         p = phases.get(key)
         if p is None:
-            p = phases[key] = {
-                "phase": key,
-                "stepped": step is not None,
-                "peak": None,
-                "end": None,
-                "kv": False,
-                "n": 0,
-                "host_rss_peak": None,
-            }
+            p = phases[key] = {"phase": key, "stepped": step is not None, "peak": None, "end": None, "kv": False,
+                               "n": 0, "host_rss_peak": None}  # fmt: skip
             order.append(key)
         p["peak"] = max_of([p["peak"], peak])
         p["end"] = max_of([p["end"], max_of([d.get("bytes_in_use") for d in devs])])
@@ -149,19 +130,9 @@ def bisect(args: argparse.Namespace, schedule: str, lo: int, guess: int | None) 
     def attempt(tokens: int) -> bool:
         r = run_once(args, schedule, tokens)
         a = analyse(r["records"]) if r["records"] else {}
-        trials.append(
-            {
-                "max_total_tokens": tokens,
-                "ok": r["ok"],
-                "oom": r["oom"],
-                "kv_bytes": a.get("kv_bytes"),
-                "step_peak": a.get("step_peak"),
-                "setup_peak": a.get("setup_peak"),
-            }
-        )
-        progress(
-            f"  bisect {schedule}: --max-total-tokens {tokens}: {'ok' if r['ok'] else 'OOM' if r['oom'] else 'FAILED'}"
-        )
+        trials.append({"max_total_tokens": tokens, **pick(r, ("ok", "oom")),
+                       **{k: a.get(k) for k in ("kv_bytes", "step_peak", "setup_peak")}})  # fmt: skip
+        progress(f"  bisect {schedule}: --max-total-tokens {tokens}: {'ok' if r['ok'] else 'OOM' if r['oom'] else 'FAILED'}")  # fmt: skip
         if not r["ok"] and not r["oom"]:
             raise BenchError(
                 f"bisect {schedule} at {tokens} tokens failed without an OOM:\n{r['stderr'][-2000:]}"
@@ -229,12 +200,13 @@ def report(out: dict[str, Any]) -> str:
     scheds = list(out["schedules"])
     names = merge_orders([[p["phase"] for p in out["schedules"][s]["phases"]] for s in scheds])
     by = {s: {p["phase"]: p for p in out["schedules"][s]["phases"]} for s in scheds}
+    mib = lambda x: None if x is None else x / MiB  # noqa: E731
     rows = []
     for n in names:
         row: dict[str, Any] = {"phase": n}
         for s in scheds:
             p = by[s].get(n)
-            row[s] = p["peak"] / MiB if p and p["peak"] is not None else None
+            row[s] = mib(p["peak"]) if p else None
             row[s + "_kv"] = ("kv" if p["kv"] else "") if p else None
         rows.append(row)
     cols = [("phase", "phase", "")]
@@ -246,23 +218,10 @@ def report(out: dict[str, Any]) -> str:
         table(rows, cols),
         "",
     ]
-    srows = []
-    for s in scheds:
-        e = out["schedules"][s]
-        srows.append(
-            {
-                "schedule": s,
-                "step": e["step_peak"] / MiB if e["step_peak"] is not None else None,
-                "at": e["step_peak_phase"],
-                "setup": e["setup_peak"] / MiB if e["setup_peak"] is not None else None,
-                "sat": e["setup_peak_phase"],
-                "ratio": e["step_peak_over_max_train_rollout"],
-                "kv": (e["kv_bytes"] or 0) / MiB,
-                "fs": (e.get("fit_steps") or {}).get("tokens"),
-                "fr": (e.get("fit_run") or {}).get("tokens"),
-                "bis": (e.get("bisect") or {}).get("largest_ok_tokens"),
-            }
-        )
+    srows = [{"schedule": s, "step": mib(e["step_peak"]), "at": e["step_peak_phase"], "setup": mib(e["setup_peak"]),
+        "sat": e["setup_peak_phase"], "ratio": e["step_peak_over_max_train_rollout"], "kv": (e["kv_bytes"] or 0) / MiB,
+        "fs": (e.get("fit_steps") or {}).get("tokens"), "fr": (e.get("fit_run") or {}).get("tokens"),
+        "bis": (e.get("bisect") or {}).get("largest_ok_tokens")} for s, e in out["schedules"].items()]  # fmt: skip
     budget = out["budget_bytes"]
     cols2 = [("schedule", "schedule", ""), ("step", "step peak MiB", ".2f"), ("at", "at", ""),
         ("setup", "setup+final peak MiB", ".2f"), ("sat", "at", ""),
@@ -271,10 +230,8 @@ def report(out: dict[str, Any]) -> str:
         ("bis", "bisected tokens", "")]  # fmt: skip
     lines.append(table(srows, cols2))
     if "naive_over_multi_stage_step_peak" in out:
-        lines.append(
-            f"naive / multi_stage step peak: {out['naive_over_multi_stage_step_peak']}  "
-            f"(saved {out['step_peak_saved_bytes'] / MiB:.2f} MiB)"
-        )
+        lines.append(f"naive / multi_stage step peak: {out['naive_over_multi_stage_step_peak']}  "
+                     f"(saved {out['step_peak_saved_bytes'] / MiB:.2f} MiB)")  # fmt: skip
     if budget:
         lines.append(
             f"max KV tokens: predicted for a budget of {budget / GiB:.3f} GiB ({out['budget_from']}) from "
@@ -285,33 +242,18 @@ def report(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = bench_parser(__doc__)
-    ap.add_argument(
-        "--steps", type=positive(int), default=2, help="RL steps per run (>= 2 catches step-2 faults)"
-    )
-    ap.add_argument(
-        "--schedules", type=csv_choice(SCHEDULES), default=list(SCHEDULES), help="comma-separated"
-    )
-    ap.add_argument(
-        "--budget-gb",
-        type=positive(float),
-        default=None,
-        help="device budget (GiB) for the predicted largest KV cache (default: the device's bytes_limit)",
-    )
-    ap.add_argument(
-        "--bisect", action="store_true", help="measure the largest --max-total-tokens by OOM bisection"
-    )
-    ap.add_argument("--bisect-iters", type=positive(int), default=8, help="runs per schedule at most")
-    ap.add_argument(
-        "--bisect-tol", type=positive(float), default=0.05, help="stop when (hi - lo) / lo is below"
-    )
-    ap.add_argument("--bisect-align", type=positive(int), default=256, help="token granularity")
-    output_flags(ap, extra="extra args for mllm_rl.run (after --), the same for every run")
-    return ap
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = bench_parser(__doc__)
+    # fmt: off
+    ap.add_argument("--steps", type=positive(int), default=2, help="RL steps per run (>= 2 catches step-2 faults)")
+    ap.add_argument("--schedules", type=csv_choice(SCHEDULES), default=list(SCHEDULES), help="comma-separated")
+    ap.add_argument("--budget-gb", type=positive(float), default=None,
+                    help="device budget (GiB) for the predicted largest KV cache (default: the device's bytes_limit)")
+    ap.add_argument("--bisect", action="store_true", help="measure the largest --max-total-tokens by OOM bisection")
+    ap.add_argument("--bisect-iters", type=positive(int), default=8, help="runs per schedule at most")
+    ap.add_argument("--bisect-tol", type=positive(float), default=0.05, help="stop when (hi - lo) / lo is below")
+    ap.add_argument("--bisect-align", type=positive(int), default=256, help="token granularity")
+    # fmt: on
+    output_flags(ap, extra="extra args for mllm_rl.run (after --), the same for every run")
     keys = ("bench", "backend", "preset", "naive_over_multi_stage_step_peak")
-    return run_bench(bench, args, report, lambda o: pick(o, keys))[0]
+    return run_bench(bench, ap.parse_args(argv), report, lambda o: pick(o, keys))[0]

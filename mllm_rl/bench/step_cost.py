@@ -5,28 +5,20 @@
     python -m mllm_rl.bench step-cost --models qwen3-0.6b -- --prompts-per-step 2 --group-size 2
     python -m mllm_rl.bench step-cost --from-run runs/a --from-run runs/b     # recorded runs, no new run
 
-Runs ``python -m mllm_rl.run --backend B --model M --steps N --save-every S ...`` for every model and
-backend, each in a fresh process (jax under ``--python-jax``, torch under ``--python-torch``; default
-the repo's ``.venv-jax`` / ``.venv-torch``); arguments after ``--`` go to every run. ``--from-run DIR``
-reads a recorded run's ``phases.jsonl`` and ``run.json`` instead.
+Runs ``python -m mllm_rl.run --backend B --model M --steps N --save-every S ...`` per model and
+backend, each in a fresh process (under ``--python-jax`` / ``--python-torch``, default the repo's
+``.venv-jax`` / ``.venv-torch``); arguments after ``--`` go to every run. ``--from-run DIR`` reads a
+recorded run's ``phases.jsonl`` and ``run.json`` instead.
 
-Per phase: the median over the steps after the first (which compiles) of its share of the step's
-wall time and its seconds; ``between_phases`` = wall time outside every phase; ``non-rollout,
-non-train`` = the lifecycle's own cost; bytes and rate for phases that move bytes;
-``update_weights`` split into the engine's install and what goes around it (``_update_detail``).
-``--save-every`` defaults to 1 so the ``checkpoint`` median is one save; the share with ``mllm_rl.run``'s
-cadence of 5 is derived when saves are written in their phase (a background save, torch, overlaps
-other phases: run ``--save-every 5 --steps 6`` and read "over all counted steps").
+Per phase: medians over the counted steps (complete, error-free, not an attempt's first, which
+compiles) of its seconds and share of the step's wall time (first record's start to last's end;
+the gaps are ``between_phases``; a repeated name is kept apart: ``empty_cache#2``), and the bytes
+it moved with their rate. ``non-rollout, non-train`` is the lifecycle's own cost; with
+``--save-every 1`` (default) it is also derived for a checkpoint every 5 steps (not for background
+saves: run ``--save-every 5 --steps 6`` and read "over all counted steps").
 
 Exit 0 with the results, 2 on bad input (one line), 1 when a run failed (``--keep-going``: the
-others go on). Times are wall-clock; the load average around each run is recorded.
-
-How a run's phase records are read (``analyse``): a step is the records with one ``step``; its
-wall time runs from its first record's start to its last's end, and the gaps (snapshots, sink
-writes) are ``between_phases``. A repeated phase name is kept apart (``empty_cache#2``). Counted
-steps are complete, error-free and not an attempt's first (it compiles). Per phase: medians over
-counted steps of seconds and of step share (shares need not sum to 1), and the bytes it moved
-(``info`` ``bytes``/``expected_*_bytes``) with their rate."""
+others go on). Times are wall-clock; the load average around each run is recorded."""
 
 from __future__ import annotations
 
@@ -46,22 +38,21 @@ from typing import Any
 from mllm_rl.bench.child import BenchError, run_argv, run_cmd
 from mllm_rl.bench.cli import csv_choice, csv_list, doc_parser, output_flags, positive, progress, run_bench
 from mllm_rl.bench.machine import ROOT, bench_json, load_avg_1m
-from mllm_rl.bench.tables import table
+from mllm_rl.bench.tables import merge_orders, table
 from mllm_rl.plans.rl import RLOptions
 
-# ROOT: the repo root, where the venvs .venv-jax / .venv-torch live
 RUN_CADENCE = RLOptions.checkpoint_every  # python -m mllm_rl.run's default: a checkpoint every 5 steps
 BACKENDS = ("jax", "torch")
-DEFAULT_MODELS = ["tiny", "qwen3-0.6b"]
 ROLLOUT, TRAIN, CHECKPOINT = "rollout", "train_step", "checkpoint"
 BETWEEN = "between_phases"
 BYTE_FIELDS = ("bytes", "expected_alloc_bytes", "expected_freed_bytes")
+OTHER = f"non-{ROLLOUT}, non-{TRAIN}"
 
 
 # -- the analysis of one run's phase records ---------------------------------------------------
 @dataclasses.dataclass
 class Step:
-    """One step's records, reduced to times (seconds) and ``info`` per phase key."""
+    """One step's records, reduced to seconds and ``info`` per phase key."""
 
     step: int
     attempt: int
@@ -75,6 +66,11 @@ class Step:
     def between_s(self) -> float:
         return max(0.0, self.wall_s - sum(self.seconds.values()))
 
+    @property
+    def other(self) -> float:
+        """The non-rollout, non-train share of the step."""
+        return (self.wall_s - self.seconds.get(ROLLOUT, 0.0) - self.seconds.get(TRAIN, 0.0)) / self.wall_s
+
 
 def split_steps(records: Sequence[dict[str, Any]]) -> list[Step]:
     """The steps of ``records`` (one process's phase log, in order), each attempt's apart."""
@@ -82,42 +78,35 @@ def split_steps(records: Sequence[dict[str, Any]]) -> list[Step]:
     groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for r in records:
         if r.get("step") is None:
-            if stepped_before:  # setup records after steps: a resumed attempt (or the final eval)
-                attempt += 1
+            attempt += stepped_before  # setup records after steps: a resumed attempt (or the final eval)
             stepped_before = False
             continue
         groups.setdefault((attempt, int(r["step"])), []).append(r)
         stepped_before = True
-    first = {}
+    first: dict[int, int] = {}
     for a, s in groups:
         first[a] = min(first.get(a, s), s)
     steps = []
     for (a, s), recs in groups.items():
-        seconds: dict[str, float] = {}
-        info: dict[str, dict[str, Any]] = {}
-        error = None
-        for r in recs:
-            name, k = r["phase"], 2
-            key = name
-            while key in seconds:
-                key, k = f"{name}#{k}", k + 1
-            seconds[key] = float(r["t_end"]) - float(r["t_start"])
-            info[key] = r.get("info") or {}
-            error = error or info[key].get("error")
+        keys = _keys([r["phase"] for r in recs])
+        info = {k: r.get("info") or {} for k, r in zip(keys, recs, strict=True)}
+        seconds = {k: float(r["t_end"]) - float(r["t_start"]) for k, r in zip(keys, recs, strict=True)}
+        error = next((i["error"] for i in info.values() if i.get("error")), None)
         wall = float(recs[-1]["t_end"]) - float(recs[0]["t_start"])
         steps.append(Step(s, a, s == first[a], wall, seconds, info, error))
     return steps
 
 
 def counted(steps: Sequence[Step], expected: Sequence[str] | None = None) -> list[Step]:
-    """The steps that count (see the module docstring). ``expected``: the phase names of one step
-    (``run.json``'s ``expected_step_phases``); without it, the phase set most steps have."""
+    """The steps that count. ``expected``: the phase names of one step (``run.json``'s
+    ``expected_step_phases``); without it, the phase set most steps have."""
     keys = [_keys(expected)] if expected else [tuple(s.seconds) for s in steps]
     want = max(set(keys), key=keys.count) if keys else ()
     return [s for s in steps if not s.first_of_attempt and s.error is None and tuple(s.seconds) == want]
 
 
 def _keys(names: Sequence[str]) -> tuple[str, ...]:
+    """Phase names made unique: the k-th repeat of ``NAME`` is ``NAME#k``."""
     out: list[str] = []
     for n in names:
         key, k = n, 2
@@ -129,39 +118,35 @@ def _keys(names: Sequence[str]) -> tuple[str, ...]:
 
 def moved_bytes(info: dict[str, Any]) -> int | None:
     """The bytes a phase moved, as its record says (None when it says nothing)."""
-    for f in BYTE_FIELDS:
-        v = info.get(f)
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
-    return None
+    vals = [info.get(f) for f in BYTE_FIELDS]
+    return next((v for v in vals if isinstance(v, int) and not isinstance(v, bool)), None)
 
 
-def _median(xs: Sequence[float | None]) -> float | None:
+def _median(xs: Sequence[float | None], nd: int | None = None) -> float | None:
     vals = [x for x in xs if x is not None]
-    return statistics.median(vals) if vals else None
+    med = statistics.median(vals) if vals else None
+    return med if med is None or nd is None else round(med, nd)
 
 
 def other_share_at_cadence(use: Sequence[Step], every: int) -> float | None:
-    """Median over ``use`` of the non-rollout, non-train share with each save's ``checkpoint``
-    seconds spread over ``every`` steps. ``None`` when no step saved, or a save was written in the
-    background (its cost overlaps other phases; measure the cadence and read ``other_share_total``)."""
+    """Median non-rollout, non-train share with each save's ``checkpoint`` seconds spread over
+    ``every`` steps; None when no step saved or a save ran in the background (it overlaps)."""
     if any(s.info.get(CHECKPOINT, {}).get("background") for s in use):
         return None
     shares = []
     for s in use:
-        if not s.info.get(CHECKPOINT, {}).get("path"):  # no save begun (in the phase or in the background)
-            continue
-        ck = s.seconds[CHECKPOINT]
-        wall = s.wall_s - ck + ck / every
-        shares.append((wall - s.seconds.get(ROLLOUT, 0.0) - s.seconds.get(TRAIN, 0.0)) / wall)
-    return round(statistics.median(shares), 6) if shares else None
+        if s.info.get(CHECKPOINT, {}).get("path"):  # a save begun
+            ck = s.seconds[CHECKPOINT]
+            wall = s.wall_s - ck + ck / every
+            shares.append((wall - s.seconds.get(ROLLOUT, 0.0) - s.seconds.get(TRAIN, 0.0)) / wall)
+    return _median(shares, 6)
 
 
 def analyse(
     records: Sequence[dict[str, Any]], expected: Sequence[str] | None = None, cadence: int | None = None
 ) -> dict[str, Any]:
     """Per-phase medians over the counted steps; ``ValueError`` when no step counts. ``cadence``:
-    also the share with a checkpoint every ``cadence`` steps (``other_share_at_cadence``)."""
+    also the share with a checkpoint every ``cadence`` steps."""
     steps = split_steps(records)
     use = counted(steps, expected)
     if not use:
@@ -169,52 +154,33 @@ def analyse(
             f"no complete step after the first of its run ({len(steps)} step(s) recorded): "
             "the first step compiles and is left out, so run --steps >= 2"
         )
-    keys = list(use[0].seconds)
     phases = []
-    for k in keys:
-        secs = [s.seconds[k] for s in use]
-        nbytes = _median([moved_bytes(s.info[k]) for s in use])
-        med = statistics.median(secs)
-        phases.append(
-            {
-                "phase": k,
-                "seconds_median": round(med, 6),
-                "share_median": round(statistics.median(s.seconds[k] / s.wall_s for s in use), 6),
-                "bytes_median": int(nbytes) if nbytes is not None else None,
-                "gbps_median": round(nbytes / med / 1e9, 4) if nbytes and med > 0 else None,
-            }
+    for k in use[0].seconds:
+        nbytes, med = (
+            _median([moved_bytes(s.info[k]) for s in use]),
+            statistics.median(s.seconds[k] for s in use),
         )
-    phases.append(
-        {
-            "phase": BETWEEN,
-            "seconds_median": round(statistics.median(s.between_s for s in use), 6),
-            "share_median": round(statistics.median(s.between_s / s.wall_s for s in use), 6),
-            "bytes_median": None,
-            "gbps_median": None,
-        }
-    )
-    other = [(s.wall_s - s.seconds.get(ROLLOUT, 0.0) - s.seconds.get(TRAIN, 0.0)) / s.wall_s for s in use]
+        phases.append({"phase": k, "seconds_median": round(med, 6),
+            "share_median": _median([s.seconds[k] / s.wall_s for s in use], 6),
+            "bytes_median": int(nbytes) if nbytes is not None else None,
+            "gbps_median": round(nbytes / med / 1e9, 4) if nbytes and med > 0 else None})  # fmt: skip
+    phases.append({"phase": BETWEEN, "seconds_median": _median([s.between_s for s in use], 6),
+        "share_median": _median([s.between_s / s.wall_s for s in use], 6), "bytes_median": None,
+        "gbps_median": None})  # fmt: skip
     first = [s for s in steps if s.first_of_attempt and s.attempt == 0]
     step_med = statistics.median(s.wall_s for s in use)
-    return {
-        "steps_recorded": len(steps),
-        "steps_counted": [s.step for s in use],
-        "step_s_median": round(step_med, 6),
-        "first_step_s": round(first[0].wall_s, 6) if first else None,
+    ck = [s.info.get(CHECKPOINT, {}) for s in use]
+    return {"steps_recorded": len(steps), "steps_counted": [s.step for s in use],
+        "step_s_median": round(step_med, 6), "first_step_s": round(first[0].wall_s, 6) if first else None,
         "first_over_median": round(first[0].wall_s / step_med, 3) if first and step_med > 0 else None,
-        "other_share_median": round(statistics.median(other), 6),
+        "other_share_median": _median([s.other for s in use], 6),
         # time-weighted over the counted steps: the share of the whole run's step time
-        "other_share_total": round(
-            sum(o * s.wall_s for o, s in zip(other, use, strict=True)) / sum(s.wall_s for s in use), 6
-        ),
-        "checkpoints_background": sum(bool(s.info.get(CHECKPOINT, {}).get("background")) for s in use),
-        "other_s_median": round(statistics.median(o * s.wall_s for o, s in zip(other, use, strict=True)), 6),
-        "cadence": cadence,
+        "other_share_total": round(sum(s.other * s.wall_s for s in use) / sum(s.wall_s for s in use), 6),
+        "checkpoints_background": sum(bool(c.get("background")) for c in ck),
+        "other_s_median": _median([s.other * s.wall_s for s in use], 6), "cadence": cadence,
         "other_share_at_cadence": other_share_at_cadence(use, cadence) if cadence else None,
-        "phases": phases,
-        "update": _update_detail(use),
-        "checkpoints_saved": sum(bool(s.info.get(CHECKPOINT, {}).get("path")) for s in use),
-    }
+        "phases": phases, "update": _update_detail(use),
+        "checkpoints_saved": sum(bool(c.get("path")) for c in ck)}  # fmt: skip
 
 
 def _update_detail(use: Sequence[Step]) -> dict[str, Any] | None:
@@ -225,14 +191,10 @@ def _update_detail(use: Sequence[Step]) -> dict[str, Any] | None:
     if not recs:
         return None
     around = [1 - i["seconds"] / t for t, i in recs if isinstance(i.get("seconds"), (int, float)) and t > 0]
-    return {
-        "full_updates": sum(bool(i.get("full")) for _, i in recs),
-        "updates": len(recs),
-        "tensors": recs[0][1].get("tensors"),
-        "install_s_median": _median([i.get("seconds") for _, i in recs]),
+    return {"full_updates": sum(bool(i.get("full")) for _, i in recs), "updates": len(recs),
+        "tensors": recs[0][1].get("tensors"), "install_s_median": _median([i.get("seconds") for _, i in recs]),
         "phase_s_median": round(statistics.median(t for t, _ in recs), 6),
-        "around_install_share_median": round(statistics.median(around), 4) if around else None,
-    }
+        "around_install_share_median": _median(around, 4)}  # fmt: skip
 
 
 # -- inputs --------------------------------------------------------------------------------
@@ -274,13 +236,6 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     return {"meta": meta, "records": records, "model": model, "backend": meta.get("backend")}
 
 
-def run_cmd_for(args: argparse.Namespace, model: str, backend: str, run_dir: Path) -> list[str]:
-    return run_argv(
-        run_dir, *args.extra, python=python_for(backend, args), backend=backend, plan="rl", model=model,
-        steps=args.steps, save_every=args.save_every, max_new_tokens=args.max_new_tokens, platform=args.platform,
-    )  # fmt: skip
-
-
 # -- driver --------------------------------------------------------------------------------
 def one(label: str, model: str, backend: str, run: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     try:
@@ -288,6 +243,30 @@ def one(label: str, model: str, backend: str, run: dict[str, Any], extra: dict[s
     except ValueError as e:
         raise ValueError(f"{label}: {e}") from None
     return {"label": label, "model": model, "backend": backend, **extra, "analysis": analysis}
+
+
+def new_run(args: argparse.Namespace, model: str, backend: str, run_dir: Path, n: str) -> dict[str, Any]:
+    """One ``mllm_rl.run`` of ``model`` on ``backend`` into ``run_dir``, analysed (``n``: i/N)."""
+    label = f"{model} {backend}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    cmd = run_argv(run_dir, *args.extra, python=python_for(backend, args), backend=backend, plan="rl",
+        model=model, steps=args.steps, save_every=args.save_every, max_new_tokens=args.max_new_tokens,
+        platform=args.platform)  # fmt: skip
+    load0, t0 = load_avg_1m(), time.perf_counter()
+    progress(f"  [{n}] {label}: {args.steps} steps ...")
+    try:
+        run_cmd(cmd, f"run {label}", timeout=args.timeout)
+        row = one(label, model, backend, read_run(run_dir), {})
+    except (BenchError, ValueError) as e:
+        if not args.keep_going:
+            raise BenchError(str(e)) from None
+        progress(f"  [{n}] {label}: FAILED")
+        return {"label": label, "model": model, "backend": backend, "error": str(e)[:3000], "command": cmd}
+    dt = time.perf_counter() - t0
+    progress(f"  [{n}] {label}: {dt:.0f} s")
+    return {**row, "command": cmd, "run_seconds": round(dt, 2), "load_avg_1m_before": load0,
+            "load_avg_1m_after": load_avg_1m(), "run_dir": str(run_dir) if args.runs_dir else None}  # fmt: skip
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -305,46 +284,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         plan = [(m, b) for m in args.models for b in args.backends]
         for b in args.backends:
             python_for(b, args)  # bad --python-* before anything runs
-        keep = args.runs_dir
         with tempfile.TemporaryDirectory() as tmp:
             for i, (model, backend) in enumerate(plan):
-                label = f"{model} {backend}"
-                run_dir = (keep or Path(tmp)) / f"{Path(model).name}-{backend}"
-                if run_dir.exists():
-                    shutil.rmtree(run_dir)
-                cmd = run_cmd_for(args, model, backend, run_dir)
-                load0, t0 = load_avg_1m(), time.perf_counter()
-                progress(f"  [{i + 1}/{len(plan)}] {label}: {args.steps} steps ...")
-                try:
-                    run_cmd(cmd, f"run {label}", timeout=args.timeout)
-                    row = one(label, model, backend, read_run(run_dir), {})
-                except (BenchError, ValueError) as e:
-                    if not args.keep_going:
-                        raise BenchError(str(e)) from None
-                    rows.append(
-                        {
-                            "label": label,
-                            "model": model,
-                            "backend": backend,
-                            "error": str(e)[:3000],
-                            "command": cmd,
-                        }
-                    )
-                    progress(f"  [{i + 1}/{len(plan)}] {label}: FAILED")
-                    continue
-                dt = time.perf_counter() - t0
-                row.update(
-                    command=cmd,
-                    run_seconds=round(dt, 2),
-                    load_avg_1m_before=load0,
-                    load_avg_1m_after=load_avg_1m(),
-                    run_dir=str(run_dir) if keep else None,
-                )
-                rows.append(row)
-                progress(f"  [{i + 1}/{len(plan)}] {label}: {dt:.0f} s")
-    return bench_json("step_cost", args, steps=None if args.from_run else args.steps,
-        save_every=None if args.from_run else args.save_every,
-        max_new_tokens=None if args.from_run else args.max_new_tokens, extra=list(args.extra), runs=rows)  # fmt: skip
+                run_dir = (args.runs_dir or Path(tmp)) / f"{Path(model).name}-{backend}"
+                rows.append(new_run(args, model, backend, run_dir, f"{i + 1}/{len(plan)}"))
+    given = {
+        k: None if args.from_run else getattr(args, k) for k in ("steps", "save_every", "max_new_tokens")
+    }
+    return bench_json("step_cost", args, **given, extra=list(args.extra), runs=rows)
 
 
 # -- report --------------------------------------------------------------------------------
@@ -354,74 +301,40 @@ def _pct(x: float | None) -> str | None:
 
 def report(out: dict[str, Any]) -> str:
     ok = [r for r in out["runs"] if "analysis" in r]
-    names: list[str] = []
-    for r in ok:  # merge the phase orders (schedules may differ): a new phase goes after its predecessor
-        prev = None
-        for p in r["analysis"]["phases"]:
-            if p["phase"] not in names:
-                names.insert(names.index(prev) + 1 if prev in names else len(names), p["phase"])
-            prev = p["phase"]
+    names = merge_orders([[p["phase"] for p in r["analysis"]["phases"]] for r in ok])
     if BETWEEN in names:  # last, next to the summary rows
         names.remove(BETWEEN)
         names.append(BETWEEN)
     by = [{p["phase"]: p for p in r["analysis"]["phases"]} for r in ok]
-    cols = [("phase", "phase", "")] + [(str(i), r["label"], "") for i, r in enumerate(ok)]
-    share_rows, sec_rows = [], []
-    for n in names:
-        share_rows.append(
-            {"phase": n, **{str(i): _pct(b[n]["share_median"]) if n in b else None for i, b in enumerate(by)}}
-        )
-        cells = {}
-        for i, b in enumerate(by):
-            p = b.get(n)
-            if p is not None:
-                copies = p["gbps_median"] is not None and not n.startswith("release")  # a release frees
-                rate = f" ({p['gbps_median']:.3f} GB/s)" if copies else ""
-                cells[str(i)] = f"{p['seconds_median']:.3f}{rate}"
-        sec_rows.append({"phase": n, **cells})
     a = [r["analysis"] for r in ok]
-    share_rows.append(
-        {
-            "phase": f"non-{ROLLOUT}, non-{TRAIN}",
-            **{str(i): _pct(x["other_share_median"]) for i, x in enumerate(a)},
-        }
-    )
-    share_rows.append(
-        {
-            "phase": "  same, over all counted steps (time-weighted)",
-            **{str(i): _pct(x["other_share_total"]) for i, x in enumerate(a)},
-        }
-    )
+    cols = [("phase", "phase", "")] + [(str(i), r["label"], "") for i, r in enumerate(ok)]
+
+    def row(name: str, cell: Any, of: list[Any]) -> dict[str, Any]:
+        return {"phase": name, **{str(i): cell(x) for i, x in enumerate(of)}}
+
+    def secs(p: dict[str, Any] | None, n: str) -> str | None:
+        if p is None:
+            return None
+        copies = p["gbps_median"] is not None and not n.startswith("release")  # a release frees
+        return f"{p['seconds_median']:.3f}" + (f" ({p['gbps_median']:.3f} GB/s)" if copies else "")
+
+    share_rows = [row(n, lambda b, n=n: _pct(b[n]["share_median"]) if n in b else None, by) for n in names]
+    share_rows += [row(OTHER, lambda x: _pct(x["other_share_median"]), a),
+                   row("  same, over all counted steps (time-weighted)", lambda x: _pct(x["other_share_total"]), a)]  # fmt: skip
     if any(x.get("other_share_at_cadence") is not None for x in a):
-        share_rows.append(
-            {
-                "phase": f"  same, a checkpoint every {RUN_CADENCE} steps",
-                **{str(i): _pct(x.get("other_share_at_cadence")) for i, x in enumerate(a)},
-            }
-        )
-    sec_rows += [
-        {
-            "phase": f"non-{ROLLOUT}, non-{TRAIN}",
-            **{str(i): f"{x['other_s_median']:.3f}" for i, x in enumerate(a)},
-        },
-        {"phase": "step (median)", **{str(i): f"{x['step_s_median']:.3f}" for i, x in enumerate(a)}},
-        {
-            "phase": "first step (compiles)",
-            **{str(i): f"{x['first_step_s']:.3f}" if x["first_step_s"] else None for i, x in enumerate(a)},
-        },
-    ]
+        share_rows.append(row(f"  same, a checkpoint every {RUN_CADENCE} steps",
+                              lambda x: _pct(x.get("other_share_at_cadence")), a))  # fmt: skip
+    sec_rows = [row(n, lambda b, n=n: secs(b.get(n), n), by) for n in names]
+    sec_rows += [row(OTHER, lambda x: f"{x['other_s_median']:.3f}", a),
+                 row("step (median)", lambda x: f"{x['step_s_median']:.3f}", a),
+                 row("first step (compiles)", lambda x: f"{x['first_step_s']:.3f}" if x["first_step_s"] else None, a)]  # fmt: skip
     steps_counted = {r["label"]: r["analysis"]["steps_counted"] for r in ok}
-    lines = [
-        "step cost: share of each phase in the step's wall time (median over the steps after the first; "
-        f"steps counted: {steps_counted})",
-        table(share_rows, cols),
-        "",
-        "median seconds per phase (rate where the phase copies bytes: bytes moved / seconds)",
-        table(sec_rows, cols),
-    ]
+    lines = ["step cost: share of each phase in the step's wall time (median over the steps after the first; "
+             f"steps counted: {steps_counted})", table(share_rows, cols), "",
+             "median seconds per phase (rate where the phase copies bytes: bytes moved / seconds)",
+             table(sec_rows, cols)]  # fmt: skip
     for r in ok:
-        u = r["analysis"]["update"]
-        if u:
+        if u := r["analysis"]["update"]:
             lines.append(
                 f"{r['label']}: update_weights {u['phase_s_median']:.3f} s, of which the engine's install "
                 f"{u['install_s_median']:.3f} s; around it (export, fingerprints) "
@@ -429,40 +342,25 @@ def report(out: dict[str, Any]) -> str:
                 f"checkpoints saved in counted steps {r['analysis']['checkpoints_saved']}"
             )
         if r.get("run_seconds") is not None:
-            lines.append(
-                f"{r['label']}: run {r['run_seconds']:.0f} s, load average (1 min) "
-                f"{r.get('load_avg_1m_before')} -> {r.get('load_avg_1m_after')}"
-            )
-    for r in out["runs"]:
-        if "error" in r:
-            lines.append(f"{r['label']}: FAILED: {r['error'].splitlines()[0]}")
+            lines.append(f"{r['label']}: run {r['run_seconds']:.0f} s, load average (1 min) "
+                         f"{r.get('load_avg_1m_before')} -> {r.get('load_avg_1m_after')}")  # fmt: skip
+    lines += [f"{r['label']}: FAILED: {r['error'].splitlines()[0]}" for r in out["runs"] if "error" in r]
     return "\n".join(lines)
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "bench": "step_cost",
-        "runs": [
-            {
-                "label": r["label"],
-                "step_s_median": r["analysis"]["step_s_median"],
-                "other_share_median": r["analysis"]["other_share_median"],
-                "other_share_at_cadence": r["analysis"]["other_share_at_cadence"],
-                "other_share_total": r["analysis"]["other_share_total"],
-            }
-            if "analysis" in r
-            else {"label": r["label"], "error": r["error"].splitlines()[0]}
-            for r in out["runs"]
-        ],
-    }
+    keys = ("step_s_median", "other_share_median", "other_share_at_cadence", "other_share_total")
+    return {"bench": "step_cost", "runs": [
+        {"label": r["label"], **{k: r["analysis"][k] for k in keys}} if "analysis" in r
+        else {"label": r["label"], "error": r["error"].splitlines()[0]} for r in out["runs"]]}  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
     ap = doc_parser(__doc__)
     ap.add_argument(
         "--models",
         type=csv_list(what="presets or checkpoint dirs"),
-        default=DEFAULT_MODELS,
+        default=["tiny", "qwen3-0.6b"],
         help="presets or checkpoint dirs, comma-separated (default: tiny,qwen3-0.6b)",
     )
     ap.add_argument("--backends", type=csv_choice(BACKENDS), default=list(BACKENDS), help="comma-separated")
@@ -497,9 +395,4 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here (default: a temp dir)")
     ap.add_argument("--keep-going", action="store_true", help="report a failing run and go on")
     output_flags(ap, extra="extra args for every mllm_rl.run (after --)")
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_bench(bench, args, report, summary)[0]
+    return run_bench(bench, ap.parse_args(argv), report, summary)[0]

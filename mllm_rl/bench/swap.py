@@ -20,27 +20,14 @@ Exit 0 with the results (``--strict``: 1 when an applicable target fails), 2 on 
 from __future__ import annotations
 
 import argparse
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
-from mllm_rl.bench import MiB
-from mllm_rl.bench.child import flags, run_argv, run_cmd, run_json, warm_page_cache
-from mllm_rl.bench.cli import (
-    bench_parser,
-    csv_choice,
-    exit_code,
-    output_flags,
-    pick,
-    positive,
-    run_bench,
-    target,
-)
+from mllm_rl.bench import GiB, MiB
+from mllm_rl.bench.child import BenchError, bench_argv, flags, run_json, run_phases, warm_page_cache
+from mllm_rl.bench.cli import bench_parser, csv_choice, main_with_child, output_flags, pick, positive, target
 from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.records import allocator, truth
 from mllm_rl.bench.tables import table, target_lines
-from mllm_rl.sinks.jsonl import read_jsonl
 
 MODES = ("streaming", "naive")
 PEAK_TARGET = 1.10
@@ -59,42 +46,33 @@ def _ratios(devs: list[dict[str, Any]], weights: int, tp: int) -> tuple[float | 
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as d:
-        cmd = run_argv(
-            d, *args.extra, backend=args.backend, plan="swap", model=args.preset, tp=args.tp,
-            platform=args.platform, swap_mode=mode, max_new_tokens=4,
-        )  # fmt: skip
-        run_cmd(cmd, f"{mode} swap", timeout=args.timeout)
-        recs = {x["phase"]: x for x in read_jsonl(Path(d) / "phases.jsonl")}
+    records, err = run_phases(f"{mode} swap", args.timeout, args.extra, backend=args.backend, plan="swap",
+        model=args.preset, tp=args.tp, platform=args.platform, swap_mode=mode, max_new_tokens=4)  # fmt: skip
+    if err:
+        raise BenchError(err)
+    recs = {x["phase"]: x for x in records}
     sw = recs["weights_swapped"]
     devs = truth(sw["memory"]["devices"])
     weights = sw["info"]["bytes"]
     ratio, w_ratio = _ratios(devs, weights, args.tp)
     alloc_ratio, alloc_w = _ratios(allocator(sw["memory"]["devices"]), weights, args.tp)
-    return {
-        "mode": mode,
-        "platform": devs[0]["platform"] if devs else None,
-        "source": devs[0]["source"] if devs else None,
-        "devices": len(devs),
-        "engine": recs["engine_ready_dummy"]["info"].get("engine"),
-        "weight_bytes": weights,
+    return {"mode": mode, "platform": devs[0]["platform"] if devs else None,
+        "source": devs[0]["source"] if devs else None, "devices": len(devs),
+        "engine": recs["engine_ready_dummy"]["info"].get("engine"), "weight_bytes": weights,
         "steady_bytes_max": max(d["bytes_in_use"] for d in devs),
-        "peak_bytes_max": max(d["phase_peak_bytes"] for d in devs),
-        "peak_over_steady": ratio,
+        "peak_bytes_max": max(d["phase_peak_bytes"] for d in devs), "peak_over_steady": ratio,
         "weights_only_ratio": w_ratio,
         "allocator_peak_over_steady": alloc_ratio,  # torch CUDA: the allocator's view (no CUDA context)
-        "allocator_weights_only_ratio": alloc_w,
-        "swap_seconds": sw["info"]["seconds"],
-        "gbps": sw["info"]["gbps"],
+        "allocator_weights_only_ratio": alloc_w, "swap_seconds": sw["info"]["seconds"], "gbps": sw["info"]["gbps"],
         "host_rss_peak_bytes": sw["memory"]["host"]["rss_peak_bytes"],
-        "generated": recs["generate_result"]["info"].get("token_ids"),
-    }
+        "generated": recs["generate_result"]["info"].get("token_ids")}  # fmt: skip
 
 
 def copy_baseline(args: argparse.Namespace, ckpt_bytes: int) -> dict[str, Any]:
     mb = args.copy_mb or min(4096.0, max(64.0, ckpt_bytes / MiB))
-    cmd = [sys.executable, "-m", "mllm_rl.bench", "copy"]
-    cmd += flags(backend=args.backend, mb=mb, platform=args.platform, repeats=args.repeats)
+    cmd = bench_argv(
+        "copy", *flags(backend=args.backend, mb=mb, platform=args.platform, repeats=args.repeats)
+    )
     return run_json(cmd, "copy baseline", timeout=args.timeout)
 
 
@@ -117,22 +95,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if "streaming" in by_mode:
         s = by_mode["streaming"]
         why = "CPU: no host-to-device link; the swap's time is host-side casting and compilation"
-        out["targets"] = {
-            "streaming_peak_over_steady": target(s["peak_over_steady"], "<=", PEAK_TARGET),
-            "streaming_gbps_over_h2d": target(
-                s["gbps_over_h2d"],
-                ">=",
-                H2D_TARGET,
-                applies=accel and h2d is not None,
-                why=why if not accel else "no baseline measured",
-            ),
-        }
+        out["targets"] = {"streaming_peak_over_steady": target(s["peak_over_steady"], "<=", PEAK_TARGET),
+            "streaming_gbps_over_h2d": target(s["gbps_over_h2d"], ">=", H2D_TARGET, applies=accel and h2d is not None,
+                                              why=why if not accel else "no baseline measured")}  # fmt: skip
     gens = [r["generated"] for r in rows]
     out["outputs_identical"] = all(g == gens[0] for g in gens)  # greedy after each mode's swap
     if "naive" in by_mode and "streaming" in by_mode:
-        out["naive_over_streaming_peak"] = round(
-            by_mode["naive"]["peak_bytes_max"] / by_mode["streaming"]["peak_bytes_max"], 4
-        )
+        out["naive_over_streaming_peak"] = round(by_mode["naive"]["peak_bytes_max"] / by_mode["streaming"]["peak_bytes_max"], 4)  # fmt: skip
     return out
 
 
@@ -141,31 +110,18 @@ def report(out: dict[str, Any]) -> str:
         ("weights_only_ratio", "weights-only", ".3f"), ("peak_gib", "peak GiB", ".3f"),
         ("steady_gib", "steady GiB", ".3f"), ("gbps", "GB/s", ".3f"),
         ("gbps_over_h2d", "GB/s / H2D", ".3f"), ("src", "source", "")]  # fmt: skip
-    rows = [
-        {
-            **r,
-            "peak_gib": r["peak_bytes_max"] / 2**30,
-            "steady_gib": r["steady_bytes_max"] / 2**30,
-            "src": f"{r['platform']}/{r['source']}",
-        }
-        for r in out["rows"]
-    ]
-    lines = [
-        f"swap {out['backend']} {out['preset']} (tp {out['tp']}, checkpoint {out['checkpoint_bytes'] / 2**30:.3f} GiB)",
-        table(rows, cols),
-    ]
-    b = out["copy_baseline"]
-    if b:
+    rows = [{**r, "peak_gib": r["peak_bytes_max"] / GiB, "steady_gib": r["steady_bytes_max"] / GiB,
+             "src": f"{r['platform']}/{r['source']}"} for r in out["rows"]]  # fmt: skip
+    lines = [f"swap {out['backend']} {out['preset']} (tp {out['tp']}, checkpoint {out['checkpoint_bytes'] / GiB:.3f} GiB)",
+             table(rows, cols)]  # fmt: skip
+    if b := out["copy_baseline"]:
         parts = [
             f"{k} {b[k]['gbps_best']:.3f}"
             for k in ("h2d", "h2d_pinned", "d2h", "d2d")
             if "gbps_best" in b.get(k, {})
         ]
-        lines.append(
-            f"copy baseline ({b['runtime']} {b['platform']}, {b['bytes'] / MiB:.0f} MiB, best GB/s): "
-            + ", ".join(parts)
-            + (f"  [{b['note']}]" if "note" in b else "")
-        )
+        lines.append(f"copy baseline ({b['runtime']} {b['platform']}, {b['bytes'] / MiB:.0f} MiB, best GB/s): "
+                     + ", ".join(parts) + (f"  [{b['note']}]" if "note" in b else ""))  # fmt: skip
     if "naive_over_streaming_peak" in out:
         lines.append(f"naive/streaming peak: {out['naive_over_streaming_peak']:.3f}")
     lines.append(f"greedy output identical across modes: {out['outputs_identical']}")
@@ -173,27 +129,18 @@ def report(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
     ap = bench_parser(__doc__)
+    # fmt: off
     ap.add_argument("--tp", type=positive(int), default=1)
     ap.add_argument("--modes", type=csv_choice(MODES), default=list(MODES), help="comma-separated")
-    ap.add_argument(
-        "--copy-mb",
-        type=positive(float),
-        default=None,
-        help="copy-baseline buffer, MiB (default: checkpoint size clamped to [64, 4096])",
-    )
-    ap.add_argument(
-        "--repeats", type=positive(int), default=5, help="timed copies per baseline (best is used)"
-    )
+    ap.add_argument("--copy-mb", type=positive(float), default=None,
+                    help="copy-baseline buffer, MiB (default: checkpoint size clamped to [64, 4096])")
+    ap.add_argument("--repeats", type=positive(int), default=5, help="timed copies per baseline (best is used)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the copy baseline")
     ap.add_argument("--strict", action="store_true", help="exit 1 when an applicable target fails")
+    # fmt: on
     output_flags(ap, per="subprocess", extra="extra args for mllm_rl.run (after --)")
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = ap.parse_args(argv)
     keys = ("bench", "backend", "preset", "targets")
-    code, out = run_bench(bench, args, report, lambda o: pick(o, keys))
-    return exit_code(code, out, args.strict)
+    return main_with_child(args, None, bench, report, lambda o: pick(o, keys), strict=args.strict)
