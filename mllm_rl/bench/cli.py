@@ -115,6 +115,7 @@ def main_with_child(
     report: Callable[[dict[str, Any]], str],
     summary: Callable[[dict[str, Any]], dict[str, Any]],
     strict: bool | Callable[[dict[str, Any]], bool] = False,
+    report_to_stderr: bool = False,
 ) -> int:
     """The ``main`` of a script that measures in a fresh copy of itself: with ``--child`` print
     ``child(args)`` as one JSON line (what ``child.last_json_line`` reads), else ``run_bench``
@@ -123,7 +124,7 @@ def main_with_child(
     if getattr(args, "child", False):
         print(json.dumps(child(args)), flush=True)
         return 0
-    code, out = run_bench(bench, args, report, summary)
+    code, out = run_bench(bench, args, report, summary, report_to_stderr)
     if callable(strict):
         return 1 if code == 0 and out is not None and strict(out) else code
     return exit_code(code, out, strict)

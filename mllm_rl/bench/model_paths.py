@@ -22,6 +22,7 @@ import json
 import resource
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench import GiB
@@ -81,14 +82,9 @@ def compile_one(args: argparse.Namespace) -> dict[str, Any]:
         out.update(fits=False, error=msg.strip().splitlines()[0][:400])
     else:
         m = compiled.memory_analysis()
-        out.update(
-            fits=True,
-            argument_bytes=m.argument_size_in_bytes,
-            output_bytes=m.output_size_in_bytes,
-            alias_bytes=m.alias_size_in_bytes,
-            temp_bytes=m.temp_size_in_bytes,
-            peak_bytes=m.peak_memory_in_bytes,
-        )
+        out.update(fits=True, argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
+                   alias_bytes=m.alias_size_in_bytes, temp_bytes=m.temp_size_in_bytes,
+                   peak_bytes=m.peak_memory_in_bytes)  # fmt: skip
     out["compile_s"] = round(time.perf_counter() - t1, 2)
     out["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
@@ -128,17 +124,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     topologies.prepare(topologies.spec(args.target))  # ValueError (exit 2) without the compiler
     libtpu = topologies.libtpu_version()
     results = {p: run_path(args, p) for p in args.paths}
-    method = f"predicted: XLA TPU compiler memory_analysis (libtpu {libtpu}); compile_s and host RSS measured"
-    method += " on this machine"
+    method = f"predicted: XLA TPU compiler memory_analysis (libtpu {libtpu}); compile_s and host RSS measured on this machine"  # fmt: skip
     keys = ("target", "model", "fn", "batch", "seq", "tp", "lora_rank")
     out = bench_json("model_paths", args, keys, libtpu=libtpu, method=method, paths=results)
     old, new = results.get("old"), results.get("new")
     if old and new and old.get("fits") and new.get("fits"):
-        out["ratios_new_over_old"] = {
-            k: round(new[k] / old[k], 3)
-            for k in ("peak_bytes", "temp_bytes", "compile_s", "host_peak_rss_bytes")
-            if old[k]
-        }
+        keys = ("peak_bytes", "temp_bytes", "compile_s", "host_peak_rss_bytes")
+        out["ratios_new_over_old"] = {k: round(new[k] / old[k], 3) for k in keys if old[k]}
     if not any(r.get("fits") is not None for r in results.values()):
         raise BenchError(
             "no path compiled: " + "; ".join(f"{p}: {r.get('error')}" for p, r in results.items())
@@ -162,9 +154,7 @@ def report(out: dict[str, Any]) -> str:
         f"(tp {out['tp']}), per device; memory predicted by libtpu {out['libtpu']}, time/RSS measured here",
         table(rows, cols),
     ]
-    for p, r in out["paths"].items():
-        if r.get("error"):
-            lines.append(f"{p}: {r['error']}")
+    lines += [f"{p}: {r['error']}" for p, r in out["paths"].items() if r.get("error")]
     if "ratios_new_over_old" in out:
         lines.append("new / old: " + ", ".join(f"{k} {v}" for k, v in out["ratios_new_over_old"].items()))
     return "\n".join(lines)
@@ -176,28 +166,22 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
         "ratios_new_over_old": out.get("ratios_new_over_old")}  # fmt: skip
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> int:
     ap = doc_parser(__doc__)
+    # fmt: off
     ap.add_argument("--model", default="qwen3-0.6b", help="a preset of mllm_rl.presets (default qwen3-0.6b)")
     ap.add_argument("--target", default="v4-8", choices=TARGETS, help="TPU slice to compile for")
     ap.add_argument("--batch", type=positive(), default=4, help="micro-batch rows (default 4)")
     ap.add_argument("--seq", type=positive(), default=1024, help="positions per row (default 1024)")
     ap.add_argument("--fn", default="grad", choices=FNS, help="the step function to compile (default grad)")
     ap.add_argument("--paths", type=csv_choice(PATHS), default=list(PATHS), help="old,new (default both)")
-    ap.add_argument(
-        "--tp", type=positive(), default=1, help="tensor-parallel size of the mesh (default 1: FSDP)"
-    )
+    ap.add_argument("--tp", type=positive(), default=1, help="tensor-parallel size of the mesh (default 1: FSDP)")
     ap.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (default 0: full fine-tune)")
     ap.add_argument("--timeout", type=positive(float), default=3600.0, help="seconds per path (default 3600)")
-    ap.add_argument(
-        "--json", type=lambda s: __import__("pathlib").Path(s), help="write the full results here"
-    )
+    ap.add_argument("--json", type=Path, help="write the full results here")
     ap.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
+    # fmt: on
     args = ap.parse_args(argv)
     if args.lora_rank < 0:
         ap.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    return main_with_child(parse_args(argv), compile_one, bench, report, summary)
+    return main_with_child(args, compile_one, bench, report, summary)

@@ -20,7 +20,8 @@ import statistics
 import time
 from typing import Any
 
-from mllm_rl.bench.cli import bench_parser, exit_code, output_flags, positive, run_bench, target
+from mllm_rl.bench import MiB
+from mllm_rl.bench.cli import bench_parser, main_with_child, output_flags, positive, target
 from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.tables import VERDICT, table
 
@@ -55,38 +56,27 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     probe = backend.memory_probe()
     truth = lambda: probe.in_use()[0]  # noqa: E731
     source = probe.snapshot()[0].source
-    opts = EngineOptions(
-        weights_cpu_backup=args.cpu_backup,
-        engine=args.engine or "auto",
-        max_total_tokens=args.max_total_tokens or None,
-    )
+    opts = EngineOptions(weights_cpu_backup=args.cpu_backup, engine=args.engine or "auto",
+                         max_total_tokens=args.max_total_tokens or None)  # fmt: skip
     engine = ManagedEngine(backend.create_engine(model, opts))
     full = lambda: WeightExport(list(model.tensors), model.iter_tensors(), full=True)  # noqa: E731
     engine.update_weights(full())
     prompt, greedy = [[51, 71, 68, 220, 66, 64, 79]], SamplingParams(max_new_tokens=8)
     before = engine.generate(prompt, greedy)[0].token_ids
-    per: dict[str, dict[str, list[Any]]] = {
-        t: {"held": [], "freed": [], "rel": [], "res": [], "back": [], "recl": []} for t in TAGS
-    }
+    per: dict[str, dict[str, list[Any]]] = {t: {k: [] for k in ("held", "freed", "rel", "res", "back", "recl")} for t in TAGS}  # fmt: skip
     resync: list[float] = []
     for _ in range(args.cycles):
         engine.drain()
         for tag in TAGS:
             used0, t0 = truth(), time.perf_counter()
-            held = engine.release([tag])[tag]
-            t1 = time.perf_counter()
-            p = per[tag]
-            p["held"].append(held)
-            p["freed"].append(used0 - truth())
-            p["rel"].append(t1 - t0)
+            per[tag]["held"].append(engine.release([tag])[tag])
+            per[tag]["rel"].append(time.perf_counter() - t0)
+            per[tag]["freed"].append(used0 - truth())
         for tag in reversed(TAGS):
             used0, t0 = truth(), time.perf_counter()
-            back = engine.resume([tag])[tag]
-            t1 = time.perf_counter()
-            p = per[tag]
-            p["res"].append(t1 - t0)
-            p["recl"].append(truth() - used0)
-            p["back"].append(back)
+            per[tag]["back"].append(engine.resume([tag])[tag])
+            per[tag]["res"].append(time.perf_counter() - t0)
+            per[tag]["recl"].append(truth() - used0)
         t0 = time.perf_counter()
         if not engine.state()["weights_valid"]:
             engine.update_weights(full())
@@ -98,13 +88,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     bases: dict[str, dict[str, Any]] = {}
     for tag in TAGS:  # before shutdown: an sglang-jax shutdown kills this process's children
         try:
-            bases[tag] = memcpy_baselines(
-                args.backend,
-                runtime.get("platform", "cpu"),
-                per[tag]["held"][0],
-                args.repeats,
-                args.cpu_backup,
-            )
+            bases[tag] = memcpy_baselines(args.backend, runtime.get("platform", "cpu"), per[tag]["held"][0],
+                                          args.repeats, args.cpu_backup)  # fmt: skip
         except Exception as e:  # e.g. no room for two more copies next to the engine: report, go on
             bases[tag] = {"error": f"{type(e).__name__}: {e}"[:300]}
     engine.shutdown()
@@ -148,16 +133,8 @@ def report(out: dict[str, Any]) -> str:
         ("release_baseline", "vs", ""), ("release_over_memcpy", "x memcpy", ".3f"),
         ("resume_ms", "resume ms", ".2f"), ("resume_baseline", "vs", ""),
         ("resume_over_memcpy", "x memcpy", ".3f")]  # fmt: skip
-    rows = [
-        {
-            "tag": t,
-            **v,
-            "held_mib": v["held_bytes"] / 2**20,
-            "release_ms": v["release_s"] * 1e3,
-            "resume_ms": v["resume_s"] * 1e3,
-        }
-        for t, v in out["tags"].items()
-    ]
+    rows = [{"tag": t, **v, "held_mib": v["held_bytes"] / MiB, "release_ms": v["release_s"] * 1e3,
+             "resume_ms": v["resume_s"] * 1e3} for t, v in out["tags"].items()]  # fmt: skip
     head = (
         f"release/resume {out['backend']} {out['preset']} on {out['platform']} ({out['engine']}, "
         f"{out['memory_mode'] or 'delete/reallocate'}, source {out['source']}, cpu backup "
@@ -167,23 +144,18 @@ def report(out: dict[str, Any]) -> str:
     return "\n".join([head, table(rows, cols), f"re-sync {out['resync_s']:.3f} s; targets: {verdicts}"])
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
     ap = bench_parser(__doc__, backend="torch")
+    # fmt: off
     ap.add_argument("--engine", default=None, choices=["embedded", "sglang"], help="torch backend's engine")
     ap.add_argument("--cpu-backup", action="store_true", help="engine keeps a host copy of its weights")
     ap.add_argument("--cycles", type=positive(int), default=3, help="release/resume cycles (times: median)")
     ap.add_argument("--repeats", type=positive(int), default=3, help="timed raw copies per baseline")
-    ap.add_argument(
-        "--max-total-tokens", type=positive(int), default=None, help="engine KV cache size, tokens"
-    )
+    ap.add_argument("--max-total-tokens", type=positive(int), default=None, help="engine KV cache size, tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
+    # fmt: on
     output_flags(ap, timeout=None)
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = ap.parse_args(argv)
     args.platform = "gpu" if args.platform == "cuda" else args.platform
-    code, out = run_bench(bench, args, report, lambda o: o, report_to_stderr=True)
-    return exit_code(code, out, args.strict)
+    return main_with_child(args, None, bench, report, lambda o: o, strict=args.strict, report_to_stderr=True)

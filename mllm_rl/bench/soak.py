@@ -27,15 +27,7 @@ import time
 from typing import Any
 
 from mllm_rl.bench import MiB
-from mllm_rl.bench.cli import (
-    bench_parser,
-    failed_targets,
-    output_flags,
-    positive,
-    progress,
-    run_bench,
-    target,
-)
+from mllm_rl.bench.cli import bench_parser, main_with_child, output_flags, pick, positive, progress, target
 from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.tables import target_lines
 
@@ -68,11 +60,8 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     snap = probe.snapshot()
     sources = [f"{d.id}:{d.source}" for d in snap]
     truth_idx = [i for i, d in enumerate(snap) if d.source != "torch_allocator"]
-    opts = EngineOptions(
-        weights_cpu_backup=args.cpu_backup,
-        max_total_tokens=args.max_total_tokens,
-        context_length=args.context_length,
-    )
+    opts = EngineOptions(weights_cpu_backup=args.cpu_backup, max_total_tokens=args.max_total_tokens,
+                         context_length=args.context_length)  # fmt: skip
     engine = ManagedEngine(backend.create_engine(model, opts))
     trainer = backend.create_trainer(model, TrainConfig()) if args.trainer else None
 
@@ -117,35 +106,15 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         outs = engine.generate(PROMPTS, greedy)
         dev = probe.in_use()
         rss = host_rss()
-        lp_dev = max(
-            (
-                abs(a - b)
-                for o, r in zip(outs, ref, strict=True)
-                for a, b in zip(o.logprobs, r.logprobs, strict=False)
-            ),
-            default=0.0,
-        )
-        cycles.append(
-            {
-                "cycle": i,
-                "seconds": round(time.perf_counter() - t0, 4),
-                "updated": updated,
-                "tokens_identical": [o.token_ids for o in outs] == ref_tokens,
-                "logprob_max_abs_diff": lp_dev,
-                "device_dev_bytes": [
-                    None if a is None or b is None else a - b for a, b in zip(dev, base_dev, strict=True)
-                ],
-                "freed_over_held": round(freed / held, 5) if held else None,
-                "rss_bytes": rss,
-                "tokens": [o.token_ids for o in outs] if args.per_cycle else None,
-            }
-        )
+        diffs = (abs(a - b) for o, r in zip(outs, ref, strict=True) for a, b in zip(o.logprobs, r.logprobs, strict=False))  # fmt: skip
+        cycles.append(c := {"cycle": i, "seconds": round(time.perf_counter() - t0, 4), "updated": updated,
+            "tokens_identical": [o.token_ids for o in outs] == ref_tokens, "logprob_max_abs_diff": max(diffs, default=0.0),
+            "device_dev_bytes": [None if a is None or b is None else a - b for a, b in zip(dev, base_dev, strict=True)],
+            "freed_over_held": round(freed / held, 5) if held else None, "rss_bytes": rss,
+            "tokens": [o.token_ids for o in outs] if args.per_cycle else None})  # fmt: skip
         if args.verbose:
-            c = cycles[-1]
-            progress(
-                f"cycle {i}: {c['seconds']:.2f}s dev {c['device_dev_bytes']} rss {rss / MiB:.1f} MiB "
-                f"tokens {'ok' if c['tokens_identical'] else 'DIFFER'}"
-            )
+            progress(f"cycle {i}: {c['seconds']:.2f}s dev {c['device_dev_bytes']} rss {rss / MiB:.1f} MiB "
+                     f"tokens {'ok' if c['tokens_identical'] else 'DIFFER'}")  # fmt: skip
     total_s = time.perf_counter() - t_start
     engine.shutdown()
 
@@ -167,7 +136,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             "value": len(cycles) - len(mismatches),
             "target": f"== {len(cycles)}",
             "pass": not mismatches,
-        },
+        },  # fmt: skip
         "host_rss_deviation_bytes": target(rss_dev, "<=", args.rss_tol_mib * MiB),
     }
     return bench_json("soak", args, ("backend", "preset"), platform=runtime.get("platform"),
@@ -202,16 +171,13 @@ def report(out: dict[str, Any]) -> str:
     return "\n".join(lines + target_lines(out["targets"]))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
     ap = bench_parser(__doc__, backend=None)
+    # fmt: off
     ap.add_argument("--cycles", type=positive(int), default=100)
     ap.add_argument("--cpu-backup", action="store_true", help="engine keeps a host copy of its weights")
-    ap.add_argument(
-        "--update-every",
-        type=positive(int),
-        default=None,
-        help="full update every N cycles when the weights are still valid (default 1; 2 with --cpu-backup)",
-    )
+    ap.add_argument("--update-every", type=positive(int), default=None,
+                    help="full update every N cycles when the weights are still valid (default 1; 2 with --cpu-backup)")
     ap.add_argument("--trainer", action="store_true", help="also cycle the trainer (onload/offload, export)")
     ap.add_argument("--max-total-tokens", type=positive(int), default=4096, help="engine KV cache, tokens")
     ap.add_argument("--context-length", type=positive(int), default=512)
@@ -222,16 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--per-cycle", action="store_true", help="include every cycle's numbers in the JSON")
     ap.add_argument("--verbose", action="store_true", help="one line per cycle on stderr")
+    # fmt: on
     output_flags(ap, timeout=None)
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = ap.parse_args(argv)
     if args.warmup < 0:
         print(f"error: --warmup must be >= 0, got {args.warmup}", file=sys.stderr)
         return 2
     args.platform = "gpu" if args.platform == "cuda" else args.platform
     keys = ("bench", "backend", "preset", "cycles", "targets")
-    code, out = run_bench(soak, args, report, lambda o: {k: o[k] for k in keys})
-    return 1 if out is not None and failed_targets(out) else code
+    return main_with_child(args, None, soak, report, lambda o: pick(o, keys), strict=True)

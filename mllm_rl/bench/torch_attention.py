@@ -8,33 +8,26 @@ Eager vs SDPA attention, the chunked log-prob head, per-block activation checkpo
     python -m mllm_rl.bench torch-attention --preset tiny --layers 0 --seq 2048 --dtype float32 \
         --paths sdpa+chunked,sdpa+chunked+remat --baseline sdpa+chunked   # remat vs none
 
-**A CPU figure.** Paths (``backends/torch/model.py``): ``eager`` = plain attention and head
-(float32 [B, N, T, T] scores per layer and the whole float32 [B, T, V] logits, both kept for
-the backward); ``sdpa`` = ``scaled_dot_product_attention`` (on CPU its
-flash kernel), the whole head; ``sdpa+chunked`` = SDPA and the head in ``LOGPROB_CHUNK``-token
-chunks recomputed in the backward: what the trainer runs; ``sdpa+chunked+remat`` = that with
-every decoder layer's training forward under ``torch.utils.checkpoint`` (``--model-option
-remat=true``: the layer's input kept, the layer rerun in the backward).
+**A CPU figure.** Paths (``backends/torch/model.py``): ``eager`` = plain attention and head (float32
+[B, N, T, T] scores and [B, T, V] logits kept for the backward); ``sdpa`` = ``scaled_dot_product_attention``,
+the whole head; ``sdpa+chunked`` = SDPA and the head in ``LOGPROB_CHUNK``-token chunks recomputed in
+the backward (what the trainer runs); ``sdpa+chunked+remat`` = that with every decoder layer under
+``torch.utils.checkpoint`` (``--model-option remat=true``).
 
-**Measured** on this machine, on ``--threads`` threads: a model of ``--preset`` (``--layers``
-overrides its depth) with seeded random weights in ``--dtype``; a step is a forward (the
-log-probs of the next tokens at temperature 0.7, one row right-padded as the trainer feeds them)
-and the backward of their mean. Step time: every path's model in one process, their steps
-interleaved (A, B, C, A, B, C, ...: a busy machine slows each alike), the median of ``--steps``
-after one warm-up each. Peak memory: each path alone in a fresh process, the peak RSS rise of
-two steps over the RSS before them (the CPU allocator returns large blocks to the OS, so the
-rise follows the live tensors). Per path, **predicted**: the torch planner's
-activations + temporaries at the forward/backward peak of one ``TorchTrainer`` step of the same
-shape on fake tensors (``backends/torch/memplan.py: trainer_step_memory``, the CUDA-relevant
-figure; mixed precision for a 16-bit ``--dtype``). Then each path over ``--baseline`` (default
-``eager``), all from this one run. The last stdout line is a JSON summary.
+**Measured** on ``--threads`` threads: ``--preset`` (``--layers`` deep) with seeded random weights in
+``--dtype``; a step is the forward (next-token log-probs at temperature 0.7, one row right-padded)
+and the backward of their mean. Step time: every path in one process, steps interleaved (a busy
+machine slows each alike), the median of ``--steps`` after a warm-up. Peak memory: each path alone
+in a fresh process, the peak RSS rise of two steps. **Predicted** per path: the torch planner's
+activations + temporaries at the forward/backward peak of one ``TorchTrainer`` step of that shape
+on fake tensors (``backends/torch/memplan.py: trainer_step_memory``). Ratios are over ``--baseline``.
+The last stdout line is a JSON summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import resource
 import statistics
 import time
@@ -43,7 +36,7 @@ from typing import Any
 
 from mllm_rl.bench import MiB
 from mllm_rl.bench.child import BenchError, bench_argv, flags, run_json
-from mllm_rl.bench.cli import csv_choice, doc_parser, positive, progress, run_bench
+from mllm_rl.bench.cli import csv_choice, doc_parser, main_with_child, positive, progress
 from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.tables import table
 
@@ -83,17 +76,12 @@ def build(args: argparse.Namespace, path: str) -> tuple[Any, Any]:
     torch.manual_seed(0)
     c = config_of(args)
     attention, chunk, remat = path_settings(path)
-    model = build_qwen3(c, getattr(torch, args.dtype), "meta", attention, remat).to_empty(
-        device="cpu"
-    )  # no init temps
+    model = build_qwen3(c, getattr(torch, args.dtype), "meta", attention, remat).to_empty(device="cpu")  # fmt: skip
     if chunk is None:
         model.logprob_chunk = None
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, c.vocab_size, (args.batch, args.seq), generator=g)
     mask = torch.ones(args.batch, args.seq, dtype=torch.bool)
@@ -128,14 +116,10 @@ def rss_one(args: argparse.Namespace) -> dict[str, Any]:
     step()
     step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {
-        "path": args.child,
-        "params": sum(p.numel() for p in model.parameters()),
-        "rss_before_bytes": rss0,
-        "rss_peak_rise_bytes": peak - rss0,
-        "rise_is_lower_bound": peak <= peak0,  # the steps never passed the set-up's peak
-        "threads": threads,
-    }
+    return {"path": args.child, "params": sum(p.numel() for p in model.parameters()), "rss_before_bytes": rss0,
+            "rss_peak_rise_bytes": peak - rss0,
+            "rise_is_lower_bound": peak <= peak0,  # the steps never passed the set-up's peak
+            "threads": threads}  # fmt: skip
 
 
 def times_all(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,32 +142,13 @@ def child_cmd(args: argparse.Namespace, *extra: str) -> list[str]:
     )  # fmt: skip
 
 
-def run_path(args: argparse.Namespace, path: str) -> dict[str, Any]:
-    progress(f"measuring the RSS of {path} ...")
-    return run_json(child_cmd(args, "--child", path), f"path {path}", timeout=args.timeout)
-
-
-def run_times(args: argparse.Namespace) -> dict[str, Any]:
-    progress(f"timing {', '.join(args.paths)} interleaved, {args.steps} steps each ...")
-    return run_json(child_cmd(args, "--child-times"), "timing", timeout=args.timeout)
-
-
 def plan_one(args: argparse.Namespace, path: str) -> dict[str, Any]:
     """The planner's figures for one trainer step of this shape (fake tensors, in this process)."""
     from mllm_rl.backends.torch import memplan
 
     attention, chunk, remat = path_settings(path)
-    s = memplan.trainer_step_memory(
-        config_of(args),
-        args.batch,
-        args.seq,
-        rows=args.batch,
-        dtype=args.dtype,
-        steps=1,
-        attention=attention,
-        logprob_chunk=chunk,
-        options=(("remat", True),) if remat else (),
-    )
+    s = memplan.trainer_step_memory(config_of(args), args.batch, args.seq, rows=args.batch, dtype=args.dtype,
+        steps=1, attention=attention, logprob_chunk=chunk, options=(("remat", True),) if remat else ())  # fmt: skip
     # at the forward/backward peak: with remat the step's peak may lie in the optimizer step
     return {"activations_bytes": s.fwd_bwd_activations, "peak_bytes": s.peak_total,
         "trace_s": round(s.seconds, 1)}  # fmt: skip
@@ -193,9 +158,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     c = config_of(args)  # ValueError (exit 2) for an unknown preset, before anything runs
     results: dict[str, dict[str, Any]] = {}
     for p in args.paths:
-        results[p] = run_path(args, p)
+        progress(f"measuring the RSS of {p} ...")
+        results[p] = run_json(child_cmd(args, "--child", p), f"path {p}", timeout=args.timeout)
         results[p]["planned"] = plan_one(args, p)
-    timing = run_times(args)
+    progress(f"timing {', '.join(args.paths)} interleaved, {args.steps} steps each ...")
+    timing = run_json(child_cmd(args, "--child-times"), "timing", timeout=args.timeout)
     for p, r in results.items():
         r["warmup_s"] = timing["warmup_s"][p]
         r["step_s_all"] = timing["step_s_all"][p]
@@ -213,16 +180,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     base = results.get(args.baseline)
     out["baseline"] = args.baseline
     if base:
-        out[f"ratios_over_{args.baseline}"] = {
-            p: {
-                "step_s": round(r["step_s"] / base["step_s"], 3),
-                "rss_peak_rise": round(r["rss_peak_rise_bytes"] / max(base["rss_peak_rise_bytes"], 1), 3),
-                "planned_activations": round(
-                    r["planned"]["activations_bytes"] / max(base["planned"]["activations_bytes"], 1), 3
-                ),
-            }
-            for p, r in results.items()
-        }
+        act = lambda r: r["planned"]["activations_bytes"]  # noqa: E731
+        out[f"ratios_over_{args.baseline}"] = {p: {"step_s": round(r["step_s"] / base["step_s"], 3),
+            "rss_peak_rise": round(r["rss_peak_rise_bytes"] / max(base["rss_peak_rise_bytes"], 1), 3),
+            "planned_activations": round(act(r) / max(act(base), 1), 3)} for p, r in results.items()}  # fmt: skip
     if not results:
         raise BenchError("no path ran")
     return out
@@ -231,20 +192,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 def report(out: dict[str, Any]) -> str:
     base = out["baseline"]
     ratios = out.get(f"ratios_over_{base}", {})
-    rows = []
-    for p, r in out["paths"].items():
-        q = ratios.get(p, {})
-        rows.append(
-            {
-                "path": p,
-                "step_s": r["step_s"],
-                "step_x": q.get("step_s"),
-                "rise": r["rss_peak_rise_bytes"] / MiB,
-                "rise_x": q.get("rss_peak_rise"),
-                "planned": r["planned"]["activations_bytes"] / MiB,
-                "planned_x": q.get("planned_activations"),
-            }
-        )
+    rows = [{"path": p, "step_s": r["step_s"], "step_x": ratios.get(p, {}).get("step_s"),
+             "rise": r["rss_peak_rise_bytes"] / MiB, "rise_x": ratios.get(p, {}).get("rss_peak_rise"),
+             "planned": r["planned"]["activations_bytes"] / MiB,
+             "planned_x": ratios.get(p, {}).get("planned_activations")} for p, r in out["paths"].items()]  # fmt: skip
     cols = [("path", "path", ""), ("step_s", "step s", ".3f"), ("step_x", f"x {base}", ".3f"),
         ("rise", "RSS rise MiB", ".1f"), ("rise_x", f"x {base}", ".3f"),
         ("planned", "planned act. MiB", ".1f"), ("planned_x", f"x {base}", ".3f")]  # fmt: skip
@@ -254,12 +205,10 @@ def report(out: dict[str, Any]) -> str:
         f"{out['batch']} x {out['seq']} tokens, forward + backward, median of {out['steps']} steps; "
         f"{first['threads']} thread(s), load {out['machine'].get('load_avg_1m')}"
     )
-    lines = [head, table(rows, cols)]
-    lines.append(
+    lines = [head, table(rows, cols),
         "step s: measured here, the paths interleaved in one process; RSS rise: measured here, a fresh "
         "process per path; planned act.: the torch planner's activations + temporaries at the forward/"
-        "backward peak of one trainer step of the same shape (fake tensors, predicted)"
-    )
+        "backward peak of one trainer step of the same shape (fake tensors, predicted)"]  # fmt: skip
     if any(r["rise_is_lower_bound"] for r in out["paths"].values()):
         lines.append("(a RSS rise marked as a lower bound: the steps stayed under the set-up's peak)")
     return "\n".join(lines)
@@ -272,47 +221,30 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
         f"ratios_over_{out['baseline']}": out.get(f"ratios_over_{out['baseline']}")}  # fmt: skip
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> int:
     ap = doc_parser(__doc__)
+    # fmt: off
     ap.add_argument("--preset", default="qwen3-0.6b", help="a preset of mllm_rl.presets (default qwen3-0.6b)")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers (default 4; 0: the preset's)")
     ap.add_argument("--batch", type=positive(), default=1, help="rows (default 1)")
     ap.add_argument("--seq", type=positive(), default=1024, help="tokens per row (default 1024)")
-    ap.add_argument(
-        "--dtype", default="bfloat16", choices=DTYPES, help="params and compute (default bfloat16)"
-    )
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="params and compute (default bfloat16)")
     ap.add_argument("--steps", type=positive(), default=5, help="timed steps after one warm-up (default 5)")
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch intra-op threads (default 1: steadiest on a shared machine; 0: torch's default)",
-    )
-    ap.add_argument(
-        "--paths",
-        type=csv_choice(PATHS),
-        default=list(DEFAULT_PATHS),
-        help=f"{','.join(PATHS)} (default {','.join(DEFAULT_PATHS)})",
-    )
-    ap.add_argument(
-        "--baseline", default="eager", choices=PATHS, help="the path the ratios divide by (default eager)"
-    )
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1: steadiest on a shared machine; 0: torch's default)")
+    ap.add_argument("--paths", type=csv_choice(PATHS), default=list(DEFAULT_PATHS),
+                    help=f"{','.join(PATHS)} (default {','.join(DEFAULT_PATHS)})")
+    ap.add_argument("--baseline", default="eager", choices=PATHS, help="the path the ratios divide by (default eager)")
     ap.add_argument("--timeout", type=positive(float), default=1800.0, help="seconds per path (default 1800)")
     ap.add_argument("--json", type=Path, help="write the full results here")
     ap.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
     ap.add_argument("--child-times", action="store_true", help=argparse.SUPPRESS)
+    # fmt: on
     args = ap.parse_args(argv)
     if args.layers < 0 or args.threads < 0:
         ap.error(f"--layers and --threads must be >= 0, got {args.layers}, {args.threads}")
     if args.baseline not in args.paths:
         ap.error(f"--baseline {args.baseline}: not one of --paths {','.join(args.paths)}")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.child or args.child_times:
-        print(json.dumps(rss_one(args) if args.child else times_all(args)), flush=True)
-        return 0
-    code, _ = run_bench(bench, args, report, summary)
-    return code
+    child = rss_one if args.child else times_all
+    args.child = args.child or args.child_times
+    return main_with_child(args, child, bench, report, summary)
