@@ -1,12 +1,9 @@
 """Copy-bandwidth baselines: raw host-to-device, device-to-host and on-device copies of one buffer.
 
-What a raw copy of the same bytes costs on this machine, for the backend's runtime. The
-benchmarks compare their transfers (weight swaps, release/resume with CPU backup) against these.
-
     python -m mllm_rl.bench copy --backend jax|torch --mb 1024 [--platform auto] [--repeats 5]
 
-prints one JSON object (``copy_bandwidth``); the benchmarks run it in a fresh process of their
-own venv. jax and torch are imported inside the functions that use them.
+prints one JSON object: what a raw copy costs here, what the weight swaps and release/resume
+(with CPU backup) are compared against.
 """
 
 from __future__ import annotations
@@ -25,24 +22,18 @@ from mllm_rl.bench.child import BenchError
 from mllm_rl.bench.cli import positive
 
 
-def _timed(fn: Callable[[], Any], repeats: int) -> list[float]:
-    fn()  # warm-up: first-touch page faults, allocator growth, kernel load
-    out = []
+def _bw(nbytes: int, fn: Callable[[], Any], repeats: int) -> dict[str, Any]:
+    """Best and median seconds and GB/s of ``repeats`` calls of ``fn`` after a warm-up (first-touch
+    page faults, allocator growth, kernel load)."""
+    fn()
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def _bw(nbytes: int, times: list[float]) -> dict[str, Any]:
+        times.append(time.perf_counter() - t0)
     best, med = min(times), statistics.median(times)
-    return {
-        "seconds_best": round(best, 6),
-        "seconds_median": round(med, 6),
-        "gbps_best": round(nbytes / best / 1e9, 3),
-        "gbps_median": round(nbytes / med / 1e9, 3),
-    }
+    return {"seconds_best": round(best, 6), "seconds_median": round(med, 6),
+            "gbps_best": round(nbytes / best / 1e9, 3), "gbps_median": round(nbytes / med / 1e9, 3)}  # fmt: skip
 
 
 def jax_copy_bandwidth(
@@ -76,18 +67,13 @@ def jax_copy_bandwidth(
         a.delete()
 
     fns = {"h2d": h2d, "d2h": d2h, "d2d": d2d}
-    for k in kinds:
-        out[k] = _bw(nbytes, _timed(fns[k], repeats))
+    out.update({k: _bw(nbytes, fns[k], repeats) for k in kinds})
     on_dev.delete()
     return out
 
 
-def torch_copy_bandwidth(
-    nbytes: int,
-    device: str = "auto",
-    repeats: int = 5,
-    kinds: Sequence[str] = ("h2d", "h2d_pinned", "d2h", "d2d"),
-) -> dict[str, Any]:
+def torch_copy_bandwidth(nbytes: int, device: str = "auto", repeats: int = 5,
+                         kinds: Sequence[str] = ("h2d", "h2d_pinned", "d2h", "d2d")) -> dict[str, Any]:  # fmt: skip
     """torch: ``h2d`` = ``tensor.to(device)`` from pageable host memory, ``h2d_pinned`` = the same
     from pinned memory (CUDA only), ``d2h`` = ``.to("cpu")``, ``d2d`` = ``clone()`` on the device.
     On CPU ``.to("cpu")`` is a no-op, so ``h2d``/``d2h``/``d2d`` are a host ``clone()`` (memcpy)."""
@@ -97,12 +83,8 @@ def torch_copy_bandwidth(
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     host = torch.ones(nbytes, dtype=torch.uint8)
-    out: dict[str, Any] = {
-        "runtime": "torch",
-        "platform": dev.type,
-        "bytes": nbytes,
-        "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
-    }
+    out: dict[str, Any] = {"runtime": "torch", "platform": dev.type, "bytes": nbytes,
+                           "device": torch.cuda.get_device_name(dev) if cuda else "cpu"}  # fmt: skip
     on_dev = host.to(dev) if cuda else host.clone()
     sync()
 
@@ -131,10 +113,9 @@ def torch_copy_bandwidth(
 
         fns["h2d_pinned"] = h2d_pinned
     for k in kinds:
-        if k in fns:
-            out[k] = _bw(nbytes, _timed(fns[k], repeats))
-        else:
-            out[k] = {"not_measured": "pinned host memory needs CUDA"}
+        out[k] = (
+            _bw(nbytes, fns[k], repeats) if k in fns else {"not_measured": "pinned host memory needs CUDA"}
+        )
     fns.clear()  # drops the closures' device buffers
     if cuda:
         torch.cuda.empty_cache()
@@ -152,10 +133,8 @@ def copy_bandwidth(backend: str, nbytes: int, platform_: str = "auto", repeats: 
     else:
         raise BenchError(f"--backend {backend!r}: choose jax or torch")
     if out["platform"] == "cpu":
-        out["note"] = (
-            "CPU: every copy is a host-to-host memcpy; there is no host-to-device link, so "
-            "ratios against it are not H2D efficiencies"
-        )
+        out["note"] = ("CPU: every copy is a host-to-host memcpy; there is no host-to-device link, so "
+                       "ratios against it are not H2D efficiencies")  # fmt: skip
     return out
 
 

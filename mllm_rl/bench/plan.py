@@ -29,6 +29,7 @@ from mllm_rl.bench import GiB, MiB
 from mllm_rl.bench.child import BenchError, bench_argv, child_env, flags, run_cmd, run_json
 from mllm_rl.bench.cli import (
     csv_choice,
+    doc_parser,
     failed_targets,
     main_with_child,
     output_flags,
@@ -86,11 +87,9 @@ def startup(args: argparse.Namespace) -> dict[str, Any]:
 
     Each case is a fresh interpreter of this venv (median of ``--repeats``: wall time, peak RSS):
     ``plain``, ``import jax; jax.devices()`` as every CPU run starts (the compilers live off
-    ``sys.path``, in ``<venv>/plan-compilers``): no plugin may load; ``on_path``, the same with them on
-    ``sys.path`` (what installing libtpu and the CUDA plugin into site-packages would cost every run:
-    JAX loads every plugin it finds); ``on_path_cpu``, that with ``JAX_PLATFORMS=cpu``;
-    ``plan_v4_8`` / ``plan_h100x8``, the planner's own set-up for a target (``topologies.prepare`` +
-    ``devices``: libtpu's topology and HBM probe / the CUDA plugin's topology).
+    ``sys.path``, in ``<venv>/plan-compilers``): no plugin may load; ``on_path``, with them on
+    ``sys.path`` (JAX loads every plugin it finds); ``on_path_cpu``, that with ``JAX_PLATFORMS=cpu``;
+    ``plan_v4_8`` / ``plan_h100x8``, the planner's set-up for a target (``topologies.prepare`` + ``devices``).
 
     Exit 0 when ``plain`` imported no plugin, 1 otherwise, 2 on bad input.
     """
@@ -282,13 +281,10 @@ CUDA_CASE = ("preset", "micro_batch", "seq_len", "rows", "dtype", "precision", "
 
 
 def cuda_flags(ap: argparse.ArgumentParser) -> None:
+    # fmt: off
     ap.add_argument("--preset", default="qwen3-0.6b", help="a preset of mllm_rl.presets (default qwen3-0.6b)")
-    ap.add_argument(
-        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="weights' dtype"
-    )
-    ap.add_argument(
-        "--precision", default="mixed", choices=["mixed", "pure"], help="the trainer's (default mixed)"
-    )
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="weights' dtype")
+    ap.add_argument("--precision", default="mixed", choices=["mixed", "pure"], help="the trainer's (default mixed)")
     ap.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (default 0: full fine-tune)")
     ap.add_argument("--micro-batch", type=positive(), default=4, help="rows per micro-batch (default 4)")
     ap.add_argument("--rows", type=int, default=0, help="rows per step (default: one micro-batch)")
@@ -296,9 +292,8 @@ def cuda_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--option", action="append", default=[], help="a model option key=value (repeatable)")
     ap.add_argument("--timed", type=int, default=3, help="timed steps after the measured ones (default 3)")
     ap.add_argument("--plan-only", action="store_true", help="the prediction alone (no GPU)")
-    ap.add_argument(
-        "--plan-json", type=Path, help="a --plan-only --json file to reuse instead of tracing again"
-    )
+    ap.add_argument("--plan-json", type=Path, help="a --plan-only --json file to reuse instead of tracing again")
+    # fmt: on
     output_flags(ap, timeout=900.0, per="CUDA step")
 
 
@@ -414,10 +409,9 @@ def vs_cuda(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.plan_only:
         return out
-    cmd = bench_argv("plan", "vs-cuda", "--child", *flags(**{k: getattr(args, k) for k in CUDA_CASE}))
-    m = run_json(
-        cmd + [x for o in args.option for x in ("--option", o)], "the CUDA step", timeout=args.timeout
-    )
+    opts = [x for o in args.option for x in ("--option", o)]
+    cmd = bench_argv("plan", "vs-cuda", "--child", *flags(**{k: getattr(args, k) for k in CUDA_CASE}), *opts)
+    m = run_json(cmd, "the CUDA step", timeout=args.timeout)
     out["measured"] = m
     out["peak_over_plan"] = m["peak_bytes"] / predicted["peak_bytes"]
     out["state_over_plan"] = m["state_bytes"] / predicted["state_bytes"]
@@ -472,6 +466,7 @@ TORCH_ONLY = dict(seq_len=32, plan_only=False, micro_batch=4, prompts=8, group_s
 
 
 def run_flags(ap: argparse.ArgumentParser) -> None:
+    # fmt: off
     ap.add_argument("--backend", required=True, choices=sorted(BACKENDS), help="whose run and planner")
     ap.add_argument("--model", "--preset", dest="model", default="tiny", help="preset or checkpoint dir")
     ap.add_argument("--steps", type=positive(), default=2, help="RL steps of the run (default 2)")
@@ -484,11 +479,10 @@ def run_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prompts", type=positive(), help="--plan-only: prompts per step (default 8)")
     ap.add_argument("--group-size", type=positive(), help="--plan-only: completions per prompt (default 8)")
     ap.add_argument("--dtype", help="--plan-only: param dtype (default: the preset's)")
-    ap.add_argument(
-        "--margin", type=float, help="--plan-only: fraction of device memory a phase may use (0.9)"
-    )
+    ap.add_argument("--margin", type=float, help="--plan-only: fraction of device memory a phase may use (0.9)")
     ap.add_argument("--markdown", action="store_true", help="--plan-only: the per-phase tables in Markdown")
     ap.add_argument("--run-arg", action="append", default=[], help="an argument for mllm_rl.run (repeatable)")
+    # fmt: on
     output_flags(ap, timeout=3600.0, per="subprocess", extra="more arguments for mllm_rl.run (after --)")
 
 
@@ -795,9 +789,8 @@ def run_summary(out: dict[str, Any]) -> dict[str, Any]:
 # -- the command line -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Mode:
-    """One WHAT: its flags, the benchmark (its docstring is the ``--help`` text), report, summary;
-    ``strict``: when finished results still exit 1 (``cli.main_with_child``); ``child``: what
-    ``--child`` measures in a fresh process; ``check``: defaults and checks after parsing."""
+    """One WHAT: its flags, the benchmark (its docstring: the ``--help`` text), report, summary; as
+    ``cli.main_with_child`` takes them; ``check``: defaults and checks after parsing."""
 
     flags: Callable[[argparse.ArgumentParser], None]
     bench: Callable[[argparse.Namespace], dict[str, Any]]
@@ -818,28 +811,19 @@ MODES = {
 }  # fmt: skip
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """``WHAT`` and its flags (exit 2 and one line on a bad one)."""
-    head, _, rest = __doc__.partition("\n\n")
-    ap = argparse.ArgumentParser(
-        description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def main(argv: list[str] | None = None) -> int:
+    ap = doc_parser(__doc__)
     sub = ap.add_subparsers(dest="what", required=True, metavar="WHAT")
-    parsers = {}
     for name, mode in MODES.items():
         head, _, rest = inspect.cleandoc(mode.bench.__doc__ or "").partition("\n\n")
-        parsers[name] = p = sub.add_parser(name, help=head, description=head, epilog=rest,
-                                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        p = sub.add_parser(name, help=head, description=head, epilog=rest,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
         mode.flags(p)
         if mode.child:
             p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+        p.set_defaults(parser=p)
     args = ap.parse_args(argv)
-    if MODES[args.what].check:
-        MODES[args.what].check(args, parsers[args.what])
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     m = MODES[args.what]
+    if m.check:
+        m.check(args, args.parser)
     return main_with_child(args, m.child, m.bench, m.report, m.summary, strict=m.strict)

@@ -16,7 +16,6 @@ device bytes; and mixed / pure ratios. Exit 0 with the results, 2 on bad input, 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import tempfile
@@ -25,10 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from mllm_rl.bench import MiB
 from mllm_rl.bench.child import run_argv, run_cmd
 from mllm_rl.bench.cli import positive, run_bench
 from mllm_rl.bench.machine import command_line, machine_info
 from mllm_rl.bench.tables import table
+from mllm_rl.sinks.jsonl import read_jsonl
 
 PRECISIONS = ("mixed", "pure")
 METRICS = ("reward_mean", "groups_zero_std", "ratio_mean", "logp_mismatch_mean", "logp_mismatch_max",
@@ -37,6 +38,7 @@ METRICS = ("reward_mean", "groups_zero_std", "ratio_mean", "logp_mismatch_mean",
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # fmt: off
     ap.add_argument("--backend", default="torch", choices=["torch", "jax"])
     ap.add_argument("--model", default="tiny", help="preset (written in --dtype)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -47,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("extra", nargs="*", help="after --: flags for every run")
+    # fmt: on
     args = ap.parse_args(argv)
     if args.steps < 2:
         ap.error("--steps must be >= 2 (changes are measured between two steps' checkpoints)")
@@ -83,9 +86,8 @@ def one_run(args: argparse.Namespace, model: str, precision: str, work: Path) ->
     run_cmd(cmd, f"{precision} run", timeout=args.timeout)
     steps = sorted((run_dir / "checkpoints").glob("step_*"))
     states = [load_trained(s, args.backend) for s in steps]
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    phases = [json.loads(line) for line in (run_dir / "phases.jsonl").read_text().splitlines() if line]
-    train = [p for p in phases if p["phase"] == "train_step"]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    train = [p for p in read_jsonl(run_dir / "phases.jsonl") if p["phase"] == "train_step"]
     peaks = [d.get("phase_peak_bytes") for p in train for d in p["memory"]["devices"]]
     return {"precision": precision, "checkpoints": [s.name for s in steps],
         "changed": [changed_share(a, b) for a, b in zip(states, states[1:], strict=False)],
@@ -103,58 +105,33 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         runs = {p: one_run(args, str(model.path), p, work) for p in PRECISIONS}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    mixed, pure = runs["mixed"], runs["pure"]
-
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return None if a is None or not b else a / b
-
-    return {
-        "machine": machine_info(),
-        "command": command_line(),
-        "backend": args.backend,
-        "model": args.model,
-        "dtype": args.dtype,
-        "lr": args.lr,
-        "temperature": args.temperature,
-        "runs": runs,
-        "ratios_mixed_over_pure": {
-            "changed_last": ratio(mixed["changed"][-1], pure["changed"][-1]),
-            "train_step_s": ratio(mixed["train_step_s"], pure["train_step_s"]),
-            "train_step_peak_bytes": ratio(mixed["train_step_peak_bytes"], pure["train_step_peak_bytes"]),
-        },
-    }
+    m, p = ({"changed_last": r["changed"][-1], **r} for r in (runs["mixed"], runs["pure"]))
+    keys = ("changed_last", "train_step_s", "train_step_peak_bytes")
+    ratios = {k: None if m[k] is None or not p[k] else m[k] / p[k] for k in keys}
+    return {"machine": machine_info(), "command": command_line(), "backend": args.backend, "model": args.model,
+            "dtype": args.dtype, "lr": args.lr, "temperature": args.temperature, "runs": runs,
+            "ratios_mixed_over_pure": ratios}  # fmt: skip
 
 
 def report(out: dict[str, Any]) -> str:
     rows = []
     for p, r in out["runs"].items():
-        last = r["per_step"][-1] if r["per_step"] else {}
-        rows.append(
-            {
-                "precision": p,
-                "changed": " ".join(f"{c:.4f}" for c in r["changed"]),
-                "mismatch": last.get("logp_mismatch_mean"),
-                "mismatch_max": last.get("logp_mismatch_max"),
-                "ratio0": r["per_step"][0].get("ratio_mean") if r["per_step"] else None,
-                "s": r["train_step_s"],
-                "peak": (r["train_step_peak_bytes"] or 0) / 2**20,
-            }
-        )
+        first, last = (r["per_step"][0], r["per_step"][-1]) if r["per_step"] else ({}, {})
+        rows.append({"precision": p, "changed": " ".join(f"{c:.4f}" for c in r["changed"]),
+            "mismatch": last.get("logp_mismatch_mean"), "mismatch_max": last.get("logp_mismatch_max"),
+            "ratio0": first.get("ratio_mean") if r["per_step"] else None, "s": r["train_step_s"],
+            "peak": (r["train_step_peak_bytes"] or 0) / MiB})  # fmt: skip
     cols = [("precision", "precision", ""), ("changed", "changed per step pair", ""),
         ("ratio0", "ratio_mean step 0", ".4f"), ("mismatch", "mismatch mean (last)", ".2e"),
         ("mismatch_max", "max", ".2e"), ("s", "train_step s", ".3f"), ("peak", "train peak MiB", ".1f")]  # fmt: skip
-    head = (
-        f"{out['model']} ({out['dtype']}), {out['backend']}, lr {out['lr']:g}, T {out['temperature']:g}; "
-        f"measured on {out['machine'].get('host_cpu')}, GPUs {out['machine'].get('gpus') or 'none'}"
-    )
+    head = (f"{out['model']} ({out['dtype']}), {out['backend']}, lr {out['lr']:g}, T {out['temperature']:g}; "
+            f"measured on {out['machine'].get('host_cpu')}, GPUs {out['machine'].get('gpus') or 'none'}")  # fmt: skip
     r = out["ratios_mixed_over_pure"]
     silent = [
         p for p, run in out["runs"].items() if all(m.get("groups_zero_std") == 1 for m in run["per_step"])
     ]
-    warn = (
-        f"no learning signal in {', '.join(silent)}: every group's rewards were equal (advantage 0, no "
-        f"gradient), so 'changed' says nothing about precision (a random-weight model scores 0 on the task)"
-    )
+    warn = (f"no learning signal in {', '.join(silent)}: every group's rewards were equal (advantage 0, no "
+            f"gradient), so 'changed' says nothing about precision (a random-weight model scores 0 on the task)")  # fmt: skip
     tail = "mixed / pure: " + ", ".join(f"{k} {v:.3g}" if v is not None else f"{k} -" for k, v in r.items())
     return "\n".join([head, table(rows, cols), tail] + ([warn] if silent else []))
 

@@ -29,7 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mllm_rl.bench.cli import doc_parser, positive, run_bench, target
+from mllm_rl.bench.child import flags
+from mllm_rl.bench.cli import doc_parser, main_with_child, positive, target
 from mllm_rl.bench.machine import ROOT, bench_json
 from mllm_rl.bench.tables import table
 from mllm_rl.sinks.jsonl import read_jsonl
@@ -42,6 +43,7 @@ SHARD_BOUND = 0.55  # a sharded process holds half the state, and FSDP2's paddin
 
 def parse_args(argv: list[str] | None = None) -> Any:
     ap = doc_parser(__doc__)
+    # fmt: off
     ap.add_argument("--model", default="tiny", help="preset or checkpoint dir")
     ap.add_argument("--steps", type=positive(), default=3)
     ap.add_argument("--prompts-per-step", type=positive(), default=8)
@@ -51,16 +53,17 @@ def parse_args(argv: list[str] | None = None) -> Any:
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here (one, two, dp)")
     ap.add_argument("run_flags", nargs="*", help="flags for every run, after --")
+    # fmt: on
     return ap.parse_args(argv)
 
 
 def _run(args: Any, nproc: int, extra: list[str], run_dir: Path) -> None:
-    flags = ["--backend", "torch", "--model", args.model, "--steps", str(args.steps),
-             "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
-             "--max-new-tokens", str(args.max_new_tokens), "--micro-batch-size", str(args.micro_batch_size),
-             "--checkpoint-every", "0", "--wandb", "disabled", "--console", "off", "--run-dir", str(run_dir),
-             *extra, *args.run_flags]  # fmt: skip
-    cmd = [sys.executable, "-m", "mllm_rl.launch", "--nproc", str(nproc), "--", *flags]
+    given = {k: getattr(args, k) for k in ("model", "steps", "prompts_per_step", "group_size", "max_new_tokens",
+                                           "micro_batch_size")}  # fmt: skip
+    run = flags(
+        backend="torch", **given, checkpoint_every=0, wandb="disabled", console="off", run_dir=run_dir
+    )
+    cmd = [sys.executable, "-m", "mllm_rl.launch", "--nproc", str(nproc), "--", *run, *extra, *args.run_flags]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600, env=dict(os.environ))
     if r.returncode != 0:
         raise ValueError(f"{' '.join(cmd)}: exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}")
@@ -122,18 +125,11 @@ def report(out: dict[str, Any]) -> str:
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "bench": "processes",
-        **{
-            r["case"]: {"train_step_s": r["train_step_s"], "trainer_mib": round(r["trainer_mib"], 3)}
-            for r in out["rows"]
-        },
-        "sharded_trainer_bytes_met": out["targets"]["sharded_trainer_bytes"]["pass"],
-    }
+    return {"bench": "processes",
+            **{r["case"]: {"train_step_s": r["train_step_s"], "trainer_mib": round(r["trainer_mib"], 3)} for r in out["rows"]},
+            "sharded_trainer_bytes_met": out["targets"]["sharded_trainer_bytes"]["pass"]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    code, out = run_bench(bench, parse_args(argv), report, summary)
-    if out is not None and not out["targets"]["sharded_trainer_bytes"]["pass"]:
-        return 1
-    return code
+    failed = lambda o: not o["targets"]["sharded_trainer_bytes"]["pass"]  # noqa: E731
+    return main_with_child(parse_args(argv), None, bench, report, summary, strict=failed)

@@ -16,9 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-GiB = 2**30
-MiB = 2**20
-VERDICT = {True: "pass", False: "FAIL", None: "n/a"}
+from mllm_rl.bench import GiB, MiB
+from mllm_rl.bench.tables import VERDICT
 
 
 def _r(x: Any, nd: int = 3) -> str:
@@ -30,39 +29,26 @@ def _r(x: Any, nd: int = 3) -> str:
 def figures(d: dict[str, Any]) -> str:
     b = d.get("bench")
     if b == "swap":
-        parts = []
-        for r in d["rows"]:
-            parts.append(
-                f"{r['mode']}: peak/steady {_r(r['peak_over_steady'])}, weights-only "
-                f"{_r(r['weights_only_ratio'])}, {_r(r['gbps'])} GB/s ({_r(r['gbps_over_h2d'])} of H2D)"
-            )
-        base = d.get("copy_baseline") or {}
-        if base:
+        parts = [f"{r['mode']}: peak/steady {_r(r['peak_over_steady'])}, weights-only {_r(r['weights_only_ratio'])}, "
+                 f"{_r(r['gbps'])} GB/s ({_r(r['gbps_over_h2d'])} of H2D)" for r in d["rows"]]  # fmt: skip
+        if base := d.get("copy_baseline") or {}:
             pin = base.get("h2d_pinned", {}).get("gbps_best")
             parts.append(f"H2D {_r(base['h2d']['gbps_best'])} GB/s" + (f", pinned {_r(pin)}" if pin else ""))
         return "; ".join(parts)
     if b == "release":
-        parts = [
-            f"{t}: freed {_r(v['freed_frac'], 4)}, release {_r(v['release_s'] * 1e3, 2)} ms "
-            f"({_r(v['release_over_memcpy'])}x {v['release_baseline']}), resume {_r(v['resume_s'] * 1e3, 2)} ms "
-            f"({_r(v['resume_over_memcpy'])}x {v['resume_baseline']})"
-            for t, v in d["tags"].items()
-        ]
+        parts = [f"{t}: freed {_r(v['freed_frac'], 4)}, release {_r(v['release_s'] * 1e3, 2)} ms "
+                 f"({_r(v['release_over_memcpy'])}x {v['release_baseline']}), resume {_r(v['resume_s'] * 1e3, 2)} ms "
+                 f"({_r(v['resume_over_memcpy'])}x {v['resume_baseline']})" for t, v in d["tags"].items()]  # fmt: skip
         return f"cpu backup {d['weights_cpu_backup']}; " + "; ".join(parts)
     if b == "rl_memory":
         parts = []
         for s, e in d["schedules"].items():
             fit = e.get("bisect", {}).get("largest_ok_tokens") if e.get("bisect") else None
-            fit_txt = (
-                f"bisected max KV {fit} tok"
-                if fit is not None
-                else f"predicted max KV {(e.get('fit_run') or {}).get('tokens')} tok (run), "
-                f"{(e.get('fit_steps') or {}).get('tokens')} (steps)"
-            )
-            parts.append(
-                f"{s}: step peak {_r((e['step_peak'] or 0) / MiB, 1)} MiB at {e['step_peak_phase']}, "
-                f"/max(train,rollout) {_r(e['step_peak_over_max_train_rollout'])}, {fit_txt}"
-            )
+            fit_txt = (f"bisected max KV {fit} tok" if fit is not None else
+                       f"predicted max KV {(e.get('fit_run') or {}).get('tokens')} tok (run), "
+                       f"{(e.get('fit_steps') or {}).get('tokens')} (steps)")  # fmt: skip
+            parts.append(f"{s}: step peak {_r((e['step_peak'] or 0) / MiB, 1)} MiB at {e['step_peak_phase']}, "
+                         f"/max(train,rollout) {_r(e['step_peak_over_max_train_rollout'])}, {fit_txt}")  # fmt: skip
         parts.append(f"naive/multi_stage {_r(d.get('naive_over_multi_stage_step_peak'))}")
         return "; ".join(parts)
     if b == "soak":
@@ -73,27 +59,18 @@ def figures(d: dict[str, Any]) -> str:
             f"{d['cycles'] - d.get('token_mismatch_count', len(d['token_mismatch_cycles']))}/{d['cycles']}"
         )
     if b == "engine":
-        return "; ".join(
-            f"{r['engine']} B={r['batch']}: {_r(r['decode_tok_s'], 1)} tok/s "
-            f"({_r(r['decode_over_hf'])}x hf)"
-            + (
-                f" [{r['over_length_outputs']} outputs longer than asked]"
-                if r.get("over_length_outputs")
-                else ""
-            )
-            for r in d["rows"]
-        )
+        return "; ".join(f"{r['engine']} B={r['batch']}: {_r(r['decode_tok_s'], 1)} tok/s ({_r(r['decode_over_hf'])}x hf)"
+                         + (f" [{r['over_length_outputs']} outputs longer than asked]" if r.get("over_length_outputs") else "")
+                         for r in d["rows"])  # fmt: skip
     if b == "plan_vs_cuda":
         c, m = d["predicted"]["case"], d.get("measured") or {}
         opts = " ".join(f"{k}={v}" for k, v in c["options"]) or "defaults"
         what = f"{c['rows']} x {c['seq_len']} {c['precision']}, lora {c['lora_rank']}, {opts}: "
+        pred = _r(d["predicted"]["peak_bytes"] / GiB, 2)
         if not m:
-            return what + f"predicted peak {_r(d['predicted']['peak_bytes'] / 2**30, 2)} GiB (not measured)"
-        return what + (
-            f"peak {_r(m['peak_bytes'] / 2**30, 2)} GiB measured / {_r(d['predicted']['peak_bytes'] / 2**30, 2)} "
-            f"predicted = {_r(d['peak_over_plan'], 4)}"
-            + (", OUT OF MEMORY" if m.get("oom") else f", {_r(m.get('tokens_per_s'), 0)} tokens/s")
-        )
+            return what + f"predicted peak {pred} GiB (not measured)"
+        return what + f"peak {_r(m['peak_bytes'] / GiB, 2)} GiB measured / {pred} predicted = {_r(d['peak_over_plan'], 4)}" + (
+            ", OUT OF MEMORY" if m.get("oom") else f", {_r(m.get('tokens_per_s'), 0)} tokens/s")  # fmt: skip
     return "(unknown bench)"
 
 
@@ -118,10 +95,8 @@ def summarize(root: Path) -> str:
             continue
         seen.add(f.stem)
         platform = d.get("platform") or (d.get("rows") or [{}])[0].get("platform")
-        rows.append(
-            f"| {f.stem} | {d['bench']} | {d.get('backend', '-')} | {d.get('preset', '-')} | "
-            f"{platform or '-'} | {figures(d)} | {targets(d)} |"
-        )
+        rows.append(f"| {f.stem} | {d['bench']} | {d.get('backend', '-')} | {d.get('preset', '-')} | "
+                    f"{platform or '-'} | {figures(d)} | {targets(d)} |")  # fmt: skip
     status = root / "status.tsv"
     if status.exists():
         for line in status.read_text().splitlines():
