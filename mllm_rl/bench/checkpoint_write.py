@@ -2,17 +2,11 @@
 
     .venv-torch/bin/python -m mllm_rl.bench checkpoint-write --mb 1024 [--repeats 3] [--json OUT]
 
-Side by side in one process, interleaved round by round, on a state of ``--mb`` MiB of float32
-tensors (64 of them, like a model's params and AdamW moments): ``host copy`` (a clone of every
-tensor, the floor the issue measures against), ``save + read back`` (``torch.save``, then the
-manifest reads the file back to hash it), ``save + CRC32s, hashed while written`` (one file: a
-second thread hashes each buffer as it goes to the file, the manifest takes that hash; with
-torch's per-record CRC32s), ``save, hashed while written`` (the same without CRC32s) and the
-trainer's write (``state_file.write_state``: that as k files at once, each written and hashed by
-its own threads; k = ``--shards``, default one per core as the trainer chooses, 1 for a state
-under 64 MiB per file), and that again synced to disk (``sync_tree``: what a checkpoint waits for
-before its manifest counts it). Each write's directory is removed after it is timed. Medians over ``--repeats``; a CPU figure of
-this machine's disk and page cache.
+On ``--mb`` MiB of float32 tensors (64, like params and AdamW moments), interleaved round by round:
+a host copy (the floor), ``torch.save`` + a manifest reading the file back, one file hashed while
+written (with and without CRC32s), the trainer's ``state_file.write_state`` (``--shards`` files at
+once; default as the trainer chooses), and that synced to disk. Medians over ``--repeats``; a CPU
+figure of this machine's disk and page cache.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The shared command-line pieces of the benchmarks: argparse types, target checks, and
-``run_bench``, the end every benchmark shares (report, ``--json``, one JSON summary line, exit code)."""
+"""The command-line pieces the benchmarks share: argparse types, target checks, and ``run_bench``,
+their common end (report, ``--json``, one JSON summary line, exit code)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from typing import Any
 from mllm_rl.bench.child import BenchError
 
 PLATFORMS = ["auto", "cpu", "gpu", "cuda", "tpu"]
+Results = dict[str, Any]
 
 
 def doc_parser(doc: str) -> argparse.ArgumentParser:
-    """A script's parser from its module docstring: the first paragraph as the description, the
-    rest after the options (``--help``)."""
+    """A parser with the docstring's first paragraph as description, the rest after the options."""
     head, _, rest = doc.partition("\n\n")
     return argparse.ArgumentParser(
         description=head, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=rest
@@ -26,8 +26,8 @@ def doc_parser(doc: str) -> argparse.ArgumentParser:
 
 
 def bench_parser(doc: str, backend: str | None = "jax") -> argparse.ArgumentParser:
-    """A benchmark's parser (the docstring's first paragraph as description) with the flags most
-    share: ``--backend`` (default ``backend``; required when None), ``--preset``, ``--platform``."""
+    """A parser with the flags most benchmarks share: ``--backend`` (default ``backend``; required
+    when None), ``--preset``, ``--platform``."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog="Details: docs/BENCHMARKS.md")
     ap.add_argument("--backend", default=backend, required=backend is None, choices=["jax", "torch"])
     ap.add_argument(
@@ -40,30 +40,33 @@ def bench_parser(doc: str, backend: str | None = "jax") -> argparse.ArgumentPars
 def output_flags(
     ap: argparse.ArgumentParser, timeout: float | None = 3600.0, per: str = "run", extra: str = ""
 ) -> None:
-    """``--timeout`` (seconds per ``per``; left out when None), ``--json`` and, with ``extra`` as its
-    help, the arguments after ``--`` (for ``mllm_rl.run``): the end of most benchmarks' flags."""
+    """``--timeout`` (seconds per ``per``; none when None), ``--json`` and, when ``extra`` (its help),
+    the arguments after ``--`` for ``mllm_rl.run``."""
     if timeout is not None:
-        why = f"seconds per {per} (default {timeout:g})"
-        ap.add_argument("--timeout", type=positive(float), default=timeout, help=why)
+        ap.add_argument(
+            "--timeout",
+            type=positive(float),
+            default=timeout,
+            help=f"seconds per {per} (default {timeout:g})",
+        )
     ap.add_argument("--json", type=Path, help="also write the results here")
     if extra:
         ap.add_argument("extra", nargs="*", help=extra)
 
 
 def progress(line: str) -> None:
-    """One progress line on stderr, flushed (stdout ends with the JSON line that callers parse)."""
+    """One progress line on stderr (stdout ends with the JSON line that callers parse)."""
     print(line, file=sys.stderr, flush=True)
 
 
 def hard_exit(code: int) -> None:
-    """Flush and leave without interpreter teardown, which engines with scheduler threads
-    (sglang-jax) abort: the end of a script that ran an engine in its own process."""
+    """Flush and leave without interpreter teardown, which engines with scheduler threads abort."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
-def write_json(path: Path | None, obj: dict[str, Any]) -> None:
+def write_json(path: Path | None, obj: Results) -> None:
     """Write ``obj`` to ``path`` atomically (nothing when ``path`` is None)."""
     if path is None:
         return
@@ -74,27 +77,17 @@ def write_json(path: Path | None, obj: dict[str, Any]) -> None:
 
 
 def run_bench(
-    bench: Callable[[Any], dict[str, Any]],
-    args: Any,
-    report: Callable[[dict[str, Any]], str],
-    summary: Callable[[dict[str, Any]], dict[str, Any]],
-    report_to_stderr: bool = False,
-) -> tuple[int, dict[str, Any] | None]:
-    """The shared end of every benchmark: run ``bench(args)``, print the human report, write
-    ``--json``, print one JSON summary line last (what ``gpu_bench_all.sh`` and tests parse).
-
-    Returns ``(exit code, results)``: 2 on bad input (``ValueError``, incl. ``CheckpointError``:
-    one line on stderr), 1 on a ``BenchError``, else 0 and the results (the caller decides whether
-    failed targets turn the 0 into a 1).
-    """
+    bench: Callable[[Any], Results], args: Any, report: Callable[[Results], str],
+    summary: Callable[[Results], Results], report_to_stderr: bool = False,
+) -> tuple[int, Results | None]:  # fmt: skip
+    """Run ``bench(args)``, print the report, write ``--json``, print the JSON summary line last.
+    Returns (2 on bad input, a ``ValueError``; 1 on a ``BenchError``: one line on stderr; else 0,
+    and the results)."""
     try:
         out = bench(args)
-    except BenchError as e:
+    except (BenchError, ValueError) as e:  # ValueError: bad preset / checkpoint / backend / flag value
         print(f"error: {e}", file=sys.stderr)
-        return 1, None
-    except ValueError as e:  # bad preset / checkpoint / backend / flag value: one line
-        print(f"error: {e}", file=sys.stderr)
-        return 2, None
+        return (1 if isinstance(e, BenchError) else 2), None
     text = report(out)
     if text:
         print(text, file=sys.stderr if report_to_stderr else sys.stdout)
@@ -103,24 +96,19 @@ def run_bench(
     return 0, out
 
 
-def pick(d: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
-    """The entries of ``d`` under ``keys`` that it has, in that order (a summary line, a row)."""
+def pick(d: Results, keys: Sequence[str]) -> Results:
+    """The entries of ``d`` under ``keys`` that it has, in that order."""
     return {k: d[k] for k in keys if k in d}
 
 
 def main_with_child(
-    args: Any,
-    child: Callable[[Any], dict[str, Any]] | None,
-    bench: Callable[[Any], dict[str, Any]],
-    report: Callable[[dict[str, Any]], str],
-    summary: Callable[[dict[str, Any]], dict[str, Any]],
-    strict: bool | Callable[[dict[str, Any]], bool] = False,
-    report_to_stderr: bool = False,
-) -> int:
-    """The ``main`` of a script that measures in a fresh copy of itself: with ``--child`` print
-    ``child(args)`` as one JSON line (what ``child.last_json_line`` reads), else ``run_bench``
-    (``strict``: a failed target turns exit 0 into 1, ``exit_code``; a function of the results:
-    whether they turn it into 1)."""
+    args: Any, child: Callable[[Any], Results] | None, bench: Callable[[Any], Results],
+    report: Callable[[Results], str], summary: Callable[[Results], Results],
+    strict: bool | Callable[[Results], bool] = False, report_to_stderr: bool = False,
+) -> int:  # fmt: skip
+    """A benchmark's ``main``: with ``--child`` print ``child(args)`` as one JSON line (a measurement
+    in a fresh copy of itself), else ``run_bench``; ``strict`` (or ``strict(results)``): failed
+    targets turn exit 0 into 1."""
     if getattr(args, "child", False):
         print(json.dumps(child(args)), flush=True)
         return 0
@@ -130,31 +118,30 @@ def main_with_child(
     return exit_code(code, out, strict)
 
 
-def failed_targets(out: dict[str, Any]) -> bool:
+def failed_targets(out: Results) -> bool:
     """True when a target that applies failed (``pass`` is False; None = not applicable)."""
     return any(t.get("pass") is False for t in out.get("targets", {}).values())
 
 
-def exit_code(code: int, out: dict[str, Any] | None, strict: bool = True) -> int:
+def exit_code(code: int, out: Results | None, strict: bool = True) -> int:
     """``run_bench``'s code, turned into 1 when ``strict`` and a target that applies failed."""
     return 1 if code == 0 and strict and out is not None and failed_targets(out) else code
 
 
-def target(value: float | None, op: str, bound: float, applies: bool = True, why: str = "") -> dict[str, Any]:
+def target(value: float | None, op: str, bound: float, applies: bool = True, why: str = "") -> Results:
     """A target check: ``pass`` is None when it does not apply (e.g. a GPU target on CPU)."""
     ok = None
     if applies and value is not None:
         ok = value <= bound if op == "<=" else value >= bound
     shown = int(bound) if float(bound).is_integer() and abs(bound) >= 1000 else bound
-    out: dict[str, Any] = {"value": value, "target": f"{op} {shown}", "pass": ok}
+    out: Results = {"value": value, "target": f"{op} {shown}", "pass": ok}
     if not applies and why:
         out["not_applicable"] = why
     return out
 
 
 def positive(kind: type = int, least: float | None = None, why: str = "") -> Callable[[str], Any]:
-    """argparse type: a number > 0, or >= ``least`` when given (``why``: the reason, in the one-line
-    error)."""
+    """argparse type: a number > 0, or >= ``least`` (``why``: the reason, in the error)."""
 
     def parse(s: str) -> Any:
         try:
@@ -170,7 +157,7 @@ def positive(kind: type = int, least: float | None = None, why: str = "") -> Cal
 
 
 def csv_list(kind: type = str, least: int | None = None, what: str = "values") -> Callable[[str], list[Any]]:
-    """argparse type: one or more comma-separated ``kind`` values (``what``), each >= ``least`` when given."""
+    """argparse type: one or more comma-separated ``kind`` values, each >= ``least`` when given."""
 
     def parse(s: str) -> list[Any]:
         try:
@@ -187,12 +174,11 @@ def csv_list(kind: type = str, least: int | None = None, what: str = "values") -
 
 
 def csv_choice(choices: Sequence[str]) -> Callable[[str], list[str]]:
-    """argparse type: comma-separated subset of ``choices``."""
+    """argparse type: a comma-separated subset of ``choices``."""
 
     def parse(s: str) -> list[str]:
         items = [x.strip() for x in s.split(",") if x.strip()]
-        bad = [x for x in items if x not in choices]
-        if bad or not items:
+        if not items or any(x not in choices for x in items):
             raise argparse.ArgumentTypeError(f"{s!r}: choose from {', '.join(choices)} (comma-separated)")
         return items
 

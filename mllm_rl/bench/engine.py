@@ -4,16 +4,11 @@
     python -m mllm_rl.bench engine --backend jax --preset tiny --batch 1,32     # sglang-jax vs HF
     python -m mllm_rl.bench engine --engines embedded,hf,sglang --platform cuda --preset qwen3-0.6b
 
-Engines, each in its own fresh process on the same model and prompts: ``embedded`` (torch),
-``hf`` (``AutoModelForCausalLM.generate``, greedy, ``min_new_tokens`` = ``max_new_tokens``),
-``sglang-jax`` (under ``--python-jax``), ``sglang`` (CUDA). Torch engines run under
-``--python-torch``; defaults: this interpreter when it has the package, else the repo's venvs.
-
-Per engine and batch B: ``t1`` = a generate of 1 new token, ``tN`` = of ``--new-tokens`` N, timed
-back to back ``--repeats`` times in ``--rounds`` interleaved processes; ``decode tok/s`` = median
-B (N - 1) / (tN - t1), ``e2e tok/s`` = generated / fastest tN, ``prefill tok/s`` = B P / fastest t1,
-and each as a ratio to HF. ``greedy = hf``: fraction of sequences equal to HF's (bf16 near-ties may
-differ); ``> N tokens``: outputs longer than asked (an engine bug).
+Engines (``embedded``, ``hf``, ``sglang`` under ``--python-torch``; ``sglang-jax`` under
+``--python-jax``), each in fresh processes (``--rounds``, interleaved) on the same model and prompts.
+Per batch B: ``t1`` / ``tN`` = a generate of 1 / ``--new-tokens`` N tokens, back to back
+``--repeats`` times; decode tok/s = median B (N - 1) / (tN - t1), e2e and prefill from the fastest
+runs, each also over HF's; ``greedy = hf``: the share of sequences equal to HF's.
 """
 
 from __future__ import annotations

@@ -3,15 +3,11 @@
     python -m mllm_rl.bench model-paths --model qwen3-0.6b --target v4-8 --batch 4 --seq 1024
     python -m mllm_rl.bench model-paths --model qwen3-4b --batch 4 --seq 4096 --paths new --json out.json
 
-For each path the trainer's real ``grad`` (or ``logprob``) step function is lowered with abstract
-inputs over the target's devices and compiled by libtpu (no TPU needed), each path in its own
-process. Printed per device: argument / output / temp / peak bytes of ``memory_analysis()``
-(predicted by the XLA TPU compiler; a program that does not fit is reported as RESOURCE_EXHAUSTED),
-compile seconds and peak host RSS (measured here), then new / old ratios.
-
-Paths: ``old`` = ``ModelOptions(scan_layers=False, remat="none", logprob_chunk=0)``; ``new`` =
-``ModelOptions.for_platform("tpu")`` (scan, per-block remat, splash attention, chunked head), both
-with ``--tp``. The last stdout line is a JSON summary.
+Per path, in its own process: the trainer's ``grad`` (or ``logprob``) step lowered on abstract
+inputs over the target's devices and compiled by libtpu; per device the predicted argument /
+output / temp / peak bytes (``memory_analysis``; RESOURCE_EXHAUSTED when it does not fit), the
+measured compile seconds and host RSS, and new / old ratios. ``old`` = no scan, no remat, whole
+head; ``new`` = ``ModelOptions.for_platform("tpu")``; both with ``--tp``.
 """
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 
     python -m mllm_rl.bench multitask --backend jax|torch [--tasks 2] [--steps 2] [--json OUT]
 
-Runs every task alone, then all in one ``python -m mllm_rl.run --tasks FILE``, each in a fresh
-process (the ``tiny`` preset with seeds 0..N-1 and different learning rates). From the phase records
-and ``leases.jsonl`` (device truth): ``peak ratio`` = multi-task peak / largest single peak (target
-<= 1.05); ``between leases`` = largest drift of device bytes after a lease from the baseline (target
-<= 1 MiB); ``wall ratio`` = multi-task wall time / sum of the singles' (target <= 1.10); ``rewards
-equal``: each task's per-step rewards, losses and grad norms exactly as alone.
+Every task alone, then all in one ``mllm_rl.run --tasks FILE`` (tiny, seeds 0..N-1, different
+learning rates), each in a fresh process. Targets: multi-task peak / largest single peak <= 1.05;
+drift of device bytes between leases <= 1 MiB; wall time / sum of the singles' <= 1.10; each
+task's per-step rewards, losses and grad norms exactly as alone.
 
 Exit 0 when every target passed, 1 when one failed or a run failed, 2 on bad input.
 """

@@ -5,12 +5,10 @@
     python -m mllm_rl.bench precision --model qwen3-0.6b --platform cuda --json OUT.json
     python -m mllm_rl.bench precision -- --prompts-per-step 4            # extra flags for every run
 
-Runs ``python -m mllm_rl.run ... --precision P --checkpoint-every 1`` for P = ``mixed`` and
-``pure``, each in a fresh process, on the preset written in ``--dtype`` (bfloat16 by default). Per
-run: ``changed``, the share of trained weight elements that differ between the last two checkpoints
-(zero at any precision when every group has equal rewards: the report says so); the engine/trainer
-log-prob mismatch, ``ratio_mean`` and ``reward_mean``; the median ``train_step`` seconds and peak
-device bytes; and mixed / pure ratios. Exit 0 with the results, 2 on bad input, 1 when a run failed.
+One ``mllm_rl.run ... --precision P --checkpoint-every 1`` per P in a fresh process, the preset in
+``--dtype``: the share of trained weights changed between the last two checkpoints (zero when every
+group's rewards are equal: said so), log-prob mismatch, ``ratio_mean``, ``train_step`` seconds and
+peak bytes, and mixed / pure ratios. Exit 0 with the results, 2 on bad input, 1 when a run failed.
 """
 
 from __future__ import annotations

@@ -2,18 +2,11 @@
 
     python -m mllm_rl.bench processes [--model tiny] [--steps 3] [--json OUT] [--keep DIR] [-- RUN FLAGS]
 
-Each case is ``python -m mllm_rl.launch --nproc N -- --backend torch ...`` on this machine (CPU:
-gloo; one device per process on a CUDA node), the same run flags for all. From each run's phase
-records: the median ``train_step`` and whole-step seconds over the steps after the first (process
-0's), the trainer's bytes at the end of ``train_step`` per process (params + AdamW state:
-``bytes_in_use``), and step 0's ``reward_mean`` / ``loss`` / ``grad_norm`` (equal across the
-cases up to float32 reduction noise, the check that all three ran the same run). Ratios are
-against the one-process run. On a CPU with few cores the processes share the cores: the time
-ratios say what the collectives and the duplicated work cost there, not how a GPU node scales.
-
-Flags after ``--`` go to every run (after the script's own, so they win: ``-- --lora-rank 0
---checkpoint-every 1``); ``--keep DIR`` keeps the three run directories there (``one``, ``two``,
-``dp``) for a closer look, else they are removed.
+Each case is ``python -m mllm_rl.launch --nproc N -- --backend torch ...`` (CPU: gloo), the flags
+after ``--`` last (they win). From the phase records: median ``train_step`` and step seconds after
+the first step (process 0), the trainer's bytes per process, step 0's reward / loss / grad norm
+(equal up to float32 reduction noise: the same run). On a CPU the processes share the cores: the
+time ratios are not a scaling figure. ``--keep DIR`` keeps the runs (``one``, ``two``, ``dp``).
 
 Exit 0 when every run succeeded and the sharded run's per-process trainer bytes are at most
 0.55 x the one-process run's; 1 otherwise; 2 on bad input.

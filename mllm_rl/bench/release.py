@@ -3,14 +3,11 @@
     python -m mllm_rl.bench release --backend torch|jax --preset qwen3-4b [--platform cuda] [--cpu-backup]
         [--cycles 3] [--json OUT]
 
-One process, one engine (torch embedded, SGLang with ``--engine sglang``, or sglang-jax), swapped
-to the checkpoint's weights; then ``--cycles`` times: release ``kv_cache`` and ``weights``, resume
-them, and (no CPU backup) a full weight re-sync. Per tag: ``freed_frac`` = device bytes freed /
-``tag_bytes`` (device truth, min over cycles; target >= 0.99), the same on resume, and the median
-``release_s`` / ``resume_s`` next to a raw copy of those bytes in the same process (on-device, or
-D2H / H2D with a CPU backup). A greedy generation after the last cycle is compared with one before
-the first. The last stdout line is one JSON object. Exit 0 with results (``--strict``: 1 when a
-target fails), 2 on bad input.
+One engine in this process, ``--cycles`` times: release ``kv_cache`` and ``weights``, resume them,
+re-sync the weights when no CPU backup kept them. Per tag: device bytes freed / held (min over
+cycles; target >= 0.99), the same on resume, and the median release / resume seconds next to a raw
+copy of those bytes (on-device, or D2H / H2D with a CPU backup); greedy output before vs after.
+Exit 0 with results (``--strict``: 1 when a target fails), 2 on bad input.
 """
 
 from __future__ import annotations

@@ -4,14 +4,11 @@
     python -m mllm_rl.bench rl-memory --backend torch --preset qwen3-1.7b --platform cuda --bisect
     python -m mllm_rl.bench rl-memory --preset tiny -- --prompts-per-step 4   # extra flags for mllm_rl.run
 
-Runs ``python -m mllm_rl.run --plan rl`` once per ``--schedule`` (``multi_stage``, ``naive``) in fresh
-processes and reads the phase records (max over devices and steps): per-phase peak device bytes,
-the step and setup peaks, ``multi-stage step peak / max(train_step peak, rollout peak)`` (1.0 = no
-more than its largest phase), and the largest KV cache each schedule fits into ``--budget-gb``
-(default: the device's ``bytes_limit``; CPU has none). That last is predicted: only the KV pool grows
-with ``--max-total-tokens``, so ``fits(K) <=> non-KV bytes of every phase + K (where resident) <=
-budget``. ``--bisect`` (accelerators) measures it instead, growing ``--max-total-tokens`` until an
-out-of-memory failure and bisecting.
+One ``mllm_rl.run --plan rl`` per ``--schedule`` in a fresh process; from its phase records (max
+over devices and steps): per-phase peaks, the step and setup peaks, step peak / max(train_step,
+rollout), and the largest KV cache that fits ``--budget-gb`` (default the device's
+``bytes_limit``), predicted (only the KV pool grows with ``--max-total-tokens``) or, with
+``--bisect``, measured by growing it until an out-of-memory.
 
 Exit 0 with results, 1 when a run failed, 2 on bad input.
 """

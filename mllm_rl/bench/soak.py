@@ -2,20 +2,14 @@
 
     python -m mllm_rl.bench soak --backend jax|torch --preset tiny --cycles 100 [--cpu-backup] [--trainer] [--json OUT]
 
-One ``ManagedEngine`` in this process (sglang-jax's shutdown SIGKILLs every child process, so it
-gets its own) and, with ``--trainer``, the backend's trainer. After a full weight sync and a greedy
-probe, each cycle does what a colocated RL step does to the engine:
+One ``ManagedEngine`` (and, with ``--trainer``, the backend's trainer) in this process. Each cycle
+does what a colocated RL step does to the engine: drain, release KV cache and weights, [trainer
+onload/offload,] resume the weights, a full update (every ``--update-every`` cycles with
+``--cpu-backup``), resume the KV cache, continue, a greedy probe. Checked every cycle: device
+memory back at baseline within ``--device-tol-mib``, releases freeing >= 99% of the tags' bytes,
+greedy tokens identical, host RSS within ``--rss-tol-mib`` after ``--warmup`` cycles.
 
-    drain -> release(kv_cache, weights) [-> trainer onload params+optimizer -> offload optimizer]
-    -> empty_cache -> resume(weights) -> update_weights (full; from the trainer with --trainer)
-    [-> trainer offload params] -> empty_cache -> resume(kv_cache) -> continue -> greedy probe
-
-With ``--cpu-backup`` the update runs every ``--update-every`` cycles, so other probes read weights
-restored from the backup. Checked every cycle: device memory back at baseline within
-``--device-tol-mib`` and releases freeing >= 99% of the tags' bytes; greedy tokens identical; host
-RSS within ``--rss-tol-mib`` after ``--warmup`` cycles (slope printed in bytes/cycle).
-
-Exit 0 when every target holds, 1 when one fails, 2 on bad input. JSON: ``--json``.
+Exit 0 when every target holds, 1 when one fails, 2 on bad input.
 """
 
 from __future__ import annotations

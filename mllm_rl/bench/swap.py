@@ -3,15 +3,11 @@
     python -m mllm_rl.bench swap --backend jax|torch --preset qwen3-4b [--platform gpu] [--json OUT]
     python -m mllm_rl.bench swap --preset tiny -- --swap-chunk-mb 0      # extra flags for mllm_rl.run
 
-Each in its own fresh process: the copy-bandwidth baseline (``python -m mllm_rl.bench copy``, a
-buffer of the checkpoint's size clamped to [64 MiB, 4 GiB], ``--copy-mb``), then ``python -m
-mllm_rl.run --plan swap --swap-mode streaming`` and ``naive`` (every tensor placed first, then
-installed: the MLLM-JAX path), with the checkpoint already in the page cache.
-
-Per mode, from the ``weights_swapped`` phase record (device truth): ``peak/steady`` (target for
-streaming <= 1.10; steady includes the KV cache), ``weights-only`` = (peak - non-weight bytes) /
-weight bytes (1.0 = never more than one copy), ``GB/s`` of ``update_weights`` and ``GB/s / H2D``
-against the pageable H2D bandwidth (target >= 0.7 on an accelerator; not applicable on CPU).
+Each in a fresh process, the checkpoint in the page cache: the copy-bandwidth baseline (``copy``,
+``--copy-mb``), then ``mllm_rl.run --plan swap`` with ``--swap-mode streaming`` and ``naive``. Per
+mode, from the ``weights_swapped`` record: ``peak/steady`` (target for streaming <= 1.10),
+``weights-only`` = (peak - non-weight bytes) / weight bytes, ``GB/s`` and ``GB/s / H2D`` (target
+>= 0.7 on an accelerator).
 
 Exit 0 with the results (``--strict``: 1 when an applicable target fails), 2 on bad input,
 1 when a run failed.

@@ -8,20 +8,14 @@ Eager vs SDPA attention, the chunked log-prob head, per-block activation checkpo
     python -m mllm_rl.bench torch-attention --preset tiny --layers 0 --seq 2048 --dtype float32 \
         --paths sdpa+chunked,sdpa+chunked+remat --baseline sdpa+chunked   # remat vs none
 
-**A CPU figure.** Paths (``backends/torch/model.py``): ``eager`` = plain attention and head (float32
-[B, N, T, T] scores and [B, T, V] logits kept for the backward); ``sdpa`` = ``scaled_dot_product_attention``,
-the whole head; ``sdpa+chunked`` = SDPA and the head in ``LOGPROB_CHUNK``-token chunks recomputed in
-the backward (what the trainer runs); ``sdpa+chunked+remat`` = that with every decoder layer under
-``torch.utils.checkpoint`` (``--model-option remat=true``).
-
-**Measured** on ``--threads`` threads: ``--preset`` (``--layers`` deep) with seeded random weights in
-``--dtype``; a step is the forward (next-token log-probs at temperature 0.7, one row right-padded)
-and the backward of their mean. Step time: every path in one process, steps interleaved (a busy
-machine slows each alike), the median of ``--steps`` after a warm-up. Peak memory: each path alone
-in a fresh process, the peak RSS rise of two steps. **Predicted** per path: the torch planner's
-activations + temporaries at the forward/backward peak of one ``TorchTrainer`` step of that shape
-on fake tensors (``backends/torch/memplan.py: trainer_step_memory``). Ratios are over ``--baseline``.
-The last stdout line is a JSON summary.
+**A CPU figure.** Paths (``backends/torch/model.py``): ``eager`` (plain attention and head),
+``sdpa`` (``scaled_dot_product_attention``), ``sdpa+chunked`` (and the head in chunks recomputed in
+the backward: what the trainer runs), ``sdpa+chunked+remat`` (and every layer under
+``torch.utils.checkpoint``). A step: forward and backward of seeded random weights in ``--dtype``.
+**Measured**: step time with the paths interleaved in one process (median of ``--steps``), the
+peak RSS rise of each path alone in a fresh process. **Predicted**: the torch planner's
+activations at the forward/backward peak of one ``TorchTrainer`` step on fake tensors. Ratios
+are over ``--baseline``; the last stdout line is a JSON summary.
 """
 
 from __future__ import annotations
