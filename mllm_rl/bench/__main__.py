@@ -13,30 +13,14 @@ import sys
 from pathlib import Path
 
 PROG = "python -m mllm_rl.bench"
-# name on the command line -> the module that is that benchmark (each has ``main(argv) -> int``)
-BENCHES: dict[str, str] = {
-    "checkpoint-write": "mllm_rl.bench.checkpoint_write",
-    "copy": "mllm_rl.bench.copy_bandwidth",
-    "engine": "mllm_rl.bench.engine",
-    "model-paths": "mllm_rl.bench.model_paths",
-    "multitask": "mllm_rl.bench.multitask",
-    "plan": "mllm_rl.bench.plan",
-    "precision": "mllm_rl.bench.precision",
-    "processes": "mllm_rl.bench.processes",
-    "release": "mllm_rl.bench.release",
-    "report": "mllm_rl.bench.report",
-    "rl-memory": "mllm_rl.bench.rl_memory",
-    "soak": "mllm_rl.bench.soak",
-    "step-cost": "mllm_rl.bench.step_cost",
-    "summary": "mllm_rl.bench.summary",
-    "swap": "mllm_rl.bench.swap",
-    "torch-attention": "mllm_rl.bench.torch_attention",
-}
+# each module of these has ``main(argv) -> int``; its name on the command line has hyphens
+MODULES = ("checkpoint_write", "copy_bandwidth", "engine", "model_paths", "multitask", "plan", "precision",
+           "processes", "release", "report", "rl_memory", "soak", "step_cost", "summary", "swap", "torch_attention")  # fmt: skip
+BENCHES = {("copy" if m == "copy_bandwidth" else m.replace("_", "-")): f"mllm_rl.bench.{m}" for m in MODULES}
 
 
 def describe(module: str) -> str:
-    """The first line of ``module``'s docstring (without RST double backquotes), read from its source:
-    the module is not imported."""
+    """The first line of ``module``'s docstring (no double backquotes), read without importing it."""
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         return "(not found)"
@@ -54,10 +38,8 @@ def listing() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """List the benchmarks, or run one: its ``main`` with the arguments after its name, under
-    ``sys.argv[0]`` = ``python -m mllm_rl.bench NAME`` (argparse's prog, and the command line a
-    benchmark's JSON records). A benchmark whose module sets ``HARD_EXIT`` (it ran an engine whose
-    threads abort interpreter teardown) leaves through ``cli.hard_exit``."""
+    """List the benchmarks, or run one under ``sys.argv[0]`` = ``python -m mllm_rl.bench NAME`` (its
+    prog, and the command its JSON records); a module with ``HARD_EXIT`` leaves by ``cli.hard_exit``."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(listing())

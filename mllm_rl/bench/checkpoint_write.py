@@ -38,11 +38,8 @@ def state_of(mb: int) -> dict[str, Any]:
 
 
 def fresh_pages() -> bool:
-    """Every allocation of 128 KiB or more its own ``mmap`` (glibc's ``M_MMAP_THRESHOLD`` set, which
-    turns its dynamic threshold off), so every way's copies land in fresh pages, as a large model's
-    tensors (over glibc's 32 MiB ceiling of that threshold) always do; without it the host copy
-    of a run reused freed pages or not by chance (docs/BENCHMARKS.md). False where the C library
-    is not glibc."""
+    """Every allocation of 128 KiB or more its own ``mmap`` (glibc's ``M_MMAP_THRESHOLD``), so every
+    way's copies land in fresh pages as a large model's do (docs/BENCHMARKS.md); False off glibc."""
     try:
         return ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10) == 1  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):

@@ -16,14 +16,7 @@ from typing import Any
 from mllm_rl.bench import MiB
 from mllm_rl.bench.machine import ROOT
 
-OOM_MARKERS = (
-    "out of memory",
-    "resource_exhausted",
-    "outofmemoryerror",
-    "cuda error: out of memory",
-    "failed to allocate",
-    "oom",
-)
+OOM_MARKERS = ("out of memory", "resource_exhausted", "outofmemoryerror", "failed to allocate", "oom")
 
 
 class BenchError(RuntimeError):
@@ -31,8 +24,7 @@ class BenchError(RuntimeError):
 
 
 def flags(**kw: Any) -> list[str]:
-    """``--name value`` per keyword, in order (``_`` -> ``-``; True: the bare flag; None or False: left
-    out), so a child's command line reads as one call."""
+    """``--name value`` per keyword, in order (True: the bare flag; None or False: left out)."""
     out: list[str] = []
     for k, v in kw.items():
         if v is not None and v is not False:
@@ -41,8 +33,7 @@ def flags(**kw: Any) -> list[str]:
 
 
 def run_argv(run_dir: str | Path, *extra: str, python: str = sys.executable, **kw: Any) -> list[str]:
-    """``python -m mllm_rl.run`` with ``kw`` as flags, quiet and without wandb, writing ``run_dir``,
-    then ``extra`` (a bench's arguments after ``--``): the child of every bench that runs a plan."""
+    """``python -m mllm_rl.run`` with ``kw`` as flags, quiet, no wandb, into ``run_dir``, then ``extra``."""
     return [python, "-m", "mllm_rl.run", *flags(**kw, wandb="disabled", quiet=True, run_dir=run_dir), *extra]
 
 
@@ -64,16 +55,13 @@ def run_phases(
 
 
 def bench_argv(name: str, *args: str, python: str = sys.executable) -> list[str]:
-    """``python -m mllm_rl.bench NAME ARGS``: a benchmark started in a fresh process (its own
-    children: a worker, one path, one measurement), under ``python``."""
+    """``python -m mllm_rl.bench NAME ARGS`` under ``python`` (a bench's own child)."""
     return [python, "-m", "mllm_rl.bench", name, *args]
 
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """A bench child's environment: this one with ``env`` on top, no progress bars, unbuffered, and
-    JAX's persistent compilation cache off unless ``JAX_COMPILATION_CACHE_DIR`` is set (a run
-    turns it on by default: ``backends/jax/compile_cache.py``), so a figure does not depend on
-    what earlier runs left in the cache."""
+    """This environment with ``env`` on top, no progress bars, unbuffered, and JAX's persistent
+    compilation cache off unless set (a figure must not depend on what earlier runs cached)."""
     return {"JAX_COMPILATION_CACHE_DIR": "", **os.environ, "MLLM_RL_NO_PROGRESS": "1", "PYTHONUNBUFFERED": "1",
             **(env or {})}  # fmt: skip
 
@@ -81,8 +69,7 @@ def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
 def run_cmd(
     cmd: Sequence[str], what: str, timeout: float | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in the repo root (``child_env``); ``BenchError`` naming ``what`` with the stderr
-    tail when it fails or times out."""
+    """Run ``cmd`` in the repo root; ``BenchError`` naming ``what`` with the stderr tail on failure."""
     full_env = child_env(env)
     cwd = ROOT if (ROOT / "pyproject.toml").exists() else None
     try:
@@ -109,8 +96,7 @@ def last_json_line(stdout: str, what: str) -> dict[str, Any]:
 
 
 def run_json(cmd: Sequence[str], what: str, timeout: float | None = None) -> dict[str, Any]:
-    """``run_cmd``, then the child's last JSON line (a script measuring in a fresh copy of itself:
-    ``cli.main_with_child``)."""
+    """``run_cmd``, then the child's last JSON line."""
     return last_json_line(run_cmd(cmd, what, timeout=timeout).stdout, what)
 
 

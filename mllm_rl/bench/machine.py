@@ -22,12 +22,10 @@ PACKAGES = ("jax", "jaxlib", "flax", "sglang-jax", "torch", "transformers", "tor
 
 def _first_field(path: str, key: str) -> str | None:
     try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(key):
-                return line.split(":", 1)[1].strip()
+        lines = Path(path).read_text().splitlines()
     except OSError:
-        pass
-    return None
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), None)
 
 
 def load_avg_1m() -> float | None:
@@ -44,18 +42,11 @@ def machine_info() -> dict[str, Any]:
             versions[p] = metadata.version(p)
         except metadata.PackageNotFoundError:
             continue
-    return {
-        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "host_cpu": _first_field("/proc/cpuinfo", "model name"),
-        "cpu_count": os.cpu_count(),
-        "host_mem_bytes": int(mem.split()[0]) * 1024 if mem else None,
-        "load_avg_1m": load_avg_1m(),
-        "gpus": _nvidia_smi(),
-        "python": platform.python_version(),
-        "executable": sys.executable,
-        "versions": versions,
-        "git": GIT_AT_START,  # the code that ran, not what HEAD became while it ran
-    }
+    return {"date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "host_cpu": _first_field("/proc/cpuinfo", "model name"), "cpu_count": os.cpu_count(),
+            "host_mem_bytes": int(mem.split()[0]) * 1024 if mem else None, "load_avg_1m": load_avg_1m(),
+            "gpus": _nvidia_smi(), "python": platform.python_version(), "executable": sys.executable,
+            "versions": versions, "git": GIT_AT_START}  # the code that ran, not HEAD after it  # fmt: skip
 
 
 def _output(cmd: list[str], timeout: float, cwd: Path | None = None) -> str | None:
@@ -82,13 +73,11 @@ GIT_AT_START = _git()  # read when a benchmark imports this module, i.e. when it
 
 
 def command_line() -> str:
-    """This benchmark's command line, as the user typed it (for the JSON and the docs; the driver
-    sets ``sys.argv[0]`` to ``python -m mllm_rl.bench NAME``)."""
+    """This benchmark's command line as typed (the driver sets ``sys.argv[0]``)."""
     return " ".join([Path(sys.argv[0]).as_posix() if sys.argv else "", *sys.argv[1:]]).strip()
 
 
 def bench_json(bench: str, args: Any, keys: Sequence[str] = (), **fields: Any) -> dict[str, Any]:
-    """A bench's JSON: its name, the flags ``keys`` of ``args``, ``fields``, then what ran (the command
-    line and ``machine_info``)."""
+    """A bench's JSON: its name, the flags ``keys`` of ``args``, ``fields``, the command, the machine."""
     flags = {k: getattr(args, k) for k in keys}
     return {"bench": bench, **flags, **fields, "command": command_line(), "machine": machine_info()}

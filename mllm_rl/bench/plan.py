@@ -5,8 +5,7 @@
     python -m mllm_rl.bench plan vs-cuda [--preset qwen3-0.6b] [--plan-only | --plan-json PLAN] [--json OUT]
     python -m mllm_rl.bench plan vs-run --backend jax|torch [--plan-only] [--json OUT] [-- RUN FLAGS]
 
-``python -m mllm_rl.bench plan WHAT --help``: what WHAT measures, its flags and its exit codes. Each
-ends as every benchmark does (``cli.run_bench``): the report, ``--json``, a JSON summary line last.
+``python -m mllm_rl.bench plan WHAT --help``: what WHAT measures, its flags and its exit codes.
 """
 
 from __future__ import annotations
@@ -27,16 +26,7 @@ from typing import Any
 
 from mllm_rl.bench import GiB, MiB
 from mllm_rl.bench.child import BenchError, bench_argv, child_env, flags, run_cmd, run_json
-from mllm_rl.bench.cli import (
-    csv_choice,
-    doc_parser,
-    failed_targets,
-    main_with_child,
-    output_flags,
-    positive,
-    progress,
-    target,
-)
+from mllm_rl.bench.cli import csv_choice, doc_parser, main_with_child, output_flags, positive, target
 from mllm_rl.bench.machine import ROOT, bench_json
 from mllm_rl.bench.records import truth
 from mllm_rl.bench.tables import table
@@ -169,7 +159,7 @@ TARGET_CASES: dict[str, Case] = {
     # 8 rows split over the 8 devices (4 rows cannot be: each device computes all 4)
     "4b-h100x8-mb8": target_case(
         "qwen3-4b", "h100x8", 8, *BATCH, "--micro-batch-size", "8", *KV128K, *GPU_LEAN
-    ),
+    ),  # fmt: skip
 }
 # Measured elsewhere, to hold a plan against: (case, phase of the plan, bytes summed over devices, source).
 REFERENCES = {"4b-v4-8-engine": ("setup:continue_generation", 8652005376,
@@ -189,7 +179,7 @@ def target_plan(name: str, out: Path, timeout: float) -> dict[str, Any]:
     """One case: its ``python -m mllm_rl.memplan``, and the plan's verdicts and figures."""
     args, expect = TARGET_CASES[name]
     cmd = [sys.executable, "-m", "mllm_rl.memplan", *args, "--out", str(out / name)]
-    progress(f"[bench] {name}: python {' '.join(cmd[1:])}")
+    print(f"[bench] {name}: python {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env())
     row: dict[str, Any] = {"case": name, "command": "python " + " ".join(cmd[1:]), "rc": r.returncode,
@@ -224,10 +214,9 @@ def target_plan(name: str, out: Path, timeout: float) -> dict[str, Any]:
 def targets(args: argparse.Namespace) -> dict[str, Any]:
     """The memory plans of the TPU/GPU acceptance cases, one after another, in one table.
 
-    Each case is one ``python -m mllm_rl.memplan`` (its command is in the JSON and in docs/PLAN.md),
-    PREDICTED compile-only on this machine by the target's compiler (libtpu / XLA GPU) and the
-    engine's layout formulas: per schedule the verdict and peak per device against its memory, the KV
-    pool and the ``mem_fraction_static`` it needs, the compile time, the planner's peak RSS and wall time.
+    Each case is one ``python -m mllm_rl.memplan`` (in the JSON and docs/PLAN.md), PREDICTED
+    compile-only here by the target's compiler: per schedule the verdict and peak per device, the
+    KV pool and ``mem_fraction_static``, compile time, the planner's peak RSS and wall time.
 
     Exit 0 when every plan ran, every case expected to fit fits (multi_stage) and every plan with a
     measured reference is within 2% of it; 1 otherwise; 2 on bad input.
@@ -385,11 +374,10 @@ def cuda_child(args: argparse.Namespace) -> dict[str, Any]:
 def vs_cuda(args: argparse.Namespace) -> dict[str, Any]:
     """The torch planner's train step next to the same step run on a CUDA GPU, side by side in one run.
 
-    PREDICTED: ``backends/torch/memplan.py: trainer_step_memory`` (the real ``TorchTrainer`` on fake
-    tensors), on any CPU; ``--plan-only --json P`` writes it, ``--plan-json P`` reuses it. MEASURED:
-    the same trainer's ``STEPS`` calls of ``device_step`` on this machine's CUDA device in a fresh
-    process, seeded random weights: ``max_memory_allocated`` (the figure the plan predicts),
-    ``max_memory_reserved`` (with the caching allocator's blocks), the median of ``--timed`` more steps.
+    PREDICTED: ``backends/torch/memplan.py: trainer_step_memory`` (fake tensors, any CPU; ``--plan-only
+    --json P`` writes it, ``--plan-json P`` reuses it). MEASURED: the same ``device_step`` calls on
+    this CUDA device in a fresh process: ``max_memory_allocated`` and ``max_memory_reserved``, and
+    the median of ``--timed`` more steps.
 
     Target: measured / predicted peak <= 1.01. Exit 0: measured (an out-of-memory is reported, not
     failed); 1 the measurement failed; 2 bad input.
@@ -539,14 +527,12 @@ def plan_flags(args: argparse.Namespace, run: dict[str, Any], records: list[dict
 def vs_run(args: argparse.Namespace) -> dict[str, Any]:
     """Predicted vs measured on CPU: the memory plan of a run held against what that run measured.
 
-    Runs ``python -m mllm_rl.run --backend B --platform cpu`` unless ``--run-dir`` holds a finished
-    run (arguments after ``--`` and ``--run-arg`` go to it), plans it with ``python -m mllm_rl.memplan``
-    and the run's knobs, and compares. jax (tolerance 5%): the plan for the run's own ``cpu`` target at
-    the engine's context length, per component and per phase end (``mllm_rl.memplan.audit``); the grad
-    step's temporaries beside the RSS rise of ``train_step``. torch (1%): the plan for ``--target`` at
-    ``--seq-len``: params and optimizer state against the run's ``live_tensors``, gradients against one
-    real step in a fresh process; activations beside the RSS rise of ``train_step``. ``--plan-only``
-    (torch, no run): the plan of ``--preset`` on ``--target``, both schedules, phase by phase.
+    Runs ``python -m mllm_rl.run --backend B --platform cpu`` (after ``--`` and ``--run-arg``: its
+    flags) unless ``--run-dir`` holds a finished run, plans it with ``python -m mllm_rl.memplan``
+    and the run's knobs, and compares. jax (tolerance 5%): per component and phase end
+    (``mllm_rl.memplan.audit``). torch (1%): params and optimizer state against the run's
+    ``live_tensors``, gradients against one real step. ``--plan-only`` (torch, no run): the plan of
+    ``--preset`` on ``--target``, both schedules, phase by phase.
 
     Exit 0 every comparison within the tolerance, 1 one is not or a run failed, 2 bad input.
     """
@@ -779,7 +765,9 @@ def run_summary(out: dict[str, Any]) -> dict[str, Any]:
     if out["mode"] == "plan_only":
         fits = {p["schedule"]: p["fits"] for p in out["plans"]}
         return {**s, "fits": fits, "planner_host_rss_peak": out["planner_host_rss_peak"]}
-    s.update(run_dir=out["run_dir"], targets_pass=not failed_targets(out))
+    s.update(
+        run_dir=out["run_dir"], targets_pass=all(t["pass"] is not False for t in out["targets"].values())
+    )
     if out["backend"] == "torch":
         return {**s, "ratios": {r["quantity"]: r["ratio"] for r in out["rows"]}}
     t, temp = out["targets"]["within_tolerance"], out["grad_step"]["temp_bytes"] or 0

@@ -1,10 +1,6 @@
-"""Reading phase records (schema ``mllm_rl.phase/1``, ``mllm_rl.phases.schema``).
-
-Device truth: a record has, per local device, one entry per memory source; the first entry of
-each device id is the device truth (``memory_stats`` on JAX TPU/GPU, ``live_arrays`` on JAX
-CPU, ``mem_get_info`` on CUDA torch, ``live_tensors`` on torch CPU). ``truth`` picks those;
-``allocator`` picks the torch allocator's entries (CUDA) when present.
-"""
+"""Reading phase records (``mllm_rl.phases.schema``): per local device one entry per memory source,
+the first of each device id the device truth (``memory_stats``, ``live_arrays``, ``mem_get_info``
+or ``live_tensors``)."""
 
 from __future__ import annotations
 

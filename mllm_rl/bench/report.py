@@ -2,10 +2,9 @@
 
     python -m mllm_rl.bench report [--processes 4] [--steps 5 10 20 40] [--repeats 3]
 
-Writes a run per size with the test fixture ``tests/core/report_fixtures.write_rl_run``
-(schema-valid JSONL of every RL phase, ``--processes`` processes, two CUDA devices each), then
-prints records, best-of-``--repeats`` seconds, microseconds per record, and the per-record cost
-relative to the smallest run side by side (a ratio near 1 means linear).
+A run per size from the test fixture ``tests/core/report_fixtures.write_rl_run`` (every RL phase,
+``--processes`` processes, two CUDA devices each); per size: records, best-of-``--repeats`` seconds,
+microseconds per record and the per-record cost over the smallest run's (near 1: linear).
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ from mllm_rl.report.load import load_run
 
 @functools.cache
 def report_fixtures() -> ModuleType:
-    """The test fixtures ``tests/core/report_fixtures.py`` of the source checkout, loaded from their
-    file (nothing goes on ``sys.path``)."""
+    """``tests/core/report_fixtures.py`` of the source checkout, loaded from its file."""
     path = ROOT / "tests" / "core" / "report_fixtures.py"
     if not path.is_file():
         raise SystemExit(f"error: {path}: not found (this benchmark needs the source checkout)")

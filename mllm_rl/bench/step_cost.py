@@ -5,17 +5,12 @@
     python -m mllm_rl.bench step-cost --models qwen3-0.6b -- --prompts-per-step 2 --group-size 2
     python -m mllm_rl.bench step-cost --from-run runs/a --from-run runs/b     # recorded runs, no new run
 
-Runs ``python -m mllm_rl.run --backend B --model M --steps N --save-every S ...`` per model and
-backend, each in a fresh process (under ``--python-jax`` / ``--python-torch``, default the repo's
-``.venv-jax`` / ``.venv-torch``); arguments after ``--`` go to every run. ``--from-run DIR`` reads a
-recorded run's ``phases.jsonl`` and ``run.json`` instead.
-
-Per phase: medians over the counted steps (complete, error-free, not an attempt's first, which
-compiles) of its seconds and share of the step's wall time (first record's start to last's end;
-the gaps are ``between_phases``; a repeated name is kept apart: ``empty_cache#2``), and the bytes
-it moved with their rate. ``non-rollout, non-train`` is the lifecycle's own cost; with
-``--save-every 1`` (default) it is also derived for a checkpoint every 5 steps (not for background
-saves: run ``--save-every 5 --steps 6`` and read "over all counted steps").
+One ``python -m mllm_rl.run`` per model and backend in a fresh process (``--python-jax`` /
+``--python-torch``, default the repo's venvs; arguments after ``--`` go to every run), or the
+recorded runs of ``--from-run``. Per phase: medians over the counted steps (complete, error-free,
+not an attempt's first, which compiles) of its seconds, its share of the step's wall time (gaps:
+``between_phases``; a repeated name: ``empty_cache#2``) and the bytes it moved. ``non-rollout,
+non-train`` is the lifecycle's own cost, also derived for a checkpoint every 5 steps.
 
 Exit 0 with the results, 2 on bad input (one line), 1 when a run failed (``--keep-going``: the
 others go on). Times are wall-clock; the load average around each run is recorded."""
