@@ -799,7 +799,8 @@ MODES = {
 }  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """``WHAT`` and its flags, checked (exit 2 and one line on a bad one)."""
     ap = doc_parser(__doc__)
     sub = ap.add_subparsers(dest="what", required=True, metavar="WHAT")
     for name, mode in MODES.items():
@@ -811,7 +812,12 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
         p.set_defaults(parser=p)
     args = ap.parse_args(argv)
+    if MODES[args.what].check:
+        MODES[args.what].check(args, args.parser)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     m = MODES[args.what]
-    if m.check:
-        m.check(args, args.parser)
     return main_with_child(args, m.child, m.bench, m.report, m.summary, strict=m.strict)

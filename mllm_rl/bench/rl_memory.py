@@ -43,7 +43,6 @@ def run_once(args: argparse.Namespace, schedule: str, max_total_tokens: int | No
 def analyse(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-phase peaks, KV residency, step/setup peaks and KV bytes of one run's records."""
     phases: dict[str, dict[str, Any]] = {}
-    order: list[str] = []
     kv_prev, seen_engine, seen_step = False, False, False
     kv_bytes = tokens = limit = None
     count: dict[tuple[int | None, str], int] = {}
@@ -60,30 +59,25 @@ def analyse(records: list[dict[str, Any]]) -> dict[str, Any]:
             kv_bytes = held["kv_cache"]
         limit = max_of([limit, *[d.get("bytes_limit") for d in devs]])
         step = r["step"]
-        if step is not None:
-            seen_step = True
+        seen_step = seen_step or step is not None
         # once-per-run phases are kept apart from the steps' phases of the same name (the setup runs
         # release_rollout, offload_optimizer, resume_kv, ... too): "setup:NAME" before the first step,
         # "end:NAME" after the last
         base = name if step is not None else (f"end:{name}" if seen_step else f"setup:{name}")
         k = count[(step, base)] = count.get((step, base), 0) + 1
         key = base if k == 1 else f"{base}#{k}"
-        peak = max_of([d.get("phase_peak_bytes") for d in devs])
-        p = phases.get(key)
-        if p is None:
-            p = phases[key] = {"phase": key, "stepped": step is not None, "peak": None, "end": None, "kv": False,
-                               "n": 0, "host_rss_peak": None}  # fmt: skip
-            order.append(key)
-        p["peak"] = max_of([p["peak"], peak])
+        p = phases.setdefault(key, {"phase": key, "stepped": step is not None, "peak": None, "end": None,
+                                    "kv": False, "n": 0, "host_rss_peak": None})  # fmt: skip
+        p["peak"] = max_of([p["peak"], *[d.get("phase_peak_bytes") for d in devs]])
         p["end"] = max_of([p["end"], max_of([d.get("bytes_in_use") for d in devs])])
         p["kv"] = p["kv"] or kv_prev or kv_end
         # host RSS peak: on CPU it also sees what the device probes cannot (XLA temporaries, autograd)
         p["host_rss_peak"] = max_of([p["host_rss_peak"], r["memory"]["host"].get("rss_peak_bytes")])
         p["n"] += 1
         kv_prev = kv_end
-    stepped = [phases[k] for k in order if phases[k]["stepped"]]
-    setup = [phases[k] for k in order if not phases[k]["stepped"]]
-    return {"phases": [phases[k] for k in order], "step_peak": max_of([p["peak"] for p in stepped]),
+    stepped = [p for p in phases.values() if p["stepped"]]
+    setup = [p for p in phases.values() if not p["stepped"]]
+    return {"phases": list(phases.values()), "step_peak": max_of([p["peak"] for p in stepped]),
         "step_peak_phase": max(stepped, key=lambda p: p["peak"] or 0)["phase"] if stepped else None,
         "setup_peak": max_of([p["peak"] for p in setup]),
         "setup_peak_phase": max(setup, key=lambda p: p["peak"] or 0)["phase"] if setup else None,
@@ -131,9 +125,7 @@ def bisect(args: argparse.Namespace, schedule: str, lo: int, guess: int | None) 
                        **{k: a.get(k) for k in ("kv_bytes", "step_peak", "setup_peak")}})  # fmt: skip
         progress(f"  bisect {schedule}: --max-total-tokens {tokens}: {'ok' if r['ok'] else 'OOM' if r['oom'] else 'FAILED'}")  # fmt: skip
         if not r["ok"] and not r["oom"]:
-            raise BenchError(
-                f"bisect {schedule} at {tokens} tokens failed without an OOM:\n{r['stderr'][-2000:]}"
-            )
+            raise BenchError(f"bisect {schedule} at {tokens} tokens failed without an OOM:\n{r['stderr'][-2000:]}")  # fmt: skip
         return r["ok"]
 
     hi = max(lo * 2, ((guess or 0) * 5 // 4) // align * align)
