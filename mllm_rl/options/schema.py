@@ -152,7 +152,7 @@ OPTIONS: tuple[Option, ...] = (
     _o("steps", int, 20, "RL steps", "rl plan", RL, low=1),
     _o("task", str, None, "pattern: shipped periodic-string completion (learnable from scratch); "
        "boxed: GSM8K-style \\boxed{} math answers (math-verify) from --data; data: --data scored by "
-       "--reward (docs/TASKS.md)", "rl plan", RL, resume="fixed", choices="mllm_rl.tasks.base:TASKS",
+       "--reward (docs/TASKS.md)", "rl plan", RL, resume="fixed", choices="mllm_rl.tasks:TASKS",
        nullable=True, default_text="data with --data, else pattern"),
     _o("task_data", str, None, "the dataset: JSONL, JSON, parquet, CSV/TSV, or a directory saved with "
        "datasets' save_to_disk (docs/TASKS.md)", "rl plan", RL, resume="fixed", nullable=True,

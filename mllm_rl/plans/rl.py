@@ -39,8 +39,7 @@ from mllm_rl.progress import progress_bar
 from mllm_rl.rl.advantages import group_advantages
 from mllm_rl.rl.batch import build_batch
 from mllm_rl.rl.loss_config import LossConfig
-from mllm_rl.tasks import Example, Task, TaskConfig, build_task
-from mllm_rl.tasks.registry import check_config, default_reward, task_name
+from mllm_rl.tasks import Example, Task, TaskConfig, build_task, check_config, default_reward, task_name
 from mllm_rl.tasks.render import check_lengths, render_all, token_ids, uses_template
 from mllm_rl.tasks.reward import check_reward
 from mllm_rl.trainer import TrainConfig

@@ -1,14 +1,10 @@
 """GSM8K-style math with a ``\\boxed{}`` answer: a dataset (default: a shipped sample) and a reward.
 
-Rows: ``{"question": str, "answer": str}`` (other columns with ``--prompt-key`` / ``--answer-key``),
-in any format ``mllm_rl.tasks.data`` reads; the answer may be GSM8K's full solution ending in
-``#### 72`` (the number after ``####`` is the target) or just ``72``. The prompt is the question
-and ``INSTRUCTION`` (through the chat template when the checkpoint has one).
-
-The reward (``reward``, the documented reward signature, run in the reward worker) is 1.0 when
-the last ``\\boxed{...}`` of the completion equals the target, else 0.0: equal after
-normalisation (spaces, ``$``, thousands commas and a trailing ``.0`` removed), or equal as math
-by ``math-verify`` (``72.0`` and ``\\frac{144}{2}`` are 72; ``0.5`` is ``\\frac{1}{2}``).
+Rows: ``{"question", "answer"}`` (other columns with ``--prompt-key`` / ``--answer-key``); the
+answer is GSM8K's solution ending in ``#### 72`` or just ``72``. The prompt is the question and
+``INSTRUCTION``. ``reward``: 1.0 when the last ``\\boxed{...}`` of the completion equals the target
+after normalisation (spaces, ``$``, thousands commas, a trailing ``.0``) or as math
+(``math-verify``: ``\\frac{144}{2}`` is 72), else 0.0.
 """
 
 from __future__ import annotations
@@ -17,6 +13,8 @@ import os
 import threading
 from pathlib import Path
 from typing import Any
+
+from mllm_rl.tasks.data import dataset_task
 
 INSTRUCTION = "Please put the final answer within \\boxed{}."
 SAMPLE_DATA = Path(__file__).resolve().parent / "data" / "boxed_sample.jsonl"
@@ -84,20 +82,9 @@ def prompt_text(question: Any) -> Any:
     return f"{question}\n{INSTRUCTION}\n" if isinstance(question, str) else question
 
 
-def boxed_task(
-    data: str | None = None,
-    prompt_key: str | None = None,
-    answer_key: str | None = None,
-    eval_data: str | None = None,
-    eval_prompts: int = 16,
-    reward: str | None = None,
-    reward_timeout: float = 30.0,
-) -> Any:
-    """The boxed task (a ``DatasetTask``) over ``data`` (default: the shipped sample)."""
-    from mllm_rl.tasks.dataset import dataset_task
-
-    pkey = "question" if prompt_key is None else prompt_key
-    akey = "answer" if answer_key is None else answer_key
+def boxed_task(cfg: Any) -> Any:
+    """The boxed task of ``cfg`` (a ``TaskConfig``) over ``cfg.data`` (default: the shipped sample)."""
+    akey = "answer" if cfg.answer_key is None else cfg.answer_key
     if not akey:
         raise ValueError("--answer-key '': the boxed task scores against an answer column")
 
@@ -105,24 +92,6 @@ def boxed_task(
         if not target_of(answer):
             raise ValueError(f"{where}: the answer ({akey!r}) has no target (GSM8K's '#### 72', or '72')")
 
-    path = str(SAMPLE_DATA) if data is None else data
-    return dataset_task(
-        "boxed",
-        path,
-        pkey,
-        akey,
-        eval_data,
-        eval_prompts,
-        reward or REWARD,
-        reward_timeout,
-        prompt_text,
-        check,
-    )
-
-
-class BoxedMathTask:
-    """The boxed task from a JSONL file (``boxed_task``)."""
-
-    @staticmethod
-    def from_jsonl(path: str | Path | None) -> Any:
-        return boxed_task(None if path is None else str(path))
+    pkey = "question" if cfg.prompt_key is None else cfg.prompt_key
+    data = str(SAMPLE_DATA) if cfg.data is None else cfg.data
+    return dataset_task(cfg, data, pkey, akey, cfg.reward or REWARD, prompt_text, check)

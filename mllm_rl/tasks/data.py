@@ -1,11 +1,14 @@
-"""Reading a dataset: rows (every column) with where each came from, and the checks of its prompts.
+"""A task read from a dataset (``--data``): its rows as prompts, a held-out set, a reward by path.
 
-Formats by path (docs/TASKS.md): a ``save_to_disk`` directory (a ``DatasetDict``'s ``train``
-split, or its only one; ``test``/``validation`` is the held-out set unless ``--eval-data``);
-``*.parquet``/``*.csv``/``*.tsv`` through ``datasets``; ``org/name[:config]`` from the Hub;
-anything else JSON lines, read line by line so an error names the line (a ``*.json`` array too).
-Every error is a one-line ``ValueError`` naming the file and row (``file:LINE:`` or
-``file: row I:``)."""
+Formats by path (docs/TASKS.md): a ``save_to_disk`` directory (a ``DatasetDict``'s ``train`` split
+or its only one; ``test``/``validation`` is the held-out set unless ``--eval-data``); parquet, CSV
+and TSV through ``datasets``; ``org/name[:config]`` from the Hub; anything else JSON lines (or a
+``*.json`` array). Every error is one line naming the file and row (``file:LINE:``, ``file: row I:``).
+
+Epoch ``e`` visits every training row once in ``default_rng([seed, e, DATA_STREAM])`` order, so a
+step's prompts are a pure function of ``(seed, step)``. Held-out set: ``--eval-data``, else the
+``test``/``validation`` split, else ``eval_prompts`` rows split off (at most a quarter, by a
+seed-independent RNG so runs of different seeds are scored on the same rows), never trained on."""
 
 from __future__ import annotations
 
@@ -14,12 +17,32 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mllm_rl.progress import waiting
+from mllm_rl.tasks.reward import Scorer
 
 HELDOUT_SPLITS = ("test", "validation")
+DATA_STREAM = 7  # the training order's RNG stream
+HOLDOUT_SEED = 20250101  # the held-out split's RNG (independent of --seed)
+MAX_HELDOUT_FRACTION = 4  # a split-off held-out set is at most 1/4 of the rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One prompt: text or a list of ``{role, content}`` messages; ``answer`` (``""`` without an
+    answer column); ``row``: every column, what the reward gets; ``where``: ``file:line`` or
+    ``file: row i`` (empty when generated); ``index``: the row's index in its file."""
+
+    prompt: Any
+    answer: str
+    row: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+    where: str = ""
+    index: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,33 +68,29 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")  # org/name[:con
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".pq", ".csv", ".tsv")
 
 
-def is_hub_id(path: str | Path) -> bool:
-    """``org/name`` or ``org/name:config`` that is no local path and has no data file's suffix."""
+def is_hub_id(path: str | Path, base: Path = Path()) -> bool:
+    """``org/name[:config]`` that is no path (relative to ``base``) and has no data file's suffix."""
     s = str(path)
-    return (
-        bool(HUB_ID.match(s)) and not Path(s).expanduser().exists() and not s.lower().endswith(LOCAL_SUFFIXES)
-    )
+    local = (base / Path(s).expanduser()).exists()
+    return bool(HUB_ID.match(s)) and not local and not s.lower().endswith(LOCAL_SUFFIXES)
 
 
 def read_table(path: str | Path, flag: str = "--task-data") -> Table:
     """The rows of ``path`` (see the module doc); read once per process and file version."""
-    if is_hub_id(path):
-        key = (str(path), flag, 0, 0)
-        if key not in _CACHE:
-            with waiting(f"loading {path} from the Hugging Face Hub"):
-                _CACHE[key] = _hub(str(path), flag)
-        return _CACHE[key]
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ValueError(f"{flag} {path}: not a file")
-    p = p.resolve()
-    st = p.stat()
-    key = (str(p), flag, st.st_mtime_ns, st.st_size)
+    src: Any = str(path)
+    key, what, read = (src, flag, 0, 0), f"loading {path} from the Hugging Face Hub", _hub
+    if not is_hub_id(path):
+        src = Path(path).expanduser()
+        if not src.exists():
+            raise ValueError(f"{flag} {path}: not a file")
+        src = src.resolve()
+        st = src.stat()
+        key, what, read = (str(src), flag, st.st_mtime_ns, st.st_size), f"reading {src.name}", _read
     if key not in _CACHE:
         if len(_CACHE) >= 4:  # a run reads --data and --eval-data (before it starts, then in it)
             _CACHE.pop(next(iter(_CACHE)))
-        with waiting(f"reading {p.name}"):
-            _CACHE[key] = _read(p, flag)
+        with waiting(what):
+            _CACHE[key] = read(src, flag)
     return _CACHE[key]
 
 
@@ -115,23 +134,20 @@ def _json_lines(p: Path, flag: str) -> Table:
     return Table(p, tuple(rows), tuple(lines), None)
 
 
-class _Quiet:
-    """``datasets`` without progress bars or loggers below CRITICAL, so a refusal is one line."""
+@contextlib.contextmanager
+def _quiet(on: bool = True) -> Iterator[Any]:
+    """``datasets`` (``on``: without progress bars or loggers below CRITICAL, so a refusal is one line)."""
+    import datasets
 
-    def __enter__(self) -> Any:
-        import datasets
-
-        self.level = datasets.logging.get_verbosity()
-        self.bars = datasets.utils.are_progress_bars_disabled()
+    level, bars = datasets.logging.get_verbosity(), datasets.utils.are_progress_bars_disabled()
+    if on:
         datasets.disable_progress_bars()
         datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-        return datasets
-
-    def __exit__(self, *exc: Any) -> None:
-        import datasets
-
-        datasets.logging.set_verbosity(self.level)
-        if not self.bars:
+    try:
+        yield datasets
+    finally:
+        datasets.logging.set_verbosity(level)
+        if not bars:
             datasets.enable_progress_bars()
 
 
@@ -139,7 +155,7 @@ def _columnar(p: Path, flag: str, suffix: str) -> Table:
     import tempfile
 
     kind = {".pq": "parquet", ".tsv": "csv"}.get(suffix, suffix[1:])
-    with _Quiet() as datasets, tempfile.TemporaryDirectory(prefix="mllm_rl-data-") as cache:
+    with _quiet() as datasets, tempfile.TemporaryDirectory(prefix="mllm_rl-data-") as cache:
         try:
             if kind == "parquet":
                 ds = datasets.Dataset.from_parquet(str(p), cache_dir=cache, keep_in_memory=True)
@@ -148,7 +164,7 @@ def _columnar(p: Path, flag: str, suffix: str) -> Table:
                 ds = datasets.Dataset.from_csv(str(p), cache_dir=cache, keep_in_memory=True, **extra)
         except Exception as e:  # noqa: BLE001 -- pyarrow/pandas raise many kinds; one line says which
             raise ValueError(f"{flag} {p}: not readable as {kind}: {_first_line(e)}") from None
-    return Table(p, tuple(ds.to_list()), None, tuple(ds.column_names))
+    return _from_dataset(ds, p, flag)
 
 
 def _saved(p: Path, flag: str) -> Table:
@@ -157,7 +173,7 @@ def _saved(p: Path, flag: str) -> Table:
             f"{flag} {p}: a directory, but not a dataset saved with datasets' save_to_disk "
             f"(no dataset_info.json or dataset_dict.json)"
         )
-    with _Quiet() as datasets:
+    with _quiet() as datasets:
         try:
             obj = datasets.load_from_disk(str(p), keep_in_memory=True)
         except Exception as e:  # noqa: BLE001
@@ -168,13 +184,10 @@ def _saved(p: Path, flag: str) -> Table:
 def _hub(spec: str, flag: str) -> Table:
     """``org/name[:config]`` through ``datasets.load_dataset`` (its own download bars on a terminal;
     ``HF_DATASETS_OFFLINE=1`` reads its cache only)."""
-    import datasets
-
     from mllm_rl.progress import progress_enabled
 
     name, _, config = spec.partition(":")
-    quiet = _Quiet() if not progress_enabled() else contextlib.nullcontext(datasets)
-    with quiet:
+    with _quiet(not progress_enabled()) as datasets:
         try:
             obj = datasets.load_dataset(name, config or None)
         except Exception as e:  # noqa: BLE001 -- offline, unknown id, gated, a bad config: one line each
@@ -190,19 +203,17 @@ def _from_dataset(obj: Any, p: Path, flag: str) -> Table:
     ``test``/``validation`` split as the held-out set."""
     import datasets
 
-    if isinstance(obj, datasets.DatasetDict):
-        names = list(obj)
-        train = "train" if "train" in obj else (names[0] if len(names) == 1 else None)
-        if train is None:
-            raise ValueError(f"{flag} {p}: a DatasetDict with splits {', '.join(names)} and none named train")
-        held = next((s for s in HELDOUT_SPLITS if s in obj and s != train), None)
-        heldout = None
-        if held is not None:
-            h = obj[held]
-            heldout = Table(p, tuple(h.to_list()), None, tuple(h.column_names), split=held)
-        t = obj[train]
-        return Table(p, tuple(t.to_list()), None, tuple(t.column_names), heldout, split=train)
-    return Table(p, tuple(obj.to_list()), None, tuple(obj.column_names))
+    def table(ds: Any, heldout: Table | None = None, split: str | None = None) -> Table:
+        return Table(p, tuple(ds.to_list()), None, tuple(ds.column_names), heldout, split)
+
+    if not isinstance(obj, datasets.DatasetDict):
+        return table(obj)
+    names = list(obj)
+    train = "train" if "train" in obj else (names[0] if len(names) == 1 else None)
+    if train is None:
+        raise ValueError(f"{flag} {p}: a DatasetDict with splits {', '.join(names)} and none named train")
+    held = next((s for s in HELDOUT_SPLITS if s in obj and s != train), None)
+    return table(obj[train], None if held is None else table(obj[held], split=held), train)
 
 
 def _first_line(e: BaseException) -> str:
@@ -280,3 +291,111 @@ def answer_of(table: Table, i: int, answer_key: str) -> str:
     if _null(a):
         raise ValueError(f"{table.where(i)}: the answer ({answer_key!r}) is null")
     return a if isinstance(a, str) else json.dumps(a) if isinstance(a, (list, dict)) else str(a)
+
+
+def examples_of(
+    table: Table,
+    prompt_key: str,
+    answer_key: str,
+    make_prompt: Callable[[Any], Any] = lambda p: p,
+    check_answer: Callable[[str, str], None] | None = None,
+    limit: int | None = None,
+) -> list[Example]:
+    """The first ``limit`` rows (default: every row) as ``Example``s, each checked."""
+    check_columns(table, prompt_key, answer_key)
+    out = []
+    for i in range(len(table.rows) if limit is None else min(limit, len(table.rows))):
+        prompt = make_prompt(prompt_of(table, i, prompt_key))
+        answer = answer_of(table, i, answer_key)
+        if check_answer is not None:
+            check_answer(answer, table.where(i))
+        out.append(Example(prompt=prompt, answer=answer, row=table.rows[i], where=table.where(i), index=i))
+    if not out:
+        raise ValueError(f"{table.path}: no rows")
+    return out
+
+
+class DatasetTask:
+    """``Task`` over the rows of a dataset (see the module doc)."""
+
+    templated = True
+
+    def __init__(
+        self,
+        name: str,
+        examples: list[Example],
+        heldout: list[Example] | None,
+        eval_prompts: int,
+        scorer: Scorer,
+    ) -> None:
+        self.name, self.reward_spec, self.scorer = name, scorer.spec, scorer
+        self.examples = tuple(examples)  # every row of the data, in file order
+        self.notes: list[str] = []
+        self.train = tuple(range(len(examples)))
+        self.held = tuple(heldout or ())
+        if heldout is None:
+            h = min(eval_prompts, len(examples) // MAX_HELDOUT_FRACTION)
+            held = sorted(int(i) for i in np.random.default_rng(HOLDOUT_SEED).permutation(len(examples))[:h])
+            taken = set(held)
+            self.train = tuple(i for i in self.train if i not in taken)
+            self.held = tuple(examples[i] for i in held) if h else self.examples[:eval_prompts]
+            if h == 0:
+                self.notes.append(
+                    f"note: {len(examples)} rows are too few to hold any out: the evaluation scores "
+                    f"training rows (pass --eval-data for a held-out set)"
+                )
+            elif h < eval_prompts:
+                self.notes.append(
+                    f"note: {h} of {len(examples)} rows held out for evaluation (at most a quarter; "
+                    f"--eval-prompts {eval_prompts}); training on the other {len(self.train)}"
+                )
+        self._perms: dict[int, np.ndarray] = {}
+        self._seed: int | None = None
+
+    def _perm(self, seed: int, epoch: int) -> np.ndarray:
+        if self._seed != seed:
+            self._perms, self._seed = {}, seed
+        if epoch not in self._perms:
+            if len(self._perms) > 4:
+                self._perms.pop(min(self._perms))
+            rng = np.random.default_rng([seed, epoch, DATA_STREAM])
+            self._perms[epoch] = rng.permutation(len(self.train))
+        return self._perms[epoch]
+
+    def batch(self, seed: int, step: int, n: int) -> list[Example]:
+        epochs = (divmod(step * n + j, len(self.train)) for j in range(n))
+        return [self.examples[self.train[int(self._perm(seed, e)[k])]] for e, k in epochs]
+
+    def heldout(self, seed: int, n: int) -> list[Example]:
+        return list(self.held[:n])
+
+    def sizing(self, seed: int) -> list[Example]:
+        mine = {id(e) for e in self.examples}
+        return [*self.examples, *(e for e in self.held if id(e) not in mine)]
+
+    def rewards(self, prompts: list[str], completions: list[str], examples: list[Example], what: str) -> Any:
+        return self.scorer.rewards(prompts, completions, examples, what)
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+def dataset_task(
+    cfg: Any,
+    path: str,
+    prompt_key: str,
+    answer_key: str,
+    reward: str,
+    make_prompt: Callable[[Any], Any] = lambda p: p,
+    check_answer: Callable[[str, str], None] | None = None,
+) -> DatasetTask:
+    """The task of ``cfg`` (a ``TaskConfig``) over the rows of ``path``, every row checked."""
+    table = read_table(path, "--task-data")
+    examples = examples_of(table, prompt_key, answer_key, make_prompt, check_answer)
+    held_table = read_table(cfg.eval_data, "--eval-data") if cfg.eval_data is not None else table.heldout
+    heldout = None
+    if held_table is not None:
+        heldout = examples_of(held_table, prompt_key, answer_key, make_prompt, check_answer, cfg.eval_prompts)
+    env = {"MLLM_RL_PROMPT_KEY": prompt_key, "MLLM_RL_ANSWER_KEY": answer_key}
+    scorer = Scorer(reward, cfg.reward_timeout, env)
+    return DatasetTask(cfg.name, examples, heldout, cfg.eval_prompts, scorer)

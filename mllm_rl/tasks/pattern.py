@@ -1,10 +1,7 @@
-"""Pattern completion: continue a periodic string; the ``tiny`` preset learns it from random init in
-a few CPU minutes, so RL progress is visible on the embedded default.
-
-A prompt is a unit of ``alphabet`` letters repeated to a random length (``"cabcabca"``); the
-answer is the next ``answer_len`` characters (``"bcab"``). The reward is the fraction of answer
-positions matched (partial credit keeps the signal dense). Prompts are drawn from
-``default_rng([seed, step, 0])``, held-out ones from ``EVAL_STREAM``; no chat template."""
+"""Pattern completion: continue a periodic string (``"cabcabca"`` -> ``"bcab"``); the ``tiny`` preset
+learns it from random init in a few CPU minutes. The reward is the fraction of answer positions
+matched (partial credit keeps the signal dense). Prompts come from ``default_rng([seed, step, 0])``,
+held-out ones from ``EVAL_STREAM``; no chat template."""
 
 from __future__ import annotations
 
@@ -13,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from mllm_rl.tasks.base import Example
+from mllm_rl.tasks.data import Example
 from mllm_rl.tasks.reward import DEFAULT_TIMEOUT_S, Scorer
 
 REWARD = "mllm_rl.tasks.pattern:reward"
@@ -57,7 +54,6 @@ class PatternTask:
     def reward(self, completion: str, example: Example) -> float:
         return reward(example.prompt, completion, {"answer": example.answer})
 
-    # -- the Task contract ---------------------------------------------------------------------
     def batch(self, seed: int, step: int, n: int) -> list[Example]:
         return self.sample(np.random.default_rng([seed, step, 0]), n)
 

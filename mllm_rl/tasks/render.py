@@ -1,10 +1,6 @@
 """A prompt as the model sees it: through the tokenizer's chat template (``--chat-template auto``,
-when the checkpoint has one and the task's prompts are chat prompts), or as it is.
-
-A text prompt becomes one user message; a prompt that is a list of ``{role, content}`` messages
-is passed to the template as it is (and needs one). ``check_lengths`` refuses, before the run
-starts, a prompt that does not fit the context the run allows with ``--max-new-tokens`` after it.
-"""
+when the checkpoint has one and the task's prompts are chat prompts; a list of ``{role, content}``
+messages needs one), or as it is. ``check_lengths`` refuses a prompt that does not fit."""
 
 from __future__ import annotations
 
@@ -18,8 +14,7 @@ def uses_template(tok: Any, templated: bool, mode: str) -> bool:
 
 
 def render(tok: Any, prompt: Any, templated: bool, mode: str, where: str = "") -> str:
-    """The text the model is given for ``prompt`` (see the module doc); ``ValueError`` for chat
-    messages without a template."""
+    """The text the model is given for ``prompt``; ``ValueError`` for messages without a template."""
     if isinstance(prompt, str):
         if not uses_template(tok, templated, mode):
             return prompt
@@ -39,9 +34,7 @@ def render_all(tok: Any, examples: list[Any], templated: bool, mode: str) -> lis
 
 
 def token_ids(tok: Any, texts: list[str]) -> list[list[int]]:
-    """Token ids of rendered prompts (the template already added any special tokens). Quiet
-    (``verbose=False``): transformers' warning about a sequence longer than the model's maximum
-    is ours to give (``check_lengths`` refuses such a prompt in one line, naming its row)."""
+    """Token ids of rendered prompts; quiet, as ``check_lengths`` names a prompt that is too long."""
     if not texts:
         return []
     return [list(ids) for ids in tok(texts, add_special_tokens=False, verbose=False).input_ids]

@@ -1,11 +1,9 @@
 """Reward functions by import path, called in a worker process with a timeout (docs/TASKS.md).
 
-``--reward module:function`` or ``path/to/file.py:function`` names ``(prompt, completion, row) ->
-float`` (or, with ``function.batched = True``, lists in and out). ``RewardRunner`` runs it in one
-subprocess per run (``mllm_rl.tasks.reward_worker``): a call that raises, returns a non-finite or
-non-number, exceeds ``timeout`` (per sample, or per batch) or kills the worker ends the run with
-``RewardError`` (exit 1) naming function and sample. ``check_reward`` loads it before the run
-starts (exit 2 when it cannot be imported or called as documented)."""
+``RewardRunner`` runs ``--reward`` in one subprocess per run (``reward_worker``): a call that
+raises, returns a non-finite or non-number, exceeds ``timeout`` (per sample, or per batch) or kills
+the worker is a ``RewardError`` (exit 1) naming function and sample. ``check_reward`` loads it
+before the run starts (exit 2 when it cannot be imported or called as documented)."""
 
 from __future__ import annotations
 
@@ -28,8 +26,7 @@ DEFAULT_TIMEOUT_S = 30.0
 
 
 class RewardError(RuntimeError):
-    """A reward call that raised, hung, returned a non-number or NaN, or whose worker died:
-    a runtime error of the run (exit 1)."""
+    """A reward call that raised, hung, returned a non-number or NaN, or whose worker died (exit 1)."""
 
 
 def check_spec(spec: str) -> None:
@@ -43,8 +40,7 @@ def check_spec(spec: str) -> None:
 
 
 def check_reward(spec: str, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
-    """Load ``spec`` in a worker and stop it: whether it is batched; ``ValueError`` (one line,
-    naming ``--reward``) when it cannot be imported or called as documented."""
+    """Load ``spec`` in a worker and stop it: whether it is batched (``ValueError`` naming ``--reward``)."""
     check_spec(spec)
     runner = RewardRunner(spec, timeout)
     try:
@@ -69,7 +65,6 @@ class RewardRunner:
         self._recv: Any = None
         self._status: int | None = None  # the keeper's report of the worker's exit code
 
-    # -- process ---------------------------------------------------------------------------
     def start(self) -> None:
         from multiprocessing.connection import Connection
 
@@ -176,7 +171,6 @@ class RewardRunner:
             self._died(what)
             raise  # (not reached: _died raises)
 
-    # -- scoring -------------------------------------------------------------------------------
     def score(
         self,
         prompts: list[str],
@@ -190,52 +184,30 @@ class RewardRunner:
             raise ValueError(f"{len(prompts)} prompts, {n} completions, {len(rows)} rows")
         if n == 0:
             return np.zeros(0, np.float64)
-        try:
-            self.start()
-        except RewardError as e:
-            raise RewardError(f"reward {self.spec}: {e}") from None
         out = np.full(n, np.nan, np.float64)
         name = f"reward {self.spec}"
+        batch = f"for the batch of {n} samples ({sample(0)} ...)"
         try:
+            self.start()
             self._post(("score", list(prompts), list(completions), list(rows)), f"before {sample(0)}")
-        except RewardError as e:
-            raise RewardError(f"{name}: {e}") from None
-        if self.batched:
-            what = f"for the batch of {n} samples ({sample(0)} ...)"
-            msg = self._checked(self._wait_named(name, self.timeout, what), name, sample, what)
-            got = 0
-            while msg[0] != "done":
+            for i in range(n + 1):  # a batched call's first value may take the whole timeout
+                first = not self.batched or i == 0
+                what = batch if self.batched else f"on {sample(i)}" if i < n else "at the end of the batch"
+                msg = self._wait(self.timeout if first and i < n else 10.0, what)
+                if msg[0] != "value":
+                    break
                 out[msg[1]] = msg[2]
-                got += 1
-                msg = self._checked(self._wait_named(name, 10.0, what), name, sample, what)
-            return out
-        for i in range(n):
-            msg = self._checked(self._wait_named(name, self.timeout, f"on {sample(i)}"), name, sample, "")
-            out[i] = msg[2]
-        done = self._wait_named(name, 10.0, "at the end of the batch")
-        if done[0] != "done":
-            raise RewardError(f"{name}: unexpected message {done[0]!r} from the worker")
-        return out
-
-    def _wait_named(self, name: str, timeout: float, what: str) -> tuple[Any, ...]:
-        try:
-            return self._wait(timeout, what)
         except RewardError as e:
             raise RewardError(f"{name}: {e}") from None
-
-    def _checked(
-        self, msg: tuple[Any, ...], name: str, sample: Callable[[int], str], batch: str
-    ) -> tuple[Any, ...]:
-        kind = msg[0]
-        if kind in ("value", "done"):
-            return msg
-        where = batch if msg[1] < 0 else f"on {sample(msg[1])}"
-        self._drain()
-        if kind == "raised":
-            raise RewardError(f"{name} raised {msg[2]} {where}")
-        if kind == "bad":
+        if msg[0] in ("raised", "bad"):
+            where = batch if msg[1] < 0 else f"on {sample(msg[1])}"
+            self._drain()
+            if msg[0] == "raised":
+                raise RewardError(f"{name} raised {msg[2]} {where}")
             raise RewardError(f"{name} {msg[2]} {where}: rewards must be finite numbers")
-        raise RewardError(f"{name}: unexpected message {kind!r} from the worker")
+        if msg[0] != "done" or (i < n and not self.batched):
+            raise RewardError(f"{name}: unexpected message {msg[0]!r} from the worker")
+        return out
 
     def _drain(self) -> None:
         """After an error the worker sends ``done``; read it so the pipe stays in step."""

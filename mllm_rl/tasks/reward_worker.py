@@ -1,16 +1,12 @@
-"""The reward worker: ``main([IN_FD, OUT_FD])`` in a subprocess started by
-``mllm_rl.tasks.reward.RewardRunner``.
+"""The reward worker: ``main([IN_FD, OUT_FD, STATUS_FD])`` in a subprocess of ``reward.RewardRunner``.
 
 It imports the reward (``module:function`` or ``file.py:function``) and answers one message per
-sample, so the run can stop a hung call (naming the sample) and survive an interpreter crash.
-Messages (pickled, ``multiprocessing.connection``): ``("load", spec, sys_path)`` ->
-``("loaded", batched)`` | ``("failed", reason)``; ``("score", prompts, completions, rows)`` -> per
-sample ``("value", i, float)`` | ``("raised", i, reason)`` | ``("bad", i, returned)``, then
-``("done",)``. Standard library only; ``print`` goes to stderr; SIGINT ignored; dies with the run.
-
-``main([IN_FD, OUT_FD, STATUS_FD])`` forks a keeper that writes the worker's exit code (``-N``:
-signal N) to ``STATUS_FD``, because sglang-jax's SIGCHLD handler reaps children before the run's
-own ``wait`` sees a status. SIGUSR1 to the keeper kills the worker."""
+sample, so the run can stop a hung call and survive a crash. Messages (pickled): ``("load", spec,
+sys_path)`` -> ``("loaded", batched)`` | ``("failed", reason)``; ``("score", prompts, completions,
+rows)`` -> per sample ``("value", i, float)`` | ``("raised", i, reason)`` | ``("bad", i, returned)``
+(``i`` -1: the whole batch), then ``("done",)``. ``print`` goes to stderr; SIGINT is ignored.
+A keeper process writes the worker's exit code to ``STATUS_FD``, because sglang-jax's SIGCHLD
+handler reaps children before the run's own ``wait`` sees a status."""
 
 from __future__ import annotations
 
@@ -47,8 +43,7 @@ def is_file_spec(target: str) -> bool:
 
 
 def absolute_spec(spec: str, base: Path | None = None) -> str:
-    """``spec`` with a file path made absolute (against ``base``, else the cwd) so a resume from
-    elsewhere loads the same file; other specs unchanged."""
+    """``spec`` with a file path made absolute (against ``base``, else the cwd): a resume loads it."""
     try:
         target, name = split_spec(spec)
     except LoadError:

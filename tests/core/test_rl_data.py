@@ -10,7 +10,7 @@ import pytest
 from mllm_rl.engine import GenerateOutput
 from mllm_rl.rl.batch import build_batch
 from mllm_rl.tasks import get_task
-from mllm_rl.tasks.boxed import BoxedMathTask, boxed_reward, last_boxed, target_of
+from mllm_rl.tasks.boxed import boxed_reward, last_boxed, target_of
 from mllm_rl.tasks.pattern import PatternTask
 
 
@@ -93,7 +93,7 @@ def test_boxed_task_loads_the_shipped_sample_and_rejects_bad_files(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n{not json\n")
     with pytest.raises(ValueError, match=f"{bad}:2: expected a JSON object"):
-        BoxedMathTask.from_jsonl(bad)
+        get_task("boxed", str(bad))
     with pytest.raises(ValueError, match="not a file"):
         get_task("boxed", str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="--task 'chess'"):

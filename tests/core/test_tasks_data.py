@@ -11,13 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mllm_rl.tasks import Example, TaskConfig, build_task, get_task
+from mllm_rl.tasks import Example, TaskConfig, build_task, check_config, get_task
 from mllm_rl.tasks.boxed import boxed_reward, math_equal, reward
-from mllm_rl.tasks.data import read_table
-from mllm_rl.tasks.dataset import DatasetTask
+from mllm_rl.tasks.data import DatasetTask, read_table
 from mllm_rl.tasks.pattern import PatternTask
 from mllm_rl.tasks.pattern import reward as pattern_reward
-from mllm_rl.tasks.registry import check_config
 from mllm_rl.tasks.render import check_lengths, render
 
 ROWS = [{"prompt": f"question {i}", "answer": str(i), "extra": [i, i + 1]} for i in range(40)]
