@@ -1,22 +1,70 @@
-"""The multi-task driver: runs the lease schedule, one lease at a time, on every process.
+"""The lease schedule and the driver that runs it, one lease at a time, on every process.
 
-It only orders leases; inside one, a ``TaskRuntime`` runs its phase group and proves it holds
-nothing on the devices (``check_asleep``), releasing everything on an exception (``fail``). The
-handoff is the coordinator's ``gather`` named after the lease: a barrier where every process
-gives its outcome, so a task failed on any process is failed (its leases skipped) on all, and
-schedules never diverge; ``fail_fast`` stops the run instead. Schedule digests are compared
-before the first lease (``ScheduleMismatch``); the handoff is the only blocking call between leases."""
+The schedule is a pure function of the task list (names in file order, each task's first and last
+step), so every process computes the same one (docs/MULTITASK.md, "The lease order"): each task's
+setup in file order, then round-robin ``rollout(t, s), train(t, s)`` with ``final(t)`` after t's
+last step; a task resumed past its last step gets no lease.
+
+Inside a lease a ``TaskRuntime`` runs its phase group and ends holding nothing on the devices,
+releasing everything on an exception (``fail``). The handoff is the coordinator's ``gather`` named
+after the lease, where every process gives its outcome: a task failed on any process is failed
+(its leases skipped) on all, and ``fail_fast`` stops the run instead."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from mllm_rl.coordination import Coordinator, LocalCoordinator, ScheduleMismatch
-from mllm_rl.multitask.schedule import Lease, schedule_digest
+
+SETUP, ROLLOUT, TRAIN, FINAL = "setup", "rollout", "train", "final"  # the kinds of lease
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    index: int  # position in the schedule
+    task: str
+    kind: str
+    step: int | None  # None for setup and final
+
+    @property
+    def key(self) -> str:
+        """A name unique in the run: ``<index>/<task>/<kind>[/<step>]`` (barrier names use it)."""
+        tail = "" if self.step is None else f"/{self.step}"
+        return f"{self.index}/{self.task}/{self.kind}{tail}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSteps:
+    name: str
+    first_step: int  # 0, or one past the step of the checkpoint a resumed task restores
+    steps: int  # total steps of the task (it runs first_step .. steps - 1)
+
+
+def lease_schedule(tasks: Sequence[TaskSteps]) -> list[Lease]:
+    """Every lease of the run, in order (see the module doc)."""
+    names = [t.name for t in tasks]
+    if len(set(names)) != len(names):
+        raise ValueError(f"task names must be unique, got {names}")
+    todo = [t for t in tasks if t.first_step < t.steps]
+    out: list[tuple[str, str, int | None]] = [(t.name, SETUP, None) for t in todo]
+    rounds = max((t.steps - t.first_step for t in todo), default=0)
+    for r in range(rounds):
+        for t, s in ((t, t.first_step + r) for t in todo if t.first_step + r < t.steps):
+            out += [(t.name, ROLLOUT, s), (t.name, TRAIN, s)]
+            out += [(t.name, FINAL, None)] if s == t.steps - 1 else []
+    return [Lease(i, name, kind, step) for i, (name, kind, step) in enumerate(out)]
+
+
+def schedule_digest(leases: Sequence[Lease]) -> str:
+    """A short hash of the whole schedule: processes compare it before the first lease."""
+    text = json.dumps([dataclasses.astuple(x) for x in leases], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
 
 OK = "ok"
 PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
@@ -48,9 +96,6 @@ class TaskStatus:
     error: str | None = None
     failed_lease: str | None = None
     leases: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def _outcome(error: BaseException | None) -> str:

@@ -1,17 +1,18 @@
-"""``python -m mllm_rl.run --backend B --tasks tasks.toml``: several RL tasks on the same devices, as
-a plan of the one run (``mllm_rl.run`` does the rest, as for every plan).
+"""``python -m mllm_rl.run --tasks tasks.toml``: several RL tasks on the same devices, a plan of the
+one run (``mllm_rl.run`` does the rest).
 
-Run-level phases (task ``null``): ``wandb_init``, ``<backend>_ready``; then the lease schedule
-(``schedule.py``) over every task (``runtime.py``), driven by ``driver.py``. Extra outputs:
-``leases.jsonl`` (``leases.p<i>.jsonl`` per process), ``run.json``'s ``tasks`` (expected phases,
-status), ``tasks/<name>/checkpoints``. Exit code: 0 when every task is done, else the first
-failure's (``TasksFailed``: 3, 4, 5 or 1); ``--fail-fast`` stops at the first failure."""
+Run-level phases (task ``null``): ``wandb_init``, ``<backend>_ready``; then every lease of every
+task (``driver.py``, ``runtime.py``). Extra outputs: ``leases.jsonl`` (``leases.p<i>.jsonl`` per
+process), ``run.json``'s ``tasks``, ``tasks/<name>/checkpoints``. Exit code: 0 when every task is
+done, else the first failure's (``TasksFailed``); ``--fail-fast`` stops at the first failure."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import socket
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,54 @@ from mllm_rl.engine import EngineOptions
 from mllm_rl.plans.base import Plan, PlanRun
 
 RUN_PHASES = ["wandb_init", "{ready}"]
+# Server engines bind TCP ports and pick them by "random + is it free?", so two can collide: each task
+# gets its own block, every port bind-tested free and never handed out twice (process 0 allocates).
+BLOCK = 8  # ports per task: sglang-jax multi-node binds base+5 and base+6; SGLang port + nccl_port
+FIRST_PORT = 20000
+LAST_PORT = 60000
+
+
+def port_free(port: int, host: str = "0.0.0.0") -> bool:
+    """Can a TCP socket bind ``port`` now (the bind test)?"""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class PortAllocator:
+    """Hands out blocks of ``BLOCK`` consecutive free ports, each port at most once."""
+
+    def __init__(
+        self, first: int = FIRST_PORT, last: int = LAST_PORT, is_free: Callable[[int], bool] = port_free
+    ) -> None:
+        if not 0 < first < last < 65536:
+            raise ValueError(f"port range {first}-{last} is not within 1-65535")
+        self.next, self.last, self.is_free = first, last, is_free
+        self.given: dict[str, list[int]] = {}
+
+    def block(self, owner: str, n: int = BLOCK) -> list[int]:
+        """``n`` consecutive ports, every one bind-tested free and never given before."""
+        if owner in self.given:
+            raise ValueError(f"ports for {owner!r} were already allocated: {self.given[owner]}")
+        base = self.next  # every port given so far is below it
+        while base + n - 1 <= self.last:
+            ports = list(range(base, base + n))
+            busy = next((p for p in ports if not self.is_free(p)), None)
+            if busy is None:
+                self.given[owner] = ports
+                self.next = base + n
+                return ports
+            base = busy + 1
+        raise RuntimeError(f"no {n} consecutive free ports left in {self.next}-{self.last} for {owner!r}")
+
+
+def allocate(owners: Sequence[str], allocator: PortAllocator | None = None) -> dict[str, list[int]]:
+    """A block of ports per owner (task name), from one allocator."""
+    alloc = allocator or PortAllocator()
+    return {name: alloc.block(name) for name in owners}
 
 
 @dataclasses.dataclass
@@ -159,10 +208,8 @@ def run_tasks(ctx: PlanRun, opts: MultitaskOptions) -> dict[str, Any]:
 
     from mllm_rl.coordination import coordinator_for
     from mllm_rl.exit_codes import TasksFailed, exit_of
-    from mllm_rl.multitask.driver import Driver
-    from mllm_rl.multitask.ports import allocate
+    from mllm_rl.multitask.driver import Driver, lease_schedule, schedule_digest
     from mllm_rl.multitask.runtime import RLTask, task_phases
-    from mllm_rl.multitask.schedule import lease_schedule, schedule_digest
     from mllm_rl.plans import setup
     from mllm_rl.progress import progress_bar
 

@@ -28,7 +28,7 @@ from mllm_rl.lifecycle import (
     release_on_fault,
     rollout_lease_phases,
 )
-from mllm_rl.multitask.schedule import FINAL, ROLLOUT, SETUP, TRAIN, Lease, TaskSteps
+from mllm_rl.multitask.driver import FINAL, ROLLOUT, SETUP, TRAIN, Lease, TaskSteps
 from mllm_rl.multitask.spec import TaskSpec
 from mllm_rl.phases.recorder import PhaseRecorder
 from mllm_rl.plans.rl import (

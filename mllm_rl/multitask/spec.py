@@ -1,19 +1,9 @@
-"""Task specs: the ``--tasks`` TOML file of a multi-task run (example: ``docs/MULTITASK.md``).
+"""The ``--tasks`` TOML file of a multi-task run: ``[defaults]`` and ``[[task]]`` tables (docs/MULTITASK.md).
 
-```toml
-[defaults]            # optional: every task that does not set the key itself
-steps = 4
-
-[[task]]
-name = "small"        # required, unique; letters, digits, '_' and '-'
-model = "tiny"        # preset name, or a checkpoint directory
-```
-
-A task's keys are ``FIELDS``: ``name`` and the ``task``-scope options of ``mllm_rl.options.schema``
-(same meaning, default and range as the run's flag). Paths (``model``, ``task_data``,
-``eval_data``, a reward file) are relative to the TOML file. A bad file raises ``ValueError``
-naming the file, task and field before anything starts.
-"""
+A task's keys are ``FIELDS``: ``name`` (required, unique) and the ``task``-scope options of
+``mllm_rl.options.schema`` (same meaning, default and range as the flag). Paths (``model``,
+``task_data``, ``eval_data``, a reward file) are relative to the TOML file. A bad file is a
+``ValueError`` naming the file, task and field before anything starts."""
 
 from __future__ import annotations
 
@@ -27,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 from mllm_rl.option_error import OptionError, cli_key
 from mllm_rl.options.check import check_range, check_type
 from mllm_rl.options.schema import ALIASES, OPTIONS, Option, defaults, in_scope
+from mllm_rl.tasks.data import is_hub_id
+from mllm_rl.tasks.reward_worker import absolute_spec
 
 if TYPE_CHECKING:
     from mllm_rl.plans.rl import RLOptions
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-RUN_LEVEL = ("tp", "platform", "engine")  # the run's flags that every task's options take
 
 
 def _rl_options(
@@ -62,19 +53,13 @@ TaskSpec = dataclasses.make_dataclass(
     namespace={"rl_options": _rl_options, "__module__": __name__},
 )
 FIELDS = ["name", *TASK_OPTIONS]
-
-
 OPTION_KEYS = {o.key for o in OPTIONS}
-
-
-def _unalias(table: dict[str, Any]) -> dict[str, Any]:
-    return {ALIASES.get(k, k): v for k, v in table.items()}
 
 
 def _task(raw: Any, defaults: dict[str, Any], where: str, base: Path) -> TaskSpec:
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected a table")
-    merged = {**_unalias(defaults), **_unalias(raw)}
+    merged = {ALIASES.get(k, k): v for table in (defaults, raw) for k, v in table.items()}
     if "name" not in raw:
         raise ValueError(f"{where}: field 'name' is required")
     values: dict[str, Any] = {}
@@ -94,25 +79,14 @@ def _task(raw: Any, defaults: dict[str, Any], where: str, base: Path) -> TaskSpe
         raise ValueError(f"{where}.name: {values['name']!r} must match {NAME.pattern}")
     for key in ("task_data", "eval_data"):  # relative paths are relative to the TOML file
         data = values.get(key)
-        if isinstance(data, str) and not Path(data).expanduser().is_absolute() and not _hub_id(data, base):
+        if isinstance(data, str) and not Path(data).expanduser().is_absolute() and not is_hub_id(data, base):
             values[key] = str((base / data).resolve())
     if isinstance(values.get("reward"), str):  # a reward file too (path/to/file.py:function)
-        from mllm_rl.tasks.reward_worker import absolute_spec
-
         values["reward"] = absolute_spec(values["reward"], base)
     model = values.get("model", "tiny")
     if not Path(model).expanduser().is_absolute() and (base / model).is_dir():
         values["model"] = str((base / model).resolve())
     return TaskSpec(**values)
-
-
-def _hub_id(data: str, base: Path) -> bool:
-    """A Hugging Face Hub dataset id (``org/name[:config]``) that is no path next to the TOML file."""
-    from mllm_rl.tasks.data import HUB_ID, LOCAL_SUFFIXES
-
-    return (
-        bool(HUB_ID.match(data)) and not (base / data).exists() and not data.lower().endswith(LOCAL_SUFFIXES)
-    )
 
 
 def load_tasks(path: str | Path) -> list[TaskSpec]:
@@ -135,12 +109,13 @@ def load_tasks(path: str | Path) -> list[TaskSpec]:
     raw = doc.get("task")
     if not isinstance(raw, list) or not raw:
         raise ValueError(f"{path}: no [[task]] table")
-    specs = [_task(t, defaults, f"{path}: task {i} ({_name(t)})", path.parent) for i, t in enumerate(raw)]
-    seen: set[str] = set()
-    for s in specs:
-        if s.name in seen:
+    specs = []
+    for i, t in enumerate(raw):
+        name = repr(t.get("name")) if isinstance(t, dict) and "name" in t else "unnamed"
+        specs.append(_task(t, defaults, f"{path}: task {i} ({name})", path.parent))
+    for i, s in enumerate(specs):
+        if s.name in (t.name for t in specs[:i]):
             raise ValueError(f"{path}: task name {s.name!r} is used twice")
-        seen.add(s.name)
     for s in specs:  # the single-task checks (steps >= 1, estimator, loss, ...) before anything runs
         try:
             for key, opt in TASK_OPTIONS.items():
@@ -151,7 +126,3 @@ def load_tasks(path: str | Path) -> list[TaskSpec]:
         except ValueError as e:
             raise ValueError(f"{path}: task {s.name!r}: {e}") from None
     return specs
-
-
-def _name(raw: Any) -> str:
-    return repr(raw.get("name")) if isinstance(raw, dict) and "name" in raw else "unnamed"

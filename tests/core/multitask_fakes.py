@@ -29,8 +29,8 @@ from mllm_rl.engine import (
 )
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.lifecycle import Colocated, LifecycleOptions, colocate, release_on_fault
+from mllm_rl.multitask.driver import FINAL, ROLLOUT, SETUP, TRAIN, Lease
 from mllm_rl.multitask.runtime import ENGINE_READY
-from mllm_rl.multitask.schedule import FINAL, ROLLOUT, SETUP, TRAIN, Lease
 from mllm_rl.phases import DeviceMemory, PhaseRecorder
 from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, train_metrics
 

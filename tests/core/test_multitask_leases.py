@@ -17,17 +17,20 @@ from mllm_rl.lifecycle import (
     LifecycleOptions,
     rollout_lease_phases,
 )
-from mllm_rl.multitask.driver import DONE, FAILED, Driver, TaskFailed
-from mllm_rl.multitask.runtime import task_phases
-from mllm_rl.multitask.schedule import (
+from mllm_rl.multitask.driver import (
+    DONE,
+    FAILED,
     FINAL,
     ROLLOUT,
     SETUP,
     TRAIN,
+    Driver,
+    TaskFailed,
     TaskSteps,
     lease_schedule,
     schedule_digest,
 )
+from mllm_rl.multitask.runtime import task_phases
 from mllm_rl.phases import PhaseRecorder, validate_record
 from tests.core.multitask_fakes import FakeDevice, FakeProbe, FakeTask, ThreadCoordinator
 

@@ -9,9 +9,8 @@ import json
 import pytest
 
 from mllm_rl.lifecycle import LifecycleOptions
-from mllm_rl.multitask.driver import Driver
+from mllm_rl.multitask.driver import Driver, TaskSteps, lease_schedule
 from mllm_rl.multitask.runtime import task_phases
-from mllm_rl.multitask.schedule import TaskSteps, lease_schedule
 from mllm_rl.phases import PhaseRecorder, SchemaError, validate_record
 from mllm_rl.report import build_report
 from mllm_rl.run import write_run_json

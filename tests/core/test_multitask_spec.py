@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from mllm_rl.multitask.ports import BLOCK, PortAllocator, allocate, port_free
+from mllm_rl.multitask.plan import BLOCK, PortAllocator, allocate, port_free
 from mllm_rl.multitask.spec import TaskSpec, load_tasks
 from mllm_rl.options.schema import in_scope
 from mllm_rl.plans.preflight import build_options

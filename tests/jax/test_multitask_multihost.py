@@ -27,7 +27,7 @@ from mllm_rl.backends.jax import JaxBackend, distributed
 distributed.init_distributed(tp=2)  # one (fake CPU) device per process
 from mllm_rl.coordination import coordinator_for
 from mllm_rl.multitask.driver import Driver
-from mllm_rl.multitask.schedule import TaskSteps, lease_schedule
+from mllm_rl.multitask.driver import TaskSteps, lease_schedule
 from mllm_rl.phases import PhaseRecorder
 from tests.core.multitask_fakes import FakeDevice, FakeProbe, FakeTask
 
@@ -53,7 +53,7 @@ distributed.shutdown()
 
 
 def test_two_processes_agree_on_every_lease_20_times(tmp_path):
-    from mllm_rl.multitask.schedule import TaskSteps, lease_schedule
+    from mllm_rl.multitask.driver import TaskSteps, lease_schedule
 
     port = free_coordinator_port()
     procs, logs = [], []
