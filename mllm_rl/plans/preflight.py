@@ -231,7 +231,7 @@ def prepare(args: argparse.Namespace, given: set[str] | frozenset[str] = frozens
     opts = build_options(args)
     limits = phase_limits(args)
     backend = load_backend(args.backend)
-    from mllm_rl.sinks.wandb_check import check_wandb
+    from mllm_rl.sinks.wandb_sink import check_wandb
 
     wandb_mode, wandb_notes = check_wandb(
         args.wandb, args.wandb_fallback, args.wandb_timeout, run_dir=run_dir

@@ -1,9 +1,6 @@
-"""Console sink: what a run prints while it runs (``--console``).
-
-``steps`` (default): one stderr line per RL step (reward, KL, clip fraction, grad norm, loss,
-time, peak memory), one when setup is done, and any failed phase's short line; ``phases`` adds a
-short stdout line per record; ``full`` a JSON line per record. ``phases.jsonl`` gets every record
-regardless; lines go above any progress bar (``mllm_rl.progress.write``)."""
+"""Console sink (``--console``): ``steps`` (default) prints one stderr line per RL step, one when
+setup is done and any failed phase's short line; ``phases`` adds a short stdout line per record,
+``full`` a JSON line per record. Lines go above any progress bar (``mllm_rl.progress.write``)."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ STEP_METRICS = ("reward_mean", "eval_reward_mean", "kl", "clip_frac", "grad_norm
 
 
 class ConsoleSink(Sink):
-    """Prints a run's progress (see the module doc); ``steps``: the run's step count, shown as
-    ``(i/N)`` after each step (None: not shown, as in a multi-task run)."""
+    """Prints a run's progress; ``steps``: the run's step count, shown as ``(i/N)`` (None: not shown)."""
 
     def __init__(
         self,
@@ -34,10 +30,8 @@ class ConsoleSink(Sink):
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"console mode {mode!r}: choose one of {', '.join(MODES)}")
-        self.mode = mode
-        self.steps = steps
-        self.stream = stream or sys.stdout  # phase records
-        self.err = err or sys.stderr  # step lines
+        self.mode, self.steps = mode, steps
+        self.stream, self.err = stream or sys.stdout, err or sys.stderr  # phase records, step lines
         self._setup: list[dict[str, Any]] = []  # run-level records before the first step's
         self._setup_said = False
         self._open: dict[tuple[str | None, int], list[dict[str, Any]]] = {}  # (task, step) -> records
@@ -80,18 +74,21 @@ def fmt(v: float) -> str:
 def step_line(
     step: int, metrics: dict[str, Any], records: list[dict[str, Any]], steps: int | None = None
 ) -> str:
-    """``step 3 (4/20): reward_mean=0.236 kl=0.00012 clip_frac=0 grad_norm=0.59 loss=-0.0087
-    step_s=2.31 dev_peak=0.035GiB rss_peak=0.702GiB`` (``[task] step 3: ...`` in a multi-task
-    run): the step's span, its largest device peak (summed over devices) and host RSS peak."""
+    """``[task] step 3 (4/20): reward_mean=0.236 kl=0.00012 ... step_s=2.31 dev_peak=0.035GiB
+    rss_peak=0.702GiB``: the metrics, the step's span, its device peak (summed) and RSS peak."""
     head = f"step {step}" + (f" ({step + 1}/{steps})" if steps else "")
     if metrics.get("task"):
         head = f"[{metrics['task']}] {head}"
     parts = [f"{k}={fmt(metrics[k])}" for k in STEP_METRICS if isinstance(metrics.get(k), (int, float))]
     if records:
-        secs = max(r["t_end"] for r in records) - min(r["t_start"] for r in records)
+        secs = span(records)
         parts.append(f"step_s={fmt(secs) if secs < 100 else f'{secs:.0f}'}")
         parts += peaks(records)
     return f"{head}: " + " ".join(parts)
+
+
+def span(records: list[dict[str, Any]]) -> float:
+    return max(r["t_end"] for r in records) - min(r["t_start"] for r in records)
 
 
 def peaks(records: list[dict[str, Any]]) -> list[str]:
@@ -103,8 +100,7 @@ def peaks(records: list[dict[str, Any]]) -> list[str]:
 
 def setup_line(records: list[dict[str, Any]]) -> str:
     """``setup: 11 phases in 9.10s, dev_peak=0.034GiB rss_peak=0.581GiB``: the phases before step 1."""
-    secs = max(r["t_end"] for r in records) - min(r["t_start"] for r in records)
-    return f"setup: {len(records)} phases in {secs:.2f}s, " + " ".join(peaks(records))
+    return f"setup: {len(records)} phases in {span(records):.2f}s, " + " ".join(peaks(records))
 
 
 def compact_line(r: dict[str, Any]) -> str:

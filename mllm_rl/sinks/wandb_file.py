@@ -1,10 +1,7 @@
-"""Read an offline W&B run file (``run-<id>.wandb``) back: used by tests and the report.
-
-The file is a 7-byte header (``:W&B``, magic 0xBEE1 LE, version 0) followed by a
-LevelDB-style log: 32 KiB blocks of chunks ``crc32c(4) | length(2 LE) | type(1) | data``
-with type FULL=1, FIRST=2, MIDDLE=3, LAST=4; a block tail shorter than 7 bytes is
-padding. Each reassembled payload is a ``wandb_internal_pb2.Record`` protobuf.
-"""
+"""Read an offline W&B run file (``run-<id>.wandb``) back. A 7-byte header (``:W&B``, magic, version)
+then a LevelDB-style log: 32 KiB blocks of chunks ``crc32c(4) | length(2 LE) | type(1) | data``
+(FULL=1, FIRST=2, MIDDLE=3, LAST=4; a block tail under 7 bytes is padding), each reassembled
+payload a ``wandb_internal_pb2.Record``."""
 
 from __future__ import annotations
 
@@ -34,18 +31,11 @@ def read_wandb_payloads(path: str | Path) -> list[bytes]:
             continue
         chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
-        if kind == 1:
-            out.append(chunk)
-        elif kind == 2:
-            parts = [chunk]
-        elif kind == 3:
-            parts.append(chunk)
-        elif kind == 4:
-            parts.append(chunk)
-            out.append(b"".join(parts))
-            parts = []
-        else:
+        if not 1 <= kind <= 4:
             raise ValueError(f"{path}: bad chunk type {kind} at byte {pos}")
+        parts = [chunk] if kind in (1, 2) else [*parts, chunk]
+        if kind in (1, 4):
+            out.append(b"".join(parts))
     return out
 
 

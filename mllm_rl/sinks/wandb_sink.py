@@ -1,30 +1,131 @@
-"""Weights & Biases sink (offline by default).
+"""Weights & Biases: the preflight check of ``--wandb MODE`` and the sink (offline by default).
 
-One ``wandb.log`` per phase record (keys per docs/DESIGN.md, "The phase record": ``mem/...``,
-``phase/...``, ``time/...``; x-axis ``phase/idx``) and one per step of RL metrics (``rl/step``,
-``train/<metric>``). A multi-task run logs ``<task>/rl/step`` and ``<task>/train/<metric>``, each
-task on its own step axis so tasks at different steps never overwrite a point. ``close`` tears the
-wandb service down explicitly: it must end before sglang-jax's ``shutdown()`` SIGKILLs every child
-process (the service is one), and an atexit teardown can hit ``BrokenPipeError``."""
+``check_wandb`` asks wandb itself, so its rules (env variables, netrc, settings files, proxies) stay
+its own: ``wandb.login(prompt=False, verify=False)`` finds the key as ``wandb.init`` will, without
+network; ``wandb.Api()`` verifies it in a daemon thread abandoned after ``timeout_s``.
+
+``WandbSink`` logs one row per phase record (keys per docs/DESIGN.md, "The phase record", x-axis
+``phase/idx``) and one per RL step (``train/<metric>`` over ``rl/step``; in a multi-task run
+``<task>/train/<metric>`` over the task's own ``<task>/rl/step``). ``close`` tears the wandb service
+down explicitly: before sglang-jax's ``shutdown()`` SIGKILLs every child process (the service is
+one), and an atexit teardown can hit ``BrokenPipeError``."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from mllm_rl.phases.recorder import Sink
 
+MODES = ("disabled", "offline", "online")
+FALLBACKS = ("offline", "error")
+FIX = "run wandb login, set WANDB_API_KEY, or pass --wandb offline"  # no backticks: a docs/ERRORS.md cell
+OFFLINE_FIX = "--wandb offline logs locally (upload later with wandb sync)"
 MEM_KEYS = ("bytes_in_use", "peak_bytes_in_use", "phase_peak_bytes", "bytes_limit")
+QUIET = {"console": "off", "x_disable_stats": True}  # wandb.Settings of every run
 
 
-def _one_line(e: BaseException) -> str:
-    """The first line of an exception's message (its type's name when it has none), at most 300 chars."""
+def _check_args(mode: str, fallback: str, modes: tuple[str, ...] = MODES) -> None:
+    if mode not in modes:
+        raise ValueError(f"--wandb {mode!r}: use disabled, offline or online")
+    if fallback not in FALLBACKS:
+        raise ValueError(f"--wandb-fallback {fallback!r}: use offline or error")
+
+
+def check_wandb(
+    mode: str, fallback: str, timeout_s: float, *, run_dir: str | os.PathLike[str] | None = None
+) -> tuple[str, list[str]]:
+    """``(effective mode, warning lines)`` for ``--wandb mode``. ``offline`` needs wandb importable;
+    ``online`` without a usable credential is a ``ValueError`` whatever ``fallback`` says (a setup to
+    fix, not an outage); a server that does not verify the key within ``timeout_s`` gives
+    ``("offline", [warning])`` with ``fallback="offline"``, else ``RuntimeError``."""
+    _check_args(mode, fallback)
+    if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"--wandb-timeout must be > 0 seconds, got {timeout_s}")
+    if mode == "disabled":
+        return mode, []
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError(
+            f"--wandb {mode}: the wandb package is not installed (pip install wandb, or --wandb disabled)"
+        ) from None
+    if mode == "offline":
+        return mode, []
+    url = logged_in(wandb)
+    reason = verify(wandb, timeout_s)
+    if reason is None:
+        return "online", []
+    t = f"{timeout_s:g}"
+    if fallback == "error":
+        raise RuntimeError(
+            f"--wandb online: {url} unreachable ({reason}) within {t} s (--wandb-fallback error); {OFFLINE_FIX}"
+        )
+    return "offline", [
+        f"warning: --wandb online: {url} unreachable ({reason}) within {t} s; "
+        f"logging offline (sync later: wandb sync {offline_glob(run_dir)})"
+    ]
+
+
+def offline_glob(run_dir: str | os.PathLike[str] | None) -> str:
+    """Where the offline W&B run of ``run_dir`` lands (``RUN_DIR/...`` when not known)."""
+    return f"{run_dir if run_dir is not None else 'RUN_DIR'}/wandb/offline-run-*"
+
+
+def logged_in(wandb: Any) -> str:
+    """Log the session in from the credentials wandb finds (no network, no prompt); the server's
+    URL. ``ValueError`` (one line, ``--wandb online: ...``) when there is none to use."""
+    os.environ.setdefault("WANDB_SILENT", "true")  # no "Loaded credentials" or logged-in lines
+    try:
+        found = wandb.login(prompt=False, verify=False)
+    except Exception as e:  # AuthenticationError: a malformed key; ValidationError: a bad setting
+        if callable(errors := getattr(e, "errors", None)):  # pydantic's: which setting, and why
+            err = errors()[0]
+            where = ".".join(map(str, err["loc"]))
+            raise ValueError(
+                f"--wandb online: wandb setting {where} {err.get('input')!r} is not valid ({err['msg']})"
+            ) from None
+        raise ValueError(f"--wandb online: {_one_line(e)}; {FIX}") from None
+    url = str(wandb.sdk.wandb_setup.singleton().settings.base_url).rstrip("/")
+    if not found:
+        raise ValueError(f"--wandb online: no W&B API key for {url}; {FIX}")
+    return url
+
+
+def verify(wandb: Any, timeout_s: float) -> str | None:
+    """``None`` if the server accepted the session's credentials within ``timeout_s``, else why
+    not (one short phrase; ``no answer`` when the time ran out)."""
+    result: list[str | None] = []
+
+    def run() -> None:
+        try:
+            wandb.Api(timeout=max(1, math.ceil(timeout_s)))
+            result.append(None)
+        except Exception as e:  # every failure is a reason
+            result.append(_one_line(e))
+
+    thread = threading.Thread(target=run, name="wandb-check-verify", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not result:  # left running: tearing wandb down now could wait on the same dead network
+        return "no answer"
+    wandb.teardown()  # no session, credentials or wandb service left behind
+    return result[0]
+
+
+def _one_line(e: BaseException, typed: bool = False) -> str:
+    """The first line of ``e``'s message (after ``Type: `` when ``typed``; its type's name when it
+    has none), at most 300 chars."""
     text = str(e).strip()
     first = text.splitlines()[0] if text and text != "<no message>" else ""
-    return f"{type(e).__name__}: {first}"[:300] if first else type(e).__name__
+    if typed and first:
+        return f"{type(e).__name__}: {first}"[:300]
+    return (first.rstrip(".") or type(e).__name__)[:300]
 
 
 def flatten_record(record: dict[str, Any], t0: float) -> dict[str, Any]:
@@ -75,10 +176,7 @@ class WandbSink(Sink):
         fallback: str = "offline",
         init_timeout: float = 60.0,
     ) -> None:
-        if mode not in ("offline", "online"):
-            raise ValueError(f"--wandb {mode!r}: use disabled, offline or online")
-        if fallback not in ("offline", "error"):
-            raise ValueError(f"--wandb-fallback {fallback!r}: use offline or error")
+        _check_args(mode, fallback, ("offline", "online"))
         if not init_timeout > 0:
             raise ValueError(f"init_timeout must be > 0 seconds, got {init_timeout}")
         import wandb
@@ -96,9 +194,7 @@ class WandbSink(Sink):
             resume="allow" if resume else None,
         )
         if mode == "offline":
-            self.run = wandb.init(
-                mode="offline", settings=wandb.Settings(console="off", x_disable_stats=True), **kwargs
-            )
+            self.run = wandb.init(mode="offline", settings=wandb.Settings(**QUIET), **kwargs)
         else:
             self.run = self._init_online(wandb, kwargs, run_dir, fallback, init_timeout)
         self.run.define_metric("phase/idx")
@@ -114,44 +210,34 @@ class WandbSink(Sink):
         self, wandb: Any, kwargs: dict[str, Any], run_dir: str | Path, fallback: str, init_timeout: float
     ) -> Any:
         """``wandb.init`` online, or what ``fallback`` says when it cannot be (see the class)."""
-        from mllm_rl.sinks.wandb_check import FIX, logged_in, offline_glob
-
-        settings: dict[str, Any] = dict(console="off", x_disable_stats=True)
-        fields = getattr(wandb.Settings, "model_fields", {"init_timeout": None})
-        if "init_timeout" in fields:
-            settings["init_timeout"] = float(init_timeout)
-        if "finish_timeout" in fields:  # a network lost mid-run must not hold the run's end forever
-            settings["finish_timeout"] = float(
-                max(60.0, 2 * init_timeout)
-            )  # the rest stays on disk for wandb sync
-        reason = None
         try:
             logged_in(wandb)
         except ValueError as e:
             reason = str(e).removeprefix("--wandb online: ").removesuffix(f"; {FIX}")
-        if reason is None:
+        else:
+            # finish_timeout: a network lost mid-run must not hold the run's end (wandb sync has the rest)
+            limits = {
+                "init_timeout": float(init_timeout),
+                "finish_timeout": float(max(60.0, 2 * init_timeout)),
+            }
             t0 = time.monotonic()
             try:
-                return wandb.init(mode="online", settings=wandb.Settings(**settings), **kwargs)
-            except (
-                Exception
-            ) as e:  # wandb's errors (UsageError, CommError, ...) and any other; not SystemExit
+                return wandb.init(mode="online", settings=wandb.Settings(**QUIET, **limits), **kwargs)
+            except Exception as e:  # wandb's errors (UsageError, CommError, ...) and any other
                 took = time.monotonic() - t0
-                reason = f"wandb.init failed after {took:.1f} s (limit {init_timeout:g} s): {_one_line(e)}"
+                reason = (
+                    f"wandb.init failed after {took:.1f} s (limit {init_timeout:g} s): {_one_line(e, True)}"
+                )
         if fallback == "error":
-            raise RuntimeError(
-                f"--wandb online: {reason}; --wandb offline logs locally (upload later with wandb sync)"
-            )
+            raise RuntimeError(f"--wandb online: {reason}; {OFFLINE_FIX}")
         self.mode, self.fallback_reason = "offline", reason
         try:
             # the failed run's id is still held by the service ("run ID ... is in use"): a fresh one
             wandb.teardown(1)
-            run = wandb.init(
-                mode="offline", settings=wandb.Settings(console="off", x_disable_stats=True), **kwargs
-            )
+            run = wandb.init(mode="offline", settings=wandb.Settings(**QUIET), **kwargs)
         except Exception as e:
             raise RuntimeError(
-                f"--wandb online: {reason}; the offline fallback failed too: {_one_line(e)}"
+                f"--wandb online: {reason}; the offline fallback failed too: {_one_line(e, True)}"
             ) from e
         where = str(run.dir).rsplit("/files", 1)[0] if getattr(run, "dir", None) else offline_glob(run_dir)
         print(
@@ -172,33 +258,26 @@ class WandbSink(Sink):
             self._t0 = record["t_start"]
         self.run.log(flatten_record(record, self._t0))
 
-    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
-        """One row per RL step: numeric metrics as ``train/<name>``."""
+    def log_metrics(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
+        """One row per RL step: numeric metrics as ``<prefix>train/<name>`` over ``<prefix>rl/step``."""
         if self._closed:
             return
-        row: dict[str, Any] = {"rl/step": step}
+        row: dict[str, Any] = {f"{prefix}rl/step": step}
         for k, v in metrics.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
-                row[f"train/{k}"] = v
+                row[f"{prefix}train/{k}"] = v
         self.run.log(row)
 
     def log_task_metrics(self, task: str, step: int, metrics: dict[str, Any]) -> None:
         """One row per RL step of ``task``: ``<task>/train/<name>`` over ``<task>/rl/step``."""
-        if self._closed:
-            return
-        if task not in self._tasks:
+        if task not in self._tasks and not self._closed:
             self.run.define_metric(f"{task}/rl/step")
             self.run.define_metric(f"{task}/train/*", step_metric=f"{task}/rl/step")
             self._tasks.add(task)
-        row: dict[str, Any] = {f"{task}/rl/step": step}
-        for k, v in metrics.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                row[f"{task}/train/{k}"] = v
-        self.run.log(row)
+        self.log_metrics(step, metrics, f"{task}/")
 
     def log_report(self, report: Any) -> None:
-        """The run's memory report as W&B tables, charts and summary values
-        (``mllm_rl.report.wandb_extras``); nothing once the run is closed."""
+        """The run's memory report as W&B tables, charts and summary values (nothing once closed)."""
         if self._closed:
             return
         from mllm_rl.report.wandb_extras import log_report

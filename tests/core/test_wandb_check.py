@@ -1,4 +1,4 @@
-"""``mllm_rl.sinks.wandb_check.check_wandb`` and the W&B sink's online start-up: no traceback, no
+"""``mllm_rl.sinks.wandb_sink.check_wandb`` and the W&B sink's online start-up: no traceback, no
 long silent wait, an offline fallback or a one-line error.
 
 No network here: the W&B server is ``FakeWandbServer`` (a local HTTP server answering wandb's
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from mllm_rl.sinks import wandb_check
-from mllm_rl.sinks.wandb_check import check_wandb
+from mllm_rl.sinks import wandb_sink
+from mllm_rl.sinks.wandb_sink import check_wandb
 
 KEY = "k" * 40  # the shape of a W&B API key (wandb checks 40+ word characters)
 SLACK_S = 5.0  # liveness bound over timeout_s: interpreter, thread and wandb start-up, not a speed target
@@ -59,7 +59,7 @@ def no_probe(monkeypatch) -> None:
     def fail(*a, **k):
         raise AssertionError("the server was asked")
 
-    monkeypatch.setattr(wandb_check, "verify", fail)
+    monkeypatch.setattr(wandb_sink, "verify", fail)
 
 
 def timed(fn, *args, **kwargs):
