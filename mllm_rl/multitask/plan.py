@@ -83,6 +83,10 @@ class MultitaskOptions:
     # --resume: every accepted change of a task's setting ({task, key, from, to}), all attempts
     task_overrides: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
+    def rl_options(self, spec: Any, model_name: str | None = None) -> Any:
+        """``spec``'s ``RLOptions`` with the run's engine choice, tp and platform."""
+        return spec.rl_options(self.engine.tp, self.platform, self.engine.engine, model_name)
+
 
 class MultitaskPlan(Plan[MultitaskOptions]):
     """The tasks of a ``--tasks`` file, lease by lease on the same devices (docs/MULTITASK.md)."""
@@ -112,7 +116,7 @@ class MultitaskPlan(Plan[MultitaskOptions]):
 
         notes: list[str] = []
         for s in opts.specs:  # every task's data read and checked, its reward loaded in a worker
-            o = s.rl_options(tp=opts.engine.tp, platform=opts.platform, engine=opts.engine.engine)
+            o = opts.rl_options(s)
             try:
                 task = build_task(o.task_config)
                 task.close()
@@ -149,7 +153,7 @@ class MultitaskPlan(Plan[MultitaskOptions]):
             try:
                 models[s.name] = m = resolve_model(s.model, seed=s.seed)
                 m.check_tp(opts.engine.tp)
-                o = s.rl_options(tp=opts.engine.tp, platform=opts.platform, engine=opts.engine.engine)
+                o = opts.rl_options(s)
                 notes += [f"task {s.name!r}: {n}" for n in check_prompts(o, m)]  # prompts fit the context
             except ValueError as e:
                 raise ValueError(f"{opts.tasks_file}: task {s.name!r}: {e}") from None
@@ -219,20 +223,7 @@ def run_tasks(ctx: PlanRun, opts: MultitaskOptions) -> dict[str, Any]:
     names = [s.name for s in opts.specs]
     ports = json.loads(coord.gather("ports", json.dumps(allocate(names) if pidx == 0 else {}))[0])
     runtimes = {
-        s.name: RLTask(
-            s,
-            opts.models[s.name],
-            backend,
-            rec,
-            ctx.run_dir,
-            tp=opts.engine.tp,
-            platform=opts.platform,
-            engine=opts.engine.engine,
-            resume=opts.resume,
-            ports=ports[s.name],
-            on_engine=ctx.on_engine,
-        )
-        for s in opts.specs
+        s.name: RLTask(s, opts, backend, rec, ctx.run_dir, ports[s.name], ctx.on_engine) for s in opts.specs
     }
     for name, rt in runtimes.items():
         for d, why in rt.skipped:

@@ -1,10 +1,8 @@
 """One RL task of a multi-task run: its own model, engine, trainer, data, seed and checkpoints.
 
-The same pieces as the single-task plan (``mllm_rl.plans.rl``: rollout, rewards, advantages,
-checkpoints, resume, evaluation), driven lease by lease through ``Colocated``'s leased phase
-groups; every record it makes carries its name (``rec.for_task``). Checkpoints live in
-``<run_dir>/tasks/<name>/checkpoints`` and a resumed task restarts after its own last one.
-"""
+The single-task plan's pieces (``mllm_rl.plans.rl``), driven lease by lease through ``Colocated``;
+every record it makes carries its name (``rec.for_task``). Checkpoints live in
+``<run_dir>/tasks/<name>/checkpoints``; a resumed task restarts after its own last one."""
 
 from __future__ import annotations
 
@@ -66,26 +64,23 @@ class RLTask:
     def __init__(
         self,
         spec: TaskSpec,
-        model: ModelDir,
+        run: Any,  # the run's MultitaskOptions
         backend: Backend,
         rec: PhaseRecorder,
         run_dir: Path,
-        tp: int = 1,
-        platform: str = "auto",
-        engine: str = "auto",
-        resume: bool = False,
         ports: list[int] | None = None,
         on_engine: Callable[[Any], None] = lambda engine: None,
     ) -> None:
+        model: ModelDir = run.models[spec.name]
         self.spec, self.name, self.model, self.backend, self.rec = spec, spec.name, model, backend, rec
-        self.opts = spec.rl_options(tp=tp, platform=platform, engine=engine, model_name=model.config.name)
+        self.opts = run.rl_options(spec, model.config.name)
         self.dir = run_dir / "tasks" / spec.name
         self.ports = ports
         self.on_engine = on_engine
         # --resume: the task's newest checkpoint that verifies; newer invalid ones are skipped
         self.resume_from: RLCheckpoint | None = None
         self.skipped: list[tuple[Path, str]] = []
-        if resume:
+        if run.resume:
             self.resume_from, self.skipped = find_resumable(
                 self.dir, checkpoint_meta(backend.name, self.opts)
             )
@@ -146,11 +141,9 @@ class RLTask:
     def close(self) -> None:
         """Stop the task's reward worker and close its rewards file (idempotent; the engine and
         trainer are the run's to tear down)."""
-        task, rewards = getattr(self, "task", None), getattr(self, "rewards", None)
-        if task is not None:
-            task.close()
-        if rewards is not None:
-            rewards.close()
+        for part in (getattr(self, "task", None), getattr(self, "rewards", None)):
+            if part is not None:
+                part.close()
 
     def fail(self, lease: Lease, error: BaseException) -> None:
         if self.engine is None:  # failed before its engine existed: nothing of it is on the devices

@@ -19,29 +19,22 @@ TASKS = ("pattern", "boxed", "data")
 
 
 class Task(Protocol):
+    """What a task is: ``batch`` (the ``n`` training prompts of ``step``, a pure function of its
+    arguments), ``heldout`` (up to ``n`` prompts never trained on, where the task can say so),
+    ``sizing`` (the prompts whose longest sizes the engine's context), ``rewards`` (one finite float
+    per completion, else ``RewardError`` naming the sample) and ``close`` (stop the reward worker)."""
+
     name: str
     reward_spec: str  # the reward function's import path
     templated: bool  # the chat template applies to its prompts (--chat-template auto)
 
-    def batch(self, seed: int, step: int, n: int) -> list[Example]:
-        """The ``n`` training prompts of ``step`` (a pure function of its arguments)."""
-        ...
-
-    def heldout(self, seed: int, n: int) -> list[Example]:
-        """Up to ``n`` held-out prompts (never trained on, where the task can say so)."""
-        ...
-
-    def sizing(self, seed: int) -> list[Example]:
-        """The prompts whose longest sizes the engine's context (every row of a dataset)."""
-        ...
-
-    def rewards(self, prompts: list[str], completions: list[str], examples: list[Example], what: str) -> Any:
-        """One finite float per completion; ``RewardError`` naming the function and the sample."""
-        ...
-
-    def close(self) -> None:
-        """Stop the reward worker (a later ``rewards`` starts a new one)."""
-        ...
+    def batch(self, seed: int, step: int, n: int) -> list[Example]: ...
+    def heldout(self, seed: int, n: int) -> list[Example]: ...
+    def sizing(self, seed: int) -> list[Example]: ...
+    def rewards(
+        self, prompts: list[str], completions: list[str], examples: list[Example], what: str
+    ) -> Any: ...
+    def close(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)

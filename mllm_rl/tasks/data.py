@@ -221,7 +221,6 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-# -- the checks of a row -------------------------------------------------------------------------
 def is_messages(v: Any) -> bool:
     """A chat prompt: a non-empty list of ``{"role": str, "content": str}``."""
     return (
@@ -245,54 +244,6 @@ def _kind(v: Any) -> str:
     return f"{type(v).__name__} {shown if len(shown) <= 40 else shown[:37] + '...'}"
 
 
-def check_columns(table: Table, prompt_key: str, answer_key: str) -> None:
-    """A columnar table has the columns (``ValueError`` naming the file and the columns it has)."""
-    if table.columns is None:
-        return
-    for key, flag in ((prompt_key, "--prompt-key"), (answer_key, "--answer-key")):
-        if key and key not in table.columns:
-            split = f" [{table.split}]" if table.split else ""
-            raise ValueError(
-                f"{table.path}{split}: no column {key!r} ({flag}); columns: {', '.join(table.columns) or 'none'}"
-            )
-
-
-def prompt_of(table: Table, i: int, prompt_key: str) -> Any:
-    """Row ``i``'s prompt: non-empty text or chat messages (``ValueError`` naming file and row)."""
-    row = table.rows[i]
-    if prompt_key not in row:
-        raise ValueError(
-            f"{table.where(i)}: no {prompt_key!r} (--prompt-key); the row has: {', '.join(row) or 'nothing'}"
-        )
-    p = row[prompt_key]
-    if isinstance(p, str):
-        if not p.strip():
-            raise ValueError(f"{table.where(i)}: the prompt ({prompt_key!r}) is empty")
-        return p
-    if is_messages(p):
-        return p
-    raise ValueError(
-        f"{table.where(i)}: the prompt ({prompt_key!r}) is {_kind(p)}, not text (a string, or a list "
-        f"of {{role, content}} messages)"
-    )
-
-
-def answer_of(table: Table, i: int, answer_key: str) -> str:
-    """Row ``i``'s answer as text (``""`` when ``answer_key`` is empty: no answer column)."""
-    if not answer_key:
-        return ""
-    row = table.rows[i]
-    if answer_key not in row:
-        raise ValueError(
-            f"{table.where(i)}: no {answer_key!r} (--answer-key; '' for none); the row has: "
-            f"{', '.join(row) or 'nothing'}"
-        )
-    a = row[answer_key]
-    if _null(a):
-        raise ValueError(f"{table.where(i)}: the answer ({answer_key!r}) is null")
-    return a if isinstance(a, str) else json.dumps(a) if isinstance(a, (list, dict)) else str(a)
-
-
 def examples_of(
     table: Table,
     prompt_key: str,
@@ -301,15 +252,37 @@ def examples_of(
     check_answer: Callable[[str, str], None] | None = None,
     limit: int | None = None,
 ) -> list[Example]:
-    """The first ``limit`` rows (default: every row) as ``Example``s, each checked."""
-    check_columns(table, prompt_key, answer_key)
+    """The first ``limit`` rows (default: every row) as ``Example``s, each checked: a prompt that is
+    non-empty text or chat messages, an answer (``""`` when ``answer_key`` is empty: no answer column)."""
+    for key, flag in ((prompt_key, "--prompt-key"), (answer_key, "--answer-key")):
+        if table.columns is not None and key and key not in table.columns:
+            split = f" [{table.split}]" if table.split else ""
+            raise ValueError(
+                f"{table.path}{split}: no column {key!r} ({flag}); columns: {', '.join(table.columns) or 'none'}"
+            )
     out = []
-    for i in range(len(table.rows) if limit is None else min(limit, len(table.rows))):
-        prompt = make_prompt(prompt_of(table, i, prompt_key))
-        answer = answer_of(table, i, answer_key)
+    for i, row in enumerate(table.rows[:limit]):
+        where, has = table.where(i), ", ".join(row) or "nothing"
+        if prompt_key not in row:
+            raise ValueError(f"{where}: no {prompt_key!r} (--prompt-key); the row has: {has}")
+        p, answer = row[prompt_key], ""
+        if isinstance(p, str) and not p.strip():
+            raise ValueError(f"{where}: the prompt ({prompt_key!r}) is empty")
+        if not isinstance(p, str) and not is_messages(p):
+            raise ValueError(
+                f"{where}: the prompt ({prompt_key!r}) is {_kind(p)}, not text (a string, or a list "
+                f"of {{role, content}} messages)"
+            )
+        if answer_key and answer_key not in row:
+            raise ValueError(f"{where}: no {answer_key!r} (--answer-key; '' for none); the row has: {has}")
+        if answer_key:
+            a = row[answer_key]
+            if _null(a):
+                raise ValueError(f"{where}: the answer ({answer_key!r}) is null")
+            answer = a if isinstance(a, str) else json.dumps(a) if isinstance(a, (list, dict)) else str(a)
         if check_answer is not None:
-            check_answer(answer, table.where(i))
-        out.append(Example(prompt=prompt, answer=answer, row=table.rows[i], where=table.where(i), index=i))
+            check_answer(answer, where)
+        out.append(Example(prompt=make_prompt(p), answer=answer, row=row, where=where, index=i))
     if not out:
         raise ValueError(f"{table.path}: no rows")
     return out

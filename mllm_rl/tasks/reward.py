@@ -135,20 +135,15 @@ class RewardRunner:
     def _died(self, what: str) -> None:
         code = self._exit_code()
         self.close()
-        if code is None:
-            how = "exit status unknown"
-        else:
-            how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-        raise RewardError(f"the reward worker died ({how}) {what}")
+        how = f"killed by signal {-code}" if (code or 0) < 0 else f"exit status {code}"
+        raise RewardError(f"the reward worker died ({'exit status unknown' if code is None else how}) {what}")
 
     def _exit_code(self, timeout: float = 10.0) -> int | None:
         """The dead worker's exit code (``-N``: signal N) as its keeper reports it, else the
         keeper's own. Not ``Popen.wait`` alone: sglang-jax's SIGCHLD handler may reap the keeper
         first, and ``wait`` then says 0."""
         assert self.proc is not None and self._status is not None
-        poller = select.poll()
-        poller.register(self._status, select.POLLIN)
-        if poller.poll(timeout * 1000):
+        if select.select([self._status], [], [], timeout)[0]:
             report = os.read(self._status, 64).strip()
             if report:
                 return int(report)
