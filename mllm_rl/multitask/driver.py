@@ -1,14 +1,9 @@
 """The lease schedule and the driver that runs it, one lease at a time, on every process.
 
-The schedule is a pure function of the task list (names in file order, each task's first and last
-step), so every process computes the same one (docs/MULTITASK.md, "The lease order"): each task's
-setup in file order, then round-robin ``rollout(t, s), train(t, s)`` with ``final(t)`` after t's
-last step; a task resumed past its last step gets no lease.
-
-Inside a lease a ``TaskRuntime`` runs its phase group and ends holding nothing on the devices,
-releasing everything on an exception (``fail``). The handoff is the coordinator's ``gather`` named
-after the lease, where every process gives its outcome: a task failed on any process is failed
-(its leases skipped) on all, and ``fail_fast`` stops the run instead."""
+The schedule is a pure function of the task list, the same on every process (docs/MULTITASK.md,
+"The lease order"). Inside a lease a ``TaskRuntime`` runs its phase group and ends holding nothing
+on the devices (``fail`` releases everything after an exception). The handoff is a ``gather`` named
+after the lease: a task failed on any process is failed on all; ``fail_fast`` stops the run."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,22 +30,14 @@ class JsonlSink(Sink):
             self._f.close()
 
 
-class MetricsJsonlSink(Sink):
+class MetricsJsonlSink(JsonlSink):
     """``metrics.jsonl``: one line per RL step, ``{"step": k, "time": t, ...metrics}``."""
-
-    def __init__(self, path: str | Path) -> None:
-        self._f = JsonlSink(path)
 
     def write(self, record: dict[str, Any]) -> None:
         pass  # phase records go to phases.jsonl
 
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
-        import time
-
-        self._f.write({"step": step, "time": time.time(), **metrics})
-
-    def close(self, exit_code: int = 0) -> None:
-        self._f.close()
+        super().write({"step": step, "time": time.time(), **metrics})
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -1,14 +1,10 @@
 """Weights & Biases: the preflight check of ``--wandb MODE`` and the sink (offline by default).
 
-``check_wandb`` asks wandb itself, so its rules (env variables, netrc, settings files, proxies) stay
-its own: ``wandb.login(prompt=False, verify=False)`` finds the key as ``wandb.init`` will, without
-network; ``wandb.Api()`` verifies it in a daemon thread abandoned after ``timeout_s``.
-
-``WandbSink`` logs one row per phase record (keys per docs/DESIGN.md, "The phase record", x-axis
-``phase/idx``) and one per RL step (``train/<metric>`` over ``rl/step``; in a multi-task run
-``<task>/train/<metric>`` over the task's own ``<task>/rl/step``). ``close`` tears the wandb service
-down explicitly: before sglang-jax's ``shutdown()`` SIGKILLs every child process (the service is
-one), and an atexit teardown can hit ``BrokenPipeError``."""
+``check_wandb`` leaves the key's lookup (env, netrc, settings, proxies) to wandb: ``wandb.login(
+prompt=False, verify=False)`` finds it without network, ``wandb.Api()`` verifies it in a daemon
+thread abandoned after ``timeout_s``. ``WandbSink`` logs a row per phase record (docs/DESIGN.md) and
+per RL step (``[<task>/]train/<metric>`` over ``[<task>/]rl/step``); ``close`` tears wandb's service
+down before sglang-jax's ``shutdown()`` SIGKILLs every child (an atexit teardown can hit EPIPE)."""
 
 from __future__ import annotations
 
@@ -157,12 +153,9 @@ def flatten_record(record: dict[str, Any], t0: float) -> dict[str, Any]:
 
 
 class WandbSink(Sink):
-    """One W&B run (``mode`` ``"offline"`` or ``"online"``) in ``run_dir/wandb``.
-
-    Online, ``wandb.init`` is bounded by ``init_timeout`` and skipped without a credential (wandb
-    would prompt). On failure ``fallback="offline"`` starts an offline run with one ``warning:``
-    line, ``fallback="error"`` raises a one-line ``RuntimeError``; no wandb exception escapes.
-    ``mode`` is the mode the run has, ``fallback_reason`` why it fell back (or ``None``)."""
+    """One W&B run in ``run_dir/wandb``. Online, ``wandb.init`` is bounded by ``init_timeout`` and
+    skipped without a credential; on failure ``fallback`` starts an offline run (one ``warning:``
+    line; ``mode`` and ``fallback_reason`` say so) or raises a one-line ``RuntimeError``."""
 
     def __init__(
         self,
