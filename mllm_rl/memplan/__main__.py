@@ -1,9 +1,7 @@
 """``python -m mllm_rl.memplan``: will a colocated RL step fit a target, phase by phase? (docs/PLAN.md)
 
-Compiles the backend's real step functions for the target (no device needed), lays them with the
-engine's weights and KV pool over every phase, prints the table and, with ``--out``, writes
-``plan.json``/``.txt``/``.html``. Exit 0 fits; 6 a phase does not (naming phase and component);
-2 bad input (one line); 1 an unexpected error."""
+Compiles the backend's step functions for the target (no device needed) and prints the plan
+(``--out``: ``plan.json``/``.txt``/``.html``). Exit 0 fits, 6 does not, 2 bad input, 1 unexpected."""
 
 from __future__ import annotations
 
@@ -19,8 +17,14 @@ from typing import Any
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 1, 2, 6
 
 
-# This command's own defaults of the run's settings: a plan is asked about a real model at a real size.
+# this command's defaults of the run's settings: a real model at a real size
 MEMPLAN_DEFAULTS = {"backend": "jax", "model": "qwen3-4b", "micro_batch_size": 4, "prompts_per_step": 8}
+# PlanRequest fields read from a setting of another name
+REQUEST_ARGS = {
+    "micro_batch": "micro_batch_size",
+    "prompts": "prompts_per_step",
+    "kv_tokens": "max_total_tokens",
+}
 # PlanRequest fields whose flag is not ``--`` + the field with dashes (messages name the flag)
 REQUEST_FLAGS = {
     "micro_batch": "--micro-batch-size",
@@ -33,8 +37,7 @@ REQUEST_FLAGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The run's settings that a plan reads (scope ``memplan`` of ``mllm_rl.options.schema``, the
-    run's flags and names), and the plan's own: target, --fit, --out."""
+    """The run's settings a plan reads (scope ``memplan``) and the plan's own: target, --fit, --out."""
     from mllm_rl.memplan.fit import FIT_KNOBS
     from mllm_rl.options.cli import add_options
 
@@ -76,13 +79,6 @@ def flag_names(message: str) -> str:
     )
 
 
-def parse_option(text: str) -> tuple[str, Any]:
-    """``--model-option KEY=VALUE`` (``mllm_rl.options.check.parse_key_value``)."""
-    from mllm_rl.options.check import parse_key_value
-
-    return parse_key_value(text, "--model-option")
-
-
 def load_model(spec: str) -> Any:
     from mllm_rl.checkpoint.hf_config import config_from_dir
     from mllm_rl.presets import PRESETS, get_preset
@@ -97,36 +93,14 @@ def load_model(spec: str) -> Any:
 
 def make_request(args: argparse.Namespace) -> Any:
     from mllm_rl.memplan.request import PlanRequest
+    from mllm_rl.options.check import parse_key_value
 
-    options = dict(parse_option(o) for o in args.model_option or [])
+    options = dict(parse_key_value(o, "--model-option") for o in args.model_option or [])
     model = load_model(args.model)
-    return PlanRequest(
-        backend=args.backend,
-        target=args.target,
-        model=model,
-        micro_batch=args.micro_batch_size,
-        seq_len=args.seq_len,
-        group_size=args.group_size,
-        prompts=args.prompts_per_step,
-        tp=args.tp,
-        max_running_requests=args.max_running_requests,
-        fsdp=args.fsdp,
-        lora_rank=args.lora_rank,
-        kl=args.kl_beta > 0,
-        precision=args.precision,
-        schedule=args.schedule,
-        kv_tokens=args.max_total_tokens,
-        mem_fraction_static=args.mem_fraction_static,
-        margin=args.margin,
-        param_dtype=model.torch_dtype,
-        trainer_tp=args.trainer_tp,
-        options=options,
-        engine=args.engine,
-        weights_cpu_backup=args.weights_cpu_backup,
-        checkpoint_background=args.checkpoint_background,
-        host_ram_gib=args.host_ram_gib,
-        engine_forward=args.engine_forward,
-    )
+    names = {f.name: REQUEST_ARGS.get(f.name, f.name) for f in dataclasses.fields(PlanRequest)}
+    kw = {f: getattr(args, a) for f, a in names.items() if hasattr(args, a)}
+    kw.update(model=model, kl=args.kl_beta > 0, param_dtype=model.torch_dtype, options=options)
+    return PlanRequest(**kw)
 
 
 def _say(msg: str) -> None:
@@ -136,8 +110,8 @@ def _say(msg: str) -> None:
 def run_fit(
     planner: Any, req: Any, knob: str, cap: int | None, step: int | None, check_weights: bool
 ) -> tuple[Any, Any, list[Any]]:
-    """Search ``knob``; returns the request and measurement of the largest fit and the probes.
-    ``ValueError`` when even the smallest value does not fit."""
+    """The request and measurement of the largest ``knob`` that fits, and the probes (``ValueError``:
+    not even the smallest)."""
     from mllm_rl.memplan.fit import FIT_KNOBS, Probe, fits_without_kv, search
     from mllm_rl.memplan.planner import plans
 
@@ -201,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plan(planner: Any, req: Any, args: argparse.Namespace, t_start: float) -> int:
     from mllm_rl.memplan import output
-    from mllm_rl.memplan.fit import kv_room
-    from mllm_rl.memplan.planner import plans, with_kv_tokens
+    from mllm_rl.memplan.planner import fit_kv, plans
 
     _say(f"[plan] {req.backend} {req.model.name} on {req.target}: compiling the step functions ...")
     extra: dict[str, Any] = {}
@@ -216,14 +189,12 @@ def _plan(planner: Any, req: Any, args: argparse.Namespace, t_start: float) -> i
     else:
         m = planner.measure(req)
     if args.fit:
-        tokens, phase = kv_room(plans(m, req, args.check_weights)[req.schedule], m)
+        m, req, tokens, phase = fit_kv(m, req, args.check_weights)
         if tokens < 1:
             raise ValueError(
                 f"no room for a KV pool in {phase} (micro-batch {req.micro_batch} x {req.seq_len})"
             )
-        m = with_kv_tokens(m, tokens)
         extra["kv_fit"] = {"tokens": tokens, "tightest_phase": phase}
-        req = dataclasses.replace(req, kv_tokens=tokens)
     result = plans(m, req, args.check_weights)
     summary = _summary(result, m, req, extra, t_start)
     text = output.render(result, m, summary)

@@ -1,12 +1,9 @@
 """A run held against its memory plan: predicted (``plan.json``) vs measured (``phases.jsonl``) bytes.
 
-``compare``: components from the records' own byte counts (``held`` of the first
-``release_rollout``, ``state_bytes`` of ``trainer_init``) and, per phase end of setup and the last
-step, the device's ``bytes_in_use`` against the components the plan keeps resident
-(``residency.end_state``). A step's phase holds when it held in the last step or the one before
-(an array released one step late is not memory the plan misses). ``drifts``: phases above the
-plan by more than the tolerance and a MiB (fewer bytes is no finding). The plan is one device's
-share: a multi-device run is compared by its fullest device and an even share of the counts."""
+``compare``: the components' byte counts the records give, and per phase end (setup's, the last
+step's) the fullest device's ``bytes_in_use`` against what the plan keeps resident; a step's phase
+holds if it held in either of the last two steps (an array released a step late is no leak).
+``drifts``: phases above the plan by more than the tolerance and a MiB."""
 
 from __future__ import annotations
 
@@ -44,10 +41,8 @@ def _per_device(rec: dict[str, Any], value: Callable[[dict[str, Any]], Any]) -> 
 
 
 def _device_bytes(rec: dict[str, Any]) -> int | None:
-    """The bytes in use on the fullest device (a plan is one device's share): each device's first
-    entry, except where torch's allocator reports ``paused_bytes`` (an in-process engine pauses
-    torch_memory_saver regions there): its allocated bytes minus the paused ones, the tensors the
-    plan counts (the driver's figure adds the CUDA context and the allocator's cached blocks)."""
+    """The bytes in use on the fullest device; torch's allocator less its ``paused_bytes`` (an
+    in-process engine's paused regions: the driver's figure adds the context and cached blocks)."""
     per = _per_device(rec, lambda d: d.get("bytes_in_use"))
     for d in rec.get("memory", {}).get("devices") or []:
         paused = (d.get("raw") or {}).get("paused_bytes")
@@ -99,8 +94,8 @@ def _above(measured: int | None, predicted: int, tolerance: float) -> bool:
 def _phase_ends(
     records: list[dict[str, Any]], plan_phases: list[dict[str, Any]], step: int | None, tolerance: float
 ) -> dict[str, dict[str, Any]]:
-    """Rows (by phase name, setup phases prefixed) of one step's phases and of setup: the bytes
-    the plan says stay resident at each phase's end against the record's device truth."""
+    """Rows by phase name (setup's prefixed) of setup and ``step``: the bytes the plan keeps
+    resident at each phase's end against the record's."""
     by_name: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         if step is not None and r.get("step") == step:
@@ -137,8 +132,8 @@ def _phase_ends(
 def compare(
     records: list[dict[str, Any]], plan_doc: dict[str, Any], tolerance: float = TOLERANCE
 ) -> dict[str, Any]:
-    """Components and per-phase end-of-phase bytes, predicted vs measured, with ``within`` flags
-    (``ValueError`` or ``KeyError`` when the records and the plan cannot be compared)."""
+    """Components and phase ends, predicted vs measured, with ``within`` flags (``ValueError`` or
+    ``KeyError`` when they cannot be compared)."""
     plan = plan_doc["plans"][plan_doc["schedule"]]
     comps = {  # on the devices: a host-resident component (Component.memory) holds none there
         k: int(v["bytes_per_device"]) if v.get("memory", "device") == "device" else 0
@@ -186,8 +181,7 @@ def compare(
 
 
 def drifts(check: dict[str, Any]) -> list[dict[str, Any]]:
-    """Phases whose end bytes exceed the prediction by more than the tolerance (a step's phase: in
-    each of the last two steps)."""
+    """Phases whose end bytes exceed the prediction by more than the tolerance (in both last steps)."""
     tol = check["tolerance"]
     return [
         r
@@ -211,8 +205,7 @@ def summary(check: dict[str, Any]) -> str:
 
 
 def table(check: dict[str, Any]) -> str:
-    """Predicted vs measured bytes at every phase end (setup's, then the last step's), with the step
-    before's and whether the phase drifts."""
+    """Predicted vs measured bytes at every phase end, the step before's, and whether it drifts."""
     rows = check["phases"]
     unit, scale = unit_for(max([1, *(max(r["predicted"], r["measured"] or 0) for r in rows)]))
     drifting = {id(r) for r in drifts(check)}
@@ -231,8 +224,7 @@ def table(check: dict[str, Any]) -> str:
 
 
 def check_run_dir(run_dir: Path, records: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str | None]:
-    """``compare`` against ``run_dir/plan.json``: ``(check, None)``, ``(None, why not)``, or
-    ``(None, None)`` without a plan."""
+    """``compare`` with ``run_dir/plan.json``: ``(check, None)``, ``(None, why not)``, ``(None, None)``: no plan."""
     path = run_dir / "plan.json"
     if not path.is_file():
         return None, None

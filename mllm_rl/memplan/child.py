@@ -1,10 +1,6 @@
-"""``python -m mllm_rl.memplan.child``: a run's memory plan made in a fresh process.
-
-A TPU/GPU run's JAX is on that platform, but the planner compiles with the target's compiler in a
-JAX on its CPU platform (``backends/jax/topologies.py``), which that process cannot become. So
-``mllm_rl.memplan.for_run`` runs ``plan_run`` here: request and flags as JSON on stdin, one JSON
-object on stdout (``{"plan": ...}``, ``{"does_not_fit": ...}`` or ``{"error": ...}``), progress on
-stderr, without the run's TPU/JAX environment."""
+"""``python -m mllm_rl.memplan.child``: a run's memory plan in a fresh process (the planner needs a
+JAX on its CPU platform, which a TPU/GPU run's process cannot become). Request as JSON on stdin;
+one JSON object on stdout: ``{"plan": ...}``, ``{"does_not_fit": ...}`` or ``{"error": ...}``."""
 
 from __future__ import annotations
 

@@ -1,17 +1,14 @@
-"""Compose a memory plan: per-device component bytes and compiled functions laid over the phases.
-
-Backend-neutral and pure. A backend gives ``Component`` figures (bytes per device, with their
-method: ``layout`` formula, ``compiler`` buffers, torch ``fake_tensor`` MemTracker) and the
-``FunctionMemory`` of each compiled function. ``compose`` lays them over ``residency.phase_rows``:
-per phase, resident components plus the largest function's ``peak - arguments`` (its inputs are
-already resident components), against the device's memory."""
+"""Compose a memory plan (pure): per phase, the resident components' bytes per device plus the
+largest compiled function's ``peak - arguments`` (its inputs are resident already), against the
+device's memory; rows from ``residency.phase_rows``."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from mllm_rl.memplan.residency import COMPONENTS, end_state, host_rows, phase_rows
+from mllm_rl.memplan.residency import end_state, host_rows, phase_rows
+from mllm_rl.phase_table import COMPONENTS
 from mllm_rl.text_table import aligned
 
 GIB = 1024**3
@@ -41,7 +38,7 @@ CHECKPOINT_COPY = "checkpoint_copy"  # a host row's background checkpoint copy (
 
 @dataclasses.dataclass(frozen=True)
 class Component:
-    name: str  # one of residency.COMPONENTS
+    name: str  # one of phase_table.COMPONENTS
     bytes_per_device: int
     method: str  # "layout" | "compiler" | "fake_tensor"
     detail: str = ""
@@ -60,10 +57,9 @@ class Component:
 
 @dataclasses.dataclass(frozen=True)
 class FunctionMemory:
-    """One compiled function's memory per device (compiler ``memory_analysis`` or MemTracker):
-    ``peak_bytes`` includes arguments; ``extra_bytes`` is what it adds on top of them."""
+    """One compiled function's memory per device; ``peak_bytes`` includes the arguments."""
 
-    name: str  # one of residency.FUNCTIONS
+    name: str  # one of phase_table.FUNCTIONS
     peak_bytes: int
     argument_bytes: int
     output_bytes: int = 0
@@ -130,8 +126,7 @@ class Plan:
         return all(p.total <= self.budget for p in self.phases)
 
     def host_ram_used(self, p: PhasePlan) -> int:
-        """One host's RAM that phase ``p`` takes: its host copies, and on a CPU target (the devices
-        are the host's RAM) the devices' bytes too."""
+        """One host's RAM that phase ``p`` takes: its host copies (and the devices' bytes on a CPU target)."""
         devices = p.total * self.target.devices_per_host if self.target.platform == "cpu" else 0
         return p.host_total + devices
 
@@ -199,30 +194,18 @@ def compose(
     backup: bool = False,
     snapshot: bool = False,
 ) -> Plan:
-    """Lay ``components`` and ``functions`` over ``phases`` of ``schedule``.
-
-    Absent components are 0 bytes, absent functions add nothing (say so in ``notes``). ``setup``
-    phases come first as ``setup:<phase>``. Each phase also gets its host copies per host
-    (``residency.host_rows``; ``backup``: the engine keeps a CPU copy of released weights); a
-    ``memory == "host"`` component is in no device row and in every host row where it exists.
-    ``snapshot`` (``--checkpoint-background``): a host copy of the trainer's params and optimizer
-    state, ``checkpoint_copy``, in every step phase (it lives from a ``checkpoint`` phase until its
-    write ends, which may be a step later)."""
+    """Lay ``components`` and ``functions`` over ``phases`` of ``schedule`` (``setup`` phases first,
+    as ``setup:<phase>``; absent ones count nothing). Each phase gets its host copies per host
+    (``residency.host_rows``; ``backup``: the engine's copy of released weights; a ``memory ==
+    "host"`` component is only there); ``snapshot``: the background checkpoint's copy of the
+    trainer state, ``checkpoint_copy``, in every step phase (its write may end a step later)."""
     if not 0 < margin <= 1:
         raise ValueError(f"margin {margin}: expected 0 < margin <= 1")
     rows = []
     ref = components.get("ref_params") is not None and components["ref_params"].bytes_per_device > 0
     per_host = target.devices_per_host
-    tables = []
-    if setup:
-        tables.append(
-            (
-                SETUP_PREFIX,
-                phase_rows(setup, "multi_stage", step=False),
-                host_rows(setup, "multi_stage", False, backup, ref),
-            )
-        )
-    tables.append(("", phase_rows(phases, schedule), host_rows(phases, schedule, True, backup, ref)))
+    tables = [(SETUP_PREFIX, setup, "multi_stage", False)] if setup else []
+    tables.append(("", phases, schedule, True))
 
     pinned = tuple(c for c, comp in components.items() if comp.memory == "host")
     copy = sum(components[c].bytes_per_device for c in ("trainer_params", "optimizer") if c in components)
@@ -231,7 +214,8 @@ def compose(
         names = names + tuple(c for c in pinned if c in resident and c not in names)
         return {c: components[c].bytes_per_device * per_host for c in names if c in components}
 
-    for prefix, table, hosts in tables:
+    for prefix, names, sched, step in tables:
+        table, hosts = phase_rows(names, sched, step=step), host_rows(names, sched, step, backup, ref)
         for (name, resident, fns), (_, during, at_end) in zip(table, hosts, strict=True):
             ends = end_state(name, resident)
             host, host_end = on_host(during, resident), on_host(at_end, ends)
@@ -244,16 +228,8 @@ def compose(
                     best, extra = f, functions[f].extra_bytes
             total = sum(res.values()) + extra
             rows.append(PhasePlan(prefix + name, res, best, extra, total, host, host_end))
-    return Plan(
-        target,
-        schedule,
-        margin,
-        dict(components),
-        dict(functions),
-        rows,
-        dict(inputs or {}),
-        list(notes or []),
-    )
+    inputs, notes = dict(inputs or {}), list(notes or [])
+    return Plan(target, schedule, margin, dict(components), dict(functions), rows, inputs, notes)
 
 
 def unit_for(b: int) -> tuple[str, int]:
@@ -266,8 +242,8 @@ def fmt(b: int, scale: int) -> str:
 
 
 def format_table(plan: Plan) -> str:
-    """The plan as a text table: phase x component, per device (GiB, or MiB for a small plan),
-    against the budget; the last column the host copies of the phase (per host, the same unit)."""
+    """Phase x component per device (GiB, or MiB for a small plan) against the budget; the last
+    column the phase's host copies per host."""
     unit, scale = unit_for(plan.peak.total)
     used = [c for c in COMPONENTS if any(c in p.resident for p in plan.phases)]
     head = ["phase"] + used + ["temp", "total", "of HBM", "host"]

@@ -1,11 +1,6 @@
-"""What a run on the CPU may plan for its devices: the RAM the host can give, not all of it.
-
-On JAX CPU and torch CPU the "device" is host memory, shared with this process, its host copies
-(offloaded state, weight backups), the compilers' working memory and every other process. Planning
-against the host's total RAM would size a ``--kv-tokens auto`` pool that the kernel kills. The
-budget is ``CPU_SHARE`` of what ``psutil`` says is available when the plan is made (free plus
-reclaimable pages: what other processes leave), and the target's ``source`` says so.
-"""
+"""What a CPU target's devices may take: ``CPU_SHARE`` of the RAM available when planned, not the
+host's total (shared with this process, its host copies, the compilers and other processes: a
+``--kv-tokens auto`` pool sized to all of it would be killed)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""``--fit``: the largest micro-batch (or sequence length) and KV pool that fit with the margin.
-
-The trainer's size is searched by compiling (doubling from the start value until a plan does
-not fit, then bisecting between the last fit and the first miss); each probe is one
-``measure``. The KV pool needs no compile: its bytes are a layout formula, so the largest pool
-is solved from the phases that hold it, once the rest fits.
-"""
+"""``--fit``: the largest micro-batch (or sequence length), searched by compiling (doubling, then
+bisecting), and the largest KV pool, solved from its layout formula once the rest fits."""
 
 from __future__ import annotations
 
@@ -27,25 +22,19 @@ class Probe:
 
 def fits_without_kv(plan: Plan) -> tuple[bool, str]:
     """Does every phase fit once the KV pool is left out (the pool is sized afterwards)?"""
-    over = []
-    for p in plan.phases:
-        rest = p.total - p.resident.get("kv_pool", 0)
-        if rest > plan.budget:
-            over.append((rest, p.phase))
-    if over:
-        rest, phase = max(over)
+    rest = [(p.total - p.resident.get("kv_pool", 0), p.phase) for p in plan.phases]
+    used, phase = max(rest)
+    if used > plan.budget:
         return (
             False,
-            f"{phase} needs {rest / 2**30:.2f} GiB without the KV pool > budget {plan.budget / 2**30:.2f} GiB",
+            f"{phase} needs {used / 2**30:.2f} GiB without the KV pool > budget {plan.budget / 2**30:.2f} GiB",
         )
     peak = max(plan.phases, key=lambda p: p.total - p.resident.get("kv_pool", 0))
-    used = peak.total - peak.resident.get("kv_pool", 0)
     return True, f"peak without KV pool {used / 2**30:.2f} GiB in {peak.phase}"
 
 
 def kv_room(plan: Plan, m: Measured) -> tuple[int, str]:
-    """The most KV tokens every phase holding the pool leaves room for: ``(tokens, phase)`` of
-    the tightest phase. ``ValueError`` when the backend gave no KV cell size."""
+    """``(tokens, phase)``: the most KV tokens the tightest phase holding the pool leaves room for."""
     if "kv_cell_bytes" not in m.info:
         raise ValueError(
             f"backend planner for {plan.target.name} reports no kv_cell_bytes: cannot fit the KV pool"
@@ -67,9 +56,8 @@ def kv_room(plan: Plan, m: Measured) -> tuple[int, str]:
 def search(
     fits: Callable[[int], Probe], start: int, step: int, cap: int, on_probe: Callable[[Probe], None]
 ) -> tuple[int | None, list[Probe]]:
-    """The largest multiple of ``step`` in ``[step, cap]`` for which ``fits`` holds, assuming it
-    holds for every smaller value once it holds for one (memory grows with the knob): double
-    from ``start`` until a miss (or ``cap``), then bisect. ``None`` if even ``step`` misses."""
+    """The largest multiple of ``step`` in ``[step, cap]`` that ``fits`` (monotone): double from
+    ``start`` until a miss (or ``cap``), then bisect; ``None`` if even ``step`` misses."""
     probes: list[Probe] = []
 
     def probe(v: int) -> bool:

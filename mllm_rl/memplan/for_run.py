@@ -1,13 +1,9 @@
-"""The memory plan of a run, made by the run for its own devices before any engine starts.
+"""The memory plan a run makes for its own devices before any engine starts (docs/PLAN.md).
 
-``--memory-plan check`` (the default) asks the backend's planner what ``python -m mllm_rl.memplan``
-would, with the run's model, engine, trainer and schedule. A plan that does not fit exits 6
-before a run directory, W&B run or engine exists; one that fits is written as ``plan.json`` /
-``plan.txt`` and audited against the phase records (``mllm_rl.memplan.audit``). ``--kv-tokens
-auto`` starts the engine with the largest KV pool that fits. The target is the planner's
-``target_for_runtime`` (JAX: ``cpu`` in process, a TPU/GPU target by device kind, count and hosts,
-compiled in ``mllm_rl.memplan.child``; torch: ``cpu``/``cuda``, ``cpuxN``/``cudaxN`` traced in a
-fake process group in a child). Devices without a target start unplanned, said in one line."""
+``--memory-plan check``: a plan that does not fit exits 6 before anything of the run exists; one
+that fits is written as ``plan.json``/``plan.txt`` (audited by ``mllm_rl.memplan.audit``);
+``--kv-tokens auto`` takes the largest KV pool that fits. The target is the planner's
+``target_for_runtime``, planned in ``mllm_rl.memplan.child`` unless the planner plans in process."""
 
 from __future__ import annotations
 
@@ -39,8 +35,7 @@ def target_for(backend: str, runtime: dict[str, Any]) -> str | None:
 
 
 def request_for(backend: str, target: str, model: Any, opts: Any, engine: str = "auto") -> PlanRequest:
-    """The plan request of an RL run (engine sized by ``size_engine``); ``engine``: the rollout
-    engine the run starts."""
+    """The plan request of an RL run; ``engine``: the rollout engine it starts."""
     train, eng = opts.train, opts.engine
     rows = opts.prompts_per_step * opts.group_size // max(1, train.mini_batches)
     return PlanRequest(
@@ -70,8 +65,7 @@ def request_for(backend: str, target: str, model: Any, opts: Any, engine: str = 
 
 
 def _host_ram_gib(runtime: dict[str, Any]) -> float | None:
-    """This host's RAM for a TPU or GPU target's host verdict (the run is on that host); None on CPU
-    and CUDA, whose targets know it already."""
+    """This host's RAM for a TPU or GPU target's host verdict (cpu/cuda targets know it already)."""
     if runtime.get("platform") not in ("tpu", "gpu"):
         return None
     import psutil
@@ -85,10 +79,6 @@ DROPPED_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                          "MASTER_PORT", "MLLM_RL_COORDINATOR", "MLLM_RL_NUM_PROCESSES", "MLLM_RL_PROCESS_ID"})  # fmt: skip
 
 
-def request_json(req: PlanRequest) -> dict[str, Any]:
-    return dataclasses.asdict(req)
-
-
 def child_env() -> dict[str, str]:
     return {
         k: v for k, v in os.environ.items() if not k.startswith(DROPPED_ENV_PREFIXES) and k not in DROPPED_ENV
@@ -97,7 +87,9 @@ def child_env() -> dict[str, str]:
 
 def run_child(req: PlanRequest, check_weights: bool, fit_kv: bool, timeout: float = 3600) -> dict[str, Any]:
     """``mllm_rl.memplan.child``'s answer; ``RuntimeError`` naming its exit and last lines if none."""
-    payload = json.dumps({"request": request_json(req), "check_weights": check_weights, "fit_kv": fit_kv})
+    payload = json.dumps(
+        {"request": dataclasses.asdict(req), "check_weights": check_weights, "fit_kv": fit_kv}
+    )
     r = subprocess.run(
         [sys.executable, "-m", "mllm_rl.memplan.child"],
         input=payload,
@@ -116,8 +108,7 @@ def run_child(req: PlanRequest, check_weights: bool, fit_kv: bool, timeout: floa
 
 @dataclasses.dataclass
 class RunPlan:
-    """A run's plan: ``doc`` is its ``plan.json``, ``text`` its table; ``kv_tokens`` the pool it
-    planned (the fitted one with ``--kv-tokens auto``), ``mem_fraction_static`` what builds it."""
+    """A run's plan: ``plan.json`` (``doc``), its text; the KV pool planned and the fraction that builds it."""
 
     doc: dict[str, Any]
     text: str
@@ -128,12 +119,11 @@ class RunPlan:
 
 
 def plan_run(req: PlanRequest, check_weights: bool, fit_kv: bool, in_process: bool = False) -> RunPlan:
-    """Measure and compose ``req`` (``fit_kv``: fit the largest KV pool first); ``DoesNotFit``
-    naming phase and component, ``ValueError`` for a refused request. Planned in
-    ``mllm_rl.memplan.child`` unless the planner ``plans_in_process`` or ``in_process``."""
+    """Measure and compose ``req`` (``fit_kv``: with the largest KV pool); ``DoesNotFit`` naming phase
+    and component, ``ValueError`` for a refused request. In a child unless planned in process."""
     from mllm_rl.memplan import output
-    from mllm_rl.memplan.fit import kv_room
-    from mllm_rl.memplan.planner import load_planner, plans, with_kv_tokens
+    from mllm_rl.memplan.planner import fit_kv as fit_pool
+    from mllm_rl.memplan.planner import load_planner, plans
 
     planner = load_planner(req.backend)
     here = getattr(planner, "plans_in_process", None)
@@ -147,20 +137,11 @@ def plan_run(req: PlanRequest, check_weights: bool, fit_kv: bool, in_process: bo
     m = planner.measure(req)
     extra: dict[str, Any] = {"for_run": True}
     if fit_kv:
-        tokens, phase = kv_room(plans(m, req, check_weights)[req.schedule], m)
-        if tokens < 1:
+        m, req, room, phase = fit_pool(m, req, check_weights, req.kv_fit_cap)
+        if room < 1:
             raise DoesNotFit(f"memory plan: no room for a KV pool in {phase} (--kv-tokens auto)")
-        room = tokens
-        if req.kv_fit_cap is not None:
-            tokens = min(tokens, req.kv_fit_cap)
-        m = with_kv_tokens(m, tokens)
-        req = dataclasses.replace(req, kv_tokens=tokens)
-        extra["kv_fit"] = {
-            "tokens": tokens,
-            "room_tokens": room,
-            "cap_tokens": req.kv_fit_cap,
-            "tightest_phase": phase,
-        }
+        extra["kv_fit"] = {"tokens": req.kv_tokens, "room_tokens": room, "cap_tokens": req.kv_fit_cap,
+                           "tightest_phase": phase}  # fmt: skip
     result = plans(m, req, check_weights)
     run_plan = result[req.schedule]
     summary = [output.verdict(p) for p in result.values()]
@@ -181,8 +162,6 @@ def plan_run(req: PlanRequest, check_weights: bool, fit_kv: bool, in_process: bo
 
 def write_plan_files(run_dir: Any, run_plan: RunPlan) -> None:
     """``plan.json`` and ``plan.txt`` next to the run's ``phases.jsonl``."""
-    import json
-
     (run_dir / "plan.json").write_text(json.dumps(run_plan.doc, indent=2, default=str) + "\n")
     (run_dir / "plan.txt").write_text(run_plan.text)
 
@@ -195,12 +174,9 @@ def plan_for_rl(
     mode = opts.memory_plan
     target = target_for(backend.name, runtime) if mode != "off" else None
     if target is None:
+        where = f"{backend.name} on {runtime.get('platform')}"
         if opts.kv_auto:
-            why = (
-                "--memory-plan off"
-                if mode == "off"
-                else f"no plan target for {backend.name} on {runtime.get('platform')}"
-            )
+            why = "--memory-plan off" if mode == "off" else f"no plan target for {where}"
             raise ValueError(
                 f"--kv-tokens auto: sized by the run's memory plan, and there is none ({why}); pass --kv-tokens N"
             )
@@ -208,21 +184,16 @@ def plan_for_rl(
             return opts, None, []
         procs = runtime.get("process_count", 1)
         kind = (
-            f" ({runtime['device_kind']} x {runtime.get('global_device_count')})"
-            if runtime.get("device_kind")
-            else ""
+            runtime.get("device_kind")
+            and f" ({runtime['device_kind']} x {runtime.get('global_device_count')})"
         )
-        return (
-            opts,
-            None,
-            [
-                f"memory plan: not made before start-up for {backend.name} on {runtime.get('platform')}"
-                f"{f' ({procs} processes)' if procs > 1 else ''}{kind} (no plan target for these devices: "
-                "a run plans itself for JAX on one CPU process, a TPU slice or an NVIDIA H100/H200 node, "
-                "torch on CPU or CUDA processes of this machine); "
-                f"python -m mllm_rl.memplan --backend {backend.name} --target ... plans it with the same flags"
-            ],
+        note = (
+            f"memory plan: not made before start-up for {where}{f' ({procs} processes)' if procs > 1 else ''}"
+            f"{kind or ''} (no plan target for these devices: a run plans itself for JAX on one CPU process, "
+            "a TPU slice or an NVIDIA H100/H200 node, torch on CPU or CUDA processes of this machine); "
+            f"python -m mllm_rl.memplan --backend {backend.name} --target ... plans it with the same flags"
         )
+        return opts, None, [note]
     engine = sized(opts)
     # On CPU every engine step pays for the pool (a donated pool is rewritten per forward), so
     # auto takes at most max-running-requests x context; on an accelerator, the room left.
@@ -232,11 +203,9 @@ def plan_for_rl(
         engine = dataclasses.replace(engine, max_total_tokens=None)
     opts = dataclasses.replace(opts, engine=engine)
     req = request_for(backend.name, target, model, opts, backend.rollout_engine(opts.engine.engine))
+    cap = cap if opts.kv_auto else None
     req = dataclasses.replace(
-        req,
-        margin=opts.plan_margin,
-        host_ram_gib=_host_ram_gib(runtime),
-        kv_fit_cap=cap if opts.kv_auto else None,
+        req, margin=opts.plan_margin, host_ram_gib=_host_ram_gib(runtime), kv_fit_cap=cap
     )
     from mllm_rl.progress import waiting
 

@@ -1,7 +1,4 @@
-"""What ``python -m mllm_rl.memplan`` prints and writes: text tables, ``plan.json``, ``plan.html``.
-
-Every figure is PREDICTED (a compiler or a layout formula), per device, and says which.
-"""
+"""What ``python -m mllm_rl.memplan`` prints and writes: text tables, ``plan.json``, ``plan.html``."""
 
 from __future__ import annotations
 
@@ -28,24 +25,11 @@ def format_functions(m: Measured) -> str:
     rows = [
         ["function", "method", "peak", "args", "outputs", "temp", "aliased", "extra", "compile s", "note"]
     ]
+    sizes = ("peak_bytes", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "extra_bytes")
     for f in m.functions.values():
         secs = f"{f.compile_seconds:.1f}" if f.compile_seconds is not None else "-"
         note = f"REJECTED: {f.rejected}" if f.rejected else f.detail
-        rows.append(
-            [f.name, f.method]
-            + [
-                fmt(b, scale)
-                for b in (
-                    f.peak_bytes,
-                    f.argument_bytes,
-                    f.output_bytes,
-                    f.temp_bytes,
-                    f.alias_bytes,
-                    f.extra_bytes,
-                )
-            ]
-            + [secs, note]
-        )
+        rows.append([f.name, f.method, *(fmt(getattr(f, b), scale) for b in sizes), secs, note])
     return "\n".join(
         [
             f"Functions ({m.target.platform} compiler unless the method says otherwise, {unit} per device; "
@@ -65,12 +49,8 @@ def verdict(plan: Plan) -> str:
 
 
 def render(plans: dict[str, Plan], m: Measured, summary: list[str]) -> str:
-    """The whole text output: each schedule's table (the run's first), components, functions,
-    notes, and the summary lines (verdicts, engine settings, compile time, host memory)."""
-    parts = []
-    for i, p in enumerate(plans.values()):
-        head = "" if i == 0 else "for comparison: "
-        parts.append(head + format_table(p))
+    """Each schedule's table (the run's first), components, functions, notes and ``summary``."""
+    parts = [("for comparison: " if i else "") + format_table(p) for i, p in enumerate(plans.values())]
     parts += [format_components(m), format_functions(m)]
     if m.notes:
         parts.append("Notes:\n" + "\n".join(f"- {n}" for n in m.notes))
@@ -81,7 +61,7 @@ def render(plans: dict[str, Plan], m: Measured, summary: list[str]) -> str:
 def document(
     plans: dict[str, Plan], m: Measured, summary: list[str], extra: dict[str, Any]
 ) -> dict[str, Any]:
-    """``plan.json``: every schedule's plan, the backend's facts, the fit search if any."""
+    """``plan.json``: every schedule's plan, the backend's facts, ``extra`` (the fit search)."""
     return {
         "schema": SCHEMA,
         "kind": "predicted",
@@ -115,8 +95,7 @@ _COLORS = {
 
 
 def to_html(doc: dict[str, Any]) -> str:
-    """A small self-contained page: per schedule, one bar per phase (stacked by component,
-    the function's extra bytes in red) against the budget and the device memory."""
+    """A self-contained page: per schedule, a bar per phase stacked by component, against the budget."""
     esc = html.escape
     body = ["<h1>PREDICTED memory plan</h1>"]
     for sched, p in doc["plans"].items():
@@ -128,9 +107,10 @@ def to_html(doc: dict[str, Any]) -> str:
         )
         body.append("<table><tr><th>phase</th><th>GiB</th><th></th></tr>")
         for ph in p["phases"]:
-            segs = list(ph["resident"].items()) + (
-                [("temp", ph["function_extra"])] if ph["function_extra"] else []
-            )
+            segs = [
+                *ph["resident"].items(),
+                *([("temp", ph["function_extra"])] if ph["function_extra"] else []),
+            ]
             bars = "".join(
                 f'<span title="{esc(k)} {v / GIB:.2f} GiB" style="display:inline-block;height:14px;'
                 f'width:{v * scale:.1f}px;background:{_COLORS.get(k, "#999")}"></span>'

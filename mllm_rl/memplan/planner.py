@@ -1,10 +1,6 @@
-"""Find a backend's planner and turn its measurement into plans, one per schedule.
-
-A backend's planner is the ``memplan`` module next to its entry point (``mllm_rl.backends.NAME``
--> ``mllm_rl.backends.NAME.memplan``; contract: ``mllm_rl.memplan.request``). ``check(req)`` runs
-before any output or compile; importing the module must not import jax/torch (the planner sets
-its compiler up first).
-"""
+"""Find a backend's planner (the ``memplan`` module next to its entry point; contract:
+``mllm_rl.memplan.request``; importing it must not import jax/torch) and turn its measurement into
+plans, one per schedule."""
 
 from __future__ import annotations
 
@@ -16,6 +12,7 @@ from types import ModuleType
 from mllm_rl.backend_registry import GROUP, available_backends
 from mllm_rl.lifecycle import SCHEDULES, SETUP_PHASES
 from mllm_rl.memplan.compose import Component, Plan, compose
+from mllm_rl.memplan.fit import kv_room
 from mllm_rl.memplan.kv import mem_fraction_for, pool_bytes
 from mllm_rl.memplan.request import Measured, PlanRequest
 from mllm_rl.phase_table import step_sequence
@@ -42,7 +39,6 @@ def load_planner(backend: str) -> ModuleType:
 
 
 def step_phases(check_weights: bool = False) -> dict[str, list[str]]:
-    """Schedule -> the phase names of one step (``phase_table.step_sequence``)."""
     return {s: list(step_sequence(s, check_weights)) for s in SCHEDULES}
 
 
@@ -55,22 +51,21 @@ def plans(m: Measured, req: PlanRequest, check_weights: bool = False) -> dict[st
     target = m.target
     if req.host_ram_gib is not None:  # the user's figure for the target's host
         target = dataclasses.replace(target, host_ram_bytes=int(req.host_ram_gib * 2**30))
-    return {
-        s: compose(
-            target,
-            s,
-            phases[s],
-            m.components,
-            m.functions,
-            req.margin,
-            inputs,
-            list(m.notes),
-            setup=SETUP_PHASES,
-            backup=req.weights_cpu_backup,
-            snapshot=req.checkpoint_background,
-        )
-        for s in order
-    }
+    kw = {"setup": SETUP_PHASES, "backup": req.weights_cpu_backup, "snapshot": req.checkpoint_background}
+    args = (m.components, m.functions, req.margin, inputs, list(m.notes))
+    return {s: compose(target, s, phases[s], *args, **kw) for s in order}
+
+
+def fit_kv(
+    m: Measured, req: PlanRequest, check_weights: bool, cap: int | None = None
+) -> tuple[Measured, PlanRequest, int, str]:
+    """``m`` and ``req`` with the largest KV pool every phase leaves room for (at most ``cap``), that
+    room in tokens and the tightest phase; unchanged when the room is under one token."""
+    room, phase = kv_room(plans(m, req, check_weights)[req.schedule], m)
+    if room < 1:
+        return m, req, room, phase
+    tokens = room if cap is None else min(room, cap)
+    return with_kv_tokens(m, tokens), dataclasses.replace(req, kv_tokens=tokens), room, phase
 
 
 def inputs_of(req: PlanRequest) -> dict[str, object]:
@@ -81,8 +76,8 @@ def inputs_of(req: PlanRequest) -> dict[str, object]:
 
 
 def with_kv_tokens(m: Measured, tokens: int) -> Measured:
-    """``m`` with a KV pool of ``tokens`` (layout: ``info`` gives the cell and padding); the
-    ``mem_fraction_static`` that sizes it when the backend says what is free at engine start."""
+    """``m`` with a KV pool of ``tokens`` (and the ``mem_fraction_static`` that sizes it, when the
+    backend says what is free at engine start)."""
     cell, pad = int(m.info["kv_cell_bytes"]), int(m.info.get("kv_pad_tokens", 0))
     b = pool_bytes(tokens, cell, pad)
     comps = dict(m.components)

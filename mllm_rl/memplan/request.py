@@ -1,9 +1,6 @@
-"""What a memory plan is asked for, and the contract a backend's planner implements.
-
-A backend that can plan provides ``mllm_rl.backends.<name>.memplan.measure(req) -> Measured``
-(optionally ``targets()`` for ``--target`` and ``check(req)`` for refusals needing no compiler):
-the target's devices and memory, per-device ``Component`` bytes and each compiled function's
-``FunctionMemory``, labelled with their method. Nothing here imports jax or torch."""
+"""What a memory plan is asked for, and the planner contract: ``mllm_rl.backends.<name>.memplan``
+has ``measure(req) -> Measured`` (optionally ``targets()`` and ``check(req)``, refusals needing no
+compiler). Nothing here imports jax or torch."""
 
 from __future__ import annotations
 
@@ -18,8 +15,8 @@ ENGINES = ("auto", "sglang", "embedded")
 
 @dataclasses.dataclass(frozen=True)
 class PlanRequest:
-    """One plan's inputs. Shapes: a micro-batch is ``micro_batch`` sequences of ``seq_len`` tokens
-    (prompt + completion); a rollout batch is ``prompts x group_size`` sequences."""
+    """One plan's inputs: a micro-batch is ``micro_batch`` sequences of ``seq_len`` tokens, a rollout
+    ``prompts x group_size`` sequences."""
 
     backend: str  # "jax" | "torch"
     target: str  # "v4-8", "v5e-8", "h100x8", "cpu", ... (the backend lists what it knows)
@@ -52,15 +49,7 @@ class PlanRequest:
     engine_forward: str = "compile"  # JAX on TPU/GPU: "compile" sglang-jax's forward, or "estimate" it
 
     def __post_init__(self) -> None:
-        for name in (
-            "micro_batch",
-            "seq_len",
-            "group_size",
-            "prompts",
-            "tp",
-            "trainer_tp",
-            "max_running_requests",
-        ):
+        for name in "micro_batch seq_len group_size prompts tp trainer_tp max_running_requests".split():
             if getattr(self, name) < 1:
                 raise ValueError(f"PlanRequest.{name} must be >= 1, got {getattr(self, name)}")
         if self.fsdp < 0 or self.lora_rank < 0:
@@ -89,8 +78,7 @@ class Measured:
     components: dict[str, Component]
     functions: dict[str, FunctionMemory]
     notes: list[str] = dataclasses.field(default_factory=list)
-    # Backend facts the core uses when present: kv_cell_bytes, kv_pad_tokens (a KV pool of N
-    # tokens is (N + pad) x cell bytes), kv_tokens, mem_fraction_static, compile_seconds
-    # {function: s}, host_peak_rss_bytes, engine_forward_pool_slots (the compiled engine forward
-    # read the whole pool of that many tokens: a fitted larger pool gets a note).
+    # Backend facts used when present: kv_cell_bytes, kv_pad_tokens (a pool of N tokens is (N + pad)
+    # x cell bytes), kv_tokens, mem_fraction_static, compile_seconds {function: s},
+    # host_peak_rss_bytes, engine_forward_pool_slots (the pool the compiled forward read).
     info: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -1,30 +1,10 @@
-"""What is resident on every device (and in host memory) during each phase of a colocated step.
-
-The rows come from the phase table (``mllm_rl.phase_table``) for every sequence the lifecycle
-records (``phase_table.sequences``): the components on the device at some point *during* a phase
-and the compiled functions that run in it (their extra bytes on top, one at a time)."""
+"""What is resident on every device (and in host memory) during each phase of a colocated step:
+rows from ``mllm_rl.phase_table``, the components on the device at some point *during* a phase and
+the compiled functions that run in it."""
 
 from __future__ import annotations
 
-from mllm_rl.phase_table import (
-    COMPONENTS,
-    FUNCTIONS,
-    INHERIT_DURING,
-    INHERIT_END,
-    PHASES,
-    SCHEDULES,
-    STEP_ALWAYS,
-)
-
-__all__ = [
-    "COMPONENTS",
-    "FUNCTIONS",
-    "HOST_COMPONENTS",
-    "STEP_ALWAYS",
-    "end_state",
-    "host_rows",
-    "phase_rows",
-]
+from mllm_rl.phase_table import INHERIT_DURING, INHERIT_END, PHASES, SCHEDULES, STEP_ALWAYS
 
 # What the lifecycle keeps in host memory while its device copy is gone (a run's own host RAM, beside
 # the process's baseline): offloaded trainer state, the engine's weight backup, a KL reference.
@@ -35,9 +15,8 @@ _MOVED = ("trainer_params", "optimizer", "engine_weights")
 def phase_rows(
     phases: list[str], schedule: str, step: bool = True
 ) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
-    """``[(phase, resident components, functions)]`` for a phase list of ``schedule``; ``step``:
-    RL step phases (``STEP_ALWAYS`` resident in each). An inheriting phase holds what the phase
-    before it left. ``KeyError`` for a phase the table or ``schedule`` lacks."""
+    """``[(phase, resident components, functions)]`` of ``phases`` (``step``: ``STEP_ALWAYS`` in
+    each); an inheriting phase holds what the one before left. ``KeyError`` for an unknown phase."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: expected multi_stage or naive")
     rows = []
@@ -72,12 +51,9 @@ def end_state(phase: str, resident: tuple[str, ...]) -> tuple[str, ...]:
 def host_rows(
     phases: list[str], schedule: str, step: bool = True, backup: bool = False, ref: bool = False
 ) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
-    """``[(phase, host components during it, at its end)]``: the lifecycle's host copies.
-
-    ``trainer_params`` / ``optimizer`` from ``offload_*`` until onloaded (both copies count during
-    the move); ``engine_weights`` with ``backup`` (the embedded engine's ``memory.release/resume``,
-    sglang-jax's ``_weight_backup``) while released; ``ref_params`` with ``ref`` for the whole run.
-    ``step``: one step's phases (the one before the first is the step's last); else the setup."""
+    """``[(phase, host components during it, at its end)]``: trainer state from ``offload_*`` until
+    onloaded (both copies during the move), ``engine_weights`` while released with ``backup``,
+    ``ref_params`` with ``ref`` throughout. ``step``: a step's phases (after its own last), else setup."""
     dev = phase_rows(phases, schedule, step=False)
     moved = [c for c in _MOVED if c != "engine_weights" or backup]
     if step:
