@@ -1,9 +1,6 @@
-"""The plan interface: what ``python -m mllm_rl.run --plan NAME`` runs (``mllm_rl.plans.registry``).
-
-A plan turns the command line into typed options, checks what it can before the run exists,
-says what ``run.json`` records and which phases to expect, and runs its phases on a started
-recorder. ``mllm_rl.run`` does the rest for every plan (runtime, run directory, sinks, watchdog,
-exit codes, report)."""
+"""The plan interface: what ``python -m mllm_rl.run --plan NAME`` runs. A plan turns the flags into
+typed options, checks what it can before the run exists, says what ``run.json`` records and runs
+its phases; ``mllm_rl.run`` does the rest (runtime, run directory, sinks, watchdog, report)."""
 
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class PlanRun:
-    """What a plan runs with, built by ``mllm_rl.run`` once the runtime is up and the run directory,
-    the phase log and the recorder exist."""
+    """What a plan runs with, once the runtime, run directory and recorder exist."""
 
     backend: Backend
     rec: PhaseRecorder
@@ -52,19 +48,18 @@ class Plan(abc.ABC, Generic[OptionsT]):
 
     @abc.abstractmethod
     def options(self, args: argparse.Namespace, engine: EngineOptions, platform: str) -> OptionsT:
-        """The plan's typed options from the flags (``engine``: the engine options every plan
-        shares); ``ValueError`` naming the flag for a value or a flag this plan does not take."""
+        """The plan's typed options from the flags (``engine``: shared by every plan); ``ValueError``
+        naming a flag whose value or presence this plan refuses."""
 
     def preflight(
         self, args: argparse.Namespace, opts: OptionsT, backend: Backend, run_dir: Path
     ) -> tuple[OptionsT, list[str]]:
-        """Checks that read files (resume target, data) before the run starts: the options to run
-        with and lines to tell the user. ``ValueError`` / ``CheckpointError`` (exit 2) to refuse."""
+        """Checks that read files (resume target, data): the options to run with and lines to tell the
+        user; ``ValueError`` / ``CheckpointError`` refuse."""
         return opts, []
 
     def with_model(self, opts: OptionsT, model: ModelDir) -> tuple[OptionsT, list[str]]:
-        """The options once the model (``ModelDir``) is known (defaults that depend on it, e.g. the
-        learning rate), and lines to tell the user."""
+        """The options once the model is known (e.g. its learning rate), and lines to tell the user."""
         return opts, []
 
     def resolve_model(
@@ -90,16 +85,14 @@ class Plan(abc.ABC, Generic[OptionsT]):
     def memory_plan(
         self, backend: Backend, model: ModelDir | None, opts: OptionsT, runtime: dict[str, Any]
     ) -> tuple[OptionsT, Any, list[str]]:
-        """The run's memory plan before the run directory exists (``mllm_rl.memplan.for_run``):
-        options (a fitted KV pool), ``RunPlan`` (None: not planned), lines to tell the user;
-        ``DoesNotFit`` (exit 6) refuses the run. Default: not planned."""
+        """The run's memory plan (``mllm_rl.memplan.for_run``): options, ``RunPlan`` (None: not
+        planned, the default) and lines to tell the user; ``DoesNotFit`` (exit 6) refuses the run."""
         return opts, None, []
 
     def check_runtime(
         self, backend: Backend, model: ModelDir | None, opts: OptionsT, process_count: int
     ) -> None:
-        """Checks once the runtime is up, before the run directory exists: the engine options against
-        the devices (``ValueError``, exit 2)."""
+        """Checks once the runtime is up: the engine options against the devices (``ValueError``)."""
         backend.check_engine_args(model, opts.engine)
 
     @abc.abstractmethod
@@ -108,8 +101,7 @@ class Plan(abc.ABC, Generic[OptionsT]):
 
     @abc.abstractmethod
     def run_json(self, backend: Backend, opts: OptionsT) -> dict[str, Any]:
-        """What ``run.json`` records about this plan: at least ``steps``, ``expected_phases`` and
-        ``expected_step_phases`` (the report's completeness check reads them)."""
+        """``run.json``'s plan fields: at least ``steps``, ``expected_phases``, ``expected_step_phases``."""
 
     @abc.abstractmethod
     def run(self, ctx: PlanRun, opts: OptionsT) -> dict[str, Any]:

@@ -1,9 +1,6 @@
-"""Checks that run before a run starts: nothing of the run exists yet when they refuse.
-
-``prepare(args)`` runs them fastest first (docs/ERRORS.md lists every refusal); each raises a
-one-line ``ValueError`` (or ``CheckpointError``) naming the flag or file, which ``mllm_rl.run``
-turns into exit 2. None imports jax or torch; checks needing the backend's runtime run in
-``mllm_rl.run`` once it is up, still before the run directory exists."""
+"""Checks before a run starts, fastest first (``prepare``; docs/ERRORS.md): each refuses with a
+one-line ``ValueError`` or ``CheckpointError`` naming the flag or file (exit 2) while nothing of the
+run exists yet. None imports jax or torch."""
 
 from __future__ import annotations
 
@@ -27,16 +24,14 @@ from mllm_rl.phases.watchdog import PhaseLimits
 from mllm_rl.plans.base import Plan
 
 RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
-# The longest name a run derives from its id: W&B's offline-run-<YYYYmmdd_HHMMSS>-<run id> directory,
-# with -p<i> for process i > 0 of a multi-process run; a name is at most NAME_MAX bytes.
+# The longest name derived from a run id: W&B's offline-run-<YYYYmmdd_HHMMSS>-<run id>[-p<i>] directory
 RUN_ID_MAX = NAME_MAX - len("offline-run-20250101_000000-") - len("-p9999")
 # Files only a run writes into its directory (``mllm_rl.run``, ``run_files``, ``run_lock``, checkpoints)
 RUN_FILES = re.compile(r"run\.json|(phases|metrics)(\.p\d+)?\.jsonl|\.lock(\.p\d+)?|checkpoints")
 
 
 def check_run_id(run_id: str | None) -> None:
-    """``--run-id`` names a directory under ``runs/``: it cannot be a path (``../x``, ``/x``), and
-    every name derived from it must fit a file name (``RUN_ID_MAX``)."""
+    """``--run-id`` names a directory under ``runs/``: not a path, and short enough (``RUN_ID_MAX``)."""
     if run_id is None:
         return
     if len(run_id) > RUN_ID_MAX:
@@ -52,8 +47,8 @@ def check_run_id(run_id: str | None) -> None:
 
 
 def check_run_dir(run_dir: Path, resume: bool = False) -> None:
-    """``run_dir`` can be created and written and is not something else's directory (a model
-    checkpoint, ``.``, a home): a new run needs a new or empty one, ``resume`` a run's."""
+    """``run_dir`` can be written and is not something else's (a checkpoint, a home): a new run needs
+    a new or empty one, ``resume`` a run's."""
     check_output_dir(run_dir, "--run-dir")
     if (run_dir / "config.json").is_file() and any(run_dir.glob("*.safetensors*")):
         raise ValueError(
@@ -93,9 +88,8 @@ def check_fresh(run_dir: Path, phase_file: str) -> None:
 def resolve_resume(
     run_dir: Path, expect: dict[str, object], or_start: bool
 ) -> tuple[RLCheckpoint | None, list[str]]:
-    """The checkpoint ``--resume`` continues from, and one line per newer one skipped.
-    ``CheckpointError``: no run directory, no checkpoint (unless ``or_start``: ``(None, [])``), or
-    all invalid (each reason said; never a fresh start over them)."""
+    """The checkpoint ``--resume`` continues from, and a line per newer one skipped; ``CheckpointError``
+    for no run directory or checkpoint (``or_start``: ``(None, [])``), or all invalid."""
     fresh = "; --resume-or-start starts a new run when there is nothing to resume"
     if not run_dir.is_dir():
         if or_start:
@@ -127,8 +121,7 @@ def known_phases() -> set[str]:
 
 
 def build_options(args: argparse.Namespace) -> Any:
-    """The plan's options from the flags (``Plan.options``); raises ``ValueError`` naming the flag
-    (exit 2)."""
+    """The plan's options from the flags (``Plan.options``); ``ValueError`` naming the flag."""
     from mllm_rl.plans.registry import plan_of
 
     if (args.resume or args.resume_or_start) and not (args.run_dir or args.run_id):
@@ -148,7 +141,7 @@ def platform_of(args: argparse.Namespace) -> str:
 
 
 def engine_options(args: argparse.Namespace, task: str | None = None) -> Any:
-    """The engine options every plan (and every task of ``--tasks``) shares, from the settings."""
+    """The engine options every plan (and task of ``--tasks``) shares."""
     from mllm_rl.engine import EngineOptions
     from mllm_rl.options.fields import from_args
 
@@ -176,7 +169,7 @@ def phase_limits(args: argparse.Namespace) -> Any:
 
 @dataclasses.dataclass
 class Prepared:
-    """Everything a run needs, checked before anything of it exists (``prepare``)."""
+    """Everything a run needs, checked before anything of it exists."""
 
     plan: Plan[Any]
     opts: Any  # the plan's options (``Plan[OptionsT]``'s OptionsT: RLOptions, SwapOptions, MultitaskOptions)
@@ -187,17 +180,14 @@ class Prepared:
     limits: PhaseLimits
     resuming: bool  # appends to an existing run (its run.json is rewritten only once the attempt started)
     notes: list[str]
-    options: dict[
-        str, Any
-    ]  # run.json's ``options``: the settings a resume compares (``mllm_rl.options.resume``)
+    options: dict[str, Any]  # run.json's ``options``: the settings a resume compares
     overrides: list[dict[str, Any]]  # run.json's ``overrides``: each ``--override`` change, every attempt
     wandb_mode: str  # --wandb, or "offline" when the server was unreachable (``check_wandb``)
 
 
 def prepare(args: argparse.Namespace, given: set[str] | frozenset[str] = frozenset()) -> Prepared:
-    """Every check before start-up, fastest first: run id and directory, a resumed run's recorded
-    settings (``given``: the flags typed; the rest from its ``run.json``), flags, backend/engine,
-    resume checkpoints, task data, model and ``--tp``. Touches nothing of the run."""
+    """Every check before start-up, fastest first (``given``: the flags typed; a resumed run takes
+    the rest from its ``run.json``). Touches nothing of the run."""
     from mllm_rl.backend_registry import load_backend
     from mllm_rl.options.resume import apply_recorded, check_overrides, known, record
     from mllm_rl.plans.registry import plan_of
@@ -214,6 +204,7 @@ def prepare(args: argparse.Namespace, given: set[str] | frozenset[str] = frozens
     resuming = (args.resume or args.resume_or_start) and (run_dir / "run.json").exists()
     notes: list[str] = []
     overrides: list[dict[str, Any]] = []
+    previous: dict[str, Any] = {}
     if resuming:
         previous = _run_json(run_dir)
         if known(previous.get("options")):
@@ -246,7 +237,7 @@ def prepare(args: argparse.Namespace, given: set[str] | frozenset[str] = frozens
     opts, model, model_notes = plan.resolve_model(args, opts)  # CheckpointError naming the file
     notes += model_notes
     if args.resume or args.resume_or_start:
-        run_id = args.run_id or _previous_run_id(run_dir) or run_id
+        run_id = args.run_id or previous.get("run_id") or run_id
     return Prepared(
         plan,
         opts,
@@ -269,10 +260,3 @@ def _run_json(run_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise ValueError(f"--resume: {run_dir / 'run.json'}: unreadable ({e})") from None
     return found if isinstance(found, dict) else {}
-
-
-def _previous_run_id(run_dir: Path) -> str | None:
-    try:
-        return json.loads((run_dir / "run.json").read_text())["run_id"]
-    except (OSError, ValueError, KeyError):
-        return None

@@ -1,5 +1,4 @@
-"""The plans ``--plan`` chooses from, by name. Each is imported only when asked for (the RL plan
-imports numpy and the tasks; ``--help`` and the swap plan do not need them)."""
+"""The plans ``--plan`` chooses from, by name, each imported only when asked for."""
 
 from __future__ import annotations
 

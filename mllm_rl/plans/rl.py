@@ -1,11 +1,8 @@
 """The RL plan: GRPO-style colocated training with the full memory lifecycle, any backend.
 
-Setup (every attempt, ``--resume`` included): ``wandb_init``, ``jax_ready``/``torch_ready``,
-``engine_ready_dummy`` (engine up with dummy weights), then ``mllm_rl.lifecycle.SETUP_PHASES``.
-Then ``steps`` colocated steps and a final ``generate_result`` (greedy held-out completions).
-Data is a pure function of ``(seed, step)``, so a resumed run sees the prompts it would have
-seen. A checkpoint is complete only once its ``meta.json`` exists (``mllm_rl.checkpoint.writer``);
-``checkpoint_flush`` waits for the last write."""
+Every attempt records the setup phases, then ``steps`` colocated steps, ``checkpoint_flush`` and a
+greedy ``generate_result``. Data is a pure function of ``(seed, step)``: a resumed run sees the
+prompts it would have seen."""
 
 from __future__ import annotations
 
@@ -123,22 +120,17 @@ class RLOptions:
 
     @property
     def task_config(self) -> TaskConfig:
-        """What ``mllm_rl.tasks.build_task`` builds the task from."""
-        return TaskConfig(
-            task=self.task,
-            data=self.task_data,
-            prompt_key=self.prompt_key,
-            answer_key=self.answer_key,
-            eval_data=self.eval_data,
-            eval_prompts=self.eval_prompts,
-            reward=self.reward,
-            reward_timeout=self.reward_timeout,
-        )
+        return task_config(self)
 
     def evaluates_after(self, step: int) -> bool:
-        """Does ``step``'s ``evaluate`` phase score the held-out prompts (every N steps and the
-        last)? The phase is recorded every step so every step has one sequence."""
+        """Does ``step``'s ``evaluate`` phase (recorded every step) score the held-out prompts?"""
         return self.eval_every > 0 and ((step + 1) % self.eval_every == 0 or step == self.steps - 1)
+
+
+def task_config(s: Any) -> TaskConfig:
+    """What ``build_task`` builds the task from: the flags' or ``RLOptions``' (the same names)."""
+    keys = (s.task, s.task_data, s.prompt_key, s.answer_key, s.eval_data, s.eval_prompts)
+    return TaskConfig(*keys, s.reward, s.reward_timeout)
 
 
 def default_lr(model_name: str) -> float:
@@ -170,9 +162,8 @@ def model_shape(model: Any) -> dict[str, Any]:
 
 
 def check_model_shape(ckpt: RLCheckpoint, model: Any) -> None:
-    """``CheckpointError`` (naming the first field that differs) when a resumed checkpoint was
-    trained on a model of another shape; checked before any engine starts. A checkpoint without
-    recorded shapes passes."""
+    """``CheckpointError`` naming the first field that differs when a resumed checkpoint was trained
+    on a model of another shape (one without recorded shapes passes)."""
     from mllm_rl.checkpoint.model_dir import CheckpointError
 
     saved = ckpt.meta.get("model_shape")
@@ -195,8 +186,7 @@ def checkpointer(
     model: Any = None,
     coord: Coordinator | None = None,
 ) -> Checkpointer:
-    """The ``checkpoint`` phase's work: save on the cadence and at the last step, keeping the newest
-    ``KEEP_CHECKPOINTS``. ``background``: write from the trainer's host snapshot on another thread."""
+    """The ``checkpoint`` phase's work, keeping the newest ``KEEP_CHECKPOINTS``."""
     meta = checkpoint_meta(backend, opts) | ({} if model is None else {"model_shape": model_shape(model)})
     return Checkpointer(
         trainer, run_dir, meta, opts.checkpoint_every, opts.steps, KEEP_CHECKPOINTS, background, coord
@@ -220,8 +210,7 @@ def prompts_of(
 
 
 def process_0_rewards(coord: Coordinator, name: str, rewards: np.ndarray) -> np.ndarray:
-    """Process 0's rewards on every process, so a non-deterministic reward cannot give processes
-    different batches for one SPMD train step."""
+    """Process 0's rewards on every process (a non-deterministic reward must not split one SPMD step)."""
     if coord.count == 1:
         return rewards
     got = coord.gather(f"rewards/{name}", json.dumps([float(x) for x in rewards]))
@@ -236,9 +225,8 @@ def make_rollout(
     on_rewards: RewardLog | None = None,
     coord: Coordinator | None = None,
 ):
-    """The ``rollout`` phase's work: this step's prompts, ``group_size`` samples each, rewards (in
-    the task's worker process), group-relative advantages, the batch and its metrics.
-    ``on_rewards`` gets every sample's reward."""
+    """The ``rollout`` phase's work: this step's prompts, ``group_size`` samples each, their rewards
+    (also to ``on_rewards``), group-relative advantages, the batch and its metrics."""
     coord = coord or LocalCoordinator()
 
     def rollout(engine: ManagedEngine, step: int):
@@ -285,9 +273,8 @@ def make_rollout(
 
 
 def size_engine(task: Task, tok: Any, opts: RLOptions) -> EngineOptions:
-    """``opts.engine`` with unset ``context_length`` / ``max_total_tokens`` filled in: the task's
-    longest prompt plus ``max_new_tokens``, rounded up to a power of two (>= 64). Sized to the task
-    because sglang-jax's native CPU attention costs O(batch x context) per decoded token."""
+    """``opts.engine`` with unset ``context_length`` / ``max_total_tokens`` filled in: the longest
+    prompt plus ``max_new_tokens`` as a power of two >= 64 (CPU attention costs O(batch x context))."""
     eng = opts.engine
     ctx = eng.context_length
     if ctx is None:
@@ -336,30 +323,22 @@ def evaluate_phase(
     step: int,
     on_rewards: RewardLog | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The ``evaluate`` phase of ``step``: its record's info and the metrics it adds to the step
-    (``eval_reward_mean``); on a step that does not evaluate, no metrics and the next step that does."""
+    """The ``evaluate`` phase of ``step``: its record's info and the step's metrics it adds (none,
+    and the next step that evaluates, on a step that does not)."""
     if not opts.evaluates_after(step):
         nxt = min(s for s in range(step + 1, opts.steps) if opts.evaluates_after(s))
         return {"evaluated": False, "next": nxt}, {}
     out = evaluate(engine, task, tok, opts, eos, on_rewards, "evaluate", step)
     lens = [len(t) for t in out["token_ids"]]
-    info = {
-        "evaluated": True,
-        "reward_mean": out["greedy_reward_mean"],
-        "prompts": len(lens),
-        "completion_len_mean": float(np.mean(lens)),
-        "sample": {"prompt": out["prompts"][0], "answer": out["answers"][0], "completion": out["text"][0]},
-    }
-    return info, {
-        "eval_reward_mean": out["greedy_reward_mean"],
-        "eval_completion_len_mean": float(np.mean(lens)),
-    }
+    reward, length = out["greedy_reward_mean"], float(np.mean(lens))
+    sample = {"prompt": out["prompts"][0], "answer": out["answers"][0], "completion": out["text"][0]}
+    info = {"evaluated": True, "reward_mean": reward, "prompts": len(lens), "completion_len_mean": length}
+    return {**info, "sample": sample}, {"eval_reward_mean": reward, "eval_completion_len_mean": length}
 
 
 class RewardsFile:
-    """``rewards.jsonl`` (``rewards.p<i>.jsonl`` for process i > 0): one ``{step, phase, sample, row,
-    reward}`` line per sample (``row`` null for a generated prompt, ``step`` -1 for
-    ``generate_result``), flushed per batch; a resumed run appends."""
+    """``rewards.jsonl`` (``.p<i>`` for process i > 0): a ``{step, phase, sample, row, reward}`` line
+    per sample (``row`` null: a generated prompt; ``step`` -1: ``generate_result``); appended."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -466,10 +445,8 @@ def profiled_steps(backend: Backend, opts: RLOptions, ctx: PlanRun) -> Profiled:
 
 
 def check_prompts(opts: RLOptions, model: Any) -> list[str]:
-    """``ValueError`` (naming the flag, or the file and row) unless every prompt, rendered, plus
-    ``--max-new-tokens`` fits the allowed context (``--context-length``, else the model's
-    ``max_position_embeddings``); returns lines to tell the user. Checked before start-up so the
-    engine is never sized past the model's context or the memory."""
+    """``ValueError`` (naming the flag, or the file and row) unless every rendered prompt plus
+    ``--max-new-tokens`` fits ``--context-length`` (else the model's); lines to tell the user."""
     ctx = opts.engine.context_length
     allowed, why = (
         (ctx, "--context-length")
@@ -520,17 +497,7 @@ class RLPlan(Plan[RLOptions]):
                         "phase; its held-out prompts are scored once, in generate_result); run it "
                         "with --plan rl",
                     )
-        check_config(
-            TaskConfig(
-                task=args.task,
-                data=args.task_data,
-                prompt_key=args.prompt_key,
-                answer_key=args.answer_key,
-                eval_data=args.eval_data,
-                reward=args.reward,
-                reward_timeout=args.reward_timeout,
-            )
-        )
+        check_config(task_config(args))
         max_new_tokens = args.max_new_tokens or RL_MAX_NEW_TOKENS
         loss = from_args(LossConfig, args, max_len=max_new_tokens)
         model_options = tuple(parse_key_value(o, "--model-option") for o in args.model_option or [])
@@ -556,8 +523,7 @@ class RLPlan(Plan[RLOptions]):
         )
 
     def with_model(self, opts: RLOptions, model: Any) -> tuple[RLOptions, list[str]]:
-        """``--lr`` unset: ``FROM_SCRATCH_LR`` for ``FROM_SCRATCH_PRESETS``, else ``FINE_TUNE_LR``.
-        Also checks a resumed checkpoint's model shape and that the prompts fit."""
+        """``--lr`` unset: ``default_lr``; checks a resumed checkpoint's model shape and the prompts."""
         if opts.resume_from is not None:
             check_model_shape(opts.resume_from, model)
         notes = check_prompts(opts, model)
@@ -570,7 +536,6 @@ class RLPlan(Plan[RLOptions]):
     def memory_plan(
         self, backend: Backend, model: Any, opts: RLOptions, runtime: dict[str, Any]
     ) -> tuple[RLOptions, Any, list[str]]:
-        """The run's memory plan (``mllm_rl.memplan.for_run``), engine sized by ``size_engine``."""
         from mllm_rl.memplan.for_run import plan_for_rl
 
         def sized(o: RLOptions) -> EngineOptions:
@@ -587,8 +552,7 @@ class RLPlan(Plan[RLOptions]):
     def preflight(
         self, args: argparse.Namespace, opts: RLOptions, backend: Backend, run_dir: Path
     ) -> tuple[RLOptions, list[str]]:
-        """Checks the ``--resume`` checkpoint, the task's data (every row) and ``--reward`` (loaded
-        in a worker)."""
+        """Checks the ``--resume`` checkpoint, the task's data (every row) and ``--reward``."""
         from mllm_rl.plans.preflight import resolve_resume
 
         notes: list[str] = []
@@ -637,7 +601,6 @@ class RLPlan(Plan[RLOptions]):
         return names | {p for phases in STEP_PHASES.values() for p in phases}
 
     def run_json(self, backend: Backend, opts: RLOptions) -> dict[str, Any]:
-        """``run.json``'s plan fields (the report's completeness check reads them)."""
         return {
             "steps": opts.steps,
             "first_step": 0,

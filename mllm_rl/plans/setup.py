@@ -21,8 +21,7 @@ def run_level(
     runtime: dict[str, Any],
     **info: Any,
 ) -> None:
-    """``wandb_init`` (the W&B sink joins the recorder) and ``<backend>_ready`` (the runtime that
-    ``mllm_rl.run`` brought up; installs the memory probe): the first two phases of every plan."""
+    """``wandb_init`` (the W&B sink joins the recorder) and ``<backend>_ready`` (installs the probe)."""
     with rec.phase("wandb_init", **info) as ph, waiting("W&B start"):
         sink = make_wandb()
         if sink is not None:
@@ -47,9 +46,7 @@ def start(
     on_engine: Callable[[Any], None],
     **wandb_info: Any,
 ) -> ManagedEngine:
-    """Record the three setup phases; returns the engine (handed to ``on_engine`` as soon as it
-    exists; the caller shuts it down after the sinks close). ``runtime``: what
-    ``backend.init_runtime`` returned, before the run directory existed so a refusal leaves nothing."""
+    """Record the three setup phases; the engine (also to ``on_engine`` as soon as it exists)."""
     run_level(backend, rec, make_wandb, runtime, **wandb_info)
     with rec.phase("engine_ready_dummy", model=str(model.path), tp=engine_opts.tp) as ph:
         with waiting("engine start"):

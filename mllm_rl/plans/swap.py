@@ -1,12 +1,6 @@
-"""The param-swap plan (MLLM-JAX's manual param-swap run as a product), backend-neutral.
-
-Phases (``PHASES``; docs/DESIGN.md, "The phase record"): ``wandb_init`` (skipped with ``--wandb
-disabled``), ``jax_ready``/``torch_ready`` (runtime up, platform asserted, devices listed),
-``engine_ready_dummy`` (engine started with dummy weights), ``weights_swapped`` (the checkpoint
-streamed in one tensor at a time, or the ``naive`` baseline: every tensor placed first, then
-installed), ``generate_result`` (greedy generation for fixed prompts; tokens, logprobs and text
-in ``info``).
-"""
+"""The param-swap plan, backend-neutral: the setup phases (an engine with dummy weights), then
+``weights_swapped`` (the checkpoint streamed in a tensor at a time, or the ``naive`` baseline:
+every tensor placed, then installed) and a greedy ``generate_result`` of fixed prompts."""
 
 from __future__ import annotations
 
@@ -26,8 +20,6 @@ from mllm_rl.progress import progress_bar
 
 DEFAULT_PROMPTS = ("你是谁", "The capital of France is")
 PHASES = ("wandb_init", "{ready}", "engine_ready_dummy", "weights_swapped", "generate_result")
-
-
 SWAP_MAX_NEW_TOKENS = 16  # --max-new-tokens unset
 
 
@@ -114,8 +106,8 @@ class SwapPlan(Plan[SwapOptions]):
 def swap_weights(
     engine: ManagedEngine, model: ModelDir, mode: str, rec: PhaseRecorder | None = None
 ) -> UpdateStats:
-    """Stream (or naively load then install) every checkpoint tensor into ``engine``; the
-    engine's fingerprint is checked against what was sent (``WeightMismatch`` otherwise)."""
+    """Stream (or naively load, then install) every checkpoint tensor into ``engine``, fingerprint
+    checked (``WeightMismatch``)."""
     with progress_bar(total=len(model.tensors), desc=f"swap ({mode})", unit="tensor") as bar:
 
         def on_tensor(name: str, nbytes: int) -> None:
