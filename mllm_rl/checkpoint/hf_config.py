@@ -1,14 +1,9 @@
 """Read a Hugging Face Qwen3 ``config.json`` the way transformers does, or refuse it.
 
-Every ``Qwen3Config`` field gets transformers' meaning and default, or, when it asks for what our
-models do not compute (RoPE scaling, sliding window, biases, ...), a one-line ``ValueError``
-naming it: nothing is silently ignored. Two generations write the file
-(``transformers/models/qwen3/configuration_qwen3.py``, ``transformers/modeling_rope_utils.py``):
-4.x has top-level ``rope_theta``/``rope_scaling``; 5.x has ``rope_parameters`` (its
-``rope_theta`` wins over the top level, then 10000). We follow 5.x, the only writer of a
-``rope_parameters`` base (4.x would fall back to 10000, so the sglang-jax adapter hands the
-engine our resolved numbers); a config naming two different bases is refused. Other defaults
-agree in 4.57 and 5.23 (``QWEN3_DEFAULTS``)."""
+Every field gets transformers' meaning and default, or, when it asks for what our models do not
+compute (RoPE scaling, sliding window, biases, ...), a one-line ``ValueError`` naming it. The RoPE
+base follows 5.x (``rope_parameters`` over the top-level ``rope_theta``, then 10000); a config
+naming two different bases is refused."""
 
 from __future__ import annotations
 
@@ -33,13 +28,8 @@ QWEN3_DEFAULTS: dict[str, Any] = {
 }
 # Size fields are required although Qwen3Config has (8B-like) defaults: a file without them does
 # not describe its weights. ``num_key_value_heads: null`` means MHA, as in transformers.
-REQUIRED = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
+REQUIRED = tuple(
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads".split()
 )
 # Checkpoint dtypes both backends load (``torch_dtype`` / 5.x ``dtype``); anything else is refused.
 DTYPES = ("float32", "bfloat16", "float16")

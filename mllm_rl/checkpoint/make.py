@@ -1,9 +1,5 @@
-"""Write a random-weight Hugging Face–format Qwen3 checkpoint from a preset.
-
-Memory behaviour does not depend on weight values, so a random ``qwen3-4b`` is a
-valid memory benchmark; ``tiny`` with these scales gives peaked, well-separated
-logits, so greedy decoding is stable across implementations (parity tests).
-"""
+"""Write a random-weight Hugging Face–format Qwen3 checkpoint from a preset (memory does not depend
+on the values; ``tiny``'s peaked logits keep greedy decoding stable across implementations)."""
 
 from __future__ import annotations
 
@@ -27,8 +23,7 @@ _DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 def init_tensor(shape: tuple[int, ...], seed: int, index: int) -> np.ndarray:
-    """Deterministic float32 init: norm scales ones, matrices N(0, 1/fan_in) so activations keep
-    unit scale and logits are ~N(0, 1)."""
+    """Deterministic float32 init: norm scales ones, matrices N(0, 1/fan_in) (unit-scale activations)."""
     if len(shape) == 1:
         return np.ones(shape, np.float32)
     rng = np.random.default_rng([seed, index])
@@ -47,11 +42,9 @@ def make_checkpoint(
     show_progress: bool = True,
     force: bool = False,
 ) -> Path:
-    """Write ``config.json``, sharded safetensors + index and the shipped tokenizer into ``out``.
-
-    A non-empty ``out`` is refused (one-line ``ValueError``) unless it holds the same checkpoint
-    (same ``config.json``: preset, dtype, seed, hence the same weights) or ``force`` replaces
-    another checkpoint; a non-checkpoint directory is always refused. Returns ``out``."""
+    """Write ``config.json``, sharded safetensors + index and the shipped tokenizer into ``out``; a
+    non-empty ``out`` is refused (``ValueError``) unless it holds the same checkpoint or ``force``
+    replaces another checkpoint."""
     dtype = dtype or config.torch_dtype
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(_DTYPE_NAMES)}")
@@ -108,8 +101,7 @@ def make_checkpoint(
 
 
 def _check_out(out: Path, want: dict[str, Any], force: bool) -> None:
-    """``ValueError`` unless ``make_checkpoint`` may write into ``out`` (``want``: the config it
-    would write), checked before anything is written."""
+    """``ValueError`` unless ``make_checkpoint`` may write ``want`` (its config) into ``out``."""
     check_names(out, "--out")
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out}: exists and is not a directory; choose another --out")
@@ -134,7 +126,7 @@ def _check_out(out: Path, want: dict[str, Any], force: bool) -> None:
 
 
 def _difference(have: Any, want: dict[str, Any]) -> str:
-    """What differs between the ``config.json`` in the directory and the one to write, briefly."""
+    """What differs between the ``config.json`` there and the one to write, briefly."""
     if not isinstance(have, dict):
         return "its config.json is not a JSON object of ours"
     first = ["mllm_rl_preset", "torch_dtype", "mllm_rl_seed"]  # the make flags, then the rest

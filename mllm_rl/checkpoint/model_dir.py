@@ -1,10 +1,6 @@
-"""A Hugging Face–format checkpoint directory: config, safetensors shards, tokenizer.
-
-``ModelDir.open(path)`` validates, before any device memory is touched (a failing sglang-jax
-scheduler init kills the host process): a Qwen3 ``config.json``; a sound shard index and headers
-with every tensor inside its file (truncation); exactly the expected names, shapes and float
-dtypes; the tokenizer files; finite weights (``check_values``). Errors are one-line
-``CheckpointError``s naming file and tensor."""
+"""A Hugging Face–format checkpoint directory, validated before any device memory is touched:
+Qwen3 ``config.json``, sound shard index and headers, the expected tensor names, shapes and float
+dtypes, tokenizer files, finite weights; one-line ``CheckpointError``s naming file and tensor."""
 
 from __future__ import annotations
 
@@ -15,8 +11,13 @@ from pathlib import Path
 import numpy as np
 
 from mllm_rl.checkpoint.hf_config import config_from_dir, read_json
-from mllm_rl.checkpoint.safetensors_io import SafetensorsError, TensorInfo, read_header, read_tensor
-from mllm_rl.checkpoint.values import NonFiniteError, check_finite
+from mllm_rl.checkpoint.safetensors_io import (
+    SafetensorsError,
+    TensorInfo,
+    check_finite,
+    read_header,
+    read_tensor,
+)
 from mllm_rl.presets import ModelConfig
 from mllm_rl.progress import progress_bar
 
@@ -39,8 +40,7 @@ class ModelDir:
 
     @classmethod
     def open(cls, path: str | Path, check_tokenizer: bool = True, check_values: bool = True) -> ModelDir:
-        """Validate and open ``path``. ``check_values`` reads every weight for NaN/inf; pass False
-        only for values just written or already checked in this process."""
+        """Validate and open ``path`` (``check_values``: scan every weight for NaN/inf)."""
         path = Path(path).expanduser().resolve()
         if not path.is_dir():
             raise CheckpointError(f"{path}: not a directory")
@@ -67,7 +67,7 @@ class ModelDir:
         ) as bar:
             try:
                 check_finite(((n, f, i) for n, (f, i) in self.tensors.items()), on_bytes=bar.update)
-            except NonFiniteError as e:
+            except SafetensorsError as e:  # NonFiniteError
                 raise CheckpointError(str(e)) from None
 
     @property

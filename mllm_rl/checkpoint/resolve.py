@@ -1,6 +1,5 @@
-"""Resolve what a run loads: ``--model PRESET|DIR|HUB_ID`` into a validated local checkpoint
-directory, and ``--resume`` into the newest RL checkpoint of a run whose files match the manifest
-(sizes and sha256) written with it."""
+"""Resolve what a run loads: ``--model PRESET|DIR|HUB_ID`` into a validated checkpoint directory,
+``--resume`` into the newest RL checkpoint whose files match its manifest (sizes and sha256)."""
 
 from __future__ import annotations
 
@@ -22,15 +21,13 @@ from mllm_rl.presets import PRESETS
 
 
 def cache_dir(env: Mapping[str, str] = os.environ) -> Path:
-    """``$MLLM_RL_CACHE`` or ``~/.cache/mllm_rl``: where preset checkpoints (and JAX's compiled
-    programs, ``backends/jax/compile_cache.py``) are written."""
+    """``$MLLM_RL_CACHE`` or ``~/.cache/mllm_rl``: preset checkpoints and JAX's compiled programs."""
     return Path(env.get("MLLM_RL_CACHE", Path.home() / ".cache" / "mllm_rl")).expanduser()
 
 
 def resolve_model(spec: str, seed: int = 0, dtype: str | None = None) -> ModelDir:
-    """An opened, validated checkpoint for a preset (cached in
-    ``cache_dir()/checkpoints/<preset>-<dtype>-s<seed>``), a local dir, or a hub id (downloaded
-    unless ``HF_HUB_OFFLINE``). Raises ``CheckpointError``."""
+    """An opened, validated checkpoint of a preset (cached under ``cache_dir()``), a local dir or a
+    hub id (downloaded unless ``HF_HUB_OFFLINE``); ``CheckpointError``."""
     if spec in PRESETS:
         cfg = PRESETS[spec]
         dt = dtype or cfg.torch_dtype
@@ -78,10 +75,8 @@ def _sha256(path: Path) -> str:
 
 
 def file_manifest(ckpt: Path, known: Mapping[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
-    """``{relative path: {"bytes": size, "sha256": hex}}`` of every file under ``ckpt`` but its
-    ``meta.json``. ``known``: entries the writer hashed while writing (``Trainer.save``), taken as
-    they are when the file on disk has their size; the rest are read back and hashed in parallel
-    (hashlib releases the GIL on large buffers)."""
+    """``{relative path: {"bytes", "sha256"}}`` of every file under ``ckpt`` but ``meta.json``:
+    ``known`` entries (hashed while written) where the size agrees, the rest hashed in parallel."""
     known = known or {}
     files = sorted(p for p in ckpt.rglob("*") if p.is_file() and not p.name.startswith(META))
     rels = [str(p.relative_to(ckpt)) for p in files]
@@ -116,10 +111,8 @@ def _fsync(path: Path, directory: bool = False) -> None:
 
 
 def sync_tree(root: Path) -> float:
-    """``fsync`` every file under ``root`` (in parallel: it waits on the disk, not the CPU), then
-    every directory, deepest first, so that the files and their names are on disk; returns the
-    seconds it took. What a checkpoint needs before its manifest may count it (orbax's tensorstore
-    and ``torch.distributed.checkpoint`` sync their files the same way by default)."""
+    """``fsync`` every file under ``root`` (in parallel), then every directory, deepest first, so
+    files and names are on disk before a manifest counts them; the seconds it took."""
     t0 = time.perf_counter()
     files = [p for p in root.rglob("*") if p.is_file()]
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(files)))) as pool:
@@ -133,9 +126,8 @@ def sync_tree(root: Path) -> float:
 def write_meta(
     ckpt: Path, meta: dict[str, Any], known: Mapping[str, dict[str, Any]] | None = None
 ) -> dict[str, Any]:
-    """Write ``ckpt/meta.json`` = ``meta`` + the manifest of the files already there (``known``:
-    see ``file_manifest``), atomically and durably (written, synced, renamed, the directory
-    synced): the checkpoint counts from this rename on. Returns what was written."""
+    """Write ``ckpt/meta.json`` = ``meta`` + the files' manifest, atomically and durably (the
+    checkpoint counts from the rename on); what was written."""
     t0 = time.perf_counter()
     files = file_manifest(ckpt, known)
     full = {**meta, "files": files, "manifest_s": round(time.perf_counter() - t0, 4)}
@@ -157,9 +149,8 @@ class RLCheckpoint:
 
 
 def verify_rl_checkpoint(ckpt: Path, expect: Mapping[str, Any] | None = None) -> RLCheckpoint:
-    """The checkpoint in ``ckpt`` if its ``meta.json`` is valid and every file it lists has the
-    recorded size and sha256, and ``meta`` agrees with ``expect`` (e.g. ``backend``, ``lora_rank``);
-    ``CheckpointError`` naming the file otherwise."""
+    """The checkpoint in ``ckpt`` if its ``meta.json`` is valid, agrees with ``expect`` and every
+    file it lists has its size and sha256; else ``CheckpointError`` naming the file."""
     meta_path = ckpt / META
     if not meta_path.is_file():
         raise CheckpointError(f"{meta_path}: missing (a save that did not finish)")
@@ -206,8 +197,7 @@ def rl_checkpoint_dirs(run_dir: Path) -> list[Path]:
 def find_resumable(
     run_dir: Path, expect: Mapping[str, Any] | None = None
 ) -> tuple[RLCheckpoint | None, list[tuple[Path, str]]]:
-    """The newest valid RL checkpoint of ``run_dir`` (``verify_rl_checkpoint``), and the newer ones
-    skipped on the way, each with the reason."""
+    """The newest valid RL checkpoint of ``run_dir``, and the newer ones skipped with the reason."""
     skipped: list[tuple[Path, str]] = []
     for d in rl_checkpoint_dirs(run_dir):
         try:

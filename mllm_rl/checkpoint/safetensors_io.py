@@ -1,10 +1,6 @@
-"""Streaming safetensors I/O with numpy only (bf16 via ``ml_dtypes``).
-
-Format: 8-byte little-endian header length, a JSON header
-``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,
-then the raw little-endian bytes. We write one tensor at a time (no whole-shard
-buffer) and read through ``np.memmap`` (no copy until the caller asks for one).
-"""
+"""Streaming safetensors I/O with numpy only (bf16 via ``ml_dtypes``): an 8-byte header length, a
+JSON header ``{name: {"dtype", "shape", "data_offsets"}}``, the raw bytes. Written a tensor at a
+time, read through ``np.memmap``; ``check_finite`` refuses NaN/inf weights, streaming."""
 
 from __future__ import annotations
 
@@ -137,3 +133,56 @@ def read_tensor(path: Path, info: TensorInfo) -> np.ndarray:
     if info.nbytes == 0:
         return np.zeros(info.shape, DTYPES[info.dtype])
     return np.memmap(path, dtype=DTYPES[info.dtype], mode="r", offset=info.begin, shape=info.shape)
+
+
+# safetensors dtype -> (same-width unsigned view, exponent mask)
+_EXPONENT = {
+    "F32": (np.dtype(np.uint32), 0x7F800000),
+    "BF16": (np.dtype(np.uint16), 0x7F80),
+    "F16": (np.dtype(np.uint16), 0x7C00),
+}
+CHUNK_ELEMS = 8 * 2**20  # 16-32 MiB of a tensor per step
+
+
+class NonFiniteError(SafetensorsError):
+    """A tensor holds NaN/inf (a NaN forward trains "fine"); names file, tensor, count, first index."""
+
+
+def count_nonfinite(arr: np.ndarray, dtype: str, chunk_elems: int = CHUNK_ELEMS) -> tuple[int, int]:
+    """(number of non-finite values, flat index of the first or -1) of ``arr`` (safetensors
+    ``dtype``), read in chunks (bounded host memory): non-finite is all exponent bits set."""
+    view_dtype, mask = _EXPONENT[dtype]
+    flat = arr.reshape(-1).view(view_dtype)
+    mask = view_dtype.type(mask)
+    count, first = 0, -1
+    buf = np.empty(min(chunk_elems, flat.size), view_dtype)
+    hit = np.empty(buf.size, bool)
+    for start in range(0, flat.size, chunk_elems):
+        part = flat[start : start + chunk_elems]
+        b, h = buf[: part.size], hit[: part.size]
+        np.bitwise_and(part, mask, out=b)
+        np.equal(b, mask, out=h)
+        if h.any():
+            n = int(np.count_nonzero(h))
+            if first < 0:
+                first = start + int(np.argmax(h))
+            count += n
+    return count, first
+
+
+def check_finite(
+    tensors: Iterable[tuple[str, Path, TensorInfo]], on_bytes: Callable[[int], None] | None = None
+) -> None:
+    """Raise ``NonFiniteError`` at the first tensor holding a NaN or an infinity."""
+    for name, file, info in tensors:
+        if info.dtype not in _EXPONENT:
+            continue  # not a float: nothing to check (dtypes are validated elsewhere)
+        count, first = count_nonfinite(read_tensor(file, info), info.dtype)
+        if count:
+            index = list(np.unravel_index(first, info.shape)) if info.shape else []
+            raise NonFiniteError(
+                f"{file}: tensor {name}: {count} non-finite value(s) (NaN/inf), "
+                f"first at index {[int(i) for i in index]}"
+            )
+        if on_bytes is not None:
+            on_bytes(info.nbytes)

@@ -1,15 +1,10 @@
 """RL checkpoints on their cadence, written in the ``checkpoint`` phase or in the background.
 
-A checkpoint counts only once its files are synced to disk and its ``meta.json`` manifest is
-written, last; older ones are pruned only after that, so ``--resume`` always finds one, after a
-``kill -9`` or a host that lost power alike. An ``OSError`` removes the unfinished directory
-and raises a one-line ``CheckpointWriteError``. ``background`` (off by default, docs/RL.md): a
-trainer with ``Trainer.snapshot(path)`` has its host copy written by one thread while the run goes
-on (torch as ``torch.distributed.checkpoint.async_save`` does; JAX: orbax's own asynchronous save,
-whose end the thread waits for), at the price of host memory until then; one write at a time,
-recorded in ``info.written`` of a later ``checkpoint`` phase or of ``checkpoint_flush``. Several
-processes (JAX/orbax shards) share the run directory: process 0 makes it, all write, process 0
-writes the manifest and prunes, with ``Coordinator`` barriers between."""
+A checkpoint counts once its files are synced and its ``meta.json`` manifest written, last; older
+ones are pruned only then, so ``--resume`` always finds one. An ``OSError`` removes the unfinished
+directory (one-line ``CheckpointWriteError``). ``background`` (docs/RL.md): the trainer's host
+snapshot is written by one thread while the run goes on. Several processes share the directory:
+process 0 makes it, all write, process 0 writes the manifest and prunes."""
 
 from __future__ import annotations
 
@@ -27,8 +22,8 @@ from mllm_rl.coordination import Coordinator, LocalCoordinator
 
 
 def check_shared_dir(coord: Coordinator, run_dir: Path) -> None:
-    """``RuntimeError`` (on every process) naming the processes that do not see a file process 0
-    wrote into ``run_dir``: several processes checkpoint into one directory only if it is shared."""
+    """``RuntimeError`` on every process naming those that do not see a file process 0 wrote into
+    ``run_dir`` (several processes checkpoint into one directory only if it is shared)."""
     if coord.count == 1:
         return
     probe = Path(run_dir) / ".shared-by-processes"
@@ -46,9 +41,8 @@ def check_shared_dir(coord: Coordinator, run_dir: Path) -> None:
 
 
 class CheckpointWriteError(RuntimeError, OSError):
-    """An RL checkpoint could not be written (disk full, file too large, permission lost). A
-    ``RuntimeError`` (exit 1: the input was fine) and an ``OSError``; ``str(e)`` is one line naming
-    the checkpoint, the file and the reason."""
+    """An RL checkpoint could not be written: a ``RuntimeError`` (exit 1) and an ``OSError`` whose
+    ``str(e)`` is one line naming the checkpoint, the file and the reason."""
 
     def __init__(self, message: str, errno_: int | None = None, path: str | None = None) -> None:
         super().__init__(message)  # one argument: ``str(e)`` is the message, not "[Errno N] ..."
@@ -56,8 +50,7 @@ class CheckpointWriteError(RuntimeError, OSError):
 
 
 def write_error(ckpt: Path, e: OSError) -> CheckpointWriteError:
-    """``e``, raised while writing the checkpoint ``ckpt``, as one line: ``checkpoint step_000003:
-    writing <file>: <reason>`` (the checkpoint directory when the error names no file)."""
+    """``e`` as ``checkpoint step_000003: writing <file or the directory>: <reason>``."""
     if isinstance(e, CheckpointWriteError):
         return e
     where = e.filename if e.filename is not None else ckpt
@@ -66,12 +59,6 @@ def write_error(ckpt: Path, e: OSError) -> CheckpointWriteError:
         where = f"{where} -> {e.filename2}"
     line = f"checkpoint {ckpt.name}: writing {where}: {reason}".replace("\n", " ")
     return CheckpointWriteError(line, e.errno, str(where))
-
-
-def discard(ckpt: Path) -> None:
-    """Remove the unfinished checkpoint ``ckpt``, best effort (without ``meta.json`` it is skipped
-    by ``--resume`` anyway)."""
-    shutil.rmtree(ckpt, ignore_errors=True)
 
 
 @dataclass
@@ -86,9 +73,8 @@ class _Write:
 
 
 class Checkpointer:
-    """Saves ``trainer`` into ``run_dir/checkpoints/step_<k>`` every ``every`` steps and at the
-    last of ``steps`` (``every`` 0: never); ``meta`` goes into each ``meta.json`` with the step.
-    ``background``: write through ``trainer.snapshot()`` when the trainer has one."""
+    """Saves ``trainer`` into ``run_dir/checkpoints/step_<k>`` every ``every`` steps and the last
+    (``every`` 0: never), ``meta`` in each ``meta.json``; ``background``: via ``trainer.snapshot``."""
 
     def __init__(
         self,
@@ -116,8 +102,7 @@ class Checkpointer:
             pass
 
     def _sync(self, name: str, failed: bool = False) -> None:
-        """Every process at the same point of the same checkpoint (no-op for one process); a
-        process that failed there says so, and every process raises."""
+        """Every process at the same point of the same checkpoint; if one failed there, all raise."""
         if self.coord.count == 1:
             return
         said = self.coord.gather(f"checkpoint/{name}", "failed" if failed else "ok")
@@ -130,8 +115,8 @@ class Checkpointer:
         return self.every > 0 and ((step + 1) % self.every == 0 or step == self.steps - 1)
 
     def __call__(self, step: int) -> dict[str, Any]:
-        """The ``checkpoint`` phase's work; returns its info: ``saved`` (complete now), ``path``,
-        ``background``, ``snapshot_bytes``, ``written`` (background writes that have ended)."""
+        """The ``checkpoint`` phase's work; its info (``saved``: complete now; ``written``: ended
+        background writes)."""
         due = self.due(step)
         info: dict[str, Any] = {}
         written = self._collect(wait=due)
@@ -153,7 +138,7 @@ class Checkpointer:
         try:
             snap = self.trainer.snapshot(path) if self.background else None
         except BaseException:
-            discard(path)
+            shutil.rmtree(path, ignore_errors=True)
             raise
         if snap is None:
             self._written(step, path, self.trainer.save)
@@ -167,13 +152,11 @@ class Checkpointer:
         return {"saved": False, "path": str(path), "background": True, "snapshot_bytes": w.nbytes, **info}
 
     def flush(self) -> list[dict[str, Any]]:
-        """Wait for the background write still running, if any; returns what ended (the
-        ``checkpoint_flush`` phase's ``written``); raises the write's error."""
+        """Wait for a background write still running; what ended (raises the write's error)."""
         return self._collect(wait=True)
 
     def abandon(self) -> None:
-        """After a failure elsewhere: let a running write finish (its checkpoint is complete and
-        resumable) without raising its own error over the first one."""
+        """After a failure elsewhere: let a running write finish (resumable), not raising its error."""
         w, self._pending = self._pending, None
         if w is not None and w.thread is not None:
             w.thread.join()
@@ -199,8 +182,8 @@ class Checkpointer:
             w.seconds = time.perf_counter() - w.t0
 
     def _written(self, step: int, path: Path, write: Any) -> None:
-        """``write(path)``, then the manifest; on any failure the unfinished ``path`` is removed,
-        and an ``OSError`` becomes a one-line ``CheckpointWriteError``."""
+        """``write(path)``, then the manifest; a failure removes ``path`` (``OSError``: as a
+        ``CheckpointWriteError``)."""
         leader = self.coord.index == 0
         try:
             try:
@@ -216,13 +199,11 @@ class Checkpointer:
                 except BaseException:
                     self._told_failed(f"{path.name}/meta")
                     raise
-        except OSError as e:
+        except BaseException as e:
             if leader:
-                discard(path)
-            raise write_error(path, e) from None
-        except BaseException:
-            if leader:
-                discard(path)
+                shutil.rmtree(path, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise write_error(path, e) from None
             raise
         self._sync(f"{path.name}/meta")
         if not leader:
