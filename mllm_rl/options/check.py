@@ -1,11 +1,6 @@
-"""One check of a setting's value, the same for a flag, a tasks-file key and a memplan flag.
-
-``check_value(opt, value, name)`` returns the value (an int accepted where a float is declared)
-or raises ``ValueError`` with one line that starts with ``name`` -- the flag (``--lr``) or the
-file's key (``lr``): ``--lr must be >= 0, got nan``, ``steps: expected int, got '3'``.
-``check_output_dir(path, flag)``: a directory a command is to create or write into (``--run-dir``,
-``--out``) can be, checked before the command does any work.
-"""
+"""One check of a setting's value, the same for a flag, a tasks-file key and a memplan flag: a
+one-line ``ValueError`` starting with ``name``, the flag or key (``--lr must be >= 0, got nan``);
+and ``check_output_dir``, a directory a command will write into, checked before any work."""
 
 from __future__ import annotations
 
@@ -47,9 +42,8 @@ def check_type(opt: Option, value: Any, name: str) -> Any:
 
 
 def range_problem(opt: Option, value: Any) -> str | None:
-    """What is wrong with ``value`` (``must be >= 1, got 0``), or None: a number (an integer where
-    ``int`` is declared), finite, within ``low``/``high`` (else ``why`` when the option has one), one of
-    ``choices``, not an old name of one; ``None`` passes where it is allowed."""
+    """What is wrong with ``value`` (``must be >= 1, got 0``), or None: a finite number within
+    ``low``/``high`` (else ``why``), one of ``choices``, not an old name of one."""
     if value is None or (isinstance(value, str) and value in opt.words):
         return None
     if opt.type in (int, float):
@@ -102,15 +96,13 @@ def parse_key_value(text: str, flag: str) -> tuple[str, Any]:
 
 
 def check_value(opt: Option, value: Any, name: str) -> Any:
-    """``check_type`` then ``check_range``; the checked value."""
     value = check_type(opt, value, name)
     check_range(opt, value, name)
     return value
 
 
 def check_names(path: Path, flag: str) -> None:
-    """No name in ``path`` longer than ``NAME_MAX`` bytes (the file system's "File name too long",
-    which ``Path.exists`` raises), ``ValueError`` naming ``flag``."""
+    """No name in ``path`` longer than ``NAME_MAX`` bytes (``ValueError`` naming ``flag``)."""
     for name in path.parts:
         size = len(os.fsencode(name))
         if size > NAME_MAX:
@@ -121,10 +113,9 @@ def check_names(path: Path, flag: str) -> None:
 
 
 def check_output_dir(path: Path, flag: str) -> Path:
-    """``path`` (which may not exist yet) can be created and written: its names fit
-    (``check_names``), neither it nor an ancestor is a file, and the nearest existing directory
-    takes a new file (tried, then removed: ``os.access`` says yes to root on a read-only file
-    system). Returns that directory; ``ValueError`` (one line starting with ``flag``)."""
+    """``path`` can be created and written: names fit, no ancestor is a file, and the nearest
+    existing directory (returned) takes a new file (tried: ``os.access`` says yes to root on a
+    read-only file system); else ``ValueError`` starting with ``flag``."""
     check_names(path, flag)
     existing = path
     try:

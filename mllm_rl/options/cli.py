@@ -1,11 +1,6 @@
-"""The command-line side of the schema: argparse flags derived from ``schema.OPTIONS``, which of
-them the user actually gave, their values checked, and a flag that does not apply refused.
-
-Every schema flag is added with ``default=SUPPRESS``, so after parsing the namespace holds exactly
-the flags the user typed (``parse``: the namespace with every default filled in, and that set of
-keys). ``--resume`` needs it (a setting not given is the run's own), and so does the scope check
-(a flag that does not apply is refused even when it repeats its default).
-"""
+"""The command-line side of the schema: argparse flags from ``schema.OPTIONS`` (added with
+``default=SUPPRESS``, so ``parse`` knows which the user typed: ``--resume`` and the scope check
+need that), their values checked, and a flag that does not apply refused."""
 
 from __future__ import annotations
 
@@ -40,8 +35,7 @@ def help_text(opt: Option, default: Any) -> str:
 def add_options(
     ap: argparse.ArgumentParser, scopes: Sequence[str], overrides: dict[str, Any] | None = None
 ) -> None:
-    """Add the flags of every option of ``scopes``, each once, grouped by its ``group``
-    (``overrides``: this command's own defaults)."""
+    """Add the flags of ``scopes``, grouped by ``group`` (``overrides``: this command's defaults)."""
     overrides = overrides or {}
     sections: dict[str, Any] = {}
     keys = {o.key for scope in scopes for o in in_scope(scope)}
@@ -82,8 +76,7 @@ def _with_words(cast: Any, words: tuple[str, ...]) -> Any:
 
 
 def _refusing_renamed(opt: Option) -> Any:
-    """argparse ``type`` of a choice that refuses an old name of a value, naming the new one
-    (argparse's own choices check would only say "invalid choice")."""
+    """argparse ``type`` of a choice that refuses an old name of a value, naming the new one."""
 
     def convert(text: str) -> str:
         new = opt.renamed_to(text)
@@ -120,8 +113,7 @@ def said(opt: Option, value: Any) -> str:
 
 
 def check_scope(ns: argparse.Namespace, given: set[str], mode: str, where: str = "") -> None:
-    """Refuse a flag the user gave that ``mode`` (or ``--backend``) does not take (``ValueError``,
-    one line)."""
+    """Refuse a flag given that ``mode`` (or ``--backend``) does not take (one-line ``ValueError``)."""
     for key in sorted(given, key=list(BY_KEY).index):
         opt = BY_KEY[key]
         if mode in opt.scope:

@@ -1,12 +1,7 @@
-"""Dataclass fields bound to the schema's options: one default, one check, one way in.
-
-A field declared ``opt("kl_beta")`` takes the option's default, is checked by the option's own rule
-(``check_fields``: the same ``range_problem`` as the flag and the tasks-file key), and ``from_args``
-fills it from an argparse namespace (or a dict) by the option's key, whatever the field is called.
-``opt(key, default=...)`` is a field whose own default stands for the option's ``None`` ("the plan
-chooses"); ``opt(key, given=True)`` one whose value the caller derives from the option's (``--lr``
-unset: the model's default) and passes to ``from_args``.
-"""
+"""Dataclass fields bound to the schema's options: ``opt("kl_beta")`` takes the option's default,
+is checked by its rule (``check_fields``) and filled by ``from_args`` by the option's key.
+``opt(key, default=...)``: the field's own default stands for the option's ``None``; ``opt(key,
+given=True)``: the caller derives the value and passes it to ``from_args``."""
 
 from __future__ import annotations
 
@@ -41,8 +36,7 @@ def bound(cls: Any) -> dict[str, str]:
 
 
 def check_fields(obj: Any) -> None:
-    """Every bound field of ``obj`` valid by its option's rule; ``OptionError`` naming the option key
-    (``kl_beta must be >= 0, got -1.0``: the flag's message with the key in place of the flag)."""
+    """Every bound field of ``obj`` valid by its option's rule; else ``OptionError`` naming the key."""
     for f in dataclasses.fields(obj):
         key = f.metadata.get(OPTION)
         if key is not None:
@@ -52,9 +46,8 @@ def check_fields(obj: Any) -> None:
 
 
 def from_args(cls: type[T], args: argparse.Namespace | Mapping[str, Any], **given: Any) -> T:
-    """``cls`` with each bound field from ``args`` by its option key, ``given`` for the rest (nested
-    options, derived values). A bound field neither in ``args`` nor given is a ``KeyError``, as is a
-    ``given=True`` field not given: a namespace that lacks an option is a caller's mistake."""
+    """``cls`` with each bound field from ``args`` by its option key, ``given`` for the rest; a bound
+    field in neither (or a ``given=True`` one not given) is a caller's mistake: ``KeyError``."""
     values = vars(args) if isinstance(args, argparse.Namespace) else args
     kw: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]

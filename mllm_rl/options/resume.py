@@ -1,12 +1,6 @@
-"""What ``run.json`` records of a run's settings, and what ``--resume`` does with them.
-
-A run records every setting of its mode whose ``resume`` is not ``fresh`` (``record``), with paths
-made absolute (a resume from another directory means the same files). A resumed attempt then
-(``apply_recorded``): takes each setting the command line does not give from the record; uses a
-given ``inherit`` setting as given; refuses a given ``fixed`` setting (what is trained: model,
-seed, task, learning rate, the RL math, ...) whose value differs, unless ``--override KEY`` names
-it -- then the change is returned for ``run.json``'s ``overrides``.
-"""
+"""What ``run.json`` records of a run's settings (``record``: every non-``fresh`` one, paths made
+absolute) and what ``--resume`` does with them (``apply_recorded``): a setting not given comes from
+the record; a given ``fixed`` one that differs is refused unless ``--override KEY`` names it."""
 
 from __future__ import annotations
 
@@ -50,10 +44,8 @@ def task_record(spec: Any) -> dict[str, Any]:
 def compare_tasks(
     specs: list[Any], recorded: dict[str, Any], overrides: list[str], where: str, run_json: Path
 ) -> list[dict[str, Any]]:
-    """A resumed multi-task run's tasks against the settings ``run.json`` recorded for them: a changed
-    ``fixed`` setting of a task is refused (``ValueError`` naming the tasks file, the task and the key)
-    unless ``--override KEY``; the accepted changes (``[{task, key, from, to}]``). A task new to the
-    file starts from step 0; one the file dropped is not run."""
+    """A resumed multi-task run's tasks against their recorded settings: a changed ``fixed`` one is
+    refused (``ValueError`` naming file, task and key) unless ``--override KEY``; the accepted changes."""
     changes = []
     for spec in specs:
         before = recorded.get(spec.name)
@@ -91,9 +83,8 @@ def check_overrides(args: argparse.Namespace, mode: str) -> None:
 def apply_recorded(
     args: argparse.Namespace, given: set[str], recorded: dict[str, Any], mode: str, where: Path
 ) -> list[dict[str, Any]]:
-    """Fill ``args`` from a run's ``recorded`` settings; the overridden changes (``[{key, from,
-    to}]``). ``ValueError`` (one line, naming the flag, ``where`` and ``--override``) for a
-    changed ``fixed`` setting that ``--override`` does not name; ``args`` is then unchanged."""
+    """Fill ``args`` from ``recorded``; the overridden changes. ``ValueError`` (``args`` unchanged)
+    for a changed ``fixed`` setting ``--override`` does not name."""
     overrides = set(args.override or [])
     changes, inherit = [], {}
     for opt in in_scope(mode):

@@ -1,18 +1,10 @@
 """Every setting of a run, declared once: name, type, default, range, help, where it applies.
 
-A setting's ``key`` is its argparse ``dest``, its ``--tasks`` file key and its key in ``run.json``'s
-``options``; its flag is ``--`` + the key with dashes (``flag``). ``scope`` says where it may be
-given: ``rl`` / ``swap`` (``python -m mllm_rl.run --plan rl|swap``), ``tasks`` (a run-level flag
-next to ``--tasks``), ``task`` (a key of a ``[[task]]`` / ``[defaults]`` table, then *not* a flag
-next to ``--tasks``), ``memplan`` (a flag of ``python -m mllm_rl.memplan``). A flag given where it
-does not apply is refused (``cli.check_scope``), never ignored; so is a flag only some backends
-take (``backends``) given with another ``--backend``.
-
-``resume`` says what ``--resume`` does with a setting the command line does not give: ``fixed``
-(what is trained: taken from ``run.json``; a different value is refused unless ``--override
-KEY``), ``inherit`` (taken from ``run.json``; a given value is used), ``fresh`` (this
-invocation's own: outputs, the watchdog, the resume flags).
-"""
+``key``: the argparse ``dest``, the ``--tasks`` file key and ``run.json``'s key; ``flag``: ``--`` +
+the key with dashes. ``scope``: ``rl``/``swap`` (``--plan``), ``tasks`` (a flag next to
+``--tasks``), ``task`` (a tasks-file key, then not a flag), ``memplan``; a flag given elsewhere is
+refused. ``resume``: ``fixed`` (what is trained: a changed value needs ``--override``), ``inherit``
+(from ``run.json`` unless given) or ``fresh`` (this invocation's own)."""
 
 from __future__ import annotations
 
@@ -25,8 +17,7 @@ KV_AUTO = "auto"  # --kv-tokens auto: the KV pool the run's memory plan leaves r
 RUN = frozenset({"rl", "swap", "tasks"})  # every mode of ``python -m mllm_rl.run``
 RL = frozenset({"rl", "task"})  # an RL setting: the rl plan's flag and a task key
 CONSOLE_RENAMED = {"compact": "phases"}  # --console: old value -> its name now
-# The learning rate of a run without --lr: ``tiny`` trains from random initialisation; any other model is
-# taken as pretrained and fine-tuned at verl's default actor learning rate (``mllm_rl.plans.rl.default_lr``).
+# --lr unset: ``tiny`` trains from random init, any other model is fine-tuned (verl's default actor lr)
 FROM_SCRATCH_LR = 3e-3
 FINE_TUNE_LR = 1e-6
 
@@ -289,8 +280,7 @@ ALIASES: dict[str, str] = {a[2:].replace("-", "_"): o.key for o in OPTIONS for a
 
 
 def default(key: str) -> Any:
-    """The declared default of a setting (the default of every dataclass field bound to it:
-    ``mllm_rl.options.fields.opt``)."""
+    """The declared default of a setting."""
     return BY_KEY[key].default
 
 

@@ -1,10 +1,5 @@
-"""Strict JSON for everything a run writes: no bare ``NaN`` / ``Infinity`` (not JSON; most
-parsers other than Python's refuse them).
-
-A non-finite float is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``: the
-value stays visible (a NaN loss is a finding, not an unknown) while the file stays valid JSON.
-``None`` keeps its schema meaning, "not measured".
-"""
+"""Strict JSON for everything a run writes: a non-finite float is the string ``"NaN"``,
+``"Infinity"`` or ``"-Infinity"`` (a bare NaN is not JSON), so a NaN loss stays visible."""
 
 from __future__ import annotations
 
@@ -21,8 +16,7 @@ def _float_text(x: float) -> str:
 
 
 def json_safe(obj: Any) -> Any:
-    """``obj`` with every non-finite float (Python or numpy) replaced by its ``NON_FINITE`` name and
-    numpy scalars made Python numbers; containers are copied, everything else is returned as is."""
+    """``obj`` with non-finite floats as their ``NON_FINITE`` names and numpy scalars as Python's."""
     if isinstance(obj, bool) or obj is None or isinstance(obj, (str, int)):
         return obj
     if isinstance(obj, numbers.Integral):  # numpy ints
@@ -38,8 +32,7 @@ def json_safe(obj: Any) -> Any:
 
 
 def dumps(obj: Any, **kw: Any) -> str:
-    """``json.dumps`` of ``json_safe(obj)`` with ``allow_nan=False`` (a bare NaN can never slip out);
-    other objects through ``default`` (``str`` unless given)."""
+    """``json.dumps`` of ``json_safe(obj)``, ``allow_nan=False``; other objects through ``default`` (``str``)."""
     kw.setdefault("default", str)
     return json.dumps(json_safe(obj), allow_nan=False, **kw)
 

@@ -1,13 +1,7 @@
-"""PhaseRecorder: one record per lifecycle phase, to every sink.
-
-    rec = PhaseRecorder(run_id, backend="jax", sinks=[JsonlSink(path)])
-    with rec.phase("weights_swapped", step=None, tensors=311) as ph:
-        ph.info["gbps"] = 1.9   # a sampler thread tracks the device/host peak meanwhile
-
-Each phase snapshots every local device and the host before and after; its device peak is the
-max of the samples, both snapshots and the allocator's peak when it rose (JAX cannot reset it;
-torch resets it via ``probe.reset_peak()``). ``tasks=True`` writes schema ``mllm_rl.phase/2``,
-where every record carries ``task`` (``rec.for_task(name)``)."""
+"""PhaseRecorder: one record per lifecycle phase, to every sink (``with rec.phase(name, **info) as
+ph``). A phase snapshots every device and the host before and after; its peak is the max of a
+sampler thread's samples, both snapshots and the allocator's peak when it rose. ``tasks=True``:
+schema ``mllm_rl.phase/2``, every record naming its task (``rec.for_task``)."""
 
 from __future__ import annotations
 
@@ -29,9 +23,7 @@ PROBE_WAIT_S = 10.0  # the longest a phase-end snapshot waits for a sample in fl
 
 
 class Sink(abc.ABC):
-    """Receives phase records (``write``), each step's RL metrics (``log_metrics``;
-    ``log_task_metrics`` per task) and the memory report (``log_report``). The defaults take
-    nothing, so the recorder calls every sink the same way."""
+    """Receives phase records, each step's metrics and the memory report (the defaults take nothing)."""
 
     @abc.abstractmethod
     def write(self, record: dict[str, Any]) -> None: ...
@@ -131,9 +123,8 @@ class PhaseRecorder:
             self._host_peak = max(self._host_peak, rss)
 
     def sample_high_point(self, nbytes: int) -> None:
-        """``sample()`` at a high point with ``nbytes`` in flight, only when ``nbytes`` is at least
-        this phase's largest so far: an update's peak is at its largest tensor, so a few samples
-        find it instead of one per tensor (a JAX CPU sample scans every live array)."""
+        """``sample()`` when ``nbytes`` in flight is this phase's most so far (an update peaks at its
+        largest tensor: a few samples find it, not one per tensor)."""
         if nbytes < self._high_point:
             return
         self._high_point = nbytes
@@ -141,9 +132,8 @@ class PhaseRecorder:
 
     @contextlib.contextmanager
     def _probe(self) -> Iterator[None]:
-        """Probe calls one at a time: a sample in flight holds references to the arrays it scanned
-        (JAX CPU ``jax.live_arrays()``), which would keep dropped arrays counted. Waits at most
-        ``PROBE_WAIT_S`` so a hung device cannot stop the watchdog's last record."""
+        """Probe calls one at a time (a sample in flight holds the arrays it scanned), waiting at
+        most ``PROBE_WAIT_S`` (a hung device must not stop the watchdog's last record)."""
         got = self._probing.acquire(timeout=PROBE_WAIT_S)
         try:
             yield
@@ -237,8 +227,8 @@ class PhaseRecorder:
         self._emit(handle, t0, t1, before, after, dev_peak, max(host_peak, rss1), rss0, rss1)
 
     def abandon(self, error: BaseException, **info: Any) -> bool:
-        """Write the record of the phase still open in another thread (one that will never end: the
-        watchdog's hard exit), with ``info.error`` and ``info``; False when no phase is open."""
+        """Write the record of a phase open in a thread that will never end (the watchdog's hard
+        exit), with ``info.error``; False when none is open."""
         with self._lock:
             opened, self._open = self._open, None
         if opened is None:
@@ -307,8 +297,7 @@ class PhaseRecorder:
             sink.write(record)
 
     def log_metrics(self, step: int, metrics: dict[str, Any], task: str | None = None) -> None:
-        """One step's RL metrics to every sink. With ``task``: ``log_task_metrics`` (W&B keeps a
-        step axis per task)."""
+        """One step's RL metrics to every sink (with ``task``: ``log_task_metrics``)."""
         for sink in self.sinks:
             if task is None:
                 sink.log_metrics(step, metrics)

@@ -1,18 +1,8 @@
-"""The phase record, schema ``mllm_rl.phase/1`` (docs/DESIGN.md, "The phase record"): one JSON object per line.
-
-``mllm_rl.phase/2`` (multi-task runs, ``docs/MULTITASK.md``) is version 1 plus a top-level
-``task``: the name of the task whose phase it is, or ``null`` for a run-level phase
-(``wandb_init``, ``<backend>_ready``). Readers accept both versions.
-
-Units are bytes and seconds (``time.time()`` epoch). A quantity that cannot be
-measured is ``None`` (JSON ``null``), never 0 and never guessed.
-
-``source`` of a device entry says where its numbers came from:
-``memory_stats`` (JAX allocator), ``live_arrays`` (JAX CPU: sum of live array shard
-bytes per device, ``device`` memory kind only), ``torch_allocator``, ``mem_get_info``
-(CUDA driver truth), ``live_tensors`` (torch CPU, which has no allocator stats: bytes of
-the distinct storages of every live CPU tensor).
-"""
+"""The phase record, schema ``mllm_rl.phase/1`` (docs/DESIGN.md, "The phase record"): one JSON
+object per line; ``mllm_rl.phase/2`` (multi-task runs) adds ``task`` (null: a run-level phase).
+Bytes and seconds; what cannot be measured is ``null``, never 0 or a guess. A device entry's
+``source`` says where its numbers came from (JAX ``memory_stats``/``live_arrays``, torch
+``torch_allocator``/``mem_get_info``/``live_tensors``)."""
 
 from __future__ import annotations
 
@@ -22,28 +12,9 @@ SCHEMA = "mllm_rl.phase/1"
 SCHEMA_V2 = "mllm_rl.phase/2"  # + ``task`` (str or null): multi-task runs
 SCHEMAS = (SCHEMA, SCHEMA_V2)
 SOURCES = ("memory_stats", "live_arrays", "torch_allocator", "mem_get_info", "live_tensors", "host")
-TOP_KEYS = (
-    "schema",
-    "run_id",
-    "backend",
-    "process_index",
-    "idx",
-    "phase",
-    "step",
-    "t_start",
-    "t_end",
-    "memory",
-    "info",
-)
-DEVICE_KEYS = (
-    "id",
-    "platform",
-    "bytes_in_use",
-    "peak_bytes_in_use",
-    "phase_peak_bytes",
-    "bytes_limit",
-    "source",
-    "raw",
+TOP_KEYS = tuple("schema run_id backend process_index idx phase step t_start t_end memory info".split())
+DEVICE_KEYS = tuple(
+    "id platform bytes_in_use peak_bytes_in_use phase_peak_bytes bytes_limit source raw".split()
 )
 HOST_KEYS = ("rss_bytes", "rss_peak_bytes")
 

@@ -1,11 +1,7 @@
-"""Per-phase watchdog: a phase that never ends is recorded as stuck and the run exits (code 6).
-
-``PhaseRecorder.phase`` arms it per phase. Past its limit (``PhaseLimits``): every thread's stack
-goes to ``<out_dir>/stuck-<phase>[-step<k>]-p<process>.txt`` (``sys._current_frames`` and
-``faulthandler.dump_traceback``, which needs no lock); ``PhaseStuck`` is raised in the main thread
-via ``SIGUSR2`` (``signal.pthread_kill`` interrupts a blocking wait) and the run fails as usual;
-if the main thread is still stuck after a grace period (a hang in C never returns to Python), the
-watchdog thread calls ``on_hard_exit`` (record, report, sinks) and ``os._exit(6)``."""
+"""Per-phase watchdog: a phase past its limit (``PhaseLimits``) has every thread's stack written to
+``<out_dir>/stuck-<phase>[-step<k>]-p<process>.txt`` and ``PhaseStuck`` raised in the main thread
+(a signal interrupts a blocking wait); a main thread still stuck after a grace period (a hang in C)
+gets ``on_hard_exit`` (record, report, sinks) and ``os._exit(6)``."""
 
 from __future__ import annotations
 
@@ -27,8 +23,7 @@ from mllm_rl.signals import WAKE_SIGNAL
 
 STUCK_EXIT = 6
 DEFAULT_LIMIT_S = 1800.0
-# Phases that compute or move a whole model (first-step compilation included) get the full limit;
-# bookkeeping phases (release, resume, offload, drain, ...) LIGHT_FACTOR of it.
+# Phases that compute or move a whole model get the full limit, bookkeeping ones LIGHT_FACTOR of it
 RUN_HEAVY = ("wandb_init", "jax_ready", "torch_ready", "engine_ready_dummy", "checkpoint_flush")
 HEAVY_PHASES = phase_table.HEAVY | frozenset(RUN_HEAVY)
 LIGHT_FACTOR = 0.25
@@ -37,8 +32,7 @@ HARD_EXIT_BOUND_S = 60.0  # on_hard_exit gets this long before the process ends 
 
 @dataclasses.dataclass(frozen=True)
 class PhaseLimits:
-    """``base_s`` for heavy phases, ``LIGHT_FACTOR * base_s`` for the others, ``overrides`` per phase
-    name; 0 turns a limit (or, as ``base_s``, every limit without an override) off."""
+    """``base_s`` for heavy phases, ``LIGHT_FACTOR * base_s`` for others, ``overrides`` by name; 0: off."""
 
     base_s: float = DEFAULT_LIMIT_S
     overrides: Mapping[str, float] = dataclasses.field(default_factory=dict)
@@ -53,8 +47,7 @@ class PhaseLimits:
 
     @classmethod
     def parse(cls, specs: Sequence[str]) -> PhaseLimits:
-        """``--phase-timeout`` values: ``SECONDS`` (the base) or ``PHASE=SECONDS`` (one phase),
-        repeatable; ``ValueError`` naming the flag on anything else."""
+        """``--phase-timeout`` values: ``SECONDS`` (the base) or ``PHASE=SECONDS``; else ``ValueError``."""
         base, over = DEFAULT_LIMIT_S, {}
         for spec in specs:
             name, _, value = spec.rpartition("=")
@@ -74,8 +67,7 @@ class PhaseLimits:
 
 
 class PhaseStuck(SystemExit):
-    """Raised in the main thread when its phase ran past its limit. A ``SystemExit`` (like
-    ``run.Terminated``): event loops swallow other exceptions raised in their callbacks."""
+    """Raised in the main thread past its phase's limit; a ``SystemExit`` (event loops swallow others)."""
 
     def __init__(self, message: str = "phase stuck", info: dict[str, Any] | None = None) -> None:
         super().__init__(STUCK_EXIT)
@@ -112,9 +104,8 @@ def dump_stacks(path: Path, header: str) -> Path:
 
 
 class Watchdog:
-    """One per process: ``enter``/``leave`` arm and disarm it; ``install`` (main thread) sets the
-    signal handler and starts the watching thread; ``finish`` stops it. ``on_hard_exit(stuck)``
-    runs on the watchdog's thread when the main thread did not finish within ``grace_s``."""
+    """One per process: ``install`` (main thread) starts it, ``enter``/``leave`` arm and disarm it,
+    ``finish`` stops it; ``on_hard_exit(stuck)`` runs when the main thread outlives ``grace_s``."""
 
     def __init__(
         self,
