@@ -224,7 +224,7 @@ class PhaseRecorder:
         rss1 = host_rss()
         if self.sample_errors > errors0:
             handle.info["sample_errors"] = self.sample_errors - errors0
-        self._emit(handle, t0, t1, before, after, dev_peak, max(host_peak, rss1), rss0, rss1)
+        self._emit(handle, (t0, t1), before, after, dev_peak, (rss0, max(host_peak, rss1), rss1))
 
     def abandon(self, error: BaseException, **info: Any) -> bool:
         """Write the record of a phase open in a thread that will never end (the watchdog's hard
@@ -238,28 +238,16 @@ class PhaseRecorder:
         self._finish(handle, t0, before, rss0, self.sample_errors)
         return True
 
-    def _emit(
-        self,
-        h: PhaseHandle,
-        t0: float,
-        t1: float,
-        before: list[DeviceMemory],
-        after: list[DeviceMemory],
-        dev_peak: list[int | None],
-        host_peak: int,
-        rss0: int,
-        rss1: int,
-    ) -> None:
+    def _emit(self, h: PhaseHandle, times: tuple[float, float], before: list[DeviceMemory],
+              after: list[DeviceMemory], dev_peak: list[int | None], rss: tuple[int, int, int]) -> None:  # fmt: skip
+        """Write the record: ``times`` start and end, ``rss`` at the start, its peak and at the end."""
+        (t0, t1), (rss0, host_peak, rss1) = times, rss
         devices = []
         for i, d in enumerate(after):
             b = before[i] if i < len(before) else None
             peak = _max(dev_peak[i] if i < len(dev_peak) else None, d.bytes_in_use)
-            rose = (
-                b is not None
-                and d.peak_bytes_in_use is not None
-                and b.peak_bytes_in_use is not None
-                and d.peak_bytes_in_use > b.peak_bytes_in_use
-            )
+            was, now = (b.peak_bytes_in_use if b is not None else None), d.peak_bytes_in_use
+            rose = was is not None and now is not None and now > was
             if rose or getattr(self.probe, "reset_peak", None) is not None:
                 peak = _max(peak, d.peak_bytes_in_use)
             devices.append(
