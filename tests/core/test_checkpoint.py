@@ -199,8 +199,7 @@ def _poison(path, name, flat_index, value=np.nan):
 
 @pytest.mark.parametrize("dtype", ["F32", "BF16", "F16"])
 def test_nonfinite_count_and_first_index_across_chunks(dtype):
-    from mllm_rl.checkpoint.safetensors_io import DTYPES
-    from mllm_rl.checkpoint.safetensors_io import count_nonfinite
+    from mllm_rl.checkpoint.safetensors_io import DTYPES, count_nonfinite
 
     np_dtype = DTYPES[dtype]
     big = float(np.finfo(np.float16).max) if dtype == "F16" else 3e38
