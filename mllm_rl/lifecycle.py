@@ -1,19 +1,16 @@
 """The colocated step: a trainer and a rollout engine take turns on the same devices (docs/DESIGN.md).
 
-``Colocated`` runs the phase table's sequences (``mllm_rl.phase_table``), one handler per phase
-(``Colocated.HANDLERS``); backends implement only primitives (``ManagedEngine``, ``Trainer``).
-Checked at every phase end (``LifecycleError``): trainer params and engine weights are both
-resident only where ``BOTH_RESIDENT_OK``; a weight update's engine fingerprint equals the
-trainer's; a partial (LoRA) update goes only onto valid base weights. A non-finite loss or grad
-norm stops ``train_step`` before the checkpoint and the update. ``check_weights``: the engine's
-greedy probe must match the trainer's except at near ties. Between leases a task holds nothing
-on the devices (``check_asleep``, docs/MULTITASK.md)."""
+``Colocated`` runs the sequences of ``mllm_rl.phase_table``, one handler per phase
+(``Colocated.HANDLERS``). Checked at every phase end (``LifecycleError``): params and engine
+weights both resident only where ``BOTH_RESIDENT_OK``. Also guarded: update fingerprints, partial
+updates only onto valid weights, finite loss and grad norm, the greedy probe (``check_weights``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from mllm_rl import phase_table
@@ -45,8 +42,6 @@ TRAIN_LEASE_PHASES = list(phase_table.TRAIN_LEASE)
 # Phases at whose end trainer params and engine weights may both be resident.
 BOTH_RESIDENT_OK = set(phase_table.BOTH_RESIDENT_OK)
 GREEDY_TIE = 1e-3  # top-2 logit margin below which a greedy token may differ across implementations
-
-
 FINITE_METRICS = ("loss", "grad_norm")  # train metrics that must be finite for the step to count
 
 
@@ -55,13 +50,11 @@ class LifecycleError(RuntimeError):
 
 
 class NonFiniteTraining(RuntimeError):
-    """A train step's loss or grad norm is NaN/inf, raised before its checkpoint and weight update
-    so neither ever holds what it produced."""
+    """A train step's loss or grad norm is NaN/inf (raised before its checkpoint and update)."""
 
 
 def check_finite(step: int | None, train: dict[str, Any], info: dict[str, Any]) -> None:
-    """Raise ``NonFiniteTraining`` when a ``FINITE_METRICS`` value of ``train`` is not finite (its
-    names go to ``info.non_finite``)."""
+    """``NonFiniteTraining`` when a ``FINITE_METRICS`` value is not finite (named in ``info``)."""
     bad = [k for k in FINITE_METRICS if k in train and not math.isfinite(float(train[k]))]
     if bad:
         info["non_finite"] = bad
@@ -117,14 +110,13 @@ def colocate(
     make_trainer: Callable[[], tuple[Trainer, dict[str, Any]]],
     **trainer_info: Any,
 ) -> Colocated:
-    """Setup up to ``trainer_init`` (``phase_table.BUILD``): ``engine`` (dummy weights) releases
-    everything before ``make_trainer() -> (trainer, info)`` runs, so the engine's memory is never
-    resident beside a new trainer. Next comes ``first_sync`` (one task) or ``park`` (multi-task)."""
+    """``phase_table.BUILD``: the engine (dummy weights) releases everything before
+    ``make_trainer() -> (trainer, info)`` runs. Next: ``first_sync`` (one task) or ``park``."""
     _require_probe(opts)
     trainer: Trainer | None = None
     for name in phase_table.BUILD:
         info = trainer_info if name == "trainer_init" else {}
-        with _CheckedPhase(rec, engine, trainer, name, None, info) as ph:
+        with _checked_phase(rec, engine, trainer, name, None, info) as ph:
             if name == "release_rollout":
                 _release_body(ph.info, engine, opts.drain_timeout_s)  # the engine has run nothing yet
             else:
@@ -143,9 +135,9 @@ def release_on_fault(
     opts: LifecycleOptions,
     step: int | None,
 ) -> dict[str, Any]:
-    """Phase ``release_on_fault``: free what a failed task still holds on the devices (the engine
-    drained first; ``trainer`` is ``None`` after a failure inside ``colocate``)."""
-    with _CheckedPhase(rec, engine, trainer, "release_on_fault", step, {}) as ph:
+    """Phase ``release_on_fault``: free what a failed task still holds (``trainer``: ``None`` when
+    ``colocate`` failed)."""
+    with _checked_phase(rec, engine, trainer, "release_on_fault", step, {}) as ph:
         held: dict[str, int] = {}
         keep = [t for t in release_tags(engine) if t not in engine.released]
         if keep:
@@ -165,8 +157,7 @@ def _require_probe(opts: LifecycleOptions) -> None:
 
 
 def _release_body(info: dict[str, Any], engine: ManagedEngine, drain_timeout_s: float | None) -> None:
-    """Phase ``release_rollout``: release every releasable tag (drained first when given
-    ``drain_timeout_s``: at setup, where no ``drain`` phase precedes it)."""
+    """Phase ``release_rollout`` (drained first when given ``drain_timeout_s``: at setup)."""
     tags = release_tags(engine)
     info["tags"] = tags
     if drain_timeout_s is not None:
@@ -181,7 +172,7 @@ def release_tags(engine: ManagedEngine) -> list[str]:
 
 
 def _memory_names(engine: ManagedEngine, held: dict[str, int]) -> dict[str, int]:
-    """``held`` keyed by the engine's memory tag names (``<task>/weights`` in a multi-task run)."""
+    """``held`` keyed by the engine's memory tag names (``<task>/weights``)."""
     return {engine.memory_tag(t): b for t, b in held.items()}
 
 
@@ -190,11 +181,9 @@ WorkFn = Callable[[ManagedEngine, int | None], tuple[Any, dict[str, Any]]]
 
 @dataclasses.dataclass
 class Turn:
-    """What the phases of one sequence (a step, setup, a lease) share.
-
-    ``work(engine, step) -> (batch, metrics)`` runs in ``rollout``/``generate_result``; ``batch``
-    is what ``train_step`` trains on; ``step_probes``: take the garbage-guard probes in
-    ``rollout`` and ``train_step`` (a lease takes the trainer's when the params come back)."""
+    """What the phases of one sequence share: ``work(engine, step) -> (batch, metrics)`` of
+    ``rollout``/``generate_result``, the ``batch`` ``train_step`` trains on; ``step_probes``: take
+    the garbage-guard probes in ``rollout`` and ``train_step`` (a lease: when params come back)."""
 
     step: int | None
     work: WorkFn | None = None
@@ -205,8 +194,8 @@ class Turn:
 
 
 class Colocated:
-    """A trainer and a rollout engine taking turns on the same devices (built by ``colocate``).
-    Each public method runs one phase-table sequence; ``HANDLERS`` maps phase name -> work."""
+    """Built by ``colocate``; each public method runs one phase-table sequence, ``HANDLERS`` maps
+    phase name -> work."""
 
     def __init__(
         self,
@@ -224,17 +213,15 @@ class Colocated:
         self._host_leaked: list[bytearray] = []  # the host_leak_mb fault's buffers
 
     def _run(self, phases: tuple[str, ...], turn: Turn) -> Turn:
-        """Run ``phases`` in order, each in its own checked record."""
         for name in phases:
             handler = self.HANDLERS[name]
-            with _CheckedPhase(self.rec, self.engine, self.trainer, name, turn.step, {}) as ph:
+            with _checked_phase(self.rec, self.engine, self.trainer, name, turn.step, {}) as ph:
                 handler(self, ph.info, turn)
         return turn
 
     # -- the sequences ---------------------------------------------------------------------
     def first_sync(self) -> None:
-        """Rest of the setup (``phase_table.FIRST_SYNC``): optimizer to host, full weight sync,
-        params to host, KV cache back."""
+        """Rest of a one-task setup (``phase_table.FIRST_SYNC``): the full weight sync."""
         self._run(phase_table.FIRST_SYNC, Turn(None))
 
     def step(self, step: int, rollout: RolloutFn, save: SaveFn | None = None) -> dict[str, Any]:
@@ -244,23 +231,22 @@ class Colocated:
         return self._run(phase_table.step_sequence(o.schedule, o.check_weights), turn).metrics
 
     def park(self) -> None:
-        """A task's setup lease (``phase_table.PARK``): the trainer goes to the host. The first
-        ``rollout_lease`` sends the full weights (the engine's are dummy until then)."""
+        """A task's setup lease (``phase_table.PARK``): the trainer to the host; the first
+        ``rollout_lease`` sends the full weights."""
         self._run(phase_table.PARK, Turn(None))
 
     def rollout_lease(
         self, step: int | None, work: WorkFn, name: str = "rollout"
     ) -> tuple[Any, dict[str, Any]]:
-        """Weight update + ``work(engine, step)`` (in phase ``name``) under one lease
-        (``phase_table.rollout_lease_sequence``); the engine releases everything again after."""
+        """Weight update + ``work(engine, step)`` (phase ``name``) under one lease; the engine
+        releases everything again after."""
         turn = self._run(
             phase_table.rollout_lease_sequence(self.opts.check_weights, name), Turn(step, work=work)
         )
         return turn.batch, turn.metrics
 
     def train_lease(self, step: int, batch: RolloutBatch, save: SaveFn | None = None) -> dict[str, Any]:
-        """Train under one lease (``phase_table.TRAIN_LEASE``), the engine released; returns the
-        train metrics."""
+        """Train under one lease (``phase_table.TRAIN_LEASE``); returns the train metrics."""
         return self._run(phase_table.TRAIN_LEASE, Turn(step, save=save, batch=batch)).metrics
 
     def final_lease(self, evaluate: Callable[[ManagedEngine], dict[str, Any]]) -> dict[str, Any]:
@@ -293,15 +279,6 @@ class Colocated:
         turn.metrics.update(metrics)
         info.update(metrics)
 
-    def _drain(self, info: dict[str, Any], turn: Turn) -> None:
-        info.update(self.engine.drain(self.opts.drain_timeout_s))
-
-    def _release(self, info: dict[str, Any], turn: Turn) -> None:
-        _release_body(info, self.engine, None)  # a drain phase came before it
-
-    def _onload_trainer(self, info: dict[str, Any], turn: Turn) -> None:
-        info["expected_alloc_bytes"] = self.trainer.onload([PARAMS, OPTIMIZER])
-
     def _onload_params(self, info: dict[str, Any], turn: Turn) -> None:
         info["expected_alloc_bytes"] = self.trainer.onload([PARAMS])
         if self.opts.check_weights:  # the reference: the very params about to be streamed
@@ -325,69 +302,41 @@ class Colocated:
         if turn.step_probes and self.opts.check_weights:
             self._expected_probe = self.trainer.greedy(list(self.opts.probe_ids), self.opts.probe_tokens)
 
-    def _checkpoint(self, info: dict[str, Any], turn: Turn) -> None:
-        info.update(turn.save(turn.step) if turn.save is not None else {"saved": False, "path": None})
-
-    def _offload_optimizer(self, info: dict[str, Any], turn: Turn) -> None:
-        info["expected_freed_bytes"] = self.trainer.offload([OPTIMIZER])
-
-    def _offload_params(self, info: dict[str, Any], turn: Turn) -> None:
-        info["expected_freed_bytes"] = self.trainer.offload([PARAMS])
-
-    def _empty_cache(self, info: dict[str, Any], turn: Turn) -> None:
-        self.backend.empty_cache()
-
-    def _resume_tags(self, tags: list[str], info: dict[str, Any]) -> None:
+    def _resume(self, info: dict[str, Any], tags: list[str]) -> None:
         info["expected_alloc_bytes"] = sum(self.engine.resume(tags).values())
 
-    def _resume_weights(self, info: dict[str, Any], turn: Turn) -> None:
-        self._resume_tags([TAG_WEIGHTS], info)
-
-    def _resume_kv(self, info: dict[str, Any], turn: Turn) -> None:
-        self._resume_tags(self.kv_tags, info)
-
-    def _resume_rollout(self, info: dict[str, Any], turn: Turn) -> None:
-        self._resume_tags(self.release_tags, info)
-
-    def _update_weights(self, info: dict[str, Any], turn: Turn) -> None:
-        info.update(self._update(full=None))
-
-    def _swap_weights(self, info: dict[str, Any], turn: Turn) -> None:
-        info["mode"] = "streaming"
-        info.update(self._update(full=True))
-
-    def _continue(self, info: dict[str, Any], turn: Turn) -> None:
-        self.engine.continue_generation()
-
-    def _check_weights(self, info: dict[str, Any], turn: Turn) -> None:
-        info.update(self._check_probe())
+    def _offload(self, info: dict[str, Any], what: list[str]) -> None:
+        info["expected_freed_bytes"] = self.trainer.offload(what)
 
     HANDLERS: dict[str, Callable[[Colocated, dict[str, Any], Turn], None]] = {
         "rollout": _work,
         "generate_result": _work,
-        "drain": _drain,
-        "release_rollout": _release,
-        "onload_trainer": _onload_trainer,
+        "drain": lambda self, info, turn: info.update(self.engine.drain(self.opts.drain_timeout_s)),
+        "release_rollout": lambda self, info, turn: _release_body(info, self.engine, None),  # after drain
+        "onload_trainer": lambda self, info, turn: info.update(
+            expected_alloc_bytes=self.trainer.onload([PARAMS, OPTIMIZER])
+        ),
         "onload_trainer_params": _onload_params,
         "train_step": _train_step,
-        "checkpoint": _checkpoint,
-        "offload_optimizer": _offload_optimizer,
-        "offload_trainer_params": _offload_params,
-        "empty_cache": _empty_cache,
-        "resume_weights": _resume_weights,
-        "resume_kv": _resume_kv,
-        "resume_rollout": _resume_rollout,
-        "update_weights": _update_weights,
-        "weights_swapped": _swap_weights,
-        "continue_generation": _continue,
-        "check_weights": _check_weights,
+        "checkpoint": lambda self, info, turn: info.update(
+            turn.save(turn.step) if turn.save is not None else {"saved": False, "path": None}
+        ),
+        "offload_optimizer": lambda self, info, turn: self._offload(info, [OPTIMIZER]),
+        "offload_trainer_params": lambda self, info, turn: self._offload(info, [PARAMS]),
+        "empty_cache": lambda self, info, turn: self.backend.empty_cache(),
+        "resume_weights": lambda self, info, turn: self._resume(info, [TAG_WEIGHTS]),
+        "resume_kv": lambda self, info, turn: self._resume(info, self.kv_tags),
+        "resume_rollout": lambda self, info, turn: self._resume(info, self.release_tags),
+        "update_weights": lambda self, info, turn: info.update(self._update(full=None)),
+        "weights_swapped": lambda self, info, turn: info.update(mode="streaming", **self._update(full=True)),
+        "continue_generation": lambda self, info, turn: self.engine.continue_generation(),
+        "check_weights": lambda self, info, turn: info.update(self._check_probe()),
     }
 
     # -- pieces --------------------------------------------------------------------------
     def _update(self, full: bool | None) -> dict[str, Any]:
         """Stream the trainer's weights into the engine, fingerprint-checked. ``full=None``:
-        partial only when the engine's base weights are valid (after a resume without CPU backup
-        a partial sync would leave the base weights undefined)."""
+        partial only onto valid base weights."""
         if full is None:
             full = not self.engine.weights_valid
         export = self.trainer.export_weights(full=full)
@@ -410,8 +359,8 @@ class Colocated:
         self.rec.sample_high_point(nbytes)
 
     def _engine_probe(self) -> list[int]:
-        """Greedy probe from an empty prefix cache, alone in its batch, so it is bitwise
-        reproducible (a reused prefix has another batch layout and a near tie can flip)."""
+        """Greedy probe from an empty prefix cache, alone in its batch: bitwise reproducible (a
+        reused prefix has another batch layout, and a near tie can flip)."""
         self.engine.flush_cache()
         sampling = SamplingParams(max_new_tokens=self.opts.probe_tokens, temperature=0.0)
         return self.engine.generate([list(self.opts.probe_ids)], sampling)[0].token_ids
@@ -433,8 +382,8 @@ class Colocated:
 
 
 def check_residency(engine: ManagedEngine, trainer: Trainer | None, phase: str) -> None:
-    """``LifecycleError`` when trainer params and engine weights are both resident at the end of
-    a phase outside ``BOTH_RESIDENT_OK``."""
+    """``LifecycleError``: params and engine weights both resident at the end of ``phase`` outside
+    ``BOTH_RESIDENT_OK``."""
     if trainer is None:
         return
     both = trainer.resident()[PARAMS] and TAG_WEIGHTS not in engine.released
@@ -445,35 +394,20 @@ def check_residency(engine: ManagedEngine, trainer: Trainer | None, phase: str) 
         )
 
 
-class _CheckedPhase:
+@contextlib.contextmanager
+def _checked_phase(
+    rec: PhaseRecorder,
+    engine: ManagedEngine,
+    trainer: Trainer | None,
+    name: str,
+    step: int | None,
+    info: dict[str, Any],
+) -> Iterator[PhaseHandle]:
     """``rec.phase`` that records engine/trainer state and checks residency at its end
     (``trainer`` is ``None`` before ``trainer_init``)."""
-
-    def __init__(
-        self,
-        rec: PhaseRecorder,
-        engine: ManagedEngine,
-        trainer: Trainer | None,
-        name: str,
-        step: int | None,
-        info: dict[str, Any],
-    ) -> None:
-        self.rec, self.engine, self.trainer = rec, engine, trainer
-        self.name, self.step, self.info = name, step, info
-
-    def __enter__(self) -> PhaseHandle:
-        self._cm = self.rec.phase(self.name, step=self.step, **self.info)
-        self.handle = self._cm.__enter__()
-        return self.handle
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            try:
-                self.handle.info["engine"] = self.engine.state()
-                if self.trainer is not None:
-                    self.handle.info["trainer"] = self.trainer.resident()
-                check_residency(self.engine, self.trainer, self.name)
-            except BaseException as e:
-                self._cm.__exit__(type(e), e, e.__traceback__)
-                raise
-        return bool(self._cm.__exit__(exc_type, exc, tb))
+    with rec.phase(name, step=step, **info) as ph:
+        yield ph
+        ph.info["engine"] = engine.state()
+        if trainer is not None:
+            ph.info["trainer"] = trainer.resident()
+        check_residency(engine, trainer, name)
