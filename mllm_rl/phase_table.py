@@ -1,11 +1,8 @@
 """The phase table: every phase of the colocated lifecycle, declared once (docs/DESIGN.md, "The lifecycle").
 
-One ``Phase`` per recorded phase name (what is resident during it, the compiled functions it
-runs, what it drops, whether params and weights may both be resident at its end), then the
-ordered sequences (a step of each schedule, the setup, the leased groups). Read by
-``mllm_rl.lifecycle`` (handlers, ``BOTH_RESIDENT_OK``), ``mllm_rl.memplan.residency`` (plan rows)
-and ``mllm_rl.phases.watchdog`` (``HEAVY``). Pure Python: the memory planner imports it before
-it sets up a compiler."""
+One ``Phase`` per recorded phase (what is resident, the compiled functions it runs, what it
+drops), then the ordered sequences. Read by ``mllm_rl.lifecycle``, ``mllm_rl.memplan.residency``
+and ``mllm_rl.phases.watchdog``; pure Python (the planner imports it before any compiler)."""
 
 from __future__ import annotations
 
@@ -23,11 +20,8 @@ COMPONENT_DOCS: dict[str, str] = {
     "grads": "the gradient accumulator (one trainable-sized tree)",
     "ref_params": "a full fine-tune with a KL term: the reference params, on device in train_step",
     "staging": "the weight update's staging chunk (one bucket in flight)",
-    "engine_logits": (
-        "what the engine keeps between generate calls (sglang-jax: the last decode batch's logits "
-        "and log-probs); no release tag frees it, so from the first generate on it is in every "
-        "phase (STEP_ALWAYS), in none of the setup"
-    ),
+    "engine_logits": "what the engine keeps between generate calls (sglang-jax: the last decode "
+    "batch's logits and log-probs); no release tag frees it (STEP_ALWAYS)",
 }
 COMPONENTS = tuple(COMPONENT_DOCS)
 # Resident in every phase from the first generate on (never in a setup, which runs before it).
@@ -48,6 +42,7 @@ INHERIT_DURING = "during"  # what the phase before it held during it (it stopped
 
 _ENGINE = ("engine_weights", "kv_pool")
 _TRAIN = ("trainer_params", "optimizer")
+_GENERATES = {"resident": _ENGINE, "functions": ("engine_step",), "heavy": True}  # the engine generates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,27 +88,12 @@ PHASES: dict[str, Phase] = {
     p.name: p
     for p in [
         # -- the engine generates ------------------------------------------------------------
-        Phase(
-            "rollout",
-            "the engine generates a step's rollout (with check_weights, the engine's probe first)",
-            resident=_ENGINE,
-            functions=("engine_step",),
-            heavy=True,
-        ),
-        Phase(
-            "generate_result",
-            "final_lease's work: the engine generates the run's evaluation (rollout_lease with "
-            "evaluate in place of the rollout)",
-            resident=_ENGINE,
-            functions=("engine_step",),
-            heavy=True,
-        ),
+        Phase("rollout", "a step's rollout (with check_weights, the engine's probe first)", **_GENERATES),
+        Phase("generate_result", "final_lease's work: the run's evaluation", **_GENERATES),
         Phase(
             "check_weights",
-            "the garbage guard: the engine decodes the probe greedily (tokens against the trainer's)",
-            resident=_ENGINE,
-            functions=("engine_step",),
-            heavy=True,
+            "the garbage guard: the engine's greedy probe against the trainer's",
+            **_GENERATES,
         ),
         # -- the engine goes to sleep --------------------------------------------------------
         Phase("drain", "the engine finishes or aborts what is in flight", resident=_ENGINE),
@@ -125,10 +105,7 @@ PHASES: dict[str, Phase] = {
         ),
         # -- the trainer -----------------------------------------------------------------------
         Phase(
-            "trainer_init",
-            "colocate builds the trainer, after the engine released everything",
-            resident=_TRAIN,
-            heavy=True,
+            "trainer_init", "colocate builds the trainer (the engine released)", resident=_TRAIN, heavy=True
         ),
         Phase("onload_trainer", "the trainer's params and optimizer state come back", resident=_TRAIN),
         Phase(
@@ -155,16 +132,12 @@ PHASES: dict[str, Phase] = {
         Phase(
             "onload_trainer_params",
             "rollout_lease's first phase: only the trainer's params come back, to stream the update "
-            "(Colocated.rollout_lease onloads PARAMS alone); the engine is still asleep from the last "
-            "lease's release_rollout. With check_weights the trainer's greedy probe runs here, as it "
-            "does in train_step of a step: no planned function covers it in either place",
+            "(with check_weights, the trainer's greedy probe, unplanned as in train_step)",
             resident=("trainer_params",),
         ),
         Phase(
             "offload_trainer_params",
-            "the trainer's params go to the host; it holds what the phase before it left: with the "
-            "engine weights after an update (and the KV pool, naive), the trainer alone after "
-            "offload_optimizer (park, train_lease: the engine stays released)",
+            "the trainer's params go to the host; it holds what the phase before it left",
             inherit=INHERIT_END,
             drops=("trainer_params", "staging"),
         ),
@@ -209,9 +182,8 @@ PHASES: dict[str, Phase] = {
         # -- faults --------------------------------------------------------------------------
         Phase(
             "release_on_fault",
-            "after a failure: whatever the task still holds is freed (engine drained and released, "
-            "trainer offloaded); it starts with what the failed phase held part-way and ends with "
-            "only what no release frees (STEP_ALWAYS). In no sequence",
+            "after a failure (in no sequence): what the task holds is freed; it starts with what the "
+            "failed phase held part-way and ends with only what no release frees (STEP_ALWAYS)",
             inherit=INHERIT_DURING,
             drops=tuple(c for c in COMPONENTS if c not in STEP_ALWAYS),
         ),
@@ -224,36 +196,16 @@ HEAVY = frozenset(p.name for p in PHASES.values() if p.heavy)
 
 # -- the ordered sequences ------------------------------------------------------------------------
 CHECK = "check_weights"  # optional (LifecycleOptions.check_weights): after the engine is awake again
-_HEAD = (
-    "rollout",
-    "drain",
-    "release_rollout",
-    "onload_trainer",
-    "train_step",
-    "checkpoint",
-    "offload_optimizer",
-    "empty_cache",
-)
+_SLEEP = ("drain", "release_rollout")
+_TRAIN_PHASES = ("onload_trainer", "train_step", "checkpoint", "offload_optimizer")
+_HEAD = ("rollout", *_SLEEP, *_TRAIN_PHASES, "empty_cache")
+_SWAP = ("update_weights", "offload_trainer_params", "empty_cache")
 # The multi-stage wake-up: weights first, updated, the trainer's params out, then the KV cache.
-WAKE = (
-    "resume_weights",
-    "update_weights",
-    "offload_trainer_params",
-    "empty_cache",
-    "resume_kv",
-    "continue_generation",
-)
+WAKE = ("resume_weights", *_SWAP, "resume_kv", "continue_generation")
 # One step of each schedule (Colocated.step), without the optional check_weights at its end.
 STEP: dict[str, tuple[str, ...]] = {
     "multi_stage": (*_HEAD, *WAKE),
-    "naive": (
-        *_HEAD,
-        "resume_rollout",
-        "update_weights",
-        "offload_trainer_params",
-        "empty_cache",
-        "continue_generation",
-    ),
+    "naive": (*_HEAD, "resume_rollout", *_SWAP, "continue_generation"),
 }
 # Every setup starts with BUILD (colocate), then FIRST_SYNC (one task) or PARK (a multi-task lease).
 BUILD = ("release_rollout", "trainer_init")
@@ -271,17 +223,10 @@ LEASE_SETUP = BUILD + PARK
 # Colocated.rollout_lease: AWAKE, [check_weights], the work (rollout | generate_result), ASLEEP.
 # It runs the multi-stage order whatever LifecycleOptions.schedule says (LEASE_SCHEDULE).
 AWAKE = ("onload_trainer_params", *WAKE)
-ASLEEP = ("drain", "release_rollout", "empty_cache")
+ASLEEP = (*_SLEEP, "empty_cache")
 LEASE_WORK = ("rollout", "generate_result")
 # Colocated.train_lease: the engine stays released throughout.
-TRAIN_LEASE = (
-    "onload_trainer",
-    "train_step",
-    "checkpoint",
-    "offload_optimizer",
-    "offload_trainer_params",
-    "empty_cache",
-)
+TRAIN_LEASE = (*_TRAIN_PHASES, "offload_trainer_params", "empty_cache")
 LEASE_SCHEDULE = "multi_stage"
 
 
@@ -298,8 +243,8 @@ def rollout_lease_sequence(check_weights: bool = False, work: str = "rollout") -
 
 
 class Sequence(NamedTuple):
-    """A phase sequence as it runs: its phases, the schedule whose rows it takes, and ``step``:
-    count ``STEP_ALWAYS`` in each phase (nothing frees it after a generate, even between leases)."""
+    """A phase sequence as it runs: its phases, the schedule whose rows it takes; ``step``: count
+    ``STEP_ALWAYS`` in each phase (nothing frees it after a generate)."""
 
     phases: tuple[str, ...]
     schedule: str
