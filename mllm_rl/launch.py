@@ -9,13 +9,12 @@ launcher exits with the first failure's code (128 + the signal when it is itself
 The run's flags are checked once before any process starts (exit 2); --backend jax without --tp
 gets --tp = N x the devices of a process. Multi-host TPU: tpu/tpu.sh; GPU node: torchrun.
 
-OMP_NUM_THREADS is limited because N processes each spinning as many OpenMP threads as there are
-cores stall a torch CPU step many times over (torchrun sets 1). sglang-jax's engine ports are
-derived from the coordinator's (``coordinator_port``)."""
+OMP_NUM_THREADS: N processes each spinning one OpenMP thread per core stall a torch CPU step."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -107,8 +106,8 @@ def devices_per_process(env: dict[str, str] | os._Environ[str] = os.environ) -> 
 
 
 def check_run_args(rest: list[str], nproc: int) -> list[str]:
-    """``rest`` checked by the run's own parser (exit 2 on a mistake), with ``--tp`` added for a
-    multi-process JAX run that does not give it: the engine's mesh spans every process's devices."""
+    """``rest`` checked by the run's parser (exit 2), with ``--tp`` added for a multi-process JAX
+    run without it: the engine's mesh spans every process's devices."""
     from mllm_rl.run import check_mode, parse_args
 
     args, given = parse_args(rest)  # exits 2 with the run's one line
@@ -141,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--nproc", type=int, required=True, help="processes to start on this machine (>= 1)")
     ap.add_argument(
-        "--module", default="mllm_rl.run", help="the module every process runs (default: mllm_rl.run)"
+        "--module", default=RUN_MODULE, help="the module every process runs (default: mllm_rl.run)"
     )
     ap.add_argument(
         "--grace-s",
@@ -237,10 +236,8 @@ def _stop(procs: list[subprocess.Popen[str]], grace_s: float) -> None:
 
 
 def _signal_group(p: subprocess.Popen[str], sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 if __name__ == "__main__":

@@ -1,15 +1,8 @@
-"""``python -m mllm_rl.run``: run a plan on a backend and record every phase.
+"""``python -m mllm_rl.run``: run a plan (``--plan rl|swap``, ``--tasks``) and record every phase.
 
-Plans: ``rl`` (default, ``mllm_rl.plans.rl``) and ``swap`` (``mllm_rl.plans.swap``); ``--tasks``
-runs several RL tasks (``mllm_rl.multitask.plan``).
-
-Outputs go to ``--run-dir`` (default ``runs/<run_id>``): ``phases.jsonl`` (one record per
-phase, the source of truth; ``phases.p<i>.jsonl`` for process i > 0), ``run.json`` (what was
-run and which phases to expect), ``metrics.jsonl`` (RL metrics, one line per step),
-``checkpoints/`` (RL), a W&B offline run under ``wandb/`` unless ``--wandb disabled``.
-
-Every check that can run before start-up runs before the run directory, W&B or an engine is
-touched (exit 2, one line). Exit codes: ``mllm_rl.exit_codes.EXIT_CODES`` (also in ``--help``).
+``--run-dir`` (default ``runs/<run_id>``) gets ``phases.jsonl`` (``phases.p<i>.jsonl`` for process
+i > 0), ``run.json``, ``metrics.jsonl``, ``checkpoints/`` and ``wandb/``. Every check that can run
+before start-up runs before any of it exists (exit 2, one line); exit codes: ``EXIT_CODES``.
 """
 
 from __future__ import annotations
@@ -104,6 +97,14 @@ def check_mode(args: argparse.Namespace, given: set[str]) -> None:
     check_values(args, mode)
 
 
+def _refuse(message: object, code: int, backend: Any = None) -> int:
+    """Print the one-line error (leaving the multi-process run when given ``backend``); ``code``."""
+    print(f"error: {message}", file=sys.stderr)
+    if backend is not None:
+        backend.shutdown_distributed()
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     if threading.active_count() == 1:
         install_sigterm()
@@ -111,9 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_mode(args, given)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from mllm_rl.checkpoint.model_dir import CheckpointError
+        return _refuse(e, 2)
     from mllm_rl.exit_codes import DOES_NOT_FIT, exit_of, named
     from mllm_rl.memplan.for_run import DoesNotFit, write_plan_files
     from mllm_rl.phases.recorder import PhaseRecorder
@@ -130,17 +129,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         pre = prepare(args, given)
-    except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # a CheckpointError too
+        return _refuse(e, 2)
     except RuntimeError as e:  # W&B online unreachable with --wandb-fallback error
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _refuse(e, 1)
     backend, model, opts, run_dir, run_id = pre.backend, pre.model, pre.opts, pre.run_dir, pre.run_id
 
-    # Multi-process runs (multi-host TPU slices; jax.distributed): every process records its
-    # own phases; process 0 writes run.json. Then the runtime comes up and the engine options are
-    # checked against its devices -- all before the run directory exists.
+    # Every process records its own phases, process 0 writes run.json; the runtime comes up and
+    # the options are checked against its devices, all before the run directory exists.
     try:
         tp = opts.engine.tp
         procs = backend.init_distributed(tp=tp)
@@ -154,20 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         runtime.setdefault("process_count", pcount)  # what the memory plan's target depends on
         pre.plan.check_runtime(backend, model, opts, pcount)
         opts, run_plan, plan_notes = pre.plan.memory_plan(backend, model, opts, runtime)
-    except DoesNotFit as e:  # the run's own plan: refused before anything of it exists
-        print(f"error: {e}", file=sys.stderr)
-        backend.shutdown_distributed()
-        return DOES_NOT_FIT
-    except (CheckpointError, ValueError) as e:  # the same refusal in every process: leave together
-        print(f"error: {e}", file=sys.stderr)
-        backend.shutdown_distributed()
-        return 2
+    except (DoesNotFit, ValueError) as e:  # the same refusal in every process: leave together
+        return _refuse(e, DOES_NOT_FIT if isinstance(e, DoesNotFit) else 2, backend)
     except ImportError as e:  # the backend's framework is not in this environment
-        print(f"error: --backend {args.backend}: {e} (install the '{args.backend}' extra)", file=sys.stderr)
-        return 2
+        return _refuse(f"--backend {args.backend}: {e} (install the '{args.backend}' extra)", 2)
     except RuntimeError as e:  # no platform as asserted, processes that could not meet
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _refuse(e, 1)
 
     from mllm_rl.run_lock import RunDirBusy, acquire
 
@@ -175,9 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         acquire(run_dir, pidx, run_id)  # a second run on this directory is refused here
     except RunDirBusy as e:
-        print(f"error: {e}", file=sys.stderr)
-        backend.shutdown_distributed()
-        return 2
+        return _refuse(e, 2, backend)
     for line in [*pre.notes, *plan_notes]:
         say(line)
     if run_plan is not None and pidx == 0:

@@ -79,19 +79,13 @@ if os.getppid() == ppid:
 
 
 def install_sigterm(bound_s: float = TERM_BOUND_S, hard_bound_s: float = HARD_BOUND_S) -> None:
-    """Turn SIGTERM into ``Terminated`` in the main thread, whoever loads later; in a run of
-    several processes, end the process (exit 143) if it is still running ``bound_s`` later; in
-    any run, kill it (exit 137) if it is still running ``hard_bound_s`` later.
+    """Turn SIGTERM into ``Terminated`` in the main thread; exit 143 ``bound_s`` later in a run of
+    several processes (a collective another process never joins), exit 137 ``hard_bound_s`` later
+    in any run (killed by the watcher: a C call holding the GIL stops every Python thread).
 
-    jaxlib's absl failure handler takes SIGTERM over when XLA starts and aborts (exit -6), so
-    SIGTERM is blocked here before any other thread exists (threads inherit the mask). A watcher
-    process (``_WATCHER``) sees it pending and wakes a thread here, which raises through Python's
-    own handler table; where no watcher can run (no /proc), that thread ``sigwait``s it instead.
-
-    The bound: one process may be stuck in a collective (a C call) that another, already in its
-    ``finally``, never joins, each waiting for the other; ending the survivor breaks the wait. The
-    hard bound: a C call that holds the GIL stops every Python thread of the run, the bound's too;
-    only another process can end it."""
+    jaxlib's absl failure handler takes SIGTERM over when XLA starts, so SIGTERM is blocked here
+    before any other thread exists; the watcher process sees it pending and wakes a thread here,
+    which raises it through Python's handlers (no /proc: that thread ``sigwait``s it instead)."""
 
     def on_term(signum: int, frame: Any) -> None:
         raise Terminated(signum)
@@ -112,12 +106,8 @@ def install_sigterm(bound_s: float = TERM_BOUND_S, hard_bound_s: float = HARD_BO
         if process_count() < 2:
             return
         time.sleep(bound_s)
-        print(
-            f"error: still running {bound_s:g} s after SIGTERM (waiting for another process of the run): "
-            f"exiting {128 + signal.SIGTERM}",
-            file=sys.stderr,
-            flush=True,
-        )
+        msg = f"still running {bound_s:g} s after SIGTERM (waiting for another process of the run)"
+        print(f"error: {msg}: exiting {128 + signal.SIGTERM}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(128 + signal.SIGTERM)
 
@@ -133,21 +123,8 @@ def _start_watcher(hard_bound_s: float) -> int | None:
         return None
     r, w = os.pipe()
     try:
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-I",
-                "-S",
-                "-c",
-                _WATCHER,
-                str(os.getpid()),
-                str(w),
-                str(hard_bound_s),
-                str(POLL_S),
-            ],
-            pass_fds=(w,),
-            stdin=subprocess.DEVNULL,
-        )
+        argv = [sys.executable, "-I", "-S", "-c", _WATCHER, *map(str, (os.getpid(), w, hard_bound_s, POLL_S))]
+        subprocess.Popen(argv, pass_fds=(w,), stdin=subprocess.DEVNULL)
     except OSError:
         os.close(r)
         os.close(w)
