@@ -2,26 +2,15 @@
 
     scripts/device_check.sh [--cpu] [--out DIR] [--budget SECONDS] [--only STEP,...]
 
-(the shell wrapper installs what the machine lacks, then runs this with the right interpreters).
-Steps, in order of value, each in its own process with its own time limit, the whole within
-``--budget``; a step that fails or runs out of time is recorded and the next one runs:
-
-- ``env``: versions, devices, the accelerator's name;
-- ``copy-jax`` / ``copy-torch``: host-to-device and device-to-device copy rates
-  (``python -m mllm_rl.bench copy``), the baselines of the swap and update rates;
-- ``swap-jax``: ``python -m mllm_rl.run --backend jax --plan swap`` (sglang-jax started with dummy
-  weights, the real ones streamed in): GB/s and the allocator's peak;
-- ``rl-jax`` / ``rl-torch``: a 3-step RL run (``--cpu``: 2 steps, then ``--resume`` for a third), the
-  allocator at every phase, the run's own memory plan against it (end-of-phase bytes and the phase
-  peaks), ``update_weights`` GB/s;
-- ``engine-torch``: decode tokens/s of the embedded torch engine against Hugging Face ``generate``
-  on the same weights (``python -m mllm_rl.bench engine``), then ``engine-jax`` (sglang-jax).
-
-GPU mode runs ``qwen3-0.6b`` (random weights, bf16); ``--cpu`` runs ``tiny`` on the CPU, the same
-steps, so the script is exercised where no accelerator is (the test suite runs it). Writes
-``device_check.json`` and ``device_check.md`` (and each step's log) to ``--out`` (default: ``$OUT``
-when set, else ``runs/device-check``), rewritten after every step, so a check cut short keeps
-what it did. Exit 0 when every step that ran passed, 1 otherwise, 2 on bad arguments.
+(the shell wrapper installs what the machine lacks and picks the interpreters). Steps, each in its
+own process and time cap, the whole within ``--budget`` (a failed step is recorded, the next runs):
+``env`` (versions, devices); ``copy-jax``/``copy-torch`` (copy rates, the baselines of swap and
+update GB/s); ``swap-jax`` (the swap plan); ``rl-jax``/``rl-torch`` (3 RL steps; ``--cpu``: 2, then
+``--resume`` for a third; the allocator against the run's memory plan); ``engine-torch``/``engine-jax``
+(decode tokens/s against HF ``generate``). GPU: ``qwen3-0.6b`` (random bf16 weights); ``--cpu``:
+``tiny``, the same steps (the test suite runs it). ``device_check.json``/``.md`` and each step's log
+go to ``--out`` (default ``$OUT``, else ``runs/device-check``), rewritten after every step.
+Exit 0 when every step that ran passed, 1 otherwise, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -48,28 +37,11 @@ def _step_table(mode: str, engine_batch: str = "") -> list[dict[str, Any]]:
     model = "qwen3-0.6b" if gpu else "tiny"
     jplat, tplat = ("gpu", "cuda") if gpu else ("cpu", "cpu")
     common = ["--model", model, "--wandb", "disabled"]
-    rl = [
-        "--steps",
-        "3" if gpu else "2",
-        "--prompts-per-step",
-        "8",
-        "--group-size",
-        "4",
-        "--max-new-tokens",
-        "64" if gpu else "16",
-    ]
-    rl += ["--checkpoint-every", "0"] if gpu else ["--checkpoint-every", "2"]
+    rl = ["--steps", "3" if gpu else "2", "--prompts-per-step", "8", "--group-size", "4",
+          "--max-new-tokens", "64" if gpu else "16", "--checkpoint-every", "0" if gpu else "2"]  # fmt: skip
     batches = engine_batch or ("1,32,128" if gpu else "4")
-    engine = ["--preset", model, "--batch", batches, "--new-tokens", "64" if gpu else "16"]
-    engine += [
-        "--repeats",
-        "2" if gpu else "1",
-        "--rounds",
-        "1",
-        "--keep-going",
-        "--timeout",
-        "140" if gpu else "120",
-    ]
+    engine = ["--preset", model, "--batch", batches, "--new-tokens", "64" if gpu else "16", "--repeats",
+              "2" if gpu else "1", "--rounds", "1", "--keep-going", "--timeout", "140" if gpu else "120"]  # fmt: skip
     return [
         {"name": "env", "backend": "jax", "cap": 60, "argv": ["-c", ENV_PROBE]},
         {"name": "copy-jax", "backend": "jax", "cap": 45,
@@ -150,11 +122,9 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _dev_peak(rec: dict[str, Any]) -> tuple[int | None, int | None, str | None]:
-    """(the phase's peak, the bytes in use at its end, their source) on the fullest device, from
-    the allocator: the torch allocator's entries where the record has them (CUDA; the device truth
-    ``mem_get_info`` also counts the CUDA context and the allocator's cached free blocks, which a
-    plan of tensors does not), else each device's first entry (JAX ``memory_stats``; on CPU the
-    live arrays or tensors)."""
+    """(the phase's peak, the bytes in use at its end, their source) on the fullest device: the
+    torch allocator's entries where there are any (CUDA's device truth also counts the context and
+    cached free blocks, which a plan does not), else each device's first entry."""
     from mllm_rl.bench.records import allocator, truth
 
     devs = rec.get("memory", {}).get("devices", [])
@@ -289,12 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--cpu", action="store_true", help="the same steps on the tiny model, JAX/torch on CPU")
-    ap.add_argument(
-        "--out", type=Path, default=None, help="results directory (default: $OUT, else runs/device-check)"
-    )
+    ap.add_argument("--out", type=Path, help="results directory (default: $OUT, else runs/device-check)")
     ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole check (default 540)")
     ap.add_argument(
-        "--engine-batch", default="", help="batch sizes of the engine steps (default 1,32,128; --cpu 4)"
+        "--engine-batch", default="", help="engine steps' batch sizes (default 1,32,128; --cpu 4)"
     )
     ap.add_argument("--only", default="", help="comma-separated step names or prefixes")
     ap.add_argument("--python-jax", default=sys.executable, help="interpreter of the jax steps")
@@ -347,29 +315,14 @@ def main(argv: list[str] | None = None) -> int:
         if spec.get("run"):
             cmd += ["--run-dir", str(run_dir)]
         if spec.get("bench"):
-            cmd += ["--json", str(out / f"{name}.json")]
-            if spec["backend"] == "jax":
-                cmd += ["--python-jax", args.python_jax, "--python-torch", args.python_torch]
-            else:
-                cmd += ["--python-torch", args.python_torch]
+            jax = ["--python-jax", args.python_jax] if spec["backend"] == "jax" else []
+            cmd += ["--json", str(out / f"{name}.json"), *jax, "--python-torch", args.python_torch]
         step["cmd"] = " ".join(a if "\n" not in a else "<probe>" for a in cmd)
         print(f"== {name} (at most {min(spec['cap'], left):.0f} s): {step['cmd']}", flush=True)
         rc, secs, text = _run(cmd, min(spec["cap"], left), out / f"{name}.log", env)
         if rc == 0 and spec.get("resume_to"):
-            rcmd = [
-                py,
-                "-m",
-                "mllm_rl.run",
-                "--backend",
-                spec["backend"],
-                "--run-dir",
-                str(run_dir),
-                "--resume",
-                "--steps",
-                str(spec["resume_to"]),
-                "--wandb",
-                "disabled",
-            ]
+            rcmd = [py, "-m", "mllm_rl.run", "--backend", spec["backend"], "--run-dir", str(run_dir), "--resume",
+                    "--steps", str(spec["resume_to"]), "--wandb", "disabled"]  # fmt: skip
             step["resume_cmd"] = " ".join(rcmd)
             rc, secs2, text2 = _run(
                 rcmd, max(deadline - time.monotonic(), 1), out / f"{name}-resume.log", env
@@ -383,11 +336,8 @@ def main(argv: list[str] | None = None) -> int:
             elif spec.get("bench"):
                 p = out / f"{name}.json"
                 step["result"] = json.loads(p.read_text()) if p.is_file() else None
-                errs = [
-                    e.get("error")
-                    for e in (step["result"] or {}).get("engines", {}).values()
-                    if e.get("error")
-                ]
+                engines = (step["result"] or {}).get("engines", {}).values()
+                errs = [e["error"] for e in engines if e.get("error")]
                 if errs and rc == 0:  # --keep-going reports a failed engine and exits 0
                     rc = step["rc"] = 1
                     step["error"] = errs[0].splitlines()[0][:300] + " ... " + errs[0].splitlines()[-1][:300]
