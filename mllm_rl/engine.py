@@ -1,9 +1,8 @@
 """The rollout-engine contract (docs/DESIGN.md, "Contracts"), backend-neutral.
 
-``EnginePrimitives`` is what a backend's engine adapter implements (sglang-jax, SGLang, the
-embedded torch engine): it does what it is told and keeps no lifecycle state. ``ManagedEngine``
-(``mllm_rl.engine_state``) owns that state and enforces the invariants. Arrays crossing this
-boundary are host numpy arrays or backend device arrays; the core never touches their framework."""
+``EnginePrimitives``: what a backend's engine adapter implements, keeping no lifecycle state
+(``ManagedEngine``, ``mllm_rl.engine_state``, owns it). Arrays crossing it are host numpy arrays
+or backend device arrays; the core never touches their framework."""
 
 from __future__ import annotations
 
@@ -51,13 +50,9 @@ TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # an engine's task na
 
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
-    """What ``Backend.create_engine(model, opts)`` starts, validated on construction.
-
-    ``None`` means "not chosen": sizes come from the plan (``resolved`` fills in the defaults),
-    ``max_running_requests`` from the engine. ``engine`` is one of the backend's ``engines``
-    (``check_backend``). Multi-task (docs/MULTITASK.md): ``task`` prefixes the memory tags
-    (``<task>/weights``); ``ports`` (server port, process-group port) come from the run's one
-    allocator so engines started together never collide."""
+    """What ``Backend.create_engine(model, opts)`` starts, validated on construction. ``None``: not
+    chosen (sizes: the plan's, ``resolved``'s defaults). Multi-task: ``task`` prefixes the memory
+    tags (``<task>/weights``); ``ports`` (server, process group) come from the run's one allocator."""
 
     tp: int = opt("tp")
     engine: str = opt("engine")
@@ -74,12 +69,12 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.task is not None and (not isinstance(self.task, str) or not TASK_NAME.fullmatch(self.task)):
             raise ValueError(f"engine task {self.task!r}: expected a simple name ({TASK_NAME.pattern})")
-        if self.ports is not None:
-            ok = isinstance(self.ports, tuple) and len(self.ports) == 2
-            if not ok or not all(
-                isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in self.ports
-            ):
-                raise ValueError(f"engine ports {self.ports!r}: expected a tuple of two ports (1..65535)")
+        if self.ports is not None and not (
+            isinstance(self.ports, tuple)
+            and len(self.ports) == 2
+            and all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in self.ports)
+        ):
+            raise ValueError(f"engine ports {self.ports!r}: expected a tuple of two ports (1..65535)")
         check_fields(self)
         if isinstance(self.max_total_tokens, str):  # the option's word (auto) is the plan's to resolve
             raise OptionError("max_total_tokens", f"must be an integer, got {self.max_total_tokens!r}")
@@ -119,9 +114,8 @@ class EngineOptions:
 
 
 def request_seeds(base: int, n: int, offset: int = 0) -> list[int]:
-    """One seed per request from batch seed ``base`` and the request's index in the run's whole
-    batch (``offset + i``). Per-request seeds keep a GRPO group's completions distinct and make a
-    sample independent of which process or sub-batch generates it."""
+    """One seed per request from batch seed ``base`` and its index in the run's whole batch: a GRPO
+    group's completions differ, and a sample does not depend on its process or sub-batch."""
     return [(base * 1_000_003 + offset + i) % 2**31 for i in range(n)]
 
 
@@ -142,11 +136,9 @@ class UpdateStats:
     bytes: int
     seconds: float
     fingerprint: Fingerprint  # of the tensors as received by the engine, before install
-    # The names whose ``fingerprint`` the adapter proved is of the very buffers the engine now
-    # computes with (the summed array is the one installed): reading them back reads the same bytes.
+    # Names whose ``fingerprint`` is of the very buffers installed (reading back would read the same).
     installed: frozenset[str] = frozenset()
-    # Set by ``ManagedEngine.update_weights``: how many tensors its check read back from the
-    # engine, and the seconds the check took (not in ``seconds``).
+    # Set by ``ManagedEngine.update_weights``: tensors its check read back, and its seconds.
     read_back: int | None = None
     check_seconds: float = 0.0
 
@@ -156,12 +148,9 @@ class UpdateStats:
 
 
 class WeightExport:
-    """Named tensors announced up front (``names``, so an engine can reject an update before any
-    weight changes), streamed as ``(hf_name, array)`` in ``names`` order; ``full``: every weight.
-
-    ``fingerprint``: the sender's (sum, sumsq) of every tensor it yielded, computed in the same
-    pass as the export (no second read of the weights); callable once the export is consumed.
-    ``None``: the receiver asks the trainer (``Trainer.weights_fingerprint``)."""
+    """Named tensors announced up front (``names``: an engine can refuse before any weight changes),
+    streamed as ``(hf_name, array)``; ``full``: every weight. ``fingerprint``: the sender's (sum,
+    sumsq) from the export's own pass, callable once consumed (``None``: ask the trainer)."""
 
     def __init__(
         self,
@@ -190,8 +179,7 @@ class WeightExport:
 
 
 class Placed(NamedTuple):
-    """A weight already on the engine's devices in its layout and dtype (``EnginePrimitives.place``);
-    installed as is."""
+    """A weight already on the engine's devices in its layout and dtype, installed as is."""
 
     value: Any  # the engine's own device array (jax.Array, torch.Tensor)
 
@@ -203,8 +191,7 @@ class EnginePrimitives(Protocol):
     weights_cpu_backup: bool  # release(weights) keeps a host copy that resume restores
 
     def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
-        """Generate for a batch of prompts ``[n][T_i]``. May run while another thread calls
-        ``pause_generation``; requests then return promptly with ``finish_reason='abort'``."""
+        """Generate for prompts ``[n][T_i]``; ``pause_generation`` (another thread) aborts them."""
         ...
 
     def weight_names(self) -> list[str]:
@@ -216,18 +203,15 @@ class EnginePrimitives(Protocol):
         ...
 
     def place(self, hf_name: str, value: Any) -> Any:
-        """One HF-layout tensor (host ndarray or a device array) on the engine's devices in
-        the engine's layout and dtype, not installed (wrap it in ``Placed`` to install it)."""
+        """One HF-layout tensor on the engine's devices in its layout, not installed (``Placed``)."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
-        """Install tensors one at a time (names already validated). ``on_tensor(name, nbytes)`` at
-        each tensor's high point (new placed, old still resident; ``nbytes`` staged for it)."""
+        """Install tensors one at a time; ``on_tensor(name, nbytes)`` at each one's high point."""
         ...
 
     def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
-        """(sum, sumsq) per weight (``names``: only those), read from what the engine's forward
-        actually uses."""
+        """(sum, sumsq) per weight (``names``: only those) of what the engine's forward uses."""
         ...
 
     def weight_bytes(self) -> int: ...
@@ -237,13 +221,11 @@ class EnginePrimitives(Protocol):
         ...
 
     def release_memory(self, tag: str) -> None:
-        """Free the device memory of a resident tag (weights backed up to host first when
-        ``weights_cpu_backup``)."""
+        """Free a resident tag's device memory (weights to host first when ``weights_cpu_backup``)."""
         ...
 
     def resume_memory(self, tag: str) -> bool:
-        """Re-allocate a released tag; True when its contents were restored (CPU backup),
-        False when they are undefined (zeros, stale bytes)."""
+        """Re-allocate a released tag; whether its contents were restored (CPU backup)."""
         ...
 
     def pause_generation(self) -> None: ...

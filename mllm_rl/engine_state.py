@@ -1,12 +1,8 @@
 """``ManagedEngine``: the core's state machine around an engine adapter (docs/DESIGN.md, "The lifecycle").
 
-It owns per-tag memory (resident | released), weight validity (with a version counting updates)
-and generation (running | paused, requests in flight), and refuses before anything changes:
-releasing with requests in flight (``drain`` first); generating with released memory, invalid
-weights or while paused; a partial update on invalid weights (a resume without CPU backup makes
-them invalid until a full update); an update with unknown, duplicate or (full) missing names.
-An update whose engine fingerprint differs from what was sent raises ``WeightMismatch``; one that
-fails mid-install leaves the weights invalid. Double release/resume is a no-op with a warning."""
+It owns per-tag memory, weight validity (and version) and generation (paused, in flight), and
+refuses what the state does not allow before anything changes. An update whose engine fingerprint
+differs raises ``WeightMismatch``; one that fails leaves the weights invalid."""
 
 from __future__ import annotations
 
@@ -102,8 +98,8 @@ class ManagedEngine:
         return outs
 
     def drain(self, timeout_s: float = 120.0) -> dict[str, Any]:
-        """Pause generation, wait until no request is in flight (each returns, finished or
-        aborted), flush the cache; ``EngineStateError`` after ``timeout_s``."""
+        """Pause, wait until no request is in flight, flush the cache (``EngineStateError`` after
+        ``timeout_s``)."""
         t0 = time.perf_counter()
         with self._cv:
             self.paused = True
@@ -210,9 +206,8 @@ class ManagedEngine:
         expected: Fingerprint | Callable[[], Fingerprint] | None = None,
     ) -> UpdateStats:
         """Stream ``export`` into the engine; ``WeightMismatch`` unless the engine's fingerprint
-        matches what was sent and, when given, ``expected`` (the trainer's; a callable is read once
-        the export is consumed: ``WeightExport.fingerprint``). Only weights the adapter did not prove
-        installed (``UpdateStats.installed``) are read back from the engine."""
+        matches what was sent and ``expected`` (the trainer's; a callable: read once the export is
+        consumed). Only weights not proven installed (``UpdateStats.installed``) are read back."""
         self.check_update(export)
         try:
             stats = self.engine.update_weights(iter(export), on_tensor=on_tensor)
@@ -251,8 +246,8 @@ class ManagedEngine:
         return stats
 
     def place_all(self, tensors: Iterable[tuple[str, Any]]) -> WeightExport:
-        """The naive swap baseline's first half: place every tensor before installing any (old and
-        new weights both resident); ``update_weights`` of the returned export installs them."""
+        """The naive swap's first half: place every tensor before installing any (old and new both
+        resident); ``update_weights`` of the returned export installs them."""
         if TAG_WEIGHTS in self.released:
             raise EngineStateError("place_all refused: weights are released")
         return WeightExport.of(

@@ -1,11 +1,5 @@
-"""The trainer contract (docs/DESIGN.md, "Contracts"), backend-neutral.
-
-A backend's trainer holds the policy and its optimizer state and implements what
-``mllm_rl.lifecycle`` drives: ``train_step`` (``mini_batches`` updates, exact gradient
-accumulation over micro-batches), ``offload``/``onload`` of params and optimizer (JAX
-``pinned_host``, torch pinned CPU), ``export_weights`` (HF-named, streamed; partial: only what
-training changed), ``weights_fingerprint``, ``save``/``restore`` and ``snapshot`` (a host copy
-for a background write, or ``None``)."""
+"""The trainer contract (docs/DESIGN.md, "Contracts"), backend-neutral: what ``mllm_rl.lifecycle``
+drives of a backend's trainer (the policy and its optimizer state)."""
 
 from __future__ import annotations
 
@@ -72,18 +66,8 @@ def check_state_names(what: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(what))
 
 
-TRAIN_METRICS = (
-    "loss",
-    "grad_norm",
-    "clip_frac",
-    "clip_frac_dual",
-    "kl",
-    "ratio_mean",
-    "neg_logp_mean",
-    "tokens",
-    "updates",
-    "train_s",
-)
+_TOKEN_MEANS = ("clip_frac", "clip_frac_dual", "kl", "ratio_mean")
+TRAIN_METRICS = ("loss", "grad_norm", *_TOKEN_MEANS, "neg_logp_mean", "tokens", "updates", "train_s")
 
 
 def train_metrics(
@@ -95,10 +79,7 @@ def train_metrics(
     return {
         "loss": loss_sum / max(n_parts, 1),
         "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
-        "clip_frac": totals.get("clip_frac", 0.0) / n,
-        "clip_frac_dual": totals.get("clip_frac_dual", 0.0) / n,
-        "kl": totals.get("kl", 0.0) / n,
-        "ratio_mean": totals.get("ratio_mean", 0.0) / n,
+        **{k: totals.get(k, 0.0) / n for k in _TOKEN_MEANS},
         "neg_logp_mean": totals.get("entropy_proxy", 0.0) / n,
         "tokens": int(totals.get("tokens", 0.0)),
         "updates": len(grad_norms),
@@ -112,8 +93,7 @@ class TrainerSnapshot(Protocol):
     nbytes: int  # host bytes the copy holds until it is written and dropped
 
     def write(self, path: Path) -> Manifest | None:
-        """Write into ``path`` the files ``Trainer.save`` writes (safe on another thread); returns
-        what ``save`` returns."""
+        """``Trainer.save``'s files into ``path`` (safe on another thread); what ``save`` returns."""
         ...
 
 
@@ -123,8 +103,7 @@ class Trainer(Protocol):
         ...
 
     def logprobs(self, batch: RolloutBatch) -> np.ndarray:
-        """Log-prob of ``tokens[b, t]`` given ``tokens[b, :t]`` under the current params, [B, T]
-        (0 at t = 0 and on padding)."""
+        """Log-prob of ``tokens[b, t]`` given ``tokens[b, :t]``, [B, T] (0 at t = 0 and on padding)."""
         ...
 
     def offload(self, what: Sequence[str]) -> int:
@@ -144,8 +123,7 @@ class Trainer(Protocol):
         ...
 
     def greedy(self, prompt: Sequence[int], n: int) -> tuple[list[int], list[float]]:
-        """Greedy continuation of ``prompt`` (<= n tokens, stops after EOS) and the top-2 logit
-        margin at each token: the garbage guard's reference."""
+        """Greedy continuation of ``prompt`` (<= n tokens, to EOS) and each token's top-2 logit margin."""
         ...
 
     def export_weights(self, full: bool = True) -> WeightExport:
@@ -157,15 +135,13 @@ class Trainer(Protocol):
         ...
 
     def save(self, path: Path) -> Manifest | None:
-        """Write params and optimizer state into the directory ``path`` (both resident). Returns the
-        manifest entries (``{relative path: {"bytes", "sha256"}}``) of files it hashed while writing,
-        so the checkpoint's manifest need not read them back; ``None``: none."""
+        """Write params and optimizer state into the directory ``path`` (both resident); the manifest
+        entries of files it hashed while writing (``None``: none)."""
         ...
 
     def snapshot(self, path: Path) -> TrainerSnapshot | None:
-        """What ``save`` writes into ``path``, copied to host memory now and unaffected by later
-        steps, so another thread may write it (a library that saves asynchronously, orbax, begins
-        its write here and ``write`` waits for it). ``None``: this trainer saves only in place."""
+        """What ``save`` writes into ``path``, copied to host memory now, for another thread to write
+        (orbax begins its write here). ``None``: this trainer saves only in place."""
         ...
 
     def restore(self, path: Path) -> None:
