@@ -1,23 +1,17 @@
-"""Model presets: Qwen3 architecture numbers, and the HF ``config.json`` they map to.
-
-The real Qwen3 numbers come from the published ``config.json`` files of the
-Qwen3 dense models; ``tiny`` is ours (a few layers, CPU-fast, vocab sized for the
-tokenizer the project ships).
-"""
+"""Model presets: Qwen3 architecture numbers (the published ``config.json`` files; ``tiny`` is ours,
+CPU-fast, its vocab sized for the shipped tokenizer), and the HF ``config.json`` they map to."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Qwen3 dense decoder (names follow the HF config).
-
-    The field defaults are the published Qwen3 values the presets share; a ``config.json``
-    missing a key gets transformers' ``Qwen3Config`` default instead (``mllm_rl.checkpoint.hf_config.parse_qwen3``).
-    """
+    """Architecture of a Qwen3 dense decoder (HF config names; defaults: the presets' shared values,
+    not transformers' ``Qwen3Config`` defaults, ``mllm_rl.checkpoint.hf_config.parse_qwen3``)."""
 
     name: str
     vocab_size: int
@@ -63,18 +57,11 @@ class ModelConfig:
         return shapes
 
     def num_params(self) -> int:
-        total = 0
-        for shape in self.param_shapes().values():
-            n = 1
-            for s in shape:
-                n *= s
-            total += n
-        return total
+        return sum(math.prod(shape) for shape in self.param_shapes().values())
 
     def hf_architecture(self) -> dict[str, Any]:
-        """Every ``config.json`` field that decides what ``Qwen3ForCausalLM`` computes, written
-        the way transformers 4.x and 5.x both read identically (top-level ``rope_theta``,
-        ``rope_scaling: null``, nothing left to a default)."""
+        """Every ``config.json`` field that decides what ``Qwen3ForCausalLM`` computes, as transformers
+        4.x and 5.x both read it (top-level ``rope_theta``, ``rope_scaling: null``, no defaults)."""
         return {
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,

@@ -1,10 +1,7 @@
 """``--profile STEPS``: a framework profiler's trace of chosen RL steps, in the run directory.
 
-The core decides when (``Profiled``: each named step, first phase to ``evaluate``), the backend
-how (``Backend.profiler``: JAX ``jax.profiler`` xplane/trace.json.gz, torch ``torch.profiler``
-Chrome JSON). Each lifecycle phase is a named range in the trace, so it lines up with the run's
-``trace.json``. Files: ``RUN_DIR/profile/step_<n>/`` (``.p<i>`` for process i > 0) and
-``profile/index.json``. Traced steps run slower; the trace is written after the step's phases."""
+The core decides when (``Profiled``), the backend how (``Backend.profiler``); each phase is a
+named range in the trace. Files: ``RUN_DIR/profile/step_<n>/`` and ``profile/index.json``."""
 
 from __future__ import annotations
 
@@ -19,8 +16,8 @@ PROFILE_DIR = "profile"
 
 
 def parse_steps(spec: str, steps: int) -> frozenset[int]:
-    """``--profile`` ("2", "1,3", "2-4"; 0-based steps) -> the step numbers; ``ValueError`` naming
-    the flag for a malformed value or a step the run does not have (``steps``: the run's --steps)."""
+    """``--profile`` ("2", "1,3", "2-4"; 0-based) -> the step numbers (``ValueError`` naming the flag;
+    ``steps``: the run's --steps)."""
     out: set[int] = set()
     for part in spec.split(","):
         part = part.strip()
@@ -80,8 +77,7 @@ class Profiled:
 
     @contextlib.contextmanager
     def step(self, rec: Any, step: int) -> Iterator[None]:
-        """Trace ``step`` when it is one of ``steps``: every phase recorded inside is a named range
-        (``rec.annotate``); the trace is written on the way out, after the step's phases."""
+        """Trace ``step`` when it is one of ``steps`` (phases as named ranges), written on the way out."""
         if self.profiler is None or step not in self.steps:
             yield
             return

@@ -4,9 +4,7 @@
 contiguous (prompt-major). Returns float32 advantages of the same shape.
 
 - ``grpo``:    (r - mean_group) / (std_group + eps)             (DeepSeekMath GRPO); ``std``
-  ``unbiased`` (n - 1 in the denominator, ``torch.std``'s default: verl
-  ``compute_grpo_outcome_advantage``, TRL ``GRPOTrainer``) or ``biased`` (n); eps 1e-6 (verl's;
-  TRL adds 1e-4)
+  ``unbiased`` (n - 1, as verl and TRL) or ``biased`` (n); eps 1e-6 (verl's)
 - ``drgrpo``:  r - mean_group                                   (Dr. GRPO: no std scaling)
 - ``rloo``:    r - mean of the *other* completions of the group (leave-one-out baseline)
 """

@@ -13,25 +13,15 @@ from mllm_rl.engine import ABORT, GenerateOutput
 
 @dataclasses.dataclass
 class RolloutBatch:
-    """One RL step's data on the host. B sequences, T positions (prompt + completion, right-padded).
+    """One RL step's data on the host: B sequences, T positions (prompt + completion, right-padded)."""
 
-    - ``tokens`` [B, T] int32: prompt tokens, then completion tokens, then padding (0);
-    - ``attention_mask`` [B, T] bool: True on real tokens;
-    - ``loss_mask`` [B, T] bool: True where ``tokens[b, t]`` is a completion token (it is
-      predicted from position t - 1; ``loss_mask[:, 0]`` is always False);
-    - ``old_logp`` [B, T] float32: the rollout engine's log-prob of ``tokens[b, t]`` where
-      ``loss_mask``, 0 elsewhere;
-    - ``advantages`` [B] float32: one scalar per completion;
-    - ``is_weight`` [B, T] float32: a per-token weight of the policy-gradient term (truncated
-      importance sampling of the engine/trainer mismatch, ``mllm_rl.rl.old_logp``); ones when
-      not given.
-    """
-
-    tokens: np.ndarray
-    attention_mask: np.ndarray
-    loss_mask: np.ndarray
-    old_logp: np.ndarray
-    advantages: np.ndarray
+    tokens: np.ndarray  # [B, T] int32: prompt, completion, padding (0)
+    attention_mask: np.ndarray  # [B, T] bool: True on real tokens
+    loss_mask: np.ndarray  # [B, T] bool: True on completion tokens (predicted from t - 1; never t = 0)
+    old_logp: np.ndarray  # [B, T] float32: the engine's log-prob of tokens[b, t] where loss_mask, else 0
+    advantages: np.ndarray  # [B] float32: one scalar per completion
+    # [B, T] float32: the policy-gradient term's per-token weight (truncated importance sampling,
+    # mllm_rl.rl.old_logp); ones when not given
     is_weight: np.ndarray | None = None
 
     def __post_init__(self) -> None:
@@ -53,14 +43,7 @@ class RolloutBatch:
         return int(self.tokens.shape[0])
 
     def rows(self, s: slice) -> RolloutBatch:
-        return RolloutBatch(
-            self.tokens[s],
-            self.attention_mask[s],
-            self.loss_mask[s],
-            self.old_logp[s],
-            self.advantages[s],
-            self.is_weight[s],
-        )
+        return RolloutBatch(*(getattr(self, f.name)[s] for f in dataclasses.fields(self)))
 
 
 def build_batch(
@@ -69,12 +52,8 @@ def build_batch(
     advantages: np.ndarray,
     pad_id: int = 0,
 ) -> RolloutBatch:
-    """One row per (prompt, completion): ``[prompt | completion | pad]``, T = longest row.
-
-    ``loss_mask`` covers the completion tokens; ``old_logp`` holds the engine's log-probs
-    there. A completion cut short by ``pause_generation`` (``finish_reason == "abort"``) is
-    kept in the batch with an empty loss mask and zero advantage: reported, never trained on.
-    """
+    """One row per (prompt, completion): ``[prompt | completion | pad]``, T = longest row. An aborted
+    completion (``pause_generation``) is kept with an empty loss mask and zero advantage."""
     if not (len(prompt_ids) == len(outputs) == len(advantages)):
         raise ValueError(f"{len(prompt_ids)} prompts, {len(outputs)} outputs, {len(advantages)} advantages")
     b = len(outputs)

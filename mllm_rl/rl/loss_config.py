@@ -8,16 +8,9 @@ importance sampling is on: ``mllm_rl.rl.old_logp``)::
     pg    = min(pg, -A * clip_ratio_c)   where A < 0                  (dual-clip, when clip_ratio_c > 0)
     loss_t = w * pg + beta * KL_t
 
-``KL_t``: k3 ``exp(ref - logp) - (ref - logp) - 1``, capped at ``kl_clamp`` (verl ``low_var_kl``;
-0 = uncapped as TRL; a capped token gets no KL gradient). Aggregation over the batch's valid
-tokens (micro-batches get batch totals, so their losses sum to the full-batch loss):
-``token_mean`` (verl ``token-mean``, TRL ``dapo``/``bnpo``); ``seq_mean_token_mean`` (verl
-``seq-mean-token-mean``, TRL ``grpo``); ``seq_mean_token_sum`` (verl ``seq-mean-token-sum``);
-``dr_grpo``: sequence token sums / ``max_len``, mean over all sequences (TRL ``dr_grpo``);
-``token_sum_norm``: batch token sum / ``max_len`` (verl ``seq-mean-token-sum-norm``).
-``empty_seqs``: a sequence mean ``exclude``s sequences without valid tokens (verl ``agg_loss``)
-or ``count``s them as loss 0 (TRL ``grpo``). Metrics are token means: ``clip_frac`` (verl
-``pg_clipfrac``), ``clip_frac_dual`` (verl ``pg_clipfrac_lower``), ``ratio_mean``, ``kl``."""
+``KL_t``: k3 ``exp(ref - logp) - (ref - logp) - 1``, capped at ``kl_clamp`` (0 = uncapped).
+Micro-batches get batch totals, so their losses sum to the full-batch loss. The aggregations,
+``empty_seqs`` and the metrics against verl's and TRL's: docs/RL.md."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""Old log-probs of the PPO ratio: the engine's, or recomputed by the trainer (verl's default),
-and the engine/trainer mismatch between the two.
-
-The engine and trainer compute the same policy with different kernels (and, mixed precision, a
-bf16 cast of the float32 masters), so their log-probs differ. ``old_logp="trainer"`` recomputes
-them with the trainer before any update, so the PPO ratio measures only the policy's change. The
-mismatch is reported every step; ``tis_cap > 0`` (truncated importance sampling: verl
-``rollout_is="token"``, TRL ``vllm_importance_sampling_mode="token_truncate"``) weighs each
-token's term by ``min(exp(logp_trainer - logp_engine), tis_cap)``. Arrays are [B, T], valid
-where ``loss_mask``."""
+"""Old log-probs of the PPO ratio: the engine's, or recomputed by the trainer (verl's default), and
+the engine/trainer mismatch (different kernels compute the same policy). ``old_logp="trainer"``:
+the PPO ratio measures only the policy's change; ``tis_cap > 0`` (truncated importance sampling,
+docs/RL.md) weighs each token by ``min(exp(logp_trainer - logp_engine), tis_cap)``. Arrays are
+[B, T], valid where ``loss_mask``."""
 
 from __future__ import annotations
 
