@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from mllm_rl.exit_codes import EXIT_CODES
 from mllm_rl.presets import PRESETS
-from mllm_rl.run_files import phase_file_name, write_run_json
+from mllm_rl.run_files import RunDirBusy, acquire, phase_file_name, write_run_json
 from mllm_rl.signals import install_sigterm
 
 # Nothing imported at module level may start a thread (numpy's OpenBLAS pool does):
@@ -38,8 +38,7 @@ RUN_SCOPES = ("rl", "swap", "tasks")  # the modes of this command (``mllm_rl.opt
 
 
 def build_parser(defaults: dict[str, Any] | None = None) -> argparse.ArgumentParser:
-    """The flags of every mode, from the one declaration of each (``mllm_rl.options.schema``);
-    ``defaults``: values that stand for flags not given (a resumed run's recorded backend)."""
+    """The flags of every mode (``mllm_rl.options.schema``); ``defaults``: for flags not given."""
     from mllm_rl.options.cli import add_options
     from mllm_rl.plans.registry import all_plans
 
@@ -59,8 +58,7 @@ def build_parser(defaults: dict[str, Any] | None = None) -> argparse.ArgumentPar
 
 
 def recorded_backend(argv: Sequence[str]) -> dict[str, Any]:
-    """``{"backend": ...}`` from ``run.json`` of ``--run-dir`` when the command resumes without
-    ``--backend`` (a resume needs only ``--run-dir``); else ``{}`` (argparse then asks for it)."""
+    """``{"backend": ...}`` from ``--run-dir``'s ``run.json`` for a resume without ``--backend``."""
     pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     for flag in ("--run-dir", "--backend"):
         pre.add_argument(flag)
@@ -88,8 +86,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[s
 
 
 def check_mode(args: argparse.Namespace, given: set[str]) -> None:
-    """Refuse a flag that this mode (``--plan rl|swap`` or ``--tasks``) does not take, and a value
-    out of its range (``ValueError``, one line naming the flag)."""
+    """``ValueError`` (one line naming the flag) for a flag this mode does not take or a value out
+    of its range."""
     from mllm_rl.options.cli import check_scope, check_values
 
     mode = "tasks" if args.tasks else args.plan
@@ -156,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
         return _refuse(f"--backend {args.backend}: {e} (install the '{args.backend}' extra)", 2)
     except RuntimeError as e:  # no platform as asserted, processes that could not meet
         return _refuse(e, 1)
-
-    from mllm_rl.run_lock import RunDirBusy, acquire
 
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -285,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _save_traceback(run_dir: Any, process_index: int) -> Any:
-    """The current exception's traceback in ``traceback[.p<i>].txt`` of the run directory; its path."""
+    """The current exception's traceback in the run directory's ``traceback[.p<i>].txt``."""
     import traceback
 
     path = run_dir / ("traceback.txt" if process_index == 0 else f"traceback.p{process_index}.txt")
@@ -299,8 +295,8 @@ def _save_traceback(run_dir: Any, process_index: int) -> Any:
 def _print_summary(
     records: list[dict[str, Any]], result: dict[str, Any], steps_shown: bool, tables: bool
 ) -> None:
-    """The phase tables (``tables``), each step's line unless the console showed them as they
-    came (``steps_shown``), the plan's own lines and the held-out generations."""
+    """The phase tables, each step's line unless the console showed it, the plan's lines and the
+    held-out generations."""
     if not records:
         return
     from mllm_rl.sinks.console import step_line

@@ -1,9 +1,14 @@
-"""Names and writers of a run directory's files (shared by single- and multi-task runs)."""
+"""A run directory's file names and writers, and its lock: an exclusive ``flock`` on ``.lock``
+(``.lock.p<i>`` for process i > 0) held until the process exits, naming its holder (pid, host, run
+id, since when), so a second run on the directory is refused with one line (``RunDirBusy``: exit 2)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,3 +22,47 @@ def write_run_json(run_dir: Path, plan: dict[str, Any]) -> None:
     tmp = run_dir / "run.json.tmp"
     tmp.write_text(json.dumps(plan, indent=2))
     os.replace(tmp, run_dir / "run.json")
+
+
+_HELD: list[Any] = []  # open lock files of this process (closing one would release its lock)
+
+
+class RunDirBusy(ValueError):
+    """Another live process holds the run directory."""
+
+
+def lock_name(process_index: int) -> str:
+    return ".lock" if process_index == 0 else f".lock.p{process_index}"
+
+
+def acquire(run_dir: Path, process_index: int, run_id: str) -> Path:
+    """Take the run directory's lock for this process (``run_dir`` must exist); its path."""
+    path = run_dir / lock_name(process_index)
+    f = open(path, "a+")  # noqa: SIM115 -- held open for the life of the process
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        try:
+            h = json.loads(holder)
+            who = f"pid {h['pid']} on {h['host']}, run {h['run_id']}, since {h['since']}"
+        except (ValueError, KeyError, TypeError):
+            who = "another process"
+        raise RunDirBusy(
+            f"--run-dir {run_dir} is in use by another run ({who}); wait for it to end or choose "
+            f"another --run-dir"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    holder = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "run_id": run_id,
+        "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    f.write(json.dumps(holder))
+    f.flush()
+    _HELD.append(f)
+    return path

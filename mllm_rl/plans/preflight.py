@@ -26,7 +26,7 @@ from mllm_rl.plans.base import Plan
 RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 # The longest name derived from a run id: W&B's offline-run-<YYYYmmdd_HHMMSS>-<run id>[-p<i>] directory
 RUN_ID_MAX = NAME_MAX - len("offline-run-20250101_000000-") - len("-p9999")
-# Files only a run writes into its directory (``mllm_rl.run``, ``run_files``, ``run_lock``, checkpoints)
+# Files only a run writes into its directory (``mllm_rl.run``, ``run_files``, checkpoints)
 RUN_FILES = re.compile(r"run\.json|(phases|metrics)(\.p\d+)?\.jsonl|\.lock(\.p\d+)?|checkpoints")
 
 

@@ -26,7 +26,7 @@ import pytest
 from mllm_rl.checkpoint.resolve import write_meta
 from mllm_rl.options.resume import record
 from mllm_rl.run import parse_args
-from mllm_rl.run_lock import lock_name
+from mllm_rl.run_files import lock_name
 from tests.conftest import ROOT, run_cli
 
 DOC = ROOT / "docs" / "ERRORS.md"
