@@ -1,10 +1,8 @@
 """The backend interface: what ``--backend NAME`` resolves to (docs/DESIGN.md, "Contracts").
 
-A backend brings a runtime up, reads device memory, starts rollout engines and trainers; it is
-registered in the ``mllm_rl.backends`` entry-point group (``mllm_rl.backend_registry``). Optional
-capabilities have a default right for a backend without them, so the core never asks ``hasattr``.
-Subclasses import their framework inside methods: loading the entry point must not import jax or
-torch (``--backend jax`` never imports torch, and the reverse)."""
+Registered in the ``mllm_rl.backends`` entry-point group (``mllm_rl.backend_registry``); optional
+capabilities have the right default for a backend without them. Subclasses import their framework
+inside methods (``--backend jax`` never imports torch, and the reverse)."""
 
 from __future__ import annotations
 
@@ -44,8 +42,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def check_engine_args(self, model: ModelDir, opts: EngineOptions) -> None:
-        """Reject engine options (the ones ``create_engine`` will get) before any engine starts:
-        ``ValueError`` with one line naming the flag."""
+        """Reject ``create_engine``'s options before any engine starts (``ValueError`` naming the flag)."""
 
     @abc.abstractmethod
     def create_engine(self, model: ModelDir, opts: EngineOptions) -> EnginePrimitives:
@@ -53,8 +50,8 @@ class Backend(abc.ABC):
         filled by ``EngineOptions.resolved``)."""
 
     def check_trainer_args(self, model: ModelDir, cfg: TrainConfig) -> None:
-        """Reject trainer settings (the ones ``create_trainer`` will get) before any engine starts:
-        ``ValueError`` with one line naming the flag. Default: no model options, no trainer tp."""
+        """Like ``check_engine_args``, for ``create_trainer``'s settings. Default: no model options,
+        no trainer tp."""
         if cfg.model_options:
             raise ValueError(
                 f"--model-option {cfg.model_options[0][0]}: the {self.name} backend's model takes no options"

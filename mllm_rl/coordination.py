@@ -1,9 +1,7 @@
 """How the processes of a run agree (multi-task runs: at every lease handoff); no networking of our own.
 
-A ``Coordinator``'s one primitive, ``gather(name, value)``, is a barrier that carries data: every
-process contributes a string and gets all of them back in process order. Multi-process runs get
-one from the backend (JAX: ``jax.distributed``'s coordination-service key-value store);
-a single process uses ``LocalCoordinator``."""
+``gather(name, value)``: a barrier carrying one string per process, all returned in process order
+(from the backend's process group, e.g. ``jax.distributed``'s key-value store; one process: local)."""
 
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ class Coordinator(Protocol):
 
     def gather(self, name: str, value: str) -> list[str]:
         """Every process's ``value`` for ``name``, in process order (blocks until all gave one)."""
-        ...
 
 
 class LocalCoordinator:

@@ -192,41 +192,32 @@ class EnginePrimitives(Protocol):
 
     def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
         """Generate for prompts ``[n][T_i]``; ``pause_generation`` (another thread) aborts them."""
-        ...
 
     def weight_names(self) -> list[str]:
         """HF names of every weight; a full update covers exactly these."""
-        ...
 
     def memory_tag(self, tag: str) -> str:
         """``tag`` as named in the records (``<task>/weights`` in a multi-task run)."""
-        ...
 
     def place(self, hf_name: str, value: Any) -> Any:
         """One HF-layout tensor on the engine's devices in its layout, not installed (``Placed``)."""
-        ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
         """Install tensors one at a time; ``on_tensor(name, nbytes)`` at each one's high point."""
-        ...
 
     def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
         """(sum, sumsq) per weight (``names``: only those) of what the engine's forward uses."""
-        ...
 
     def weight_bytes(self) -> int: ...
 
     def tag_bytes(self, tag: str) -> int:
         """Device bytes a resident tag holds."""
-        ...
 
     def release_memory(self, tag: str) -> None:
         """Free a resident tag's device memory (weights to host first when ``weights_cpu_backup``)."""
-        ...
 
     def resume_memory(self, tag: str) -> bool:
         """Re-allocate a released tag; whether its contents were restored (CPU backup)."""
-        ...
 
     def pause_generation(self) -> None: ...
 

@@ -30,9 +30,8 @@ class TasksFailed(RuntimeError):
 
 
 def exit_of(e: BaseException) -> tuple[int, str]:
-    """The exit code and the last line of a run that ``e`` ended (imports nothing heavy itself:
-    the exception classes are looked up by module, so a plan that never loaded one costs nothing).
-    ``named(e)`` says whether the line says all there is (else the traceback is worth keeping)."""
+    """The exit code and the last line of a run that ``e`` ended (exception classes looked up by
+    module: nothing heavy imported)."""
     import sys
 
     from mllm_rl.signals import Terminated
@@ -61,8 +60,7 @@ def exit_of(e: BaseException) -> tuple[int, str]:
 
 
 def named(e: BaseException) -> bool:
-    """Whether ``exit_of(e)``'s line is the whole story: a failure this package names (not an
-    unexpected exception, whose traceback the run keeps in its directory)."""
+    """Whether ``exit_of(e)``'s line is the whole story (else the run keeps the traceback)."""
     import sys
 
     if isinstance(e, (KeyboardInterrupt, TasksFailed)) or type(e).__name__ == "Terminated":

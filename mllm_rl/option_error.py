@@ -1,11 +1,5 @@
-"""``OptionError``: a bad option value named by its option key, not by how a user spelled it.
-
-The options dataclasses (``RLOptions``, ``SwapOptions``, ``EngineOptions``, ``TrainConfig``,
-``LossConfig``, ``LifecycleOptions``, ``SamplingParams``) raise it with the key of the option a field
-is bound to (``mllm_rl.options.fields``), else the field's name (``steps must be >= 1, got 0``);
-whoever knows the spelling says it: the CLI as the flag (``--steps must be >= 1, got 0``,
-``cli_flag``), a tasks file as its key (``cli_key``).
-"""
+"""``OptionError``: a bad option value named by its option key (``steps must be >= 1, got 0``),
+not by how a user spelled it; the CLI names the flag (``cli_flag``), a tasks file its key."""
 
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ def gib(v: int | None) -> str:
 
 
 def _sum(devices: list[dict[str, Any]], key: str) -> int | None:
-    """``key`` summed over one entry per device (CUDA records list a device twice: driver truth and
-    allocator; see ``report.memory.primary_devices``), skipping unknown values."""
+    """``key`` summed over one entry per device (``report.memory.primary_devices``), skipping unknowns."""
     vals = [d[key] for d in primary_devices(devices) if d.get(key) is not None]
     return sum(vals) if vals else None
 

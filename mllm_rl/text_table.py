@@ -7,9 +7,8 @@ from collections.abc import Sequence
 
 
 def aligned(rows: Sequence[Sequence[str]], rule: bool = False, free_last: bool = False) -> list[str]:
-    """``rows`` (the first one the header) as lines, columns two spaces apart: the first column
-    left-aligned, the others right-aligned. ``rule``: dashes under the header; ``free_last``: the
-    last column is free text, not padded (a note, an error). No line ends in blanks."""
+    """``rows`` (the first: the header) as lines, columns two spaces apart, the first left-aligned.
+    ``rule``: dashes under the header; ``free_last``: the last column is free text, not padded."""
     fixed = len(rows[0]) - 1 if free_last else len(rows[0])
     widths = [max(len(r[i]) for r in rows) for i in range(fixed)]
     lines = []

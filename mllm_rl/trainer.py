@@ -94,56 +94,43 @@ class TrainerSnapshot(Protocol):
 
     def write(self, path: Path) -> Manifest | None:
         """``Trainer.save``'s files into ``path`` (safe on another thread); what ``save`` returns."""
-        ...
 
 
 class Trainer(Protocol):
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """One RL step; returns ``TRAIN_METRICS`` (built by ``train_metrics``)."""
-        ...
 
     def logprobs(self, batch: RolloutBatch) -> np.ndarray:
         """Log-prob of ``tokens[b, t]`` given ``tokens[b, :t]``, [B, T] (0 at t = 0 and on padding)."""
-        ...
 
     def offload(self, what: Sequence[str]) -> int:
         """Move ``params``/``optimizer`` off the device; returns device bytes they held."""
-        ...
 
     def onload(self, what: Sequence[str]) -> int:
         """Bring them back; returns device bytes they hold again."""
-        ...
 
     def resident(self) -> dict[str, bool]:
         """``{"params": bool, "optimizer": bool}``: on the device now?"""
-        ...
 
     def state_bytes(self) -> dict[str, int]:
         """``{"params": int, "optimizer": int}``: device bytes each holds (call while resident)."""
-        ...
 
     def greedy(self, prompt: Sequence[int], n: int) -> tuple[list[int], list[float]]:
         """Greedy continuation of ``prompt`` (<= n tokens, to EOS) and each token's top-2 logit margin."""
-        ...
 
     def export_weights(self, full: bool = True) -> WeightExport:
         """HF-named tensors for the rollout engine (full, or only what training changes)."""
-        ...
 
     def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
         """(sum, sumsq) of the exported tensors (all, or ``names``)."""
-        ...
 
     def save(self, path: Path) -> Manifest | None:
         """Write params and optimizer state into the directory ``path`` (both resident); the manifest
         entries of files it hashed while writing (``None``: none)."""
-        ...
 
     def snapshot(self, path: Path) -> TrainerSnapshot | None:
         """What ``save`` writes into ``path``, copied to host memory now, for another thread to write
         (orbax begins its write here). ``None``: this trainer saves only in place."""
-        ...
 
     def restore(self, path: Path) -> None:
         """Load what ``save`` wrote (both resident)."""
-        ...

@@ -144,9 +144,8 @@ def summarize_run(run_dir: Path) -> dict[str, Any]:
     steps = sorted({r["step"] for r in recs if r.get("step") is not None})
     last = steps[-1] if steps else None
     out["steps"] = len(steps)
-    plan_doc = None
-    if (run_dir / "plan.json").is_file():
-        plan_doc = json.loads((run_dir / "plan.json").read_text())
+    plan_path = run_dir / "plan.json"
+    plan_doc = json.loads(plan_path.read_text()) if plan_path.is_file() else None
     plan_phases: dict[str, dict[str, Any]] = {}
     if plan_doc:
         plan = plan_doc["plans"][plan_doc["schedule"]]
@@ -164,9 +163,7 @@ def summarize_run(run_dir: Path) -> dict[str, Any]:
                "end_bytes": end, "peak_bytes": peak, "plan_peak_bytes": pp["total"] if pp else None}  # fmt: skip
         if pp and peak:
             row["peak_over_plan"] = round(peak / pp["total"], 4) if pp["total"] else None
-        for k in ("gbps", "bytes", "tensors"):
-            if k in r.get("info", {}):
-                row[k] = r["info"][k]
+        row.update({k: r["info"][k] for k in ("gbps", "bytes", "tensors") if k in r.get("info", {})})
         if r.get("info", {}).get("error"):
             row["error"] = str(r["info"]["error"])[:300]
         rows.append(row)
@@ -188,10 +185,8 @@ def summarize_run(run_dir: Path) -> dict[str, Any]:
             out["plan_audit"] = f"not compared: {e}"
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
-        lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-        out["metrics_last"] = {
-            k: v for k, v in (lines[-1] if lines else {}).items() if isinstance(v, (int, float))
-        }
+        last = ([json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] or [{}])[-1]
+        out["metrics_last"] = {k: v for k, v in last.items() if isinstance(v, (int, float))}
     return out
 
 

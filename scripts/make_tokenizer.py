@@ -1,8 +1,7 @@
 """Regenerate the tokenizer the project ships (``mllm_rl/assets/tokenizer``).
 
-A byte-level BPE with no merges: 256 byte tokens (ids 0-255, ordered by the code point of the byte-level alphabet) and
-three ChatML-style special tokens. Every UTF-8 string round-trips, it is tiny, and
-it needs no training data. Usage: ``python scripts/make_tokenizer.py [--out DIR]``.
+A byte-level BPE with no merges: 256 byte tokens (ids 0-255, by code point of the byte-level
+alphabet) and three ChatML special tokens; every UTF-8 string round-trips, no training data needed.
 """
 
 from __future__ import annotations
