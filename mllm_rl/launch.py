@@ -165,12 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.module == RUN_MODULE:
         rest = check_run_args(rest, args.nproc)
     stopping: list[int] = []  # the signal that stops the launcher, if any
-
-    def on_signal(signum: int, frame: object) -> None:
-        stopping.append(signum)
-
     for sig in (signal.SIGTERM, signal.SIGINT):  # before any process starts: none is left behind
-        signal.signal(sig, on_signal)
+        signal.signal(sig, lambda signum, frame: stopping.append(signum))
     coord = coordinator_port()
     torch_port = free_port()
     lock = threading.Lock()

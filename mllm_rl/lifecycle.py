@@ -88,7 +88,7 @@ class LifecycleOptions:
 
 
 def step_phases(opts: LifecycleOptions) -> list[str]:
-    """The phase names of one step, in order (what the report's completeness check expects)."""
+    """The phase names of one step, in order."""
     return list(phase_table.step_sequence(opts.schedule, opts.check_weights))
 
 

@@ -47,12 +47,10 @@ _GENERATES = {"resident": _ENGINE, "functions": ("engine_step",), "heavy": True}
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    """One phase of the lifecycle.
-
-    ``resident``: components on the device at some point *during* it (a transition counts both
-    sides); ``naive``: the naive schedule's row where it differs; ``inherit``: hold what the phase
-    before left (``INHERIT_END``) or held (``INHERIT_DURING``) instead of a row. ``drops``: gone at
-    its end. ``heavy``: computes or moves a whole model (the watchdog's full limit)."""
+    """One phase. ``resident``: components on the device at some point *during* it; ``naive``: the
+    naive schedule's row where it differs; ``inherit``: instead of a row, what the phase before left
+    (``INHERIT_END``) or held (``INHERIT_DURING``); ``drops``: gone at its end; ``heavy``: computes or
+    moves a whole model (the watchdog's full limit)."""
 
     name: str
     doc: str

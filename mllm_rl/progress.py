@@ -29,11 +29,8 @@ def write(line: str, stream: TextIO) -> None:
 
 
 class _Null:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def set_postfix_str(self, s: str) -> None:
-        pass
+    def update(self, n: int = 1) -> None: ...
+    def set_postfix_str(self, s: str) -> None: ...
 
 
 @contextmanager

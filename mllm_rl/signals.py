@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
 import signal
 import sys
@@ -30,10 +31,8 @@ def process_count() -> int:
     """The processes of this run, from the launcher's or torchrun's variables (1 when neither)."""
     counts = [1]
     for name in PROCESS_COUNT_VARS:
-        try:
+        with contextlib.suppress(ValueError):
             counts.append(int(os.environ.get(name, "1")))
-        except ValueError:
-            pass
     return max(counts)
 
 

@@ -41,12 +41,10 @@ class TrainConfig:
     # mixed: float32 master params and AdamW moments, compute in the checkpoint's dtype; pure: all
     # in the checkpoint's dtype (half the state; updates below half an ulp are lost).
     precision: str = opt("precision")
-    # The backend's model options by name (JAX ``ModelOptions``, torch ``TorchModelOptions``) and the
-    # trainer's tensor-parallel size.
+    # The backend's model options by name (JAX ``ModelOptions``, torch ``TorchModelOptions``).
     model_options: tuple[tuple[str, Any], ...] = ()
     trainer_tp: int = opt("trainer_tp")
-    # How the trainer's state is sharded (JAX: the mesh's fsdp axis; torch: FSDP2 over the
-    # processes); 0: over everything there is.
+    # How the trainer's state is sharded (JAX: the fsdp axis; torch: FSDP2); 0: over everything.
     fsdp: int = opt("fsdp")
 
     def __post_init__(self) -> None:

@@ -273,9 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     if only:
         steps = [s for s in steps if any(s["name"].startswith(o) for o in only)]
         if not steps:
-            ap.error(
-                f"--only {args.only}: selects no step ({', '.join(s['name'] for s in _step_table(mode))})"
-            )
+            names = ", ".join(s["name"] for s in _step_table(mode))
+            ap.error(f"--only {args.only}: selects no step ({names})")
     out.mkdir(parents=True, exist_ok=True)
     from mllm_rl.bench.child import child_env
     from mllm_rl.bench.machine import machine_info
