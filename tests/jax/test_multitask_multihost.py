@@ -21,7 +21,7 @@ REPEATS = 20
 FAIL_REP = 7  # in this repetition task b fails in its train lease of step 1, on process 1 only
 
 SCRIPT = f"""
-import json, sys
+import dataclasses, json, sys
 sys.path.insert(0, {str(ROOT)!r})
 from mllm_rl.backends.jax import JaxBackend, distributed
 distributed.init_distributed(tp=2)  # one (fake CPU) device per process
@@ -44,7 +44,7 @@ for rep in range({REPEATS}):
              for i, t in enumerate(steps)}}
     drv = Driver(lease_schedule(steps), tasks, coord, device_bytes=dev.total)
     st = drv.run()
-    out.append({{"ran": drv.ran, "status": {{n: s.to_json() for n, s in st.items()}},
+    out.append({{"ran": drv.ran, "status": {{n: dataclasses.asdict(s) for n, s in st.items()}},
                  "bytes_left": dev.total()}})
 with open(sys.argv[1], "w") as f:
     json.dump(out, f)
