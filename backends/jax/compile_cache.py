@@ -1,17 +1,10 @@
 """JAX's persistent compilation cache, on for every run unless the caller chose otherwise.
 
-A run compiles its memory plan, trainer and engine programs; with the cache, a later run of the
-same configuration on the same machine reads the compiled programs instead of compiling again
-(step 0 of a run on an accelerator spends most of its time compiling). JAX's own variables decide
-(https://docs.jax.dev/en/latest/persistent_compilation_cache.html); ``JAX_COMPILATION_CACHE_DIR``
-unset defaults to ``$MLLM_RL_CACHE/jax-compile`` (``~/.cache/mllm_rl/...``); empty turns the cache
-off. That directory is kept under ``DEFAULT_MAX_BYTES`` by ``trim`` once per run (the entries used
-longest ago go first), not by JAX's ``JAX_COMPILATION_CACHE_MAX_SIZE``, whose eviction lists the
-directory and reads every entry's access time, under a file lock, on every write: a cost per
-compiled program that grows with the cache. A caller who chose the directory or that variable
-chose the policy.
-
-JAX reads them when it is imported, so ``configure`` runs before anything imports jax.
+A later run of the same configuration reads its compiled programs instead of compiling again.
+``JAX_COMPILATION_CACHE_DIR`` unset defaults to ``$MLLM_RL_CACHE/jax-compile``; empty turns it off.
+That directory is kept under ``DEFAULT_MAX_BYTES`` by ``trim`` once per run, not by JAX's
+``JAX_COMPILATION_CACHE_MAX_SIZE`` (whose eviction scans the directory under a lock on every write).
+A caller who set either variable chose the policy. JAX reads them at import: ``configure`` runs first.
 """
 
 from __future__ import annotations
@@ -30,8 +23,8 @@ ENTRY, ATIME = "-cache", "-atime"  # JAX's file name suffixes: a program, its la
 
 
 def configure(env: MutableMapping[str, str] | None = None) -> str | None:
-    """Default ``env``'s cache directory (``os.environ``; left alone once jax is imported, when it
-    no longer applies) and ``trim`` it when it is ours. Returns the directory, None when off."""
+    """Default ``env``'s cache directory (left alone once jax is imported) and ``trim`` it when it
+    is ours. Returns the directory, None when off."""
     env = os.environ if env is None else env
     if env is os.environ and "jax" in sys.modules:
         return env.get(DIR) or None
@@ -43,10 +36,8 @@ def configure(env: MutableMapping[str, str] | None = None) -> str | None:
 
 
 def trim(path: Path, max_bytes: int) -> int:
-    """Delete the compiled programs in ``path`` used longest ago (file access or write time,
-    whichever is later) until the rest fit in three quarters of ``max_bytes``, if they exceed
-    ``max_bytes``. Returns the bytes deleted. Best effort: a file another process removed or
-    cannot be removed is skipped."""
+    """Over ``max_bytes``: delete the programs used longest ago until the rest fit in 3/4 of it.
+    Returns the bytes deleted; best effort (a file that cannot be removed is skipped)."""
     entries = []
     for f in path.glob(f"*{ENTRY}") if path.is_dir() else ():
         try:

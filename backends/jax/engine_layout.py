@@ -1,15 +1,13 @@
 """The sglang-jax engine's device memory by its own layout: weights and the KV cache pool.
 
-Both come from sglang-jax 0.1.0rc0 itself, nothing allocated:
+Both from sglang-jax 0.1.0rc0 itself, nothing allocated:
 
-- weights: its ``Qwen3ForCausalLM`` built with ``nnx.eval_shape`` on the engine's
-  ``("data", "tensor")`` mesh, each weight sharded as its ``WeightMapping`` says; one device's
-  shard bytes, with the compiler's size (TPU tile padding) beside it.
-- KV pool: ``MHATokenToKVPool`` (``mem_cache/memory_pool.py``) allocates per layer a fused
+- weights: its ``Qwen3ForCausalLM`` built with ``nnx.eval_shape`` on the engine's mesh, each
+  weight sharded as its ``WeightMapping`` says (with the compiler's size, TPU tile padding, beside).
+- KV pool: ``MHATokenToKVPool`` allocates per layer a fused
   ``[(size + page_size * dp) / page_size, page_size, kv_heads * 2 / packing, packing, head_dim]``
-  buffer, ``head_dim`` padded to a multiple of 128, heads split over ``tensor``; its size follows
-  ``profile_max_num_token`` (``model_runner_kv_cache_mixin.py``). One layer's buffer is compiled
-  for the target to check the formula.
+  buffer, ``head_dim`` padded to a multiple of 128, heads split over ``tensor``. One layer's
+  buffer is compiled for the target to check the formula.
 """
 
 from __future__ import annotations
@@ -23,30 +21,23 @@ from mllm_rl.presets import ModelConfig
 
 PAGE_SIZE = 1  # sglang-jax's default --page-size
 DP = 1  # one data-parallel rank: the adapter starts the engine with dp_size 1
-# SglangJaxEngine's defaults. sglang-jax refuses to start unless the memory available after loading
-# the weights exceeds (1 - mem_fraction_static) x what was available before (``model_runner.py`` /
-# ``_profile_available_bytes``); on CPU that is the host's memory, which other processes move, and the
-# run caps the pool with max_total_tokens anyway, so CPU uses a high fraction.
+# SglangJaxEngine's defaults; on CPU (the host's memory, which other processes move; the run caps
+# the pool with max_total_tokens anyway) a high fraction.
 DEFAULT_MEM_FRACTION = {"cpu": 0.9, "tpu": 0.6, "gpu": 0.6}
 
-# sglang-jax's attention kernels ('fa': ragged paged attention, a Pallas TPU kernel) take their
-# block sizes from a table that knows TPU v5, v6 and v7 and raise NotImplementedError for any
-# other version (sgl_jax/srt/kernels/ragged_paged_attention/ragged_paged_attention_v3.py,
-# get_default_block_sizes); on GPU a Mosaic TPU kernel does not lower at all.
+# sglang-jax's 'fa' kernel (ragged paged attention) has block sizes for these TPUs only (it
+# raises NotImplementedError for others); on GPU it does not lower at all.
 FA_TPU_VERSIONS = (5, 6, 7)
 
 
 def tpu_version(device_kind: str) -> int | None:
-    """The TPU generation in a ``device_kind`` ("TPU v4" -> 4, "TPU v5 lite" -> 5, "TPU7x" -> 7),
-    read as sglang-jax reads it; None for a device that is no TPU."""
+    """The TPU generation in a ``device_kind`` ("TPU v5 lite" -> 5, "TPU7x" -> 7), else None."""
     m = re.match(r"^TPU[^\d]*(\d+)", device_kind)
     return int(m.group(1)) if m else None
 
 
 def attention_backend(platform: str, device_kind: str) -> str:
-    """The sglang-jax attention backend the engine runs on this device: ``fa`` on the TPU
-    generations its kernel supports, else ``native`` (plain JAX attention over the paged KV
-    pool: CPU, GPU, TPU v2-v4)."""
+    """sglang-jax's attention backend here: ``fa`` on the TPUs its kernel supports, else ``native``."""
     if platform == "tpu" and tpu_version(device_kind) in FA_TPU_VERSIONS:
         return "fa"
     return "native"
@@ -95,10 +86,8 @@ def _hf_config(model: ModelConfig) -> Any:
 
 
 def weights(model: ModelConfig, devices: list[Any], tp: int) -> EngineWeights:
-    """Per-device bytes of the engine's weights, as sglang-jax's dummy loader places them: the
-    model built abstractly on its mesh (``nnx.eval_shape``, as ``JAXDummyModelLoader`` does), then
-    every weight of ``_create_qwen3_weight_mappings()`` with that mapping's sharding
-    (``WeightLoader._load_dummy_weights``; the weight updates keep each leaf's sharding)."""
+    """Per-device bytes of the engine's weights as sglang-jax's dummy loader places them: the model
+    built abstractly on its mesh, every mapped weight with its mapping's sharding."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -107,13 +96,15 @@ def weights(model: ModelConfig, devices: list[Any], tp: int) -> EngineWeights:
     from jax.sharding import PartitionSpec as P
     from sgl_jax.srt.models.qwen3 import Qwen3ForCausalLM
 
+    from mllm_rl.backends.jax.engine_weights import dotted
+
     mesh = engine_mesh(devices, tp)
     dtype = jnp.dtype(engine_dtype(model))
     hf = _hf_config(model)
     with jax.set_mesh(mesh):
         abstract = nnx.eval_shape(lambda: Qwen3ForCausalLM(hf, mesh=mesh, dtype=dtype))
     flat = jax.tree_util.tree_flatten_with_path(nnx.split(abstract)[1])[0]
-    by_path = {_dotted(path): leaf for path, leaf in flat}
+    by_path = {dotted(path): leaf for path, leaf in flat}
     specs = []
     for hf_name, m in abstract._create_qwen3_weight_mappings().items():
         target = m.target_path if isinstance(m.target_path, str) else None
@@ -130,17 +121,9 @@ def weights(model: ModelConfig, devices: list[Any], tp: int) -> EngineWeights:
     return EngineWeights(sum(per), int(compiled.memory_analysis().output_size_in_bytes), len(specs), max(per))
 
 
-def _dotted(path: tuple[Any, ...]) -> str:
-    """A ``tree_flatten_with_path`` key path as sglang-jax's mappings spell it (``a.b.0.c``)."""
-    parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
-    return ".".join(parts[:-1] if parts and parts[-1] == "value" else parts)
-
-
 def batch_bucket(n: int, max_running_requests: int) -> int:
-    """The padded decode batch sglang-jax runs ``n`` requests in: the smallest of its batch
-    buckets (powers of two up to 256 that do not exceed ``max_running_requests``, then
-    ``max_running_requests`` itself; ``PRECOMPILE_DEFAULT_BS_PADDINGS``,
-    ``CompilationManager._compute_bs_buckets``) that holds ``min(n, max_running_requests)``."""
+    """The padded decode batch sglang-jax runs ``n`` requests in: the smallest of its buckets
+    (powers of two up to 256 within ``max_running_requests``, then that) holding them."""
     buckets = [1 << i for i in range(9) if 1 << i <= max_running_requests]
     if not buckets or buckets[-1] < max_running_requests:
         buckets.append(max_running_requests)
@@ -148,16 +131,14 @@ def batch_bucket(n: int, max_running_requests: int) -> int:
     return next(b for b in buckets if b >= n)
 
 
-# sglang-jax's default prefill chunk (ServerArgs.chunked_prefill_size None -> 4096, below
-# max_prefill_tokens 16384: sgl_jax/srt/server_args.py); the adapter leaves it at the default.
+# sglang-jax's default prefill chunk (ServerArgs.chunked_prefill_size), left at the default
 CHUNKED_PREFILL_TOKENS = 4096
 
 
 def logits_bytes(model: ModelConfig, max_running_requests: int, batch: int) -> tuple[int, int]:
-    """``(bytes, rows)`` of what sglang-jax keeps alive between generate calls: float32
-    ``[rows, vocab]`` logits, one ``[max_running_requests, V]`` array and two ``[bucket, V]`` arrays of
-    the last decode batches (one fewer when the bucket is ``max_running_requests``). Counted whole on
-    every engine device (an upper bound where the engine shards them)."""
+    """``(bytes, rows)`` of the float32 logits sglang-jax keeps between generate calls: one
+    ``[max_running_requests, V]`` array and two ``[bucket, V]`` of the last decode batches (counted
+    whole on every device: an upper bound)."""
     b = batch_bucket(batch, max_running_requests)
     rows = 2 * max_running_requests if b == max_running_requests else max_running_requests + 2 * b
     return rows * model.vocab_size * 4, rows
@@ -180,13 +161,9 @@ def size_pool(
     max_total_tokens: int | None,
     mem_fraction_static: float | None,
 ) -> KVPool:
-    """The pool sglang-jax builds when it starts with ``free_bytes`` free per device.
-
-    ``max_total_tokens`` given (the run's ``--max-total-tokens``): that pool, and the
-    ``mem_fraction_static`` it needs; else the pool ``mem_fraction_static`` (default: the
-    adapter's) gives. ``ValueError`` when the engine would not start (its weights do not fit
-    the fraction: sglang-jax raises "Not enough memory").
-    """
+    """The pool sglang-jax builds with ``free_bytes`` free per device: ``max_total_tokens`` and
+    the ``mem_fraction_static`` it needs, else the pool ``mem_fraction_static`` gives. ValueError
+    when the engine would not start."""
     cell = kv_cell(model, tp)
     if max_total_tokens is not None:
         tokens = max_total_tokens // PAGE_SIZE * PAGE_SIZE

@@ -1,12 +1,10 @@
 """An engine's weight leaves: HF-named tensors placed and written into the arrays its forward reads.
 
-Pure JAX (no sglang-jax import). An engine's weights are a list of leaves (sglang-jax:
-``model_runner.model_state_leaves``) and a map HF name -> ``(leaf index, transpose)``, ``transpose``
-meaning the leaf holds HF ``[out, in]`` as ``[in, out]``. Accepted values (``place`` / ``stream``):
-a host ndarray or memmap or a ``jax.Array`` in HF layout; ``KernelInOut(a)``, ``a`` ``[in, out]``;
-either as ``Owned`` (a buffer made for the export: kept, not copied); ``Placed(a)`` (``stream``
-only), already in the leaf's layout, dtype and sharding. Transposes and casts run on the devices:
-a strided host transpose of a bf16 matrix is far slower than a copy.
+Pure JAX (no sglang-jax import). An engine's weights are a list of leaves and a map HF name ->
+``(leaf index, transpose)`` (the leaf holds HF ``[out, in]`` as ``[in, out]``). Accepted values: a
+host ndarray or ``jax.Array`` in HF layout; ``KernelInOut(a)``; either as ``Owned`` (kept, not
+copied); ``Placed(a)`` (``stream`` only) in the leaf's layout. Transposes and casts run on the
+devices (a strided host transpose is far slower than a copy).
 """
 
 from __future__ import annotations
@@ -29,22 +27,16 @@ Sums = tuple[jax.Array, jax.Array]  # (sum, sum of squares) as float32 device sc
 
 
 def host_copy(arr: np.ndarray, dtype: Any) -> np.ndarray:
-    """A C-contiguous host array that owns its memory, never a view of a file mapping: on JAX
-    CPU, ``jax.device_put`` of an ``np.memmap`` aliases the mapped pages, so the "device" array changes
-    once the mapping is gone (tests/jax/test_engine_contract.py). Costs one tensor of host memory."""
+    """A C-contiguous host array that owns its memory: on JAX CPU, ``jax.device_put`` of an
+    ``np.memmap`` aliases the mapped pages, which change once the mapping is gone."""
     return np.array(arr, dtype=dtype, order="C", copy=True)
 
 
 def dotted(path: tuple[Any, ...]) -> str:
     """A pytree key path as a dotted name (``layers.0.mlp.up_proj.kernel``; a trailing
-    ``value`` of an nnx variable dropped)."""
-    parts = []
-    for k in path:
-        key = getattr(k, "key", getattr(k, "idx", getattr(k, "name", None)))
-        parts.append(str(key))
-    if parts and parts[-1] == "value":
-        parts.pop()
-    return ".".join(parts)
+    ``value`` of an nnx variable dropped), as sglang-jax's mappings spell it."""
+    parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    return ".".join(parts[:-1] if parts and parts[-1] == "value" else parts)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -56,11 +48,9 @@ def _to_layout(x: jax.Array, transpose: bool, dtype: Any) -> jax.Array:
 def to_engine(
     x: jax.Array, transpose: bool, dtype: Any, sharding: jax.sharding.Sharding, owned: bool = False
 ) -> jax.Array:
-    """``x.T`` (``transpose``) or ``x`` as ``dtype`` with ``sharding``, in a buffer of its own.
-
-    A transpose or cast runs where ``x`` lives, then the result moves. With neither, ``x`` is copied
-    unless ``owned`` (nothing else holds it): a ``device_put`` to an equivalent sharding would alias
-    the buffer its owner (an offloading trainer) deletes later."""
+    """``x.T`` (``transpose``) or ``x`` as ``dtype`` with ``sharding``, in a buffer of its own:
+    a transpose or cast runs where ``x`` lives; else ``x`` is copied unless ``owned`` (an aliased
+    buffer would be deleted by its owner later)."""
     if transpose or x.dtype != dtype:
         return jax.device_put(_to_layout(x, transpose, dtype), sharding)
     return jax.device_put(x, sharding, may_alias=owned)
@@ -69,10 +59,8 @@ def to_engine(
 def host_to_engine(
     arr: np.ndarray, transpose: bool, dtype: Any, sharding: jax.sharding.Sharding
 ) -> jax.Array:
-    """A host array (``arr.T`` when ``transpose``, as ``dtype``) in a new buffer with ``sharding``.
-
-    With a transpose or a cast, ``arr`` moves as it is (onto the transposed sharding) and
-    ``_to_layout`` makes the new buffer on the devices; else one ``host_copy`` is moved."""
+    """A host array (``arr.T`` when ``transpose``, as ``dtype``) in a new buffer with ``sharding``;
+    a transpose or cast is made on the devices."""
     if not transpose and arr.dtype == dtype:
         return jax.device_put(host_copy(arr, dtype), sharding)
     staged = jax.device_put(arr, _transposed(sharding) if transpose else sharding)
@@ -88,8 +76,7 @@ def _transposed(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
 
 
 def _engine_view(value: Any, transpose: bool) -> tuple[Any, bool]:
-    """(the array in ``value``, whether it must be transposed to match a leaf that holds the
-    HF tensor transposed iff ``transpose``)."""
+    """(the array in ``value``, whether it must be transposed for a leaf of that ``transpose``)."""
     if isinstance(value, KernelInOut):  # value.array is the HF tensor's transpose already
         return value.array, not transpose
     return value, transpose
@@ -117,12 +104,8 @@ def _zeros_fn(shape: tuple[int, ...], dtype: Any, sharding: Any) -> Callable[[],
 
 
 class EngineLeaves:
-    """The weight leaves of one engine, addressed by HF name.
-
-    ``leaves()`` returns the list the engine's forward reads (items are replaced in place,
-    the list itself is never swapped); ``mappings``: HF name -> (leaf index, transpose);
-    ``chunk_bytes``: host tensors above it are written in chunks (0: always whole).
-    """
+    """The weight leaves of one engine, addressed by HF name. ``leaves()``: the list the forward
+    reads (items replaced in place); ``chunk_bytes``: host tensors above it are written in chunks."""
 
     def __init__(
         self,
@@ -150,20 +133,15 @@ class EngineLeaves:
         return self.leaves[self.mappings[hf_name][0]]
 
     def fingerprint(self, names: Iterable[str] | None = None) -> Fingerprint:
-        """(sum, sum of squares) of every mapped leaf (``names``: those), read from what the
-        forward uses."""
+        """(sum, sum of squares) of every mapped leaf (``names``: those)."""
         leaves = self.leaves
         return fingerprint(
             (n, leaves[self.mappings[n][0]]) for n in (self.mappings if names is None else names)
         )
 
     def place(self, hf_name: str, value: Any) -> jax.Array:
-        """``value`` (a host ndarray or ``jax.Array`` in HF layout, or a ``KernelInOut``) on
-        the leaf's devices in its layout, dtype and sharding; nothing is installed yet.
-
-        Raises ``KeyError`` for an unknown name, ``ValueError`` naming the tensor when its
-        shape does not match the leaf.
-        """
+        """``value`` on the leaf's devices in its layout, dtype and sharding (not installed);
+        KeyError for an unknown name, ValueError for a shape mismatch."""
         if hf_name not in self.mappings:
             raise KeyError(f"unknown parameter {hf_name!r} for this engine")
         idx, transpose = self.mappings[hf_name]
@@ -191,15 +169,10 @@ class EngineLeaves:
     def stream(
         self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None
     ) -> tuple[dict[str, Sums], int, dict[str, jax.Array]]:
-        """Per tensor: place it, dispatch its sums, install it (the old leaf freed at once).
-
-        Host ndarrays above ``chunk_bytes`` are written into the existing buffer in chunks.
-        ``on_tensor(name, nbytes)`` runs at each tensor's high point (new placed, old still
-        resident; ``nbytes`` placed).
-        Returns the sums of what was sent (device scalars, not read back), the bytes written and,
-        per tensor placed whole, the array its sums are of (``installed`` proves it is the leaf).
-        Nothing is waited for: the caller blocks on the leaves.
-        """
+        """Per tensor: place it, dispatch its sums, install it (the old leaf freed at once); host
+        ndarrays above ``chunk_bytes`` are written in chunks. ``on_tensor(name, nbytes)`` runs at
+        each tensor's high point. Returns the sums of what was sent (device scalars), the bytes
+        written and, per tensor placed whole, the array summed. Nothing is waited for."""
         sums: dict[str, Sums] = {}
         summed: dict[str, jax.Array] = {}
         nbytes = 0
@@ -223,18 +196,13 @@ class EngineLeaves:
         return sums, nbytes, summed
 
     def installed(self, summed: Mapping[str, jax.Array]) -> frozenset[str]:
-        """The names whose leaf is the very array ``stream`` summed (``summed``): their fingerprint
-        is that of what the forward reads, without a read-back (not chunked, dropped or since
-        replaced ones)."""
+        """The names whose leaf is the very array ``stream`` summed: fingerprinted without a read-back."""
         leaves = self.leaves
         return frozenset(n for n, a in summed.items() if leaves[self.mappings[n][0]] is a)
 
     def chunk_axis(self, hf_name: str, host: Any) -> int | None:
-        """Engine-layout axis to stream ``hf_name`` along, or None to place it whole.
-
-        Only tensors above ``chunk_bytes`` are chunked, along an axis the target's sharding
-        leaves whole (each device then updates its own shard, no resharding).
-        """
+        """Engine-layout axis to stream ``hf_name`` along (above ``chunk_bytes``, an axis the
+        sharding leaves whole), or None to place it whole."""
         if self.chunk_bytes <= 0 or np.asarray(host).nbytes <= self.chunk_bytes:
             return None
         leaf = self.target_of(hf_name)
@@ -246,12 +214,8 @@ class EngineLeaves:
         return free[0] if free else None
 
     def write_in_chunks(self, hf_name: str, host: np.ndarray, on_tensor: Any = None) -> Sums:
-        """Write ``host`` (HF layout) into the leaf's existing buffer slice by slice (donated
-        in-place update along ``chunk_axis``).
-
-        Peak device memory is the buffer plus ``chunk_bytes`` instead of two whole tensors.
-        Returns the (sum, sumsq) of the data sent, accumulated over the chunks.
-        """
+        """Write ``host`` (HF layout) into the leaf's buffer slice by slice along ``chunk_axis``
+        (peak: the buffer plus ``chunk_bytes``). Returns the (sum, sumsq) of the data sent."""
         idx, transpose = self.mappings[hf_name]
         axis = self.chunk_axis(hf_name, host)
         if axis is None:
@@ -261,8 +225,7 @@ class EngineLeaves:
         src = np.asarray(host)  # HF layout: a chunk is cut from it and transposed on the devices
         _check_shape(hf_name, src.shape[::-1] if transpose else src.shape, buf.shape)
         row_bytes = buf.nbytes // buf.shape[axis]
-        # a transposed chunk is on the devices twice (as sent, then transposed): half as many rows,
-        # so what is in flight stays within chunk_bytes
+        # a transposed chunk is on the devices twice: half as many rows
         step = max(1, self.chunk_bytes // max(1, row_bytes * (2 if transpose else 1)))
         write = _chunk_writer(buf.sharding, axis)
         hf_axis = 1 - axis if transpose else axis

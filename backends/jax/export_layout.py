@@ -1,11 +1,8 @@
 """The layout of the weights the JAX trainer exports to an engine.
 
-HF checkpoints store a linear layer's weight as ``[out, in]``; our flax model and sglang-jax
-both store its kernel as ``[in, out]``. Transposing to HF layout on export and back on
-install would materialise two copies of every kernel for nothing, so the trainer exports a
-kernel in its own layout, marked ``KernelInOut``: an engine whose leaf is ``[in, out]``
-installs it as is. A consumer that wants the HF tensor makes one explicit ``hf_layout`` call.
-Every other exported weight (embeddings, norms) is a plain array in HF layout.
+HF stores a linear weight as ``[out, in]``; our model and sglang-jax store kernels ``[in, out]``.
+Kernels are exported as is, marked ``KernelInOut`` (no transposed copies); ``hf_layout`` makes the
+HF tensor on request. Every other weight is a plain array in HF layout.
 """
 
 from __future__ import annotations
@@ -22,9 +19,8 @@ class KernelInOut(NamedTuple):
 
 
 class Owned(NamedTuple):
-    """An exported value (a ``jax.Array`` or ``KernelInOut``) in a buffer made for the export
-    (a cast of a float32 master): nothing else holds it, so an engine may install that buffer
-    instead of copying it."""
+    """An exported value in a buffer made for the export (a cast of a float32 master): nothing
+    else holds it, so an engine may install it without a copy."""
 
     value: Any
 
@@ -41,10 +37,6 @@ def array_of(value: Any) -> jax.Array:
 
 
 def hf_layout(value: Any) -> Any:
-    """The HF-layout tensor of an exported value.
-
-    ``KernelInOut(a)`` -> ``a.T`` (``[out, in]``, a transposed copy once materialised); any
-    other value is already in HF layout and is returned unchanged (without ``Owned``).
-    """
+    """The HF-layout tensor of an exported value: ``KernelInOut(a)`` -> ``a.T``, else unchanged."""
     value, _ = unwrap(value)
     return value.array.T if isinstance(value, KernelInOut) else value

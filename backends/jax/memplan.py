@@ -1,9 +1,8 @@
 """The JAX backend's memory planner: ``measure(req) -> Measured`` (``mllm_rl.memplan.request``).
 
 For a target topology (``topologies.py``; nothing runs on a device) it compiles the trainer's real
-jitted functions (``step_fns.make_step_fns``: ``grad``, ``apply``, ``logprob`` with KL) on the
-trainer's abstract state and mesh, and reads each one's ``memory_analysis()`` per device. Dtypes
-are the run's, from ``ModelOptions.resolved`` (``info.dtypes`` says which). Components:
+jitted functions (``step_fns.make_step_fns``) on its abstract state and mesh and reads each one's
+``memory_analysis()`` per device, in the run's dtypes (``ModelOptions.resolved``). Components:
 
 - ``engine_weights``, ``kv_pool`` (layout): sglang-jax's own model and pool rule
   (``engine_layout``), one pool layer compiled to check it; ``engine_logits``: float32
@@ -12,12 +11,11 @@ are the run's, from ``ModelOptions.resolved`` (``info.dtypes`` says which). Comp
   ``abstract_state`` (optimizer on the host with ``optimizer_memory=host``: ``_leaf_update``).
 - ``grads`` (compiler): the accumulator, ``grad``'s output sharding in the trainable dtype.
 - ``staging`` (layout): estimate of the largest tensor in flight during a weight update.
+- ``engine_step`` (compiler): on TPU/GPU sglang-jax's prefill and decode forward compiled for the
+  target (``engine_compile``); on CPU an estimate from the shapes (``mllm_rl.memplan.engine_step``).
 
-- ``engine_step`` (compiler): on TPU/GPU targets sglang-jax's prefill and decode forward compiled for
-  the target (``engine_compile``); on CPU an estimate from the shapes (``mllm_rl.memplan.engine_step``).
-
-Peak of a compiled function: ``peak_memory_in_bytes`` on TPU/GPU; on CPU, where XLA reports no buffer
-reuse, ``arguments + outputs - aliased + temporaries`` (an upper bound).
+Peak of a compiled function: ``peak_memory_in_bytes`` on TPU/GPU; on CPU (no buffer reuse reported)
+``arguments + outputs - aliased + temporaries``, an upper bound.
 """
 
 from __future__ import annotations
@@ -47,9 +45,8 @@ def targets() -> dict[str, str]:
 
 
 def target_for_runtime(runtime: dict[str, Any]) -> str | None:
-    """The target of the devices a run came up on (``mllm_rl.memplan.for_run``): ``cpu`` for one
-    process on CPU; on TPU or GPU the slice or node whose device kind, device count and hosts are
-    the run's (``topologies.match_runtime``: a v4-8 run is planned for ``v4-8``); None otherwise."""
+    """The target of the devices a run came up on: ``cpu`` for one process on CPU; on TPU or GPU
+    the slice or node matching the run's (``topologies.match_runtime``); None otherwise."""
     platform, procs = runtime.get("platform"), runtime.get("process_count", 1)
     if platform == "cpu":
         return "cpu" if procs == 1 else None
@@ -60,16 +57,13 @@ def target_for_runtime(runtime: dict[str, Any]) -> str | None:
 
 
 def plans_in_process(target: str) -> bool:
-    """Whether a run's own process can plan ``target``: only ``cpu`` (a TPU or GPU target loads its
-    compiler into a JAX on its CPU platform, which a run on that TPU or GPU is not; the run plans
-    it in a fresh process, ``mllm_rl.memplan.child``)."""
+    """Only ``cpu``: a TPU or GPU target's compiler needs a JAX on the CPU platform (a fresh process)."""
     return target == "cpu"
 
 
 def check(req: PlanRequest) -> None:
-    """What ``measure`` refuses that the request alone decides, with no compiler loaded (jax is
-    not imported): the engine, the target, the engine's and the trainer's meshes over the
-    target's devices (from its spec), the ``--model-option`` values; ``ValueError`` (one line)."""
+    """What ``measure`` refuses that the request alone decides, without importing jax: the engine,
+    the target, the engine's and trainer's meshes, the ``--model-option`` values (ValueError)."""
     if req.engine == "embedded":
         raise ValueError(
             "PlanRequest.engine 'embedded': the JAX backend's engine is sglang-jax (auto or sglang)"
@@ -84,13 +78,9 @@ def check(req: PlanRequest) -> None:
 
 
 def measure(req: PlanRequest) -> Measured:
-    """Components and compiled functions of one colocated RL step for ``req`` (per device).
-
-    ``ValueError`` (one line) for a request the run would refuse: unknown target, a tp that
-    does not divide the heads or the devices, a pool the engine could not start with. A TPU or
-    GPU target's programs (a compile-only client's) stay out of JAX's persistent compilation
-    cache (``topologies.cache_writes``); a CPU plan's are cached like a run's.
-    """
+    """Components and compiled functions of one colocated RL step for ``req`` (per device);
+    ValueError for a request the run would refuse. Only a CPU plan's programs enter JAX's
+    persistent compilation cache (``topologies.cache_writes``)."""
     check(req)
     spec = topologies.spec(req.target)
     with topologies.cache_writes(spec.platform == "cpu"):
@@ -198,10 +188,8 @@ def _engine_step(
     info: dict[str, Any],
     notes: list[str],
 ) -> FunctionMemory:
-    """sglang-jax's forward while it generates: on a TPU or GPU target its prefill and decode
-    programs compiled for the target (``engine_compile``; the larger extra bytes is the row); on
-    CPU, or where the compile fails for a reason other than memory, the estimate from the shapes
-    (``_engine_estimate``), and the plan says why."""
+    """sglang-jax's forward while it generates: on TPU or GPU its prefill and decode compiled for
+    the target (the larger extra bytes); on CPU, or where that compile fails, ``_engine_estimate``."""
     if target.platform == "cpu":
         notes.append(
             "engine forward: estimated from the shapes on CPU (a CPU run measures its engine at every "
@@ -260,10 +248,8 @@ def _engine_step(
 
 
 def _engine_estimate(req: PlanRequest) -> FunctionMemory:
-    """sglang-jax's forward step while it generates, estimated from the shapes
-    (``mllm_rl.memplan.engine_step``): a prefill chunk (at most sglang-jax's chunk, at most the
-    rollout's sequences x ``seq_len``) or a decode batch, whichever is larger; the sampler's rows
-    are the sequences decoded at once (at most ``max_running_requests``)."""
+    """sglang-jax's forward step estimated from the shapes (``mllm_rl.memplan.engine_step``): a
+    prefill chunk or a decode batch of at most ``max_running_requests`` rows, whichever is larger."""
     rows = min(req.max_running_requests, req.prompts * req.group_size)
     tokens = max(min(engine_layout.CHUNKED_PREFILL_TOKENS, rows * req.seq_len), rows)
     itemsize = 4 if engine_layout.engine_dtype(req.model) == "float32" else 2
@@ -272,8 +258,7 @@ def _engine_estimate(req: PlanRequest) -> FunctionMemory:
 
 
 def _compile_layer(req: PlanRequest, devices: list[Any], tokens: int) -> int | str:
-    """One layer of the KV pool compiled for the target (its bytes), or the compiler's refusal when
-    one layer alone does not fit a device (the pool then overflows in the plan, naming kv_pool)."""
+    """One layer of the KV pool compiled for the target (its bytes), or the compiler's refusal."""
     try:
         return engine_layout.compile_layer(req.model, devices, req.tp, tokens)
     except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory refusal is expected
@@ -284,8 +269,7 @@ def _compile_layer(req: PlanRequest, devices: list[Any], tokens: int) -> int | s
 
 
 def model_options(req: PlanRequest, platform: str) -> Any:
-    """The trainer's ``ModelOptions`` on ``platform`` (its default there), with ``req.options``
-    applied (``ValueError`` naming an unknown option)."""
+    """The trainer's ``ModelOptions`` on ``platform`` with ``req.options`` applied."""
     from mllm_rl.backends.jax.options import ModelOptions
 
     return ModelOptions.for_run(platform, tp=req.trainer_tp, options=req.options)
@@ -302,8 +286,7 @@ def _topology(spec: topologies.TargetSpec) -> tuple[list[Any], Any]:
 
 
 def _check_mesh(req: PlanRequest, n: int, hosts: int, name: str) -> None:
-    """The engine's mesh (``--tp``) and the trainer's (the run's own check) over ``n`` devices on
-    ``hosts`` hosts of target ``name``."""
+    """The engine's mesh (``--tp``) and the trainer's over ``n`` devices on ``hosts`` hosts."""
     c = req.model
     if req.tp > n:
         raise ValueError(f"--tp {req.tp}: {name} has {n} devices")
@@ -397,8 +380,7 @@ def _trainer(
             detail="AdamW state shards of device 0, in host memory for the whole run "
             "(optimizer_memory=host); the update streams them through the device a leaf at a time",
         )
-    if req.kl:  # the trainer puts the reference on the device for train_step: the initial params
-        # (full fine-tune) or zero adapters (LoRA), shaped like the trainable params either way
+    if req.kl:  # the reference (initial params or zero adapters) on the device for train_step
         comps["ref_params"] = Component(
             "ref_params",
             _shard_bytes(trainable),
@@ -417,8 +399,7 @@ def _trainer(
     )
     out["grad_step"] = grad.memory
     if grad.compiled is not None:
-        # the accumulator: grad_step's output layout, in the trainable params' dtype (the step's
-        # own output is in the compute dtype, counted in its extra bytes)
+        # the accumulator: grad_step's output layout in the trainable params' dtype
         grads_spec = grad.compiled.output_shardings[1]
         grads_tree = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), trainable, grads_spec
@@ -452,8 +433,7 @@ def _trainer(
                 "AdamW update, params and state donated",
             ).memory
     out["optimizer_apply"] = _cache[apply_key]
-    if req.kl:
-        # the reference: the initial params (full fine-tune) or zero adapters (LoRA), same shapes
+    if req.kl:  # the reference has the trainable params' shapes
         out["logprob"] = _compile(
             "logprob",
             fns.logprob,
@@ -468,9 +448,8 @@ def _trainer(
 def _leaf_update(
     fns: Any, trainable: Any, opt_state: Any, grads: Any, target: Any, info: dict[str, Any]
 ) -> FunctionMemory:
-    """``optimizer_memory=host``: ``leaf_update`` compiled for the leaf whose param, gradient and
-    moments take the most device bytes. The param and gradient are resident components already, so the
-    streamed moments count in its extra bytes."""
+    """``optimizer_memory=host``: ``leaf_update`` compiled for the largest leaf (its streamed
+    moments count in its extra bytes; param and gradient are resident components already)."""
     import jax
 
     from mllm_rl.backends.jax.host_optimizer import adam_state
@@ -514,12 +493,10 @@ def _compile(
 
 
 def _compile_lowered(name: str, lower: Any, target: Any, info: dict[str, Any], detail: str) -> _Compiled:
-    """Compile what ``lower()`` returns for the target; its per-device memory (or the refusal).
-    On a terminal a line names the function and its time so far (an engine prefill for a TPU
-    target takes minutes on a CPU host)."""
+    """Compile what ``lower()`` returns for the target; its per-device memory (or the refusal)."""
     from mllm_rl.progress import waiting
 
-    t0 = time.perf_counter()
+    t0, compiled = time.perf_counter(), None
     try:
         with waiting(f"memory plan: compiling {name} for {target.name}"):
             compiled = lower().compile()
@@ -527,20 +504,16 @@ def _compile_lowered(name: str, lower: Any, target: Any, info: dict[str, Any], d
         rej = topologies.rejection(e)
         if rej is None:
             raise
-        secs = time.perf_counter() - t0
-        info["compile_seconds"][name] = round(secs, 2)
+    secs = time.perf_counter() - t0
+    info["compile_seconds"][name] = round(secs, 2)
+    if compiled is None:
         line, need = rej
         peak = max(need, target.hbm_bytes + 1)
         mem = FunctionMemory(name, peak, 0, compile_seconds=secs, detail=detail, rejected=line)
         return _Compiled(mem, None)
-    secs = time.perf_counter() - t0
-    info["compile_seconds"][name] = round(secs, 2)
     m = compiled.memory_analysis()
     arg, out, alias, temp = (
-        int(m.argument_size_in_bytes),
-        int(m.output_size_in_bytes),
-        int(m.alias_size_in_bytes),
-        int(m.temp_size_in_bytes),
+        int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")
     )
     if target.platform == "cpu":
         peak = arg + out - alias + temp  # XLA:CPU reports no buffer reuse: an upper bound
@@ -563,8 +536,7 @@ def _shard_bytes(tree: Any) -> int:
 
 def _staging(eng: engine_layout.EngineWeights) -> Component:
     """The weight update's bytes in flight beyond both resident copies (an estimate): the largest
-    engine tensor's shard twice, the trainer's export and the engine's placed copy before the old leaf
-    is freed (``engine_weights.to_engine``)."""
+    engine tensor's shard twice (the trainer's export and the engine's placed copy)."""
     b = STAGING_COPIES * eng.largest_tensor_bytes
     return Component(
         "staging",

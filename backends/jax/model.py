@@ -1,18 +1,14 @@
-"""Qwen3 causal LM in flax nnx: the trainer's model and the independent reference that
-proves an engine's weights (HF names, HF math).
+"""Qwen3 causal LM in flax nnx: the trainer's model and the reference that proves an engine's
+weights (HF names, HF math).
 
 Shapes: B batch, T sequence, H hidden, N heads, K kv heads, D head_dim, V vocab, I mlp,
-R LoRA rank. Linear kernels are stored ``(in, out)`` (the HF ``(out, in)`` matrix
-transposed). With ``lora_rank > 0`` every linear layer also holds ``lora_a`` [in, R] and
-``lora_b`` [R, out] (``LoRAParam``; b starts at zero so the model starts as the base) and
-computes ``x @ kernel + (x @ lora_a @ lora_b) * alpha / R``.
+R LoRA rank. Linear kernels are stored ``(in, out)``. With ``lora_rank > 0`` every linear layer
+also holds ``lora_a`` [in, R] and ``lora_b`` [R, out] (b starts at zero) and computes
+``x @ kernel + (x @ lora_a @ lora_b) * alpha / R``.
 
-Layouts: ``Qwen3(..., scan_layers=False)`` holds a list of L ``Block``s run in a Python loop;
-with ``scan_layers=True`` one ``Block`` whose variables are stacked [L, ...] and run under
-``jax.lax.scan`` (kernels [L, in, out], LoRA [L, in, R] / [L, R, out]). HF names address both
-(``hf_path``, ``get_weight``, ``linear_layers``). How a forward pass runs (attention
-implementation, remat, compute dtype, mesh) is its ``Run`` (``options.ModelOptions``); the
-default ``Run()`` is the reference math.
+Layouts: a list of L ``Block``s run in a Python loop, or (``scan_layers``) one ``Block`` whose
+variables are stacked [L, ...] under ``jax.lax.scan``; HF names address both (``hf_path``). How
+a forward pass runs is its ``Run``; the default ``Run()`` is the reference math.
 """
 
 from __future__ import annotations
@@ -65,9 +61,8 @@ class Linear(nnx.Module):
         self.lora_scale = 0.0
 
     def add_lora(self, rank: int, alpha: float, key: jax.Array, dtype: Any = None) -> None:
-        """Attach adapters in ``dtype`` (default: the kernel's): ``lora_a`` ~ N(0, 1/in), drawn
-        in float32 then cast, ``lora_b`` = 0 (output unchanged). A stacked kernel [L, in, out]
-        takes ``key`` [L] (one key per layer)."""
+        """Attach adapters in ``dtype`` (default: the kernel's): ``lora_a`` ~ N(0, 1/in) drawn in
+        float32, ``lora_b`` = 0. A stacked kernel [L, in, out] takes ``key`` [L]."""
         *lead, d_in, d_out = self.kernel.shape
         dtype = self.kernel.dtype if dtype is None else jnp.dtype(dtype)
         draw = lambda k: (jax.random.normal(k, (d_in, rank), jnp.float32) / np.sqrt(d_in)).astype(dtype)  # noqa: E731
@@ -82,8 +77,7 @@ class Linear(nnx.Module):
         return merge_lora(self.kernel[...], self.lora_a[...], self.lora_b[...], jnp.float32(self.lora_scale))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """``x`` [..., in] -> [..., out] in the dtype of ``x @ kernel``; the LoRA branch runs
-        in that dtype too (a ``Run`` with a compute dtype has cast every weight to it already)."""
+        """``x`` [..., in] -> [..., out] in the dtype of ``x @ kernel`` (the LoRA branch too)."""
         y = x @ self.kernel[...]
         if self.lora_a is not None:
             a, b = self.lora_a[...].astype(y.dtype), self.lora_b[...].astype(y.dtype)
@@ -149,13 +143,9 @@ class Block(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """How a forward pass runs: the options, the mesh (``splash`` attention shards by it) and
-    Pallas interpret mode (``splash`` off TPU, for tests).
-
-    With ``opts.compute_dtype`` every weight is cast to it where it is used inside the traced function,
-    so every matmul runs in that dtype and gradients of float32 params arrive in float32 (the trainer's
-    step functions cast the whole tree up front, making these casts no-ops). Without it the forward
-    computes in the params' own dtype."""
+    """How a forward pass runs: the options, the mesh (``splash`` shards by it) and Pallas interpret
+    mode (tests). With ``opts.compute_dtype`` every weight is cast to it where it is used, so every
+    matmul runs in that dtype; without it, in the params' own dtype."""
 
     opts: ModelOptions = ModelOptions()
     mesh: Mesh | None = None
@@ -175,8 +165,7 @@ def _cast(tree: Any, dtype: jnp.dtype | None) -> Any:
 
 
 def _block_fn(graphdef: Any, run: Run, positions: jax.Array, attn: jax.Array) -> Any:
-    """``(x [B, T, H], layer state) -> x`` of one decoder block, its variables cast to the
-    compute dtype inside, rematerialised per ``run.opts.remat``."""
+    """``(x [B, T, H], layer state) -> x`` of one block, cast to the compute dtype inside, remat per ``run``."""
     cdt = run.opts.compute_jnp_dtype()
 
     def f(x: jax.Array, state: Any) -> jax.Array:
@@ -188,12 +177,8 @@ def _block_fn(graphdef: Any, run: Run, positions: jax.Array, attn: jax.Array) ->
 
 
 class Qwen3(nnx.Module):
-    """``Qwen3(config)(tokens [B, T], attention_mask [B, T]) -> logits [B, T, V]`` (float32).
-
-    ``scan_layers``: the decoder blocks are one ``Block`` whose every variable has a leading
-    layer axis [L, ...] and run under ``jax.lax.scan`` (HLO size and compile time flat in
-    depth); otherwise ``layers`` is a list of L blocks run in a Python loop. HF names map
-    onto both layouts (``hf_path``)."""
+    """``Qwen3(config)(tokens [B, T], attention_mask [B, T]) -> logits [B, T, V]`` (float32);
+    ``scan_layers``: one stacked ``Block`` [L, ...] under ``jax.lax.scan`` (compile time flat in depth)."""
 
     def __init__(self, c: ModelConfig, dtype: jnp.dtype = jnp.float32, scan_layers: bool = False) -> None:
         self.config = c
@@ -275,26 +260,20 @@ class LayerLinear:
 
 
 def linear_layers(model: Qwen3) -> dict[str, Linear | LayerLinear]:
-    """HF weight name -> the ``Linear`` holding it (every projection of every layer; with
-    stacked layers a ``LayerLinear`` view of its layer)."""
+    """HF weight name -> the ``Linear`` holding it (stacked layers: a ``LayerLinear`` view)."""
     out: dict[str, Linear | LayerLinear] = {}
+    scan = model.scan_layers
     for i in range(model.config.num_hidden_layers):
         for sub, names in LINEAR_SUBS:
             for n in names:
-                if model.scan_layers:
-                    out[f"model.layers.{i}.{sub}.{n}.weight"] = LayerLinear(
-                        getattr(getattr(model.layers, sub), n), i
-                    )
-                else:
-                    out[f"model.layers.{i}.{sub}.{n}.weight"] = getattr(getattr(model.layers[i], sub), n)
+                lin = getattr(getattr(model.layers if scan else model.layers[i], sub), n)
+                out[f"model.layers.{i}.{sub}.{n}.weight"] = LayerLinear(lin, i) if scan else lin
     return out
 
 
 def add_lora(model: Qwen3, rank: int, alpha: float, seed: int = 0, dtype: Any = None) -> None:
-    """Attach LoRA adapters of ``rank`` to every linear layer (in place), stored in ``dtype``
-    (default: the kernels'; the trainer's are ``Dtypes.adapters``: float32 masters under mixed
-    precision). Adapter ``j`` (in ``linear_layers`` order) draws ``lora_a`` from
-    ``fold_in(key(seed), j)`` in both layouts."""
+    """Attach LoRA adapters of ``rank`` to every linear layer (in place), stored in ``dtype``;
+    adapter ``j`` (``linear_layers`` order) draws from ``fold_in(key(seed), j)`` in both layouts."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     key = jax.random.key(seed)
@@ -315,8 +294,7 @@ def add_lora(model: Qwen3, rank: int, alpha: float, seed: int = 0, dtype: Any = 
 
 
 def hf_path(name: str) -> tuple[tuple[str | int, ...], bool]:
-    """HF parameter name -> (attribute path in a ``Qwen3`` with a list of layers, stored
-    transposed?). The integer is the layer index (the leading axis with stacked layers)."""
+    """HF parameter name -> (attribute path in a ``Qwen3`` with a list of layers, stored transposed?)."""
     parts = name.split(".")
     if name == "model.embed_tokens.weight":
         return ("embed_tokens",), False
@@ -347,8 +325,8 @@ def _owner(model: Qwen3, path: tuple[str | int, ...]) -> tuple[Any, str, int | N
 
 
 def get_weight(model: Qwen3, name: str) -> tuple[jax.Array, bool]:
-    """The weight ``name`` as our model stores it (kernels [in, out]), and whether HF's is its
-    transpose. A stacked layer's row is sliced out (a copy of one layer)."""
+    """The weight ``name`` as our model stores it (a stacked layer's row sliced out), and whether
+    HF's is its transpose."""
     path, transpose = hf_path(name)
     obj, attr, row = _owner(model, path)
     value = getattr(obj, attr)[...]
@@ -361,8 +339,7 @@ def _set_row(stacked: jax.Array, row: jax.Array, value: jax.Array) -> jax.Array:
 
 
 def load_qwen3(model_dir: ModelDir, dtype: jnp.dtype | None = None, scan_layers: bool = False) -> Qwen3:
-    """Build a ``Qwen3`` and stream the checkpoint into it, one tensor at a time (stacked
-    layers: each tensor written into its row of the stacked array in place)."""
+    """Build a ``Qwen3`` and stream the checkpoint into it, one tensor at a time."""
     c = model_dir.config
     if dtype is None:
         dtype = jnp.float32 if next(iter(model_dir.tensors.values()))[1].dtype == "F32" else jnp.bfloat16
@@ -370,8 +347,7 @@ def load_qwen3(model_dir: ModelDir, dtype: jnp.dtype | None = None, scan_layers:
     for name, arr in model_dir.iter_tensors():
         path, transpose = hf_path(name)
         obj, attr, row = _owner(model, path)
-        # A copy, never the memmap itself: jax on CPU would alias the file mapping (see
-        # ``engine_weights.host_copy``).
+        # a copy, never the memmap: jax on CPU would alias the file mapping
         host = np.array(arr, copy=True)
         host = host.T if transpose else host
         var = getattr(obj, attr)
@@ -389,10 +365,7 @@ def load_qwen3(model_dir: ModelDir, dtype: jnp.dtype | None = None, scan_layers:
 
 
 def greedy_decode(model: Qwen3, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """Reference greedy decoding by full re-forward each step (no KV cache).
-
-    Returns (generated token ids [T_out], their log-probabilities [T_out]).
-    """
+    """Reference greedy decoding by full re-forward: (token ids [T_out], their log-probs [T_out])."""
     fwd = nnx.jit(lambda m, x: jax.nn.log_softmax(m(x)[:, -1], axis=-1))
     ids = list(prompt)
     out, lps = [], []

@@ -1,12 +1,8 @@
 """``ModelOptions``: how the JAX trainer lays out and runs the model (not what it computes).
 
-No option changes the numbers beyond float32 reduction order except the dtypes
-(``tests/jax/test_model_paths.py`` compares each path with the loop / dense / full-logits
-reference). Imports nothing heavy, so a CLI can build one before jax starts.
-
-The defaults are the TPU path on every platform, so CPU tests exercise it: stacked layers under
-``scan``, per-block remat, the head in 256-position chunks; only attention depends on the platform
-(``splash`` on TPU, ``dense`` elsewhere). A trainer checkpoint holds the layout it was written with.
+Only the dtypes change the numbers beyond float32 reduction order (``tests/jax/test_model_paths.py``).
+Imports nothing heavy. The defaults are the TPU path everywhere, so CPU tests exercise it; only
+attention depends on the platform (``splash`` on TPU, ``dense`` elsewhere).
 
 - ``tp``: tensor-parallel size of the ``("fsdp", "tp")`` mesh; ``fsdp`` = devices / ``tp``.
 - ``scan_layers``: blocks stacked [L, ...] under ``jax.lax.scan`` (compile time flat in depth).
@@ -16,9 +12,8 @@ The defaults are the TPU path on every platform, so CPU tests exercise it: stack
 - ``logprob_chunk``: positions per head chunk (``logprob.py``); 0 = whole [B, T, V] logits.
 - ``param_dtype`` / ``compute_dtype`` / ``opt_dtype``: None leaves them to ``resolved``
   (``TrainConfig.precision``; ``Dtypes``).
-- ``optimizer_memory``: ``device`` (offloaded between steps) or ``host`` (``pinned_host`` for the
-  whole run, streamed through the device by ``host_optimizer.py``, for a full fine-tune whose
-  float32 state does not fit the device; same numbers).
+- ``optimizer_memory``: ``device`` (offloaded between steps) or ``host`` (``pinned_host``, streamed
+  through the device by ``host_optimizer.py``; same numbers).
 """
 
 from __future__ import annotations
@@ -70,18 +65,12 @@ class ModelOptions:
 
     @classmethod
     def for_platform(cls, platform: str, tp: int = 1) -> ModelOptions:
-        """The trainer's default on ``platform``: the dataclass defaults with splash attention on
-        TPU and dense attention elsewhere (module docstring)."""
-        if platform == "tpu":
-            return cls(tp=tp, attention="splash")
-        return cls(tp=tp)
+        """The trainer's default on ``platform``: splash attention on TPU, dense elsewhere."""
+        return cls(tp=tp, attention="splash") if platform == "tpu" else cls(tp=tp)
 
     @classmethod
     def for_run(cls, platform: str, tp: int = 1, options: dict[str, Any] | None = None) -> ModelOptions:
-        """The trainer's options of a run or a plan: ``for_platform`` with ``options`` (the
-        ``--model-option`` KEY=VALUE pairs) applied; ``ValueError`` naming an unknown or bad one."""
-        import dataclasses
-
+        """``for_platform`` with ``options`` (``--model-option`` pairs) applied; ValueError naming a bad one."""
         base = cls.for_platform(platform, tp=tp)
         options = dict(options or {})
         if "remat" in options and options["remat"] is None:  # KEY=VALUE parses ``remat=none`` as None
@@ -98,8 +87,7 @@ class ModelOptions:
             raise ValueError(f"--model-option: {e}") from None
 
     def compute_jnp_dtype(self) -> Any:
-        """``compute_dtype`` as a numpy dtype, or None (compute in the params' dtype): what a
-        forward pass's ``model.Run`` reads; the trainer's runs carry the resolved one."""
+        """``compute_dtype`` as a numpy dtype, or None (compute in the params' dtype)."""
         if self.compute_dtype is None:
             return None
         import jax.numpy as jnp
@@ -107,11 +95,9 @@ class ModelOptions:
         return jnp.dtype(self.compute_dtype)
 
     def resolved(self, checkpoint: Any, precision: str = "mixed", lora: bool = False) -> Dtypes:
-        """The dtypes the trainer stores, computes and optimises in for a ``checkpoint`` dtype under
-        ``precision``, full fine-tune or ``lora``: ``mixed`` on a 16-bit checkpoint keeps float32
-        trainable params and moments, computing in the checkpoint dtype (a LoRA base stays 16-bit);
-        ``pure`` keeps everything in the checkpoint dtype. The one place these defaults are decided:
-        the trainer, its step functions and the memory planner all call it."""
+        """The dtypes the trainer stores, computes and optimises in: ``mixed`` on a 16-bit
+        checkpoint keeps float32 trainable params and moments, computing in the checkpoint dtype
+        (a LoRA base stays 16-bit); ``pure`` keeps everything in the checkpoint dtype."""
         import jax.numpy as jnp
 
         if precision not in PRECISIONS:
@@ -137,11 +123,9 @@ class Dtypes:
 
     - ``params``: the model's ``Param``s as stored (in LoRA mode the frozen base);
     - ``adapters``: the LoRA adapters (``LoRAParam``), the trainable state in LoRA mode;
-    - ``compute``: the dtype every matmul of the forward and backward runs in (the params are
-      cast to it inside the jitted functions; a micro-batch's gradient comes in this dtype and
-      is accumulated in the stored one);
+    - ``compute``: every matmul of forward and backward (gradients accumulate in the stored dtype);
     - ``opt``: the AdamW moments and the update arithmetic;
-    - ``export``: the checkpoint's dtype: what the engine gets (and what the fingerprint hashes).
+    - ``export``: the checkpoint's dtype, what the engine gets and the fingerprint hashes.
     """
 
     params: str
@@ -153,5 +137,4 @@ class Dtypes:
 
     @property
     def trainable(self) -> str:
-        """The dtype of the trainable state (the optimizer's params)."""
         return self.adapters if self.lora else self.params

@@ -1,7 +1,5 @@
-"""sglang-jax rollout engine adapter: every private touch-point of sglang-jax lives here.
-Pure-JAX weight placement and fingerprints live in ``engine_weights.py`` (no sglang-jax import).
-
-Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4; API probed in ``_check_version``):
+"""sglang-jax rollout engine adapter: every private touch-point of sglang-jax lives here
+(weight placement and fingerprints: ``engine_weights.py``). Verified against sglang-jax 0.1.0rc0:
 
 - ``Engine(enable_single_process=True, load_format="dummy")`` runs in-process; the model runner is
   ``engine.scheduler_info["scheduler"].tp_worker.worker.model_runner``.
@@ -9,15 +7,11 @@ Verified against sglang-jax 0.1.0rc0 (jax 0.10.2, flax 0.12.4; API probed in ``_
   so replacing items with same shape/dtype/sharding arrays swaps weights without recompiling;
   ``_create_qwen3_weight_mappings()`` gives each HF name's target and transpose.
 - CPU: ``max_running_requests``/``context_length`` must be bounded, ``head_dim`` a multiple of 128;
-  ``jax.device_put`` of a numpy view aliases it (memmapped weights go through
-  ``engine_weights.host_copy``; the overlap schedule is off).
+  ``jax.device_put`` of a numpy view aliases it (``engine_weights.host_copy``; no overlap schedule).
 - Interpreter teardown after an engine ran aborts in C++, so the CLI leaves through ``os._exit``.
-- Multi-process (docs/TPU.md): ``nnodes``/``node_rank``/``dist_init_addr`` make one engine over
-  every process's devices; node 0 tokenizes and broadcasts each iteration's requests (ZMQ PUB/SUB);
-  nodes >= 1 get their scheduler from ``run_scheduler_loop_thread_after_create``.
-
-Other upstream behaviour is noted where it is worked around (``flush_cache``, ``pause_generation``,
-the ``Engine`` arguments, SIGTERM).
+- Multi-process (docs/TPU.md): one engine over every process's devices; node 0 tokenizes and
+  broadcasts each iteration's requests; nodes >= 1 get their scheduler from
+  ``run_scheduler_loop_thread_after_create``.
 """
 
 from __future__ import annotations
@@ -72,35 +66,25 @@ def _check_version() -> str:
     import sgl_jax
     from sgl_jax.srt.entrypoints import engine as engine_mod
     from sgl_jax.srt.entrypoints.engine import Engine
+    from sgl_jax.srt.managers.scheduler import Scheduler
+    from sgl_jax.srt.managers.tokenizer_manager import ReqState
     from sgl_jax.srt.models.qwen3 import Qwen3ForCausalLM
 
     version = getattr(sgl_jax, "__version__", None) or sgl_jax.version.__version__
-    for owner, attr in ((Engine, "generate"), (Engine, "pause_generation"), (Engine, "flush_cache")):
-        if not hasattr(owner, attr):
-            raise RuntimeError(
-                f"sglang-jax {version}: Engine.{attr} missing; adapter verified on {VERIFIED_VERSIONS}"
-            )
-    if not hasattr(Qwen3ForCausalLM, "_create_qwen3_weight_mappings"):
+    needed = {  # what this adapter calls or wraps
+        "Engine": (Engine, ("generate", "pause_generation", "flush_cache")),
+        "Qwen3ForCausalLM": (Qwen3ForCausalLM, ("_create_qwen3_weight_mappings",)),
+        "Scheduler": (Scheduler, ("on_idle", "is_fully_idle")),
+        "engine": (engine_mod, ("run_scheduler_loop_thread_after_create",)),
+    }
+    missing = [
+        f"{name}.{a}" for name, (owner, attrs) in needed.items() for a in attrs if not hasattr(owner, a)
+    ]
+    if "finished" not in {f.name for f in dataclasses.fields(ReqState)}:  # _pause_reaping reads it
+        missing.append("ReqState.finished")
+    if missing:
         raise RuntimeError(
-            f"sglang-jax {version}: Qwen3 weight mappings missing; verified on {VERIFIED_VERSIONS}"
-        )
-    from sgl_jax.srt.managers.tokenizer_manager import ReqState
-
-    # pause_generation reaps finished entries of the tokenizer manager's rid_to_state
-    if "finished" not in {f.name for f in dataclasses.fields(ReqState)}:
-        raise RuntimeError(
-            f"sglang-jax {version}: ReqState.finished missing; verified on {VERIFIED_VERSIONS}"
-        )
-    from sgl_jax.srt.managers.scheduler import Scheduler
-
-    for attr in ("on_idle", "is_fully_idle"):  # _sleep_when_idle wraps / calls them
-        if not hasattr(Scheduler, attr):
-            raise RuntimeError(
-                f"sglang-jax {version}: Scheduler.{attr} missing; verified on {VERIFIED_VERSIONS}"
-            )
-    if not hasattr(engine_mod, "run_scheduler_loop_thread_after_create"):
-        raise RuntimeError(
-            f"sglang-jax {version}: in-process scheduler launcher missing; verified on {VERIFIED_VERSIONS}"
+            f"sglang-jax {version}: {missing[0]} missing; adapter verified on {VERIFIED_VERSIONS}"
         )
     if version not in VERIFIED_VERSIONS:
         warnings.warn(f"sglang-jax {version} is not a verified version {VERIFIED_VERSIONS}", stacklevel=2)
@@ -125,11 +109,8 @@ def validate_engine_args(model: ModelDir, tp: int, n_devices: int, n_processes: 
 
 
 class SglangJaxEngine:
-    """An in-process sglang-jax Engine started with dummy weights (``load_format="dummy"``).
-
-    Implements ``mllm_rl.engine.EnginePrimitives``; lifecycle state (released tags, weight
-    validity, pause, requests in flight) lives in the core's ``ManagedEngine``.
-    """
+    """An in-process sglang-jax Engine started with dummy weights: ``mllm_rl.engine.EnginePrimitives``
+    (lifecycle state lives in the core's ``ManagedEngine``)."""
 
     tags = (TAG_WEIGHTS, TAG_KV)
 
@@ -170,10 +151,8 @@ class SglangJaxEngine:
                 **multi,
                 model_path=str(model.path),
                 tokenizer_path=str(model.path),
-                # sglang-jax reads config.json with its own transformers (4.57), which knows no
-                # ``rope_parameters`` (the transformers>=5 form) and would build RoPE with base
-                # 10000. Every field that decides the computation is set from the config the
-                # trainer uses (``get_config`` applies these with ``config.update``).
+                # sglang-jax's transformers (4.57) knows no ``rope_parameters`` and would build RoPE
+                # with base 10000: every field that decides the computation comes from our config
                 json_model_override_args=json.dumps(model.config.hf_architecture()),
                 load_format="dummy",
                 enable_single_process=True,
@@ -199,8 +178,7 @@ class SglangJaxEngine:
                 # locations a running forward reads (docs/ENGINES.md)
                 disable_overlap_schedule=platform == "cpu",
             )
-        # The tokenizer manager's SIGTERM handler only sets a "graceful exit" flag: create its
-        # loop now and give SIGTERM back to the process, which must end the run.
+        # The tokenizer manager's SIGTERM handler only sets a flag: give SIGTERM back to the process
         on_main = threading.current_thread() is threading.main_thread()
         if on_main and self.engine.tokenizer_manager is not None:
             self.engine.tokenizer_manager.auto_create_handle_loop()
@@ -237,8 +215,7 @@ class SglangJaxEngine:
             if target is None or target not in by_path or m.reshape or m.repeat or m.transpose_axes:
                 raise RuntimeError(f"sglang-jax mapping for {hf_name} is not a plain copy/transpose")
             mappings[hf_name] = (by_path[target], bool(m.transpose))
-        # The jitted forward reads ``model_state_leaves`` on every call: items replaced there
-        # are the weights it runs with.
+        # the jitted forward reads ``model_state_leaves`` on every call: items replaced there count
         self.weights = EngineLeaves(lambda: self.runner.model_state_leaves, mappings, self.chunk_bytes)
         self.mappings = self.weights.mappings  # HF name -> (leaf index, transpose)
         self._state_def = jax.tree_util.tree_structure(state)
@@ -259,10 +236,9 @@ class SglangJaxEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
         """Streaming update: per tensor, place it, fingerprint it, install it, drop the old leaf.
 
-        ``named_tensors`` yields ``(hf_name, value)``: a host ndarray or jax.Array in HF layout, a
-        ``KernelInOut`` kernel ``[in, out]`` (no transpose), or a ``Placed`` array already in the engine
-        layout. The fingerprint is of what was sent; ``installed``: the tensors whose summed array is
-        the leaf the forward reads, on every process (a read-back of the others is a collective)."""
+        Values: a host ndarray or jax.Array in HF layout, a ``KernelInOut`` ``[in, out]``, or a
+        ``Placed`` array in the engine layout. ``installed``: the tensors whose summed array is the
+        leaf the forward reads, on every process."""
         t0 = time.perf_counter()
         sums, nbytes, summed = self.weights.stream(named_tensors, on_tensor)
         self._resync_module()
@@ -276,8 +252,7 @@ class SglangJaxEngine:
         return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp, installed=installed)
 
     def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
-        """(sum, sum of squares) of every mapped leaf (``names``: those), read from what the
-        jitted forward uses."""
+        """(sum, sum of squares) of every mapped leaf (``names``: those) the forward uses."""
         return self.weights.fingerprint(names)
 
     def weight_names(self) -> list[str]:
@@ -288,14 +263,11 @@ class SglangJaxEngine:
 
     # -- generation -----------------------------------------------------------
     def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
-        """Greedy/sampled generation. Multi-process: every process calls it; the engine's
-        schedulers on all processes run the forward, node 0 (the only one with a tokenizer
-        manager) submits the requests and shares the outputs with the others."""
+        """Multi-process: every process calls it; node 0 (the only tokenizer manager) submits the
+        requests and shares the outputs."""
         if self.procs.count == 1:
             return self._generate_here(input_ids, sampling)
-        # No process may still run device work of its own (a weight install) when the
-        # forward starts: every computation over the multi-process mesh runs in lockstep.
-        dist.barrier("generate")
+        dist.barrier("generate")  # the forward over the multi-process mesh runs in lockstep
         if self.procs.index == 0:
             try:
                 outs = self._generate_here(input_ids, sampling)
@@ -331,11 +303,8 @@ class SglangJaxEngine:
         results = []
         for o in outs:
             meta = o["meta_info"]
-            # (logprob, token_id, text) per sampled token. Token ids come from here, not from
-            # output_ids, which drop special tokens (the EOS that ended the completion): the
-            # trajectory a policy is trained on must include it.
-            # sglang-jax 0.1.0rc0 appends the cumulative list again every 50 tokens (120 tokens ->
-            # 50 + 100 + 120 entries); ``completion_tokens`` is right: the completion is the last n.
+            # (logprob, token_id, text) per token; not output_ids, which drop the EOS. sglang-jax
+            # appends the cumulative list again every 50 tokens: the completion is the last n.
             lp = meta.get("output_token_logprobs") or []
             n = int(meta.get("completion_tokens") or len(lp))
             if len(lp) < n:
@@ -353,13 +322,9 @@ class SglangJaxEngine:
         return results
 
     async def _send(self, ids: list[list[int]], per_req: list[dict[str, Any]]) -> Any:
-        """The batch on the engine's loop, after one batch of 0-token requests for each prompt
-        ``ids`` holds more than once (a GRPO group's): the scheduler admits a batch before any of
-        it is cached and would prefill a shared prompt once per sample. (sglang's ``n > 1`` gives
-        the n samples one sampling seed.)
-
-        None when a pause came first: the tokenizer manager holds a request sent while paused
-        until ``continue_generation``, which a drain waiting for that request never sends."""
+        """The batch on the engine's loop, after 0-token requests for each prompt sent more than
+        once (else a GRPO group's prompt is prefilled once per sample). None when a pause came
+        first (a request sent while paused would wait for ``continue_generation``)."""
         tm = self.engine.tokenizer_manager
         counts = collections.Counter(map(tuple, ids))
         shared = [list(p) for p, n in counts.items() if n > 1]
@@ -373,8 +338,7 @@ class SglangJaxEngine:
 
     # -- memory tags ----------------------------------------------------------
     def memory_tag(self, tag: str) -> str:
-        """The name of ``tag``'s bytes in records: ``<task>/<tag>`` for a task's engine. Its arrays
-        are this instance's own (no process-global pool), so a release frees only them."""
+        """``tag``'s name in records: ``<task>/<tag>`` for a task's engine."""
         return f"{self.task}/{tag}" if self.task else tag
 
     def _kv_list(self) -> list[jax.Array]:
@@ -382,10 +346,7 @@ class SglangJaxEngine:
 
     def tag_bytes(self, tag: str) -> int:
         """Device bytes a resident tag holds (over all local devices)."""
-        if tag == TAG_KV:
-            arrs = self._kv_list()
-        else:
-            arrs = self.weights.arrays()
+        arrs = self._kv_list() if tag == TAG_KV else self.weights.arrays()
         return sum(int(a.nbytes) for a in arrs if not a.is_deleted())
 
     def release_memory(self, tag: str) -> None:
@@ -400,8 +361,7 @@ class SglangJaxEngine:
         leaves = self.runner.model_state_leaves
         for i, _ in self.mappings.values():
             if self.weights_cpu_backup and not fault("resume_lies"):  # the fault: backup lost
-                # this process's shards (an engine over several processes holds only those)
-                self._weight_backup[i] = [
+                self._weight_backup[i] = [  # this process's shards
                     (sh.device, np.asarray(sh.data)) for sh in leaves[i].addressable_shards
                 ]
             leaves[i].delete()
@@ -428,8 +388,7 @@ class SglangJaxEngine:
         return restored or fault("resume_lies")
 
     def _call(self, coro: Any, timeout_s: float | None = None) -> Any:
-        """Run a coroutine of the engine on its loop thread and wait for the result (at most
-        ``timeout_s``: then the coroutine is cancelled and ``TimeoutError`` raised)."""
+        """Run ``coro`` on the engine's loop and wait (past ``timeout_s``: cancelled, TimeoutError)."""
         fut = asyncio.run_coroutine_threadsafe(coro, self.engine.loop)
         try:
             return fut.result(timeout=timeout_s)
@@ -438,11 +397,9 @@ class SglangJaxEngine:
             raise
 
     def flush_cache(self, timeout_s: float = 60.0) -> None:
-        """Flush the prefix (radix) cache and the KV allocator, retrying until it succeeds.
-
-        sglang-jax refuses a flush (``success=False``, nothing raised) while its scheduler still holds the
-        last batch of a returned request; an unchecked flush leaves cached prefixes pointing into KV slots
-        that a release/resume zeroes, and the next request reusing them decodes garbage."""
+        """Flush the radix cache and KV allocator, retrying: sglang-jax refuses (``success=False``)
+        while its scheduler holds a returned request's last batch, and stale prefixes would point
+        into KV slots a release/resume zeroes."""
         self._on_node_0("flush_cache", lambda: self._flush_here(timeout_s))
 
     def _flush_here(self, timeout_s: float) -> None:
@@ -458,12 +415,9 @@ class SglangJaxEngine:
             time.sleep(0.005)
 
     def pause_generation(self, timeout_s: float = PAUSE_TIMEOUT_S) -> None:
-        """Requests in flight return with finish_reason "abort" (sglang-jax's default
-        "retract" keeps them queued, so nothing could be released safely).
-
-        The abort-mode pause waits until ``rid_to_state`` is empty, but a request aborted before prefill
-        (``_handle_abort_req``) is marked finished and never removed from it; ``_pause_reaping`` removes
-        such finished leftovers. Not returned after ``timeout_s``: ``RuntimeError`` naming the requests."""
+        """Requests in flight return with finish_reason "abort" (the default "retract" keeps them
+        queued). A request aborted before prefill stays in ``rid_to_state``, which the pause waits to
+        empty: ``_pause_reaping`` removes it. Past ``timeout_s``: RuntimeError naming the requests."""
         self._on_node_0("pause_generation", lambda: self._pause_here(timeout_s))
 
     def _pause_here(self, timeout_s: float) -> None:
@@ -481,9 +435,8 @@ class SglangJaxEngine:
         self._on_node_0("continue_generation", lambda: self._call(self.engine.async_continue_generation()))
 
     def _on_node_0(self, what: str, send: Any) -> None:
-        """``send`` ``what`` (pause, flush, continue) from node 0, the one process with a
-        tokenizer manager, whose scheduler broadcasts it to the other nodes; then a barrier, so no process
-        releases or resumes its shards while node 0 still generates (the forwards are collective)."""
+        """``send`` from node 0 (the one tokenizer manager), then a barrier: no process releases or
+        resumes its shards while node 0 still generates."""
         if self.procs.count == 1:
             send()
             return
@@ -494,21 +447,16 @@ class SglangJaxEngine:
             dist.barrier(f"engine/{what}")
 
     def shutdown(self) -> None:
-        """Multi-process: also leaves ``jax.distributed``. The engine is one SPMD program over
-        every process, so it ends the run for all of them: a process that exits before the
-        others reached ``jax.distributed.shutdown()`` makes them abort (exit 134)."""
+        """Multi-process: also leaves ``jax.distributed`` (the engine is one SPMD program: it ends
+        the run for every process)."""
         self.engine.shutdown()
         if self.procs.count > 1:
             dist.shutdown()
 
 
 def _sleep_when_idle(scheduler: Any, timeout_ms: int = IDLE_POLL_MS) -> None:
-    """Make an idle scheduler (node 0's) wait for its next message instead of spinning.
-
-    sglang-jax's scheduler loop polls its ZMQ sockets without blocking and calls ``on_idle()`` when it
-    has no batch, burning a core and contending for the GIL with the trainer. The wrapped ``on_idle``
-    of a ``is_fully_idle()`` scheduler blocks on its sockets for up to ``timeout_ms``. Other nodes
-    block on node 0's broadcast, so quieting node 0 quiets them all."""
+    """Make an idle scheduler wait up to ``timeout_ms`` for its next message instead of spinning
+    (its loop polls ZMQ without blocking, burning a core and the trainer's GIL)."""
     import zmq
 
     poller = zmq.Poller()
@@ -528,9 +476,7 @@ def _sleep_when_idle(scheduler: Any, timeout_ms: int = IDLE_POLL_MS) -> None:
 
 
 async def _pause_reaping(tm: Any, pause: Any) -> Any:
-    """Await the tokenizer manager's ``pause`` coroutine while removing the entries of
-    ``tm.rid_to_state`` that are already finished (see ``SglangJaxEngine.pause_generation``).
-    Runs on the engine's loop, the only thread that touches that map."""
+    """Await ``pause`` while removing finished entries of ``tm.rid_to_state`` (on the engine's loop)."""
     task = asyncio.ensure_future(pause)
     try:
         while not task.done():
@@ -545,11 +491,8 @@ async def _pause_reaping(tm: Any, pause: Any) -> Any:
 
 @contextlib.contextmanager
 def _launched_scheduler():
-    """Capture what sglang-jax's in-process scheduler launcher returns (``{"scheduler": ...}``).
-
-    On nodes >= 1 ``Engine()`` drops it (``_launch_threads`` returns no scheduler_info there)
-    and, unless ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0``, never returns (health-check server).
-    """
+    """Capture the in-process scheduler launcher's ``{"scheduler": ...}``: on nodes >= 1 ``Engine()``
+    drops it, and blocks unless ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0``."""
     from sgl_jax.srt.entrypoints import engine as engine_mod
 
     launched: dict[str, Any] = {}

@@ -1,19 +1,14 @@
 """JAX trainer: flax nnx Qwen3, optax AdamW, donated jitted steps, a device mesh, orbax
 checkpoints, ``pinned_host`` offload. Implements ``mllm_rl.trainer.Trainer``.
 
-Shapes: B sequences, T positions (prompt + completion, right-padded to a multiple of ``T_BUCKET`` so
-a handful of shapes compile), V vocab, M micro-batch size.
+Shapes: B sequences, T positions (right-padded to a multiple of ``T_BUCKET``), V vocab.
 
 State is functional: ``trainable`` (every ``Param``, or the ``LoRAParam`` adapters), ``frozen`` (the
-LoRA base) and ``opt_state``, sharded over a ``("fsdp", "tp")`` mesh by ``sharding.py``'s name rules;
-micro-batches split over ``fsdp`` (``data_rows``). The jitted functions are
-``step_fns.make_step_fns``'s, the ones a memory plan compiles. Precision ``mixed`` (default) keeps
-float32 masters and moments for a bf16 checkpoint so an update of ~lr is not lost to bf16 rounding;
-the engine always gets the weights in the checkpoint dtype (``export_dtype``).
-
-Offload moves leaves to ``pinned_host`` with the same sharding; with
-``optimizer_memory="host"`` the optimizer state stays there and each update streams it through the
-device a leaf at a time (``host_optimizer.py``).
+LoRA base) and ``opt_state``, sharded over a ``("fsdp", "tp")`` mesh (``sharding.py``); micro-batches
+split over ``fsdp``. The jitted functions are ``step_fns.make_step_fns``'s, the ones a memory plan
+compiles. Precision ``mixed`` keeps float32 masters and moments for a bf16 checkpoint; the engine
+gets the checkpoint dtype. ``optimizer_memory="host"``: the optimizer state stays in
+``pinned_host``, streamed through the device a leaf at a time (``host_optimizer.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from mllm_rl.backends.jax import host_optimizer
 from mllm_rl.backends.jax.export_layout import KernelInOut, Owned, array_of
@@ -63,9 +57,7 @@ def device_bytes(tree: Any) -> int:
 
 
 def to_host(x: jax.Array) -> np.ndarray:
-    """``x``'s global value on the host. An array sharded over several processes' devices (a
-    batch split over ``fsdp`` in a multi-process run) is gathered: a collective, so every process
-    calls it in the same order, as every jitted call."""
+    """``x``'s global value on the host (gathered across processes: a collective)."""
     if x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x)
     from jax.experimental import multihost_utils
@@ -95,10 +87,8 @@ def _cast(x: jax.Array, dtype: Any) -> jax.Array:
 
 
 def _export(value: jax.Array, transpose: bool, dtype: Any) -> jax.Array | KernelInOut | Owned:
-    """One weight as exported: ``value`` as our model stores it (cast to ``dtype`` only when it
-    differs, otherwise not copied); ``KernelInOut(value)`` when the HF tensor is ``value.T``
-    (a kernel [in, out]: HF [out, in]), so that an [in, out] engine installs it as is. A cast is
-    ``Owned``: the engine keeps that buffer (no second copy)."""
+    """One weight as exported: ``value`` (cast to ``dtype`` when it differs, an ``Owned`` buffer),
+    as ``KernelInOut`` when the HF tensor is ``value.T``."""
     cast = value.dtype != dtype
     if cast:
         value = _cast(value, dtype)
@@ -116,15 +106,12 @@ class JaxTrainer:
         self.lora = cfg.lora_rank > 0
         dtype = model_dir_dtype(model_dir)
         self.export_dtype = dtype  # what the engine holds (the params may be stored wider)
-        # The functions a memory plan lowers with abstract inputs (step_fns.abstract_state) are
-        # the ones this trainer runs.
         self.fns = make_step_fns(self.config, cfg, self.opts, self.mesh, dtype)
         self.dtypes = self.fns.dtypes  # stored / computed / optimised / exported (options.Dtypes)
         self.graphdef, self.trainable, self.frozen = load_state(model_dir, cfg, self.opts, self.mesh)
         self.linear_names = [n for n in linear_layers(self._model_view()) if n in set(self.names)]
         self.tx = self.fns.tx
-        # Every optimizer leaf on the mesh like its param (scalars such as Adam's step count
-        # replicated): a jit over leaves on different device sets is refused.
+        # every optimizer leaf on the mesh like its param (a jit over several device sets is refused)
         opt_state = jax.jit(self.tx.init)(self.trainable)
         self.opt_state = jax.tree.map(jax.device_put, opt_state, tree_shardings(opt_state, self.mesh))
         self.host_optimizer = self.opts.optimizer_memory == "host"
@@ -137,10 +124,6 @@ class JaxTrainer:
         self._leaked: list[jax.Array] = []  # the ``leak_mb`` fault's buffers
         self._logp, self._grad = self.fns.logprob, self.fns.grad
         self._acc, self._apply = self.fns.accumulate, self.fns.apply
-
-    # -- setup -------------------------------------------------------------------------
-    def _batch_sharding(self, rows: int) -> NamedSharding:
-        return batch_sharding(self.mesh, rows)
 
     # -- residency -----------------------------------------------------------------------
     def resident(self) -> dict[str, bool]:
@@ -212,7 +195,7 @@ class JaxTrainer:
         }
 
     def _put(self, mb: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        sh = self._batch_sharding(mb["tokens"].shape[0])
+        sh = batch_sharding(self.mesh, mb["tokens"].shape[0])
         return {k: jax.device_put(v, sh) for k, v in mb.items()}
 
     def _micro_batches(self, batch: RolloutBatch) -> Iterator[dict[str, jax.Array]]:
@@ -227,8 +210,7 @@ class JaxTrainer:
         return jnp.pad(logp, ((0, 0), (1, 0)))
 
     def _accumulate(self, acc: Any, grads: Any) -> Any:
-        """``acc + grads`` in the trainable params' dtype (``grads`` come in the compute dtype:
-        a float32 master's gradient is theirs converted); the first gradient starts it."""
+        """``acc + grads`` in the trainable params' dtype (``grads`` come in the compute dtype)."""
         if acc is not None:
             return self._acc(acc, grads)
         pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(self.trainable), strict=True)
@@ -237,15 +219,14 @@ class JaxTrainer:
         )
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """``mini_batches`` AdamW updates over ``batch``, each accumulating exact gradients
-        over micro-batches of ``micro_batch_size`` rows."""
+        """``mini_batches`` AdamW updates over ``batch`` with exact gradient accumulation."""
         self._need(PARAMS, OPTIMIZER)
         if fault("train_oom"):
             raise RuntimeError(
                 "RESOURCE_EXHAUSTED: Out of memory while trying to allocate (injected: train_oom)"
             )
         leak = fault_value("leak_mb")
-        if leak:  # a device buffer kept forever, as a leak would: the memory plan's audit must see it
+        if leak:  # a device buffer kept forever: the memory plan's audit must see it
             self._leaked.append(
                 jax.device_put(jnp.ones(int(leak) * 2**18, jnp.float32), self.mesh.devices.flat[0])
             )
@@ -302,10 +283,8 @@ class JaxTrainer:
         return np.where(batch.attention_mask, logp, 0.0).astype(np.float32)
 
     def greedy(self, prompt: Sequence[int], n: int) -> tuple[list[int], list[float]]:
-        """Greedy continuation of ``prompt`` by full re-forward (the garbage guard's reference).
-
-        Returns (tokens [n'], top-2 logit margins [n']); stops after EOS.
-        """
+        """Greedy continuation of ``prompt`` by full re-forward (the garbage guard's reference):
+        (tokens [n'], top-2 logit margins [n']); stops after EOS."""
         self._need(PARAMS)
         length = len(prompt) + n
         toks = np.zeros((1, length), np.int32)
@@ -331,8 +310,7 @@ class JaxTrainer:
         return nnx.merge(self.graphdef, self.trainable, self.frozen)
 
     def _engine_layout(self, model: Qwen3, name: str, lins: dict[str, Any]) -> tuple[jax.Array, bool]:
-        """The weight ``name`` as stored in our model (kernels [in, out]; LoRA merged; one
-        layer's row of stacked layers). ``lins``: ``linear_layers(model)``."""
+        """The weight ``name`` as stored in our model (kernels [in, out]; LoRA merged)."""
         if self.lora and name in lins:
             return lins[name].merged_kernel(), True
         return get_weight(model, name)
@@ -342,22 +320,18 @@ class JaxTrainer:
         return list(self.names) if full or not self.lora else list(self.linear_names)
 
     def export_weights(self, full: bool = True) -> WeightExport:
-        """HF-named jax arrays in ``export_dtype``, one at a time, in our layout: a kernel is
-        ``KernelInOut`` ``[in, out]`` (``export_layout.hf_layout``), any other weight a plain HF-layout
-        array. A copy (LoRA merged, a stacked layer's row, a cast) lives only while the engine places it."""
+        """HF-named jax arrays in ``export_dtype``, one at a time, kernels as ``KernelInOut``;
+        a copy (LoRA merged, a stacked layer's row, a cast) lives only while the engine places it."""
         self._need(PARAMS)
         names = self.export_names(full)
         model = self._model_view()
         lins = linear_layers(model)
-
         sums: dict[str, tuple[jax.Array, jax.Array]] = {}
 
         def gen() -> Iterator[tuple[str, jax.Array | KernelInOut]]:
-            for name in names:  # no local holds the uncast weight (a stacked layer's row) across the
-                # yield: while the engine places the export, only the export is alive beside it
+            for name in names:  # no local holds the uncast weight across the yield
                 value = _export(*self._engine_layout(model, name, lins), self.export_dtype)
-                # the fingerprint in the same pass (dispatched, read once at the end)
-                sums[name] = tensor_sums(array_of(value))
+                sums[name] = tensor_sums(array_of(value))  # dispatched, read once at the end
                 yield name, value
                 del value
 
@@ -369,22 +343,18 @@ class JaxTrainer:
         lins = linear_layers(model)
         names = names if names is not None else self.names
         fp: Fingerprint = {}
-        for name in names:  # one at a time: each engine-layout copy (merged LoRA, transposed) is
-            # freed before the next is made, so the check never holds a second copy of the weights
+        for name in names:  # one copy at a time, never a second copy of the weights
             value = self._engine_layout(model, name, lins)[0].astype(self.export_dtype)
             fp.update(read_sums({name: tensor_sums(value)}))
         return fp
 
     # -- checkpoints ---------------------------------------------------------------------
     def save(self, path: Path) -> None:
-        """Orbax checkpoint of the trainable params and optimizer state (params must be on
-        the device). The LoRA base is not saved: it is the run's ``--model``. A write the OS
-        refuses raises ``OSError`` naming the file, once orbax's writes have all ended."""
+        """Orbax checkpoint of the trainable params and optimizer state (not the LoRA base)."""
         self.snapshot(path).write()
 
     def snapshot(self, path: Path) -> AsyncSave:
-        """``save`` begun as orbax's asynchronous save into ``path``: it returns once the state is
-        in host memory; the writer's thread waits for the files (``AsyncSave.write``)."""
+        """``save`` begun as orbax's asynchronous save: returns once the state is in host memory."""
         self._need(PARAMS, OPTIMIZER)
         target = Path(path).resolve() / "state"
         if target.exists():
@@ -392,8 +362,7 @@ class JaxTrainer:
         return AsyncSave(target, {"trainable": self.trainable, "opt_state": self.opt_state})
 
     def restore(self, path: Path) -> None:
-        """Load a ``save``. The state is this trainer's param tree, so it restores only into the
-        layout it was written from (``scan_layers``, the LoRA rank): ``ValueError`` saying so."""
+        """Load a ``save`` into the layout it was written from (else ValueError saying so)."""
         import orbax.checkpoint as ocp
 
         self._need(PARAMS, OPTIMIZER)

@@ -4,21 +4,15 @@
 - One preallocated KV pool [L, 2, max_total_tokens, K, D]: a batch of B prompts uses B rows of
   C = longest prompt + max new tokens slots (prompts left-padded); batches that do not fit, or
   exceed ``max_running_requests``, run in consecutive sub-batches.
-- Each request samples from its own ``torch.Generator``, seeded by its index in the whole batch
-  (``request_seeds``): a completion does not depend on its sub-batch or process. Several
-  processes (``backends/torch/distributed.py``) each generate a contiguous slice of the requests
-  and every process gets every output. Tokens and logprobs stay on the device in [B, max_new]
-  buffers; whether every row has ended is read after each decode step on CPU, every
-  ``SYNC_EVERY`` steps on an accelerator (a read is a synchronisation; the extra steps' tokens
-  are dropped).
+- Each request samples from its own ``torch.Generator`` seeded by its index in the whole batch
+  (``request_seeds``), independent of sub-batch or process. Several processes each generate a
+  contiguous slice and every process gets every output. Whether every row has ended is read
+  every decode step on CPU, every ``SYNC_EVERY`` steps on an accelerator.
 - A request stops at EOS or a stop token (included, ``"stop"``), at ``max_new_tokens`` or the
-  context length (``"length"``), or at ``pause_generation`` from another thread (``"abort"``,
-  checked before every decode step).
-- ``update_weights`` copies into the existing parameter storages (stable addresses keep a
-  torch_memory_saver region valid), staged in slices of at most ``chunk_bytes``: peak = one copy
-  + one slice (on CPU a same-dtype slice is a view of the whole source tensor).
-- Memory tags ``weights`` and ``kv_cache`` (``backends/torch/memory.py``); no CUDA graphs are
-  captured, so no ``cuda_graph`` tag. Lifecycle state lives in the core's ``ManagedEngine``.
+  context length (``"length"``), or at ``pause_generation`` (``"abort"``).
+- ``update_weights`` copies into the existing parameter storages (stable addresses for
+  torch_memory_saver), staged in slices of at most ``chunk_bytes``.
+- Memory tags ``weights`` and ``kv_cache`` (``memory.py``); no CUDA graphs.
 """
 
 from __future__ import annotations
@@ -64,6 +58,14 @@ def tensor_sums(x: torch.Tensor) -> torch.Tensor:
         acc[0] += p32.sum()
         acc[1] += torch.dot(p32, p32)
     return acc
+
+
+def read_sums(sums: dict[str, torch.Tensor]) -> Fingerprint:
+    """``tensor_sums`` of every name, read to the host in one transfer."""
+    if not sums:
+        return {}
+    host = torch.stack(list(sums.values())).cpu().tolist()
+    return {n: (float(s), float(q)) for n, (s, q) in zip(sums, host, strict=True)}
 
 
 class EmbeddedEngine:
@@ -126,15 +128,13 @@ class EmbeddedEngine:
         track(self)  # the CPU memory probe counts held_tensors()
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """Weights, KV cache and tensors ``place``d for a naive swap (what the CPU probe counts;
-        empty after shutdown)."""
+        """Weights, KV cache and tensors ``place``d for a naive swap (empty after shutdown)."""
         if self.kv is None:
             return []
         return [*self.params.values(), self.kv, *list(self._placed)]
 
     def paused_device_bytes(self) -> tuple[int, int] | None:
-        """``(CUDA device index, bytes)`` of its torch_memory_saver regions paused now (the CUDA
-        probe subtracts them from the allocator's count); None without torch_memory_saver."""
+        """``(CUDA device index, bytes)`` of its paused torch_memory_saver regions, or None."""
         paused = getattr(self.memory, "paused_bytes", None)
         if paused is None or self.device.type != "cuda":
             return None
@@ -148,8 +148,7 @@ class EmbeddedEngine:
         return sum(p.numel() * p.element_size() for p in self.params.values())
 
     def place(self, hf_name: str, value: Any) -> torch.Tensor:
-        """A new tensor holding ``value`` (HF layout: host ndarray or torch tensor) on the engine's
-        device in the engine dtype (always a copy: the naive baseline's second copy)."""
+        """A copy of ``value`` (HF layout) on the engine's device and dtype (the naive baseline's)."""
         dst = self._param(hf_name)
         src = value if isinstance(value, torch.Tensor) else to_torch(value)
         check_shape(hf_name, src, dst.shape)
@@ -158,11 +157,8 @@ class EmbeddedEngine:
         return placed
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
-        """In-place streaming update; the fingerprint is of the data as staged on the device.
-
-        ``named_tensors`` yields ``(hf_name, value)``: a host ndarray (memmaps included), a torch
-        tensor on any device, or a ``Placed`` tensor (naive baseline; installed as is).
-        """
+        """In-place streaming update of host ndarrays, torch tensors or ``Placed`` tensors; the
+        fingerprint is of the data as staged on the device."""
         t0 = time.perf_counter()
         noop = fault("swap_noop")
         sums: dict[str, torch.Tensor] = {}
@@ -193,14 +189,14 @@ class EmbeddedEngine:
                 nbytes += dst.numel() * dst.element_size()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-        fp: Fingerprint = {n: (float(s[0]), float(s[1])) for n, s in sums.items()}
+        fp = read_sums(sums)
         return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp)
 
     def _write(
         self, name: str, dst: torch.Tensor, src: torch.Tensor, on_tensor: Any, noop: bool
     ) -> torch.Tensor:
-        """Stage ``src`` on the device slice by slice (rows of dim 0, at most ``chunk_bytes`` per
-        slice) and copy each slice into ``dst``; returns [sum, sumsq] of what was staged."""
+        """Stage ``src`` on the device in slices of dim 0 (at most ``chunk_bytes``) and copy each
+        into ``dst``; returns [sum, sumsq] of what was staged."""
         rows = dst.shape[0]
         row_bytes = max(1, dst[0].numel() * dst.element_size())
         whole = self.chunk_bytes <= 0 or dst.numel() * dst.element_size() <= self.chunk_bytes
@@ -209,10 +205,8 @@ class EmbeddedEngine:
         for start in range(0, rows, step):
             staged = src[start : start + step].to(device=self.device, dtype=self.dtype)
             acc += tensor_sums(staged)
-            if start == 0 and on_tensor is not None:
-                on_tensor(
-                    name, staged.numel() * staged.element_size()
-                )  # the engine's copy + one staged slice
+            if start == 0 and on_tensor is not None:  # the engine's copy + one staged slice
+                on_tensor(name, staged.numel() * staged.element_size())
             if not noop:
                 dst[start : start + step].copy_(staged)
             del staged
@@ -221,8 +215,9 @@ class EmbeddedEngine:
     def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
         """(sum, sumsq) of every parameter the forward pass reads (``names``: those)."""
         with torch.no_grad():
-            sums = {n: tensor_sums(self.params[n]) for n in (self.params if names is None else names)}
-        return {n: (float(s[0]), float(s[1])) for n, s in sums.items()}
+            return read_sums(
+                {n: tensor_sums(self.params[n]) for n in (self.params if names is None else names)}
+            )
 
     def _param(self, name: str) -> torch.Tensor:
         try:
@@ -254,8 +249,7 @@ class EmbeddedEngine:
         return self._generate_here(prompts, sampling)
 
     def _generate_here(self, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerateOutput]:
-        """``prompts`` in sub-batches; request i samples from its own generator, seeded by its index
-        in the whole batch (``request_seeds``): a completion does not depend on its sub-batch."""
+        """``prompts`` in sub-batches, request i sampling from its own generator."""
         seeds = request_seeds(sampling.seed or 0, len(prompts), sampling.request_offset)  # greedy: unused
         outs: list[GenerateOutput] = []
         with torch.no_grad(), self._lock:
@@ -268,8 +262,7 @@ class EmbeddedEngine:
         return outs
 
     def _sub_batches(self, prompts: list[list[int]], max_new: int) -> list[list[list[int]]]:
-        """Consecutive groups of at most ``max_running_requests`` prompts whose rows fit the KV
-        pool (B * C <= max_total_tokens)."""
+        """Consecutive groups of at most ``max_running_requests`` prompts fitting the KV pool."""
         groups: list[list[list[int]]] = []
         for p in prompts:
             group = groups[-1] if groups else None
@@ -346,12 +339,9 @@ class EmbeddedEngine:
         key_mask: torch.Tensor,
         cache: KVCache,
     ) -> tuple[torch.Tensor, list[int]]:
-        """The batch's prefill: each distinct prompt computed once (a GRPO group's samples share
-        theirs), its K/V and last logits then copied to every row that holds it.
-
-        ``tokens``, ``positions``: [B, P]; ``key_mask``: [B, S]; ``cache``: rows [B, S, K, D].
-        Returns the last position's logits [B, V] and, per row, the prompt tokens it took from
-        another row (0 for the row that computed them)."""
+        """The batch's prefill, each distinct prompt computed once and its K/V and logits copied to
+        every row that holds it. ``tokens``, ``positions``: [B, P]; ``key_mask``: [B, S]; ``cache``:
+        rows [B, S, K, D]. Returns the last logits [B, V] and per row the prompt tokens it shared."""
         slot: dict[tuple[int, ...], int] = {}  # prompt -> its row among the distinct ones
         of = [slot.setdefault(tuple(p), len(slot)) for p in prompts]
         if len(slot) == len(prompts):
@@ -372,8 +362,7 @@ class EmbeddedEngine:
     def _ending(
         self, toks: list[int], lps: list[float], stops: set[int], seen: int, budget: int
     ) -> GenerateOutput:
-        """A row's output from its first ``seen`` sampled tokens: up to and with its first stop token
-        (``stop``), else its whole ``budget`` (``length``), else what it had when paused (``abort``)."""
+        """A row's output from its first ``seen`` tokens: to its first stop token, its ``budget``, or abort."""
         for j, t in enumerate(toks[:seen]):
             if t in stops:
                 return self._output(toks[: j + 1], lps[: j + 1], "stop")
@@ -401,7 +390,7 @@ class EmbeddedEngine:
         raise ValueError(f"unknown memory tag {tag!r}; this engine has {list(self.tags)}")
 
     def memory_tag(self, tag: str) -> str:
-        """The memory layer's name of ``tag`` (``<task>/weights`` for a task's engine)."""
+        """The memory layer's name of ``tag`` (``<task>/<tag>`` for a task's engine)."""
         return self.memory.name(tag)
 
     def tag_bytes(self, tag: str) -> int:
@@ -410,14 +399,11 @@ class EmbeddedEngine:
 
     def release_memory(self, tag: str) -> None:
         with torch.no_grad(), self._lock:
-            backup = (
-                tag == TAG_WEIGHTS and self.weights_cpu_backup and not fault("resume_lies")
-            )  # the fault: lost
+            backup = tag == TAG_WEIGHTS and self.weights_cpu_backup and not fault("resume_lies")
             self.memory.release(tag, self._tensors(tag), cpu_backup=backup)
 
     def resume_memory(self, tag: str) -> bool:
-        """True when the contents came back (weights with CPU backup); kv_cache contents are
-        undefined after a resume (False) and are never read before being written."""
+        """True when the contents came back (weights with CPU backup); never for kv_cache."""
         with torch.no_grad(), self._lock:
             restored = self.memory.resume(tag, self._tensors(tag))
         return (restored or fault("resume_lies")) and tag == TAG_WEIGHTS
@@ -433,14 +419,12 @@ class EmbeddedEngine:
 def sample(
     logits: torch.Tensor, sampling: SamplingParams, gens: Sequence[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row of ``logits`` [B, V] (any device and float dtype; computed in
-    float32). Returns (tokens [B], logprobs [B]) on ``logits``' device; logprobs are
-    ``log_softmax(logits / T)`` at the token, before top-p (``logits`` when greedy: the argmax).
+    """Pick one token per row of ``logits`` [B, V] (computed in float32). Returns (tokens [B],
+    logprobs [B]): ``log_softmax(logits / T)`` at the token, before top-p (greedy: the argmax).
 
-    Sampling is inverse-CDF on the device (float64, top-p applied) with one uniform draw per row
-    from ``gens[i]``, its request's CPU generator: the stream depends neither on the device nor
-    on the other rows. ``torch.multinomial`` per row on the host would move [B, V] probabilities
-    to the host, which dominates a decode step of a 151,936-token vocabulary."""
+    Inverse-CDF on the device (float64, top-p applied) with one uniform draw per row from
+    ``gens[i]``, its request's CPU generator: independent of device and other rows, and no
+    [B, V] probabilities moved to the host."""
     logits = logits.float()
     if sampling.temperature == 0:
         lp = torch.log_softmax(logits, dim=-1)
@@ -455,8 +439,7 @@ def sample(
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
     u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in gens]).to(probs.device)
     cdf = probs.double().cumsum(dim=-1)
-    # the first index whose cdf exceeds u * total: a zero-probability token repeats its left
-    # neighbour's cdf, so it is never the first to exceed
+    # the first index whose cdf exceeds u * total (never a zero-probability token)
     tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
     return tok, lp.gather(1, tok[:, None])[:, 0]
 

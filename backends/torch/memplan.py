@@ -4,12 +4,10 @@ Every figure is predicted, per device. A node target (``h100x8``) plans one card
 by FSDP2 over all of them (``fsdp`` 1: unsharded), traced on torch's fake process group.
 
 - ``trainer_params``, ``grads``, ``optimizer``, ``grad_step`` (method ``fake_tensor``): the real
-  ``TorchTrainer`` built on ``meta``, materialised inside ``FakeTensorMode`` and stepped under
-  ``torch.distributed._tools.mem_tracker.MemTracker``; components are read just before an optimizer
-  step, ``grad_step`` is the tracker's peak. The fake device is the CPU because fake CUDA tensors
-  cannot run backward without a CUDA context (pytorch/pytorch#92627): same byte counts, no 512-byte
-  rounding. AdamW's ``step`` counters are host tensors on CUDA unless fused (``torch/optim/adam.py``)
-  and are left out.
+  ``TorchTrainer`` materialised inside ``FakeTensorMode`` and stepped under ``MemTracker``;
+  components are read just before an optimizer step, ``grad_step`` is the tracker's peak. The fake
+  device is the CPU (fake CUDA tensors cannot run backward without a CUDA context): same byte
+  counts, no 512-byte rounding. AdamW's host-side ``step`` counters (unfused, on CUDA) are left out.
 - ``engine_weights``, ``kv_pool``, ``staging`` (method ``layout``): SGLang's own rules
   (``sglang_calls.SGLANG_VERSION``), cited at each function below.
 
@@ -50,8 +48,7 @@ from mllm_rl.trainer import RolloutBatch, TrainConfig
 MIB = 2**20
 MAX_CARDS = 8  # a node's cards (hNNNxK)
 NODE_CARDS = (2, 4, 8)  # the node targets listed
-# name -> (device kind, XLA GPU target config whose device_memory_size is the card's memory: the
-# same figure the JAX planner plans against)
+# name -> (device kind, XLA GPU target config giving the card's memory, as the JAX planner uses)
 GPUS: dict[str, tuple[str, str]] = {
     "h100": ("NVIDIA H100 80GB HBM3 (SXM)", "h100_sxm.txtpb"),
     "h200": ("NVIDIA H200 (SXM)", "h200.txtpb"),
@@ -69,13 +66,11 @@ LOCAL_TARGETS = {
     "cpu": "this machine's CPU: the host's RAM (psutil); what a run on CPU plans itself against",
     "cuda": "this process's CUDA device: its memory (torch.cuda.mem_get_info); what a run on CUDA plans itself against",
 }
-# Also taken (not listed): ``cpuxN`` / ``cudaxN``, what a run of N processes on this machine plans
-# itself against (``target_for_runtime``): N processes sharing the CPU budget, or N of this card.
+# Also taken (not listed): ``cpuxN`` / ``cudaxN``, a run of N processes here (``target_for_runtime``).
 
 
 def targets() -> dict[str, str]:
-    """What ``--target`` accepts with ``--backend torch``: one card, a node of N (one process per
-    card, the trainer sharded with FSDP2 unless ``fsdp`` is 1), or this machine's device."""
+    """What ``--target`` accepts with ``--backend torch``: one card, a node of N, or this machine's device."""
     out = {}
     for name, (kind, config) in GPUS.items():
         desc = f"1 x {kind}, {card_memory(config) / GIB:.2f} GiB (XLA GPU target config {config})"
@@ -87,9 +82,7 @@ def targets() -> dict[str, str]:
 
 
 def target_for_runtime(runtime: dict[str, Any]) -> str | None:
-    """The target a run plans itself against (``mllm_rl.memplan.for_run``): this machine's ``cpu``
-    or ``cuda`` device, ``cpuxN`` / ``cudaxN`` for a run of N processes (one device each, the
-    trainer sharded over them by FSDP2 unless ``--fsdp 1``)."""
+    """The target a run plans itself against: ``cpu`` / ``cuda``, ``cpuxN`` / ``cudaxN`` for N processes."""
     kind = {"cpu": "cpu", "cuda": "cuda"}.get(str(runtime.get("platform")))
     n = int(runtime.get("process_count", 1))
     if kind is None or not 1 <= n <= MAX_CARDS:
@@ -98,17 +91,14 @@ def target_for_runtime(runtime: dict[str, Any]) -> str | None:
 
 
 def plans_in_process(target: str) -> bool:
-    """Whether ``target`` can be planned in this process: not once it has joined a real process
-    group (a run across processes), where torch's fake process group that traces FSDP2 cannot be
-    opened; ``mllm_rl.memplan.for_run`` then plans it in a fresh process."""
+    """Not once this process joined a real process group (the fake one that traces FSDP2 cannot open)."""
     import torch.distributed as dist
 
     return not (dist.is_available() and dist.is_initialized())
 
 
 def card_memory(config: str) -> int:
-    """``device_memory_size`` of an XLA GPU target config shipped in ``mllm_rl/assets/gpu_targets``
-    (openxla/xla's spec of the card; see the README there)."""
+    """``device_memory_size`` of an XLA GPU target config in ``mllm_rl/assets/gpu_targets``."""
     text = resources.files("mllm_rl").joinpath("assets", "gpu_targets", config).read_text()
     m = re.search(r"device_memory_size:\s*(\d+)", text)
     if m is None:
@@ -117,9 +107,8 @@ def card_memory(config: str) -> int:
 
 
 def parse_target(name: str) -> Target:
-    """``h100`` / ``h200`` (``xN``: a node of N cards, one process each), or this machine's ``cpu``
-    / ``cuda`` device (``LOCAL_TARGETS``; ``xN``: N processes of a run here, one device each: on
-    CPU they share the host's budget, each plans its 1/N)."""
+    """``h100`` / ``h200`` (``xN``: a node of N cards), or ``LOCAL_TARGETS`` (``xN``: N processes here,
+    one device each; on CPU each plans 1/N of the host's budget)."""
     local = _LOCAL.match(name)
     if local is not None:
         return _local_target(name, local.group(1), int(local.group(2) or 1))
@@ -158,11 +147,6 @@ def _local_target(name: str, kind: str, n: int) -> Target:
     return Target(
         name, "gpu", n, 1, total, torch.cuda.get_device_name(), source, psutil.virtual_memory().total
     )
-
-
-def check(req: PlanRequest) -> None:
-    """``check_request`` before any work is shown (``python -m mllm_rl.memplan``)."""
-    check_request(req)
 
 
 def check_request(req: PlanRequest) -> Target:
@@ -209,9 +193,11 @@ def check_request(req: PlanRequest) -> Target:
     return target
 
 
+check = check_request  # the planner contract's name (``python -m mllm_rl.memplan``)
+
+
 def engine_of(req: PlanRequest, target: Target) -> str:
-    """The engine planned: ``req.engine``, with ``auto`` resolved as a run on the target would
-    (SGLang on one GPU when installed; the embedded engine on cpu and on every card of a node)."""
+    """``req.engine``, ``auto`` resolved as a run would: SGLang on one GPU, else the embedded engine."""
     if req.engine != "auto":
         return req.engine
     return "embedded" if target.platform == "cpu" or target.num_devices > 1 else "sglang"
@@ -222,11 +208,10 @@ def engine_of(req: PlanRequest, target: Target) -> str:
 class StepMemory:
     """What MemTracker saw of ``TorchTrainer.device_step`` (bytes on the fake device).
 
-    ``params``/``grads``/``optimizer``: just before an optimizer step, AdamW's host-side ``step``
-    counters (``host_scalars``) excluded. ``peak``: MemTracker's per-category bytes at its peak
-    (``Optstate`` still includes ``host_scalars``; ``Parameter`` includes compute-dtype casts of float32
-    masters), ``peak_total`` their sum without ``host_scalars``. ``fwd_bwd_peak``: the peak up to the
-    first optimizer step (``peak`` may lie in an optimizer step, as with ``remat``)."""
+    ``params``/``grads``/``optimizer``: just before an optimizer step, without ``host_scalars``
+    (AdamW's host-side counters). ``peak``: per-category bytes at the peak (``Optstate`` includes
+    ``host_scalars``); ``peak_total``: their sum without them. ``fwd_bwd_peak``: the peak up to the
+    first optimizer step."""
 
     params: int
     grads: int
@@ -256,26 +241,22 @@ class StepMemory:
 
     @property
     def activations(self) -> int:
-        """Bytes at the peak beyond params (KL reference included), gradients and optimizer
-        state: activations, temporaries and compute-dtype casts."""
+        """Bytes at the peak beyond params (KL reference included), gradients and optimizer state."""
         return self._beyond_state(self.peak)
 
     @property
     def fwd_bwd_activations(self) -> int:
-        """``activations`` at the forward/backward peak: what activation checkpointing
-        changes."""
+        """``activations`` at the forward/backward peak: what activation checkpointing changes."""
         return self._beyond_state(self.fwd_bwd_peak)
 
     def _beyond_state(self, peak: dict[str, int]) -> int:
-        """Bytes of a MemTracker peak snapshot beyond params, gradients and optimizer state."""
         total = peak.get("Total", sum(peak.values())) - self.host_scalars
         held = self.params + self.ref_params + peak.get("Gradient", 0) + self.optimizer
         return total - held
 
 
 def layout_dir(config: ModelConfig, dtype: str) -> ModelDir:
-    """A ``ModelDir`` with the checkpoint's names, shapes and dtype and no files (for a trainer
-    built around a given model: nothing is read from it)."""
+    """A ``ModelDir`` with the checkpoint's names, shapes and dtype and no files."""
     itemsize, st_dtype = DTYPES[dtype]
     tensors, off = {}, 0
     for name, shape in config.param_shapes().items():
@@ -289,9 +270,8 @@ def _tracker_class() -> type:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class PeakTracker(MemTracker):
-        """MemTracker tracking only the global peak (its module-wise peak is ~20x slower
-        on a 28-layer model and unused), and installing no gradient hook on frozen or non-leaf parameters
-        (LoRA base, KL reference, compute-dtype casts): torch 2.13's MemTracker raises on those."""
+        """MemTracker tracking only the global peak (the module-wise one is ~20x slower), with no
+        gradient hook on frozen or non-leaf parameters (MemTracker raises on those)."""
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             saved, self.memory_tracking = self.memory_tracking, {}
@@ -333,8 +313,7 @@ def _bytes(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
 
 
 def step_batch(config: ModelConfig, rows: int, seq_len: int) -> RolloutBatch:
-    """A rollout batch of ``rows x seq_len`` tokens, the second half completion (values do not
-    change memory)."""
+    """A rollout batch of ``rows x seq_len`` tokens, the second half completion."""
     rng = np.random.default_rng(0)
     loss = np.zeros((rows, seq_len), bool)
     loss[:, seq_len // 2 :] = True
@@ -344,8 +323,7 @@ def step_batch(config: ModelConfig, rows: int, seq_len: int) -> RolloutBatch:
 
 
 def _collected(fn: Any) -> Any:
-    """``fn``, then ``gc.collect()``: the fake trainer leaves the CPU probe's holder set (a WeakSet)
-    only when it is collected."""
+    """``fn``, then ``gc.collect()`` (the fake trainer leaves the CPU probe's WeakSet once collected)."""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -377,12 +355,10 @@ def trainer_step_memory(
 ) -> StepMemory:
     """Run ``TorchTrainer.device_step`` ``steps`` times on fake tensors under MemTracker.
 
-    ``rows`` sequences of ``seq_len`` tokens per step (the whole batch), in micro-batches of
-    ``micro_batch``. ``attention`` / ``logprob_chunk``: the model's defaults (``"sdpa"`` / ``"model"``)
-    or ``"eager"`` / ``None`` for ``mllm_rl/bench/torch_attention.py``. ``options``: model options as a
-    (key, value) tuple so the result caches. ``device``: the planned device type, which decides the
-    AdamW implementation (``TorchModelOptions.adamw_on``) and where its step counters live.
-    ``world`` > 1: traced as rank 0 of an FSDP2 trainer on torch's fake process group."""
+    ``rows`` x ``seq_len`` tokens per step in micro-batches of ``micro_batch``. ``attention`` /
+    ``logprob_chunk``: the model's defaults or ``"eager"`` / ``None`` (``bench/torch_attention.py``).
+    ``device``: the planned device type (decides AdamW's implementation). ``world`` > 1: rank 0 of
+    an FSDP2 trainer on torch's fake process group."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.modules.module import register_module_forward_pre_hook
@@ -412,9 +388,8 @@ def trainer_step_memory(
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
             model = meta.to_empty(device="cpu")
-            # full fine-tune + KL: built without it (its host copies of the params would be numpy
-            # buffers on CPU), then given what the CUDA path holds: host tensors of the initial
-            # params that each step copies to the device (offload.host_copy / device_tensor)
+            # full fine-tune + KL: built without it (on CPU its reference would be numpy buffers),
+            # then given the CUDA path's host tensors of the initial params
             init_cfg = dataclasses.replace(cfg, loss=LossConfig(beta=0.0)) if kl and not lora else cfg
             trainer = TorchTrainer(
                 layout_dir(config, dtype), init_cfg, device="cpu", model=model, shard_over=shard_over
@@ -445,8 +420,7 @@ def trainer_step_memory(
 
         hooks = [
             trainer.optimizer.register_step_pre_hook(at_step),
-            # MemTracker refuses a second call of the root module in one session; the step calls it
-            # once per micro-batch (twice with a KL reference): forget the module-wise stats first
+            # MemTracker refuses a second call of the root module: forget the module-wise stats
             register_module_forward_pre_hook(
                 lambda m, _: tracker.reset_mod_stats() if m is trainer.model else None
             ),
@@ -458,8 +432,7 @@ def trainer_step_memory(
                 faults.suspended(),
                 progress_bar(steps, "fake-tensor train step", unit="step") as bar,
             ):
-                # gradient hooks on the trainable params now: a mixed-precision forward swaps casts of the
-                # float32 masters into the modules, so the tracker's pre-forward hook never sees the masters
+                # hooks on the masters now: a mixed-precision forward swaps their casts into the modules
                 tracker._track_module_params_and_buffers(trainer.model)
                 for _ in range(steps):
                     trainer.device_step(batch)
@@ -470,8 +443,7 @@ def trainer_step_memory(
         peak = _bytes(tracker.get_tracker_snapshot("peak"))
         pre = before_step[-1]
         out = StepMemory(
-            # functional_call swaps the KL reference tensors in as module params, which MemTracker
-            # counts as params (sharded, they are copied into the params' shards instead)
+            # MemTracker counts the swapped-in KL reference as params (not when sharded)
             params=pre.get("Parameter", 0) - (0 if trainer.sharded else ref_params),
             grads=pre.get("Gradient", 0),
             optimizer=pre.get("Optstate", 0) - host_scalars,
@@ -496,9 +468,8 @@ def trainer_step_memory(
 
 @contextlib.contextmanager
 def fake_process_group(world: int) -> Iterator[tuple[Any, Any] | None]:
-    """``world`` > 1: torch's fake process group of ``world`` ranks (this process rank 0;
-    collectives return at once with the right shapes) and a CPU device mesh over it, as the trainer's
-    ``shard_over``; taken down after. ``None`` for one device."""
+    """``world`` > 1: torch's fake process group (this process rank 0) and a CPU mesh over it, as the
+    trainer's ``shard_over``; ``None`` for one device."""
     if world == 1:
         yield None
         return
@@ -523,8 +494,7 @@ def fake_process_group(world: int) -> Iterator[tuple[Any, Any] | None]:
 
 
 def options_key(options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """A request's model options as sorted (key, value) pairs, normalised (``TorchModelOptions``:
-    ``remat=block`` and ``remat=true`` are one plan, and one cache entry) with defaults left out."""
+    """A request's model options as normalised (key, value) pairs, defaults left out."""
     opts = TorchModelOptions.from_pairs(options)
     default = TorchModelOptions()
     return tuple(
@@ -536,12 +506,9 @@ def options_key(options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 # -- SGLang's layout -------------------------------------------------------------------------------
 def sglang_weight_bytes(config: ModelConfig, itemsize: int) -> tuple[int, str]:
-    """Bytes of SGLang's Qwen3 weights (tp=1) and how they add up.
-
-    The checkpoint's tensors, the vocabulary padded to a multiple of 64
-    (``layers/vocab_parallel_embedding.py: DEFAULT_VOCAB_PADDING_SIZE``), ``lm_head`` tied to the
-    embedding when the config says so (``models/qwen3.py``), and a float32 RoPE cos/sin cache
-    ``[max_position_embeddings, head_dim]`` (``layers/rotary_embedding/base.py``)."""
+    """Bytes of SGLang's Qwen3 weights (tp=1) and how they add up: the checkpoint's tensors, the
+    vocabulary padded to a multiple of 64 (``vocab_parallel_embedding.py``), ``lm_head`` tied when
+    the config says so, a float32 RoPE cache ``[max_position_embeddings, head_dim]``."""
     pad = -(-config.vocab_size // 64) * 64 - config.vocab_size
     tables = 1 if config.tie_word_embeddings else 2
     weights = (config.num_params() + pad * config.hidden_size * tables) * itemsize
@@ -554,18 +521,14 @@ def sglang_weight_bytes(config: ModelConfig, itemsize: int) -> tuple[int, str]:
 
 
 def sglang_pool_tokens(free_at_start: int, weight_bytes: int, cell: int, mem_fraction_static: float) -> int:
-    """SGLang's KV pool size in tokens when the user sets no cap: free x mfs - weights,
-    // cell (``mem_cache/kv_cache_configurator.py: _profile_available_bytes``,
-    ``model_executor/pool_configurator.py: DefaultPoolConfigurator.calculate_pool_sizes``)."""
+    """SGLang's KV pool in tokens with no cap: (free x mfs - weights) // cell (``kv_cache_configurator.py``)."""
     rest = int(free_at_start * mem_fraction_static) - weight_bytes
     return max(0, rest // cell // PAGE_SIZE * PAGE_SIZE)
 
 
 def sglang_pool_bytes(tokens: int, cell: int, context_len: int, max_running_requests: int) -> int:
-    """Bytes SGLang allocates in ``kv_cache`` for a pool of ``tokens``: K and V of
-    ``tokens + page_size`` slots (``mem_cache/memory_pool.py: MHATokenToKVPool._create_buffers``) and
-    the int32 ``req_to_token`` table ``(max_running_requests + 1) x (context_len + 4)``
-    (``kv_cache_configurator.py: resolve_max_num_reqs``, ``allocation_sizing.py``)."""
+    """Bytes SGLang allocates in ``kv_cache``: K and V of ``tokens + page_size`` slots
+    (``memory_pool.py``) and the int32 ``req_to_token`` table ``(reqs + 1) x (context_len + 4)``."""
     reqs = min(max_running_requests, max(tokens // 2, 1))
     return (tokens + PAGE_SIZE) * cell + (reqs + 1) * (context_len + 4) * 4
 
@@ -583,9 +546,7 @@ def staging_bytes(
 
 # -- the embedded engine's layout (backends/torch/engine.py) --------------------------------------
 def embedded_weight_bytes(config: ModelConfig, itemsize: int) -> tuple[int, str]:
-    """Bytes of ``EmbeddedEngine``'s weights: our Qwen3's parameters in the checkpoint dtype, one
-    per checkpoint tensor (a tied ``lm_head`` is the embedding), nothing padded, no RoPE cache
-    kept (computed per forward)."""
+    """Bytes of ``EmbeddedEngine``'s weights: the checkpoint's tensors, nothing padded, no RoPE cache."""
     n = sum(math.prod(s) for s in config.param_shapes().values())
     return n * itemsize, f"{n:,} params x {itemsize} B"
 
@@ -630,7 +591,7 @@ def _trainer_figures(req: PlanRequest, step: StepMemory) -> tuple[dict[str, Comp
 
 
 def options_text(step: StepMemory) -> str:
-    """``"; model options remat=True"`` for the ``grad_step`` detail (empty without options)."""
+    """``"; model options remat=True"`` for the ``grad_step`` detail."""
     if not step.options:
         return ""
     return "; model options " + ", ".join(f"{k}={v}" for k, v in step.options)
@@ -649,11 +610,9 @@ class Pool:
 
 
 def sglang_pool(req: PlanRequest, weight_bytes: int, free: int, itemsize: int) -> Pool:
-    """The pool SGLang builds (``mem_cache/kv_cache_configurator.py``, ``pool_configurator.py``).
-
-    ``req.kv_tokens`` None: SGLang's rule at ``req.mem_fraction_static``. Given: that many tokens, capped
-    by the rule when ``mem_fraction_static`` is also given (SGLang takes the smaller), else the
-    ``mem_fraction_static`` it needs. ``ValueError`` when SGLang would refuse to start."""
+    """The pool SGLang builds: ``req.kv_tokens`` None: its rule at ``req.mem_fraction_static``;
+    given: that many tokens, capped by the rule when ``mem_fraction_static`` is also given, else
+    the ``mem_fraction_static`` it needs. ``ValueError`` when SGLang would refuse to start."""
     c = req.model
     cell = kv_cell_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, itemsize)
     notes = []
@@ -704,9 +663,8 @@ class EngineFigures:
 
 
 def embedded_engine(req: PlanRequest, target: Target, itemsize: int) -> EngineFigures:
-    """``EmbeddedEngine`` (``backends/torch/engine.py``): its weights, and its KV cache, one
-    [layers, 2, tokens, kv_heads, head_dim] tensor of ``req.kv_tokens`` tokens (None: the run's
-    rule, max_running_requests x context length)."""
+    """``EmbeddedEngine``'s weights and KV cache, [layers, 2, tokens, kv_heads, head_dim] of
+    ``req.kv_tokens`` tokens (None: max_running_requests x context length)."""
     c = req.model
     weights, detail = embedded_weight_bytes(c, itemsize)
     cell = kv_cell_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, itemsize)
@@ -759,8 +717,7 @@ def sglang_engine(req: PlanRequest, target: Target, itemsize: int) -> EngineFigu
 
 
 def measure(req: PlanRequest) -> Measured:
-    """Predicted per-device components and functions of ``req`` on its target; ``ValueError``
-    (one line, nothing traced) for a request the torch backend refuses."""
+    """Predicted per-device components and functions of ``req``; ValueError for a refused request."""
     target = check_request(req)
     c = req.model
     itemsize = DTYPES[req.param_dtype][0]

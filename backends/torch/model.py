@@ -1,19 +1,13 @@
-"""Qwen3 causal LM in torch: the embedded engine's model, the torch trainer's model, and a
-reference for parity tests.
+"""Qwen3 causal LM in torch: the embedded engine's and the torch trainer's model.
 
-Same math as ``backends/jax/model.py`` (RMSNorm in float32, q_norm/k_norm, neox rope, GQA, SiLU MLP,
-optional tied embeddings). ``named_parameters()`` are exactly the Hugging Face names, so checkpoints,
-engine updates and trainer exports share one naming.
-
+Same math as ``backends/jax/model.py``; ``named_parameters()`` are exactly the Hugging Face names.
 Shapes: B batch, T new positions, S key positions, H hidden, N heads, K kv heads, D head_dim,
 V vocab, I mlp, L layers.
 
-Attention: ``"sdpa"`` (default, ``scaled_dot_product_attention``): ``is_causal`` without padding
-(flash kernels), else one additive bias [B, 1, T, S] for all layers, a padding query attending to
-itself so no row is fully masked (no NaN). ``"eager"`` (float32 [B, N, T, S] scores) is the parity
-reference. ``remat``: each decoder layer under non-reentrant ``torch.utils.checkpoint`` when grad
-is enabled; ``layer_dtype``: a layer casts its own weights inside its checkpoint, so one layer's
-casts live at a time (``run_block``).
+Attention: ``"sdpa"`` (default): ``is_causal`` without padding, else one additive bias [B, 1, T, S],
+a padding query attending to itself (no NaN). ``"eager"`` (float32 scores) is the parity reference.
+``remat``: each decoder layer under non-reentrant ``torch.utils.checkpoint`` when grad is enabled;
+``layer_dtype``: a layer casts its own weights inside its checkpoint (``run_block``).
 """
 
 from __future__ import annotations
@@ -74,11 +68,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """GQA attention. ``q``: [B, T, N, D]; ``k``, ``v``: [B, S, K, D] -> [B, T, N*D].
-
-    ``mask``: ``None`` (causal, S == T: SDPA's ``is_causal``), an additive bias [B, 1, T, S] in
-    ``q``'s dtype (SDPA; ``attention_bias``) or a bool [B, T, S], True = attend (the eager
-    reference, ``attend_eager``)."""
+    """GQA attention. ``q``: [B, T, N, D]; ``k``, ``v``: [B, S, K, D] -> [B, T, N*D]. ``mask``: None
+    (causal, S == T), an additive bias [B, 1, T, S] (SDPA) or a bool [B, T, S] (``attend_eager``)."""
     if mask is not None and mask.dtype == torch.bool:
         return attend_eager(q, k, v, mask)
     b, t, n, d = q.shape
@@ -94,8 +85,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def attend_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The eager reference: ``mask`` [B, T, S] bool (True = attend) -> [B, T, N*D]; scores and
-    softmax in float32 (a [B, N, T, S] float32 tensor and its bf16 copy kept for the backward)."""
+    """The eager reference: ``mask`` [B, T, S] bool (True = attend) -> [B, T, N*D]; float32 softmax."""
     b, t, n, d = q.shape
     rep = n // k.shape[2]
     k = k.repeat_interleave(rep, dim=2)
@@ -107,9 +97,8 @@ def attend_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 
 def attention_bias(key_mask: torch.Tensor, q_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """SDPA's additive mask: ``key_mask`` [B, S] bool (True on real keys), ``q_slots`` [T] (the
-    key slot of each query) -> [B, 1, T, S] in ``dtype``: 0 where a query attends (a real key at
-    or before its own slot, and always its own slot), -inf elsewhere."""
+    """SDPA's additive mask: ``key_mask`` [B, S] bool, ``q_slots`` [T] (each query's key slot) ->
+    [B, 1, T, S]: 0 on real keys at or before a query's slot and on its own slot, -inf elsewhere."""
     slot = torch.arange(key_mask.shape[1], device=key_mask.device)
     own = slot[None, :] == q_slots[:, None]  # [T, S]
     allowed = (slot[None, :] <= q_slots[:, None])[None] & (key_mask[:, None, :] | own[None])  # [B, T, S]
@@ -129,9 +118,7 @@ def token_logprobs(
     """``log_softmax(rms_norm(x) @ head.T / temperature)`` at ``targets``, float32 [B, T].
 
     ``x``: [B, T, H] (before the final norm), ``targets``: [B, T] int, ``head``: [V, H]. Tokens go
-    through the head ``chunk`` at a time (``ChunkedLogProbs``), recomputed in the backward. The weights
-    are arguments so the backward uses the tensors the forward used (e.g. ``functional_call`` casts).
-    ``chunk=None``: one pass, logits kept for the backward (benchmarks)."""
+    through the head ``chunk`` at a time (``ChunkedLogProbs``); ``chunk=None``: one pass."""
     b, t, h = x.shape
     xs, ts = x.reshape(b * t, h), targets.reshape(b * t)
     if chunk is None:
@@ -141,9 +128,8 @@ def token_logprobs(
 
 
 class ChunkedLogProbs(torch.autograd.Function):
-    """``token_logprobs`` over [N, H] rows, ``chunk`` rows at a time, recomputed in the backward.
-    Weight gradients are summed over chunks in float32 and cast once, rounding like one unchunked
-    backward (costs a float32 [V, H] copy of the head with more than one chunk)."""
+    """``token_logprobs`` over [N, H] rows, ``chunk`` rows at a time, recomputed in the backward;
+    weight gradients summed over chunks in float32 and cast once (like one unchunked backward)."""
 
     @staticmethod
     def forward(ctx, x, targets, norm_weight, head, eps, temperature, chunk):  # type: ignore[override]
@@ -245,9 +231,8 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
         start: int,
     ) -> torch.Tensor:
-        """``x``: [B, T, H]; ``mask``: bias [B, 1, T, start+T] or bool [B, T, start+T] (``attend``);
-        caches [B, S_max, K, D] -> [B, T, H].
-        Writes this step's k/v into the caches at ``[start, start+T)``."""
+        """``x``: [B, T, H]; ``mask``: as ``attend`` takes it, S = start+T; caches [B, S_max, K, D]
+        -> [B, T, H]. Writes this step's k/v into the caches at ``[start, start+T)``."""
         q, k, v = self.qkv(x, positions)
         end = start + x.shape[1]
         k_cache[:, start:end] = k
@@ -295,23 +280,18 @@ def run_block(
     dtype: torch.dtype | None = None,
     sharded: bool = False,
 ) -> torch.Tensor:
-    """One decoder layer of ``Qwen3.forward``: ``x`` [B, T, H], ``positions`` [B, T], ``mask`` as
-    ``attend`` takes it -> [B, T, H].
+    """One decoder layer of ``Qwen3.forward``: ``x`` [B, T, H], ``positions`` [B, T] -> [B, T, H].
 
-    ``remat`` with grad: under ``torch.utils.checkpoint`` with the weights captured now
-    (``block_weights``) and swapped in again for the rerun, so the rerun uses the forward's tensors even
-    after a ``functional_call`` was undone; ``dtype`` casts are made inside the checkpointed function
-    (``_call_block``) so they are not kept between forward and rerun. Otherwise a plain call.
-    ``sharded`` (FSDP2, whose hooks gather and cast): the layer's own call is checkpointed and ``dtype``
-    must be ``None``."""
-    if sharded:
-        if not (remat and torch.is_grad_enabled()):
-            return layer(x, positions, mask)
-        return checkpoint(layer, x, positions, mask, use_reentrant=False, preserve_rng_state=False)
+    ``remat`` with grad: under ``torch.utils.checkpoint`` with the weights captured now and swapped
+    in again for the rerun (even after a ``functional_call`` was undone); ``dtype`` casts are made
+    inside the checkpointed ``_call_block``, so not kept between forward and rerun. ``sharded``
+    (FSDP2 hooks gather and cast): the layer's own call is checkpointed, ``dtype`` None."""
     if not (remat and torch.is_grad_enabled()):
-        if dtype is None or all(w.dtype == dtype for w in layer.parameters()):
+        if sharded or dtype is None or all(w.dtype == dtype for w in layer.parameters()):
             return layer(x, positions, mask)
         return _call_block(layer, block_weights(layer), dtype, x, positions, mask)
+    if sharded:
+        return checkpoint(layer, x, positions, mask, use_reentrant=False, preserve_rng_state=False)
     return checkpoint(
         _call_block,
         layer,
@@ -326,8 +306,7 @@ def run_block(
 
 
 def block_weights(layer: Block) -> dict[str, torch.Tensor]:
-    """The tensors ``layer`` holds as parameters now, by name (under a ``functional_call``: the
-    swapped-in ones)."""
+    """The tensors ``layer`` holds as parameters now (under a ``functional_call``: the swapped-in ones)."""
     return dict(layer.named_parameters())
 
 
@@ -339,8 +318,7 @@ def _call_block(
     positions: torch.Tensor,
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``layer(x, positions, mask)`` [B, T, H] with ``weights`` swapped in, each cast to ``dtype``
-    unless already in it (``run_block``'s checkpointed function)."""
+    """``layer(x, positions, mask)`` [B, T, H] with ``weights`` swapped in, cast to ``dtype``."""
     if dtype is not None:
         weights = {n: w.to(dtype) for n, w in weights.items()}
     return functional_call(layer, weights, (x, positions, mask), tie_weights=False)
@@ -358,10 +336,8 @@ class Qwen3Body(nn.Module):
 
 class Qwen3(nn.Module):
     """``Qwen3(config)(tokens [B, T], attention_mask [B, T]) -> logits [B, T, V]`` (float32);
-    with ``targets`` [B, T]: their log-probs [B, T] (float32, chunked head).
-
-    ``attention``, ``logprob_chunk``, ``remat`` and ``layer_dtype`` (module docstring) are plain
-    attributes, so a built model can be switched by tests, benchmarks and the trainer."""
+    with ``targets`` [B, T]: their log-probs [B, T]. ``attention``, ``logprob_chunk``, ``remat``
+    and ``layer_dtype`` are plain attributes, switchable on a built model."""
 
     def __init__(
         self,
@@ -402,9 +378,9 @@ class Qwen3(nn.Module):
         targets: torch.Tensor | None = None,
         temperature: float = 1.0,
     ) -> torch.Tensor:
-        """``tokens``: [B, T] int; ``attention_mask``: [B, T] (True on real tokens; positions =
-        cumsum(mask) - 1; ``None``: causal only, which also serves right padding) -> logits [B, T, V]
-        float32; with ``targets`` [B, T] int: ``log_softmax(logits / temperature)`` at ``targets``, [B, T]."""
+        """``tokens``: [B, T] int; ``attention_mask``: [B, T] (positions = cumsum(mask) - 1; None:
+        causal only, also right padding) -> logits [B, T, V] float32; with ``targets`` [B, T]:
+        ``log_softmax(logits / temperature)`` at ``targets``, [B, T]."""
         b, t = tokens.shape
         x = self.model.embed_tokens(tokens)
         if attention_mask is None:
@@ -426,8 +402,7 @@ class Qwen3(nn.Module):
             return self.logits(x)
         norm = self.model.norm
         logp = token_logprobs(x, targets, norm.weight, norm.eps, self.head(), temperature, self.logprob_chunk)
-        # FSDP2 hooks the root's output for its backward: a view there could lose the hook to an
-        # in-place op (torch warns); a copy of the [B, T] float32 log-probs is not one
+        # FSDP2 hooks the root's output: a view could lose the hook to an in-place op
         return logp.clone() if self.sharded else logp
 
     def forward_cached(
@@ -439,12 +414,9 @@ class Qwen3(nn.Module):
         start: int,
         last_only: bool = False,
     ) -> torch.Tensor:
-        """Incremental forward for the engine.
-
-        ``tokens``, ``positions``: [B, T] (T = prompt length at prefill, 1 per decode step); ``key_mask``:
-        [B, S] bool over cache slots, True where a real token is (or will be) stored, S >= start + T; the
-        new k/v go to slots ``[start, start + T)``. Returns logits [B, T, V] float32, or [B, 1, V] with
-        ``last_only`` (a prefill samples only from the last position)."""
+        """Incremental forward for the engine: ``tokens``, ``positions`` [B, T]; ``key_mask`` [B, S]
+        bool over cache slots (S >= start + T); new k/v go to slots ``[start, start + T)``. Returns
+        logits [B, T, V] float32, or [B, 1, V] with ``last_only``."""
         t = tokens.shape[1]
         end = start + t
         q_slot = torch.arange(start, end, device=tokens.device)
@@ -471,8 +443,7 @@ def build_qwen3(
 
 
 def to_torch(arr: np.ndarray) -> torch.Tensor:
-    """A host numpy array (also a read-only memmap, also ml_dtypes bfloat16) as a CPU tensor,
-    without a copy where the dtype allows."""
+    """A host numpy array (also a read-only memmap or bfloat16) as a CPU tensor, without a copy."""
     import warnings
 
     a = np.asarray(arr)
@@ -507,10 +478,7 @@ def load_qwen3(model_dir: ModelDir, dtype: torch.dtype | None = None, device: st
 
 @torch.no_grad()
 def greedy_decode(model: Qwen3, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """Reference greedy decoding by full re-forward each step (no KV cache).
-
-    Returns (generated token ids [T_out], their log-probabilities [T_out]).
-    """
+    """Reference greedy decoding by full re-forward: (token ids [T_out], their log-probs [T_out])."""
     device = model.head().device
     ids = list(prompt)
     out, lps = [], []

@@ -1,14 +1,9 @@
 """Every SGLang (and torch_memory_saver) touch-point of the torch backend, declared once.
 
-``backends/torch/sglang_engine.py`` reaches SGLang only through ``construct`` / ``invoke`` /
-``attr`` with a key of ``CALLS``, and ``tests/torch/test_sglang_conformance.py`` checks each
-entry against the source of the pinned wheels (read with ``zipfile`` + ``ast``, never
-imported): a renamed method, a dropped keyword, a changed tag or output key upstream fails
-that test. ``TMS_CALLS`` lists what ``backends/torch/memory.py`` uses of torch_memory_saver
-(the test checks memory.py's uses against it, and it against the wheel).
-
-Imports neither torch nor sglang: the memory planner (``backends/torch/memplan.py``) reads the
-engine defaults and the update bucketing from here on machines without SGLang.
+``sglang_engine.py`` reaches SGLang only through ``construct`` / ``invoke`` / ``attr`` with a
+key of ``CALLS``; ``tests/torch/test_sglang_conformance.py`` checks each entry against the source
+of the pinned wheels (never imported). ``TMS_CALLS``: what ``memory.py`` uses of
+torch_memory_saver. Imports neither torch nor sglang (the memory planner reads it).
 """
 
 from __future__ import annotations
@@ -25,18 +20,8 @@ MEM_FRACTION_STATIC = 0.6  # SGLang's static share (weights + KV pool) of the fr
 MAX_RUNNING_REQUESTS = 128
 CHUNK_BYTES = 64 * 2**20  # one ``update_weights_from_tensor`` call carries at least this much (last: less)
 
-KINDS = (
-    "kwargs",
-    "fields",
-    "method",
-    "coroutine",
-    "agen",
-    "attribute",
-    "constant",
-    "keys",
-    "key_values",
-    "tuple_first",
-    "absent",
+KINDS = tuple(
+    "kwargs fields method coroutine agen attribute constant keys key_values tuple_first absent".split()
 )
 
 
@@ -79,22 +64,10 @@ _ENGINE = "sglang.srt.entrypoints.engine"
 _TM = "sglang.srt.managers.tokenizer_manager"
 _IO = "sglang.srt.managers.io_struct"
 
-ENGINE_KWARGS = (
-    "model_path",
-    "tokenizer_path",
-    "load_format",
-    "enable_memory_saver",
-    "enable_weights_cpu_backup",
-    "mem_fraction_static",
-    "tp_size",
-    "max_total_tokens",
-    "context_length",
-    "max_running_requests",
-    "random_seed",
-    "log_level",
-    "dtype",
-    "json_model_override_args",
-    "sleep_on_idle",
+ENGINE_KWARGS = tuple(
+    "model_path tokenizer_path load_format enable_memory_saver enable_weights_cpu_backup mem_fraction_static "
+    "tp_size max_total_tokens context_length max_running_requests random_seed log_level dtype "
+    "json_model_override_args sleep_on_idle".split()
 )
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "stop_token_ids", "sampling_seed")
 
@@ -315,12 +288,8 @@ T = TypeVar("T")
 def update_buckets(
     items: Iterable[tuple[str, T, int]], limit: int
 ) -> Iterator[tuple[list[tuple[str, T]], bool]]:
-    """Group ``(name, tensor, nbytes)`` into the buckets of one ``update_weights_from_tensor`` call each.
-
-    A bucket is closed (``True``) as soon as its bytes reach ``limit``; what is left at the
-    end comes last as an open bucket (``False``). The largest bucket is what a weight update
-    stages on the device at once (the memory plan's ``staging``).
-    """
+    """Group ``(name, tensor, nbytes)`` into the buckets of one ``update_weights_from_tensor`` call
+    each: closed (``True``) once its bytes reach ``limit``; the rest last, open (``False``)."""
     bucket: list[tuple[str, T]] = []
     size = 0
     for name, t, nbytes in items:

@@ -1,24 +1,19 @@
 """SGLang rollout engine adapter (CUDA).
 
-Every SGLang call goes through the declared table ``backends/torch/sglang_calls.py``. Written
-against sglang 0.5.23's wheel source, not run against a real SGLang (it needs CUDA):
-``tests/torch/test_sglang_conformance.py`` checks the table against the wheel and drives this
-adapter against a fake; ``_probe_version`` fails at import when a declared API is missing.
-Facts relied on:
+Every SGLang call goes through the declared table ``sglang_calls.py``. Written against sglang
+0.5.23's wheel source, not run against a real SGLang (it needs CUDA): ``tests/torch/
+test_sglang_conformance.py`` checks the table against the wheel and drives this adapter against a
+fake; ``_probe_version`` fails at import when a declared API is missing. Facts relied on:
 
 - ``Engine(..., load_format="dummy", enable_memory_saver=True)`` runs the scheduler in
-  subprocesses and the tokenizer manager on ``engine.loop`` here.
-- ``Engine``'s sync wrappers use ``run_until_complete``, so a second thread could not pause a
-  running ``generate``: the adapter runs ``engine.loop`` in its own thread and submits the
-  tokenizer manager's coroutines with ``run_coroutine_threadsafe``.
+  subprocesses and the tokenizer manager on ``engine.loop`` here, which the adapter runs in its
+  own thread (the sync wrappers' ``run_until_complete`` would block a pause from another thread).
 - ``pause_generation(mode="abort")`` aborts every request in flight; ``flush_cache`` may report
   ``success=False`` without raising, so it is retried.
-- ``update_weights_from_tensor`` loads HF-named tensors via the model's ``load_weights`` (q/k/v and
-  gate/up fused); CUDA tensors travel by IPC handle.
-- Logprobs are ``log_softmax(logits / temperature)`` (``layers/sampler.py``), as the embedded engine.
-- Memory tags ``weights``, ``kv_cache``, ``cuda_graph`` (``sglang/srt/constants.py``).
-- Known gap: ``Qwen3ForCausalLM`` in 0.5.23 has no ``get_weights_by_name`` (``weight_exporter.py``:
-  "TODO: Add support for Qwen models"), so ``weights_fingerprint`` raises rather than skip the check.
+- ``update_weights_from_tensor`` loads HF-named tensors (CUDA tensors travel by IPC handle).
+- Logprobs are ``log_softmax(logits / temperature)``, as the embedded engine's.
+- Known gap: ``Qwen3ForCausalLM`` in 0.5.23 has no ``get_weights_by_name``, so
+  ``weights_fingerprint`` raises rather than skip the check.
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ from typing import Any
 import torch
 
 from mllm_rl.backends.torch import sglang_calls as sc
-from mllm_rl.backends.torch.engine import check_shape, tensor_sums
+from mllm_rl.backends.torch.engine import check_shape, read_sums, tensor_sums
 from mllm_rl.backends.torch.model import checkpoint_dtype, to_torch
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import (
@@ -109,11 +104,8 @@ class SglangEngine:
         from sglang.srt.entrypoints import engine as engine_mod
 
         self.task = task
-        # Multi-task runs: this engine's own ports (HTTP/scheduler port, and the nccl_port of its own
-        # process group), bind-tested free by the run's allocator; SGLang would otherwise pick
-        # "random + free?" and two engines started together can pick the same one.
+        # multi-task runs: ports the run's allocator tested free (SGLang's own pick can collide)
         own_ports = {"port": ports[0], "nccl_port": ports[1]} if ports else {}
-
         self.model_dir = model
         self.dtype = checkpoint_dtype(model)
         self.bucket_bytes = max(chunk_bytes, 1)
@@ -134,9 +126,7 @@ class SglangEngine:
             random_seed=seed,
             log_level="error",
             **own_ports,
-            # An idle scheduler otherwise polls its sockets in a loop: a host core per TP rank
-            # busy for as long as the engine waits on the trainer (ServerArgs.sleep_on_idle)
-            sleep_on_idle=True,
+            sleep_on_idle=True,  # else an idle scheduler busy-polls a host core per TP rank
             # SGLang reads config.json with its own transformers: hand it the config the trainer uses
             json_model_override_args=json.dumps(model.config.hf_architecture()),
             dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
@@ -169,8 +159,7 @@ class SglangEngine:
         return sum(int(torch.Size(s).numel()) * itemsize for s in self.shapes.values())
 
     def place(self, hf_name: str, value: Any) -> torch.Tensor:
-        """``value`` as a new tensor on ``self.device`` in the engine dtype (the naive baseline's
-        second copy; the staging copy of an update)."""
+        """``value`` as a new tensor on ``self.device`` in the engine dtype (an update's staging copy)."""
         src = value if isinstance(value, torch.Tensor) else to_torch(value)
         check_shape(hf_name, src, self.shapes[hf_name])
         return src.to(device=self.device, dtype=self.dtype, copy=True)
@@ -217,13 +206,12 @@ class SglangEngine:
             del bucket
         if not last_open:  # every bucket was sent full (or none): flush on its own
             self.flush_cache()
-        fp: Fingerprint = {n: (float(s[0]), float(s[1])) for n, s in sums.items()}
+        fp = read_sums(sums)
         return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp)
 
     def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
-        """(sum, sumsq) per weight (``names``: those), read back with ``get_weights_by_name`` (rank
-        0's view)."""
-        out: Fingerprint = {}
+        """(sum, sumsq) per weight (``names``: those), read back with ``get_weights_by_name``."""
+        sums: dict[str, torch.Tensor] = {}
         for name in self.shapes if names is None else names:
             shape = self.shapes[name]
             req = sc.construct(self._io(), "GetWeightsByNameReqInput", name=name, truncate_size=int(shape[0]))
@@ -233,15 +221,12 @@ class SglangEngine:
                     f"sglang {VERSION}: get_weights_by_name({name!r}) returned None (this model "
                     "has no read-back); the update cannot be verified"
                 )
-            t = torch.tensor(values, dtype=torch.float32)
-            s = tensor_sums(t)
-            out[name] = (float(s[0]), float(s[1]))
-        return out
+            sums[name] = tensor_sums(torch.tensor(values, dtype=torch.float32))
+        return read_sums(sums)
 
     # -- generation -------------------------------------------------------------------------
     def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
-        """One request per prompt, submitted together; a request that SGLang ends with an error
-        while generation is paused comes back as ``abort`` with no tokens; any other error is raised."""
+        """One request per prompt, submitted together; an error while paused comes back as ``abort``."""
         params: dict[str, Any] = {
             "max_new_tokens": sampling.max_new_tokens,
             "temperature": sampling.temperature,
@@ -250,11 +235,9 @@ class SglangEngine:
         if sampling.stop_token_ids:
             params["stop_token_ids"] = list(sampling.stop_token_ids)
         # a seed per request (the batch seed on all would make a GRPO group one sample); none: random
-        seeds = (
-            request_seeds(sampling.seed, len(input_ids), sampling.request_offset)
-            if sampling.seed is not None
-            else None
-        )
+        seeds = None
+        if sampling.seed is not None:
+            seeds = request_seeds(sampling.seed, len(input_ids), sampling.request_offset)
         undeclared = (set(params) | {"sampling_seed"}) - set(sc.CALLS["SamplingParams"].kwargs)
         if undeclared:
             raise sc.UndeclaredCall(f"sampling_params key(s) {sorted(undeclared)} not declared")
@@ -305,8 +288,7 @@ class SglangEngine:
         self._paused = False
 
     def flush_cache(self, timeout_s: float = 60.0) -> None:
-        """``flush_cache`` until it reports success (it refuses, without raising, while the
-        scheduler still holds requests); RuntimeError after ``timeout_s``."""
+        """``flush_cache`` until it reports success; RuntimeError after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
             out = self._call(sc.invoke(self.tm, "flush_cache"))
@@ -319,13 +301,12 @@ class SglangEngine:
 
     # -- memory tags ------------------------------------------------------------------------
     def memory_tag(self, tag: str) -> str:
-        """``<task>/<tag>`` in records: SGLang's torch_memory_saver tags live in this engine's
-        own scheduler process(es), so its release names only its own bytes."""
+        """``<task>/<tag>`` in records (its scheduler processes hold only its own bytes)."""
         return f"{self.task}/{tag}" if self.task else tag
 
     def tag_bytes(self, tag: str) -> int:
-        """weights: checkpoint bytes in the engine dtype; kv_cache: SGLang's token pool size x
-        bytes per token; cuda_graph: the device bytes its last release freed (0 before one)."""
+        """weights: checkpoint bytes; kv_cache: pool tokens x bytes per token; cuda_graph: what its
+        last release freed."""
         if tag == TAG_WEIGHTS:
             return self.weight_bytes()
         if tag == TAG_KV:

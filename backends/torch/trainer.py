@@ -2,20 +2,16 @@
 behaviour of ``backends/jax/trainer.py``: ``torch.optim.AdamW``, exact gradient accumulation,
 optional LoRA, ``torch.save`` checkpoints, offload to pinned CPU memory.
 
-Shapes: B sequences, T positions (right-padded to a multiple of ``T_BUCKET``), V vocab, M
-micro-batch size. AdamW state is created at init (like optax's ``init``) so offload and
-``state_bytes`` mean the same before and after the first step.
+Shapes: B sequences, T positions (right-padded to a multiple of ``T_BUCKET``), V vocab. AdamW state
+is created at init (like optax's ``init``) so ``state_bytes`` means the same before the first step.
 
-Precision (``TrainConfig.precision``) for a 16-bit checkpoint: ``mixed`` (default, like FSDP2's
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``) keeps float32 masters and moments
-and computes on casts in the checkpoint dtype: an update of ~lr (1e-6) is below half a bf16 ulp of
-a ~0.02 weight. The engine gets the casts, checkpoints hold the masters; float16 gets no loss
-scaling. ``pure``: params and moments in the checkpoint dtype. Log-probs come from the model's
-chunked head in the compute dtype (never the whole [B, T, V] logits).
+Precision for a 16-bit checkpoint: ``mixed`` (default) keeps float32 masters and moments and
+computes on casts in the checkpoint dtype (an update of ~1e-6 is below half a bf16 ulp of a ~0.02
+weight); the engine gets the casts, checkpoints hold the masters; no loss scaling. ``pure``: all in
+the checkpoint dtype. Log-probs come from the model's chunked head (never the whole [B, T, V]).
 
-Several processes (``backends/torch/distributed.py``): FSDP2 by default (``fsdp.py``; round-robin
-micro-batches padded with weight-0 repeats, DCP checkpoints); ``fsdp`` 1: data parallel, gradients
-all-reduced. Model options: ``options.py``; offload: ``offload.py``.
+Several processes: FSDP2 by default (``fsdp.py``; round-robin micro-batches padded with weight-0
+repeats, DCP checkpoints); ``fsdp`` 1: data parallel, gradients all-reduced.
 """
 
 from __future__ import annotations
@@ -32,7 +28,7 @@ from torch.func import functional_call
 
 from mllm_rl.backends.torch import distributed as dist
 from mllm_rl.backends.torch import fsdp
-from mllm_rl.backends.torch.engine import tensor_sums
+from mllm_rl.backends.torch.engine import read_sums, tensor_sums
 from mllm_rl.backends.torch.lora import LoRALinear, add_lora, disabled, linear_layers, merge
 from mllm_rl.backends.torch.model import Qwen3, checkpoint_dtype, load_qwen3
 from mllm_rl.backends.torch.offload import OffloadGroup, device_tensor, host_copy, storage_bytes
@@ -61,14 +57,6 @@ IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
 LAYER_PREFIX = "model.layers."  # the decoder layers' parameter names (HF layout)
 
 
-def _read_sums(sums: dict[str, torch.Tensor]) -> Fingerprint:
-    """``tensor_sums`` of every name, read to the host in one transfer."""
-    if not sums:
-        return {}
-    host = torch.stack(list(sums.values())).cpu().tolist()
-    return {n: (float(s), float(q)) for n, (s, q) in zip(sums, host, strict=True)}
-
-
 class TrainerStateError(RuntimeError):
     """An operation the trainer's residency does not allow (e.g. training with params offloaded)."""
 
@@ -82,13 +70,12 @@ class TorchTrainer:
         model: Qwen3 | None = None,
         shard_over: tuple[Any, dist.Procs] | None = None,
     ) -> None:
-        """``model``: a ``Qwen3`` in ``model_dir``'s layout on ``device`` (the memory planner's fake
-        one), else loaded from ``model_dir``. ``shard_over``: (device mesh, this process's place) to
-        shard over instead of the run's processes (the planner's fake process group)."""
+        """``model``: a ``Qwen3`` in ``model_dir``'s layout (else loaded). ``shard_over``: (device mesh,
+        this process's place) instead of the run's processes (the planner's fake process group)."""
         self.cfg = cfg
         mesh, procs = shard_over if shard_over is not None else (None, dist.procs())
-        self.dp = procs  # several processes (backends/torch/distributed.py)
-        # FSDP2 over the processes (backends/torch/fsdp.py), else each holds the whole trainer (data parallel)
+        self.dp = procs
+        # FSDP2 over the processes, else each holds the whole trainer (data parallel)
         self.sharded = mesh is not None or fsdp.resolve(cfg.fsdp, self.dp.count)
         self.options = TorchModelOptions.from_pairs(cfg.model_options)
         self.config = model_dir.config
@@ -104,8 +91,7 @@ class TorchTrainer:
             model = load_qwen3(model_dir, dtype=base_dtype, device=str(self.device))
         self.model = _to_dtype(model, base_dtype)
         self.model.remat = self.options.remat
-        # mixed-precision full fine-tune with remat: each decoder layer casts its masters inside its
-        # checkpoint (sharded: FSDP2's mixed-precision policy casts what a layer gathers)
+        # mixed full fine-tune with remat: each layer casts its masters inside its checkpoint
         self.layer_casts = self.mixed and not self.lora and self.options.remat and not self.sharded
         self.model.layer_dtype = self.compute_dtype if self.layer_casts else None
         if self.lora:
@@ -149,14 +135,12 @@ class TorchTrainer:
         track(self)  # the CPU memory probe counts held_tensors()
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """Params and optimizer state (offloaded ones have empty storages: counted as 0; sharded:
-        this process's shards), and what the ``leak_mb`` fault keeps."""
+        """Params and optimizer state (offloaded: empty storages), and what ``leak_mb`` keeps."""
         return self._tensors(PARAMS) + self._tensors(OPTIMIZER) + self._leaked
 
     # -- residency -----------------------------------------------------------------------
     def _tensors(self, what: str) -> list[torch.Tensor]:
-        """The tensors of ``what`` this process holds (sharded: its shards, views of FSDP2's padded
-        storages)."""
+        """The tensors of ``what`` this process holds (sharded: its shards)."""
         if what == PARAMS:
             return [fsdp.local(p) for p in self.params.values()]
         return [
@@ -199,9 +183,8 @@ class TorchTrainer:
 
     # -- training ------------------------------------------------------------------------
     def _micro_batches(self, batch: RolloutBatch) -> Iterator[dict[str, torch.Tensor]]:
-        """Device tensors of at most ``micro_batch_size`` rows, T padded to a multiple
-        of ``T_BUCKET``. ``attn`` only where a row has padding before a real token: right padding needs no
-        mask (causal attention, flash on CUDA)."""
+        """Device tensors of at most ``micro_batch_size`` rows, T padded to a multiple of ``T_BUCKET``;
+        ``attn`` only where a row has padding before a real token (right padding needs no mask)."""
         m = self.cfg.micro_batch_size
         t0 = batch.tokens.shape[1]
         t = -(-t0 // T_BUCKET) * T_BUCKET
@@ -225,10 +208,8 @@ class TorchTrainer:
             yield out
 
     def _compute_params(self, layers: bool = True) -> dict[str, torch.Tensor]:
-        """What a forward swaps into the model: for a mixed-precision full fine-tune,
-        differentiable casts of the masters to the compute dtype; otherwise nothing. ``layers=False``
-        leaves out the decoder layers' masters, for a model whose layers cast their own
-        (``Qwen3.layer_dtype``)."""
+        """What a forward swaps into the model: for a mixed full fine-tune, differentiable casts of
+        the masters; otherwise nothing. ``layers=False``: not the layers' (``Qwen3.layer_dtype``)."""
         if not self.mixed or self.lora or self.sharded:
             return {}
         return {
@@ -240,8 +221,7 @@ class TorchTrainer:
     def _logits(
         self, args: tuple[torch.Tensor, ...], params: dict[str, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """The model's float32 logits [B, T, V] of ``args``, computed under ``params`` (by default
-        ``_compute_params()``; names not in it: the model's own)."""
+        """The model's float32 logits [B, T, V] of ``args`` under ``params`` (``_compute_params()``)."""
         params = self._compute_params() if params is None else params
         return functional_call(self.model, params, args) if params else self.model(*args)
 
@@ -249,8 +229,7 @@ class TorchTrainer:
         self, tokens: torch.Tensor, attn: torch.Tensor | None, params: dict[str, torch.Tensor] | None = None
     ) -> torch.Tensor:
         """[B, T] -> log p(tokens[:, t] | tokens[:, :t]) for t >= 1 under softmax(logits /
-        temperature), [B, T - 1] float32, via the model's chunked head. ``attn``: the attention mask, ``None``
-        for right-padded rows."""
+        temperature), [B, T - 1] float32, via the model's chunked head."""
         params = self._compute_params() if params is None else params
         args = (tokens[:, :-1], None if attn is None else attn[:, :-1])
         kwargs = {"targets": tokens[:, 1:], "temperature": self.cfg.temperature}
@@ -271,8 +250,7 @@ class TorchTrainer:
 
     @contextlib.contextmanager
     def _shards_replaced(self, values: dict[str, torch.Tensor]) -> Iterator[None]:
-        """Inside the block the trainable params' local shards hold ``values`` (the KL
-        reference, so a forward computes on it after FSDP2's cast); their own bytes are restored after."""
+        """Inside the block the trainable params' local shards hold ``values`` (the KL reference)."""
         with torch.no_grad():
             shards = {n: fsdp.local(self.trainable[n]) for n in values}
             saved = {n: t.clone() for n, t in shards.items()}
@@ -285,11 +263,10 @@ class TorchTrainer:
                     t.copy_(saved[n])
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """``mini_batches`` AdamW updates over ``batch``, each accumulating exact gradients
-        over micro-batches of ``micro_batch_size`` rows; the metrics read back once at the end."""
+        """``mini_batches`` AdamW updates over ``batch`` with exact gradient accumulation."""
         t0 = time.perf_counter()
         leak = fault_value("leak_mb")
-        if leak:  # a device buffer kept forever, as a leak would: the memory plan's audit must see it
+        if leak:  # a device buffer kept forever: the memory plan's audit must see it
             self._leaked.append(torch.ones(int(leak) * 2**18, dtype=torch.float32, device=self.device))
         loss_sum, parts, gnorms, totals = self.device_step(batch)
         host = {k: float(v) for k, v in totals.items()}
@@ -299,9 +276,8 @@ class TorchTrainer:
     def device_step(
         self, batch: RolloutBatch
     ) -> tuple[torch.Tensor, int, list[torch.Tensor], dict[str, torch.Tensor]]:
-        """``train_step``'s work without reading anything back (the memory planner runs it
-        on fake tensors): (loss sum, mini-batches, pre-clip grad norms, token-weighted metric sums) as device
-        scalars."""
+        """``train_step`` without reading back (the planner runs it on fake tensors): (loss sum,
+        mini-batches, pre-clip grad norms, token-weighted metric sums) as device scalars."""
         self._need(PARAMS, OPTIMIZER)
         if fault("train_oom"):
             raise torch.OutOfMemoryError(
@@ -328,7 +304,6 @@ class TorchTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             for _, mb, weight in self._my_micro_batches(mini):
                 ref_logp = self._ref_logp(mb, ref) if cfg.loss.beta > 0 else None
-                # layer casts: the embeddings, final norm and head cast here, each layer's in its checkpoint
                 logp = self._token_logp(
                     mb["tokens"], mb.get("attn"), self._compute_params(not self.layer_casts)
                 )
@@ -351,9 +326,7 @@ class TorchTrainer:
                 n = mask.sum().double()
                 sums = {k: v.double() * n for k, v in m.items()}  # token-weighted, summed over micro-batches
                 sums["tokens"] = n
-                sums["entropy_proxy"] = -(
-                    logp.detach().double() * mask
-                ).sum()  # sum of -log p of the taken tokens
+                sums["entropy_proxy"] = -(logp.detach().double() * mask).sum()  # sum of -log p
                 loss_sum += loss.detach().double()
                 for k, v in sums.items():
                     totals[k] = totals.get(k, zero) + v
@@ -369,9 +342,8 @@ class TorchTrainer:
         return loss_sum, len(parts), gnorms, totals
 
     def _my_micro_batches(self, mini: RolloutBatch) -> Iterator[tuple[int, dict[str, torch.Tensor], float]]:
-        """This process's micro-batches of ``mini`` as (index, tensors, weight), dealt
-        round-robin. Sharded, every process runs as many as the busiest one (FSDP2's gathers are
-        collectives), padding with a weight-0 repeat whose gradient is zero and whose outputs are dropped."""
+        """This process's micro-batches of ``mini`` as (index, tensors, weight), dealt round-robin.
+        Sharded, every process runs as many as the busiest (padding with weight-0 repeats)."""
         count, index = self.dp.count, self.dp.index
         n = -(-mini.size // self.cfg.micro_batch_size)
         first: dict[str, torch.Tensor] | None = None
@@ -386,8 +358,7 @@ class TorchTrainer:
                 yield 0, first, 0.0
 
     def _apply(self) -> torch.Tensor:
-        """Global-norm clipping (optax ``clip_by_global_norm``: g * clip / norm when norm >= clip)
-        and one AdamW step; returns the pre-clip global norm (a device scalar)."""
+        """Global-norm clipping (as optax) and one AdamW step; returns the pre-clip norm."""
         params = list(self.trainable.values())
         for p in params:  # an unused parameter gets a zero gradient (optax updates every leaf)
             if p.grad is None:
@@ -397,7 +368,7 @@ class TorchTrainer:
             norm = fsdp.grad_norm(grads)
         else:
             grads = [p.grad for p in params]
-            dist.all_reduce_sum(grads)  # data parallel: the gradient of the whole mini-batch on every process
+            dist.all_reduce_sum(grads)  # data parallel
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
         if self.cfg.grad_clip > 0:
             coef = torch.where(norm < self.cfg.grad_clip, torch.ones_like(norm), self.cfg.grad_clip / norm)
@@ -408,7 +379,7 @@ class TorchTrainer:
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch) -> np.ndarray:
         """Log-prob of ``tokens[b, t]`` given ``tokens[b, :t]``, [B, T] float32 (0 at t = 0 and
-        on padding). Several processes: each computes its round-robin share and all-gathers the rest."""
+        on padding); several processes each compute a share and all-gather."""
         self._need(PARAMS)
         params = self._compute_params()  # cast once for every micro-batch
         mine: dict[int, np.ndarray] = {}
@@ -423,10 +394,7 @@ class TorchTrainer:
     @torch.no_grad()
     def greedy(self, prompt: Sequence[int], n: int) -> tuple[list[int], list[float]]:
         """Greedy continuation of ``prompt`` by full re-forward (the garbage guard's reference),
-        computed in the compute dtype, untempered.
-
-        Returns (tokens [n'], top-2 logit margins [n']); stops after EOS.
-        """
+        untempered. Returns (tokens [n'], top-2 logit margins [n']); stops after EOS."""
         self._need(PARAMS)
         params = self._compute_params()
         ids = [int(t) for t in prompt]
@@ -444,9 +412,8 @@ class TorchTrainer:
 
     # -- weights for the engine ----------------------------------------------------------
     def _engine_tensor(self, name: str) -> torch.Tensor:
-        """The weight ``name`` as the engine holds it (HF layout, checkpoint dtype, LoRA
-        merged). Sharded: cast then gathered here, one tensor at a time (a collective: every process asks
-        for the same names in the same order)."""
+        """The weight ``name`` as the engine holds it (HF layout, checkpoint dtype, LoRA merged);
+        sharded: gathered here (a collective)."""
         if name in self.adapters:
             a = self.adapters[name]
             if not self.sharded:
@@ -466,12 +433,10 @@ class TorchTrainer:
         return list(self.names) if full or not self.lora else list(self.linear_names)
 
     def export_weights(self, full: bool = True) -> WeightExport:
-        """HF-named torch tensors on the trainer's device in the checkpoint dtype, one at a time (a
-        merged LoRA copy or a cast of a float32 master lives only while the engine places it; other
-        weights are the trainer's own tensors)."""
+        """HF-named tensors in the checkpoint dtype, one at a time (a merged or cast copy lives only
+        while the engine places it)."""
         self._need(PARAMS)
         names = self.export_names(full)
-
         sums: dict[str, torch.Tensor] = {}
 
         def gen() -> Iterator[tuple[str, torch.Tensor]]:
@@ -482,7 +447,7 @@ class TorchTrainer:
                 yield name, value
                 del value
 
-        return WeightExport(names, gen(), full=full or not self.lora, fingerprint=lambda: _read_sums(sums))
+        return WeightExport(names, gen(), full=full or not self.lora, fingerprint=lambda: read_sums(sums))
 
     @torch.no_grad()
     def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
@@ -492,13 +457,12 @@ class TorchTrainer:
             name: tensor_sums(self._engine_tensor(name))
             for name in (names if names is not None else self.names)
         }
-        return _read_sums(sums)
+        return read_sums(sums)
 
     # -- checkpoints ---------------------------------------------------------------------
     def _state(self, copy: Any) -> dict[str, Any]:
-        """What ``save`` writes, each tensor passed through ``copy``: the trainable params (the
-        float32 masters under mixed precision) and the optimizer state (``state_dict`` with its
-        tensors), the LoRA rank, the precision and the step."""
+        """What ``save`` writes, each tensor through ``copy``: trainable params, optimizer
+        ``state_dict``, LoRA rank, precision, step."""
         opt = self.optimizer.state_dict()
         opt["state"] = {
             i: {k: copy(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
@@ -513,9 +477,8 @@ class TorchTrainer:
         }
 
     def save(self, path: Path) -> Manifest | None:
-        """``<path>/state.pt`` (and, for a large state, ``state.1.pt`` ...: ``state_file.py``):
-        trainable params and optimizer state, written through temporary names; the LoRA base is the
-        run's ``--model`` and is not saved. Data parallel: process 0 writes. Sharded: ``<path>/dcp``, every process its shards (``torch.distributed.checkpoint``)."""
+        """``<path>/state.pt`` (``state_file.py``; not the LoRA base), process 0 writing. Sharded:
+        ``<path>/dcp``, every process its shards."""
         self._need(PARAMS, OPTIMIZER)
         if self.sharded:
             fsdp.save(self._dcp_state(), Path(path))
@@ -524,9 +487,7 @@ class TorchTrainer:
         return None
 
     def _dcp_state(self) -> dict[str, Any]:
-        """The state ``torch.distributed.checkpoint`` writes and loads in place: the trainable
-        params and each one's AdamW state by parameter name (the tensors themselves: a load fills
-        them), the LoRA rank, the precision and the step."""
+        """The state DCP writes and loads in place: trainable params, AdamW state by name, meta."""
         by_param = {p: n for n, p in self.trainable.items()}
         return {
             "trainable": dict(self.trainable),
@@ -536,9 +497,7 @@ class TorchTrainer:
 
     @torch.no_grad()
     def snapshot(self, path: Path | None = None) -> StateSnapshot:
-        """``save``'s state copied into (CPU) host memory: a background thread may write it (into
-        ``path``, given to its ``write``) while the next steps train, offload and onload
-        (``mllm_rl.checkpoint.writer``)."""
+        """``save``'s state copied to host memory, for a background write (``checkpoint.writer``)."""
         self._need(PARAMS, OPTIMIZER)
         if self.sharded:
             raise ValueError(
@@ -548,9 +507,8 @@ class TorchTrainer:
         return StateSnapshot(state)
 
     def restore(self, path: Path) -> None:
-        """Load what ``save`` wrote (params and optimizer must be resident). The optimizer keeps
-        this trainer's AdamW implementation and step-counter placement (``_step_device``), whichever
-        implementation wrote the file (``load_state_dict`` would take the saved groups' flags)."""
+        """Load what ``save`` wrote. The optimizer keeps this trainer's AdamW implementation and
+        step-counter placement, whichever wrote the file."""
         self._need(PARAMS, OPTIMIZER)
         target = Path(path) / STATE_FILE
         if fsdp.has_checkpoint(path):
@@ -605,9 +563,8 @@ class TorchTrainer:
         )
 
     def _restore_dcp(self, path: Path) -> None:
-        """Load ``<path>/dcp`` into this trainer's own tensors, resharded to its placements (any
-        process count wrote it; one process loads the whole tensors). The saved LoRA rank and
-        precision must be this trainer's (checked before anything is loaded)."""
+        """Load ``<path>/dcp`` into this trainer's tensors, resharded (any process count wrote it);
+        LoRA rank and precision checked first."""
         import torch.distributed.checkpoint as dcp
 
         where = path / fsdp.DCP_DIR
@@ -653,16 +610,14 @@ class StateSnapshot:
 
 
 def right_padded(mask: np.ndarray) -> bool:
-    """Whether every row of ``mask`` [B, T] bool is real tokens then padding (no padding before a
-    real token): then causal attention without a mask gives every real position what the mask
-    would (a padding slot comes after every real query)."""
+    """Whether every row of ``mask`` [B, T] is real tokens then padding (causal attention then needs
+    no mask)."""
     m = np.asarray(mask, bool)
     return bool((m[:, 1:] <= m[:, :-1]).all())
 
 
 def _to_dtype(model: Qwen3, dtype: torch.dtype) -> Qwen3:
-    """``model`` with every parameter in ``dtype``, converted in place one at a time (the
-    ``Parameter`` objects stay; ``Module.to`` cannot swap fake tensors)."""
+    """``model`` with every parameter in ``dtype``, in place (``Module.to`` cannot swap fake tensors)."""
     with torch.no_grad():
         for p in model.parameters():
             if p.dtype != dtype:
@@ -671,15 +626,13 @@ def _to_dtype(model: Qwen3, dtype: torch.dtype) -> Qwen3:
 
 
 def _step_device(group: dict[str, Any], p: torch.Tensor) -> torch.device:
-    """Where ``torch.optim.AdamW`` keeps ``p``'s ``step`` counter (float32, 0-dim;
-    ``torch/optim/adam.py: _init_group``): on ``p``'s device for ``fused`` (or ``capturable``),
-    on the host otherwise."""
+    """Where AdamW keeps ``p``'s ``step`` counter: ``p``'s device if fused or capturable, else host."""
     return p.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
 
 
 def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
-    """Create AdamW's state now (torch creates it lazily): one step with zero gradients
-    and ``lr = 0`` (params unchanged bit for bit, ``fused`` too), then the step counters back to 0."""
+    """Create AdamW's state now: one step with zero gradients and ``lr = 0`` (params unchanged bit
+    for bit), then the step counters back to 0."""
     lrs = [g["lr"] for g in opt.param_groups]
     for g in opt.param_groups:
         g["lr"] = 0.0
