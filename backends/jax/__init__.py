@@ -1,8 +1,7 @@
 """JAX backend: sglang-jax rollout engine, flax nnx model, JAX memory probe.
 
-This module stays import-light: jax is imported only in ``init_distributed`` (multi-process
-runs) and ``init_runtime``, so that XLA flags (fake CPU devices for ``--tp``) and
-``jax.distributed`` come first.
+Import-light: jax is imported only in ``init_distributed`` and ``init_runtime``, so that XLA
+flags (fake CPU devices for ``--tp``) and ``jax.distributed`` come first.
 """
 
 from __future__ import annotations
@@ -19,10 +18,8 @@ PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 
 
 def gpu_allocates_on_demand(env: dict[str, str] | None = None) -> None:
-    """Unless the user set it, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``: JAX would reserve 75%
-    of a GPU at client start, leaving the engine (which sizes its KV pool from free memory) and the
-    trainer to share the rest, unlike the memory plan, which counts each phase against the whole card.
-    Must run before a JAX backend starts; TPU and CPU ignore it."""
+    """Unless the user set it, ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (JAX would reserve 75% of a
+    GPU at start, unlike what the memory plan counts). Before a JAX backend starts."""
     env = os.environ if env is None else env
     env.setdefault(PREALLOCATE, "false")
 
@@ -38,26 +35,19 @@ class JaxBackend(Backend):
         compile_cache.configure()  # before anything imports jax: the memory plan compiles first
 
     def init_distributed(self, tp: int = 1) -> dict[str, int]:
-        """Join a multi-process run (``jax.distributed``) when the environment describes one;
-        see ``backends/jax/distributed.py``. Runs before ``init_runtime``."""
+        """Join a multi-process run when the environment describes one (before ``init_runtime``)."""
         gpu_allocates_on_demand()
         return distributed.init_distributed(tp=tp)
 
     def coordinator(self) -> Any:
-        """The processes agreeing: lease handoffs, rewards, checkpoints (``mllm_rl.coordination``)."""
         return distributed.coordination()
 
     def shutdown_distributed(self) -> None:
-        """Leave the multi-process run (every process, before exiting; idempotent)."""
         distributed.shutdown()
 
     def init_runtime(self, tp: int = 1, platform: str = "auto") -> dict[str, Any]:
-        """Import jax with enough (fake) CPU devices for ``tp``, assert the platform.
-
-        Raises ``RuntimeError`` when ``platform`` is not what jax came up with (e.g. a
-        stale process holds the TPU and jax fell back to CPU), or when the processes of a
-        multi-process run came up on different platforms.
-        """
+        """Import jax with enough (fake) CPU devices for ``tp``; RuntimeError when ``platform`` is
+        not what jax came up with, or processes came up on different platforms."""
         procs = distributed.procs()
         if tp > 1 and procs.count == 1:  # multi-process: init_distributed asked for tp // count each
             distributed.force_cpu_devices(tp)
@@ -67,7 +57,7 @@ class JaxBackend(Backend):
         import jax
 
         got = jax.devices()[0].platform
-        distributed.agree_on_platform(got)  # first: a process that fails alone would leave the others waiting
+        distributed.agree_on_platform(got)  # first: a process failing alone would leave others waiting
         if platform != "auto" and got != platform:
             raise RuntimeError(f"--platform {platform}: jax came up on {got!r} ({jax.devices()[0]})")
         from mllm_rl.backends.jax.probe import per_device_counts
@@ -100,18 +90,14 @@ class JaxBackend(Backend):
         validate_engine_args(model, opts.tp, len(jax.devices()), distributed.procs().count)
 
     def create_engine(self, model: ModelDir, opts: EngineOptions):
-        """An sglang-jax engine with dummy weights (``opts`` unset sizes: ``EngineOptions.resolved``).
-
-        ``opts.task`` / ``opts.ports`` (multi-task runs): its memory tags are ``<task>/...``; a
-        multi-process engine's ``dist_init_addr`` uses ``ports[0]`` from the run's allocator."""
+        """An sglang-jax engine with dummy weights (``opts.ports[0]``: a multi-process engine's port)."""
         from mllm_rl.backends.jax.sglang_engine import SglangJaxEngine
 
         opts.check_backend(self.name, self.engines)
         return SglangJaxEngine(model, ports=opts.ports, **opts.start_kwargs())
 
     def check_trainer_args(self, model: ModelDir, cfg: Any) -> None:
-        """``--model-option`` names ``ModelOptions`` fields; ``--trainer-tp`` divides the devices and
-        the model's heads (the trainer's ``("fsdp", "tp")`` mesh)."""
+        """``--model-option`` names ``ModelOptions`` fields; ``--trainer-tp`` divides devices and heads."""
         import jax
 
         from mllm_rl.backends.jax.topologies import check_trainer_mesh
@@ -137,11 +123,9 @@ class JaxBackend(Backend):
         return JaxTrainer(model, cfg, self._model_options(cfg))
 
     def empty_cache(self) -> None:
-        """Nothing to do: XLA returns a deleted array's memory to its allocator at once (on
-        TPU/GPU the BFC allocator keeps it for reuse; there is no cache to trim)."""
+        """Nothing to do: XLA returns a deleted array's memory to its allocator at once."""
 
     def profiler(self):
-        """``jax.profiler`` traces for ``--profile`` (``backends/jax/profiler.py``)."""
         from mllm_rl.backends.jax.profiler import JaxProfiler
 
         return JaxProfiler()

@@ -1,23 +1,18 @@
 """Causal self-attention with a key-padding mask, four ways (``ModelOptions.attention``).
 
-Shapes: B batch, T positions, N query heads, K kv heads (N % K == 0, grouped-query), D
-head dim, C query chunk. Every implementation takes ``q`` [B, T, N, D], ``k``/``v``
-[B, T, K, D] and ``attn`` [B, T] bool (True on real tokens) and returns [B, T, N, D] in
-``v``'s dtype. Query ``t`` attends to keys ``s <= t`` with ``attn[b, s]``; scores and softmax
-in float32, probabilities cast to ``v``'s dtype before the value product.
+Shapes: B batch, T positions, N query heads, K kv heads (N % K == 0), D head dim, C query chunk.
+Every implementation takes ``q`` [B, T, N, D], ``k``/``v`` [B, T, K, D] and ``attn`` [B, T] bool
+(True on real tokens) and returns [B, T, N, D] in ``v``'s dtype. Query ``t`` attends to keys
+``s <= t`` with ``attn[b, s]``; scores and softmax in float32.
 
-- ``dense``: the reference. Materialises the [B, N, T, T] float32 scores.
-- ``xla``: ``jax.nn.dot_product_attention`` (cuDNN flash attention on GPU when it applies;
-  on CPU and TPU XLA's implementation, which also builds the [B, N, T, T] scores).
-- ``chunked``: queries in chunks of C under ``lax.scan`` with the chunk rematerialised in the
-  backward pass: at most [B, N, C, T] scores exist at once. Any platform.
-- ``splash``: the Pallas TPU splash-attention kernel (``jax.experimental.pallas.ops.tpu.
-  splash_attention``): blockwise online softmax, never a [T, T] score matrix; padding via
-  segment ids. Runs under ``shard_map`` (batch over ``fsdp``, heads over ``tp``). TPU only,
-  or in Pallas interpret mode (``interpret=True``, slow: tests on CPU).
+- ``dense``: the reference, with the [B, N, T, T] float32 scores.
+- ``xla``: ``jax.nn.dot_product_attention`` (cuDNN flash attention on GPU when it applies).
+- ``chunked``: queries in chunks of C under ``lax.scan``, rematerialised in the backward: at most
+  [B, N, C, T] scores at once.
+- ``splash``: the Pallas TPU splash-attention kernel (padding via segment ids) under
+  ``shard_map``; TPU only, or in Pallas interpret mode (tests on CPU).
 
-Rows with no key at all (every ``attn`` False: a padding row) give finite garbage in every
-implementation (never NaN), and are masked out of every loss.
+A padding row (no key at all) gives finite garbage (never NaN), masked out of every loss.
 """
 
 from __future__ import annotations
@@ -107,16 +102,8 @@ def splash(
     kh, vh = (jnp.moveaxis(jnp.pad(x, pad), 2, 1) for x in (k, v))
     seg = jnp.pad(attn.astype(jnp.int32), ((0, 0), (0, tp - t)))  # [B, Tp]
     bl = _block(tp)
-    sizes = sk.BlockSizes(
-        block_q=bl,
-        block_kv=bl,
-        block_kv_compute=bl,
-        block_q_dkv=bl,
-        block_kv_dkv=bl,
-        block_kv_dkv_compute=bl,
-        block_q_dq=bl,
-        block_kv_dq=bl,
-    )
+    blocks = "block_q block_kv block_kv_compute block_q_dkv block_kv_dkv block_kv_dkv_compute block_q_dq block_kv_dq"
+    sizes = sk.BlockSizes(**dict.fromkeys(blocks.split(), bl))
 
     def local(qh: jax.Array, kh: jax.Array, vh: jax.Array, seg: jax.Array) -> jax.Array:
         heads = qh.shape[1]

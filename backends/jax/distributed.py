@@ -2,17 +2,14 @@
 
 Which processes form one run comes from the environment (``config_from_env``), first match wins:
 
-1. explicit: ``MLLM_RL_COORDINATOR`` (or jax's ``JAX_COORDINATOR_ADDRESS``),
-   ``MLLM_RL_NUM_PROCESSES``, ``MLLM_RL_PROCESS_ID``: all three or none (jax 0.10.2 reads only the
-   coordinator address from the environment);
-2. a multi-host Cloud TPU VM (jax's own cluster detection reports several workers):
-   ``jax.distributed.initialize()`` without arguments detects everything;
+1. explicit: ``MLLM_RL_COORDINATOR`` (or ``JAX_COORDINATOR_ADDRESS``), ``MLLM_RL_NUM_PROCESSES``,
+   ``MLLM_RL_PROCESS_ID``: all three or none;
+2. a multi-host Cloud TPU VM: ``jax.distributed.initialize()`` detects everything;
 3. otherwise one process, and jax is not imported here.
 
 ``init_distributed`` must run before any JAX backend exists. ``barrier`` / ``share`` / ``gather`` use
-the coordination service's key-value store, so processes agree without a device computation: every
-computation over a multi-process mesh must be issued by all processes in the same order, and a
-main-thread collective must never race the engine's scheduler thread.
+the coordination service's key-value store: processes agree without a device computation (which
+would have to be issued by all in the same order and could race the engine's scheduler thread).
 """
 
 from __future__ import annotations
@@ -80,8 +77,7 @@ def _host_port(name: str, raw: str) -> tuple[str, int]:
 
 
 def _google_pci_device() -> bool:
-    """A Google PCI device on this host: a cheap pre-filter that needs no jax import (TPU chips are
-    Google devices, but so is a gVNIC); jax's ``cloud_tpu_init`` decides whether this is a TPU VM."""
+    """A Google PCI device on this host: a cheap pre-filter for a TPU VM that needs no jax import."""
     for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
         try:
             if Path(vendor).read_text().strip() == _GOOGLE_PCI_VENDOR:
@@ -92,11 +88,8 @@ def _google_pci_device() -> bool:
 
 
 def tpu_process_count() -> int | None:
-    """Hosts of this Cloud TPU slice per jax's own cluster detection; None when not on a Cloud TPU VM.
-
-    Imports jax (no backend is initialised) and, on GCE, asks the metadata server for the
-    slice's worker endpoints, exactly as ``jax.distributed.initialize()`` will.
-    """
+    """Hosts of this Cloud TPU slice per jax's own cluster detection (no backend initialised); None
+    when not on a Cloud TPU VM."""
     if not _google_pci_device():
         return None
     from jax._src import cloud_tpu_init, clusters
@@ -112,10 +105,8 @@ def tpu_process_count() -> int | None:
 def config_from_env(
     env: Mapping[str, str] | None = None, tpu_probe: Callable[[], int | None] | None = tpu_process_count
 ) -> DistConfig:
-    """Parse the environment; ``ValueError`` naming the variable for a bad or partial setting.
-
-    ``tpu_probe=None`` skips the Cloud TPU detection (validation only).
-    """
+    """Parse the environment; ValueError naming the variable for a bad or partial setting.
+    ``tpu_probe=None`` skips the Cloud TPU detection."""
     env = os.environ if env is None else env
     timeout = _int(env, ENV_TIMEOUT, 1) if env.get(ENV_TIMEOUT) else DEFAULT_TIMEOUT_S
     if env.get(ENV_ENGINE_PORT) and _int(env, ENV_ENGINE_PORT, 1) > 65529:
@@ -156,11 +147,9 @@ def force_cpu_devices(n: int) -> None:
 
 
 def init_distributed(tp: int = 1, env: Mapping[str, str] | None = None) -> dict[str, int]:
-    """Join the run described by the environment; ``{"process_index", "process_count"}``.
-
-    Single process: touches nothing. Otherwise ``jax.distributed.initialize`` (gloo and ``tp //
-    num_processes`` fake devices per process on CPU). ``ValueError`` for a bad environment or ``tp``;
-    ``RuntimeError`` (one line) if the processes do not meet within ``MLLM_RL_DIST_TIMEOUT_S``."""
+    """Join the run described by the environment; ``{"process_index", "process_count"}``. Single
+    process: touches nothing; else ``jax.distributed.initialize`` (on CPU gloo and ``tp //
+    num_processes`` devices each). RuntimeError if the processes do not meet in time."""
     global _procs, _joined, _timeout_s
     cfg = config_from_env(env)
     _timeout_s = cfg.timeout_s
@@ -205,8 +194,8 @@ def init_distributed(tp: int = 1, env: Mapping[str, str] | None = None) -> dict[
 
 
 def _wait_for_coordinator(coordinator: str, timeout_s: float) -> None:
-    """Until process 0's coordination service accepts TCP connections; ``RuntimeError`` after
-    ``timeout_s`` (a wrong address, or process 0 not started) instead of jaxlib's abort."""
+    """Until process 0's coordination service accepts connections; RuntimeError after ``timeout_s``
+    instead of jaxlib's abort."""
     host, port = _host_port(ENV_COORDINATOR, coordinator)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -271,8 +260,8 @@ def share(name: str, value: str | None, timeout_s: float | None = None) -> str:
 
 
 def gather(name: str, value: str, timeout_s: float | None = None) -> list[str]:
-    """Every process's ``value`` for the ``n``-th ``gather(name)``, in process order; returns only
-    when all processes gave theirs (a barrier that carries data; key-value store, no device work)."""
+    """Every process's ``value`` for the ``n``-th ``gather(name)``, in process order (a barrier
+    that carries data)."""
     if _procs.count == 1:
         return [value]
     key, timeout = _key(f"gather/{name}"), timeout_s or _timeout_s
@@ -287,14 +276,12 @@ def gather(name: str, value: str, timeout_s: float | None = None) -> list[str]:
 
 
 def coordination() -> ProcessCoordinator:
-    """``mllm_rl.coordination.Coordinator`` over ``jax.distributed``'s key-value store (lease
-    handoffs, rewards, checkpoints)."""
+    """``mllm_rl.coordination.Coordinator`` over ``jax.distributed``'s key-value store."""
     return ProcessCoordinator(procs, gather)
 
 
 def agree_on_platform(platform: str) -> None:
-    """Every process publishes the platform jax came up on; ``RuntimeError`` unless all agree
-    (e.g. one host's TPU was held by a stale process and jax fell back to CPU there)."""
+    """RuntimeError unless every process's jax came up on the same platform (a busy TPU falls back to CPU)."""
     if _procs.count == 1:
         return
     client = _client()
@@ -311,9 +298,7 @@ def agree_on_platform(platform: str) -> None:
 
 def engine_address(port: int | None = None) -> str:
     """``ip:port`` for sglang-jax's ``dist_init_addr``: the coordinator's host as an IPv4 address
-    (process 0 ZMQ-binds it, and ZMQ binds addresses, not host names); port ``port`` (a task's
-    own, multi-task runs), else ``MLLM_RL_ENGINE_PORT`` or the coordinator's + 1. sglang-jax binds
-    port+5 and port+6 on process 0 for its request broadcast (``PortArgs.init_new``)."""
+    (ZMQ binds addresses); port ``port``, else ``MLLM_RL_ENGINE_PORT`` or the coordinator's + 1."""
     from jax._src import distributed as jax_dist
 
     coordinator = jax_dist.global_state.coordinator_address
@@ -329,11 +314,8 @@ def engine_address(port: int | None = None) -> str:
 
 
 def shutdown() -> None:
-    """Leave the run: jax's shutdown barrier, then the coordination service stops (idempotent).
-
-    Every process must call it before exiting: when process 0 exits first, the others abort
-    (the coordination service reports the missing leader as a fatal error, exit 134).
-    """
+    """Leave the run (idempotent). Every process must call it: when process 0 exits first, the
+    others abort."""
     global _joined
     if not _joined:
         return

@@ -1,16 +1,10 @@
 """sglang-jax's model forward (prefill or decode) lowered and compiled for a target, from shapes.
 
-What sglang-jax's ``ModelRunner`` jits (``jitted_run_model``: its ``Qwen3ForCausalLM`` with the
-attention backend the engine runs there, the KV pool donated, the batch's metadata) is built here
-with every array abstract (``jax.ShapeDtypeStruct`` carrying the target's sharding) and compiled
-by the target's compiler (a libtpu compile-only topology, XLA's GPU target or the CPU), so the
-plan's engine rows come from a compiled program instead of an estimate.
-
-sglang-jax builds a batch's device arrays with ``device_array`` and its KV buffers with a jitted
-``zeros``, and picks kernels and block sizes from ``jax.devices()[0].device_kind``; ``_as_target``
-swaps these for the duration of the trace only (abstract arrays, the target's devices) and puts
-them back. The batch comes from sglang-jax's own ``CompilationManager._make_dummy_batch`` (the
-batch its precompile runs), so the program is the one the engine compiles at start.
+What sglang-jax's ``ModelRunner`` jits (``jitted_run_model``) is built here with every array
+abstract (carrying the target's sharding) and compiled by the target's compiler, so the plan's
+engine rows come from a compiled program. ``_as_target`` swaps sglang-jax's ``device_array``, KV
+allocator and ``jax.devices()`` for the trace only; the batch is its own precompile's
+(``CompilationManager._make_dummy_batch``).
 """
 
 from __future__ import annotations
@@ -25,20 +19,18 @@ from mllm_rl.backends.jax import engine_layout
 from mllm_rl.presets import ModelConfig
 
 MODES = ("extend", "decode")
-# Layers a plan compiles the forward with: a Pallas kernel is lowered again for every layer, and a
-# forward's extra bytes do not grow with depth (tests/jax/test_engine_attention.py).
+# Layers a plan compiles the forward with: a forward's extra bytes do not grow with depth
+# (tests/jax/test_engine_attention.py), its lowering time does.
 COMPILED_LAYERS = 2
-# KV slots per request an ``fa`` forward is compiled with (see ``shapes``): lowering sglang-jax's
-# ragged paged attention grows with them (page size 1), its extra bytes do not.
+# KV slots per request an ``fa`` forward is compiled with: its lowering grows with them, its
+# extra bytes do not.
 FA_SLOTS_PER_REQUEST = 256
 
 
 @dataclasses.dataclass(frozen=True)
 class ForwardShape:
-    """One engine forward: ``mode`` ``extend`` (prefill) or ``decode``; ``batch`` requests,
-    ``tokens`` tokens in the step (``batch`` for decode), ``cache_locs`` KV slots the batch may
-    read (sglang-jax pads it to ``batch x max_req_len``, at most the pool), a pool of
-    ``pool_tokens`` tokens."""
+    """One engine forward: ``extend`` (prefill) or ``decode`` of ``batch`` requests, ``tokens`` in
+    the step, ``cache_locs`` KV slots the batch may read, a pool of ``pool_tokens``."""
 
     mode: str
     batch: int
@@ -64,11 +56,9 @@ class ForwardShape:
 def shapes(
     model: ModelConfig, rows: int, seq_len: int, pool_tokens: int, max_running_requests: int, attention: str
 ) -> list[ForwardShape]:
-    """The rollout's two forwards as sglang-jax runs them: a prefill chunk of the rollout's
-    prompts (at most its chunk of ``CHUNKED_PREFILL_TOKENS``) and a decode step of its padded batch
-    bucket, each reading up to ``seq_len`` KV slots per request (at most the pool). For ``fa`` the
-    slots are capped at ``FA_SLOTS_PER_REQUEST`` per request: the Pallas kernel reads the pool in
-    place (the slots are only its page-index argument), and its lowering time grows with them."""
+    """The rollout's two forwards as sglang-jax runs them: a prefill chunk and a decode step of its
+    padded batch bucket, each reading up to ``seq_len`` KV slots per request (``fa``: at most
+    ``FA_SLOTS_PER_REQUEST``, the kernel reading the pool in place)."""
     bucket = engine_layout.batch_bucket(rows, max_running_requests)
     tokens = max(min(engine_layout.CHUNKED_PREFILL_TOKENS, rows * seq_len), bucket)
     per_request = min(seq_len, FA_SLOTS_PER_REQUEST) if attention == "fa" else seq_len
@@ -82,11 +72,8 @@ def shapes(
 def lower(
     model: ModelConfig, devices: list[Any], tp: int, attention: str, shape: ForwardShape, layers: int = 0
 ) -> Any:
-    """``jax.stages.Lowered`` of sglang-jax's ``jitted_run_model`` for ``shape`` on the first
-    ``tp`` of ``devices`` (a target's devices: the trace sees their device kind), with the
-    ``attention`` backend (``engine_layout.attention_backend``); ``layers`` > 0 builds the model
-    with that many of its layers (what a forward adds beyond its arguments is one layer's
-    temporaries and the logits, the same for any depth: ``COMPILED_LAYERS``)."""
+    """``jax.stages.Lowered`` of sglang-jax's ``jitted_run_model`` for ``shape`` on the first ``tp``
+    of ``devices``, with the ``attention`` backend; ``layers`` > 0: that many of the model's layers."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -166,9 +153,7 @@ def _attention(name: str, model: ModelConfig, head_dim: int, mesh: Any) -> Any:
 
 @contextlib.contextmanager
 def _as_target(devices: list[Any]) -> Iterator[None]:
-    """sglang-jax traced as if ``devices`` were the runtime's: ``jax.devices()`` (its kernels'
-    device-kind checks) returns them, ``device_array`` and the KV allocator return abstract arrays
-    with the requested sharding. Everything is restored on exit."""
+    """sglang-jax traced as if ``devices`` were the runtime's, its arrays abstract (restored on exit)."""
     import jax
     import numpy as np
     from sgl_jax.srt.layers import logits_processor as lp

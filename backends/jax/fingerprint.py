@@ -1,8 +1,5 @@
-"""Weight fingerprints: (sum, sum of squares) per tensor, in float32 on the device.
-
-The trainer (what it exports) and the engine (what it runs) compute them the same way, so
-an update can be checked by comparing the two.
-"""
+"""Weight fingerprints: (sum, sum of squares) per tensor, in float32 on the device, computed the
+same way by the trainer (what it exports) and the engine (what it runs)."""
 
 from __future__ import annotations
 

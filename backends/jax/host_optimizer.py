@@ -1,12 +1,10 @@
 """AdamW whose state lives in host memory, streamed through the device one leaf at a time
 (``ModelOptions.optimizer_memory="host"``).
 
-The state is optax's own tree (so a checkpoint is the same as the device path's), every leaf on
-``pinned_host`` for the whole run. ``apply``: ``StepFns.grad_norm`` on the device, then per
-trainable leaf its two moments are copied in, ``StepFns.leaf_update`` (donating param and moments)
-applies clip and AdamW exactly as ``apply`` does for the whole tree, the new moments go back to the
-host and the leaf's gradient is deleted. The device holds one leaf's moments beyond params and
-gradients (the plan compiles ``leaf_update`` for the largest leaf); transfers are synchronous.
+The state is optax's own tree (checkpoints as the device path's), every leaf on ``pinned_host``.
+``apply``: ``StepFns.grad_norm`` on the device, then per trainable leaf its moments are copied in,
+``StepFns.leaf_update`` applies clip and AdamW exactly as ``apply`` does, the new moments go back
+to the host and the leaf's gradient is deleted.
 """
 
 from __future__ import annotations
@@ -20,9 +18,7 @@ DEVICE, HOST = "device", "pinned_host"
 
 
 def put(tree: Any, kind: str) -> Any:
-    """A copy of ``tree``'s arrays (one array is a tree) in memory kind ``kind``, same sharding,
-    the sources kept; waited for once, so a tree's transfers overlap. The trainer's offload and
-    onload copy with it too."""
+    """A copy of ``tree``'s arrays in memory kind ``kind``, same sharding (waited for once)."""
     out = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), tree)
     return jax.block_until_ready(out)
 
@@ -57,9 +53,7 @@ def _replace_adam(opt_state: Any, new: optax.ScaleByAdamState) -> Any:
 
 def apply(fns: Any, trainable: Any, opt_state: Any, grads: Any) -> tuple[Any, Any, jax.Array]:
     """One AdamW update with ``opt_state`` on the host: ``(trainable, opt_state, grad_norm)`` as
-    ``StepFns.apply`` returns them. ``trainable``'s leaves are donated (updated in place),
-    ``grads`` is consumed (its leaves deleted as they are used), ``opt_state``'s old host leaves
-    are deleted once their successors are on the host."""
+    ``StepFns.apply`` returns them; ``trainable`` donated, ``grads`` and the old state deleted."""
     gnorm = fns.grad_norm(grads)
     adam = adam_state(opt_state)
     params, p_def = jax.tree.flatten(trainable)

@@ -1,12 +1,8 @@
 """The output head: logits, and log-probabilities of the taken tokens without whole logits.
 
-Shapes: B batch, T positions, H hidden, V vocab, C chunk. ``token_logprobs`` with
-``chunk > 0`` computes the head ``C`` positions at a time under ``lax.scan``, each chunk
-rematerialised in the backward pass, so at most [B, C, V] float32 logits (and their
-gradient) exist at once instead of [B, T, V]. The loss, the rollout/reference log-probs and
-the greedy probe all go through ``head_logits``; ``token_logprobs`` takes the rollout's sampling
-temperature (log-probs of ``softmax(logits / temperature)``, on both paths), the greedy probe
-reads the logits untempered.
+Shapes: B batch, T positions, H hidden, V vocab, C chunk. ``token_logprobs`` with ``chunk > 0``
+computes the head ``C`` positions at a time under ``lax.scan``, rematerialised in the backward, so
+at most [B, C, V] float32 logits exist at once; it takes the sampling temperature.
 """
 
 from __future__ import annotations
@@ -21,8 +17,7 @@ def head_logits(x: jax.Array, head: jax.Array) -> jax.Array:
 
 
 def _logp(x: jax.Array, head: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:
-    """``x`` [B, C, H], ``targets`` [B, C] -> log softmax(logits / temperature)[targets] [B, C]
-    float32."""
+    """``x`` [B, C, H], ``targets`` [B, C] -> log softmax(logits / temperature)[targets] [B, C] float32."""
     logits = head_logits(x, head)
     if temperature != 1.0:
         logits = logits / jnp.float32(temperature)
@@ -34,8 +29,7 @@ def token_logprobs(
     x: jax.Array, head: jax.Array, targets: jax.Array, chunk: int = 0, temperature: float = 1.0
 ) -> jax.Array:
     """``x`` [B, T, H] hidden states, ``targets`` [B, T] int -> [B, T] float32
-    ``log softmax((x @ head^T) / temperature)[targets]``; ``chunk`` positions at a time (0: all
-    at once). ``temperature`` is a Python float (static)."""
+    ``log softmax((x @ head^T) / temperature)[targets]``, ``chunk`` positions at a time (0: all)."""
     b, t, h = x.shape
     if chunk <= 0 or chunk >= t:
         return _logp(x, head, targets, temperature)

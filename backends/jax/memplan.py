@@ -327,6 +327,7 @@ def _trainer(
         checkpoint_dtype,
         make_step_fns,
         resolve_dtypes,
+        with_shardings,
     )
 
     cfg = _train_config(req)
@@ -360,33 +361,23 @@ def _trainer(
         notes.append(
             f"sequence length {req.seq_len} padded to {seq} (the trainer pads to multiples of {T_BUCKET})"
         )
-    params = _shard_bytes((trainable, frozen))
+    where = f"trainable + frozen shards on device 0, mesh fsdp={mesh.shape['fsdp']} x tp={mesh.shape['tp']}"
+    host_opt = opts.optimizer_memory == "host"
+    opt = "AdamW state shards on device 0"
+    if host_opt:
+        opt = (
+            "AdamW state shards of device 0, in host memory for the whole run "
+            "(optimizer_memory=host); the update streams them through the device a leaf at a time"
+        )
     comps = {
-        "trainer_params": Component(
-            "trainer_params",
-            params,
-            "layout",
-            f"trainable + frozen shards on device 0, mesh fsdp={mesh.shape['fsdp']} x tp={mesh.shape['tp']}",
-        ),
+        "trainer_params": Component("trainer_params", _shard_bytes((trainable, frozen)), "layout", where),
         "optimizer": Component(
-            "optimizer", _shard_bytes(opt_state), "layout", "AdamW state shards on device 0"
+            "optimizer", _shard_bytes(opt_state), "layout", opt, memory="host" if host_opt else "device"
         ),
     }
-    host_opt = opts.optimizer_memory == "host"
-    if host_opt:
-        comps["optimizer"] = dataclasses.replace(
-            comps["optimizer"],
-            memory="host",
-            detail="AdamW state shards of device 0, in host memory for the whole run "
-            "(optimizer_memory=host); the update streams them through the device a leaf at a time",
-        )
     if req.kl:  # the reference (initial params or zero adapters) on the device for train_step
-        comps["ref_params"] = Component(
-            "ref_params",
-            _shard_bytes(trainable),
-            "layout",
-            "KL reference: a copy of the trainable params' layout, on device in train_step",
-        )
+        why = "KL reference: a copy of the trainable params' layout, on device in train_step"
+        comps["ref_params"] = Component("ref_params", _shard_bytes(trainable), "layout", why)
     out: dict[str, FunctionMemory] = {}
     grad = _compile(
         "grad_step",
@@ -398,41 +389,21 @@ def _trainer(
         + (f" ({req.micro_batch} padded)" if rows != req.micro_batch else ""),
     )
     out["grad_step"] = grad.memory
-    if grad.compiled is not None:
-        # the accumulator: grad_step's output layout in the trainable params' dtype
-        grads_spec = grad.compiled.output_shardings[1]
-        grads_tree = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), trainable, grads_spec
-        )
-        comps["grads"] = Component(
-            "grads",
-            _shard_bytes(grads_tree),
-            "compiler",
+    grads_tree, how = trainable, "layout"
+    why = "grad_step was rejected; gradients assumed sharded like the params"
+    if grad.compiled is not None:  # the accumulator: grad_step's output layout in the trainable dtype
+        grads_tree, how = with_shardings(trainable, grad.compiled.output_shardings[1]), "compiler"
+        why = (
             "the gradient accumulator on one device: grad_step's output sharding, in the trainable "
-            f"params' dtype ({dts.trainable}; grad_step returns {dts.compute})",
+            f"params' dtype ({dts.trainable}; grad_step returns {dts.compute})"
         )
+    comps["grads"] = Component("grads", _shard_bytes(grads_tree), how, why)
+    if host_opt:
+        apply = lambda: _leaf_update(fns, trainable, opt_state, grads_tree, target, info)  # noqa: E731
     else:
-        grads_tree = trainable
-        comps["grads"] = Component(
-            "grads",
-            _shard_bytes(trainable),
-            "layout",
-            "grad_step was rejected; gradients assumed sharded like the params",
-        )
-    apply_key = ("apply",) + key
-    if apply_key not in _cache:
-        if host_opt:
-            _cache[apply_key] = _leaf_update(fns, trainable, opt_state, grads_tree, target, info)
-        else:
-            _cache[apply_key] = _compile(
-                "optimizer_apply",
-                fns.apply,
-                (trainable, opt_state, grads_tree),
-                target,
-                info,
-                "AdamW update, params and state donated",
-            ).memory
-    out["optimizer_apply"] = _cache[apply_key]
+        args, detail = (trainable, opt_state, grads_tree), "AdamW update, params and state donated"
+        apply = lambda: _compile("optimizer_apply", fns.apply, args, target, info, detail).memory  # noqa: E731
+    out["optimizer_apply"] = _cached(("apply",) + key, apply)
     if req.kl:  # the reference has the trainable params' shapes
         out["logprob"] = _compile(
             "logprob",

@@ -158,7 +158,8 @@ REMAT_POLICIES = {
 }
 
 
-def _cast(tree: Any, dtype: jnp.dtype | None) -> Any:
+def cast_floats(tree: Any, dtype: Any) -> Any:
+    """``tree`` with every floating leaf in ``dtype`` (None: unchanged; a leaf in it is not copied)."""
     if dtype is None:
         return tree
     return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
@@ -169,7 +170,7 @@ def _block_fn(graphdef: Any, run: Run, positions: jax.Array, attn: jax.Array) ->
     cdt = run.opts.compute_jnp_dtype()
 
     def f(x: jax.Array, state: Any) -> jax.Array:
-        return nnx.merge(graphdef, _cast(state, cdt))(x, positions, attn, run)
+        return nnx.merge(graphdef, cast_floats(state, cdt))(x, positions, attn, run)
 
     if run.opts.remat == "none":
         return f
@@ -209,7 +210,7 @@ class Qwen3(nnx.Module):
         attn = attention_mask.astype(bool)
         positions = jnp.maximum(jnp.cumsum(attn, axis=1) - 1, 0)  # left padding aware
         cdt = run.opts.compute_jnp_dtype()
-        x = _cast(self.embed_tokens[...][tokens], cdt)  # gather, then cast the rows only
+        x = cast_floats(self.embed_tokens[...][tokens], cdt)  # gather, then cast the rows only
         if self.scan_layers:
             graphdef, state = nnx.split(self.layers)
             step = _block_fn(graphdef, run, positions, attn)
@@ -219,13 +220,13 @@ class Qwen3(nnx.Module):
                 graphdef, state = nnx.split(layer)
                 x = _block_fn(graphdef, run, positions, attn)(x, state)
         norm_graph, norm_state = nnx.split(self.norm)
-        return nnx.merge(norm_graph, _cast(norm_state, cdt))(x)
+        return nnx.merge(norm_graph, cast_floats(norm_state, cdt))(x)
 
     def __call__(
         self, tokens: jax.Array, attention_mask: jax.Array | None = None, run: Run = Run()
     ) -> jax.Array:
         x = self.hidden(tokens, attention_mask, run)
-        return head_logits(x, _cast(self.head(), run.opts.compute_jnp_dtype()))
+        return head_logits(x, cast_floats(self.head(), run.opts.compute_jnp_dtype()))
 
 
 LINEAR_SUBS = (
@@ -338,11 +339,17 @@ def _set_row(stacked: jax.Array, row: jax.Array, value: jax.Array) -> jax.Array:
     return stacked.at[row].set(value)
 
 
+def model_dir_dtype(model_dir: ModelDir) -> jnp.dtype:
+    """The dtype of ``model_dir``'s tensors (float32 for ``F32``, else bfloat16)."""
+    return jnp.dtype(
+        jnp.float32 if next(iter(model_dir.tensors.values()))[1].dtype == "F32" else jnp.bfloat16
+    )
+
+
 def load_qwen3(model_dir: ModelDir, dtype: jnp.dtype | None = None, scan_layers: bool = False) -> Qwen3:
     """Build a ``Qwen3`` and stream the checkpoint into it, one tensor at a time."""
     c = model_dir.config
-    if dtype is None:
-        dtype = jnp.float32 if next(iter(model_dir.tensors.values()))[1].dtype == "F32" else jnp.bfloat16
+    dtype = model_dir_dtype(model_dir) if dtype is None else dtype
     model = nnx.eval_shape(lambda: Qwen3(c, dtype, scan_layers))
     for name, arr in model_dir.iter_tensors():
         path, transpose = hf_path(name)

@@ -3,15 +3,12 @@
 When a write fails (a full disk, ``RLIMIT_FSIZE``, a lost permission), orbax 0.12 and tensorstore
 0.1 do three things ``AsyncSave`` undoes:
 
-- the error is a ``ValueError`` (``OUT_OF_RANGE: ... [os_error_code='27']``), which would read as
-  bad input (exit 2); it becomes the ``OSError`` it reports, which ``mllm_rl.checkpoint.writer``
-  turns into a one-line ``CheckpointWriteError``;
+- the error is a ``ValueError`` (``[os_error_code='27']``): it becomes the ``OSError`` it reports;
 - orbax logs the traceback from each of its threads: its records are held during the save,
-  dropped if it fails and passed on if it succeeds;
-- the first failure closes orbax's event loop while tensorstore's other writes go on, each calling
-  back into the closed loop (``RuntimeError: Event loop is closed`` via ``sys.unraisablehook``) and
-  creating files after the save returned. The save waits for every tensorstore future before it
-  raises, and an unraisable hook, kept installed, drops exactly those callbacks.
+  dropped if it fails;
+- the first failure closes orbax's event loop while tensorstore's other writes go on, calling back
+  into the closed loop and creating files after the save returned: the save waits for every
+  tensorstore future before it raises, and an unraisable hook drops exactly those callbacks.
 """
 
 from __future__ import annotations
@@ -33,11 +30,9 @@ _QUOTED_PATH = re.compile(r'"(/[^"]+)"')
 
 
 class AsyncSave:
-    """orbax's asynchronous save of ``tree`` into ``target``, begun on construction: it returns
-    once the arrays are in host memory (a device-to-host copy; on CPU, views that keep the arrays
-    alive while later steps replace them), and ``write`` waits for the files. A write the OS
-    refused is ``OSError(errno, reason, file)`` (orbax's own exception otherwise), raised by
-    whichever of the two meets it once every write begun has ended. ``nbytes``: the state's bytes."""
+    """orbax's asynchronous save of ``tree`` into ``target``, begun on construction (it returns
+    once the arrays are in host memory); ``write`` waits for the files. A write the OS refused
+    is raised as ``OSError(errno, reason, file)`` once every write begun has ended."""
 
     def __init__(self, target: Path, tree: Any) -> None:
         import jax
@@ -72,8 +67,8 @@ class AsyncSave:
 
 
 def os_error_of(e: BaseException, target: Path) -> OSError | None:
-    """The ``OSError`` a tensorstore/orbax error reports (``[os_error_code='27']``, the last
-    absolute path it quotes, else ``target``), or None when it reports none."""
+    """The ``OSError`` a tensorstore/orbax error reports (its code, the last path it quotes, else
+    ``target``), or None."""
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
@@ -91,8 +86,7 @@ def os_error_of(e: BaseException, target: Path) -> OSError | None:
 
 
 def settle_tensorstore(timeout_s: float = SETTLE_S) -> int:
-    """Wait (at most ``timeout_s``) for every tensorstore future not yet done: the writes a failed
-    save abandoned. Returns how many were waited for."""
+    """Wait (at most ``timeout_s``) for every tensorstore future not yet done; returns how many."""
     import tensorstore as ts
 
     pending = [o for o in gc.get_objects() if isinstance(o, (ts.Future, ts.WriteFutures)) and not o.done()]
@@ -124,8 +118,8 @@ class _Hold(logging.Filter):
 
 @contextlib.contextmanager
 def _held_orbax_logs() -> Iterator[None]:
-    """Orbax's log records held for the block (replayed if it succeeds, dropped if it raises), and
-    callbacks into a closed event loop kept off stderr (from here on, if it raises)."""
+    """Orbax's log records held for the block (replayed if it succeeds), and callbacks into a
+    closed event loop kept off stderr."""
     absl = logging.getLogger("absl")
     hold = _Hold()
     absl.addFilter(hold)
@@ -153,8 +147,7 @@ def _dropping_closed_loop_callbacks(hook: Any) -> Any:
 
 
 def closed_loop_callback(exc: BaseException | None, tb: Any) -> bool:
-    """Is ``exc`` a ``RuntimeError('Event loop is closed')`` raised in ``call_soon_threadsafe``
-    (a future's callback into an event loop that is gone: asyncio's or uvloop's)?"""
+    """Is ``exc`` a ``RuntimeError('Event loop is closed')`` raised in ``call_soon_threadsafe``?"""
     if not isinstance(exc, RuntimeError) or str(exc) != "Event loop is closed":
         return False
     while tb is not None:

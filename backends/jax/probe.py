@@ -12,13 +12,8 @@ from mllm_rl.phases.probe import DeviceMemory
 
 
 def live_array_bytes(devices: list[jax.Device], memory_kind: str = "device") -> list[int]:
-    """Bytes of live (not deleted) jax arrays of ``memory_kind`` on each device.
-
-    Counted per addressable shard, each distinct buffer once: ``device_put`` of an array to
-    where it already lives returns a second ``Array`` aliasing the same buffer, and both are
-    live until the first is garbage-collected. Replicated arrays count once per device.
-    Arrays offloaded to ``pinned_host`` are not device memory and count only there.
-    """
+    """Bytes of live (not deleted) jax arrays of ``memory_kind`` on each device, per addressable
+    shard, each distinct buffer once (a ``device_put`` to where an array lives aliases it)."""
     index = {d: i for i, d in enumerate(devices)}
     out = [0] * len(devices)
     seen: set[tuple[int, int]] = set()
@@ -30,9 +25,8 @@ def live_array_bytes(devices: list[jax.Device], memory_kind: str = "device") -> 
                 i = index.get(shard.device)
                 if i is None:
                     continue
-                # unsafe_buffer_pointer() of a buffer not yet defined blocks until it is,
-                # holding the GIL: on JAX 0.11 CPU that deadlocks a sampler thread against the
-                # step that defines it. A pending buffer is counted by its Array instead.
+                # unsafe_buffer_pointer() of a pending buffer blocks holding the GIL (a deadlock
+                # on JAX CPU): a pending buffer is counted by its Array instead
                 data = shard.data
                 key = (i, data.unsafe_buffer_pointer() if data.is_ready() else -id(data))
                 if key in seen:
@@ -69,33 +63,17 @@ class JaxMemoryProbe:
         if not self.has_stats:
             used = live_array_bytes(self.devices)
             host = live_array_bytes(self.devices, "pinned_host")
+            raw = [{"live_arrays_bytes": u, "pinned_host_bytes": h} for u, h in zip(used, host, strict=True)]
             return [
-                DeviceMemory(
-                    d.id,
-                    d.platform,
-                    used[i],
-                    None,
-                    None,
-                    "live_arrays",
-                    {"live_arrays_bytes": used[i], "pinned_host_bytes": host[i]},
-                )
+                DeviceMemory(d.id, d.platform, used[i], None, None, "live_arrays", raw[i])
                 for i, d in enumerate(self.devices)
             ]
         out = []
         for d in self.devices:
             stats = d.memory_stats() or {}
             raw = {k: int(v) for k, v in stats.items() if isinstance(v, (int, np.integer))}
-            out.append(
-                DeviceMemory(
-                    d.id,
-                    d.platform,
-                    raw.get("bytes_in_use"),
-                    raw.get("peak_bytes_in_use"),
-                    raw.get("bytes_limit"),
-                    "memory_stats",
-                    raw,
-                )
-            )
+            used, peak, limit = (raw.get(k) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit"))
+            out.append(DeviceMemory(d.id, d.platform, used, peak, limit, "memory_stats", raw))
         return out
 
 

@@ -1,11 +1,8 @@
 """``--profile`` on JAX: a ``jax.profiler`` trace of a step (``mllm_rl.profiling``).
 
-``jax.profiler.start_trace(dir)`` / ``stop_trace()`` write
-``dir/plugins/profile/<timestamp>/<host>.xplane.pb`` (what XProf and TensorBoard's profile plugin
-read; ``jax.profiler.ProfileData.from_file`` parses it) and ``<host>.trace.json.gz`` (Chrome
-trace events). The trace covers the whole process: the trainer's jitted steps and the
-sglang-jax engine's scheduler thread (prefill/decode) alike. Phases are ``TraceAnnotation`` ranges
-on the host plane.
+Writes ``dir/plugins/profile/<timestamp>/<host>.xplane.pb`` (XProf, TensorBoard) and
+``<host>.trace.json.gz`` (Chrome trace events) for the whole process: the trainer and the
+sglang-jax engine's scheduler thread. Phases are ``TraceAnnotation`` ranges.
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ class JaxProfiler(StepProfiler):
 
         if self._dir is not None:
             raise RuntimeError(f"a jax.profiler trace into {self._dir} is still running")
-        # each process its own directory: the files are named by host, and the processes of one
-        # host would collide
+        # each process its own directory: files are named by host
         self._dir = out_dir if process_index == 0 else out_dir / f"p{process_index}"
         self._dir.mkdir(parents=True, exist_ok=True)
         jax.profiler.start_trace(str(self._dir))

@@ -1,10 +1,8 @@
 """Policy-gradient loss for GRPO-style training, in JAX (same math as ``backends/torch/rl_loss.py``).
 
-Shapes: B sequences (micro-batch), T completion tokens (padded). All inputs are per token
-except ``advantages`` [B]. The formula, the aggregation modes and the metrics are defined in
-``mllm_rl.rl.loss_config`` (each with its verl/TRL counterpart; docs/RL.md has the table).
-``total_tokens`` / ``total_seqs``: the whole mini-batch's counts when accumulating
-micro-batches, so that summing micro-batch losses equals the full-batch loss.
+Shapes: B sequences (micro-batch), T completion tokens (padded). The formula, aggregation modes and
+metrics are defined in ``mllm_rl.rl.loss_config``. ``total_tokens`` / ``total_seqs``: the whole
+mini-batch's counts, so that summing micro-batch losses equals the full-batch loss.
 """
 
 from __future__ import annotations

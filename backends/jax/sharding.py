@@ -1,12 +1,10 @@
 """The trainer's device mesh and its sharding rules, by parameter name.
 
-The mesh is 2-D, ``("fsdp", "tp")``: ``tp`` devices split each matmul (Megatron style: the
-output features of q/k/v/gate/up, the input features of o/down), ``fsdp`` devices hold a
-slice of every weight along the other axis and each a slice of the batch. ``tp = 1`` is
-plain FSDP over every device.
+The mesh is 2-D, ``("fsdp", "tp")``: ``tp`` devices split each matmul (Megatron style), ``fsdp``
+devices hold a slice of every weight along the other axis and each a slice of the batch.
 
-Rules, for a kernel stored ``(in, out)`` (a leading layer axis [L] of stacked layers is never
-split; a mesh axis that does not divide its dimension is dropped, that dimension replicated):
+Rules, for a kernel stored ``(in, out)`` (a leading layer axis [L] is never split; a mesh axis that
+does not divide its dimension is dropped):
 
 ==========================  =========================  ==========================
 leaf                        column-parallel             row-parallel
@@ -17,10 +15,8 @@ leaf                        column-parallel             row-parallel
 ``lora_b`` [R, out]         ``(None, "tp")``            ``(None, "fsdp")``
 ==========================  =========================  ==========================
 
-``embed_tokens`` / ``lm_head`` [V, H]: ``("fsdp", "tp")`` (the vocab over ``fsdp``: the TPU
-compiler predicts a lower peak for the FSDP grad step than with the hidden axis there). Norm
-weights and scalars (Adam's step count): replicated. Optimizer state leaves follow their
-parameter (their tree path holds the same names).
+``embed_tokens`` / ``lm_head`` [V, H]: ``("fsdp", "tp")`` (a lower TPU peak than the hidden axis
+over ``fsdp``). Norm weights and scalars: replicated. Optimizer state leaves follow their parameter.
 """
 
 from __future__ import annotations
@@ -90,9 +86,8 @@ def tree_shardings(tree: Any, mesh: Mesh) -> Any:
 
 
 def data_rows(mesh: Mesh, rows: int) -> int:
-    """The rows a micro-batch of ``rows`` is padded to: a multiple of the data axis (``fsdp``), so
-    that it is split over the devices instead of repeated on every one (padding rows have no
-    loss tokens: they change no loss and no gradient)."""
+    """The rows a micro-batch of ``rows`` is padded to: a multiple of ``fsdp``, so that it is split
+    over the devices (padding rows have no loss tokens)."""
     n = mesh.shape["fsdp"]
     return -(-rows // n) * n
 

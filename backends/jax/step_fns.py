@@ -1,8 +1,7 @@
 """The JAX trainer's jitted step functions, as pure functions of abstract or real state.
 
-``JaxTrainer`` runs exactly the functions of ``make_step_fns``; a planner lowers the same functions
-with the ``ShapeDtypeStruct`` trees of ``abstract_state`` / ``batch_specs`` and compiles them for a
-target, so a plan compiles what the run runs::
+``JaxTrainer`` runs exactly the functions of ``make_step_fns``; a planner compiles the same ones
+for a target on the ``ShapeDtypeStruct`` trees of ``abstract_state`` / ``batch_specs``::
 
     mesh = make_mesh(opts.tp, devices)              # devices of the target (or jax.devices())
     fns = make_step_fns(model_cfg, train_cfg, opts, mesh)
@@ -19,11 +18,10 @@ Dtypes: ``resolve_dtypes``; the params are cast to the compute dtype inside the 
 - ``mb``: ``tokens`` [B, T] int32, ``attn``/``loss_mask`` [B, T] bool, ``old_logp``/``is_weight``
   [B, T] float32, ``adv`` [B] float32, with KL ``ref_logp`` [B, T] float32.
 
-``StepFns``: ``logprob`` -> [B, T - 1] tempered log-probs; ``next_logits`` -> [B, V] untempered
-(greedy probe); ``grad`` -> ((loss, token-summed metrics), grads in the compute dtype);
-``start_acc`` / ``accumulate`` (donates ``acc``); ``apply`` -> (trainable, opt_state, grad_norm)
-(donates both); ``grad_norm``; ``leaf_update``: ``apply`` for one leaf with the global norm given
-(``host_optimizer.py`` streams the state through it).
+``StepFns``: ``logprob`` -> [B, T - 1] tempered log-probs; ``next_logits`` -> [B, V] untempered;
+``grad`` -> ((loss, token-summed metrics), grads in the compute dtype); ``start_acc`` /
+``accumulate`` (donates ``acc``); ``apply`` -> (trainable, opt_state, grad_norm) (donates both);
+``grad_norm``; ``leaf_update``: ``apply`` for one leaf with the global norm given (``host_optimizer.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +37,15 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from mllm_rl.backends.jax.logprob import head_logits, token_logprobs
-from mllm_rl.backends.jax.model import LoRAParam, Qwen3, Run, add_lora, load_qwen3
+from mllm_rl.backends.jax.model import (
+    LoRAParam,
+    Qwen3,
+    Run,
+    add_lora,
+    cast_floats,
+    load_qwen3,
+    model_dir_dtype,
+)
 from mllm_rl.backends.jax.options import Dtypes, ModelOptions
 from mllm_rl.backends.jax.rl_loss import policy_loss
 from mllm_rl.backends.jax.sharding import batch_sharding, tree_shardings
@@ -70,10 +76,8 @@ def _adamw(cfg: TrainConfig) -> optax.GradientTransformation:
 
 
 def make_tx(cfg: TrainConfig, opt_dtype: str | None = None) -> optax.GradientTransformation:
-    """The optimizer: global-norm clipping (when ``grad_clip > 0``), then AdamW. With
-    ``opt_dtype`` (``Dtypes.opt``) the moments live in that dtype and grads and params are cast
-    to it before the update (a no-op when they are in it already; ``optax.apply_updates``
-    casts the sum back to the params' dtype)."""
+    """The optimizer: global-norm clipping (when ``grad_clip > 0``), then AdamW. With ``opt_dtype``
+    the moments live in that dtype and grads and params are cast to it before the update."""
     base = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
         _adamw(cfg),
@@ -94,21 +98,9 @@ def checkpoint_dtype(model_cfg: ModelConfig) -> jnp.dtype:
     return jnp.dtype(model_cfg.torch_dtype)
 
 
-def model_dir_dtype(model_dir: ModelDir) -> jnp.dtype:
-    """The dtype of ``model_dir``'s tensors (float32 for ``F32``, else bfloat16)."""
-    return jnp.dtype(
-        jnp.float32 if next(iter(model_dir.tensors.values()))[1].dtype == "F32" else jnp.bfloat16
-    )
-
-
 def resolve_dtypes(train_cfg: TrainConfig, opts: ModelOptions, dtype: Any) -> Dtypes:
     """``opts.resolved`` for a checkpoint of ``dtype`` under ``train_cfg`` (precision, LoRA)."""
     return opts.resolved(dtype, train_cfg.precision, lora=train_cfg.lora_rank > 0)
-
-
-def cast_floats(tree: Any, dtype: Any) -> Any:
-    """``tree`` with every floating leaf in ``dtype`` (a leaf already in it is not copied)."""
-    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
 def _split(model: Qwen3, lora: bool) -> tuple[Any, Any, Any]:
@@ -125,28 +117,26 @@ def _build(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: ModelOptions, d
 def abstract_model(
     model_cfg: ModelConfig, train_cfg: TrainConfig, opts: ModelOptions, dtype: Any = None
 ) -> tuple[Any, Any, Any]:
-    """(graphdef, trainable, frozen) with ``ShapeDtypeStruct`` leaves (nothing allocated).
-    ``dtype``: the checkpoint's (default ``model_cfg.torch_dtype``)."""
+    """(graphdef, trainable, frozen) with ``ShapeDtypeStruct`` leaves; ``dtype``: the checkpoint's."""
     dtype = checkpoint_dtype(model_cfg) if dtype is None else dtype
     dts = resolve_dtypes(train_cfg, opts, dtype)
     model = nnx.eval_shape(lambda: _build(model_cfg, train_cfg, opts, dts))
     return _split(model, train_cfg.lora_rank > 0)
 
 
-def _with_shardings(tree: Any, mesh: Mesh) -> Any:
-    shardings = tree_shardings(tree, mesh)
+def with_shardings(tree: Any, shardings: Any) -> Any:
+    """``tree``'s leaves as ``ShapeDtypeStruct``s carrying ``shardings`` (a tree like it)."""
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 def abstract_state(
     model_cfg: ModelConfig, train_cfg: TrainConfig, opts: ModelOptions, mesh: Mesh, dtype: Any = None
 ) -> tuple[Any, Any, Any]:
-    """(trainable, frozen, opt_state) as ``ShapeDtypeStruct`` trees carrying the trainer's
-    ``NamedSharding``s on ``mesh``. ``dtype``: the checkpoint's (default ``model_cfg.torch_dtype``)."""
+    """(trainable, frozen, opt_state) as ``ShapeDtypeStruct`` trees with the trainer's shardings."""
     dtype = checkpoint_dtype(model_cfg) if dtype is None else dtype
     _, trainable, frozen = abstract_model(model_cfg, train_cfg, opts, dtype)
     opt_state = jax.eval_shape(make_tx(train_cfg, resolve_dtypes(train_cfg, opts, dtype).opt).init, trainable)
-    return _with_shardings(trainable, mesh), _with_shardings(frozen, mesh), _with_shardings(opt_state, mesh)
+    return tuple(with_shardings(t, tree_shardings(t, mesh)) for t in (trainable, frozen, opt_state))
 
 
 def batch_specs(rows: int, seq_len: int, mesh: Mesh, kl: bool = False) -> dict[str, jax.ShapeDtypeStruct]:
@@ -169,8 +159,7 @@ def batch_specs(rows: int, seq_len: int, mesh: Mesh, kl: bool = False) -> dict[s
 def load_state(
     model_dir: ModelDir, train_cfg: TrainConfig, opts: ModelOptions, mesh: Mesh
 ) -> tuple[Any, Any, Any]:
-    """The real (graphdef, trainable, frozen) of ``model_dir``, placed with the shardings of
-    ``abstract_state`` (the tree structure is checked against it)."""
+    """The real (graphdef, trainable, frozen) of ``model_dir``, placed as ``abstract_state`` says."""
     dtype = model_dir_dtype(model_dir)
     dts = resolve_dtypes(train_cfg, opts, dtype)
     model = load_qwen3(model_dir, jnp.dtype(dts.params), opts.scan_layers)
@@ -187,10 +176,8 @@ def load_state(
 
 
 def make_run(opts: ModelOptions, mesh: Mesh, compute: str | None = None) -> Run:
-    """How the forward runs on ``mesh``'s platform: ``splash`` is a TPU kernel, run by the
-    Pallas interpreter on CPU (slow; for tests) and refused elsewhere. ``compute``: the
-    resolved compute dtype (``Dtypes.compute``), which the run casts every layer's params to
-    (default: ``opts.compute_dtype``)."""
+    """How the forward runs on ``mesh``'s platform: ``splash`` is a TPU kernel (interpreted on CPU,
+    refused elsewhere). ``compute``: the resolved compute dtype (default ``opts.compute_dtype``)."""
     platform = mesh.devices.flat[0].platform
     if opts.attention == "splash" and platform not in ("tpu", "cpu"):
         raise ValueError(
@@ -208,16 +195,14 @@ def make_step_fns(
     mesh: Mesh,
     dtype: Any = None,
 ) -> StepFns:
-    """The trainer's jitted functions for this model, training and layout configuration, for
-    the devices of ``mesh`` (a target's, for a plan). ``dtype``: the checkpoint's."""
+    """The trainer's jitted functions for the devices of ``mesh``; ``dtype``: the checkpoint's."""
     dtype = checkpoint_dtype(model_cfg) if dtype is None else dtype
     dts = resolve_dtypes(train_cfg, opts, dtype)
     graphdef, abs_trainable, _ = abstract_model(model_cfg, train_cfg, opts, dtype)
     loss_cfg = train_cfg.loss
     tx = make_tx(train_cfg, dts.opt)
     run = make_run(opts, mesh, dts.compute)
-    # Gradients, updated params and optimizer state pinned to the params' layout (XLA would
-    # otherwise be free to return e.g. a scan's stacked gradients less sharded).
+    # gradients, params and optimizer state pinned to the params' layout (else XLA may shard less)
     t_sh = tree_shardings(abs_trainable, mesh)
     o_sh = tree_shardings(jax.eval_shape(tx.init, abs_trainable), mesh)
     pin = jax.lax.with_sharding_constraint
@@ -225,8 +210,7 @@ def make_step_fns(
     temperature = train_cfg.temperature
 
     def merged(trainable: Any, frozen: Any) -> Qwen3:
-        """The model with every param cast to the compute dtype once, inside the jitted function.
-        One cast of the whole tree compiles to less memory than casting each layer inside the scan."""
+        """The model cast to the compute dtype once (less memory than a cast per layer in the scan)."""
         return nnx.merge(graphdef, cast_floats(trainable, cdt), cast_floats(frozen, cdt))
 
     def token_logp_of(model: Qwen3, tokens: jax.Array, attn: jax.Array) -> jax.Array:
@@ -249,8 +233,7 @@ def make_step_fns(
         return head_logits(x, model.head().astype(cdt))
 
     def loss_fn(cast_trainable, cast_frozen, mb, total_tokens, total_seqs):
-        """The loss of the params already in the compute dtype (``grad`` differentiates w.r.t.
-        those casts: see ``grad``)."""
+        """The loss of the params already in the compute dtype."""
         logp = token_logp_of(nnx.merge(graphdef, cast_trainable, cast_frozen), mb["tokens"], mb["attn"])
         mask = mb["loss_mask"][:, 1:]
         ref = mb["ref_logp"][:, 1:] if loss_cfg.beta > 0 else None
@@ -272,12 +255,11 @@ def make_step_fns(
         return loss, sums
 
     odt = jnp.dtype(dts.opt)
-
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
     def grad(trainable, frozen, mb, total_tokens, total_seqs):
-        """The gradient w.r.t. the compute-dtype casts of the params, in that dtype: a float32 master's
-        gradient is this one converted (by the accumulator), so a micro-batch's gradient takes bf16 bytes."""
+        """The gradient w.r.t. the compute-dtype casts of the params, in that dtype (the
+        accumulator converts it for a float32 master)."""
         cast_t, cast_f = cast_floats(trainable, cdt), cast_floats(frozen, cdt)
         out, grads = value_and_grad(cast_t, cast_f, mb, total_tokens, total_seqs)
         return out, pin(grads, t_sh)
@@ -300,9 +282,8 @@ def make_step_fns(
     adamw = _adamw(train_cfg)
 
     def leaf_update(param, grad, mu, nu, count, gnorm):
-        """``apply`` for one leaf: ``make_tx``'s cast, optax's clip formula
-        (``clip_by_global_norm`` with the global norm given), the same AdamW chain on a
-        one-leaf state, ``optax.apply_updates``."""
+        """``apply`` for one leaf: ``make_tx``'s cast, optax's clip with the global norm given, the
+        same AdamW on a one-leaf state, ``optax.apply_updates``."""
         g = grad.astype(odt)
         if train_cfg.grad_clip > 0:  # optax.clip_by_global_norm's update, its norm precomputed
             g = jax.lax.select(gnorm < train_cfg.grad_clip, g, (g / gnorm.astype(odt)) * train_cfg.grad_clip)

@@ -1,18 +1,16 @@
 """Compile-only device topologies the JAX planner compiles for: TPU slices, NVIDIA GPUs, the local CPU.
 
-No accelerator is needed: ``jax.experimental.topologies.get_topology_desc`` gives devices that
-``jax.jit(...).lower(...).compile()`` targets, with the TPU compiler from ``libtpu`` and the GPU one
-from the ``jax-cuda12-plugin``/``jax-cuda12-pjrt`` wheels. ``scripts/venv.sh`` installs both into
-``<venv>/plan-compilers``, which only the planner puts on ``sys.path``: JAX loads every installed
-plugin at start-up, which would cost every plain CPU run their memory and warnings.
+No accelerator is needed: ``jax.experimental.topologies.get_topology_desc`` gives devices to
+compile for, with the compiler from ``libtpu`` or the ``jax-cuda12-plugin`` wheels, which
+``scripts/venv.sh`` installs into ``<venv>/plan-compilers``: only the planner puts it on
+``sys.path`` (JAX loads every installed plugin at start-up).
 
 Call ``prepare(spec)`` before jax is imported, then ``devices(spec)``. Device memory per target:
 
-- TPU: what libtpu's compiler allows, read from the ``RESOURCE_EXHAUSTED`` message of an oversized
-  program; it rejects any program that does not fit.
-- GPU: ``device_memory_size`` of the openxla/xla target config
-  (``xla/backends/gpu/target_config/specs/``, shipped in ``mllm_rl/assets/gpu_targets``); XLA's GPU
-  compiler does not reject a program that does not fit, so the plan compares.
+- TPU: what libtpu's compiler allows (from the ``RESOURCE_EXHAUSTED`` message of an oversized
+  program); it rejects any program that does not fit.
+- GPU: ``device_memory_size`` of the XLA target config in ``mllm_rl/assets/gpu_targets``; XLA's
+  GPU compiler does not reject a program that does not fit, so the plan compares.
 - CPU: a share of the available host RAM (``mllm_rl.memplan.cpu_budget``).
 """
 
@@ -104,21 +102,23 @@ def compilers_dir() -> Path:
     return Path(os.environ.get(COMPILERS_ENV) or Path(sys.prefix) / "plan-compilers")
 
 
-def prepare(s: TargetSpec, cpu_devices: int = 1) -> None:
-    """Set up the process for ``s`` before jax is imported: JAX on its CPU platform (nothing runs
-    on a device), the compilers directory on ``sys.path``, the environment libtpu reads.
+def _compilers_on_path() -> Path:
+    d = compilers_dir()
+    if d.is_dir() and str(d) not in sys.path:
+        sys.path.insert(0, str(d))
+    return d
 
-    ``RuntimeError`` if jax was already imported with a different setup (the plan then could not
-    load the compiler it needs); ``ValueError`` if the compiler is not installed.
-    """
+
+def prepare(s: TargetSpec, cpu_devices: int = 1) -> None:
+    """Set up the process for ``s`` before jax is imported: JAX on its CPU platform, the compilers
+    directory on ``sys.path``, the environment libtpu reads. RuntimeError if jax was already
+    imported with a different setup; ValueError if the compiler is not installed."""
     if "jax" in sys.modules:
         import jax
 
         if s.platform == "cpu":
             return
-        d = compilers_dir()
-        if d.is_dir() and str(d) not in sys.path:
-            sys.path.insert(0, str(d))
+        _compilers_on_path()
         have = jax.config.jax_platforms
         if have not in ("cpu", None) or not _plugin_importable(s):
             raise RuntimeError(f"--target {s.name}: jax was imported before the planner set it up")
@@ -132,9 +132,7 @@ def prepare(s: TargetSpec, cpu_devices: int = 1) -> None:
 
             force_cpu_devices(cpu_devices)
         return
-    d = compilers_dir()
-    if d.is_dir() and str(d) not in sys.path:
-        sys.path.insert(0, str(d))
+    d = _compilers_on_path()
     if not _plugin_importable(s):
         what = "libtpu" if s.platform == "tpu" else "jax_cuda12_plugin (or jax_cuda13_plugin)"
         raise ValueError(
@@ -142,8 +140,7 @@ def prepare(s: TargetSpec, cpu_devices: int = 1) -> None:
             f"or pip install --no-deps --target {d} the pins of the 'tpu'/'gpu-plan' extras)"
         )
     if s.platform == "tpu":
-        # libtpu reads these at load: no metadata server, one local host; several processes may
-        # load it at once (compile-only, no chip is opened).
+        # libtpu reads these at load: no metadata server, one local host, compile-only
         os.environ.setdefault("TPU_ACCELERATOR_TYPE", s.accelerator_type)
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -151,18 +148,15 @@ def prepare(s: TargetSpec, cpu_devices: int = 1) -> None:
 
 
 def _plugin_importable(s: TargetSpec) -> bool:
-    """The target's compiler is importable: libtpu, or a CUDA plugin of JAX (the CUDA 12 one the
-    plan extras pin, or the CUDA 13 one a GPU image installs beside its jax)."""
+    """The target's compiler is importable: libtpu, or JAX's CUDA 12 or 13 plugin."""
     import importlib.util
 
     names = ("libtpu",) if s.platform == "tpu" else ("jax_cuda12_plugin", "jax_cuda13_plugin")
     return any(importlib.util.find_spec(n) is not None for n in names)
 
 
-# What a device of each generation reports as ``jax.Device.device_kind`` (libtpu 0.0.42 and the
-# XLA GPU target configs report these for the compile-only devices of our targets;
-# ``tests/jax/test_run_plan_target.py`` holds the table against them). A GPU kind is a prefix:
-# a card's name from its driver may carry more (memory, form factor).
+# ``jax.Device.device_kind`` per generation (tests/jax/test_run_plan_target.py checks them); a GPU
+# kind is a prefix of a driver's card name.
 DEVICE_KINDS = {
     "v4": "TPU v4",
     "v5e": "TPU v5 lite",
@@ -174,9 +168,8 @@ DEVICE_KINDS = {
 
 
 def shape(s: TargetSpec) -> tuple[str, int, int]:
-    """``(device kind, devices, hosts)`` of a TPU or GPU target, from its spec (nothing loaded):
-    TPU topology ``v4:2x2x2`` is 8 chips, one device each (megacore on v4/v5p; one TensorCore
-    on v5e/v6e), over chips / chips-per-host hosts; GPU ``1x2x8`` is 2 hosts of 8."""
+    """``(device kind, devices, hosts)`` of a TPU or GPU target from its spec: TPU ``v4:2x2x2`` is 8
+    chips of one device each over chips / chips-per-host hosts; GPU ``1x2x8`` is 2 hosts of 8."""
     import math
 
     dims = [int(x) for x in s.topology.split(":")[-1].split("x")]
@@ -188,8 +181,7 @@ def shape(s: TargetSpec) -> tuple[str, int, int]:
 
 
 def match_runtime(platform: str, device_kind: str, num_devices: int, processes: int) -> str | None:
-    """The target whose devices are a run's: ``platform`` (``tpu`` | ``gpu``), the kind of its
-    devices, how many over all processes, and its process count (one per host). None: no target."""
+    """The target whose devices (kind, count over all processes, hosts) are a run's, or None."""
     for name, s in TARGETS.items():
         if s.platform != platform:
             continue
@@ -203,10 +195,8 @@ def match_runtime(platform: str, device_kind: str, num_devices: int, processes: 
 def check_trainer_mesh(
     trainer_tp: int, fsdp: int, devices: int, heads: int, kv_heads: int, of: str = ""
 ) -> None:
-    """The trainer's ``("fsdp", "tp")`` mesh a run builds (``sharding.make_mesh``): ``--trainer-tp``
-    divides the ``devices`` and the model's ``heads`` / ``kv_heads``, ``--fsdp`` is the rest (0 says
-    so). The run checks its own devices, ``python -m mllm_rl.memplan`` a target's (``of``: its name)
-    before loading a compiler; ``ValueError`` naming the flag."""
+    """The trainer's ``("fsdp", "tp")`` mesh: ``--trainer-tp`` divides the ``devices`` and the heads,
+    ``--fsdp`` is the rest (0 says so); ValueError naming the flag. ``of``: the target's name."""
     where = f"{devices} devices" + (f" of {of}" if of else "")
     if devices % trainer_tp:
         raise ValueError(f"--trainer-tp {trainer_tp} does not divide the {where}")
@@ -271,12 +261,9 @@ def topology_devices(s: TargetSpec) -> list[Any]:
 
 @contextlib.contextmanager
 def cache_writes(on: bool) -> Iterator[None]:
-    """JAX's persistent compilation cache kept from writing in the block unless ``on``, and its
-    warning about unreadable entries silenced: executables of a compile-only client (the devices of
-    ``topology_devices``) are written to the cache but cannot be read back (jax 0.10/0.11:
-    "PjRtCompiler must be constructed with a Client to call DeserializeLoadedExecutable"), so
-    every later plan warned once per function and compiled again anyway. Reads still happen; with
-    nothing written they miss quietly (entries written before are skipped without a warning)."""
+    """JAX's persistent compilation cache kept from writing in the block unless ``on`` (and its
+    warning about unreadable entries silenced): a compile-only client's executables cannot be
+    read back, so every later plan would warn and compile again anyway."""
     if on:
         yield
         return
@@ -307,8 +294,7 @@ _USED_RE = re.compile(r"(?:required for HLO temporaries|Used) \(?([\d.]+)([GMK])
 
 
 def _tpu_hbm(devs: list[Any]) -> int:
-    """The HBM libtpu's compiler allows one device: the figure of its RESOURCE_EXHAUSTED message
-    for a program one device cannot hold (1 TiB of temporaries)."""
+    """The HBM libtpu's compiler allows one device, from its refusal of a 1 TiB program."""
     import jax
     import jax.numpy as jnp
 

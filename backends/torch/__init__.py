@@ -1,14 +1,8 @@
 """Torch backend (GPU parity; also CPU): embedded torch engine or SGLang, torch memory probe.
 
-Import-light: loading this module (the ``mllm_rl.backends`` entry point) imports neither
-torch nor jax; torch is imported inside the methods.
-
-Engines (``create_engine(model, EngineOptions(engine=...))``):
-
-- ``"embedded"``: ``backends/torch/engine.py``, our torch Qwen3 on one device (CPU or CUDA),
-  torch_memory_saver regions on CUDA;
-- ``"sglang"``: ``backends/torch/sglang_engine.py``, an in-process ``sglang.Engine`` (CUDA);
-- ``"auto"`` (default): SGLang when it is importable *and* the runtime is on CUDA, else embedded.
+Import-light: torch is imported inside the methods. Engines: ``"embedded"`` (``engine.py``, our
+torch Qwen3 on one device), ``"sglang"`` (``sglang_engine.py``, CUDA), ``"auto"`` (default):
+SGLang when it is importable and the runtime is on CUDA, else embedded.
 """
 
 from __future__ import annotations
@@ -38,11 +32,8 @@ class TorchBackend(Backend):
         self.device: Any = None  # torch.device, set by init_runtime
 
     def init_runtime(self, tp: int = 1, platform: str = "auto") -> dict[str, Any]:
-        """Import torch and pick the device; assert ``platform``.
-
-        ``platform``: ``auto`` (CUDA when available, else CPU), ``cpu`` (CPU even when CUDA
-        exists), ``gpu``/``cuda`` (``RuntimeError`` when torch sees no CUDA device).
-        """
+        """Import torch and pick the device: ``auto`` (CUDA when available), ``cpu``, ``gpu``/``cuda``
+        (RuntimeError when torch sees no CUDA device)."""
         if platform not in ("auto", "cpu", "gpu", "cuda"):
             raise RuntimeError(f"--platform {platform}: the torch backend runs on cpu or cuda")
         import torch
@@ -61,11 +52,9 @@ class TorchBackend(Backend):
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cuda" if cuda and platform != "cpu" else "cpu")
-        devices = (
-            [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            if self.device.type == "cuda"
-            else ["cpu"]
-        )
+        devices = ["cpu"]
+        if self.device.type == "cuda":
+            devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         return {
             "platform": self.device.type,
             "torch_version": torch.__version__,
@@ -78,8 +67,7 @@ class TorchBackend(Backend):
         }
 
     def init_distributed(self, tp: int = 1) -> dict[str, int]:
-        """Join a multi-process run described by torchrun's variables (``backends/torch/distributed.py``:
-        data-parallel RL, one process per device)."""
+        """Join a multi-process run described by torchrun's variables (one process per device)."""
         from mllm_rl.backends.torch import distributed
 
         procs = distributed.init_distributed()
@@ -91,7 +79,6 @@ class TorchBackend(Backend):
         distributed.shutdown()
 
     def coordinator(self):
-        """Object all-gathers over ``torch.distributed`` (rewards, checkpoints, leases)."""
         from mllm_rl.backends.torch import distributed
 
         return distributed.coordination()
@@ -149,11 +136,7 @@ class TorchBackend(Backend):
             model.check_tp(tp)
 
     def create_engine(self, model: ModelDir, opts: EngineOptions):
-        """The engine ``opts.engine`` resolves to (``resolve_engine``), with dummy weights.
-
-        ``opts.task`` / ``opts.ports`` (multi-task runs): the engine's memory tags are
-        ``<task>/...``; a server engine (SGLang) binds ``ports`` (from the run's one allocator)
-        instead of picking."""
+        """The engine ``opts.engine`` resolves to, with dummy weights (SGLang binds ``opts.ports``)."""
         opts.check_backend(self.name, self.engines)
         kind = self.resolve_engine(opts.engine)
         kwargs = opts.start_kwargs()
@@ -167,9 +150,8 @@ class TorchBackend(Backend):
         return EmbeddedEngine(model, device=self._device(), **kwargs)
 
     def check_trainer_args(self, model: ModelDir, cfg: Any) -> None:
-        """``--model-option`` names ``TorchModelOptions`` fields (``backends/torch/options.py``:
-        ``remat``); ``--fsdp`` 0, 1 or the process count (``backends/torch/fsdp.py``); no
-        ``--trainer-tp`` (no tensor parallelism)."""
+        """``--model-option`` names ``TorchModelOptions`` fields; ``--fsdp`` 0, 1 or the process
+        count; no ``--trainer-tp``."""
         from mllm_rl.backends.torch import distributed, fsdp
         from mllm_rl.backends.torch.options import TorchModelOptions
 
@@ -181,8 +163,7 @@ class TorchBackend(Backend):
             )
 
     def create_trainer(self, model: ModelDir, cfg: Any):
-        """``TorchTrainer`` (``backends/torch/trainer.py``) on the runtime's device; it applies
-        ``cfg.model_options`` (``TorchModelOptions``) itself."""
+        """``TorchTrainer`` on the runtime's device."""
         from mllm_rl.backends.torch.trainer import TorchTrainer
 
         return TorchTrainer(model, cfg, device=self._device())
@@ -195,7 +176,6 @@ class TorchBackend(Backend):
             torch.cuda.empty_cache()
 
     def profiler(self):
-        """``torch.profiler`` traces for ``--profile`` (``backends/torch/profiler.py``)."""
         from mllm_rl.backends.torch.profiler import TorchProfiler
 
         return TorchProfiler()

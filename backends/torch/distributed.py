@@ -1,13 +1,7 @@
 """Multi-process torch (one process per GPU of a node; N local CPU processes in tests) through
-``torch.distributed``.
-
-Processes find each other through torchrun's variables (``python -m mllm_rl.launch`` sets the same):
-``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; ``WORLD_SIZE`` unset or
-1 leaves ``torch.distributed`` untouched. Each process has its own embedded engine on
-``cuda:LOCAL_RANK``; rollout requests are split in contiguous slices seeded by their index in the
-whole batch (``request_seeds``) and gathered, so every process builds the same batch; the trainer
-(``backends/torch/trainer.py``) shards or replicates over the processes. NCCL for CUDA tensors,
-gloo for CPU tensors and Python objects.
+``torch.distributed``, joined by torchrun's variables (``WORLD_SIZE`` unset or 1: untouched).
+Each process has its own embedded engine on ``cuda:LOCAL_RANK``; the trainer shards or
+replicates over the processes. NCCL for CUDA tensors, gloo for CPU tensors and Python objects.
 """
 
 from __future__ import annotations
@@ -36,8 +30,7 @@ _procs = Procs()
 
 
 def config_from_env(env: Mapping[str, str] | None = None) -> Procs:
-    """This process in the run per torchrun's variables; ``ValueError`` naming the variable for a
-    bad or partial setting."""
+    """This process in the run per torchrun's variables; ValueError naming a bad one."""
     env = os.environ if env is None else env
     raw = env.get("WORLD_SIZE")
     if raw in (None, "", "1"):
@@ -134,8 +127,7 @@ def all_reduce_sum(tensors: Sequence[Any]) -> None:
 
 
 def gather_named(name: str, value: str) -> list[str]:
-    """Every process's ``value`` for ``name`` (``RuntimeError`` when the processes are at different
-    gathers: an object all-gather carries no name of its own)."""
+    """Every process's ``value`` for ``name`` (RuntimeError when processes are at different gathers)."""
     got = gather_objects((name, value))
     names = {n for n, _ in got}
     if names != {name}:

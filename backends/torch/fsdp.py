@@ -1,17 +1,11 @@
 """FSDP2 for the torch trainer: parameters, gradients and AdamW state sharded over the processes.
 
-``shard`` applies ``torch.distributed.fsdp.fully_shard`` to every decoder layer, then the model, over
-a 1-D mesh (``make_mesh``; the planner's: a fake process group): each parameter a ``Shard(0)``
-``DTensor``, AdamW's moments following. Layers gather weights in their forward hook and free them
-after (``reshard_after_forward=True``, the root too, so a no-grad forward leaves nothing gathered).
-
-Mixed precision: ``MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=float32)`` gives the
-unsharded trainer's numbers up to summation order. Reduction is a sum, not FSDP2's default mean
-(``set_gradient_divide_factor(1)``; gloo has no pre-multiplied sum), because the loss is already
-normalised by the whole mini-batch's tokens.
-
-``full`` and ``save``/``load`` (``torch.distributed.checkpoint``; a load reshards, so a checkpoint
-resumes on another process count) are collectives: every process calls them in the same order.
+``shard`` applies ``fully_shard`` to every decoder layer, then the model, over a 1-D mesh: each
+parameter a ``Shard(0)`` ``DTensor``, AdamW's moments following, weights gathered per forward and
+freed after. Mixed precision (``param_dtype=compute_dtype, reduce_dtype=float32``) gives the
+unsharded trainer's numbers up to summation order. Reduction is a sum, not FSDP2's mean: the loss
+is already normalised by the whole mini-batch. ``full`` and ``save``/``load`` (DCP; a load
+reshards) are collectives.
 """
 
 from __future__ import annotations
@@ -41,17 +35,15 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def make_mesh(world: int, device: torch.device) -> Any:
-    """A 1-D device mesh ``("fsdp",)`` of ``world`` processes on ``device``'s type (made outside a
-    fake-tensor mode: it reads real values)."""
+    """A 1-D device mesh ``("fsdp",)`` of ``world`` processes (made outside a fake-tensor mode)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
 
 
 def shard(model: torch.nn.Module, mesh: Any, compute_dtype: torch.dtype | None) -> None:
-    """``fully_shard`` every decoder layer of ``model`` (a ``Qwen3``), then the model, over
-    ``mesh`` (``make_mesh``); ``compute_dtype``: the mixed-precision policy's param dtype
-    (``None``: compute in the params' own dtype). Sets ``model.sharded``."""
+    """``fully_shard`` every decoder layer of ``model``, then the model, over ``mesh``;
+    ``compute_dtype``: the mixed-precision param dtype (None: the params'). Sets ``model.sharded``."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(
@@ -68,8 +60,7 @@ def shard(model: torch.nn.Module, mesh: Any, compute_dtype: torch.dtype | None) 
 
 
 def grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The global L2 norm (float32 scalar) of sharded gradients: the shards' sums of squares,
-    summed over the processes."""
+    """The global L2 norm (float32 scalar) of sharded gradients."""
     import torch.distributed as dist
 
     sq = torch.stack([torch.linalg.vector_norm(local(g).float()) for g in grads]).pow(2).sum()
@@ -78,16 +69,14 @@ def grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def save(state: dict[str, Any], path: Path) -> None:
-    """``state`` (DTensors, tensors, Python values) into ``path/dcp``: every process writes its
-    shards, process 0 the metadata (a collective)."""
+    """``state`` into ``path/dcp``: every process writes its shards (a collective)."""
     import torch.distributed.checkpoint as dcp
 
     dcp.save(state, checkpoint_id=str(Path(path) / DCP_DIR))
 
 
 def load(state: dict[str, Any], path: Path) -> None:
-    """Fill ``state``'s tensors in place from ``path/dcp`` (resharded to their placements; a
-    collective when the run has several processes)."""
+    """Fill ``state``'s tensors in place from ``path/dcp``, resharded to their placements."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -104,8 +93,8 @@ def has_checkpoint(path: Path) -> bool:
 
 
 def resolve(fsdp: int, world: int) -> bool:
-    """Whether the trainer shards (``--fsdp``: 0, every process; 1, none: every process holds the
-    whole trainer, data parallel; else it must be the process count); ``ValueError`` naming the flag."""
+    """Whether the trainer shards (``--fsdp`` 0: over every process; 1: data parallel; else the
+    process count); ValueError naming the flag."""
     size = fsdp or world
     if size not in (1, world):
         raise ValueError(

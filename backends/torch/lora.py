@@ -1,19 +1,14 @@
 """LoRA adapters for the torch Qwen3 (same math as ``backends/jax/model.py``'s ``Linear``).
 
 Shapes: ``in``/``out`` a linear layer's features, R the rank. ``LoRALinear`` *is* an
-``nn.Linear`` (its ``weight`` [out, in] keeps the HF name, so ``named_parameters()`` still
-hold every HF name) plus ``lora_a`` [R, in] and ``lora_b`` [out, R] (the PEFT layout):
+``nn.Linear`` (its ``weight`` [out, in] keeps the HF name) plus ``lora_a`` [R, in] and ``lora_b``
+[out, R] (the PEFT layout):
 
     y = x @ weight.T + ((x @ lora_a.T) @ lora_b.T) * alpha / R
 
-``lora_a`` ~ N(0, 1/in), ``lora_b`` = 0, so a fresh adapter leaves the model unchanged.
-``merged_weight()`` [out, in] is what an engine without adapters must hold; ``disabled(model)``
-turns every adapter off (the base policy: the KL reference in LoRA mode).
-
-Precision: the adapters may be kept in another dtype than the base (float32 masters over a
-bf16 base under mixed precision); the adapter branch computes in the base weight's dtype (the
-compute dtype: the adapters are cast to it on every forward, so their gradients come back in
-their own dtype) and ``merged_weight()`` is in the base weight's dtype too.
+``lora_a`` ~ N(0, 1/in), ``lora_b`` = 0. ``disabled(model)`` turns every adapter off (the KL
+reference). The adapters may be kept in another dtype than the base (float32 masters); the
+adapter branch and ``merged_weight()`` are in the base weight's dtype.
 """
 
 from __future__ import annotations
@@ -77,7 +72,7 @@ class LoRALinear(nn.Linear):
 @torch.no_grad()
 def merge(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
     """``weight`` [out, in] + ``lora_b`` [out, R] @ ``lora_a`` [R, in] * ``scale``, in float32, returned
-    in ``weight``'s dtype (what an engine without adapters holds)."""
+    in ``weight``'s dtype."""
     return (weight.float() + (lora_b.float() @ lora_a.float()) * scale).to(weight.dtype)
 
 
@@ -94,21 +89,17 @@ def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
 def add_lora(
     model: nn.Module, rank: int, alpha: float, seed: int = 0, dtype: torch.dtype | None = None
 ) -> dict[str, LoRALinear]:
-    """Replace every projection by a ``LoRALinear`` sharing its weight (in place); freeze
-    everything but the adapters (in ``dtype``, by default the base's). Returns HF weight name ->
-    adapter layer."""
+    """Replace every projection by a ``LoRALinear`` sharing its weight (in place); freeze all but
+    the adapters (in ``dtype``, by default the base's). Returns HF weight name -> adapter layer."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     model.requires_grad_(False)
     out = {}
-    for i, layer in enumerate(model.model.layers):
-        for sub, names in PROJECTIONS:
-            parent = getattr(layer, sub)
-            for n in names:
-                lora = LoRALinear(getattr(parent, n), rank, alpha, gen, dtype)
-                setattr(parent, n, lora)
-                out[f"model.layers.{i}.{sub}.{n}.weight"] = lora
+    for name, base in linear_layers(model).items():
+        parent, attr = name.removesuffix(".weight").rsplit(".", 1)
+        out[name] = LoRALinear(base, rank, alpha, gen, dtype)
+        setattr(model.get_submodule(parent), attr, out[name])
     return out
 
 

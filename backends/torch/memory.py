@@ -1,16 +1,12 @@
 """Tag-based release/resume of the embedded engine's device memory: ``release(tag)`` frees the
-device bytes of a tag's tensors, ``resume(tag)`` gives them back; tensor objects, shapes and dtypes
-stay.
+device bytes of a tag's tensors, ``resume(tag)`` gives them back; tensor objects stay.
 
-- ``SaverMemory`` (CUDA with ``torch_memory_saver``): tensors allocated inside
-  ``torch_memory_saver.region(tag, enable_cpu_backup=...)``; ``pause`` unmaps their physical memory
-  and ``resume`` maps new memory at the same virtual addresses (bytes restored from the CPU backup,
-  else undefined). torch_memory_saver 0.0.10 calls ``exit(1)`` on pausing a paused allocation or
-  resuming an active one (``csrc/core.cpp``) and its tags are process-global, so each engine gets
-  its own tags (``<task>/weights`` or ``mllm_rl-<n>-weights``) and repeated calls are warned no-ops.
-- ``StorageMemory`` (CPU, or CUDA without torch_memory_saver): storages resized to 0 (copied first
-  into a numpy host buffer when backed up, so on CPU the backup counts as RSS, not "device") and
-  back; storage addresses change.
+- ``SaverMemory`` (CUDA with ``torch_memory_saver``): tensors allocated inside its ``region``;
+  ``pause`` unmaps their memory, ``resume`` maps new memory at the same addresses (bytes from the
+  CPU backup, else undefined). torch_memory_saver ``exit(1)``s on a repeated pause or resume and
+  its tags are process-global: each engine gets its own tags and repeats are warned no-ops.
+- ``StorageMemory`` (CPU, or CUDA without torch_memory_saver): storages resized to 0 (backed up
+  to a numpy host buffer first) and back; storage addresses change.
 """
 
 from __future__ import annotations
@@ -112,7 +108,7 @@ class SaverMemory:
         self._paused: dict[str, int] = {}  # our tags paused now -> their tensors' bytes
 
     def paused_bytes(self) -> int:
-        """Bytes of this engine's paused tensors: unmapped, yet still counted by torch's allocator."""
+        """Bytes of this engine's paused tensors (still counted by torch's allocator)."""
         return sum(self._paused.values())
 
     def name(self, tag: str) -> str:

@@ -1,10 +1,9 @@
 """Offload/onload of a group of torch tensors that keeps the tensor objects (the trainer's params,
 the optimizer's state): only the bytes move, so the model and ``torch.optim`` keep their references.
 
-``offload`` copies each distinct storage whole to the host (CUDA: pinned tensors, ``non_blocking``,
-one synchronize; CPU: numpy buffers, which the ``live_tensors`` probe does not count as device
-memory) and resizes it to 0; ``onload`` resizes it back and copies the bytes in (bit-exact). CPU
-tensors of a CUDA group (non-fused AdamW ``step`` counters) stay where they are.
+``offload`` copies each distinct storage whole to the host (CUDA: pinned tensors; CPU: numpy
+buffers, not counted as device memory) and resizes it to 0; ``onload`` resizes it back and copies
+the bytes in. CPU tensors of a CUDA group (unfused AdamW ``step`` counters) stay where they are.
 """
 
 from __future__ import annotations
@@ -50,9 +49,8 @@ def from_host_bytes(t: torch.Tensor, host: np.ndarray) -> None:
 
 
 def device_tensor(host: Any, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A tensor shaped like ``like`` on its device, typed ``dtype`` (by default ``like``'s: the
-    dtype ``host``'s bytes were copied from), holding ``host``'s bytes (a new tensor; on CPU a
-    view of the numpy buffer, no copy)."""
+    """A tensor shaped like ``like`` on its device, typed ``dtype`` (default ``like``'s), holding
+    ``host``'s bytes (on CPU a view of the numpy buffer)."""
     if isinstance(host, torch.Tensor):
         return host.to(like.device, non_blocking=True)
     return torch.from_numpy(host).view(dtype or like.dtype).view(like.shape)
@@ -84,9 +82,8 @@ class OffloadGroup:
         return self._held is None
 
     def offload(self, tensors: Iterable[torch.Tensor]) -> int:
-        """Move the bytes of ``tensors``' storages to the host and free them on the device (each
-        distinct storage once, whole: an FSDP2 shard is a view of a padded storage); returns the
-        device bytes freed (0 when the group is offloaded already)."""
+        """Move the bytes of ``tensors``' distinct storages (whole) to the host and free them on the
+        device; returns the device bytes freed (0 when offloaded already)."""
         if self._held is not None:
             return 0
         storages: dict[int, torch.UntypedStorage] = {}

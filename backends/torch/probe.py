@@ -2,20 +2,16 @@
 
 CUDA (``CudaMemoryProbe``): per device two entries with the same ``id``, in this order:
 
-- ``source="mem_get_info"``: driver truth, ``bytes_in_use = total - free`` (other processes
-  included; the only number that sees torch_memory_saver / SGLang releases, which happen below the
-  torch allocator); ``raw`` adds this process's NVML bytes when ``pynvml`` is importable;
-- ``source="torch_allocator"``: ``memory_allocated`` / ``max_memory_allocated`` (reset per phase by
-  ``reset_peak``); ``raw`` has the allocator's reserved/active/inactive-split bytes and counters, and
-  ``paused_bytes`` when an engine of this process pauses torch_memory_saver regions on the device
-  (their tensors stay allocated for torch while their memory is unmapped; the plan's audit takes
-  allocated minus paused).
+- ``source="mem_get_info"``: driver truth, ``total - free`` (other processes included; the only
+  number that sees torch_memory_saver / SGLang releases); ``raw`` adds this process's NVML bytes;
+- ``source="torch_allocator"``: ``memory_allocated`` / ``max_memory_allocated`` (reset per phase);
+  ``raw`` has the allocator's counters and ``paused_bytes`` of this process's paused
+  torch_memory_saver regions (still allocated for torch; the plan's audit subtracts them).
 
-CPU (``CpuTensorProbe``, ``source="live_tensors"``): bytes of the distinct storages of the tensors
-that registered holders (``track``; engine and trainer) list in ``held_tensors()``: exactly what the
-lifecycle releases and offloads; temporaries show only in host RSS. torch on CPU has no allocator
-statistics, and scanning ``gc.get_objects()`` from a sampler thread is unsafe (another thread's
-``tuple(generator)`` then fails with ``SystemError``).
+CPU (``CpuTensorProbe``, ``source="live_tensors"``): bytes of the distinct storages that
+registered holders (``track``) list in ``held_tensors()``, exactly what the lifecycle releases and
+offloads (torch on CPU has no allocator statistics, and scanning ``gc`` from a sampler thread is
+unsafe).
 """
 
 from __future__ import annotations
@@ -51,8 +47,7 @@ def tracked_cpu_bytes() -> tuple[int, int]:
 
 
 def paused_cuda_bytes(device: int) -> int | None:
-    """Bytes the tracked holders have paused on CUDA ``device`` (``paused_device_bytes()``:
-    ``(device index, bytes)``), or None when none of them pauses memory there."""
+    """Bytes the tracked holders have paused on CUDA ``device``, or None when none pauses there."""
     total: int | None = None
     for holder in list(_HOLDERS):
         paused = getattr(holder, "paused_device_bytes", None)
@@ -70,11 +65,8 @@ class CpuTensorProbe:
 
     def snapshot(self) -> list[DeviceMemory]:
         used, n = tracked_cpu_bytes()
-        return [
-            DeviceMemory(
-                0, "cpu", used, None, None, "live_tensors", {"live_tensors_bytes": used, "tensors": n}
-            )
-        ]
+        raw = {"live_tensors_bytes": used, "tensors": n}
+        return [DeviceMemory(0, "cpu", used, None, None, "live_tensors", raw)]
 
 
 class CudaMemoryProbe:

@@ -1,10 +1,8 @@
 """``--profile`` on torch: a ``torch.profiler`` trace of a step (``mllm_rl.profiling``).
 
-CPU activity always, CUDA kernels when CUDA is up; allocations too (``profile_memory``). The trace
-is a Chrome trace JSON (``trace.json``; ``trace.p<i>.json`` for process i > 0) that Perfetto
-(https://ui.perfetto.dev) and ``chrome://tracing`` open. Phases are ``record_function`` ranges
-(category ``user_annotation``). It covers this process: the trainer and the embedded engine; an
-SGLang engine runs in processes of its own and is not in it.
+CPU activity, CUDA kernels when CUDA is up, allocations, as a Chrome trace JSON (``trace.json``;
+``trace.p<i>.json`` for process i > 0). Phases are ``record_function`` ranges. It covers this
+process (not an SGLang engine's own processes).
 """
 
 from __future__ import annotations

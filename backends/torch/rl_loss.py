@@ -1,8 +1,7 @@
 """Policy-gradient loss for GRPO-style training, in torch (same math as ``backends/jax/rl_loss.py``).
 
-Shapes: B sequences (micro-batch), T completion tokens (padded). All inputs are per token
-except ``advantages`` [B]. The formula, the aggregation modes and the metrics are defined in
-``mllm_rl.rl.loss_config`` (each with its verl/TRL counterpart; docs/RL.md has the table).
+Shapes: B sequences (micro-batch), T completion tokens (padded). The formula, aggregation modes and
+metrics are defined in ``mllm_rl.rl.loss_config``.
 """
 
 from __future__ import annotations
@@ -28,11 +27,8 @@ def policy_loss(
     is_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Returns (scalar loss, metrics). ``logp/old_logp/ref_logp/mask/is_weight``: [B, T];
-    ``advantages``: [B].
-
-    Metrics (token means over this call's valid tokens, detached): ``clip_frac``,
-    ``clip_frac_dual``, ``kl``, ``ratio_mean``.
-    """
+    ``advantages``: [B]. Metrics (detached token means): ``clip_frac``, ``clip_frac_dual``, ``kl``,
+    ``ratio_mean``."""
     mask = mask.float()
     ratio = torch.exp(torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     adv = advantages[:, None]

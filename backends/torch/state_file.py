@@ -1,12 +1,8 @@
-"""The torch trainer's checkpoint files: its state written as ``state.pt`` plus, for a large state,
-``state.1.pt`` ... ``state.{k-1}.pt``, each by its own thread and hashed while it is written.
-
-One file is hashed by one core (sha256 is sequential: docs/BENCHMARKS.md, "Checkpoint write"),
-so a state of tens of GB written as one file is bound by that one core; ``k`` files are hashed
-and written at once, up to the host's cores (``shard_count``). ``state.pt`` holds the state's structure with the tensors
-of shard 0 in place and a reference ``(SHARD_REF, i, key)`` for each of the others; ``state.i.pt``
-holds ``{key: tensor}``. A state of one shard is one plain ``torch.save`` file. No file is
-renamed into place until every one is written; a failed write leaves none of them.
+"""The torch trainer's checkpoint files: ``state.pt`` plus, for a large state, ``state.1.pt`` ...
+``state.{k-1}.pt``, each written by its own thread and hashed while written (sha256 is sequential:
+one file is bound by one core; docs/BENCHMARKS.md). ``state.pt`` holds the structure with shard 0's
+tensors and a reference ``(SHARD_REF, i, key)`` for each other; ``state.i.pt`` holds ``{key:
+tensor}``. No file is renamed into place until every one is written.
 """
 
 from __future__ import annotations
@@ -34,8 +30,7 @@ def shard_file(i: int) -> str:
 
 
 def shard_count(nbytes: int) -> int:
-    """How many files a state of ``nbytes`` is written as: one per usable core (at most
-    ``MAX_SHARDS``), none under ``SHARD_MIN_BYTES``."""
+    """Files for a state of ``nbytes``: one per usable core, at most ``MAX_SHARDS``, each >= ``SHARD_MIN_BYTES``."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cores, MAX_SHARDS, nbytes // SHARD_MIN_BYTES))
 
@@ -55,8 +50,7 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 def split(state: dict[str, Any], k: int) -> list[Any]:
     """``state`` as ``k`` objects to save: the structure (with shard 0's tensors) and ``{key:
-    tensor}`` per other shard. Tensors go by storage (the views of one storage to one shard, as
-    ``torch.save`` writes a storage once per file), largest storage first to the lightest shard."""
+    tensor}`` per other shard; whole storages, largest first to the lightest shard."""
     tensors = _tensors(state)
     storages: dict[int, list[int]] = {}
     for key, t in enumerate(tensors):
@@ -82,8 +76,7 @@ def split(state: dict[str, Any], k: int) -> list[Any]:
 
 
 def load_state(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
-    """The state ``write_state`` wrote into ``path`` (any number of shards), tensors on
-    ``map_location``. ``ValueError`` naming the file when a shard is missing or lacks a tensor."""
+    """The state ``write_state`` wrote into ``path``; ValueError naming a missing shard or tensor."""
     state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
     shards: dict[int, dict[int, torch.Tensor]] = {}
 
@@ -106,12 +99,10 @@ def load_state(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
 def write_state(
     state: dict[str, Any], path: Path, crc32: bool = False, shards: int | None = None
 ) -> Manifest:
-    """``state`` into ``path`` as ``shards`` files (default ``shard_count``), each ``torch.save``d
-    by its own thread under a temporary name and hashed while written; all renamed once all are
-    written, every temporary file removed when one fails (that ``OSError`` is raised, naming its
-    file, not torch's ``RuntimeError: ... unexpected pos ...``). Returns the manifest entries.
-    Without torch's per-record CRC32s (a pass over every byte): the manifest's sha256, checked
-    before a resume loads the files, is the checksum (``crc32``: with them, a benchmark's way)."""
+    """``state`` into ``path`` as ``shards`` files (default ``shard_count``), each saved by its own
+    thread under a temporary name; all renamed once all are written, all removed when one fails
+    (its ``OSError`` raised, naming the file). Returns the manifest entries. No torch CRC32s
+    unless ``crc32``: the manifest's sha256 is the checksum."""
     if shards is None:
         shards = shard_count(sum(t.nbytes for t in _tensors(state)))
     objs = split(state, shards)
@@ -144,8 +135,7 @@ def _tensors(state: Any) -> list[torch.Tensor]:
 
 
 def _save(obj: Any, tmp: Path) -> dict[str, Any] | BaseException:
-    """``torch.save`` of ``obj`` to ``tmp``: its manifest entry, or the exception that stopped it
-    (an ``OSError`` of the file's write or close names ``tmp``)."""
+    """``torch.save`` of ``obj`` to ``tmp``: its manifest entry, or the exception that stopped it."""
     try:
         with open(tmp, "wb") as f, _HashingFile(f) as out:
             try:
@@ -177,10 +167,8 @@ def _without_crc32() -> Iterator[None]:
 
 
 class _HashingFile:
-    """The file ``torch.save`` writes to: each buffer is hashed (sha256, on a second thread: hashlib
-    and the file write both release the GIL) as it is written, so the manifest needs no read-back;
-    keeps the first ``OSError`` of a ``write``/``flush`` (torch's C++ writer turns it into a
-    ``RuntimeError`` without the reason)."""
+    """The file ``torch.save`` writes to: each buffer hashed as written (on a second thread) and
+    the first ``OSError`` kept (torch's writer turns it into a ``RuntimeError`` without reason)."""
 
     INLINE = 1 << 20  # smaller buffers are hashed on the writing thread
 
