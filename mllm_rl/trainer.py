@@ -4,7 +4,7 @@ drives of a backend's trainer (the policy and its optimizer state)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -62,6 +62,33 @@ def check_state_names(what: Sequence[str]) -> list[str]:
     if bad:
         raise ValueError(f"unknown trainer state {bad}; use {PARAMS!r} and/or {OPTIMIZER!r}")
     return list(dict.fromkeys(what))
+
+
+class TrainerStateError(RuntimeError):
+    """An operation the trainer's residency does not allow (e.g. training with params offloaded)."""
+
+
+def require_resident(resident: dict[str, bool], *what: str) -> None:
+    """``TrainerStateError`` naming the groups of ``what`` that are not resident."""
+    missing = [w for w in what if not resident[w]]
+    if missing:
+        raise TrainerStateError(f"trainer {', '.join(missing)} offloaded; onload first")
+
+
+def greedy_loop(
+    step: Callable[[list[int]], tuple[int, float]], prompt: Sequence[int], n: int, eos: int
+) -> tuple[list[int], list[float]]:
+    """Up to ``n`` greedy tokens after ``prompt``, stopping after ``eos``: ``step(ids)`` gives the next
+    token and a value for it. Returns (tokens, values)."""
+    ids, out, values = [int(t) for t in prompt], [], []
+    for _ in range(n):
+        tok, value = step(ids)
+        out.append(tok)
+        values.append(value)
+        ids.append(tok)
+        if tok == eos:
+            break
+    return out, values
 
 
 _TOKEN_MEANS = ("clip_frac", "clip_frac_dual", "kl", "ratio_mean")

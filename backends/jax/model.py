@@ -28,6 +28,7 @@ from mllm_rl.backends.jax.logprob import head_logits
 from mllm_rl.backends.jax.options import ModelOptions
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.presets import ModelConfig
+from mllm_rl.trainer import greedy_loop
 
 
 class RMSNorm(nnx.Module):
@@ -374,14 +375,10 @@ def load_qwen3(model_dir: ModelDir, dtype: jnp.dtype | None = None, scan_layers:
 def greedy_decode(model: Qwen3, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """Reference greedy decoding by full re-forward: (token ids [T_out], their log-probs [T_out])."""
     fwd = nnx.jit(lambda m, x: jax.nn.log_softmax(m(x)[:, -1], axis=-1))
-    ids = list(prompt)
-    out, lps = [], []
-    for _ in range(max_new_tokens):
+
+    def step(ids: list[int]) -> tuple[int, float]:
         lp = np.asarray(fwd(model, jnp.asarray([ids], jnp.int32))[0])
         tok = int(lp.argmax())
-        out.append(tok)
-        lps.append(float(lp[tok]))
-        ids.append(tok)
-        if tok == model.config.eos_token_id:
-            break
-    return out, lps
+        return tok, float(lp[tok])
+
+    return greedy_loop(step, prompt, max_new_tokens, model.config.eos_token_id)

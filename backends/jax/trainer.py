@@ -37,14 +37,20 @@ from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import Fingerprint, WeightExport
 from mllm_rl.faults import fault, fault_value
 from mllm_rl.rl.loss_config import seq_count
-from mllm_rl.trainer import OPTIMIZER, PARAMS, RolloutBatch, TrainConfig, check_state_names, train_metrics
+from mllm_rl.trainer import (
+    OPTIMIZER,
+    PARAMS,
+    RolloutBatch,
+    TrainConfig,
+    TrainerStateError,  # noqa: F401 - raised by _need, imported from here by callers
+    check_state_names,
+    greedy_loop,
+    require_resident,
+    train_metrics,
+)
 
 T_BUCKET = 32
 DEVICE, HOST = host_optimizer.DEVICE, host_optimizer.HOST
-
-
-class TrainerStateError(RuntimeError):
-    """An operation the trainer's residency does not allow (e.g. training with params offloaded)."""
 
 
 def device_bytes(tree: Any) -> int:
@@ -170,10 +176,7 @@ class JaxTrainer:
     def _need(self, *what: str) -> None:
         if self.host_optimizer:  # its state is used from the host
             what = tuple(w for w in what if w != OPTIMIZER)
-        res = self.resident()
-        missing = [w for w in what if not res[w]]
-        if missing:
-            raise TrainerStateError(f"trainer {', '.join(missing)} offloaded; onload first")
+        require_resident(self.resident(), *what)
 
     # -- training ------------------------------------------------------------------------
     def _pad(self, batch: RolloutBatch, rows: int, t: int) -> dict[str, np.ndarray]:
@@ -287,23 +290,20 @@ class JaxTrainer:
         (tokens [n'], top-2 logit margins [n']); stops after EOS."""
         self._need(PARAMS)
         length = len(prompt) + n
-        toks = np.zeros((1, length), np.int32)
-        toks[0, : len(prompt)] = prompt
-        out, margins = [], []
-        for i in range(len(prompt), length):
+        toks = np.zeros((1, length), np.int32)  # one shape for every step: compiled once
+
+        def step(ids: list[int]) -> tuple[int, float]:
+            i = len(ids)
+            toks[0, :i] = ids
             attn = jnp.asarray(np.arange(length)[None] < i)
             logits = self.fns.next_logits(
                 self.trainable, self.frozen, jnp.asarray(toks), attn, jnp.int32(i - 1)
             )
             row = to_host(logits)[0]
             top2 = np.sort(row)[-2:]
-            tok = int(row.argmax())
-            out.append(tok)
-            margins.append(float(top2[1] - top2[0]))
-            toks[0, i] = tok
-            if tok == self.config.eos_token_id:
-                break
-        return out, margins
+            return int(row.argmax()), float(top2[1] - top2[0])
+
+        return greedy_loop(step, prompt, n, self.config.eos_token_id)
 
     # -- weights for the engine ----------------------------------------------------------
     def _model_view(self) -> Qwen3:

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.presets import ModelConfig
+from mllm_rl.trainer import greedy_loop
 
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 ATTENTION = ("sdpa", "eager")
@@ -480,15 +481,10 @@ def load_qwen3(model_dir: ModelDir, dtype: torch.dtype | None = None, device: st
 def greedy_decode(model: Qwen3, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """Reference greedy decoding by full re-forward: (token ids [T_out], their log-probs [T_out])."""
     device = model.head().device
-    ids = list(prompt)
-    out, lps = [], []
-    for _ in range(max_new_tokens):
-        logits = model(torch.tensor([ids], device=device))[0, -1]
-        lp = torch.log_softmax(logits, dim=-1)
+
+    def step(ids: list[int]) -> tuple[int, float]:
+        lp = torch.log_softmax(model(torch.tensor([ids], device=device))[0, -1], dim=-1)
         tok = int(lp.argmax())
-        out.append(tok)
-        lps.append(float(lp[tok]))
-        ids.append(tok)
-        if tok == model.config.eos_token_id:
-            break
-    return out, lps
+        return tok, float(lp[tok])
+
+    return greedy_loop(step, prompt, max_new_tokens, model.config.eos_token_id)

@@ -46,7 +46,10 @@ from mllm_rl.trainer import (
     Manifest,
     RolloutBatch,
     TrainConfig,
+    TrainerStateError,  # noqa: F401 - raised by _need, imported from here by callers
     check_state_names,
+    greedy_loop,
+    require_resident,
     train_metrics,
 )
 
@@ -55,10 +58,6 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit checkpoints: float32 mas
 # the optimizer's implementation choice in a param group: this trainer's (``adamw``), never a checkpoint's
 IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
 LAYER_PREFIX = "model.layers."  # the decoder layers' parameter names (HF layout)
-
-
-class TrainerStateError(RuntimeError):
-    """An operation the trainer's residency does not allow (e.g. training with params offloaded)."""
 
 
 class TorchTrainer:
@@ -176,10 +175,7 @@ class TorchTrainer:
         return moved
 
     def _need(self, *what: str) -> None:
-        res = self.resident()
-        missing = [w for w in what if not res[w]]
-        if missing:
-            raise TrainerStateError(f"trainer {', '.join(missing)} offloaded; onload first")
+        require_resident(self.resident(), *what)
 
     # -- training ------------------------------------------------------------------------
     def _micro_batches(self, batch: RolloutBatch) -> Iterator[dict[str, torch.Tensor]]:
@@ -397,18 +393,13 @@ class TorchTrainer:
         untempered. Returns (tokens [n'], top-2 logit margins [n']); stops after EOS."""
         self._need(PARAMS)
         params = self._compute_params()
-        ids = [int(t) for t in prompt]
-        out, margins = [], []
-        for _ in range(n):
+
+        def step(ids: list[int]) -> tuple[int, float]:
             row = self._logits((torch.tensor([ids], device=self.device),), params)[0, -1]  # [V] float32
             top2 = torch.topk(row, 2).values
-            tok = int(row.argmax())
-            out.append(tok)
-            margins.append(float(top2[0] - top2[1]))
-            ids.append(tok)
-            if tok == self.config.eos_token_id:
-                break
-        return out, margins
+            return int(row.argmax()), float(top2[0] - top2[1])
+
+        return greedy_loop(step, prompt, n, self.config.eos_token_id)
 
     # -- weights for the engine ----------------------------------------------------------
     def _engine_tensor(self, name: str) -> torch.Tensor:
