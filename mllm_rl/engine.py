@@ -42,6 +42,14 @@ class SamplingParams:
         if self.request_offset < 0:
             raise ValueError(f"request_offset must be >= 0, got {self.request_offset}")
 
+    def server_params(self) -> dict[str, Any]:
+        """The sampling parameters of an SGLang request (sglang and sglang-jax), seed aside."""
+        out: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
+        out["top_p"] = self.top_p
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        return out
+
 
 DEFAULT_CONTEXT_LENGTH = 512
 DEFAULT_MAX_TOTAL_TOKENS = 4096

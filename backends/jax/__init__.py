@@ -18,8 +18,7 @@ PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 
 
 def gpu_allocates_on_demand(env: dict[str, str] | None = None) -> None:
-    """Unless the user set it, ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (JAX would reserve 75% of a
-    GPU at start, unlike what the memory plan counts). Before a JAX backend starts."""
+    """Unless set, ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (JAX would reserve 75% of a GPU)."""
     env = os.environ if env is None else env
     env.setdefault(PREALLOCATE, "false")
 

@@ -5,14 +5,10 @@ Every implementation takes ``q`` [B, T, N, D], ``k``/``v`` [B, T, K, D] and ``at
 (True on real tokens) and returns [B, T, N, D] in ``v``'s dtype. Query ``t`` attends to keys
 ``s <= t`` with ``attn[b, s]``; scores and softmax in float32.
 
-- ``dense``: the reference, with the [B, N, T, T] float32 scores.
-- ``xla``: ``jax.nn.dot_product_attention`` (cuDNN flash attention on GPU when it applies).
-- ``chunked``: queries in chunks of C under ``lax.scan``, rematerialised in the backward: at most
-  [B, N, C, T] scores at once.
-- ``splash``: the Pallas TPU splash-attention kernel (padding via segment ids) under
-  ``shard_map``; TPU only, or in Pallas interpret mode (tests on CPU).
-
-A padding row (no key at all) gives finite garbage (never NaN), masked out of every loss.
+``dense``: the reference ([B, N, T, T] scores); ``xla``: ``jax.nn.dot_product_attention``;
+``chunked``: query chunks under ``lax.scan``, rematerialised (at most [B, N, C, T] scores);
+``splash``: the Pallas TPU kernel under ``shard_map`` (interpreted on CPU for tests). A padding
+row gives finite garbage (never NaN), masked out of every loss.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """JAX's persistent compilation cache, on for every run unless the caller chose otherwise.
 
-A later run of the same configuration reads its compiled programs instead of compiling again.
 ``JAX_COMPILATION_CACHE_DIR`` unset defaults to ``$MLLM_RL_CACHE/jax-compile``; empty turns it off.
 That directory is kept under ``DEFAULT_MAX_BYTES`` by ``trim`` once per run, not by JAX's
 ``JAX_COMPILATION_CACHE_MAX_SIZE`` (whose eviction scans the directory under a lock on every write).
@@ -23,8 +22,7 @@ ENTRY, ATIME = "-cache", "-atime"  # JAX's file name suffixes: a program, its la
 
 
 def configure(env: MutableMapping[str, str] | None = None) -> str | None:
-    """Default ``env``'s cache directory (left alone once jax is imported) and ``trim`` it when it
-    is ours. Returns the directory, None when off."""
+    """Default ``env``'s cache directory (not once jax is imported), trimmed when ours; None: off."""
     env = os.environ if env is None else env
     if env is os.environ and "jax" in sys.modules:
         return env.get(DIR) or None

@@ -1,11 +1,8 @@
 """Multi-process JAX (multi-host TPU slices; N local CPU processes in CI) through ``jax.distributed``.
 
 Which processes form one run comes from the environment (``config_from_env``), first match wins:
-
-1. explicit: ``MLLM_RL_COORDINATOR`` (or ``JAX_COORDINATOR_ADDRESS``), ``MLLM_RL_NUM_PROCESSES``,
-   ``MLLM_RL_PROCESS_ID``: all three or none;
-2. a multi-host Cloud TPU VM: ``jax.distributed.initialize()`` detects everything;
-3. otherwise one process, and jax is not imported here.
+``MLLM_RL_COORDINATOR`` (or ``JAX_COORDINATOR_ADDRESS``), ``MLLM_RL_NUM_PROCESSES`` and
+``MLLM_RL_PROCESS_ID`` (all three or none); a multi-host Cloud TPU VM (detected); one process.
 
 ``init_distributed`` must run before any JAX backend exists. ``barrier`` / ``share`` / ``gather`` use
 the coordination service's key-value store: processes agree without a device computation (which
@@ -88,8 +85,7 @@ def _google_pci_device() -> bool:
 
 
 def tpu_process_count() -> int | None:
-    """Hosts of this Cloud TPU slice per jax's own cluster detection (no backend initialised); None
-    when not on a Cloud TPU VM."""
+    """Hosts of this Cloud TPU slice per jax's cluster detection; None off a Cloud TPU VM."""
     if not _google_pci_device():
         return None
     from jax._src import cloud_tpu_init, clusters
@@ -105,8 +101,7 @@ def tpu_process_count() -> int | None:
 def config_from_env(
     env: Mapping[str, str] | None = None, tpu_probe: Callable[[], int | None] | None = tpu_process_count
 ) -> DistConfig:
-    """Parse the environment; ValueError naming the variable for a bad or partial setting.
-    ``tpu_probe=None`` skips the Cloud TPU detection."""
+    """Parse the environment (ValueError naming a bad variable); ``tpu_probe=None``: no TPU detection."""
     env = os.environ if env is None else env
     timeout = _int(env, ENV_TIMEOUT, 1) if env.get(ENV_TIMEOUT) else DEFAULT_TIMEOUT_S
     if env.get(ENV_ENGINE_PORT) and _int(env, ENV_ENGINE_PORT, 1) > 65529:
@@ -194,8 +189,7 @@ def init_distributed(tp: int = 1, env: Mapping[str, str] | None = None) -> dict[
 
 
 def _wait_for_coordinator(coordinator: str, timeout_s: float) -> None:
-    """Until process 0's coordination service accepts connections; RuntimeError after ``timeout_s``
-    instead of jaxlib's abort."""
+    """Until process 0's coordination service accepts connections (RuntimeError after ``timeout_s``)."""
     host, port = _host_port(ENV_COORDINATOR, coordinator)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -260,8 +254,7 @@ def share(name: str, value: str | None, timeout_s: float | None = None) -> str:
 
 
 def gather(name: str, value: str, timeout_s: float | None = None) -> list[str]:
-    """Every process's ``value`` for the ``n``-th ``gather(name)``, in process order (a barrier
-    that carries data)."""
+    """Every process's ``value`` for the ``n``-th ``gather(name)``, in process order."""
     if _procs.count == 1:
         return [value]
     key, timeout = _key(f"gather/{name}"), timeout_s or _timeout_s
@@ -314,8 +307,7 @@ def engine_address(port: int | None = None) -> str:
 
 
 def shutdown() -> None:
-    """Leave the run (idempotent). Every process must call it: when process 0 exits first, the
-    others abort."""
+    """Leave the run (idempotent); every process must, or the others abort."""
     global _joined
     if not _joined:
         return

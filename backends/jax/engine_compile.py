@@ -1,10 +1,8 @@
 """sglang-jax's model forward (prefill or decode) lowered and compiled for a target, from shapes.
 
 What sglang-jax's ``ModelRunner`` jits (``jitted_run_model``) is built here with every array
-abstract (carrying the target's sharding) and compiled by the target's compiler, so the plan's
-engine rows come from a compiled program. ``_as_target`` swaps sglang-jax's ``device_array``, KV
-allocator and ``jax.devices()`` for the trace only; the batch is its own precompile's
-(``CompilationManager._make_dummy_batch``).
+abstract and compiled by the target's compiler. ``_as_target`` swaps sglang-jax's ``device_array``,
+KV allocator and ``jax.devices()`` for the trace only; the batch is its own precompile's.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ FA_SLOTS_PER_REQUEST = 256
 
 @dataclasses.dataclass(frozen=True)
 class ForwardShape:
-    """One engine forward: ``extend`` (prefill) or ``decode`` of ``batch`` requests, ``tokens`` in
-    the step, ``cache_locs`` KV slots the batch may read, a pool of ``pool_tokens``."""
+    """One engine forward (``extend`` or ``decode``) and the KV slots it may read."""
 
     mode: str
     batch: int
@@ -95,14 +92,9 @@ def lower(
         )
         gdef, state = nnx.split(abstract)
         leaves, sdef = jax.tree_util.tree_flatten(state)
+        kv_heads, layers_n = max(model.num_key_value_heads, tp), model.num_hidden_layers
         pool = MHATokenToKVPool(
-            shape.pool_tokens,
-            engine_layout.PAGE_SIZE,
-            dtype,
-            max(model.num_key_value_heads, tp),
-            head_dim,
-            model.num_hidden_layers,
-            mesh,
+            shape.pool_tokens, engine_layout.PAGE_SIZE, dtype, kv_heads, head_dim, layers_n, mesh
         )
         manager = types.SimpleNamespace(
             vocab_size=model.vocab_size,
@@ -117,14 +109,9 @@ def lower(
         )
         attn = _attention(attention, model, head_dim, mesh)
         attn.forward_metadata = attn.get_forward_metadata(batch)
-        runner = types.SimpleNamespace(
-            mesh=mesh,
-            attn_backend=attn,
-            model=abstract,
-            model_config=types.SimpleNamespace(
-                is_embedding=False, hf_config=types.SimpleNamespace(architectures=["Qwen3ForCausalLM"])
-            ),
-        )
+        hf_config = types.SimpleNamespace(architectures=["Qwen3ForCausalLM"])
+        config = types.SimpleNamespace(is_embedding=False, hf_config=hf_config)
+        runner = types.SimpleNamespace(mesh=mesh, attn_backend=attn, model=abstract, model_config=config)
         forward_batch = fbi.ForwardBatch.init_new(batch, runner)
         logits_meta = lp.LogitsMetadata.from_model_worker_batch(batch, mesh)
 

@@ -1,13 +1,9 @@
 """The sglang-jax engine's device memory by its own layout: weights and the KV cache pool.
 
-Both from sglang-jax 0.1.0rc0 itself, nothing allocated:
-
-- weights: its ``Qwen3ForCausalLM`` built with ``nnx.eval_shape`` on the engine's mesh, each
-  weight sharded as its ``WeightMapping`` says (with the compiler's size, TPU tile padding, beside).
-- KV pool: ``MHATokenToKVPool`` allocates per layer a fused
-  ``[(size + page_size * dp) / page_size, page_size, kv_heads * 2 / packing, packing, head_dim]``
-  buffer, ``head_dim`` padded to a multiple of 128, heads split over ``tensor``. One layer's
-  buffer is compiled for the target to check the formula.
+Both from sglang-jax 0.1.0rc0 itself, nothing allocated: its ``Qwen3ForCausalLM`` built abstractly
+on the engine's mesh, each weight sharded as its ``WeightMapping`` says; ``MHATokenToKVPool``'s
+per-layer ``[(size + page_size * dp) / page_size, page_size, kv_heads * 2 / packing, packing,
+head_dim]`` buffer (``head_dim`` padded to 128), one layer compiled to check the formula.
 """
 
 from __future__ import annotations

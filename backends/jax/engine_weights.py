@@ -59,8 +59,7 @@ def to_engine(
 def host_to_engine(
     arr: np.ndarray, transpose: bool, dtype: Any, sharding: jax.sharding.Sharding
 ) -> jax.Array:
-    """A host array (``arr.T`` when ``transpose``, as ``dtype``) in a new buffer with ``sharding``;
-    a transpose or cast is made on the devices."""
+    """A host array (``arr.T`` if ``transpose``) as ``dtype`` in a new buffer with ``sharding``."""
     if not transpose and arr.dtype == dtype:
         return jax.device_put(host_copy(arr, dtype), sharding)
     staged = jax.device_put(arr, _transposed(sharding) if transpose else sharding)
@@ -85,10 +84,7 @@ def _engine_view(value: Any, transpose: bool) -> tuple[Any, bool]:
 @functools.cache
 def _chunk_writer(sharding: Any, axis: int) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
     """A jitted, donating ``buf[..., start:start+n, ...] = chunk`` along ``axis`` (in place)."""
-
-    def write(buf: jax.Array, chunk: jax.Array, start: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_update_slice_in_dim(buf, chunk, start, axis=axis)
-
+    write = lambda buf, chunk, start: jax.lax.dynamic_update_slice_in_dim(buf, chunk, start, axis=axis)  # noqa: E731
     return jax.jit(write, donate_argnums=0, out_shardings=sharding)
 
 
@@ -140,8 +136,7 @@ class EngineLeaves:
         )
 
     def place(self, hf_name: str, value: Any) -> jax.Array:
-        """``value`` on the leaf's devices in its layout, dtype and sharding (not installed);
-        KeyError for an unknown name, ValueError for a shape mismatch."""
+        """``value`` on the leaf's devices in its layout, dtype and sharding (not installed yet)."""
         if hf_name not in self.mappings:
             raise KeyError(f"unknown parameter {hf_name!r} for this engine")
         idx, transpose = self.mappings[hf_name]
@@ -201,8 +196,7 @@ class EngineLeaves:
         return frozenset(n for n, a in summed.items() if leaves[self.mappings[n][0]] is a)
 
     def chunk_axis(self, hf_name: str, host: Any) -> int | None:
-        """Engine-layout axis to stream ``hf_name`` along (above ``chunk_bytes``, an axis the
-        sharding leaves whole), or None to place it whole."""
+        """Engine-layout axis to stream ``hf_name`` along (unsharded, above ``chunk_bytes``), or None."""
         if self.chunk_bytes <= 0 or np.asarray(host).nbytes <= self.chunk_bytes:
             return None
         leaf = self.target_of(hf_name)

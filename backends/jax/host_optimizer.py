@@ -1,7 +1,5 @@
-"""AdamW whose state lives in host memory, streamed through the device one leaf at a time
-(``ModelOptions.optimizer_memory="host"``).
-
-The state is optax's own tree (checkpoints as the device path's), every leaf on ``pinned_host``.
+"""AdamW whose state lives in host memory (``optimizer_memory="host"``): optax's own tree (checkpoints
+as the device path's), every leaf on ``pinned_host``.
 ``apply``: ``StepFns.grad_norm`` on the device, then per trainable leaf its moments are copied in,
 ``StepFns.leaf_update`` applies clip and AdamW exactly as ``apply`` does, the new moments go back
 to the host and the leaf's gradient is deleted.

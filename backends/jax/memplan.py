@@ -1,14 +1,11 @@
 """The JAX backend's memory planner: ``measure(req) -> Measured`` (``mllm_rl.memplan.request``).
 
 For a target topology (``topologies.py``; nothing runs on a device) it compiles the trainer's real
-jitted functions (``step_fns.make_step_fns``) on its abstract state and mesh and reads each one's
-``memory_analysis()`` per device, in the run's dtypes (``ModelOptions.resolved``). Components:
+jitted functions (``step_fns.make_step_fns``) and reads each one's ``memory_analysis()`` per device.
 
-- ``engine_weights``, ``kv_pool`` (layout): sglang-jax's own model and pool rule
-  (``engine_layout``), one pool layer compiled to check it; ``engine_logits``: float32
-  [rows, vocab] kept between generates.
-- ``trainer_params``, ``optimizer``, ``ref_params`` (layout): device 0's shards of
-  ``abstract_state`` (optimizer on the host with ``optimizer_memory=host``: ``_leaf_update``).
+- ``engine_weights``, ``kv_pool`` (layout): sglang-jax's own model and pool rule (``engine_layout``);
+  ``engine_logits``: float32 [rows, vocab] kept between generates.
+- ``trainer_params``, ``optimizer``, ``ref_params`` (layout): device 0's shards of ``abstract_state``.
 - ``grads`` (compiler): the accumulator, ``grad``'s output sharding in the trainable dtype.
 - ``staging`` (layout): estimate of the largest tensor in flight during a weight update.
 - ``engine_step`` (compiler): on TPU/GPU sglang-jax's prefill and decode forward compiled for the
@@ -113,40 +110,27 @@ def _measure(req: PlanRequest, spec: topologies.TargetSpec) -> Measured:
     )
     formula_layer = kv.bytes_per_device // req.model.num_hidden_layers
     default_frac = engine_layout.DEFAULT_MEM_FRACTION[target.platform]
-    info.update(
-        kv_tokens=kv.tokens,
-        kv_cell_bytes=kv.cell_bytes,
-        kv_pad_tokens=kv.pad_tokens,
-        mem_fraction_static=kv.mem_fraction_static,
-        engine_free_bytes=kv.free_bytes,
+    info.update(kv_tokens=kv.tokens, kv_cell_bytes=kv.cell_bytes, kv_pad_tokens=kv.pad_tokens)
+    info.update(mem_fraction_static=kv.mem_fraction_static, engine_free_bytes=kv.free_bytes)
+    batch = req.prompts * req.group_size
+    logits, rows = engine_layout.logits_bytes(req.model, req.max_running_requests, batch)
+    weights = (
+        f"sglang-jax Qwen3ForCausalLM sharded over tensor={req.tp}; "
+        f"{eng.tensors} arrays; compiler size {eng.compiler_bytes} B"
     )
-    logits, rows = engine_layout.logits_bytes(
-        req.model, req.max_running_requests, req.prompts * req.group_size
+    one = f"{layer} B (formula {formula_layer} B)" if isinstance(layer, int) else f"REJECTED ({layer})"
+    pool = (
+        f"sglang-jax MHATokenToKVPool: ({kv.tokens} + {kv.pad_tokens}) tokens x "
+        f"{kv.cell_bytes} B/token ({kv.rule}); one layer compiled: {one}"
+    )
+    kept = (
+        f"[{rows}, {req.model.vocab_size}] float32 rows of logits sglang-jax keeps between "
+        f"generate calls (max_running_requests {req.max_running_requests}, rollout batch {batch})"
     )
     comps = {
-        "engine_weights": Component(
-            "engine_weights",
-            eng.bytes_per_device,
-            "layout",
-            f"sglang-jax Qwen3ForCausalLM sharded over tensor={req.tp}; "
-            f"{eng.tensors} arrays; compiler size {eng.compiler_bytes} B",
-        ),
-        "kv_pool": Component(
-            "kv_pool",
-            kv.bytes_per_device,
-            "layout",
-            f"sglang-jax MHATokenToKVPool: ({kv.tokens} + {kv.pad_tokens}) tokens x "
-            f"{kv.cell_bytes} B/token ({kv.rule}); one layer compiled: "
-            + (f"{layer} B (formula {formula_layer} B)" if isinstance(layer, int) else f"REJECTED ({layer})"),
-        ),
-        "engine_logits": Component(
-            "engine_logits",
-            logits,
-            "layout",
-            f"[{rows}, {req.model.vocab_size}] float32 rows of logits sglang-jax keeps between "
-            f"generate calls (max_running_requests {req.max_running_requests}, rollout batch "
-            f"{req.prompts * req.group_size})",
-        ),
+        "engine_weights": Component("engine_weights", eng.bytes_per_device, "layout", weights),
+        "kv_pool": Component("kv_pool", kv.bytes_per_device, "layout", pool),
+        "engine_logits": Component("engine_logits", logits, "layout", kept),
     }
     if isinstance(layer, int) and layer != formula_layer:
         notes.append(
@@ -212,17 +196,10 @@ def _engine_step(
             f"sglang-jax Qwen3ForCausalLM forward, attention '{attn}', {shape.describe()}; compiled with "
             f"{layers} of {req.model.num_hidden_layers} layers (extra bytes do not grow with depth)"
         )
+        lower = lambda s=shape: engine_compile.lower(req.model, devices, req.tp, attn, s, layers)  # noqa: E731
+        key = ("engine_forward", req.target, req.model, req.tp, attn, shape, layers)
         try:
-            c = _cached(
-                ("engine_forward", req.target, req.model, req.tp, attn, shape, layers),
-                lambda s=shape, n=name, d=detail: _compile_lowered(
-                    n,
-                    lambda: engine_compile.lower(req.model, devices, req.tp, attn, s, layers),
-                    target,
-                    info,
-                    d,
-                ),
-            )
+            c = _cached(key, lambda n=name, d=detail, lo=lower: _compile_lowered(n, lo, target, info, d))
         except Exception as e:  # noqa: BLE001 - a kernel that does not compile for the target is a finding
             line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             notes.append(

@@ -1,5 +1,4 @@
-"""Qwen3 causal LM in flax nnx: the trainer's model and the reference that proves an engine's
-weights (HF names, HF math).
+"""Qwen3 causal LM in flax nnx: the trainer's model and the reference for an engine's weights.
 
 Shapes: B batch, T sequence, H hidden, N heads, K kv heads, D head_dim, V vocab, I mlp,
 R LoRA rank. Linear kernels are stored ``(in, out)``. With ``lora_rank > 0`` every linear layer
@@ -327,8 +326,7 @@ def _owner(model: Qwen3, path: tuple[str | int, ...]) -> tuple[Any, str, int | N
 
 
 def get_weight(model: Qwen3, name: str) -> tuple[jax.Array, bool]:
-    """The weight ``name`` as our model stores it (a stacked layer's row sliced out), and whether
-    HF's is its transpose."""
+    """The weight ``name`` as stored (a stacked layer's row), and whether HF's is its transpose."""
     path, transpose = hf_path(name)
     obj, attr, row = _owner(model, path)
     value = getattr(obj, attr)[...]

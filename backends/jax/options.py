@@ -45,17 +45,10 @@ class ModelOptions:
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ValueError(f"ModelOptions.tp must be >= 1, got {self.tp}")
-        if self.remat not in REMAT:
-            raise ValueError(f"ModelOptions.remat: {self.remat!r} is not one of {', '.join(REMAT)}")
-        if self.attention not in ATTENTION:
-            raise ValueError(
-                f"ModelOptions.attention: {self.attention!r} is not one of {', '.join(ATTENTION)}"
-            )
-        if self.optimizer_memory not in OPTIMIZER_MEMORY:
-            raise ValueError(
-                f"ModelOptions.optimizer_memory: {self.optimizer_memory!r} is not one of "
-                f"{', '.join(OPTIMIZER_MEMORY)}"
-            )
+        choices = {"remat": REMAT, "attention": ATTENTION, "optimizer_memory": OPTIMIZER_MEMORY}
+        for name, allowed in choices.items():
+            if (v := getattr(self, name)) not in allowed:
+                raise ValueError(f"ModelOptions.{name}: {v!r} is not one of {', '.join(allowed)}")
         if self.attention_chunk < 1 or self.logprob_chunk < 0:
             raise ValueError("ModelOptions.attention_chunk must be >= 1 and logprob_chunk >= 0")
         for name in ("param_dtype", "compute_dtype", "opt_dtype"):

@@ -1,14 +1,10 @@
 """The JAX trainer's orbax write, with a failed write said once, as an ``OSError``.
 
 When a write fails (a full disk, ``RLIMIT_FSIZE``, a lost permission), orbax 0.12 and tensorstore
-0.1 do three things ``AsyncSave`` undoes:
-
-- the error is a ``ValueError`` (``[os_error_code='27']``): it becomes the ``OSError`` it reports;
-- orbax logs the traceback from each of its threads: its records are held during the save,
-  dropped if it fails;
-- the first failure closes orbax's event loop while tensorstore's other writes go on, calling back
-  into the closed loop and creating files after the save returned: the save waits for every
-  tensorstore future before it raises, and an unraisable hook drops exactly those callbacks.
+0.1 do three things ``AsyncSave`` undoes: the error is a ``ValueError`` (it becomes the ``OSError``
+it reports); orbax logs a traceback from each thread (held, dropped on failure); the first failure
+closes orbax's event loop while other writes go on and call back into it (the save waits for every
+tensorstore future, and an unraisable hook drops those callbacks).
 """
 
 from __future__ import annotations
@@ -67,8 +63,7 @@ class AsyncSave:
 
 
 def os_error_of(e: BaseException, target: Path) -> OSError | None:
-    """The ``OSError`` a tensorstore/orbax error reports (its code, the last path it quotes, else
-    ``target``), or None."""
+    """The ``OSError`` a tensorstore/orbax error reports (its code and path), or None."""
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
@@ -118,8 +113,7 @@ class _Hold(logging.Filter):
 
 @contextlib.contextmanager
 def _held_orbax_logs() -> Iterator[None]:
-    """Orbax's log records held for the block (replayed if it succeeds), and callbacks into a
-    closed event loop kept off stderr."""
+    """Orbax's log records held for the block (replayed on success); closed-loop callbacks dropped."""
     absl = logging.getLogger("absl")
     hold = _Hold()
     absl.addFilter(hold)

@@ -1,17 +1,13 @@
 """sglang-jax rollout engine adapter: every private touch-point of sglang-jax lives here
 (weight placement and fingerprints: ``engine_weights.py``). Verified against sglang-jax 0.1.0rc0:
 
-- ``Engine(enable_single_process=True, load_format="dummy")`` runs in-process; the model runner is
-  ``engine.scheduler_info["scheduler"].tp_worker.worker.model_runner``.
+- ``Engine(enable_single_process=True, load_format="dummy")`` runs in-process.
 - No weight-update API: the jitted forward reads ``model_runner.model_state_leaves`` on every call,
-  so replacing items with same shape/dtype/sharding arrays swaps weights without recompiling;
-  ``_create_qwen3_weight_mappings()`` gives each HF name's target and transpose.
-- CPU: ``max_running_requests``/``context_length`` must be bounded, ``head_dim`` a multiple of 128;
-  ``jax.device_put`` of a numpy view aliases it (``engine_weights.host_copy``; no overlap schedule).
+  so replacing items with same shape/dtype/sharding arrays swaps weights without recompiling.
+- CPU: ``head_dim`` a multiple of 128; ``jax.device_put`` of a numpy view aliases it.
 - Interpreter teardown after an engine ran aborts in C++, so the CLI leaves through ``os._exit``.
 - Multi-process (docs/TPU.md): one engine over every process's devices; node 0 tokenizes and
-  broadcasts each iteration's requests; nodes >= 1 get their scheduler from
-  ``run_scheduler_loop_thread_after_create``.
+  broadcasts each iteration's requests.
 """
 
 from __future__ import annotations
@@ -136,15 +132,13 @@ class SglangJaxEngine:
         from sgl_jax.srt.entrypoints.engine import Engine
 
         platform = jax.devices()[0].platform
+        st_dtype = next(iter(model.tensors.values()))[1].dtype  # the checkpoint's
         self.model = model
         prev_sigterm = signal.getsignal(signal.SIGTERM)
         multi: dict[str, Any] = {}
         if self.procs.count > 1:  # one engine over every process's devices (sglang-jax multi-node)
-            multi = {
-                "nnodes": self.procs.count,
-                "node_rank": self.procs.index,
-                "dist_init_addr": dist.engine_address(ports[0] if ports else None),
-            }
+            addr = dist.engine_address(ports[0] if ports else None)
+            multi = dict(nnodes=self.procs.count, node_rank=self.procs.index, dist_init_addr=addr)
         launch = _launched_scheduler() if multi else contextlib.nullcontext({})
         with launch as launched:
             self.engine = Engine(
@@ -159,7 +153,7 @@ class SglangJaxEngine:
                 device=platform,
                 attention_backend=attention_backend(platform, jax.devices()[0].device_kind),
                 tp_size=tp,
-                dtype={"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[self._ckpt_dtype()],
+                dtype={"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[st_dtype],
                 mem_fraction_static=mem_fraction_static or DEFAULT_MEM_FRACTION[platform],
                 max_total_tokens=max_total_tokens,
                 context_length=context_length,
@@ -193,9 +187,6 @@ class SglangJaxEngine:
         self._kv_specs: list[tuple[tuple[int, ...], Any, Any]] = []
         self._weight_backup: dict[int, list[tuple[Any, np.ndarray]]] = {}  # leaf -> (device, shard)
         self._seeds = np.random.default_rng(seed)  # request seeds when a batch brings none
-
-    def _ckpt_dtype(self) -> str:
-        return next(iter(self.model.tensors.values()))[1].dtype
 
     def _index_leaves(self) -> None:
         from flax import nnx
@@ -263,8 +254,7 @@ class SglangJaxEngine:
 
     # -- generation -----------------------------------------------------------
     def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
-        """Multi-process: every process calls it; node 0 (the only tokenizer manager) submits the
-        requests and shares the outputs."""
+        """Multi-process: every process calls it; node 0 submits the requests and shares the outputs."""
         if self.procs.count == 1:
             return self._generate_here(input_ids, sampling)
         dist.barrier("generate")  # the forward over the multi-process mesh runs in lockstep
@@ -284,13 +274,7 @@ class SglangJaxEngine:
     def _generate_here(
         self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams
     ) -> list[GenerateOutput]:
-        params = {
-            "max_new_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-        }
-        if sampling.stop_token_ids:
-            params["stop_token_ids"] = list(sampling.stop_token_ids)
+        params = sampling.server_params()
         ids = [list(map(int, x)) for x in input_ids]
         base = sampling.seed if sampling.seed is not None else int(self._seeds.integers(2**31))
         per_req = [
@@ -350,8 +334,7 @@ class SglangJaxEngine:
         return sum(int(a.nbytes) for a in arrs if not a.is_deleted())
 
     def release_memory(self, tag: str) -> None:
-        """Delete the arrays of ``tag`` (JAX has no address-preserving pause); weights are
-        copied to host first when ``weights_cpu_backup``."""
+        """Delete the arrays of ``tag`` (weights first copied to host with ``weights_cpu_backup``)."""
         if tag == TAG_KV:
             kv = self._kv_list()
             self._kv_specs = [(a.shape, a.dtype, a.sharding) for a in kv]
@@ -367,8 +350,7 @@ class SglangJaxEngine:
             leaves[i].delete()
 
     def resume_memory(self, tag: str) -> bool:
-        """Reallocate ``tag`` with the same shapes/dtypes/shardings (no recompile). Weights
-        come back from the CPU backup (True) or as zeros (False: contents undefined)."""
+        """Reallocate ``tag`` as it was; weights from the CPU backup (True) or zeros (False)."""
         if tag == TAG_KV:
             kv = self._kv_list()
             for j, (shape, dtype, sharding) in enumerate(self._kv_specs):
@@ -435,8 +417,7 @@ class SglangJaxEngine:
         self._on_node_0("continue_generation", lambda: self._call(self.engine.async_continue_generation()))
 
     def _on_node_0(self, what: str, send: Any) -> None:
-        """``send`` from node 0 (the one tokenizer manager), then a barrier: no process releases or
-        resumes its shards while node 0 still generates."""
+        """``send`` from node 0 (the one tokenizer manager), then a barrier over every process."""
         if self.procs.count == 1:
             send()
             return
@@ -447,8 +428,7 @@ class SglangJaxEngine:
             dist.barrier(f"engine/{what}")
 
     def shutdown(self) -> None:
-        """Multi-process: also leaves ``jax.distributed`` (the engine is one SPMD program: it ends
-        the run for every process)."""
+        """Multi-process: also leaves ``jax.distributed`` (the engine's end is every process's)."""
         self.engine.shutdown()
         if self.procs.count > 1:
             dist.shutdown()

@@ -86,8 +86,7 @@ def tree_shardings(tree: Any, mesh: Mesh) -> Any:
 
 
 def data_rows(mesh: Mesh, rows: int) -> int:
-    """The rows a micro-batch of ``rows`` is padded to: a multiple of ``fsdp``, so that it is split
-    over the devices (padding rows have no loss tokens)."""
+    """The rows a micro-batch is padded to: a multiple of ``fsdp`` (padding rows carry no loss)."""
     n = mesh.shape["fsdp"]
     return -(-rows // n) * n
 

@@ -9,19 +9,17 @@ for a target on the ``ShapeDtypeStruct`` trees of ``abstract_state`` / ``batch_s
     mb = batch_specs(B, T, mesh, kl=train_cfg.loss.beta > 0)
     fns.grad.lower(trainable, frozen, mb, SCALAR, SCALAR).compile().memory_analysis()
 
-Shapes: B micro-batch rows, T positions (prompt + completion, right-padded), V vocab, L layers.
-Dtypes: ``resolve_dtypes``; the params are cast to the compute dtype inside the jitted functions.
+Shapes: B micro-batch rows, T positions (right-padded), V vocab, L layers. The params are cast to
+the compute dtype (``resolve_dtypes``) inside the jitted functions.
 
 - ``trainable`` / ``frozen``: ``nnx.State`` trees (full fine-tune: every ``Param`` / nothing; LoRA:
-  the ``LoRAParam`` adapters / the base), layers stacked [L, ...] with ``scan_layers``, sharded by
-  ``sharding.tree_shardings``. ``opt_state``: ``make_tx``'s optax state, sharded like them.
+  the adapters / the base), sharded by ``sharding.tree_shardings``; ``opt_state`` sharded like them.
 - ``mb``: ``tokens`` [B, T] int32, ``attn``/``loss_mask`` [B, T] bool, ``old_logp``/``is_weight``
   [B, T] float32, ``adv`` [B] float32, with KL ``ref_logp`` [B, T] float32.
 
 ``StepFns``: ``logprob`` -> [B, T - 1] tempered log-probs; ``next_logits`` -> [B, V] untempered;
-``grad`` -> ((loss, token-summed metrics), grads in the compute dtype); ``start_acc`` /
-``accumulate`` (donates ``acc``); ``apply`` -> (trainable, opt_state, grad_norm) (donates both);
-``grad_norm``; ``leaf_update``: ``apply`` for one leaf with the global norm given (``host_optimizer.py``).
+``grad`` -> ((loss, token-summed metrics), grads in the compute dtype); ``apply`` -> (trainable,
+opt_state, grad_norm), donating both; ``leaf_update``: ``apply`` for one leaf (``host_optimizer.py``).
 """
 
 from __future__ import annotations
@@ -220,8 +218,7 @@ def make_step_fns(
         return token_logprobs(x, head, targets, opts.logprob_chunk, temperature)[:, :-1]
 
     def token_logp(trainable: Any, frozen: Any, tokens: jax.Array, attn: jax.Array) -> jax.Array:
-        """[B, T] -> log softmax(logits / temperature)[tokens[:, t]] given tokens[:, :t], for
-        t >= 1, [B, T - 1]."""
+        """[B, T] -> log softmax(logits / temperature)[tokens[:, t]] given tokens[:, :t], [B, T - 1]."""
         return token_logp_of(merged(trainable, frozen), tokens, attn)
 
     def next_logits(
@@ -258,8 +255,7 @@ def make_step_fns(
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
     def grad(trainable, frozen, mb, total_tokens, total_seqs):
-        """The gradient w.r.t. the compute-dtype casts of the params, in that dtype (the
-        accumulator converts it for a float32 master)."""
+        """The gradient w.r.t. the params' compute-dtype casts, in that dtype."""
         cast_t, cast_f = cast_floats(trainable, cdt), cast_floats(frozen, cdt)
         out, grads = value_and_grad(cast_t, cast_f, mb, total_tokens, total_seqs)
         return out, pin(grads, t_sh)

@@ -1,16 +1,13 @@
 """Compile-only device topologies the JAX planner compiles for: TPU slices, NVIDIA GPUs, the local CPU.
 
-No accelerator is needed: ``jax.experimental.topologies.get_topology_desc`` gives devices to
-compile for, with the compiler from ``libtpu`` or the ``jax-cuda12-plugin`` wheels, which
-``scripts/venv.sh`` installs into ``<venv>/plan-compilers``: only the planner puts it on
-``sys.path`` (JAX loads every installed plugin at start-up).
+No accelerator is needed: ``get_topology_desc`` gives devices to compile for, with the compiler
+from ``libtpu`` or the ``jax-cuda12-plugin`` wheels in ``<venv>/plan-compilers`` (``scripts/venv.sh``),
+on ``sys.path`` for the planner only (JAX loads every installed plugin at start-up). Call
+``prepare(spec)`` before jax is imported, then ``devices(spec)``. Device memory per target:
 
-Call ``prepare(spec)`` before jax is imported, then ``devices(spec)``. Device memory per target:
-
-- TPU: what libtpu's compiler allows (from the ``RESOURCE_EXHAUSTED`` message of an oversized
-  program); it rejects any program that does not fit.
-- GPU: ``device_memory_size`` of the XLA target config in ``mllm_rl/assets/gpu_targets``; XLA's
-  GPU compiler does not reject a program that does not fit, so the plan compares.
+- TPU: what libtpu's compiler allows (it rejects any program that does not fit).
+- GPU: ``device_memory_size`` of the XLA target config in ``mllm_rl/assets/gpu_targets`` (XLA does
+  not reject a program that does not fit: the plan compares).
 - CPU: a share of the available host RAM (``mllm_rl.memplan.cpu_budget``).
 """
 
@@ -41,17 +38,19 @@ class TargetSpec:
     chip_config_name: str | None = None  # "megacore" for v4/v5p (one device per chip)
     accelerator_type: str = ""  # TPU_ACCELERATOR_TYPE libtpu expects
     gpu_config: str = ""  # file in mllm_rl/assets/gpu_targets
-    note: str = ""
+    note: str = ""  # what ``--target`` lists
 
 
 def _tpu(
     name: str, topo: str, bounds: tuple[int, int, int], accel: str, megacore: bool = False
 ) -> TargetSpec:
-    return TargetSpec(name, "tpu", topo, bounds, "megacore" if megacore else None, accel)
+    note = f"TPU {topo} ({accel}), libtpu compile-only topology"
+    return TargetSpec(name, "tpu", topo, bounds, "megacore" if megacore else None, accel, note=note)
 
 
 def _gpu(name: str, topo: str, config: str) -> TargetSpec:
-    return TargetSpec(name, "gpu", topo, gpu_config=config)
+    note = f"GPU {topo} (slices x hosts x devices), XLA target config {config}"
+    return TargetSpec(name, "gpu", topo, gpu_config=config, note=note)
 
 
 TARGETS: dict[str, TargetSpec] = {
@@ -80,15 +79,7 @@ TARGETS: dict[str, TargetSpec] = {
 
 def describe() -> dict[str, str]:
     """Target name -> one line (what ``--target`` accepts)."""
-    out = {}
-    for s in TARGETS.values():
-        if s.platform == "tpu":
-            out[s.name] = f"TPU {s.topology} ({s.accelerator_type}), libtpu compile-only topology"
-        elif s.platform == "gpu":
-            out[s.name] = f"GPU {s.topology} (slices x hosts x devices), XLA target config {s.gpu_config}"
-        else:
-            out[s.name] = s.note
-    return out
+    return {s.name: s.note for s in TARGETS.values()}
 
 
 def spec(name: str) -> TargetSpec:

@@ -3,12 +3,10 @@ checkpoints, ``pinned_host`` offload. Implements ``mllm_rl.trainer.Trainer``.
 
 Shapes: B sequences, T positions (right-padded to a multiple of ``T_BUCKET``), V vocab.
 
-State is functional: ``trainable`` (every ``Param``, or the ``LoRAParam`` adapters), ``frozen`` (the
-LoRA base) and ``opt_state``, sharded over a ``("fsdp", "tp")`` mesh (``sharding.py``); micro-batches
-split over ``fsdp``. The jitted functions are ``step_fns.make_step_fns``'s, the ones a memory plan
-compiles. Precision ``mixed`` keeps float32 masters and moments for a bf16 checkpoint; the engine
-gets the checkpoint dtype. ``optimizer_memory="host"``: the optimizer state stays in
-``pinned_host``, streamed through the device a leaf at a time (``host_optimizer.py``).
+State is functional: ``trainable`` (every ``Param``, or the LoRA adapters), ``frozen`` (the LoRA
+base) and ``opt_state``, sharded over a ``("fsdp", "tp")`` mesh; the jitted functions are
+``step_fns.make_step_fns``'s, the ones a memory plan compiles. Precision ``mixed`` keeps float32
+masters and moments for a bf16 checkpoint; the engine gets the checkpoint dtype.
 """
 
 from __future__ import annotations
@@ -93,8 +91,7 @@ def _cast(x: jax.Array, dtype: Any) -> jax.Array:
 
 
 def _export(value: jax.Array, transpose: bool, dtype: Any) -> jax.Array | KernelInOut | Owned:
-    """One weight as exported: ``value`` (cast to ``dtype`` when it differs, an ``Owned`` buffer),
-    as ``KernelInOut`` when the HF tensor is ``value.T``."""
+    """One weight as exported (cast to ``dtype``: ``Owned``; ``KernelInOut`` when HF's is ``value.T``)."""
     cast = value.dtype != dtype
     if cast:
         value = _cast(value, dtype)
@@ -286,8 +283,7 @@ class JaxTrainer:
         return np.where(batch.attention_mask, logp, 0.0).astype(np.float32)
 
     def greedy(self, prompt: Sequence[int], n: int) -> tuple[list[int], list[float]]:
-        """Greedy continuation of ``prompt`` by full re-forward (the garbage guard's reference):
-        (tokens [n'], top-2 logit margins [n']); stops after EOS."""
+        """Greedy re-forward of ``prompt`` (the garbage guard's): (tokens [n'], top-2 margins [n'])."""
         self._need(PARAMS)
         length = len(prompt) + n
         toks = np.zeros((1, length), np.int32)  # one shape for every step: compiled once

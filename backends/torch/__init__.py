@@ -32,8 +32,7 @@ class TorchBackend(Backend):
         self.device: Any = None  # torch.device, set by init_runtime
 
     def init_runtime(self, tp: int = 1, platform: str = "auto") -> dict[str, Any]:
-        """Import torch and pick the device: ``auto`` (CUDA when available), ``cpu``, ``gpu``/``cuda``
-        (RuntimeError when torch sees no CUDA device)."""
+        """Import torch and pick the device (``auto``: CUDA when available; ``cpu``; ``gpu``/``cuda``)."""
         if platform not in ("auto", "cpu", "gpu", "cuda"):
             raise RuntimeError(f"--platform {platform}: the torch backend runs on cpu or cuda")
         import torch
@@ -150,8 +149,7 @@ class TorchBackend(Backend):
         return EmbeddedEngine(model, device=self._device(), **kwargs)
 
     def check_trainer_args(self, model: ModelDir, cfg: Any) -> None:
-        """``--model-option`` names ``TorchModelOptions`` fields; ``--fsdp`` 0, 1 or the process
-        count; no ``--trainer-tp``."""
+        """``--model-option`` names ``TorchModelOptions`` fields; ``--fsdp`` 0, 1 or the process count."""
         from mllm_rl.backends.torch import distributed, fsdp
         from mllm_rl.backends.torch.options import TorchModelOptions
 

@@ -1,18 +1,13 @@
 """The embedded torch rollout engine: ``EnginePrimitives`` on our torch Qwen3 (CPU or one CUDA device).
 
 - Starts with seeded dummy weights (uniform in [-1e-3, 1e-3]), like ``load_format="dummy"``.
-- One preallocated KV pool [L, 2, max_total_tokens, K, D]: a batch of B prompts uses B rows of
-  C = longest prompt + max new tokens slots (prompts left-padded); batches that do not fit, or
-  exceed ``max_running_requests``, run in consecutive sub-batches.
+- One KV pool [L, 2, max_total_tokens, K, D]: B prompts use B rows of C = longest prompt + max new
+  tokens slots (left-padded); what does not fit runs in consecutive sub-batches.
 - Each request samples from its own ``torch.Generator`` seeded by its index in the whole batch
-  (``request_seeds``), independent of sub-batch or process. Several processes each generate a
-  contiguous slice and every process gets every output. Whether every row has ended is read
-  every decode step on CPU, every ``SYNC_EVERY`` steps on an accelerator.
-- A request stops at EOS or a stop token (included, ``"stop"``), at ``max_new_tokens`` or the
-  context length (``"length"``), or at ``pause_generation`` (``"abort"``).
-- ``update_weights`` copies into the existing parameter storages (stable addresses for
-  torch_memory_saver), staged in slices of at most ``chunk_bytes``.
-- Memory tags ``weights`` and ``kv_cache`` (``memory.py``); no CUDA graphs.
+  (``request_seeds``); several processes each generate a contiguous slice and share the outputs.
+- A request stops at EOS or a stop token (``"stop"``), at ``max_new_tokens`` or the context length
+  (``"length"``), or at ``pause_generation`` (``"abort"``).
+- ``update_weights`` copies into the existing storages (stable addresses for torch_memory_saver).
 """
 
 from __future__ import annotations
@@ -50,8 +45,7 @@ _FP_CHUNK = 1 << 20  # elements per fingerprint slice (bounds the float32 tempor
 
 
 def tensor_sums(x: torch.Tensor) -> torch.Tensor:
-    """[sum, sum of squares] of ``x`` as a float64 tensor on ``x.device``: float32 within
-    slices of 2**20 elements, float64 across slices."""
+    """[sum, sum of squares] of ``x``, float64 on its device: float32 per 2**20-element slice."""
     acc = torch.zeros(2, dtype=torch.float64, device=x.device)
     for part in x.detach().reshape(-1).split(_FP_CHUNK):
         p32 = part.float()
@@ -157,8 +151,7 @@ class EmbeddedEngine:
         return placed
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
-        """In-place streaming update of host ndarrays, torch tensors or ``Placed`` tensors; the
-        fingerprint is of the data as staged on the device."""
+        """In-place streaming update; the fingerprint is of the data as staged on the device."""
         t0 = time.perf_counter()
         noop = fault("swap_noop")
         sums: dict[str, torch.Tensor] = {}
@@ -195,8 +188,7 @@ class EmbeddedEngine:
     def _write(
         self, name: str, dst: torch.Tensor, src: torch.Tensor, on_tensor: Any, noop: bool
     ) -> torch.Tensor:
-        """Stage ``src`` on the device in slices of dim 0 (at most ``chunk_bytes``) and copy each
-        into ``dst``; returns [sum, sumsq] of what was staged."""
+        """Stage ``src`` on the device in dim-0 slices (<= ``chunk_bytes``) into ``dst``; [sum, sumsq]."""
         rows = dst.shape[0]
         row_bytes = max(1, dst[0].numel() * dst.element_size())
         whole = self.chunk_bytes <= 0 or dst.numel() * dst.element_size() <= self.chunk_bytes

@@ -93,8 +93,7 @@ def has_checkpoint(path: Path) -> bool:
 
 
 def resolve(fsdp: int, world: int) -> bool:
-    """Whether the trainer shards (``--fsdp`` 0: over every process; 1: data parallel; else the
-    process count); ValueError naming the flag."""
+    """Whether the trainer shards (``--fsdp`` 0: every process, 1: none); ValueError naming the flag."""
     size = fsdp or world
     if size not in (1, world):
         raise ValueError(

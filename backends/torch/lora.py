@@ -1,14 +1,9 @@
 """LoRA adapters for the torch Qwen3 (same math as ``backends/jax/model.py``'s ``Linear``).
 
-Shapes: ``in``/``out`` a linear layer's features, R the rank. ``LoRALinear`` *is* an
-``nn.Linear`` (its ``weight`` [out, in] keeps the HF name) plus ``lora_a`` [R, in] and ``lora_b``
-[out, R] (the PEFT layout):
-
-    y = x @ weight.T + ((x @ lora_a.T) @ lora_b.T) * alpha / R
-
-``lora_a`` ~ N(0, 1/in), ``lora_b`` = 0. ``disabled(model)`` turns every adapter off (the KL
-reference). The adapters may be kept in another dtype than the base (float32 masters); the
-adapter branch and ``merged_weight()`` are in the base weight's dtype.
+``LoRALinear`` *is* an ``nn.Linear`` (its ``weight`` [out, in] keeps the HF name) plus ``lora_a``
+[R, in] and ``lora_b`` [out, R] (the PEFT layout), R the rank:
+``y = x @ weight.T + ((x @ lora_a.T) @ lora_b.T) * alpha / R``; ``lora_a`` ~ N(0, 1/in),
+``lora_b`` = 0. The adapters may be float32 masters; the branch runs in the base weight's dtype.
 """
 
 from __future__ import annotations
@@ -71,8 +66,7 @@ class LoRALinear(nn.Linear):
 
 @torch.no_grad()
 def merge(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
-    """``weight`` [out, in] + ``lora_b`` [out, R] @ ``lora_a`` [R, in] * ``scale``, in float32, returned
-    in ``weight``'s dtype."""
+    """``weight`` [out, in] + ``lora_b`` [out, R] @ ``lora_a`` [R, in] * ``scale`` in float32."""
     return (weight.float() + (lora_b.float() @ lora_a.float()) * scale).to(weight.dtype)
 
 

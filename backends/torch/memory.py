@@ -1,12 +1,10 @@
 """Tag-based release/resume of the embedded engine's device memory: ``release(tag)`` frees the
 device bytes of a tag's tensors, ``resume(tag)`` gives them back; tensor objects stay.
 
-- ``SaverMemory`` (CUDA with ``torch_memory_saver``): tensors allocated inside its ``region``;
-  ``pause`` unmaps their memory, ``resume`` maps new memory at the same addresses (bytes from the
-  CPU backup, else undefined). torch_memory_saver ``exit(1)``s on a repeated pause or resume and
-  its tags are process-global: each engine gets its own tags and repeats are warned no-ops.
-- ``StorageMemory`` (CPU, or CUDA without torch_memory_saver): storages resized to 0 (backed up
-  to a numpy host buffer first) and back; storage addresses change.
+- ``SaverMemory`` (CUDA with ``torch_memory_saver``): ``pause`` unmaps a region's memory, ``resume``
+  maps new memory at the same addresses. It ``exit(1)``s on a repeated pause or resume and its tags
+  are process-global: each engine gets its own tags and repeats are warned no-ops.
+- ``StorageMemory`` (otherwise): storages resized to 0 (backed up to host first) and back.
 """
 
 from __future__ import annotations

@@ -1,18 +1,16 @@
 """Torch memory planner for CUDA targets: ``measure(req) -> Measured`` (``mllm_rl/memplan/request.py``).
 
-Every figure is predicted, per device. A node target (``h100x8``) plans one card, the trainer sharded
-by FSDP2 over all of them (``fsdp`` 1: unsharded), traced on torch's fake process group.
+Every figure is predicted, per device; a node target (``h100x8``) plans one card, the trainer sharded
+by FSDP2 (traced on torch's fake process group).
 
-- ``trainer_params``, ``grads``, ``optimizer``, ``grad_step`` (method ``fake_tensor``): the real
-  ``TorchTrainer`` materialised inside ``FakeTensorMode`` and stepped under ``MemTracker``;
-  components are read just before an optimizer step, ``grad_step`` is the tracker's peak. The fake
-  device is the CPU (fake CUDA tensors cannot run backward without a CUDA context): same byte
-  counts, no 512-byte rounding. AdamW's host-side ``step`` counters (unfused, on CUDA) are left out.
-- ``engine_weights``, ``kv_pool``, ``staging`` (method ``layout``): SGLang's own rules
-  (``sglang_calls.SGLANG_VERSION``), cited at each function below.
+- ``trainer_params``, ``grads``, ``optimizer``, ``grad_step`` (``fake_tensor``): the real
+  ``TorchTrainer`` stepped inside ``FakeTensorMode`` under ``MemTracker``, read just before an
+  optimizer step; ``grad_step`` is the peak. The fake device is the CPU (fake CUDA tensors cannot
+  run backward without a CUDA context): same byte counts, no 512-byte rounding.
+- ``engine_weights``, ``kv_pool``, ``staging`` (``layout``): SGLang's own rules, cited below.
 
-Not predicted (needs a GPU): CUDA kernel workspaces, CUDA contexts, allocator fragmentation, SGLang's
-own activations and CUDA graphs while decoding (``1 - mem_fraction_static`` of the device).
+Not predicted (needs a GPU): CUDA workspaces and contexts, fragmentation, SGLang's activations and
+CUDA graphs (``1 - mem_fraction_static`` of the device).
 """
 
 from __future__ import annotations
@@ -282,11 +280,8 @@ def _tracker_class() -> type:
 
         def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
             hooks = self._param_to_grad_hook_handles
-            frozen = [
-                p
-                for p in module.parameters()
-                if (not p.requires_grad or p.grad_fn is not None) and p not in hooks
-            ]
+            frozen = [p for p in module.parameters() if not p.requires_grad or p.grad_fn is not None]
+            frozen = [p for p in frozen if p not in hooks]
             for p in frozen:  # MemTracker skips parameters that already have hook handles
                 hooks[p] = ()
             try:
@@ -401,13 +396,10 @@ def trainer_step_memory(
                     for n, p in trainer.trainable.items()
                 }
         ref_params = sum(h.numel() * h.element_size() for h in (trainer.ref_host or {}).values())
-        host_scalars = 0  # on CUDA the step counters of a non-fused AdamW are host tensors
-        for group in trainer.optimizer.param_groups if device == "cuda" else ():
-            steps_of = (trainer.optimizer.state.get(p, {}).get("step") for p in group["params"])
-            if not group["fused"]:
-                host_scalars += sum(
-                    t.numel() * t.element_size() for t in steps_of if isinstance(t, torch.Tensor)
-                )
+        # on CUDA the step counters of a non-fused AdamW are host tensors
+        unfused = [g for g in trainer.optimizer.param_groups if device == "cuda" and not g["fused"]]
+        counters = (trainer.optimizer.state.get(p, {}).get("step") for g in unfused for p in g["params"])
+        host_scalars = sum(t.numel() * t.element_size() for t in counters if isinstance(t, torch.Tensor))
         batch = step_batch(config, rows, seq_len)
         tracker = _tracker_class()()
         tracker.track_external(trainer.model, trainer.optimizer)
@@ -442,7 +434,7 @@ def trainer_step_memory(
                 h.remove()
         peak = _bytes(tracker.get_tracker_snapshot("peak"))
         pre = before_step[-1]
-        out = StepMemory(
+        return StepMemory(
             # MemTracker counts the swapped-in KL reference as params (not when sharded)
             params=pre.get("Parameter", 0) - (0 if trainer.sharded else ref_params),
             grads=pre.get("Gradient", 0),
@@ -463,13 +455,11 @@ def trainer_step_memory(
             fwd_bwd_peak=peak_before_step[0],
             adamw=adamw,
         )
-        return out
 
 
 @contextlib.contextmanager
 def fake_process_group(world: int) -> Iterator[tuple[Any, Any] | None]:
-    """``world`` > 1: torch's fake process group (this process rank 0) and a CPU mesh over it, as the
-    trainer's ``shard_over``; ``None`` for one device."""
+    """``world`` > 1: torch's fake process group and a CPU mesh over it (the ``shard_over``)."""
     if world == 1:
         yield None
         return
@@ -700,20 +690,10 @@ def sglang_engine(req: PlanRequest, target: Target, itemsize: int) -> EngineFigu
         "torch_memory_saver regions: weights = engine_weights, kv_cache = kv_pool, cuda_graph: its size is "
         "known only after capture on the GPU",
     ]
-    info = {
-        "kv_tokens": pool.tokens,
-        "kv_cell_bytes": pool.cell,
-        "kv_pad_tokens": PAGE_SIZE,
-        "engine": "sglang",
-        "mem_fraction_static": pool.mem_fraction_static,
-        "engine_free_bytes": pool.free,
-    }
-    return EngineFigures(
-        Component("engine_weights", weights, "layout", f"SGLang Qwen3: {detail}"),
-        Component("kv_pool", pool.bytes, "layout", kv),
-        notes,
-        info,
-    )
+    info = dict(kv_tokens=pool.tokens, kv_cell_bytes=pool.cell, kv_pad_tokens=PAGE_SIZE, engine="sglang")
+    info.update(mem_fraction_static=pool.mem_fraction_static, engine_free_bytes=pool.free)
+    weights_c = Component("engine_weights", weights, "layout", f"SGLang Qwen3: {detail}")
+    return EngineFigures(weights_c, Component("kv_pool", pool.bytes, "layout", kv), notes, info)
 
 
 def measure(req: PlanRequest) -> Measured:
@@ -727,19 +707,10 @@ def measure(req: PlanRequest) -> Measured:
 
     world = target.num_devices if fsdp.resolve(req.fsdp, target.num_devices) else 1
     rows = min(req.prompts * req.group_size, 2 * req.micro_batch * world)  # up to 2 micro-batches a device
-    step = trainer_step_memory(
-        c,
-        req.micro_batch,
-        req.seq_len,
-        rows,
-        req.param_dtype,
-        req.lora_rank,
-        req.kl,
-        precision=req.precision,
-        options=options_key(req.options),
-        device="cpu" if target.platform == "cpu" else "cuda",
-        world=world,
-    )
+    shape = (c, req.micro_batch, req.seq_len, rows, req.param_dtype, req.lora_rank, req.kl)
+    device = "cpu" if target.platform == "cpu" else "cuda"
+    opts = options_key(req.options)
+    step = trainer_step_memory(*shape, precision=req.precision, options=opts, device=device, world=world)
     comps, grad_step = _trainer_figures(req, step)
     comps["engine_weights"], comps["kv_pool"] = engine.weights, engine.kv_pool
     stage = staging_bytes(c, itemsize, lora=req.lora_rank > 0, cast=step.master_dtype != req.param_dtype)

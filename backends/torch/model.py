@@ -168,15 +168,9 @@ class ChunkedLogProbs(torch.autograd.Function):
             if need_h:
                 g = next(grads)
                 gh = (g if one else g.float()) if gh is None else gh.add_(g)
-        return (
-            gx,
-            None,
-            None if gw is None else gw.to(norm_weight.dtype),
-            None if gh is None else gh.to(head.dtype),
-            None,
-            None,
-            None,
-        )
+        gw = None if gw is None else gw.to(norm_weight.dtype)
+        gh = None if gh is None else gh.to(head.dtype)
+        return gx, None, gw, gh, None, None, None
 
 
 def _chunk_logprobs(

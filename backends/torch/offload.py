@@ -1,7 +1,5 @@
-"""Offload/onload of a group of torch tensors that keeps the tensor objects (the trainer's params,
-the optimizer's state): only the bytes move, so the model and ``torch.optim`` keep their references.
-
-``offload`` copies each distinct storage whole to the host (CUDA: pinned tensors; CPU: numpy
+"""Offload/onload of a group of torch tensors (the trainer's params, the optimizer's state): only the
+bytes move, the tensor objects stay. ``offload`` copies each distinct storage whole to the host (CUDA: pinned tensors; CPU: numpy
 buffers, not counted as device memory) and resizes it to 0; ``onload`` resizes it back and copies
 the bytes in. CPU tensors of a CUDA group (unfused AdamW ``step`` counters) stay where they are.
 """
@@ -27,8 +25,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device) -> int:
 
 
 def host_copy(t: torch.Tensor, device: torch.device) -> Any:
-    """A host copy of ``t``'s bytes: a pinned CPU tensor (CUDA; call ``synchronize`` before
-    reading it) or a numpy uint8 buffer [nbytes] (CPU)."""
+    """A host copy of ``t``'s bytes: pinned (CUDA; ``synchronize`` before reading) or numpy uint8."""
     if device.type == "cuda":
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t.detach(), non_blocking=True)
@@ -49,8 +46,7 @@ def from_host_bytes(t: torch.Tensor, host: np.ndarray) -> None:
 
 
 def device_tensor(host: Any, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A tensor shaped like ``like`` on its device, typed ``dtype`` (default ``like``'s), holding
-    ``host``'s bytes (on CPU a view of the numpy buffer)."""
+    """A tensor like ``like`` (typed ``dtype``) holding ``host``'s bytes (on CPU a view)."""
     if isinstance(host, torch.Tensor):
         return host.to(like.device, non_blocking=True)
     return torch.from_numpy(host).view(dtype or like.dtype).view(like.shape)
@@ -82,8 +78,7 @@ class OffloadGroup:
         return self._held is None
 
     def offload(self, tensors: Iterable[torch.Tensor]) -> int:
-        """Move the bytes of ``tensors``' distinct storages (whole) to the host and free them on the
-        device; returns the device bytes freed (0 when offloaded already)."""
+        """Move the tensors' distinct storages to the host, freed on the device; the bytes freed."""
         if self._held is not None:
             return 0
         storages: dict[int, torch.UntypedStorage] = {}

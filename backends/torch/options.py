@@ -4,10 +4,8 @@ backend's ``--model-option KEY=VALUE`` (runs and memory plans). Imports no torch
 - ``remat``: ``true`` runs each decoder layer's training forward under non-reentrant
   ``torch.utils.checkpoint`` (``model.py: run_block``), keeping only its input [B, T, H]; same
   numbers. JAX's ``block`` / ``none`` are accepted; ``dots`` is refused.
-- ``adamw``: the ``torch.optim.AdamW`` implementation. ``auto`` (default; ``none`` too) is ``fused``
-  on CUDA (no ``foreach`` full-size temporaries: docs/PLAN.md) and torch's choice elsewhere;
-  ``foreach`` / ``fused`` force one. ``fused`` keeps its ``step`` counters on the device, the
-  others on the host. Same update up to rounding.
+- ``adamw``: the ``torch.optim.AdamW`` implementation: ``auto`` (default; ``none`` too) is ``fused``
+  on CUDA (docs/PLAN.md) and torch's choice elsewhere; ``foreach`` / ``fused`` force one.
 """
 
 from __future__ import annotations

@@ -2,16 +2,13 @@
 
 CUDA (``CudaMemoryProbe``): per device two entries with the same ``id``, in this order:
 
-- ``source="mem_get_info"``: driver truth, ``total - free`` (other processes included; the only
-  number that sees torch_memory_saver / SGLang releases); ``raw`` adds this process's NVML bytes;
-- ``source="torch_allocator"``: ``memory_allocated`` / ``max_memory_allocated`` (reset per phase);
-  ``raw`` has the allocator's counters and ``paused_bytes`` of this process's paused
-  torch_memory_saver regions (still allocated for torch; the plan's audit subtracts them).
+- ``source="mem_get_info"``: driver truth, ``total - free`` (the only number that sees
+  torch_memory_saver / SGLang releases); ``raw`` adds this process's NVML bytes;
+- ``source="torch_allocator"``: ``memory_allocated`` / ``max_memory_allocated``; ``raw`` has the
+  allocator's counters and ``paused_bytes`` of paused torch_memory_saver regions.
 
-CPU (``CpuTensorProbe``, ``source="live_tensors"``): bytes of the distinct storages that
-registered holders (``track``) list in ``held_tensors()``, exactly what the lifecycle releases and
-offloads (torch on CPU has no allocator statistics, and scanning ``gc`` from a sampler thread is
-unsafe).
+CPU (``source="live_tensors"``): bytes of the distinct storages that registered holders (``track``)
+list in ``held_tensors()`` (torch on CPU has no allocator statistics).
 """
 
 from __future__ import annotations
@@ -72,14 +69,9 @@ class CpuTensorProbe:
 class CudaMemoryProbe:
     """Every visible CUDA device: driver truth and torch allocator (see the module docstring)."""
 
-    RAW_KEYS = (
-        "reserved_bytes.all.current",
-        "reserved_bytes.all.peak",
-        "active_bytes.all.current",
-        "inactive_split_bytes.all.current",
-        "allocated_bytes.all.current",
-        "num_alloc_retries",
-        "num_ooms",
+    RAW_KEYS = tuple(
+        "reserved_bytes.all.current reserved_bytes.all.peak active_bytes.all.current "
+        "inactive_split_bytes.all.current allocated_bytes.all.current num_alloc_retries num_ooms".split()
     )
 
     def __init__(self) -> None:
@@ -131,17 +123,8 @@ class CudaMemoryProbe:
             paused = paused_cuda_bytes(d)
             if paused is not None:
                 alloc_raw["paused_bytes"] = paused
-            out.append(
-                DeviceMemory(
-                    d,
-                    "cuda",
-                    int(torch.cuda.memory_allocated(d)),
-                    int(torch.cuda.max_memory_allocated(d)),
-                    total,
-                    "torch_allocator",
-                    alloc_raw,
-                )
-            )
+            used, peak = int(torch.cuda.memory_allocated(d)), int(torch.cuda.max_memory_allocated(d))
+            out.append(DeviceMemory(d, "cuda", used, peak, total, "torch_allocator", alloc_raw))
         return out
 
 

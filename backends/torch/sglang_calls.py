@@ -71,6 +71,21 @@ ENGINE_KWARGS = tuple(
 )
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "stop_token_ids", "sampling_seed")
 
+
+def _tm(name: str, kind: str, *args: str, **kw: Any) -> Call:
+    """A ``TokenizerManager`` entry called with positional ``args``."""
+    return Call(_TM, "TokenizerManager", name, kind, args=args, **kw)
+
+
+def _io(name: str, *kwargs: str, **kw: Any) -> Call:
+    """An ``io_struct`` request built with keywords ``kwargs``."""
+    return Call(_IO, "", name, "kwargs", kwargs=kwargs, **kw)
+
+
+def _tag(constant: str, value: str) -> Call:
+    return Call("sglang.srt.constants", "", constant, "constant", values=(("value", (value,)),))
+
+
 CALLS: dict[str, Call] = {
     # -- the engine object (this process) -------------------------------------------------------
     "Engine": Call(
@@ -81,7 +96,7 @@ CALLS: dict[str, Call] = {
         kwargs=ENGINE_KWARGS,
         values=(("load_format", ("dummy",)), ("dtype", ("float32", "bfloat16", "float16"))),
         why="started with dummy weights; every other argument a ServerArgs field",
-    ),
+    ),  # fmt: skip
     "Engine.tokenizer_manager": Call(_ENGINE, "Engine", "tokenizer_manager", "attribute"),
     "Engine.loop": Call(_ENGINE, "Engine", "loop", "attribute", why="run forever in our own thread"),
     "Engine._scheduler_init_result": Call(_ENGINE, "Engine", "_scheduler_init_result", "attribute"),
@@ -93,37 +108,24 @@ CALLS: dict[str, Call] = {
         "keys",
         kwargs=("max_total_num_tokens",),
         why="the KV pool's token count (tag_bytes)",
-    ),
+    ),  # fmt: skip
     "Engine._serialize_tensors_per_rank": Call(
         _ENGINE, "Engine", "_serialize_tensors_per_rank", "method", args=("tensors", "load_format")
     ),
     "Engine.shutdown": Call(_ENGINE, "Engine", "shutdown", "method"),
     # -- tokenizer manager coroutines (submitted to Engine.loop) --------------------------------
-    "generate_request": Call(_TM, "TokenizerManager", "generate_request", "agen", args=("obj", "request")),
-    "pause_generation": Call(_TM, "TokenizerManager", "pause_generation", "coroutine", args=("obj",)),
-    "continue_generation": Call(_TM, "TokenizerManager", "continue_generation", "coroutine", args=("obj",)),
-    "flush_cache": Call(_TM, "TokenizerManager", "flush_cache", "coroutine"),
-    "update_weights_from_tensor": Call(
-        _TM,
-        "TokenizerManager",
-        "update_weights_from_tensor",
-        "coroutine",
-        args=("obj", "request"),
-        why="returns (success, message)",
+    "generate_request": _tm("generate_request", "agen", "obj", "request"),
+    "pause_generation": _tm("pause_generation", "coroutine", "obj"),
+    "continue_generation": _tm("continue_generation", "coroutine", "obj"),
+    "flush_cache": _tm("flush_cache", "coroutine"),
+    "update_weights_from_tensor": _tm(
+        "update_weights_from_tensor", "coroutine", "obj", "request", why="returns (success, message)"
     ),
-    "get_weights_by_name": Call(
-        _TM, "TokenizerManager", "get_weights_by_name", "coroutine", args=("obj", "request")
-    ),
-    "release_memory_occupation": Call(
-        _TM, "TokenizerManager", "release_memory_occupation", "coroutine", args=("obj", "request")
-    ),
-    "resume_memory_occupation": Call(
-        _TM, "TokenizerManager", "resume_memory_occupation", "coroutine", args=("obj", "request")
-    ),
+    "get_weights_by_name": _tm("get_weights_by_name", "coroutine", "obj", "request"),
+    "release_memory_occupation": _tm("release_memory_occupation", "coroutine", "obj", "request"),
+    "resume_memory_occupation": _tm("resume_memory_occupation", "coroutine", "obj", "request"),
     # -- request objects ------------------------------------------------------------------------
-    "GenerateReqInput": Call(
-        _IO, "", "GenerateReqInput", "kwargs", kwargs=("input_ids", "sampling_params", "return_logprob")
-    ),
+    "GenerateReqInput": _io("GenerateReqInput", "input_ids", "sampling_params", "return_logprob"),
     "SamplingParams": Call(
         "sglang.srt.sampling.sampling_params",
         "",
@@ -131,33 +133,20 @@ CALLS: dict[str, Call] = {
         "kwargs",
         kwargs=SAMPLING_KEYS,
         why="the keys of GenerateReqInput.sampling_params",
-    ),
-    "PauseGenerationReqInput": Call(
-        _IO,
-        "",
+    ),  # fmt: skip
+    "PauseGenerationReqInput": _io(
         "PauseGenerationReqInput",
-        "kwargs",
-        kwargs=("mode",),
+        "mode",
         values=(("mode", ("abort",)),),
         why="abort: requests in flight return; retract would keep them queued",
+    ),  # fmt: skip
+    "ContinueGenerationReqInput": _io("ContinueGenerationReqInput"),
+    "UpdateWeightsFromTensorReqInput": _io(
+        "UpdateWeightsFromTensorReqInput", "serialized_named_tensors", "load_format", "flush_cache"
     ),
-    "ContinueGenerationReqInput": Call(_IO, "", "ContinueGenerationReqInput", "kwargs"),
-    "UpdateWeightsFromTensorReqInput": Call(
-        _IO,
-        "",
-        "UpdateWeightsFromTensorReqInput",
-        "kwargs",
-        kwargs=("serialized_named_tensors", "load_format", "flush_cache"),
-    ),
-    "GetWeightsByNameReqInput": Call(
-        _IO, "", "GetWeightsByNameReqInput", "kwargs", kwargs=("name", "truncate_size")
-    ),
-    "ReleaseMemoryOccupationReqInput": Call(
-        _IO, "", "ReleaseMemoryOccupationReqInput", "kwargs", kwargs=("tags",)
-    ),
-    "ResumeMemoryOccupationReqInput": Call(
-        _IO, "", "ResumeMemoryOccupationReqInput", "kwargs", kwargs=("tags",)
-    ),
+    "GetWeightsByNameReqInput": _io("GetWeightsByNameReqInput", "name", "truncate_size"),
+    "ReleaseMemoryOccupationReqInput": _io("ReleaseMemoryOccupationReqInput", "tags"),
+    "ResumeMemoryOccupationReqInput": _io("ResumeMemoryOccupationReqInput", "tags"),
     "FlushCacheReqOutput": Call(
         _IO,
         "FlushCacheReqOutput",
@@ -165,34 +154,24 @@ CALLS: dict[str, Call] = {
         "fields",
         kwargs=("success", "message"),
         why="what flush_cache returns; success=False means nothing was flushed",
-    ),
+    ),  # fmt: skip
     # -- what generate_request yields -----------------------------------------------------------
-    "generate_output": Call(
-        _TM,
-        "TokenizerManager",
-        "_handle_batch_output",
-        "keys",
-        kwargs=("text", "output_ids", "meta_info", "finish_reason"),
+    "generate_output": _tm(
+        "_handle_batch_output", "keys", kwargs=("text", "output_ids", "meta_info", "finish_reason")
     ),
-    "output_token_logprobs": Call(
-        _TM, "TokenizerManager", "add_logprob_to_meta_info", "keys", kwargs=("output_token_logprobs",)
-    ),
-    "meta_info": Call(
-        _TM,
-        "TokenizerManager",
+    "output_token_logprobs": _tm("add_logprob_to_meta_info", "keys", kwargs=("output_token_logprobs",)),
+    "meta_info": _tm(
         "_handle_batch_output",
         "keys",
         kwargs=("cached_tokens",),
         why="prompt tokens the request read from the radix cache (GenerateOutput.cached_tokens)",
-    ),
-    "logprob_entry": Call(
-        _TM,
-        "TokenizerManager",
+    ),  # fmt: skip
+    "logprob_entry": _tm(
         "detokenize_logprob_tokens",
         "tuple_first",
         kwargs=("token_logprobs_val",),
         why="entry[0] is the log-prob",
-    ),
+    ),  # fmt: skip
     "finish_reason": Call(
         "sglang.srt.managers.schedule_batch",
         "",
@@ -200,21 +179,11 @@ CALLS: dict[str, Call] = {
         "key_values",
         kwargs=("type",),
         values=(("type", ("stop", "length", "abort")),),
-    ),
+    ),  # fmt: skip
     # -- memory tags (torch_memory_saver regions inside the scheduler) --------------------------
-    "TAG_WEIGHTS": Call(
-        "sglang.srt.constants", "", "GPU_MEMORY_TYPE_WEIGHTS", "constant", values=(("value", ("weights",)),)
-    ),
-    "TAG_KV": Call(
-        "sglang.srt.constants", "", "GPU_MEMORY_TYPE_KV_CACHE", "constant", values=(("value", ("kv_cache",)),)
-    ),
-    "TAG_CUDA_GRAPH": Call(
-        "sglang.srt.constants",
-        "",
-        "GPU_MEMORY_TYPE_CUDA_GRAPH",
-        "constant",
-        values=(("value", ("cuda_graph",)),),
-    ),
+    "TAG_WEIGHTS": _tag("GPU_MEMORY_TYPE_WEIGHTS", "weights"),
+    "TAG_KV": _tag("GPU_MEMORY_TYPE_KV_CACHE", "kv_cache"),
+    "TAG_CUDA_GRAPH": _tag("GPU_MEMORY_TYPE_CUDA_GRAPH", "cuda_graph"),
     # -- known gap: a Qwen3 engine cannot read its weights back ---------------------------------
     "qwen3_no_readback": Call(
         "sglang.srt.models.qwen3",
@@ -222,7 +191,7 @@ CALLS: dict[str, Call] = {
         "get_weights_by_name",
         "absent",
         why="get_weights_by_name returns None for Qwen3; weights_fingerprint raises",
-    ),
+    ),  # fmt: skip
 }
 
 # torch_memory_saver as backends/torch/memory.py uses it (the ``torch_memory_saver`` singleton).

@@ -6,12 +6,9 @@ test_sglang_conformance.py`` checks the table against the wheel and drives this 
 fake; ``_probe_version`` fails at import when a declared API is missing. Facts relied on:
 
 - ``Engine(..., load_format="dummy", enable_memory_saver=True)`` runs the scheduler in
-  subprocesses and the tokenizer manager on ``engine.loop`` here, which the adapter runs in its
-  own thread (the sync wrappers' ``run_until_complete`` would block a pause from another thread).
-- ``pause_generation(mode="abort")`` aborts every request in flight; ``flush_cache`` may report
-  ``success=False`` without raising, so it is retried.
-- ``update_weights_from_tensor`` loads HF-named tensors (CUDA tensors travel by IPC handle).
-- Logprobs are ``log_softmax(logits / temperature)``, as the embedded engine's.
+  subprocesses and the tokenizer manager on ``engine.loop``, which runs in its own thread here (so
+  another thread can pause a running ``generate``).
+- ``flush_cache`` may report ``success=False`` without raising, so it is retried.
 - Known gap: ``Qwen3ForCausalLM`` in 0.5.23 has no ``get_weights_by_name``, so
   ``weights_fingerprint`` raises rather than skip the check.
 """
@@ -227,13 +224,7 @@ class SglangEngine:
     # -- generation -------------------------------------------------------------------------
     def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateOutput]:
         """One request per prompt, submitted together; an error while paused comes back as ``abort``."""
-        params: dict[str, Any] = {
-            "max_new_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-        }
-        if sampling.stop_token_ids:
-            params["stop_token_ids"] = list(sampling.stop_token_ids)
+        params = sampling.server_params()
         # a seed per request (the batch seed on all would make a GRPO group one sample); none: random
         seeds = None
         if sampling.seed is not None:
@@ -305,8 +296,7 @@ class SglangEngine:
         return f"{self.task}/{tag}" if self.task else tag
 
     def tag_bytes(self, tag: str) -> int:
-        """weights: checkpoint bytes; kv_cache: pool tokens x bytes per token; cuda_graph: what its
-        last release freed."""
+        """weights: checkpoint bytes; kv_cache: pool tokens x bytes/token; cuda_graph: its last release."""
         if tag == TAG_WEIGHTS:
             return self.weight_bytes()
         if tag == TAG_KV:

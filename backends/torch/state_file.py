@@ -51,7 +51,7 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 def split(state: dict[str, Any], k: int) -> list[Any]:
     """``state`` as ``k`` objects to save: the structure (with shard 0's tensors) and ``{key:
     tensor}`` per other shard; whole storages, largest first to the lightest shard."""
-    tensors = _tensors(state)
+    tensors = tensors_of(state)
     storages: dict[int, list[int]] = {}
     for key, t in enumerate(tensors):
         storages.setdefault(t.untyped_storage().data_ptr(), []).append(key)
@@ -104,7 +104,7 @@ def write_state(
     (its ``OSError`` raised, naming the file). Returns the manifest entries. No torch CRC32s
     unless ``crc32``: the manifest's sha256 is the checksum."""
     if shards is None:
-        shards = shard_count(sum(t.nbytes for t in _tensors(state)))
+        shards = shard_count(sum(t.nbytes for t in tensors_of(state)))
     objs = split(state, shards)
     targets = [path / shard_file(i) for i in range(shards)]
     tmps = [t.with_name(f".{t.name}.tmp") for t in targets]
@@ -128,7 +128,7 @@ def write_state(
     return {t.name: r for t, r in zip(targets, results, strict=True)}
 
 
-def _tensors(state: Any) -> list[torch.Tensor]:
+def tensors_of(state: Any) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     _map_tensors(state, out.append)
     return out

@@ -3,15 +3,12 @@ behaviour of ``backends/jax/trainer.py``: ``torch.optim.AdamW``, exact gradient 
 optional LoRA, ``torch.save`` checkpoints, offload to pinned CPU memory.
 
 Shapes: B sequences, T positions (right-padded to a multiple of ``T_BUCKET``), V vocab. AdamW state
-is created at init (like optax's ``init``) so ``state_bytes`` means the same before the first step.
+is created at init (like optax's ``init``).
 
 Precision for a 16-bit checkpoint: ``mixed`` (default) keeps float32 masters and moments and
 computes on casts in the checkpoint dtype (an update of ~1e-6 is below half a bf16 ulp of a ~0.02
-weight); the engine gets the casts, checkpoints hold the masters; no loss scaling. ``pure``: all in
-the checkpoint dtype. Log-probs come from the model's chunked head (never the whole [B, T, V]).
-
-Several processes: FSDP2 by default (``fsdp.py``; round-robin micro-batches padded with weight-0
-repeats, DCP checkpoints); ``fsdp`` 1: data parallel, gradients all-reduced.
+weight); ``pure``: all in the checkpoint dtype. Several processes: FSDP2 by default (``fsdp.py``);
+``fsdp`` 1: data parallel, gradients all-reduced.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ from mllm_rl.backends.torch.offload import OffloadGroup, device_tensor, host_cop
 from mllm_rl.backends.torch.options import TorchModelOptions
 from mllm_rl.backends.torch.probe import track
 from mllm_rl.backends.torch.rl_loss import policy_loss
-from mllm_rl.backends.torch.state_file import STATE_FILE, load_state, write_state
+from mllm_rl.backends.torch.state_file import STATE_FILE, load_state, tensors_of, write_state
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import Fingerprint, WeightExport
 from mllm_rl.faults import fault, fault_value
@@ -224,8 +221,7 @@ class TorchTrainer:
     def _token_logp(
         self, tokens: torch.Tensor, attn: torch.Tensor | None, params: dict[str, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """[B, T] -> log p(tokens[:, t] | tokens[:, :t]) for t >= 1 under softmax(logits /
-        temperature), [B, T - 1] float32, via the model's chunked head."""
+        """[B, T] -> log p(tokens[:, t] | tokens[:, :t]) / temperature-softmax, [B, T - 1] float32."""
         params = self._compute_params() if params is None else params
         args = (tokens[:, :-1], None if attn is None else attn[:, :-1])
         kwargs = {"targets": tokens[:, 1:], "temperature": self.cfg.temperature}
@@ -233,8 +229,7 @@ class TorchTrainer:
 
     @torch.no_grad()
     def _ref_logp(self, mb: dict[str, torch.Tensor], ref: dict[str, torch.Tensor] | None) -> torch.Tensor:
-        """The reference policy's [B, T - 1] log-probs: the initial params (full fine-tune) or
-        the base model (LoRA: adapters off)."""
+        """The reference policy's [B, T - 1] log-probs: initial params, or LoRA adapters off."""
         if self.lora:
             with disabled(self.model):
                 return self._token_logp(mb["tokens"], mb.get("attn"))
@@ -374,8 +369,7 @@ class TorchTrainer:
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch) -> np.ndarray:
-        """Log-prob of ``tokens[b, t]`` given ``tokens[b, :t]``, [B, T] float32 (0 at t = 0 and
-        on padding); several processes each compute a share and all-gather."""
+        """Log-prob of ``tokens[b, t]`` given ``tokens[b, :t]``, [B, T] float32 (0 at t = 0, padding)."""
         self._need(PARAMS)
         params = self._compute_params()  # cast once for every micro-batch
         mine: dict[int, np.ndarray] = {}
@@ -403,8 +397,7 @@ class TorchTrainer:
 
     # -- weights for the engine ----------------------------------------------------------
     def _engine_tensor(self, name: str) -> torch.Tensor:
-        """The weight ``name`` as the engine holds it (HF layout, checkpoint dtype, LoRA merged);
-        sharded: gathered here (a collective)."""
+        """The weight ``name`` as the engine holds it (sharded: gathered, a collective)."""
         if name in self.adapters:
             a = self.adapters[name]
             if not self.sharded:
@@ -424,8 +417,7 @@ class TorchTrainer:
         return list(self.names) if full or not self.lora else list(self.linear_names)
 
     def export_weights(self, full: bool = True) -> WeightExport:
-        """HF-named tensors in the checkpoint dtype, one at a time (a merged or cast copy lives only
-        while the engine places it)."""
+        """HF-named tensors in the checkpoint dtype, one at a time (a merged or cast copy briefly)."""
         self._need(PARAMS)
         names = self.export_names(full)
         sums: dict[str, torch.Tensor] = {}
@@ -452,8 +444,7 @@ class TorchTrainer:
 
     # -- checkpoints ---------------------------------------------------------------------
     def _state(self, copy: Any) -> dict[str, Any]:
-        """What ``save`` writes, each tensor through ``copy``: trainable params, optimizer
-        ``state_dict``, LoRA rank, precision, step."""
+        """What ``save`` writes, each tensor through ``copy``."""
         opt = self.optimizer.state_dict()
         opt["state"] = {
             i: {k: copy(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
@@ -468,8 +459,7 @@ class TorchTrainer:
         }
 
     def save(self, path: Path) -> Manifest | None:
-        """``<path>/state.pt`` (``state_file.py``; not the LoRA base), process 0 writing. Sharded:
-        ``<path>/dcp``, every process its shards."""
+        """``<path>/state.pt`` written by process 0 (not the LoRA base); sharded: ``<path>/dcp``."""
         self._need(PARAMS, OPTIMIZER)
         if self.sharded:
             fsdp.save(self._dcp_state(), Path(path))
@@ -494,12 +484,10 @@ class TorchTrainer:
             raise ValueError(
                 "--checkpoint-background: not with a sharded trainer (every process writes its shards)"
             )
-        state = self._state(lambda t: t.detach().to("cpu", copy=True))
-        return StateSnapshot(state)
+        return StateSnapshot(self._state(lambda t: t.detach().to("cpu", copy=True)))
 
     def restore(self, path: Path) -> None:
-        """Load what ``save`` wrote. The optimizer keeps this trainer's AdamW implementation and
-        step-counter placement, whichever wrote the file."""
+        """Load what ``save`` wrote, keeping this trainer's AdamW implementation and counter placement."""
         self._need(PARAMS, OPTIMIZER)
         target = Path(path) / STATE_FILE
         if fsdp.has_checkpoint(path):
@@ -554,8 +542,7 @@ class TorchTrainer:
         )
 
     def _restore_dcp(self, path: Path) -> None:
-        """Load ``<path>/dcp`` into this trainer's tensors, resharded (any process count wrote it);
-        LoRA rank and precision checked first."""
+        """Load ``<path>/dcp`` into this trainer's tensors, resharded (LoRA rank and precision checked)."""
         import torch.distributed.checkpoint as dcp
 
         where = path / fsdp.DCP_DIR
@@ -585,24 +572,14 @@ class StateSnapshot:
 
     def __init__(self, state: dict[str, Any]) -> None:
         self.state = state
-        tensors = [
-            *state["trainable"].values(),
-            *(
-                v
-                for st in state["optimizer"]["state"].values()
-                for v in st.values()
-                if isinstance(v, torch.Tensor)
-            ),
-        ]
-        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors_of(state))
 
     def write(self, path: Path) -> Manifest:
         return write_state(self.state, Path(path))
 
 
 def right_padded(mask: np.ndarray) -> bool:
-    """Whether every row of ``mask`` [B, T] is real tokens then padding (causal attention then needs
-    no mask)."""
+    """Whether every row of ``mask`` [B, T] is real tokens then padding (causal needs no mask)."""
     m = np.asarray(mask, bool)
     return bool((m[:, 1:] <= m[:, :-1]).all())
 
@@ -622,8 +599,7 @@ def _step_device(group: dict[str, Any], p: torch.Tensor) -> torch.device:
 
 
 def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
-    """Create AdamW's state now: one step with zero gradients and ``lr = 0`` (params unchanged bit
-    for bit), then the step counters back to 0."""
+    """Create AdamW's state now: a step with zero grads and ``lr = 0``, counters back to 0."""
     lrs = [g["lr"] for g in opt.param_groups]
     for g in opt.param_groups:
         g["lr"] = 0.0
