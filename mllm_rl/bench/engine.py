@@ -18,6 +18,7 @@ import importlib.util
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mllm_rl.bench.child import BenchError, bench_argv, flags, run_json
@@ -39,20 +40,35 @@ def prompts(seed: int, batch: int, length: int) -> list[list[int]]:
     return rng.integers(32, 127, size=(batch, length)).tolist()  # printable bytes of the shipped tokenizer
 
 
+def load(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
+    """A one-process bench's backend ``args.backend``, model ``args.preset`` and runtime on ``args.platform``."""
+    from mllm_rl.backend_registry import load_backend
+    from mllm_rl.checkpoint.resolve import resolve_model
+
+    backend = load_backend(args.backend)
+    return backend, resolve_model(args.preset, seed=args.seed), backend.init_runtime(tp=1, platform=args.platform)  # fmt: skip
+
+
+def start_engine(backend: Any, model: Any, **opts: Any) -> tuple[Any, Callable[[], Any]]:
+    """A ``ManagedEngine`` on ``model`` (``EngineOptions(**opts)``), and the model's full weight export."""
+    from mllm_rl.engine import EngineOptions, WeightExport
+    from mllm_rl.engine_state import ManagedEngine
+
+    full = lambda: WeightExport(list(model.tensors), model.iter_tensors(), full=True)  # noqa: E731
+    return ManagedEngine(backend.create_engine(model, EngineOptions(**opts))), full
+
+
 class _Managed:
     """Our engines through ``ManagedEngine``: (prompts, n) -> token lists."""
 
     def __init__(self, kind: str, model: Any, platform: str, max_batch: int, ctx: int) -> None:
         from mllm_rl.backend_registry import load_backend
-        from mllm_rl.engine import EngineOptions, WeightExport
-        from mllm_rl.engine_state import ManagedEngine
 
         backend = load_backend("jax" if kind == "sglang-jax" else "torch")
         self.runtime = backend.init_runtime(tp=1, platform=platform)
-        opts = EngineOptions(max_total_tokens=max_batch * ctx, context_length=ctx, max_running_requests=max_batch,
-                             engine="auto" if kind == "sglang-jax" else kind)  # fmt: skip
-        self.engine = ManagedEngine(backend.create_engine(model, opts))
-        self.engine.update_weights(WeightExport(list(model.tensors), model.iter_tensors(), full=True))
+        self.engine, full = start_engine(backend, model, max_total_tokens=max_batch * ctx, context_length=ctx,
+            max_running_requests=max_batch, engine="auto" if kind == "sglang-jax" else kind)  # fmt: skip
+        self.engine.update_weights(full())
 
     def __call__(self, ids: list[list[int]], n: int) -> list[list[int]]:
         from mllm_rl.engine import SamplingParams

@@ -19,6 +19,7 @@ from typing import Any
 
 from mllm_rl.bench import MiB
 from mllm_rl.bench.cli import bench_parser, main_with_child, output_flags, positive, target
+from mllm_rl.bench.engine import load, start_engine
 from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.tables import VERDICT, table
 
@@ -42,21 +43,14 @@ def memcpy_baselines(
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
-    from mllm_rl.backend_registry import load_backend
-    from mllm_rl.checkpoint.resolve import resolve_model
-    from mllm_rl.engine import EngineOptions, SamplingParams, WeightExport
-    from mllm_rl.engine_state import ManagedEngine
+    from mllm_rl.engine import SamplingParams
 
-    backend = load_backend(args.backend)
-    model = resolve_model(args.preset, seed=args.seed)
-    runtime = backend.init_runtime(tp=1, platform=args.platform)
+    backend, model, runtime = load(args)
     probe = backend.memory_probe()
     truth = lambda: probe.in_use()[0]  # noqa: E731
     source = probe.snapshot()[0].source
-    opts = EngineOptions(weights_cpu_backup=args.cpu_backup, engine=args.engine or "auto",
-                         max_total_tokens=args.max_total_tokens or None)  # fmt: skip
-    engine = ManagedEngine(backend.create_engine(model, opts))
-    full = lambda: WeightExport(list(model.tensors), model.iter_tensors(), full=True)  # noqa: E731
+    engine, full = start_engine(backend, model, weights_cpu_backup=args.cpu_backup, engine=args.engine or "auto",
+                                max_total_tokens=args.max_total_tokens or None)  # fmt: skip
     engine.update_weights(full())
     prompt, greedy = [[51, 71, 68, 220, 66, 64, 79]], SamplingParams(max_new_tokens=8)
     before = engine.generate(prompt, greedy)[0].token_ids

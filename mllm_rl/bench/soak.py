@@ -22,6 +22,7 @@ from typing import Any
 
 from mllm_rl.bench import MiB
 from mllm_rl.bench.cli import bench_parser, main_with_child, output_flags, pick, positive, progress, target
+from mllm_rl.bench.engine import load, start_engine
 from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.tables import target_lines
 
@@ -40,29 +41,19 @@ def _slope(ys: list[int]) -> float | None:
 
 
 def soak(args: argparse.Namespace) -> dict[str, Any]:
-    from mllm_rl.backend_registry import load_backend
-    from mllm_rl.checkpoint.resolve import resolve_model
-    from mllm_rl.engine import EngineOptions, SamplingParams, WeightExport
-    from mllm_rl.engine_state import ManagedEngine
+    from mllm_rl.engine import SamplingParams
     from mllm_rl.phases.probe import host_rss
     from mllm_rl.trainer import OPTIMIZER, PARAMS, TrainConfig
 
-    backend = load_backend(args.backend)
-    model = resolve_model(args.preset, seed=args.seed)
-    runtime = backend.init_runtime(tp=1, platform=args.platform)
+    backend, model, runtime = load(args)
     probe = backend.memory_probe()
     snap = probe.snapshot()
     sources = [f"{d.id}:{d.source}" for d in snap]
     truth_idx = [i for i, d in enumerate(snap) if d.source != "torch_allocator"]
-    opts = EngineOptions(weights_cpu_backup=args.cpu_backup, max_total_tokens=args.max_total_tokens,
-                         context_length=args.context_length)  # fmt: skip
-    engine = ManagedEngine(backend.create_engine(model, opts))
+    engine, full = start_engine(backend, model, weights_cpu_backup=args.cpu_backup,
+                                max_total_tokens=args.max_total_tokens, context_length=args.context_length)  # fmt: skip
     trainer = backend.create_trainer(model, TrainConfig()) if args.trainer else None
-
-    def export() -> WeightExport:
-        if trainer is not None:
-            return trainer.export_weights(full=True)
-        return WeightExport(list(model.tensors), model.iter_tensors(), full=True)
+    export = full if trainer is None else lambda: trainer.export_weights(full=True)
 
     engine.update_weights(export())
     if trainer is not None:
