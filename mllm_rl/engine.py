@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from mllm_rl.option_error import OptionError
-from mllm_rl.options.fields import check_fields, opt
+from mllm_rl.options.check import check_fields, opt
 
 Fingerprint = dict[str, tuple[float, float]]  # hf_name -> (sum, sum of squares), float64
 

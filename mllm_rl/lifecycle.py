@@ -24,7 +24,7 @@ from mllm_rl.engine import (
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.faults import fault_value
 from mllm_rl.option_error import OptionError
-from mllm_rl.options.fields import check_fields, opt
+from mllm_rl.options.check import check_fields, opt
 from mllm_rl.phases.recorder import PhaseHandle, PhaseRecorder
 from mllm_rl.progress import waiting
 from mllm_rl.rl.old_logp import with_trainer_old_logp

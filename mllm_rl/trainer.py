@@ -12,7 +12,7 @@ import numpy as np
 
 from mllm_rl.engine import Fingerprint, WeightExport
 from mllm_rl.option_error import OptionError
-from mllm_rl.options.fields import check_fields, opt
+from mllm_rl.options.check import check_fields, opt
 from mllm_rl.options.schema import FROM_SCRATCH_LR
 from mllm_rl.rl.batch import RolloutBatch  # defined with build_batch; imported from here by the backends
 from mllm_rl.rl.loss_config import LossConfig

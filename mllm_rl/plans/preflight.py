@@ -18,7 +18,7 @@ from mllm_rl.backend import Backend
 from mllm_rl.checkpoint.model_dir import CheckpointError, ModelDir
 from mllm_rl.checkpoint.resolve import CKPT_DIR, RLCheckpoint, find_resumable
 from mllm_rl.option_error import OptionError, cli_flag
-from mllm_rl.options.check import NAME_MAX, check_output_dir
+from mllm_rl.options.check import NAME_MAX, check_output_dir, from_args
 from mllm_rl.options.schema import KV_AUTO
 from mllm_rl.phases.watchdog import PhaseLimits
 from mllm_rl.plans.base import Plan
@@ -143,7 +143,6 @@ def platform_of(args: argparse.Namespace) -> str:
 def engine_options(args: argparse.Namespace, task: str | None = None) -> Any:
     """The engine options every plan (and task of ``--tasks``) shares."""
     from mllm_rl.engine import EngineOptions
-    from mllm_rl.options.fields import from_args
 
     return from_args(
         EngineOptions,

@@ -26,8 +26,7 @@ from mllm_rl.faults import fault
 from mllm_rl.lifecycle import SETUP_PHASES as LIFECYCLE_SETUP
 from mllm_rl.lifecycle import STEP_PHASES, LifecycleOptions, colocate, step_phases
 from mllm_rl.option_error import OptionError
-from mllm_rl.options.check import parse_key_value
-from mllm_rl.options.fields import check_fields, from_args, opt
+from mllm_rl.options.check import check_fields, from_args, opt, parse_key_value
 from mllm_rl.options.schema import FINE_TUNE_LR, FROM_SCRATCH_LR, KV_AUTO, default
 from mllm_rl.plans import setup
 from mllm_rl.plans.base import Plan, PlanRun

@@ -12,7 +12,7 @@ from mllm_rl.backend import Backend
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import EngineOptions, SamplingParams, UpdateStats, WeightExport, WeightMismatch
 from mllm_rl.engine_state import ManagedEngine
-from mllm_rl.options.fields import check_fields, from_args, opt
+from mllm_rl.options.check import check_fields, from_args, opt
 from mllm_rl.phases.recorder import PhaseRecorder
 from mllm_rl.plans import setup
 from mllm_rl.plans.base import Plan, PlanRun

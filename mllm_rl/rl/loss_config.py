@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from mllm_rl.option_error import OptionError
-from mllm_rl.options.fields import check_fields, opt
+from mllm_rl.options.check import check_fields, opt
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo", "token_sum_norm")
 SEQ_MEANS = ("seq_mean_token_mean", "seq_mean_token_sum")  # the means that ``empty_seqs`` applies to

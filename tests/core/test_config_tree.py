@@ -13,8 +13,7 @@ import pytest
 from mllm_rl.engine import EngineOptions
 from mllm_rl.lifecycle import LifecycleOptions
 from mllm_rl.option_error import OptionError, cli_flag
-from mllm_rl.options.check import check_range
-from mllm_rl.options.fields import GIVEN, OPTION, OWN_DEFAULT, bound, check_fields, from_args, opt
+from mllm_rl.options.check import GIVEN, OPTION, OWN_DEFAULT, bound, check_fields, check_range, from_args, opt
 from mllm_rl.options.schema import BY_KEY, FROM_SCRATCH_LR, defaults, in_scope
 from mllm_rl.plans.preflight import build_options
 from mllm_rl.plans.rl import RLOptions
