@@ -38,7 +38,7 @@ REQUEST_FLAGS = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The run's settings a plan reads (scope ``memplan``) and the plan's own: target, --fit, --out."""
-    from mllm_rl.memplan.fit import FIT_KNOBS
+    from mllm_rl.memplan.planner import FIT_KNOBS
     from mllm_rl.options.cli import add_options
 
     ap = argparse.ArgumentParser(
@@ -112,8 +112,7 @@ def run_fit(
 ) -> tuple[Any, Any, list[Any]]:
     """The request and measurement of the largest ``knob`` that fits, and the probes (``ValueError``:
     not even the smallest)."""
-    from mllm_rl.memplan.fit import FIT_KNOBS, Probe, fits_without_kv, search
-    from mllm_rl.memplan.planner import plans
+    from mllm_rl.memplan.planner import FIT_KNOBS, Probe, fits_without_kv, plans, search
 
     step = step or FIT_KNOBS[knob]
     if step < 1:

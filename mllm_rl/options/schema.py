@@ -272,7 +272,7 @@ OPTIONS: tuple[Option, ...] = (
     _o("fit_max", int, None, "upper bound of the --fit search", "plan", {"memplan"}, low=1, nullable=True,
        default_text="256 (micro_batch_size), 131072 (seq_len)"),
     _o("fit_step", int, None, "granularity of the --fit search", "plan", {"memplan"}, low=1, nullable=True,
-       default_text="mllm_rl.memplan.fit.FIT_KNOBS"),
+       default_text="mllm_rl.memplan.planner.FIT_KNOBS"),
 )  # fmt: skip
 
 BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}

@@ -12,10 +12,17 @@ import pytest
 from mllm_rl.lifecycle import SETUP_PHASES, STEP_PHASES
 from mllm_rl.memplan.audit import compare
 from mllm_rl.memplan.compose import GIB, Component, FunctionMemory, Target, compose, unit_for
-from mllm_rl.memplan.fit import Probe, fits_without_kv, kv_room, search
 from mllm_rl.memplan.kv import max_pool_tokens, mem_fraction_for, pool_bytes
 from mllm_rl.memplan.output import to_html
-from mllm_rl.memplan.planner import load_planner, plans, with_kv_tokens
+from mllm_rl.memplan.planner import (
+    Probe,
+    fits_without_kv,
+    kv_room,
+    load_planner,
+    plans,
+    search,
+    with_kv_tokens,
+)
 from mllm_rl.memplan.request import Measured, PlanRequest
 from mllm_rl.presets import get_preset
 from tests.conftest import run_cli

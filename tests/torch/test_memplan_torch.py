@@ -17,8 +17,7 @@ import pytest
 
 from mllm_rl.backends.torch import memplan
 from mllm_rl.backends.torch import sglang_calls as sc
-from mllm_rl.memplan.fit import kv_room
-from mllm_rl.memplan.planner import plans, with_kv_tokens
+from mllm_rl.memplan.planner import kv_room, plans, with_kv_tokens
 from mllm_rl.memplan.request import PlanRequest
 from mllm_rl.presets import get_preset
 from tests.conftest import ROOT, run_cli
