@@ -40,7 +40,7 @@ RUN_SCOPES = ("rl", "swap", "tasks")  # the modes of this command (``mllm_rl.opt
 def build_parser(defaults: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     """The flags of every mode (``mllm_rl.options.schema``); ``defaults``: for flags not given."""
     from mllm_rl.options.cli import add_options
-    from mllm_rl.plans.registry import all_plans
+    from mllm_rl.plans.base import all_plans
 
     codes = "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items())
     plans = "\n".join(f"  {p.name:<5} {p.summary}" for p in all_plans())

@@ -18,7 +18,7 @@ from typing import Any
 
 from mllm_rl.backend import Backend
 from mllm_rl.engine import EngineOptions
-from mllm_rl.plans.base import Plan, PlanRun
+from mllm_rl.plans.base import Plan, PlanRun, run_level
 
 RUN_PHASES = ["wandb_init", "{ready}"]
 # Server engines bind TCP ports and pick them by "random + is it free?", so two can collide: each task
@@ -214,7 +214,6 @@ def run_tasks(ctx: PlanRun, opts: MultitaskOptions) -> dict[str, Any]:
     from mllm_rl.exit_codes import TasksFailed, exit_of
     from mllm_rl.multitask.driver import Driver, lease_schedule, schedule_digest
     from mllm_rl.multitask.runtime import RLTask, task_phases
-    from mllm_rl.plans import setup
     from mllm_rl.progress import progress_bar
 
     backend, rec, pidx = ctx.backend, ctx.rec, ctx.process_index
@@ -268,7 +267,7 @@ def run_tasks(ctx: PlanRun, opts: MultitaskOptions) -> dict[str, Any]:
             step = entry["step"] if entry["step"] is not None else ""
             bar.set_postfix_str(f"{entry['task']} {entry['kind']} {step}")
 
-        setup.run_level(backend, rec, ctx.make_wandb, ctx.runtime)
+        run_level(backend, rec, ctx.make_wandb, ctx.runtime)
         try:
             for rt in runtimes.values():
                 rt.prepare()

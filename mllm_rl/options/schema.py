@@ -80,7 +80,7 @@ OPTIONS: tuple[Option, ...] = (
     _o("backend", str, None, "backend name (entry point group mllm_rl.backends): jax, torch", "run",
        {*RUN, "memplan"}, resume="fixed", required=True),
     _o("plan", str, "rl", "what to run (see the list above)", "run", {"rl", "swap"}, resume="fixed",
-       choices="mllm_rl.plans.registry:plan_names"),
+       choices="mllm_rl.plans.base:plan_names"),
     _o("tasks", str, None, "TOML file of several RL tasks sharing the devices (docs/MULTITASK.md); "
        "per-task settings then come from the file", "run", {"tasks"}, resume="fresh", metavar="FILE"),
     _o("fail_fast", bool, False, "--tasks: stop the whole run when one task fails", "run", {"tasks"},

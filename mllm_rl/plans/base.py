@@ -1,15 +1,23 @@
 """The plan interface: what ``python -m mllm_rl.run --plan NAME`` runs. A plan turns the flags into
 typed options, checks what it can before the run exists, says what ``run.json`` records and runs
-its phases; ``mllm_rl.run`` does the rest (runtime, run directory, sinks, watchdog, report)."""
+its phases; ``mllm_rl.run`` does the rest (runtime, run directory, sinks, watchdog, report). Also
+the plans ``--plan`` chooses from, by name, each imported only when asked for, and the setup
+phases every plan starts with: ``wandb_init``, ``<backend>_ready``, ``engine_ready_dummy`` (a
+rollout engine with dummy weights, behind ``ManagedEngine``)."""
 
 from __future__ import annotations
 
 import abc
 import argparse
 import dataclasses
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+from mllm_rl.engine_state import ManagedEngine
+from mllm_rl.options.schema import BY_KEY
+from mllm_rl.progress import waiting
 
 if TYPE_CHECKING:
     from mllm_rl.backend import Backend
@@ -106,3 +114,89 @@ class Plan(abc.ABC, Generic[OptionsT]):
     @abc.abstractmethod
     def run(self, ctx: PlanRun, opts: OptionsT) -> dict[str, Any]:
         """Record the plan's phases; returns a summary (``history``: per-step metrics, if any)."""
+
+
+# name -> "module:attribute" of its ``Plan`` instance; the first is the default
+PLANS = {
+    "rl": "mllm_rl.plans.rl:PLAN",
+    "swap": "mllm_rl.plans.swap:PLAN",
+    "multitask": "mllm_rl.multitask.plan:PLAN",
+}
+TASKS_PLAN = "multitask"  # run by ``--tasks FILE``, not by a --plan value
+DEFAULT_PLAN = BY_KEY["plan"].default  # declared with the option (``mllm_rl.options.schema``)
+
+
+def plan_names() -> list[str]:
+    """What ``--plan`` offers (a multi-task run is chosen by ``--tasks``)."""
+    return [n for n in PLANS if n != TASKS_PLAN]
+
+
+def plan_of(args: Any) -> Plan:
+    """The plan a command line runs: ``--tasks`` or ``--plan``."""
+    return get_plan(TASKS_PLAN if getattr(args, "tasks", None) else args.plan)
+
+
+def get_plan(name: str) -> Plan:
+    """The plan called ``name``; ``ValueError`` (one line) when there is none."""
+    if name not in PLANS:
+        raise ValueError(f"--plan {name!r}: choose one of {', '.join(plan_names())}")
+    module, attr = PLANS[name].split(":")
+    plan = getattr(importlib.import_module(module), attr)
+    if not isinstance(plan, Plan) or plan.name != name:
+        raise TypeError(f"{PLANS[name]} is not the Plan {name!r}")
+    return plan
+
+
+def all_plans() -> list[Plan]:
+    return [get_plan(n) for n in PLANS]
+
+
+def run_level(
+    backend: Any,
+    rec: PhaseRecorder,
+    make_wandb: Callable[[], Sink | None],
+    runtime: dict[str, Any],
+    **info: Any,
+) -> None:
+    """``wandb_init`` (the W&B sink joins the recorder) and ``<backend>_ready`` (installs the probe)."""
+    with rec.phase("wandb_init", **info) as ph, waiting("W&B start"):
+        sink = make_wandb()
+        if sink is not None:
+            rec.sinks.append(sink)
+            ph.info["wandb_dir"] = getattr(sink, "offline_dir", None)
+            ph.info["wandb_mode"] = getattr(sink, "mode", None)
+            if getattr(sink, "fallback_reason", None):
+                ph.info["wandb_fallback"] = sink.fallback_reason
+        ph.info["wandb"] = "disabled" if sink is None else "enabled"
+    with rec.phase(backend.ready_phase) as ph:
+        ph.info.update(runtime)
+        rec.set_probe(backend.memory_probe())
+
+
+def start(
+    backend: Any,
+    rec: PhaseRecorder,
+    model: ModelDir,
+    make_wandb: Callable[[], Sink | None],
+    runtime: dict[str, Any],
+    engine_opts: EngineOptions,
+    on_engine: Callable[[Any], None],
+    **wandb_info: Any,
+) -> ManagedEngine:
+    """Record the three setup phases; the engine (also to ``on_engine`` as soon as it exists)."""
+    run_level(backend, rec, make_wandb, runtime, **wandb_info)
+    with rec.phase("engine_ready_dummy", model=str(model.path), tp=engine_opts.tp) as ph:
+        with waiting("engine start"):
+            engine = ManagedEngine(backend.create_engine(model, engine_opts))
+        on_engine(engine)
+        ph.info.update(
+            engine_weight_bytes=engine.weight_bytes(),
+            engine=type(engine.engine).__name__,
+            tags=list(engine.tags),
+            weights_cpu_backup=engine.weights_cpu_backup,
+        )
+        opts = dataclasses.asdict(engine_opts)
+        for key in ("context_length", "max_total_tokens", "max_running_requests"):
+            if opts[key] is not None:
+                ph.info[key] = opts[key]
+    return engine

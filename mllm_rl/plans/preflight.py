@@ -21,7 +21,7 @@ from mllm_rl.option_error import OptionError, cli_flag
 from mllm_rl.options.check import NAME_MAX, check_output_dir, from_args
 from mllm_rl.options.schema import KV_AUTO
 from mllm_rl.phases.watchdog import PhaseLimits
-from mllm_rl.plans.base import Plan
+from mllm_rl.plans.base import Plan, all_plans, plan_of
 
 RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 # The longest name derived from a run id: W&B's offline-run-<YYYYmmdd_HHMMSS>-<run id>[-p<i>] directory
@@ -114,7 +114,6 @@ def resolve_resume(
 def known_phases() -> set[str]:
     """Every phase name a plan records (``--phase-timeout PHASE=SECONDS`` must name one)."""
     from mllm_rl.lifecycle import SETUP_PHASES
-    from mllm_rl.plans.registry import all_plans
 
     names = set(SETUP_PHASES).union(*(plan.phase_names() for plan in all_plans()))
     return {n for n in names if "{" not in n} | {"jax_ready", "torch_ready"}
@@ -122,8 +121,6 @@ def known_phases() -> set[str]:
 
 def build_options(args: argparse.Namespace) -> Any:
     """The plan's options from the flags (``Plan.options``); ``ValueError`` naming the flag."""
-    from mllm_rl.plans.registry import plan_of
-
     if (args.resume or args.resume_or_start) and not (args.run_dir or args.run_id):
         flag = "--resume" if args.resume else "--resume-or-start"
         raise ValueError(f"{flag} needs --run-dir or --run-id (the run to continue)")
@@ -189,7 +186,6 @@ def prepare(args: argparse.Namespace, given: set[str] | frozenset[str] = frozens
     the rest from its ``run.json``). Touches nothing of the run."""
     from mllm_rl.backend_registry import load_backend
     from mllm_rl.options.resume import apply_recorded, check_overrides, known, record
-    from mllm_rl.plans.registry import plan_of
 
     plan = plan_of(args)
     mode = plan.scope

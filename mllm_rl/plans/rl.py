@@ -28,8 +28,7 @@ from mllm_rl.lifecycle import STEP_PHASES, LifecycleOptions, colocate, step_phas
 from mllm_rl.option_error import OptionError
 from mllm_rl.options.check import check_fields, from_args, opt, parse_key_value
 from mllm_rl.options.schema import FINE_TUNE_LR, FROM_SCRATCH_LR, KV_AUTO, default
-from mllm_rl.plans import setup
-from mllm_rl.plans.base import Plan, PlanRun
+from mllm_rl.plans.base import Plan, PlanRun, start
 from mllm_rl.profiling import Profiled, parse_steps
 from mllm_rl.progress import progress_bar
 from mllm_rl.rl.advantages import group_advantages
@@ -384,7 +383,7 @@ def _run_rl(ctx: PlanRun, opts: RLOptions, task: Task, tok: Any, on_rewards: Rew
     coord = coordinator_for(backend)
     if opts.checkpoint_every:  # several processes write one checkpoint: they must share the directory
         check_shared_dir(coord, ctx.run_dir)
-    engine = setup.start(
+    engine = start(
         backend,
         rec,
         model,

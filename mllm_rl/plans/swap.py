@@ -14,8 +14,7 @@ from mllm_rl.engine import EngineOptions, SamplingParams, UpdateStats, WeightExp
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.options.check import check_fields, from_args, opt
 from mllm_rl.phases.recorder import PhaseRecorder
-from mllm_rl.plans import setup
-from mllm_rl.plans.base import Plan, PlanRun
+from mllm_rl.plans.base import Plan, PlanRun, start
 from mllm_rl.progress import progress_bar
 
 DEFAULT_PROMPTS = ("你是谁", "The capital of France is")
@@ -72,7 +71,7 @@ class SwapPlan(Plan[SwapOptions]):
         """The five phases; ``ctx.on_started`` once the weights are in."""
         prompt_ids = encode_prompts(ctx.model, opts.prompts)
         rec, model = ctx.rec, ctx.model
-        engine = setup.start(
+        engine = start(
             ctx.backend, rec, model, ctx.make_wandb, ctx.runtime, opts.engine.resolved(), ctx.on_engine
         )
         with rec.phase("weights_swapped", mode=opts.mode, checkpoint_bytes=model.nbytes) as ph:

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mllm_rl.plans.base import Plan
+from mllm_rl.plans.base import DEFAULT_PLAN, Plan, all_plans, get_plan, plan_names
 from mllm_rl.plans.preflight import build_options, known_phases
-from mllm_rl.plans.registry import DEFAULT_PLAN, all_plans, get_plan, plan_names
 from mllm_rl.plans.rl import RLOptions
 from mllm_rl.plans.swap import SwapOptions
 from mllm_rl.run import build_parser, parse_args
