@@ -3,7 +3,10 @@
 ``--memory-plan check``: a plan that does not fit exits 6 before anything of the run exists; one
 that fits is written as ``plan.json``/``plan.txt`` (audited by ``mllm_rl.memplan.audit``);
 ``--kv-tokens auto`` takes the largest KV pool that fits. The target is the planner's
-``target_for_runtime``, planned in ``mllm_rl.memplan.child`` unless the planner plans in process."""
+``target_for_runtime``, planned in a fresh process unless the planner plans in process (the planner
+needs a JAX on its CPU platform, which a TPU/GPU run's process cannot become): ``python -m
+mllm_rl.memplan.for_run`` reads the request as JSON on stdin and writes one JSON object on stdout:
+``{"plan": ...}``, ``{"does_not_fit": ...}`` or ``{"error": ...}``."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from typing import Any
 
 from mllm_rl.memplan.compose import host_line
 from mllm_rl.memplan.request import PlanRequest
+from mllm_rl.presets import ModelConfig
 
 
 class DoesNotFit(Exception):
@@ -86,12 +90,12 @@ def child_env() -> dict[str, str]:
 
 
 def run_child(req: PlanRequest, check_weights: bool, fit_kv: bool, timeout: float = 3600) -> dict[str, Any]:
-    """``mllm_rl.memplan.child``'s answer; ``RuntimeError`` naming its exit and last lines if none."""
+    """The fresh process's answer (``main``); ``RuntimeError`` naming its exit and last lines if none."""
     payload = json.dumps(
         {"request": dataclasses.asdict(req), "check_weights": check_weights, "fit_kv": fit_kv}
     )
     r = subprocess.run(
-        [sys.executable, "-m", "mllm_rl.memplan.child"],
+        [sys.executable, "-m", "mllm_rl.memplan.for_run"],
         input=payload,
         capture_output=True,
         text=True,
@@ -236,3 +240,25 @@ def plan_for_rl(
         )
         notes.append(f"--kv-tokens auto: a KV pool of {plan.kv_tokens} tokens ({why})")
     return opts, plan, notes
+
+
+def request_from_json(d: dict[str, Any]) -> PlanRequest:
+    return PlanRequest(**{**d, "model": ModelConfig(**d["model"])})
+
+
+def main() -> int:
+    data = json.loads(sys.stdin.read())
+    req = request_from_json(data["request"])
+    try:
+        plan = plan_run(req, bool(data["check_weights"]), bool(data["fit_kv"]), in_process=True)
+        out: dict[str, Any] = {"plan": dataclasses.asdict(plan)}
+    except DoesNotFit as e:
+        out = {"does_not_fit": str(e)}
+    except (ValueError, RuntimeError) as e:
+        out = {"error": str(e)}
+    print(json.dumps(out, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

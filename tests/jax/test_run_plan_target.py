@@ -4,7 +4,7 @@ whose device kind, count and hosts are the run's, compiled in a fresh process.
 This machine has no TPU or GPU: the runtimes below are fakes of what ``JaxBackend.init_runtime``
 reports there (platform, device kind, device count, process count). Ours is the rest of the
 contract: the device kinds our table matches are the ones libtpu and XLA's GPU target configs give
-their devices, the run's request is planned by ``mllm_rl.memplan.child`` with the target's real
+their devices, the run's request is planned by ``mllm_rl.memplan.for_run`` with the target's real
 compiler, and a configuration that cannot fit is refused naming its phase and component.
 """
 
