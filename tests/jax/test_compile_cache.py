@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from mllm_rl.backends.jax import compile_cache
 
@@ -86,20 +87,26 @@ def test_a_compile_only_targets_programs_are_not_written_and_old_ones_do_not_war
     )
     c = random.random()  # a program no earlier run of the suite compiled
     cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    name = f"cache_probe_{random.randrange(1 << 40)}"  # its entries only: other workers share the cache
+
+    def times_c() -> Any:  # a new function each time: one object would hit JAX's in-memory cache
+        f = lambda a: a * c  # noqa: E731
+        f.__name__ = name
+        return jax.jit(f)
 
     def entries() -> set[str]:
-        return {p.name for p in cache.glob("*-cache")}
+        return {p.name for p in cache.glob(f"jit_{name}-*")}
 
     before = entries()
     with topologies.cache_writes(False):
-        jax.jit(lambda a: a * c).lower(x).compile()
+        times_c().lower(x).compile()
     assert entries() == before
-    jax.jit(lambda a: a * c).lower(x).compile()  # written: and unreadable by the next compile
+    times_c().lower(x).compile()  # written: and unreadable by the next compile
     assert len(entries() - before) == 1
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         with topologies.cache_writes(False):
-            jax.jit(lambda a: a * c).lower(x).compile()
-        jax.jit(lambda a: a * c).lower(x).compile()  # the warning the block keeps quiet
+            times_c().lower(x).compile()
+        times_c().lower(x).compile()  # the warning the block keeps quiet
     assert len([w for w in said if "persistent compilation cache" in str(w.message)]) == 1
     assert jax.config.jax_persistent_cache_min_compile_time_secs < 1e12  # restored
