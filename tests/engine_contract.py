@@ -76,12 +76,13 @@ def _warned(fn: Callable[[], Any], needle: str) -> tuple[Any, bool]:
     return result, any(needle in str(x.message) for x in w)
 
 
-def run_contract(make_engine: Callable[[bool], Any], model_dir: str | Path,
-                 used: Callable[[], int | None]) -> dict[str, Any]:  # fmt: skip
+def run_contract(make_engine: Callable[[bool], Any], model_dir: str | Path, used: Callable[[], int | None],
+                 last: Callable[[ManagedEngine], Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """Drive two engines (without, then with weights CPU backup); return observations.
 
     ``make_engine(weights_cpu_backup)`` returns a fresh ``EnginePrimitives`` with dummy
-    weights; ``used()`` is the device's bytes in use by the backend's probe (device truth).
+    weights; ``used()`` is the device's bytes in use by the backend's probe (device truth);
+    ``last(engine)``: a backend's own observation (``obs["last"]``), made last (it may break it).
     """
     model = ModelDir.open(model_dir)
     full = lambda: WeightExport(list(model.tensors), model.iter_tensors(), full=True)  # noqa: E731
@@ -152,6 +153,8 @@ def run_contract(make_engine: Callable[[bool], Any], model_dir: str | Path,
     eng.continue_generation()
     obs["backup_weights_valid"] = eng.state()["weights_valid"]
     obs["after_backup_resume"] = _outs(eng.generate(PROMPTS, GREEDY))
+    if last is not None:
+        obs["last"] = last(eng)
     eng.shutdown()
     return obs
 
@@ -409,7 +412,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             model, EngineOptions(engine=args.engine or "auto", weights_cpu_backup=backup)
         )
 
-    return run_contract(make_engine, model.path, lambda: probe.in_use()[0])
+    last = _scheduler_dies if args.backend == "jax" else None
+    return run_contract(make_engine, model.path, lambda: probe.in_use()[0], last)
+
+
+def _scheduler_dies(eng: ManagedEngine) -> dict[str, Any]:
+    """sglang-jax: the forward raises in the scheduler's thread (as a GPU kernel fault does); the
+    waiting ``generate`` must fail within seconds naming that error, the process live on."""
+    scheduler = eng.engine.engine.scheduler_info["scheduler"]
+
+    def forward_fails(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected: the forward failed")
+
+    scheduler.tp_worker.forward_batch_generation = forward_fails
+    t0 = time.perf_counter()
+    error = _refused(lambda: eng.generate(PROMPTS, GREEDY), Exception)
+    return {"error": error, "seconds": time.perf_counter() - t0}
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import numpy as np
 
 from mllm_rl.backends.jax import distributed as dist
 from mllm_rl.backends.jax.engine_layout import DEFAULT_MEM_FRACTION, attention_backend
+from mllm_rl.backends.jax.engine_watch import EngineThreadError, ThreadWatch, own_sigquit
 from mllm_rl.backends.jax.engine_weights import EngineLeaves, dotted, host_copy, zeros
 from mllm_rl.backends.jax.fingerprint import read_sums
 from mllm_rl.checkpoint.model_dir import ModelDir
@@ -50,6 +51,7 @@ __all__ = ["EngineConfigError", "SglangJaxEngine", "host_copy", "validate_engine
 VERIFIED_VERSIONS = ("0.1.0rc0",)
 PAUSE_TIMEOUT_S = 120.0  # pause_generation: longer means a request the pause cannot abort
 IDLE_POLL_MS = 50  # an idle scheduler waits this long for a message (it wakes at once on one)
+WATCH_S = 0.5  # a call waiting on the engine looks this often whether its threads still run
 # Emitted by sglang-jax's scheduler/tokenizer threads for every hand-made tokenizer.
 warnings.filterwarnings("ignore", message="Created patched tokenizer config workaround")
 
@@ -140,6 +142,7 @@ class SglangJaxEngine:
             addr = dist.engine_address(ports[0] if ports else None)
             multi = dict(nnodes=self.procs.count, node_rank=self.procs.index, dist_init_addr=addr)
         launch = _launched_scheduler() if multi else contextlib.nullcontext({})
+        before = set(threading.enumerate())
         with launch as launched:
             self.engine = Engine(
                 **multi,
@@ -168,8 +171,8 @@ class SglangJaxEngine:
                 enable_engine_loop_run_forever_daemon=self.procs.index == 0,
                 # per-request ``sampling_seed`` needs this (``_generate_here`` always sets one)
                 enable_deterministic_sampling=True,
-                # JAX CPU aliases numpy views on device_put: the overlap thread would rewrite the KV
-                # locations a running forward reads (docs/ENGINES.md)
+                # the overlap thread rewrites host buffers a running forward may still read: wrong
+                # tokens on CPU, CUDA_ERROR_ILLEGAL_INSTRUCTION on a GPU (docs/ENGINES.md)
                 disable_overlap_schedule=platform == "cpu",
             )
         # The tokenizer manager's SIGTERM handler only sets a flag: give SIGTERM back to the process
@@ -179,6 +182,9 @@ class SglangJaxEngine:
             self.engine.loop.remove_signal_handler(signal.SIGTERM)
             signal.signal(signal.SIGTERM, prev_sigterm)
         scheduler = (self.engine.scheduler_info or launched)["scheduler"]
+        self.watch = ThreadWatch(ThreadWatch.started_since(before))
+        if on_main and self.engine.tokenizer_manager is not None:
+            own_sigquit(self.engine.loop, scheduler)
         if self.procs.index == 0:  # nodes >= 1 wait in their subscriber's blocking recv
             _sleep_when_idle(scheduler)
         self.runner = scheduler.tp_worker.worker.model_runner
@@ -370,13 +376,23 @@ class SglangJaxEngine:
         return restored or fault("resume_lies")
 
     def _call(self, coro: Any, timeout_s: float | None = None) -> Any:
-        """Run ``coro`` on the engine's loop and wait (past ``timeout_s``: cancelled, TimeoutError)."""
+        """Run ``coro`` on the engine's loop and wait (past ``timeout_s``: cancelled, TimeoutError;
+        an engine thread ended: cancelled, ``EngineThreadError`` naming its error)."""
         fut = asyncio.run_coroutine_threadsafe(coro, self.engine.loop)
-        try:
-            return fut.result(timeout=timeout_s)
-        except TimeoutError:
-            fut.cancel()
-            raise
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = WATCH_S if deadline is None else max(0.0, min(WATCH_S, deadline - time.monotonic()))
+            try:
+                return fut.result(timeout=left)
+            except TimeoutError:
+                try:
+                    self.watch.check()
+                except EngineThreadError:
+                    fut.cancel()
+                    raise
+                if deadline is not None and time.monotonic() >= deadline:
+                    fut.cancel()
+                    raise
 
     def flush_cache(self, timeout_s: float = 60.0) -> None:
         """Flush the radix cache and KV allocator, retrying: sglang-jax refuses (``success=False``)

@@ -71,3 +71,13 @@ def test_drain_aborts_requests_still_queued(obs):
     assert "error" not in d and d["returned"]
     finish_tokens = list(zip(d["outs"]["finish"], d["outs"]["tokens"], strict=True))
     assert any(why == "abort" and not toks for why, toks in finish_tokens), finish_tokens
+
+
+def test_a_failed_scheduler_thread_fails_the_waiting_generate_at_once(obs):
+    """sglang-jax's scheduler thread logs its error, SIGQUITs and ends; a ``generate`` waiting on it
+    waited forever (a GPU rollout hung until killed). Now it fails within seconds naming the
+    thread and its error (``engine_watch``), and the driver's process lives on to report it."""
+    last = obs["last"]
+    assert last["error"] and "sglang::scheduler" in last["error"], last
+    assert "injected: the forward failed" in last["error"], last
+    assert last["seconds"] < 10, last
