@@ -173,7 +173,7 @@ class SglangJaxEngine:
                 enable_deterministic_sampling=True,
                 # the overlap thread rewrites host buffers a running forward may still read: wrong
                 # tokens on CPU, CUDA_ERROR_ILLEGAL_INSTRUCTION on a GPU (docs/ENGINES.md)
-                disable_overlap_schedule=platform == "cpu",
+                disable_overlap_schedule=platform != "tpu",
             )
         # The tokenizer manager's SIGTERM handler only sets a flag: give SIGTERM back to the process
         on_main = threading.current_thread() is threading.main_thread()
