@@ -70,10 +70,11 @@ def run_cmd(
     cmd: Sequence[str], what: str, timeout: float | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """Run ``cmd`` in the repo root; ``BenchError`` naming ``what`` with the stderr tail on failure."""
-    full_env = child_env(env)
     cwd = ROOT if (ROOT / "pyproject.toml").exists() else None
     try:
-        r = subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+        r = subprocess.run(
+            list(cmd), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=child_env(env)
+        )
     except subprocess.TimeoutExpired:
         raise BenchError(f"{what}: timed out after {timeout}s: {' '.join(cmd)}") from None
     if r.returncode != 0:
@@ -87,17 +88,12 @@ def is_oom(text: str) -> bool:
     return any(m in low for m in OOM_MARKERS)
 
 
-def last_json_line(stdout: str, what: str) -> dict[str, Any]:
-    """The last line of ``stdout`` that is a JSON object (what every child prints last)."""
-    for line in reversed(stdout.strip().splitlines()):
+def run_json(cmd: Sequence[str], what: str, timeout: float | None = None) -> dict[str, Any]:
+    """``run_cmd``, then the last line of its stdout that is a JSON object (what every child prints last)."""
+    for line in reversed(run_cmd(cmd, what, timeout=timeout).stdout.strip().splitlines()):
         if line.startswith("{"):
             return json.loads(line)
     raise BenchError(f"{what}: printed no JSON line")
-
-
-def run_json(cmd: Sequence[str], what: str, timeout: float | None = None) -> dict[str, Any]:
-    """``run_cmd``, then the child's last JSON line."""
-    return last_json_line(run_cmd(cmd, what, timeout=timeout).stdout, what)
 
 
 def warm_page_cache(path: Path) -> dict[str, Any]:

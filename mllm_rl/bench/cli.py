@@ -43,12 +43,8 @@ def output_flags(
     """``--timeout`` (seconds per ``per``; none when None), ``--json`` and, when ``extra`` (its help),
     the arguments after ``--`` for ``mllm_rl.run``."""
     if timeout is not None:
-        ap.add_argument(
-            "--timeout",
-            type=positive(float),
-            default=timeout,
-            help=f"seconds per {per} (default {timeout:g})",
-        )
+        help_ = f"seconds per {per} (default {timeout:g})"
+        ap.add_argument("--timeout", type=positive(float), default=timeout, help=help_)
     ap.add_argument("--json", type=Path, help="also write the results here")
     if extra:
         ap.add_argument("extra", nargs="*", help=extra)
@@ -66,16 +62,6 @@ def hard_exit(code: int) -> None:
     os._exit(code)
 
 
-def write_json(path: Path | None, obj: Results) -> None:
-    """Write ``obj`` to ``path`` atomically (nothing when ``path`` is None)."""
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
-
-
 def run_bench(
     bench: Callable[[Any], Results], args: Any, report: Callable[[Results], str],
     summary: Callable[[Results], Results], report_to_stderr: bool = False,
@@ -91,7 +77,11 @@ def run_bench(
     text = report(out)
     if text:
         print(text, file=sys.stderr if report_to_stderr else sys.stdout)
-    write_json(getattr(args, "json", None), out)
+    if path := getattr(args, "json", None):  # written atomically
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(out, indent=2, default=str))
+        os.replace(tmp, path)
     print(json.dumps(summary(out), default=str), flush=True)
     return 0, out
 
@@ -113,8 +103,6 @@ def main_with_child(
         print(json.dumps(child(args)), flush=True)
         return 0
     code, out = run_bench(bench, args, report, summary, report_to_stderr)
-    if callable(strict):
-        return 1 if code == 0 and out is not None and strict(out) else code
     return exit_code(code, out, strict)
 
 
@@ -123,16 +111,20 @@ def failed_targets(out: Results) -> bool:
     return any(t.get("pass") is False for t in out.get("targets", {}).values())
 
 
-def exit_code(code: int, out: Results | None, strict: bool = True) -> int:
-    """``run_bench``'s code, turned into 1 when ``strict`` and a target that applies failed."""
-    return 1 if code == 0 and strict and out is not None and failed_targets(out) else code
+def exit_code(code: int, out: Results | None, strict: bool | Callable[[Results], bool] = True) -> int:
+    """``run_bench``'s code, turned into 1 when ``strict(out)``, or ``strict`` and a target that
+    applies failed."""
+    if code != 0 or out is None:
+        return code
+    return int(bool(strict(out) if callable(strict) else strict and failed_targets(out)))
 
 
 def target(value: float | None, op: str, bound: float, applies: bool = True, why: str = "") -> Results:
-    """A target check: ``pass`` is None when it does not apply (e.g. a GPU target on CPU)."""
+    """A target check (``op``: <=, >= or ==): ``pass`` is None when it does not apply (e.g. a GPU
+    target on CPU)."""
     ok = None
     if applies and value is not None:
-        ok = value <= bound if op == "<=" else value >= bound
+        ok = {"<=": value <= bound, ">=": value >= bound, "==": value == bound}[op]
     shown = int(bound) if float(bound).is_integer() and abs(bound) >= 1000 else bound
     out: Results = {"value": value, "target": f"{op} {shown}", "pass": ok}
     if not applies and why:

@@ -53,20 +53,12 @@ def jax_copy_bandwidth(
     on_dev.block_until_ready()
     copy = jax.jit(jnp.copy)
 
-    def h2d() -> None:
-        a = jax.device_put(host, dev)
+    def done(a: Any) -> None:  # a new device buffer: wait for it, then free it
         a.block_until_ready()
         a.delete()
 
-    def d2h() -> None:
-        np.array(on_dev, copy=True)
-
-    def d2d() -> None:
-        a = copy(on_dev)
-        a.block_until_ready()
-        a.delete()
-
-    fns = {"h2d": h2d, "d2h": d2h, "d2d": d2d}
+    fns = {"h2d": lambda: done(jax.device_put(host, dev)), "d2h": lambda: np.array(on_dev, copy=True),
+           "d2d": lambda: done(copy(on_dev))}  # fmt: skip
     out.update({k: _bw(nbytes, fns[k], repeats) for k in kinds})
     on_dev.delete()
     return out
@@ -88,34 +80,21 @@ def torch_copy_bandwidth(nbytes: int, device: str = "auto", repeats: int = 5,
     on_dev = host.to(dev) if cuda else host.clone()
     sync()
 
-    def h2d() -> None:
-        y = host.to(dev) if cuda else host.clone()
-        sync()
-        del y
-
-    def d2h() -> None:
-        y = on_dev.to("cpu") if cuda else on_dev.clone()
-        del y
-
-    def d2d() -> None:
-        y = on_dev.clone()
-        sync()
-        del y
-
-    fns: dict[str, Callable[[], None]] = {"h2d": h2d, "d2h": d2h, "d2d": d2d}
-    if cuda and "h2d_pinned" in kinds:
-        pinned = host.pin_memory()
-
-        def h2d_pinned() -> None:
-            y = pinned.to(dev, non_blocking=True)
+    def synced(copy: Callable[[], Any]) -> Callable[[], None]:
+        def run() -> None:
+            y = copy()
             sync()
             del y
 
-        fns["h2d_pinned"] = h2d_pinned
-    for k in kinds:
-        out[k] = (
-            _bw(nbytes, fns[k], repeats) if k in fns else {"not_measured": "pinned host memory needs CUDA"}
-        )
+        return run
+
+    fns: dict[str, Callable[[], Any]] = {"h2d": synced(lambda: host.to(dev) if cuda else host.clone()),
+        "d2h": lambda: on_dev.to("cpu") if cuda else on_dev.clone(), "d2d": synced(on_dev.clone)}  # fmt: skip
+    if cuda and "h2d_pinned" in kinds:
+        pinned = host.pin_memory()
+        fns["h2d_pinned"] = synced(lambda: pinned.to(dev, non_blocking=True))
+    not_measured = {"not_measured": "pinned host memory needs CUDA"}
+    out.update({k: _bw(nbytes, fns[k], repeats) if k in fns else not_measured for k in kinds})
     fns.clear()  # drops the closures' device buffers
     if cuda:
         torch.cuda.empty_cache()

@@ -73,9 +73,8 @@ class _Managed:
     def __call__(self, ids: list[list[int]], n: int) -> list[list[int]]:
         from mllm_rl.engine import SamplingParams
 
-        return [
-            o.token_ids for o in self.engine.generate(ids, SamplingParams(max_new_tokens=n, temperature=0.0))
-        ]
+        outs = self.engine.generate(ids, SamplingParams(max_new_tokens=n, temperature=0.0))
+        return [o.token_ids for o in outs]
 
     def close(self) -> None:
         self.engine.shutdown()

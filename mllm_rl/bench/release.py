@@ -91,9 +91,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         held = p["held"][0]
         base = bases[tag]
         backed = args.cpu_backup and tag == "weights"
-        rel_base, res_base = (
-            (base.get("d2h"), base.get("h2d")) if backed else (base.get("d2d"), base.get("d2d"))
-        )
+        rel_base, res_base = base.get("d2h" if backed else "d2d"), base.get("h2d" if backed else "d2d")
         rel, res = statistics.median(p["rel"]), statistics.median(p["res"])
         frac = min(f / h for f, h in zip(p["freed"], p["held"], strict=True)) if held else None
         recl = min(r / h for r, h in zip(p["recl"], p["held"], strict=True)) if held else None
@@ -111,7 +109,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "resume_s_all": [round(x, 5) for x in p["res"]]}  # fmt: skip
         targets[f"{tag}_freed_frac"] = target(tags[tag]["freed_frac"], ">=", FREED_TARGET)
         targets[f"{tag}_reclaimed_frac"] = target(tags[tag]["reclaimed_frac"], ">=", FREED_TARGET)
-    targets["greedy_identical"] = {"value": after == before, "target": "== True", "pass": after == before}
+    targets["greedy_identical"] = target(after == before, "==", True)
     return bench_json("release", args, ("backend", "preset"), platform=runtime.get("platform"),
         source=source, engine=engine_name, memory_mode=mode, weights_cpu_backup=args.cpu_backup,
         cycles=args.cycles, tags=tags, resync_s=round(statistics.median(resync), 4),

@@ -31,13 +31,8 @@ HARD_EXIT = True  # the driver leaves without interpreter teardown (an engine's 
 
 
 def _slope(ys: list[int]) -> float | None:
-    """Least-squares slope of ``ys`` against 0..n-1 (bytes per cycle)."""
-    n = len(ys)
-    if n < 2:
-        return None
-    mx, my = (n - 1) / 2, statistics.fmean(ys)
-    den = sum((i - mx) ** 2 for i in range(n))
-    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / den
+    """Least-squares slope of ``ys`` against 0..n-1 (bytes per cycle); None under two points."""
+    return statistics.linear_regression(range(len(ys)), ys).slope if len(ys) > 1 else None
 
 
 def soak(args: argparse.Namespace) -> dict[str, Any]:
@@ -117,11 +112,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     targets = {
         "device_back_to_baseline_bytes": target(truth_dev, "<=", args.device_tol_mib * MiB),
         "release_freed_over_held": target(freed_min, ">=", 0.99),
-        "greedy_identical_cycles": {
-            "value": len(cycles) - len(mismatches),
-            "target": f"== {len(cycles)}",
-            "pass": not mismatches,
-        },  # fmt: skip
+        "greedy_identical_cycles": target(len(cycles) - len(mismatches), "==", len(cycles)),
         "host_rss_deviation_bytes": target(rss_dev, "<=", args.rss_tol_mib * MiB),
     }
     return bench_json("soak", args, ("backend", "preset"), platform=runtime.get("platform"),
