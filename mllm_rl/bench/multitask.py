@@ -55,11 +55,8 @@ def _device_peak(run_dir: Path) -> int | None:
 def _phase_seconds(run_dir: Path, task: str | None = None) -> float:
     """Seconds spent in a task's phases (the run-level ``wandb_init``/``*_ready`` left out)."""
     recs = read_jsonl(run_dir / "phases.jsonl")
-    return sum(
-        r["t_end"] - r["t_start"]
-        for r in recs
-        if r["phase"] not in RUN_LEVEL and task in (None, r.get("task"))
-    )
+    mine = [r for r in recs if r["phase"] not in RUN_LEVEL and task in (None, r.get("task"))]
+    return sum(r["t_end"] - r["t_start"] for r in mine)
 
 
 def _rewards(run_dir: Path, task: str | None = None) -> list[list[float]]:

@@ -290,13 +290,10 @@ def options_of(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
     """``--option key=value`` as the trainer's (key, value) pairs (``ValueError`` on a bad one)."""
     from mllm_rl.backends.torch.memplan import options_key
 
-    pairs: list[tuple[str, Any]] = []
     for item in args.option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
+        if not item.partition("=")[0] or "=" not in item:
             raise ValueError(f"--option {item!r}: expected key=value")
-        pairs.append((key, value))
-    return options_key(dict(pairs))
+    return options_key(dict(item.split("=", 1) for item in args.option))
 
 
 def cuda_case(args: argparse.Namespace) -> dict[str, Any]:

@@ -151,10 +151,8 @@ def analyse(
         )
     phases = []
     for k in use[0].seconds:
-        nbytes, med = (
-            _median([moved_bytes(s.info[k]) for s in use]),
-            statistics.median(s.seconds[k] for s in use),
-        )
+        nbytes = _median([moved_bytes(s.info[k]) for s in use])
+        med = statistics.median(s.seconds[k] for s in use)
         phases.append({"phase": k, "seconds_median": round(med, 6),
             "share_median": _median([s.seconds[k] / s.wall_s for s in use], 6),
             "bytes_median": int(nbytes) if nbytes is not None else None,
@@ -272,9 +270,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         for (d, run), label in zip(runs, labels, strict=True):
             if labels.count(label) > 1:  # the same model and backend twice: tell them apart
                 label = f"{label} ({d.name})"
-            rows.append(
-                one(label, run["model"], run["backend"], run, {"run_dir": str(d), "run_seconds": None})
-            )
+            extra = {"run_dir": str(d), "run_seconds": None}
+            rows.append(one(label, run["model"], run["backend"], run, extra))
     else:
         plan = [(m, b) for m in args.models for b in args.backends]
         for b in args.backends:
@@ -375,10 +372,10 @@ def main(argv: list[str] | None = None) -> int:
         "--max-new-tokens", type=positive(int), default=8, help="tokens per completion (default 8)"
     )
     ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "gpu", "cuda", "tpu"])
-    ap.add_argument("--python-jax", default=None, help="interpreter for the jax runs (default: .venv-jax)")
-    ap.add_argument(
-        "--python-torch", default=None, help="interpreter for the torch runs (default: .venv-torch)"
-    )
+    for b in BACKENDS:
+        ap.add_argument(
+            f"--python-{b}", default=None, help=f"interpreter for the {b} runs (default: .venv-{b})"
+        )
     ap.add_argument(
         "--from-run",
         type=Path,
