@@ -29,9 +29,8 @@ from mllm_rl.lifecycle import (
 from mllm_rl.multitask.driver import FINAL, ROLLOUT, SETUP, TRAIN, Lease, TaskSteps
 from mllm_rl.multitask.spec import TaskSpec
 from mllm_rl.phases.recorder import PhaseRecorder
+from mllm_rl.plans.base import engine_info
 from mllm_rl.plans.rl import (
-    PROBE_PROMPT,
-    REWARDS_FILE,
     RewardsFile,
     check_model_shape,
     checkpoint_meta,
@@ -39,6 +38,8 @@ from mllm_rl.plans.rl import (
     evaluate,
     make_rollout,
     size_engine,
+    trainer_maker,
+    with_probe,
 )
 from mllm_rl.tasks import build_task
 
@@ -104,15 +105,10 @@ class RLTask:
         from transformers import AutoTokenizer
 
         self.task = build_task(self.opts.task_config)
-        p = self.rec.process_index  # every sample's reward, as --plan rl writes them
-        self.rewards = RewardsFile(self.dir / REWARDS_FILE.format(p=f".p{p}" if p else ""))
+        self.rewards = RewardsFile.of(self.dir, self.rec.process_index)  # as --plan rl writes them
         self.tok = AutoTokenizer.from_pretrained(str(self.model.path))
         self.eos = self.model.config.eos_token_id
-        self.lifecycle = dataclasses.replace(self.opts.lifecycle)
-        if self.lifecycle.check_weights:
-            self.lifecycle.probe_ids = tuple(
-                self.tok(PROBE_PROMPT, add_special_tokens=False, verbose=False).input_ids
-            )
+        self.lifecycle = with_probe(self.opts.lifecycle, self.tok)
         eng = size_engine(self.task, self.tok, self.opts)  # task= set by the spec: <task>/weights, ...
         if self.ports is not None:
             # two ports for the engine; the rest of the block stays reserved (a multi-process
@@ -165,25 +161,11 @@ class RLTask:
             engine = ManagedEngine(self.backend.create_engine(self.model, eng))
             self.on_engine(engine)
             ph.info.update(
-                engine_weight_bytes=engine.weight_bytes(),
-                engine=type(engine.engine).__name__,
-                tags=list(engine.tags),
-                weights_cpu_backup=engine.weights_cpu_backup,
-                context_length=eng.context_length,
-                max_total_tokens=eng.max_total_tokens,
+                engine_info(engine), context_length=eng.context_length, max_total_tokens=eng.max_total_tokens
             )
         self.engine = engine
 
-        def make_trainer():
-            trainer = self.backend.create_trainer(self.model, self.opts.train)
-            if self.resume_from is None:
-                return trainer, {}
-            trainer.restore(self.resume_from.path)
-            return trainer, {
-                "restored_from": str(self.resume_from.path),
-                "restored_verified": self.resume_from.verified,
-            }
-
+        make_trainer = trainer_maker(self.backend, self.model, self.opts, self.resume_from)
         self.life = colocate(
             self.backend, engine, self.rec, self.lifecycle, make_trainer, lora_rank=self.opts.train.lora_rank
         )

@@ -189,14 +189,19 @@ def start(
         with waiting("engine start"):
             engine = ManagedEngine(backend.create_engine(model, engine_opts))
         on_engine(engine)
-        ph.info.update(
-            engine_weight_bytes=engine.weight_bytes(),
-            engine=type(engine.engine).__name__,
-            tags=list(engine.tags),
-            weights_cpu_backup=engine.weights_cpu_backup,
-        )
+        ph.info.update(engine_info(engine))
         opts = dataclasses.asdict(engine_opts)
         for key in ("context_length", "max_total_tokens", "max_running_requests"):
             if opts[key] is not None:
                 ph.info[key] = opts[key]
     return engine
+
+
+def engine_info(engine: ManagedEngine) -> dict[str, Any]:
+    """What ``engine_ready_dummy`` records of the engine it started."""
+    return {
+        "engine_weight_bytes": engine.weight_bytes(),
+        "engine": type(engine.engine).__name__,
+        "tags": list(engine.tags),
+        "weights_cpu_backup": engine.weights_cpu_backup,
+    }

@@ -175,6 +175,19 @@ def check_model_shape(ckpt: RLCheckpoint, model: Any) -> None:
             )
 
 
+def trainer_maker(backend: Any, model: Any, opts: RLOptions, resume_from: RLCheckpoint | None) -> Callable:
+    """``colocate``'s ``make_trainer``: the trainer, restored from ``resume_from`` when given, and its info."""
+
+    def make_trainer():
+        trainer = backend.create_trainer(model, opts.train)
+        if resume_from is None:
+            return trainer, {}
+        trainer.restore(resume_from.path)
+        return trainer, {"restored_from": str(resume_from.path), "restored_verified": resume_from.verified}
+
+    return make_trainer
+
+
 def checkpointer(
     trainer: Any,
     run_dir: Path,
@@ -192,10 +205,6 @@ def checkpointer(
 
 
 # -- rollout -----------------------------------------------------------------------------
-def _rng(seed: int, step: int, stream: int) -> np.random.Generator:
-    return np.random.default_rng([seed, step, stream])
-
-
 RewardLog = Callable[[str, int, list[Example], np.ndarray], None]  # (phase, step, examples, rewards)
 
 
@@ -237,7 +246,7 @@ def make_rollout(
             temperature=opts.temperature,
             top_p=opts.top_p,
             stop_token_ids=(eos,),
-            seed=int(_rng(opts.seed, step, 1).integers(2**31)),
+            seed=int(np.random.default_rng([opts.seed, step, 1]).integers(2**31)),
         )
         outs = engine.generate(ids, sampling)
         completions = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
@@ -342,6 +351,10 @@ class RewardsFile:
         self.path = path
         self._f: Any = None
 
+    @classmethod
+    def of(cls, directory: Path, process_index: int) -> RewardsFile:
+        return cls(directory / REWARDS_FILE.format(p=f".p{process_index}" if process_index else ""))
+
     def __call__(self, phase: str, step: int, examples: list[Example], rewards: np.ndarray) -> None:
         if self._f is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -358,13 +371,20 @@ class RewardsFile:
 
 
 # -- the plan ----------------------------------------------------------------------------
+def with_probe(lifecycle: LifecycleOptions, tok: Any) -> LifecycleOptions:
+    """A copy of ``lifecycle``; with ``check_weights``, ``PROBE_PROMPT``'s ids as its probe."""
+    lifecycle = dataclasses.replace(lifecycle)
+    if lifecycle.check_weights and not lifecycle.probe_ids:
+        lifecycle.probe_ids = tuple(tok(PROBE_PROMPT, add_special_tokens=False, verbose=False).input_ids)
+    return lifecycle
+
+
 def run_rl(ctx: PlanRun, opts: RLOptions) -> dict[str, Any]:
     """Run the plan; returns this attempt's summary. ``ctx.on_started`` runs after setup."""
     from transformers import AutoTokenizer
 
     task = build_task(opts.task_config)
-    suffix = f".p{ctx.process_index}" if ctx.process_index else ""
-    rewards_file = RewardsFile(ctx.run_dir / REWARDS_FILE.format(p=suffix))
+    rewards_file = RewardsFile.of(ctx.run_dir, ctx.process_index)
     try:
         return _run_rl(ctx, opts, task, AutoTokenizer.from_pretrained(str(ctx.model.path)), rewards_file)
     finally:
@@ -376,31 +396,17 @@ def _run_rl(ctx: PlanRun, opts: RLOptions, task: Task, tok: Any, on_rewards: Rew
     backend, rec, model = ctx.backend, ctx.rec, ctx.model
     eos = model.config.eos_token_id
     resume_from, first_step = opts.resume_from, opts.first_step
-    lifecycle = dataclasses.replace(opts.lifecycle)
-    if lifecycle.check_weights and not lifecycle.probe_ids:
-        lifecycle.probe_ids = tuple(tok(PROBE_PROMPT, add_special_tokens=False, verbose=False).input_ids)
+    lifecycle = with_probe(opts.lifecycle, tok)
 
     coord = coordinator_for(backend)
     if opts.checkpoint_every:  # several processes write one checkpoint: they must share the directory
         check_shared_dir(coord, ctx.run_dir)
+    sized = size_engine(task, tok, opts)
     engine = start(
-        backend,
-        rec,
-        model,
-        ctx.make_wandb,
-        ctx.runtime,
-        size_engine(task, tok, opts),
-        ctx.on_engine,
-        attempt_first_step=first_step,
+        backend, rec, model, ctx.make_wandb, ctx.runtime, sized, ctx.on_engine, attempt_first_step=first_step
     )
 
-    def make_trainer():
-        trainer = backend.create_trainer(model, opts.train)
-        if resume_from is None:
-            return trainer, {}
-        trainer.restore(resume_from.path)
-        return trainer, {"restored_from": str(resume_from.path), "restored_verified": resume_from.verified}
-
+    make_trainer = trainer_maker(backend, model, opts, resume_from)
     life = colocate(backend, engine, rec, lifecycle, make_trainer, lora_rank=opts.train.lora_rank)
     life.first_sync()
     ctx.on_started()
@@ -446,17 +452,12 @@ def check_prompts(opts: RLOptions, model: Any) -> list[str]:
     """``ValueError`` (naming the flag, or the file and row) unless every rendered prompt plus
     ``--max-new-tokens`` fits ``--context-length`` (else the model's); lines to tell the user."""
     ctx = opts.engine.context_length
-    allowed, why = (
-        (ctx, "--context-length")
-        if ctx
-        else (model.config.max_position_embeddings, f"{model.path}'s max_position_embeddings")
-    )
+    allowed, why = ctx, "--context-length"
+    what = f"--context-length {ctx}"
+    if not ctx:
+        allowed, why = model.config.max_position_embeddings, f"{model.path}'s max_position_embeddings"
+        what = f"the model's context length, {allowed} tokens ({model.path / 'config.json'}: max_position_embeddings)"
     if opts.max_new_tokens + 2 > allowed:  # a prompt of one token, and the engine's one of slack
-        what = (
-            f"--context-length {ctx}"
-            if ctx
-            else f"the model's context length, {allowed} tokens ({model.path / 'config.json'}: max_position_embeddings)"
-        )
         raise ValueError(
             f"--max-new-tokens {opts.max_new_tokens} does not fit {what}, with a prompt before it"
         )
