@@ -121,11 +121,7 @@ def parse_qwen3(cfg: Any, name: str = "checkpoint", fallback_eos: Any = None) ->
         raise ValueError(f"bos_token_id: {bos!r}, expected an integer")
     return ModelConfig(
         name=str(cfg.get("mllm_rl_preset", name)),
-        vocab_size=sizes["vocab_size"],
-        hidden_size=sizes["hidden_size"],
-        intermediate_size=sizes["intermediate_size"],
-        num_hidden_layers=sizes["num_hidden_layers"],
-        num_attention_heads=heads,
+        **sizes,
         num_key_value_heads=kv,
         head_dim=head_dim,
         max_position_embeddings=_positive_int(

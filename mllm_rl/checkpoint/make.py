@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from mllm_rl.checkpoint.model_dir import INDEX
@@ -27,10 +26,7 @@ def init_tensor(shape: tuple[int, ...], seed: int, index: int) -> np.ndarray:
     if len(shape) == 1:
         return np.ones(shape, np.float32)
     rng = np.random.default_rng([seed, index])
-    fan_in = shape[1]
-    out = rng.standard_normal(shape, dtype=np.float32)
-    out *= np.float32(1.0 / math.sqrt(fan_in))
-    return out
+    return rng.standard_normal(shape, dtype=np.float32) * np.float32(1.0 / math.sqrt(shape[1]))  # fan_in
 
 
 def make_checkpoint(
@@ -72,11 +68,7 @@ def make_checkpoint(
     total = sum(int(np.prod(s)) * itemsize for s in shapes.values())
 
     def make_fn(name: str):
-        def make() -> np.ndarray:
-            arr = init_tensor(shapes[name], seed, order[name])
-            return arr.astype(ml_dtypes.bfloat16 if st_dtype == "BF16" else np_dtype)
-
-        return make
+        return lambda: init_tensor(shapes[name], seed, order[name]).astype(np_dtype)
 
     weight_map: dict[str, str] = {}
     with progress_bar(total=total, desc=f"write {config.name}", unit="B", enabled=show_progress) as bar:

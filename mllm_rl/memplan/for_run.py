@@ -154,14 +154,8 @@ def plan_run(req: PlanRequest, check_weights: bool, fit_kv: bool, in_process: bo
     text = output.render(result, m, summary)
     if not run_plan.fits:
         raise DoesNotFit(f"memory plan ({req.target}, predicted): {verdict}")
-    return RunPlan(
-        doc,
-        text,
-        verdict,
-        m.info.get("kv_tokens", req.kv_tokens),
-        m.info.get("mem_fraction_static"),
-        host_line(run_plan),
-    )
+    kv_tokens, fraction = m.info.get("kv_tokens", req.kv_tokens), m.info.get("mem_fraction_static")
+    return RunPlan(doc, text, verdict, kv_tokens, fraction, host_line(run_plan))
 
 
 def write_plan_files(run_dir: Any, run_plan: RunPlan) -> None:
@@ -242,13 +236,9 @@ def plan_for_rl(
     return opts, plan, notes
 
 
-def request_from_json(d: dict[str, Any]) -> PlanRequest:
-    return PlanRequest(**{**d, "model": ModelConfig(**d["model"])})
-
-
 def main() -> int:
     data = json.loads(sys.stdin.read())
-    req = request_from_json(data["request"])
+    req = PlanRequest(**{**data["request"], "model": ModelConfig(**data["request"]["model"])})
     try:
         plan = plan_run(req, bool(data["check_weights"]), bool(data["fit_kv"]), in_process=True)
         out: dict[str, Any] = {"plan": dataclasses.asdict(plan)}

@@ -47,7 +47,7 @@ def step_phases(check_weights: bool = False) -> dict[str, list[str]]:
 def plans(m: Measured, req: PlanRequest, check_weights: bool = False) -> dict[str, Plan]:
     """One plan per schedule (setup phases first), ``req.schedule``'s first."""
     order = [req.schedule] + [s for s in SCHEDULES if s != req.schedule]
-    inputs = inputs_of(req)
+    inputs = dataclasses.asdict(req) | {"model": req.model.name}  # what the plan was made for (JSON-able)
     inputs.update({k: m.info[k] for k in ("kv_tokens", "mem_fraction_static") if k in m.info})
     phases = step_phases(check_weights)
     target = m.target
@@ -68,13 +68,6 @@ def fit_kv(
         return m, req, room, phase
     tokens = room if cap is None else min(room, cap)
     return with_kv_tokens(m, tokens), dataclasses.replace(req, kv_tokens=tokens), room, phase
-
-
-def inputs_of(req: PlanRequest) -> dict[str, object]:
-    """What a plan was made for (JSON-able)."""
-    d = dataclasses.asdict(req)
-    d["model"] = req.model.name
-    return d
 
 
 def with_kv_tokens(m: Measured, tokens: int) -> Measured:

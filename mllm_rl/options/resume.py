@@ -38,7 +38,7 @@ def fixed_keys(mode: str) -> list[str]:
 
 def task_record(spec: Any) -> dict[str, Any]:
     """A task's settings as ``run.json``'s ``task_options`` records them (paths absolute)."""
-    return {o.key: _normal(o.key, getattr(spec, o.key)) for o in in_scope("task") if o.resume != "fresh"}
+    return record(spec, "task")
 
 
 def compare_tasks(

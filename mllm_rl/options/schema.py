@@ -113,8 +113,7 @@ OPTIONS: tuple[Option, ...] = (
        "it), PHASE=SECONDS one phase's; repeatable; 0 = no limit", "run", RUN, resume="fresh",
        metavar="[PHASE=]SECONDS", default_text="mllm_rl.phases.watchdog.DEFAULT_LIMIT_S"),
     # -- outputs -------------------------------------------------------------------------------------
-    _o("wandb", str, "offline", "W&B mode", "outputs", RUN,
-       choices=("disabled", "offline", "online")),
+    _o("wandb", str, "offline", "W&B mode", "outputs", RUN, choices=("disabled", "offline", "online")),
     _o("wandb_project", str, "mllm_rl", "W&B project", "outputs", RUN, resume="fresh"),
     _o("wandb_fallback", str, "offline", "--wandb online and the server cannot be reached: log offline "
        "(one warning line) or refuse to start", "outputs", RUN, resume="fresh", choices=("offline", "error")),
@@ -245,8 +244,7 @@ OPTIONS: tuple[Option, ...] = (
        "all) starts from step 0 (swap: runs it again)", "rl plan", {"rl", "swap"}, resume="fresh"),
     _o("override", list, None, "--resume: accept a changed value of a setting that defines the run "
        "(e.g. --override lr; with --tasks: of any task); run.json records it; repeatable", "rl plan",
-       {"rl", "tasks"}, resume="fresh",
-       metavar="KEY"),
+       {"rl", "tasks"}, resume="fresh", metavar="KEY"),
     # -- the memory plan's own -----------------------------------------------------------------------
     _o("seq_len", int, 4096, "tokens per sequence (prompt + completion)", "plan", {"memplan"}, low=1),
     _o("trainer_tp", int, 1, "tensor-parallel size of the trainer's mesh (divides the devices; JAX)", "rl plan",
@@ -260,8 +258,7 @@ OPTIONS: tuple[Option, ...] = (
     _o("model_option", list, None, "a backend model option (JAX: ModelOptions fields, e.g. remat=block; "
        "torch: remat=true, per-layer activation checkpointing); repeatable", "rl plan", {"rl", "memplan"}, resume="fixed", metavar="KEY=VALUE"),
     _o("margin", float, 0.9, "fraction of device memory a phase may use (the plan's budget; rl: the run's own "
-       "memory plan)", "plan", {"rl", "memplan"}, low=0,
-       strict=True, high=1),
+       "memory plan)", "plan", {"rl", "memplan"}, low=0, strict=True, high=1),
     _o("host_ram_gib", float, None, "one host's RAM of the target in GiB, for its host-memory verdict (a "
        "TPU VM's or GPU node's: `free -g` there)", "plan", {"memplan"}, low=0, strict=True, nullable=True,
        default_text="this machine's for cpu/cuda, else not known"),

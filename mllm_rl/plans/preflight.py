@@ -152,8 +152,6 @@ def engine_options(args: argparse.Namespace, task: str | None = None) -> Any:
 
 def phase_limits(args: argparse.Namespace) -> Any:
     """``--phase-timeout`` parsed; a PHASE must be one that some plan records."""
-    from mllm_rl.phases.watchdog import PhaseLimits
-
     limits = PhaseLimits.parse(args.phase_timeout or [])
     unknown = sorted(set(limits.overrides) - known_phases())
     if unknown:
@@ -233,19 +231,9 @@ def prepare(args: argparse.Namespace, given: set[str] | frozenset[str] = frozens
     notes += model_notes
     if args.resume or args.resume_or_start:
         run_id = args.run_id or previous.get("run_id") or run_id
+    options, resuming = record(args, mode), bool(resuming)
     return Prepared(
-        plan,
-        opts,
-        backend,
-        model,
-        run_id,
-        run_dir,
-        limits,
-        bool(resuming),
-        notes,
-        record(args, mode),
-        overrides,
-        wandb_mode,
+        plan, opts, backend, model, run_id, run_dir, limits, resuming, notes, options, overrides, wandb_mode
     )
 
 

@@ -100,9 +100,8 @@ def build_task(cfg: TaskConfig) -> Task:
         return boxed.boxed_task(cfg)
     assert cfg.data is not None and cfg.reward is not None  # check_config: a data task has both
     pkey = "prompt" if cfg.prompt_key is None else cfg.prompt_key
-    return dataset_task(
-        cfg, cfg.data, pkey, "answer" if cfg.answer_key is None else cfg.answer_key, cfg.reward
-    )
+    akey = "answer" if cfg.answer_key is None else cfg.answer_key
+    return dataset_task(cfg, cfg.data, pkey, akey, cfg.reward)
 
 
 def default_reward(name: str | None) -> str | None:
