@@ -27,7 +27,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-GIB = 2**30
 RESERVE_S = 15.0  # kept back at the end to write the results
 
 
@@ -114,13 +113,6 @@ def _run(argv: list[str], timeout: float, log: Path, env: dict[str, str]) -> tup
     return rc, time.perf_counter() - t0, log.read_text(errors="replace")
 
 
-def _records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "phases.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _dev_peak(rec: dict[str, Any]) -> tuple[int | None, int | None, str | None]:
     """(the phase's peak, the bytes in use at its end, their source) on the fullest device: the
     torch allocator's entries where there are any (CUDA's device truth also counts the context and
@@ -137,7 +129,9 @@ def _dev_peak(rec: dict[str, Any]) -> tuple[int | None, int | None, str | None]:
 def summarize_run(run_dir: Path) -> dict[str, Any]:
     """What a run directory shows: phases of the last step (seconds, allocator end and peak, the
     plan's end and peak prediction), swap/update GB/s, the plan audit's verdict."""
-    recs = _records(run_dir)
+    from mllm_rl.memplan.audit import compare, drifts, load_records, summary
+
+    recs = load_records(run_dir) if (run_dir / "phases.jsonl").is_file() else []
     out: dict[str, Any] = {"records": len(recs)}
     if not recs:
         return out
@@ -171,12 +165,8 @@ def summarize_run(run_dir: Path) -> dict[str, Any]:
     for name in ("weights_swapped", "update_weights"):
         got = [r for r in rows if r["phase"].removeprefix("setup:") == name and "gbps" in r]
         if got:
-            out[f"{name}_gbps"] = got[-1]["gbps"]
-            out[f"{name}_bytes"] = got[-1].get("bytes")
-            out[f"{name}_seconds"] = got[-1]["seconds"]
+            out.update({f"{name}_{k}": got[-1].get(k) for k in ("gbps", "bytes", "seconds")})
     if plan_doc:
-        from mllm_rl.memplan.audit import compare, drifts, summary
-
         try:
             check = compare([r for r in recs if r.get("process_index", 0) == 0], plan_doc)
             out["plan_audit"] = summary(check)
@@ -192,6 +182,8 @@ def summarize_run(run_dir: Path) -> dict[str, Any]:
 
 def _md(doc: dict[str, Any]) -> str:
     """The markdown report: one line per step, then each run's phase table."""
+    from mllm_rl.summary import gib as g
+
     lines = [f"# Device check ({doc['mode']}): {doc.get('device') or 'no accelerator'}", "",
              f"commit {doc.get('commit')}, {doc['date']}; every figure MEASURED on this machine.", "",
              "| step | exit | seconds | result |", "|---|---|---|---|"]  # fmt: skip
@@ -204,10 +196,6 @@ def _md(doc: dict[str, Any]) -> str:
         lines += ["", f"## {s['name']}: phases of the last step (bytes: {res['phases'][-1].get('source')})", "",
                   "| phase | s | end GiB | peak GiB | plan peak GiB | peak/plan | GB/s |", "|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in res["phases"]:
-
-            def g(v: Any) -> str:
-                return "-" if v is None else f"{v / GIB:.3f}"
-
             lines.append(
                 f"| {r['phase']} | {r['seconds']:.3f} | {g(r['end_bytes'])} | {g(r['peak_bytes'])} | "
                 f"{g(r.get('plan_peak_bytes'))} | {r.get('peak_over_plan', '-')} | {r.get('gbps', '-')} |"
