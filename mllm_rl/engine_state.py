@@ -224,16 +224,11 @@ class ManagedEngine:
             if unproven:
                 got.update(self.engine.weights_fingerprint(unproven))
             stats.read_back = len(unproven)  # tensors read back
-            bad = compare_fingerprints(stats.fingerprint, got)
-            if bad:
-                raise WeightMismatch(
-                    f"update_weights: engine weights differ from what was sent for {len(bad)} tensor(s), e.g. {bad[:2]}"
-                )
-            bad = compare_fingerprints(expected, got) if expected is not None else []
-            if bad:
-                raise WeightMismatch(
-                    f"update_weights: engine weights differ from the trainer's for {len(bad)} tensor(s), e.g. {bad[:2]}"
-                )
+            for want, whose in ((stats.fingerprint, "what was sent"), (expected or {}, "the trainer's")):
+                if bad := compare_fingerprints(want, got):
+                    raise WeightMismatch(
+                        f"update_weights: engine weights differ from {whose} for {len(bad)} tensor(s), e.g. {bad[:2]}"
+                    )
             stats.check_seconds = time.perf_counter() - t0
         except BaseException:
             # Adapters install in place: some tensors may have landed, so the engine holds

@@ -22,17 +22,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, NoReturn
+from typing import IO
+
+from mllm_rl.run import OneLineParser, check_mode, parse_args
 
 EXIT_BAD_INPUT = 2
 RUN_MODULE = "mllm_rl.run"
 REFUSAL_WAIT_S = 10.0  # after one process refuses its input (exit 2), how long the others get to do the same
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
 
 
 def free_port() -> int:
@@ -108,8 +104,6 @@ def devices_per_process(env: dict[str, str] | os._Environ[str] = os.environ) -> 
 def check_run_args(rest: list[str], nproc: int) -> list[str]:
     """``rest`` checked by the run's parser (exit 2), with ``--tp`` added for a multi-process JAX
     run without it: the engine's mesh spans every process's devices."""
-    from mllm_rl.run import check_mode, parse_args
-
     args, given = parse_args(rest)  # exits 2 with the run's one line
     try:
         check_mode(args, given)
@@ -133,7 +127,7 @@ def exit_code(returncode: int) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(
+    ap = OneLineParser(
         prog="python -m mllm_rl.launch",
         usage="%(prog)s --nproc N [options] -- <arguments of python -m mllm_rl.run>",
         description=__doc__.split("\n\n")[1] if __doc__ else None,

@@ -14,13 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from mllm_rl import phase_table
-from mllm_rl.engine import (
-    TAG_CUDA_GRAPH,
-    TAG_KV,
-    TAG_WEIGHTS,
-    SamplingParams,
-    WeightMismatch,
-)
+from mllm_rl.engine import TAG_CUDA_GRAPH, TAG_KV, TAG_WEIGHTS, SamplingParams, WeightMismatch
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.faults import fault_value
 from mllm_rl.option_error import OptionError
@@ -384,9 +378,7 @@ class Colocated:
 def check_residency(engine: ManagedEngine, trainer: Trainer | None, phase: str) -> None:
     """``LifecycleError``: params and engine weights both resident at the end of ``phase`` outside
     ``BOTH_RESIDENT_OK``."""
-    if trainer is None:
-        return
-    both = trainer.resident()[PARAMS] and TAG_WEIGHTS not in engine.released
+    both = trainer is not None and trainer.resident()[PARAMS] and TAG_WEIGHTS not in engine.released
     if both and phase not in BOTH_RESIDENT_OK:
         raise LifecycleError(
             f"{phase}: trainer params and engine weights are both resident (allowed only in "

@@ -26,7 +26,7 @@ from mllm_rl.signals import install_sigterm
 # ``install_sigterm`` must run while the main thread is the only one.
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse with one-line errors (exit 2): ``error: argument --tp: invalid int value: 'x'``."""
 
     def error(self, message: str) -> NoReturn:
@@ -44,7 +44,7 @@ def build_parser(defaults: dict[str, Any] | None = None) -> argparse.ArgumentPar
 
     codes = "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items())
     plans = "\n".join(f"  {p.name:<5} {p.summary}" for p in all_plans())
-    ap = _Parser(
+    ap = OneLineParser(
         prog="python -m mllm_rl.run",
         usage="%(prog)s --backend {jax,torch} [--plan rl|swap | --tasks FILE] [options]",
         description="Run a plan and record every memory phase. A flag that the chosen plan (or --tasks) "
@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:  # W&B online unreachable with --wandb-fallback error
         return _refuse(e, 1)
     backend, model, opts, run_dir, run_id = pre.backend, pre.model, pre.opts, pre.run_dir, pre.run_id
+    resuming = args.resume or args.resume_or_start
 
     # Every process records its own phases, process 0 writes run.json; the runtime comes up and
     # the options are checked against its devices, all before the run directory exists.
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         procs = backend.init_distributed(tp=tp)
         pidx, pcount = int(procs["process_index"]), int(procs["process_count"])
         phase_file = run_dir / phase_file_name(pidx)
-        if not (args.resume or args.resume_or_start):
+        if not resuming:
             check_fresh(run_dir, phase_file.name)
         t0 = time.perf_counter()
         runtime = backend.init_runtime(tp=tp, platform=opts.platform)
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     console = "off" if args.quiet else args.console
     if console != "off":
         sinks.append(ConsoleSink(console, steps=None if pre.plan.tasks else getattr(opts, "steps", None)))
-    start_idx = count_records(phase_file) if (args.resume or args.resume_or_start) else 0
+    start_idx = count_records(phase_file) if resuming else 0
     rec = PhaseRecorder(
         run_id, backend.name, sinks=sinks, process_index=pidx, start_idx=start_idx, tasks=pre.plan.tasks
     )
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir,
             wid,
             project=args.wandb_project,
-            resume=args.resume or args.resume_or_start,
+            resume=resuming,
             fallback=args.wandb_fallback,
             init_timeout=max(30.0, 3 * args.wandb_timeout),
             config={k: v for k, v in vars(args).items() if k != "prompt"},
