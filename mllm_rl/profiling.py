@@ -71,8 +71,7 @@ class Profiled:
         process_index: int = 0,
     ) -> None:
         self.profiler, self.steps, self.process_index = profiler, steps, process_index
-        self.dir = run_dir / PROFILE_DIR
-        self.backend = backend
+        self.dir, self.backend = run_dir / PROFILE_DIR, backend
         self.written: dict[int, list[str]] = {}
 
     @contextlib.contextmanager

@@ -177,29 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         run_id, backend.name, sinks=sinks, process_index=pidx, start_idx=start_idx, tasks=pre.plan.tasks
     )
 
-    plan_info = {"model": None if model is None else str(model.path), **pre.plan.run_json(backend, opts)}
+    head = {"run_id": run_id, "backend": backend.name, "plan": pre.plan.name, "process_count": pcount}
+    head |= {"model": None if model is None else str(model.path), **pre.plan.run_json(backend, opts)}
+    run_argv = sys.argv[1:] if argv is None else argv
+    tail = {"argv": run_argv, "options": pre.options, "overrides": pre.overrides}
     extra: dict[str, Any] = {}
 
-    def write_plan() -> None:
+    def write_plan(fields: dict[str, Any] | None = None) -> None:
+        extra.update(fields or {})
         if pidx == 0:
-            write_run_json(
-                run_dir,
-                {
-                    "run_id": run_id,
-                    "backend": backend.name,
-                    "plan": pre.plan.name,
-                    "process_count": pcount,
-                    **plan_info,
-                    **extra,
-                    "argv": sys.argv[1:] if argv is None else argv,
-                    "options": pre.options,
-                    "overrides": pre.overrides,
-                },
-            )
-
-    def update_plan(fields: dict[str, Any]) -> None:
-        extra.update(fields)
-        write_plan()
+            write_run_json(run_dir, {**head, **extra, **tail})
 
     if not pre.resuming:
         write_plan()  # a resumed attempt rewrites the run's run.json only once it has started (on_started)
@@ -246,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             runtime,
             on_engine=engines.append,
             on_started=write_plan if pre.resuming else lambda: None,
-            write_run_json=update_plan,
+            write_run_json=write_plan,
             process_index=pidx,
         )
         result = pre.plan.run(ctx, opts)

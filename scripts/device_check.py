@@ -16,6 +16,7 @@ Exit 0 when every step that ran passed, 1 otherwise, 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -82,10 +83,8 @@ def _last_json(text: str) -> dict[str, Any] | None:
     for line in reversed(text.splitlines()):
         line = line.strip()
         if line.startswith("{") and line.endswith("}"):
-            try:
+            with contextlib.suppress(ValueError):
                 return json.loads(line)
-            except ValueError:
-                continue
     return None
 
 
@@ -102,13 +101,11 @@ def _run(argv: list[str], timeout: float, log: Path, env: dict[str, str]) -> tup
         try:
             rc = p.wait(timeout=max(timeout, 1.0))
         except subprocess.TimeoutExpired:
-            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-                try:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
                     os.killpg(p.pid, sig)
-                    p.wait(timeout=wait)
+                    p.wait(timeout=10)
                     break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
             rc = 124
     return rc, time.perf_counter() - t0, log.read_text(errors="replace")
 
