@@ -207,10 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         t.join(timeout=5)
     if stopping and first_failure is None:  # stopped before any process failed: the launcher's signal
         return 128 + stopping[0]
-    if first_failure is None:
-        codes = [exit_code(p.returncode) for p in procs]
-        first_failure = next((c for c in codes if c != 0), 0)
-    return first_failure
+    codes = [exit_code(p.returncode) for p in procs]
+    return first_failure if first_failure is not None else next((c for c in codes if c != 0), 0)
 
 
 def _stop(procs: list[subprocess.Popen[str]], grace_s: float) -> None:

@@ -272,7 +272,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu:
         env["JAX_PLATFORMS"] = "cpu"
     runs = out / "runs"
-    failed = 0
 
     def save() -> None:
         (out / "device_check.json").write_text(json.dumps(doc, indent=1, default=str))
@@ -286,7 +285,6 @@ def main(argv: list[str] | None = None) -> int:
         if left < 20:
             step.update(rc=-1, error=f"skipped: {left:.0f} s of the budget left")
             doc["steps"].append(step)
-            failed += 1
             save()
             continue
         cmd = [py, *spec["argv"]]
@@ -303,11 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             rcmd = [py, "-m", "mllm_rl.run", "--backend", spec["backend"], "--run-dir", str(run_dir), "--resume",
                     "--steps", str(spec["resume_to"]), "--wandb", "disabled"]  # fmt: skip
             step["resume_cmd"] = " ".join(rcmd)
-            rc, secs2, text2 = _run(
-                rcmd, max(deadline - time.monotonic(), 1), out / f"{name}-resume.log", env
-            )
-            secs += secs2
-            text += text2
+            rc, s2, t2 = _run(rcmd, max(deadline - time.monotonic(), 1), out / f"{name}-resume.log", env)
+            secs, text = secs + s2, text + t2
         step.update(rc=rc, seconds=round(secs, 2))
         try:
             if spec.get("run"):
@@ -329,14 +324,13 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("copy-") and step["result"]:
             doc["copy"][name.split("-", 1)[1]] = _copy_rates(step["result"])
         if rc != 0:
-            failed += 1
             tail = [ln for ln in text.splitlines() if ln.strip()][-3:]
             step.setdefault("error", "timed out" if rc == 124 else " | ".join(tail)[-400:])
         step["headline"] = _headline(step, doc)
         print(f"   exit {rc} in {secs:.1f} s: {step['headline']}", flush=True)
         doc["steps"].append(step)
         save()
-    save()
+    failed = sum(s["rc"] != 0 for s in doc["steps"])
     print(f"results: {out / 'device_check.md'} ({failed} step(s) failed or skipped)")
     return 1 if failed else 0
 
