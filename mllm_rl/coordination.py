@@ -6,10 +6,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from mllm_rl.backend import Backend
+from typing import Any, Protocol
 
 
 class Coordinator(Protocol):
@@ -52,7 +49,13 @@ class ScheduleMismatch(RuntimeError):
     """Processes computed different lease schedules (e.g. different task files or checkpoints)."""
 
 
-def coordinator_for(backend: Backend) -> Coordinator:
+class HasCoordinator(Protocol):
+    """What ``coordinator_for`` needs of a backend (``mllm_rl.backend.Backend.coordinator``)."""
+
+    def coordinator(self) -> Coordinator | None: ...
+
+
+def coordinator_for(backend: HasCoordinator) -> Coordinator:
     """The backend's coordinator when it has one and the run has several processes, else local."""
     coord = backend.coordinator()
     return coord if coord is not None and coord.count > 1 else LocalCoordinator()
