@@ -1,10 +1,5 @@
-"""The report's checks: what a run should have recorded, and every finding about what it did.
-
-Expectations come from ``run.json`` where it says (``process_count``, ``expected_phases``,
-``expected_step_phases``, ``steps``, ``first_step``), else from the records (the union of what the
-processes recorded: it cannot see a phase missing on every process). Completeness is judged per
-attempt, a missing trace point never hidden; ``health_issues`` finds NaN/inf values and stuck phases,
-``host_growth`` host memory that grows step after step. docs/REPORT.md lists every kind."""
+"""The report's checks: what a run should have recorded (``run.json``, else the union of the
+records), and every finding about what it did. docs/REPORT.md lists every kind."""
 
 from __future__ import annotations
 
@@ -18,15 +13,10 @@ from mllm_rl.report.issues import ERROR, INFO, WARNING, Issue, int_ranges
 from mllm_rl.report.load import Attempt, Record, ReportInputError, Run
 
 T = TypeVar("T", bound=Hashable)
-MISSING, OUT_OF_ORDER, DUPLICATE, UNEXPECTED = (
-    "missing_phase",
-    "out_of_order",
-    "duplicate_phase",
-    "unexpected_phase",
-)
-FAULT_PHASES = (
-    "release_on_fault",
-)  # belongs to the failure it follows, not to the sequence (docs/MULTITASK.md)
+MISSING, OUT_OF_ORDER = "missing_phase", "out_of_order"
+DUPLICATE, UNEXPECTED = "duplicate_phase", "unexpected_phase"
+# belongs to the failure it follows, not to the sequence (docs/MULTITASK.md)
+FAULT_PHASES = ("release_on_fault",)
 MIB = 2**20
 FIRST_STEP = 1  # host growth is measured from here (step 0's compile caches stay)
 MIN_STEPS = 4  # steps measured from FIRST_STEP on: three step-over-step rises
@@ -43,8 +33,7 @@ class Expected:
 
 
 def merge_orders(seqs: Iterable[list[T]]) -> list[T]:
-    """One order holding every sequence's items (with multiplicity), longest sequence first; an
-    extra occurrence goes after that sequence's previous name."""
+    """One order holding every sequence's items (with multiplicity), longest sequence first."""
     merged: list[T] = []
     for seq in sorted(seqs, key=len, reverse=True):
         pos = 0
@@ -100,10 +89,8 @@ def from_plan(run: Run, guess: Expected) -> Expected:
     if run.plan is None:
         return guess
     count, n_steps = _plan_field(run, "process_count", False), _plan_field(run, "steps", False)
-    phases, step_phases = (
-        _plan_field(run, "expected_phases", True),
-        _plan_field(run, "expected_step_phases", True),
-    )
+    phases = _plan_field(run, "expected_phases", True)
+    step_phases = _plan_field(run, "expected_step_phases", True)
     first = _plan_field(run, "first_step", False) or 0
     if n_steps and not step_phases:
         step_phases = None  # steps planned but their phases not listed: infer them
@@ -150,9 +137,8 @@ def _short(names: list[str], cap: int = 20) -> str:
 
 
 def check_sequence(actual: list[str], expected: list[str]) -> list[Finding]:
-    """Every difference between ``actual`` and ``expected``, aligned by a longest common
-    subsequence: an unaligned recorded phase matching an unaligned expected one is out of order;
-    other expected leftovers are missing (with multiplicity), recorded ones duplicates or unexpected."""
+    """Every difference between ``actual`` and ``expected``, aligned by a longest common subsequence
+    (an unaligned phase found on both sides is out of order)."""
     pairs = _lcs_pairs(actual, expected)
     last = max((j for _, j in pairs), default=-1)  # furthest expected position recorded in order
     matched_a, matched_e = {i for i, _ in pairs}, {j for _, j in pairs}
@@ -165,9 +151,8 @@ def check_sequence(actual: list[str], expected: list[str]) -> list[Finding]:
             extra[actual[i]] += 1
             continue
         left_e.remove(j)
-        out.append(
-            Finding(OUT_OF_ORDER, actual[i], f"recorded [{_short(actual)}], expected [{_short(expected)}]")
-        )
+        detail = f"recorded [{_short(actual)}], expected [{_short(expected)}]"
+        out.append(Finding(OUT_OF_ORDER, actual[i], detail))
     ce, ca = Counter(expected), Counter(actual)
     missing: dict[str, list[int]] = {}
     for j in left_e:
@@ -186,8 +171,7 @@ def check_sequence(actual: list[str], expected: list[str]) -> list[Finding]:
 
 
 def trailing_phases(exp: Expected, attempts: dict[int, list[Attempt]]) -> set[str]:
-    """Non-step phases that come after the steps (e.g. ``generate_result``): those recorded after a
-    step anywhere, plus the expected ones after every setup phase recorded before a first step."""
+    """Non-step phases that come after the steps (e.g. ``generate_result``)."""
     out: set[str] = set()
     last_setup = -1
     last_index = {name: i for i, name in enumerate(exp.phases)}
@@ -219,8 +203,7 @@ def _compare(
     step: int | None,
     stops: Callable[[Finding], bool],
 ) -> tuple[list[Issue], list[Finding]]:
-    """The findings of ``names`` against ``expected`` as issues, but the missing ones for which
-    ``stops`` holds (the sequence stopped there), returned apart."""
+    """Findings as issues; the missing ones where ``stops`` holds (the sequence stopped) apart."""
     issues, stopped = [], []
     for f in check_sequence(names, expected):
         if f.kind == MISSING and stops(f):
@@ -255,9 +238,7 @@ def _check_setup(label: str, a: Attempt, exp: Expected, trailing: set[str]) -> l
 
 
 def _restored(atts: list[Attempt], number: int, step: int) -> bool:
-    """Did attempt ``number`` restore the checkpoint of ``step`` (``trainer_init``'s
-    ``info.restored_from``)? A checkpoint written in the background may have ended after the
-    last record of the attempt that began it."""
+    """Did attempt ``number`` restore the checkpoint of ``step`` (``trainer_init``'s ``info.restored_from``)?"""
     name = f"step_{step:06d}"
     return any(
         r["phase"] == "trainer_init" and str(r["info"].get("restored_from") or "").rstrip("/").endswith(name)
@@ -266,8 +247,7 @@ def _restored(atts: list[Attempt], number: int, step: int) -> bool:
 
 
 def _checkpointed(a: Attempt, step: int) -> bool:
-    """Did ``a`` save a checkpoint of ``step``: its ``checkpoint`` phase with ``info.saved``, or a
-    background write of it recorded as ended (in a later record's ``info.written``)?"""
+    """Did ``a`` save a checkpoint of ``step`` (``info.saved``, or a later record's ``info.written``)?"""
     return any(
         (r["step"] == step and r["phase"] == "checkpoint" and r["info"].get("saved"))
         or any(isinstance(w, dict) and w.get("step") == step for w in r["info"].get("written") or ())
@@ -276,8 +256,7 @@ def _checkpointed(a: Attempt, step: int) -> bool:
 
 
 def _stopped_step(label: str, atts: list[Attempt], a: Attempt, s: int, what: str, phase: str) -> Issue:
-    """The step ``a`` stopped in: a note when a later attempt re-ran it, or resumed after it from its
-    checkpoint; an error in the last attempt or when it was never re-run."""
+    """The step ``a`` stopped in: a note when a later attempt re-ran or resumed past it, else an error."""
     later = [b.number for b in atts if b.number > a.number and s in b.steps()]
     resumed_after = [b.number for b in atts if b.number > a.number and s + 1 in b.steps()]
     if not a.is_last and resumed_after and (_checkpointed(a, s) or _restored(atts, resumed_after[0], s)):
@@ -301,9 +280,8 @@ def _check_steps(label: str, atts: list[Attempt], exp: Expected, plan_steps: boo
         issues.append(Issue(label, "missing_step", msg, ERROR, process=p, step=lo))
     if plan_steps:
         for s in sorted(recorded - set(exp.steps)):
-            issues.append(
-                Issue(label, "unexpected_step", f"step {s} is not in the plan", WARNING, process=p, step=s)
-            )
+            msg = f"step {s} is not in the plan"
+            issues.append(Issue(label, "unexpected_step", msg, WARNING, process=p, step=s))
     for a in atts:
         top: int | None = None
         for r in (r for r in a.records if r["step"] is not None):
@@ -328,8 +306,7 @@ def _ended(a: Attempt, ended: bool) -> tuple[str, str]:
 
 
 def own_finding(r: Record) -> bool:
-    """A failed record that ``health_issues`` reports under its own kind instead of ``phase_error``:
-    the run's own stops (``info.stuck`` from the watchdog, ``info.non_finite`` from the lifecycle)."""
+    """A failed record ``health_issues`` reports under its own kind (``info.stuck``/``non_finite``)."""
     return isinstance(r["info"].get("stuck"), dict) or bool(r["info"].get("non_finite"))
 
 
@@ -341,15 +318,8 @@ def _check_records(label: str, atts: list[Attempt]) -> list[Issue]:
             if (err := r["info"].get("error")) and not own_finding(r):
                 ended = all(x["phase"] in FAULT_PHASES for x in a.records[i + 1 :]) and not a.is_last
                 sev, note = _ended(a, ended)
-                issues.append(
-                    a.issue(
-                        label,
-                        "phase_error",
-                        f"phase {r['phase']} failed: {str(err)[:300]}{note}",
-                        sev,
-                        **where,
-                    )
-                )
+                msg = f"phase {r['phase']} failed: {str(err)[:300]}{note}"
+                issues.append(a.issue(label, "phase_error", msg, sev, **where))
             if n := r["info"].get("sample_errors"):
                 msg = f"memory sampler failed {n} time(s) in phase {r['phase']}: its peak may be low"
                 issues.append(a.issue(label, "sample_errors", msg, WARNING, **where))
@@ -357,20 +327,14 @@ def _check_records(label: str, atts: list[Attempt]) -> list[Issue]:
 
 
 def completeness(run: Run, exp: Expected, attempts: dict[int, list[Attempt]]) -> list[Issue]:
-    """Every process recorded every expected phase for every step, in order, judged per attempt:
-    errors for a missing phase (before, between, or in a step followed by others), a sequence that
-    stopped (``incomplete``; in an earlier attempt an ``interrupted`` note when a later one re-ran or
-    resumed past it), a missing step or process, a failed phase, a wrong order; warnings for
-    duplicates, unexpected records, sampler failures and torn lines."""
+    """Every process recorded every expected phase for every step, in order, judged per attempt."""
     label, issues = run.label, []
     if run.n_records == 0:
-        issues.append(
-            Issue(label, "no_records", f"no phase record in {', '.join(f.name for f in run.files.values())}")
-        )
+        names = ", ".join(f.name for f in run.files.values())
+        issues.append(Issue(label, "no_records", f"no phase record in {names}"))
     for name in run.torn_lines:
-        issues.append(
-            Issue(label, "torn_line", f"{name}: torn last line skipped (writer killed mid-write)", WARNING)
-        )
+        msg = f"{name}: torn last line skipped (writer killed mid-write)"
+        issues.append(Issue(label, "torn_line", msg, WARNING))
     for p in range(exp.process_count):
         if not run.records.get(p) and run.n_records:
             why = f"{run.files[p].name} is empty" if p in run.files else "no phase file"
@@ -387,9 +351,8 @@ def completeness(run: Run, exp: Expected, attempts: dict[int, list[Attempt]]) ->
                 f"{a.number} at idx {a.records[0]['idx']}" + (f" (step {a.steps()[0]})" if a.steps() else "")
                 for a in atts
             )
-            issues.append(
-                Issue(label, "resumed", f"{len(atts)} attempts (resumed): {starts}", INFO, process=p)
-            )
+            msg = f"{len(atts)} attempts (resumed): {starts}"
+            issues.append(Issue(label, "resumed", msg, INFO, process=p))
         for a in atts:
             issues += _check_setup(label, a, exp, trailing)
         issues += _check_steps(label, atts, exp, plan_steps) + _check_records(label, atts)
@@ -397,9 +360,8 @@ def completeness(run: Run, exp: Expected, attempts: dict[int, list[Attempt]]) ->
 
 
 def health_issues(label: str, attempts: dict[int, list[Attempt]]) -> list[Issue]:
-    """``non_finite``: a NaN/inf number in a step record's ``info`` (``mllm_rl.run`` stops at one in
-    ``train_step``, exit 5); ``stuck_phase``: a phase past its watchdog limit (``info.stuck``, exit 6).
-    A note instead of an error when the record ended an attempt that a later one resumed."""
+    """``non_finite`` (a NaN/inf in a step record's ``info``) and ``stuck_phase`` (``info.stuck``);
+    a note instead of an error when the record ended an attempt that a later one resumed."""
     issues = []
     for a in (a for atts in attempts.values() for a in atts):
         for i, r in enumerate(a.records):
@@ -408,9 +370,8 @@ def health_issues(label: str, attempts: dict[int, list[Attempt]]) -> list[Issue]
             bad = [k for k, v in info.items() if is_non_finite(v)] if r["step"] is not None else []
             if bad:
                 values = ", ".join(f"{k} {json_safe(info[k])}" for k in bad)
-                issues.append(
-                    a.issue(label, "non_finite", f"{r['phase']}: non-finite {values}{note}", sev, **where)
-                )
+                msg = f"{r['phase']}: non-finite {values}{note}"
+                issues.append(a.issue(label, "non_finite", msg, sev, **where))
             if isinstance(stuck := info.get("stuck"), dict):
                 msg = (
                     f"phase {r['phase']} stuck: still running after its {stuck.get('limit_s')} s limit; "
@@ -431,9 +392,8 @@ def step_rss(records: list[Record]) -> dict[int, int]:
 
 
 def growth(rss: dict[int, int]) -> tuple[float, list[int]] | None:
-    """(MiB per step, the steps) when ``rss`` (step -> bytes) grows like a leak: at least ``MIN_STEPS``
-    steps from ``FIRST_STEP`` on, an average rise above ``MIN_MIB_PER_STEP`` MiB per step and more
-    than half that in each step (a compile of one new shape is one jump, not a slope)."""
+    """(MiB per step, the steps) when ``rss`` (step -> bytes) rises in every step from ``FIRST_STEP``
+    on (at least ``MIN_STEPS``), by more than ``MIN_MIB_PER_STEP`` on average and half that each time."""
     steps = sorted(s for s in rss if s >= FIRST_STEP)
     if len(steps) < MIN_STEPS:
         return None
@@ -444,24 +404,17 @@ def growth(rss: dict[int, int]) -> tuple[float, list[int]] | None:
 
 
 def host_growth(run: Run) -> list[Issue]:
-    """A ``host_growth`` warning per process whose host RSS at the end of each step grows like a leak
-    (``growth``): what ends long colocated runs in the host's OOM killer (the ``host_leak_mb`` fault
-    exercises it)."""
+    """A ``host_growth`` warning per process whose host RSS grows like a leak (``growth``)."""
     issues = []
     for proc, records in run.records.items():
         if (found := growth(rss := step_rss(records))) is None:
             continue
         per_step, steps = found
         a, b = steps[0], steps[-1]
-        issues.append(
-            Issue(
-                run.label,
-                "host_growth",
-                f"host RSS grew {per_step:.1f} MiB per step from step {a} to step {b} "
-                f"({rss[a] / MIB:.1f} -> {rss[b] / MIB:.1f} MiB at the end of each step, rising in every one): "
-                "host memory that is never freed, which ends a long run in the host's OOM killer",
-                severity=WARNING,
-                process=proc,
-            )
+        msg = (
+            f"host RSS grew {per_step:.1f} MiB per step from step {a} to step {b} "
+            f"({rss[a] / MIB:.1f} -> {rss[b] / MIB:.1f} MiB at the end of each step, rising in every one): "
+            "host memory that is never freed, which ends a long run in the host's OOM killer"
         )
+        issues.append(Issue(run.label, "host_growth", msg, severity=WARNING, process=proc))
     return issues

@@ -1,7 +1,5 @@
-"""The report's charts, hand-written inline SVG (docs/REPORT.md says why): HTML snippets (legend +
-``<svg>``) built from a ``RunAnalysis``, reused by W&B. Unknown values (``None``) are never drawn as
-0: a bar shows a small ``-`` at the baseline, a line is broken. Hovering a bar or a point shows its
-value (``<title>``)."""
+"""The report's charts as inline SVG (docs/REPORT.md says why), reused by W&B. Unknown values are
+never drawn as 0: a bar shows a small ``-``, a line is broken. Hover text: ``<title>``."""
 
 from __future__ import annotations
 
@@ -127,18 +125,14 @@ def bar_chart(
             tip = f"{g} - {s.name}: {'-' if v is None else value_fmt(v)}"
             tip += f", peak {'-' if p is None else value_fmt(p)}" if s.peaks else ""
             if v is None:
-                title = _title(f"{tip} (not measurable)")
-                out.append(
-                    _el("text", "-" + title, x=x + bw / 2, y=base - 2, text_anchor="middle", fill="#999")
-                )
+                title = "-" + _title(f"{tip} (not measurable)")
+                out.append(_el("text", title, x=x + bw / 2, y=base - 2, text_anchor="middle", fill="#999"))
             else:
                 h = max(0.0, base - y(v))
                 out.append(_el("rect", _title(tip), x=x, y=y(v), width=bw - 1, height=h, fill=s.color))
             if p is not None:
-                yp = y(p)
-                out.append(
-                    _el("line", _title(tip), x1=x - 1, x2=x + bw, y1=yp, y2=yp, stroke=TEXT, stroke_width=2.5)
-                )
+                tick = dict(x1=x - 1, x2=x + bw, y1=y(p), y2=y(p), stroke=TEXT, stroke_width=2.5)
+                out.append(_el("line", _title(tip), **tick))
         at = f"translate({left + gi * gw + gw / 2:.1f},{base + 10:.1f}) rotate(-55)"
         out.append(_el("text", escape(g), transform=at, text_anchor="end", fill=TEXT))
     for gi, text in marks:
@@ -160,8 +154,7 @@ def line_chart(
     height: int = 240,
     metric: bool = False,
 ) -> str:
-    """Lines over a numeric x; ``bands`` draw a held level (a phase's peak) over an x range; ``spans``
-    shade ``(x0, x1, label)`` ranges (phases) in alternating grey, labelled where they fit.
+    """Lines over a numeric x; ``spans`` shade ``(x0, x1, label)`` ranges (phases) in alternating grey.
     ``metric``: y not from 0 and x ticks on whole numbers only (a metric over steps)."""
     xs = [x for s in series for x, _ in s.points] + [x for s in series for b in s.bands for x in b[:2]]
     ys = [v for s in series for _, v in s.points if v is not None] + [b[2] for s in series for b in s.bands]
@@ -205,13 +198,12 @@ def line_chart(
         out.append(line + _el("text", escape(text), x=X(x) + 3, y=top - 6, fill=AXIS))
     for s in series:
         for x0, x1, v in s.bands:
-            t, x2, yv = _title(f"{s.name} phase peak {value_fmt(v)}"), max(X(x1), X(x0) + 2), Y(v)
+            t, band = _title(f"{s.name} phase peak {value_fmt(v)}"), dict(x1=X(x0), x2=max(X(x1), X(x0) + 2))
             out.append(
-                _el("line", t, x1=X(x0), x2=x2, y1=yv, y2=yv, stroke=s.color, stroke_width=3, opacity="0.45")
+                _el("line", t, **band, y1=Y(v), y2=Y(v), stroke=s.color, stroke_width=3, opacity="0.45")
             )
-        style = {"fill": "none", "stroke": s.color, "stroke_width": 1.6} | (
-            {"stroke_dasharray": "5,3"} if s.dashed else {}
-        )
+        style = {"fill": "none", "stroke": s.color, "stroke_width": 1.6}
+        style |= {"stroke_dasharray": "5,3"} if s.dashed else {}
         seg: list[tuple[float, float]] = []
         for x, v in [*s.points, (math.nan, None)]:
             if v is not None:
@@ -277,8 +269,8 @@ def _levels(
     entries: list[dict[str, Any] | None],
     keys: tuple[str, str, str | None],
 ) -> tuple[list[tuple[float, float | None]], list[tuple[float, float, float]]]:
-    """Line points (an entry's ``keys[0]`` at the start of its record, ``keys[1]`` at the end; a missing
-    entry breaks the line) and bands (``keys[2]``: the peak over the record)."""
+    """Line points (``keys[0]`` at a record's start, ``keys[1]`` at its end; a missing entry breaks
+    the line) and bands (``keys[2]``: the peak over the record)."""
     pts: list[tuple[float, float | None]] = []
     bands = []
     for r, e in zip(recs, entries, strict=True):
@@ -298,8 +290,7 @@ Chart = tuple[str, list[tuple[str, str, str]], str]  # (caption, legend items, s
 def _per_process_charts(
     an: RunAnalysis, chart: Callable[[list[Record], list[tuple[int, str]]], Chart | None]
 ) -> str:
-    """One ``chart(records, marks)`` per charted process (``None``: no device memory recorded), captioned
-    and with its legend."""
+    """One ``chart(records, marks)`` per charted process (``None``: no device memory recorded)."""
     procs, note = _procs(an)
     out = [note]
     for p in procs:
@@ -324,13 +315,12 @@ def _device_keys(recs: list[Record], primary_only: bool) -> list[tuple[Any, str,
 
 def _entry(r: Record, dev_id: Any, source: str) -> dict[str, Any] | None:
     return next(
-        (d for d in r["memory"]["devices"] if d.get("id") == dev_id and d.get("source") == source), None
+        (d for d in r["memory"]["devices"] if (d.get("id"), d.get("source")) == (dev_id, source)), None
     )
 
 
 def memory_per_phase_charts(an: RunAnalysis) -> str:
-    """Per process: a group of bars per phase record, one bar per device (bytes in use at the end of
-    the phase), a dark tick at the phase's peak."""
+    """Per process: a bar per phase record and device (bytes in use at its end), a tick at its peak."""
     div, uname = an.unit
 
     def chart(recs: list[Record], marks: list[tuple[int, str]]) -> Chart | None:
@@ -350,9 +340,8 @@ def memory_per_phase_charts(an: RunAnalysis) -> str:
 
 
 def memory_over_time_charts(an: RunAnalysis) -> str:
-    """Per process: bytes in use per device entry over seconds since the run began (start and end of
-    every phase); the band over each phase is its peak. Secondary sources (CUDA allocator next to
-    ``mem_get_info``) are dashed in the device's color."""
+    """Per process: bytes in use per device entry over time, a band at each phase's peak; secondary
+    sources (CUDA allocator next to ``mem_get_info``) dashed in the device's color."""
     t0 = an.run.t0
     if t0 is None:
         return '<p class="muted">No records.</p>'
@@ -400,9 +389,8 @@ def host_over_time_chart(an: RunAnalysis) -> str:
         recs = [r for a in an.attempts[p] for r in a.records]
         hosts = [r["memory"]["host"] for r in recs]
         pts, bands = _levels(recs, t0, div, hosts, ("rss_start_bytes", "rss_bytes", "rss_peak_bytes"))
-        series.append(
-            LineSeries(f"process {p} rss", [x for x in pts if x[1] is not None], color(i), bands=bands)
-        )
+        pts = [x for x in pts if x[1] is not None]
+        series.append(LineSeries(f"process {p} rss", pts, color(i), bands=bands))
     svg = line_chart(series, "seconds since the run began", uname, _in(uname), height=200)
     return legend([(s.name, s.color, "line") for s in series]) + _wrap(svg)
 
