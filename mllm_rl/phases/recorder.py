@@ -50,11 +50,7 @@ class PhaseHandle:
 
 
 def _max(a: int | None, b: int | None) -> int | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return max(a, b)
+    return max((x for x in (a, b) if x is not None), default=None)
 
 
 class PhaseRecorder:
@@ -69,25 +65,21 @@ class PhaseRecorder:
         start_idx: int = 0,
         tasks: bool = False,
     ) -> None:
-        self.run_id = run_id
+        self.run_id, self.backend = run_id, backend
+        self.process_index, self.sinks = process_index, list(sinks)
         self.tasks = tasks  # schema v2: every record names its task (None: run-level)
         self.task: str | None = None
-        self.backend = backend
-        self.process_index = process_index
-        self.sinks = list(sinks)
         self.probe: MemoryProbe = probe or NullProbe()
         self.records: list[dict[str, Any]] = []
         self.start_idx = start_idx  # a resumed run continues the idx of its phase file
         self._interval = sample_interval_s
         self._lock = threading.Lock()
-        # Serialises probe calls (``_probe``).
-        self._probing = threading.Lock()
+        self._probing = threading.Lock()  # serialises probe calls (``_probe``)
         self._active = False
         self._dev_peak: list[int | None] = []
         self._host_peak = 0
         self._high_point = -1  # the most bytes in flight at a high point of this phase
-        self._stop = threading.Event()
-        self._wake = threading.Event()
+        self._stop, self._wake = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         self.sample_errors = 0
         self.watchdog: Watchdog | None = None  # armed for every phase when set (``phases/watchdog.py``)
@@ -95,7 +87,6 @@ class PhaseRecorder:
         self.annotate: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None
         self._open: tuple[PhaseHandle, float, list[DeviceMemory], int] | None = None
 
-    # -- sampling -------------------------------------------------------------
     def set_probe(self, probe: MemoryProbe) -> None:
         """Install the backend's probe once its runtime is up (inside a phase: from its end on)."""
         self.probe = probe
@@ -157,7 +148,6 @@ class PhaseRecorder:
             self._thread = threading.Thread(target=self._loop, name=SAMPLER_THREAD, daemon=True)
             self._thread.start()
 
-    # -- phases ---------------------------------------------------------------
     @contextlib.contextmanager
     def for_task(self, task: str | None) -> Iterator[None]:
         """Records made inside belong to ``task`` (multi-task runs; needs ``tasks=True``)."""
@@ -175,21 +165,17 @@ class PhaseRecorder:
         if self._active:
             raise RuntimeError(f"phase {name!r} started inside another phase")
         handle = PhaseHandle(name, step, dict(info))
-        reset = getattr(self.probe, "reset_peak", None)
-        if reset is not None:
+        if (reset := getattr(self.probe, "reset_peak", None)) is not None:
             reset()
         with self._probe():
             before = self.probe.snapshot()
         rss0 = host_rss()
         with self._lock:
-            self._dev_peak = [d.bytes_in_use for d in before]
-            self._host_peak = rss0
-            self._high_point = -1
+            self._dev_peak, self._host_peak, self._high_point = [d.bytes_in_use for d in before], rss0, -1
             self._active = True
         self._ensure_thread()
         self._wake.set()
-        t0 = time.time()
-        errors0 = self.sample_errors
+        t0, errors0 = time.time(), self.sample_errors
         with self._lock:
             self._open = (handle, t0, before, rss0)
         if self.watchdog is not None:

@@ -1,10 +1,8 @@
 """Weights & Biases: the preflight check of ``--wandb MODE`` and the sink (offline by default).
 
-``check_wandb`` leaves the key's lookup (env, netrc, settings, proxies) to wandb: ``wandb.login(
-prompt=False, verify=False)`` finds it without network, ``wandb.Api()`` verifies it in a daemon
-thread abandoned after ``timeout_s``. ``WandbSink`` logs a row per phase record (docs/DESIGN.md) and
-per RL step (``[<task>/]train/<metric>`` over ``[<task>/]rl/step``); ``close`` tears wandb's service
-down before sglang-jax's ``shutdown()`` SIGKILLs every child (an atexit teardown can hit EPIPE)."""
+``WandbSink`` logs a row per phase record (docs/DESIGN.md) and per RL step (``[<task>/]train/<metric>``
+over ``[<task>/]rl/step``); ``close`` tears wandb's service down before sglang-jax's ``shutdown()``
+SIGKILLs every child (an atexit teardown can hit EPIPE)."""
 
 from __future__ import annotations
 
@@ -36,9 +34,8 @@ def _check_args(mode: str, fallback: str, modes: tuple[str, ...] = MODES) -> Non
 def check_wandb(
     mode: str, fallback: str, timeout_s: float, *, run_dir: str | os.PathLike[str] | None = None
 ) -> tuple[str, list[str]]:
-    """``(effective mode, warning lines)`` for ``--wandb mode``. ``offline`` needs wandb importable;
-    ``online`` without a usable credential is a ``ValueError`` whatever ``fallback`` says (a setup to
-    fix, not an outage); a server that does not verify the key within ``timeout_s`` gives
+    """``(effective mode, warning lines)`` for ``--wandb mode``. ``online`` without a credential is a
+    ``ValueError`` (a setup to fix); a server that does not verify the key within ``timeout_s`` gives
     ``("offline", [warning])`` with ``fallback="offline"``, else ``RuntimeError``."""
     _check_args(mode, fallback)
     if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
@@ -48,9 +45,8 @@ def check_wandb(
     try:
         import wandb
     except ImportError:
-        raise ValueError(
-            f"--wandb {mode}: the wandb package is not installed (pip install wandb, or --wandb disabled)"
-        ) from None
+        msg = f"--wandb {mode}: the wandb package is not installed (pip install wandb, or --wandb disabled)"
+        raise ValueError(msg) from None
     if mode == "offline":
         return mode, []
     url = logged_in(wandb)
@@ -59,9 +55,8 @@ def check_wandb(
         return "online", []
     t = f"{timeout_s:g}"
     if fallback == "error":
-        raise RuntimeError(
-            f"--wandb online: {url} unreachable ({reason}) within {t} s (--wandb-fallback error); {OFFLINE_FIX}"
-        )
+        msg = f"--wandb online: {url} unreachable ({reason}) within {t} s (--wandb-fallback error)"
+        raise RuntimeError(f"{msg}; {OFFLINE_FIX}")
     return "offline", [
         f"warning: --wandb online: {url} unreachable ({reason}) within {t} s; "
         f"logging offline (sync later: wandb sync {offline_glob(run_dir)})"
@@ -74,8 +69,8 @@ def offline_glob(run_dir: str | os.PathLike[str] | None) -> str:
 
 
 def logged_in(wandb: Any) -> str:
-    """Log the session in from the credentials wandb finds (no network, no prompt); the server's
-    URL. ``ValueError`` (one line, ``--wandb online: ...``) when there is none to use."""
+    """Log in from the credentials wandb finds (env, netrc, settings; no network, no prompt); the
+    server's URL. ``ValueError`` (one line) when there is none to use."""
     os.environ.setdefault("WANDB_SILENT", "true")  # no "Loaded credentials" or logged-in lines
     try:
         found = wandb.login(prompt=False, verify=False)
@@ -83,9 +78,8 @@ def logged_in(wandb: Any) -> str:
         if callable(errors := getattr(e, "errors", None)):  # pydantic's: which setting, and why
             err = errors()[0]
             where = ".".join(map(str, err["loc"]))
-            raise ValueError(
-                f"--wandb online: wandb setting {where} {err.get('input')!r} is not valid ({err['msg']})"
-            ) from None
+            msg = f"wandb setting {where} {err.get('input')!r} is not valid ({err['msg']})"
+            raise ValueError(f"--wandb online: {msg}") from None
         raise ValueError(f"--wandb online: {_one_line(e)}; {FIX}") from None
     url = str(wandb.sdk.wandb_setup.singleton().settings.base_url).rstrip("/")
     if not found:
@@ -94,8 +88,8 @@ def logged_in(wandb: Any) -> str:
 
 
 def verify(wandb: Any, timeout_s: float) -> str | None:
-    """``None`` if the server accepted the session's credentials within ``timeout_s``, else why
-    not (one short phrase; ``no answer`` when the time ran out)."""
+    """``None`` if the server accepted the credentials within ``timeout_s`` (``wandb.Api()`` in a
+    daemon thread, abandoned after it), else why not in a short phrase."""
     result: list[str | None] = []
 
     def run() -> None:
@@ -115,8 +109,7 @@ def verify(wandb: Any, timeout_s: float) -> str | None:
 
 
 def _one_line(e: BaseException, typed: bool = False) -> str:
-    """The first line of ``e``'s message (after ``Type: `` when ``typed``; its type's name when it
-    has none), at most 300 chars."""
+    """The first line of ``e``'s message (after ``Type: `` when ``typed``), at most 300 chars."""
     text = str(e).strip()
     first = text.splitlines()[0] if text and text != "<no message>" else ""
     if typed and first:
@@ -178,14 +171,8 @@ class WandbSink(Sink):
         os.environ.setdefault("WANDB_SILENT", "true")
         self.mode = mode
         self.fallback_reason: str | None = None
-        kwargs: dict[str, Any] = dict(
-            project=project,
-            name=name or run_id,
-            id=run_id,
-            dir=str(run_dir),
-            config=config or {},
-            resume="allow" if resume else None,
-        )
+        kwargs: dict[str, Any] = dict(project=project, name=name or run_id, id=run_id, dir=str(run_dir))
+        kwargs.update(config=config or {}, resume="allow" if resume else None)
         if mode == "offline":
             self.run = wandb.init(mode="offline", settings=wandb.Settings(**QUIET), **kwargs)
         else:
@@ -209,18 +196,14 @@ class WandbSink(Sink):
             reason = str(e).removeprefix("--wandb online: ").removesuffix(f"; {FIX}")
         else:
             # finish_timeout: a network lost mid-run must not hold the run's end (wandb sync has the rest)
-            limits = {
-                "init_timeout": float(init_timeout),
-                "finish_timeout": float(max(60.0, 2 * init_timeout)),
-            }
+            finish = float(max(60.0, 2 * init_timeout))
+            limits = {"init_timeout": float(init_timeout), "finish_timeout": finish}
             t0 = time.monotonic()
             try:
                 return wandb.init(mode="online", settings=wandb.Settings(**QUIET, **limits), **kwargs)
             except Exception as e:  # wandb's errors (UsageError, CommError, ...) and any other
-                took = time.monotonic() - t0
-                reason = (
-                    f"wandb.init failed after {took:.1f} s (limit {init_timeout:g} s): {_one_line(e, True)}"
-                )
+                took = f"{time.monotonic() - t0:.1f} s (limit {init_timeout:g} s)"
+                reason = f"wandb.init failed after {took}: {_one_line(e, True)}"
         if fallback == "error":
             raise RuntimeError(f"--wandb online: {reason}; {OFFLINE_FIX}")
         self.mode, self.fallback_reason = "offline", reason
@@ -229,15 +212,11 @@ class WandbSink(Sink):
             wandb.teardown(1)
             run = wandb.init(mode="offline", settings=wandb.Settings(**QUIET), **kwargs)
         except Exception as e:
-            raise RuntimeError(
-                f"--wandb online: {reason}; the offline fallback failed too: {_one_line(e, True)}"
-            ) from e
+            msg = f"--wandb online: {reason}; the offline fallback failed too: {_one_line(e, True)}"
+            raise RuntimeError(msg) from e
         where = str(run.dir).rsplit("/files", 1)[0] if getattr(run, "dir", None) else offline_glob(run_dir)
-        print(
-            f"warning: --wandb online: {reason}; logging offline (sync later: wandb sync {where})",
-            file=sys.stderr,
-            flush=True,
-        )
+        msg = f"warning: --wandb online: {reason}; logging offline (sync later: wandb sync {where})"
+        print(msg, file=sys.stderr, flush=True)
         return run
 
     @property
