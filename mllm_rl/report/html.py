@@ -1,9 +1,5 @@
-"""``report.html``: one static, self-contained page (inline CSS and SVG, no script, no network).
-
-Order: findings (completeness first), the comparison when there are several runs, then per run:
-memory per phase per device, memory and host RSS over time, memory plan vs run, offload
-efficiency, weight-swap ratio, RL metrics per step, the phase table. ``-`` means "not
-measurable", never 0."""
+"""``report.html``: one static, self-contained page (inline CSS and SVG, no script, no network):
+findings, the comparison of several runs, then each run's charts and tables. ``-``: not measurable."""
 
 from __future__ import annotations
 
@@ -55,8 +51,8 @@ def _table(
     wrap: bool = False,
     classes: list[str] | None = None,
 ) -> str:
-    """A table of ``rows`` (values, escaped here); the columns named in ``left`` align left; ``wrap``:
-    in a scrolling box; ``classes``: one row class each."""
+    """A table of ``rows`` (escaped here); ``left``: left-aligned columns; ``wrap``: in a scrolling box;
+    ``classes``: one row class each."""
     al = [" class=l" if h in left else "" for h in head]
     ths = "".join(f"<th{a}>{escape(h)}</th>" for h, a in zip(head, al, strict=True))
     out = [('<div class="tablewrap">' if wrap else "") + f"<table><tr>{ths}</tr>"]
@@ -130,11 +126,8 @@ def meta_html(an: RunAnalysis) -> str:
         ("phase files", ", ".join(s["phase_files"])),
         ("directory", s["dir"]),
     ]
-    return (
-        '<dl class="meta">'
-        + "".join(f"<dt>{escape(k)}</dt><dd>{escape(str(v))}</dd>" for k, v in items)
-        + "</dl>"
-    )
+    dl = "".join(f"<dt>{escape(k)}</dt><dd>{escape(str(v))}</dd>" for k, v in items)
+    return f'<dl class="meta">{dl}</dl>'
 
 
 def phase_table_html(an: RunAnalysis) -> str:
@@ -146,9 +139,8 @@ def phase_table_html(an: RunAnalysis) -> str:
     head += [f"host rss {hunit[1]}", f"rss peak {hunit[1]}", "source", "error"]
     rows, classes, prev_step = [], [], object()
     for r in an.phases:
-        classes.append(
-            "err" if r["error"] else ("step" if r["step"] is not None and r["step"] != prev_step else "")
-        )
+        new_step = r["step"] is not None and r["step"] != prev_step
+        classes.append("err" if r["error"] else ("step" if new_step else ""))
         prev_step = r["step"]
         rows.append(
             _id_cells(r, multi)
@@ -267,14 +259,12 @@ def compare_html(analyses: Sequence[RunAnalysis], rows: list[dict[str, Any]]) ->
     if swaps:
         out += ["<h3>Weight swap: peak / steady per run</h3>", swap_html(swaps, unit, with_run=True)]
     out += ["<h3>Same phase, side by side</h3>", compare_charts(analyses, rows, unit)]
-    head = ["phase"] + [
-        f"{an.run.label} {k}" for an in analyses for k in ("s", f"after {unit[1]}", f"peak {unit[1]}")
-    ]
+    cols = ("s", f"after {unit[1]}", f"peak {unit[1]}")
+    head = ["phase"] + [f"{an.run.label} {k}" for an in analyses for k in cols]
 
     def side(v: dict[str, Any]) -> list[str]:
-        return [fmt_seconds(v.get("seconds"))] + [
-            fmt_bytes(v.get(k), unit) for k in ("after_bytes", "peak_bytes")
-        ]
+        secs = fmt_seconds(v.get("seconds"))
+        return [secs, fmt_bytes(v.get("after_bytes"), unit), fmt_bytes(v.get("peak_bytes"), unit)]
 
     cells = [[r["phase"], *(x for v in r["runs"] for x in side(v or {}))] for r in rows]
     out.append(_table(head, cells, ("phase",), wrap=True))
@@ -288,8 +278,7 @@ def compare_html(analyses: Sequence[RunAnalysis], rows: list[dict[str, Any]]) ->
 def render(
     analyses: Sequence[RunAnalysis], issues: list[Issue], comparison: list[dict[str, Any]] | None
 ) -> str:
-    labels = ", ".join(an.run.label for an in analyses)
-    title = f"mllm_rl memory report: {labels}"
+    title = f"mllm_rl memory report: {', '.join(an.run.label for an in analyses)}"
     body = [
         f"<h1>{escape(title)}</h1>",
         f'<p class="muted small">Generated {time.strftime("%Y-%m-%d %H:%M:%S")} by '

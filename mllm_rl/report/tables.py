@@ -1,7 +1,6 @@
-"""Rows of the report's tables, shared by report.html, summary.json and W&B: one per phase record,
-per release/offload phase (did it free what it should), per weight swap (how high it peaked), the
-RL metrics per step, and the comparison of several runs. Device bytes are sums over a process's
-devices, one entry per device (the most truthful source); ``None`` is unknown, never 0."""
+"""Rows of the report's tables (report.html, summary.json, W&B): per phase record, release/offload,
+weight swap, RL metric and compared phase. Device bytes: sums over one entry per device (the most
+truthful source); ``None`` is unknown, never 0."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ SECONDARY_KEYS = {"before": "bytes_in_use_start", "after": "bytes_in_use", "peak
 
 
 def row_id(run_label: str, a: Attempt, r: Record) -> dict[str, Any]:
-    """The columns that name a record: run, process, attempt (None when the process ran once), step,
-    phase, idx."""
+    """The columns that name a record (attempt: None when the process ran once)."""
     ids = {"run": run_label, "process": a.process, "attempt": a.shown}
     return ids | {k: r[k] for k in ("step", "phase", "idx")}
 
@@ -75,8 +73,7 @@ def _bytes_info(v: Any) -> int | None:
 
 
 def row_kind(rec: Record) -> str | None:
-    """``free`` (a release/offload) / ``alloc`` (a resume/onload) / ``None``: whether this phase gets an
-    efficiency row."""
+    """``free`` (a release/offload), ``alloc`` (a resume/onload) or ``None`` (no efficiency row)."""
     name, info = rec["phase"], rec["info"]
     if "expected_freed_bytes" in info or name.startswith(FREE_PREFIXES):
         return "free"
@@ -92,16 +89,13 @@ def _ratio(num: int | None, den: int | None) -> float | None:
 def _moved(devs: list[dict[str, Any]], kind: str) -> int | None:
     """Bytes freed (``free``) or allocated (``alloc``) over the phase, summed; ``None`` if unknown."""
     sign = 1 if kind == "free" else -1
-    return total(
-        None if (d := diff(x.get("bytes_in_use_start"), x.get("bytes_in_use"))) is None else sign * d
-        for x in devs
-    )
+    moved = (diff(x.get("bytes_in_use_start"), x.get("bytes_in_use")) for x in devs)
+    return total(None if d is None else sign * d for d in moved)
 
 
 def efficiency_row(run_label: str, a: Attempt, rec: Record) -> dict[str, Any] | None:
-    """Bytes a release/offload freed (start minus end) vs ``info.expected_freed_bytes``, flagged below
-    ``EFFICIENCY_MIN`` or at zero; a resume/onload's allocated bytes, never flagged (a resume may alias
-    arrays and allocate nothing)."""
+    """Bytes a release/offload freed vs ``info.expected_freed_bytes``, flagged below ``EFFICIENCY_MIN``
+    or at zero; a resume/onload's allocated bytes, never flagged (it may alias arrays)."""
     kind = row_kind(rec)
     if kind is None:
         return None
@@ -120,10 +114,8 @@ def efficiency_row(run_label: str, a: Attempt, rec: Record) -> dict[str, Any] | 
         elif actual <= 0:
             flagged, note = True, "freed nothing"
         elif ratio is not None and ratio < EFFICIENCY_MIN:
-            flagged, note = (
-                True,
-                f"freed {ratio:.1%} of what the released objects hold (< {EFFICIENCY_MIN:.0%})",
-            )
+            flagged = True
+            note = f"freed {ratio:.1%} of what the released objects hold (< {EFFICIENCY_MIN:.0%})"
         elif expected is None:
             note = "no expected_freed_bytes"
     return {
@@ -161,8 +153,7 @@ def _max_of_all(values: list[float], n: int) -> float | None:
 
 
 def swap_ratios(run_label: str, attempts: dict[int, list[Attempt]]) -> list[dict[str, Any]]:
-    """One row per weight-swap phase record: ``phase_peak / steady`` per device and the max over devices
-    (as ``python -m mllm_rl.bench swap``)."""
+    """Per weight-swap record: ``phase_peak / steady`` per device and the max (as ``mllm_rl.bench swap``)."""
     rows = []
     for atts in attempts.values():
         for a in atts:
@@ -210,9 +201,8 @@ def _rank(name: str, values: dict[int, float]) -> tuple[int, bool, str]:
 
 
 def step_metrics(run: Run, limit: int = MAX_SERIES) -> list[dict[str, Any]]:
-    """``[{"name": "<phase>.<key>", "points": [[step, value], ...]}, ...]``: every finite numeric
-    ``info`` value of a step record but byte counts (charted elsewhere) and ``SKIP_KEYS``, from the
-    lowest process; a step re-run by a resumed attempt keeps its last value."""
+    """``[{"name": "<phase>.<key>", "points": [[step, value], ...]}]``: the lowest process's finite
+    numeric step ``info`` values but byte counts and ``SKIP_KEYS`` (a re-run step: its last value)."""
     if not run.records:
         return []
     series: dict[str, dict[int, float]] = {}
@@ -236,8 +226,7 @@ def key_label(key: PhaseKey) -> str:
 
 
 def keyed_records(atts: list[Attempt]) -> dict[PhaseKey, Record]:
-    """Per process: each record under its key, keys in order of first appearance; a later
-    attempt's record replaces an earlier one's values (not its place)."""
+    """Per process: each record under its key (first-appearance order; a later attempt's values win)."""
     out: dict[PhaseKey, Record] = {}
     for a in atts:
         seen: Counter[tuple[int | None, str]] = Counter()
@@ -251,8 +240,8 @@ def keyed_records(atts: list[Attempt]) -> dict[PhaseKey, Record]:
 def run_phase_values(
     attempts: dict[int, list[Attempt]],
 ) -> tuple[list[PhaseKey], dict[PhaseKey, dict[str, Any]]]:
-    """A run's phase keys in order and, per key, ``seconds`` (the slowest process), ``after_bytes`` and
-    ``peak_bytes`` (summed over every device of every process; ``None`` as soon as one lacks it)."""
+    """A run's phase keys in order and per key ``seconds`` (slowest process), ``after_bytes`` and
+    ``peak_bytes`` (summed over every process; ``None`` as soon as one lacks it)."""
     per_proc = [keyed_records(atts) for atts in attempts.values() if atts]
     keys = merge_orders([list(d) for d in per_proc])
     values = {}
@@ -269,16 +258,13 @@ def run_phase_values(
 
 
 def compare_rows(per_run: list[dict[int, list[Attempt]]]) -> list[dict[str, Any]]:
-    """Several runs side by side: ``[{"phase": label, "step": s, "name": n, "runs": [values or None per
-    run]}]`` in merged phase order; phases match by ``(step, name, occurrence in that step)``, so the
-    second ``empty_cache`` of step 3 meets the second ``empty_cache`` of step 3."""
+    """Several runs side by side: ``[{"phase", "step", "name", "runs": [values or None per run]}]``;
+    phases match by ``(step, name, occurrence in that step)``."""
     keyed = [run_phase_values(atts) for atts in per_run]
     label_of = {key_label(k): k for keys, _ in keyed for k in keys}
     order = merge_orders([[key_label(k) for k in keys] for keys, _ in keyed])
-    rows = []
-    for lab in order:
-        k = label_of[lab]
-        rows.append(
-            {"phase": lab, "step": k[0], "name": k[1], "runs": [values.get(k) for _, values in keyed]}
-        )
-    return rows
+    pairs = [(lab, label_of[lab]) for lab in order]
+    return [
+        {"phase": lab, "step": k[0], "name": k[1], "runs": [values.get(k) for _, values in keyed]}
+        for lab, k in pairs
+    ]
