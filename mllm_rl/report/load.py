@@ -1,11 +1,6 @@
 """Read run directories (``phases.jsonl`` for process 0, ``phases.p<i>.jsonl`` for process i,
 ``run.json``) and split them into attempts (a resumed process) and tasks (a multi-task run).
-
-Records keep their (append-only) file order; ``None`` means unknown, never 0. Bad input raises a
-one-line ``ReportInputError`` naming the file and line: a missing directory or phase file, a
-non-JSON line (a torn last line, as a killed writer leaves, is skipped), a schema-invalid record,
-or a record in the wrong process's file. An empty phase file is a process that recorded nothing
-(the completeness check reports it)."""
+Bad input raises a one-line ``ReportInputError`` naming the file and line; a torn last line is skipped."""
 
 from __future__ import annotations
 
@@ -132,13 +127,11 @@ def read_phase_file(path: Path, process: int) -> tuple[list[Record], bool]:
 
 
 def _read_plan(path: Path) -> dict[str, Any] | None:
-    if not path.exists():
-        return None
     try:
-        plan = json.loads(path.read_text(encoding="utf-8"))
+        plan = json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ReportInputError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(plan, dict):
+    if plan is not None and not isinstance(plan, dict):
         raise ReportInputError(f"{path}: expected a JSON object")
     return plan
 
@@ -208,10 +201,8 @@ class Attempt:
 
 
 def split_records(records: list[Record], first_phase: str | None) -> list[list[Record]]:
-    """The records of one process, split at each attempt's start. A process restarted with
-    ``--resume`` appends to the same file, starting over with the setup phases: a new attempt begins
-    at a non-step record of the run's first phase (e.g. ``wandb_init``), or where ``idx`` is 0 again
-    (a restarted recorder counts from 0; one that continues counting leaves the first phase alone)."""
+    """The records of one process, split at each attempt's start (``--resume`` appends to the same
+    file): a non-step record of the run's first phase (e.g. ``wandb_init``), or ``idx`` 0 again."""
     parts: list[list[Record]] = []
     for r in records:
         starts = first_phase is not None and r["step"] is None and r["phase"] == first_phase
@@ -237,9 +228,8 @@ def _part(run: Run, task: str | None, plan: dict, label: str) -> Run:
 
 
 def split_tasks(run: Run) -> list[Run]:
-    """``[run]`` for a single-task run; else (``run.json`` has ``tasks``) its run-level part (task
-    ``null``) and one part per task (label ``<run> / <task>``, its records and the expectations of
-    ``run.json["tasks"][task]``), all with the run's time origin so their lanes line up."""
+    """``[run]``; for a multi-task run (``run.json`` has ``tasks``) its run-level part and one part per
+    task (label ``<run> / <task>``, expectations from ``run.json["tasks"][task]``), on the run's clock."""
     tasks = (run.plan or {}).get("tasks")
     if not isinstance(tasks, dict) or not tasks:
         return [run]

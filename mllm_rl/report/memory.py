@@ -1,10 +1,6 @@
-"""Memory numbers of one record: which device entry to trust, sums, and display units.
-
-A device may be listed more than once in a record, with different ``source``s (CUDA:
-``mem_get_info`` driver truth and ``torch_allocator``). Sums and charts use one entry per
-device id, the most truthful (``SOURCE_PRIORITY``); the others are "secondary" and are
-shown next to it where the difference matters (memory released below the allocator).
-"""
+"""Memory numbers of one record: which device entry to trust, sums, and display units. A device
+listed under several ``source``s (CUDA: ``mem_get_info`` and ``torch_allocator``) is summed and charted
+by its most truthful entry (``SOURCE_PRIORITY``); the others are "secondary"."""
 
 from __future__ import annotations
 
@@ -38,9 +34,7 @@ def sources(devices: list[Device]) -> list[str]:
 def total(values: Iterable[int | None]) -> int | None:
     """Sum, or ``None`` when there is nothing to sum or any value is unknown."""
     vals = list(values)
-    if not vals or any(v is None for v in vals):
-        return None
-    return sum(v for v in vals if v is not None)
+    return None if not vals or None in vals else sum(v for v in vals if v is not None)
 
 
 def device_sum(rec: Record, key: str, source: str | None = None) -> int | None:
@@ -74,10 +68,7 @@ def pick_unit(max_bytes: float | None) -> tuple[int, str]:
 
 def fmt_bytes(v: int | float | None, unit: tuple[int, str], signed: bool = False) -> str:
     """``v`` in ``unit`` (3 significant decimals); ``-`` when unknown."""
-    if v is None:
-        return "-"
-    x = v / unit[0]
-    return f"{x:+.3f}" if signed else f"{x:.3f}"
+    return "-" if v is None else f"{v / unit[0]:+.3f}" if signed else f"{v / unit[0]:.3f}"
 
 
 def fmt_num(v: float | None, digits: int = 3) -> str:
@@ -86,9 +77,7 @@ def fmt_num(v: float | None, digits: int = 3) -> str:
 
 def fmt_seconds(v: float | None) -> str:
     """Seconds with 3 decimals; a nonzero duration below a millisecond in scientific notation (not 0.000)."""
-    if v is None:
-        return "-"
-    return f"{v:.1e}" if 0 < abs(v) < 0.0005 else f"{v:.3f}"
+    return "-" if v is None else f"{v:.1e}" if 0 < abs(v) < 0.0005 else f"{v:.3f}"
 
 
 def fmt_pct(v: float | None) -> str:

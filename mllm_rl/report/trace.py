@@ -1,10 +1,6 @@
-"""Perfetto / Chrome trace JSON (``trace.json``) merged from every process's phase file.
-
-Opens in https://ui.perfetto.dev (or ``chrome://tracing``). One process track per run and rank,
-with thread ``phases`` (one ``X`` event per record, µs from the run's first record, ``args``: step,
-attempt, info summary, memory), thread ``steps`` (one span per RL step and attempt), ``C``
-counters of bytes in use per device entry (the primary entry and host RSS also get a ``phase
-peak`` companion) and an ``i`` instant where a phase failed. ``null`` values add no counter point."""
+"""Perfetto / Chrome trace JSON (``trace.json``) of every process's phase file: per run and rank,
+thread ``phases`` (an ``X`` event per record) and ``steps`` (a span per step), ``C`` memory counters
+and an ``i`` instant where a phase failed (docs/REPORT.md)."""
 
 from __future__ import annotations
 
@@ -84,13 +80,11 @@ def _record_events(r: Record, pid: int, t0: float, attempt: int | None) -> list[
         name = counter_name(d)
         ev += _counters(pid, name, [(ts, d.get("bytes_in_use_start")), (te, d.get("bytes_in_use"))])
         if id(d) in primary:  # the peak companion only for the entry sums use
-            ev += _counters(
-                pid, f"phase peak {name}", [(ts, d.get("phase_peak_bytes")), (te, d.get("bytes_in_use"))]
-            )
-    ev += _counters(pid, "host rss", [(ts, host.get("rss_start_bytes")), (te, host.get("rss_bytes"))])
-    ev += _counters(
-        pid, "phase peak host rss", [(ts, host.get("rss_peak_bytes")), (te, host.get("rss_bytes"))]
-    )
+            peak = [(ts, d.get("phase_peak_bytes")), (te, d.get("bytes_in_use"))]
+            ev += _counters(pid, f"phase peak {name}", peak)
+    rss = host.get("rss_bytes")
+    ev += _counters(pid, "host rss", [(ts, host.get("rss_start_bytes")), (te, rss)])
+    ev += _counters(pid, "phase peak host rss", [(ts, host.get("rss_peak_bytes")), (te, rss)])
     if r["info"].get("error"):
         where = {"ph": "i", "name": f"error: {r['phase']}", "cat": "error", "pid": pid, "tid": PHASES_TID}
         ev.append(where | {"ts": te, "s": "t", "args": {"error": summarize(str(r["info"]["error"]))}})
