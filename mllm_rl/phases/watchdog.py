@@ -1,7 +1,6 @@
 """Per-phase watchdog: a phase past its limit (``PhaseLimits``) has every thread's stack written to
-``<out_dir>/stuck-<phase>[-step<k>]-p<process>.txt`` and ``PhaseStuck`` raised in the main thread
-(a signal interrupts a blocking wait); a main thread still stuck after a grace period (a hang in C)
-gets ``on_hard_exit`` (record, report, sinks) and ``os._exit(6)``."""
+``<out_dir>/stuck-<phase>[-step<k>]-p<process>.txt`` and ``PhaseStuck`` raised in the main thread; one
+still stuck after a grace period (a hang in C) gets ``on_hard_exit`` and ``os._exit(6)``."""
 
 from __future__ import annotations
 
@@ -71,8 +70,7 @@ class PhaseStuck(SystemExit):
 
     def __init__(self, message: str = "phase stuck", info: dict[str, Any] | None = None) -> None:
         super().__init__(STUCK_EXIT)
-        self.message = message
-        self.info = dict(info or {})
+        self.message, self.info = message, dict(info or {})
 
     def __str__(self) -> str:
         return self.message
@@ -117,9 +115,7 @@ class Watchdog:
         poll_s: float = 0.5,
     ) -> None:
         self.limits, self.out_dir, self.process_index = limits, Path(out_dir), process_index
-        self.on_hard_exit = on_hard_exit
-        self.grace_s = grace_s
-        self.poll_s = poll_s
+        self.on_hard_exit, self.grace_s, self.poll_s = on_hard_exit, grace_s, poll_s
         self.fired: PhaseStuck | None = None
         self._lock = threading.Lock()
         self._armed: _Armed | None = None
@@ -129,7 +125,6 @@ class Watchdog:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
-    # -- the main thread's side ----------------------------------------------------------
     def install(self) -> None:
         """Wake-up signal handler (must run in the main thread) and the watching thread."""
         signal.signal(WAKE_SIGNAL, self._on_signal)
@@ -138,12 +133,10 @@ class Watchdog:
 
     def enter(self, phase: str, step: int | None) -> None:
         limit = self.limits.limit(phase)
+        now = (time.monotonic(), time.time())
+        armed = None if limit is None else _Armed(next(self._tokens), phase, step, limit, *now)
         with self._lock:
-            self._armed = (
-                None
-                if limit is None
-                else _Armed(next(self._tokens), phase, step, limit, time.monotonic(), time.time())
-            )
+            self._armed = armed
 
     def leave(self) -> None:
         with self._lock:
@@ -161,7 +154,6 @@ class Watchdog:
             self._raised = True
         raise stuck
 
-    # -- the watching thread -------------------------------------------------------------
     def _loop(self) -> None:
         while not self._done.wait(self.poll_s):
             with self._lock:
@@ -196,11 +188,8 @@ class Watchdog:
         grace = self.grace_s if self.grace_s is not None else min(60.0, max(5.0, 0.1 * armed.limit_s))
         if self._done.wait(grace):
             return
-        print(
-            f"error: the main thread did not stop within {grace:g} s of the interrupt: exiting",
-            file=sys.stderr,
-            flush=True,
-        )
+        msg = f"error: the main thread did not stop within {grace:g} s of the interrupt: exiting"
+        print(msg, file=sys.stderr, flush=True)
         if self.on_hard_exit is not None:
             t = threading.Thread(
                 target=self.on_hard_exit, args=(stuck,), name="mllm_rl-hard-exit", daemon=True

@@ -1,11 +1,6 @@
-"""Log the report into an open W&B run: tables (phases, offload efficiency, findings) and the charts.
-
-    result = build_report([run_dir])
-    log_report(wandb_sink.run, result)      # before wandb_sink.close() finishes the run
-
-Keys under ``report/``: tables (``phases``, ``efficiency``, ``issues``, ``memory_plan``), the SVG
-charts as ``wandb.Html`` and summary values (``errors``, ``warnings``, ...). Unknown values stay
-``None`` (empty cells), never 0. ``wandb`` is imported only when this is called."""
+"""Log the report into an open W&B run (``log_report(wandb_sink.run, build_report([run_dir]))`` before
+the sink closes): tables, the SVG charts as ``wandb.Html`` and summary values, under ``report/``.
+Unknown values stay ``None`` (empty cells), never 0; ``wandb`` is imported only when called."""
 
 from __future__ import annotations
 
@@ -31,8 +26,7 @@ PLAN_COLUMNS = tuple(
 
 
 def plan_rows(result: ReportResult) -> list[dict[str, Any]]:
-    """One row per phase of every run that has a plan (``plan.json``): the bytes the plan
-    predicts at the phase's end against the ones measured (``RunAnalysis.plan_check``)."""
+    """Per phase of every run with a ``plan.json``: predicted bytes at its end against measured ones."""
     from mllm_rl.memplan.audit import drifts
 
     out = []
@@ -92,14 +86,13 @@ def log_report(wandb_run: Any, result: ReportResult, strict: bool = False) -> li
         payload = report_payload(result, plan)
         wandb_run.log(payload)
         ratios = [r["ratio"] for an in result.analyses for r in an.swaps if r["ratio"] is not None]
-        counts = count(result.issues)
-        wandb_run.summary["report/errors"] = counts[ERROR]
-        wandb_run.summary["report/warnings"] = counts[WARNING]
+        counts, summary = count(result.issues), wandb_run.summary
+        summary["report/errors"], summary["report/warnings"] = counts[ERROR], counts[WARNING]
         if ratios:
-            wandb_run.summary["report/swap_peak_over_steady"] = max(ratios)
+            summary["report/swap_peak_over_steady"] = max(ratios)
         if plan:  # how many phases held to the run's own memory plan
-            wandb_run.summary["report/plan_phases"] = len(plan)
-            wandb_run.summary["report/plan_drifts"] = sum(r["drift"] for r in plan)
+            summary["report/plan_phases"] = len(plan)
+            summary["report/plan_drifts"] = sum(r["drift"] for r in plan)
         return list(payload)
     except Exception as e:
         if strict:
