@@ -22,15 +22,12 @@ class DeviceMemory:
 
 
 class MemoryProbe(Protocol):
-    """Per-backend view of the local devices (device truth first)."""
+    """Per-backend view of the local devices: ``snapshot`` in ``jax.local_devices()`` / CUDA index
+    order, ``in_use`` cheap per-device bytes in the same order (called by the sampler)."""
 
-    def snapshot(self) -> list[DeviceMemory]:
-        """Every local device, in ``jax.local_devices()`` / CUDA index order."""
-        ...
+    def snapshot(self) -> list[DeviceMemory]: ...
 
-    def in_use(self) -> list[int | None]:
-        """Cheap per-device bytes in use, same order as ``snapshot``; called by the sampler."""
-        ...
+    def in_use(self) -> list[int | None]: ...
 
 
 class NullProbe:

@@ -1,8 +1,5 @@
-"""The phase record, schema ``mllm_rl.phase/1`` (docs/DESIGN.md, "The phase record"): one JSON
-object per line; ``mllm_rl.phase/2`` (multi-task runs) adds ``task`` (null: a run-level phase).
-Bytes and seconds; what cannot be measured is ``null``, never 0 or a guess. A device entry's
-``source`` says where its numbers came from (JAX ``memory_stats``/``live_arrays``, torch
-``torch_allocator``/``mem_get_info``/``live_tensors``)."""
+"""The phase record, schema ``mllm_rl.phase/1`` (docs/DESIGN.md, "The phase record"); ``/2``
+(multi-task runs) adds ``task`` (null: run-level). What cannot be measured is ``null``, never 0."""
 
 from __future__ import annotations
 
@@ -30,8 +27,7 @@ def _int_or_none(v: Any, where: str) -> None:
 
 def validate_record(rec: dict[str, Any]) -> None:
     """Raise ``SchemaError`` (naming the field) unless ``rec`` is a valid phase record."""
-    missing = [k for k in TOP_KEYS if k not in rec]
-    if missing:
+    if missing := [k for k in TOP_KEYS if k not in rec]:
         raise SchemaError(f"missing key(s): {', '.join(missing)}")
     if rec["schema"] not in SCHEMAS:
         raise SchemaError(f"schema: {rec['schema']!r} is not one of {', '.join(SCHEMAS)}")
@@ -42,9 +38,8 @@ def validate_record(rec: dict[str, Any]) -> None:
             raise SchemaError("task: expected a non-empty string or null")
     if not isinstance(rec["phase"], str) or not rec["phase"]:
         raise SchemaError("phase: expected a non-empty string")
-    _int_or_none(rec["idx"], "idx")
-    _int_or_none(rec["process_index"], "process_index")
-    _int_or_none(rec["step"], "step")
+    for k in ("idx", "process_index", "step"):
+        _int_or_none(rec[k], k)
     if not rec["t_start"] <= rec["t_end"]:
         raise SchemaError("t_start > t_end")
     host = rec["memory"].get("host")
@@ -56,8 +51,7 @@ def validate_record(rec: dict[str, Any]) -> None:
     if not isinstance(devices, list):
         raise SchemaError("memory.devices: expected a list")
     for i, d in enumerate(devices):
-        miss = [k for k in DEVICE_KEYS if k not in d]
-        if miss:
+        if miss := [k for k in DEVICE_KEYS if k not in d]:
             raise SchemaError(f"memory.devices[{i}]: missing {', '.join(miss)}")
         if d["source"] not in SOURCES:
             raise SchemaError(f"memory.devices[{i}].source: unknown {d['source']!r}")

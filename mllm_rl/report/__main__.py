@@ -1,9 +1,5 @@
-"""``python -m mllm_rl.report RUN_DIR [RUN_DIR ...] [--out DIR]``.
-
-Exit status: 0 clean; 1 any error-level finding (a missing trace point, a failed phase, an
-incomplete run); 2 bad input (one line on stderr naming the file: missing directory, no
-phase file, invalid record, an output directory that cannot be written).
-"""
+"""``python -m mllm_rl.report RUN_DIR [RUN_DIR ...] [--out DIR]``. Exit status: 0 clean; 1 any
+error-level finding; 2 bad input (one line on stderr naming the file)."""
 
 from __future__ import annotations
 
@@ -22,11 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Several run directories: a side-by-side comparison.",
     )
     ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (holds phases.jsonl)")
-    ap.add_argument(
-        "--out",
-        default=None,
-        help="output directory (default: RUN_DIR/report for one run, ./report-compare for several)",
-    )
+    help_out = "output directory (default: RUN_DIR/report for one run, ./report-compare for several)"
+    ap.add_argument("--out", default=None, help=help_out)
     ap.add_argument("--quiet", action="store_true", help="print only errors and the exit summary")
     return ap
 
@@ -44,12 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     for issue, where in group_issues(result.issues):
         if not args.quiet or issue.severity == "error":
             print(issue.line(where), file=sys.stderr)
-    c = count(result.issues)
-    print(
-        f"report: {result.files['html']} ({c['error']} error(s), {c['warning']} warning(s), {c['info']} note(s); "
-        f"trace {result.files['trace']}; {result.seconds:.2f} s)",
-        file=sys.stderr,
-    )
+    c, files = count(result.issues), result.files
+    found = f"{c['error']} error(s), {c['warning']} warning(s), {c['info']} note(s)"
+    trace = f"trace {files['trace']}; {result.seconds:.2f} s"
+    print(f"report: {files['html']} ({found}; {trace})", file=sys.stderr)
     return result.exit_code
 
 

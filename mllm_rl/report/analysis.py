@@ -84,21 +84,10 @@ def analyze(run: Run) -> RunAnalysis:
     exp = from_plan(run, inferred(run, {p: [a.records for a in atts] for p, atts in attempts.items()}))
     efficiency = efficiency_rows(run.label, attempts)
     plan_found, plan_check = plan_findings(run)
-    return RunAnalysis(
-        run=run,
-        expected=exp,
-        attempts=attempts,
-        issues=completeness(run, exp, attempts)
-        + health_issues(run.label, attempts)
-        + efficiency_issues(run.label, efficiency)
-        + plan_found
-        + host_growth(run),
-        phases=phase_rows(run.label, attempts, run.t0),
-        efficiency=efficiency,
-        swaps=swap_ratios(run.label, attempts),
-        metrics=step_metrics(run),
-        plan_check=plan_check,
-    )
+    issues = completeness(run, exp, attempts) + health_issues(run.label, attempts)
+    issues += efficiency_issues(run.label, efficiency) + plan_found + host_growth(run)
+    phases, swaps = phase_rows(run.label, attempts, run.t0), swap_ratios(run.label, attempts)
+    return RunAnalysis(run, exp, attempts, issues, phases, efficiency, swaps, step_metrics(run), plan_check)
 
 
 def efficiency_issues(label: str, rows: list[dict[str, Any]]) -> list[Issue]:

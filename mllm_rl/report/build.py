@@ -27,8 +27,6 @@ MAX_LINES = 10  # findings a run prints on stderr as it ends (all of them are in
 
 @dataclass
 class ReportResult:
-    """What ``build_report`` wrote and found."""
-
     out_dir: Path
     files: dict[str, Path]  # "trace", "html", "summary"
     issues: list[Issue]
@@ -45,11 +43,6 @@ class ReportResult:
     def exit_code(self) -> int:
         """The CLI's status: 1 if any error-level finding, else 0."""
         return 1 if self.errors else 0
-
-
-def default_out_dir(run_dirs: list[Path]) -> Path:
-    """``RUN_DIR/report`` for one run, ``./report-compare`` for several."""
-    return run_dirs[0] / "report" if len(run_dirs) == 1 else Path("report-compare")
 
 
 def _write(path: Path, text: str) -> Path:
@@ -82,10 +75,7 @@ def summary_json(
 
 def build_report(run_dirs: list[str | Path] | str | Path, out_dir: str | Path | None = None) -> ReportResult:
     """Write the report of one or several run directories into ``out_dir``; return what it found.
-
-    Raises ``ReportInputError`` (one line naming the file) only on bad input; an incomplete or
-    failed run is reported, not refused.
-    """
+    Raises ``ReportInputError`` (one line naming the file) only on bad input, not on a failed run."""
     t = time.perf_counter()
     dirs = [Path(run_dirs)] if isinstance(run_dirs, (str, Path)) else [Path(d) for d in run_dirs]
     if not dirs:
@@ -95,17 +85,14 @@ def build_report(run_dirs: list[str | Path] | str | Path, out_dir: str | Path | 
     extra = [i for run, parts in split for i in task_issues(run, parts)]
     issues = sort_issues([i for an in analyses for i in an.issues] + extra)
     comparison = compare_rows([an.attempts for an in analyses]) if len(dirs) > 1 else None
-    out = Path(out_dir) if out_dir is not None else default_out_dir(dirs)
+    if out_dir is None:  # RUN_DIR/report for one run, ./report-compare for several
+        out_dir = dirs[0] / "report" if len(dirs) == 1 else Path("report-compare")
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = {"trace": out / "trace.json", "html": out / "report.html", "summary": out / "summary.json"}
-    trace = build_trace(
-        [(an.run.label, an.run.t0, an.attempts) for an in analyses],
-        other={
-            "runs": [an.run.label for an in analyses],
-            "t0_epoch_s": [an.run.t0 for an in analyses],
-            "issues": [i.line() for i in issues],
-        },
-    )
+    runs = [(an.run.label, an.run.t0, an.attempts) for an in analyses]
+    labels, t0s = [r[0] for r in runs], [r[1] for r in runs]
+    trace = build_trace(runs, {"runs": labels, "t0_epoch_s": t0s, "issues": [i.line() for i in issues]})
     _write(files["trace"], dumps(trace, separators=(",", ":")))
     _write(files["html"], render(analyses, issues, comparison))
     summary = summary_json(analyses, issues, comparison, files)
@@ -114,9 +101,8 @@ def build_report(run_dirs: list[str | Path] | str | Path, out_dir: str | Path | 
 
 
 def report_at_exit(run_dir: Path, rec: PhaseRecorder, quiet: bool = False) -> None:
-    """``run_dir/report/``, also into the run's open W&B sink (``rec.log_report``); the findings on
-    stderr, one line per group. A report problem is a warning, never the run's failure. In a
-    multi-process run the others may still be writing: ``python -m mllm_rl.report RUN_DIR`` redoes it."""
+    """``run_dir/report/``, also into the run's open W&B sink; the errors on stderr, one line per group.
+    A report problem is a warning, never the run's failure."""
     try:
         report = build_report([run_dir])
     except (ReportInputError, OSError, ValueError) as e:

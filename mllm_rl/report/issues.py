@@ -28,8 +28,7 @@ class Issue:
         return " ".join(f"{k} {v}" for k, v in named.items() if v is not None)
 
     def line(self, where: str | None = None) -> str:
-        """``severity: run where: message``; ``where`` defaults to ``self.where()`` (a folded group's
-        text from ``group_issues`` replaces it)."""
+        """``severity: run where: message`` (``where``: ``self.where()``, or a group's from ``group_issues``)."""
         if where is None:
             where = self.where()
         return f"{self.severity}: {self.run}{' ' + where if where else ''}: {self.message}"
@@ -67,11 +66,8 @@ def _numbered(word: str, values: list[int]) -> str:
     if not values:
         return ""
     ranges = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in int_ranges(sorted(set(values))))
-    return (
-        f"{word}{'es' if word.endswith('s') else 's'} {ranges}"
-        if len(set(values)) > 1
-        else f"{word} {ranges}"
-    )
+    plural = "es" if word.endswith("s") else "s"
+    return f"{word}{plural if len(set(values)) > 1 else ''} {ranges}"
 
 
 def group_issues(issues: list[Issue]) -> list[tuple[Issue, str]]:

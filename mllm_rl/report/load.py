@@ -38,12 +38,10 @@ class Run:
 
     @property
     def run_id(self) -> str:
-        for recs in self.records.values():
-            if recs:
-                return str(recs[0]["run_id"])
-        if self.plan and isinstance(self.plan.get("run_id"), str):
-            return self.plan["run_id"]
-        return self.dir.name
+        if first := next((recs[0] for recs in self.records.values() if recs), None):
+            return str(first["run_id"])
+        planned = (self.plan or {}).get("run_id")
+        return planned if isinstance(planned, str) else self.dir.name
 
     @property
     def backend(self) -> str:
@@ -102,8 +100,7 @@ def read_phase_file(path: Path, process: int) -> tuple[list[Record], bool]:
     except (OSError, UnicodeDecodeError) as e:
         raise ReportInputError(f"{path}: cannot read: {e}") from None
     out: list[Record] = []
-    torn = False
-    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    torn, last = False, max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -148,12 +145,9 @@ def load_run(run_dir: str | Path, label: str | None = None) -> Run:
             files[int(m.group(1) or 0)] = f
     if not files:
         raise ReportInputError(f"{run_dir}: no phase file (phases.jsonl or phases.p<i>.jsonl)")
-    records: dict[int, list[Record]] = {}
-    torn: list[str] = []
-    for p in sorted(files):
-        records[p], was_torn = read_phase_file(files[p], p)
-        if was_torn:
-            torn.append(files[p].name)
+    read = {p: read_phase_file(files[p], p) for p in sorted(files)}
+    records = {p: recs for p, (recs, _) in read.items()}
+    torn = [files[p].name for p, (_, t) in read.items() if t]
     run = Run(
         run_dir, label or "", records, _read_plan(run_dir / "run.json"), dict(sorted(files.items())), torn
     )
@@ -194,10 +188,7 @@ class Attempt:
     @property
     def last_step(self) -> int | None:
         """The step of the last step record: where this attempt was when it ended."""
-        for r in reversed(self.records):
-            if r["step"] is not None:
-                return r["step"]
-        return None
+        return next((r["step"] for r in reversed(self.records) if r["step"] is not None), None)
 
 
 def split_records(records: list[Record], first_phase: str | None) -> list[list[Record]]:
@@ -237,13 +228,8 @@ def split_tasks(run: Run) -> list[Run]:
     parts = [_part(run, None, base, run.label)]
     for name, t in tasks.items():
         t = t if isinstance(t, dict) else {}
-        plan = {
-            **base,
-            **{k: t[k] for k in TASK_KEYS if k in t},
-            "task": name,
-            "task_status": t.get("status"),
-            "task_error": t.get("error"),
-        }
+        plan = {**base, **{k: t[k] for k in TASK_KEYS if k in t}, "task": name}
+        plan |= {"task_status": t.get("status"), "task_error": t.get("error")}
         parts.append(_part(run, name, plan, f"{run.label} / {name}"))
     return parts
 

@@ -1,6 +1,5 @@
-"""Console sink (``--console``): ``steps`` (default) prints one stderr line per RL step, one when
-setup is done and any failed phase's short line; ``phases`` adds a short stdout line per record,
-``full`` a JSON line per record. Lines go above any progress bar (``mllm_rl.progress.write``)."""
+"""Console sink (``--console``): ``steps`` (default) prints a stderr line per RL step, one when setup
+is done and any failed phase's; ``phases`` adds a stdout line per record, ``full`` a JSON line."""
 
 from __future__ import annotations
 

@@ -56,15 +56,12 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 def _drop_torn_tail(path: Path) -> None:
-    """A writer killed mid-line leaves a torn last line; appending after it would bury it
-    in the middle of the file. Cut the file back to its last newline."""
+    """Cut a torn last line (a writer killed mid-line) that appending would bury mid-file."""
     if not path.exists() or path.stat().st_size == 0:
         return
     with open(path, "rb+") as f:
-        data = f.read()
-        if data.endswith(b"\n"):
-            return
-        f.truncate(data.rfind(b"\n") + 1)
+        if not (data := f.read()).endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
 
 
 def count_records(path: str | Path) -> int:
