@@ -225,20 +225,26 @@ def _key(name: str) -> str:
     return f"mllm_rl/{name}/{n}"
 
 
+def _wait(key: str, timeout_s: float | None, missing: str, fn: Callable[[int], Any]) -> Any:
+    """``fn(timeout in ms)``; its failure as RuntimeError ``key: <missing> within <timeout>s``."""
+    timeout = timeout_s or _timeout_s
+    try:
+        return fn(int(1000 * timeout))
+    except Exception as e:
+        raise RuntimeError(f"{key}: {missing} within {timeout}s ({e})") from None
+
+
 def barrier(name: str, timeout_s: float | None = None) -> None:
     """Wait until every process reached the ``n``-th ``barrier(name)`` (no device computation)."""
     if _procs.count == 1:
         return
-    key, timeout = _key(f"barrier/{name}"), timeout_s or _timeout_s
-    try:
-        _client().wait_at_barrier(key, int(1000 * timeout))
-    except Exception as e:
-        raise RuntimeError(f"{key}: not every process arrived within {timeout}s ({e})") from None
+    key = _key(f"barrier/{name}")
+    _wait(key, timeout_s, "not every process arrived", lambda ms: _client().wait_at_barrier(key, ms))
 
 
 def share(name: str, value: str | None, timeout_s: float | None = None) -> str:
     """Process 0 publishes ``value`` for the ``n``-th ``share(name)``; every process returns it."""
-    key, timeout = _key(f"share/{name}"), timeout_s or _timeout_s
+    key = _key(f"share/{name}")
     if _procs.count == 1:
         assert value is not None
         return value
@@ -247,25 +253,18 @@ def share(name: str, value: str | None, timeout_s: float | None = None) -> str:
         assert value is not None, "process 0 must provide the value"
         client.key_value_set(key, value)
         return value
-    try:
-        return str(client.blocking_key_value_get(key, int(1000 * timeout)))
-    except Exception as e:
-        raise RuntimeError(f"{key}: nothing from process 0 within {timeout}s ({e})") from None
+    get = lambda ms: str(client.blocking_key_value_get(key, ms))  # noqa: E731
+    return _wait(key, timeout_s, "nothing from process 0", get)
 
 
 def gather(name: str, value: str, timeout_s: float | None = None) -> list[str]:
     """Every process's ``value`` for the ``n``-th ``gather(name)``, in process order."""
     if _procs.count == 1:
         return [value]
-    key, timeout = _key(f"gather/{name}"), timeout_s or _timeout_s
-    client = _client()
+    key, client = _key(f"gather/{name}"), _client()
     client.key_value_set(f"{key}/{_procs.index}", value)
-    try:
-        return [
-            str(client.blocking_key_value_get(f"{key}/{i}", int(1000 * timeout))) for i in range(_procs.count)
-        ]
-    except Exception as e:
-        raise RuntimeError(f"{key}: not every process arrived within {timeout}s ({e})") from None
+    get = lambda ms: [str(client.blocking_key_value_get(f"{key}/{i}", ms)) for i in range(_procs.count)]  # noqa: E731
+    return _wait(key, timeout_s, "not every process arrived", get)
 
 
 def coordination() -> ProcessCoordinator:

@@ -2,17 +2,9 @@
 
 For a target topology (``topologies.py``; nothing runs on a device) it compiles the trainer's real
 jitted functions (``step_fns.make_step_fns``) and reads each one's ``memory_analysis()`` per device.
-
-- ``engine_weights``, ``kv_pool`` (layout): sglang-jax's own model and pool rule (``engine_layout``);
-  ``engine_logits``: float32 [rows, vocab] kept between generates.
-- ``trainer_params``, ``optimizer``, ``ref_params`` (layout): device 0's shards of ``abstract_state``.
-- ``grads`` (compiler): the accumulator, ``grad``'s output sharding in the trainable dtype.
-- ``staging`` (layout): estimate of the largest tensor in flight during a weight update.
-- ``engine_step`` (compiler): on TPU/GPU sglang-jax's prefill and decode forward compiled for the
-  target (``engine_compile``); on CPU an estimate from the shapes (``mllm_rl.memplan.engine_step``).
-
-Peak of a compiled function: ``peak_memory_in_bytes`` on TPU/GPU; on CPU (no buffer reuse reported)
-``arguments + outputs - aliased + temporaries``, an upper bound.
+Engine weights and KV pool follow sglang-jax's own layout (``engine_layout``); its forward is
+compiled for TPU/GPU targets (``engine_compile``) and estimated on CPU. Peak of a compiled function:
+``peak_memory_in_bytes`` on TPU/GPU; on CPU ``arguments + outputs - aliased + temporaries``.
 """
 
 from __future__ import annotations
@@ -31,7 +23,7 @@ from mllm_rl.trainer import TrainConfig
 
 T_BUCKET = 32  # the trainer pads a batch's positions to a multiple of this (trainer.T_BUCKET)
 KL_BETA = 0.04  # any beta > 0: a KL term (its value does not change memory)
-STAGING_COPIES = 2  # tensors in flight during a weight update beyond both resident copies (see _staging)
+STAGING_COPIES = 2  # tensors in flight during a weight update beyond both resident copies
 
 _cache: dict[tuple[Any, ...], Any] = {}  # per process: topologies, engine layouts, compiled functions
 
@@ -86,7 +78,7 @@ def measure(req: PlanRequest) -> Measured:
 
 def _measure(req: PlanRequest, spec: topologies.TargetSpec) -> Measured:
     topologies.prepare(spec, cpu_devices=req.tp)  # a run on CPU has --tp devices (``init_runtime``)
-    devices, target = _topology(spec)
+    devices, target = _cached(("topology", spec.name), lambda: topologies.devices(spec))
     _check_mesh(req, target.num_devices, target.num_hosts, target.name)
     opts = model_options(req, target.platform)
     notes: list[str] = []
@@ -144,7 +136,14 @@ def _measure(req: PlanRequest, spec: topologies.TargetSpec) -> Measured:
 
     fns, trainer_comps = _trainer(req, devices, target, opts, info, notes)
     comps.update(trainer_comps)
-    comps["staging"] = _staging(eng)
+    # bytes in flight beyond both resident copies: the largest engine tensor's shard, exported and placed
+    comps["staging"] = Component(
+        "staging",
+        STAGING_COPIES * eng.largest_tensor_bytes,
+        "layout",
+        f"{STAGING_COPIES} x the largest engine tensor shard ({eng.largest_tensor_bytes} B): the "
+        "trainer's exported copy and the engine's placed copy of one tensor (estimate)",
+    )
     attn = engine_layout.attention_backend(target.platform, target.device_kind)
     info["engine_attention_backend"] = attn
     fns["engine_step"] = _engine_step(req, devices, target, kv.tokens, attn, info, notes)
@@ -258,10 +257,6 @@ def _cached(key: tuple[Any, ...], make: Any) -> Any:
     return _cache[key]
 
 
-def _topology(spec: topologies.TargetSpec) -> tuple[list[Any], Any]:
-    return _cached(("topology", spec.name), lambda: topologies.devices(spec))
-
-
 def _check_mesh(req: PlanRequest, n: int, hosts: int, name: str) -> None:
     """The engine's mesh (``--tp``) and the trainer's over ``n`` devices on ``hosts`` hosts."""
     c = req.model
@@ -278,15 +273,6 @@ def _check_mesh(req: PlanRequest, n: int, hosts: int, name: str) -> None:
         )
     topologies.check_trainer_mesh(
         req.trainer_tp, req.fsdp, n, c.num_attention_heads, c.num_key_value_heads, name
-    )
-
-
-def _train_config(req: PlanRequest) -> TrainConfig:
-    return TrainConfig(
-        micro_batch_size=req.micro_batch,
-        lora_rank=req.lora_rank,
-        precision=req.precision,
-        loss=LossConfig(beta=KL_BETA if req.kl else 0.0),
     )
 
 
@@ -307,7 +293,10 @@ def _trainer(
         with_shardings,
     )
 
-    cfg = _train_config(req)
+    loss = LossConfig(beta=KL_BETA if req.kl else 0.0)
+    cfg = TrainConfig(
+        micro_batch_size=req.micro_batch, lora_rank=req.lora_rank, precision=req.precision, loss=loss
+    )
     dts = resolve_dtypes(cfg, opts, checkpoint_dtype(req.model))
     info["dtypes"] = {**dataclasses.asdict(dts), "precision": cfg.precision}
     if dts.trainable != dts.export:
@@ -436,7 +425,6 @@ class _Compiled:
 def _compile(
     name: str, fn: Any, args: tuple[Any, ...], target: Any, info: dict[str, Any], detail: str
 ) -> _Compiled:
-    """Lower and compile ``fn`` for the target; its per-device memory (or the compiler's refusal)."""
     return _compile_lowered(name, lambda: fn.lower(*args), target, info, detail)
 
 
@@ -480,16 +468,3 @@ def _shard_bytes(tree: Any) -> int:
     for x in jax.tree.leaves(tree):
         total += int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
     return total
-
-
-def _staging(eng: engine_layout.EngineWeights) -> Component:
-    """The weight update's bytes in flight beyond both resident copies (an estimate): the largest
-    engine tensor's shard twice (the trainer's export and the engine's placed copy)."""
-    b = STAGING_COPIES * eng.largest_tensor_bytes
-    return Component(
-        "staging",
-        b,
-        "layout",
-        f"{STAGING_COPIES} x the largest engine tensor shard ({eng.largest_tensor_bytes} B): the "
-        "trainer's exported copy and the engine's placed copy of one tensor (estimate)",
-    )

@@ -9,17 +9,9 @@ for a target on the ``ShapeDtypeStruct`` trees of ``abstract_state`` / ``batch_s
     mb = batch_specs(B, T, mesh, kl=train_cfg.loss.beta > 0)
     fns.grad.lower(trainable, frozen, mb, SCALAR, SCALAR).compile().memory_analysis()
 
-Shapes: B micro-batch rows, T positions (right-padded), V vocab, L layers. The params are cast to
-the compute dtype (``resolve_dtypes``) inside the jitted functions.
-
-- ``trainable`` / ``frozen``: ``nnx.State`` trees (full fine-tune: every ``Param`` / nothing; LoRA:
-  the adapters / the base), sharded by ``sharding.tree_shardings``; ``opt_state`` sharded like them.
-- ``mb``: ``tokens`` [B, T] int32, ``attn``/``loss_mask`` [B, T] bool, ``old_logp``/``is_weight``
-  [B, T] float32, ``adv`` [B] float32, with KL ``ref_logp`` [B, T] float32.
-
-``StepFns``: ``logprob`` -> [B, T - 1] tempered log-probs; ``next_logits`` -> [B, V] untempered;
-``grad`` -> ((loss, token-summed metrics), grads in the compute dtype); ``apply`` -> (trainable,
-opt_state, grad_norm), donating both; ``leaf_update``: ``apply`` for one leaf (``host_optimizer.py``).
+Shapes: B micro-batch rows, T positions (right-padded), V vocab. ``trainable`` / ``frozen``:
+``nnx.State`` trees (full fine-tune: every ``Param`` / nothing; LoRA: the adapters / the base),
+cast to the compute dtype inside the jitted functions; ``opt_state`` is sharded like them.
 """
 
 from __future__ import annotations
@@ -59,14 +51,14 @@ class StepFns:
     graphdef: Any  # nnx graph definition: nnx.merge(graphdef, trainable, frozen) is the model
     dtypes: Dtypes  # what is stored, computed, optimised and exported in (ModelOptions.resolved)
     tx: optax.GradientTransformation
-    logprob: Callable[..., Any]
-    next_logits: Callable[..., Any]
-    grad: Callable[..., Any]
+    logprob: Callable[..., Any]  # -> [B, T - 1] tempered log-probs
+    next_logits: Callable[..., Any]  # -> [B, V] untempered
+    grad: Callable[..., Any]  # -> ((loss, token-summed metrics), grads in the compute dtype)
     start_acc: Callable[..., Any]
     accumulate: Callable[..., Any]
-    apply: Callable[..., Any]
+    apply: Callable[..., Any]  # -> (trainable, opt_state, grad_norm), donating both
     grad_norm: Callable[..., Any]
-    leaf_update: Callable[..., Any]
+    leaf_update: Callable[..., Any]  # ``apply`` for one leaf (host_optimizer.py)
 
 
 def _adamw(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -105,8 +97,7 @@ def _split(model: Qwen3, lora: bool) -> tuple[Any, Any, Any]:
     return nnx.split(model, LoRAParam, ...) if lora else nnx.split(model, nnx.Param, ...)
 
 
-def _build(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: ModelOptions, dts: Dtypes) -> Qwen3:
-    model = Qwen3(model_cfg, jnp.dtype(dts.params), opts.scan_layers)
+def _with_lora(model: Qwen3, train_cfg: TrainConfig, dts: Dtypes) -> Qwen3:
     if train_cfg.lora_rank > 0:
         add_lora(model, train_cfg.lora_rank, train_cfg.lora_alpha, train_cfg.seed, jnp.dtype(dts.adapters))
     return model
@@ -118,7 +109,9 @@ def abstract_model(
     """(graphdef, trainable, frozen) with ``ShapeDtypeStruct`` leaves; ``dtype``: the checkpoint's."""
     dtype = checkpoint_dtype(model_cfg) if dtype is None else dtype
     dts = resolve_dtypes(train_cfg, opts, dtype)
-    model = nnx.eval_shape(lambda: _build(model_cfg, train_cfg, opts, dts))
+    model = nnx.eval_shape(
+        lambda: _with_lora(Qwen3(model_cfg, jnp.dtype(dts.params), opts.scan_layers), train_cfg, dts)
+    )
     return _split(model, train_cfg.lora_rank > 0)
 
 
@@ -138,20 +131,15 @@ def abstract_state(
 
 
 def batch_specs(rows: int, seq_len: int, mesh: Mesh, kl: bool = False) -> dict[str, jax.ShapeDtypeStruct]:
-    """The micro-batch ``grad`` takes, as ``ShapeDtypeStruct``s (see the module docstring)."""
+    """The micro-batch ``grad`` takes: [B, T] ``tokens`` int32, ``attn``/``loss_mask`` bool,
+    ``old_logp``/``is_weight`` (with KL ``ref_logp``) float32; ``adv`` [B] float32."""
     sh = batch_sharding(mesh, rows)
-    spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=sh)  # noqa: E731
-    out = {
-        "tokens": spec((rows, seq_len), jnp.int32),
-        "attn": spec((rows, seq_len), jnp.bool_),
-        "loss_mask": spec((rows, seq_len), jnp.bool_),
-        "old_logp": spec((rows, seq_len), jnp.float32),
-        "is_weight": spec((rows, seq_len), jnp.float32),
-        "adv": spec((rows,), jnp.float32),
+    dtypes = {"tokens": jnp.int32, "attn": jnp.bool_, "loss_mask": jnp.bool_, "old_logp": jnp.float32}
+    dtypes |= {"is_weight": jnp.float32, "adv": jnp.float32} | ({"ref_logp": jnp.float32} if kl else {})
+    return {
+        k: jax.ShapeDtypeStruct((rows,) if k == "adv" else (rows, seq_len), jnp.dtype(dt), sharding=sh)
+        for k, dt in dtypes.items()
     }
-    if kl:
-        out["ref_logp"] = spec((rows, seq_len), jnp.float32)
-    return out
 
 
 def load_state(
@@ -160,9 +148,7 @@ def load_state(
     """The real (graphdef, trainable, frozen) of ``model_dir``, placed as ``abstract_state`` says."""
     dtype = model_dir_dtype(model_dir)
     dts = resolve_dtypes(train_cfg, opts, dtype)
-    model = load_qwen3(model_dir, jnp.dtype(dts.params), opts.scan_layers)
-    if train_cfg.lora_rank > 0:
-        add_lora(model, train_cfg.lora_rank, train_cfg.lora_alpha, train_cfg.seed, jnp.dtype(dts.adapters))
+    model = _with_lora(load_qwen3(model_dir, jnp.dtype(dts.params), opts.scan_layers), train_cfg, dts)
     graphdef, trainable, frozen = _split(model, train_cfg.lora_rank > 0)
     del model
     _, want_t, want_f = abstract_model(model_dir.config, train_cfg, opts, dtype)

@@ -107,9 +107,8 @@ class JaxTrainer:
         self.names = list(model_dir.tensors)  # HF names, checkpoint order
         self.mesh = make_mesh(self.opts.tp)
         self.lora = cfg.lora_rank > 0
-        dtype = model_dir_dtype(model_dir)
-        self.export_dtype = dtype  # what the engine holds (the params may be stored wider)
-        self.fns = make_step_fns(self.config, cfg, self.opts, self.mesh, dtype)
+        self.export_dtype = model_dir_dtype(model_dir)  # what the engine holds (params may be wider)
+        self.fns = make_step_fns(self.config, cfg, self.opts, self.mesh, self.export_dtype)
         self.dtypes = self.fns.dtypes  # stored / computed / optimised / exported (options.Dtypes)
         self.graphdef, self.trainable, self.frozen = load_state(model_dir, cfg, self.opts, self.mesh)
         self.linear_names = [n for n in linear_layers(self._model_view()) if n in set(self.names)]
@@ -230,11 +229,10 @@ class JaxTrainer:
             self._leaked.append(
                 jax.device_put(jnp.ones(int(leak) * 2**18, jnp.float32), self.mesh.devices.flat[0])
             )
-        t0 = time.perf_counter()
-        ref = None
+        t0, ref = time.perf_counter(), None
         if self.cfg.loss.beta > 0:
             ref = jax.tree.map(jnp.zeros_like, self.trainable) if self.lora else _copy(self.ref_host, DEVICE)
-        # Device scalars, read back once after the loop (no host sync per micro-batch).
+        # device scalars, read back once after the loop (no host sync per micro-batch)
         losses: list[jax.Array] = []
         metric_sums: list[dict[str, jax.Array]] = []
         gnorms_dev: list[jax.Array] = []
@@ -263,16 +261,16 @@ class JaxTrainer:
             gnorms_dev.append(gnorm)
         host_losses, host_sums, host_gnorms = jax.device_get((losses, metric_sums, gnorms_dev))
         totals: dict[str, float] = {}
-        loss_sum = 0.0
-        for mb_loss, mb_sums in zip(host_losses, host_sums, strict=True):
-            loss_sum += float(mb_loss)
+        for mb_sums in host_sums:
             for k, v in mb_sums.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
-        gnorms = [float(g) for g in host_gnorms]
         if ref is not None:
             jax.tree.map(lambda x: x.delete(), ref)
         self.step += 1
-        return train_metrics(loss_sum, len(parts), gnorms, totals, time.perf_counter() - t0)
+        loss_sum = sum(float(x) for x in host_losses)
+        return train_metrics(
+            loss_sum, len(parts), [float(g) for g in host_gnorms], totals, time.perf_counter() - t0
+        )
 
     def logprobs(self, batch: RolloutBatch) -> np.ndarray:
         self._need(PARAMS)
@@ -307,9 +305,7 @@ class JaxTrainer:
 
     def _engine_layout(self, model: Qwen3, name: str, lins: dict[str, Any]) -> tuple[jax.Array, bool]:
         """The weight ``name`` as stored in our model (kernels [in, out]; LoRA merged)."""
-        if self.lora and name in lins:
-            return lins[name].merged_kernel(), True
-        return get_weight(model, name)
+        return (lins[name].merged_kernel(), True) if self.lora and name in lins else get_weight(model, name)
 
     def export_names(self, full: bool = True) -> list[str]:
         """Full: every weight. Partial (LoRA only): the linear layers the adapters change."""
@@ -337,9 +333,8 @@ class JaxTrainer:
         self._need(PARAMS)
         model = self._model_view()
         lins = linear_layers(model)
-        names = names if names is not None else self.names
         fp: Fingerprint = {}
-        for name in names:  # one copy at a time, never a second copy of the weights
+        for name in self.names if names is None else names:  # one copy at a time
             value = self._engine_layout(model, name, lins)[0].astype(self.export_dtype)
             fp.update(read_sums({name: tensor_sums(value)}))
         return fp
@@ -350,7 +345,7 @@ class JaxTrainer:
         self.snapshot(path).write()
 
     def snapshot(self, path: Path) -> AsyncSave:
-        """``save`` begun as orbax's asynchronous save: returns once the state is in host memory."""
+        """``save`` begun asynchronously: returns once the state is in host memory."""
         self._need(PARAMS, OPTIMIZER)
         target = Path(path).resolve() / "state"
         if target.exists():
