@@ -142,9 +142,8 @@ def force_cpu_devices(n: int) -> None:
 
 
 def init_distributed(tp: int = 1, env: Mapping[str, str] | None = None) -> dict[str, int]:
-    """Join the run described by the environment; ``{"process_index", "process_count"}``. Single
-    process: touches nothing; else ``jax.distributed.initialize`` (on CPU gloo and ``tp //
-    num_processes`` devices each). RuntimeError if the processes do not meet in time."""
+    """Join the run the environment describes (``jax.distributed.initialize``; on CPU gloo and
+    ``tp // num_processes`` devices each); ``{"process_index", "process_count"}``."""
     global _procs, _joined, _timeout_s
     cfg = config_from_env(env)
     _timeout_s = cfg.timeout_s
@@ -170,15 +169,13 @@ def init_distributed(tp: int = 1, env: Mapping[str, str] | None = None) -> dict[
     where = f"process {cfg.process_id} of {cfg.num_processes}, coordinator {cfg.coordinator}"
     if cfg.source == "tpu":
         where = f"Cloud TPU slice of {cfg.num_processes} hosts, auto-detected"
-    if cfg.source == "env" and cfg.process_id:  # jaxlib aborts (exit 134) when it cannot connect
-        _wait_for_coordinator(cfg.coordinator or "", cfg.timeout_s)
+    args: tuple[Any, ...] = ()
+    if cfg.source == "env":
+        args = (cfg.coordinator, cfg.num_processes, cfg.process_id)
+        if cfg.process_id:  # jaxlib aborts (exit 134) when it cannot connect
+            _wait_for_coordinator(cfg.coordinator or "", cfg.timeout_s)
     try:
-        if cfg.source == "env":
-            jax.distributed.initialize(
-                cfg.coordinator, cfg.num_processes, cfg.process_id, initialization_timeout=cfg.timeout_s
-            )
-        else:
-            jax.distributed.initialize(initialization_timeout=cfg.timeout_s)
+        jax.distributed.initialize(*args, initialization_timeout=cfg.timeout_s)
     except Exception as e:  # jaxlib raises its own error types (DEADLINE_EXCEEDED, ...)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RuntimeError(f"jax.distributed.initialize ({where}) failed: {first}") from None
@@ -308,9 +305,8 @@ def engine_address(port: int | None = None) -> str:
 def shutdown() -> None:
     """Leave the run (idempotent); every process must, or the others abort."""
     global _joined
-    if not _joined:
-        return
-    import jax
+    if _joined:
+        import jax
 
-    _joined = False
-    jax.distributed.shutdown()
+        _joined = False
+        jax.distributed.shutdown()

@@ -74,13 +74,6 @@ def _transposed(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
     return sharding  # one device (or replicated): the transpose lives where the array does
 
 
-def _engine_view(value: Any, transpose: bool) -> tuple[Any, bool]:
-    """(the array in ``value``, whether it must be transposed for a leaf of that ``transpose``)."""
-    if isinstance(value, KernelInOut):  # value.array is the HF tensor's transpose already
-        return value.array, not transpose
-    return value, transpose
-
-
 @functools.cache
 def _chunk_writer(sharding: Any, axis: int) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
     """A jitted, donating ``buf[..., start:start+n, ...] = chunk`` along ``axis`` (in place)."""
@@ -141,14 +134,14 @@ class EngineLeaves:
             raise KeyError(f"unknown parameter {hf_name!r} for this engine")
         idx, transpose = self.mappings[hf_name]
         leaf = self.leaves[idx]
-        value, owned = unwrap(value)
-        src, transpose = _engine_view(value, transpose)
+        src, owned = unwrap(value)
+        if isinstance(src, KernelInOut):  # src.array is the HF tensor's transpose already
+            src, transpose = src.array, not transpose
+        src = src if isinstance(src, jax.Array) else np.asarray(src)
+        _check_shape(hf_name, src.shape[::-1] if transpose else src.shape, leaf.shape)
         if isinstance(src, jax.Array):  # from a trainer: transpose/cast where it lives
-            _check_shape(hf_name, src.shape[::-1] if transpose else src.shape, leaf.shape)
             return to_engine(src, transpose, leaf.dtype, leaf.sharding, owned)
-        arr = np.asarray(src)
-        _check_shape(hf_name, arr.shape[::-1] if transpose else arr.shape, leaf.shape)
-        return host_to_engine(arr, transpose, leaf.dtype, leaf.sharding)
+        return host_to_engine(src, transpose, leaf.dtype, leaf.sharding)
 
     def install(self, hf_name: str, new: jax.Array) -> None:
         """Replace the leaf by ``new`` (already placed) and free the old buffer."""

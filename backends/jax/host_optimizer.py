@@ -23,21 +23,16 @@ def put(tree: Any, kind: str) -> Any:
 
 def adam_state(opt_state: Any) -> optax.ScaleByAdamState:
     """The ``ScaleByAdamState`` (count, mu, nu) inside ``make_tx``'s chain state."""
-    if isinstance(opt_state, optax.ScaleByAdamState):
-        return opt_state
-    if isinstance(opt_state, tuple):
-        for part in opt_state:
-            found = _find(part)
-            if found is not None:
-                return found
-    raise ValueError("optimizer state has no ScaleByAdamState (AdamW)")
+    found = _find(opt_state)
+    if found is None:
+        raise ValueError("optimizer state has no ScaleByAdamState (AdamW)")
+    return found
 
 
 def _find(tree: Any) -> optax.ScaleByAdamState | None:
-    try:
-        return adam_state(tree)
-    except ValueError:
-        return None
+    if isinstance(tree, optax.ScaleByAdamState):
+        return tree
+    return next((f for f in map(_find, tree) if f is not None), None) if isinstance(tree, tuple) else None
 
 
 def _replace_adam(opt_state: Any, new: optax.ScaleByAdamState) -> Any:

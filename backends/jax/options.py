@@ -3,17 +3,6 @@
 Only the dtypes change the numbers beyond float32 reduction order (``tests/jax/test_model_paths.py``).
 Imports nothing heavy. The defaults are the TPU path everywhere, so CPU tests exercise it; only
 attention depends on the platform (``splash`` on TPU, ``dense`` elsewhere).
-
-- ``tp``: tensor-parallel size of the ``("fsdp", "tp")`` mesh; ``fsdp`` = devices / ``tp``.
-- ``scan_layers``: blocks stacked [L, ...] under ``jax.lax.scan`` (compile time flat in depth).
-- ``remat``: ``none`` | ``block`` (``jax.checkpoint`` per block) | ``dots`` (keep matmul outputs).
-- ``attention``: ``dense`` | ``xla`` | ``chunked`` | ``splash`` (``attention.py``);
-  ``attention_chunk``: query positions per chunk of ``chunked``.
-- ``logprob_chunk``: positions per head chunk (``logprob.py``); 0 = whole [B, T, V] logits.
-- ``param_dtype`` / ``compute_dtype`` / ``opt_dtype``: None leaves them to ``resolved``
-  (``TrainConfig.precision``; ``Dtypes``).
-- ``optimizer_memory``: ``device`` (offloaded between steps) or ``host`` (``pinned_host``, streamed
-  through the device by ``host_optimizer.py``; same numbers).
 """
 
 from __future__ import annotations
@@ -31,15 +20,16 @@ OPTIMIZER_MEMORY = ("device", "host")
 
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
-    tp: int = 1
-    scan_layers: bool = True
-    remat: str = "block"
-    attention: str = "dense"
-    attention_chunk: int = 512
-    logprob_chunk: int = 256
-    param_dtype: str | None = None
+    tp: int = 1  # tensor-parallel size of the ("fsdp", "tp") mesh; fsdp = devices / tp
+    scan_layers: bool = True  # blocks stacked [L, ...] under jax.lax.scan (compile time flat in depth)
+    remat: str = "block"  # none | block (jax.checkpoint per block) | dots (keep matmul outputs)
+    attention: str = "dense"  # dense | xla | chunked | splash (attention.py)
+    attention_chunk: int = 512  # query positions per chunk of ``chunked``
+    logprob_chunk: int = 256  # positions per head chunk (logprob.py); 0 = whole [B, T, V] logits
+    param_dtype: str | None = None  # the three dtypes: None leaves them to ``resolved`` (precision)
     compute_dtype: str | None = None
     opt_dtype: str | None = None
+    # device (offloaded between steps) or host (pinned_host, streamed by host_optimizer.py; same numbers)
     optimizer_memory: str = "device"
 
     def __post_init__(self) -> None:
@@ -112,20 +102,13 @@ class ModelOptions:
 
 @dataclasses.dataclass(frozen=True)
 class Dtypes:
-    """``ModelOptions.resolved``: dtype names of what the trainer holds and computes.
+    """``ModelOptions.resolved``: dtype names of what the trainer holds and computes."""
 
-    - ``params``: the model's ``Param``s as stored (in LoRA mode the frozen base);
-    - ``adapters``: the LoRA adapters (``LoRAParam``), the trainable state in LoRA mode;
-    - ``compute``: every matmul of forward and backward (gradients accumulate in the stored dtype);
-    - ``opt``: the AdamW moments and the update arithmetic;
-    - ``export``: the checkpoint's dtype, what the engine gets and the fingerprint hashes.
-    """
-
-    params: str
-    adapters: str
-    compute: str
-    opt: str
-    export: str
+    params: str  # the model's ``Param``s as stored (in LoRA mode the frozen base)
+    adapters: str  # the LoRA adapters, the trainable state in LoRA mode
+    compute: str  # every matmul of forward and backward (gradients accumulate in the stored dtype)
+    opt: str  # the AdamW moments and the update arithmetic
+    export: str  # the checkpoint's dtype: what the engine gets and the fingerprint hashes
     lora: bool = False
 
     @property

@@ -101,9 +101,8 @@ def _compilers_on_path() -> Path:
 
 
 def prepare(s: TargetSpec, cpu_devices: int = 1) -> None:
-    """Set up the process for ``s`` before jax is imported: JAX on its CPU platform, the compilers
-    directory on ``sys.path``, the environment libtpu reads. RuntimeError if jax was already
-    imported with a different setup; ValueError if the compiler is not installed."""
+    """Before jax is imported: JAX on its CPU platform, the compilers on ``sys.path``, libtpu's
+    environment. RuntimeError if jax was imported otherwise; ValueError if no compiler is installed."""
     if "jax" in sys.modules:
         import jax
 
@@ -241,20 +240,17 @@ def topology_devices(s: TargetSpec) -> list[Any]:
         kw: dict[str, Any] = {"chips_per_host_bounds": s.chips_per_host_bounds, "num_slices": 1}
         if s.chip_config_name:
             kw["chip_config_name"] = s.chip_config_name
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=s.topology, **kw).devices)
-    text = gpu_config_text(s)
-    return list(
-        topologies.get_topology_desc(
-            platform="cuda", topology_name="", topology=s.topology, target_config=text
-        ).devices
-    )
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=s.topology, **kw)
+    else:
+        kw = {"topology": s.topology, "target_config": gpu_config_text(s)}
+        desc = topologies.get_topology_desc(platform="cuda", topology_name="", **kw)
+    return list(desc.devices)
 
 
 @contextlib.contextmanager
 def cache_writes(on: bool) -> Iterator[None]:
-    """JAX's persistent compilation cache kept from writing in the block unless ``on`` (and its
-    warning about unreadable entries silenced): a compile-only client's executables cannot be
-    read back, so every later plan would warn and compile again anyway."""
+    """Unless ``on``, JAX's compilation cache writes nothing in the block (unreadable-entry warnings
+    silenced): a compile-only client's executables cannot be read back anyway."""
     if on:
         yield
         return
@@ -282,6 +278,7 @@ def libtpu_version() -> str:
 
 _HBM_RE = re.compile(r"available HBM \(([\d.]+)([GM])\)")
 _USED_RE = re.compile(r"(?:required for HLO temporaries|Used) \(?([\d.]+)([GMK])\)?")
+_UNIT = {"G": GIB, "M": 2**20, "K": 2**10}
 
 
 def _tpu_hbm(devs: list[Any]) -> int:
@@ -296,7 +293,7 @@ def _tpu_hbm(devs: list[Any]) -> int:
     except Exception as e:  # noqa: BLE001 - the message is what we want
         m = _HBM_RE.search(str(e))
         if m:
-            return int(float(m.group(1)) * (GIB if m.group(2) == "G" else 2**20))
+            return int(float(m.group(1)) * _UNIT[m.group(2)])
         raise RuntimeError(f"libtpu did not report its HBM: {str(e).splitlines()[0][:200]}") from None
     raise RuntimeError("libtpu compiled a 1 TiB program for one device; cannot read its HBM")
 
@@ -309,7 +306,5 @@ def rejection(e: BaseException) -> tuple[str, int] | None:
         return None
     line = next((ln.strip() for ln in text.splitlines() if "memory" in ln.lower() or "hbm" in ln.lower()), "")
     m = _USED_RE.search(text)
-    need = 0
-    if m:
-        need = int(float(m.group(1)) * {"G": GIB, "M": 2**20, "K": 2**10}[m.group(2)])
+    need = int(float(m.group(1)) * _UNIT[m.group(2)]) if m else 0
     return (line or text.splitlines()[0])[:300], need
