@@ -78,10 +78,6 @@ def chunked(q: jax.Array, k: jax.Array, v: jax.Array, attn: jax.Array, chunk: in
     return out[:, :t]
 
 
-def _block(tp: int) -> int:
-    return next(bl for bl in (512, 256, 128) if tp % bl == 0)
-
-
 def splash(
     q: jax.Array, k: jax.Array, v: jax.Array, attn: jax.Array, mesh: Mesh | None, interpret: bool = False
 ) -> jax.Array:
@@ -97,7 +93,7 @@ def splash(
     qh = jnp.moveaxis(jnp.pad(q * jnp.asarray(1.0 / np.sqrt(d), q.dtype), pad), 2, 1)
     kh, vh = (jnp.moveaxis(jnp.pad(x, pad), 2, 1) for x in (k, v))
     seg = jnp.pad(attn.astype(jnp.int32), ((0, 0), (0, tp - t)))  # [B, Tp]
-    bl = _block(tp)
+    bl = next(bl for bl in (512, 256, 128) if tp % bl == 0)
     blocks = "block_q block_kv block_kv_compute block_q_dkv block_kv_dkv block_kv_dkv_compute block_q_dq block_kv_dq"
     sizes = sk.BlockSizes(**dict.fromkeys(blocks.split(), bl))
 

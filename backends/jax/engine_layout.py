@@ -165,19 +165,18 @@ def size_pool(
         tokens = max_total_tokens // PAGE_SIZE * PAGE_SIZE
         need = mem_fraction_for(weight_bytes, tokens * cell, free_bytes)  # sglang-jax counts no padding here
         frac = need if mem_fraction_static is None else mem_fraction_static
-        rest = frac * free_bytes - weight_bytes
-        if mem_fraction_static is not None and kv_tokens(int(rest), cell) < tokens:
+        fit = max(0, kv_tokens(int(frac * free_bytes - weight_bytes), cell))
+        if mem_fraction_static is not None and fit < tokens:
             rule = (
                 f"max_total_tokens {max_total_tokens}, but mem_fraction_static {frac} gives only "
-                f"{max(0, kv_tokens(int(rest), cell))} tokens (sglang-jax takes the smaller)"
+                f"{fit} tokens (sglang-jax takes the smaller)"
             )
-            tokens = max(0, kv_tokens(int(rest), cell)) // PAGE_SIZE * PAGE_SIZE
+            tokens = fit // PAGE_SIZE * PAGE_SIZE
         else:
             rule = f"max_total_tokens {max_total_tokens}"
     else:
         frac = DEFAULT_MEM_FRACTION[platform] if mem_fraction_static is None else mem_fraction_static
-        rest = frac * free_bytes - weight_bytes
-        tokens = kv_tokens(int(rest), cell) // PAGE_SIZE * PAGE_SIZE
+        tokens = kv_tokens(int(frac * free_bytes - weight_bytes), cell) // PAGE_SIZE * PAGE_SIZE
         rule = f"mem_fraction_static {frac} of the {free_bytes} bytes free at engine start"
     if tokens < 1 or frac * free_bytes <= weight_bytes:
         raise ValueError(

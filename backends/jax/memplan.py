@@ -309,9 +309,8 @@ def _trainer(
     mesh = make_mesh(opts.tp, devices)
     key = (req.target, req.model, req.lora_rank, req.kl, req.precision, opts)
     fns = _cached(("fns",) + key, lambda: make_step_fns(req.model, cfg, opts, mesh))
-    trainable, frozen, opt_state = _cached(
-        ("state",) + key, lambda: abstract_state(req.model, cfg, opts, mesh)
-    )
+    state = _cached(("state",) + key, lambda: abstract_state(req.model, cfg, opts, mesh))
+    trainable, frozen, opt_state = state
     seq = -(-req.seq_len // T_BUCKET) * T_BUCKET
     rows = data_rows(mesh, req.micro_batch)  # as the trainer pads it
     if rows != req.micro_batch:
@@ -320,9 +319,8 @@ def _trainer(
             f"axis (fsdp {mesh.shape['fsdp']}), as the run pads it: split over the devices, not repeated"
         )
     mb = batch_specs(rows, seq, mesh, kl=req.kl)
-    scalar = jax.ShapeDtypeStruct(
-        (), SCALAR.dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    )
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    scalar = jax.ShapeDtypeStruct((), SCALAR.dtype, sharding=replicated)
     if seq != req.seq_len:
         notes.append(
             f"sequence length {req.seq_len} padded to {seq} (the trainer pads to multiples of {T_BUCKET})"
@@ -345,14 +343,10 @@ def _trainer(
         why = "KL reference: a copy of the trainable params' layout, on device in train_step"
         comps["ref_params"] = Component("ref_params", _shard_bytes(trainable), "layout", why)
     out: dict[str, FunctionMemory] = {}
+    padded = f" ({req.micro_batch} padded)" if rows != req.micro_batch else ""
+    mb_args = (trainable, frozen, mb, scalar, scalar)
     grad = _compile(
-        "grad_step",
-        fns.grad,
-        (trainable, frozen, mb, scalar, scalar),
-        target,
-        info,
-        f"micro-batch {rows} x {seq} tokens"
-        + (f" ({req.micro_batch} padded)" if rows != req.micro_batch else ""),
+        "grad_step", fns.grad, mb_args, target, info, f"micro-batch {rows} x {seq} tokens{padded}"
     )
     out["grad_step"] = grad.memory
     grads_tree, how = trainable, "layout"
@@ -371,14 +365,9 @@ def _trainer(
         apply = lambda: _compile("optimizer_apply", fns.apply, args, target, info, detail).memory  # noqa: E731
     out["optimizer_apply"] = _cached(("apply",) + key, apply)
     if req.kl:  # the reference has the trainable params' shapes
-        out["logprob"] = _compile(
-            "logprob",
-            fns.logprob,
-            (trainable, frozen, mb["tokens"], mb["attn"]),
-            target,
-            info,
-            f"reference log-probs, {req.micro_batch} x {seq}",
-        ).memory
+        args = (trainable, frozen, mb["tokens"], mb["attn"])
+        detail = f"reference log-probs, {req.micro_batch} x {seq}"
+        out["logprob"] = _compile("logprob", fns.logprob, args, target, info, detail).memory
     return out, comps
 
 
@@ -392,26 +381,16 @@ def _leaf_update(
     from mllm_rl.backends.jax.host_optimizer import adam_state
 
     adam = adam_state(opt_state)
-    leaves = list(
-        zip(
-            jax.tree.leaves(trainable),
-            jax.tree.leaves(grads),
-            jax.tree.leaves(adam.mu),
-            jax.tree.leaves(adam.nu),
-            strict=True,
-        )
-    )
+    leaves = zip(*map(jax.tree.leaves, (trainable, grads, adam.mu, adam.nu)), strict=True)
     p, g, m, v = max(leaves, key=_shard_bytes)
     scalar = jax.ShapeDtypeStruct((), adam.count.dtype, sharding=adam.count.sharding)
     norm = jax.ShapeDtypeStruct((), m.dtype, sharding=adam.count.sharding)
-    mem = _compile(
-        "optimizer_apply",
-        fns.leaf_update,
-        (p, g, m, v, scalar, norm),
-        target,
-        info,
+    detail = (
         f"AdamW update of one leaf {tuple(p.shape)} streamed from the host (optimizer_memory=host): "
-        f"its moments, {_shard_bytes((m, v))} B per device, counted in its extra bytes",
+        f"its moments, {_shard_bytes((m, v))} B per device, counted in its extra bytes"
+    )
+    mem = _compile(
+        "optimizer_apply", fns.leaf_update, (p, g, m, v, scalar, norm), target, info, detail
     ).memory
     return dataclasses.replace(mem, argument_bytes=_shard_bytes((p, g)))
 
@@ -464,7 +443,6 @@ def _shard_bytes(tree: Any) -> int:
     import jax
     import numpy as np
 
-    total = 0
-    for x in jax.tree.leaves(tree):
-        total += int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-    return total
+    return sum(
+        int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )

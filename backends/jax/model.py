@@ -23,11 +23,46 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from mllm_rl.backends.jax.attention import attention
-from mllm_rl.backends.jax.logprob import head_logits
 from mllm_rl.backends.jax.options import ModelOptions
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.presets import ModelConfig
 from mllm_rl.trainer import greedy_loop
+
+
+def head_logits(x: jax.Array, head: jax.Array) -> jax.Array:
+    """``x`` [..., H] @ ``head`` [V, H]^T -> logits [..., V] float32."""
+    return (x @ head.T).astype(jnp.float32)
+
+
+def _logp(x: jax.Array, head: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """``x`` [B, C, H], ``targets`` [B, C] -> log softmax(logits / temperature)[targets] [B, C] float32."""
+    logits = head_logits(x, head)
+    if temperature != 1.0:
+        logits = logits / jnp.float32(temperature)
+    tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return tgt - jax.nn.logsumexp(logits, axis=-1)
+
+
+def token_logprobs(
+    x: jax.Array, head: jax.Array, targets: jax.Array, chunk: int = 0, temperature: float = 1.0
+) -> jax.Array:
+    """``x`` [B, T, H] hidden states, ``targets`` [B, T] int -> [B, T] float32
+    ``log softmax((x @ head^T) / temperature)[targets]`` without whole logits: ``chunk`` > 0
+    positions at a time under ``lax.scan``, rematerialised in the backward (at most [B, C, V])."""
+    b, t, h = x.shape
+    if chunk <= 0 or chunk >= t:
+        return _logp(x, head, targets, temperature)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    xs = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, h).swapaxes(0, 1)  # [n, B, C, H]
+    ts = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)  # [n, B, C]
+    one = jax.checkpoint(lambda xc, hd, tc: _logp(xc, hd, tc, temperature), prevent_cse=False)
+
+    def body(carry: None, xt: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+        return None, one(xt[0], head, xt[1])
+
+    _, out = jax.lax.scan(body, None, (xs, ts))  # [n, B, C]
+    return out.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
 
 
 class RMSNorm(nnx.Module):
@@ -192,9 +227,8 @@ class Qwen3(nnx.Module):
         else:
             self.layers = nnx.List([Block(c, dtype) for _ in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.lm_head = (
-            None if c.tie_word_embeddings else nnx.Param(jnp.zeros((c.vocab_size, c.hidden_size), dtype))
-        )
+        tied = c.tie_word_embeddings
+        self.lm_head = None if tied else nnx.Param(jnp.zeros((c.vocab_size, c.hidden_size), dtype))
 
     def head(self) -> jax.Array:
         """[V, H]: the output projection (the embedding when tied)."""
@@ -278,32 +312,30 @@ def add_lora(model: Qwen3, rank: int, alpha: float, seed: int = 0, dtype: Any = 
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     key = jax.random.key(seed)
-    per_layer = sum(len(names) for _, names in LINEAR_SUBS)
-    j = 0
-    for sub, names in LINEAR_SUBS:
-        for n in names:
-            if model.scan_layers:
-                idx = jnp.arange(model.config.num_hidden_layers) * per_layer + j
-                keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(idx)
-                getattr(getattr(model.layers, sub), n).add_lora(rank, alpha, keys, dtype)
-            else:
-                for i, layer in enumerate(model.layers):
-                    getattr(getattr(layer, sub), n).add_lora(
-                        rank, alpha, jax.random.fold_in(key, i * per_layer + j), dtype
-                    )
-            j += 1
+    subs = [(sub, n) for sub, names in LINEAR_SUBS for n in names]
+    for j, (sub, n) in enumerate(subs):
+        if model.scan_layers:
+            idx = jnp.arange(model.config.num_hidden_layers) * len(subs) + j
+            keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(idx)
+            getattr(getattr(model.layers, sub), n).add_lora(rank, alpha, keys, dtype)
+        else:
+            for i, layer in enumerate(model.layers):
+                lin = getattr(getattr(layer, sub), n)
+                lin.add_lora(rank, alpha, jax.random.fold_in(key, i * len(subs) + j), dtype)
+
+
+_TOP_PATHS: dict[str, tuple[str | int, ...]] = {
+    "model.embed_tokens.weight": ("embed_tokens",),
+    "lm_head.weight": ("lm_head",),
+    "model.norm.weight": ("norm", "weight"),
+}
 
 
 def hf_path(name: str) -> tuple[tuple[str | int, ...], bool]:
     """HF parameter name -> (attribute path in a ``Qwen3`` with a list of layers, stored transposed?)."""
-    parts = name.split(".")
-    if name == "model.embed_tokens.weight":
-        return ("embed_tokens",), False
-    if name == "lm_head.weight":
-        return ("lm_head",), False
-    if name == "model.norm.weight":
-        return ("norm", "weight"), False
-    # model.layers.{i}.<sub>.<proj>.weight
+    if name in _TOP_PATHS:
+        return _TOP_PATHS[name], False
+    parts = name.split(".")  # model.layers.{i}.<sub>.<proj>.weight
     i, rest = int(parts[2]), parts[3:-1]
     if rest[-1].endswith("_proj"):
         return ("layers", i, *rest, "kernel"), True

@@ -25,7 +25,7 @@ class ModelOptions:
     remat: str = "block"  # none | block (jax.checkpoint per block) | dots (keep matmul outputs)
     attention: str = "dense"  # dense | xla | chunked | splash (attention.py)
     attention_chunk: int = 512  # query positions per chunk of ``chunked``
-    logprob_chunk: int = 256  # positions per head chunk (logprob.py); 0 = whole [B, T, V] logits
+    logprob_chunk: int = 256  # positions per head chunk (model.token_logprobs); 0 = whole [B, T, V] logits
     param_dtype: str | None = None  # the three dtypes: None leaves them to ``resolved`` (precision)
     compute_dtype: str | None = None
     opt_dtype: str | None = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections import defaultdict
+from collections import Counter
 
 import jax
 import numpy as np
@@ -79,7 +79,4 @@ class JaxMemoryProbe:
 
 def per_device_counts() -> dict[str, int]:
     """Number of local devices per platform (for ``jax_ready`` info)."""
-    counts: dict[str, int] = defaultdict(int)
-    for d in jax.local_devices():
-        counts[d.platform] += 1
-    return dict(counts)
+    return dict(Counter(d.platform for d in jax.local_devices()))

@@ -43,12 +43,8 @@ def make_mesh(tp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
 
 
 def _names(path: tuple[Any, ...]) -> list[str]:
-    out = []
-    for k in path:
-        key = getattr(k, "key", getattr(k, "name", None))
-        if isinstance(key, str):
-            out.append(key)
-    return out
+    keys = (getattr(k, "key", getattr(k, "name", None)) for k in path)
+    return [k for k in keys if isinstance(k, str)]
 
 
 def param_spec(path: tuple[Any, ...], shape: tuple[int, ...], mesh: Mesh) -> P:

@@ -26,15 +26,16 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from mllm_rl.backends.jax.logprob import head_logits, token_logprobs
 from mllm_rl.backends.jax.model import (
     LoRAParam,
     Qwen3,
     Run,
     add_lora,
     cast_floats,
+    head_logits,
     load_qwen3,
     model_dir_dtype,
+    token_logprobs,
 )
 from mllm_rl.backends.jax.options import Dtypes, ModelOptions
 from mllm_rl.backends.jax.rl_loss import policy_loss

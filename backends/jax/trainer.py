@@ -53,11 +53,9 @@ DEVICE, HOST = host_optimizer.DEVICE, host_optimizer.HOST
 
 def device_bytes(tree: Any) -> int:
     """Bytes ``tree``'s arrays occupy, summed over every addressable shard (replicas count)."""
-    total = 0
-    for x in jax.tree.leaves(tree):  # from the sharding: a multi-process array's shards need not be read
-        shard = int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * x.dtype.itemsize
-        total += shard * len(x.sharding.addressable_devices)
-    return total
+    # from the sharding: a multi-process array's shards need not be read
+    shard = lambda x: int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * x.dtype.itemsize  # noqa: E731
+    return sum(shard(x) * len(x.sharding.addressable_devices) for x in jax.tree.leaves(tree))
 
 
 def to_host(x: jax.Array) -> np.ndarray:
@@ -193,16 +191,15 @@ class JaxTrainer:
             "adv": np.concatenate([batch.advantages.astype(np.float32), np.zeros(rows - b, np.float32)]),
         }
 
-    def _put(self, mb: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        sh = batch_sharding(self.mesh, mb["tokens"].shape[0])
-        return {k: jax.device_put(v, sh) for k, v in mb.items()}
-
     def _micro_batches(self, batch: RolloutBatch) -> Iterator[dict[str, jax.Array]]:
         m = self.cfg.micro_batch_size
         t = -(-batch.tokens.shape[1] // T_BUCKET) * T_BUCKET
         rows = data_rows(self.mesh, m)  # split over the data axis, never repeated on every device
+        sh = batch_sharding(self.mesh, rows)
         for s in range(0, batch.size, m):
-            yield self._put(self._pad(batch.rows(slice(s, s + m)), rows, t))
+            yield {
+                k: jax.device_put(v, sh) for k, v in self._pad(batch.rows(slice(s, s + m)), rows, t).items()
+            }
 
     def _ref_logp(self, mb: dict[str, jax.Array], ref: Any) -> jax.Array:
         logp = self._logp(ref, self.frozen, mb["tokens"], mb["attn"])
