@@ -1,9 +1,6 @@
-"""Torch backend (GPU parity; also CPU): embedded torch engine or SGLang, torch memory probe.
-
-Import-light: torch is imported inside the methods. Engines: ``"embedded"`` (``engine.py``, our
-torch Qwen3 on one device), ``"sglang"`` (``sglang_engine.py``, CUDA), ``"auto"`` (default):
-SGLang when it is importable and the runtime is on CUDA, else embedded.
-"""
+"""Torch backend (CUDA or CPU): the embedded torch engine (``engine.py``) or SGLang
+(``sglang_engine.py``), the torch trainer and memory probe. Import-light: torch is imported inside
+the methods."""
 
 from __future__ import annotations
 
@@ -11,6 +8,7 @@ import importlib.util
 from typing import Any
 
 from mllm_rl.backend import Backend
+from mllm_rl.backends.torch import distributed
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.engine import EngineOptions
 
@@ -43,8 +41,6 @@ class TorchBackend(Backend):
                 f"--platform {platform}: torch {torch.__version__} sees no CUDA device "
                 f"(torch.version.cuda={torch.version.cuda})"
             )
-        from mllm_rl.backends.torch import distributed
-
         procs = distributed.procs()
         if cuda and platform != "cpu" and procs.count > 1:  # one device per process
             self.device = torch.device("cuda", procs.local_index)
@@ -67,19 +63,13 @@ class TorchBackend(Backend):
 
     def init_distributed(self, tp: int = 1) -> dict[str, int]:
         """Join a multi-process run described by torchrun's variables (one process per device)."""
-        from mllm_rl.backends.torch import distributed
-
         procs = distributed.init_distributed()
         return {"process_index": procs.index, "process_count": procs.count}
 
     def shutdown_distributed(self) -> None:
-        from mllm_rl.backends.torch import distributed
-
         distributed.shutdown()
 
     def coordinator(self):
-        from mllm_rl.backends.torch import distributed
-
         return distributed.coordination()
 
     def _device(self) -> Any:
@@ -109,8 +99,7 @@ class TorchBackend(Backend):
     def check_engine_args(self, model: ModelDir, opts: EngineOptions) -> None:
         """Validate before any engine starts: the embedded engine runs on one device."""
         opts.check_backend(self.name, self.engines)
-        tp = opts.tp
-        kind = self.resolve_engine(opts.engine)
+        tp, kind = opts.tp, self.resolve_engine(opts.engine)
         if kind == "embedded" and tp != 1:
             raise ValueError(
                 f"--tp {tp}: the embedded torch engine runs on one device; tp > 1 needs SGLang on CUDA"
@@ -122,8 +111,6 @@ class TorchBackend(Backend):
             )
         if kind == "sglang":
             import torch
-
-            from mllm_rl.backends.torch import distributed
 
             if distributed.procs().count > 1:
                 raise ValueError(
@@ -150,7 +137,7 @@ class TorchBackend(Backend):
 
     def check_trainer_args(self, model: ModelDir, cfg: Any) -> None:
         """``--model-option`` names ``TorchModelOptions`` fields; ``--fsdp`` 0, 1 or the process count."""
-        from mllm_rl.backends.torch import distributed, fsdp
+        from mllm_rl.backends.torch import fsdp
         from mllm_rl.backends.torch.options import TorchModelOptions
 
         TorchModelOptions.from_pairs(cfg.model_options)

@@ -1,13 +1,10 @@
 """The embedded torch rollout engine: ``EnginePrimitives`` on our torch Qwen3 (CPU or one CUDA device).
 
-- Starts with seeded dummy weights (uniform in [-1e-3, 1e-3]), like ``load_format="dummy"``.
-- One KV pool [L, 2, max_total_tokens, K, D]: B prompts use B rows of C = longest prompt + max new
-  tokens slots (left-padded); what does not fit runs in consecutive sub-batches.
-- Each request samples from its own ``torch.Generator`` seeded by its index in the whole batch
-  (``request_seeds``); several processes each generate a contiguous slice and share the outputs.
-- A request stops at EOS or a stop token (``"stop"``), at ``max_new_tokens`` or the context length
-  (``"length"``), or at ``pause_generation`` (``"abort"``).
-- ``update_weights`` copies into the existing storages (stable addresses for torch_memory_saver).
+Seeded dummy weights (uniform in [-1e-3, 1e-3]) at start. One KV pool [L, 2, max_total_tokens, K,
+D]: B prompts use B left-padded rows of longest prompt + max new tokens; the rest runs in later
+sub-batches. Request i samples from its own generator (``request_seeds``); several processes each
+generate a slice and share the outputs. ``update_weights`` copies into the existing storages
+(stable addresses for torch_memory_saver).
 """
 
 from __future__ import annotations
@@ -204,12 +201,10 @@ class EmbeddedEngine:
             del staged
         return acc
 
+    @torch.no_grad()
     def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
         """(sum, sumsq) of every parameter the forward pass reads (``names``: those)."""
-        with torch.no_grad():
-            return read_sums(
-                {n: tensor_sums(self.params[n]) for n in (self.params if names is None else names)}
-            )
+        return read_sums({n: tensor_sums(self.params[n]) for n in (self.params if names is None else names)})
 
     def _param(self, name: str) -> torch.Tensor:
         try:
@@ -235,8 +230,8 @@ class EmbeddedEngine:
         if dp.count > 1:  # data parallel: this process generates its slice, every process gets all
             per = -(-len(prompts) // dp.count)
             lo, hi = min(dp.index * per, len(prompts)), min((dp.index + 1) * per, len(prompts))
-            mine = self._generate_here(prompts[lo:hi], dataclasses.replace(
-                sampling, request_offset=sampling.request_offset + lo))  # fmt: skip
+            offset = sampling.request_offset + lo
+            mine = self._generate_here(prompts[lo:hi], dataclasses.replace(sampling, request_offset=offset))
             return [o for part in dist.gather_objects(mine) for o in part]
         return self._generate_here(prompts, sampling)
 
@@ -288,9 +283,7 @@ class EmbeddedEngine:
         pool = self.kv[:, :, : b * cap].view(
             c.num_hidden_layers, 2, b, cap, c.num_key_value_heads, c.head_dim
         )
-        cache = KVCache(
-            [pool[i, 0] for i in range(c.num_hidden_layers)], [pool[i, 1] for i in range(c.num_hidden_layers)]
-        )
+        cache = KVCache(list(pool[:, 0]), list(pool[:, 1]))
         stops = set(sampling.stop_token_ids) | {c.eos_token_id}
         if self._abort.is_set():
             return [self._output([], [], ABORT) for _ in prompts]
@@ -323,14 +316,7 @@ class EmbeddedEngine:
             )
         ]
 
-    def _prefill(
-        self,
-        prompts: list[list[int]],
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        key_mask: torch.Tensor,
-        cache: KVCache,
-    ) -> tuple[torch.Tensor, list[int]]:
+    def _prefill(self, prompts: list[list[int]], tokens, positions, key_mask, cache: KVCache) -> tuple:
         """The batch's prefill, each distinct prompt computed once and its K/V and logits copied to
         every row that holds it. ``tokens``, ``positions``: [B, P]; ``key_mask``: [B, S]; ``cache``:
         rows [B, S, K, D]. Returns the last logits [B, V] and per row the prompt tokens it shared."""
@@ -352,7 +338,7 @@ class EmbeddedEngine:
         return logits[rows], shared
 
     def _ending(
-        self, toks: list[int], lps: list[float], stops: set[int], seen: int, budget: int
+        self, toks: list[int], lps: list[float], stops: set, seen: int, budget: int
     ) -> GenerateOutput:
         """A row's output from its first ``seen`` tokens: to its first stop token, its ``budget``, or abort."""
         for j, t in enumerate(toks[:seen]):
@@ -411,12 +397,9 @@ class EmbeddedEngine:
 def sample(
     logits: torch.Tensor, sampling: SamplingParams, gens: Sequence[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row of ``logits`` [B, V] (computed in float32). Returns (tokens [B],
-    logprobs [B]): ``log_softmax(logits / T)`` at the token, before top-p (greedy: the argmax).
-
-    Inverse-CDF on the device (float64, top-p applied) with one uniform draw per row from
-    ``gens[i]``, its request's CPU generator: independent of device and other rows, and no
-    [B, V] probabilities moved to the host."""
+    """One token per row of ``logits`` [B, V] and its ``log_softmax(logits / T)`` before top-p
+    (greedy: the argmax), [B] each: inverse-CDF on the device in float64 with one uniform draw per
+    row from its request's CPU generator ``gens[i]`` (independent of device and other rows)."""
     logits = logits.float()
     if sampling.temperature == 0:
         lp = torch.log_softmax(logits, dim=-1)

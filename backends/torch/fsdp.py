@@ -1,11 +1,7 @@
-"""FSDP2 for the torch trainer: parameters, gradients and AdamW state sharded over the processes.
-
-``shard`` applies ``fully_shard`` to every decoder layer, then the model, over a 1-D mesh: each
-parameter a ``Shard(0)`` ``DTensor``, AdamW's moments following, weights gathered per forward and
-freed after. Mixed precision (``param_dtype=compute_dtype, reduce_dtype=float32``) gives the
-unsharded trainer's numbers up to summation order. Reduction is a sum, not FSDP2's mean: the loss
-is already normalised by the whole mini-batch. ``full`` and ``save``/``load`` (DCP; a load
-reshards) are collectives.
+"""FSDP2 for the torch trainer: parameters, gradients and AdamW state sharded over the processes
+(``Shard(0)`` DTensors, weights gathered per forward). Mixed precision gives the unsharded
+trainer's numbers up to summation order. Gradients are summed, not FSDP2's mean: the loss is already
+normalised by the whole mini-batch. ``full`` and ``save``/``load`` (DCP; a load reshards) are collectives.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""LoRA adapters for the torch Qwen3 (same math as ``backends/jax/model.py``'s ``Linear``).
+"""LoRA adapters for the torch Qwen3 (the math of ``backends/jax/model.py``'s ``Linear``).
 
-``LoRALinear`` *is* an ``nn.Linear`` (its ``weight`` [out, in] keeps the HF name) plus ``lora_a``
-[R, in] and ``lora_b`` [out, R] (the PEFT layout), R the rank:
-``y = x @ weight.T + ((x @ lora_a.T) @ lora_b.T) * alpha / R``; ``lora_a`` ~ N(0, 1/in),
-``lora_b`` = 0. The adapters may be float32 masters; the branch runs in the base weight's dtype.
+``LoRALinear`` is an ``nn.Linear`` (``weight`` [out, in] keeps the HF name) plus PEFT's ``lora_a``
+[R, in] ~ N(0, 1/in) and ``lora_b`` [out, R] = 0: ``y = x @ weight.T + x @ lora_a.T @ lora_b.T * alpha / R``,
+the branch in the base weight's dtype (the adapters may be float32 masters).
 """
 
 from __future__ import annotations
@@ -26,12 +25,7 @@ class LoRALinear(nn.Linear):
     """An ``nn.Linear`` (no bias) with a low-rank adapter (see the module docstring)."""
 
     def __init__(
-        self,
-        base: nn.Linear,
-        rank: int,
-        alpha: float,
-        generator: torch.Generator,
-        dtype: torch.dtype | None = None,
+        self, base: nn.Linear, rank: int, alpha: float, generator, dtype: torch.dtype | None = None
     ) -> None:
         """``dtype``: the adapters' (master) dtype; by default the base weight's."""
         if base.bias is not None:
@@ -41,9 +35,8 @@ class LoRALinear(nn.Linear):
         self.weight = base.weight
         self.register_parameter("bias", None)
         w = base.weight
-        a = torch.randn(rank, self.in_features, generator=generator, dtype=torch.float32) / math.sqrt(
-            self.in_features
-        )
+        a = torch.randn(rank, self.in_features, generator=generator, dtype=torch.float32)
+        a = a / math.sqrt(self.in_features)
         dtype = dtype or w.dtype
         self.lora_a = nn.Parameter(a.to(device=w.device, dtype=dtype))
         self.lora_b = nn.Parameter(torch.zeros(self.out_features, rank, device=w.device, dtype=dtype))
@@ -57,11 +50,6 @@ class LoRALinear(nn.Linear):
             dt = self.weight.dtype
             y = y + F.linear(F.linear(x, self.lora_a.to(dt)), self.lora_b.to(dt)) * self.scale
         return y
-
-    @torch.no_grad()
-    def merged_weight(self) -> torch.Tensor:
-        """``weight + lora_b @ lora_a * scale`` computed in float32, [out, in] in the weight's dtype."""
-        return merge(self.weight, self.lora_a, self.lora_b, self.scale)
 
 
 @torch.no_grad()
@@ -97,14 +85,10 @@ def add_lora(
     return out
 
 
-def adapters(model: nn.Module) -> Iterator[LoRALinear]:
-    return (m for m in model.modules() if isinstance(m, LoRALinear))
-
-
 @contextlib.contextmanager
 def disabled(model: nn.Module) -> Iterator[None]:
     """Every adapter of ``model`` off inside the block (the base model's forward)."""
-    layers = list(adapters(model))
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
     for m in layers:
         m.enabled = False
     try:

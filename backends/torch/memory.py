@@ -1,10 +1,9 @@
-"""Tag-based release/resume of the embedded engine's device memory: ``release(tag)`` frees the
-device bytes of a tag's tensors, ``resume(tag)`` gives them back; tensor objects stay.
+"""Release/resume of the embedded engine's device memory by tag; the tensor objects stay.
 
-- ``SaverMemory`` (CUDA with ``torch_memory_saver``): ``pause`` unmaps a region's memory, ``resume``
-  maps new memory at the same addresses. It ``exit(1)``s on a repeated pause or resume and its tags
-  are process-global: each engine gets its own tags and repeats are warned no-ops.
-- ``StorageMemory`` (otherwise): storages resized to 0 (backed up to host first) and back.
+``SaverMemory`` (CUDA with torch_memory_saver) unmaps a region and maps new memory at the same
+addresses; torch_memory_saver ``exit(1)``s on a repeated pause or resume and its tags are
+process-global, so each engine gets its own tags and repeats are warned no-ops. ``StorageMemory``
+(otherwise) resizes storages to 0 (backed up to host first) and back.
 """
 
 from __future__ import annotations
@@ -43,12 +42,11 @@ class StorageMemory:
         self._released: set[str] = set()
 
     def name(self, tag: str) -> str:
-        """The tag's name in records and warnings (``<task>/<tag>`` for a task's engine)."""
+        """The tag's name in records, warnings and torch_memory_saver (``<task>/<tag>`` for a task's engine)."""
         return self.prefix + tag
 
-    @contextlib.contextmanager
-    def region(self, tag: str, cpu_backup: bool = False) -> Iterator[None]:
-        yield
+    def region(self, tag: str, cpu_backup: bool = False) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def release(self, tag: str, tensors: list[torch.Tensor], cpu_backup: bool) -> None:
         if tag in self._released:
@@ -83,8 +81,9 @@ _ENGINE_IDS = itertools.count()  # region tag prefixes, unique in the process
 _TASK_PREFIXES: set[str] = set()  # "<task>/" prefixes in use by a SaverMemory of this process
 
 
-class SaverMemory:
-    """torch_memory_saver regions, tagged per instance (see the module docstring)."""
+class SaverMemory(StorageMemory):
+    """torch_memory_saver regions, tagged per instance (see the module docstring); ``name`` is the
+    torch_memory_saver tag."""
 
     mode = "torch_memory_saver"
 
@@ -108,10 +107,6 @@ class SaverMemory:
     def paused_bytes(self) -> int:
         """Bytes of this engine's paused tensors (still counted by torch's allocator)."""
         return sum(self._paused.values())
-
-    def name(self, tag: str) -> str:
-        """The torch_memory_saver tag of ``tag`` (what ``pause``/``resume`` name)."""
-        return self.prefix + tag
 
     @contextlib.contextmanager
     def region(self, tag: str, cpu_backup: bool = False) -> Iterator[None]:

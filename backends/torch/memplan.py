@@ -1,16 +1,12 @@
-"""Torch memory planner for CUDA targets: ``measure(req) -> Measured`` (``mllm_rl/memplan/request.py``).
-
-Every figure is predicted, per device; a node target (``h100x8``) plans one card, the trainer sharded
-by FSDP2 (traced on torch's fake process group).
+"""Torch memory planner: ``measure(req) -> Measured`` (``mllm_rl/memplan/request.py``), per device
+(a node target such as ``h100x8`` plans one card, the trainer sharded by FSDP2 on a fake process group).
 
 - ``trainer_params``, ``grads``, ``optimizer``, ``grad_step`` (``fake_tensor``): the real
-  ``TorchTrainer`` stepped inside ``FakeTensorMode`` under ``MemTracker``, read just before an
-  optimizer step; ``grad_step`` is the peak. The fake device is the CPU (fake CUDA tensors cannot
-  run backward without a CUDA context): same byte counts, no 512-byte rounding.
-- ``engine_weights``, ``kv_pool``, ``staging`` (``layout``): SGLang's own rules, cited below.
+  ``TorchTrainer`` stepped in ``FakeTensorMode`` under ``MemTracker`` on the fake CPU (fake CUDA
+  tensors cannot run backward without a CUDA context): same bytes, no 512-byte rounding.
+- ``engine_weights``, ``kv_pool``, ``staging`` (``layout``): the engine's own rules, cited below.
 
-Not predicted (needs a GPU): CUDA workspaces and contexts, fragmentation, SGLang's activations and
-CUDA graphs (``1 - mem_fraction_static`` of the device).
+Not predicted: CUDA workspaces and contexts, fragmentation, SGLang's activations and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -71,9 +67,8 @@ def targets() -> dict[str, str]:
     """What ``--target`` accepts with ``--backend torch``: one card, a node of N, or this machine's device."""
     out = {}
     for name, (kind, config) in GPUS.items():
-        desc = f"1 x {kind}, {card_memory(config) / GIB:.2f} GiB (XLA GPU target config {config})"
-        out[name] = desc
-        out[f"{name}x1"] = desc
+        memory = card_memory(config) / GIB
+        out[name] = out[f"{name}x1"] = f"1 x {kind}, {memory:.2f} GiB (XLA GPU target config {config})"
         for k in NODE_CARDS:
             out[f"{name}x{k}"] = f"{k} x {kind} on one node (one process per card; FSDP2 unless fsdp 1)"
     return {**out, **LOCAL_TARGETS}
@@ -138,13 +133,10 @@ def _local_target(name: str, kind: str, n: int) -> Target:
         raise ValueError(f"PlanRequest.target {name!r}: torch sees no CUDA device here (plan h100 or h200)")
     import psutil
 
-    total = torch.cuda.mem_get_info()[1]
-    source = "torch.cuda.mem_get_info (this device" + (
-        f"; {n} processes, one such card each)" if n > 1 else ")"
-    )
-    return Target(
-        name, "gpu", n, 1, total, torch.cuda.get_device_name(), source, psutil.virtual_memory().total
-    )
+    many = f"; {n} processes, one such card each" if n > 1 else ""
+    total, kind = torch.cuda.mem_get_info()[1], torch.cuda.get_device_name()
+    source = f"torch.cuda.mem_get_info (this device{many})"
+    return Target(name, "gpu", n, 1, total, kind, source, psutil.virtual_memory().total)
 
 
 def check_request(req: PlanRequest) -> Target:
@@ -204,12 +196,10 @@ def engine_of(req: PlanRequest, target: Target) -> str:
 # -- the trainer step on fake tensors ------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
-    """What MemTracker saw of ``TorchTrainer.device_step`` (bytes on the fake device).
-
-    ``params``/``grads``/``optimizer``: just before an optimizer step, without ``host_scalars``
-    (AdamW's host-side counters). ``peak``: per-category bytes at the peak (``Optstate`` includes
-    ``host_scalars``); ``peak_total``: their sum without them. ``fwd_bwd_peak``: the peak up to the
-    first optimizer step."""
+    """What MemTracker saw of ``TorchTrainer.device_step`` (bytes on the fake device): ``params`` /
+    ``grads`` / ``optimizer`` just before an optimizer step and ``peak_total`` without
+    ``host_scalars`` (AdamW's host counters, in ``peak``'s ``Optstate``); ``fwd_bwd_peak``: the peak
+    before the first optimizer step."""
 
     params: int
     grads: int
@@ -348,12 +338,10 @@ def trainer_step_memory(
     device: str = "cuda",
     world: int = 1,
 ) -> StepMemory:
-    """Run ``TorchTrainer.device_step`` ``steps`` times on fake tensors under MemTracker.
-
-    ``rows`` x ``seq_len`` tokens per step in micro-batches of ``micro_batch``. ``attention`` /
-    ``logprob_chunk``: the model's defaults or ``"eager"`` / ``None`` (``bench/torch_attention.py``).
-    ``device``: the planned device type (decides AdamW's implementation). ``world`` > 1: rank 0 of
-    an FSDP2 trainer on torch's fake process group."""
+    """Run ``TorchTrainer.device_step`` ``steps`` times on fake tensors under MemTracker: ``rows`` x
+    ``seq_len`` tokens in micro-batches of ``micro_batch``; ``attention`` / ``logprob_chunk``: also
+    ``"eager"`` / ``None`` (``bench/torch_attention.py``); ``device``: the planned device type (it
+    decides AdamW's implementation); ``world`` > 1: rank 0 of FSDP2 on torch's fake process group."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.modules.module import register_module_forward_pre_hook
@@ -534,13 +522,6 @@ def staging_bytes(
     return biggest + in_flight
 
 
-# -- the embedded engine's layout (backends/torch/engine.py) --------------------------------------
-def embedded_weight_bytes(config: ModelConfig, itemsize: int) -> tuple[int, str]:
-    """Bytes of ``EmbeddedEngine``'s weights: the checkpoint's tensors, nothing padded, no RoPE cache."""
-    n = sum(math.prod(s) for s in config.param_shapes().values())
-    return n * itemsize, f"{n:,} params x {itemsize} B"
-
-
 # -- the planner ---------------------------------------------------------------------------------
 def _trainer_figures(req: PlanRequest, step: StepMemory) -> tuple[dict[str, Component], FunctionMemory]:
     """The trainer's components and its ``grad_step`` function from the traced step."""
@@ -566,6 +547,7 @@ def _trainer_figures(req: PlanRequest, step: StepMemory) -> tuple[dict[str, Comp
         comps["ref_params"] = Component("ref_params", step.ref_params, "layout", why)
     cats = ", ".join(f"{k} {v / MIB:.1f}" for k, v in step.peak.items() if k != "Total" and v)
     fwd_bwd = step.fwd_bwd_peak.get("Total", 0) - step.host_scalars
+    opts = "; model options " + ", ".join(f"{k}={v}" for k, v in step.options) if step.options else ""
     fn = FunctionMemory(
         "grad_step",
         peak_bytes=step.peak_total,
@@ -573,18 +555,11 @@ def _trainer_figures(req: PlanRequest, step: StepMemory) -> tuple[dict[str, Comp
         temp_bytes=step.activations,
         method="fake_tensor",
         detail=f"TorchTrainer.device_step x{STEPS}, {step.shape} (forward, backward, clipping, AdamW {step.adamw}; "
-        f"KL reference forward when on{'; casts of the masters to ' + dt if mixed else ''}{options_text(step)}); "
+        f"KL reference forward when on{'; casts of the masters to ' + dt if mixed else ''}{opts}); "
         f"MiB at the peak: {cats}; forward/backward peak {fwd_bwd / MIB:.1f} MiB, activations and "
         f"temporaries there {step.fwd_bwd_activations / MIB:.1f} MiB",
     )
     return comps, fn
-
-
-def options_text(step: StepMemory) -> str:
-    """``"; model options remat=True"`` for the ``grad_step`` detail."""
-    if not step.options:
-        return ""
-    return "; model options " + ", ".join(f"{k}={v}" for k, v in step.options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -656,7 +631,7 @@ def embedded_engine(req: PlanRequest, target: Target, itemsize: int) -> EngineFi
     """``EmbeddedEngine``'s weights and KV cache, [layers, 2, tokens, kv_heads, head_dim] of
     ``req.kv_tokens`` tokens (None: max_running_requests x context length)."""
     c = req.model
-    weights, detail = embedded_weight_bytes(c, itemsize)
+    n = sum(math.prod(s) for s in c.param_shapes().values())  # the checkpoint's tensors, nothing padded
     cell = kv_cell_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, itemsize)
     notes = []
     tokens = req.kv_tokens
@@ -670,7 +645,7 @@ def embedded_engine(req: PlanRequest, target: Target, itemsize: int) -> EngineFi
         rest = "the Python and library memory of the process"
     notes.append(f"not in any figure: the embedded engine's decode activations (engine_step), {rest}")
     return EngineFigures(
-        Component("engine_weights", weights, "layout", f"embedded engine: {detail}"),
+        Component("engine_weights", n * itemsize, "layout", f"embedded engine: {n:,} params x {itemsize} B"),
         Component("kv_pool", tokens * cell, "layout", f"embedded engine: {tokens} tokens x {cell} B/token"),
         notes,
         {"kv_tokens": tokens, "kv_cell_bytes": cell, "kv_pad_tokens": 0, "engine": "embedded"},

@@ -1,13 +1,9 @@
-"""Qwen3 causal LM in torch: the embedded engine's and the torch trainer's model.
+"""Qwen3 causal LM in torch (the embedded engine's and the trainer's): the math of
+``backends/jax/model.py``, ``named_parameters()`` the Hugging Face names. Shapes: B batch, T new
+positions, S key positions, H hidden, N heads, K kv heads, D head_dim, V vocab.
 
-Same math as ``backends/jax/model.py``; ``named_parameters()`` are exactly the Hugging Face names.
-Shapes: B batch, T new positions, S key positions, H hidden, N heads, K kv heads, D head_dim,
-V vocab, I mlp, L layers.
-
-Attention: ``"sdpa"`` (default): ``is_causal`` without padding, else one additive bias [B, 1, T, S],
-a padding query attending to itself (no NaN). ``"eager"`` (float32 scores) is the parity reference.
-``remat``: each decoder layer under non-reentrant ``torch.utils.checkpoint`` when grad is enabled;
-``layer_dtype``: a layer casts its own weights inside its checkpoint (``run_block``).
+Attention ``"sdpa"``: ``is_causal`` without padding, else an additive bias [B, 1, T, S] (a padding
+query attends to itself: no NaN); ``"eager"`` (float32 scores) is the parity reference.
 """
 
 from __future__ import annotations
@@ -108,18 +104,10 @@ def attention_bias(key_mask: torch.Tensor, q_slots: torch.Tensor, dtype: torch.d
 
 
 def token_logprobs(
-    x: torch.Tensor,
-    targets: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    head: torch.Tensor,
-    temperature: float = 1.0,
-    chunk: int | None = LOGPROB_CHUNK,
+    x, targets, norm_weight, eps: float, head, temperature: float = 1.0, chunk: int | None = LOGPROB_CHUNK
 ) -> torch.Tensor:
-    """``log_softmax(rms_norm(x) @ head.T / temperature)`` at ``targets``, float32 [B, T].
-
-    ``x``: [B, T, H] (before the final norm), ``targets``: [B, T] int, ``head``: [V, H]. Tokens go
-    through the head ``chunk`` at a time (``ChunkedLogProbs``); ``chunk=None``: one pass."""
+    """``log_softmax(rms_norm(x) @ head.T / temperature)`` at ``targets``, float32 [B, T]; ``x``: [B,
+    T, H] (before the final norm), ``head``: [V, H]; ``chunk`` tokens at a time (None: one pass)."""
     b, t, h = x.shape
     xs, ts = x.reshape(b * t, h), targets.reshape(b * t)
     if chunk is None:
@@ -173,15 +161,8 @@ class ChunkedLogProbs(torch.autograd.Function):
         return gx, None, gw, gh, None, None, None
 
 
-def _chunk_logprobs(
-    x: torch.Tensor,
-    tgt: torch.Tensor,
-    norm_weight: torch.Tensor,
-    head: torch.Tensor,
-    eps: float,
-    temperature: float,
-) -> torch.Tensor:
-    """[C, H], [C] -> [C] float32: one chunk of ``token_logprobs``."""
+def _chunk_logprobs(x, tgt, norm_weight, head, eps: float, temperature: float) -> torch.Tensor:
+    """``x`` [C, H], ``tgt`` [C] -> [C] float32: one chunk of ``token_logprobs``."""
     logits = (rms_norm(x, norm_weight, eps) @ head.T).float()  # [C, V]
     if temperature != 1.0:
         logits = logits / temperature
@@ -201,38 +182,19 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, c.rms_norm_eps, dtype, device)
         self.k_norm = RMSNorm(d, c.rms_norm_eps, dtype, device)
 
-    def qkv(
-        self, x: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x``: [B, T, H] -> q [B, T, N, D], k [B, T, K, D], v [B, T, K, D] (q, k normed and roped)."""
-        c = self.c
-        b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim))
-        k = self.k_norm(self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim))
-        v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim)
-        return rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta), v
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """``x``: [B, T, H]; ``mask``: as ``attend`` takes it (S = T) -> [B, T, H]."""
-        q, k, v = self.qkv(x, positions)
+    def forward(self, x: torch.Tensor, positions, mask, kv=None, start: int = 0) -> torch.Tensor:
+        """``x``: [B, T, H] -> [B, T, H]; ``mask``: as ``attend`` takes it, S = T, or with ``kv``
+        (k and v caches [B, S_max, K, D], this step's written at ``[start, start + T)``) S = start + T."""
+        c, (b, t, _) = self.c, x.shape
+        n, kh, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q = self.q_norm(self.q_proj(x).view(b, t, n, d))
+        k = self.k_norm(self.k_proj(x).view(b, t, kh, d))
+        v = self.v_proj(x).view(b, t, kh, d)
+        q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        if kv is not None:
+            kv[0][:, start : start + t], kv[1][:, start : start + t] = k, v
+            k, v = kv[0][:, : start + t], kv[1][:, : start + t]
         return self.o_proj(attend(q, k, v, mask))
-
-    def forward_cached(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        start: int,
-    ) -> torch.Tensor:
-        """``x``: [B, T, H]; ``mask``: as ``attend`` takes it, S = start+T; caches [B, S_max, K, D]
-        -> [B, T, H]. Writes this step's k/v into the caches at ``[start, start+T)``."""
-        q, k, v = self.qkv(x, positions)
-        end = start + x.shape[1]
-        k_cache[:, start:end] = k
-        v_cache[:, start:end] = v
-        return self.o_proj(attend(q, k_cache[:, :end], v_cache[:, :end], mask))
 
 
 class MLP(nn.Module):
@@ -255,64 +217,32 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.mlp = MLP(c, dtype, device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_cached(self, x, positions, mask, k_cache, v_cache, start: int) -> torch.Tensor:
-        x = x + self.self_attn.forward_cached(
-            self.input_layernorm(x), positions, mask, k_cache, v_cache, start
-        )
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, mask, kv=None, start: int = 0
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, mask, kv, start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def run_block(
-    layer: Block,
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    mask: torch.Tensor | None,
-    remat: bool,
-    dtype: torch.dtype | None = None,
-    sharded: bool = False,
+    layer: Block, x, positions, mask, remat: bool, dtype: torch.dtype | None = None, sharded: bool = False
 ) -> torch.Tensor:
     """One decoder layer of ``Qwen3.forward``: ``x`` [B, T, H], ``positions`` [B, T] -> [B, T, H].
-
-    ``remat`` with grad: under ``torch.utils.checkpoint`` with the weights captured now and swapped
-    in again for the rerun (even after a ``functional_call`` was undone); ``dtype`` casts are made
-    inside the checkpointed ``_call_block``, so not kept between forward and rerun. ``sharded``
-    (FSDP2 hooks gather and cast): the layer's own call is checkpointed, ``dtype`` None."""
+    ``remat`` with grad: checkpointed with the weights captured now (swapped in again for the rerun,
+    even after a ``functional_call`` was undone) and cast to ``dtype`` inside, so no cast is kept;
+    ``sharded`` (FSDP2 hooks gather and cast): the layer's own call is checkpointed."""
     if not (remat and torch.is_grad_enabled()):
         if sharded or dtype is None or all(w.dtype == dtype for w in layer.parameters()):
             return layer(x, positions, mask)
-        return _call_block(layer, block_weights(layer), dtype, x, positions, mask)
+        return _call_block(layer, dict(layer.named_parameters()), dtype, x, positions, mask)
+    # the model draws no random numbers
+    opts = {"use_reentrant": False, "preserve_rng_state": False}
     if sharded:
-        return checkpoint(layer, x, positions, mask, use_reentrant=False, preserve_rng_state=False)
-    return checkpoint(
-        _call_block,
-        layer,
-        block_weights(layer),
-        dtype,
-        x,
-        positions,
-        mask,
-        use_reentrant=False,
-        preserve_rng_state=False,  # the model draws no random numbers
-    )
+        return checkpoint(layer, x, positions, mask, **opts)
+    return checkpoint(_call_block, layer, dict(layer.named_parameters()), dtype, x, positions, mask, **opts)
 
 
-def block_weights(layer: Block) -> dict[str, torch.Tensor]:
-    """The tensors ``layer`` holds as parameters now (under a ``functional_call``: the swapped-in ones)."""
-    return dict(layer.named_parameters())
-
-
-def _call_block(
-    layer: Block,
-    weights: dict[str, torch.Tensor],
-    dtype: torch.dtype | None,
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    mask: torch.Tensor | None,
-) -> torch.Tensor:
+def _call_block(layer: Block, weights: dict, dtype: torch.dtype | None, x, positions, mask) -> torch.Tensor:
     """``layer(x, positions, mask)`` [B, T, H] with ``weights`` swapped in, cast to ``dtype``."""
     if dtype is not None:
         weights = {n: w.to(dtype) for n, w in weights.items()}
@@ -335,12 +265,7 @@ class Qwen3(nn.Module):
     and ``layer_dtype`` are plain attributes, switchable on a built model."""
 
     def __init__(
-        self,
-        c: ModelConfig,
-        dtype: torch.dtype = torch.float32,
-        device=None,
-        attention: str = "sdpa",
-        remat: bool = False,
+        self, c: ModelConfig, dtype=torch.float32, device=None, attention="sdpa", remat=False
     ) -> None:
         super().__init__()
         if attention not in ATTENTION:
@@ -366,29 +291,22 @@ class Qwen3(nn.Module):
         """Final norm + head: [B, T, H] -> [B, T, V] float32."""
         return (self.model.norm(x) @ self.head().T).float()
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        targets: torch.Tensor | None = None,
-        temperature: float = 1.0,
-    ) -> torch.Tensor:
+    def forward(self, tokens, attention_mask=None, targets=None, temperature: float = 1.0) -> torch.Tensor:
         """``tokens``: [B, T] int; ``attention_mask``: [B, T] (positions = cumsum(mask) - 1; None:
         causal only, also right padding) -> logits [B, T, V] float32; with ``targets`` [B, T]:
         ``log_softmax(logits / temperature)`` at ``targets``, [B, T]."""
         b, t = tokens.shape
         x = self.model.embed_tokens(tokens)
+        eager = self.attention == "eager"
+        causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()[None] if eager else None
         if attention_mask is None:
             positions = torch.arange(t, device=tokens.device).expand(b, t)
-            mask = None
-            if self.attention == "eager":
-                mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()[None].expand(b, t, t)
+            mask = causal.expand(b, t, t) if eager else None
         else:
             attention_mask = attention_mask.bool()
             positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
-            if self.attention == "eager":
-                causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
-                mask = causal[None] & attention_mask[:, None, :]  # [B, T, T]
+            if eager:
+                mask = causal & attention_mask[:, None, :]  # [B, T, T]
             else:
                 mask = attention_bias(attention_mask, torch.arange(t, device=tokens.device), x.dtype)
         for layer in self.model.layers:
@@ -401,13 +319,7 @@ class Qwen3(nn.Module):
         return logp.clone() if self.sharded else logp
 
     def forward_cached(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        key_mask: torch.Tensor,
-        cache: KVCache,
-        start: int,
-        last_only: bool = False,
+        self, tokens, positions, key_mask, cache: KVCache, start: int, last_only: bool = False
     ) -> torch.Tensor:
         """Incremental forward for the engine: ``tokens``, ``positions`` [B, T]; ``key_mask`` [B, S]
         bool over cache slots (S >= start + T); new k/v go to slots ``[start, start + T)``. Returns
@@ -422,17 +334,11 @@ class Qwen3(nn.Module):
         else:
             mask = attention_bias(key_mask[:, :end], q_slot, x.dtype)  # [B, 1, T, end]
         for i, layer in enumerate(self.model.layers):
-            x = layer.forward_cached(x, positions, mask, cache.k[i], cache.v[i], start)
+            x = layer(x, positions, mask, (cache.k[i], cache.v[i]), start)
         return self.logits(x[:, -1:] if last_only else x)
 
 
-def build_qwen3(
-    c: ModelConfig,
-    dtype: torch.dtype,
-    device: str | torch.device = "meta",
-    attention: str = "sdpa",
-    remat: bool = False,
-) -> Qwen3:
+def build_qwen3(c: ModelConfig, dtype: torch.dtype, device="meta", attention="sdpa", remat=False) -> Qwen3:
     """A ``Qwen3`` whose parameters live on ``device`` (``meta``: shapes only, no memory)."""
     return Qwen3(c, dtype, torch.device(device), attention, remat)
 

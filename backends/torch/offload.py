@@ -1,7 +1,6 @@
-"""Offload/onload of a group of torch tensors (the trainer's params, the optimizer's state): only the
-bytes move, the tensor objects stay. ``offload`` copies each distinct storage whole to the host (CUDA: pinned tensors; CPU: numpy
-buffers, not counted as device memory) and resizes it to 0; ``onload`` resizes it back and copies
-the bytes in. CPU tensors of a CUDA group (unfused AdamW ``step`` counters) stay where they are.
+"""Offload/onload of a group of tensors (the trainer's params or optimizer state): each distinct
+storage is copied to the host (CUDA: pinned; CPU: numpy, not counted as device memory) and resized
+to 0, and back; the tensor objects stay. CPU tensors of a CUDA group (AdamW counters) stay put.
 """
 
 from __future__ import annotations
@@ -13,15 +12,18 @@ import numpy as np
 import torch
 
 
+def _storages(tensors: Iterable[torch.Tensor], device: torch.device) -> dict[int, torch.UntypedStorage]:
+    """The distinct non-empty storages of ``tensors`` on ``device``'s type now, by address."""
+    out: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        if t.device.type == device.type and (st := t.untyped_storage()).nbytes():
+            out.setdefault(st.data_ptr(), st)
+    return out
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device) -> int:
     """Bytes of the distinct storages of ``tensors`` that live on ``device``'s type now."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t.device.type == device.type:
-            st = t.untyped_storage()
-            if st.nbytes():
-                seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+    return sum(st.nbytes() for st in _storages(tensors, device).values())
 
 
 def host_copy(t: torch.Tensor, device: torch.device) -> Any:
@@ -81,15 +83,10 @@ class OffloadGroup:
         """Move the tensors' distinct storages to the host, freed on the device; the bytes freed."""
         if self._held is not None:
             return 0
-        storages: dict[int, torch.UntypedStorage] = {}
-        for t in tensors:
-            if t.device.type == self.device.type:
-                st = t.untyped_storage()
-                if st.nbytes():
-                    storages.setdefault(st.data_ptr(), st)
         with torch.no_grad():
             held = [
-                (st, st.nbytes(), host_copy(storage_bytes_view(st), self.device)) for st in storages.values()
+                (st, st.nbytes(), host_copy(storage_bytes_view(st), self.device))
+                for st in _storages(tensors, self.device).values()
             ]
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

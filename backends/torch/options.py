@@ -1,11 +1,10 @@
-"""``TorchModelOptions``: how the torch trainer runs its Qwen3 (not what it computes), the torch
-backend's ``--model-option KEY=VALUE`` (runs and memory plans). Imports no torch.
+"""``TorchModelOptions``: the torch backend's ``--model-option KEY=VALUE``, how the trainer runs its
+Qwen3 (not what it computes). Imports no torch.
 
-- ``remat``: ``true`` runs each decoder layer's training forward under non-reentrant
-  ``torch.utils.checkpoint`` (``model.py: run_block``), keeping only its input [B, T, H]; same
-  numbers. JAX's ``block`` / ``none`` are accepted; ``dots`` is refused.
-- ``adamw``: the ``torch.optim.AdamW`` implementation: ``auto`` (default; ``none`` too) is ``fused``
-  on CUDA (docs/PLAN.md) and torch's choice elsewhere; ``foreach`` / ``fused`` force one.
+- ``remat``: ``true`` checkpoints each decoder layer's training forward (``model.py: run_block``),
+  same numbers. JAX's ``block`` / ``none`` are accepted; ``dots`` is refused.
+- ``adamw``: ``auto`` (default; ``none`` too) is ``fused`` on CUDA (docs/PLAN.md), torch's choice
+  elsewhere; ``foreach`` / ``fused`` force one.
 """
 
 from __future__ import annotations

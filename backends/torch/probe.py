@@ -1,14 +1,9 @@
 """Torch memory probes (``mllm_rl.phases.probe.MemoryProbe``).
 
-CUDA (``CudaMemoryProbe``): per device two entries with the same ``id``, in this order:
-
-- ``source="mem_get_info"``: driver truth, ``total - free`` (the only number that sees
-  torch_memory_saver / SGLang releases); ``raw`` adds this process's NVML bytes;
-- ``source="torch_allocator"``: ``memory_allocated`` / ``max_memory_allocated``; ``raw`` has the
-  allocator's counters and ``paused_bytes`` of paused torch_memory_saver regions.
-
-CPU (``source="live_tensors"``): bytes of the distinct storages that registered holders (``track``)
-list in ``held_tensors()`` (torch on CPU has no allocator statistics).
+CUDA: two entries per device, in this order: ``mem_get_info`` (driver truth, ``total - free``, the
+only number that sees torch_memory_saver / SGLang releases; ``raw`` adds this process's NVML bytes)
+and ``torch_allocator`` (``memory_allocated`` / peak; ``raw``: allocator counters, ``paused_bytes``).
+CPU (``live_tensors``): bytes of the distinct storages in the ``held_tensors()`` of ``track``ed holders.
 """
 
 from __future__ import annotations

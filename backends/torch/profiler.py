@@ -1,9 +1,6 @@
-"""``--profile`` on torch: a ``torch.profiler`` trace of a step (``mllm_rl.profiling``).
-
-CPU activity, CUDA kernels when CUDA is up, allocations, as a Chrome trace JSON (``trace.json``;
-``trace.p<i>.json`` for process i > 0). Phases are ``record_function`` ranges. It covers this
-process (not an SGLang engine's own processes).
-"""
+"""``--profile`` on torch: a ``torch.profiler`` Chrome trace of a step (``mllm_rl.profiling``) of
+this process (CPU, CUDA kernels when CUDA is up, allocations; phases as ``record_function``) into
+``trace.json`` (``trace.p<i>.json`` for process i > 0)."""
 
 from __future__ import annotations
 

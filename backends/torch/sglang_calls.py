@@ -27,23 +27,18 @@ KINDS = tuple(
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """One thing used from an upstream module, as the conformance test checks it in the wheel.
+    """One thing used from an upstream module, as the conformance test checks it in the wheel. ``kind``:
 
-    ``kind``:
-
-    - ``kwargs``: a class built with keywords ``kwargs`` (its fields, bases included; for
-      ``Engine`` the ``ServerArgs`` fields it forwards ``**kwargs`` to); ``values``: literal
-      values passed for some keywords, which the field's ``choices`` / ``Literal`` must allow;
+    - ``kwargs``: a class built with keywords ``kwargs`` (``Engine``: ``ServerArgs`` fields);
+      ``values``: literals passed for some keywords, which the field's choices must allow;
     - ``fields``: a result object whose fields ``kwargs`` we read;
     - ``method`` / ``coroutine`` / ``agen``: a sync method, an ``async def``, an async generator
-      of ``owner`` (bases included) called with ``args`` positionally (upstream names);
-    - ``attribute``: an attribute ``owner`` assigns (``self.name = ...``) or declares;
-    - ``constant``: a module-level ``name = value``;
-    - ``keys``: dict keys ``kwargs`` that ``owner.name`` builds (literal or ``d[key] = ...``);
+      of ``owner`` (bases included) called with ``args`` positionally;
+    - ``attribute``: an attribute ``owner`` assigns or declares; ``constant``: a module-level value;
+    - ``keys``: dict keys ``kwargs`` that ``owner.name`` builds;
     - ``key_values``: dict literals of the module give key ``kwargs[0]`` each of ``values``;
-    - ``tuple_first``: ``owner.name`` returns tuples whose first element is its parameter
-      ``kwargs[0]`` (the log-prob of an ``output_token_logprobs`` entry);
-    - ``absent``: ``owner`` defines no ``name`` (a known upstream gap we rely on being there).
+    - ``tuple_first``: ``owner.name`` returns tuples whose first element is its parameter ``kwargs[0]``;
+    - ``absent``: ``owner`` defines no ``name`` (a known upstream gap we rely on).
     """
 
     module: str  # dotted module inside the wheel, e.g. "sglang.srt.managers.io_struct"
@@ -96,7 +91,7 @@ CALLS: dict[str, Call] = {
         kwargs=ENGINE_KWARGS,
         values=(("load_format", ("dummy",)), ("dtype", ("float32", "bfloat16", "float16"))),
         why="started with dummy weights; every other argument a ServerArgs field",
-    ),  # fmt: skip
+    ),
     "Engine.tokenizer_manager": Call(_ENGINE, "Engine", "tokenizer_manager", "attribute"),
     "Engine.loop": Call(_ENGINE, "Engine", "loop", "attribute", why="run forever in our own thread"),
     "Engine._scheduler_init_result": Call(_ENGINE, "Engine", "_scheduler_init_result", "attribute"),
@@ -108,7 +103,7 @@ CALLS: dict[str, Call] = {
         "keys",
         kwargs=("max_total_num_tokens",),
         why="the KV pool's token count (tag_bytes)",
-    ),  # fmt: skip
+    ),
     "Engine._serialize_tensors_per_rank": Call(
         _ENGINE, "Engine", "_serialize_tensors_per_rank", "method", args=("tensors", "load_format")
     ),
@@ -133,13 +128,13 @@ CALLS: dict[str, Call] = {
         "kwargs",
         kwargs=SAMPLING_KEYS,
         why="the keys of GenerateReqInput.sampling_params",
-    ),  # fmt: skip
+    ),
     "PauseGenerationReqInput": _io(
         "PauseGenerationReqInput",
         "mode",
         values=(("mode", ("abort",)),),
         why="abort: requests in flight return; retract would keep them queued",
-    ),  # fmt: skip
+    ),
     "ContinueGenerationReqInput": _io("ContinueGenerationReqInput"),
     "UpdateWeightsFromTensorReqInput": _io(
         "UpdateWeightsFromTensorReqInput", "serialized_named_tensors", "load_format", "flush_cache"
@@ -154,7 +149,7 @@ CALLS: dict[str, Call] = {
         "fields",
         kwargs=("success", "message"),
         why="what flush_cache returns; success=False means nothing was flushed",
-    ),  # fmt: skip
+    ),
     # -- what generate_request yields -----------------------------------------------------------
     "generate_output": _tm(
         "_handle_batch_output", "keys", kwargs=("text", "output_ids", "meta_info", "finish_reason")
@@ -165,13 +160,13 @@ CALLS: dict[str, Call] = {
         "keys",
         kwargs=("cached_tokens",),
         why="prompt tokens the request read from the radix cache (GenerateOutput.cached_tokens)",
-    ),  # fmt: skip
+    ),
     "logprob_entry": _tm(
         "detokenize_logprob_tokens",
         "tuple_first",
         kwargs=("token_logprobs_val",),
         why="entry[0] is the log-prob",
-    ),  # fmt: skip
+    ),
     "finish_reason": Call(
         "sglang.srt.managers.schedule_batch",
         "",
@@ -179,7 +174,7 @@ CALLS: dict[str, Call] = {
         "key_values",
         kwargs=("type",),
         values=(("type", ("stop", "length", "abort")),),
-    ),  # fmt: skip
+    ),
     # -- memory tags (torch_memory_saver regions inside the scheduler) --------------------------
     "TAG_WEIGHTS": _tag("GPU_MEMORY_TYPE_WEIGHTS", "weights"),
     "TAG_KV": _tag("GPU_MEMORY_TYPE_KV_CACHE", "kv_cache"),
@@ -191,7 +186,7 @@ CALLS: dict[str, Call] = {
         "get_weights_by_name",
         "absent",
         why="get_weights_by_name returns None for Qwen3; weights_fingerprint raises",
-    ),  # fmt: skip
+    ),
 }
 
 # torch_memory_saver as backends/torch/memory.py uses it (the ``torch_memory_saver`` singleton).

@@ -1,16 +1,10 @@
-"""SGLang rollout engine adapter (CUDA).
+"""SGLang rollout engine adapter (CUDA); every SGLang call goes through ``sglang_calls.py``.
 
-Every SGLang call goes through the declared table ``sglang_calls.py``. Written against sglang
-0.5.23's wheel source, not run against a real SGLang (it needs CUDA): ``tests/torch/
-test_sglang_conformance.py`` checks the table against the wheel and drives this adapter against a
-fake; ``_probe_version`` fails at import when a declared API is missing. Facts relied on:
-
-- ``Engine(..., load_format="dummy", enable_memory_saver=True)`` runs the scheduler in
-  subprocesses and the tokenizer manager on ``engine.loop``, which runs in its own thread here (so
-  another thread can pause a running ``generate``).
-- ``flush_cache`` may report ``success=False`` without raising, so it is retried.
-- Known gap: ``Qwen3ForCausalLM`` in 0.5.23 has no ``get_weights_by_name``, so
-  ``weights_fingerprint`` raises rather than skip the check.
+Written against sglang 0.5.23's wheel source (``tests/torch/test_sglang_conformance.py`` checks
+the table against it and drives this adapter against a fake); ``_probe_version`` fails at import
+when a declared API is missing. The tokenizer manager runs on ``engine.loop`` in its own thread
+here (another thread can pause a running ``generate``); ``flush_cache`` may report failure without
+raising, so it is retried; Qwen3 has no ``get_weights_by_name``, so ``weights_fingerprint`` raises.
 """
 
 from __future__ import annotations
@@ -126,9 +120,7 @@ class SglangEngine:
             sleep_on_idle=True,  # else an idle scheduler busy-polls a host core per TP rank
             # SGLang reads config.json with its own transformers: hand it the config the trainer uses
             json_model_override_args=json.dumps(model.config.hf_architecture()),
-            dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
-                self.dtype
-            ],
+            dtype=str(self.dtype).removeprefix("torch."),  # float32, bfloat16 or float16
         )
         self.tm = sc.attr(self.engine, "Engine.tokenizer_manager")
         self.loop = sc.attr(self.engine, "Engine.loop")

@@ -1,8 +1,6 @@
-"""The torch trainer's checkpoint files: ``state.pt`` plus, for a large state, ``state.1.pt`` ...
-``state.{k-1}.pt``, each written by its own thread and hashed while written (sha256 is sequential:
-one file is bound by one core; docs/BENCHMARKS.md). ``state.pt`` holds the structure with shard 0's
-tensors and a reference ``(SHARD_REF, i, key)`` for each other; ``state.i.pt`` holds ``{key:
-tensor}``. No file is renamed into place until every one is written.
+"""The torch trainer's checkpoint files: ``state.pt`` (the structure, shard 0's tensors and a
+``(SHARD_REF, i, key)`` for each other) and for a large state ``state.i.pt`` (``{key: tensor}``),
+each written and sha256-hashed by its own thread (docs/BENCHMARKS.md), renamed once all are written.
 """
 
 from __future__ import annotations

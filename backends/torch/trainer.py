@@ -1,14 +1,11 @@
-"""Torch trainer: ``mllm_rl.trainer.Trainer`` on our torch Qwen3 (HF parameter names) with the
-behaviour of ``backends/jax/trainer.py``: ``torch.optim.AdamW``, exact gradient accumulation,
-optional LoRA, ``torch.save`` checkpoints, offload to pinned CPU memory.
+"""Torch trainer: ``mllm_rl.trainer.Trainer`` on our torch Qwen3 as ``backends/jax/trainer.py``
+behaves: ``torch.optim.AdamW`` (state created at init), exact gradient accumulation, optional LoRA,
+``torch.save`` checkpoints, offload to pinned CPU memory. Shapes: B sequences, T positions
+(right-padded to a multiple of ``T_BUCKET``), V vocab.
 
-Shapes: B sequences, T positions (right-padded to a multiple of ``T_BUCKET``), V vocab. AdamW state
-is created at init (like optax's ``init``).
-
-Precision for a 16-bit checkpoint: ``mixed`` (default) keeps float32 masters and moments and
-computes on casts in the checkpoint dtype (an update of ~1e-6 is below half a bf16 ulp of a ~0.02
-weight); ``pure``: all in the checkpoint dtype. Several processes: FSDP2 by default (``fsdp.py``);
-``fsdp`` 1: data parallel, gradients all-reduced.
+A 16-bit checkpoint under ``mixed`` precision (default) trains float32 masters and moments and
+computes on casts in its dtype (an update of ~1e-6 is below half a bf16 ulp of a ~0.02 weight);
+``pure``: all in its dtype. Several processes: FSDP2 (``fsdp.py``), or with ``fsdp`` 1 data parallel.
 """
 
 from __future__ import annotations
@@ -122,10 +119,7 @@ class TorchTrainer:
             }
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-        self._groups = {
-            PARAMS: OffloadGroup(PARAMS, self.device),
-            OPTIMIZER: OffloadGroup(OPTIMIZER, self.device),
-        }
+        self._groups = {w: OffloadGroup(w, self.device) for w in (PARAMS, OPTIMIZER)}
         self.step = 0
         self._leaked: list[torch.Tensor] = []  # the ``leak_mb`` fault's buffers
         track(self)  # the CPU memory probe counts held_tensors()
@@ -211,31 +205,22 @@ class TorchTrainer:
             if layers or not n.startswith(LAYER_PREFIX)
         }
 
-    def _logits(
-        self, args: tuple[torch.Tensor, ...], params: dict[str, torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """The model's float32 logits [B, T, V] of ``args`` under ``params`` (``_compute_params()``)."""
+    def _forward(self, args: tuple, params: dict | None = None, **kwargs: Any) -> torch.Tensor:
+        """The model on ``args`` under ``params`` (default ``_compute_params()``): float32 logits, or
+        log-probs with ``targets``."""
         params = self._compute_params() if params is None else params
-        return functional_call(self.model, params, args) if params else self.model(*args)
-
-    def _token_logp(
-        self, tokens: torch.Tensor, attn: torch.Tensor | None, params: dict[str, torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """[B, T] -> log p(tokens[:, t] | tokens[:, :t]) / temperature-softmax, [B, T - 1] float32."""
-        params = self._compute_params() if params is None else params
-        args = (tokens[:, :-1], None if attn is None else attn[:, :-1])
-        kwargs = {"targets": tokens[:, 1:], "temperature": self.cfg.temperature}
         return functional_call(self.model, params, args, kwargs) if params else self.model(*args, **kwargs)
+
+    def _token_logp(self, tokens: torch.Tensor, attn, params: dict | None = None) -> torch.Tensor:
+        """[B, T] -> log p(tokens[:, t] | tokens[:, :t]) / temperature-softmax, [B, T - 1] float32."""
+        args = (tokens[:, :-1], None if attn is None else attn[:, :-1])
+        return self._forward(args, params, targets=tokens[:, 1:], temperature=self.cfg.temperature)
 
     @torch.no_grad()
     def _ref_logp(self, mb: dict[str, torch.Tensor], ref: dict[str, torch.Tensor] | None) -> torch.Tensor:
         """The reference policy's [B, T - 1] log-probs: initial params, or LoRA adapters off."""
-        if self.lora:
-            with disabled(self.model):
-                return self._token_logp(mb["tokens"], mb.get("attn"))
-        if self.sharded:
-            assert ref is not None
-            with self._shards_replaced(ref):
+        if self.lora or self.sharded:
+            with disabled(self.model) if self.lora else self._shards_replaced(ref):
                 return self._token_logp(mb["tokens"], mb.get("attn"))
         return self._token_logp(mb["tokens"], mb.get("attn"), ref)
 
@@ -299,17 +284,8 @@ class TorchTrainer:
                     mb["tokens"], mb.get("attn"), self._compute_params(not self.layer_casts)
                 )
                 mask = mb["loss_mask"][:, 1:]
-                loss, m = policy_loss(
-                    logp,
-                    mb["old_logp"][:, 1:],
-                    mb["adv"],
-                    mask,
-                    cfg.loss,
-                    ref_logp=ref_logp,
-                    total_tokens=total_tokens,
-                    total_seqs=total_seqs,
-                    is_weight=mb["is_weight"][:, 1:],
-                )
+                args = (logp, mb["old_logp"][:, 1:], mb["adv"], mask, cfg.loss, ref_logp)
+                loss, m = policy_loss(*args, total_tokens, total_seqs, mb["is_weight"][:, 1:])
                 if not weight:  # a sharded process without a micro-batch of its own: zero gradients
                     (loss * 0.0).backward()
                     continue
@@ -389,7 +365,7 @@ class TorchTrainer:
         params = self._compute_params()
 
         def step(ids: list[int]) -> tuple[int, float]:
-            row = self._logits((torch.tensor([ids], device=self.device),), params)[0, -1]  # [V] float32
+            row = self._forward((torch.tensor([ids], device=self.device),), params)[0, -1]  # [V] float32
             top2 = torch.topk(row, 2).values
             return int(row.argmax()), float(top2[0] - top2[1])
 
@@ -398,17 +374,9 @@ class TorchTrainer:
     # -- weights for the engine ----------------------------------------------------------
     def _engine_tensor(self, name: str) -> torch.Tensor:
         """The weight ``name`` as the engine holds it (sharded: gathered, a collective)."""
-        if name in self.adapters:
+        if name in self.adapters:  # the merged weight, computed in float32
             a = self.adapters[name]
-            if not self.sharded:
-                return a.merged_weight()
-            with torch.no_grad():
-                return merge(
-                    fsdp.full(a.weight.detach()),
-                    fsdp.full(a.lora_a.detach()),
-                    fsdp.full(a.lora_b.detach()),
-                    a.scale,
-                )
+            return merge(*(fsdp.full(t.detach()) for t in (a.weight, a.lora_a, a.lora_b)), a.scale)
         with torch.no_grad():
             return fsdp.full(self.params[name].detach().to(self.param_dtype))
 
