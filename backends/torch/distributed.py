@@ -1,8 +1,6 @@
-"""Multi-process torch (one process per GPU of a node; N local CPU processes in tests) through
-``torch.distributed``, joined by torchrun's variables (``WORLD_SIZE`` unset or 1: untouched).
-Each process has its own embedded engine on ``cuda:LOCAL_RANK``; the trainer shards or
-replicates over the processes. NCCL for CUDA tensors, gloo for CPU tensors and Python objects.
-"""
+"""Multi-process torch (a process per GPU of a node, or N CPU processes) through ``torch.distributed``,
+joined by torchrun's variables (``WORLD_SIZE`` unset or 1: untouched); NCCL for CUDA tensors, gloo
+for CPU tensors and Python objects."""
 
 from __future__ import annotations
 

@@ -223,9 +223,8 @@ class EmbeddedEngine:
             if min(p) < 0 or max(p) >= self.config.vocab_size:
                 raise ValueError(f"prompt {i}: token id outside [0, {self.config.vocab_size})")
         if sampling.seed is None and sampling.temperature > 0:  # the engine's own stream gives the batch seed
-            sampling = dataclasses.replace(
-                sampling, seed=int(torch.randint(2**31, (1,), generator=self._gen))
-            )
+            seed = int(torch.randint(2**31, (1,), generator=self._gen))
+            sampling = dataclasses.replace(sampling, seed=seed)
         dp = dist.procs()
         if dp.count > 1:  # data parallel: this process generates its slice, every process gets all
             per = -(-len(prompts) // dp.count)
@@ -280,9 +279,7 @@ class EmbeddedEngine:
             key_mask[i, plen - len(p) : plen] = True
         positions = (key_mask[:, :plen].long().cumsum(1) - 1).clamp(min=0)
         tokens, key_mask, positions = tokens.to(dev), key_mask.to(dev), positions.to(dev)
-        pool = self.kv[:, :, : b * cap].view(
-            c.num_hidden_layers, 2, b, cap, c.num_key_value_heads, c.head_dim
-        )
+        pool = self.kv[:, :, : b * cap].unflatten(2, (b, cap))  # [L, 2, B, C, K, D]
         cache = KVCache(list(pool[:, 0]), list(pool[:, 1]))
         stops = set(sampling.stop_token_ids) | {c.eos_token_id}
         if self._abort.is_set():

@@ -51,10 +51,8 @@ class TorchModelOptions:
 
 def remat_flag(value: Any) -> bool:
     """``remat``'s value as a bool: a bool, ``None`` (false), or a ``REMAT_NAMES`` string."""
-    if isinstance(value, bool):
-        return value
-    if value is None:
-        return False
+    if value is None or isinstance(value, bool):
+        return bool(value)
     if isinstance(value, str) and value.lower() in REMAT_NAMES:
         return REMAT_NAMES[value.lower()]
     raise ValueError(

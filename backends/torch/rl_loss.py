@@ -1,8 +1,5 @@
-"""Policy-gradient loss for GRPO-style training, in torch (same math as ``backends/jax/rl_loss.py``).
-
-Shapes: B sequences (micro-batch), T completion tokens (padded). The formula, aggregation modes and
-metrics are defined in ``mllm_rl.rl.loss_config``.
-"""
+"""Policy-gradient loss for GRPO-style training in torch: the math of ``backends/jax/rl_loss.py``
+(formula, aggregations and metrics defined in ``mllm_rl.rl.loss_config``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Every SGLang (and torch_memory_saver) touch-point of the torch backend, declared once.
-
-``sglang_engine.py`` reaches SGLang only through ``construct`` / ``invoke`` / ``attr`` with a
-key of ``CALLS``; ``tests/torch/test_sglang_conformance.py`` checks each entry against the source
-of the pinned wheels (never imported). ``TMS_CALLS``: what ``memory.py`` uses of
-torch_memory_saver. Imports neither torch nor sglang (the memory planner reads it).
+"""Every SGLang (``CALLS``, reached only through ``construct`` / ``invoke`` / ``attr`` / ``key``)
+and torch_memory_saver (``TMS_CALLS``) touch-point of the torch backend, declared once and checked
+against the pinned wheels' source by ``tests/torch/test_sglang_conformance.py``. Imports neither
+torch nor sglang (the memory planner reads it).
 """
 
 from __future__ import annotations

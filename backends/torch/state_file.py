@@ -97,10 +97,9 @@ def load_state(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
 def write_state(
     state: dict[str, Any], path: Path, crc32: bool = False, shards: int | None = None
 ) -> Manifest:
-    """``state`` into ``path`` as ``shards`` files (default ``shard_count``), each saved by its own
-    thread under a temporary name; all renamed once all are written, all removed when one fails
-    (its ``OSError`` raised, naming the file). Returns the manifest entries. No torch CRC32s
-    unless ``crc32``: the manifest's sha256 is the checksum."""
+    """``state`` into ``path`` as ``shards`` files (default ``shard_count``) under temporary names, all
+    renamed once all are written, all removed when one fails (its ``OSError`` raised, naming the
+    file). Returns the manifest entries; no torch CRC32s unless ``crc32`` (sha256 is the checksum)."""
     if shards is None:
         shards = shard_count(sum(t.nbytes for t in tensors_of(state)))
     objs = split(state, shards)
