@@ -4,6 +4,7 @@ id, since when), so a second run on the directory is refused with one line (``Ru
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -35,6 +36,43 @@ def lock_name(process_index: int) -> str:
     return ".lock" if process_index == 0 else f".lock.p{process_index}"
 
 
+def _busy(run_dir: Path, holder: str) -> RunDirBusy:
+    try:
+        h = json.loads(holder)
+        who = f"pid {h['pid']} on {h['host']}, run {h['run_id']}, since {h['since']}"
+    except (ValueError, KeyError, TypeError):
+        who = "another process"
+    return RunDirBusy(
+        f"--run-dir {run_dir} is in use by another run ({who}); wait for it to end or choose another --run-dir"
+    )
+
+
+def check_free(run_dir: Path) -> None:
+    """``RunDirBusy`` when a live run holds ``run_dir`` (process 0's lock), found in ``/proc/locks``
+    without touching the lock (a peek that took it, even briefly, could refuse the run that holds
+    it next): a busy directory is refused before start-up. Elsewhere ``acquire`` decides."""
+    path = run_dir / lock_name(0)
+    try:
+        st = path.stat()
+        locks = Path("/proc/locks").read_text()
+    except OSError:
+        return
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    # "1: FLOCK  ADVISORY  WRITE <pid> <maj>:<min>:<inode> 0 EOF" (a waiter's line has "->")
+    if any(
+        len(f) > 5 and f[1:4] == ["FLOCK", "ADVISORY", "WRITE"] and f[5] == key
+        for f in map(str.split, locks.splitlines())
+    ):
+        holder = ""
+        for wait in (0.0, 0.1):  # the holder writes its name right after taking the lock
+            time.sleep(wait)
+            with contextlib.suppress(OSError):
+                holder = path.read_text().strip()
+            if holder:
+                break
+        raise _busy(run_dir, holder)
+
+
 def acquire(run_dir: Path, process_index: int, run_id: str) -> Path:
     """Take the run directory's lock for this process (``run_dir`` must exist); its path."""
     path = run_dir / lock_name(process_index)
@@ -45,15 +83,7 @@ def acquire(run_dir: Path, process_index: int, run_id: str) -> Path:
         f.seek(0)
         holder = f.read().strip()
         f.close()
-        try:
-            h = json.loads(holder)
-            who = f"pid {h['pid']} on {h['host']}, run {h['run_id']}, since {h['since']}"
-        except (ValueError, KeyError, TypeError):
-            who = "another process"
-        raise RunDirBusy(
-            f"--run-dir {run_dir} is in use by another run ({who}); wait for it to end or choose "
-            f"another --run-dir"
-        ) from None
+        raise _busy(run_dir, holder) from None
     f.seek(0)
     f.truncate()
     holder = {

@@ -22,6 +22,7 @@ from mllm_rl.options.check import NAME_MAX, check_output_dir, from_args
 from mllm_rl.options.schema import KV_AUTO
 from mllm_rl.phases.watchdog import PhaseLimits
 from mllm_rl.plans.base import Plan, all_plans, plan_of
+from mllm_rl.run_files import check_free
 
 RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 # The longest name derived from a run id: W&B's offline-run-<YYYYmmdd_HHMMSS>-<run id>[-p<i>] directory
@@ -57,6 +58,7 @@ def check_run_dir(run_dir: Path, resume: bool = False) -> None:
         )
     if not run_dir.is_dir():
         return
+    check_free(run_dir)
     try:
         names = sorted(os.listdir(run_dir))
     except OSError as e:
