@@ -93,3 +93,29 @@ def test_two_runs_on_one_directory_one_is_refused_the_other_is_intact(tiny_ckpt,
         .startswith(f"error: {meta_path}: written for a model with num_hidden_layers")
     )
     assert (tmp_path / "phases.jsonl").read_bytes() == before
+
+
+def test_the_preflight_finds_a_held_lock_without_taking_it(tmp_path):
+    """``check_free`` reads /proc/locks: a held lock is busy (naming its holder), the lock file of a
+    run that ended is not, and the peek never holds the lock (a run takes it right after)."""
+    import fcntl
+    import os
+
+    from mllm_rl.run_files import RunDirBusy, acquire, check_free, lock_name
+
+    check_free(tmp_path)  # no lock file
+    held = open(tmp_path / lock_name(0), "a+")  # noqa: SIM115 -- closed below
+    fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    held.write(json.dumps({"pid": os.getpid(), "host": "here", "run_id": "r1", "since": "now"}))
+    held.flush()
+    with pytest.raises(RunDirBusy, match=rf"in use by another run \(pid {os.getpid()} on here, run r1"):
+        check_free(tmp_path)
+    held.close()  # the run ended; its lock file stays, naming it
+    check_free(tmp_path)
+    (tmp_path / "sub").mkdir()
+    acquire(tmp_path / "sub", 0, "r2")  # held by this process for its life (another directory)
+    with pytest.raises(RunDirBusy, match="run r2"):
+        check_free(tmp_path / "sub")
+    check_free(tmp_path)
+    with open(tmp_path / lock_name(0)) as f:  # nothing left held by the peeks
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
