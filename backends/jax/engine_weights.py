@@ -10,7 +10,9 @@ devices (a strided host transpose is far slower than a copy).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -190,7 +192,10 @@ class EngineLeaves:
 
     def chunk_axis(self, hf_name: str, host: Any) -> int | None:
         """Engine-layout axis to stream ``hf_name`` along (unsharded, above ``chunk_bytes``), or None."""
-        if self.chunk_bytes <= 0 or np.asarray(host).nbytes <= self.chunk_bytes:
+        return self._chunk_axis(hf_name, np.asarray(host).nbytes)
+
+    def _chunk_axis(self, hf_name: str, nbytes: int) -> int | None:
+        if self.chunk_bytes <= 0 or nbytes <= self.chunk_bytes:
             return None
         leaf = self.target_of(hf_name)
         spec = getattr(leaf.sharding, "spec", None)
@@ -211,9 +216,7 @@ class EngineLeaves:
         buf = leaves[idx]
         src = np.asarray(host)  # HF layout: a chunk is cut from it and transposed on the devices
         _check_shape(hf_name, src.shape[::-1] if transpose else src.shape, buf.shape)
-        row_bytes = buf.nbytes // buf.shape[axis]
-        # a transposed chunk is on the devices twice: half as many rows
-        step = max(1, self.chunk_bytes // max(1, row_bytes * (2 if transpose else 1)))
+        step = self._chunk_rows(buf, axis, transpose)
         write = _chunk_writer(buf.sharding, axis)
         hf_axis = 1 - axis if transpose else axis
         total_s = total_q = jnp.zeros((), jnp.float32)
@@ -231,6 +234,50 @@ class EngineLeaves:
             del chunk
         leaves[idx] = buf
         return total_s, total_q
+
+    def _chunk_rows(self, buf: Any, axis: int, transpose: bool) -> int:
+        """Rows of ``buf`` along ``axis`` per chunk; a transposed chunk is on the devices twice."""
+        row_bytes = buf.nbytes // buf.shape[axis]
+        return max(1, self.chunk_bytes // max(1, row_bytes * (2 if transpose else 1)))
+
+    def warm(
+        self, host: Mapping[str, tuple[tuple[int, ...], Any]], workers: int | None = None
+    ) -> list[Future]:
+        """Compile, in background threads, every program a ``stream`` of the host tensors ``host``
+        (HF name -> (HF shape, dtype)) runs: JAX's call cache then has them. One program per shape
+        costs ~0.1 s to compile on a GPU, most of a first swap; XLA compiles in parallel (the GIL is
+        released). Only an optimisation: a program not warmed compiles when first called."""
+        sds = jax.ShapeDtypeStruct
+        jobs: dict[tuple[Any, ...], Callable[[], Any]] = {}
+        for name, (shape, dtype) in host.items():
+            if name not in self.mappings:
+                continue
+            idx, transpose = self.mappings[name]
+            leaf = self.leaves[idx]
+            sh, staged_sh = leaf.sharding, _transposed(leaf.sharding) if transpose else leaf.sharding
+            axis = self._chunk_axis(name, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+            pieces = [leaf.shape]
+            if axis is not None:
+                step, n = self._chunk_rows(leaf, axis, transpose), leaf.shape[axis]
+                pieces = [tuple(min(step, n - i) if d == axis else x for d, x in enumerate(leaf.shape))
+                          for i in range(0, n, step)]  # fmt: skip
+                for p in set(pieces):
+                    args = (sds(leaf.shape, leaf.dtype, sharding=sh), sds(p, leaf.dtype, sharding=sh))
+                    jobs[("write", p, leaf.shape, leaf.dtype, sh, axis)] = functools.partial(
+                        _chunk_writer(sh, axis).lower, *args, sds((), jnp.int32)
+                    )
+            for p in set(pieces):
+                if transpose or np.dtype(dtype) != leaf.dtype:
+                    staged = sds(p[::-1] if transpose else p, dtype, sharding=staged_sh)
+                    key = ("layout", staged.shape, staged.dtype, staged_sh, transpose, leaf.dtype)
+                    jobs[key] = functools.partial(_to_layout.lower, staged, transpose, leaf.dtype)
+                jobs[("sums", p, leaf.dtype, sh)] = functools.partial(
+                    tensor_sums.lower, sds(p, leaf.dtype, sharding=sh)
+                )
+        pool = ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1), thread_name_prefix="warm-swap")
+        futures = [pool.submit(lambda lower=lower: lower().compile()) for lower in jobs.values()]
+        pool.shutdown(wait=False)
+        return futures
 
 
 def _check_shape(hf_name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:

@@ -324,3 +324,38 @@ def test_an_update_holds_at_most_the_planned_copies_in_flight(tiny_ckpt, lora, s
     engine.stream(t.export_weights(full=True), on_tensor=lambda name, nbytes: extra.append(live() - base))
     assert len(extra) == len(md.tensors)
     assert 0 < max(extra) <= STAGING_COPIES * largest, (max(extra), largest)
+
+
+def test_warm_compiles_every_program_of_a_swap_ahead_of_it(tiny_bf16_ckpt):
+    """``warm`` compiles, in threads, what a stream of the checkpoint runs (casts, transposes, sums,
+    chunk writes): the stream that follows compiles none of them (on a GPU each is ~0.1 s)."""
+    import logging
+
+    md = ModelDir.open(tiny_bf16_ckpt)
+    leaves, w = _engine_like(md)
+    w.chunk_bytes = 40_000  # the embedding and the MLP kernels in chunks (shapes of this test only)
+    compiled: list[str] = []
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("Compiling "):
+                compiled.append(record.getMessage().split(" with ")[0])
+
+    log, seen, before = logging.getLogger("jax"), Seen(), jax.config.jax_log_compiles
+    log.addHandler(seen)
+    jax.config.update("jax_log_compiles", True)  # process-wide: the compiles run in warm's threads
+    try:
+        host = {n: (tuple(t.shape), np.dtype(jnp.bfloat16)) for n, (_, t) in md.tensors.items()}
+        for f in w.warm(host):
+            f.result()
+        warmed = set(compiled)
+        compiled.clear()
+        w.stream(md.iter_tensors())
+    finally:
+        jax.config.update("jax_log_compiles", before)
+        log.removeHandler(seen)
+    assert {"Compiling jit(_to_layout)", "Compiling jit(tensor_sums)", "Compiling jit(<lambda>)"} <= warmed
+    assert [c for c in compiled if c in warmed] == [], compiled
+    for name, a in md.iter_tensors():  # and the stream wrote what it was given
+        transpose = w.mappings[name][1]
+        np.testing.assert_array_equal(np.asarray(w.target_of(name)), a.T if transpose else a)
