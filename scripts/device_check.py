@@ -181,8 +181,10 @@ def _md(doc: dict[str, Any]) -> str:
     """The markdown report: one line per step, then each run's phase table."""
     from mllm_rl.summary import gib as g
 
+    # a copied tree whose git metadata is older than its files shows as a commit with changes
+    dirty = " with changes to its files" if ((doc.get("machine") or {}).get("git") or {}).get("dirty") else ""
     lines = [f"# Device check ({doc['mode']}): {doc.get('device') or 'no accelerator'}", "",
-             f"commit {doc.get('commit')}, {doc['date']}; every figure MEASURED on this machine.", "",
+             f"commit {doc.get('commit')}{dirty}, {doc['date']}; every figure MEASURED on this machine.", "",
              "| step | exit | seconds | result |", "|---|---|---|---|"]  # fmt: skip
     for s in doc["steps"]:
         lines.append(f"| {s['name']} | {s['rc']} | {s['seconds']:.1f} | {s.get('headline', '')} |")

@@ -49,6 +49,7 @@ def test_every_step_of_the_cpu_mode_passes(check):
     assert all(s["rc"] == 0 for s in doc["steps"]), [(s["name"], s.get("error")) for s in doc["steps"]]
     md = (out / "device_check.md").read_text()
     assert "| rl-jax | 0 |" in md and "## rl-torch: phases of the last step" in md
+    assert ("with changes to its files" in md) == doc["machine"]["git"]["dirty"]
 
 
 @pytest.mark.slow
