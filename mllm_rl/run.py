@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from mllm_rl.exit_codes import EXIT_CODES
 from mllm_rl.presets import PRESETS
-from mllm_rl.run_files import RunDirBusy, acquire, phase_file_name, write_run_json
+from mllm_rl.run_files import acquire, phase_file_name, write_run_json
 from mllm_rl.signals import install_sigterm
 
 # Nothing imported at module level may start a thread (numpy's OpenBLAS pool does):
@@ -159,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         acquire(run_dir, pidx, run_id)  # a second run on this directory is refused here
-    except RunDirBusy as e:
+        if not resuming:  # again, under the lock: a run may have started and ended since the first check
+            check_fresh(run_dir, phase_file.name)
+    except ValueError as e:  # RunDirBusy, or a run that came and went
         return _refuse(e, 2, backend)
     for line in [*pre.notes, *plan_notes]:
         say(line)

@@ -128,8 +128,13 @@ class FakeRunBackend(Backend):
     def init_runtime(self, tp: int = 1, platform: str = "auto") -> dict[str, Any]:
         """``FAKE_RUNTIME_UP_S`` (seconds, default 0): how long the runtime takes to come up, as a
         real one takes seconds; two runs started together then both pass the preflight before
-        either takes the run directory's lock (tests/core/test_run_dir.py)."""
+        either takes the run directory's lock (tests/core/test_run_dir.py). ``FAKE_RUNTIME_GATE``:
+        a path; the runtime writes ``<path>.up`` and comes up once ``<path>`` exists."""
         time.sleep(float(os.environ.get("FAKE_RUNTIME_UP_S", "0")))
+        if gate := os.environ.get("FAKE_RUNTIME_GATE"):
+            Path(gate + ".up").touch()
+            while not Path(gate).exists():
+                time.sleep(0.02)
         if platform not in ("auto", "cpu"):
             raise RuntimeError(f"--platform {platform}: the fake backend runs on its fake device only")
         return {"platform": "cpu", "devices": ["fake"], "device_count": 1}

@@ -12,6 +12,7 @@ same for every backend; each backend's own checkpoints are resumed in tests/jax 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -119,3 +120,28 @@ def test_the_preflight_finds_a_held_lock_without_taking_it(tmp_path):
     check_free(tmp_path)
     with open(tmp_path / lock_name(0)) as f:  # nothing left held by the peeks
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+@pytest.mark.slow  # whole runs (on the fake backend)
+def test_a_run_that_started_and_ended_while_another_came_up_is_not_appended_to(tiny_ckpt, tmp_path):
+    """B passes the preflight on an empty directory, then its runtime comes up slowly; meanwhile A
+    runs on the directory from start to end (the lock free again). B takes the lock and is refused:
+    the directory holds A's run, checked again under the lock (B once appended to A's phase log)."""
+    pytest.importorskip("transformers", reason="a run renders its prompts with the model's tokenizer")
+    run_dir, gate = tmp_path / "run", tmp_path / "gate"
+    args = [*RUN, "--model", str(tiny_ckpt), "--run-dir", str(run_dir), *SMALL]
+    b = start_cli(*args, env={"MLLM_RL_NO_PROGRESS": "1", "FAKE_RUNTIME_GATE": str(gate)})
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "gate.up").exists() and b.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert (tmp_path / "gate.up").exists(), b.communicate(timeout=60)[1][-3000:]
+    a = run_cli(*args, env={"MLLM_RL_NO_PROGRESS": "1"}, timeout=300)
+    assert a.returncode == 0, a.stderr[-3000:]
+    before = (run_dir / "phases.jsonl").read_bytes()
+    gate.touch()
+    err = b.communicate(timeout=300)[1]
+    assert b.returncode == 2 and err.strip().splitlines() == [
+        f"error: --run-dir {run_dir} already holds a run (phases.jsonl); pass --resume to continue it "
+        "or choose another --run-dir"
+    ], err[-3000:]
+    assert (run_dir / "phases.jsonl").read_bytes() == before
