@@ -67,3 +67,17 @@ def test_check_names_the_thread_that_ended_and_its_error():
         watch.check()
     alive.set()
     threads[0].join()
+
+
+def test_only_sglang_jax_threads_started_since_are_watched():
+    """A thread of ours started while the engine starts (and free to end) is not the engine's."""
+    before = set(threading.enumerate())
+    stop = threading.Event()
+    ours = threading.Thread(target=stop.wait, name="ours")
+    named = threading.Thread(target=stop.wait, name="sglang::scheduler")
+    for t in (ours, named):
+        t.start()
+    try:
+        assert ThreadWatch.started_since(before) == [named]
+    finally:
+        stop.set()
