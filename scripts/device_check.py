@@ -226,8 +226,13 @@ def _headline(step: dict[str, Any], doc: dict[str, Any]) -> str:
         if res.get("plan_audit"):
             bits.append(res["plan_audit"])
         return "; ".join(bits)
-    if name.startswith("engine-"):
-        return f"{len(res.get('rows') or [])} rows (see {name}.json)"
+    if name.startswith("engine-"):  # decode tok/s, over HF's in the same run, ops per decode step
+        return "; ".join(
+            f"{r['engine']} B={r['batch']}: {r.get('decode_tok_s')} tok/s"
+            + (f" ({r['decode_over_hf']}x HF)" if r.get("decode_over_hf") and r["engine"] != "hf" else "")
+            + (f", {r['ops_per_step']:.0f} ops/step" if r.get("ops_per_step") else "")
+            for r in res.get("rows") or []
+        )
     return ""
 
 

@@ -47,21 +47,30 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x``: [..., dim], ``weight``: [dim] -> [..., dim] in ``x``'s dtype; computed in float32."""
+    """``x``: [..., dim], ``weight``: [dim] -> [..., dim] in ``x``'s dtype; computed in float32 (the
+    weight promoted inside the product: no float32 copy of it)."""
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+    return (y * weight).to(x.dtype)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Neox-style rotary embedding. ``x``: [B, T, N, D], ``positions``: [B, T] -> [B, T, N, D]."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))  # [D/2]
+def rope_tables(positions: torch.Tensor, d: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary tables for ``positions`` [B, T]: (cos, sin) [B, T, 1, D] float32, the sin
+    negated on the first half, so ``rope`` is two products, a sum and a swap of halves; made once
+    per forward pass of the engine (each op is a kernel launch in a launch-bound decode step)."""
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d))
     ang = positions[..., None].float() * inv  # [B, T, D/2]
-    cos, sin = torch.cos(ang)[:, :, None, :], torch.sin(ang)[:, :, None, :]
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    return torch.cat([cos, cos], -1)[:, :, None], torch.cat([-sin, sin], -1)[:, :, None]
+
+
+def rope(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``x``: [B, T, N, D] rotated by ``rope_tables`` -> [B, T, N, D] in ``x``'s dtype, float32
+    inside: [x1 cos - x2 sin, x2 cos + x1 sin] (x1, x2 the halves of D; the same roundings)."""
+    h = x.shape[-1] // 2
     x32 = x.float()
-    x1, x2 = x32[..., : d // 2], x32[..., d // 2 :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    cos, sin = tables
+    return (x32 * cos + torch.cat([x32[..., h:], x32[..., :h]], -1) * sin).to(x.dtype)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -69,6 +78,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     (causal, S == T), an additive bias [B, 1, T, S] (SDPA) or a bool [B, T, S] (``attend_eager``)."""
     if mask is not None and mask.dtype == torch.bool:
         return attend_eager(q, k, v, mask)
+    if mask is not None and q.is_cuda and k.shape[2] < q.shape[2]:
+        return attend_masked_gqa(q, k, v, mask)
     b, t, n, d = q.shape
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
@@ -79,6 +90,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         enable_gqa=True,
     )
     return out.transpose(1, 2).reshape(b, t, n * d)
+
+
+def attend_masked_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``attend`` with a bias ``mask`` [B, 1, T, S] and K < N heads, without SDPA's ``enable_gqa``: on
+    CUDA no fused kernel takes GQA with a mask, and the math fallback materialises [B, N, T, S]
+    float32 scores in several kernels. A decode step (T = 1) puts each kv head's N/K query heads on
+    the query axis (a view; the mask broadcasts); a longer T repeats k, v per query head (as
+    transformers' ``repeat_kv``). Either way the memory-efficient kernel takes it."""
+    b, t, n, d = q.shape
+    kh = k.shape[2]
+    if t == 1:  # query head h reads kv head h // (N/K): kv head j's queries are heads j*N/K ...
+        out = F.scaled_dot_product_attention(q.reshape(b, kh, n // kh, d), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)  # fmt: skip
+        return out.reshape(b, 1, n * d)
+    k, v = (x.repeat_interleave(n // kh, dim=2).transpose(1, 2) for x in (k, v))
+    return (
+        F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask)
+        .transpose(1, 2)
+        .reshape(b, t, n * d)
+    )
 
 
 def attend_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -183,14 +213,22 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, c.rms_norm_eps, dtype, device)
 
     def forward(self, x: torch.Tensor, positions, mask, kv=None, start: int = 0) -> torch.Tensor:
-        """``x``: [B, T, H] -> [B, T, H]; ``mask``: as ``attend`` takes it, S = T, or with ``kv``
-        (k and v caches [B, S_max, K, D], this step's written at ``[start, start + T)``) S = start + T."""
+        """``x``: [B, T, H] -> [B, T, H]; ``positions``: [B, T], or their ``rope_tables``; ``mask``:
+        as ``attend`` takes it, S = T, or with ``kv`` (k and v caches [B, S_max, K, D], this step's
+        written at ``[start, start + T)``) S = start + T."""
         c, (b, t, _) = self.c, x.shape
         n, kh, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q = self.q_norm(self.q_proj(x).view(b, t, n, d))
-        k = self.k_norm(self.k_proj(x).view(b, t, kh, d))
+        # the trainer passes positions: FSDP2 would cast float tables to the compute dtype
+        tables = positions if isinstance(positions, tuple) else rope_tables(positions, d, c.rope_theta)
+        if kv is None:
+            q = rope(self.q_norm(self.q_proj(x).view(b, t, n, d)), tables)
+            k = rope(self.k_norm(self.k_proj(x).view(b, t, kh, d)), tables)
+        else:  # the engine: q and k normed and rotated as one tensor, half the kernels of a decode step
+            qk = torch.cat([self.q_proj(x).view(b, t, n, d), self.k_proj(x).view(b, t, kh, d)], 2)
+            w = torch.cat([self.q_norm.weight.expand(n, d), self.k_norm.weight.expand(kh, d)])
+            qk = rope(rms_norm(qk, w, c.rms_norm_eps), tables)
+            q, k = qk[:, :, :n], qk[:, :, n:]
         v = self.v_proj(x).view(b, t, kh, d)
-        q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
         if kv is not None:
             kv[0][:, start : start + t], kv[1][:, start : start + t] = k, v
             k, v = kv[0][:, : start + t], kv[1][:, : start + t]
@@ -328,13 +366,14 @@ class Qwen3(nn.Module):
         end = start + t
         q_slot = torch.arange(start, end, device=tokens.device)
         x = self.model.embed_tokens(tokens)
+        tables = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
         if self.attention == "eager":
             slot = torch.arange(end, device=tokens.device)
             mask = (slot[None, :] <= q_slot[:, None])[None] & key_mask[:, None, :end]  # [B, T, end]
         else:
             mask = attention_bias(key_mask[:, :end], q_slot, x.dtype)  # [B, 1, T, end]
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, mask, (cache.k[i], cache.v[i]), start)
+            x = layer(x, tables, mask, (cache.k[i], cache.v[i]), start)
         return self.logits(x[:, -1:] if last_only else x)
 
 

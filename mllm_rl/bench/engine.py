@@ -107,6 +107,32 @@ class _HF:
         pass
 
 
+def dispatched_ops(fn: Callable[[], Any]) -> int:
+    """The aten ops ``fn()`` dispatches, views excluded (no kernel): on a GPU, about its kernel launches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if not func.is_view and func.overloadpacket.__name__ not in (
+                "_unsafe_view",
+                "detach",
+                "_local_scalar_dense",
+            ):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as c:
+        fn()
+    return c.n
+
+
+def ops_per_step(eng: Callable[[list[list[int]], int], Any], ids: list[list[int]]) -> float:
+    """Ops one decode step of ``eng`` dispatches: a 10-token generate's minus a 2-token one's, / 8."""
+    return (dispatched_ops(lambda: eng(ids, 10)) - dispatched_ops(lambda: eng(ids, 2))) / 8
+
+
 def rates(b: int, p: int, n: int, n_gen: int, t1s: list[float], tns: list[float]) -> dict[str, Any]:
     """Throughputs of all repeats and rounds: decode = median of B (N - 1) / (tN - t1) over pairs timed
     back to back (they share the machine's load); e2e / prefill from the fastest tN / t1."""
@@ -147,10 +173,11 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             toks = eng(ids, args.new_tokens)
             tns.append(time.perf_counter() - t0)
         toks = toks or []
+        ops = ops_per_step(eng, ids) if kind in ("embedded", "hf") else None  # in this process: torch ops
         over = sum(len(t) > args.new_tokens for t in toks)  # an engine must never return more than asked
         toks = [t[: args.new_tokens] for t in toks]
         rows.append({"batch": b, "generated_tokens": sum(len(t) for t in toks), "over_length_outputs": over,
-                     "tokens": toks, "t1_all": t1s, "tN_all": tns})  # fmt: skip
+                     "tokens": toks, "t1_all": t1s, "tN_all": tns, "ops_per_step": ops})  # fmt: skip
     eng.close()
     return {"engine": kind, "runtime": eng.runtime, "start_s": round(start_s, 3), "rows": rows,
         "python": sys.executable}  # fmt: skip
@@ -228,12 +255,17 @@ def report(out: dict[str, Any]) -> str:
         ("decode_pairs_used", "pairs", ""), ("e2e_tok_s_best", "e2e tok/s (best)", ".1f"),
         ("prefill_tok_s_best", "prefill tok/s (best)", ".1f"), ("decode_over_hf", "decode / hf", ".3f"),
         ("e2e_over_hf", "e2e / hf", ".3f"), ("greedy_equal_hf", "greedy = hf", ".3f"),
-        ("over_length_outputs", "> N tokens", "")]  # fmt: skip
+        ("over_length_outputs", "> N tokens", ""), ("ops_per_step", "ops/step", ".0f")]  # fmt: skip
     head = (
         f"engine throughput {out['preset']} (prompt {out['prompt_len']}, {out['new_tokens']} new tokens, "
         f"{out['repeats']} repeats x {out['rounds']} rounds: medians, 'best' = fastest; platform {out['platform']})"
     )
-    lines = [head, table(out["rows"], cols)]
+    lines = [
+        head,
+        table(out["rows"], cols),
+        "ops/step: torch ops one decode step dispatches, views excluded, "
+        "counted here (on a GPU about one kernel launch each; torch engines only)",
+    ]
     lines += [f"{e}: FAILED: {i['error'].splitlines()[0]}" if "error" in i else
               f"{e}: started in {min(i['start_s_all']):.2f} s on {i['runtime'].get('platform')} ({i['python']})"
               for e, i in out["engines"].items()]  # fmt: skip
@@ -267,5 +299,5 @@ def main(argv: list[str] | None = None) -> int:
     args.platform = "gpu" if args.platform == "cuda" and args.worker == "sglang-jax" else args.platform
     if args.worker:
         return run_bench(worker, args, lambda o: "", lambda o: o)[0]
-    keys = ("engine", "batch", "decode_tok_s", "decode_over_hf")
+    keys = ("engine", "batch", "decode_tok_s", "decode_over_hf", "ops_per_step")
     return run_bench(bench, args, report, lambda o: {"bench": "engine", "rows": [pick(r, keys) for r in o["rows"]]})[0]  # fmt: skip

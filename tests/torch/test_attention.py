@@ -12,7 +12,16 @@ import torch
 from torch.func import functional_call
 
 from mllm_rl.backends.torch import memplan
-from mllm_rl.backends.torch.model import KVCache, attention_bias, build_qwen3, token_logprobs
+from mllm_rl.backends.torch.model import (
+    KVCache,
+    attend,
+    attend_masked_gqa,
+    attention_bias,
+    build_qwen3,
+    rope,
+    rope_tables,
+    token_logprobs,
+)
 from mllm_rl.backends.torch.trainer import TorchTrainer, right_padded
 from mllm_rl.presets import get_preset
 from mllm_rl.trainer import RolloutBatch, TrainConfig
@@ -121,6 +130,39 @@ def test_cached_prefill_and_decode_equal_eager(dtype):
     real[2] = True  # the cache path has no right padding: row 2's tokens are all real here
     err = (out["sdpa"] - out["eager"]).abs()[real].max().item()
     assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t", [1, 5])
+def test_the_cuda_masked_gqa_path_equals_sdpa_with_enable_gqa(dtype, t):
+    """``attend_masked_gqa`` (what ``attend`` runs on CUDA for a bias mask and K < N heads: SDPA has
+    no fused kernel for GQA with a mask) on CPU against SDPA's own ``enable_gqa``: query head h
+    reads kv head h // (N/K). A decode step folds the query groups into the query axis, a longer T
+    repeats k, v; a kv head order reversed moves the result far outside the tolerance."""
+    g = torch.Generator().manual_seed(3)
+    b, s, n, kh, d = 3, 19, 8, 2, 16
+    q, k, v = (torch.randn(b, r, h, d, generator=g).to(dtype) for r, h in ((t, n), (s, kh), (s, kh)))
+    key_mask = torch.rand(b, s, generator=g) > 0.3
+    bias = attention_bias(key_mask, torch.arange(s - t, s), dtype)  # [B, 1, T, S]
+    want = attend(q, k, v, bias)  # CPU: SDPA with enable_gqa
+    got = attend_masked_gqa(q, k, v, bias)
+    assert got.shape == want.shape == (b, t, n * d)
+    torch.testing.assert_close(got, want, rtol=0, atol=TOL[dtype] / 10)
+    crossed = attend_masked_gqa(q, k.flip(2), v.flip(2), bias)
+    assert (crossed.float() - want.float()).abs().max() > TOL[dtype]
+
+
+def test_rope_tables_rotate_pairs_exactly_as_the_pairwise_formula():
+    """``rope(x, rope_tables(...))`` is bit-for-bit [x1 cos - x2 sin, x2 cos + x1 sin] in float32."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 3, 16, generator=g).to(torch.bfloat16)
+    pos = torch.randint(0, 4000, (2, 5), generator=g)
+    inv = 1.0 / (1e6 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    ang = pos[..., None].float() * inv
+    cos, sin = torch.cos(ang)[:, :, None], torch.sin(ang)[:, :, None]
+    x1, x2 = x.float()[..., :8], x.float()[..., 8:]
+    want = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(torch.bfloat16)
+    assert torch.equal(rope(x, rope_tables(pos, 16, 1e6)), want)
 
 
 # -- the chunked head -----------------------------------------------------------------------------

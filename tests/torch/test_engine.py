@@ -232,3 +232,29 @@ def test_a_request_samples_the_same_in_any_sub_batch(tiny_ckpt):
                            max_running_requests=2)  # fmt: skip
     assert [o.token_ids for o in small.generate(prompts, s)] == whole
     assert [o.token_ids for o in eng.generate(prompts, dataclasses.replace(s, seed=12))] != whole
+
+
+def test_a_decode_step_dispatches_fewer_ops_than_transformers_generate(tmp_path):
+    """On a GPU a small model's decode step is bound by kernel launches: the embedded engine's step
+    (rotary tables once per step, q and k normed and rotated as one tensor) must dispatch fewer
+    ops than HF ``generate``'s on the same bf16 checkpoint of 8 layers (``bench engine``'s count)."""
+    from transformers import AutoModelForCausalLM
+
+    from mllm_rl.bench.engine import ops_per_step
+
+    cfg = dataclasses.replace(get_preset("tiny"), num_hidden_layers=8)
+    make_checkpoint(cfg, tmp_path, dtype="bfloat16")
+    ids = [[40 + (i * 7 + j) % 80 for j in range(16)] for i in range(4)]
+    ours = swapped(tmp_path, max_total_tokens=4 * 64, context_length=64)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
+
+    def hf_generate(prompts: list[list[int]], n: int) -> None:
+        t = torch.tensor(prompts)
+        with torch.no_grad():
+            hf.generate(input_ids=t, attention_mask=torch.ones_like(t), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False, pad_token_id=0)  # fmt: skip
+
+    embedded = ops_per_step(lambda p, n: ours.generate(p, SamplingParams(max_new_tokens=n)), ids)
+    reference = ops_per_step(hf_generate, ids)
+    assert embedded < 0.9 * reference, (embedded, reference)
+    assert embedded > 8 * 7  # at least the 7 projections of every layer: the count saw the model
