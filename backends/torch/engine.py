@@ -292,11 +292,12 @@ class EmbeddedEngine:
         stop_ids, budget_t = torch.tensor(sorted(stops), device=dev), torch.tensor(budget, device=dev)
         ended = torch.zeros(b, dtype=torch.bool, device=dev)
         every = 1 if dev.type == "cpu" else SYNC_EVERY
+        u = uniforms(gens, steps, dev) if sampling.temperature > 0 else torch.empty(0, steps)
         done = 0
         for step in range(steps):
             if self._abort.is_set():
                 break
-            tok, lp = sample(logits, sampling, gens)
+            tok, lp = sample(logits, sampling, u[:, step])
             out_tok[:, step], out_lp[:, step] = tok, lp
             ended |= torch.isin(tok, stop_ids) | (budget_t <= step + 1)
             done = step + 1
@@ -391,12 +392,19 @@ class EmbeddedEngine:
             torch.cuda.empty_cache()
 
 
+def uniforms(gens: Sequence[torch.Generator], steps: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B, steps] float64 uniforms, row i from its request's CPU generator ``gens[i]`` (one call per
+    row draws what one call per step would), moved to ``device`` in one copy: a copy from pageable
+    host memory waits for the device, so one per decode step would stall every step."""
+    return torch.stack([torch.rand(steps, generator=g, dtype=torch.float64) for g in gens]).to(device)
+
+
 def sample(
-    logits: torch.Tensor, sampling: SamplingParams, gens: Sequence[torch.Generator]
+    logits: torch.Tensor, sampling: SamplingParams, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` [B, V] and its ``log_softmax(logits / T)`` before top-p
-    (greedy: the argmax), [B] each: inverse-CDF on the device in float64 with one uniform draw per
-    row from its request's CPU generator ``gens[i]`` (independent of device and other rows)."""
+    (greedy: the argmax), [B] each: inverse-CDF on the device in float64 with the row's uniform
+    ``u`` [B] (a column of ``uniforms``: independent of device and other rows; unused greedy)."""
     logits = logits.float()
     if sampling.temperature == 0:
         lp = torch.log_softmax(logits, dim=-1)
@@ -409,7 +417,6 @@ def sample(
         drop = (sorted_p.cumsum(-1) - sorted_p) >= sampling.top_p  # the top token is always kept
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in gens]).to(probs.device)
     cdf = probs.double().cumsum(dim=-1)
     # the first index whose cdf exceeds u * total (never a zero-probability token)
     tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)

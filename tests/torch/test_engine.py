@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from mllm_rl.backends.torch.engine import EmbeddedEngine, Placed, sample, tensor_sums
+from mllm_rl.backends.torch.engine import EmbeddedEngine, Placed, sample, tensor_sums, uniforms
 from mllm_rl.backends.torch.model import greedy_decode, load_qwen3
 from mllm_rl.checkpoint import ModelDir, make_checkpoint
 from mllm_rl.engine import SamplingParams, WeightExport
@@ -114,14 +114,14 @@ def test_fingerprint_sums():
 def test_sampling_top_p_keeps_the_nucleus_and_reports_tempered_logprobs():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
     g = [torch.Generator().manual_seed(i) for i in range(2000)]  # one per request (row)
-    tok, lp = sample(logits, SamplingParams(temperature=1.0, top_p=0.7), g)
+    tok, lp = sample(logits, SamplingParams(temperature=1.0, top_p=0.7), uniforms(g, 1)[:, 0])
     assert set(tok.tolist()) == {0, 1}  # 0.5 + 0.3 >= 0.7: token 2 and 3 are cut
     frac0 = (tok == 0).float().mean().item()
     assert abs(frac0 - 0.5 / 0.8) < 0.05  # renormalised over the nucleus
     assert torch.allclose(lp, torch.log(torch.tensor([0.5, 0.3]))[tok], atol=1e-6)  # before truncation
-    tok, lp = sample(logits[:1], SamplingParams(temperature=0.5), g[:1])
+    tok, lp = sample(logits[:1], SamplingParams(temperature=0.5), uniforms(g[:1], 1)[:, 0])
     assert torch.allclose(lp, torch.log_softmax(logits[:1] / 0.5, -1)[0, tok])
-    tok, _ = sample(logits[:5], SamplingParams(temperature=1.0, top_p=0.01), g[:5])
+    tok, _ = sample(logits[:5], SamplingParams(temperature=1.0, top_p=0.01), uniforms(g[:5], 1)[:, 0])
     assert tok.tolist() == [0] * 5  # the top token is always kept
 
 
@@ -135,22 +135,17 @@ def test_sampling_at_temperature_follows_the_tempered_distribution_row_by_row():
     want = torch.softmax(row / 0.7, -1)
     logits = row.repeat(n, 1)
     seeds = list(range(n))
-    tok, lp = sample(
-        logits, SamplingParams(temperature=0.7), [torch.Generator().manual_seed(x) for x in seeds]
-    )
+    draw = lambda seeds: uniforms([torch.Generator().manual_seed(x) for x in seeds], 1)[:, 0]  # noqa: E731
+    tok, lp = sample(logits, SamplingParams(temperature=0.7), draw(seeds))
     counts = torch.bincount(tok, minlength=6).double() / n
     assert counts[2] == counts[5] == 0
     se = (want * (1 - want) / n).sqrt()
     assert ((counts - want).abs() <= 4 * se + 1e-12).all(), (counts, want)
     assert torch.allclose(lp, torch.log(want)[tok], atol=1e-6)
     # row independence: request 7 alone, and the first 50 requests reversed
-    alone, _ = sample(logits[:1], SamplingParams(temperature=0.7), [torch.Generator().manual_seed(7)])
+    alone, _ = sample(logits[:1], SamplingParams(temperature=0.7), draw([7]))
     assert alone.item() == tok[7].item()
-    rev, _ = sample(
-        logits[:50],
-        SamplingParams(temperature=0.7),
-        [torch.Generator().manual_seed(x) for x in seeds[:50][::-1]],
-    )
+    rev, _ = sample(logits[:50], SamplingParams(temperature=0.7), draw(seeds[:50][::-1]))
     assert rev.flip(0).tolist() == tok[:50].tolist()
 
 
