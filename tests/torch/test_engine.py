@@ -253,3 +253,23 @@ def test_a_decode_step_dispatches_fewer_ops_than_transformers_generate(tmp_path)
     reference = ops_per_step(hf_generate, ids)
     assert embedded < 0.9 * reference, (embedded, reference)
     assert embedded > 8 * 7  # at least the 7 projections of every layer: the count saw the model
+
+
+def test_a_sampled_generate_draws_its_uniforms_before_the_decode_loop(engine):
+    """The uniforms come from CPU generators; copied to a GPU every step they would make every
+    decode step wait for the device. The number of host draws does not grow with the tokens."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Draws(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket.__name__ in ("rand", "uniform_")
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for n in (2, 10):
+        with Draws() as d:
+            engine.generate(PROMPTS, SamplingParams(max_new_tokens=n, temperature=1.0, seed=1))
+        counts.append(d.n)
+    assert counts[0] == counts[1] == len(PROMPTS), counts
