@@ -229,6 +229,7 @@ def test_a_request_samples_the_same_in_any_sub_batch(tiny_ckpt):
     assert [o.token_ids for o in eng.generate(prompts, dataclasses.replace(s, seed=12))] != whole
 
 
+@pytest.mark.slow
 def test_a_decode_step_dispatches_fewer_ops_than_transformers_generate(tmp_path):
     """On a GPU a small model's decode step is bound by kernel launches: the embedded engine's step
     (rotary tables once per step, q and k normed and rotated as one tensor) must dispatch fewer
@@ -255,6 +256,7 @@ def test_a_decode_step_dispatches_fewer_ops_than_transformers_generate(tmp_path)
     assert embedded > 8 * 7  # at least the 7 projections of every layer: the count saw the model
 
 
+@pytest.mark.slow
 def test_a_sampled_generate_draws_its_uniforms_before_the_decode_loop(engine):
     """The uniforms come from CPU generators; copied to a GPU every step they would make every
     decode step wait for the device. The number of host draws does not grow with the tokens."""
