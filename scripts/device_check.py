@@ -154,7 +154,7 @@ def summarize_run(run_dir: Path) -> dict[str, Any]:
                "end_bytes": end, "peak_bytes": peak, "plan_peak_bytes": pp["total"] if pp else None}  # fmt: skip
         if pp and peak:
             row["peak_over_plan"] = round(peak / pp["total"], 4) if pp["total"] else None
-        row.update({k: r["info"][k] for k in ("gbps", "bytes", "tensors") if k in r.get("info", {})})
+        row.update({k: r["info"][k] for k in ("gbps", "bytes", "tensors", "compiles", "compile_s") if k in r.get("info", {})})  # fmt: skip
         if r.get("info", {}).get("error"):
             row["error"] = str(r["info"]["error"])[:300]
         rows.append(row)
@@ -162,7 +162,7 @@ def summarize_run(run_dir: Path) -> dict[str, Any]:
     for name in ("weights_swapped", "update_weights"):
         got = [r for r in rows if r["phase"].removeprefix("setup:") == name and "gbps" in r]
         if got:
-            out.update({f"{name}_{k}": got[-1].get(k) for k in ("gbps", "bytes", "seconds")})
+            out.update({f"{name}_{k}": got[-1].get(k) for k in ("gbps", "bytes", "seconds", "compile_s")})
     if plan_doc:
         try:
             check = compare([r for r in recs if r.get("process_index", 0) == 0], plan_doc)
@@ -193,10 +193,11 @@ def _md(doc: dict[str, Any]) -> str:
         if not res.get("phases"):
             continue
         lines += ["", f"## {s['name']}: phases of the last step (bytes: {res['phases'][-1].get('source')})", "",
-                  "| phase | s | end GiB | peak GiB | plan peak GiB | peak/plan | GB/s |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "| phase | s | compile s (summed) | end GiB | peak GiB | plan peak GiB | peak/plan | GB/s |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in res["phases"]:
             lines.append(
-                f"| {r['phase']} | {r['seconds']:.3f} | {g(r['end_bytes'])} | {g(r['peak_bytes'])} | "
+                f"| {r['phase']} | {r['seconds']:.3f} | {r.get('compile_s', '-')} | {g(r['end_bytes'])} | {g(r['peak_bytes'])} | "
                 f"{g(r.get('plan_peak_bytes'))} | {r.get('peak_over_plan', '-')} | {r.get('gbps', '-')} |"
             )
         if res.get("plan_audit"):
@@ -222,6 +223,8 @@ def _headline(step: dict[str, Any], doc: dict[str, Any]) -> str:
                 ratios = [
                     f"{gbps / base[b]:.3f}x {b[:3].upper()}" for b in ("h2d_gbps", "d2d_gbps") if base.get(b)
                 ]
+                if res.get(f"{k}_compile_s"):  # XLA compiles in the phase (JAX), summed over threads
+                    ratios.append(f"in {res.get(f'{k}_seconds')} s: {res[f'{k}_compile_s']} s of compiles")
                 bits.append(f"{k} {gbps} GB/s" + (f" ({', '.join(ratios)})" if ratios else ""))
         if res.get("plan_audit"):
             bits.append(res["plan_audit"])

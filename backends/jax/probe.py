@@ -1,8 +1,10 @@
-"""JAX memory probe: ``memory_stats()`` per local device, or live-array bytes on JAX CPU."""
+"""JAX memory probe: ``memory_stats()`` per local device, or live-array bytes on JAX CPU; and the
+XLA compiles of this process, which the recorder puts in each phase's record."""
 
 from __future__ import annotations
 
 import sys
+import threading
 from collections import Counter
 
 import jax
@@ -38,11 +40,54 @@ def live_array_bytes(devices: list[jax.Device], memory_kind: str = "device") -> 
     return out
 
 
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax/_src/dispatch.py
+CACHE_HIT = "/jax/compilation_cache/cache_hits"  # jax/_src/compiler.py
+
+
+class CompileCounter:
+    """XLA compiles since this process made it, from ``jax.monitoring`` (any thread's: sglang-jax
+    compiles in its own): how many, their seconds, and how many the persistent cache answered.
+    One per process (``compile_counter``): listeners cannot be taken back one by one in every JAX."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count, self.seconds, self.cache_hits = 0, 0.0, 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        jax.monitoring.register_event_listener(self._on_event)
+
+    def _on_duration(self, event: str, duration_secs: float, **_: object) -> None:
+        if event == BACKEND_COMPILE:
+            with self._lock:
+                self.count += 1
+                self.seconds += duration_secs
+
+    def _on_event(self, event: str, **_: object) -> None:
+        if event == CACHE_HIT:
+            with self._lock:
+                self.cache_hits += 1
+
+    def totals(self) -> tuple[int, float, int]:
+        """(compiles, seconds, persistent-cache hits) so far."""
+        with self._lock:
+            return self.count, self.seconds, self.cache_hits
+
+
+_COUNTER: list[CompileCounter] = []
+
+
+def compile_counter() -> CompileCounter:
+    """This process's ``CompileCounter``, made on first use."""
+    if not _COUNTER:
+        _COUNTER.append(CompileCounter())
+    return _COUNTER[0]
+
+
 class JaxMemoryProbe:
     """Snapshots of ``jax.local_devices()`` (device truth where the runtime has it)."""
 
     def __init__(self) -> None:
         self.devices = list(jax.local_devices())
+        self._compiles = compile_counter()
         stats = self.devices[0].memory_stats() if self.devices else None
         self.has_stats = bool(stats)
         if self.devices and not self.has_stats and self.devices[0].platform != "cpu":
@@ -53,6 +98,10 @@ class JaxMemoryProbe:
                 file=sys.stderr,
                 flush=True,
             )
+
+    def compiles(self) -> tuple[int, float, int]:
+        """``CompileCounter.totals`` of this process: the recorder's per-phase ``compiles``."""
+        return self._compiles.totals()
 
     def in_use(self) -> list[int | None]:
         if self.has_stats:

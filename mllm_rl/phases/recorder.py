@@ -47,6 +47,7 @@ class PhaseHandle:
     name: str
     step: int | None
     info: dict[str, Any] = field(default_factory=dict)
+    compiles0: tuple[int, float, int] | None = None  # the probe's compile totals at the start
 
 
 def _max(a: int | None, b: int | None) -> int | None:
@@ -165,6 +166,8 @@ class PhaseRecorder:
         if self._active:
             raise RuntimeError(f"phase {name!r} started inside another phase")
         handle = PhaseHandle(name, step, dict(info))
+        if (compiles := getattr(self.probe, "compiles", None)) is not None:
+            handle.compiles0 = compiles()
         if (reset := getattr(self.probe, "reset_peak", None)) is not None:
             reset()
         with self._probe():
@@ -210,6 +213,10 @@ class PhaseRecorder:
         rss1 = host_rss()
         if self.sample_errors > errors0:
             handle.info["sample_errors"] = self.sample_errors - errors0
+        if handle.compiles0 is not None:  # XLA compiles in the phase (a probe that counts them)
+            (n0, s0, h0), (n1, s1, h1) = handle.compiles0, self.probe.compiles()  # type: ignore[attr-defined]
+            if n1 > n0:
+                handle.info.update(compiles=n1 - n0, compile_s=round(s1 - s0, 3), compile_cache_hits=h1 - h0)
         self._emit(handle, (t0, t1), before, after, dev_peak, (rss0, max(host_peak, rss1), rss1))
 
     def abandon(self, error: BaseException, **info: Any) -> bool:

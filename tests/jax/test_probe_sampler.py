@@ -101,3 +101,29 @@ def test_a_scan_during_a_running_computation_returns_at_once_and_counts_its_outp
     assert during == before + y.nbytes
     if pending:  # the scan ran while the computation did: it did not wait for it
         assert took < 0.5 * (time.perf_counter() - t0) + 0.05
+
+
+def test_a_phase_records_the_xla_compiles_made_in_it_in_any_thread():
+    """``compiles`` / ``compile_s`` / ``compile_cache_hits`` in a phase's info: a new program
+    compiled in the phase, in the phase's thread and in another (sglang-jax compiles in its own),
+    is counted; a phase that runs only programs already compiled has no such keys. The programs
+    hold a constant of this run: never in the persistent cache, so no compile is a cache hit."""
+    rec = PhaseRecorder("r", "jax", sample_interval_s=10)
+    rec.set_probe(jax_probe.JaxMemoryProbe())
+    x, c = jnp.arange(7.0), float(time.time_ns() % 10**9)
+    f = jax.jit(lambda a: a * 3.0 + c)
+    g = jax.jit(lambda a: a - c)
+    try:
+        with rec.phase("compiles"):
+            f(x).block_until_ready()
+            t = threading.Thread(target=lambda: g(x).block_until_ready())
+            t.start()
+            t.join()
+        with rec.phase("runs"):
+            f(x).block_until_ready()
+            g(x).block_until_ready()
+    finally:
+        rec.close()
+    first, second = (r["info"] for r in rec.records)
+    assert first["compiles"] == 2 and first["compile_s"] >= 0 and first["compile_cache_hits"] == 0, first
+    assert "compiles" not in second, second
