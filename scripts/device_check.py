@@ -7,8 +7,9 @@ own process and time cap, the whole within ``--budget`` (a failed step is record
 ``env`` (versions, devices); ``copy-jax``/``copy-torch`` (copy rates, the baselines of swap and
 update GB/s); ``swap-jax`` (the swap plan); ``rl-jax``/``rl-torch`` (3 RL steps; ``--cpu``: 2, then
 ``--resume`` for a third; the allocator against the run's memory plan); ``engine-torch``/``engine-jax``
-(decode tokens/s against HF ``generate``). GPU: ``qwen3-0.6b`` (random bf16 weights); ``--cpu``:
-``tiny``, the same steps (the test suite runs it). ``device_check.json``/``.md`` and each step's log
+(decode tokens/s against HF ``generate``, ops per decode step); GPU only, ``tests-cuda`` (the CUDA
+tests of the torch attention paths). GPU: ``qwen3-0.6b`` (random bf16 weights); ``--cpu``: ``tiny``,
+the same steps but ``tests-cuda`` (the test suite runs it). ``device_check.json``/``.md`` and each step's log
 go to ``--out`` (default ``$OUT``, else ``runs/device-check``), rewritten after every step.
 Exit 0 when every step that ran passed, 1 otherwise, 2 on bad arguments.
 """
@@ -58,7 +59,9 @@ def _step_table(mode: str, engine_batch: str = "") -> list[dict[str, Any]]:
          "argv": ["-m", "mllm_rl.bench", "engine", "--engines", "embedded,hf", "--platform", tplat, *engine]},
         {"name": "engine-jax", "backend": "jax", "cap": 120, "bench": True,
          "argv": ["-m", "mllm_rl.bench", "engine", "--engines", "sglang-jax", "--platform", jplat, *engine]},
-    ]  # fmt: skip
+    ] + ([{"name": "tests-cuda", "backend": "torch", "cap": 60,  # the CUDA-only tests of the attention paths
+           "argv": ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/torch/test_attention.py", "-k", "cuda"]}]
+         if gpu else [])  # fmt: skip
 
 
 ENV_PROBE = r"""
@@ -229,6 +232,8 @@ def _headline(step: dict[str, Any], doc: dict[str, Any]) -> str:
         if res.get("plan_audit"):
             bits.append(res["plan_audit"])
         return "; ".join(bits)
+    if name.startswith("tests-"):
+        return res.get("summary", "")
     if name.startswith("engine-"):  # decode tok/s, over HF's in the same run, ops per decode step
         return "; ".join(
             f"{r['engine']} B={r['batch']}: {r.get('decode_tok_s')} tok/s"
@@ -325,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                 if errs and rc == 0:  # --keep-going reports a failed engine and exits 0
                     rc = step["rc"] = 1
                     step["error"] = errs[0].splitlines()[0][:300] + " ... " + errs[0].splitlines()[-1][:300]
+            elif name.startswith("tests-"):  # pytest's summary line
+                step["result"] = {"summary": ([ln for ln in text.splitlines() if ln.strip()] or [""])[-1]}
             else:
                 step["result"] = _last_json(text)
         except Exception as e:  # a result that cannot be read is the step's failure, not the check's

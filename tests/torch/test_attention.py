@@ -152,6 +152,32 @@ def test_the_cuda_masked_gqa_path_equals_sdpa_with_enable_gqa(dtype, t):
     assert (crossed.float() - want.float()).abs().max() > TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_on_cuda_the_masked_gqa_path_runs_the_memory_efficient_kernel(dtype):
+    """Why ``attend`` leaves ``enable_gqa`` for a bias mask on CUDA: with only the memory-efficient
+    kernel allowed, ``attend_masked_gqa`` runs (decode and prefill shapes) and SDPA with
+    ``enable_gqa`` and the mask finds no kernel (it would fall back to math)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tests.torch.conftest import needs_cuda
+
+    needs_cuda()
+    b, s, n, kh, d = 2, 40, 16, 8, 128
+    for t in (1, 7):
+        q = torch.randn(b, t, n, d, device="cuda", dtype=dtype)
+        k, v = (torch.randn(b, s, kh, d, device="cuda", dtype=dtype) for _ in range(2))
+        bias = attention_bias(torch.ones(b, s, dtype=torch.bool, device="cuda"), torch.arange(s - t, s, device="cuda"), dtype)  # fmt: skip
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            out = attend_masked_gqa(q, k, v, bias)
+            with pytest.raises(RuntimeError):
+                torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, enable_gqa=True
+                )
+        torch.testing.assert_close(
+            out, attend(q.cpu(), k.cpu(), v.cpu(), bias.cpu()).cuda(), rtol=0, atol=TOL[dtype]
+        )
+
+
 def test_rope_tables_rotate_pairs_exactly_as_the_pairwise_formula():
     """``rope(x, rope_tables(...))`` is bit-for-bit [x1 cos - x2 sin, x2 cos + x1 sin] in float32."""
     g = torch.Generator().manual_seed(4)
