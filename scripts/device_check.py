@@ -8,7 +8,7 @@ own process and time cap, the whole within ``--budget`` (a failed step is record
 update GB/s); ``swap-jax`` (the swap plan); ``rl-jax``/``rl-torch`` (3 RL steps; ``--cpu``: 2, then
 ``--resume`` for a third; the allocator against the run's memory plan); ``engine-torch``/``engine-jax``
 (decode tokens/s against HF ``generate``, ops per decode step); GPU only, ``tests-cuda`` (the CUDA
-tests of the torch attention paths). GPU: ``qwen3-0.6b`` (random bf16 weights); ``--cpu``: ``tiny``,
+tests of the torch attention paths and memory probe). GPU: ``qwen3-0.6b`` (random bf16 weights); ``--cpu``: ``tiny``,
 the same steps but ``tests-cuda`` (the test suite runs it). ``device_check.json``/``.md`` and each step's log
 go to ``--out`` (default ``$OUT``, else ``runs/device-check``), rewritten after every step.
 Exit 0 when every step that ran passed, 1 otherwise, 2 on bad arguments.
@@ -59,8 +59,8 @@ def _step_table(mode: str, engine_batch: str = "") -> list[dict[str, Any]]:
          "argv": ["-m", "mllm_rl.bench", "engine", "--engines", "embedded,hf", "--platform", tplat, *engine]},
         {"name": "engine-jax", "backend": "jax", "cap": 120, "bench": True,
          "argv": ["-m", "mllm_rl.bench", "engine", "--engines", "sglang-jax", "--platform", jplat, *engine]},
-    ] + ([{"name": "tests-cuda", "backend": "torch", "cap": 60,  # the CUDA-only tests of the attention paths
-           "argv": ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/torch/test_attention.py", "-k", "cuda"]}]
+    ] + ([{"name": "tests-cuda", "backend": "torch", "cap": 60,  # the CUDA-only tests of the attention paths and probe
+           "argv": ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/torch/test_attention.py", "tests/torch/test_probe.py", "-k", "cuda"]}]
          if gpu else [])  # fmt: skip
 
 

@@ -2,7 +2,9 @@
 
 CUDA: two entries per device, in this order: ``mem_get_info`` (driver truth, ``total - free``, the
 only number that sees torch_memory_saver / SGLang releases; ``raw`` adds this process's NVML bytes)
-and ``torch_allocator`` (``memory_allocated`` / peak; ``raw``: allocator counters, ``paused_bytes``).
+and ``torch_allocator`` (``memory_allocated`` / peak; ``raw``: allocator counters, ``paused_bytes``,
+``largest_blocks``: the sizes of its largest allocated blocks, which name what an unplanned
+remainder is, e.g. cuBLAS's workspaces of 32 MiB each on sm90).
 CPU (``live_tensors``): bytes of the distinct storages in the ``held_tensors()`` of ``track``ed holders.
 """
 
@@ -61,6 +63,19 @@ class CpuTensorProbe:
         return [DeviceMemory(0, "cpu", used, None, None, "live_tensors", raw)]
 
 
+def largest_blocks(segments: list[dict[str, Any]], device: int, n: int = 8) -> list[int]:
+    """The ``n`` largest allocated block sizes (bytes, largest first) on ``device`` in a
+    ``torch.cuda.memory_snapshot()`` (segments, each with its ``blocks`` and their ``state``)."""
+    sizes = [
+        int(b["size"])
+        for seg in segments
+        if seg.get("device") == device
+        for b in seg.get("blocks", [])
+        if b.get("state") == "active_allocated"
+    ]
+    return sorted(sizes, reverse=True)[:n]
+
+
 class CudaMemoryProbe:
     """Every visible CUDA device: driver truth and torch allocator (see the module docstring)."""
 
@@ -106,6 +121,7 @@ class CudaMemoryProbe:
 
     def snapshot(self) -> list[DeviceMemory]:
         out = []
+        segments = torch.cuda.memory_snapshot()
         for d in self.devices:
             free, total = (int(x) for x in torch.cuda.mem_get_info(d))
             raw: dict[str, Any] = {"free": free, "total": total}
@@ -118,6 +134,7 @@ class CudaMemoryProbe:
             paused = paused_cuda_bytes(d)
             if paused is not None:
                 alloc_raw["paused_bytes"] = paused
+            alloc_raw["largest_blocks"] = largest_blocks(segments, d)
             used, peak = int(torch.cuda.memory_allocated(d)), int(torch.cuda.max_memory_allocated(d))
             out.append(DeviceMemory(d, "cuda", used, peak, total, "torch_allocator", alloc_raw))
         return out

@@ -107,6 +107,35 @@ def test_cuda_probe_has_driver_truth_and_allocator_entries_per_device():
     assert torch.cuda.max_memory_allocated(0) == torch.cuda.memory_allocated(0)
 
 
+def test_largest_blocks_reads_allocated_blocks_of_one_device_from_a_snapshot():
+    """``largest_blocks`` on a FAKE of ``torch.cuda.memory_snapshot()``'s shape (segments of a
+    device, each with blocks and their state): only ``active_allocated`` blocks of that device,
+    largest first, at most ``n``."""
+    from mllm_rl.backends.torch.probe import largest_blocks
+
+    mib = 2**20
+    segments = [
+        {"device": 0, "blocks": [{"size": 32 * mib, "state": "active_allocated"},
+                                 {"size": 90 * mib, "state": "inactive"}]},
+        {"device": 1, "blocks": [{"size": 500 * mib, "state": "active_allocated"}]},
+        {"device": 0, "blocks": [{"size": 2 * mib, "state": "active_allocated"},
+                                 {"size": 32 * mib, "state": "active_allocated"},
+                                 {"size": 64 * mib, "state": "active_pending_free"}]},
+    ]  # fmt: skip
+    assert largest_blocks(segments, 0) == [32 * mib, 32 * mib, 2 * mib]
+    assert largest_blocks(segments, 0, n=1) == [32 * mib]
+    assert largest_blocks(segments, 1) == [500 * mib] and largest_blocks(segments, 2) == []
+
+
+def test_cuda_probe_names_a_held_block_by_its_size():
+    needs_cuda()
+    from mllm_rl.backends.torch.probe import CudaMemoryProbe
+
+    x = torch.empty(96 * MB, dtype=torch.uint8, device="cuda")
+    blocks = CudaMemoryProbe().snapshot()[1].raw["largest_blocks"]
+    assert x.untyped_storage().nbytes() in blocks, blocks
+
+
 def test_sources_are_known_to_the_schema():
     from mllm_rl.phases.schema import SOURCES
 
