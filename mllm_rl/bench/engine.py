@@ -80,7 +80,9 @@ class _Managed:
         self.engine.shutdown()
 
 
-class _HF:
+class HFGenerate:
+    """HF transformers ``generate`` on the checkpoint, greedy: (prompts, n) -> token lists."""
+
     def __init__(self, model: Any, platform: str) -> None:
         import torch
         from transformers import AutoModelForCausalLM
@@ -107,20 +109,19 @@ class _HF:
         pass
 
 
-def dispatched_ops(fn: Callable[[], Any]) -> int:
-    """The aten ops ``fn()`` dispatches, views excluded (no kernel): on a GPU, about its kernel launches."""
+def dispatched_ops(fn: Callable[[], Any], only: tuple[str, ...] = ()) -> int:
+    """The aten ops ``fn()`` dispatches, views excluded (no kernel): on a GPU, about its kernel
+    launches. ``only``: count just the ops of these names (e.g. ``("rand",)``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    skip = ("_unsafe_view", "detach", "_local_scalar_dense")
 
     class Count(TorchDispatchMode):
         n = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            if not func.is_view and func.overloadpacket.__name__ not in (
-                "_unsafe_view",
-                "detach",
-                "_local_scalar_dense",
-            ):
-                self.n += 1
+            name = func.overloadpacket.__name__
+            self.n += name in only if only else not func.is_view and name not in skip
             return func(*args, **(kwargs or {}))
 
     with Count() as c:
@@ -154,7 +155,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     kind = args.worker
     t0 = time.perf_counter()
     eng = (
-        _HF(model, args.platform)
+        HFGenerate(model, args.platform)
         if kind == "hf"
         else _Managed(kind, model, args.platform, max(args.batch), ctx)
     )

@@ -234,24 +234,14 @@ def test_a_decode_step_dispatches_fewer_ops_than_transformers_generate(tmp_path)
     """On a GPU a small model's decode step is bound by kernel launches: the embedded engine's step
     (rotary tables once per step, q and k normed and rotated as one tensor) must dispatch fewer
     ops than HF ``generate``'s on the same bf16 checkpoint of 8 layers (``bench engine``'s count)."""
-    from transformers import AutoModelForCausalLM
-
-    from mllm_rl.bench.engine import ops_per_step
+    from mllm_rl.bench.engine import HFGenerate, ops_per_step
 
     cfg = dataclasses.replace(get_preset("tiny"), num_hidden_layers=8)
     make_checkpoint(cfg, tmp_path, dtype="bfloat16")
     ids = [[40 + (i * 7 + j) % 80 for j in range(16)] for i in range(4)]
     ours = swapped(tmp_path, max_total_tokens=4 * 64, context_length=64)
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
-
-    def hf_generate(prompts: list[list[int]], n: int) -> None:
-        t = torch.tensor(prompts)
-        with torch.no_grad():
-            hf.generate(input_ids=t, attention_mask=torch.ones_like(t), max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, pad_token_id=0)  # fmt: skip
-
     embedded = ops_per_step(lambda p, n: ours.generate(p, SamplingParams(max_new_tokens=n)), ids)
-    reference = ops_per_step(hf_generate, ids)
+    reference = ops_per_step(HFGenerate(ModelDir.open(tmp_path), "cpu"), ids)
     assert embedded < 0.9 * reference, (embedded, reference)
     assert embedded > 8 * 7  # at least the 7 projections of every layer: the count saw the model
 
@@ -260,18 +250,11 @@ def test_a_decode_step_dispatches_fewer_ops_than_transformers_generate(tmp_path)
 def test_a_sampled_generate_draws_its_uniforms_before_the_decode_loop(engine):
     """The uniforms come from CPU generators; copied to a GPU every step they would make every
     decode step wait for the device. The number of host draws does not grow with the tokens."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from mllm_rl.bench.engine import dispatched_ops
 
-    class Draws(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += func.overloadpacket.__name__ in ("rand", "uniform_")
-            return func(*args, **(kwargs or {}))
-
-    counts = []
-    for n in (2, 10):
-        with Draws() as d:
-            engine.generate(PROMPTS, SamplingParams(max_new_tokens=n, temperature=1.0, seed=1))
-        counts.append(d.n)
+    sampled = lambda n: SamplingParams(max_new_tokens=n, temperature=1.0, seed=1)  # noqa: E731
+    counts = [
+        dispatched_ops(lambda n=n: engine.generate(PROMPTS, sampled(n)), only=("rand", "uniform_"))
+        for n in (2, 10)
+    ]
     assert counts[0] == counts[1] == len(PROMPTS), counts
