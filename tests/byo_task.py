@@ -58,32 +58,38 @@ def write_task(d: Path, rows: int = 200) -> tuple[Path, Path]:
     return data, d / "rewards.py"
 
 
-def run_learns_from_a_jsonl_and_a_reward_file(backend: str, tmp: Path) -> dict:
+def run_learns_from_a_jsonl_and_a_reward_file(backend: str, tmp: Path, learns: bool = True) -> dict:
     """8 steps on the user's data, evaluation every 4: the reward rises as on the shipped pattern task
     (the tiny model learns from random init; --chat-template off: a raw continuation), every step has
     its evaluate phase and scores on steps 3 and 7, every sample's reward is in rewards.jsonl, no
-    held-out row is trained on, and the report finds the run complete."""
+    held-out row is trained on, and the report finds the run complete. ``learns=False``: the same
+    checks of a 2-step run at a quarter of the batch, evaluated after each step, but for the rise
+    (a backend whose learning on this task is checked by its embedded-default run)."""
     data, rewards = write_task(tmp)
     run_dir = tmp / "run"
+    steps, every, batch = (8, 4, []) if learns else (2, 1, ["--prompts-per-step", "4", "--group-size", "8"])
+    prompts, group = (16, 8) if learns else (4, 8)
     t0 = time.monotonic()
     r = run_cli("mllm_rl.run", "--backend", backend, "--run-dir", str(run_dir), "--data", str(data),
-                "--reward", f"{rewards}:score", "--chat-template", "off", "--steps", "8", "--eval-every", "4",
-                "--quiet", "--wandb", "disabled", "--checkpoint-every", "0", timeout=900)  # fmt: skip
+                "--reward", f"{rewards}:score", "--chat-template", "off", "--steps", str(steps), "--eval-every",
+                str(every), *batch, "--quiet", "--wandb", "disabled", "--checkpoint-every", "0", timeout=900)  # fmt: skip
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr == ""  # --quiet: only errors
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     rewards_by_step = [m["reward_mean"] for m in metrics]
-    assert len(rewards_by_step) == 8
-    assert sum(rewards_by_step[-2:]) / 2 > sum(rewards_by_step[:2]) / 2 + 0.2, rewards_by_step
-    assert [m["step"] for m in metrics if "eval_reward_mean" in m] == [3, 7]
+    assert len(rewards_by_step) == steps
+    if learns:
+        assert sum(rewards_by_step[-2:]) / 2 > sum(rewards_by_step[:2]) / 2 + 0.2, rewards_by_step
+    scored = list(range(every - 1, steps, every))
+    assert [m["step"] for m in metrics if "eval_reward_mean" in m] == scored
 
     plan = json.loads((run_dir / "run.json").read_text())
     assert plan["expected_step_phases"][-1] == "evaluate" and plan["reward"] == f"{rewards}:score"
     recs = read_jsonl(run_dir / "phases.jsonl")
     evals = [x for x in recs if x["phase"] == "evaluate"]
-    assert [x["step"] for x in evals] == list(range(8))
-    assert [x["step"] for x in evals if x["info"]["evaluated"]] == [3, 7]
+    assert [x["step"] for x in evals] == list(range(steps))
+    assert [x["step"] for x in evals if x["info"]["evaluated"]] == scored
     assert all(x["info"]["prompts"] == 16 for x in evals if x["info"]["evaluated"])
     by_step = {m["step"]: m for m in metrics}
     for x in evals:
@@ -93,10 +99,11 @@ def run_learns_from_a_jsonl_and_a_reward_file(backend: str, tmp: Path) -> dict:
     lines = read_jsonl(run_dir / "rewards.jsonl")
     rollout = [x for x in lines if x["phase"] == "rollout"]
     held = {x["row"] for x in lines if x["phase"] in ("evaluate", "generate_result")}
-    assert len(rollout) == 8 * 16 * 8 and len(held) == 16
-    assert [len([x for x in lines if x["phase"] == p]) for p in ("evaluate", "generate_result")] == [32, 16]
+    assert len(rollout) == steps * prompts * group and len(held) == 16
+    counts = [len([x for x in lines if x["phase"] == p]) for p in ("evaluate", "generate_result")]
+    assert counts == [16 * len(scored), 16]
     assert not held & {x["row"] for x in rollout}  # the held-out rows are never trained on
-    for s in range(8):
+    for s in range(steps):
         got = [x["reward"] for x in rollout if x["step"] == s]
         assert abs(float(np.mean(got)) - rewards_by_step[s]) < 1e-9
 
@@ -104,7 +111,7 @@ def run_learns_from_a_jsonl_and_a_reward_file(backend: str, tmp: Path) -> dict:
     bad = [i for i in summary["issues"] if i["severity"] in ("error", "warning")]
     assert bad == [], bad
     return {"seconds": round(took, 1), "reward_mean": rewards_by_step,
-            "eval_reward_mean": [by_step[3]["eval_reward_mean"], by_step[7]["eval_reward_mean"]]}  # fmt: skip
+            "eval_reward_mean": [by_step[s]["eval_reward_mean"] for s in scored]}  # fmt: skip
 
 
 def alive(pid: int) -> bool:

@@ -66,53 +66,6 @@ def test_a_gpu_image_cuda13_plugin_counts_as_the_gpu_compiler(monkeypatch):
     assert not topologies._plugin_importable(topologies.spec("v4-8"))
 
 
-TRACE_FA = r"""
-import sys
-from mllm_rl.backends.jax import topologies
-spec = topologies.spec(sys.argv[1])
-topologies.prepare(spec)
-devs, target = topologies.devices(spec)
-import jax, jax.numpy as jnp
-from jax.sharding import SingleDeviceSharding
-from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention_v3 as rpa
-from mllm_rl.backends.jax.engine_layout import tpu_version
-rpa.get_tpu_version = lambda: tpu_version(target.device_kind)  # sglang-jax reads jax.devices()[0]
-sh = SingleDeviceSharding(devs[0])
-T, S, Hq, Hkv, D, pages = 256, 8, 16, 8, 128, 4096
-def sds(shape, dt):
-    return jax.ShapeDtypeStruct(shape, dt, sharding=sh)
-kv = rpa.get_kv_cache_shape(pages, 1, Hkv, D, jnp.bfloat16)
-args = [sds((T, Hq, D), jnp.bfloat16), sds((T, Hkv, D), jnp.bfloat16), sds((T, Hkv, D), jnp.bfloat16),
-        sds(kv, jnp.bfloat16), sds((S,), jnp.int32), sds((pages,), jnp.int32), sds((S + 1,), jnp.int32),
-        sds((S + 1,), jnp.int32), sds((3,), jnp.int32), None]
-try:
-    with jax.default_device(devs[0]):  # Pallas reads the TPU generation from the default device
-        rpa.ragged_paged_attention.trace(*args, sm_scale=D ** -0.5)
-    print("TRACED")
-except NotImplementedError as e:
-    print("REFUSED", e)
-"""
-
-
-@pytest.mark.slow  # libtpu loaded in a fresh process
-def test_sglang_jax_fa_kernel_refuses_a_v4_so_the_engine_runs_native_there():
-    """sglang-jax's ragged paged attention traced as a TPU v4 (libtpu's compile-only v4-8 device,
-    the kernel told the target's generation): it raises NotImplementedError, which is why
-    ``attention_backend`` picks ``native`` on v4."""
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT, needs_libtpu
-
-    needs_libtpu()
-    r = subprocess.run(
-        [sys.executable, "-c", TRACE_FA, "v4-8"], capture_output=True, text=True, cwd=ROOT, timeout=300
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "REFUSED Unsupported tpu_version=4." in r.stdout, r.stdout
-    assert attention_backend("tpu", topologies.DEVICE_KINDS["v4"]) == "native"
-
-
 ENGINE_FORWARD = r"""
 import dataclasses, json, re, sys
 from mllm_rl.backends.jax import topologies

@@ -1,5 +1,5 @@
-"""Bring your own task on the torch backend (embedded engine, torch trainer, CPU): the same checks as
-on JAX (``tests/byo_task.py``)."""
+"""Bring your own task on the torch backend (embedded engine, torch trainer, CPU): the checks of the
+JAX run (``tests/byo_task.py``) over 8 steps, and the reward's rise on the user's data and reward file."""
 
 from __future__ import annotations
 
