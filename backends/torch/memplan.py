@@ -629,16 +629,18 @@ class EngineFigures:
 
 def embedded_engine(req: PlanRequest, target: Target, itemsize: int) -> EngineFigures:
     """``EmbeddedEngine``'s weights and KV cache, [layers, 2, tokens, kv_heads, head_dim] of
-    ``req.kv_tokens`` tokens (None: max_running_requests x context length)."""
+    ``req.kv_tokens`` tokens (None: the run's rule, ``mllm_rl.plans.rl.size_engine``)."""
     c = req.model
     n = sum(math.prod(s) for s in c.param_shapes().values())  # the checkpoint's tensors, nothing padded
     cell = kv_cell_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, itemsize)
     notes = []
     tokens = req.kv_tokens
     if tokens is None:
-        tokens = req.max_running_requests * req.seq_len
+        requests = min(req.max_running_requests, req.prompts * req.group_size)
+        tokens = requests * req.seq_len
         notes.append(
-            f"KV pool: max_running_requests x seq_len = {tokens} tokens (the run's rule; --kv-tokens sets it)"
+            f"KV pool: min(max_running_requests, prompts x group_size) x seq_len = {tokens} tokens (the "
+            "run's rule where its --eval-prompts are fewer; --kv-tokens sets it)"
         )
     rest = "CUDA kernel workspaces, CUDA contexts, allocator fragmentation"
     if target.platform == "cpu":

@@ -194,10 +194,10 @@ def plan_for_rl(
         return opts, None, [note]
     engine = sized(opts)
     # On CPU every engine step pays for the pool (a donated pool is rewritten per forward), so
-    # auto takes at most max-running-requests x context; on an accelerator, the room left.
+    # auto takes at most the run's own pool (its requests x context); on an accelerator, the room left.
     on_cpu = runtime.get("platform") == "cpu"
     cap = engine.max_total_tokens if on_cpu else None
-    if opts.kv_auto:  # the plan sizes the pool, not the run's max-running-requests x context rule
+    if opts.kv_auto:  # the plan sizes the pool, not the run's requests x context rule
         engine = dataclasses.replace(engine, max_total_tokens=None)
     opts = dataclasses.replace(opts, engine=engine)
     req = request_for(backend.name, target, model, opts, backend.rollout_engine(opts.engine.engine))
@@ -228,7 +228,7 @@ def plan_for_rl(
             engine = dataclasses.replace(engine, mem_fraction_static=plan.mem_fraction_static)
         opts = dataclasses.replace(opts, engine=engine)
         why = (
-            "the run's max-running-requests x context on CPU, within the room the plan leaves"
+            "the run's requests x context on CPU, within the room the plan leaves"
             if req.kv_fit_cap is not None
             else "the largest the plan leaves room for"
         )

@@ -100,7 +100,8 @@ OPTIONS: tuple[Option, ...] = (
     _o("max_total_tokens", int, None, "engine KV cache size in tokens; auto (rl, a run that plans itself: JAX on CPU, a TPU slice or an H100/H200 node; torch on CPU or CUDA): the largest pool "
        "the run's memory plan leaves room for", "run",
        {"rl", "swap", "task", "memplan"}, low=1, nullable=True, aliases=("--kv-tokens",), words=(KV_AUTO,),
-       default_text="swap 4096; rl max-running-requests x context; memplan: the engine's rule"),
+       default_text="swap 4096; rl: the requests of one generate (prompts-per-step x group-size, or eval-prompts; "
+       "at most max-running-requests) x context; memplan: the engine's rule"),
     _o("context_length", int, None, "engine context length", "run", {"rl", "swap", "task"}, low=1,
        nullable=True, default_text="swap 512; rl: fits the task's prompts + completions"),
     _o("max_running_requests", int, 128, "engine batch limit (requests)", "run",

@@ -65,3 +65,20 @@ def test_torch_backend_takes_all_three_engine_choices():
     torch_backend = load_backend("torch")
     for engine in ("auto", "embedded", "sglang"):
         EngineOptions(engine=engine).check_backend("torch", torch_backend.engines)
+
+
+def test_an_rl_runs_kv_pool_holds_one_generate_at_full_length():
+    """Unset ``--kv-tokens``: the requests one generate holds (a rollout's prompts x samples, or the
+    held-out prompts of an evaluation; at most ``--max-running-requests``) x the context."""
+    from mllm_rl.plans.rl import RLOptions, size_engine
+
+    def pool(engine: dict | None = None, **kw: int) -> int | None:
+        opts = RLOptions(engine=EngineOptions(context_length=64, **(engine or {})), **kw)
+        return size_engine(None, None, opts).max_total_tokens  # context set: no task or tokenizer read
+
+    assert pool(prompts_per_step=16, group_size=8) == 128 * 64  # the default batch: max-running-requests
+    assert pool(prompts_per_step=8, group_size=4) == 32 * 64
+    assert pool(prompts_per_step=2, group_size=4) == 16 * 64  # the 16 held-out prompts (--eval-prompts)
+    assert pool(prompts_per_step=2, group_size=4, eval_prompts=4) == 8 * 64
+    assert pool({"max_running_requests": 24}, prompts_per_step=8, group_size=4) == 24 * 64
+    assert pool({"max_total_tokens": 5000}, prompts_per_step=2, group_size=4) == 5000
