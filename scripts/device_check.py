@@ -127,8 +127,9 @@ def _dev_peak(rec: dict[str, Any]) -> tuple[int | None, int | None, str | None]:
 
 
 def summarize_run(run_dir: Path) -> dict[str, Any]:
-    """What a run directory shows: phases of the last step (seconds, allocator end and peak, the
-    plan's end and peak prediction), swap/update GB/s, the plan audit's verdict."""
+    """What a run directory shows: phases of the last step and of the last attempt's setup (a resumed
+    run's directory holds every attempt) (seconds, allocator end and peak, the plan's end and peak
+    prediction), swap/update GB/s, the plan audit's verdict."""
     from mllm_rl.memplan.audit import compare, drifts, load_records, summary
 
     recs = load_records(run_dir) if (run_dir / "phases.jsonl").is_file() else []
@@ -146,8 +147,9 @@ def summarize_run(run_dir: Path) -> dict[str, Any]:
         out["plan_target"] = plan.get("target", {}).get("name")
         for p in plan["phases"]:
             plan_phases.setdefault(p["phase"], p)
+    starts = [i for i, r in enumerate(recs) if r["phase"] == "wandb_init"]
     rows = []
-    for r in recs:
+    for r in recs[starts[-1] if starts else 0 :]:
         if r.get("step") not in (None, last):
             continue
         peak, end, src = _dev_peak(r)

@@ -72,6 +72,8 @@ def test_the_runs_moved_weights_and_held_to_their_plans(check):
         assert res[name]["update_weights_gbps"] > 0
         assert res[name]["plan_drifts"] == [], res[name]["plan_audit"]
         assert {r["source"] for r in res[name]["phases"] if r["source"]} <= {"live_arrays", "live_tensors"}
+        # the last attempt's phases: rl-jax's resumed run, not its first run's setup as well
+        assert [r["phase"] for r in res[name]["phases"]].count("setup:wandb_init") == 1, name
     assert set(doc["copy"]) == {"jax", "torch"} and doc["copy"]["jax"]["h2d_gbps"] > 0
     engines = {r["engine"] for n in ("engine-torch", "engine-jax") for r in res[n]["rows"]}
     assert engines == {"embedded", "hf", "sglang-jax"}
