@@ -33,7 +33,7 @@ from mllm_rl.backends.torch.options import TorchModelOptions
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.checkpoint.safetensors_io import TensorInfo
 from mllm_rl.memplan.compose import GIB, Component, FunctionMemory, Target
-from mllm_rl.memplan.kv import kv_cell_bytes, mem_fraction_for
+from mllm_rl.memplan.kv import kv_cell_bytes, mem_fraction_for, pool_requests
 from mllm_rl.memplan.request import Measured, PlanRequest
 from mllm_rl.presets import ModelConfig
 from mllm_rl.progress import progress_bar
@@ -629,15 +629,14 @@ class EngineFigures:
 
 def embedded_engine(req: PlanRequest, target: Target, itemsize: int) -> EngineFigures:
     """``EmbeddedEngine``'s weights and KV cache, [layers, 2, tokens, kv_heads, head_dim] of
-    ``req.kv_tokens`` tokens (None: the run's rule, ``mllm_rl.plans.rl.size_engine``)."""
+    ``req.kv_tokens`` tokens (None: the run's rule, ``memplan.kv.pool_requests``)."""
     c = req.model
     n = sum(math.prod(s) for s in c.param_shapes().values())  # the checkpoint's tensors, nothing padded
     cell = kv_cell_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, itemsize)
     notes = []
     tokens = req.kv_tokens
     if tokens is None:
-        requests = min(req.max_running_requests, req.prompts * req.group_size)
-        tokens = requests * req.seq_len
+        tokens = pool_requests(req.prompts, req.group_size, req.max_running_requests) * req.seq_len
         notes.append(
             f"KV pool: min(max_running_requests, prompts x group_size) x seq_len = {tokens} tokens (the "
             "run's rule where its --eval-prompts are fewer; --kv-tokens sets it)"

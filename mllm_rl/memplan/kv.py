@@ -17,6 +17,13 @@ def kv_cell_bytes(
     return heads * d * 2 * num_layers * dtype_bytes
 
 
+def pool_requests(prompts: int, group_size: int, max_running_requests: int, eval_prompts: int = 0) -> int:
+    """Requests one generate of an RL run holds at once: a rollout's prompts x samples, or the
+    held-out prompts of an evaluation, at most ``max_running_requests``; an unset pool is this many
+    requests x context (the run's rule, ``mllm_rl.plans.rl.size_engine``)."""
+    return min(max_running_requests, max(prompts * group_size, eval_prompts))
+
+
 def kv_tokens(pool_size: int, cell_bytes: int) -> int:
     """Tokens a pool of ``pool_size`` bytes per device holds (without the padding slots)."""
     return pool_size // cell_bytes if cell_bytes > 0 else 0

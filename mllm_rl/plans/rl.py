@@ -25,6 +25,7 @@ from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.faults import fault
 from mllm_rl.lifecycle import SETUP_PHASES as LIFECYCLE_SETUP
 from mllm_rl.lifecycle import STEP_PHASES, LifecycleOptions, colocate, step_phases
+from mllm_rl.memplan.kv import pool_requests
 from mllm_rl.option_error import OptionError
 from mllm_rl.options.check import check_fields, from_args, opt, parse_key_value
 from mllm_rl.options.schema import FINE_TUNE_LR, FROM_SCRATCH_LR, KV_AUTO, default
@@ -279,17 +280,10 @@ def make_rollout(
     return rollout
 
 
-def pool_requests(opts: RLOptions) -> int:
-    """Requests one generate of the run holds at once: a rollout's prompts x samples, or the held-out
-    prompts of an evaluation, at most ``--max-running-requests``."""
-    held = max(opts.prompts_per_step * opts.group_size, opts.eval_prompts)
-    return min(opts.engine.max_running_requests or DEFAULT_RUNNING, held)
-
-
 def size_engine(task: Task, tok: Any, opts: RLOptions) -> EngineOptions:
     """``opts.engine`` with unset ``context_length`` / ``max_total_tokens`` filled in: the longest
     prompt plus ``max_new_tokens`` as a power of two >= 64 (CPU attention costs O(batch x context)),
-    and a pool of ``pool_requests`` x context: every request of a generate at full length, no more
+    and a pool of ``memplan.kv.pool_requests`` x context: every request of a generate at full length, no more
     (a colocated pool takes memory from the trainer; on CPU each engine step rewrites all of it)."""
     eng = opts.engine
     ctx = eng.context_length
@@ -297,7 +291,11 @@ def size_engine(task: Task, tok: Any, opts: RLOptions) -> EngineOptions:
         _, ids = prompts_of(task, tok, opts, task.sizing(opts.seed))
         need = max(len(p) for p in ids) + opts.max_new_tokens + 1
         ctx = max(64, 1 << (need - 1).bit_length())
-    total = eng.max_total_tokens or pool_requests(opts) * ctx
+    running = eng.max_running_requests or DEFAULT_RUNNING
+    total = (
+        eng.max_total_tokens
+        or pool_requests(opts.prompts_per_step, opts.group_size, running, opts.eval_prompts) * ctx
+    )
     return dataclasses.replace(eng, context_length=ctx, max_total_tokens=total)
 
 
