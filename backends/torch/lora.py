@@ -12,8 +12,9 @@ import math
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from mllm_rl.backends.torch.cpu_half import linear
 
 PROJECTIONS = (
     ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
@@ -45,10 +46,10 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: [..., in] -> [..., out], the adapter branch in the base weight's dtype."""
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.enabled:
             dt = self.weight.dtype
-            y = y + F.linear(F.linear(x, self.lora_a.to(dt)), self.lora_b.to(dt)) * self.scale
+            y = y + linear(linear(x, self.lora_a.to(dt)), self.lora_b.to(dt)) * self.scale
         return y
 
 

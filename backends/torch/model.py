@@ -18,6 +18,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
+from mllm_rl.backends.torch.cpu_half import linear
 from mllm_rl.checkpoint.model_dir import ModelDir
 from mllm_rl.presets import ModelConfig
 from mllm_rl.trainer import greedy_loop
@@ -193,10 +194,17 @@ class ChunkedLogProbs(torch.autograd.Function):
 
 def _chunk_logprobs(x, tgt, norm_weight, head, eps: float, temperature: float) -> torch.Tensor:
     """``x`` [C, H], ``tgt`` [C] -> [C] float32: one chunk of ``token_logprobs``."""
-    logits = (rms_norm(x, norm_weight, eps) @ head.T).float()  # [C, V]
+    logits = linear(rms_norm(x, norm_weight, eps), head).float()  # [C, V]
     if temperature != 1.0:
         logits = logits / temperature
     return logits.gather(-1, tgt[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` without bias whose 16-bit CPU products run in float32 (``cpu_half.linear``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
 
 
 class Attention(nn.Module):
@@ -205,10 +213,10 @@ class Attention(nn.Module):
         self.c = c
         d = c.head_dim
         kw = {"bias": False, "dtype": dtype, "device": device}
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * d, **kw)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * d, **kw)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * d, **kw)
-        self.o_proj = nn.Linear(c.num_attention_heads * d, c.hidden_size, **kw)
+        self.q_proj = Linear(c.hidden_size, c.num_attention_heads * d, **kw)
+        self.k_proj = Linear(c.hidden_size, c.num_key_value_heads * d, **kw)
+        self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * d, **kw)
+        self.o_proj = Linear(c.num_attention_heads * d, c.hidden_size, **kw)
         self.q_norm = RMSNorm(d, c.rms_norm_eps, dtype, device)
         self.k_norm = RMSNorm(d, c.rms_norm_eps, dtype, device)
 
@@ -239,9 +247,9 @@ class MLP(nn.Module):
     def __init__(self, c: ModelConfig, dtype: torch.dtype | None = None, device=None) -> None:
         super().__init__()
         kw = {"bias": False, "dtype": dtype, "device": device}
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, **kw)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, **kw)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, **kw)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, **kw)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, **kw)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -327,7 +335,7 @@ class Qwen3(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm + head: [B, T, H] -> [B, T, V] float32."""
-        return (self.model.norm(x) @ self.head().T).float()
+        return linear(self.model.norm(x), self.head()).float()
 
     def forward(self, tokens, attention_mask=None, targets=None, temperature: float = 1.0) -> torch.Tensor:
         """``tokens``: [B, T] int; ``attention_mask``: [B, T] (positions = cumsum(mask) - 1; None:

@@ -130,8 +130,12 @@ def dispatched_ops(fn: Callable[[], Any], only: tuple[str, ...] = ()) -> int:
 
 
 def ops_per_step(eng: Callable[[list[list[int]], int], Any], ids: list[list[int]]) -> float:
-    """Ops one decode step of ``eng`` dispatches: a 10-token generate's minus a 2-token one's, / 8."""
-    return (dispatched_ops(lambda: eng(ids, 10)) - dispatched_ops(lambda: eng(ids, 2))) / 8
+    """Ops one decode step of ``eng`` dispatches: a 10-token generate's minus a 2-token one's, / 8;
+    16-bit products counted as a GPU runs them (one op, not the CPU's float32 path)."""
+    from mllm_rl.backends.torch.cpu_half import dispatched_as_on_gpu
+
+    with dispatched_as_on_gpu():
+        return (dispatched_ops(lambda: eng(ids, 10)) - dispatched_ops(lambda: eng(ids, 2))) / 8
 
 
 def rates(b: int, p: int, n: int, n_gen: int, t1s: list[float], tns: list[float]) -> dict[str, Any]:
