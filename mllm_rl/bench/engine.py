@@ -93,6 +93,8 @@ class HFGenerate:
         kind = next(iter(model.tensors.values()))[1].dtype
         dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[kind]
         self.model = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=dtype).to(self.device).eval()
+        if self.device.type == "cpu":
+            same_products(self.model)
         self.eos = model.config.eos_token_id
         self.runtime = {"platform": self.device.type, "torch_version": torch.__version__}
 
@@ -107,6 +109,18 @@ class HFGenerate:
 
     def close(self) -> None:
         pass
+
+
+def same_products(model: Any) -> None:
+    """HF's bias-free linear layers through ``cpu_half.linear``, as the embedded engine's: on CPU a
+    16-bit checkpoint's products then run the same GEMM in both, and the ratio compares engines."""
+    from torch import nn
+
+    from mllm_rl.backends.torch.cpu_half import linear
+
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and m.bias is None:
+            m.forward = lambda x, m=m: linear(x, m.weight)
 
 
 def dispatched_ops(fn: Callable[[], Any], only: tuple[str, ...] = ()) -> int:
