@@ -1,15 +1,13 @@
 """``linear``: ``x @ w.T`` whose 16-bit products on CPU run as float32 GEMMs.
 
 A GPU's bf16/fp16 GEMM reads 16-bit inputs, accumulates in float32 and rounds the output to 16
-bits. On a CPU without AVX512-BF16 or AMX, torch's 16-bit GEMM is a scalar fallback: 10-90x slower
-than its float32 GEMM on an AVX2 host (a [960, 512] x [512, 512] bf16 product took 415 ms, float32
-4.5 ms). On CPU, ``linear`` computes a product of at least ``MIN_ROWS`` rows from the same 16-bit
-inputs in float32 and rounds it once (forward and backward), so a CPU run of a bf16 checkpoint
-trains and prefills at float32 speed, as the GPU computes; only the 16-bit tensors are saved for
-the backward. Fewer rows (a small decode batch) keep torch's kernel: there the float32 copy of the
-weight costs more than the product ([1, 1024] x [1024, 3072]: 0.43 ms in bf16, 4.5 ms through
-float32; the two meet near 12 rows). Elsewhere (CUDA, float32), and inside
-``dispatched_as_on_gpu()``, it is ``F.linear``.
+bits. On a CPU without AVX512-BF16 or AMX, torch's 16-bit GEMM is a scalar fallback, many times
+slower than its float32 GEMM. On CPU, ``linear`` computes a product of at least ``MIN_ROWS`` rows
+from the same 16-bit inputs in float32 and rounds it once (forward and backward), so a CPU run of
+a bf16 checkpoint trains and prefills at float32 speed, as the GPU computes; only the 16-bit
+tensors are saved for the backward. Fewer rows (a small decode batch) keep torch's kernel: there
+the float32 copy of the weight costs more than the product saves. Elsewhere (CUDA, float32), and
+inside ``dispatched_as_on_gpu()``, it is ``F.linear``.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 HALF = (torch.bfloat16, torch.float16)
-MIN_ROWS = 16  # rows of x from which the float32 GEMM is the faster one
+MIN_ROWS = 16  # rows of x from which the float32 path was the faster one on an AVX2 host
 _float32_on_cpu = True
 
 

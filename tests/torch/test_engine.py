@@ -233,7 +233,8 @@ def test_a_request_samples_the_same_in_any_sub_batch(tiny_ckpt):
 def test_a_decode_step_dispatches_fewer_ops_than_transformers_generate(tmp_path):
     """On a GPU a small model's decode step is bound by kernel launches: the embedded engine's step
     (rotary tables once per step, q and k normed and rotated as one tensor) must dispatch fewer
-    ops than HF ``generate``'s on the same bf16 checkpoint of 8 layers (``bench engine``'s count)."""
+    ops than HF ``generate``'s on the same bf16 checkpoint of 8 layers (``bench engine``'s count); HF's
+    16-bit CPU products there run through ``cpu_half.linear``, as ours."""
     from mllm_rl.bench.engine import HFGenerate, ops_per_step
 
     cfg = dataclasses.replace(get_preset("tiny"), num_hidden_layers=8)
@@ -241,8 +242,12 @@ def test_a_decode_step_dispatches_fewer_ops_than_transformers_generate(tmp_path)
     ids = [[40 + (i * 7 + j) % 80 for j in range(16)] for i in range(4)]
     ours = swapped(tmp_path, max_total_tokens=4 * 64, context_length=64)
     embedded = ops_per_step(lambda p, n: ours.generate(p, SamplingParams(max_new_tokens=n)), ids)
-    reference = ops_per_step(HFGenerate(ModelDir.open(tmp_path), "cpu"), ids)
+    hf = HFGenerate(ModelDir.open(tmp_path), "cpu")
+    reference = ops_per_step(hf, ids)
     assert embedded < 0.9 * reference, (embedded, reference)
+    # the bench's HF baseline runs its 16-bit CPU products as ours do (cpu_half.linear): same GEMM
+    x = torch.randn(16, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    assert type(hf.model.lm_head(x).grad_fn).__name__ == "_CpuHalfLinearBackward"
     assert embedded > 8 * 7  # at least the 7 projections of every layer: the count saw the model
 
 
