@@ -346,7 +346,7 @@ def trainer_step_memory(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.modules.module import register_module_forward_pre_hook
 
-    from mllm_rl.backends.torch import fsdp
+    from mllm_rl.backends.torch import cpu_half, fsdp
     from mllm_rl.backends.torch.model import build_qwen3
     from mllm_rl.backends.torch.options import TorchModelOptions
     from mllm_rl.backends.torch.trainer import TorchTrainer
@@ -410,6 +410,8 @@ def trainer_step_memory(
                 fake,
                 tracker,
                 faults.suspended(),
+                # a planned GPU's 16-bit GEMMs: one op each, no float32 copies (cpu_half.py)
+                cpu_half.dispatched_as_on_gpu() if device != "cpu" else contextlib.nullcontext(),
                 progress_bar(steps, "fake-tensor train step", unit="step") as bar,
             ):
                 # hooks on the masters now: a mixed-precision forward swaps their casts into the modules

@@ -35,3 +35,20 @@ def test_a_16_bit_cpu_product_and_its_gradients_are_the_exact_ones_rounded_once(
     assert type(y.grad_fn).__name__ != OURS and torch.equal(y, F.linear(x, w))
     assert type(linear(x.float(), w.float()).grad_fn).__name__ != OURS  # float32
     assert type(linear(x[:3, :5], w).grad_fn).__name__ != OURS  # 15 rows: cheaper than a float32 weight
+
+
+def test_a_plan_for_a_gpu_traces_its_16_bit_products_as_the_gpu_runs_them(monkeypatch):
+    """The planner's fake step is a CPU one: a plan for CUDA must not count the CPU path's float32
+    copies (nor pay for tracing them); a plan for CPU runs what a CPU run runs."""
+    from mllm_rl.backends.torch import cpu_half, memplan
+    from mllm_rl.presets import get_preset
+
+    calls = []
+    real = cpu_half._CpuHalfLinear.apply
+    monkeypatch.setattr(cpu_half._CpuHalfLinear, "apply", lambda *a: calls.append(1) or real(*a))
+    for device in ("cuda", "cpu"):
+        calls.clear()
+        memplan.trainer_step_memory(
+            get_preset("tiny"), 2, 32, rows=2, dtype="bfloat16", steps=1, device=device
+        )
+        assert bool(calls) == (device == "cpu"), (device, len(calls))
