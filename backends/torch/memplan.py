@@ -219,6 +219,7 @@ class StepMemory:
     fwd_bwd_peak: dict[str, int] = dataclasses.field(default_factory=dict)
     adamw: str = "fused"
     world: int = 1  # > 1: FSDP2 over this many devices, the figures one device's
+    cached: bool = False  # read from ``step_cache`` (``traced_step``), not traced by this process
 
     @property
     def shape(self) -> str:
@@ -674,6 +675,23 @@ def sglang_engine(req: PlanRequest, target: Target, itemsize: int) -> EngineFigu
     return EngineFigures(weights_c, Component("kv_pool", pool.bytes, "layout", kv), notes, info)
 
 
+def traced_step(*shape: Any, **kw: Any) -> StepMemory:
+    """``trainer_step_memory(*shape, **kw)``, from ``step_cache`` when this code traced it before."""
+    from mllm_rl.backends.torch import step_cache
+
+    name = step_cache.key({"shape": [dataclasses.asdict(shape[0]), *shape[1:]], **kw})
+    doc = step_cache.load(name)
+    if doc is not None:
+        try:
+            doc["options"] = tuple(tuple(o) for o in doc["options"])
+            return dataclasses.replace(StepMemory(**doc), cached=True)
+        except (KeyError, TypeError):
+            pass  # an entry of another shape: traced again, and replaced
+    step = trainer_step_memory(*shape, **kw)
+    step_cache.store(name, dataclasses.asdict(step))
+    return step
+
+
 def measure(req: PlanRequest) -> Measured:
     """Predicted per-device components and functions of ``req``; ValueError for a refused request."""
     target = check_request(req)
@@ -688,7 +706,7 @@ def measure(req: PlanRequest) -> Measured:
     shape = (c, req.micro_batch, req.seq_len, rows, req.param_dtype, req.lora_rank, req.kl)
     device = "cpu" if target.platform == "cpu" else "cuda"
     opts = options_key(req.options)
-    step = trainer_step_memory(*shape, precision=req.precision, options=opts, device=device, world=world)
+    step = traced_step(*shape, precision=req.precision, options=opts, device=device, world=world)
     comps, grad_step = _trainer_figures(req, step)
     comps["engine_weights"], comps["kv_pool"] = engine.weights, engine.kv_pool
     stage = staging_bytes(c, itemsize, lora=req.lora_rank > 0, cast=step.master_dtype != req.param_dtype)
@@ -697,6 +715,7 @@ def measure(req: PlanRequest) -> Measured:
     notes = [
         f"trainer step: {step.shape}, rows = min(prompts x group_size, 2 x micro_batch"
         f"{' x devices' if world > 1 else ''}) = {rows}; {step.seconds:.0f} s of fake-tensor tracing"
+        f"{' by an earlier process running the same code (MLLM_RL_PLAN_CACHE)' if step.cached else ''}"
     ]
     if world > 1:
         notes.append(
@@ -714,9 +733,10 @@ def measure(req: PlanRequest) -> Measured:
             f"in the trainable params' dtype ({step.master_dtype}; TrainConfig.precision "
             f"{req.precision!r})"
         )
+    trace = f"grad_step (fake-tensor trace{', cached' if step.cached else ''})"
     info = {
         **engine.info,
-        "compile_seconds": {"grad_step (fake-tensor trace)": round(step.seconds, 2)},
+        "compile_seconds": {trace: 0.0 if step.cached else round(step.seconds, 2)},
         "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     return Measured(target, comps, {"grad_step": grad_step}, notes, info)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -340,7 +341,10 @@ def test_qwen3_plan_allocates_nothing():
         "print(json.dumps({'rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,"
         " 'params': m.components['trainer_params'].bytes_per_device}))\n"
     )  # fmt: skip
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    env = {**os.environ, "MLLM_RL_PLAN_CACHE": ""}  # traced here, not read from an earlier trace
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["params"] == nbytes(get_preset("qwen3-0.6b").param_shapes().values(), 4)  # float32 masters
