@@ -51,6 +51,30 @@ def tensor_sums(x: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+def copy_with_sums(dst: torch.Tensor, src: torch.Tensor, write: bool = True) -> torch.Tensor:
+    """``dst.copy_(src)`` (``src``: ``dst``'s shape, any dtype, ``dst``'s device) in ``_FP_CHUNK``-
+    element pieces, each piece's [sum, sum of squares] read from ``dst`` right after its copy,
+    while it is still in cache: one pass over ``src`` (a memory-mapped checkpoint, an export, a
+    staged slice) and the fingerprint of what the engine now holds. ``write`` False: the sums of
+    ``src`` in ``dst``'s dtype, nothing written. Returns ``tensor_sums``' float64 pair."""
+    if not dst.is_contiguous():
+        if write:
+            dst.copy_(src)
+        return tensor_sums(dst if write else src.to(dst.dtype))
+    acc = torch.zeros(2, dtype=torch.float64, device=dst.device)
+    d, s = dst.view(-1), src.detach().reshape(-1)
+    for off in range(0, d.numel(), _FP_CHUNK):
+        piece = d[off : off + _FP_CHUNK]
+        if write:
+            piece.copy_(s[off : off + _FP_CHUNK])
+            p32 = piece.float()
+        else:
+            p32 = s[off : off + _FP_CHUNK].to(dst.dtype).float()
+        acc[0] += p32.sum()
+        acc[1] += torch.dot(p32, p32)
+    return acc
+
+
 def read_sums(sums: dict[str, torch.Tensor]) -> Fingerprint:
     """``tensor_sums`` of every name, read to the host in one transfer."""
     if not sums:
@@ -148,7 +172,8 @@ class EmbeddedEngine:
         return placed
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], on_tensor: Any = None) -> UpdateStats:
-        """In-place streaming update; the fingerprint is of the data as staged on the device."""
+        """In-place streaming update. The fingerprint is read from the engine's own tensors as each
+        piece is written (``copy_with_sums``): every tensor written is ``installed``, not read back."""
         t0 = time.perf_counter()
         noop = fault("swap_noop")
         sums: dict[str, torch.Tensor] = {}
@@ -164,11 +189,9 @@ class EmbeddedEngine:
                             f"{name}: placed {src.dtype} on {src.device}, engine holds {dst.dtype} "
                             f"on {dst.device}"
                         )
-                    sums[name] = tensor_sums(src)
                     if on_tensor is not None:
                         on_tensor(name, src.numel() * src.element_size())
-                    if not noop:
-                        dst.copy_(src)
+                    sums[name] = copy_with_sums(dst, src, write=not noop)
                     del src
                 else:
                     src = value if isinstance(value, torch.Tensor) else to_torch(value)
@@ -180,25 +203,30 @@ class EmbeddedEngine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         fp = read_sums(sums)
-        return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp)
+        installed = frozenset() if noop else frozenset(fp)  # noop: sums of what was sent, not held
+        return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp, installed=installed)
 
     def _write(
         self, name: str, dst: torch.Tensor, src: torch.Tensor, on_tensor: Any, noop: bool
     ) -> torch.Tensor:
-        """Stage ``src`` on the device in dim-0 slices (<= ``chunk_bytes``) into ``dst``; [sum, sumsq]."""
+        """Write ``src`` into ``dst`` in dim-0 slices (<= ``chunk_bytes``), each staged on the device
+        first (not on the host: there it is read where it lies); [sum, sumsq] (``copy_with_sums``)."""
         rows = dst.shape[0]
         row_bytes = max(1, dst[0].numel() * dst.element_size())
         whole = self.chunk_bytes <= 0 or dst.numel() * dst.element_size() <= self.chunk_bytes
         step = rows if whole else max(1, self.chunk_bytes // row_bytes)
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)
+        host = self.device.type == "cpu"
         for start in range(0, rows, step):
-            staged = src[start : start + step].to(device=self.device, dtype=self.dtype)
-            acc += tensor_sums(staged)
-            if start == 0 and on_tensor is not None:  # the engine's copy + one staged slice
-                on_tensor(name, staged.numel() * staged.element_size())
-            if not noop:
-                dst[start : start + step].copy_(staged)
-            del staged
+            part = src[start : start + step]
+            if not host:  # one transfer of the slice, in the engine's dtype
+                part = part.to(device=self.device, dtype=self.dtype)
+            if start == 0 and on_tensor is not None:  # the engine's copy + a staged slice or float32 piece
+                on_tensor(
+                    name, min(part.numel(), _FP_CHUNK) * 4 if host else part.numel() * part.element_size()
+                )
+            acc += copy_with_sums(dst[start : start + step], part, write=not noop)
+            del part
         return acc
 
     @torch.no_grad()

@@ -115,9 +115,10 @@ class PhaseRecorder:
             self._host_peak = max(self._host_peak, rss)
 
     def sample_high_point(self, nbytes: int) -> None:
-        """``sample()`` when ``nbytes`` in flight is this phase's most so far (an update peaks at its
-        largest tensor: a few samples find it, not one per tensor)."""
-        if nbytes < self._high_point:
+        """``sample()`` when ``nbytes`` in flight is more than at any earlier high point of this phase
+        (an update peaks at its largest tensor: a few samples find it, not one per tensor; what else
+        is resident does not change during an update, so a tie would find the same peak)."""
+        if nbytes <= self._high_point:
             return
         self._high_point = nbytes
         self.sample()

@@ -10,10 +10,18 @@ import time
 import pytest
 import torch
 
-from mllm_rl.backends.torch.engine import EmbeddedEngine, Placed, sample, tensor_sums, uniforms
+import mllm_rl.backends.torch.engine as engine_mod
+from mllm_rl.backends.torch.engine import (
+    EmbeddedEngine,
+    Placed,
+    copy_with_sums,
+    sample,
+    tensor_sums,
+    uniforms,
+)
 from mllm_rl.backends.torch.model import greedy_decode, load_qwen3
 from mllm_rl.checkpoint import ModelDir, make_checkpoint
-from mllm_rl.engine import SamplingParams, WeightExport
+from mllm_rl.engine import SamplingParams, WeightExport, compare_fingerprints
 from mllm_rl.engine_state import ManagedEngine
 from mllm_rl.presets import get_preset
 
@@ -109,6 +117,36 @@ def test_fingerprint_sums():
     s, q = tensor_sums(x)
     assert math.isclose(float(s), float(x.double().sum()), rel_tol=1e-6)
     assert math.isclose(float(q), float((x.double() ** 2).sum()), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_copy_with_sums_writes_in_pieces_and_sums_what_it_wrote(monkeypatch, src_dtype):
+    monkeypatch.setattr(engine_mod, "_FP_CHUNK", 1000)  # 3737 elements: four pieces
+    src = torch.randn(37, 101, generator=torch.Generator().manual_seed(0)).to(src_dtype)
+    dst = torch.zeros(37, 101, dtype=torch.bfloat16)
+    got = copy_with_sums(dst, src)
+    assert torch.equal(dst, src.to(torch.bfloat16))
+    want = tensor_sums(dst)
+    assert torch.allclose(got, want, rtol=1e-9)
+    untouched = torch.zeros_like(dst)  # write=False (the swap_noop fault): the sums of src, nothing written
+    assert (
+        torch.allclose(copy_with_sums(untouched, src, write=False), want, rtol=1e-9) and not untouched.any()
+    )
+    strided = torch.zeros(101, 37, dtype=torch.bfloat16).T  # not contiguous: copied whole, then summed
+    assert torch.allclose(copy_with_sums(strided, src), want, rtol=1e-9) and torch.equal(strided, dst)
+
+
+def test_an_update_is_fingerprinted_from_the_engines_tensors_and_not_read_back(tiny_ckpt):
+    """Each piece is summed from the engine's own tensor as written: every tensor is proven
+    installed, so the update's check reads nothing back; a fingerprint of the weights read
+    afterwards agrees."""
+    ref = load_qwen3(ModelDir.open(tiny_ckpt))
+    eng = ManagedEngine(EmbeddedEngine(ModelDir.open(tiny_ckpt), device="cpu", chunk_bytes=10_000))
+    stats = eng.update_weights(
+        WeightExport.of([(n, p.detach()) for n, p in ref.named_parameters()], full=True)
+    )
+    assert stats.read_back == 0 and stats.installed == frozenset(stats.fingerprint)
+    assert compare_fingerprints(stats.fingerprint, eng.weights_fingerprint()) == []
 
 
 def test_sampling_top_p_keeps_the_nucleus_and_reports_tempered_logprobs():
