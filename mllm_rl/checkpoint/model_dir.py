@@ -4,6 +4,7 @@ dtypes, tokenizer files, finite weights; one-line ``CheckpointError``s naming fi
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,9 +85,11 @@ class ModelDir:
             )
 
     def iter_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """Yield ``(hf_name, memmap array)`` one tensor at a time, in checkpoint order."""
+        """Yield ``(hf_name, read-only array mapping the file)`` one tensor at a time, in checkpoint
+        order; one map per file for the pass (``read_tensor``)."""
+        maps: dict[Path, mmap.mmap] = {}
         for name, (file, info) in self.tensors.items():
-            yield name, read_tensor(file, info)
+            yield name, read_tensor(file, info, maps)
 
 
 def _read_tensor_table(path: Path) -> dict[str, tuple[Path, TensorInfo]]:

@@ -1,11 +1,10 @@
 """Streaming safetensors I/O with numpy only (bf16 via ``ml_dtypes``): an 8-byte header length, a
 JSON header ``{name: {"dtype", "shape", "data_offsets"}}``, the raw bytes. Written a tensor at a
-time, read as views of one read-only memory map per file; ``check_finite`` refuses NaN/inf
-weights, streaming."""
+time, read as views of read-only memory maps (one per file and pass); ``check_finite`` refuses
+NaN/inf weights, streaming."""
 
 from __future__ import annotations
 
-import functools
 import json
 import mmap
 import os
@@ -131,24 +130,21 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
-def read_tensor(path: Path, info: TensorInfo) -> np.ndarray:
-    """A read-only view of one tensor (shape ``info.shape``, dtype ``info.dtype``) in its file's
-    memory map: no copy, and one map per file, not one per tensor (a map costs two system calls
-    and its page faults; a swap reads hundreds of tensors twice: checked, then installed)."""
+def read_tensor(path: Path, info: TensorInfo, maps: dict[Path, mmap.mmap] | None = None) -> np.ndarray:
+    """A read-only view of one tensor (shape ``info.shape``, dtype ``info.dtype``) in a memory map
+    of its file, no copy. ``maps``: the maps of one pass over many tensors, one per file (a map
+    costs system calls and page faults; a swap reads hundreds of tensors twice); the pass drops
+    the dict and each map closes with its last view, so no file stays mapped after the pass."""
     if info.nbytes == 0:
         return np.zeros(info.shape, DTYPES[info.dtype])
-    st = os.stat(path)
-    mapped = _file_map(str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    mapped = maps.get(path) if maps is not None else None
+    if mapped is None:
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        if maps is not None:
+            maps[path] = mapped
     count = info.nbytes // DTYPES[info.dtype].itemsize
     return np.frombuffer(mapped, DTYPES[info.dtype], count, info.begin).reshape(info.shape)
-
-
-@functools.lru_cache(maxsize=8)
-def _file_map(path: str, inode: int, size: int, mtime_ns: int) -> mmap.mmap:
-    """The read-only map of ``path`` as it is now (a rewritten file is another key: a new map;
-    views of an evicted map keep it alive)."""
-    with open(path, "rb") as f:
-        return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
 
 
 # safetensors dtype -> (same-width unsigned view, exponent mask)
@@ -190,10 +186,11 @@ def check_finite(
     tensors: Iterable[tuple[str, Path, TensorInfo]], on_bytes: Callable[[int], None] | None = None
 ) -> None:
     """Raise ``NonFiniteError`` at the first tensor holding a NaN or an infinity."""
+    maps: dict[Path, mmap.mmap] = {}  # this pass's, one per file
     for name, file, info in tensors:
         if info.dtype not in _EXPONENT:
             continue  # not a float: nothing to check (dtypes are validated elsewhere)
-        count, first = count_nonfinite(read_tensor(file, info), info.dtype)
+        count, first = count_nonfinite(read_tensor(file, info, maps), info.dtype)
         if count:
             index = list(np.unravel_index(first, info.shape)) if info.shape else []
             raise NonFiniteError(

@@ -264,3 +264,32 @@ def test_a_run_scans_the_values_once(monkeypatch, tmp_path):
     assert scanned == []
     resolve_model(str(md.path))  # an existing directory, as `--model DIR` gives it
     assert sorted(scanned) == sorted(md.tensors)
+
+
+def test_a_pass_over_the_tensors_maps_each_file_once_and_leaves_none_mapped(tiny_ckpt):
+    """``iter_tensors`` reads every tensor as a view of one map per file (no copy, not a map per
+    tensor); once the pass and its arrays are gone, no file of the checkpoint stays mapped (a map
+    kept would count the file's pages in the process's RSS for the rest of the run)."""
+    import gc
+    from pathlib import Path
+
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("needs /proc/self/maps (Linux)")
+    md = ModelDir.open(tiny_ckpt)
+    files = {str(f.resolve()) for f, _ in md.tensors.values()}
+
+    def mapped() -> list[str]:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+        return [x.split()[-1] for x in lines if x.split()[-1] in files]
+
+    assert mapped() == []
+    arrays = dict(md.iter_tensors())
+    assert sorted(mapped()) == sorted(files)  # one map per file, however many tensors it holds
+    for name, arr in arrays.items():
+        file, info = md.tensors[name]
+        assert not arr.flags.writeable and arr.shape == tuple(info.shape)
+        raw = file.read_bytes()[info.begin : info.end]
+        assert arr.tobytes() == raw, name
+    del arrays, arr
+    gc.collect()
+    assert mapped() == []
