@@ -2,8 +2,8 @@
 
 A fake-tensor trace of ``TorchTrainer.device_step`` is a function of its arguments, this package's
 source and torch's version alone, and it takes seconds (tiny) to minutes (an 8B model); every run
-plans itself before it starts, so a run started again, resumed or launched as several processes
-would trace the same step again. ``load``/``store`` keep each trace's figures under a key of all
+plans itself before it starts, so a run started again or resumed would trace the same step
+again. ``load``/``store`` keep each trace's figures under a key of all
 three: an edited source file or another torch is another key, never a stale entry.
 
 ``MLLM_RL_PLAN_CACHE``: the directory; unset: ``$MLLM_RL_CACHE/torch-plans``; empty: off. At most
