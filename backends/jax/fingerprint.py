@@ -11,11 +11,23 @@ import jax.numpy as jnp
 from mllm_rl.engine import Fingerprint
 
 
+def _fused_sums(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x = x.astype(jnp.float32)
+    return jnp.sum(x), jnp.sum(x * x)
+
+
+def _separate_sums(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Two reductions kept apart: XLA:CPU fuses both into one loop that runs ~10x slower than
+    either alone (0.4 vs 5 G elements/s on a 16-bit tensor of 2**26 elements)."""
+    s = jnp.sum(x.astype(jnp.float32))
+    x = jax.lax.optimization_barrier(x)
+    return s, jnp.sum(jnp.square(x.astype(jnp.float32)))
+
+
 @jax.jit
 def tensor_sums(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(sum, sum of squares) of ``x`` in float32, as device scalars (dispatched async)."""
-    x = x.astype(jnp.float32)
-    return jnp.sum(x), jnp.sum(x * x)
+    return jax.lax.platform_dependent(x, cpu=_separate_sums, default=_fused_sums)
 
 
 def read_sums(sums: Mapping[str, tuple[jax.Array, jax.Array]]) -> Fingerprint:

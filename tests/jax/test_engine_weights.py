@@ -7,6 +7,8 @@ mapping's ``transpose``), every other weight as in HF, on a mesh of their own.
 
 from __future__ import annotations
 
+import mmap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,6 +44,13 @@ def _assert_close(got: dict, want: dict, rel: float = 1e-6) -> None:
 
 def _ptr(x: jax.Array) -> int:
     return x.addressable_shards[0].data.unsafe_buffer_pointer()
+
+
+@pytest.fixture
+def chunked_on_cpu(monkeypatch) -> None:
+    """Leaves on one CPU device written as on an accelerator: chunks into the existing buffer
+    (a fake of the platform check; on one CPU device a large tensor is placed whole instead)."""
+    monkeypatch.setattr(ew, "on_cpu", lambda sharding, one=False: False)
 
 
 @pytest.fixture
@@ -175,9 +184,10 @@ def test_stream_installs_placed_arrays_as_they_are():
 
 
 def test_installed_proves_the_summed_arrays_are_the_leaves_and_nothing_else(monkeypatch):
-    """A tensor placed whole is proven installed (its summed array is the leaf); one written in
-    chunks, one dropped instead of installed (fault ``swap_noop``) or one replaced since is not, so
-    the update check reads those back (and only those: ``fingerprint(names)``)."""
+    """A tensor placed whole is proven installed (its summed array is the leaf), on one CPU device
+    also one above ``chunk_bytes``; one written in chunks, one dropped instead of installed (fault
+    ``swap_noop``) or one replaced since is not, so the update check reads those back (and only
+    those: ``fingerprint(names)``)."""
     hf, norm = _hf_kernel(1), np.linspace(-1, 1, 6, dtype=np.float32)
     leaves, w = _leaves()
     _, _, summed = w.stream([(W, hf), (N, norm)])
@@ -185,17 +195,24 @@ def test_installed_proves_the_summed_arrays_are_the_leaves_and_nothing_else(monk
     w.install(W, w.place(W, _hf_kernel(2)))  # replaced after the stream
     assert w.installed(summed) == {N}
     assert set(w.fingerprint([N])) == {N} and w.fingerprint([N])[N] == w.fingerprint()[N]
-    _, chunked = _leaves(chunk_bytes=24)
-    _, _, summed = chunked.stream([(W, hf), (N, norm)])
-    assert chunked.installed(summed) == {N}
+    _, large = _leaves(chunk_bytes=24)
+    _, _, summed = large.stream([(W, hf), (N, norm)])
+    assert large.installed(summed) == {W, N}
+    with monkeypatch.context() as m:
+        m.setattr(ew, "on_cpu", lambda sharding, one=False: False)  # chunks, as on an accelerator
+        _, chunked = _leaves(chunk_bytes=24)
+        _, _, summed = chunked.stream([(W, hf), (N, norm)])
+        assert chunked.installed(summed) == {N}
     monkeypatch.setenv("MLLM_RL_FAULTS", "swap_noop")
-    _, dropped = _leaves()
-    _, _, summed = dropped.stream([(W, hf)])
-    assert dropped.installed(summed) == set()
+    for chunk_bytes in (0, 24):
+        _, dropped = _leaves(chunk_bytes=chunk_bytes)
+        _, _, summed = dropped.stream([(W, hf)])
+        assert dropped.installed(summed) == set()
+        assert not np.asarray(dropped.target_of(W)).any()  # the dummy leaf, neither freed nor written
 
 
 # -- chunked writes ------------------------------------------------------------------------
-def test_chunked_write_equals_whole_write():
+def test_chunked_write_equals_whole_write(chunked_on_cpu):
     """A host tensor above ``chunk_bytes`` written slice by slice into the existing buffer:
     the same leaf and the same sums as placing it whole."""
     hf = _hf_kernel(2)
@@ -217,6 +234,51 @@ def test_chunked_write_checks_the_shape():
     _, w = _leaves(chunk_bytes=24)
     with pytest.raises(ValueError, match=r"w\.weight: shape \(4, 5\) does not match engine \(4, 6\)"):
         w.write_in_chunks(W, np.zeros((5, 4), np.float32))
+    with pytest.raises(ValueError, match=r"w\.weight: shape \(4, 5\) does not match engine \(4, 6\)"):
+        w.replace_on_host(W, np.zeros((5, 4), np.float32))
+    assert not w.target_of(W).is_deleted()  # refused before the leaf was freed
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_on_one_cpu_device_a_large_tensor_replaces_the_leaf_in_one_copy(monkeypatch, transpose):
+    """On one CPU device the leaf is host memory: a host tensor above ``chunk_bytes`` is copied
+    once, after the old leaf is freed, into an aligned buffer that the new leaf aliases (no XLA
+    pass, no second copy), then proven installed; at the high point only the new copy is live."""
+    monkeypatch.setattr(ew, "FRESH_BYTES", 64)  # the [4, 6] float32 leaf (96 B) in a map of its own
+    hf = _hf_kernel(4)
+    leaves, w = _leaves(chunk_bytes=24)
+    if not transpose:
+        w.mappings[W] = (0, False)
+        leaves[0] = jnp.zeros((6, 4), jnp.float32, device=REPLICATED)
+    old, live = leaves[0], []
+    sums, nbytes, summed = w.stream([(W, hf)], on_tensor=lambda n, b: live.append(old.is_deleted()))
+    new = leaves[0]
+    assert live == [True] and nbytes == 96 and w.installed(summed) == {W}
+    host = new.addressable_shards[0].data
+    assert _ptr(new) % ew.ALIGN == 0 and np.asarray(host).ctypes.data == _ptr(new)  # aliased, not copied
+    np.testing.assert_array_equal(np.asarray(new), hf.T if transpose else hf)
+    _assert_close(read_sums(sums), {W: (float(hf.sum()), float((hf * hf).sum()))}, rel=1e-5)
+
+
+@pytest.mark.parametrize("nbytes", [0, 40, 4096])
+def test_host_copy_is_aligned_so_the_device_array_aliases_it(monkeypatch, nbytes):
+    """JAX CPU's ``device_put`` aliases an ``ALIGN``-byte aligned host array (no second copy);
+    from ``FRESH_BYTES`` on the copy is an anonymous map; ``into`` reuses a staging buffer."""
+    monkeypatch.setattr(ew, "FRESH_BYTES", 1024)
+    src = np.arange(nbytes // 4, dtype=np.float32)[::-1]  # a strided view: copied contiguous
+    out = ew.host_copy(src, np.float32)
+    assert out.flags.c_contiguous and out.shape == src.shape and (out == src).all()
+    owner = out
+    while isinstance(owner, np.ndarray | memoryview):  # the object that owns the memory
+        owner = owner.obj if isinstance(owner, memoryview) else owner.base
+    assert isinstance(owner, mmap.mmap) == (nbytes >= 1024)
+    if nbytes:  # (an empty array has no buffer to align)
+        assert out.ctypes.data % ew.ALIGN == 0
+        assert jax.device_put(out).unsafe_buffer_pointer() == out.ctypes.data
+    staging = ew.aligned_empty(8192)
+    again = ew.host_copy(src, jnp.bfloat16, into=staging)
+    assert again.ctypes.data == staging.ctypes.data and again.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(again, src.astype(jnp.bfloat16))
 
 
 def test_dotted_names_a_key_path():
@@ -326,11 +388,15 @@ def test_an_update_holds_at_most_the_planned_copies_in_flight(tiny_ckpt, lora, s
     assert 0 < max(extra) <= STAGING_COPIES * largest, (max(extra), largest)
 
 
-def test_warm_compiles_every_program_of_a_swap_ahead_of_it(tiny_bf16_ckpt):
+@pytest.mark.parametrize("chunks", [True, False])
+def test_warm_compiles_every_program_of_a_swap_ahead_of_it(tiny_bf16_ckpt, monkeypatch, chunks):
     """``warm`` compiles, in threads, what a stream of the checkpoint runs (casts, transposes, sums,
-    chunk writes): the stream that follows compiles none of them (on a GPU each is ~0.1 s)."""
+    chunk writes as on an accelerator, ``chunks``; none on one CPU device): the stream that follows
+    compiles none of them (on a GPU each is ~0.1 s)."""
     import logging
 
+    if chunks:
+        monkeypatch.setattr(ew, "on_cpu", lambda sharding, one=False: False)
     md = ModelDir.open(tiny_bf16_ckpt)
     leaves, w = _engine_like(md)
     w.chunk_bytes = 40_000  # the embedding and the MLP kernels in chunks (shapes of this test only)
@@ -354,8 +420,15 @@ def test_warm_compiles_every_program_of_a_swap_ahead_of_it(tiny_bf16_ckpt):
     finally:
         jax.config.update("jax_log_compiles", before)
         log.removeHandler(seen)
-    assert {"Compiling jit(_to_layout)", "Compiling jit(tensor_sums)", "Compiling jit(<lambda>)"} <= warmed
-    assert [c for c in compiled if c in warmed] == [], compiled
+    if chunks:  # the chunk writer, and the casts, transposes and sums of its chunks
+        assert {
+            "Compiling jit(_to_layout)",
+            "Compiling jit(tensor_sums)",
+            "Compiling jit(<lambda>)",
+        } <= warmed
+        assert [c for c in compiled if c in warmed] == [], compiled
+    else:  # on one CPU device: no chunk writer; the rest warmed (or compiled by an earlier test)
+        assert "Compiling jit(<lambda>)" not in warmed and compiled == [], compiled
     for name, a in md.iter_tensors():  # and the stream wrote what it was given
         transpose = w.mappings[name][1]
         np.testing.assert_array_equal(np.asarray(w.target_of(name)), a.T if transpose else a)
