@@ -10,7 +10,9 @@ One ``python -m mllm_rl.run`` per model and backend in a fresh process (``--pyth
 recorded runs of ``--from-run``. Per phase: medians over the counted steps (complete, error-free,
 not an attempt's first, which compiles) of its seconds, its share of the step's wall time (gaps:
 ``between_phases``; a repeated name: ``empty_cache#2``) and the bytes it moved. ``non-rollout,
-non-train`` is the lifecycle's own cost, also derived for a checkpoint every 5 steps.
+non-train`` is the lifecycle's own cost, also derived for a checkpoint every 5 steps. After each
+new run, ``python -m mllm_rl.bench copy`` in the same interpreter measures the copy baseline
+(``--no-baseline``: not): ``update_weights``'s rate over its ``h2d`` copy of as many bytes.
 
 Exit 0 with the results, 2 on bad input (one line), 1 when a run failed (``--keep-going``: the
 others go on). Times are wall-clock; the load average around each run is recorded."""
@@ -30,7 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mllm_rl.bench.child import BenchError, run_argv, run_cmd
+from mllm_rl.bench import MiB
+from mllm_rl.bench.child import BenchError, bench_argv, flags, run_argv, run_cmd, run_json
 from mllm_rl.bench.cli import csv_choice, csv_list, doc_parser, output_flags, positive, progress, run_bench
 from mllm_rl.bench.machine import ROOT, bench_json, load_avg_1m
 from mllm_rl.bench.tables import merge_orders, table
@@ -258,8 +261,26 @@ def new_run(args: argparse.Namespace, model: str, backend: str, run_dir: Path, n
         return {"label": label, "model": model, "backend": backend, "error": str(e)[:3000], "command": cmd}
     dt = time.perf_counter() - t0
     progress(f"  [{n}] {label}: {dt:.0f} s")
-    return {**row, "command": cmd, "run_seconds": round(dt, 2), "load_avg_1m_before": load0,
-            "load_avg_1m_after": load_avg_1m(), "run_dir": str(run_dir) if args.runs_dir else None}  # fmt: skip
+    row = {**row, "command": cmd, "run_seconds": round(dt, 2), "load_avg_1m_before": load0,
+           "load_avg_1m_after": load_avg_1m(), "run_dir": str(run_dir) if args.runs_dir else None}  # fmt: skip
+    return row if args.no_baseline else {**row, **update_over_copy(args, backend, row["analysis"])}
+
+
+def update_over_copy(args: argparse.Namespace, backend: str, analysis: dict[str, Any]) -> dict[str, Any]:
+    """The copy baseline (``bench copy``: h2d of the update's bytes, in the run's interpreter)
+    and ``update_weights``'s median rate over it; {} when the run updated nothing."""
+    update = next((p for p in analysis["phases"] if p["phase"] == "update_weights"), None)
+    if update is None or not update["gbps_median"]:
+        return {}
+    mb = min(4096.0, max(64.0, update["bytes_median"] / MiB))
+    cmd = bench_argv("copy", *flags(backend=backend, mb=round(mb, 1), platform=args.platform, repeats=5),
+                     python=python_for(backend, args))  # fmt: skip
+    base = run_json(cmd, f"copy baseline ({backend})", timeout=args.timeout)
+    h2d = base["h2d"]["gbps_best"]
+    return {
+        "copy_baseline": base,
+        "update_gbps_over_h2d": round(update["gbps_median"] / h2d, 4) if h2d else None,
+    }
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -333,6 +354,11 @@ def report(out: dict[str, Any]) -> str:
                 f"{_pct(u['around_install_share_median'])}; full updates {u['full_updates']}/{u['updates']}; "
                 f"checkpoints saved in counted steps {r['analysis']['checkpoints_saved']}"
             )
+        if (ratio := r.get("update_gbps_over_h2d")) is not None:
+            b = r["copy_baseline"]
+            lines.append(f"{r['label']}: update_weights at {ratio:.3f}x the copy baseline's h2d "
+                         f"({b['h2d']['gbps_best']:.3f} GB/s best of 5, {b['bytes'] / MiB:.0f} MiB, "
+                         f"{b['runtime']} {b['platform']}; measured after the run)")  # fmt: skip
         if r.get("run_seconds") is not None:
             lines.append(f"{r['label']}: run {r['run_seconds']:.0f} s, load average (1 min) "
                          f"{r.get('load_avg_1m_before')} -> {r.get('load_avg_1m_after')}")  # fmt: skip
@@ -386,5 +412,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here (default: a temp dir)")
     ap.add_argument("--keep-going", action="store_true", help="report a failing run and go on")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the copy baseline after each run")
     output_flags(ap, extra="extra args for every mllm_rl.run (after --)")
     return run_bench(bench, ap.parse_args(argv), report, summary)[0]

@@ -290,3 +290,10 @@ def test_script_on_real_tiny_runs_of_both_backends(tmp_path):
         assert by["update_weights"]["bytes_median"] > 0 and a["update"]["install_s_median"] > 0
         assert (Path(run["run_dir"]) / "phases.jsonl").exists()
         assert run["load_avg_1m_before"] is not None
+        base = run["copy_baseline"]  # measured after the run, in its interpreter
+        assert (
+            base["runtime"] == run["backend"] and base["bytes"] == 64 * 2**20 and base["h2d"]["gbps_best"] > 0
+        )
+        ratio = by["update_weights"]["gbps_median"] / base["h2d"]["gbps_best"]
+        assert run["update_gbps_over_h2d"] == pytest.approx(ratio, abs=1e-4)
+        assert f"{run['label']}: update_weights at {run['update_gbps_over_h2d']:.3f}x the copy" in r.stdout
