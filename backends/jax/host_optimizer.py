@@ -7,18 +7,35 @@ to the host and the leaf's gradient is deleted.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import optax
 
 DEVICE, HOST = "device", "pinned_host"
+COMPILED_COPY_BYTES = 32 * 2**20  # JAX CPU: arrays this large move through a compiled copy
 
 
 def put(tree: Any, kind: str) -> Any:
     """A copy of ``tree``'s arrays in memory kind ``kind``, same sharding (waited for once)."""
-    out = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), tree)
-    return jax.block_until_ready(out)
+    return jax.block_until_ready(jax.tree.map(lambda x: _put(x, kind), tree))
+
+
+def _put(x: jax.Array, kind: str) -> jax.Array:
+    """``x`` in memory kind ``kind``. On JAX CPU an array of ``COMPILED_COPY_BYTES`` or more (whose
+    copy lands in fresh pages) moves through XLA's own copy, ~1.8x ``device_put``'s rate there
+    (1 GB of float32 in 336 MiB arrays: 1.9 vs 1.05 GB/s); smaller ones need no compile."""
+    sharding = x.sharding.with_memory_kind(kind)
+    if x.nbytes >= COMPILED_COPY_BYTES and all(d.platform == "cpu" for d in sharding.device_set):
+        return _copier(sharding)(x)
+    return jax.device_put(x, sharding)
+
+
+@functools.cache
+def _copier(sharding: jax.sharding.Sharding) -> Callable[[jax.Array], jax.Array]:
+    return jax.jit(lambda a: a, out_shardings=sharding)
 
 
 def adam_state(opt_state: Any) -> optax.ScaleByAdamState:

@@ -134,3 +134,21 @@ def test_checkpoint_restores_into_host_memory(bf16_md, tmp_path):  # noqa: F811
     assert _kinds(u.opt_state) == {"pinned_host"}
     for a, b in zip(host((t.trainable, t.opt_state)), host((u.trainable, u.opt_state)), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_put_moves_between_memory_kinds_by_compiled_copy_from_the_threshold(monkeypatch, compiled):
+    """``put``: a copy in the other memory kind, same values and sharding, the source untouched; on
+    JAX CPU an array of ``COMPILED_COPY_BYTES`` or more moves through one compiled copy per
+    sharding (faster than ``device_put`` into fresh pages), a smaller one by ``device_put``."""
+    monkeypatch.setattr(host_optimizer, "COMPILED_COPY_BYTES", 0 if compiled else 1 << 40)
+    host_optimizer._copier.cache_clear()
+    tree = {"a": jax.numpy.arange(12.0).reshape(3, 4), "b": jax.numpy.ones((5,), jax.numpy.bfloat16)}
+    for kind in (host_optimizer.HOST, host_optimizer.DEVICE):
+        out = host_optimizer.put(tree, kind)
+        for k, x in tree.items():
+            assert out[k].sharding == x.sharding.with_memory_kind(kind) and out[k].dtype == x.dtype
+            np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(x))
+            assert not x.is_deleted() and out[k].unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
+        tree = out
+    assert host_optimizer._copier.cache_info().currsize == (2 if compiled else 0)  # one per sharding
