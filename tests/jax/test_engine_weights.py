@@ -230,6 +230,31 @@ def test_chunked_write_equals_whole_write(chunked_on_cpu):
     assert nbytes == 96 and high_points == [W]
 
 
+@pytest.mark.parametrize("transpose", [True, False])
+def test_chunks_on_cpu_go_through_one_staging_buffer(monkeypatch, transpose):
+    """``write_in_chunks`` on CPU devices (several of them in a run; called directly here) stages
+    every chunk in one reused host buffer, waiting for each chunk's readers first: the leaf is the
+    whole tensor, not the last chunk repeated, and the sums are the tensor's."""
+    staged: list[int] = []
+    real = ew.host_copy
+
+    def spy(arr, dtype, into=None):
+        out = real(arr, dtype, into)
+        staged.append(out.ctypes.data)
+        return out
+
+    monkeypatch.setattr(ew, "host_copy", spy)
+    hf = _hf_kernel(5)
+    leaves, w = _leaves(chunk_bytes=24)  # [4, 6] float32 leaf: one 24-byte row a chunk
+    if not transpose:
+        w.mappings[W] = (0, False)
+        leaves[0] = jnp.zeros((6, 4), jnp.float32, device=REPLICATED)
+    sums = w.write_in_chunks(W, hf)
+    np.testing.assert_array_equal(np.asarray(leaves[0]), hf.T if transpose else hf)
+    assert len(staged) == (4 if transpose else 6) and len(set(staged)) == 1
+    _assert_close(read_sums({W: sums}), {W: (float(hf.sum()), float((hf * hf).sum()))}, rel=1e-5)
+
+
 def test_chunked_write_checks_the_shape():
     _, w = _leaves(chunk_bytes=24)
     with pytest.raises(ValueError, match=r"w\.weight: shape \(4, 5\) does not match engine \(4, 6\)"):
