@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 
 from mllm_rl.backends.jax.export_layout import KernelInOut, unwrap
 from mllm_rl.backends.jax.fingerprint import fingerprint, tensor_sums
+from mllm_rl.backends.jax.sharding import on_cpu
 from mllm_rl.engine import Fingerprint, Placed
 from mllm_rl.faults import fault
 
@@ -38,8 +39,8 @@ def host_copy(arr: np.ndarray, dtype: Any, into: np.ndarray | None = None) -> np
     (in ``into``, an ``aligned_empty`` buffer, when it is large enough).
 
     On JAX CPU ``jax.device_put`` aliases an aligned host array (a mapped checkpoint's pages
-    would change once the mapping is gone: hence the copy) and copies an unaligned one at about
-    a fifth of memcpy's speed (numpy aligns to 16 bytes): an aligned copy is the only copy."""
+    would change once the mapping is gone: hence the copy) and copies an unaligned one, more
+    slowly than a memcpy (numpy aligns to 16 bytes): an aligned copy is the only copy."""
     nbytes = int(np.prod(arr.shape)) * np.dtype(dtype).itemsize
     raw = into if into is not None and into.nbytes >= nbytes else aligned_empty(nbytes)
     out = raw[:nbytes].view(dtype).reshape(arr.shape)
@@ -54,7 +55,7 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     """``nbytes`` of uninitialised host memory (``uint8``), ``ALIGN``-byte aligned. A block of
     ``FRESH_BYTES`` or more is an anonymous map of its own, populated when made (unmapped with the
     last array that views it): numpy would ask for huge pages, whose first touch can wait on memory
-    compaction (seen: 1.2 s for 311 MB, against 0.15 s populated)."""
+    compaction."""
     if nbytes >= FRESH_BYTES:
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
         return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), np.uint8)
@@ -85,12 +86,6 @@ def to_engine(
     if transpose or x.dtype != dtype:
         return jax.device_put(_to_layout(x, transpose, dtype), sharding)
     return jax.device_put(x, sharding, may_alias=owned)
-
-
-def on_cpu(sharding: jax.sharding.Sharding, one: bool = False) -> bool:
-    """Every device of ``sharding`` a CPU (``one``: and only one device)."""
-    devices = sharding.device_set
-    return all(d.platform == "cpu" for d in devices) and (len(devices) == 1 or not one)
 
 
 def host_to_engine(
@@ -191,8 +186,8 @@ class EngineLeaves:
     def replace_on_host(self, hf_name: str, host: np.ndarray) -> jax.Array:
         """The leaf (on one CPU device: host memory) freed, then ``host`` copied into a buffer of
         its own that becomes the new array (``host_copy``): one copy, and the peak is one copy of
-        the tensor where chunks would add a chunk and an XLA:CPU pass over the 16-bit buffer per
-        chunk (~0.1 s per 64 MiB chunk of a 300 MiB buffer). Not installed yet."""
+        the tensor where chunks would add a chunk, and XLA:CPU would convert the whole 16-bit
+        buffer to float32 and back for each chunk it writes. Not installed yet."""
         idx, transpose = self.mappings[hf_name]
         leaf = self.leaves[idx]
         src = np.asarray(host)

@@ -17,8 +17,8 @@ def _fused_sums(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _separate_sums(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Two reductions kept apart: XLA:CPU fuses both into one loop that runs ~10x slower than
-    either alone (0.4 vs 5 G elements/s on a 16-bit tensor of 2**26 elements)."""
+    """Two reductions kept apart: XLA:CPU fuses both into one loop that runs many times slower
+    than either alone on a large 16-bit tensor (docs/BENCHMARKS.md, param swap)."""
     s = jnp.sum(x.astype(jnp.float32))
     x = jax.lax.optimization_barrier(x)
     return s, jnp.sum(jnp.square(x.astype(jnp.float32)))

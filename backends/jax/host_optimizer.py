@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import optax
 
+from mllm_rl.backends.jax.sharding import on_cpu
+
 DEVICE, HOST = "device", "pinned_host"
 COMPILED_COPY_BYTES = 32 * 2**20  # JAX CPU: arrays this large move through a compiled copy
 
@@ -25,10 +27,10 @@ def put(tree: Any, kind: str) -> Any:
 
 def _put(x: jax.Array, kind: str) -> jax.Array:
     """``x`` in memory kind ``kind``. On JAX CPU an array of ``COMPILED_COPY_BYTES`` or more (whose
-    copy lands in fresh pages) moves through XLA's own copy, ~1.8x ``device_put``'s rate there
-    (1 GB of float32 in 336 MiB arrays: 1.9 vs 1.05 GB/s); smaller ones need no compile."""
+    copy lands in fresh pages) moves through XLA's own copy, faster than ``device_put`` there
+    (docs/BENCHMARKS.md, step cost); smaller ones need no compile."""
     sharding = x.sharding.with_memory_kind(kind)
-    if x.nbytes >= COMPILED_COPY_BYTES and all(d.platform == "cpu" for d in sharding.device_set):
+    if x.nbytes >= COMPILED_COPY_BYTES and on_cpu(sharding):
         return _copier(sharding)(x)
     return jax.device_put(x, sharding)
 

@@ -91,3 +91,9 @@ def batch_sharding(mesh: Mesh, rows: int) -> NamedSharding:
     """Rows of a micro-batch split over ``fsdp`` when they divide, else replicated."""
     n = mesh.shape["fsdp"]
     return NamedSharding(mesh, P("fsdp") if n > 1 and rows % n == 0 else P())
+
+
+def on_cpu(sharding: jax.sharding.Sharding, one: bool = False) -> bool:
+    """Every device of ``sharding`` a CPU (``one``: and only one device)."""
+    devices = sharding.device_set
+    return all(d.platform == "cpu" for d in devices) and (len(devices) == 1 or not one)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mllm_rl.bench import MiB
-from mllm_rl.bench.child import BenchError
+from mllm_rl.bench.child import BenchError, bench_argv, flags, run_json
 from mllm_rl.bench.cli import positive
 
 
@@ -34,6 +34,17 @@ def _bw(nbytes: int, fn: Callable[[], Any], repeats: int) -> dict[str, Any]:
     best, med = min(times), statistics.median(times)
     return {"seconds_best": round(best, 6), "seconds_median": round(med, 6),
             "gbps_best": round(nbytes / best / 1e9, 3), "gbps_median": round(nbytes / med / 1e9, 3)}  # fmt: skip
+
+
+def baseline(backend: str, nbytes: int, platform: str, repeats: int, timeout: float | None,
+             python: str = sys.executable, mb: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """This bench in a child under ``python``: copies of ``nbytes`` (clamped to [64, 4096] MiB;
+    ``mb``: that many MiB instead), what another bench's rates are divided by."""
+    mb = mb or round(min(4096.0, max(64.0, nbytes / MiB)), 1)
+    cmd = bench_argv(
+        "copy", *flags(backend=backend, mb=mb, platform=platform, repeats=repeats), python=python
+    )
+    return run_json(cmd, f"copy baseline ({backend})", timeout=timeout)
 
 
 def jax_copy_bandwidth(

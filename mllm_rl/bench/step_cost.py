@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from mllm_rl.bench import MiB
-from mllm_rl.bench.child import BenchError, bench_argv, flags, run_argv, run_cmd, run_json
+from mllm_rl.bench.child import BenchError, run_argv, run_cmd
 from mllm_rl.bench.cli import csv_choice, csv_list, doc_parser, output_flags, positive, progress, run_bench
+from mllm_rl.bench.copy_bandwidth import baseline
 from mllm_rl.bench.machine import ROOT, bench_json, load_avg_1m
 from mllm_rl.bench.tables import merge_orders, table
 from mllm_rl.plans.rl import RLOptions
@@ -272,10 +273,9 @@ def update_over_copy(args: argparse.Namespace, backend: str, analysis: dict[str,
     update = next((p for p in analysis["phases"] if p["phase"] == "update_weights"), None)
     if update is None or not update["gbps_median"]:
         return {}
-    mb = min(4096.0, max(64.0, update["bytes_median"] / MiB))
-    cmd = bench_argv("copy", *flags(backend=backend, mb=round(mb, 1), platform=args.platform, repeats=5),
-                     python=python_for(backend, args))  # fmt: skip
-    base = run_json(cmd, f"copy baseline ({backend})", timeout=args.timeout)
+    base = baseline(
+        backend, update["bytes_median"], args.platform, 5, args.timeout, python_for(backend, args)
+    )
     h2d = base["h2d"]["gbps_best"]
     return {
         "copy_baseline": base,

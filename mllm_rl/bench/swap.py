@@ -19,8 +19,9 @@ import argparse
 from typing import Any
 
 from mllm_rl.bench import GiB, MiB
-from mllm_rl.bench.child import BenchError, bench_argv, flags, run_json, run_phases, warm_page_cache
+from mllm_rl.bench.child import BenchError, run_phases, warm_page_cache
 from mllm_rl.bench.cli import bench_parser, csv_choice, main_with_child, output_flags, pick, positive, target
+from mllm_rl.bench.copy_bandwidth import baseline
 from mllm_rl.bench.machine import bench_json
 from mllm_rl.bench.records import allocator, truth
 from mllm_rl.bench.tables import table, target_lines
@@ -64,20 +65,13 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "generated": recs["generate_result"]["info"].get("token_ids")}  # fmt: skip
 
 
-def copy_baseline(args: argparse.Namespace, ckpt_bytes: int) -> dict[str, Any]:
-    mb = args.copy_mb or min(4096.0, max(64.0, ckpt_bytes / MiB))
-    cmd = bench_argv(
-        "copy", *flags(backend=args.backend, mb=mb, platform=args.platform, repeats=args.repeats)
-    )
-    return run_json(cmd, "copy baseline", timeout=args.timeout)
-
-
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     from mllm_rl.checkpoint.resolve import resolve_model
 
     model = resolve_model(args.preset)  # written once, before any timing
     cache = warm_page_cache(model.path)
-    base = None if args.no_baseline else copy_baseline(args, model.nbytes)
+    base = None if args.no_baseline else baseline(args.backend, model.nbytes, args.platform, args.repeats,
+                                                   args.timeout, mb=args.copy_mb)  # fmt: skip
     rows = [run_mode(m, args) for m in args.modes]
     accel = bool(rows) and rows[0]["platform"] not in ("cpu", None)
     h2d = base["h2d"]["gbps_best"] if base else None
