@@ -1,10 +1,12 @@
 """The JAX trainer's orbax write, with a failed write said once, as an ``OSError``.
 
 When a write fails (a full disk, ``RLIMIT_FSIZE``, a lost permission), orbax 0.12 and tensorstore
-0.1 do three things ``AsyncSave`` undoes: the error is a ``ValueError`` (it becomes the ``OSError``
+0.1 do four things ``AsyncSave`` undoes: the error is a ``ValueError`` (it becomes the ``OSError``
 it reports); orbax logs a traceback from each thread (held, dropped on failure); the first failure
 closes orbax's event loop while other writes go on and call back into it (the save waits for every
-tensorstore future, and an unraisable hook drops those callbacks).
+tensorstore future, and an unraisable hook drops those callbacks); the futures left waiting on
+the closed loop hold that error unread, and asyncio logs it with a traceback when they are
+collected (collected at once, and only the errors of the failed save dropped).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class AsyncSave:
                 os_error = os_error_of(e, self.target)
                 if os_error is None:
                     raise
+                _drop_unread_errors_of(self.target)
                 raise os_error from None
 
 
@@ -95,6 +98,33 @@ def settle_tensorstore(timeout_s: float = SETTLE_S) -> int:
         except Exception:  # noqa: BLE001 - its own failure, or the timeout: it has ended or we stop
             pass
     return len(pending)
+
+
+class _DropUnread(logging.Filter):
+    """Drops asyncio's "exception was never retrieved" records whose error names a failed target."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.targets: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None or "exception was never retrieved" not in str(record.msg):
+            return True
+        return not any(t in str(exc) for t in self.targets)
+
+
+_UNREAD = _DropUnread()
+
+
+def _drop_unread_errors_of(target: Path) -> None:
+    """From now on, asyncio's report of an unread error naming ``target`` (a save that failed and
+    was reported) is dropped; the futures a failed save left are collected now."""
+    _UNREAD.targets.add(str(target))
+    logger = logging.getLogger("asyncio")
+    if _UNREAD not in logger.filters:
+        logger.addFilter(_UNREAD)
+    gc.collect()
 
 
 class _Hold(logging.Filter):

@@ -7,6 +7,7 @@ print ``Event loop is closed`` ones), no temporary directory, the older checkpoi
 from __future__ import annotations
 
 import errno
+import logging
 import sys
 from pathlib import Path
 
@@ -52,6 +53,34 @@ def test_only_callbacks_into_a_closed_event_loop_are_dropped():
         raise RuntimeError("something else")
     except RuntimeError as e:
         assert not closed_loop_callback(e, e.__traceback__)
+
+
+def test_only_unread_errors_of_a_failed_save_are_dropped_from_the_asyncio_log(caplog):
+    """A future left on orbax's closed loop holds the failed save's error; asyncio logs it, with a
+    traceback, when the future is collected. Those records of a reported target are dropped (at
+    once or later); an unread error of anything else is still logged."""
+    import asyncio
+    import gc
+
+    from mllm_rl.backends.jax.orbax_io import _drop_unread_errors_of
+
+    def unread(message: str) -> None:
+        loop = asyncio.new_event_loop()
+        fut = loop.create_future()
+        fut.set_exception(ValueError(message))
+        loop.close()
+        del fut, loop
+        gc.collect()
+
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    unread(ORBAX_EFBIG)  # before any save failed: logged
+    assert [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    caplog.clear()
+    _drop_unread_errors_of(Path("/r/checkpoints/step_000000/state"))
+    unread(ORBAX_EFBIG)
+    unread(ORBAX_EFBIG.replace("step_000000", "step_000007"))  # another target: logged
+    logged = [str(r.exc_info[1]) for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert len(logged) == 1 and "step_000007" in logged[0]
 
 
 def test_a_save_that_cannot_begin_closes_its_checkpointer(tmp_path, monkeypatch):
