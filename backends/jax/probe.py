@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections import Counter
+from typing import Any
 
 import jax
 import numpy as np
@@ -21,23 +23,48 @@ def live_array_bytes(devices: list[jax.Device], memory_kind: str = "device") -> 
     seen: set[tuple[int, int]] = set()
     for arr in jax.live_arrays():
         try:
-            if arr.is_deleted() or (arr.sharding.memory_kind or "device") != memory_kind:
+            if arr.is_deleted():
                 continue
-            for shard in arr.addressable_shards:
-                i = index.get(shard.device)
-                if i is None:
+            kind, shards = _layout(arr)
+            if kind != memory_kind:
+                continue
+            for device, key, nbytes in shards:
+                i = index.get(device)
+                if i is None or (i, key) in seen:
                     continue
-                # unsafe_buffer_pointer() of a pending buffer blocks holding the GIL (a deadlock
-                # on JAX CPU): a pending buffer is counted by its Array instead
-                data = shard.data
-                key = (i, data.unsafe_buffer_pointer() if data.is_ready() else -id(data))
-                if key in seen:
-                    continue
-                seen.add(key)
-                out[i] += data.nbytes
+                seen.add((i, key))
+                out[i] += nbytes
         except Exception:  # an array deleted by another thread between checks
             continue
     return out
+
+
+# id(array) -> (weak reference, memory kind, shards): what an array holds does not change while
+# it lives, and reading it (a Python object per shard) is most of a sample's cost on JAX CPU
+_LAYOUTS: dict[int, tuple[Any, str, tuple[tuple[jax.Device, int, int], ...]]] = {}
+
+
+def _layout(arr: jax.Array) -> tuple[str, tuple[tuple[jax.Device, int, int], ...]]:
+    """``arr``'s memory kind and ``(device, buffer key, bytes)`` per addressable shard; kept for an
+    array whose buffers are ready. The key is the buffer's address: ``unsafe_buffer_pointer()`` of
+    a pending buffer blocks holding the GIL (a deadlock on JAX CPU), so one is keyed by its Array."""
+    got = _LAYOUTS.get(id(arr))
+    if got is not None and got[0]() is arr:
+        return got[1], got[2]
+    kind = arr.sharding.memory_kind or "device"
+    shards, ready = [], True
+    for shard in arr.addressable_shards:
+        data = shard.data
+        if data.is_ready():
+            shards.append((shard.device, data.unsafe_buffer_pointer(), data.nbytes))
+        else:
+            ready = False
+            shards.append((shard.device, -id(data), data.nbytes))
+    layout = tuple(shards)
+    if ready:  # forgotten when the array is freed, before its id can name another
+        key = id(arr)
+        _LAYOUTS[key] = (weakref.ref(arr, lambda _: _LAYOUTS.pop(key, None)), kind, layout)
+    return kind, layout
 
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax/_src/dispatch.py

@@ -84,6 +84,46 @@ def test_the_scan_never_asks_a_pending_buffer_for_its_pointer_and_still_counts_i
     assert jax_probe.live_array_bytes([dev]) == [1100]
 
 
+class _Counted:
+    """A fake Array that counts how often its shards are listed (a Python object per shard)."""
+
+    def __init__(self, device, data: _Buffer) -> None:
+        self.data, self.device, self.deleted, self.listed = data, device, False, 0
+        self.sharding = type("S", (), {"memory_kind": "device"})()
+
+    @property
+    def addressable_shards(self) -> list:
+        self.listed += 1
+        return [self]
+
+    def is_deleted(self) -> bool:
+        return self.deleted
+
+
+def test_a_scan_lists_a_ready_arrays_shards_once_and_forgets_it_when_freed(monkeypatch):
+    """What a ready array holds is read once while it lives (later scans only ask whether it was
+    deleted); a pending one is read again each scan until ready; a deleted one is not counted, a
+    freed one forgotten (its id may name the next array)."""
+    import gc
+
+    dev = jax.devices()[0]
+    ready, pending = _Counted(dev, _Buffer(100, True, 7)), _Counted(dev, _Buffer(1000, False, 0))
+    arrays = [ready, pending]
+    monkeypatch.setattr(jax_probe.jax, "live_arrays", lambda: list(arrays))
+    assert [jax_probe.live_array_bytes([dev]) for _ in range(3)] == [[1100]] * 3
+    assert (ready.listed, pending.listed) == (1, 3)
+    pending.data.ready, pending.data.ptr = True, 8
+    assert jax_probe.live_array_bytes([dev]) == [1100] and pending.listed == 4
+    ready.deleted = True
+    assert jax_probe.live_array_bytes([dev]) == [1000]
+    key = id(ready)
+    assert key in jax_probe._LAYOUTS
+    arrays.remove(ready)
+    del ready
+    gc.collect()
+    assert key not in jax_probe._LAYOUTS
+
+
 def test_a_scan_during_a_running_computation_returns_at_once_and_counts_its_output():
     @jax.jit
     def slow(x):
