@@ -8,9 +8,13 @@
 # Each ends with its 25 slowest tests (--durations), what to share or trim first when the suite grows;
 # every test's time stays in .pytest_cache/junit-{jax,torch}.xml (JUnit XML) after the run; the next
 # run starts the longest files first by those times (tests/conftest.py), so the workers end together.
+# Torch runs one OpenMP thread per process unless OMP_NUM_THREADS is set: the suites keep three or
+# more processes busy on the cores, and OpenMP threads that spin waiting for a core take it from
+# the others (what mllm_rl.launch does for its processes).
 # Exit status: 0 when both passed. Extra arguments go to both, e.g. scripts/run_tests.sh -m "not slow".
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 log=$(mktemp -t mllm-rl-torch-tests.XXXXXX)
 .venv-torch/bin/python -m pytest -q --durations=25 --junitxml=.pytest_cache/junit-torch.xml "$@" tests/torch >"$log" 2>&1 &
 torch_pid=$!

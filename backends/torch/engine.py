@@ -63,13 +63,15 @@ def copy_with_sums(dst: torch.Tensor, src: torch.Tensor, write: bool = True) -> 
         return tensor_sums(dst if write else src.to(dst.dtype))
     acc = torch.zeros(2, dtype=torch.float64, device=dst.device)
     d, s = dst.view(-1), src.detach().reshape(-1)
+    # one float32 piece for the whole tensor: a fresh one per piece costs the CPU its page faults
+    f32 = None if dst.dtype == torch.float32 else torch.empty(min(d.numel(), _FP_CHUNK), device=dst.device)
     for off in range(0, d.numel(), _FP_CHUNK):
         piece = d[off : off + _FP_CHUNK]
         if write:
             piece.copy_(s[off : off + _FP_CHUNK])
-            p32 = piece.float()
         else:
-            p32 = s[off : off + _FP_CHUNK].to(dst.dtype).float()
+            piece = s[off : off + _FP_CHUNK].to(dst.dtype)
+        p32 = piece if f32 is None else f32[: piece.numel()].copy_(piece)
         acc[0] += p32.sum()
         acc[1] += torch.dot(p32, p32)
     return acc
