@@ -32,8 +32,12 @@ PRELOAD = (  # what a whole run imports that costs seconds; those missing from a
     "sgl_jax.srt.models.qwen3", "torch", "torch._dynamo", "transformers",
     "transformers.models.auto.tokenization_auto",
 )  # fmt: skip
+# read after import only: NETRC (at a login), TPU_* and ALLOW_MULTIPLE_LIBTPU_LOAD (libtpu, when a
+# backend starts; the planner sets them in a test's process); TF_CPP_MIN_LOG_LEVEL is the 1 that
+# ``import jax`` sets in the server as in any test process that imported jax
 FORKABLE_ENV = ("MLLM_RL_", "WANDB_", "BYO_", "PYTEST_", "PYTHONUNBUFFERED", "XLA_FLAGS",
-                "XLA_PYTHON_CLIENT_PREALLOCATE")  # fmt: skip
+                "XLA_PYTHON_CLIENT_PREALLOCATE", "NETRC", "TPU_", "ALLOW_MULTIPLE_LIBTPU_LOAD",
+                "TF_CPP_MIN_LOG_LEVEL")  # fmt: skip
 
 
 # -- the server (its own process) ------------------------------------------------------------------
@@ -274,13 +278,18 @@ _servers: dict[tuple, ForkServer] = {}
 _servers_lock = threading.Lock()
 
 
+def server_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The import environment of ``env``: its variables but the ``FORKABLE_ENV`` ones."""
+    return tuple(sorted((k, v) for k, v in env.items() if not k.startswith(FORKABLE_ENV)))
+
+
 def server_for(env: dict[str, str]) -> ForkServer | None:
     """The fork server of ``env``'s import environment (started again if it died); None when
     switched off (``MLLM_RL_TESTS_FORK=0``), off Linux, past ``MAX_SERVERS`` or when it failed to
     start."""
     if env.get("MLLM_RL_TESTS_FORK", "1") == "0" or sys.platform != "linux":
         return None
-    key = tuple(sorted((k, v) for k, v in env.items() if not k.startswith(FORKABLE_ENV)))
+    key = server_key(env)
     with _servers_lock:
         s = _servers.get(key)
         if s is not None and s.proc.poll() is not None:  # it died (killed from outside): a new one

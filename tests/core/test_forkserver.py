@@ -91,3 +91,14 @@ def test_a_pooled_server_that_died_is_started_again(monkeypatch):
     finally:
         if second is not None:
             second.close()
+
+
+def test_variables_read_after_import_share_a_server_and_others_do_not():
+    """The planner's libtpu variables, a test's NETRC and the log level ``import jax`` sets do not
+    start a server of their own (a worker holds at most ``MAX_SERVERS``; past it runs are not
+    forked); a variable read at import (``JAX_PLATFORMS``) does."""
+    base = {"PATH": "/usr/bin", "HOME": "/root"}
+    later = {**base, "TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v4-8", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+             "NETRC": "/tmp/missing", "TF_CPP_MIN_LOG_LEVEL": "1", "MLLM_RL_FAULTS": "x"}  # fmt: skip
+    assert forkserver.server_key(later) == forkserver.server_key(base)
+    assert forkserver.server_key({**base, "JAX_PLATFORMS": "cpu"}) != forkserver.server_key(base)
