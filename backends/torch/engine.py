@@ -44,11 +44,19 @@ _FP_CHUNK = 1 << 20  # elements per fingerprint slice (bounds the float32 tempor
 def tensor_sums(x: torch.Tensor) -> torch.Tensor:
     """[sum, sum of squares] of ``x``, float64 on its device: float32 per 2**20-element slice."""
     acc = torch.zeros(2, dtype=torch.float64, device=x.device)
-    for part in x.detach().reshape(-1).split(_FP_CHUNK):
-        p32 = part.float()
+    flat = x.detach().reshape(-1)
+    f32 = _f32_piece(flat)
+    for part in flat.split(_FP_CHUNK):
+        p32 = part if f32 is None else f32[: part.numel()].copy_(part)
         acc[0] += p32.sum()
         acc[1] += torch.dot(p32, p32)
     return acc
+
+
+def _f32_piece(x: torch.Tensor) -> torch.Tensor | None:
+    """One float32 piece for every ``_FP_CHUNK`` slice of ``x`` (None: ``x`` is float32 already): a
+    fresh one per slice costs the CPU the page faults of a new 4 MiB allocation each time."""
+    return None if x.dtype == torch.float32 else torch.empty(min(x.numel(), _FP_CHUNK), device=x.device)
 
 
 def copy_with_sums(dst: torch.Tensor, src: torch.Tensor, write: bool = True) -> torch.Tensor:
@@ -63,8 +71,7 @@ def copy_with_sums(dst: torch.Tensor, src: torch.Tensor, write: bool = True) -> 
         return tensor_sums(dst if write else src.to(dst.dtype))
     acc = torch.zeros(2, dtype=torch.float64, device=dst.device)
     d, s = dst.view(-1), src.detach().reshape(-1)
-    # one float32 piece for the whole tensor: a fresh one per piece costs the CPU its page faults
-    f32 = None if dst.dtype == torch.float32 else torch.empty(min(d.numel(), _FP_CHUNK), device=dst.device)
+    f32 = _f32_piece(d)
     for off in range(0, d.numel(), _FP_CHUNK):
         piece = d[off : off + _FP_CHUNK]
         if write:
