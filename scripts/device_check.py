@@ -32,6 +32,16 @@ ROOT = Path(__file__).resolve().parents[1]
 RESERVE_S = 15.0  # kept back at the end to write the results
 
 
+def failure_line(text: str) -> str:
+    """What a failed step's output says of why: a run's ``error:`` line, else its last three
+    lines, without the lines XLA's CUDA client repeats after a fault (``NOISE``)."""
+    from mllm_rl.bench.child import NOISE  # here: --help runs before the project is installed
+
+    lines = [ln for ln in text.splitlines() if ln.strip() and not any(n in ln for n in NOISE)]
+    said = [ln for ln in lines if ln.startswith("error: ")][-1:]
+    return " | ".join(said or lines[-3:])[-400:]
+
+
 def _step_table(mode: str, engine_batch: str = "") -> list[dict[str, Any]]:
     """name, backend (which interpreter), time cap (s) and the command after the interpreter."""
     gpu = mode == "gpu"
@@ -214,7 +224,7 @@ def _headline(step: dict[str, Any], doc: dict[str, Any]) -> str:
     res = step.get("result") or {}
     name = step["name"]
     if step["rc"] != 0:
-        return f"FAILED: {step.get('error', '')}"[:200]
+        return f"FAILED: {step.get('error', '')}"[:400]
     if name == "env":
         return f"jax {res.get('packages', {}).get('jax')}, devices {res.get('jax_devices')}"
     if name.startswith("copy-"):
@@ -343,8 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("copy-") and step["result"]:
             doc["copy"][name.split("-", 1)[1]] = _copy_rates(step["result"])
         if rc != 0:
-            tail = [ln for ln in text.splitlines() if ln.strip()][-3:]
-            step.setdefault("error", "timed out" if rc == 124 else " | ".join(tail)[-400:])
+            step.setdefault("error", "timed out" if rc == 124 else failure_line(text))
         step["headline"] = _headline(step, doc)
         print(f"   exit {rc} in {secs:.1f} s: {step['headline']}", flush=True)
         doc["steps"].append(step)

@@ -17,6 +17,8 @@ from mllm_rl.bench import MiB
 from mllm_rl.bench.machine import ROOT
 
 OOM_MARKERS = ("out of memory", "resource_exhausted", "outofmemoryerror", "failed to allocate", "oom")
+# lines XLA's CUDA client repeats per loaded module once the context has failed; they bury the error
+NOISE = ("Failed to unload module", "=== Source Location Trace", "stream_executor/cuda/cuda_status.cc")
 
 
 class BenchError(RuntimeError):
@@ -78,8 +80,14 @@ def run_cmd(
     except subprocess.TimeoutExpired:
         raise BenchError(f"{what}: timed out after {timeout}s: {' '.join(cmd)}") from None
     if r.returncode != 0:
-        raise BenchError(f"{what} failed (exit {r.returncode}): {' '.join(cmd)}\n{r.stderr[-3000:]}")
+        raise BenchError(f"{what} failed (exit {r.returncode}): {' '.join(cmd)}\n{stderr_tail(r.stderr)}")
     return r
+
+
+def stderr_tail(text: str, chars: int = 3000) -> str:
+    """The last ``chars`` of a child's stderr, without blank lines and ``NOISE``."""
+    keep = [line for line in text.splitlines() if line.strip() and not any(n in line for n in NOISE)]
+    return "\n".join(keep)[-chars:]
 
 
 def is_oom(text: str) -> bool:

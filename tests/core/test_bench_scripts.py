@@ -299,3 +299,24 @@ def test_bench_children_run_without_the_jax_compilation_cache_unless_it_is_set(m
     assert env["JAX_COMPILATION_CACHE_DIR"] == "" and env["X"] == "1" and env["MLLM_RL_NO_PROGRESS"] == "1"
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/mine")
     assert child_env()["JAX_COMPILATION_CACHE_DIR"] == "/mine"
+
+
+def test_a_failed_childs_error_is_not_buried_under_the_cuda_clients_unload_lines(tmp_path):
+    """After a CUDA fault XLA logs a 'Failed to unload module' block per loaded program, more than
+    the kept tail: the child's error line must still be in the ``BenchError``."""
+    from mllm_rl.bench.child import BenchError, run_cmd
+
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import sys\n"
+        "sys.stderr.write('RuntimeError: the real cause\\n')\n"
+        "for _ in range(200):\n"
+        "    sys.stderr.write('E1130 cuda_executor.cc:313] [0] Failed to unload module 0x1; leaking\\n'\n"
+        "                     '=== Source Location Trace: ===\\n'\n"
+        "                     'external/xla+/xla/stream_executor/cuda/cuda_status.cc:50\\n\\n')\n"
+        "sys.exit(1)\n"
+    )
+    with pytest.raises(BenchError) as e:
+        run_cmd([sys.executable, str(child)], "child")
+    tail = str(e.value).split("\n", 1)[1]
+    assert tail == "RuntimeError: the real cause", tail[-300:]

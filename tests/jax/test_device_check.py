@@ -96,3 +96,17 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path, args, says):
     )
     assert p.returncode == 2 and says in p.stderr, p.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_failed_steps_line_is_the_runs_error_not_the_cuda_clients_unload_lines():
+    """What the check says of a failed run: its ``error:`` line, found under XLA's repeated
+    'Failed to unload module' blocks; else the last lines that are not that noise."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("device_check", ROOT / "scripts" / "device_check.py")
+    dc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dc)
+    unload = "E1130 cuda_executor.cc:313] [0] Failed to unload module 0x1; leaking: INTERNAL: CUDA error\n"
+    run = "phase 11 rollout ERROR\nerror: EngineThreadError: the cause\n" + unload * 50 + "report written\n"
+    assert dc.failure_line(run) == "error: EngineThreadError: the cause"
+    assert dc.failure_line("a\nb\n\nc\nd\n" + unload * 50) == "b | c | d"
