@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import functools
 import mmap
-import os
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -299,50 +297,6 @@ class EngineLeaves:
         """Rows of ``buf`` along ``axis`` per chunk; a transposed chunk is on the devices twice."""
         row_bytes = buf.nbytes // buf.shape[axis]
         return max(1, self.chunk_bytes // max(1, row_bytes * (2 if transpose else 1)))
-
-    def warm(
-        self, host: Mapping[str, tuple[tuple[int, ...], Any]], workers: int | None = None
-    ) -> list[Future]:
-        """Compile, in background threads, every program a ``stream`` of the host tensors ``host``
-        (HF name -> (HF shape, dtype)) runs: JAX's call cache then has them. One program per shape
-        costs ~0.1 s to compile on a GPU, most of a first swap; XLA compiles in parallel (the GIL is
-        released). Only an optimisation: a program not warmed compiles when first called."""
-        sds = jax.ShapeDtypeStruct
-        jobs: dict[tuple[Any, ...], Callable[[], Any]] = {}
-        for name, (shape, dtype) in host.items():
-            if name not in self.mappings:
-                continue
-            idx, transpose = self.mappings[name]
-            leaf = self.leaves[idx]
-            sh, staged_sh = leaf.sharding, _transposed(leaf.sharding) if transpose else leaf.sharding
-            axis = self._chunk_axis(name, int(np.prod(shape)) * np.dtype(dtype).itemsize)
-            pieces = [leaf.shape]
-            if axis is not None and on_cpu(sh, one=True):  # ``replace_on_host``: only the sums
-                jobs[("sums", leaf.shape, leaf.dtype, sh)] = functools.partial(
-                    tensor_sums.lower, sds(leaf.shape, leaf.dtype, sharding=sh)
-                )
-                continue
-            if axis is not None:
-                step, n = self._chunk_rows(leaf, axis, transpose), leaf.shape[axis]
-                pieces = [tuple(min(step, n - i) if d == axis else x for d, x in enumerate(leaf.shape))
-                          for i in range(0, n, step)]  # fmt: skip
-                for p in set(pieces):
-                    args = (sds(leaf.shape, leaf.dtype, sharding=sh), sds(p, leaf.dtype, sharding=sh))
-                    jobs[("write", p, leaf.shape, leaf.dtype, sh, axis)] = functools.partial(
-                        _chunk_writer(sh, axis).lower, *args, sds((), jnp.int32)
-                    )
-            for p in set(pieces):
-                if transpose or np.dtype(dtype) != leaf.dtype:
-                    staged = sds(p[::-1] if transpose else p, dtype, sharding=staged_sh)
-                    key = ("layout", staged.shape, staged.dtype, staged_sh, transpose, leaf.dtype)
-                    jobs[key] = functools.partial(_to_layout.lower, staged, transpose, leaf.dtype)
-                jobs[("sums", p, leaf.dtype, sh)] = functools.partial(
-                    tensor_sums.lower, sds(p, leaf.dtype, sharding=sh)
-                )
-        pool = ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1), thread_name_prefix="warm-swap")
-        futures = [pool.submit(lambda lower=lower: lower().compile()) for lower in jobs.values()]
-        pool.shutdown(wait=False)
-        return futures
 
 
 def _check_shape(hf_name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:

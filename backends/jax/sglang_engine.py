@@ -16,7 +16,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import signal
@@ -35,7 +34,6 @@ from mllm_rl.backends.jax.engine_watch import EngineThreadError, ThreadWatch, ow
 from mllm_rl.backends.jax.engine_weights import EngineLeaves, dotted, host_copy, zeros
 from mllm_rl.backends.jax.fingerprint import read_sums
 from mllm_rl.checkpoint.model_dir import ModelDir
-from mllm_rl.checkpoint.safetensors_io import DTYPES
 from mllm_rl.engine import (
     ABORT,
     TAG_KV,
@@ -195,7 +193,6 @@ class SglangJaxEngine:
         self._kv_specs: list[tuple[tuple[int, ...], Any, Any]] = []
         self._weight_backup: dict[int, list[tuple[Any, np.ndarray]]] = {}  # leaf -> (device, shard)
         self._seeds = np.random.default_rng(seed)  # request seeds when a batch brings none
-        self._warm = False  # the checkpoint swap's programs compiled ahead (``_warmed``)
 
     def _index_leaves(self) -> None:
         from flax import nnx
@@ -240,7 +237,7 @@ class SglangJaxEngine:
         ``Placed`` array in the engine layout. ``installed``: the tensors whose summed array is the
         leaf the forward reads, on every process."""
         t0 = time.perf_counter()
-        sums, nbytes, summed = self.weights.stream(self._warmed(named_tensors), on_tensor)
+        sums, nbytes, summed = self.weights.stream(named_tensors, on_tensor)
         self._resync_module()
         jax.block_until_ready(self.runner.model_state_leaves)
         fp = read_sums(sums)
@@ -250,20 +247,6 @@ class SglangJaxEngine:
             for other in dist.gather("update/installed", json.dumps(sorted(installed))):
                 installed &= frozenset(json.loads(other))
         return UpdateStats(len(fp), nbytes, time.perf_counter() - t0, fp, installed=installed)
-
-    def _warmed(self, named_tensors: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
-        """``named_tensors``, once the programs of a stream of this engine's checkpoint are compiled
-        (all at once in threads, ``EngineLeaves.warm``) when it starts with a host array: the swap."""
-        it = iter(named_tensors)
-        first = next(it, None)
-        if first is None:
-            return it
-        if isinstance(first[1], np.ndarray) and not self._warm:
-            self._warm = True
-            host = {n: (tuple(i.shape), DTYPES[i.dtype]) for n, (_, i) in self.model.tensors.items()}
-            for f in self.weights.warm(host):
-                f.result()
-        return itertools.chain([first], it)
 
     def weights_fingerprint(self, names: Sequence[str] | None = None) -> Fingerprint:
         """(sum, sum of squares) of every mapped leaf (``names``: those) the forward uses."""
