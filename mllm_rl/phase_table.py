@@ -22,10 +22,12 @@ COMPONENT_DOCS: dict[str, str] = {
     "staging": "the weight update's staging chunk (one bucket in flight)",
     "engine_logits": "what the engine keeps between generate calls (sglang-jax: the last decode "
     "batch's logits and log-probs); no release tag frees it (STEP_ALWAYS)",
+    "blas_workspaces": "the cuBLAS workspaces torch keeps once a matmul ran on CUDA, one per thread "
+    "and stream; no release tag frees them (STEP_ALWAYS)",
 }
 COMPONENTS = tuple(COMPONENT_DOCS)
 # Resident in every phase from the first generate on (never in a setup, which runs before it).
-STEP_ALWAYS = ("engine_logits",)
+STEP_ALWAYS = ("engine_logits", "blas_workspaces")
 
 # -- compiled functions whose temporaries a phase adds (the largest one of its list) ------------
 FUNCTION_DOCS: dict[str, str] = {

@@ -6,7 +6,9 @@
   tensors cannot run backward without a CUDA context): same bytes, no 512-byte rounding.
 - ``engine_weights``, ``kv_pool``, ``staging`` (``layout``): the engine's own rules, cited below.
 
-Not predicted: CUDA workspaces and contexts, fragmentation, SGLang's activations and CUDA graphs.
+- ``blas_workspaces`` (``layout``, CUDA): torch's cuBLAS workspaces, by torch's own sizing rule.
+
+Not predicted: other CUDA workspaces, contexts, fragmentation, SGLang's activations and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ KL_BETA = 0.04  # any beta > 0 takes the KL code path; its value does not change
 STEPS = 2
 PAGE_SIZE = 1  # SGLang's default page size for the CUDA attention backends of a dense model
 ROPE_CACHE_BYTES = 4  # SGLang keeps the RoPE cos/sin cache in float32 on CUDA
+# torch keeps a cuBLAS workspace per (handle, stream), handles per thread: a run's matmuls use two,
+# the main thread's (generate, forward) and autograd's backward thread's (measured on an H200: two
+# 32 MiB blocks stay allocated after release_rollout)
+BLAS_WORKSPACES = 2
 
 
 LOCAL_TARGETS = {
@@ -644,7 +650,7 @@ def embedded_engine(req: PlanRequest, target: Target, itemsize: int) -> EngineFi
             f"KV pool: min(max_running_requests, prompts x group_size) x seq_len = {tokens} tokens (the "
             "run's rule where its --eval-prompts are fewer; --kv-tokens sets it)"
         )
-    rest = "CUDA kernel workspaces, CUDA contexts, allocator fragmentation"
+    rest = "CUDA kernel workspaces other than cuBLAS's, CUDA contexts, allocator fragmentation"
     if target.platform == "cpu":
         rest = "the Python and library memory of the process"
     notes.append(f"not in any figure: the embedded engine's decode activations (engine_step), {rest}")
@@ -663,7 +669,7 @@ def sglang_engine(req: PlanRequest, target: Target, itemsize: int) -> EngineFigu
     kv = f"SGLang MHA pool: ({pool.tokens} + {PAGE_SIZE}) tokens x {pool.cell} B/token + req_to_token"
     notes = [
         *pool.notes,
-        "not in any figure: CUDA kernel workspaces (attention, cuBLAS), CUDA contexts, allocator "
+        "not in any figure: CUDA kernel workspaces other than cuBLAS's (attention), CUDA contexts, allocator "
         "fragmentation, SGLang's decode activations and CUDA graphs (engine_step; SGLang keeps "
         "1 - mem_fraction_static for them)",
         "torch_memory_saver regions: weights = engine_weights, kv_cache = kv_pool, cuda_graph: its size is "
@@ -673,6 +679,36 @@ def sglang_engine(req: PlanRequest, target: Target, itemsize: int) -> EngineFigu
     info.update(mem_fraction_static=pool.mem_fraction_static, engine_free_bytes=pool.free)
     weights_c = Component("engine_weights", weights, "layout", f"SGLang Qwen3: {detail}")
     return EngineFigures(weights_c, Component("kv_pool", pool.bytes, "layout", kv), notes, info)
+
+
+def blas_workspace_bytes(cc_major: int, config: str | None) -> int:
+    """One cuBLAS workspace as torch sizes it (``getChosenWorkspaceSize`` in pytorch's
+    aten/src/ATen/cuda/CublasHandlePool.cpp): ``CUBLAS_WORKSPACE_CONFIG``'s ``:KiB:count`` pairs
+    summed; unset, 32 MiB on compute capability 9-12 (Hopper, Blackwell), else 8 MiB + 128 KiB."""
+    if config:
+        pairs = re.findall(r":(\d+):(\d+)", config)
+        if pairs:
+            return sum(int(k) * int(n) for k, n in pairs) * 1024
+    return 4096 * 8 * 1024 if 9 <= cc_major <= 12 else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def blas_workspaces(target: Target) -> Component:
+    """``BLAS_WORKSPACES`` cuBLAS workspaces on a CUDA target (this card's compute capability, or
+    9 for the H100/H200 targets); ``CUBLAS_WORKSPACE_CONFIG`` as this process has it."""
+    import os
+
+    major = 9
+    if target.name.startswith("cuda"):
+        import torch
+
+        major = torch.cuda.get_device_capability()[0]
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    one = blas_workspace_bytes(major, config)
+    why = f"CUBLAS_WORKSPACE_CONFIG={config}" if config else f"torch's default for compute capability {major}"
+    return Component(
+        "blas_workspaces", BLAS_WORKSPACES * one, "layout",
+        f"{BLAS_WORKSPACES} cuBLAS workspaces (the main and the backward thread's) of {one / MIB:g} MiB: {why}",
+    )  # fmt: skip
 
 
 def traced_step(*shape: Any, **kw: Any) -> StepMemory:
@@ -712,6 +748,8 @@ def measure(req: PlanRequest) -> Measured:
     stage = staging_bytes(c, itemsize, lora=req.lora_rank > 0, cast=step.master_dtype != req.param_dtype)
     bucket = f"largest update bucket (>= {sc.CHUNK_BYTES // MIB} MiB each)"
     comps["staging"] = Component("staging", stage, "layout", bucket)
+    if target.platform != "cpu":
+        comps["blas_workspaces"] = blas_workspaces(target)
     notes = [
         f"trainer step: {step.shape}, rows = min(prompts x group_size, 2 x micro_batch"
         f"{' x devices' if world > 1 else ''}) = {rows}; {step.seconds:.0f} s of fake-tensor tracing"

@@ -90,6 +90,7 @@ _COLORS = {
     "grads": "#59a14f",
     "ref_params": "#8cd17d",
     "staging": "#b6992d",
+    "blas_workspaces": "#79706e",
     "temp": "#e15759",
 }
 

@@ -124,6 +124,25 @@ def test_engine_layout_figures_equal_the_hand_count(tiny_fp32):
     assert {c[k].method for k in ("engine_weights", "staging", "kv_pool")} == {"layout"}
 
 
+def test_cuda_plans_hold_two_cublas_workspaces_in_every_step_phase(tiny_fp32, monkeypatch):
+    """torch's cuBLAS workspaces: 32 MiB each on Hopper (an H200 run kept two such blocks after
+    release_rollout), ``CUBLAS_WORKSPACE_CONFIG`` when set; in every step phase, never in setup;
+    none on CPU."""
+    assert memplan.blas_workspace_bytes(9, None) == 32 * 2**20
+    assert memplan.blas_workspace_bytes(8, None) == 4096 * 1024 * 2 + 16 * 1024 * 8  # :4096:2:16:8
+    assert memplan.blas_workspace_bytes(9, ":4096:2:16:8") == (4096 * 2 + 16 * 8) * 1024
+    assert memplan.blas_workspace_bytes(9, ":0:0") == 0
+    assert memplan.blas_workspace_bytes(9, "junk") == 32 * 2**20  # torch warns and takes its default
+    ws = tiny_fp32.components["blas_workspaces"]
+    assert ws.bytes_per_device == 2 * 32 * 2**20 and ws.method == "layout"
+    rows = plan(tiny_fp32, request(kv_tokens=1000)).phases
+    assert all(("blas_workspaces" in p.resident) != p.phase.startswith("setup:") for p in rows)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:1")
+    assert memplan.blas_workspaces(tiny_fp32.target).bytes_per_device == 2 * 4096 * 1024
+    cpu = memplan.measure(request(target="cpu", kv_tokens=1000))
+    assert "blas_workspaces" not in cpu.components
+
+
 def test_staging_is_the_largest_update_bucket():
     q = get_preset("qwen3-0.6b")
     embed = 151936 * 1024 * 2  # 297 MiB: over the chunk, a bucket of its own
