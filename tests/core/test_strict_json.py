@@ -1,6 +1,7 @@
 """Non-finite numbers never reach a file as bare ``NaN`` (not JSON): sinks and the report write them as
 ``"NaN"``/``"Infinity"``; the report names them (``non_finite``), and the lifecycle stops a step whose
-loss or grad norm is not finite (``NonFiniteTraining``, exit 5; end to end in tests/jax and tests/torch)."""
+loss or grad norm is not finite (``NonFiniteTraining``, exit 5; end to end below on the fake backend
+and in tests/torch/test_rl_run.py)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,31 @@ def test_check_finite_stops_on_loss_or_grad_norm_only():
     with pytest.raises(NonFiniteTraining, match="train_step of step 3: non-finite loss nan, grad_norm inf"):
         check_finite(3, {"loss": float("nan"), "grad_norm": float("inf")}, info)
     assert info["non_finite"] == ["loss", "grad_norm"]
+
+
+@pytest.mark.slow  # a whole run (on the fake backend, tests/fake_run.py)
+def test_a_nan_reward_stops_a_whole_run_with_exit_5_before_its_checkpoint(tmp_path):
+    """Fault ``reward_nan``: the group's advantages, then the loss and the grad norm are NaN; the run
+    stops in train_step of step 0 with exit 5 and one error line, saves nothing, and every file it
+    wrote (records, metrics, rewards, report, trace) is strict JSON; the W&B sink (offline) takes the
+    NaN without failing. With a real engine and trainer: tests/torch/test_rl_run.py."""
+    pytest.importorskip("transformers", reason="a run renders its prompts with the model's tokenizer")
+    from tests.conftest import run_cli
+
+    run = tmp_path / "run"
+    r = run_cli("tests.fake_run", "--backend", "fake", "--run-dir", str(run), "--quiet", "--wandb", "offline",
+                "--checkpoint-every", "1", "--platform", "cpu", env={"MLLM_RL_FAULTS": "reward_nan"})  # fmt: skip
+    assert r.returncode == 5, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: train_step of step 0: non-finite loss nan")
+    last = read_jsonl(run / "phases.jsonl")[-1]
+    assert last["phase"] == "train_step" and last["step"] == 0
+    assert last["info"]["loss"] == "NaN" and last["info"]["non_finite"] == ["loss", "grad_norm"]
+    assert not (run / "checkpoints").exists()  # --checkpoint-every 1, but the step stopped before it
+    for path in (run / "phases.jsonl", run / "metrics.jsonl", run / "rewards.jsonl"):
+        for line in path.read_text().splitlines():
+            strict(line)
+    summary = strict((run / "report" / "summary.json").read_text())
+    strict((run / "report" / "trace.json").read_text())
+    kinds = {i["kind"] for i in summary["issues"] if i["severity"] == "error"}
+    assert "non_finite" in kinds and "phase_error" not in kinds
