@@ -1,11 +1,13 @@
 """The torch trainer's checkpoint files: ``state.pt`` (the structure, shard 0's tensors and a
 ``(SHARD_REF, i, key)`` for each other) and for a large state ``state.i.pt`` (``{key: tensor}``),
 each written and sha256-hashed by its own thread (docs/BENCHMARKS.md), renamed once all are written.
+Every ``DROP_EVERY`` bytes a file's written pages are synced and dropped from the page cache.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 from collections.abc import Callable, Iterator
@@ -21,6 +23,10 @@ STATE_FILE = "state.pt"
 SHARD_REF = "mllm_rl.state_shard"  # first item of a reference tuple in state.pt
 SHARD_MIN_BYTES = 64 << 20  # no shard smaller than this (a tiny state stays one file)
 MAX_SHARDS = 8
+# Written bytes after which a file's pages are synced and dropped from the page cache (what
+# PostgreSQL's checkpoint_flush_after does): gigabytes of dirty checkpoint pages otherwise stall
+# the writer at the kernel's dirty limit and the run's allocations behind it (docs/BENCHMARKS.md).
+DROP_EVERY = 256 << 20
 
 
 def shard_file(i: int) -> str:
@@ -95,22 +101,28 @@ def load_state(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
 
 
 def write_state(
-    state: dict[str, Any], path: Path, crc32: bool = False, shards: int | None = None
+    state: dict[str, Any],
+    path: Path,
+    crc32: bool = False,
+    shards: int | None = None,
+    drop_every: int | None = DROP_EVERY,
 ) -> Manifest:
     """``state`` into ``path`` as ``shards`` files (default ``shard_count``) under temporary names, all
     renamed once all are written, all removed when one fails (its ``OSError`` raised, naming the
-    file). Returns the manifest entries; no torch CRC32s unless ``crc32`` (sha256 is the checksum)."""
+    file). Returns the manifest entries; no torch CRC32s unless ``crc32`` (sha256 is the checksum);
+    ``drop_every`` None: written pages stay in the page cache."""
     if shards is None:
         shards = shard_count(sum(t.nbytes for t in tensors_of(state)))
     objs = split(state, shards)
     targets = [path / shard_file(i) for i in range(shards)]
     tmps = [t.with_name(f".{t.name}.tmp") for t in targets]
     with contextlib.nullcontext() if crc32 else _without_crc32():
+        save = functools.partial(_save, drop_every=drop_every)
         if shards == 1:
-            results = [_save(objs[0], tmps[0])]
+            results = [save(objs[0], tmps[0])]
         else:
             with ThreadPoolExecutor(shards, thread_name_prefix="checkpoint-write") as pool:
-                results = list(pool.map(_save, objs, tmps))
+                results = list(pool.map(save, objs, tmps))
     failed = next((r for r in results if isinstance(r, BaseException)), None)
     if failed is None:
         try:
@@ -131,10 +143,10 @@ def tensors_of(state: Any) -> list[torch.Tensor]:
     return out
 
 
-def _save(obj: Any, tmp: Path) -> dict[str, Any] | BaseException:
+def _save(obj: Any, tmp: Path, drop_every: int | None = DROP_EVERY) -> dict[str, Any] | BaseException:
     """``torch.save`` of ``obj`` to ``tmp``: its manifest entry, or the exception that stopped it."""
     try:
-        with open(tmp, "wb") as f, _HashingFile(f) as out:
+        with open(tmp, "wb") as f, _HashingFile(f, drop_every) as out:
             try:
                 torch.save(obj, out)
             except RuntimeError:
@@ -164,13 +176,15 @@ def _without_crc32() -> Iterator[None]:
 
 
 class _HashingFile:
-    """The file ``torch.save`` writes to: each buffer hashed as written (on a second thread) and
-    the first ``OSError`` kept (torch's writer turns it into a ``RuntimeError`` without reason)."""
+    """The file ``torch.save`` writes to: each buffer hashed as written (on a second thread), the
+    written pages synced and dropped from the page cache every ``drop_every`` bytes (None: never),
+    and the first ``OSError`` kept (torch's writer turns it into a ``RuntimeError`` without reason)."""
 
     INLINE = 1 << 20  # smaller buffers are hashed on the writing thread
 
-    def __init__(self, f: Any) -> None:
+    def __init__(self, f: Any, drop_every: int | None = None) -> None:
         self.f, self.error, self.nbytes, self.sha256 = f, None, 0, hashlib.sha256()
+        self.drop_every, self._dropped = drop_every, 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
 
     def __enter__(self) -> _HashingFile:
@@ -193,7 +207,23 @@ class _HashingFile:
         if hashed is None:
             self.sha256.update(view)
         self.nbytes += view.nbytes
+        if self.drop_every is not None and self.nbytes - self._dropped >= self.drop_every:
+            self._drop_written()
         return n
+
+    def _drop_written(self) -> None:
+        """Sync what was written and drop it from the page cache (a checkpoint is not read back
+        soon; the final ``fsync`` then has little left to wait for)."""
+        try:
+            self.f.flush()
+            fd = self.f.fileno()
+            getattr(os, "fdatasync", os.fsync)(fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # 0, 0: the whole file so far
+        except OSError as e:
+            self.error = self.error or e
+            raise
+        self._dropped = self.nbytes
 
     def flush(self) -> None:
         try:

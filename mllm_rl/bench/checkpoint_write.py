@@ -5,7 +5,8 @@
 On ``--mb`` MiB of float32 tensors (64, like params and AdamW moments), interleaved round by round:
 a host copy (the floor), ``torch.save`` + a manifest reading the file back, one file hashed while
 written (with and without CRC32s), the trainer's ``state_file.write_state`` (``--shards`` files at
-once; default as the trainer chooses), and that synced to disk. Medians over ``--repeats``; a CPU
+once; default as the trainer chooses), that synced to disk, and that synced with the written pages
+kept in the page cache (not dropped every ``DROP_EVERY`` bytes). Medians over ``--repeats``; a CPU
 figure of this machine's disk and page cache.
 """
 
@@ -54,11 +55,12 @@ def read_back(state: dict[str, Any], d: Path) -> None:
 
 
 def hashed_while_written(
-    state: dict[str, Any], d: Path, shards: int, crc32: bool = False, sync: bool = False
+    state: dict[str, Any], d: Path, shards: int, crc32: bool = False, sync: bool = False, keep: bool = False
 ) -> None:
-    from mllm_rl.backends.torch.state_file import write_state
+    """``write_state`` (``keep``: its written pages left in the page cache, not dropped as written)."""
+    from mllm_rl.backends.torch.state_file import DROP_EVERY, write_state
 
-    known = write_state(state, d, crc32=crc32, shards=shards)
+    known = write_state(state, d, crc32=crc32, shards=shards, drop_every=None if keep else DROP_EVERY)
     if sync:
         sync_tree(d)
     file_manifest(d, known)
@@ -87,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         "save, hashed while written": lambda d: hashed_while_written(state, d, 1),
         f"the trainer's: {files} files at once": lambda d: hashed_while_written(state, d, files),
         "the same, synced to disk": lambda d: hashed_while_written(state, d, files, sync=True),
+        "the same, pages kept in the page cache": lambda d: hashed_while_written(
+            state, d, files, sync=True, keep=True
+        ),
     }
     times: dict[str, list[float]] = {k: [] for k in ways}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

@@ -77,6 +77,53 @@ def test_a_state_written_as_several_files_loads_back_equal_and_each_file_is_hash
     )  # one shard: the state as is
 
 
+@pytest.mark.parametrize("drop_every", [64 << 10, None])
+def test_written_pages_are_synced_and_dropped_every_drop_every_bytes(tmp_path, monkeypatch, drop_every):
+    """Once ``drop_every`` bytes were written since the last time (torch writes a tensor in one
+    call), a file's pages are synced (``fdatasync``) and dropped from the page cache
+    (``POSIX_FADV_DONTNEED``), and the state still loads back equal with its hashes; None:
+    neither. A sync the OS refuses fails the write like a refused write: its ``OSError`` names the
+    temporary file, and no file is left."""
+    import os
+
+    calls = {"sync": 0, "drop": 0}
+    sync, advise = os.fdatasync, os.posix_fadvise
+
+    def counted_sync(fd):
+        calls["sync"] += 1
+        return sync(fd)
+
+    def counted_advise(fd, offset, length, advice):
+        calls["drop"] += advice == os.POSIX_FADV_DONTNEED
+        return advise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "fdatasync", counted_sync)
+    monkeypatch.setattr(os, "posix_fadvise", counted_advise)
+    state = _big_state()
+    entry = write_state(state, tmp_path, shards=3, drop_every=drop_every)
+    total = sum(e["bytes"] for e in entry.values())
+    if drop_every is None:
+        assert calls == {"sync": 0, "drop": 0}
+    else:  # each of the 3 files (1.5 MiB or more) at least once; at most once per drop_every bytes
+        assert 3 <= calls["sync"] == calls["drop"] <= total // drop_every, (calls, total)
+    for name, e in entry.items():
+        assert hashlib.sha256((tmp_path / name).read_bytes()).hexdigest() == e["sha256"], name
+    assert torch.equal(load_state(tmp_path)["trainable"]["w4"], state["trainable"]["w4"])
+    if drop_every is None:
+        return
+
+    def refused(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", refused)
+    again = tmp_path / "again"
+    again.mkdir()
+    with pytest.raises(OSError) as e:
+        write_state(state, again, shards=3, drop_every=drop_every)
+    assert e.value.errno == errno.EIO and e.value.filename.endswith(".pt.tmp"), e.value
+    assert list(again.iterdir()) == []
+
+
 def test_a_failed_write_of_one_shard_leaves_no_file_and_a_missing_shard_is_named(tmp_path):
     """The OS refuses one shard's write (``RLIMIT_FSIZE`` below the largest file): the ``OSError``
     names a temporary file and no file of the state is left (none is renamed before all are written). A
