@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import gc
 import math
+import os
 import re
 import resource
 import time
@@ -695,8 +696,6 @@ def blas_workspace_bytes(cc_major: int, config: str | None) -> int:
 def blas_workspaces(target: Target) -> Component:
     """``BLAS_WORKSPACES`` cuBLAS workspaces on a CUDA target (this card's compute capability, or
     9 for the H100/H200 targets); ``CUBLAS_WORKSPACE_CONFIG`` as this process has it."""
-    import os
-
     major = 9
     if target.name.startswith("cuda"):
         import torch

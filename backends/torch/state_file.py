@@ -143,7 +143,7 @@ def tensors_of(state: Any) -> list[torch.Tensor]:
     return out
 
 
-def _save(obj: Any, tmp: Path, drop_every: int | None = DROP_EVERY) -> dict[str, Any] | BaseException:
+def _save(obj: Any, tmp: Path, drop_every: int | None) -> dict[str, Any] | BaseException:
     """``torch.save`` of ``obj`` to ``tmp``: its manifest entry, or the exception that stopped it."""
     try:
         with open(tmp, "wb") as f, _HashingFile(f, drop_every) as out:
@@ -182,7 +182,7 @@ class _HashingFile:
 
     INLINE = 1 << 20  # smaller buffers are hashed on the writing thread
 
-    def __init__(self, f: Any, drop_every: int | None = None) -> None:
+    def __init__(self, f: Any, drop_every: int | None) -> None:
         self.f, self.error, self.nbytes, self.sha256 = f, None, 0, hashlib.sha256()
         self.drop_every, self._dropped = drop_every, 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
