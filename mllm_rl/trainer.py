@@ -46,6 +46,8 @@ class TrainConfig:
     trainer_tp: int = opt("trainer_tp")
     # How the trainer's state is sharded (JAX: the fsdp axis; torch: FSDP2); 0: over everything.
     fsdp: int = opt("fsdp")
+    # JAX: orbax's zstd on the checkpointed arrays (torch refuses it: its state is written raw).
+    checkpoint_compression: bool = opt("checkpoint_compression")
 
     def __post_init__(self) -> None:
         check_fields(self)

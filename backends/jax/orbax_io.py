@@ -30,17 +30,21 @@ _QUOTED_PATH = re.compile(r'"(/[^"]+)"')
 class AsyncSave:
     """orbax's asynchronous save of ``tree`` into ``target``, begun on construction (it returns
     once the arrays are in host memory); ``write`` waits for the files. A write the OS refused
-    is raised as ``OSError(errno, reason, file)`` once every write begun has ended."""
+    is raised as ``OSError(errno, reason, file)`` once every write begun has ended.
 
-    def __init__(self, target: Path, tree: Any) -> None:
+    ``compress``: orbax's zstd on every array (its default). Off, the save is a copy to disk: zstd
+    costs more CPU than the write itself, and a trained float32 state barely compresses. Either
+    way the files are the ``StandardCheckpointer`` format; a restore reads both."""
+
+    def __init__(self, target: Path, tree: Any, compress: bool = False) -> None:
         import jax
         import orbax.checkpoint as ocp
 
         self.target = target
         self.nbytes = sum(int(x.nbytes) for x in jax.tree.leaves(tree))
-        self._ckpt = ocp.StandardCheckpointer()
+        self._ckpt = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(use_compression=compress))
         try:
-            self._run(lambda: self._ckpt.save(target, tree))
+            self._run(lambda: self._ckpt.save(target, args=ocp.args.PyTreeSave(tree)))
         except BaseException:
             self._ckpt.close()  # its threads end with the save that never began
             raise

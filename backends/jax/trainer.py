@@ -347,7 +347,8 @@ class JaxTrainer:
         target = Path(path).resolve() / "state"
         if target.exists():
             shutil.rmtree(target)
-        return AsyncSave(target, {"trainable": self.trainable, "opt_state": self.opt_state})
+        state = {"trainable": self.trainable, "opt_state": self.opt_state}
+        return AsyncSave(target, state, compress=self.cfg.checkpoint_compression)
 
     def restore(self, path: Path) -> None:
         """Load a ``save`` into the layout it was written from (else ValueError saying so)."""

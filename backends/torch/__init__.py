@@ -136,7 +136,8 @@ class TorchBackend(Backend):
         return EmbeddedEngine(model, device=self._device(), **kwargs)
 
     def check_trainer_args(self, model: ModelDir, cfg: Any) -> None:
-        """``--model-option`` names ``TorchModelOptions`` fields; ``--fsdp`` 0, 1 or the process count."""
+        """``--model-option`` names ``TorchModelOptions`` fields; ``--fsdp`` 0, 1 or the process count;
+        no tensor parallelism, no checkpoint compression."""
         from mllm_rl.backends.torch import fsdp
         from mllm_rl.backends.torch.options import TorchModelOptions
 
@@ -145,6 +146,11 @@ class TorchBackend(Backend):
         if cfg.trainer_tp != 1:
             raise ValueError(
                 f"--trainer-tp {cfg.trainer_tp}: the {self.name} trainer has no tensor parallelism"
+            )
+        if cfg.checkpoint_compression:
+            raise ValueError(
+                f"--checkpoint-compression: the {self.name} trainer writes its state uncompressed "
+                "(the option is the JAX trainer's: orbax's zstd)"
             )
 
     def create_trainer(self, model: ModelDir, cfg: Any):

@@ -1,13 +1,16 @@
-"""What a torch checkpoint write costs next to a copy of the same state in host memory.
+"""What a trainer's checkpoint write costs next to a copy of the same state in host memory.
 
     .venv-torch/bin/python -m mllm_rl.bench checkpoint-write --mb 1024 [--repeats 3] [--json OUT]
+    .venv-jax/bin/python -m mllm_rl.bench checkpoint-write --framework jax --mb 1024
 
-On ``--mb`` MiB of float32 tensors (64, like params and AdamW moments), interleaved round by round:
-a host copy (the floor), ``torch.save`` + a manifest reading the file back, one file hashed while
-written (with and without CRC32s), the trainer's ``state_file.write_state`` (``--shards`` files at
-once; default as the trainer chooses), that synced to disk, and that synced with the written pages
-kept in the page cache (not dropped every ``DROP_EVERY`` bytes). Medians over ``--repeats``; a CPU
-figure of this machine's disk and page cache.
+On ``--mb`` MiB of float32 tensors (64, like params and AdamW moments), interleaved round by round.
+torch: a host copy (the floor), ``torch.save`` + a manifest reading the file back, one file hashed
+while written (with and without CRC32s), the trainer's ``state_file.write_state`` (``--shards``
+files at once; default as the trainer chooses), that synced to disk, and that synced with the
+written pages kept in the page cache (not dropped every ``DROP_EVERY`` bytes). jax: a host copy,
+then orbax's save as the trainer's ``checkpoint`` phase makes it (written, synced, the manifest
+read back), raw (the trainer's default) and zstd-compressed (``--checkpoint-compression``, orbax's
+own default). Medians over ``--repeats``; a figure of this machine's disk and page cache.
 """
 
 from __future__ import annotations
@@ -66,22 +69,40 @@ def hashed_while_written(
     file_manifest(d, known)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mb", type=positive(int), default=1024, help="state size in MiB (default 1024)")
-    ap.add_argument("--repeats", type=positive(int), default=3)
-    ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary dir)")
-    ap.add_argument(
-        "--shards", type=positive(int), help="files of the trainer's write (default: as it chooses)"
-    )
-    ap.add_argument("--json", type=Path, help="also write the results here")
-    args = ap.parse_args(argv)
+def orbax_saved(tree: Any, d: Path, compress: bool) -> None:
+    """The JAX trainer's ``checkpoint`` phase on ``tree``: orbax's save, synced, the manifest."""
+    from mllm_rl.backends.jax.orbax_io import AsyncSave
+
+    AsyncSave(d / "state", tree, compress=compress).write()
+    sync_tree(d)
+    file_manifest(d)
+
+
+def jax_ways(mb: int) -> tuple[int, dict[str, Any], str]:
+    """The JAX ways on ``mb`` MiB of random float32 arrays (a trained state: zstd finds little),
+    and the platform they are on (``CPU``, ``GPU``, ...)."""
+    import jax
+    import numpy as np
+
+    n = mb * MiB // 4 // TENSORS
+    keys = jax.random.split(jax.random.key(0), TENSORS)
+    tree = {f"t{i}": jax.random.normal(k, (n,)) for i, k in enumerate(keys)}
+    jax.block_until_ready(tree)
+    ways = {
+        "host copy": lambda d: [np.array(x, copy=True) for x in tree.values()],
+        "the trainer's: orbax, raw, synced + manifest": lambda d: orbax_saved(tree, d, False),
+        "orbax, zstd (--checkpoint-compression)": lambda d: orbax_saved(tree, d, True),
+    }
+    return sum(int(x.nbytes) for x in tree.values()), ways, jax.devices()[0].platform.upper()
+
+
+def torch_ways(mb: int, shards: int | None) -> tuple[int, dict[str, Any], int]:
+    """The torch ways (module docstring) and the trainer's file count."""
     from mllm_rl.backends.torch.state_file import shard_count
 
-    fresh = fresh_pages()
-    state = state_of(args.mb)
+    state = state_of(mb)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    files = args.shards or shard_count(nbytes)
+    files = shards or shard_count(nbytes)
     ways = {
         "host copy": lambda d: {name: t.clone() for name, t in state.items()},
         "save + read back": lambda d: read_back(state, d),
@@ -93,6 +114,26 @@ def main(argv: list[str] | None = None) -> int:
             state, d, files, sync=True, keep=True
         ),
     }
+    return nbytes, ways, files
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mb", type=positive(int), default=1024, help="state size in MiB (default 1024)")
+    ap.add_argument("--repeats", type=positive(int), default=3)
+    ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary dir)")
+    ap.add_argument(
+        "--shards", type=positive(int), help="files of the trainer's write (default: as it chooses)"
+    )
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--framework", choices=("torch", "jax"), default="torch",
+                    help="whose trainer's write (default torch; jax: orbax, raw and zstd)")  # fmt: skip
+    args = ap.parse_args(argv)
+    fresh = fresh_pages()
+    if args.framework == "jax":
+        (nbytes, ways, figure), files = jax_ways(args.mb), None
+    else:
+        (nbytes, ways, files), figure = torch_ways(args.mb, args.shards), "CPU"
     times: dict[str, list[float]] = {k: [] for k in ways}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for _ in range(args.repeats):
@@ -105,13 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["host copy"]
     print(
-        f"CPU figure: {nbytes / 2**30:.2f} GiB of float32 state, median of {args.repeats} interleaved rounds"
+        f"{figure} figure: {nbytes / 2**30:.2f} GiB of float32 state, median of {args.repeats} interleaved rounds"
         + ("" if fresh else " (allocations may reuse pages: not glibc)")
     )
     rows = [{"way": k, "s": v, "x": v / base, "gbps": nbytes / v / 1e9} for k, v in med.items()]
     print(table(rows, [("way", "way", ""), ("s", "seconds", ".3f"), ("x", "x host copy", ".2f"),
                        ("gbps", "GB/s", ".2f")]))  # fmt: skip
-    out = {"bench": "checkpoint_write", "figure": "CPU", "bytes": nbytes, "shards": files, "fresh_pages": fresh,
+    out = {"bench": "checkpoint_write", "framework": args.framework, "figure": figure, "bytes": nbytes,
+           "shards": files, "fresh_pages": fresh,
            "median_s": med,
            "x_host_copy": {k: round(v / base, 3) for k, v in med.items()}}  # fmt: skip
     if args.json:

@@ -238,6 +238,9 @@ OPTIONS: tuple[Option, ...] = (
        "write it in the background (torch: a host copy; jax: orbax's asynchronous save; it counts once "
        "written; costs host memory the size of the state; memplan: that copy in the host column). Default: "
        "write in the phase", "rl plan", {"rl", "memplan"}),
+    _o("checkpoint_compression", bool, False, "jax: zstd-compress the checkpointed arrays (orbax's own "
+       "default; smaller files, a save about twice as long on a CPU host: docs/RL.md). Default: written "
+       "uncompressed, as the torch trainer always writes", "rl plan", RL),
     _o("resume", bool, False, "continue --run-dir/--run-id from its newest valid checkpoint (appends to its "
        "phase log; settings not given come from its run.json); a run with nothing to resume is refused",
        "rl plan", {"rl", "tasks"}, resume="fresh"),

@@ -92,14 +92,54 @@ def test_a_save_that_cannot_begin_closes_its_checkpointer(tmp_path, monkeypatch)
     from mllm_rl.backends.jax.orbax_io import AsyncSave
 
     closed: list[object] = []
-    close = ocp.StandardCheckpointer.close
-    monkeypatch.setattr(ocp.StandardCheckpointer, "close", lambda s: (closed.append(s), close(s)))
+    close = ocp.AsyncCheckpointer.close
+    monkeypatch.setattr(ocp.AsyncCheckpointer, "close", lambda s: (closed.append(s), close(s)))
     (tmp_path / "state").mkdir()
     with pytest.raises(ValueError, match="already exists"):
         AsyncSave(tmp_path / "state", {"a": jnp.ones(3)})
     assert len(closed) == 1
     AsyncSave(tmp_path / "other", {"a": jnp.ones(3)}).write()
     assert len(closed) == 2 and (tmp_path / "other").is_dir()
+
+
+def orbax_compressors(state: Path) -> set[str | None]:
+    """The compressor of every array of orbax checkpoint ``state`` (its OCDBT store): ``zstd`` or None."""
+    import json
+
+    import tensorstore as ts
+
+    base = f"file://{state.resolve()}/"
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": base}).result()
+    found = set()
+    for key in kv.list().result():
+        if key.endswith(b"/.zarray"):
+            meta = json.loads(kv.read(key).result().value)
+            found.add((meta.get("compressor") or {}).get("id"))
+    return found
+
+
+def test_a_save_is_uncompressed_unless_asked_and_either_restores(tmp_path):
+    """``AsyncSave`` writes raw arrays by default, orbax's zstd when asked; a restore reads both
+    (through ``StandardCheckpointer``, as the trainer restores), value for value."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from mllm_rl.backends.jax.orbax_io import AsyncSave
+
+    tree = {"zeros": jnp.zeros((512, 512)), "m": {"v": jnp.arange(4096, dtype=jnp.bfloat16)}}
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+    sizes = {}
+    for compress in (False, True):
+        target = tmp_path / str(compress) / "state"
+        AsyncSave(target, tree, compress=compress).write()
+        assert orbax_compressors(target) == ({"zstd"} if compress else {None})
+        sizes[compress] = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+        back = ocp.StandardCheckpointer().restore(target.resolve(), abstract)
+        for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(back), strict=True):
+            assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    assert sizes[False] > 512 * 512 * 4 > 100 * sizes[True]  # a MiB of zeros: raw, then a few KiB
 
 
 @pytest.mark.slow  # two runs of the tiny model
@@ -115,3 +155,28 @@ def test_a_checkpoint_write_past_the_file_size_limit_exits_1_and_keeps_the_older
     check_refused_checkpoint_write(
         "jax", tiny_ckpt, tmp_path / "run", [["--checkpoint-background"]], resume_after=False
     )
+
+
+def test_bench_checkpoint_write_times_orbax_raw_and_zstd_against_the_host_copy(tmp_path):
+    """``python -m mllm_rl.bench checkpoint-write --framework jax``: the JAX trainer's save (raw,
+    synced, its manifest read back) and the zstd one beside a host copy, its files removed."""
+    import json
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "out.json"
+    r = subprocess.run([sys.executable, "-m", "mllm_rl.bench", "checkpoint-write", "--framework", "jax",
+                        "--mb", "8", "--repeats", "1", "--dir", str(tmp_path), "--json", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    assert last == json.loads(out.read_text()) and last["framework"] == "jax" and last["figure"] == "CPU"
+    ways = {
+        "host copy",
+        "the trainer's: orbax, raw, synced + manifest",
+        "orbax, zstd (--checkpoint-compression)",
+    }
+    assert set(last["median_s"]) == ways and all(v > 0 for v in last["median_s"].values())
+    assert last["x_host_copy"]["host copy"] == 1.0 and last["bytes"] == 8 * 2**20
+    assert "CPU figure" in r.stdout and list(tmp_path.iterdir()) == [out]  # its files are gone

@@ -21,6 +21,7 @@ from mllm_rl.phases import validate_record
 from mllm_rl.sinks.jsonl import read_jsonl
 from mllm_rl.trainer import TRAIN_METRICS
 from tests.conftest import run_cli, start_cli
+from tests.jax.test_jax_checkpoint_faults import orbax_compressors
 
 SMALL = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4",
          "--max-running-requests", "8", "--checkpoint-every", "1"]  # fmt: skip
@@ -88,6 +89,8 @@ def test_every_phase_of_every_step_is_recorded_in_order(lora_lr0):
     assert [x["idx"] for x in recs] == list(range(len(recs)))
     # the run compiled through the persistent cache the tests share (backends/jax/compile_cache.py)
     assert phase(recs, "jax_ready", None)["info"]["compile_cache"] == os.environ["JAX_COMPILATION_CACHE_DIR"]
+    # its checkpoint's arrays are written raw (no --checkpoint-compression)
+    assert orbax_compressors(run_dir / "checkpoints" / "step_000001" / "state") == {None}
 
 
 @pytest.mark.slow
@@ -266,11 +269,12 @@ def test_trainer_that_does_not_offload_breaks_the_residency_invariant(tiny_ckpt,
 
 @pytest.mark.slow
 def test_kill_and_resume_continues_from_the_last_checkpoint_on_two_devices(tiny_ckpt, tmp_path):
-    """A run SIGKILLed once step 1's checkpoint is saved resumes from it, runs step 2, and its log
-    continues intact. It runs with --tp 2 on two CPU devices (both parts): the trainer's params and
+    """A run SIGKILLed once step 1's checkpoint (zstd-compressed) is saved resumes from it, runs
+    step 2, and its log continues intact. It runs with --tp 2 on two CPU devices (both parts): the trainer's params and
     optimizer state are sharded over a 2-device mesh (a replicated scalar on one device only broke
     the step once), the engine is tp=2, and the garbage guard checks the synced weights."""
-    args = rl_args(tmp_path, tiny_ckpt, "--steps", "3", "--tp", "2", "--check-weights", "--wandb", "disabled")
+    args = rl_args(tmp_path, tiny_ckpt, "--steps", "3", "--tp", "2", "--check-weights", "--wandb", "disabled",
+                   "--checkpoint-compression")  # fmt: skip
     p = start_cli(*args, env={"MLLM_RL_NO_PROGRESS": "1"})
     phases, deadline = tmp_path / "phases.jsonl", time.time() + 600
     while time.time() < deadline and p.poll() is None:
@@ -285,6 +289,7 @@ def test_kill_and_resume_continues_from_the_last_checkpoint_on_two_devices(tiny_
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=60)
     assert (tmp_path / "checkpoints" / "step_000001" / "meta.json").exists()
+    assert orbax_compressors(tmp_path / "checkpoints" / "step_000001" / "state") == {"zstd"}
     r = run_cli(*args, "--resume", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = records(tmp_path)

@@ -465,3 +465,7 @@ def test_bad_options_are_refused_by_the_trainer_and_the_backend(pairs, match):
     TorchBackend().check_trainer_args(None, TrainConfig(model_options=REMAT))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="--trainer-tp 2"):
         TorchBackend().check_trainer_args(None, TrainConfig(model_options=REMAT, trainer_tp=2))  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match="--checkpoint-compression: the torch trainer writes its state uncompressed"
+    ):
+        TorchBackend().check_trainer_args(None, TrainConfig(checkpoint_compression=True))  # type: ignore[arg-type]

@@ -1,4 +1,5 @@
-"""``python -m mllm_rl.bench checkpoint-write``: the seven ways side by side, one JSON summary last."""
+"""``python -m mllm_rl.bench checkpoint-write`` (torch, the default framework): the seven ways side
+by side, one JSON summary last."""
 
 from __future__ import annotations
 
@@ -28,4 +29,5 @@ def test_bench_checkpoint_write_times_every_way_against_the_host_copy(tmp_path):
     }
     assert set(last["median_s"]) == ways and all(v > 0 for v in last["median_s"].values())
     assert last["x_host_copy"]["host copy"] == 1.0 and last["bytes"] == 8 * 2**20 and last["shards"] == 3
+    assert last["framework"] == "torch"
     assert "CPU figure" in r.stdout and list(tmp_path.iterdir()) == [out]  # its files are gone
