@@ -14,7 +14,7 @@ from pathlib import Path
 
 PROG = "python -m mllm_rl.bench"
 # each module of these has ``main(argv) -> int``; its name on the command line has hyphens
-MODULES = ("checkpoint_write", "copy_bandwidth", "engine", "model_paths", "multitask", "plan", "precision",
+MODULES = ("checkpoint_write", "copy_bandwidth", "engine", "first_touch", "model_paths", "multitask", "plan", "precision",
            "processes", "release", "report", "rl_memory", "soak", "step_cost", "summary", "swap", "torch_attention")  # fmt: skip
 BENCHES = {("copy" if m == "copy_bandwidth" else m.replace("_", "-")): f"mllm_rl.bench.{m}" for m in MODULES}
 

@@ -235,6 +235,19 @@ def test_summary_table(tmp_path):
     assert "swap-y" in text and "FAIL" in text
 
 
+def test_first_touch_times_a_fill_right_after_a_free_and_after_an_idle_pause(tmp_path):
+    out = tmp_path / "out.json"
+    r = bench("first-touch", "--mb", "16", "--idle", "0.2", "--repeats", "2", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    assert last == json.loads(out.read_text()) and last["bytes"] == 16 * 2**20 and last["idle_s"] == 0.2
+    assert set(last["median_s"]) == {"right after a free", "after 0.2 s idle"}
+    assert all(v > 0 for v in last["median_s"].values()) and last["idle_over_warm"] > 0
+    reporting = Path("/sys/module/page_reporting/parameters/reported_kib").exists()
+    assert (last["reported_kib"] is not None) == reporting and (last["reported_kib"] or 0) >= 0
+    assert "GB/s" in r.stdout
+
+
 # -- the shared helpers (mllm_rl.bench) --------------------------------------------------------
 def test_bench_package_imports_no_framework():
     code = f"import sys, json; import {', '.join(BENCH_MODULES)}; " + (
