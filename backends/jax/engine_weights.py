@@ -6,12 +6,15 @@ host ndarray or ``jax.Array`` in HF layout; ``KernelInOut(a)``; either as ``Owne
 copied); ``Placed(a)`` (``stream`` only) in the leaf's layout. Transposes and casts run on the
 devices (a strided host transpose is slower than a copy), except for a host tensor above the chunk
 size on one CPU device (``replace_on_host``: there XLA:CPU's pass over a 16-bit buffer costs more).
+``MLLM_RL_HOST_LAYOUT=1`` (a diagnostic, ``scripts/device/jax_fault_probe.sh``): a host tensor is
+transposed and cast on the host and sent once, as before transposes moved to the devices.
 """
 
 from __future__ import annotations
 
 import functools
 import mmap
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -30,6 +33,7 @@ Sums = tuple[jax.Array, jax.Array]  # (sum, sum of squares) as float32 device sc
 
 
 ALIGN = 64  # bytes: JAX CPU's ``device_put`` aliases a host array so aligned instead of copying
+HOST_LAYOUT = "MLLM_RL_HOST_LAYOUT"  # "1": host tensors laid out on the host (module docstring)
 
 
 def host_copy(arr: np.ndarray, dtype: Any, into: np.ndarray | None = None) -> np.ndarray:
@@ -97,6 +101,8 @@ def host_to_engine(
     the array may alias its host copy (``host_copy``, in ``staging`` if given: the caller waits
     for the result before reusing it); elsewhere ``arr`` is sent as it is."""
     cpu = on_cpu(sharding)
+    if os.environ.get(HOST_LAYOUT) == "1" and (transpose or arr.dtype != dtype):
+        return jax.device_put(host_copy(arr.T if transpose else arr, dtype, staging), sharding)
     if not transpose and arr.dtype == dtype:
         return jax.device_put(host_copy(arr, dtype, staging) if cpu else arr, sharding)
     staged_sharding = _transposed(sharding) if transpose else sharding

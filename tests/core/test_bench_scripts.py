@@ -145,8 +145,10 @@ def test_gpu_bench_all_lists_and_dry_runs(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
-def test_gpu_bench_all_is_shellcheck_clean():
-    r = run("shellcheck", str(SCRIPTS / "gpu_bench_all.sh"))
+def test_the_shell_scripts_are_shellcheck_clean():
+    """``gpu_bench_all.sh`` and the device scripts (the check, its wheels, the fault probe): the
+    device ones run only where a GPU is lent, so this is what keeps them from rotting here."""
+    r = run("shellcheck", *map(str, sorted([*SCRIPTS.glob("*.sh"), *(SCRIPTS / "device").glob("*.sh")])))
     assert r.returncode == 0, r.stdout
 
 

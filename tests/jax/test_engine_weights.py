@@ -80,6 +80,21 @@ def test_hf_layout_tensor_is_transposed_onto_a_kernel_leaf_and_kept_for_a_vector
     np.testing.assert_array_equal(np.asarray(w.place(N, conv(norm))), norm)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_host_layout_diagnostic_lays_out_host_tensors_on_the_host(monkeypatch, layouts, dtype):
+    """``MLLM_RL_HOST_LAYOUT=1``: a host kernel is transposed (and cast) on the host, never by a
+    device program, with the same values; a jax array is still laid out where it lives."""
+    leaves, w = _leaves(dtype)
+    hf = _hf_kernel()
+    want = np.asarray(jnp.asarray(hf.T, dtype))
+    monkeypatch.setenv(ew.HOST_LAYOUT, "1")
+    placed = w.place(W, hf)
+    assert layouts == [] and placed.dtype == dtype and placed.sharding == leaves[0].sharding
+    np.testing.assert_array_equal(np.asarray(placed), want)
+    np.testing.assert_array_equal(np.asarray(w.place(W, jnp.asarray(hf))), want)
+    assert layouts == [(True, jnp.dtype(dtype))]
+
+
 @pytest.mark.parametrize("kind", ["host", "jax", "kernel_in_out"])
 def test_placement_casts_to_the_leaf_dtype(kind):
     leaves, w = _leaves(jnp.bfloat16)
