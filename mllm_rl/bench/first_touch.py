@@ -20,16 +20,7 @@ from pathlib import Path
 
 from mllm_rl.bench import MiB
 from mllm_rl.bench.cli import positive
-
-REPORTING = Path("/sys/module/page_reporting/parameters/reported_kib")
-
-
-def reported_kib() -> int | None:
-    """KiB of free memory the kernel has reported to the hypervisor since boot (None: not reported)."""
-    try:
-        return int(REPORTING.read_text())
-    except (OSError, ValueError):
-        return None
+from mllm_rl.bench.machine import reported_kib
 
 
 def fill_s(nbytes: int) -> float:

@@ -33,8 +33,22 @@ def load_avg_1m() -> float | None:
     return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
+REPORTING = Path("/sys/module/page_reporting/parameters/reported_kib")
+
+
+def reported_kib() -> int | None:
+    """KiB of free memory the kernel has reported to its hypervisor since boot (a VM's balloon
+    driver hands those pages back; touching them again is slow: ``bench first-touch``); None
+    where nothing reports."""
+    try:
+        return int(REPORTING.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def machine_info() -> dict[str, Any]:
-    """What ran: host CPU/memory, GPUs (nvidia-smi), Python, package versions, git commit, date."""
+    """What ran: host CPU/memory (and whether free memory goes back to a hypervisor), GPUs
+    (nvidia-smi), Python, package versions, git commit, date."""
     mem = _first_field("/proc/meminfo", "MemTotal")
     versions = {}
     for p in PACKAGES:
@@ -45,6 +59,7 @@ def machine_info() -> dict[str, Any]:
     return {"date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "host_cpu": _first_field("/proc/cpuinfo", "model name"), "cpu_count": os.cpu_count(),
             "host_mem_bytes": int(mem.split()[0]) * 1024 if mem else None, "load_avg_1m": load_avg_1m(),
+            "free_page_reporting": reported_kib() is not None,
             "gpus": _nvidia_smi(), "python": platform.python_version(), "executable": sys.executable,
             "versions": versions, "git": GIT_AT_START}  # the code that ran, not HEAD after it  # fmt: skip
 
