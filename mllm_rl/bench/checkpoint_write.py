@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--framework", choices=("torch", "jax"), default="torch",
                     help="whose trainer's write (default torch; jax: orbax, raw and zstd)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.framework == "jax" and args.shards:
+        ap.error("--shards: the torch trainer's file count; orbax lays out its own files")
     fresh = fresh_pages()
     if args.framework == "jax":
         (nbytes, ways, figure), files = jax_ways(args.mb), None

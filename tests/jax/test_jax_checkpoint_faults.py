@@ -180,3 +180,6 @@ def test_bench_checkpoint_write_times_orbax_raw_and_zstd_against_the_host_copy(t
     assert set(last["median_s"]) == ways and all(v > 0 for v in last["median_s"].values())
     assert last["x_host_copy"]["host copy"] == 1.0 and last["bytes"] == 8 * 2**20
     assert "CPU figure" in r.stdout and list(tmp_path.iterdir()) == [out]  # its files are gone
+    bad = subprocess.run([sys.executable, "-m", "mllm_rl.bench", "checkpoint-write", "--framework", "jax",
+                          "--shards", "2"], capture_output=True, text=True, cwd=ROOT, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "--shards: the torch trainer's file count" in bad.stderr
