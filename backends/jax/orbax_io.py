@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 SETTLE_S = 30.0  # longest wait for the writes a failed save abandoned
+# OCDBT data files of at most this size (orbax's default: 2 GiB): the manifest hashes one file per
+# thread, so a state in many files is hashed on as many cores (MaxText's settings: zarr3 + OCDBT)
+DATA_FILE_BYTES = 256 << 20
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)'?")
 _QUOTED_PATH = re.compile(r'"(/[^"]+)"')
 
@@ -33,8 +36,9 @@ class AsyncSave:
     is raised as ``OSError(errno, reason, file)`` once every write begun has ended.
 
     ``compress``: orbax's zstd on every array (its default). Off, the save is a copy to disk: zstd
-    costs more CPU than the write itself, and a trained float32 state barely compresses. Either
-    way the files are the ``StandardCheckpointer`` format; a restore reads both."""
+    costs more CPU than the write itself, and a trained float32 state barely compresses. Arrays
+    are zarr3 in OCDBT data files of ``DATA_FILE_BYTES``; ``StandardCheckpointer`` restores them
+    (and the zarr2 files of earlier saves) from their metadata."""
 
     def __init__(self, target: Path, tree: Any, compress: bool = False) -> None:
         import jax
@@ -42,9 +46,11 @@ class AsyncSave:
 
         self.target = target
         self.nbytes = sum(int(x.nbytes) for x in jax.tree.leaves(tree))
-        self._ckpt = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(use_compression=compress))
+        handler = ocp.PyTreeCheckpointHandler(use_compression=compress, use_zarr3=True)
+        self._ckpt = ocp.AsyncCheckpointer(handler)
+        args = ocp.args.PyTreeSave(tree, ocdbt_target_data_file_size=DATA_FILE_BYTES)
         try:
-            self._run(lambda: self._ckpt.save(target, args=ocp.args.PyTreeSave(tree)))
+            self._run(lambda: self._ckpt.save(target, args=args))
         except BaseException:
             self._ckpt.close()  # its threads end with the save that never began
             raise

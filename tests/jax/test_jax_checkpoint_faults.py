@@ -103,7 +103,8 @@ def test_a_save_that_cannot_begin_closes_its_checkpointer(tmp_path, monkeypatch)
 
 
 def orbax_compressors(state: Path) -> set[str | None]:
-    """The compressor of every array of orbax checkpoint ``state`` (its OCDBT store): ``zstd`` or None."""
+    """The compressor of every array of orbax checkpoint ``state`` (its OCDBT store), read from
+    each array's zarr metadata (zarr3 ``zarr.json`` or zarr2 ``.zarray``): ``zstd`` or None."""
     import json
 
     import tensorstore as ts
@@ -112,15 +113,16 @@ def orbax_compressors(state: Path) -> set[str | None]:
     kv = ts.KvStore.open({"driver": "ocdbt", "base": base}).result()
     found = set()
     for key in kv.list().result():
-        if key.endswith(b"/.zarray"):
-            meta = json.loads(kv.read(key).result().value)
-            found.add((meta.get("compressor") or {}).get("id"))
+        if key.endswith((b"/zarr.json", b"/.zarray")):
+            meta = json.dumps(json.loads(kv.read(key).result().value))
+            found.add("zstd" if "zstd" in meta else None)
     return found
 
 
 def test_a_save_is_uncompressed_unless_asked_and_either_restores(tmp_path):
     """``AsyncSave`` writes raw arrays by default, orbax's zstd when asked; a restore reads both
-    (through ``StandardCheckpointer``, as the trainer restores), value for value."""
+    (through ``StandardCheckpointer``, as the trainer restores), value for value, and the zarr2
+    files ``StandardCheckpointer`` itself writes (checkpoints of earlier versions)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -140,6 +142,27 @@ def test_a_save_is_uncompressed_unless_asked_and_either_restores(tmp_path):
         for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(back), strict=True):
             assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
     assert sizes[False] > 512 * 512 * 4 > 100 * sizes[True]  # a MiB of zeros: raw, then a few KiB
+    old = tmp_path / "zarr2" / "state"
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(old, tree)
+    back = ocp.StandardCheckpointer().restore(old.resolve(), abstract)
+    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(back), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_large_state_is_written_in_data_files_of_bounded_size(tmp_path, monkeypatch):
+    """The arrays go into OCDBT data files of about ``DATA_FILE_BYTES`` (orbax's own default is
+    2 GiB), which the manifest then hashes in parallel, one file per thread."""
+    import jax
+
+    from mllm_rl.backends.jax import orbax_io
+
+    monkeypatch.setattr(orbax_io, "DATA_FILE_BYTES", 1 << 20)
+    keys = jax.random.split(jax.random.key(0), 8)
+    tree = {f"t{i}": jax.random.normal(k, (2**18,)) for i, k in enumerate(keys)}  # 8 MiB
+    orbax_io.AsyncSave(tmp_path / "state", tree).write()
+    data = [f.stat().st_size for f in (tmp_path / "state").rglob("d/*") if f.is_file()]
+    assert len(data) >= 6 and sum(data) >= 8 << 20 and max(data) <= 2 << 20, sorted(data)
 
 
 @pytest.mark.slow  # two runs of the tiny model
