@@ -239,3 +239,19 @@ def test_run_json_records_the_data_eval_data_and_reward_file_absolute(tmp_path, 
     assert rec["reward"] == f"{tmp_path / 'score.py'}:score"
     args = parse_args(["--backend", "jax", "--data", "train.jsonl", "--reward", "pkg.mod:fn"])[0]
     assert record(args, "rl")["reward"] == "pkg.mod:fn"
+
+
+def test_docs_list_every_key_a_task_takes():
+    """docs/MULTITASK.md's ``Keys:`` list is the schema's ``task`` options and ``name``, no more."""
+    import re
+
+    from mllm_rl.multitask.spec import TASK_OPTIONS
+    from tests.conftest import ROOT
+
+    doc = (ROOT / "docs" / "MULTITASK.md").read_text()
+    start = doc.index("Keys: `") + len("Keys: `")
+    listed = set(re.sub(r"\(or \w+\)", "", doc[start : doc.index("`", start)]).split())
+    assert listed == {"name", *TASK_OPTIONS}, (
+        sorted(set(TASK_OPTIONS) - listed),
+        sorted(listed - set(TASK_OPTIONS)),
+    )
