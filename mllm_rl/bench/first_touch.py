@@ -6,7 +6,7 @@ Each round fills ``--mb`` MiB of newly allocated memory (its own ``mmap``) twice
 the same amount was freed, once after ``--idle`` seconds of sleep. A virtual machine whose balloon
 driver reports free pages to its hypervisor (Linux ``page_reporting``) gives them back while the
 process sleeps, and the first touch of each page then waits on the hypervisor: every copy into
-fresh memory (a host copy, an offload, a checkpoint write) slows down by as much, which is why the
+fresh memory (a host copy, an offload, a checkpoint write) slows down by as much: one reason the
 CPU figures of docs/BENCHMARKS.md vary between runs. Medians over ``--repeats``.
 """
 
@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from mllm_rl.bench import MiB
+from mllm_rl.bench.checkpoint_write import fresh_pages
 from mllm_rl.bench.cli import positive
 from mllm_rl.bench.machine import reported_kib
 
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=positive(int), default=3)
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
+    fresh_pages()  # every fill its own mmap, whatever its size (off glibc: as the allocator does)
     nbytes, before = args.mb * MiB, reported_kib()
     fill_s(nbytes)  # the first fill: whatever state the memory was in
     warm, idle = [], []
