@@ -54,7 +54,9 @@ _TARGET = re.compile(r"^(h100|h200)(?:x(\d+))?$")
 _LOCAL = re.compile(r"^(cpu|cuda)(?:x(\d+))?$")  # this machine, one process per device (xN: N of them)
 DTYPES = {"bfloat16": (2, "BF16"), "float16": (2, "F16"), "float32": (4, "F32")}  # itemsize, safetensors
 KL_BETA = 0.04  # any beta > 0 takes the KL code path; its value does not change memory
-STEPS = 2
+# one step: TorchTrainer makes its AdamW state when built, so a second step runs on the same
+# tensors (test_a_second_step_plans_the_same_bytes_as_the_first keeps it so)
+STEPS = 1
 PAGE_SIZE = 1  # SGLang's default page size for the CUDA attention backends of a dense model
 ROPE_CACHE_BYTES = 4  # SGLang keeps the RoPE cos/sin cache in float32 on CUDA
 # torch keeps a cuBLAS workspace per (handle, stream), handles per thread: a run's matmuls use two,

@@ -300,7 +300,12 @@ class Qwen3Body(nn.Module):
 
     def __init__(self, c: ModelConfig, dtype: torch.dtype | None = None, device=None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
+        # on meta, nn.Embedding's normal_ init would import torch._dynamo (about 1.5 s): skip it there
+        meta = device is not None and torch.device(device).type == "meta"
+        empty = torch.empty(c.vocab_size, c.hidden_size, dtype=dtype, device=device) if meta else None
+        self.embed_tokens = nn.Embedding(
+            c.vocab_size, c.hidden_size, dtype=dtype, device=device, _weight=empty
+        )
         self.layers = nn.ModuleList([Block(c, dtype, device) for _ in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
 

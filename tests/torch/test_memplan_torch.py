@@ -284,6 +284,18 @@ def test_remat_option_plans_the_checkpointed_step(tiny_fp32):
     assert memplan.options_key({"remat": False}) == ()
 
 
+@pytest.mark.parametrize("kw", [{"kl": True}, {"lora_rank": 4, "world": 2}], ids=["full-kl", "lora-fsdp2"])
+def test_a_second_step_plans_the_same_bytes_as_the_first(kw):
+    """The planner traces one train step (``STEPS``): the trainer makes its AdamW state when built,
+    so a second step holds the same tensors. Were the state made lazily by the first step, the
+    second step's figures would differ from the first's here."""
+    assert memplan.STEPS == 1
+    args = (TINY, 2, 32, 4, "bfloat16")
+    one, two = (memplan.trainer_step_memory(*args, steps=n, **kw) for n in (1, 2))
+    same = lambda s: dataclasses.replace(s, seconds=0.0)  # noqa: E731
+    assert one.optimizer > 0 and same(one) == same(two)
+
+
 def test_targets_from_the_card_spec():
     """The same device memory the JAX planner plans against: the XLA GPU target configs."""
     h100, h200 = memplan.parse_target("h100"), memplan.parse_target("h200x1")
