@@ -44,9 +44,10 @@ def _jax_compilation_cache() -> None:
 
 
 _jax_compilation_cache()
-# the torch planner's traced steps likewise (backends/torch/step_cache.py: keyed by the package's
-# source, so an edit traces again); a directory the caller set, or empty (off), is kept
-os.environ.setdefault("MLLM_RL_PLAN_CACHE", str(ROOT / ".pytest_cache" / "torch-plans"))
+# the planners' measured figures likewise (mllm_rl/memplan/cache.py: keyed by the package's source
+# and the frameworks' versions, so an edit measures again); a directory the caller set, or empty
+# (off), is kept
+os.environ.setdefault("MLLM_RL_PLAN_CACHE", str(ROOT / ".pytest_cache" / "plans"))
 
 # XLA:CPU's LLVM optimisation level for every program the tests compile, in this process and the
 # runs it starts: level 0 instead of XLA's default 3. The tests compile hundreds of small programs

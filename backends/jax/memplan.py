@@ -10,11 +10,14 @@ compiled for TPU/GPU targets (``engine_compile``) and estimated on CPU. Peak of 
 from __future__ import annotations
 
 import dataclasses
+import os
 import resource
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mllm_rl.backends.jax import engine_layout, topologies
+from mllm_rl.memplan import cache as plan_cache
 from mllm_rl.memplan.compose import Component, FunctionMemory
 from mllm_rl.memplan.engine_step import forward_bytes
 from mllm_rl.memplan.request import Measured, PlanRequest
@@ -26,6 +29,9 @@ KL_BETA = 0.04  # any beta > 0: a KL term (its value does not change memory)
 STAGING_COPIES = 2  # tensors in flight during a weight update beyond both resident copies
 
 _cache: dict[tuple[Any, ...], Any] = {}  # per process: topologies, engine layouts, compiled functions
+# what the compiled figures depend on besides this package's source (``plan_cache``): the compilers
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "sglang-jax", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt",
+            "jax-cuda13-plugin", "jax-cuda13-pjrt")  # fmt: skip
 
 
 def targets() -> dict[str, str]:
@@ -84,8 +90,20 @@ def _measure(req: PlanRequest, spec: topologies.TargetSpec) -> Measured:
     notes: list[str] = []
     info: dict[str, Any] = {"model_options": dataclasses.asdict(opts), "compile_seconds": {}}
 
+    # what the stored figures depend on besides the source and compilers (``_stored``); a CPU
+    # plan's budget follows the free RAM and XLA:CPU refuses nothing for its size
+    where = {"target": target.name, "devices": target.num_devices, "kind": target.device_kind,
+             "hbm": None if target.platform == "cpu" else target.hbm_bytes,
+             "model": dataclasses.asdict(req.model), "tp": req.tp}  # fmt: skip
+
+    def engine_weights() -> dict[str, Any]:
+        return dataclasses.asdict(engine_layout.weights(req.model, devices, req.tp))
+
     eng = _cached(
-        ("engine", req.target, req.model, req.tp), lambda: engine_layout.weights(req.model, devices, req.tp)
+        ("engine", req.target, req.model, req.tp),
+        lambda: _stored("engine_weights", where, engine_weights, lambda d: engine_layout.EngineWeights(**d))[
+            0
+        ],
     )
     kv = engine_layout.size_pool(
         req.model,
@@ -96,9 +114,13 @@ def _measure(req: PlanRequest, spec: topologies.TargetSpec) -> Measured:
         req.kv_tokens,
         req.mem_fraction_static,
     )
+
+    def kv_layer() -> dict[str, Any]:
+        return {"layer": _compile_layer(req, devices, kv.tokens)}
+
     layer = _cached(
         ("kvlayer", req.target, req.model, req.tp, kv.tokens),
-        lambda: _compile_layer(req, devices, kv.tokens),
+        lambda: _stored("kv_layer", {**where, "tokens": kv.tokens}, kv_layer, _layer)[0],
     )
     formula_layer = kv.bytes_per_device // req.model.num_hidden_layers
     default_frac = engine_layout.DEFAULT_MEM_FRACTION[target.platform]
@@ -134,7 +156,7 @@ def _measure(req: PlanRequest, spec: topologies.TargetSpec) -> Measured:
             f"(free at engine start: {kv.free_bytes} B per device; the adapter's default is {default_frac})"
         )
 
-    fns, trainer_comps = _trainer(req, devices, target, opts, info, notes)
+    fns, trainer_comps = _trainer_stored(req, devices, target, opts, where, info, notes)
     comps.update(trainer_comps)
     # bytes in flight beyond both resident copies: the largest engine tensor's shard, exported and placed
     comps["staging"] = Component(
@@ -274,6 +296,75 @@ def _check_mesh(req: PlanRequest, n: int, hosts: int, name: str) -> None:
     topologies.check_trainer_mesh(
         req.trainer_tp, req.fsdp, n, c.num_attention_heads, c.num_key_value_heads, name
     )
+
+
+def _stored(
+    what: str, args: dict[str, Any], make: Callable[[], dict[str, Any]], parse: Callable[[dict], Any]
+) -> tuple[Any, bool]:
+    """``parse(make())`` (JSON-able figures), or ``parse`` of what a process running the same source
+    and ``PACKAGES`` stored for the same ``args`` before (``mllm_rl.memplan.cache``; an entry that
+    does not parse is made again and replaced); and whether it was stored."""
+    name = plan_cache.key({"what": what, "xla_flags": os.environ.get("XLA_FLAGS", ""), **args}, PACKAGES)
+    doc = plan_cache.load(name)
+    if doc is not None:
+        try:
+            return parse(doc), True
+        except (KeyError, TypeError, ValueError, AttributeError):
+            pass
+    doc = make()
+    plan_cache.store(name, doc)
+    return parse(doc), False
+
+
+def _trainer_stored(
+    req: PlanRequest,
+    devices: list[Any],
+    target: Any,
+    opts: Any,
+    where: dict[str, Any],
+    info: dict[str, Any],
+    notes: list[str],
+) -> tuple[dict[str, FunctionMemory], dict[str, Component]]:
+    """``_trainer``'s functions and components, from the plan cache when this code compiled the
+    same functions for the same target (``where``) before; ``info`` and ``notes`` get what
+    ``_trainer`` adds."""
+    args = {**where, "micro_batch": req.micro_batch, "seq_len": req.seq_len, "lora_rank": req.lora_rank,
+            "kl": req.kl, "precision": req.precision, "options": dataclasses.asdict(opts)}  # fmt: skip
+
+    def make() -> dict[str, Any]:
+        sub_info: dict[str, Any] = {"compile_seconds": {}}
+        sub_notes: list[str] = []
+        fns, comps = _trainer(req, devices, target, opts, sub_info, sub_notes)
+        return {"functions": {k: dataclasses.asdict(f) for k, f in fns.items()},
+                "components": {k: dataclasses.asdict(c) for k, c in comps.items()},
+                "info": sub_info, "notes": sub_notes}  # fmt: skip
+
+    def parse(doc: dict[str, Any]) -> tuple[Any, ...]:
+        fns = {k: FunctionMemory(**f) for k, f in doc["functions"].items()}
+        comps = {k: Component(**c) for k, c in doc["components"].items()}
+        sub_info = dict(doc["info"])
+        return fns, comps, dict(sub_info.pop("compile_seconds")), sub_info, list(doc["notes"])
+
+    (fns, comps, seconds, sub_info, sub_notes), stored = _stored("trainer", args, make, parse)
+    info.update(sub_info)
+    notes.extend(sub_notes)
+    if stored:
+        fns = {k: dataclasses.replace(f, compile_seconds=0.0) for k, f in fns.items()}
+        info["compile_seconds"].update({f"{k} (cached)": 0.0 for k in seconds})
+        notes.append(
+            "trainer functions: figures compiled by an earlier process running the same code and compilers "
+            "(the plan cache, MLLM_RL_PLAN_CACHE)"
+        )
+    else:
+        info["compile_seconds"].update(seconds)
+    return fns, comps
+
+
+def _layer(doc: dict[str, Any]) -> int | str:
+    """A stored KV layer's bytes, or the compiler's refusal."""
+    if not isinstance(doc["layer"], int | str):
+        raise TypeError(f"layer {doc['layer']!r}")
+    return doc["layer"]
 
 
 def _trainer(

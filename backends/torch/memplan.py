@@ -228,7 +228,7 @@ class StepMemory:
     fwd_bwd_peak: dict[str, int] = dataclasses.field(default_factory=dict)
     adamw: str = "fused"
     world: int = 1  # > 1: FSDP2 over this many devices, the figures one device's
-    cached: bool = False  # read from ``step_cache`` (``traced_step``), not traced by this process
+    cached: bool = False  # read from the plan cache (``traced_step``), not traced by this process
 
     @property
     def shape(self) -> str:
@@ -723,11 +723,14 @@ def blas_workspaces(target: Target) -> Component:
 
 
 def traced_step(*shape: Any, **kw: Any) -> StepMemory:
-    """``trainer_step_memory(*shape, **kw)``, from ``step_cache`` when this code traced it before."""
-    from mllm_rl.backends.torch import step_cache
+    """``trainer_step_memory(*shape, **kw)``, from the plan cache (``mllm_rl.memplan.cache``) when
+    this code and torch traced it before."""
+    from mllm_rl.memplan import cache as plan_cache
 
-    name = step_cache.key({"shape": [dataclasses.asdict(shape[0]), *shape[1:]], **kw})
-    doc = step_cache.load(name)
+    name = plan_cache.key(
+        {"what": "torch_step", "shape": [dataclasses.asdict(shape[0]), *shape[1:]], **kw}, ("torch",)
+    )
+    doc = plan_cache.load(name)
     if doc is not None:
         try:
             doc["options"] = tuple(tuple(o) for o in doc["options"])
@@ -735,7 +738,7 @@ def traced_step(*shape: Any, **kw: Any) -> StepMemory:
         except (KeyError, TypeError):
             pass  # an entry of another shape: traced again, and replaced
     step = trainer_step_memory(*shape, **kw)
-    step_cache.store(name, dataclasses.asdict(step))
+    plan_cache.store(name, dataclasses.asdict(step))
     return step
 
 

@@ -20,13 +20,53 @@ from tests.conftest import ROOT, needs_libtpu, run_cli
 TINY = get_preset("tiny")
 
 
-def plan(tmp_path: Path, *args: str, timeout: float = 300):
+def plan(tmp_path: Path, *args: str, timeout: float = 300, env: dict[str, str] | None = None):
     out = tmp_path / "plan"
     r = run_cli(
-        "mllm_rl.memplan", "--backend", "jax", "--model", "tiny", "--out", str(out), *args, timeout=timeout
+        "mllm_rl.memplan",
+        "--backend",
+        "jax",
+        "--model",
+        "tiny",
+        "--out",
+        str(out),
+        *args,
+        timeout=timeout,
+        env=env,
     )
     doc = json.loads((out / "plan.json").read_text()) if (out / "plan.json").exists() else None
     return r, doc
+
+
+def test_a_second_plan_reads_the_figures_the_first_one_compiled(tmp_path):
+    """The plan cache (``mllm_rl/memplan/cache.py``): a plan of the same request by the same code
+    and compilers reads the trainer's compiled figures, the engine layout and the KV layer from it
+    instead of compiling them again, and says so; an entry that does not parse is compiled again
+    and replaced."""
+    cache = tmp_path / "plans"
+    args = ("--target", "cpu", "--kv-tokens", "256", "--micro-batch-size", "2", "--seq-len", "32")
+    docs = []
+    for i in range(3):
+        if i == 2:  # damaged entries: compiled again
+            for entry in cache.iterdir():
+                entry.write_text('{"functions": 1}')
+        r, doc = plan(tmp_path / str(i), *args, env={"MLLM_RL_PLAN_CACHE": str(cache)})
+        assert r.returncode == 0, r.stderr[-3000:]
+        docs.append(doc)
+    assert sorted(e.suffix for e in cache.iterdir()) == [".json"] * 3  # trainer, engine weights, KV layer
+    first, second, third = (d["plans"]["multi_stage"] for d in docs)
+    seconds = [d["info"]["compile_seconds"] for d in docs]
+    assert set(seconds[0]) == set(seconds[2]) == {"grad_step", "optimizer_apply"}
+    assert seconds[1] == {"grad_step (cached)": 0.0, "optimizer_apply (cached)": 0.0}
+    assert [any("the plan cache" in n for n in p["notes"]) for p in (first, second, third)] == [
+        False,
+        True,
+        False,
+    ]
+    for p in (second, third):
+        assert p["components"] == first["components"] and p["phases"] == first["phases"]
+        for name, f in first["functions"].items():
+            assert {**p["functions"][name], "compile_seconds": 0} == {**f, "compile_seconds": 0}, name
 
 
 def tiny_engine_bytes(tp: int) -> int:
@@ -55,11 +95,12 @@ def test_a_tpu_target_is_prepared_after_jax_was_imported():
     assert r.stdout.split() == ["cpu", "True"]
 
 
-@pytest.mark.slow  # compiles the trainer and the engine for a TPU target (not cacheable: compile-only)
+@pytest.mark.slow  # compiles the trainer and the engine for a TPU target (an empty plan cache)
 def test_tiny_plan_for_a_v4_8_compiles_with_libtpu(tmp_path):
     needs_libtpu()
     r, doc = plan(tmp_path, "--target", "v4-8", "--tp", "2", "--kv-tokens", "4096", "--micro-batch-size", "8",
-                  "--seq-len", "64", "--prompts-per-step", "2", "--group-size", "4")  # fmt: skip
+                  "--seq-len", "64", "--prompts-per-step", "2", "--group-size", "4",
+                  env={"MLLM_RL_PLAN_CACHE": str(tmp_path / "plans")})  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert doc is not None and doc["kind"] == "predicted" and list(doc["plans"]) == ["multi_stage", "naive"]
     p = doc["plans"]["multi_stage"]

@@ -1,6 +1,7 @@
-"""``backends/torch/step_cache.py``: a fake-tensor trace of the train step kept on disk for the
-next plan of the same step, under a key of the step's arguments, the package's source and torch's
-version; off, unwritable or damaged, it costs a trace and nothing else."""
+"""The torch planner's use of the plan cache (``mllm_rl/memplan/cache.py``): a fake-tensor trace of
+the train step kept on disk for the next plan of the same step, under a key of the step's
+arguments, the package's source and torch's version; off, unwritable or damaged, it costs a trace
+and nothing else (the key itself: ``tests/core/test_plan_cache.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import json
 import pytest
 import torch
 
-from mllm_rl.backends.torch import memplan, step_cache
+from mllm_rl.backends.torch import memplan
+from mllm_rl.memplan import cache as step_cache
 from tests.torch.test_memplan_torch import request
 
 
@@ -55,23 +57,10 @@ def test_a_second_plan_of_the_same_step_reads_the_first_trace(cache, monkeypatch
     assert len(calls) == 3 and newest not in before
 
 
-def test_the_key_is_the_arguments_the_source_and_torch(monkeypatch, tmp_path):
-    k = step_cache.key({"seq_len": 32})
-    assert k == step_cache.key({"seq_len": 32}) != step_cache.key({"seq_len": 48})
-    with monkeypatch.context() as m:
-        m.setattr(step_cache, "source_digest", lambda: "edited")
-        assert step_cache.key({"seq_len": 32}) != k
-    with monkeypatch.context() as m:
-        m.setattr(torch, "__version__", "0.0.1")
-        assert step_cache.key({"seq_len": 32}) != k
-    # the digest reads every Python file's name and bytes, the backends' included
-    (tmp_path / "pkg" / "sub").mkdir(parents=True)
-    f = tmp_path / "pkg" / "sub" / "a.py"
-    f.write_text("x = 1\n")
-    before = step_cache.digest((tmp_path / "pkg",))
-    f.write_text("x = 2\n")
-    assert step_cache.digest((tmp_path / "pkg",)) != before
-    assert {p.name for p in step_cache.source_roots()} == {"mllm_rl", "backends"}
+def test_the_key_names_torch_and_its_version():
+    args = {"seq_len": 32}
+    assert step_cache.versions(["torch"]) == {"torch": torch.__version__}
+    assert step_cache.key(args, ("torch",)) != step_cache.key(args, ())
 
 
 def test_off_damaged_or_unwritable_costs_a_trace_and_nothing_else(cache, monkeypatch):

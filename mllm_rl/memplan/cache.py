@@ -1,12 +1,13 @@
-"""The torch planner's traced train steps, kept on disk between processes.
+"""Memory-plan figures kept on disk between processes, for both backends' planners.
 
-A fake-tensor trace of ``TorchTrainer.device_step`` is a function of its arguments, this package's
-source and torch's version alone, and it takes seconds (tiny) to minutes (an 8B model); every run
-plans itself before it starts, so a run started again or resumed would trace the same step
-again. ``load``/``store`` keep each trace's figures under a key of all
-three: an edited source file or another torch is another key, never a stale entry.
+What a planner measures (the torch planner's fake-tensor trace of the train step, the JAX planner's
+compiled trainer functions and engine layout) is a function of its arguments, this package's source
+and the frameworks' versions alone, and it takes seconds (tiny) to minutes (an 8B model for a TPU
+slice); every run plans itself before it starts, so a run started again or resumed would measure the
+same again. ``load``/``store`` keep each measurement's figures under a key of all three: an edited
+source file or another framework version is another key, never a stale entry.
 
-``MLLM_RL_PLAN_CACHE``: the directory; unset: ``$MLLM_RL_CACHE/torch-plans``; empty: off. At most
+``MLLM_RL_PLAN_CACHE``: the directory; unset: ``$MLLM_RL_CACHE/plans``; empty: off. At most
 ``MAX_ENTRIES`` are kept, the oldest deleted first.
 """
 
@@ -14,24 +15,25 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from mllm_rl.checkpoint.resolve import cache_dir
 
 ENV = "MLLM_RL_PLAN_CACHE"
-MAX_ENTRIES = 1000  # about 1 KB each; past it, a store deletes the oldest down to 3/4 of it
+MAX_ENTRIES = 1000  # about 1-4 KB each; past it, a store deletes the oldest down to 3/4 of it
 
 
 def directory(env: Mapping[str, str] = os.environ) -> Path | None:
     """Where entries live; None when the cache is off."""
     if ENV in env:
         return Path(env[ENV]).expanduser() if env[ENV] else None
-    return cache_dir(env) / "torch-plans"
+    return cache_dir(env) / "plans"
 
 
 def source_roots() -> tuple[Path, ...]:
@@ -57,11 +59,21 @@ def source_digest() -> str:
     return digest(source_roots())
 
 
-def key(args: Mapping[str, Any]) -> str:
-    """The entry name of a trace of ``args`` (JSON-able values) by this source and torch."""
-    import torch
+def versions(dists: Iterable[str]) -> dict[str, str | None]:
+    """The installed version of each distribution (None where it is not installed)."""
+    out: dict[str, str | None] = {}
+    for d in dists:
+        try:
+            out[d] = importlib.metadata.version(d)
+        except importlib.metadata.PackageNotFoundError:
+            out[d] = None
+    return out
 
-    doc = {"args": args, "torch": torch.__version__, "source": source_digest()}
+
+def key(args: Mapping[str, Any], dists: Iterable[str]) -> str:
+    """The entry name of a measurement of ``args`` (JSON-able values) by this source and the
+    installed versions of ``dists``."""
+    doc = {"args": args, "versions": versions(dists), "source": source_digest()}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=repr).encode()).hexdigest()[:32]
 
 
@@ -79,7 +91,7 @@ def load(name: str, env: Mapping[str, str] = os.environ) -> dict[str, Any] | Non
 
 def store(name: str, figures: Mapping[str, Any], env: Mapping[str, str] = os.environ) -> None:
     """Keep ``figures`` under ``name`` (written whole, then renamed: a reader never sees half an
-    entry); best effort: a cache that cannot be written only costs the next run a trace."""
+    entry); best effort: a cache that cannot be written only costs the next run a measurement."""
     where = directory(env)
     if where is None:
         return
