@@ -156,7 +156,11 @@ def _measure(req: PlanRequest, spec: topologies.TargetSpec) -> Measured:
             f"(free at engine start: {kv.free_bytes} B per device; the adapter's default is {default_frac})"
         )
 
-    fns, trainer_comps = _trainer_stored(req, devices, target, opts, where, info, notes)
+    trained = {**where, "micro_batch": req.micro_batch, "seq_len": req.seq_len, "lora_rank": req.lora_rank,
+               "kl": req.kl, "precision": req.precision, "options": dataclasses.asdict(opts)}  # fmt: skip
+    fns, trainer_comps = _compiled_stored(
+        "trainer functions", trained, lambda i, n: _trainer(req, devices, target, opts, i, n), info, notes
+    )
     comps.update(trainer_comps)
     # bytes in flight beyond both resident copies: the largest engine tensor's shard, exported and placed
     comps["staging"] = Component(
@@ -168,7 +172,14 @@ def _measure(req: PlanRequest, spec: topologies.TargetSpec) -> Measured:
     )
     attn = engine_layout.attention_backend(target.platform, target.device_kind)
     info["engine_attention_backend"] = attn
-    fns["engine_step"] = _engine_step(req, devices, target, kv.tokens, attn, info, notes)
+    step = lambda i, n: {"engine_step": _engine_step(req, devices, target, kv.tokens, attn, i, n)}  # noqa: E731
+    if target.platform == "cpu" or req.engine_forward == "estimate":  # estimated from the shapes
+        fns.update(step(info, notes))
+    else:  # compiled for the target
+        forward = {**where, "attention": attn, "seq_len": req.seq_len, "pool": kv.tokens,
+                   "rows": min(req.max_running_requests, req.prompts * req.group_size),
+                   "max_running_requests": req.max_running_requests}  # fmt: skip
+        fns.update(_compiled_stored("engine forward", forward, lambda i, n: (step(i, n), {}), info, notes)[0])
     if target.platform == "tpu" and attn == "native":
         notes.append(
             f"engine attention: sglang-jax 'native' on {target.device_kind} (its 'fa' kernel has block sizes "
@@ -299,11 +310,16 @@ def _check_mesh(req: PlanRequest, n: int, hosts: int, name: str) -> None:
 
 
 def _stored(
-    what: str, args: dict[str, Any], make: Callable[[], dict[str, Any]], parse: Callable[[dict], Any]
+    what: str,
+    args: dict[str, Any],
+    make: Callable[[], dict[str, Any]],
+    parse: Callable[[dict[str, Any]], Any],
+    keep: Callable[[dict[str, Any]], bool] = lambda doc: True,
 ) -> tuple[Any, bool]:
     """``parse(make())`` (JSON-able figures), or ``parse`` of what a process running the same source
     and ``PACKAGES`` stored for the same ``args`` before (``mllm_rl.memplan.cache``; an entry that
-    does not parse is made again and replaced); and whether it was stored."""
+    does not parse is made again and replaced); and whether it was stored. What ``keep`` refuses
+    (a fallback that a transient failure may have caused) is not stored."""
     name = plan_cache.key({"what": what, "xla_flags": os.environ.get("XLA_FLAGS", ""), **args}, PACKAGES)
     doc = plan_cache.load(name)
     if doc is not None:
@@ -312,29 +328,27 @@ def _stored(
         except (KeyError, TypeError, ValueError, AttributeError):
             pass
     doc = make()
-    plan_cache.store(name, doc)
+    if keep(doc):
+        plan_cache.store(name, doc)
     return parse(doc), False
 
 
-def _trainer_stored(
-    req: PlanRequest,
-    devices: list[Any],
-    target: Any,
-    opts: Any,
-    where: dict[str, Any],
+def _compiled_stored(
+    what: str,
+    args: dict[str, Any],
+    compile_: Callable[[dict[str, Any], list[str]], tuple[dict[str, FunctionMemory], dict[str, Component]]],
     info: dict[str, Any],
     notes: list[str],
 ) -> tuple[dict[str, FunctionMemory], dict[str, Component]]:
-    """``_trainer``'s functions and components, from the plan cache when this code compiled the
-    same functions for the same target (``where``) before; ``info`` and ``notes`` get what
-    ``_trainer`` adds."""
-    args = {**where, "micro_batch": req.micro_batch, "seq_len": req.seq_len, "lora_rank": req.lora_rank,
-            "kl": req.kl, "precision": req.precision, "options": dataclasses.asdict(opts)}  # fmt: skip
+    """``compile_(info, notes)``'s functions and components, or the plan cache's when this code
+    compiled the same for the same ``args`` before (``_stored``); ``info`` and ``notes`` get what
+    ``compile_`` adds to them; a stored compile shows as 0 seconds, "(cached)", and says so. Only
+    compiled figures are stored, not an estimate standing in for a compile that failed."""
 
     def make() -> dict[str, Any]:
         sub_info: dict[str, Any] = {"compile_seconds": {}}
         sub_notes: list[str] = []
-        fns, comps = _trainer(req, devices, target, opts, sub_info, sub_notes)
+        fns, comps = compile_(sub_info, sub_notes)
         return {"functions": {k: dataclasses.asdict(f) for k, f in fns.items()},
                 "components": {k: dataclasses.asdict(c) for k, c in comps.items()},
                 "info": sub_info, "notes": sub_notes}  # fmt: skip
@@ -345,14 +359,17 @@ def _trainer_stored(
         sub_info = dict(doc["info"])
         return fns, comps, dict(sub_info.pop("compile_seconds")), sub_info, list(doc["notes"])
 
-    (fns, comps, seconds, sub_info, sub_notes), stored = _stored("trainer", args, make, parse)
+    def compiled(doc: dict[str, Any]) -> bool:
+        return all(f["method"] == "compiler" for f in doc["functions"].values())
+
+    (fns, comps, seconds, sub_info, sub_notes), stored = _stored(what, args, make, parse, compiled)
     info.update(sub_info)
     notes.extend(sub_notes)
     if stored:
         fns = {k: dataclasses.replace(f, compile_seconds=0.0) for k, f in fns.items()}
         info["compile_seconds"].update({f"{k} (cached)": 0.0 for k in seconds})
         notes.append(
-            "trainer functions: figures compiled by an earlier process running the same code and compilers "
+            f"{what}: figures compiled by an earlier process running the same code and compilers "
             "(the plan cache, MLLM_RL_PLAN_CACHE)"
         )
     else:

@@ -98,9 +98,9 @@ def test_a_tpu_target_is_prepared_after_jax_was_imported():
 @pytest.mark.slow  # compiles the trainer and the engine for a TPU target (an empty plan cache)
 def test_tiny_plan_for_a_v4_8_compiles_with_libtpu(tmp_path):
     needs_libtpu()
-    r, doc = plan(tmp_path, "--target", "v4-8", "--tp", "2", "--kv-tokens", "4096", "--micro-batch-size", "8",
-                  "--seq-len", "64", "--prompts-per-step", "2", "--group-size", "4",
-                  env={"MLLM_RL_PLAN_CACHE": str(tmp_path / "plans")})  # fmt: skip
+    args = ("--target", "v4-8", "--tp", "2", "--kv-tokens", "4096", "--micro-batch-size", "8", "--seq-len", "64",
+            "--prompts-per-step", "2", "--group-size", "4")  # fmt: skip
+    r, doc = plan(tmp_path, *args, env={"MLLM_RL_PLAN_CACHE": str(tmp_path / "plans")})
     assert r.returncode == 0, r.stderr[-3000:]
     assert doc is not None and doc["kind"] == "predicted" and list(doc["plans"]) == ["multi_stage", "naive"]
     p = doc["plans"]["multi_stage"]
@@ -147,6 +147,16 @@ def test_tiny_plan_for_a_v4_8_compiles_with_libtpu(tmp_path):
     assert p["fits"] and "multi_stage: fits" in r.stdout and "host peak RSS" in r.stdout
     assert "engine attention: sglang-jax 'native' on TPU v4" in r.stdout  # its fa kernel refuses v4
     assert (tmp_path / "plan" / "plan.txt").read_text() == r.stdout
+    # the same plan again: every compiled figure read from the plan cache, none compiled
+    r, again = plan(tmp_path / "again", *args, env={"MLLM_RL_PLAN_CACHE": str(tmp_path / "plans")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert again["info"]["compile_seconds"] == {f"{k} (cached)": 0.0 for k in seconds}
+    assert again["info"]["engine_forward"] == forward
+    p2 = again["plans"]["multi_stage"]
+    assert p2["components"] == comps and p2["phases"] == p["phases"]
+    assert {k: {**f, "compile_seconds": 0} for k, f in p2["functions"].items()} == {
+        k: {**f, "compile_seconds": 0} for k, f in fns.items()
+    }
     assert "<table>" in (tmp_path / "plan" / "plan.html").read_text()
 
 
@@ -357,3 +367,31 @@ def test_each_compiled_function_gets_a_progress_line_on_a_terminal(monkeypatch, 
     c = memplan._compile_lowered("grad_step", lowered, cpu, info, "x*2")
     assert "memory plan: compiling grad_step for cpu" in capsys.readouterr().err
     assert c.memory.argument_bytes == 16 and "grad_step" in info["compile_seconds"]
+
+
+def test_only_compiled_figures_are_stored(tmp_path, monkeypatch):
+    """An estimate standing in for a compile that failed (perhaps for a passing reason) is not kept:
+    the next plan compiles again; compiled figures are kept and read back as "(cached)"."""
+    from mllm_rl.backends.jax import memplan
+    from mllm_rl.memplan.compose import FunctionMemory
+
+    monkeypatch.setenv("MLLM_RL_PLAN_CACHE", str(tmp_path))
+    calls = []
+
+    def compile_(method: str):
+        def run(info: dict, notes: list) -> tuple[dict, dict]:
+            calls.append(method)
+            info["compile_seconds"]["engine_decode"] = 1.5
+            notes.append(f"{method} note")
+            return {"engine_step": FunctionMemory("engine_step", 10, 4, method=method)}, {}
+
+        return run
+
+    for method, expect_calls in (("estimate", 2), ("compiler", 3)):
+        for _ in range(2):
+            info, notes = {"compile_seconds": {}}, []
+            fns, _ = memplan._compiled_stored(f"x {method}", {"n": 1}, compile_(method), info, notes)
+            assert fns["engine_step"].peak_bytes == 10 and f"{method} note" in notes
+        assert len(calls) == expect_calls
+    assert info["compile_seconds"] == {"engine_decode (cached)": 0.0} and "the plan cache" in notes[-1]
+    assert len(list(tmp_path.iterdir())) == 1
