@@ -63,9 +63,10 @@ def bench_argv(name: str, *args: str, python: str = sys.executable) -> list[str]
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """This environment with ``env`` on top, no progress bars, unbuffered, and JAX's persistent
-    compilation cache off unless set (a figure must not depend on what earlier runs cached)."""
-    return {"JAX_COMPILATION_CACHE_DIR": "", **os.environ, "MLLM_RL_NO_PROGRESS": "1", "PYTHONUNBUFFERED": "1",
-            **(env or {})}  # fmt: skip
+    compilation cache and the memory planners' cache off unless set (a figure must not depend on
+    what earlier runs cached)."""
+    return {"JAX_COMPILATION_CACHE_DIR": "", "MLLM_RL_PLAN_CACHE": "", **os.environ, "MLLM_RL_NO_PROGRESS": "1",
+            "PYTHONUNBUFFERED": "1", **(env or {})}  # fmt: skip
 
 
 def run_cmd(

@@ -308,15 +308,17 @@ def test_main_with_child_fails_a_target_only_when_strict(capsys):
 
 
 def test_bench_children_run_without_the_jax_compilation_cache_unless_it_is_set(monkeypatch):
-    """A run turns JAX's persistent compilation cache on by default; a bench child gets it off, so
-    its compile and step-0 figures do not depend on earlier runs, unless the caller set a cache."""
+    """A run turns JAX's persistent compilation cache and the planners' cache on by default; a bench
+    child gets both off, so its compile, plan and step-0 figures do not depend on earlier runs,
+    unless the caller set a cache."""
     from mllm_rl.bench.child import child_env
 
-    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
-    env = child_env({"X": "1"})
-    assert env["JAX_COMPILATION_CACHE_DIR"] == "" and env["X"] == "1" and env["MLLM_RL_NO_PROGRESS"] == "1"
-    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/mine")
-    assert child_env()["JAX_COMPILATION_CACHE_DIR"] == "/mine"
+    for var in ("JAX_COMPILATION_CACHE_DIR", "MLLM_RL_PLAN_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+        env = child_env({"X": "1"})
+        assert env[var] == "" and env["X"] == "1" and env["MLLM_RL_NO_PROGRESS"] == "1"
+        monkeypatch.setenv(var, "/mine")
+        assert child_env()[var] == "/mine"
 
 
 def test_a_failed_childs_error_is_not_buried_under_the_cuda_clients_unload_lines(tmp_path):
