@@ -4,7 +4,9 @@ For a target topology (``topologies.py``; nothing runs on a device) it compiles 
 jitted functions (``step_fns.make_step_fns``) and reads each one's ``memory_analysis()`` per device.
 Engine weights and KV pool follow sglang-jax's own layout (``engine_layout``); its forward is
 compiled for TPU/GPU targets (``engine_compile``) and estimated on CPU. Peak of a compiled function:
-``peak_memory_in_bytes`` on TPU/GPU; on CPU ``arguments + outputs - aliased + temporaries``.
+``peak_memory_in_bytes`` on TPU/GPU; on CPU ``arguments + outputs - aliased + temporaries``. What
+it compiles is kept in the plan cache (``mllm_rl.memplan.cache``) under a key of what decides it,
+the source and the compilers' versions (``_stored``).
 """
 
 from __future__ import annotations
@@ -96,15 +98,11 @@ def _measure(req: PlanRequest, spec: topologies.TargetSpec) -> Measured:
              "hbm": None if target.platform == "cpu" else target.hbm_bytes,
              "model": dataclasses.asdict(req.model), "tp": req.tp}  # fmt: skip
 
-    def engine_weights() -> dict[str, Any]:
-        return dataclasses.asdict(engine_layout.weights(req.model, devices, req.tp))
+    def engine_weights() -> engine_layout.EngineWeights:
+        made = lambda: dataclasses.asdict(engine_layout.weights(req.model, devices, req.tp))  # noqa: E731
+        return _stored("engine_weights", where, made, lambda d: engine_layout.EngineWeights(**d))[0]
 
-    eng = _cached(
-        ("engine", req.target, req.model, req.tp),
-        lambda: _stored("engine_weights", where, engine_weights, lambda d: engine_layout.EngineWeights(**d))[
-            0
-        ],
-    )
+    eng = _cached(("engine", req.target, req.model, req.tp), engine_weights)
     kv = engine_layout.size_pool(
         req.model,
         req.tp,
@@ -115,13 +113,11 @@ def _measure(req: PlanRequest, spec: topologies.TargetSpec) -> Measured:
         req.mem_fraction_static,
     )
 
-    def kv_layer() -> dict[str, Any]:
-        return {"layer": _compile_layer(req, devices, kv.tokens)}
+    def kv_layer() -> int | str:
+        made = lambda: {"layer": _compile_layer(req, devices, kv.tokens)}  # noqa: E731
+        return _stored("kv_layer", {**where, "tokens": kv.tokens}, made, _layer)[0]
 
-    layer = _cached(
-        ("kvlayer", req.target, req.model, req.tp, kv.tokens),
-        lambda: _stored("kv_layer", {**where, "tokens": kv.tokens}, kv_layer, _layer)[0],
-    )
+    layer = _cached(("kvlayer", req.target, req.model, req.tp, kv.tokens), kv_layer)
     formula_layer = kv.bytes_per_device // req.model.num_hidden_layers
     default_frac = engine_layout.DEFAULT_MEM_FRACTION[target.platform]
     info.update(kv_tokens=kv.tokens, kv_cell_bytes=kv.cell_bytes, kv_pad_tokens=kv.pad_tokens)
