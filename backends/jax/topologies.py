@@ -114,6 +114,7 @@ def prepare(s: TargetSpec, cpu_devices: int = 1) -> None:
             raise RuntimeError(f"--target {s.name}: jax was imported before the planner set it up")
         if have is None:  # imported, no backend started yet: keep it off the accelerator plugins
             jax.config.update("jax_platforms", "cpu")
+        _libtpu_env(s)  # libtpu reads it when first loaded, after this
         return
     os.environ["JAX_PLATFORMS"] = "cpu"
     if s.platform == "cpu":
@@ -129,8 +130,13 @@ def prepare(s: TargetSpec, cpu_devices: int = 1) -> None:
             f"--target {s.name}: {what} is not installed (scripts/venv.sh jax installs it into {d}; "
             f"or pip install --no-deps --target {d} the pins of the 'tpu'/'gpu-plan' extras)"
         )
+    _libtpu_env(s)
+
+
+def _libtpu_env(s: TargetSpec) -> None:
+    """What libtpu reads when it loads, for a compile-only TPU target: no metadata server, one local
+    host, and no claim on ``/tmp/libtpu_lockfile`` (another planner may hold libtpu at once)."""
     if s.platform == "tpu":
-        # libtpu reads these at load: no metadata server, one local host, compile-only
         os.environ.setdefault("TPU_ACCELERATOR_TYPE", s.accelerator_type)
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")

@@ -81,18 +81,21 @@ def tiny_engine_bytes(tp: int) -> int:
 @pytest.mark.slow  # a whole plan, compiled by libtpu
 def test_a_tpu_target_is_prepared_after_jax_was_imported():
     """A process that imported jax but started no backend (a notebook, the suite's fork server)
-    plans for a TPU: the compilers directory goes on ``sys.path`` and JAX stays on its CPU platform,
-    as on the path that sets it up before the import."""
+    plans for a TPU: the compilers directory goes on ``sys.path``, JAX stays on its CPU platform and
+    libtpu gets its compile-only environment (without ``ALLOW_MULTIPLE_LIBTPU_LOAD`` two planners
+    at once fought over ``/tmp/libtpu_lockfile``), as on the path that sets it up before the import."""
     needs_libtpu()
-    code = ("import jax, sys\nfrom mllm_rl.backends.jax import topologies\n"
+    code = ("import jax, os, sys\nfrom mllm_rl.backends.jax import topologies\n"
             "topologies.prepare(topologies.spec('v4-8'))\n"
-            "print(jax.config.jax_platforms, str(topologies.compilers_dir()) in sys.path)")  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+            "print(jax.config.jax_platforms, str(topologies.compilers_dir()) in sys.path,\n"
+            "      os.environ.get('ALLOW_MULTIPLE_LIBTPU_LOAD'), os.environ.get('TPU_ACCELERATOR_TYPE'))")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "ALLOW_MULTIPLE_LIBTPU_LOAD")}
+    env = {k: v for k, v in env.items() if not k.startswith("TPU_")}
     r = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["cpu", "True"]
+    assert r.stdout.split() == ["cpu", "True", "1", "v4-8"]
 
 
 @pytest.mark.slow  # compiles the trainer and the engine for a TPU target (an empty plan cache)
