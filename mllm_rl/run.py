@@ -50,7 +50,10 @@ def build_parser(defaults: dict[str, Any] | None = None) -> argparse.ArgumentPar
         description="Run a plan and record every memory phase. A flag that the chosen plan (or --tasks) "
         f"does not take is refused.\n\nplans (--plan):\n{plans}\n\nmodel presets (--model): "
         f"{', '.join(PRESETS)}",
-        epilog=f"exit codes:\n{codes}",
+        epilog=f"exit codes:\n{codes}\n\ncaches (kept between runs in $MLLM_RL_CACHE, default ~/.cache/mllm_rl; "
+        "each variable empty: off):\n"
+        "  JAX_COMPILATION_CACHE_DIR  JAX's compiled programs, --backend jax (default $MLLM_RL_CACHE/jax-compile)\n"
+        "  MLLM_RL_PLAN_CACHE         what the memory plan compiles or traces (default $MLLM_RL_CACHE/plans)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_options(ap, RUN_SCOPES, defaults)

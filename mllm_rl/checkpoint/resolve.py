@@ -21,7 +21,8 @@ from mllm_rl.presets import PRESETS
 
 
 def cache_dir(env: Mapping[str, str] = os.environ) -> Path:
-    """``$MLLM_RL_CACHE`` or ``~/.cache/mllm_rl``: preset checkpoints and JAX's compiled programs."""
+    """``$MLLM_RL_CACHE`` or ``~/.cache/mllm_rl``: preset checkpoints, JAX's compiled programs and
+    the memory planners' figures."""
     return Path(env.get("MLLM_RL_CACHE", Path.home() / ".cache" / "mllm_rl")).expanduser()
 
 

@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="PREDICTED per-device memory of every phase of a colocated RL step on a target "
         "(compiled for the target, nothing runs on it). Exit 0 fits, 6 does not fit, 2 bad input. "
         "The run's settings have the names of python -m mllm_rl.run.",
+        epilog="What a plan compiles or traces is kept for the next plan of the same request by the same "
+        "code and frameworks: MLLM_RL_PLAN_CACHE=DIR (default $MLLM_RL_CACHE/plans; empty: off).",
     )
     ap.add_argument("--target", default="v4-8", help="device topology (--list-targets) (default: v4-8)")
     ap.add_argument("--list-targets", action="store_true", help="print the backend's targets and exit")

@@ -22,6 +22,8 @@ def test_help_prints_each_default_once_and_the_exit_codes():
     assert "default" not in backend  # required: no default to print
     for code, what in EXIT_CODES.items():
         assert re.search(rf"^\s+{code}\s+{re.escape(what[:30])}", text, re.M), code
+    caches = text.split("caches (", 1)[1]  # the variables that move or turn off what runs keep
+    assert "JAX_COMPILATION_CACHE_DIR" in caches and "MLLM_RL_PLAN_CACHE" in caches
 
 
 def test_every_flag_has_help_and_its_default():
