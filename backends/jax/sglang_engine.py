@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
 import warnings
@@ -444,10 +445,29 @@ class SglangJaxEngine:
             dist.barrier(f"engine/{what}")
 
     def shutdown(self) -> None:
-        """Multi-process: also leaves ``jax.distributed`` (the engine's end is every process's)."""
-        self.engine.shutdown()
+        """Multi-process: also leaves ``jax.distributed`` (the engine's end is every process's). The
+        IPC files sglang-jax made for its sockets (``PortArgs.init_new``: five in the temp directory,
+        never removed by it) are removed."""
+        try:
+            self.engine.shutdown()
+        finally:
+            remove_ipc_files(getattr(self.engine, "port_args", None))
         if self.procs.count > 1:
             dist.shutdown()
+
+
+def remove_ipc_files(port_args: Any) -> list[str]:
+    """Unlink the ``ipc://`` paths of sglang-jax's ``PortArgs`` that lie directly in the temp
+    directory (nothing else); the paths removed."""
+    tmp = os.path.realpath(tempfile.gettempdir())
+    gone = []
+    for value in vars(port_args).values() if port_args is not None else ():
+        if isinstance(value, str) and value.startswith("ipc://"):
+            path = value.removeprefix("ipc://")
+            if os.path.dirname(os.path.realpath(path)) == tmp and os.path.lexists(path):
+                os.unlink(path)
+                gone.append(path)
+    return gone
 
 
 def _sleep_when_idle(scheduler: Any, timeout_ms: int = IDLE_POLL_MS) -> None:

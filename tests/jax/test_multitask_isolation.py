@@ -2,7 +2,7 @@
 (device truth: live arrays), the other engine's weights and outputs are untouched, and a weight
 update sent to one task never changes the other's fingerprint. sglang-jax runs in-process and talks
 to its scheduler over IPC files (``PortArgs.init_new`` without ``nnodes``), so two engines started
-one after the other in the same process share no port.
+one after the other in the same process share no port; an engine's shutdown removes them.
 
 The engines run in a subprocess (an sglang-jax engine must not live in pytest's process)."""
 
@@ -57,6 +57,11 @@ fp_a = a.weights_fingerprint()
 out.update(b_fp_same_after_update=b.weights_fingerprint() == fp_b0,
            a_changed=fp_a != fp_b0, a_is_sent=all(abs(fp_a[n][1] - float((x.astype(np.float64) ** 2).sum()))
                                                   < 1e-3 * fp_a[n][1] for n, x in new))
+ipc = [v[len("ipc://"):] for v in vars(a.engine.engine.port_args).values()
+       if isinstance(v, str) and v.startswith("ipc://")]
+out["ipc_there"] = [os.path.exists(p) for p in ipc]
+a.shutdown()  # sglang-jax leaves its IPC files; the adapter removes them
+out["ipc_left"] = [p for p in ipc if os.path.lexists(p)]
 print("RESULT " + json.dumps(out), flush=True)
 os._exit(0)
 """
@@ -73,3 +78,4 @@ def test_two_engines_release_and_update_only_their_own_weights(tiny_ckpt):
     assert out["back"] == out["freed"]
     assert out["b_fp_same"] and out["b_gen_same"]
     assert out["b_fp_same_after_update"] and out["a_changed"] and out["a_is_sent"]
+    assert out["ipc_there"] == [True] * 5 and out["ipc_left"] == []  # nothing left in the temp dir
