@@ -315,11 +315,37 @@ def _print_summary(
             )
 
 
+# temporary directories libraries make when imported, removed by finalizers that ``os._exit`` skips
+# (module, attribute path): wandb's media and artifact staging directories
+LIBRARY_TEMP_DIRS = (("wandb.sdk.data_types._private", "MEDIA_TMP"), ("wandb.sdk.artifacts.artifact", "Artifact._TMP_DIR"))  # fmt: skip
+
+
+def remove_library_temp_dirs() -> list[str]:
+    """Remove the ``LIBRARY_TEMP_DIRS`` of the modules this process imported (a library that moved
+    them is passed over); the directories removed."""
+    import tempfile
+
+    gone = []
+    for module, path in LIBRARY_TEMP_DIRS:
+        obj: Any = sys.modules.get(module)
+        for name in path.split("."):
+            obj = getattr(obj, name, None)
+        if isinstance(obj, tempfile.TemporaryDirectory):
+            gone.append(obj.name)
+            obj.cleanup()
+    return gone
+
+
 def _exit(code: int) -> None:
     """Leave without interpreter teardown: an engine's scheduler thread (sglang-jax
-    single-process mode) makes teardown abort in C++; everything is flushed by now."""
+    single-process mode) makes teardown abort in C++; everything is flushed by now. What
+    teardown would have removed from the temp directory is removed first."""
     sys.stdout.flush()
     sys.stderr.flush()
+    try:
+        remove_library_temp_dirs()
+    except OSError:
+        pass
     os._exit(code)
 
 
