@@ -5,9 +5,10 @@
 #                file per worker at a time (--dist loadfile: a module's fixtures, e.g. a recorded
 #                run several tests read, are made once); its output as it goes
 #   torch        in .venv-torch, one process; its output once it ends
-# Each ends with its 25 slowest tests (--durations), what to share or trim first when the suite grows;
-# every test's time stays in .pytest_cache/junit-{jax,torch}.xml (JUnit XML) after the run; the next
-# run starts the longest files first by those times (tests/conftest.py), so the workers end together.
+# Each ends with its 25 slowest tests (--durations), and the run with the test files that used the
+# most CPU (tests/junit_cpu.py): on two cores the CPU is what to share or trim first as the suite grows.
+# Every test's time and CPU stay in .pytest_cache/junit-{jax,torch}.xml (JUnit XML) after the run; the
+# next run starts the longest files first by those times (tests/conftest.py), so the workers end together.
 # Torch runs one OpenMP thread per process unless OMP_NUM_THREADS is set: the suites keep three or
 # more processes busy on the cores, and OpenMP threads that spin waiting for a core take it from
 # the others (what mllm_rl.launch does for its processes).
@@ -28,5 +29,6 @@ wait "$torch_pid"
 torch_rc=$?
 echo "== tests/torch (.venv-torch) =="
 cat "$log"
+.venv-jax/bin/python -m tests.junit_cpu --top 15 || true
 echo "[test] core/jax/tpu exit $jax_rc, torch exit $torch_rc"
 [ "$jax_rc" -eq 0 ] && [ "$torch_rc" -eq 0 ]

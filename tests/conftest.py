@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -119,6 +120,31 @@ def pytest_collection_modifyitems(config, items):
         return -per_file[path], first[path]
 
     items.sort(key=key)
+
+
+def cpu_seconds() -> float:
+    """User + system seconds of this process, of its waited-for children and of the runs its fork
+    servers forked (``forkserver.forked_cpu_seconds``)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + forkserver.forked_cpu_seconds()
+
+
+_CPU_AT_SETUP = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_AT_SETUP] = cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test's CPU seconds, setup to teardown (its module fixtures' with the first test that uses
+    them), as the JUnit property ``cpu_s`` (``tests/junit_cpu.py`` sums them per file): on two
+    cores the suite's CPU, not its wall time, is what sharing or trimming a test saves."""
+    if call.when == "teardown" and _CPU_AT_SETUP in item.stash:
+        item.user_properties.append(("cpu_s", round(cpu_seconds() - item.stash[_CPU_AT_SETUP], 2)))
+    yield
 
 
 @pytest.fixture(autouse=True)

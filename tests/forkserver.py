@@ -13,7 +13,8 @@ off (every run a fresh process).
 
 Protocol (JSON lines): request ``{"id", "module", "args", "env", "cwd", "out", "err", "fsize"}`` (``fsize``:
 the child's ``RLIMIT_FSIZE`` soft limit in bytes, or null) on the
-server's stdin; replies ``{"id", "pid"}`` once forked and ``{"id", "status"}`` once it exited."""
+server's stdin; replies ``{"id", "pid"}`` once forked and ``{"id", "status", "cpu"}`` once it exited
+(``cpu``: its user + system seconds, which ``forked_cpu_seconds`` sums for the suite's CPU per test)."""
 
 from __future__ import annotations
 
@@ -82,14 +83,14 @@ def _serve() -> None:
                 running[pid] = req["id"]
                 print(json.dumps({"id": req["id"], "pid": pid}), file=out, flush=True)
         while running:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
             if pid == 0:
                 break
             rid = running.pop(pid, None)
             if rid is not None:
-                print(
-                    json.dumps({"id": rid, "status": os.waitstatus_to_exitcode(status)}), file=out, flush=True
-                )
+                cpu = usage.ru_utime + usage.ru_stime  # the child's and its waited-for children's
+                reply = {"id": rid, "status": os.waitstatus_to_exitcode(status), "cpu": cpu}
+                print(json.dumps(reply), file=out, flush=True)
 
 
 def limit_file_size(nbytes: int) -> None:
@@ -225,6 +226,7 @@ class ForkServer:
             with self._changed:
                 self._replies.setdefault(msg["id"], {}).update(msg)
                 if "status" in msg:
+                    _CPU[0] += msg.get("cpu", 0.0)
                     self._done[msg["id"]].set()
                 self._changed.notify_all()
 
@@ -274,6 +276,14 @@ class ForkServer:
 
 
 MAX_SERVERS = 3  # per test process: a JAX server holds about half a GiB
+_CPU = [0.0]  # CPU seconds of this process's forked children that ended
+
+
+def forked_cpu_seconds() -> float:
+    """User + system seconds of every forked child of this process's servers that has ended."""
+    return _CPU[0]
+
+
 _servers: dict[tuple, ForkServer] = {}
 _servers_lock = threading.Lock()
 

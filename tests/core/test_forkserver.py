@@ -56,6 +56,42 @@ def test_the_child_gets_the_callers_environment_and_is_killed_at_its_timeout(ser
     assert e.value.output == f"seen {tmp_path}\n"
 
 
+def test_a_forked_childs_cpu_seconds_are_counted_once_it_ended(server, tmp_path):
+    """What the suite's per-test CPU (``conftest.cpu_seconds``) adds for a forked run: its user +
+    system seconds, reported by the server when the child ends."""
+    (tmp_path / "spin.py").write_text(
+        "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5:\n    pass\n"
+    )
+    before = forkserver.forked_cpu_seconds()
+    assert server.run("spin", [], {**os.environ}, tmp_path, timeout=60).returncode == 0
+    assert 0.5 <= forkserver.forked_cpu_seconds() - before < 5
+
+
+def test_junit_cpu_sums_each_files_cpu_seconds(tmp_path, capsys):
+    from tests import junit_cpu
+
+    xml = tmp_path / "junit.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.core.test_a" name="t1" time="2.0"><properties>'
+        '<property name="cpu_s" value="1.5"/></properties></testcase>'
+        '<testcase classname="tests.core.test_a.TestGroup" name="t2" time="1.0"><properties>'
+        '<property name="cpu_s" value="0.25"/></properties></testcase>'
+        '<testcase classname="tests.jax.test_b" name="t3" time="9.0"><properties>'
+        '<property name="cpu_s" value="4.0"/></properties></testcase>'
+        '<testcase classname="tests.jax.test_b" name="t4" time="0.5"/>'
+        "</testsuite></testsuites>"
+    )
+    assert junit_cpu.per_file([xml]) == {
+        "tests/core/test_a.py": (1.75, 3.0, 2),
+        "tests/jax/test_b.py": (4.0, 9.5, 2),
+    }
+    assert junit_cpu.main([str(xml), "--top", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("[test] CPU seconds by test file: 6 in all") and len(out) == 2
+    assert out[1].split()[-1] == "tests/jax/test_b.py"
+
+
 def test_a_module_that_prints_when_preloaded_does_not_break_the_server(tmp_path):
     """The server's replies go to a copy of its stdout; whatever a preloaded module prints goes to
     stderr, and a forked child's stdout holds only what the child printed."""
