@@ -6,7 +6,8 @@
 own process and time cap, the whole within ``--budget`` (a failed step is recorded, the next runs):
 ``env`` (versions, devices); ``copy-jax``/``copy-torch`` (copy rates, the baselines of swap and
 update GB/s); ``swap-jax`` (the swap plan); ``rl-jax``/``rl-torch`` (3 RL steps; ``--cpu``: 2, then
-``--resume`` for a third; the allocator against the run's memory plan); ``engine-torch``/``engine-jax``
+``--resume`` for a third; a checkpoint at steps 1 and 2; the allocator against the run's memory plan;
+a step's non-rollout, non-train share as ``python -m mllm_rl.bench step-cost`` reads it); ``engine-torch``/``engine-jax``
 (decode tokens/s against HF ``generate``, ops per decode step); GPU only, ``tests-cuda`` (the CUDA
 tests of the torch attention paths and memory probe). GPU: ``qwen3-0.6b`` (random bf16 weights); ``--cpu``: ``tiny``,
 the same steps but ``tests-cuda`` (the test suite runs it). ``device_check.json``/``.md`` and each step's log
@@ -48,8 +49,10 @@ def _step_table(mode: str, engine_batch: str = "") -> list[dict[str, Any]]:
     model = "qwen3-0.6b" if gpu else "tiny"
     jplat, tplat = ("gpu", "cuda") if gpu else ("cpu", "cpu")
     common = ["--model", model, "--wandb", "disabled"]
+    # steps 1 and 2 save (every 2 steps and the last): a step's non-rollout, non-train share at
+    # the run's default checkpoint cadence (``_step_share``)
     rl = ["--steps", "3" if gpu else "2", "--prompts-per-step", "8", "--group-size", "4",
-          "--max-new-tokens", "64" if gpu else "16", "--checkpoint-every", "0" if gpu else "2"]  # fmt: skip
+          "--max-new-tokens", "64" if gpu else "16", "--checkpoint-every", "2"]  # fmt: skip
     batches = engine_batch or ("1,32,128" if gpu else "4")
     engine = ["--preset", model, "--batch", batches, "--new-tokens", "64" if gpu else "16", "--repeats",
               "2" if gpu else "1", "--rounds", "1", "--keep-going", "--timeout", "140" if gpu else "120"]  # fmt: skip
@@ -185,11 +188,29 @@ def summarize_run(run_dir: Path) -> dict[str, Any]:
             out["plan_drifts"] = [r["phase"] for r in drifts(check)]
         except (ValueError, KeyError, TypeError) as e:
             out["plan_audit"] = f"not compared: {e}"
+    out.update(_step_share(run_dir, recs))
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         last = ([json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] or [{}])[-1]
         out["metrics_last"] = {k: v for k, v in last.items() if isinstance(v, (int, float))}
     return out
+
+
+def _step_share(run_dir: Path, recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """An RL run's non-rollout, non-train share of a step as ``python -m mllm_rl.bench step-cost``
+    reads it (median over the steps after each attempt's first; at the run's default checkpoint
+    cadence when its counted steps saved); nothing for a run without such a step."""
+    from mllm_rl.bench.step_cost import RUN_CADENCE, analyse
+
+    meta = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
+    if not isinstance(meta.get("expected_step_phases"), list):
+        return {}
+    try:
+        a = analyse(recs, meta["expected_step_phases"], cadence=RUN_CADENCE)
+    except ValueError:
+        return {}
+    keys = ("step_s_median", "other_share_median", "other_share_at_cadence", "cadence", "steps_counted")
+    return {k: a[k] for k in keys}
 
 
 def _md(doc: dict[str, Any]) -> str:
@@ -241,6 +262,10 @@ def _headline(step: dict[str, Any], doc: dict[str, Any]) -> str:
                 if res.get(f"{k}_compile_s"):  # XLA compiles in the phase (JAX), summed over threads
                     ratios.append(f"in {res.get(f'{k}_seconds')} s: {res[f'{k}_compile_s']} s of compiles")
                 bits.append(f"{k} {gbps} GB/s" + (f" ({', '.join(ratios)})" if ratios else ""))
+        if res.get("other_share_median") is not None:
+            at = res.get("other_share_at_cadence")
+            bits.append(f"non-rollout, non-train {res['other_share_median']:.1%} of a {res['step_s_median']:.2f} s step"
+                        + (f" ({at:.1%} at a checkpoint every {res['cadence']} steps)" if at is not None else ""))  # fmt: skip
         if res.get("plan_audit"):
             bits.append(res["plan_audit"])
         return "; ".join(bits)

@@ -63,7 +63,7 @@ def test_the_jax_steps_ran_on_the_next_jax_with_native_attention(check):
 
 @pytest.mark.slow
 def test_the_runs_moved_weights_and_held_to_their_plans(check):
-    _, doc, _ = check
+    _, doc, out = check
     res = {s["name"]: s["result"] for s in doc["steps"]}
     assert res["swap-jax"]["weights_swapped_gbps"] > 0
     assert res["rl-jax"]["steps"] == 3  # 2, then --resume for a third
@@ -74,6 +74,10 @@ def test_the_runs_moved_weights_and_held_to_their_plans(check):
         assert {r["source"] for r in res[name]["phases"] if r["source"]} <= {"live_arrays", "live_tensors"}
         # the last attempt's phases: rl-jax's resumed run, not its first run's setup as well
         assert [r["phase"] for r in res[name]["phases"]].count("setup:wandb_init") == 1, name
+        # the step's share as bench step-cost reads it: step 1 (each attempt's first compiles), which saved
+        assert res[name]["steps_counted"] == [1], name
+        assert 0 < res[name]["other_share_at_cadence"] < res[name]["other_share_median"] < 1, name
+    assert "non-rollout, non-train " in (out / "device_check.md").read_text()
     assert set(doc["copy"]) == {"jax", "torch"} and doc["copy"]["jax"]["h2d_gbps"] > 0
     engines = {r["engine"] for n in ("engine-torch", "engine-jax") for r in res[n]["rows"]}
     assert engines == {"embedded", "hf", "sglang-jax"}
