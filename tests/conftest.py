@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests import forkserver
+from tests.junit_cpu import split_classname
 
 ROOT = Path(__file__).resolve().parents[1]
 FORKED_MODULES = ("mllm_rl.run", "mllm_rl.memplan")  # whole runs and plans: imports that cost seconds
@@ -90,13 +91,9 @@ def _last_seconds(root: Path) -> dict[str, float]:
     for xml in (root / ".pytest_cache").glob("junit-*.xml"):
         try:
             for case in ET.parse(xml).iter("testcase"):
-                parts = (case.get("classname") or "").split(".")
-                mod = next((i for i, part in enumerate(parts) if part.startswith("test_")), None)
-                if mod is not None:
-                    node = "::".join(
-                        ["/".join(parts[: mod + 1]) + ".py", *parts[mod + 1 :], case.get("name", "")]
-                    )
-                    out[node] = float(case.get("time") or 0)
+                split = split_classname(case.get("classname") or "")
+                if split is not None:
+                    out["::".join([split[0], *split[1], case.get("name", "")])] = float(case.get("time") or 0)
         except (ET.ParseError, ValueError, OSError):
             continue
     return out

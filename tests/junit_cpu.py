@@ -13,15 +13,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def split_classname(classname: str) -> tuple[str, list[str]] | None:
+    """A JUnit ``classname`` (``tests.core.test_a.TestGroup``) as its test file and the classes in
+    it (``tests/core/test_a.py``, ``["TestGroup"]``); None without a ``test_`` module."""
+    parts = classname.split(".")
+    mod = next((i for i, p in enumerate(parts) if p.startswith("test_")), None)
+    return None if mod is None else ("/".join(parts[: mod + 1]) + ".py", parts[mod + 1 :])
+
+
 def per_file(paths: list[Path]) -> dict[str, tuple[float, float, int]]:
     """``{test file: (CPU seconds, wall seconds, tests)}`` over ``paths``; a test without ``cpu_s``
     adds its wall seconds only."""
     out: dict[str, tuple[float, float, int]] = {}
     for xml in paths:
         for case in ET.parse(xml).iter("testcase"):
-            parts = (case.get("classname") or "").split(".")
-            mod = next((i for i, p in enumerate(parts) if p.startswith("test_")), len(parts) - 1)
-            name = "/".join(parts[: mod + 1]) + ".py"
+            split = split_classname(case.get("classname") or "")
+            name = split[0] if split else case.get("classname") or "?"
             cpu = sum(float(p.get("value") or 0) for p in case.iter("property") if p.get("name") == "cpu_s")
             c, w, n = out.get(name, (0.0, 0.0, 0))
             out[name] = (c + cpu, w + float(case.get("time") or 0), n + 1)
