@@ -31,8 +31,10 @@ def _jax_compilation_cache() -> None:
     no ``JAX_COMPILATION_CACHE_MAX_SIZE`` (its eviction lists and reads the whole directory on
     every write): a cache over
     ``JAX_TEST_CACHE_MAX_BYTES`` is emptied when a session starts. A cache the caller set is kept
-    as it is: ``JAX_COMPILATION_CACHE_DIR=$(mktemp -d) make test`` runs the suite cold, as on a
-    fresh checkout."""
+    as it is, with the same minimums unless the caller set them: ``JAX_COMPILATION_CACHE_DIR=$(mktemp
+    -d) make test`` runs the suite cold, as on a fresh checkout."""
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     if "JAX_COMPILATION_CACHE_DIR" in os.environ:
         return
     if (
@@ -41,8 +43,7 @@ def _jax_compilation_cache() -> None:
     ):
         shutil.rmtree(JAX_TEST_CACHE, ignore_errors=True)
     JAX_TEST_CACHE.mkdir(parents=True, exist_ok=True)
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=str(JAX_TEST_CACHE), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")  # fmt: skip
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(JAX_TEST_CACHE)
 
 
 _jax_compilation_cache()
