@@ -53,7 +53,10 @@ def build_parser(defaults: dict[str, Any] | None = None) -> argparse.ArgumentPar
         epilog=f"exit codes:\n{codes}\n\ncaches (kept between runs in $MLLM_RL_CACHE, default ~/.cache/mllm_rl; "
         "each variable empty: off):\n"
         "  JAX_COMPILATION_CACHE_DIR  JAX's compiled programs, --backend jax (default $MLLM_RL_CACHE/jax-compile)\n"
-        "  MLLM_RL_PLAN_CACHE         what the memory plan compiles or traces (default $MLLM_RL_CACHE/plans)",
+        "  MLLM_RL_PLAN_CACHE         what the memory plan compiles or traces (default $MLLM_RL_CACHE/plans)\n\n"
+        "host memory:\n"
+        "  MLLM_RL_HUGEPAGES=0        keep 4 KiB pages (default: where the kernel's THP mode is madvise, the\n"
+        "                             run starts itself again with glibc's malloc asking for huge pages)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_options(ap, RUN_SCOPES, defaults)
@@ -107,6 +110,10 @@ def _refuse(message: object, code: int, backend: Any = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # a process of its own: once more with huge pages where they help (no return)
+        from mllm_rl.hugepages import restart_with_hugepages
+
+        restart_with_hugepages("mllm_rl.run")
     if threading.active_count() == 1:
         install_sigterm()
     args, given = parse_args(argv)

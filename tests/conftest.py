@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from mllm_rl import hugepages
 from tests import forkserver
 from tests.junit_cpu import split_classname
 
@@ -47,6 +48,9 @@ def _jax_compilation_cache() -> None:
 
 
 _jax_compilation_cache()
+# the huge pages a run asks for when started as a program (mllm_rl/hugepages.py), set here for
+# every process a test starts: a run forked by a fork server cannot start itself again
+os.environ.update(hugepages.wanted(os.environ, hugepages.thp_mode(), hugepages.glibc_version()))
 # the planners' measured figures likewise (mllm_rl/memplan/cache.py: keyed by the package's source
 # and the frameworks' versions, so an edit measures again); a directory the caller set, or empty
 # (off), is kept

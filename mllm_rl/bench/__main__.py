@@ -40,6 +40,10 @@ def listing() -> str:
 def main(argv: list[str] | None = None) -> int:
     """List the benchmarks, or run one under ``sys.argv[0]`` = ``python -m mllm_rl.bench NAME`` (its
     prog, and the command its JSON records); a module with ``HARD_EXIT`` leaves by ``cli.hard_exit``."""
+    if argv is None:  # a process of its own: once more with huge pages, as a run (no return)
+        from mllm_rl.hugepages import restart_with_hugepages
+
+        restart_with_hugepages("mllm_rl.bench")
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(listing())

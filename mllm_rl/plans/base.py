@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from mllm_rl.engine_state import ManagedEngine
+from mllm_rl.hugepages import state as hugepages_state
 from mllm_rl.options.schema import BY_KEY
 from mllm_rl.progress import waiting
 
@@ -169,7 +170,7 @@ def run_level(
                 ph.info["wandb_fallback"] = sink.fallback_reason
         ph.info["wandb"] = "disabled" if sink is None else "enabled"
     with rec.phase(backend.ready_phase) as ph:
-        ph.info.update(runtime)
+        ph.info.update(runtime, hugepages=hugepages_state())
         rec.set_probe(backend.memory_probe())
 
 

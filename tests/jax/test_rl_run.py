@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from mllm_rl import hugepages
 from mllm_rl.phases import validate_record
 from mllm_rl.sinks.jsonl import read_jsonl
 from mllm_rl.trainer import TRAIN_METRICS
@@ -89,6 +90,8 @@ def test_every_phase_of_every_step_is_recorded_in_order(lora_lr0):
     assert [x["idx"] for x in recs] == list(range(len(recs)))
     # the run compiled through the persistent cache the tests share (backends/jax/compile_cache.py)
     assert phase(recs, "jax_ready", None)["info"]["compile_cache"] == os.environ["JAX_COMPILATION_CACHE_DIR"]
+    # and with the allocator settings a run started as a program gives itself (mllm_rl/hugepages.py)
+    assert phase(recs, "jax_ready", None)["info"]["hugepages"] == hugepages.state()
     # its checkpoint's arrays are written raw (no --checkpoint-compression)
     assert orbax_compressors(run_dir / "checkpoints" / "step_000001" / "state") == {None}
 
