@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 
+from mllm_rl import hugepages
 from mllm_rl.sinks.jsonl import read_jsonl
 from tests.conftest import ROOT
 
@@ -26,8 +27,15 @@ RL = ["--backend", "torch", "--prompts-per-step", "8", "--group-size", "8", "--m
       "--lora-rank", "4", "--lr", "1e-6", "--temperature", "0.7"]  # fmt: skip
 
 
+def run_env() -> dict[str, str]:
+    """The tests' environment without the huge-page tunable the suite sets for forked runs: each
+    launched ``python -m mllm_rl.run`` process asks for it itself (``mllm_rl/hugepages.py``)."""
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    return {**env, "MLLM_RL_DIST_TIMEOUT_S": "120", "PYTHONUNBUFFERED": "1"}
+
+
 def launch(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MLLM_RL_DIST_TIMEOUT_S": "120", "PYTHONUNBUFFERED": "1"}
+    env = run_env()
     cmd = [sys.executable, "-m", "mllm_rl.launch", "--nproc", str(nproc), "--grace-s", "30", "--", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
 
@@ -40,7 +48,7 @@ def killed_and_resumed(tiny_bf16_ckpt, tmp_path_factory):
     from tests.launch_kill import kill_process_1_in_step_1
 
     run_dir = tmp_path_factory.mktemp("launch_killed") / "two"
-    env = {**os.environ, "MLLM_RL_DIST_TIMEOUT_S": "120", "PYTHONUNBUFFERED": "1"}
+    env = run_env()
     args = [*RL, "--model", str(tiny_bf16_ckpt), "--steps", "3", "--run-dir", str(run_dir)]
     kill_process_1_in_step_1([sys.executable, "-m", "mllm_rl.launch", "--nproc", "2", "--grace-s", "20", "--",
                               *args], env, run_dir)  # fmt: skip
@@ -177,6 +185,11 @@ def test_a_process_killed_mid_step_stops_the_sharded_run_and_resume_continues(ki
     assert r.returncode == 0, r.stderr[-3000:]
     for name in ("metrics.jsonl", "metrics.p1.jsonl"):
         assert [m["step"] for m in read_jsonl(run_dir / name)][-2:] == [1, 2], name
+    # every process of both attempts started itself again with huge pages where the host has them
+    asked = bool(hugepages.wanted({}, hugepages.thp_mode(), hugepages.glibc_version()))
+    for name in ("phases.jsonl", "phases.p1.jsonl"):
+        ready = [x["info"]["hugepages"] for x in read_jsonl(run_dir / name) if x["phase"] == "torch_ready"]
+        assert len(ready) == 2 and all(h["glibc"] is asked for h in ready), (name, ready)
 
 
 # a full fine-tune with a KL term (its reference forward runs on the shards, swapped in), LoRA
