@@ -217,8 +217,15 @@ def test_seeded_sampling_ignores_the_engine_seed(tiny_ckpt):
 
 
 @pytest.mark.slow
-def test_pause_from_another_thread_returns_promptly(tiny_ckpt):
+def test_pause_from_another_thread_returns_promptly(tiny_ckpt, monkeypatch):
     eng = swapped(tiny_ckpt)
+    forward = eng.engine.model.forward_cached
+
+    def slow_forward(*args, **kwargs):  # 480 decode steps last >= 0.96 s on any host: the pause lands mid-way
+        time.sleep(0.002)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(eng.engine.model, "forward_cached", slow_forward)
     out = {}
     th = threading.Thread(
         target=lambda: out.update(r=eng.engine.generate(PROMPTS, SamplingParams(max_new_tokens=480)))
